@@ -1,0 +1,84 @@
+#include "client/cli.h"
+
+#include <functional>
+#include <map>
+
+#include "absl/status/status.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
+#include "common/job_spec.h"
+#include "common/safetensors.h"
+#include "common/status.h"
+#include "common/version.h"
+
+namespace pith {
+namespace {
+
+constexpr char kUsage[] =
+    "usage: pith <command> [args]\n"
+    "\n"
+    "commands:\n"
+    "  spec check SPEC.json        validate a job spec; print it with defaults filled in\n"
+    "  safetensors inspect FILE    validate a safetensors file; list its tensors\n"
+    "  version                     print the Pith version\n";
+
+using Args = std::vector<std::string>;
+using Command = std::function<absl::Status(const Args&, std::ostream&)>;
+
+absl::Status UsageError(const std::string& what) { return absl::InvalidArgumentError(what); }
+
+absl::Status SpecCheck(const Args& args, std::ostream& out) {
+  if (args.size() != 1) return UsageError("spec check takes one file: pith spec check SPEC.json");
+  ASSIGN_OR_RETURN(v1::JobSpec spec, LoadJobSpec(args[0]));
+  out << JobSpecToJson(spec) << "\n";
+  return absl::OkStatus();
+}
+
+absl::Status SafetensorsInspect(const Args& args, std::ostream& out) {
+  if (args.size() != 1) {
+    return UsageError("safetensors inspect takes one file: pith safetensors inspect FILE");
+  }
+  ASSIGN_OR_RETURN(SafetensorsFile file, SafetensorsFile::Read(args[0]));
+  uint64_t bytes = 0;
+  for (const SafetensorsEntry& e : file.entries()) {
+    out << absl::StrFormat("%-40s %-8s %-16s %12d bytes\n", e.name, DTypeName(e.dtype),
+                           ShapeString(e.shape), e.end - e.begin);
+    bytes += e.end - e.begin;
+  }
+  for (const auto& [k, v] : file.metadata()) out << "metadata " << k << " = " << v << "\n";
+  out << file.entries().size() << " tensors, " << bytes << " bytes\n";
+  return absl::OkStatus();
+}
+
+absl::Status Version(const Args& args, std::ostream& out) {
+  out << "Pith " << kPithVersion << "\n";
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+int RunCli(const std::vector<std::string>& args, std::ostream& out, std::ostream& err) {
+  // Commands are named by one or two words ("version", "spec check").
+  static const std::map<std::string, Command> kCommands = {
+      {"spec check", SpecCheck},
+      {"safetensors inspect", SafetensorsInspect},
+      {"version", Version},
+  };
+  if (args.empty() || args[0] == "help" || args[0] == "--help" || args[0] == "-h") {
+    (args.empty() ? err : out) << kUsage;
+    return args.empty() ? 2 : 0;
+  }
+  for (size_t words = 1; words <= 2 && words <= args.size(); ++words) {
+    const std::string name = absl::StrJoin(args.begin(), args.begin() + words, " ");
+    auto it = kCommands.find(name);
+    if (it == kCommands.end()) continue;
+    absl::Status status = it->second(Args(args.begin() + words, args.end()), out);
+    if (status.ok()) return 0;
+    err << "pith: " << status.message() << "\n";
+    return 1;
+  }
+  err << "pith: unknown command \"" << absl::StrJoin(args, " ") << "\" (try pith help)\n";
+  return 2;
+}
+
+}  // namespace pith

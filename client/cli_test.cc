@@ -1,0 +1,106 @@
+#include "client/cli.h"
+
+#include <sstream>
+#include <string>
+
+#include "absl/strings/str_split.h"
+#include "common/file.h"
+#include "common/safetensors.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+
+namespace pith {
+namespace {
+
+using ::testing::HasSubstr;
+using ::testing::StartsWith;
+
+struct Result {
+  int code;
+  std::string out, err;
+};
+
+Result RunPith(std::vector<std::string> args) {
+  std::ostringstream out, err;
+  int code = RunCli(args, out, err);
+  return {code, out.str(), err.str()};
+}
+
+std::string WriteTemp(const std::string& name, const std::string& content) {
+  const std::string path = testing::TempDir() + "/" + name;
+  EXPECT_TRUE(WriteFileAtomically(path, [&](int fd) {
+                return WriteAll(
+                    fd, {reinterpret_cast<const uint8_t*>(content.data()), content.size()}, path);
+              }).ok());
+  return path;
+}
+
+// One line, ending in a newline, starting with "pith: ".
+void ExpectOneErrorLine(const Result& r) {
+  EXPECT_THAT(r.err, StartsWith("pith: "));
+  EXPECT_EQ(std::count(r.err.begin(), r.err.end(), '\n'), 1) << r.err;
+}
+
+constexpr char kSpec[] = R"({"name": "demo",
+  "model": {"vocab_size": 256, "seq_len": 64, "d_model": 128, "n_layer": 4, "n_head": 4,
+            "n_expert": 16, "top_k": 2, "d_ff": 256},
+  "train": {"data_path": "tokens.bin", "batch": 16, "steps": 300, "lr": 0.003}})";
+
+TEST(CliTest, SpecCheckPrintsTheSpecWithDefaults) {
+  Result r = RunPith({"spec", "check", WriteTemp("ok.json", kSpec)});
+  EXPECT_EQ(r.code, 0) << r.err;
+  EXPECT_THAT(r.out, HasSubstr("\"min_lr_ratio\": 0.1"));
+  EXPECT_TRUE(r.err.empty());
+}
+
+TEST(CliTest, InvalidSpecIsOneLineNamingTheField) {
+  std::string bad = kSpec;
+  bad.replace(bad.find("\"n_head\": 4"), 11, "\"n_head\": 3");
+  const std::string path = WriteTemp("bad.json", bad);
+  Result r = RunPith({"spec", "check", path});
+  EXPECT_EQ(r.code, 1);
+  ExpectOneErrorLine(r);
+  EXPECT_THAT(r.err, HasSubstr(path + ": JobSpec model.n_head: must divide model.d_model 128"));
+}
+
+TEST(CliTest, MalformedSafetensorsIsOneLine) {
+  std::string file(8, '\0');
+  file[0] = static_cast<char>(200);  // header length 200, but nothing follows
+  Result r = RunPith({"safetensors", "inspect", WriteTemp("bad.safetensors", file)});
+  EXPECT_EQ(r.code, 1);
+  ExpectOneErrorLine(r);
+  EXPECT_THAT(r.err, HasSubstr("header length 200 exceeds"));
+}
+
+TEST(CliTest, SafetensorsInspectListsTensors) {
+  Tensor t = *Tensor::Zeros(DType::kF32, {2, 3});
+  SafetensorsWriter writer;
+  ASSERT_TRUE(writer.Add("wte", t.view()).ok());
+  writer.SetMetadata("step", "5");
+  const std::string path = testing::TempDir() + "/ok.safetensors";
+  ASSERT_TRUE(writer.Write(path).ok());
+  Result r = RunPith({"safetensors", "inspect", path});
+  EXPECT_EQ(r.code, 0) << r.err;
+  EXPECT_THAT(r.out, HasSubstr("wte"));
+  EXPECT_THAT(r.out, HasSubstr("[2, 3]"));
+  EXPECT_THAT(r.out, HasSubstr("metadata step = 5"));
+  EXPECT_THAT(r.out, HasSubstr("1 tensors, 24 bytes"));
+}
+
+TEST(CliTest, UsageErrors) {
+  EXPECT_EQ(RunPith({}).code, 2);
+  Result r = RunPith({"frobnicate"});
+  EXPECT_EQ(r.code, 2);
+  ExpectOneErrorLine(r);
+  r = RunPith({"spec", "check"});
+  EXPECT_EQ(r.code, 1);
+  ExpectOneErrorLine(r);
+  r = RunPith({"spec", "check", "/nonexistent.json"});
+  EXPECT_EQ(r.code, 1);
+  EXPECT_THAT(r.err, HasSubstr("/nonexistent.json"));
+  EXPECT_EQ(RunPith({"help"}).code, 0);
+  EXPECT_THAT(RunPith({"version"}).out, StartsWith("Pith "));
+}
+
+}  // namespace
+}  // namespace pith

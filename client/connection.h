@@ -1,0 +1,25 @@
+// Opening a gRPC channel to a Pith server with a deadline, so that an unreachable
+// coordinator is one clear error instead of a hang.
+//
+// Thread safety: free function; the returned channel is thread-safe.
+#ifndef PITH_CLIENT_CONNECTION_H_
+#define PITH_CLIENT_CONNECTION_H_
+
+#include <memory>
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "grpcpp/grpcpp.h"
+
+namespace pith {
+
+// A connected channel to `address` ("host:port"). UNAVAILABLE, naming the address and
+// the deadline, when no connection is up within `timeout`; INVALID_ARGUMENT for an
+// empty address.
+absl::StatusOr<std::shared_ptr<grpc::Channel>> Dial(const std::string& address,
+                                                    absl::Duration timeout);
+
+}  // namespace pith
+
+#endif  // PITH_CLIENT_CONNECTION_H_

@@ -1,0 +1,29 @@
+# pith_add_test(foo_test.cc DEPS lib... [LABELS ...] [TIMEOUT s])
+# Builds the test beside its code into an executable named after the file and registers
+# it with CTest. Every unit test in Pith goes through this one helper.
+function(pith_add_test source)
+  cmake_parse_arguments(ARG "" "TIMEOUT" "DEPS;LABELS" ${ARGN})
+  get_filename_component(name ${source} NAME_WE)
+  add_executable(${name} ${source})
+  target_link_libraries(${name} PRIVATE ${ARG_DEPS} GTest::gtest GTest::gmock GTest::gtest_main)
+  pith_target_warnings(${name})
+  add_test(NAME ${name} COMMAND ${name})
+  if(NOT ARG_TIMEOUT)
+    set(ARG_TIMEOUT 120)
+  endif()
+  if(NOT ARG_LABELS)
+    set(ARG_LABELS unit)
+  endif()
+  set_tests_properties(${name} PROPERTIES TIMEOUT ${ARG_TIMEOUT} LABELS "${ARG_LABELS}")
+endfunction()
+
+# pith_add_library(name SOURCES ... DEPS ... [PUBLIC_DEPS ...])
+# A Pith component library with the project's warnings and the repository root on its
+# include path (headers are included as "common/status.h").
+function(pith_add_library name)
+  cmake_parse_arguments(ARG "" "" "SOURCES;DEPS;PUBLIC_DEPS" ${ARGN})
+  add_library(${name} STATIC ${ARG_SOURCES})
+  target_include_directories(${name} PUBLIC ${PROJECT_SOURCE_DIR})
+  target_link_libraries(${name} PUBLIC ${ARG_PUBLIC_DEPS} PRIVATE ${ARG_DEPS})
+  pith_target_warnings(${name})
+endfunction()

@@ -1,0 +1,108 @@
+#include "common/file.h"
+
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "common/status.h"
+
+namespace pith {
+namespace {
+
+absl::Status ErrnoError(int err, absl::string_view what, const std::string& path) {
+  std::string msg = absl::StrCat(what, " ", path, ": ", std::strerror(err));
+  switch (err) {
+    case ENOENT:
+      return absl::NotFoundError(msg);
+    case EACCES:
+    case EPERM:
+      return absl::PermissionDeniedError(msg);
+    case ENOSPC:
+    case EDQUOT:
+      return absl::ResourceExhaustedError(msg);
+    default:
+      return absl::InternalError(msg);
+  }
+}
+
+}  // namespace
+
+UniqueFd::UniqueFd(UniqueFd&& other) noexcept : fd_(std::exchange(other.fd_, -1)) {}
+
+UniqueFd& UniqueFd::operator=(UniqueFd&& other) noexcept {
+  if (this != &other) {
+    if (fd_ >= 0) ::close(fd_);
+    fd_ = std::exchange(other.fd_, -1);
+  }
+  return *this;
+}
+
+UniqueFd::~UniqueFd() {
+  if (fd_ >= 0) ::close(fd_);
+}
+
+absl::Status UniqueFd::Close() {
+  if (fd_ < 0) return absl::OkStatus();
+  int rc = ::close(std::exchange(fd_, -1));
+  if (rc != 0) return absl::InternalError(absl::StrCat("close: ", std::strerror(errno)));
+  return absl::OkStatus();
+}
+
+absl::StatusOr<Buffer> ReadFile(const std::string& path) {
+  UniqueFd fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
+  if (!fd.valid()) return ErrnoError(errno, "cannot open", path);
+  struct stat st;
+  if (::fstat(fd.get(), &st) != 0) return ErrnoError(errno, "cannot stat", path);
+  if (!S_ISREG(st.st_mode))
+    return absl::InvalidArgumentError(absl::StrCat(path, " is not a regular file"));
+  ASSIGN_OR_RETURN(Buffer buffer,
+                   Buffer::Allocate(static_cast<size_t>(st.st_size), Buffer::Init::kUninitialized));
+  size_t done = 0;
+  while (done < buffer.size()) {
+    ssize_t n = ::read(fd.get(), buffer.data() + done, buffer.size() - done);
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      return ErrnoError(errno, "cannot read", path);
+    }
+    if (n == 0) {
+      return absl::DataLossError(absl::StrCat(path, " shrank while being read"));
+    }
+    done += static_cast<size_t>(n);
+  }
+  return buffer;
+}
+
+absl::Status WriteAll(int fd, absl::Span<const uint8_t> bytes, const std::string& path_for_errors) {
+  size_t done = 0;
+  while (done < bytes.size()) {
+    ssize_t n = ::write(fd, bytes.data() + done, bytes.size() - done);
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      return ErrnoError(errno, "cannot write", path_for_errors);
+    }
+    done += static_cast<size_t>(n);
+  }
+  return absl::OkStatus();
+}
+
+absl::Status WriteFileAtomically(const std::string& path,
+                                 const std::function<absl::Status(int fd)>& fill) {
+  const std::string tmp = absl::StrCat(path, ".tmp.", ::getpid());
+  UniqueFd fd(::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644));
+  if (!fd.valid()) return ErrnoError(errno, "cannot create", tmp);
+  absl::Status status = fill(fd.get());
+  if (status.ok() && ::fsync(fd.get()) != 0) status = ErrnoError(errno, "cannot fsync", tmp);
+  if (status.ok()) status = Annotate(fd.Close(), tmp);
+  if (status.ok() && ::rename(tmp.c_str(), path.c_str()) != 0) {
+    status = ErrnoError(errno, "cannot rename onto", path);
+  }
+  if (!status.ok()) ::unlink(tmp.c_str());
+  return status;
+}
+
+}  // namespace pith

@@ -1,0 +1,51 @@
+// Whole-file reads and atomic, durable writes with RAII file descriptors.
+//
+// Thread safety: free functions on independent files; safe from any thread.
+#ifndef PITH_COMMON_FILE_H_
+#define PITH_COMMON_FILE_H_
+
+#include <cstdint>
+#include <functional>
+#include <string>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/types/span.h"
+#include "common/buffer.h"
+
+namespace pith {
+
+// An open file descriptor, closed on destruction.
+class UniqueFd {
+ public:
+  UniqueFd() = default;
+  explicit UniqueFd(int fd) : fd_(fd) {}
+  UniqueFd(UniqueFd&& other) noexcept;
+  UniqueFd& operator=(UniqueFd&& other) noexcept;
+  UniqueFd(const UniqueFd&) = delete;
+  UniqueFd& operator=(const UniqueFd&) = delete;
+  ~UniqueFd();
+
+  int get() const { return fd_; }
+  bool valid() const { return fd_ >= 0; }
+  // Closes now, reporting the error close(2) returns (for written files it matters).
+  absl::Status Close();
+
+ private:
+  int fd_ = -1;
+};
+
+// The whole file in an aligned buffer. NOT_FOUND when it does not exist.
+absl::StatusOr<Buffer> ReadFile(const std::string& path);
+
+// Writes all of `bytes` to `fd`, retrying short writes.
+absl::Status WriteAll(int fd, absl::Span<const uint8_t> bytes, const std::string& path_for_errors);
+
+// Creates `path` atomically: `fill` writes the content to a temporary file beside it,
+// which is fsynced and renamed over `path`. On any error `path` is left as it was.
+absl::Status WriteFileAtomically(const std::string& path,
+                                 const std::function<absl::Status(int fd)>& fill);
+
+}  // namespace pith
+
+#endif  // PITH_COMMON_FILE_H_

@@ -1,0 +1,184 @@
+#include "common/job_spec.h"
+
+#include <cmath>
+#include <string>
+
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+#include "common/file.h"
+#include "common/status.h"
+#include "google/protobuf/util/json_util.h"
+
+namespace pith {
+namespace {
+
+constexpr int64_t kMaxDim = int64_t{1} << 24;
+// 2^40 parameters: far past any model this service will see, and far from overflow.
+constexpr double kMaxParameters = 1099511627776.0;
+
+absl::Status FieldError(absl::string_view field, absl::string_view what) {
+  return absl::InvalidArgumentError(absl::StrCat("JobSpec ", field, ": ", what));
+}
+
+absl::Status CheckRange(absl::string_view field, int64_t v, int64_t lo, int64_t hi) {
+  if (v < lo || v > hi) {
+    return FieldError(field, absl::StrCat("must be in [", lo, ", ", hi, "], got ", v));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CheckFinite(absl::string_view field, double v) {
+  if (!std::isfinite(v)) return FieldError(field, absl::StrCat("must be finite, got ", v));
+  return absl::OkStatus();
+}
+
+// lo <= v (or lo < v when `open_lo`) and v <= hi (or v < hi when `open_hi`).
+absl::Status CheckInterval(absl::string_view field, double v, double lo, bool open_lo, double hi,
+                           bool open_hi) {
+  RETURN_IF_ERROR(CheckFinite(field, v));
+  const bool ok = (open_lo ? v > lo : v >= lo) && (open_hi ? v < hi : v <= hi);
+  if (!ok) {
+    return FieldError(field, absl::StrCat("must be in ", open_lo ? "(" : "[", lo, ", ", hi,
+                                          open_hi ? ")" : "]", ", got ", v));
+  }
+  return absl::OkStatus();
+}
+
+bool IsNameChar(char c) {
+  return (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') || c == '-' ||
+         c == '_' || c == '.';
+}
+
+absl::Status ValidateModel(const v1::ModelConfig& m) {
+  RETURN_IF_ERROR(CheckRange("model.vocab_size", m.vocab_size(), 2, 65536));
+  RETURN_IF_ERROR(CheckRange("model.seq_len", m.seq_len(), 1, kMaxDim));
+  RETURN_IF_ERROR(CheckRange("model.d_model", m.d_model(), 1, kMaxDim));
+  RETURN_IF_ERROR(CheckRange("model.n_layer", m.n_layer(), 1, 4096));
+  RETURN_IF_ERROR(CheckRange("model.n_head", m.n_head(), 1, m.d_model()));
+  if (m.d_model() % m.n_head() != 0) {
+    return FieldError("model.n_head", absl::StrCat("must divide model.d_model ", m.d_model(),
+                                                   ", got ", m.n_head()));
+  }
+  RETURN_IF_ERROR(CheckRange("model.n_expert", m.n_expert(), 1, 65536));
+  RETURN_IF_ERROR(CheckRange("model.top_k", m.top_k(), 1, m.n_expert()));
+  RETURN_IF_ERROR(CheckRange("model.d_ff", m.d_ff(), 1, kMaxDim));
+  RETURN_IF_ERROR(
+      CheckInterval("model.capacity_factor", m.capacity_factor(), -1e9, false, 1e9, false));
+  RETURN_IF_ERROR(CheckInterval("model.aux_loss_coef", m.aux_loss_coef(), 0, false, 1e6, false));
+  RETURN_IF_ERROR(CheckInterval("model.z_loss_coef", m.z_loss_coef(), 0, false, 1e6, false));
+
+  const double d = m.d_model(), f = m.d_ff(), e = m.n_expert(), layers = m.n_layer();
+  const double params = m.vocab_size() * d + m.seq_len() * d +
+                        layers * (4 * d * d + 9 * d + d * e + e * (2 * d * f + f + d)) + 2 * d;
+  if (params > kMaxParameters) {
+    return FieldError("model", absl::StrCat("has ", params, " parameters, more than the limit of ",
+                                            kMaxParameters));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status ValidateTrain(const v1::TrainConfig& t) {
+  if (t.data_path().empty()) return FieldError("train.data_path", "is required");
+  RETURN_IF_ERROR(CheckRange("train.batch", t.batch(), 1, kMaxDim));
+  RETURN_IF_ERROR(CheckRange("train.steps", t.steps(), 1, int64_t{1} << 30));
+  RETURN_IF_ERROR(CheckInterval("train.lr", t.lr(), 0, true, 10, false));
+  RETURN_IF_ERROR(CheckRange("train.warmup", t.warmup(), 0, int64_t{1} << 30));
+  RETURN_IF_ERROR(CheckInterval("train.min_lr_ratio", t.min_lr_ratio(), 0, false, 1, false));
+  RETURN_IF_ERROR(CheckInterval("train.weight_decay", t.weight_decay(), 0, false, 1e3, false));
+  RETURN_IF_ERROR(CheckInterval("train.grad_clip", t.grad_clip(), 0, false, 1e9, false));
+  RETURN_IF_ERROR(CheckInterval("train.beta1", t.beta1(), 0, false, 1, true));
+  RETURN_IF_ERROR(CheckInterval("train.beta2", t.beta2(), 0, false, 1, true));
+  RETURN_IF_ERROR(CheckInterval("train.eps", t.eps(), 0, true, 1, false));
+  return absl::OkStatus();
+}
+
+absl::Status ValidateCluster(const v1::ClusterConfig& c) {
+  RETURN_IF_ERROR(CheckRange("cluster.workers", c.workers(), 1, 4096));
+  RETURN_IF_ERROR(CheckRange("cluster.store_replicas", c.store_replicas(), 1, 16));
+  if (c.cache_bytes() < 0) {
+    return FieldError("cluster.cache_bytes", absl::StrCat("must be >= 0, got ", c.cache_bytes()));
+  }
+  const v1::ReplicationConfig& r = c.replication();
+  RETURN_IF_ERROR(CheckRange("cluster.replication.max_compute_replicas", r.max_compute_replicas(),
+                             1, c.workers()));
+  RETURN_IF_ERROR(CheckRange("cluster.replication.max_store_replicas", r.max_store_replicas(),
+                             c.store_replicas(), 16));
+  RETURN_IF_ERROR(
+      CheckInterval("cluster.replication.heat_decay", r.heat_decay(), 0, true, 1, false));
+  RETURN_IF_ERROR(
+      CheckInterval("cluster.replication.hot_threshold", r.hot_threshold(), 0, true, 1e6, false));
+  RETURN_IF_ERROR(CheckRange("cluster.replication.replan_every", r.replan_every(), 1, 1 << 20));
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+void ApplyJobSpecDefaults(v1::JobSpec* spec) {
+  v1::TrainConfig* t = spec->mutable_train();
+  if (!t->has_min_lr_ratio()) t->set_min_lr_ratio(0.1);
+  if (!t->has_beta1()) t->set_beta1(0.9);
+  if (!t->has_beta2()) t->set_beta2(0.95);
+  if (!t->has_eps()) t->set_eps(1e-8);
+
+  v1::ClusterConfig* c = spec->mutable_cluster();
+  if (c->workers() == 0) c->set_workers(1);
+  if (c->store_replicas() == 0) c->set_store_replicas(1);
+  v1::ReplicationConfig* r = c->mutable_replication();
+  if (r->max_compute_replicas() == 0) r->set_max_compute_replicas(1);
+  if (r->max_store_replicas() == 0) r->set_max_store_replicas(c->store_replicas());
+  if (r->heat_decay() == 0) r->set_heat_decay(0.9);
+  if (r->hot_threshold() == 0) r->set_hot_threshold(2.0);
+  if (r->replan_every() == 0) r->set_replan_every(10);
+}
+
+absl::Status ValidateJobSpec(const v1::JobSpec& spec) {
+  if (spec.name().empty() || spec.name().size() > 64) {
+    return FieldError("name",
+                      absl::StrCat("must have 1 to 64 characters, got ", spec.name().size()));
+  }
+  for (char ch : spec.name()) {
+    if (!IsNameChar(ch)) {
+      return FieldError("name", "may hold only letters, digits, '-', '_' and '.'");
+    }
+  }
+  RETURN_IF_ERROR(ValidateModel(spec.model()));
+  RETURN_IF_ERROR(ValidateTrain(spec.train()));
+  RETURN_IF_ERROR(ValidateCluster(spec.cluster()));
+  return absl::OkStatus();
+}
+
+absl::StatusOr<v1::JobSpec> ParseJobSpec(absl::string_view json) {
+  v1::JobSpec spec;
+  google::protobuf::util::JsonParseOptions options;
+  options.ignore_unknown_fields = false;
+  auto status = google::protobuf::util::JsonStringToMessage(
+      google::protobuf::StringPiece(json.data(), json.size()), &spec, options);
+  if (!status.ok()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("JobSpec JSON: ", std::string(status.message())));
+  }
+  ApplyJobSpecDefaults(&spec);
+  RETURN_IF_ERROR(ValidateJobSpec(spec));
+  return spec;
+}
+
+absl::StatusOr<v1::JobSpec> LoadJobSpec(const std::string& path) {
+  ASSIGN_OR_RETURN(Buffer bytes, ReadFile(path));
+  absl::StatusOr<v1::JobSpec> spec =
+      ParseJobSpec(absl::string_view(reinterpret_cast<const char*>(bytes.data()), bytes.size()));
+  if (!spec.ok()) return Annotate(spec.status(), path);
+  return spec;
+}
+
+std::string JobSpecToJson(const v1::JobSpec& spec) {
+  std::string out;
+  google::protobuf::util::JsonPrintOptions options;
+  options.add_whitespace = true;
+  options.preserve_proto_field_names = true;
+  options.always_print_primitive_fields = true;
+  // Only fails for messages with Any fields of unknown types; JobSpec has none.
+  (void)google::protobuf::util::MessageToJsonString(spec, &out, options);
+  return out;
+}
+
+}  // namespace pith

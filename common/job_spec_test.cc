@@ -1,0 +1,141 @@
+#include "common/job_spec.h"
+
+#include <string>
+
+#include "absl/strings/str_replace.h"
+#include "gmock/gmock.h"
+#include "google/protobuf/util/message_differencer.h"
+#include "gtest/gtest.h"
+
+namespace pith {
+namespace {
+
+using ::testing::HasSubstr;
+using ::testing::StartsWith;
+
+// The example of DESIGN §3, verbatim.
+constexpr char kDesignExample[] = R"json({
+  "name": "demo",
+  "model": {"vocab_size": 256, "seq_len": 64, "d_model": 128, "n_layer": 4, "n_head": 4,
+            "n_expert": 16, "top_k": 2, "d_ff": 256, "capacity_factor": 1.25,
+            "aux_loss_coef": 0.01, "z_loss_coef": 0.001, "renormalize_topk": true},
+  "train": {"data_path": "tokens.bin", "batch": 16, "steps": 300, "lr": 0.003,
+            "warmup": 20, "min_lr_ratio": 0.1, "weight_decay": 0.1, "grad_clip": 1.0,
+            "seed": 1337, "init_path": ""},
+  "cluster": {"workers": 2, "store_replicas": 2, "cache_bytes": 0}
+})json";
+
+TEST(JobSpecTest, ParsesTheDesignExample) {
+  absl::StatusOr<v1::JobSpec> spec = ParseJobSpec(kDesignExample);
+  ASSERT_TRUE(spec.ok()) << spec.status();
+  EXPECT_EQ(spec->name(), "demo");
+  EXPECT_EQ(spec->model().n_expert(), 16);
+  EXPECT_DOUBLE_EQ(spec->model().capacity_factor(), 1.25);
+  EXPECT_TRUE(spec->model().renormalize_topk());
+  EXPECT_EQ(spec->train().seed(), 1337u);
+  EXPECT_DOUBLE_EQ(spec->train().min_lr_ratio(), 0.1);
+  EXPECT_EQ(spec->cluster().workers(), 2);
+  EXPECT_EQ(spec->cluster().store_replicas(), 2);
+}
+
+TEST(JobSpecTest, FillsDefaults) {
+  std::string json = absl::StrReplaceAll(
+      kDesignExample, {{"\"min_lr_ratio\": 0.1, ", ""}, {", \"store_replicas\": 2", ""}});
+  absl::StatusOr<v1::JobSpec> spec = ParseJobSpec(json);
+  ASSERT_TRUE(spec.ok()) << spec.status();
+  EXPECT_DOUBLE_EQ(spec->train().min_lr_ratio(), 0.1);
+  EXPECT_DOUBLE_EQ(spec->train().beta1(), 0.9);
+  EXPECT_DOUBLE_EQ(spec->train().beta2(), 0.95);
+  EXPECT_DOUBLE_EQ(spec->train().eps(), 1e-8);
+  EXPECT_EQ(spec->cluster().store_replicas(), 1);
+  EXPECT_EQ(spec->cluster().replication().max_compute_replicas(), 1);
+  EXPECT_EQ(spec->cluster().replication().max_store_replicas(), 1);
+  EXPECT_DOUBLE_EQ(spec->cluster().replication().heat_decay(), 0.9);
+
+  // An explicit min_lr_ratio of 0 is kept, not replaced by the default.
+  json = absl::StrReplaceAll(kDesignExample, {{"\"min_lr_ratio\": 0.1", "\"min_lr_ratio\": 0"}});
+  spec = ParseJobSpec(json);
+  ASSERT_TRUE(spec.ok()) << spec.status();
+  EXPECT_EQ(spec->train().min_lr_ratio(), 0.0);
+}
+
+TEST(JobSpecTest, JsonRoundTrip) {
+  absl::StatusOr<v1::JobSpec> spec = ParseJobSpec(kDesignExample);
+  ASSERT_TRUE(spec.ok());
+  const std::string json = JobSpecToJson(*spec);
+  EXPECT_THAT(json, HasSubstr("\"d_model\": 128"));
+  absl::StatusOr<v1::JobSpec> again = ParseJobSpec(json);
+  ASSERT_TRUE(again.ok()) << again.status();
+  EXPECT_TRUE(google::protobuf::util::MessageDifferencer::Equals(*spec, *again));
+}
+
+// Replaces `from` in the design example by `to` and returns the parse error.
+std::string ErrorFor(const std::string& from, const std::string& to) {
+  const std::string json = absl::StrReplaceAll(kDesignExample, {{from, to}});
+  EXPECT_NE(json, kDesignExample) << "test edit did not apply: " << from;
+  absl::StatusOr<v1::JobSpec> spec = ParseJobSpec(json);
+  EXPECT_FALSE(spec.ok()) << from << " -> " << to;
+  if (spec.ok()) return "";
+  EXPECT_EQ(spec.status().code(), absl::StatusCode::kInvalidArgument);
+  return std::string(spec.status().message());
+}
+
+TEST(JobSpecTest, NamesTheBadField) {
+  struct Case {
+    std::string from, to, want;
+  };
+  const Case cases[] = {
+      {"\"name\": \"demo\"", "\"name\": \"\"", "JobSpec name: "},
+      {"\"name\": \"demo\"", "\"name\": \"a b\"", "JobSpec name: "},
+      {"\"vocab_size\": 256", "\"vocab_size\": 1", "JobSpec model.vocab_size: "},
+      {"\"vocab_size\": 256", "\"vocab_size\": 70000", "JobSpec model.vocab_size: "},
+      {"\"seq_len\": 64", "\"seq_len\": 0", "JobSpec model.seq_len: "},
+      {"\"d_model\": 128", "\"d_model\": -1", "JobSpec model.d_model: "},
+      {"\"n_head\": 4", "\"n_head\": 3", "JobSpec model.n_head: must divide model.d_model 128"},
+      {"\"n_layer\": 4", "\"n_layer\": 0", "JobSpec model.n_layer: "},
+      {"\"n_expert\": 16", "\"n_expert\": 0", "JobSpec model.n_expert: "},
+      {"\"top_k\": 2", "\"top_k\": 17", "JobSpec model.top_k: must be in [1, 16], got 17"},
+      {"\"d_ff\": 256", "\"d_ff\": 0", "JobSpec model.d_ff: "},
+      {"\"aux_loss_coef\": 0.01", "\"aux_loss_coef\": -1", "JobSpec model.aux_loss_coef: "},
+      {"\"z_loss_coef\": 0.001", "\"z_loss_coef\": \"NaN\"", "JobSpec model.z_loss_coef: "},
+      {"\"d_model\": 128", "\"d_model\": 1048576", "JobSpec model: has "},
+      {"\"data_path\": \"tokens.bin\"", "\"data_path\": \"\"", "JobSpec train.data_path: "},
+      {"\"batch\": 16", "\"batch\": 0", "JobSpec train.batch: "},
+      {"\"steps\": 300", "\"steps\": 0", "JobSpec train.steps: "},
+      {"\"lr\": 0.003", "\"lr\": 0", "JobSpec train.lr: "},
+      {"\"warmup\": 20", "\"warmup\": -5", "JobSpec train.warmup: "},
+      {"\"min_lr_ratio\": 0.1", "\"min_lr_ratio\": 1.5", "JobSpec train.min_lr_ratio: "},
+      {"\"weight_decay\": 0.1", "\"weight_decay\": -0.1", "JobSpec train.weight_decay: "},
+      {"\"grad_clip\": 1.0", "\"grad_clip\": -1", "JobSpec train.grad_clip: "},
+      {"\"grad_clip\": 1.0", "\"grad_clip\": 1.0, \"beta2\": 1.0", "JobSpec train.beta2: "},
+      {"\"workers\": 2", "\"workers\": -1", "JobSpec cluster.workers: "},
+      {"\"store_replicas\": 2", "\"store_replicas\": 17", "JobSpec cluster.store_replicas: "},
+      {"\"cache_bytes\": 0", "\"cache_bytes\": -1", "JobSpec cluster.cache_bytes: "},
+      {"\"cache_bytes\": 0", "\"cache_bytes\": 0, \"replication\": {\"max_compute_replicas\": 3}",
+       "JobSpec cluster.replication.max_compute_replicas: must be in [1, 2], got 3"},
+      {"\"cache_bytes\": 0", "\"cache_bytes\": 0, \"replication\": {\"heat_decay\": 1.5}",
+       "JobSpec cluster.replication.heat_decay: "},
+  };
+  for (const Case& c : cases) {
+    EXPECT_THAT(ErrorFor(c.from, c.to), StartsWith(c.want)) << c.from << " -> " << c.to;
+  }
+}
+
+TEST(JobSpecTest, MalformedJsonIsOneClearError) {
+  EXPECT_THAT(ErrorFor("\"d_model\": 128", "\"d_model\": \"wide\""), StartsWith("JobSpec JSON: "));
+  EXPECT_THAT(ErrorFor("\"d_model\": 128", "\"d_modle\": 128"), HasSubstr("d_modle"));
+  EXPECT_THAT(ErrorFor("\"cluster\"", "\"clusters\""), HasSubstr("clusters"));
+  absl::StatusOr<v1::JobSpec> spec = ParseJobSpec("{\"name\": ");
+  EXPECT_THAT(std::string(spec.status().message()), StartsWith("JobSpec JSON: "));
+  spec = ParseJobSpec("");
+  EXPECT_EQ(spec.status().code(), absl::StatusCode::kInvalidArgument);
+}
+
+TEST(JobSpecTest, LoadNamesTheFile) {
+  absl::StatusOr<v1::JobSpec> spec = LoadJobSpec("/nonexistent/spec.json");
+  EXPECT_EQ(spec.status().code(), absl::StatusCode::kNotFound);
+  EXPECT_THAT(std::string(spec.status().message()), HasSubstr("/nonexistent/spec.json"));
+}
+
+}  // namespace
+}  // namespace pith

@@ -1,0 +1,35 @@
+// Process start-up shared by every Pith binary: Abseil flags, glog logging to stderr,
+// and shutdown on SIGTERM/SIGINT.
+#ifndef PITH_COMMON_PROCESS_H_
+#define PITH_COMMON_PROCESS_H_
+
+#include <string>
+#include <vector>
+
+#include "absl/strings/string_view.h"
+
+namespace pith {
+
+// Sets the --help text, parses the command line (exits with a usage line on an unknown or
+// malformed flag, as Abseil does) and starts logging. Returns the positional arguments,
+// argv[0] excluded. Call once, first thing in main().
+std::vector<std::string> InitProcess(int argc, char** argv, absl::string_view usage);
+
+// Blocks SIGTERM and SIGINT in the constructing thread, and so in every thread started
+// after it, so that Wait() can receive them synchronously. Construct in main() before
+// any other thread starts.
+//
+// Thread safety: Wait() is called from one thread only.
+class ShutdownSignals {
+ public:
+  ShutdownSignals();
+  ShutdownSignals(const ShutdownSignals&) = delete;
+  ShutdownSignals& operator=(const ShutdownSignals&) = delete;
+
+  // Blocks until SIGTERM or SIGINT arrives; returns its number.
+  int Wait();
+};
+
+}  // namespace pith
+
+#endif  // PITH_COMMON_PROCESS_H_

@@ -1,0 +1,44 @@
+// Status helpers used across Pith. Every fallible call returns absl::Status or
+// absl::StatusOr<T>; these macros keep the propagation to one line.
+#ifndef PITH_COMMON_STATUS_H_
+#define PITH_COMMON_STATUS_H_
+
+#include <utility>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/str_cat.h"
+
+// Returns from the enclosing function when `expr` (an absl::Status) is not OK.
+#define RETURN_IF_ERROR(expr)                    \
+  do {                                           \
+    ::absl::Status pith_status_ = (expr);        \
+    if (!pith_status_.ok()) return pith_status_; \
+  } while (0)
+
+#define PITH_STATUS_CONCAT_INNER_(a, b) a##b
+#define PITH_STATUS_CONCAT_(a, b) PITH_STATUS_CONCAT_INNER_(a, b)
+
+// ASSIGN_OR_RETURN(lhs, expr): evaluates `expr` (an absl::StatusOr<T>); on error returns
+// its status, else assigns (moves) the value to `lhs`, which may be a declaration
+// (`ASSIGN_OR_RETURN(auto file, Open(path));`).
+#define ASSIGN_OR_RETURN(lhs, expr) \
+  PITH_ASSIGN_OR_RETURN_IMPL_(PITH_STATUS_CONCAT_(pith_statusor_, __LINE__), lhs, expr)
+
+#define PITH_ASSIGN_OR_RETURN_IMPL_(statusor, lhs, expr)   \
+  auto statusor = (expr);                                  \
+  if (!statusor.ok()) return std::move(statusor).status(); \
+  lhs = std::move(statusor).value()
+
+namespace pith {
+
+// Returns `status` with `context` prepended to its message ("context: message"), keeping
+// the code. OK stays OK.
+inline absl::Status Annotate(const absl::Status& status, absl::string_view context) {
+  if (status.ok()) return status;
+  return absl::Status(status.code(), absl::StrCat(context, ": ", status.message()));
+}
+
+}  // namespace pith
+
+#endif  // PITH_COMMON_STATUS_H_

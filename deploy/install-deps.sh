@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# Installs exactly the Debian packages Pith needs to build, test and run.
+# Idempotent: when every package is already installed it only runs dpkg-query and exits.
+set -euo pipefail
+
+PACKAGES=(
+  # build
+  build-essential cmake ccache pkg-config git clang clang-format libclang-rt-14-dev
+  # control plane
+  libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler libabsl-dev
+  # data plane and storage
+  libucx-dev ucx-utils librocksdb-dev rocksdb-tools
+  # observability and logging
+  prometheus-cpp-dev libgoogle-glog-dev libgflags-dev
+  # compute
+  libopenblas-dev
+  # tests and benchmarks
+  libgtest-dev libgmock-dev libbenchmark-dev curl
+  # the metrics scrape test runs a real Prometheus server
+  prometheus
+)
+
+missing=()
+for p in "${PACKAGES[@]}"; do
+  status=$(dpkg-query -W -f='${db:Status-Status}' "$p" 2>/dev/null || true)
+  [[ "$status" == "installed" ]] || missing+=("$p")
+done
+
+if ((${#missing[@]} == 0)); then
+  exit 0
+fi
+
+echo "install-deps: installing ${missing[*]}" >&2
+SUDO=""
+if [[ $(id -u) -ne 0 ]]; then
+  command -v sudo >/dev/null || { echo "install-deps: need root or sudo to install: ${missing[*]}" >&2; exit 1; }
+  SUDO="sudo"
+fi
+export DEBIAN_FRONTEND=noninteractive
+# The package lists may be stale or absent on a fresh machine; refresh them once per install.
+$SUDO apt-get update -qq
+$SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+echo "install-deps: done" >&2

@@ -1,0 +1,71 @@
+# Shell helpers shared by the e2e tests and deploy/run-demo.sh: start Pith processes, read
+# their ready lines, stop them.
+# Every process started with start_proc is killed when the test exits.
+
+PIDS=()
+E2E_TMP=$(mktemp -d /tmp/pith-run.XXXXXX)
+
+cleanup() {
+  for pid in "${PIDS[@]}"; do kill -9 "$pid" 2>/dev/null || true; done
+  rm -rf "$E2E_TMP"
+}
+trap cleanup EXIT
+
+fail() {
+  echo "FAIL: $*" >&2
+  for f in "$E2E_TMP"/*.log; do [[ -f $f ]] && { echo "--- $f" >&2; tail -n 20 "$f" >&2; }; done
+  exit 1
+}
+
+# start_proc NAME CMD...: runs CMD in the background with its log in $E2E_TMP/NAME.log.
+start_proc() {
+  local name=$1
+  shift
+  "$@" >"$E2E_TMP/$name.log" 2>&1 &
+  PIDS+=($!)
+  eval "PID_$name=$!"
+}
+
+# wait_ready NAME: waits (10 s at most) for the "ready: grpc_port=X metrics_port=Y" line
+# and sets GRPC_PORT_NAME and METRICS_PORT_NAME.
+wait_ready() {
+  local name=$1 line
+  for _ in $(seq 100); do
+    line=$(grep -m1 -o 'ready: grpc_port=[0-9]* metrics_port=-\?[0-9]*' "$E2E_TMP/$name.log" || true)
+    if [[ -n $line ]]; then
+      eval "GRPC_PORT_$name=$(sed 's/.*grpc_port=\([0-9]*\).*/\1/' <<<"$line")"
+      eval "METRICS_PORT_$name=$(sed 's/.*metrics_port=\(-\?[0-9]*\).*/\1/' <<<"$line")"
+      return 0
+    fi
+    sleep 0.1
+  done
+  fail "$name did not report ready"
+}
+
+# stop_proc NAME: SIGTERM, then expects a clean exit (status 0) within 10 s.
+stop_proc() {
+  local name=$1 pid
+  pid=$(eval "echo \$PID_$name")
+  kill -TERM "$pid"
+  for _ in $(seq 100); do
+    if ! kill -0 "$pid" 2>/dev/null; then
+      wait "$pid" && return 0
+      fail "$name exited non-zero after SIGTERM"
+    fi
+    sleep 0.1
+  done
+  fail "$name did not stop within 10 s of SIGTERM"
+}
+
+# free_port: a TCP port on 127.0.0.1 that nothing listens on right now.
+free_port() {
+  local p
+  for _ in $(seq 50); do
+    p=$((20000 + RANDOM % 30000))
+    if ! (exec 3<>"/dev/tcp/127.0.0.1/$p") 2>/dev/null; then
+      echo "$p"
+      return 0
+    fi
+  done
+  return 1
+}

@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# The server processes start on ephemeral ports, serve /metrics and gRPC, stop cleanly on
+# SIGTERM, and reject bad flags and busy ports with one clear line and a non-zero exit.
+set -euo pipefail
+COORDINATOR=$1 STORE=$2
+source "$(dirname "$0")/../../deploy/proc-lib.sh"
+
+start_proc coordinator "$COORDINATOR" --listen=127.0.0.1:0 --metrics_port=0
+start_proc store "$STORE" --listen=127.0.0.1:0 --metrics_port=0
+wait_ready coordinator
+wait_ready store
+
+for name in coordinator store; do
+  port=$(eval "echo \$METRICS_PORT_$name")
+  body=$(curl -sf "http://127.0.0.1:$port/metrics") || fail "$name /metrics did not answer"
+  grep -q "pith_build_info{component=\"$name\"" <<<"$body" || fail "$name: no pith_build_info"
+  grep -q '^pith_process_start_time_seconds ' <<<"$body" || fail "$name: no start time"
+  grpc=$(eval "echo \$GRPC_PORT_$name")
+  (exec 3<>"/dev/tcp/127.0.0.1/$grpc") 2>/dev/null || fail "$name gRPC port $grpc is closed"
+done
+
+stop_proc coordinator
+stop_proc store
+
+# --help describes the process and its flags.
+help=$("$STORE" --help 2>&1 || true)
+grep -q "holds expert weights" <<<"$help" || fail "pith-store --help: $help"
+grep -q -- "--metrics_port" <<<"$help" || fail "pith-store --help lists no flags: $help"
+
+# An unknown flag: non-zero exit with a line naming it.
+if out=$("$STORE" --no_such_flag=1 2>&1); then fail "unknown flag accepted"; fi
+grep -q "no_such_flag" <<<"$out" || fail "unknown flag not named: $out"
+
+# A busy metrics port: non-zero exit and one clear error line.
+busy=$(free_port)
+start_proc blocker "$COORDINATOR" --listen=127.0.0.1:0 --metrics_port="$busy"
+wait_ready blocker
+if out=$("$STORE" --listen=127.0.0.1:0 --metrics_port="$busy" 2>&1); then
+  fail "second process on a busy metrics port started"
+fi
+grep -q "cannot serve on 0.0.0.0:$busy" <<<"$out" || fail "busy port error unclear: $out"
+stop_proc blocker
+
+echo "process shells: OK"
