@@ -1,0 +1,340 @@
+// CpuBackend: memory, dense ops and the loss. The MoE ops live in cpu_backend_moe.cc.
+#include "worker/compute/cpu_backend.h"
+
+#include <cblas.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdlib>
+#include <cstring>
+
+#include "absl/strings/str_cat.h"
+#include "common/buffer.h"
+
+namespace pith::compute {
+namespace {
+
+constexpr float kLayerNormEps = 1e-5f;
+constexpr float kGeluScale = 0.7978845608028654f;  // sqrt(2 / pi)
+constexpr float kGeluCubic = 0.044715f;
+
+// Rows per ParallelFor chunk for row-wise loops over `channels` columns: ~16k elements.
+int64_t RowGrain(int channels) { return std::max<int64_t>(1, 16384 / std::max(1, channels)); }
+
+}  // namespace
+
+CpuBackend::CpuBackend(int threads) : pool_(threads) {}
+
+CpuBackend::~CpuBackend() = default;
+
+absl::StatusOr<DeviceBuffer> CpuBackend::Allocate(size_t bytes) {
+  if (bytes == 0) return DeviceBuffer(this, nullptr, 0);
+  const size_t rounded = (bytes + Buffer::kAlignment - 1) / Buffer::kAlignment * Buffer::kAlignment;
+  void* p = std::aligned_alloc(Buffer::kAlignment, rounded);
+  if (p == nullptr) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat("cpu backend: cannot allocate ", bytes, " bytes"));
+  }
+  std::memset(p, 0, rounded);
+  return DeviceBuffer(this, p, bytes);
+}
+
+void CpuBackend::Free(void* ptr, size_t) { std::free(ptr); }
+
+absl::Status CpuBackend::CopyToDevice(void* dst, const void* src, size_t bytes) {
+  if (bytes) std::memcpy(dst, src, bytes);
+  return absl::OkStatus();
+}
+
+absl::Status CpuBackend::CopyToHost(void* dst, const void* src, size_t bytes) {
+  if (bytes) std::memcpy(dst, src, bytes);
+  return absl::OkStatus();
+}
+
+void CpuBackend::Zero(void* dst, size_t bytes) {
+  if (bytes) std::memset(dst, 0, bytes);
+}
+
+float* CpuBackend::FloatScratch(size_t n) {
+  if (float_scratch_.size() < n) float_scratch_.resize(n);
+  return float_scratch_.data();
+}
+
+int64_t* CpuBackend::IntScratch(size_t n) {
+  if (int_scratch_.size() < n) int_scratch_.resize(n);
+  return int_scratch_.data();
+}
+
+void CpuBackend::Gemm(bool trans_a, bool trans_b, int m, int n, int k, float alpha, const float* a,
+                      int lda, const float* b, int ldb, float beta, float* c, int ldc) {
+  if (m == 0 || n == 0) return;
+  if (k == 0) {
+    // BLAS leaves C untouched for k = 0 only when beta = 1; make beta = 0 mean "written".
+    for (int i = 0; i < m; ++i)
+      for (int j = 0; j < n; ++j) c[int64_t{i} * ldc + j] *= beta;
+    return;
+  }
+  cblas_sgemm(CblasRowMajor, trans_a ? CblasTrans : CblasNoTrans,
+              trans_b ? CblasTrans : CblasNoTrans, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
+}
+
+void CpuBackend::AddBias(float* out, const float* bias, int m, int n) {
+  pool_.ParallelFor(m, RowGrain(n), [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      float* row = out + i * n;
+      for (int j = 0; j < n; ++j) row[j] += bias[j];
+    }
+  });
+}
+
+void CpuBackend::BiasGrad(float* dbias, const float* dout, int m, int n) {
+  // Column blocks in parallel; rows summed in order, so the result does not depend on the
+  // thread count.
+  pool_.ParallelFor(n, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t i = 0; i < m; ++i) {
+      const float* row = dout + i * n;
+      for (int64_t j = begin; j < end; ++j) dbias[j] += row[j];
+    }
+  });
+}
+
+void CpuBackend::Add(float* out, const float* a, const float* b, int64_t n) {
+  pool_.ParallelFor(n, 16384, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) out[i] = a[i] + b[i];
+  });
+}
+
+void CpuBackend::Embedding(float* out, const int32_t* tokens, const float* wte, const float* wpe,
+                           int batch, int seq, int channels) {
+  pool_.ParallelFor(int64_t{batch} * seq, RowGrain(channels), [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const float* te = wte + int64_t{tokens[i]} * channels;
+      const float* pe = wpe + (i % seq) * channels;
+      float* o = out + i * channels;
+      for (int c = 0; c < channels; ++c) o[c] = te[c] + pe[c];
+    }
+  });
+}
+
+void CpuBackend::EmbeddingBackward(float* dwte, float* dwpe, const float* dout,
+                                   const int32_t* tokens, int batch, int seq, int channels) {
+  // Serial in token order: tokens repeat, and a fixed order keeps results reproducible.
+  for (int64_t i = 0; i < int64_t{batch} * seq; ++i) {
+    const float* d = dout + i * channels;
+    float* te = dwte + int64_t{tokens[i]} * channels;
+    float* pe = dwpe + (i % seq) * channels;
+    for (int c = 0; c < channels; ++c) {
+      te[c] += d[c];
+      pe[c] += d[c];
+    }
+  }
+}
+
+void CpuBackend::LayerNorm(float* out, float* mean, float* rstd, const float* x, const float* w,
+                           const float* b, int n, int channels) {
+  pool_.ParallelFor(n, RowGrain(channels), [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const float* xi = x + i * channels;
+      double sum = 0;
+      for (int c = 0; c < channels; ++c) sum += xi[c];
+      const double m = sum / channels;
+      double var = 0;
+      for (int c = 0; c < channels; ++c) var += (xi[c] - m) * (xi[c] - m);
+      const float s = static_cast<float>(1.0 / std::sqrt(var / channels + kLayerNormEps));
+      const float mf = static_cast<float>(m);
+      float* o = out + i * channels;
+      for (int c = 0; c < channels; ++c) o[c] = (xi[c] - mf) * s * w[c] + b[c];
+      mean[i] = mf;
+      rstd[i] = s;
+    }
+  });
+}
+
+void CpuBackend::LayerNormBackward(float* dx, float* dw, float* db, const float* dout,
+                                   const float* x, const float* w, const float* mean,
+                                   const float* rstd, int n, int channels) {
+  pool_.ParallelFor(n, RowGrain(channels), [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const float* xi = x + i * channels;
+      const float* di = dout + i * channels;
+      double dnorm_mean = 0, dnorm_norm_mean = 0;
+      for (int c = 0; c < channels; ++c) {
+        const double norm = (xi[c] - mean[i]) * rstd[i];
+        const double dnorm = double{w[c]} * di[c];
+        dnorm_mean += dnorm;
+        dnorm_norm_mean += dnorm * norm;
+      }
+      dnorm_mean /= channels;
+      dnorm_norm_mean /= channels;
+      float* dxi = dx + i * channels;
+      for (int c = 0; c < channels; ++c) {
+        const double norm = (xi[c] - mean[i]) * rstd[i];
+        const double dnorm = double{w[c]} * di[c];
+        dxi[c] += static_cast<float>((dnorm - dnorm_mean - norm * dnorm_norm_mean) * rstd[i]);
+      }
+    }
+  });
+  pool_.ParallelFor(channels, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t i = 0; i < n; ++i) {
+      const float* xi = x + i * channels;
+      const float* di = dout + i * channels;
+      for (int64_t c = begin; c < end; ++c) {
+        dw[c] += (xi[c] - mean[i]) * rstd[i] * di[c];
+        db[c] += di[c];
+      }
+    }
+  });
+}
+
+void CpuBackend::Attention(float* out, float* att, const float* qkv, int batch, int seq,
+                           int channels, int heads) {
+  const int hs = channels / heads;
+  const int ld = 3 * channels;
+  const float scale = 1.0f / std::sqrt(static_cast<float>(hs));
+  for (int b = 0; b < batch; ++b) {
+    for (int h = 0; h < heads; ++h) {
+      const float* q = qkv + int64_t{b} * seq * ld + h * hs;
+      const float* k = q + channels;
+      const float* v = q + 2 * channels;
+      float* p = att + (int64_t{b} * heads + h) * seq * seq;
+      Gemm(false, true, seq, seq, hs, scale, q, ld, k, ld, 0.0f, p, seq);
+      // Causal softmax per row; the masked entries become exact zeros.
+      for (int t = 0; t < seq; ++t) {
+        float* row = p + int64_t{t} * seq;
+        float mx = row[0];
+        for (int j = 1; j <= t; ++j) mx = std::max(mx, row[j]);
+        double sum = 0;
+        for (int j = 0; j <= t; ++j) {
+          row[j] = std::exp(row[j] - mx);
+          sum += row[j];
+        }
+        const float inv = static_cast<float>(1.0 / sum);
+        for (int j = 0; j <= t; ++j) row[j] *= inv;
+        for (int j = t + 1; j < seq; ++j) row[j] = 0.0f;
+      }
+      Gemm(false, false, seq, hs, seq, 1.0f, p, seq, v, ld, 0.0f,
+           out + int64_t{b} * seq * channels + h * hs, channels);
+    }
+  }
+}
+
+void CpuBackend::AttentionBackward(float* dqkv, const float* dout, const float* qkv,
+                                   const float* att, int batch, int seq, int channels, int heads) {
+  const int hs = channels / heads;
+  const int ld = 3 * channels;
+  const float scale = 1.0f / std::sqrt(static_cast<float>(hs));
+  float* dp = FloatScratch(int64_t{seq} * seq);
+  for (int b = 0; b < batch; ++b) {
+    for (int h = 0; h < heads; ++h) {
+      const int64_t base = int64_t{b} * seq * ld + h * hs;
+      const float* q = qkv + base;
+      const float* k = q + channels;
+      const float* v = q + 2 * channels;
+      float* dq = dqkv + base;
+      float* dk = dq + channels;
+      float* dv = dq + 2 * channels;
+      const float* p = att + (int64_t{b} * heads + h) * seq * seq;
+      const float* dy = dout + int64_t{b} * seq * channels + h * hs;
+      Gemm(false, true, seq, seq, hs, 1.0f, dy, channels, v, ld, 0.0f, dp, seq);  // dP = dY V^T
+      Gemm(true, false, seq, hs, seq, 1.0f, p, seq, dy, channels, 0.0f, dv, ld);  // dV = P^T dY
+      // dS = P * (dP - rowsum(dP * P)); zero above the diagonal because P is.
+      for (int t = 0; t < seq; ++t) {
+        float* drow = dp + int64_t{t} * seq;
+        const float* prow = p + int64_t{t} * seq;
+        double dot = 0;
+        for (int j = 0; j <= t; ++j) dot += double{drow[j]} * prow[j];
+        const float d = static_cast<float>(dot);
+        for (int j = 0; j <= t; ++j) drow[j] = prow[j] * (drow[j] - d);
+        for (int j = t + 1; j < seq; ++j) drow[j] = 0.0f;
+      }
+      Gemm(false, false, seq, hs, seq, scale, dp, seq, k, ld, 0.0f, dq, ld);  // dQ = dS K
+      Gemm(true, false, seq, hs, seq, scale, dp, seq, q, ld, 0.0f, dk, ld);   // dK = dS^T Q
+    }
+  }
+}
+
+void CpuBackend::Gelu(float* out, const float* x, int64_t n) {
+  pool_.ParallelFor(n, 16384, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const float v = x[i];
+      const float u = kGeluScale * (v + kGeluCubic * v * v * v);
+      out[i] = 0.5f * v * (1.0f + std::tanh(u));
+    }
+  });
+}
+
+void CpuBackend::GeluBackward(float* dx, const float* x, const float* dout, int64_t n) {
+  pool_.ParallelFor(n, 16384, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const float v = x[i];
+      const float u = kGeluScale * (v + kGeluCubic * v * v * v);
+      const float t = std::tanh(u);
+      const float du = kGeluScale * (1.0f + 3.0f * kGeluCubic * v * v);
+      dx[i] = dout[i] * (0.5f * (1.0f + t) + 0.5f * v * (1.0f - t * t) * du);
+    }
+  });
+}
+
+void CpuBackend::CrossEntropyForwardBackward(float* logits, float* losses, const int32_t* targets,
+                                             int n, int vocab, float scale) {
+  pool_.ParallelFor(n, RowGrain(vocab), [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      float* row = logits + i * vocab;
+      float mx = row[0];
+      for (int j = 1; j < vocab; ++j) mx = std::max(mx, row[j]);
+      double sum = 0;
+      for (int j = 0; j < vocab; ++j) sum += std::exp(double{row[j]} - mx);
+      const double lse = mx + std::log(sum);
+      losses[i] = static_cast<float>(lse - row[targets[i]]);
+      for (int j = 0; j < vocab; ++j) {
+        row[j] = static_cast<float>(std::exp(double{row[j]} - lse)) * scale;
+      }
+      row[targets[i]] -= scale;
+    }
+  });
+}
+
+double CpuBackend::SumOfSquares(const float* x, int64_t n) {
+  // Fixed chunks summed in order: the same result for any thread count.
+  constexpr int64_t kChunk = 1 << 14;
+  const int64_t chunks = (n + kChunk - 1) / kChunk;
+  double* partial = reinterpret_cast<double*>(FloatScratch(2 * static_cast<size_t>(chunks) + 2));
+  pool_.ParallelFor(chunks, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t c = begin; c < end; ++c) {
+      double sum = 0;
+      for (int64_t i = c * kChunk; i < std::min(n, (c + 1) * kChunk); ++i)
+        sum += double{x[i]} * x[i];
+      partial[c] = sum;
+    }
+  });
+  double total = 0;
+  for (int64_t c = 0; c < chunks; ++c) total += partial[c];
+  return total;
+}
+
+void CpuBackend::Scale(float* x, float s, int64_t n) {
+  pool_.ParallelFor(n, 16384, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) x[i] *= s;
+  });
+}
+
+void CpuBackend::AdamW(float* param, const float* grad, float* m, float* v, int64_t n, float lr,
+                       float beta1, float beta2, float eps, float weight_decay, int64_t step) {
+  const double bc1 = 1.0 - std::pow(double{beta1}, static_cast<double>(step));
+  const double bc2 = 1.0 - std::pow(double{beta2}, static_cast<double>(step));
+  const float step_size = static_cast<float>(lr / bc1);
+  const float bc2_sqrt = static_cast<float>(std::sqrt(bc2));
+  const float decay = 1.0f - lr * weight_decay;
+  pool_.ParallelFor(n, 16384, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      float p = param[i] * decay;
+      const float g = grad[i];
+      m[i] = beta1 * m[i] + (1.0f - beta1) * g;
+      v[i] = beta2 * v[i] + (1.0f - beta2) * g * g;
+      p -= step_size * m[i] / (std::sqrt(v[i]) / bc2_sqrt + eps);
+      param[i] = p;
+    }
+  });
+}
+
+}  // namespace pith::compute

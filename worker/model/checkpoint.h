@@ -1,0 +1,41 @@
+// moe-gpt checkpoints in safetensors (DESIGN §3): the weights file holds every tensor by
+// its DESIGN name, fp32, shaped [in, out]; the optimizer file holds "m.<name>" and
+// "v.<name>" and, in __metadata__, the step ("step") and each tensor's AdamW update count
+// ("count.<name>").
+//
+// Thread safety: free functions; callers serialize access to the model.
+#ifndef PITH_WORKER_MODEL_CHECKPOINT_H_
+#define PITH_WORKER_MODEL_CHECKPOINT_H_
+
+#include <cstdint>
+#include <string>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "common/safetensors.h"
+#include "worker/compute/backend.h"
+#include "worker/model/optimizer.h"
+#include "worker/model/param_layout.h"
+
+namespace pith::model {
+
+// Writes the parameters in `arena` (device memory) as a weights file.
+absl::Status SaveWeights(compute::Backend& backend, const ParamLayout& layout, const float* arena,
+                         const std::string& path);
+
+// Loads a weights file into `arena`. Every tensor of the layout must be there with its
+// exact shape and dtype F32, and nothing else; errors name the tensor.
+absl::Status LoadWeights(compute::Backend& backend, const ParamLayout& layout,
+                         const SafetensorsFile& file, float* arena);
+
+// Writes the optimizer state after `step` steps.
+absl::Status SaveOptimizer(compute::Backend& backend, const ParamLayout& layout,
+                           const AdamWOptimizer& optimizer, int64_t step, const std::string& path);
+
+// Loads an optimizer file; returns the step it was saved after.
+absl::StatusOr<int64_t> LoadOptimizer(compute::Backend& backend, const ParamLayout& layout,
+                                      const SafetensorsFile& file, AdamWOptimizer& optimizer);
+
+}  // namespace pith::model
+
+#endif  // PITH_WORKER_MODEL_CHECKPOINT_H_

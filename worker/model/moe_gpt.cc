@@ -1,0 +1,310 @@
+#include "worker/model/moe_gpt.h"
+
+#include <cmath>
+#include <random>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "common/status.h"
+
+namespace pith::model {
+namespace {
+
+using compute::Backend;
+
+// Hands out aligned pieces of one allocation: first every Take() records a size, then
+// Bind() points every requested pointer into the buffer.
+class Carver {
+ public:
+  template <typename T>
+  void Take(T** ptr, int64_t count) {
+    requests_.push_back({reinterpret_cast<void**>(ptr), Round(count * int64_t{sizeof(T)})});
+    total_ += requests_.back().bytes;
+  }
+  int64_t total() const { return total_; }
+  void Bind(void* base) {
+    char* p = static_cast<char*>(base);
+    for (const Request& r : requests_) {
+      *r.ptr = p;
+      p += r.bytes;
+    }
+  }
+
+ private:
+  static int64_t Round(int64_t bytes) { return (bytes + 63) / 64 * 64; }
+  struct Request {
+    void** ptr;
+    int64_t bytes;
+  };
+  std::vector<Request> requests_;
+  int64_t total_ = 0;
+};
+
+}  // namespace
+
+MoeGpt::MoeGpt(Backend* backend, const ModelShape& shape, int batch)
+    : backend_(backend), layout_(shape), batch_(batch) {
+  router_.top_k = shape.top_k;
+  router_.capacity_factor = shape.capacity_factor;
+  router_.renormalize = shape.renormalize_topk;
+}
+
+absl::StatusOr<std::unique_ptr<MoeGpt>> MoeGpt::Create(Backend* backend, const ModelShape& shape,
+                                                       int batch) {
+  if (batch < 1) return absl::InvalidArgumentError("model batch must be >= 1");
+  std::unique_ptr<MoeGpt> model(new MoeGpt(backend, shape, batch));
+  RETURN_IF_ERROR(model->AllocateBuffers());
+  return model;
+}
+
+absl::Status MoeGpt::AllocateBuffers() {
+  const ModelShape& s = shape();
+  const int64_t N = int64_t{batch_} * s.seq, C = s.channels, E = s.experts, k = s.top_k;
+  const int64_t F = s.hidden, V = s.vocab, A = N * k;
+  const int64_t param_bytes = layout_.total_floats() * int64_t{sizeof(float)};
+  ASSIGN_OR_RETURN(params_, backend_->Allocate(param_bytes));
+  ASSIGN_OR_RETURN(grads_, backend_->Allocate(param_bytes));
+
+  Carver acts;
+  residual_.resize(s.layers + 1);
+  for (float*& r : residual_) acts.Take(&r, N * C);
+  layer_.resize(s.layers);
+  for (LayerActs& a : layer_) {
+    acts.Take(&a.ln1, N * C);
+    acts.Take(&a.ln1_mean, N);
+    acts.Take(&a.ln1_rstd, N);
+    acts.Take(&a.qkv, 3 * N * C);
+    acts.Take(&a.atty, N * C);
+    acts.Take(&a.att, int64_t{batch_} * s.heads * s.seq * s.seq);
+    acts.Take(&a.mid, N * C);
+    acts.Take(&a.ln2, N * C);
+    acts.Take(&a.ln2_mean, N);
+    acts.Take(&a.ln2_rstd, N);
+    acts.Take(&a.router_logits, N * E);
+    acts.Take(&a.probs, N * E);
+    acts.Take(&a.lse, N);
+    acts.Take(&a.gate, A);
+    acts.Take(&a.xperm, A * C);
+    acts.Take(&a.hpre, A * F);
+    acts.Take(&a.h, A * F);
+    acts.Take(&a.y, A * C);
+    acts.Take(&a.expert, A);
+    acts.Take(&a.row, A);
+    acts.Take(&a.bucket_token, A);
+  }
+  acts.Take(&lnf_, N * C);
+  acts.Take(&lnf_mean_, N);
+  acts.Take(&lnf_rstd_, N);
+  acts.Take(&logits_, N * V);
+  acts.Take(&losses_, N);
+  ASSIGN_OR_RETURN(acts_, backend_->Allocate(acts.total()));
+  acts.Bind(acts_.data());
+
+  Carver scratch;
+  scratch.Take(&dres_, N * C);
+  scratch.Take(&dln_, N * C);
+  scratch.Take(&dtmp_, N * C);
+  scratch.Take(&dqkv_, 3 * N * C);
+  scratch.Take(&dgate_, A);
+  scratch.Take(&drouter_, N * E);
+  scratch.Take(&dy_, A * C);
+  scratch.Take(&dh_, A * F);
+  scratch.Take(&dxperm_, A * C);
+  ASSIGN_OR_RETURN(scratch_, backend_->Allocate(scratch.total()));
+  scratch.Bind(scratch_.data());
+
+  Carver tokens;
+  tokens.Take(&inputs_dev_, N);
+  tokens.Take(&targets_dev_, N);
+  ASSIGN_OR_RETURN(tokens_, backend_->Allocate(tokens.total()));
+  tokens.Bind(tokens_.data());
+
+  host_.resize(s.layers);
+  for (LayerHost& h : host_) {
+    h.offsets.assign(E + 1, 0);
+    h.routed.assign(E, 0);
+    h.prob_sum.assign(E, 0);
+    h.global_f.assign(E, 0);
+    h.lse.assign(N, 0);
+  }
+  host_losses_.assign(N, 0);
+
+  for (int l = 0; l < s.layers; ++l) {
+    for (int e = 0; e < s.experts; ++e) {
+      const int64_t o = layout_.ExpertOffset(l, e);
+      const float* p = params() + o;
+      float* g = grads() + o;
+      expert_weights_.push_back({p, p + C * F, p + C * F + F, p + 2 * C * F + F});
+      expert_grads_.push_back({g, g + C * F, g + C * F + F, g + 2 * C * F + F});
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status MoeGpt::InitWeights(uint64_t seed) {
+  const ModelShape& s = shape();
+  std::vector<float> host(layout_.total_floats(), 0.0f);
+  std::mt19937_64 rng(seed);
+  // Box-Muller on 53-bit uniforms: the same numbers on every platform for a seed.
+  auto normal = [&rng]() {
+    const double u1 = (static_cast<double>(rng() >> 11) + 1.0) * 0x1.0p-53;
+    const double u2 = static_cast<double>(rng() >> 11) * 0x1.0p-53;
+    return std::sqrt(-2.0 * std::log(u1)) * std::cos(2.0 * M_PI * u2);
+  };
+  const double residual_scale = 1.0 / std::sqrt(2.0 * s.layers);
+  for (const ParamTensor& t : layout_.tensors()) {
+    float* p = host.data() + t.offset;
+    const bool is_ln_weight =
+        t.name.ends_with("ln1.w") || t.name.ends_with("ln2.w") || t.name == "ln_f.w";
+    if (is_ln_weight) {
+      std::fill(p, p + t.numel, 1.0f);
+    } else if (t.shape.size() == 2) {
+      const bool residual_out = t.name.ends_with("attn.o.w") || t.name.ends_with(".w2");
+      const double stddev = 0.02 * (residual_out ? residual_scale : 1.0);
+      for (int64_t i = 0; i < t.numel; ++i) p[i] = static_cast<float>(normal() * stddev);
+    }  // biases and LayerNorm betas stay 0
+  }
+  return backend_->CopyToDevice(params(), host.data(), host.size() * sizeof(float));
+}
+
+compute::RoutingBuffers MoeGpt::Routing(int l) {
+  LayerActs& a = layer_[l];
+  LayerHost& h = host_[l];
+  return {a.probs,          a.lse,           a.expert,         a.gate, a.row, a.bucket_token,
+          h.offsets.data(), h.routed.data(), h.prob_sum.data()};
+}
+
+void MoeGpt::Forward(const int32_t* tokens) {
+  const ModelShape& s = shape();
+  const int N = batch_ * s.seq, C = s.channels, E = s.experts, F = s.hidden;
+  Backend& b = *backend_;
+  const float* p = params();
+  b.Embedding(residual_[0], tokens, p + layout_.wte(), p + layout_.wpe(), batch_, s.seq, C);
+  for (int l = 0; l < s.layers; ++l) {
+    const ParamLayout::Layer& w = layout_.layer(l);
+    LayerActs& a = layer_[l];
+    const float* x = residual_[l];
+    b.LayerNorm(a.ln1, a.ln1_mean, a.ln1_rstd, x, p + w.ln1_w, p + w.ln1_b, N, C);
+    b.Gemm(false, false, N, 3 * C, C, 1.0f, a.ln1, C, p + w.qkv_w, 3 * C, 0.0f, a.qkv, 3 * C);
+    b.AddBias(a.qkv, p + w.qkv_b, N, 3 * C);
+    b.Attention(a.atty, a.att, a.qkv, batch_, s.seq, C, s.heads);
+    b.Gemm(false, false, N, C, C, 1.0f, a.atty, C, p + w.o_w, C, 0.0f, dtmp_, C);
+    b.AddBias(dtmp_, p + w.o_b, N, C);
+    b.Add(a.mid, x, dtmp_, int64_t{N} * C);
+
+    b.LayerNorm(a.ln2, a.ln2_mean, a.ln2_rstd, a.mid, p + w.ln2_w, p + w.ln2_b, N, C);
+    b.Gemm(false, false, N, E, C, 1.0f, a.ln2, C, p + w.router_w, E, 0.0f, a.router_logits, E);
+    b.Route(a.router_logits, N, E, router_, Routing(l));
+    const int64_t* offsets = host_[l].offsets.data();
+    b.Permute(a.xperm, a.ln2, a.bucket_token, offsets[E], C);
+    absl::Span<const compute::ExpertWeights> experts(expert_weights_.data() + int64_t{l} * E, E);
+    b.ExpertForward(a.y, a.hpre, a.h, a.xperm, offsets, experts, C, F);
+    b.Combine(dtmp_, a.y, a.row, a.gate, N, s.top_k, C);
+    b.Add(residual_[l + 1], a.mid, dtmp_, int64_t{N} * C);
+  }
+  b.LayerNorm(lnf_, lnf_mean_, lnf_rstd_, residual_[s.layers], p + layout_.lnf_w(),
+              p + layout_.lnf_b(), N, C);
+  b.Gemm(false, true, N, s.vocab, C, 1.0f, lnf_, C, p + layout_.wte(), C, 0.0f, logits_, s.vocab);
+}
+
+void MoeGpt::Backward(int64_t global_tokens) {
+  const ModelShape& s = shape();
+  const int N = batch_ * s.seq, C = s.channels, E = s.experts, F = s.hidden, V = s.vocab;
+  Backend& b = *backend_;
+  const float* p = params();
+  float* g = grads();
+
+  // logits = lnf @ wte^T; logits_ holds dloss/dlogits now.
+  b.Gemm(false, false, N, C, V, 1.0f, logits_, V, p + layout_.wte(), C, 0.0f, dln_, C);
+  b.Gemm(true, false, V, C, N, 1.0f, logits_, V, lnf_, C, 1.0f, g + layout_.wte(), C);
+  b.Zero(dres_, sizeof(float) * N * C);
+  b.LayerNormBackward(dres_, g + layout_.lnf_w(), g + layout_.lnf_b(), dln_, residual_[s.layers],
+                      p + layout_.lnf_w(), lnf_mean_, lnf_rstd_, N, C);
+
+  for (int l = s.layers - 1; l >= 0; --l) {
+    const ParamLayout::Layer& w = layout_.layer(l);
+    LayerActs& a = layer_[l];
+    LayerHost& h = host_[l];
+    const int64_t* offsets = h.offsets.data();
+    absl::Span<const compute::ExpertWeights> experts(expert_weights_.data() + int64_t{l} * E, E);
+    absl::Span<const compute::ExpertGrads> egrads(expert_grads_.data() + int64_t{l} * E, E);
+
+    // MoE sub-block: out = mid + Combine(experts(Permute(ln2))).
+    b.CombineBackward(dy_, dgate_, dres_, a.y, a.row, a.gate, N, s.top_k, C);
+    b.ExpertBackward(dxperm_, dh_, egrads, dy_, a.xperm, a.hpre, a.h, offsets, experts, C, F);
+    b.Zero(dln_, sizeof(float) * N * C);
+    b.PermuteBackward(dln_, dxperm_, a.row, N, s.top_k, C);
+    compute::RouterLossGrad loss{s.aux_loss_coef, s.z_loss_coef, global_tokens, h.global_f.data()};
+    b.RouteBackward(drouter_, dgate_, Routing(l), N, E, router_, loss);
+    b.Gemm(false, true, N, C, E, 1.0f, drouter_, E, p + w.router_w, E, 1.0f, dln_, C);
+    b.Gemm(true, false, C, E, N, 1.0f, a.ln2, C, drouter_, E, 1.0f, g + w.router_w, E);
+    b.LayerNormBackward(dres_, g + w.ln2_w, g + w.ln2_b, dln_, a.mid, p + w.ln2_w, a.ln2_mean,
+                        a.ln2_rstd, N, C);
+
+    // Attention sub-block: mid = x + attn(ln1(x)) @ o_w + o_b.
+    b.Gemm(false, true, N, C, C, 1.0f, dres_, C, p + w.o_w, C, 0.0f, dtmp_, C);
+    b.Gemm(true, false, C, C, N, 1.0f, a.atty, C, dres_, C, 1.0f, g + w.o_w, C);
+    b.BiasGrad(g + w.o_b, dres_, N, C);
+    b.AttentionBackward(dqkv_, dtmp_, a.qkv, a.att, batch_, s.seq, C, s.heads);
+    b.Gemm(false, true, N, C, 3 * C, 1.0f, dqkv_, 3 * C, p + w.qkv_w, 3 * C, 0.0f, dln_, C);
+    b.Gemm(true, false, C, 3 * C, N, 1.0f, a.ln1, C, dqkv_, 3 * C, 1.0f, g + w.qkv_w, 3 * C);
+    b.BiasGrad(g + w.qkv_b, dqkv_, N, 3 * C);
+    b.LayerNormBackward(dres_, g + w.ln1_w, g + w.ln1_b, dln_, residual_[l], p + w.ln1_w,
+                        a.ln1_mean, a.ln1_rstd, N, C);
+  }
+  b.EmbeddingBackward(g + layout_.wte(), g + layout_.wpe(), dres_, inputs_dev_, batch_, s.seq, C);
+}
+
+absl::StatusOr<StepLoss> MoeGpt::ForwardBackward(const int32_t* inputs, const int32_t* targets,
+                                                 int64_t global_rows) {
+  const ModelShape& s = shape();
+  const int N = batch_ * s.seq, E = s.experts;
+  for (int i = 0; i < N; ++i) {
+    if (inputs[i] < 0 || inputs[i] >= s.vocab || targets[i] < 0 || targets[i] >= s.vocab) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("token id out of range [0, ", s.vocab, ") at position ", i));
+    }
+  }
+  Backend& b = *backend_;
+  RETURN_IF_ERROR(b.CopyToDevice(inputs_dev_, inputs, sizeof(int32_t) * N));
+  RETURN_IF_ERROR(b.CopyToDevice(targets_dev_, targets, sizeof(int32_t) * N));
+  b.Zero(grads(), sizeof(float) * layout_.total_floats());
+
+  Forward(inputs_dev_);
+
+  const int64_t global_tokens = global_rows * s.seq;
+  StepLoss loss;
+  for (int l = 0; l < s.layers; ++l) {
+    LayerHost& h = host_[l];
+    // NOTE: with several workers routed and prob_sum are summed across them here, so
+    // that f_e and P_e are global (DESIGN §3); alone they already are.
+    double aux = 0;
+    for (int e = 0; e < E; ++e) {
+      h.global_f[e] =
+          static_cast<double>(h.routed[e]) / (static_cast<double>(global_tokens) * s.top_k);
+      aux += h.global_f[e] * (h.prob_sum[e] / static_cast<double>(global_tokens));
+    }
+    loss.aux += E * aux;
+    RETURN_IF_ERROR(b.CopyToHost(h.lse.data(), layer_[l].lse, sizeof(float) * N));
+    double z = 0;
+    for (float v : h.lse) z += double{v} * v;
+    loss.z += z / static_cast<double>(global_tokens);
+  }
+  b.CrossEntropyForwardBackward(logits_, losses_, targets_dev_, N, s.vocab,
+                                static_cast<float>(1.0 / static_cast<double>(global_tokens)));
+  RETURN_IF_ERROR(b.CopyToHost(host_losses_.data(), losses_, sizeof(float) * N));
+  for (float v : host_losses_) loss.ce += v;
+  loss.ce /= static_cast<double>(global_tokens);
+  loss.loss = loss.ce + s.aux_loss_coef * loss.aux + s.z_loss_coef * loss.z;
+
+  Backward(global_tokens);
+  RETURN_IF_ERROR(b.Synchronize());
+  return loss;
+}
+
+bool MoeGpt::ExpertUsed(int layer, int expert) const {
+  const std::vector<int64_t>& o = host_[layer].offsets;
+  return o[expert + 1] > o[expert];
+}
+
+}  // namespace pith::model

@@ -1,0 +1,99 @@
+// MoeGpt: the moe-gpt model of DESIGN §3 — parameters, activations, forward and backward —
+// written against compute::Backend. Every buffer is allocated once in Create(); a step
+// allocates nothing.
+//
+// Thread safety: one thread at a time (the training loop).
+#ifndef PITH_WORKER_MODEL_MOE_GPT_H_
+#define PITH_WORKER_MODEL_MOE_GPT_H_
+
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "worker/compute/backend.h"
+#include "worker/model/param_layout.h"
+
+namespace pith::model {
+
+// The loss of one step and its parts (DESIGN §3): loss = ce + aux_coef * aux + z_coef * z,
+// with aux and z summed over layers.
+struct StepLoss {
+  double loss = 0;
+  double ce = 0;
+  double aux = 0;
+  double z = 0;
+};
+
+class MoeGpt {
+ public:
+  // A model for `batch` rows of `shape.seq` tokens per step.
+  static absl::StatusOr<std::unique_ptr<MoeGpt>> Create(compute::Backend* backend,
+                                                        const ModelShape& shape, int batch);
+
+  const ParamLayout& layout() const { return layout_; }
+  const ModelShape& shape() const { return layout_.shape(); }
+  int batch() const { return batch_; }
+  compute::Backend* backend() const { return backend_; }
+
+  // The parameter and gradient arenas (device memory, ParamLayout offsets).
+  float* params() const { return params_.f32(); }
+  float* grads() const { return grads_.f32(); }
+
+  // Seeded init of DESIGN §3: normal(0, 0.02); attn.o.w and the experts' w2 scaled by
+  // 1/sqrt(2L); biases and LayerNorm betas 0, LayerNorm gammas 1.
+  absl::Status InitWeights(uint64_t seed);
+
+  // Zeroes the gradients, runs forward and backward over inputs/targets [batch, T] (host
+  // arrays of token ids) and returns the loss. The mean is over `global_rows` * T targets
+  // (the rows of the whole global batch; `batch` when training alone). INVALID_ARGUMENT
+  // for a token id outside the vocabulary.
+  absl::StatusOr<StepLoss> ForwardBackward(const int32_t* inputs, const int32_t* targets,
+                                           int64_t global_rows);
+
+  // Whether the expert kept at least one token in the last ForwardBackward (an expert
+  // that did not gets no gradient and no update that step).
+  bool ExpertUsed(int layer, int expert) const;
+
+  // Host copies of the last step's routing of one layer, for heat reports and tests.
+  const std::vector<int64_t>& routed(int layer) const { return host_[layer].routed; }
+  const std::vector<int64_t>& bucket_offsets(int layer) const { return host_[layer].offsets; }
+
+ private:
+  struct LayerActs {
+    float *ln1, *ln1_mean, *ln1_rstd, *qkv, *atty, *att, *mid, *ln2, *ln2_mean, *ln2_rstd;
+    float *router_logits, *probs, *lse, *gate, *xperm, *hpre, *h, *y;
+    int32_t *expert, *row, *bucket_token;
+  };
+  struct LayerHost {
+    std::vector<int64_t> offsets, routed;
+    std::vector<double> prob_sum, global_f;
+    std::vector<float> lse;
+  };
+
+  MoeGpt(compute::Backend* backend, const ModelShape& shape, int batch);
+  absl::Status AllocateBuffers();
+  compute::RoutingBuffers Routing(int l);
+  void Forward(const int32_t* tokens);
+  void Backward(int64_t global_tokens);
+
+  compute::Backend* backend_;
+  ParamLayout layout_;
+  int batch_;
+  compute::RouterConfig router_;
+
+  compute::DeviceBuffer params_, grads_, acts_, scratch_, tokens_;
+  std::vector<float*> residual_;  // L + 1 entries of [N, C]
+  std::vector<LayerActs> layer_;
+  std::vector<LayerHost> host_;
+  float *lnf_, *lnf_mean_, *lnf_rstd_, *logits_, *losses_;
+  float *dres_, *dln_, *dtmp_, *dqkv_, *dgate_, *drouter_, *dy_, *dh_, *dxperm_;
+  int32_t *inputs_dev_, *targets_dev_;
+  std::vector<float> host_losses_;
+  std::vector<compute::ExpertWeights> expert_weights_;  // per layer, E entries each
+  std::vector<compute::ExpertGrads> expert_grads_;
+};
+
+}  // namespace pith::model
+
+#endif  // PITH_WORKER_MODEL_MOE_GPT_H_

@@ -1,0 +1,77 @@
+// AdamW with per-tensor update counts, the DESIGN §3 learning-rate schedule and global
+// grad-norm clipping, over a ParamLayout arena on a compute::Backend.
+//
+// Thread safety: one thread at a time (the training loop).
+#ifndef PITH_WORKER_MODEL_OPTIMIZER_H_
+#define PITH_WORKER_MODEL_OPTIMIZER_H_
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "pith/v1/spec.pb.h"
+#include "worker/compute/backend.h"
+#include "worker/model/param_layout.h"
+
+namespace pith::model {
+
+struct OptimizerConfig {
+  double lr = 0;
+  int64_t warmup = 0;
+  int64_t steps = 1;
+  double min_lr_ratio = 0.1;
+  double weight_decay = 0;
+  double grad_clip = 0;  // 0 disables clipping
+  double beta1 = 0.9;
+  double beta2 = 0.95;
+  double eps = 1e-8;
+
+  static OptimizerConfig FromSpec(const v1::TrainConfig& train);
+};
+
+// The learning rate of step t (from 0): linear warmup, then cosine decay to
+// min_lr_ratio * lr at the last step.
+double LearningRate(const OptimizerConfig& config, int64_t step);
+
+// Tells whether a tensor received a gradient this step (experts without tokens did not).
+using HasGrad = std::function<bool(const ParamTensor&)>;
+
+struct OptimizerStep {
+  double lr = 0;
+  double grad_norm = 0;  // before clipping
+};
+
+class AdamWOptimizer {
+ public:
+  static absl::StatusOr<std::unique_ptr<AdamWOptimizer>> Create(compute::Backend* backend,
+                                                                const ParamLayout& layout,
+                                                                const OptimizerConfig& config);
+
+  // Clips the gradients of the tensors with a gradient by their global norm, then applies
+  // AdamW to them with the learning rate of `step` (from 0) and advances their counts.
+  OptimizerStep Step(float* params, float* grads, int64_t step, const HasGrad& has_grad);
+
+  float* m() const { return m_.f32(); }
+  float* v() const { return v_.f32(); }
+  // Updates applied so far, per tensor of the layout.
+  std::vector<int64_t>& update_counts() { return counts_; }
+  const std::vector<int64_t>& update_counts() const { return counts_; }
+  const OptimizerConfig& config() const { return config_; }
+
+ private:
+  AdamWOptimizer(compute::Backend* backend, const ParamLayout& layout,
+                 const OptimizerConfig& config)
+      : backend_(backend), layout_(layout), config_(config) {}
+
+  compute::Backend* backend_;
+  const ParamLayout& layout_;
+  OptimizerConfig config_;
+  compute::DeviceBuffer m_, v_;
+  std::vector<int64_t> counts_;
+};
+
+}  // namespace pith::model
+
+#endif  // PITH_WORKER_MODEL_OPTIMIZER_H_

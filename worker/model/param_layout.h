@@ -1,0 +1,95 @@
+// ParamLayout: where every moe-gpt parameter lives in one flat fp32 arena, with the
+// DESIGN §3 tensor names. Dense tensors come first; then, per layer and expert, one
+// contiguous blob [w1 | b1 | w2 | b2] (DESIGN §4: one expert kind = one blob). Gradients
+// and the AdamW moments use the same layout.
+//
+// Thread safety: immutable after construction.
+#ifndef PITH_WORKER_MODEL_PARAM_LAYOUT_H_
+#define PITH_WORKER_MODEL_PARAM_LAYOUT_H_
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "pith/v1/spec.pb.h"
+
+namespace pith::model {
+
+// The model hyper-parameters of DESIGN §3, checked.
+struct ModelShape {
+  int vocab = 0;     // V
+  int seq = 0;       // T
+  int channels = 0;  // d
+  int layers = 0;    // L
+  int heads = 0;     // H
+  int experts = 0;   // E
+  int top_k = 0;     // k
+  int hidden = 0;    // f
+  double capacity_factor = 0;
+  double aux_loss_coef = 0;
+  double z_loss_coef = 0;
+  bool renormalize_topk = true;
+
+  // From a validated spec's model config.
+  static ModelShape FromSpec(const v1::ModelConfig& model);
+  // Floats in one expert blob.
+  int64_t expert_floats() const { return int64_t{channels} * hidden * 2 + hidden + channels; }
+};
+
+struct ParamTensor {
+  std::string name;
+  std::vector<int64_t> shape;
+  int64_t offset = 0;  // in floats, into the arena
+  int64_t numel = 0;
+  bool decay = false;  // AdamW weight decay applies (2-D weights only)
+  int layer = -1;      // for expert tensors; -1 for dense ones
+  int expert = -1;
+};
+
+class ParamLayout {
+ public:
+  explicit ParamLayout(const ModelShape& shape);
+
+  const ModelShape& shape() const { return shape_; }
+  // Every tensor: dense first (DESIGN order), then experts by layer, expert, w1 b1 w2 b2.
+  const std::vector<ParamTensor>& tensors() const { return tensors_; }
+  int64_t total_floats() const { return total_floats_; }
+  int64_t dense_floats() const { return dense_floats_; }
+  // Index into tensors() of a dense tensor by name, or -1.
+  int Find(const std::string& name) const;
+  // Offset of the expert blob of (layer, expert).
+  int64_t ExpertOffset(int layer, int expert) const {
+    return dense_floats_ + (int64_t{layer} * shape_.experts + expert) * shape_.expert_floats();
+  }
+  // Index in tensors() of the first tensor (w1) of an expert; its four tensors follow.
+  int ExpertTensorIndex(int layer, int expert) const {
+    return first_expert_tensor_ + 4 * (layer * shape_.experts + expert);
+  }
+
+  // Offsets of the dense tensors the model uses (filled from the names).
+  struct Layer {
+    int64_t ln1_w, ln1_b, qkv_w, qkv_b, o_w, o_b, ln2_w, ln2_b, router_w;
+  };
+  int64_t wte() const { return wte_; }
+  int64_t wpe() const { return wpe_; }
+  int64_t lnf_w() const { return lnf_w_; }
+  int64_t lnf_b() const { return lnf_b_; }
+  const Layer& layer(int l) const { return layers_[l]; }
+
+ private:
+  int64_t Add(std::string name, std::vector<int64_t> shape, bool decay, int layer = -1,
+              int expert = -1);
+
+  ModelShape shape_;
+  std::vector<ParamTensor> tensors_;
+  std::vector<Layer> layers_;
+  int64_t total_floats_ = 0;
+  int64_t dense_floats_ = 0;
+  int first_expert_tensor_ = 0;
+  int64_t wte_ = 0, wpe_ = 0, lnf_w_ = 0, lnf_b_ = 0;
+};
+
+}  // namespace pith::model
+
+#endif  // PITH_WORKER_MODEL_PARAM_LAYOUT_H_

@@ -1,0 +1,70 @@
+// pith-worker: runs training steps (DESIGN §1, §6). With --standalone it trains a whole
+// job alone from its spec, the reference the distributed path is compared against.
+#include <cstdio>
+#include <cstdlib>
+#include <string>
+
+#include "absl/flags/flag.h"
+#include "absl/strings/str_cat.h"
+#include "common/job_spec.h"
+#include "common/process.h"
+#include "common/status.h"
+#include "glog/logging.h"
+#include "worker/compute/cpu_backend.h"
+#include "worker/trainer/standalone.h"
+
+ABSL_FLAG(bool, standalone, false, "Train the job of --spec alone, in this process");
+ABSL_FLAG(std::string, spec, "", "Job spec (JSON) for --standalone");
+ABSL_FLAG(std::string, init, "", "Start from these weights (safetensors)");
+ABSL_FLAG(std::string, export_init, "", "Write the weights training starts from (safetensors)");
+ABSL_FLAG(int64_t, steps, -1, "Train this many steps instead of the spec's train.steps");
+ABSL_FLAG(std::string, loss_log, "", "Write '<step> <loss> <ce>' per step here (step from 1)");
+ABSL_FLAG(std::string, save, "", "Write the final weights here (safetensors)");
+ABSL_FLAG(std::string, save_optimizer, "", "Write the final optimizer state here (safetensors)");
+ABSL_FLAG(std::string, backend, "cpu", "Compute backend: cpu (cuda arrives with its issue)");
+ABSL_FLAG(int, threads, 0, "Threads of the CPU backend's own loops; 0 = one per core");
+
+namespace {
+
+absl::Status Run() {
+  if (!absl::GetFlag(FLAGS_standalone)) {
+    return absl::UnimplementedError(
+        "pith-worker joins a cluster with the worker issue; today it runs --standalone only");
+  }
+  if (absl::GetFlag(FLAGS_spec).empty()) return absl::InvalidArgumentError("--spec is required");
+  if (absl::GetFlag(FLAGS_backend) != "cpu") {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--backend=", absl::GetFlag(FLAGS_backend), ": only cpu is built in so far"));
+  }
+  if (absl::GetFlag(FLAGS_steps) < -1) return absl::InvalidArgumentError("--steps must be >= 0");
+  pith::trainer::StandaloneOptions options;
+  ASSIGN_OR_RETURN(options.spec, pith::LoadJobSpec(absl::GetFlag(FLAGS_spec)));
+  options.init_path = absl::GetFlag(FLAGS_init);
+  options.export_init_path = absl::GetFlag(FLAGS_export_init);
+  options.steps = absl::GetFlag(FLAGS_steps);
+  options.loss_log_path = absl::GetFlag(FLAGS_loss_log);
+  options.save_path = absl::GetFlag(FLAGS_save);
+  options.save_optimizer_path = absl::GetFlag(FLAGS_save_optimizer);
+  pith::compute::CpuBackend backend(absl::GetFlag(FLAGS_threads));
+  ASSIGN_OR_RETURN(pith::trainer::StandaloneResult result,
+                   pith::trainer::RunStandalone(options, backend));
+  LOG(INFO) << "trained " << result.steps << " steps, final loss " << result.final_loss << ", "
+            << static_cast<int64_t>(result.tokens_per_second) << " tokens/s";
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  pith::InitProcess(argc, argv,
+                    "runs Pith training steps.\n"
+                    "Usage: pith-worker --standalone --spec=SPEC.json [--init=FILE] "
+                    "[--export_init=FILE] [--steps=N] [--loss_log=FILE] [--save=FILE]");
+  absl::Status status = Run();
+  if (!status.ok()) {
+    // One line on stderr, whatever the log settings.
+    fprintf(stderr, "pith-worker: %s\n", std::string(status.message()).c_str());
+    return EXIT_FAILURE;
+  }
+  return EXIT_SUCCESS;
+}
