@@ -21,7 +21,7 @@ ThreadPool::~ThreadPool() {
 void ThreadPool::WorkerLoop(int index) {
   uint64_t seen = 0;
   while (true) {
-    const std::function<void(int64_t, int64_t)>* job;
+    const absl::FunctionRef<void(int64_t, int64_t)>* job;
     int64_t n, chunk;
     {
       std::unique_lock<std::mutex> lock(mu_);
@@ -42,7 +42,7 @@ void ThreadPool::WorkerLoop(int index) {
 }
 
 void ThreadPool::ParallelFor(int64_t n, int64_t grain,
-                             const std::function<void(int64_t, int64_t)>& fn) {
+                             absl::FunctionRef<void(int64_t, int64_t)> fn) {
   if (n <= 0) return;
   const int64_t parts =
       std::min<int64_t>(size(), std::max<int64_t>(1, n / std::max<int64_t>(1, grain)));

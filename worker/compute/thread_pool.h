@@ -8,10 +8,11 @@
 
 #include <condition_variable>
 #include <cstdint>
-#include <functional>
 #include <mutex>
 #include <thread>
 #include <vector>
+
+#include "absl/functional/function_ref.h"
 
 namespace pith::compute {
 
@@ -27,7 +28,7 @@ class ThreadPool {
 
   // Calls fn(begin, end) on disjoint ranges covering [0, n), each at least `grain` long
   // (but the last), and returns when all are done. Allocates nothing.
-  void ParallelFor(int64_t n, int64_t grain, const std::function<void(int64_t, int64_t)>& fn);
+  void ParallelFor(int64_t n, int64_t grain, absl::FunctionRef<void(int64_t, int64_t)> fn);
 
  private:
   void WorkerLoop(int index);
@@ -37,7 +38,7 @@ class ThreadPool {
   std::condition_variable start_cv_;
   std::condition_variable done_cv_;
   // Guarded by mu_.
-  const std::function<void(int64_t, int64_t)>* job_ = nullptr;
+  const absl::FunctionRef<void(int64_t, int64_t)>* job_ = nullptr;
   int64_t job_n_ = 0;
   int64_t job_chunk_ = 0;
   uint64_t generation_ = 0;

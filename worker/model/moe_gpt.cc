@@ -302,6 +302,16 @@ absl::StatusOr<StepLoss> MoeGpt::ForwardBackward(const int32_t* inputs, const in
   return loss;
 }
 
+absl::Status MoeGpt::CopyRouterProbs(int layer, float* out) const {
+  const int64_t n = int64_t{batch_} * shape().seq * shape().experts;
+  return backend_->CopyToHost(out, layer_[layer].probs, sizeof(float) * n);
+}
+
+absl::Status MoeGpt::CopyLogitGrads(float* out) const {
+  const int64_t n = int64_t{batch_} * shape().seq * shape().vocab;
+  return backend_->CopyToHost(out, logits_, sizeof(float) * n);
+}
+
 bool MoeGpt::ExpertUsed(int layer, int expert) const {
   const std::vector<int64_t>& o = host_[layer].offsets;
   return o[expert + 1] > o[expert];

@@ -55,6 +55,11 @@ class MoeGpt {
   // that did not gets no gradient and no update that step).
   bool ExpertUsed(int layer, int expert) const;
 
+  // Host copies of the last step's activations, for tests and debugging: the router
+  // probabilities of a layer [N, E] and d loss / d logits [N, V].
+  absl::Status CopyRouterProbs(int layer, float* out) const;
+  absl::Status CopyLogitGrads(float* out) const;
+
   // Host copies of the last step's routing of one layer, for heat reports and tests.
   const std::vector<int64_t>& routed(int layer) const { return host_[layer].routed; }
   const std::vector<int64_t>& bucket_offsets(int layer) const { return host_[layer].offsets; }
