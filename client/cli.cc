@@ -5,11 +5,14 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_join.h"
 #include "common/job_spec.h"
 #include "common/safetensors.h"
 #include "common/status.h"
 #include "common/version.h"
+#include "worker/data/token_dataset.h"
 
 namespace pith {
 namespace {
@@ -20,6 +23,8 @@ constexpr char kUsage[] =
     "commands:\n"
     "  spec check SPEC.json        validate a job spec; print it with defaults filled in\n"
     "  safetensors inspect FILE    validate a safetensors file; list its tensors\n"
+    "  data prepare --out FILE [--vocab 256] TEXT...\n"
+    "                              turn text files into a token file (byte-level)\n"
     "  version                     print the Pith version\n";
 
 using Args = std::vector<std::string>;
@@ -50,6 +55,32 @@ absl::Status SafetensorsInspect(const Args& args, std::ostream& out) {
   return absl::OkStatus();
 }
 
+absl::Status DataPrepare(const Args& args, std::ostream& out) {
+  std::string output;
+  int vocab = 256;
+  std::vector<std::string> inputs;
+  for (size_t i = 0; i < args.size(); ++i) {
+    const std::string& a = args[i];
+    if (a == "--out" || a == "--vocab") {
+      if (i + 1 == args.size()) return UsageError(a + " needs a value");
+      const std::string& value = args[++i];
+      if (a == "--out") {
+        output = value;
+      } else if (!absl::SimpleAtoi(value, &vocab)) {
+        return UsageError("--vocab wants a number, got " + value);
+      }
+    } else if (absl::StartsWith(a, "--")) {
+      return UsageError("data prepare: unknown flag " + a);
+    } else {
+      inputs.push_back(a);
+    }
+  }
+  if (output.empty()) return UsageError("data prepare needs --out FILE");
+  ASSIGN_OR_RETURN(int64_t tokens, data::PrepareByteTokens(inputs, output, vocab));
+  out << "wrote " << tokens << " tokens (vocab " << vocab << ") to " << output << "\n";
+  return absl::OkStatus();
+}
+
 absl::Status Version(const Args& args, std::ostream& out) {
   out << "Pith " << kPithVersion << "\n";
   return absl::OkStatus();
@@ -62,6 +93,7 @@ int RunCli(const std::vector<std::string>& args, std::ostream& out, std::ostream
   static const std::map<std::string, Command> kCommands = {
       {"spec check", SpecCheck},
       {"safetensors inspect", SafetensorsInspect},
+      {"data prepare", DataPrepare},
       {"version", Version},
   };
   if (args.empty() || args[0] == "help" || args[0] == "--help" || args[0] == "-h") {

@@ -87,6 +87,20 @@ TEST(CliTest, SafetensorsInspectListsTensors) {
   EXPECT_THAT(r.out, HasSubstr("1 tensors, 24 bytes"));
 }
 
+TEST(CliTest, DataPrepareWritesByteTokens) {
+  const std::string text = WriteTemp("corpus.txt", "abcabc");
+  const std::string out = testing::TempDir() + "/corpus.bin";
+  Result r = RunPith({"data", "prepare", "--out", out, text});
+  EXPECT_EQ(r.code, 0) << r.err;
+  EXPECT_THAT(r.out, HasSubstr("wrote 6 tokens"));
+  r = RunPith({"data", "prepare", "--out", out, "--vocab", "1000", text});
+  EXPECT_EQ(r.code, 1);
+  ExpectOneErrorLine(r);
+  r = RunPith({"data", "prepare", text});
+  EXPECT_EQ(r.code, 1);
+  EXPECT_THAT(r.err, HasSubstr("--out"));
+}
+
 TEST(CliTest, UsageErrors) {
   EXPECT_EQ(RunPith({}).code, 2);
   Result r = RunPith({"frobnicate"});
