@@ -4,19 +4,19 @@
 #include <cblas.h>
 
 #include <algorithm>
+#include <bit>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
 #include "common/buffer.h"
+#include "worker/compute/cpu_kernels.h"
 
 namespace pith::compute {
 namespace {
 
 constexpr float kLayerNormEps = 1e-5f;
-constexpr float kGeluScale = 0.7978845608028654f;  // sqrt(2 / pi)
-constexpr float kGeluCubic = 0.044715f;
 
 // Rows per ParallelFor chunk for row-wise loops over `channels` columns: ~16k elements.
 int64_t RowGrain(int channels) { return std::max<int64_t>(1, 16384 / std::max(1, channels)); }
@@ -254,25 +254,12 @@ void CpuBackend::AttentionBackward(float* dqkv, const float* dout, const float* 
 }
 
 void CpuBackend::Gelu(float* out, const float* x, int64_t n) {
-  pool_.ParallelFor(n, 16384, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) {
-      const float v = x[i];
-      const float u = kGeluScale * (v + kGeluCubic * v * v * v);
-      out[i] = 0.5f * v * (1.0f + std::tanh(u));
-    }
-  });
+  pool_.ParallelFor(n, 16384, [&](int64_t begin, int64_t end) { GeluRange(out, x, begin, end); });
 }
 
 void CpuBackend::GeluBackward(float* dx, const float* x, const float* dout, int64_t n) {
-  pool_.ParallelFor(n, 16384, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) {
-      const float v = x[i];
-      const float u = kGeluScale * (v + kGeluCubic * v * v * v);
-      const float t = std::tanh(u);
-      const float du = kGeluScale * (1.0f + 3.0f * kGeluCubic * v * v);
-      dx[i] = dout[i] * (0.5f * (1.0f + t) + 0.5f * v * (1.0f - t * t) * du);
-    }
-  });
+  pool_.ParallelFor(
+      n, 16384, [&](int64_t begin, int64_t end) { GeluBackwardRange(dx, x, dout, begin, end); });
 }
 
 void CpuBackend::CrossEntropyForwardBackward(float* logits, float* losses, const int32_t* targets,

@@ -82,6 +82,11 @@ class CpuBackend final : public Backend {
   void Free(void* ptr, size_t bytes) override;
 
  private:
+  // Below this many rows per non-empty expert on average, experts run in parallel on the
+  // pool with single-threaded GEMMs.
+  static constexpr int kParallelExpertRows = 1024;
+  bool ExpertsInParallel(const int64_t* offsets, int experts) const;
+
   // Scratch of at least `n` floats / int64s, reused across calls.
   float* FloatScratch(size_t n);
   int64_t* IntScratch(size_t n);

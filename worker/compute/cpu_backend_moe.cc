@@ -1,9 +1,12 @@
 // CpuBackend: routing, token permutation, the grouped expert FFN and the router backward.
+#include <cblas.h>
+
 #include <algorithm>
 #include <cmath>
 #include <cstring>
 
 #include "worker/compute/cpu_backend.h"
+#include "worker/compute/cpu_kernels.h"
 
 namespace pith::compute {
 
@@ -146,10 +149,79 @@ void CpuBackend::CombineBackward(float* dy, float* dgate, const float* dout, con
   });
 }
 
+namespace {
+
+// Sets OpenBLAS's thread count for a scope and restores it.
+class BlasThreads {
+ public:
+  explicit BlasThreads(int threads) : saved_(openblas_get_num_threads()) {
+    openblas_set_num_threads(threads);
+  }
+  ~BlasThreads() { openblas_set_num_threads(saved_); }
+  BlasThreads(const BlasThreads&) = delete;
+  BlasThreads& operator=(const BlasThreads&) = delete;
+
+ private:
+  int saved_;
+};
+
+void AddBiasRows(float* out, const float* bias, int64_t rows, int n) {
+  for (int64_t i = 0; i < rows; ++i) {
+    float* row = out + i * n;
+    for (int j = 0; j < n; ++j) row[j] += bias[j];
+  }
+}
+
+void ColumnSums(float* dbias, const float* d, int64_t rows, int n) {
+  for (int64_t i = 0; i < rows; ++i) {
+    const float* row = d + i * n;
+    for (int j = 0; j < n; ++j) dbias[j] += row[j];
+  }
+}
+
+void Sgemm(bool ta, bool tb, int m, int n, int k, const float* a, int lda, const float* b, int ldb,
+           float beta, float* c, int ldc) {
+  cblas_sgemm(CblasRowMajor, ta ? CblasTrans : CblasNoTrans, tb ? CblasTrans : CblasNoTrans, m, n,
+              k, 1.0f, a, lda, b, ldb, beta, c, ldc);
+}
+
+}  // namespace
+
+bool CpuBackend::ExpertsInParallel(const int64_t* offsets, int experts) const {
+  // Many small buckets: one expert per thread at a time, single-threaded GEMMs, beat
+  // multi-threaded GEMMs on each small bucket in turn.
+  int nonempty = 0;
+  for (int e = 0; e < experts; ++e) nonempty += offsets[e + 1] > offsets[e];
+  return pool_.size() > 1 && nonempty >= 2 * pool_.size() &&
+         offsets[experts] < int64_t{kParallelExpertRows} * nonempty;
+}
+
 void CpuBackend::ExpertForward(float* y, float* hpre, float* h, const float* x,
                                const int64_t* offsets, absl::Span<const ExpertWeights> experts,
                                int channels, int hidden) {
   const int num_experts = static_cast<int>(experts.size());
+  auto one = [&](int e) {
+    const int64_t begin = offsets[e];
+    const int rows = static_cast<int>(offsets[e + 1] - begin);
+    if (rows == 0) return;
+    float* hp = hpre + begin * hidden;
+    Sgemm(false, false, rows, hidden, channels, x + begin * channels, channels, experts[e].w1,
+          hidden, 0.0f, hp, hidden);
+    AddBiasRows(hp, experts[e].b1, rows, hidden);
+    GeluRange(h, hpre, begin * hidden, (begin + rows) * hidden);
+    float* ye = y + begin * channels;
+    Sgemm(false, false, rows, channels, hidden, h + begin * hidden, hidden, experts[e].w2, channels,
+          0.0f, ye, channels);
+    AddBiasRows(ye, experts[e].b2, rows, channels);
+  };
+  if (ExpertsInParallel(offsets, num_experts)) {
+    BlasThreads single(1);
+    pool_.ParallelFor(num_experts, 1, [&](int64_t b, int64_t e) {
+      for (int64_t i = b; i < e; ++i) one(static_cast<int>(i));
+    });
+    return;
+  }
+  // Few large buckets: multi-threaded GEMMs, the element-wise work on the pool.
   for (int e = 0; e < num_experts; ++e) {
     const int64_t begin = offsets[e], rows = offsets[e + 1] - offsets[e];
     if (rows == 0) continue;
@@ -158,8 +230,7 @@ void CpuBackend::ExpertForward(float* y, float* hpre, float* h, const float* x,
          channels, experts[e].w1, hidden, 0.0f, hp, hidden);
     AddBias(hp, experts[e].b1, static_cast<int>(rows), hidden);
   }
-  const int64_t total = offsets[num_experts];
-  Gelu(h, hpre, total * hidden);
+  Gelu(h, hpre, offsets[num_experts] * hidden);
   for (int e = 0; e < num_experts; ++e) {
     const int64_t begin = offsets[e], rows = offsets[e + 1] - offsets[e];
     if (rows == 0) continue;
@@ -175,30 +246,54 @@ void CpuBackend::ExpertBackward(float* dx, float* dh, absl::Span<const ExpertGra
                                 const int64_t* offsets, absl::Span<const ExpertWeights> experts,
                                 int channels, int hidden) {
   const int num_experts = static_cast<int>(experts.size());
-  for (int e = 0; e < num_experts; ++e) {
+  // dH = dY W2^T; dW2 += H^T dY; db2 += sums of dY.
+  auto second = [&](int e, bool threaded) {
     const int64_t begin = offsets[e];
     const int rows = static_cast<int>(offsets[e + 1] - begin);
-    if (rows == 0) continue;
+    if (rows == 0) return;
     const float* dye = dy + begin * channels;
-    Gemm(false, true, rows, hidden, channels, 1.0f, dye, channels, experts[e].w2, channels, 0.0f,
-         dh + begin * hidden, hidden);  // dH = dY W2^T
-    Gemm(true, false, hidden, channels, rows, 1.0f, h + begin * hidden, hidden, dye, channels, 1.0f,
-         grads[e].w2, channels);  // dW2 += H^T dY
-    BiasGrad(grads[e].b2, dye, rows, channels);
-  }
-  const int64_t total = offsets[num_experts];
-  GeluBackward(dh, hpre, dh, total * hidden);
-  for (int e = 0; e < num_experts; ++e) {
+    Sgemm(false, true, rows, hidden, channels, dye, channels, experts[e].w2, channels, 0.0f,
+          dh + begin * hidden, hidden);
+    Sgemm(true, false, hidden, channels, rows, h + begin * hidden, hidden, dye, channels, 1.0f,
+          grads[e].w2, channels);
+    if (threaded) {
+      BiasGrad(grads[e].b2, dye, rows, channels);
+    } else {
+      ColumnSums(grads[e].b2, dye, rows, channels);
+    }
+  };
+  // dW1 += X^T dHpre; db1 += sums of dHpre; dX = dHpre W1^T.
+  auto first = [&](int e, bool threaded) {
     const int64_t begin = offsets[e];
     const int rows = static_cast<int>(offsets[e + 1] - begin);
-    if (rows == 0) continue;
+    if (rows == 0) return;
     const float* dhe = dh + begin * hidden;
-    Gemm(true, false, channels, hidden, rows, 1.0f, x + begin * channels, channels, dhe, hidden,
-         1.0f, grads[e].w1, hidden);  // dW1 += X^T dHpre
-    BiasGrad(grads[e].b1, dhe, rows, hidden);
-    Gemm(false, true, rows, channels, hidden, 1.0f, dhe, hidden, experts[e].w1, hidden, 0.0f,
-         dx + begin * channels, channels);  // dX = dHpre W1^T
+    Sgemm(true, false, channels, hidden, rows, x + begin * channels, channels, dhe, hidden, 1.0f,
+          grads[e].w1, hidden);
+    if (threaded) {
+      BiasGrad(grads[e].b1, dhe, rows, hidden);
+    } else {
+      ColumnSums(grads[e].b1, dhe, rows, hidden);
+    }
+    Sgemm(false, true, rows, channels, hidden, dhe, hidden, experts[e].w1, hidden, 0.0f,
+          dx + begin * channels, channels);
+  };
+  if (ExpertsInParallel(offsets, num_experts)) {
+    BlasThreads single(1);
+    pool_.ParallelFor(num_experts, 1, [&](int64_t b, int64_t end) {
+      for (int64_t i = b; i < end; ++i) {
+        const int e = static_cast<int>(i);
+        second(e, false);
+        GeluBackwardRange(dh + offsets[e] * hidden, hpre + offsets[e] * hidden,
+                          dh + offsets[e] * hidden, 0, (offsets[e + 1] - offsets[e]) * hidden);
+        first(e, false);
+      }
+    });
+    return;
   }
+  for (int e = 0; e < num_experts; ++e) second(e, true);
+  GeluBackward(dh, hpre, dh, offsets[num_experts] * hidden);
+  for (int e = 0; e < num_experts; ++e) first(e, true);
 }
 
 void CpuBackend::RouteBackward(float* dlogits, const float* dgate, const RoutingBuffers& routing,
