@@ -186,18 +186,32 @@ void CpuBackend::LayerNormBackward(float* dx, float* dw, float* db, const float*
   });
 }
 
+namespace {
+
+void Sgemm(bool ta, bool tb, int m, int n, int k, float alpha, const float* a, int lda,
+           const float* b, int ldb, float beta, float* c, int ldc) {
+  cblas_sgemm(CblasRowMajor, ta ? CblasTrans : CblasNoTrans, tb ? CblasTrans : CblasNoTrans, m, n,
+              k, alpha, a, lda, b, ldb, beta, c, ldc);
+}
+
+}  // namespace
+
+// NOTE: attention is B*H small products; they run one (batch, head) per pool thread with
+// single-threaded GEMMs, which beats multi-threading each tiny GEMM.
 void CpuBackend::Attention(float* out, float* att, const float* qkv, int batch, int seq,
                            int channels, int heads) {
   const int hs = channels / heads;
   const int ld = 3 * channels;
   const float scale = 1.0f / std::sqrt(static_cast<float>(hs));
-  for (int b = 0; b < batch; ++b) {
-    for (int h = 0; h < heads; ++h) {
-      const float* q = qkv + int64_t{b} * seq * ld + h * hs;
+  BlasThreads single(1);
+  pool_.ParallelFor(int64_t{batch} * heads, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t bh = begin; bh < end; ++bh) {
+      const int64_t b = bh / heads, h = bh % heads;
+      const float* q = qkv + b * seq * ld + h * hs;
       const float* k = q + channels;
       const float* v = q + 2 * channels;
-      float* p = att + (int64_t{b} * heads + h) * seq * seq;
-      Gemm(false, true, seq, seq, hs, scale, q, ld, k, ld, 0.0f, p, seq);
+      float* p = att + bh * seq * seq;
+      Sgemm(false, true, seq, seq, hs, scale, q, ld, k, ld, 0.0f, p, seq);
       // Causal softmax per row; the masked entries become exact zeros.
       for (int t = 0; t < seq; ++t) {
         float* row = p + int64_t{t} * seq;
@@ -212,10 +226,10 @@ void CpuBackend::Attention(float* out, float* att, const float* qkv, int batch, 
         for (int j = 0; j <= t; ++j) row[j] *= inv;
         for (int j = t + 1; j < seq; ++j) row[j] = 0.0f;
       }
-      Gemm(false, false, seq, hs, seq, 1.0f, p, seq, v, ld, 0.0f,
-           out + int64_t{b} * seq * channels + h * hs, channels);
+      Sgemm(false, false, seq, hs, seq, 1.0f, p, seq, v, ld, 0.0f, out + b * seq * channels + h * hs,
+            channels);
     }
-  }
+  });
 }
 
 void CpuBackend::AttentionBackward(float* dqkv, const float* dout, const float* qkv,
@@ -223,20 +237,23 @@ void CpuBackend::AttentionBackward(float* dqkv, const float* dout, const float* 
   const int hs = channels / heads;
   const int ld = 3 * channels;
   const float scale = 1.0f / std::sqrt(static_cast<float>(hs));
-  float* dp = FloatScratch(int64_t{seq} * seq);
-  for (int b = 0; b < batch; ++b) {
-    for (int h = 0; h < heads; ++h) {
-      const int64_t base = int64_t{b} * seq * ld + h * hs;
+  float* scratch = FloatScratch(static_cast<size_t>(batch) * heads * seq * seq);
+  BlasThreads single(1);
+  pool_.ParallelFor(int64_t{batch} * heads, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t bh = begin; bh < end; ++bh) {
+      const int64_t b = bh / heads, h = bh % heads;
+      const int64_t base = b * seq * ld + h * hs;
       const float* q = qkv + base;
       const float* k = q + channels;
       const float* v = q + 2 * channels;
       float* dq = dqkv + base;
       float* dk = dq + channels;
       float* dv = dq + 2 * channels;
-      const float* p = att + (int64_t{b} * heads + h) * seq * seq;
-      const float* dy = dout + int64_t{b} * seq * channels + h * hs;
-      Gemm(false, true, seq, seq, hs, 1.0f, dy, channels, v, ld, 0.0f, dp, seq);  // dP = dY V^T
-      Gemm(true, false, seq, hs, seq, 1.0f, p, seq, dy, channels, 0.0f, dv, ld);  // dV = P^T dY
+      const float* p = att + bh * seq * seq;
+      float* dp = scratch + bh * seq * seq;
+      const float* dy = dout + b * seq * channels + h * hs;
+      Sgemm(false, true, seq, seq, hs, 1.0f, dy, channels, v, ld, 0.0f, dp, seq);  // dP = dY V^T
+      Sgemm(true, false, seq, hs, seq, 1.0f, p, seq, dy, channels, 0.0f, dv, ld);  // dV = P^T dY
       // dS = P * (dP - rowsum(dP * P)); zero above the diagonal because P is.
       for (int t = 0; t < seq; ++t) {
         float* drow = dp + int64_t{t} * seq;
@@ -247,10 +264,10 @@ void CpuBackend::AttentionBackward(float* dqkv, const float* dout, const float* 
         for (int j = 0; j <= t; ++j) drow[j] = prow[j] * (drow[j] - d);
         for (int j = t + 1; j < seq; ++j) drow[j] = 0.0f;
       }
-      Gemm(false, false, seq, hs, seq, scale, dp, seq, k, ld, 0.0f, dq, ld);  // dQ = dS K
-      Gemm(true, false, seq, hs, seq, scale, dp, seq, q, ld, 0.0f, dk, ld);   // dK = dS^T Q
+      Sgemm(false, false, seq, hs, seq, scale, dp, seq, k, ld, 0.0f, dq, ld);  // dQ = dS K
+      Sgemm(true, false, seq, hs, seq, scale, dp, seq, q, ld, 0.0f, dk, ld);   // dK = dS^T Q
     }
-  }
+  });
 }
 
 void CpuBackend::Gelu(float* out, const float* x, int64_t n) {

@@ -151,20 +151,6 @@ void CpuBackend::CombineBackward(float* dy, float* dgate, const float* dout, con
 
 namespace {
 
-// Sets OpenBLAS's thread count for a scope and restores it.
-class BlasThreads {
- public:
-  explicit BlasThreads(int threads) : saved_(openblas_get_num_threads()) {
-    openblas_set_num_threads(threads);
-  }
-  ~BlasThreads() { openblas_set_num_threads(saved_); }
-  BlasThreads(const BlasThreads&) = delete;
-  BlasThreads& operator=(const BlasThreads&) = delete;
-
- private:
-  int saved_;
-};
-
 void AddBiasRows(float* out, const float* bias, int64_t rows, int n) {
   for (int64_t i = 0; i < rows; ++i) {
     float* row = out + i * n;

@@ -3,9 +3,26 @@
 #ifndef PITH_WORKER_COMPUTE_CPU_KERNELS_H_
 #define PITH_WORKER_COMPUTE_CPU_KERNELS_H_
 
+#include <cblas.h>
+
 #include <cstdint>
 
 namespace pith::compute {
+
+// Sets OpenBLAS's thread count for a scope and restores it.
+class BlasThreads {
+ public:
+  explicit BlasThreads(int threads) : saved_(openblas_get_num_threads()) {
+    openblas_set_num_threads(threads);
+  }
+  ~BlasThreads() { openblas_set_num_threads(saved_); }
+  BlasThreads(const BlasThreads&) = delete;
+  BlasThreads& operator=(const BlasThreads&) = delete;
+
+ private:
+  int saved_;
+};
+
 
 // out[i] = gelu_tanh(x[i]) for i in [begin, end).
 void GeluRange(float* out, const float* x, int64_t begin, int64_t end);
