@@ -226,8 +226,8 @@ void CpuBackend::Attention(float* out, float* att, const float* qkv, int batch, 
         for (int j = 0; j <= t; ++j) row[j] *= inv;
         for (int j = t + 1; j < seq; ++j) row[j] = 0.0f;
       }
-      Sgemm(false, false, seq, hs, seq, 1.0f, p, seq, v, ld, 0.0f, out + b * seq * channels + h * hs,
-            channels);
+      Sgemm(false, false, seq, hs, seq, 1.0f, p, seq, v, ld, 0.0f,
+            out + b * seq * channels + h * hs, channels);
     }
   });
 }

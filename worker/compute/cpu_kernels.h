@@ -23,7 +23,6 @@ class BlasThreads {
   int saved_;
 };
 
-
 // out[i] = gelu_tanh(x[i]) for i in [begin, end).
 void GeluRange(float* out, const float* x, int64_t begin, int64_t end);
 // dx[i] = dout[i] * gelu_tanh'(x[i]) for i in [begin, end); dx may alias dout.
