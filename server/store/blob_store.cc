@@ -1,0 +1,474 @@
+#include "server/store/blob_store.h"
+
+#include <bit>
+#include <cstring>
+#include <utility>
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "common/crc32c.h"
+#include "common/status.h"
+#include "server/store/blob_key.h"
+
+namespace pith::store {
+
+struct BlobStore::Metrics {
+  prometheus::Gauge* ram_bytes = nullptr;
+  prometheus::Gauge* rocksdb_bytes = nullptr;
+  prometheus::Counter* ram_gets = nullptr;
+  prometheus::Counter* rocksdb_gets = nullptr;
+  prometheus::Counter* puts = nullptr;
+  prometheus::Counter* promotions = nullptr;
+  prometheus::Counter* demotions = nullptr;
+
+  static absl::StatusOr<std::unique_ptr<Metrics>> Create(MetricsRegistry& r) {
+    auto m = std::make_unique<Metrics>();
+    const std::string tier_help = "Bytes of blobs held in each tier";
+    ASSIGN_OR_RETURN(m->ram_bytes, r.Gauge("pith_store_tier_bytes", tier_help, {{"tier", "ram"}}));
+    ASSIGN_OR_RETURN(m->rocksdb_bytes,
+                     r.Gauge("pith_store_tier_bytes", tier_help, {{"tier", "rocksdb"}}));
+    const std::string gets_help = "Blob reads by the tier that served them";
+    ASSIGN_OR_RETURN(m->ram_gets, r.Counter("pith_store_gets_total", gets_help, {{"tier", "ram"}}));
+    ASSIGN_OR_RETURN(m->rocksdb_gets,
+                     r.Counter("pith_store_gets_total", gets_help, {{"tier", "rocksdb"}}));
+    ASSIGN_OR_RETURN(m->puts, r.Counter("pith_store_puts_total", "Blob versions written"));
+    ASSIGN_OR_RETURN(m->promotions, r.Counter("pith_store_promotions_total",
+                                              "Blobs read from RocksDB into the RAM tier"));
+    ASSIGN_OR_RETURN(m->demotions, r.Counter("pith_store_demotions_total",
+                                             "Blobs dropped from the RAM tier to make room"));
+    return m;
+  }
+};
+
+RamBlock::~RamBlock() { store_->ReleaseBlock(offset_); }
+
+BlobStore::BlobStore(const BlobStoreOptions& options, std::unique_ptr<ColdTier> cold,
+                     uint8_t* arena)
+    : options_(options),
+      cold_(std::move(cold)),
+      arena_(arena),
+      allocator_(options.ram_bytes, options.min_block_bytes,
+                 std::bit_ceil(std::max(options.max_blob_bytes, options.min_block_bytes))) {}
+
+BlobStore::~BlobStore() {
+  // Blocks still referenced by BlobRefs must not outlive the store; the owner joins its
+  // transports first. Drop the index's references here.
+  std::lock_guard<std::mutex> lock(mu_);
+  blobs_.clear();
+  lru_.clear();
+}
+
+absl::StatusOr<std::unique_ptr<BlobStore>> BlobStore::Open(const BlobStoreOptions& options,
+                                                           std::unique_ptr<ColdTier> cold,
+                                                           uint8_t* arena,
+                                                           MetricsRegistry* metrics) {
+  const uint64_t max_block =
+      std::bit_ceil(std::max(options.max_blob_bytes, options.min_block_bytes));
+  if (options.ram_bytes < max_block) {
+    return absl::InvalidArgumentError(absl::StrCat("--ram_bytes ", options.ram_bytes,
+                                                   " is below one block of the largest blob (",
+                                                   max_block, " bytes)"));
+  }
+  std::unique_ptr<BlobStore> store(new BlobStore(options, std::move(cold), arena));
+  if (metrics != nullptr) {
+    ASSIGN_OR_RETURN(store->metrics_, Metrics::Create(*metrics));
+  }
+  RETURN_IF_ERROR(store->Recover());
+  return store;
+}
+
+absl::Status BlobStore::Recover() {
+  ASSIGN_OR_RETURN(ColdContents contents, cold_->Load());
+  std::lock_guard<std::mutex> lock(mu_);
+  ColdBatch discard;
+  for (const auto& [key, record] : contents.records) {
+    ASSIGN_OR_RETURN(v1::BlobKey decoded, DecodeBlobKey(key));
+    Blob& blob = blobs_[key];
+    blob.key = std::move(decoded);
+    blob.committed = record.version;
+    blob.versions[record.version] = Version{record.version, record.size, record.crc, nullptr, {}};
+  }
+  // Keep exactly the committed versions; anything else is a pending version of a step
+  // that never committed, or one a commit replaced.
+  for (const auto& d : contents.data) {
+    auto it = contents.records.find(d.key);
+    if (it == contents.records.end() || it->second.version != d.version) {
+      discard.delete_data.push_back(d);
+    }
+  }
+  for (const auto& [key, blob] : blobs_) cold_bytes_ += blob.versions.begin()->second.size;
+  job_steps_ = contents.job_steps;
+  if (!discard.delete_data.empty()) RETURN_IF_ERROR(cold_->Apply(discard, true));
+  UpdateGaugesLocked();
+  return absl::OkStatus();
+}
+
+void BlobStore::ReleaseBlock(uint64_t offset) {
+  std::lock_guard<std::mutex> lock(alloc_mu_);
+  allocator_.Free(offset);
+}
+
+absl::StatusOr<std::shared_ptr<RamBlock>> BlobStore::AllocateLocked(uint64_t size) {
+  while (true) {
+    {
+      std::lock_guard<std::mutex> lock(alloc_mu_);
+      if (std::optional<uint64_t> offset = allocator_.Allocate(size)) {
+        return std::make_shared<RamBlock>(this, *offset, size);
+      }
+    }
+    // Demote the least recently used blob nobody is reading.
+    bool demoted = false;
+    for (auto it = lru_.rbegin(); it != lru_.rend(); ++it) {
+      Blob& blob = blobs_.at(it->first);
+      Version& v = blob.versions.at(it->second);
+      if (v.ram.use_count() > 1) continue;  // pinned by a reader
+      const std::string key = it->first;
+      DropRamLocked(key, v);
+      ++demotions_;
+      if (metrics_) metrics_->demotions->Increment();
+      demoted = true;
+      break;
+    }
+    if (!demoted) {
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "RAM tier: no room for ", size, " bytes (every resident blob is being read)"));
+    }
+  }
+}
+
+void BlobStore::DropRamLocked(const std::string& key, Version& v) {
+  if (!v.ram) return;
+  lru_.erase(v.lru);
+  v.ram.reset();  // the block returns to the allocator once no reader holds it
+}
+
+void BlobStore::TouchLocked(const std::string& key, Version& v) {
+  if (v.ram) {
+    lru_.splice(lru_.begin(), lru_, v.lru);
+  }
+}
+
+v1::BlobInfo BlobStore::InfoLocked(const Blob& blob, const Version& v) const {
+  v1::BlobInfo info;
+  *info.mutable_key() = blob.key;
+  info.set_version(v.version);
+  info.set_size_bytes(v.size);
+  info.set_crc32c(v.crc);
+  info.set_tier(v.ram ? v1::TIER_RAM : v1::TIER_ROCKSDB);
+  info.set_committed(v.version == blob.committed);
+  return info;
+}
+
+void BlobStore::UpdateGaugesLocked() {
+  if (!metrics_) return;
+  uint64_t ram;
+  {
+    std::lock_guard<std::mutex> lock(alloc_mu_);
+    ram = allocator_.used();
+  }
+  metrics_->ram_bytes->Set(static_cast<double>(ram));
+  metrics_->rocksdb_bytes->Set(static_cast<double>(cold_bytes_));
+}
+
+absl::StatusOr<PutReservation> BlobStore::BeginPut(const v1::BlobKey& key, int64_t version,
+                                                   uint64_t size) {
+  RETURN_IF_ERROR(ValidateBlobKey(key));
+  if (size > options_.max_blob_bytes) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat("blob of ", size, " bytes is over the limit of ", options_.max_blob_bytes));
+  }
+  if (version < 0) return absl::InvalidArgumentError("version must be >= 0");
+  const std::string encoded = EncodeBlobKey(key);
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = blobs_.find(encoded);
+  if (it != blobs_.end() && it->second.committed >= version) {
+    return absl::FailedPreconditionError(
+        absl::StrCat(BlobKeyDebugString(key), ": version ", version,
+                     " is not newer than the committed version ", it->second.committed));
+  }
+  PutReservation r;
+  ASSIGN_OR_RETURN(r.block_, AllocateLocked(std::max<uint64_t>(size, 1)));
+  r.key_ = key;
+  r.version_ = version;
+  r.data_ = arena_ + r.block_->offset();
+  r.size_ = size;
+  return r;
+}
+
+absl::StatusOr<v1::BlobInfo> BlobStore::FinishPut(PutReservation r,
+                                                  std::optional<uint32_t> expected_crc) {
+  if (!r.block_) return absl::InvalidArgumentError("empty put reservation");
+  const uint32_t crc = Crc32c(r.data_, r.size_);
+  if (expected_crc && *expected_crc != crc) {
+    return absl::DataLossError(absl::StrCat(BlobKeyDebugString(r.key_), ": checksum mismatch"));
+  }
+  const std::string encoded = EncodeBlobKey(r.key_);
+  // The bytes go to the cold tier before the version exists anywhere, so every version a
+  // reader can see survives a crash once its step commits.
+  RETURN_IF_ERROR(cold_->PutData(encoded, r.version_, {r.data_, r.size_}));
+  std::lock_guard<std::mutex> lock(mu_);
+  Blob& blob = blobs_[encoded];
+  if (blob.versions.empty() && blob.committed < 0) blob.key = r.key_;
+  if (blob.committed >= r.version_) {
+    return absl::FailedPreconditionError(absl::StrCat(BlobKeyDebugString(r.key_), ": version ",
+                                                      r.version_, " was committed meanwhile"));
+  }
+  auto existing = blob.versions.find(r.version_);
+  if (existing != blob.versions.end()) {  // a retried write of the same step replaces it
+    cold_bytes_ -= existing->second.size;
+    DropRamLocked(encoded, existing->second);
+    blob.versions.erase(existing);
+  }
+  Version& v = blob.versions[r.version_];
+  v.version = r.version_;
+  v.size = r.size_;
+  v.crc = crc;
+  v.ram = std::move(r.block_);
+  lru_.emplace_front(encoded, r.version_);
+  v.lru = lru_.begin();
+  cold_bytes_ += r.size_;
+  ++puts_;
+  if (metrics_) metrics_->puts->Increment();
+  UpdateGaugesLocked();
+  return InfoLocked(blob, v);
+}
+
+absl::StatusOr<v1::BlobInfo> BlobStore::Put(const v1::BlobKey& key, int64_t version,
+                                            absl::Span<const uint8_t> bytes) {
+  ASSIGN_OR_RETURN(PutReservation r, BeginPut(key, version, bytes.size()));
+  if (!bytes.empty()) std::memcpy(r.data(), bytes.data(), bytes.size());
+  return FinishPut(std::move(r));
+}
+
+absl::StatusOr<BlobRef> BlobStore::Get(const v1::BlobKey& key, int64_t version) {
+  RETURN_IF_ERROR(ValidateBlobKey(key));
+  const std::string encoded = EncodeBlobKey(key);
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = blobs_.find(encoded);
+  if (it == blobs_.end() || (version < 0 && it->second.committed < 0)) {
+    return absl::NotFoundError(absl::StrCat("no blob ", BlobKeyDebugString(key)));
+  }
+  Blob& blob = it->second;
+  const int64_t want = version < 0 ? blob.committed : version;
+  auto vit = blob.versions.find(want);
+  if (vit == blob.versions.end()) {
+    return absl::NotFoundError(absl::StrCat("no version ", want, " of ", BlobKeyDebugString(key)));
+  }
+  Version& v = vit->second;
+  if (v.ram) {
+    TouchLocked(encoded, v);
+    ++ram_gets_;
+    if (metrics_) metrics_->ram_gets->Increment();
+  } else {
+    ASSIGN_OR_RETURN(std::shared_ptr<RamBlock> block,
+                     AllocateLocked(std::max<uint64_t>(v.size, 1)));
+    RETURN_IF_ERROR(cold_->ReadData(encoded, v.version, {arena_ + block->offset(), v.size}));
+    v.ram = std::move(block);
+    lru_.emplace_front(encoded, v.version);
+    v.lru = lru_.begin();
+    ++cold_gets_;
+    ++promotions_;
+    if (metrics_) {
+      metrics_->rocksdb_gets->Increment();
+      metrics_->promotions->Increment();
+    }
+    UpdateGaugesLocked();
+  }
+  BlobRef ref;
+  ref.block_ = v.ram;
+  ref.data_ = arena_ + v.ram->offset();
+  ref.size_ = v.size;
+  ref.version_ = v.version;
+  ref.crc_ = v.crc;
+  return ref;
+}
+
+absl::StatusOr<v1::BlobInfo> BlobStore::Stat(const v1::BlobKey& key, int64_t version) {
+  RETURN_IF_ERROR(ValidateBlobKey(key));
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = blobs_.find(EncodeBlobKey(key));
+  if (it == blobs_.end())
+    return absl::NotFoundError(absl::StrCat("no blob ", BlobKeyDebugString(key)));
+  const int64_t want = version < 0 ? it->second.committed : version;
+  auto vit = it->second.versions.find(want);
+  if (want < 0 || vit == it->second.versions.end()) {
+    return absl::NotFoundError(absl::StrCat("no version ", want, " of ", BlobKeyDebugString(key)));
+  }
+  return InfoLocked(it->second, vit->second);
+}
+
+absl::StatusOr<std::vector<v1::BlobInfo>> BlobStore::List(const std::string& job_id, int layer,
+                                                          std::string after, int limit,
+                                                          std::string* next) {
+  if (job_id.empty()) return absl::InvalidArgumentError("job_id is required");
+  const std::string prefix = JobKeyPrefix(job_id);
+  if (!after.empty() && !absl::StartsWith(after, prefix)) {
+    return absl::InvalidArgumentError("page_token does not belong to this job");
+  }
+  std::vector<v1::BlobInfo> out;
+  next->clear();
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = after.empty() ? blobs_.lower_bound(prefix) : blobs_.upper_bound(after);
+  for (; it != blobs_.end() && absl::StartsWith(it->first, prefix); ++it) {
+    const Blob& blob = it->second;
+    if (blob.committed < 0 || (layer != -2 && blob.key.layer() != layer)) continue;
+    if (limit > 0 && static_cast<int>(out.size()) == limit) {
+      *next = std::prev(it)->first;
+      break;
+    }
+    out.push_back(InfoLocked(blob, blob.versions.at(blob.committed)));
+  }
+  return out;
+}
+
+void BlobStore::EraseVersionLocked(const std::string& key, Blob& blob, int64_t version,
+                                   ColdBatch* batch) {
+  auto it = blob.versions.find(version);
+  if (it == blob.versions.end()) return;
+  DropRamLocked(key, it->second);
+  cold_bytes_ -= it->second.size;
+  batch->delete_data.push_back({key, version});
+  blob.versions.erase(it);
+}
+
+absl::StatusOr<BlobStore::CommitResult> BlobStore::CommitStep(const std::string& job_id,
+                                                              int64_t step) {
+  if (job_id.empty() || step < 0)
+    return absl::InvalidArgumentError("job_id and step >= 0 required");
+  const std::string prefix = JobKeyPrefix(job_id);
+  std::lock_guard<std::mutex> lock(mu_);
+  auto job_it = job_steps_.find(job_id);
+  if (job_it != job_steps_.end() && job_it->second >= step) {
+    return CommitResult{job_it->second, 0};  // already committed: idempotent
+  }
+  ColdBatch batch;
+  uint64_t committed = 0;
+  // First the metadata batch (nothing in memory changes until it is durable).
+  for (auto it = blobs_.lower_bound(prefix);
+       it != blobs_.end() && absl::StartsWith(it->first, prefix); ++it) {
+    Blob& blob = it->second;
+    auto v = blob.versions.find(step);
+    if (v == blob.versions.end()) continue;
+    batch.set_records.push_back({it->first, {v->second.version, v->second.size, v->second.crc}});
+    ++committed;
+  }
+  batch.set_job_steps[job_id] = step;
+  RETURN_IF_ERROR(cold_->Apply(batch, /*sync=*/true));
+
+  // Then free what the commit replaced, and any stale pending version below it.
+  ColdBatch cleanup;
+  for (auto it = blobs_.lower_bound(prefix);
+       it != blobs_.end() && absl::StartsWith(it->first, prefix); ++it) {
+    Blob& blob = it->second;
+    if (blob.versions.count(step)) blob.committed = step;
+    std::vector<int64_t> drop;
+    for (const auto& [version, unused] : blob.versions) {
+      if (version < blob.committed || (version <= step && version != blob.committed)) {
+        drop.push_back(version);
+      }
+    }
+    for (int64_t version : drop) EraseVersionLocked(it->first, blob, version, &cleanup);
+  }
+  job_steps_[job_id] = step;
+  if (!cleanup.delete_data.empty()) RETURN_IF_ERROR(cold_->Apply(cleanup, false));
+  UpdateGaugesLocked();
+  return CommitResult{step, committed};
+}
+
+absl::StatusOr<uint64_t> BlobStore::AbortStep(const std::string& job_id, int64_t step) {
+  if (job_id.empty()) return absl::InvalidArgumentError("job_id is required");
+  const std::string prefix = JobKeyPrefix(job_id);
+  std::lock_guard<std::mutex> lock(mu_);
+  ColdBatch batch;
+  uint64_t discarded = 0;
+  for (auto it = blobs_.lower_bound(prefix);
+       it != blobs_.end() && absl::StartsWith(it->first, prefix); ++it) {
+    Blob& blob = it->second;
+    if (blob.committed == step || !blob.versions.count(step)) continue;
+    EraseVersionLocked(it->first, blob, step, &batch);
+    ++discarded;
+  }
+  // Blobs that only ever had the aborted version disappear.
+  for (auto it = blobs_.lower_bound(prefix);
+       it != blobs_.end() && absl::StartsWith(it->first, prefix);) {
+    it = it->second.versions.empty() ? blobs_.erase(it) : std::next(it);
+  }
+  if (!batch.delete_data.empty()) RETURN_IF_ERROR(cold_->Apply(batch, false));
+  UpdateGaugesLocked();
+  return discarded;
+}
+
+absl::StatusOr<uint64_t> BlobStore::DeleteBlob(const v1::BlobKey& key) {
+  RETURN_IF_ERROR(ValidateBlobKey(key));
+  const std::string encoded = EncodeBlobKey(key);
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = blobs_.find(encoded);
+  if (it == blobs_.end())
+    return absl::NotFoundError(absl::StrCat("no blob ", BlobKeyDebugString(key)));
+  ColdBatch batch;
+  uint64_t bytes = 0;
+  while (!it->second.versions.empty()) {
+    bytes += it->second.versions.begin()->second.size;
+    EraseVersionLocked(encoded, it->second, it->second.versions.begin()->first, &batch);
+  }
+  batch.delete_records.push_back(encoded);
+  blobs_.erase(it);
+  RETURN_IF_ERROR(cold_->Apply(batch, true));
+  UpdateGaugesLocked();
+  return bytes;
+}
+
+absl::StatusOr<std::pair<uint64_t, uint64_t>> BlobStore::DeleteJob(const std::string& job_id) {
+  if (job_id.empty()) return absl::InvalidArgumentError("job_id is required");
+  const std::string prefix = JobKeyPrefix(job_id);
+  std::lock_guard<std::mutex> lock(mu_);
+  ColdBatch batch;
+  uint64_t blobs = 0, bytes = 0;
+  for (auto it = blobs_.lower_bound(prefix);
+       it != blobs_.end() && absl::StartsWith(it->first, prefix);) {
+    while (!it->second.versions.empty()) {
+      bytes += it->second.versions.begin()->second.size;
+      EraseVersionLocked(it->first, it->second, it->second.versions.begin()->first, &batch);
+    }
+    batch.delete_records.push_back(it->first);
+    ++blobs;
+    it = blobs_.erase(it);
+  }
+  batch.delete_job_steps.push_back(job_id);
+  job_steps_.erase(job_id);
+  RETURN_IF_ERROR(cold_->Apply(batch, true));
+  UpdateGaugesLocked();
+  return std::make_pair(blobs, bytes);
+}
+
+int64_t BlobStore::CommittedStep(const std::string& job_id) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = job_steps_.find(job_id);
+  return it == job_steps_.end() ? -1 : it->second;
+}
+
+v1::StoreStats BlobStore::Stats() {
+  v1::StoreStats s;
+  std::lock_guard<std::mutex> lock(mu_);
+  {
+    std::lock_guard<std::mutex> alloc_lock(alloc_mu_);
+    s.set_ram_bytes(allocator_.used());
+    s.set_ram_capacity_bytes(allocator_.capacity());
+  }
+  s.set_rocksdb_bytes(cold_bytes_);
+  uint64_t committed = 0, pending = 0;
+  for (const auto& [key, blob] : blobs_) {
+    committed += blob.committed >= 0;
+    pending += blob.versions.size() - (blob.committed >= 0 ? 1 : 0);
+  }
+  s.set_blobs(committed);
+  s.set_pending_blobs(pending);
+  s.set_ram_gets(ram_gets_);
+  s.set_rocksdb_gets(cold_gets_);
+  s.set_puts(puts_);
+  s.set_promotions(promotions_);
+  s.set_demotions(demotions_);
+  return s;
+}
+
+}  // namespace pith::store

@@ -1,0 +1,193 @@
+// BlobStore: the expert store's core — versioned blobs in a RAM tier (one arena, buddy
+// blocks, LRU demotion, promotion on read, pinned while read) over a durable ColdTier.
+// It knows nothing of gRPC or UCX; the transports call it.
+//
+// Versions (DESIGN §4): a blob is written as version s+1 (pending) while version s stays
+// the committed one; CommitStep(job, s+1) makes every pending s+1 of the job current in
+// one synced batch and frees what it replaces; AbortStep, or a crash before the commit,
+// discards them.
+//
+// Thread safety: all methods are thread-safe. BlobRef and PutReservation may be released
+// from any thread.
+#ifndef PITH_SERVER_STORE_BLOB_STORE_H_
+#define PITH_SERVER_STORE_BLOB_STORE_H_
+
+#include <cstdint>
+#include <list>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "absl/container/btree_map.h"
+#include "absl/status/statusor.h"
+#include "absl/types/span.h"
+#include "common/metrics.h"
+#include "pith/v1/common.pb.h"
+#include "pith/v1/store.pb.h"
+#include "server/store/buddy_allocator.h"
+#include "server/store/cold_tier.h"
+
+namespace pith::store {
+
+struct BlobStoreOptions {
+  // RAM-tier budget in bytes; the arena passed to Open has at least this many.
+  uint64_t ram_bytes = 1ull << 30;
+  // Largest blob accepted.
+  uint64_t max_blob_bytes = 64ull << 20;
+  // Smallest RAM block.
+  uint64_t min_block_bytes = 4096;
+};
+
+class BlobStore;
+
+// A block of the RAM arena, returned to the allocator when the last holder lets go.
+class RamBlock {
+ public:
+  RamBlock(BlobStore* store, uint64_t offset, uint64_t size)
+      : store_(store), offset_(offset), size_(size) {}
+  ~RamBlock();
+  RamBlock(const RamBlock&) = delete;
+  RamBlock& operator=(const RamBlock&) = delete;
+  uint64_t offset() const { return offset_; }
+  uint64_t size() const { return size_; }
+
+ private:
+  BlobStore* store_;
+  uint64_t offset_, size_;
+};
+
+// A pinned, readable blob version in RAM. While it lives the bytes stay put.
+class BlobRef {
+ public:
+  BlobRef() = default;
+  const uint8_t* data() const { return data_; }
+  uint64_t size() const { return size_; }
+  int64_t version() const { return version_; }
+  uint32_t crc() const { return crc_; }
+
+ private:
+  friend class BlobStore;
+  std::shared_ptr<RamBlock> block_;
+  const uint8_t* data_ = nullptr;
+  uint64_t size_ = 0;
+  int64_t version_ = 0;
+  uint32_t crc_ = 0;
+};
+
+// RAM reserved for a version being received; FinishPut makes it a pending version,
+// dropping it unused returns the RAM.
+class PutReservation {
+ public:
+  PutReservation() = default;
+  uint8_t* data() const { return data_; }
+  uint64_t size() const { return size_; }
+
+ private:
+  friend class BlobStore;
+  v1::BlobKey key_;
+  int64_t version_ = 0;
+  std::shared_ptr<RamBlock> block_;
+  uint8_t* data_ = nullptr;
+  uint64_t size_ = 0;
+};
+
+class BlobStore {
+ public:
+  // Recovers the cold tier's contents (discarding versions no commit made current) over
+  // `arena` (options.ram_bytes bytes, owned by the caller and outliving the store).
+  static absl::StatusOr<std::unique_ptr<BlobStore>> Open(const BlobStoreOptions& options,
+                                                         std::unique_ptr<ColdTier> cold,
+                                                         uint8_t* arena,
+                                                         MetricsRegistry* metrics = nullptr);
+  ~BlobStore();
+
+  // Reserves RAM for (key, version) of `size` bytes. INVALID_ARGUMENT for a bad key,
+  // RESOURCE_EXHAUSTED over max_blob_bytes or when RAM is full of pinned blobs,
+  // FAILED_PRECONDITION when `version` is not newer than the committed one.
+  absl::StatusOr<PutReservation> BeginPut(const v1::BlobKey& key, int64_t version, uint64_t size);
+  // Checksums the received bytes, stores them in the cold tier and records the pending
+  // version. `expected_crc`, when given, must match (DATA_LOSS otherwise).
+  absl::StatusOr<v1::BlobInfo> FinishPut(PutReservation reservation,
+                                         std::optional<uint32_t> expected_crc = std::nullopt);
+  // BeginPut + copy + FinishPut.
+  absl::StatusOr<v1::BlobInfo> Put(const v1::BlobKey& key, int64_t version,
+                                   absl::Span<const uint8_t> bytes);
+
+  // Pins `version` (-1: the committed one) in RAM, promoting it from the cold tier.
+  // NOT_FOUND for an unknown key or version.
+  absl::StatusOr<BlobRef> Get(const v1::BlobKey& key, int64_t version = -1);
+  absl::StatusOr<v1::BlobInfo> Stat(const v1::BlobKey& key, int64_t version = -1);
+  // Committed versions of a job's blobs (layer -2: all), in key order, from `after`
+  // (an encoded key; empty: the start), at most `limit`.
+  absl::StatusOr<std::vector<v1::BlobInfo>> List(const std::string& job_id, int layer,
+                                                 std::string after, int limit, std::string* next);
+
+  struct CommitResult {
+    int64_t committed_step = -1;
+    uint64_t blobs_committed = 0;
+  };
+  absl::StatusOr<CommitResult> CommitStep(const std::string& job_id, int64_t step);
+  // Discards the job's pending versions of `step`; returns how many.
+  absl::StatusOr<uint64_t> AbortStep(const std::string& job_id, int64_t step);
+  // Deletes every version; returns the bytes freed.
+  absl::StatusOr<uint64_t> DeleteBlob(const v1::BlobKey& key);
+  absl::StatusOr<std::pair<uint64_t, uint64_t>> DeleteJob(const std::string& job_id);
+  // The job's committed step; -1 when nothing is committed.
+  int64_t CommittedStep(const std::string& job_id);
+
+  v1::StoreStats Stats();
+  ColdTier& cold() { return *cold_; }
+  uint8_t* arena() const { return arena_; }
+  const BlobStoreOptions& options() const { return options_; }
+
+ private:
+  friend class RamBlock;
+
+  struct Version {
+    int64_t version = 0;
+    uint64_t size = 0;
+    uint32_t crc = 0;
+    std::shared_ptr<RamBlock> ram;                             // null when only in the cold tier
+    std::list<std::pair<std::string, int64_t>>::iterator lru;  // valid when ram is set
+  };
+  struct Blob {
+    v1::BlobKey key;
+    int64_t committed = -1;               // committed version, -1 when none
+    std::map<int64_t, Version> versions;  // committed and pending
+  };
+  struct Metrics;
+
+  BlobStore(const BlobStoreOptions& options, std::unique_ptr<ColdTier> cold, uint8_t* arena);
+  absl::Status Recover();
+  // A RAM block of `size` bytes, demoting unpinned LRU blobs as needed. Requires mu_.
+  absl::StatusOr<std::shared_ptr<RamBlock>> AllocateLocked(uint64_t size);
+  void DropRamLocked(const std::string& key, Version& v);
+  void TouchLocked(const std::string& key, Version& v);
+  void ReleaseBlock(uint64_t offset);
+  v1::BlobInfo InfoLocked(const Blob& blob, const Version& v) const;
+  // Drops one version from RAM and the cold tier bookkeeping. Requires mu_.
+  void EraseVersionLocked(const std::string& key, Blob& blob, int64_t version, ColdBatch* batch);
+  void UpdateGaugesLocked();
+
+  const BlobStoreOptions options_;
+  const std::unique_ptr<ColdTier> cold_;
+  uint8_t* const arena_;
+  std::unique_ptr<Metrics> metrics_;
+
+  std::mutex alloc_mu_;       // after mu_ in the lock order
+  BuddyAllocator allocator_;  // guarded by alloc_mu_
+
+  std::mutex mu_;
+  absl::btree_map<std::string, Blob> blobs_;        // by encoded key; guarded by mu_
+  std::list<std::pair<std::string, int64_t>> lru_;  // RAM-resident, most recent first
+  std::map<std::string, int64_t> job_steps_;
+  uint64_t cold_bytes_ = 0;
+  uint64_t ram_gets_ = 0, cold_gets_ = 0, puts_ = 0, promotions_ = 0, demotions_ = 0;
+};
+
+}  // namespace pith::store
+
+#endif  // PITH_SERVER_STORE_BLOB_STORE_H_

@@ -1,0 +1,297 @@
+// BlobStore on the in-memory cold tier: versions, commit and abort, crash recovery, RAM
+// demotion and promotion under a small budget, pinning, bad input.
+#include "server/store/blob_store.h"
+
+#include <cstring>
+#include <filesystem>
+#include <memory>
+#include <random>
+#include <vector>
+
+#include "common/buffer.h"
+#include "common/crc32c.h"
+#include "gtest/gtest.h"
+#include "server/store/blob_key.h"
+
+namespace pith::store {
+namespace {
+
+v1::BlobKey Expert(int layer, int expert, v1::BlobKind kind = v1::BLOB_KIND_WEIGHTS,
+                   const std::string& job = "job-1") {
+  v1::BlobKey k;
+  k.set_job_id(job);
+  k.set_layer(layer);
+  k.set_expert(expert);
+  k.set_kind(kind);
+  return k;
+}
+
+v1::BlobKey Dense(const std::string& tensor, const std::string& job = "job-1") {
+  v1::BlobKey k;
+  k.set_job_id(job);
+  k.set_layer(-1);
+  k.set_tensor(tensor);
+  k.set_kind(v1::BLOB_KIND_WEIGHTS);
+  return k;
+}
+
+std::vector<uint8_t> Bytes(size_t n, uint32_t seed) {
+  std::vector<uint8_t> v(n);
+  std::mt19937 rng(seed);
+  for (auto& b : v) b = static_cast<uint8_t>(rng());
+  return v;
+}
+
+class BlobStoreTest : public ::testing::Test {
+ protected:
+  void Open(uint64_t ram_bytes = 4 << 20) {
+    store_.reset();
+    options_.ram_bytes = ram_bytes;
+    options_.max_blob_bytes = 1 << 20;
+    if (arena_.size() < ram_bytes) arena_ = *Buffer::Allocate(ram_bytes);
+    auto cold = std::make_unique<ForwardingTier>(&cold_);
+    auto store = BlobStore::Open(options_, std::move(cold), arena_.data());
+    ASSERT_TRUE(store.ok()) << store.status();
+    store_ = std::move(*store);
+  }
+  void SetUp() override { Open(); }
+
+  std::vector<uint8_t> Read(const v1::BlobKey& key, int64_t version = -1) {
+    auto ref = store_->Get(key, version);
+    EXPECT_TRUE(ref.ok()) << ref.status();
+    if (!ref.ok()) return {};
+    return std::vector<uint8_t>(ref->data(), ref->data() + ref->size());
+  }
+
+  // Lets the test keep the MemoryColdTier across store restarts.
+  class ForwardingTier final : public ColdTier {
+   public:
+    explicit ForwardingTier(MemoryColdTier* t) : t_(t) {}
+    absl::Status PutData(absl::string_view k, int64_t v, absl::Span<const uint8_t> b) override {
+      return t_->PutData(k, v, b);
+    }
+    absl::Status ReadData(absl::string_view k, int64_t v, absl::Span<uint8_t> o) override {
+      return t_->ReadData(k, v, o);
+    }
+    absl::Status Apply(const ColdBatch& b, bool sync) override { return t_->Apply(b, sync); }
+    absl::StatusOr<ColdContents> Load() override { return t_->Load(); }
+    absl::Status Checkpoint(const std::string& d) override { return t_->Checkpoint(d); }
+
+   private:
+    MemoryColdTier* t_;
+  };
+
+  MemoryColdTier cold_;
+  Buffer arena_;
+  BlobStoreOptions options_;
+  std::unique_ptr<BlobStore> store_;
+};
+
+TEST_F(BlobStoreTest, KeysRoundTripAndOrderByJob) {
+  for (const v1::BlobKey& k :
+       {Expert(0, 0), Expert(3, 17, v1::BLOB_KIND_ADAM_V), Dense("h.0.ln1.w")}) {
+    auto back = DecodeBlobKey(EncodeBlobKey(k));
+    ASSERT_TRUE(back.ok()) << back.status();
+    EXPECT_EQ(back->SerializeAsString(), k.SerializeAsString());
+  }
+  EXPECT_LT(EncodeBlobKey(Dense("wte")), EncodeBlobKey(Expert(0, 0)));
+  EXPECT_LT(EncodeBlobKey(Expert(0, 9)), EncodeBlobKey(Expert(1, 0)));
+  EXPECT_EQ(ValidateBlobKey(Expert(0, 0, v1::BLOB_KIND_UNSPECIFIED)).code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(ValidateBlobKey(Dense("")).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(ValidateBlobKey(Expert(-2, 0)).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_FALSE(DecodeBlobKey("x").ok());
+}
+
+TEST_F(BlobStoreTest, PendingVersionsBecomeCurrentOnCommit) {
+  const auto v0 = Bytes(10000, 1), v1 = Bytes(10000, 2);
+  ASSERT_TRUE(store_->Put(Expert(0, 1), 0, v0).ok());
+  // Nothing is committed yet.
+  EXPECT_EQ(store_->Get(Expert(0, 1)).status().code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(Read(Expert(0, 1), 0), v0);  // the writer may read its pending version
+  auto c = store_->CommitStep("job-1", 0);
+  ASSERT_TRUE(c.ok());
+  EXPECT_EQ(c->blobs_committed, 1u);
+  EXPECT_EQ(Read(Expert(0, 1)), v0);
+
+  ASSERT_TRUE(store_->Put(Expert(0, 1), 1, v1).ok());
+  EXPECT_EQ(Read(Expert(0, 1)), v0);  // version 0 stays readable while 1 is pending
+  auto info = store_->Stat(Expert(0, 1), 1);
+  ASSERT_TRUE(info.ok());
+  EXPECT_FALSE(info->committed());
+  EXPECT_EQ(info->crc32c(), Crc32c(v1.data(), v1.size()));
+  ASSERT_TRUE(store_->CommitStep("job-1", 1).ok());
+  EXPECT_EQ(Read(Expert(0, 1)), v1);
+  EXPECT_EQ(store_->Get(Expert(0, 1), 0).status().code(), absl::StatusCode::kNotFound);  // freed
+  EXPECT_EQ(store_->Stats().pending_blobs(), 0u);
+  EXPECT_EQ(store_->CommittedStep("job-1"), 1);
+  // A version not newer than the committed one is refused.
+  EXPECT_EQ(store_->Put(Expert(0, 1), 1, v0).status().code(),
+            absl::StatusCode::kFailedPrecondition);
+  // Committing again is a no-op.
+  auto again = store_->CommitStep("job-1", 1);
+  ASSERT_TRUE(again.ok());
+  EXPECT_EQ(again->blobs_committed, 0u);
+}
+
+TEST_F(BlobStoreTest, AbortDiscardsPendingVersions) {
+  ASSERT_TRUE(store_->Put(Dense("wte"), 0, Bytes(100, 1)).ok());
+  ASSERT_TRUE(store_->CommitStep("job-1", 0).ok());
+  ASSERT_TRUE(store_->Put(Dense("wte"), 1, Bytes(100, 2)).ok());
+  ASSERT_TRUE(store_->Put(Expert(2, 2), 1, Bytes(100, 3)).ok());  // new blob, never committed
+  auto n = store_->AbortStep("job-1", 1);
+  ASSERT_TRUE(n.ok());
+  EXPECT_EQ(*n, 2u);
+  EXPECT_EQ(Read(Dense("wte")), Bytes(100, 1));
+  EXPECT_EQ(store_->Stat(Expert(2, 2)).status().code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(store_->Stats().pending_blobs(), 0u);
+  // The step can be written again and committed.
+  ASSERT_TRUE(store_->Put(Dense("wte"), 1, Bytes(100, 4)).ok());
+  ASSERT_TRUE(store_->CommitStep("job-1", 1).ok());
+  EXPECT_EQ(Read(Dense("wte")), Bytes(100, 4));
+}
+
+TEST_F(BlobStoreTest, CrashBeforeCommitKeepsTheCommittedVersionsOnly) {
+  for (int e = 0; e < 4; ++e) ASSERT_TRUE(store_->Put(Expert(0, e), 0, Bytes(5000, e)).ok());
+  ASSERT_TRUE(store_->CommitStep("job-1", 0).ok());
+  for (int e = 0; e < 4; ++e) ASSERT_TRUE(store_->Put(Expert(0, e), 1, Bytes(5000, 10 + e)).ok());
+  ASSERT_TRUE(store_->CommitStep("job-1", 1).ok());
+  for (int e = 0; e < 2; ++e) ASSERT_TRUE(store_->Put(Expert(0, e), 2, Bytes(5000, 20 + e)).ok());
+  store_.reset();
+  cold_.Crash();  // unsynced writes of step 2 are lost, or not: either way it never committed
+  Open();
+  for (int e = 0; e < 4; ++e) EXPECT_EQ(Read(Expert(0, e)), Bytes(5000, 10 + e)) << e;
+  EXPECT_EQ(store_->Stat(Expert(0, 0), 2).status().code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(store_->Stats().pending_blobs(), 0u);
+  EXPECT_EQ(store_->CommittedStep("job-1"), 1);
+  auto contents = cold_.Load();
+  ASSERT_TRUE(contents.ok());
+  EXPECT_EQ(contents->data.size(), 4u);  // recovery deleted every other version
+
+  // Pending data that did reach the disk is discarded on restart as well.
+  ASSERT_TRUE(store_->Put(Expert(0, 0), 2, Bytes(5000, 30)).ok());
+  ASSERT_TRUE(cold_.Apply(ColdBatch{}, true).ok());
+  store_.reset();
+  Open();
+  EXPECT_EQ(Read(Expert(0, 0)), Bytes(5000, 10));
+  EXPECT_EQ(cold_.Load()->data.size(), 4u);
+}
+
+TEST_F(BlobStoreTest, RamBudgetFarBelowTheDataDemotesAndPromotes) {
+  Open(2 << 20);  // 2 MiB of RAM for 40 blobs of 200 KiB (8 MiB)
+  const int kBlobs = 40;
+  for (int e = 0; e < kBlobs; ++e)
+    ASSERT_TRUE(store_->Put(Expert(1, e), 0, Bytes(200 << 10, e)).ok());
+  ASSERT_TRUE(store_->CommitStep("job-1", 0).ok());
+  for (int round = 0; round < 2; ++round) {
+    for (int e = 0; e < kBlobs; ++e) ASSERT_EQ(Read(Expert(1, e)), Bytes(200 << 10, e)) << e;
+  }
+  const v1::StoreStats s = store_->Stats();
+  EXPECT_LE(s.ram_bytes(), 2u << 20);
+  EXPECT_GT(s.demotions(), 40u);
+  EXPECT_GT(s.promotions(), 40u);
+  EXPECT_GT(s.rocksdb_gets(), 0u);
+  EXPECT_EQ(s.rocksdb_bytes(), static_cast<uint64_t>(kBlobs) * (200 << 10));
+}
+
+TEST_F(BlobStoreTest, PinnedBlobsStayWhileRead) {
+  Open(2 << 20);  // room for two 1 MiB blocks
+  for (int e = 0; e < 3; ++e)
+    ASSERT_TRUE(store_->Put(Expert(0, e), 0, Bytes(600 << 10, e + 1)).ok());
+  ASSERT_TRUE(store_->CommitStep("job-1", 0).ok());
+  auto pinned = store_->Get(Expert(0, 0));
+  auto pinned2 = store_->Get(Expert(0, 2));
+  ASSERT_TRUE(pinned.ok() && pinned2.ok());
+  // Both blocks are pinned: a third blob cannot come in.
+  EXPECT_EQ(store_->Get(Expert(0, 1)).status().code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_EQ(std::vector<uint8_t>(pinned->data(), pinned->data() + pinned->size()),
+            Bytes(600 << 10, 1));
+  *pinned = BlobRef();  // unpin
+  EXPECT_EQ(Read(Expert(0, 1)), Bytes(600 << 10, 2));
+  *pinned2 = BlobRef();
+  // A pinned version replaced by a commit stays readable until released.
+  auto old = store_->Get(Expert(0, 1));
+  ASSERT_TRUE(old.ok());
+  ASSERT_TRUE(store_->Put(Expert(0, 1), 1, Bytes(100, 3)).ok());
+  ASSERT_TRUE(store_->CommitStep("job-1", 1).ok());
+  EXPECT_EQ(std::vector<uint8_t>(old->data(), old->data() + old->size()), Bytes(600 << 10, 2));
+}
+
+TEST_F(BlobStoreTest, BadInput) {
+  EXPECT_EQ(store_->Put(Expert(0, 0), 0, Bytes((1 << 20) + 1, 1)).status().code(),
+            absl::StatusCode::kResourceExhausted);
+  EXPECT_EQ(store_->Put(Dense(""), 0, Bytes(10, 1)).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(store_->Put(Expert(0, 0), -1, Bytes(10, 1)).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(store_->Get(Expert(5, 5)).status().code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(store_->CommitStep("", 1).status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(store_->DeleteBlob(Expert(5, 5)).status().code(), absl::StatusCode::kNotFound);
+  auto r = store_->BeginPut(Expert(0, 0), 0, 8);
+  ASSERT_TRUE(r.ok());
+  std::memset(r->data(), 7, 8);
+  EXPECT_EQ(store_->FinishPut(std::move(*r), 12345u).status().code(), absl::StatusCode::kDataLoss);
+  EXPECT_EQ(store_->Stats().ram_bytes(), 0u);  // the reservation's RAM came back
+}
+
+TEST_F(BlobStoreTest, ListPagesAndDeleteJob) {
+  for (int e = 0; e < 5; ++e) ASSERT_TRUE(store_->Put(Expert(0, e), 0, Bytes(10, e)).ok());
+  ASSERT_TRUE(store_->Put(Dense("wte"), 0, Bytes(10, 9)).ok());
+  ASSERT_TRUE(store_->Put(Expert(0, 0, v1::BLOB_KIND_WEIGHTS, "job-2"), 0, Bytes(10, 9)).ok());
+  ASSERT_TRUE(store_->CommitStep("job-1", 0).ok());
+  std::string next;
+  auto page = store_->List("job-1", -2, "", 4, &next);
+  ASSERT_TRUE(page.ok());
+  EXPECT_EQ(page->size(), 4u);
+  EXPECT_EQ((*page)[0].key().tensor(), "wte");  // dense first
+  ASSERT_FALSE(next.empty());
+  auto rest = store_->List("job-1", -2, next, 4, &next);
+  ASSERT_TRUE(rest.ok());
+  EXPECT_EQ(rest->size(), 2u);
+  EXPECT_TRUE(next.empty());
+  auto layer0 = store_->List("job-1", 0, "", 0, &next);
+  EXPECT_EQ(layer0->size(), 5u);
+  auto deleted = store_->DeleteJob("job-1");
+  ASSERT_TRUE(deleted.ok());
+  EXPECT_EQ(deleted->first, 6u);
+  EXPECT_EQ(store_->List("job-1", -2, "", 0, &next)->size(), 0u);
+  EXPECT_TRUE(
+      store_->Stat(Expert(0, 0, v1::BLOB_KIND_WEIGHTS, "job-2"), 0).ok());  // other job kept
+}
+
+TEST(RocksColdTierTest, SurvivesReopenAndCheckpoints) {
+  const std::string dir = testing::TempDir() + "/rocks_tier";
+  std::filesystem::remove_all(dir);
+  {
+    auto tier = OpenRocksColdTier(dir);
+    ASSERT_TRUE(tier.ok()) << tier.status();
+    const auto data = Bytes(3000, 5);
+    ASSERT_TRUE((*tier)->PutData("k1", 3, data).ok());
+    ColdBatch b;
+    b.set_records.push_back({"k1", {3, 3000, 42}});
+    b.set_job_steps["job"] = 3;
+    ASSERT_TRUE((*tier)->Apply(b, true).ok());
+    std::filesystem::remove_all(dir + "_cp");
+    ASSERT_TRUE((*tier)->Checkpoint(dir + "_cp").ok());
+  }
+  for (const std::string& d : {dir, dir + "_cp"}) {
+    auto tier = OpenRocksColdTier(d);
+    ASSERT_TRUE(tier.ok()) << tier.status();
+    auto contents = (*tier)->Load();
+    ASSERT_TRUE(contents.ok());
+    EXPECT_EQ(contents->records.at("k1").version, 3);
+    EXPECT_EQ(contents->records.at("k1").crc, 42u);
+    EXPECT_EQ(contents->job_steps.at("job"), 3);
+    ASSERT_EQ(contents->data.size(), 1u);
+    std::vector<uint8_t> out(3000);
+    ASSERT_TRUE((*tier)->ReadData("k1", 3, absl::MakeSpan(out)).ok());
+    EXPECT_EQ(out, Bytes(3000, 5));
+    std::vector<uint8_t> wrong(10);
+    EXPECT_EQ((*tier)->ReadData("k1", 3, absl::MakeSpan(wrong)).code(),
+              absl::StatusCode::kDataLoss);
+    EXPECT_EQ((*tier)->ReadData("k1", 4, absl::MakeSpan(out)).code(), absl::StatusCode::kNotFound);
+  }
+}
+
+}  // namespace
+}  // namespace pith::store

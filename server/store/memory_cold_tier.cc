@@ -1,0 +1,55 @@
+#include <algorithm>
+#include <cstring>
+
+#include "absl/strings/str_cat.h"
+#include "server/store/cold_tier.h"
+
+namespace pith::store {
+
+absl::Status MemoryColdTier::PutData(absl::string_view key, int64_t version,
+                                     absl::Span<const uint8_t> bytes) {
+  std::lock_guard<std::mutex> lock(mu_);
+  live_.data[{std::string(key), version}] =
+      std::string(reinterpret_cast<const char*>(bytes.data()), bytes.size());
+  return absl::OkStatus();
+}
+
+absl::Status MemoryColdTier::ReadData(absl::string_view key, int64_t version,
+                                      absl::Span<uint8_t> out) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = live_.data.find({std::string(key), version});
+  if (it == live_.data.end()) return absl::NotFoundError("no such blob version in the cold tier");
+  if (it->second.size() != out.size()) {
+    return absl::DataLossError(
+        absl::StrCat("cold blob has ", it->second.size(), " bytes, want ", out.size()));
+  }
+  std::memcpy(out.data(), it->second.data(), out.size());
+  return absl::OkStatus();
+}
+
+absl::Status MemoryColdTier::Apply(const ColdBatch& batch, bool sync) {
+  std::lock_guard<std::mutex> lock(mu_);
+  ColdContents& m = live_.meta;
+  for (const auto& r : batch.set_records) m.records[r.key] = r.record;
+  for (const auto& k : batch.delete_records) m.records.erase(k);
+  for (const auto& d : batch.delete_data) live_.data.erase({d.key, d.version});
+  for (const auto& [job, step] : batch.set_job_steps) m.job_steps[job] = step;
+  for (const auto& job : batch.delete_job_steps) m.job_steps.erase(job);
+  if (sync) durable_ = live_;
+  return absl::OkStatus();
+}
+
+absl::StatusOr<ColdContents> MemoryColdTier::Load() {
+  std::lock_guard<std::mutex> lock(mu_);
+  ColdContents out = live_.meta;
+  out.data.clear();
+  for (const auto& [k, v] : live_.data) out.data.push_back({k.first, k.second});
+  return out;
+}
+
+void MemoryColdTier::Crash() {
+  std::lock_guard<std::mutex> lock(mu_);
+  live_ = durable_;
+}
+
+}  // namespace pith::store

@@ -1,0 +1,153 @@
+// The RocksDB cold tier. Key space (one column family):
+//   'D' + blob key + big-endian version -> blob bytes
+//   'M' + blob key                      -> committed record (version, size, crc)
+//   'J' + job id                        -> committed step
+// The WAL is on; synced batches make every earlier write durable too.
+#include <cstring>
+
+#include "absl/strings/str_cat.h"
+#include "rocksdb/db.h"
+#include "rocksdb/utilities/checkpoint.h"
+#include "rocksdb/write_batch.h"
+#include "server/store/cold_tier.h"
+
+namespace pith::store {
+namespace {
+
+std::string DataKey(absl::string_view key, int64_t version) {
+  std::string out = "D";
+  out.append(key.data(), key.size());
+  for (int shift = 56; shift >= 0; shift -= 8) {
+    out.push_back(static_cast<char>((static_cast<uint64_t>(version) >> shift) & 0xff));
+  }
+  return out;
+}
+
+std::string RecordKey(absl::string_view key) { return absl::StrCat("M", key); }
+std::string JobKey(absl::string_view job) { return absl::StrCat("J", job); }
+
+std::string EncodeRecord(const BlobRecord& r) {
+  std::string out(20, '\0');
+  std::memcpy(out.data(), &r.version, 8);
+  std::memcpy(out.data() + 8, &r.size, 8);
+  std::memcpy(out.data() + 16, &r.crc, 4);
+  return out;
+}
+
+absl::Status ToStatus(const rocksdb::Status& s, absl::string_view what) {
+  if (s.ok()) return absl::OkStatus();
+  const std::string msg = absl::StrCat("rocksdb ", what, ": ", s.ToString());
+  if (s.IsNotFound()) return absl::NotFoundError(msg);
+  if (s.IsCorruption()) return absl::DataLossError(msg);
+  if (s.IsNoSpace()) return absl::ResourceExhaustedError(msg);
+  return absl::InternalError(msg);
+}
+
+class RocksColdTier final : public ColdTier {
+ public:
+  explicit RocksColdTier(std::unique_ptr<rocksdb::DB> db) : db_(std::move(db)) {}
+
+  absl::Status PutData(absl::string_view key, int64_t version,
+                       absl::Span<const uint8_t> bytes) override {
+    return ToStatus(
+        db_->Put(rocksdb::WriteOptions(), DataKey(key, version),
+                 rocksdb::Slice(reinterpret_cast<const char*>(bytes.data()), bytes.size())),
+        "put");
+  }
+
+  absl::Status ReadData(absl::string_view key, int64_t version, absl::Span<uint8_t> out) override {
+    rocksdb::PinnableSlice value;
+    rocksdb::Status s =
+        db_->Get(rocksdb::ReadOptions(), db_->DefaultColumnFamily(), DataKey(key, version), &value);
+    if (!s.ok()) return ToStatus(s, "get");
+    if (value.size() != out.size()) {
+      return absl::DataLossError(
+          absl::StrCat("rocksdb blob has ", value.size(), " bytes, want ", out.size()));
+    }
+    std::memcpy(out.data(), value.data(), out.size());
+    return absl::OkStatus();
+  }
+
+  absl::Status Apply(const ColdBatch& batch, bool sync) override {
+    rocksdb::WriteBatch wb;
+    for (const auto& r : batch.set_records) wb.Put(RecordKey(r.key), EncodeRecord(r.record));
+    for (const auto& k : batch.delete_records) wb.Delete(RecordKey(k));
+    for (const auto& d : batch.delete_data) wb.Delete(DataKey(d.key, d.version));
+    for (const auto& [job, step] : batch.set_job_steps) {
+      wb.Put(JobKey(job), rocksdb::Slice(reinterpret_cast<const char*>(&step), 8));
+    }
+    for (const auto& job : batch.delete_job_steps) wb.Delete(JobKey(job));
+    rocksdb::WriteOptions options;
+    options.sync = sync;
+    return ToStatus(db_->Write(options, &wb), "write batch");
+  }
+
+  absl::StatusOr<ColdContents> Load() override {
+    ColdContents out;
+    std::unique_ptr<rocksdb::Iterator> it(db_->NewIterator(rocksdb::ReadOptions()));
+    for (it->SeekToFirst(); it->Valid(); it->Next()) {
+      const rocksdb::Slice k = it->key();
+      if (k.empty()) continue;
+      const absl::string_view rest(k.data() + 1, k.size() - 1);
+      switch (k[0]) {
+        case 'D': {
+          if (rest.size() < 8) return absl::DataLossError("rocksdb: short data key");
+          uint64_t v = 0;
+          for (size_t i = rest.size() - 8; i < rest.size(); ++i)
+            v = (v << 8) | static_cast<uint8_t>(rest[i]);
+          out.data.push_back(
+              {std::string(rest.substr(0, rest.size() - 8)), static_cast<int64_t>(v)});
+          break;
+        }
+        case 'M': {
+          if (it->value().size() != 20) return absl::DataLossError("rocksdb: bad blob record");
+          BlobRecord r;
+          std::memcpy(&r.version, it->value().data(), 8);
+          std::memcpy(&r.size, it->value().data() + 8, 8);
+          std::memcpy(&r.crc, it->value().data() + 16, 4);
+          out.records[std::string(rest)] = r;
+          break;
+        }
+        case 'J': {
+          if (it->value().size() != 8) return absl::DataLossError("rocksdb: bad job record");
+          int64_t step;
+          std::memcpy(&step, it->value().data(), 8);
+          out.job_steps[std::string(rest)] = step;
+          break;
+        }
+        default:
+          return absl::DataLossError("rocksdb: unknown key space");
+      }
+    }
+    if (!it->status().ok()) return ToStatus(it->status(), "scan");
+    return out;
+  }
+
+  absl::Status Checkpoint(const std::string& dir) override {
+    rocksdb::Checkpoint* raw = nullptr;
+    rocksdb::Status s = rocksdb::Checkpoint::Create(db_.get(), &raw);
+    if (!s.ok()) return ToStatus(s, "checkpoint");
+    std::unique_ptr<rocksdb::Checkpoint> checkpoint(raw);
+    return ToStatus(checkpoint->CreateCheckpoint(dir), "checkpoint");
+  }
+
+ private:
+  std::unique_ptr<rocksdb::DB> db_;
+};
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<ColdTier>> OpenRocksColdTier(const std::string& dir) {
+  rocksdb::Options options;
+  options.create_if_missing = true;
+  options.compression = rocksdb::kNoCompression;  // fp32 tensors do not compress
+  options.IncreaseParallelism(2);
+  // Blobs are large: keep the memtable big enough for a few of them.
+  options.write_buffer_size = 128 << 20;
+  rocksdb::DB* raw = nullptr;
+  rocksdb::Status s = rocksdb::DB::Open(options, dir, &raw);
+  if (!s.ok()) return ToStatus(s, absl::StrCat("open ", dir));
+  return std::unique_ptr<ColdTier>(new RocksColdTier(std::unique_ptr<rocksdb::DB>(raw)));
+}
+
+}  // namespace pith::store
