@@ -240,6 +240,44 @@ absl::StatusOr<v1::BlobInfo> BlobStore::Put(const v1::BlobKey& key, int64_t vers
   return FinishPut(std::move(r));
 }
 
+absl::StatusOr<v1::BlobInfo> BlobStore::InstallCommitted(const v1::BlobKey& key, int64_t version,
+                                                         absl::Span<const uint8_t> bytes) {
+  RETURN_IF_ERROR(ValidateBlobKey(key));
+  if (bytes.size() > options_.max_blob_bytes) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat("blob of ", bytes.size(), " bytes is over the limit"));
+  }
+  const std::string encoded = EncodeBlobKey(key);
+  const uint32_t crc = Crc32c(bytes.data(), bytes.size());
+  RETURN_IF_ERROR(cold_->PutData(encoded, version, bytes));
+  std::lock_guard<std::mutex> lock(mu_);
+  Blob& blob = blobs_[encoded];
+  if (blob.versions.empty() && blob.committed < 0) blob.key = key;
+  if (blob.committed > version) {
+    return absl::FailedPreconditionError(absl::StrCat(BlobKeyDebugString(key), ": version ",
+                                                      blob.committed, " is already committed"));
+  }
+  ColdBatch batch;
+  batch.set_records.push_back({encoded, {version, bytes.size(), crc}});
+  if (blob.committed >= 0 && blob.committed != version) {
+    EraseVersionLocked(encoded, blob, blob.committed, &batch);
+  }
+  if (auto old = blob.versions.find(version); old != blob.versions.end()) {
+    DropRamLocked(encoded, old->second);
+    cold_bytes_ -= old->second.size;
+    blob.versions.erase(old);
+  }
+  RETURN_IF_ERROR(cold_->Apply(batch, /*sync=*/true));
+  Version& v = blob.versions[version];
+  v.version = version;
+  v.size = bytes.size();
+  v.crc = crc;
+  blob.committed = version;
+  cold_bytes_ += bytes.size();
+  UpdateGaugesLocked();
+  return InfoLocked(blob, v);
+}
+
 absl::StatusOr<BlobRef> BlobStore::Get(const v1::BlobKey& key, int64_t version) {
   RETURN_IF_ERROR(ValidateBlobKey(key));
   const std::string encoded = EncodeBlobKey(key);

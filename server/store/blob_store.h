@@ -116,6 +116,11 @@ class BlobStore {
   absl::StatusOr<v1::BlobInfo> Put(const v1::BlobKey& key, int64_t version,
                                    absl::Span<const uint8_t> bytes);
 
+  // Installs `bytes` as the committed `version` of `key` at once (a replica copied from a
+  // peer store): durable on return. FAILED_PRECONDITION when a newer version is committed.
+  absl::StatusOr<v1::BlobInfo> InstallCommitted(const v1::BlobKey& key, int64_t version,
+                                                absl::Span<const uint8_t> bytes);
+
   // Pins `version` (-1: the committed one) in RAM, promoting it from the cold tier.
   // NOT_FOUND for an unknown key or version.
   absl::StatusOr<BlobRef> Get(const v1::BlobKey& key, int64_t version = -1);

@@ -1,33 +1,63 @@
 // pith-store: the expert store process (DESIGN §1, §4).
+#include <cstdio>
 #include <cstdlib>
 #include <string>
 
 #include "absl/flags/flag.h"
+#include "absl/strings/str_cat.h"
 #include "common/metrics.h"
 #include "common/process.h"
 #include "common/server_process.h"
+#include "common/status.h"
 #include "glog/logging.h"
-#include "pith/v1/store.grpc.pb.h"
+#include "server/store/store_server.h"
 
 ABSL_FLAG(std::string, listen, "127.0.0.1:7100", "gRPC listen address (host:port)");
 ABSL_FLAG(int, metrics_port, 9101, "Prometheus /metrics port; -1 disables it, 0 picks one");
+ABSL_FLAG(std::string, data_dir, "", "RocksDB directory of the durable tier (required)");
+ABSL_FLAG(uint64_t, ram_bytes, 1ull << 30, "RAM-tier budget in bytes (UCX-registered memory)");
+ABSL_FLAG(uint64_t, max_blob_bytes, 64ull << 20, "Largest blob accepted, in bytes");
+ABSL_FLAG(int, max_message_bytes, 64 << 20, "Largest gRPC message, in bytes");
+ABSL_FLAG(std::string, coordinator, "",
+          "Coordinator address (host:port); registration arrives with the coordinator");
+
+namespace {
+
+absl::Status Run(pith::ShutdownSignals& signals) {
+  pith::MetricsRegistry metrics;
+  RETURN_IF_ERROR(pith::RegisterProcessMetrics(metrics, "store"));
+  std::unique_ptr<pith::MetricsExposer> exposer;
+  if (absl::GetFlag(FLAGS_metrics_port) >= 0) {
+    ASSIGN_OR_RETURN(exposer,
+                     pith::MetricsExposer::Start(
+                         absl::StrCat("0.0.0.0:", absl::GetFlag(FLAGS_metrics_port)), metrics));
+  }
+  pith::store::StoreServerOptions options;
+  options.listen_address = absl::GetFlag(FLAGS_listen);
+  options.data_dir = absl::GetFlag(FLAGS_data_dir);
+  options.ram_bytes = absl::GetFlag(FLAGS_ram_bytes);
+  options.max_blob_bytes = absl::GetFlag(FLAGS_max_blob_bytes);
+  options.max_message_bytes = absl::GetFlag(FLAGS_max_message_bytes);
+  options.coordinator = absl::GetFlag(FLAGS_coordinator);
+  ASSIGN_OR_RETURN(auto server, pith::store::StoreServer::Start(options, &metrics));
+  LOG(INFO) << "pith-store ready: grpc_port=" << server->grpc_port()
+            << " metrics_port=" << (exposer ? exposer->port() : -1);
+  const int sig = signals.Wait();
+  LOG(INFO) << "pith-store stopping on signal " << sig;
+  return absl::OkStatus();
+}
+
+}  // namespace
 
 int main(int argc, char** argv) {
   pith::ShutdownSignals signals;
   pith::InitProcess(argc, argv,
                     "holds expert weights and optimizer state for Pith workers.\n"
-                    "Usage: pith-store --listen=HOST:PORT --metrics_port=PORT");
-  // NOTE: the services are registered with every RPC answering UNIMPLEMENTED until the
-  // store issue implements them; the process, its ports and its metrics are real.
-  pith::v1::StoreService::Service store_service;
-  pith::MetricsRegistry metrics;
-  absl::Status status = pith::RunServerProcess({.component = "store",
-                                                .listen_address = absl::GetFlag(FLAGS_listen),
-                                                .metrics_port = absl::GetFlag(FLAGS_metrics_port),
-                                                .services = {&store_service}},
-                                               metrics, signals);
+                    "Usage: pith-store --data_dir=DIR [--listen=HOST:PORT] [--ram_bytes=N] "
+                    "[--metrics_port=PORT]");
+  absl::Status status = Run(signals);
   if (!status.ok()) {
-    LOG(ERROR) << "pith-store: " << status.message();
+    fprintf(stderr, "pith-store: %s\n", std::string(status.message()).c_str());
     return EXIT_FAILURE;
   }
   return EXIT_SUCCESS;

@@ -1,0 +1,326 @@
+#include "common/ucx.h"
+
+#include <poll.h>
+#include <sys/eventfd.h>
+#include <unistd.h>
+
+#include <cstring>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "absl/synchronization/notification.h"
+
+namespace pith::ucx {
+namespace {
+
+// Completion context of one send or receive.
+struct OpContext {
+  Worker::Done done;
+  std::string header;  // kept alive until the send completes
+};
+
+}  // namespace
+
+absl::Status FromUcs(ucs_status_t status, absl::string_view what) {
+  if (status == UCS_OK) return absl::OkStatus();
+  const std::string msg = absl::StrCat("ucx ", what, ": ", ucs_status_string(status));
+  switch (status) {
+    case UCS_ERR_NO_MEMORY:
+    case UCS_ERR_EXCEEDS_LIMIT:
+      return absl::ResourceExhaustedError(msg);
+    case UCS_ERR_CANCELED:
+      return absl::CancelledError(msg);
+    case UCS_ERR_TIMED_OUT:
+      return absl::DeadlineExceededError(msg);
+    case UCS_ERR_INVALID_PARAM:
+      return absl::InvalidArgumentError(msg);
+    default:
+      return absl::UnavailableError(msg);
+  }
+}
+
+MemoryRegion::~MemoryRegion() { ucp_mem_unmap(context_, memh_); }
+
+absl::StatusOr<std::unique_ptr<Worker>> Worker::Create() {
+  std::unique_ptr<Worker> w(new Worker());
+  ucp_config_t* config = nullptr;
+  ucs_status_t s = ucp_config_read(nullptr, nullptr, &config);
+  if (s != UCS_OK) return FromUcs(s, "config");
+  ucp_params_t params{};
+  params.field_mask = UCP_PARAM_FIELD_FEATURES;
+  params.features = UCP_FEATURE_AM | UCP_FEATURE_WAKEUP;
+  s = ucp_init(&params, config, &w->context_);
+  ucp_config_release(config);
+  if (s != UCS_OK) return FromUcs(s, "init");
+
+  ucp_worker_params_t wp{};
+  wp.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE;
+  wp.thread_mode = UCS_THREAD_MODE_SINGLE;
+  s = ucp_worker_create(w->context_, &wp, &w->worker_);
+  if (s != UCS_OK) return FromUcs(s, "worker create");
+
+  ucp_address_t* addr = nullptr;
+  size_t addr_len = 0;
+  s = ucp_worker_get_address(w->worker_, &addr, &addr_len);
+  if (s != UCS_OK) return FromUcs(s, "worker address");
+  w->address_.assign(reinterpret_cast<const char*>(addr), addr_len);
+  ucp_worker_release_address(w->worker_, addr);
+
+  s = ucp_worker_get_efd(w->worker_, &w->ucx_fd_);
+  if (s != UCS_OK) return FromUcs(s, "worker efd");
+  w->wake_fd_ = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+  if (w->wake_fd_ < 0) return absl::InternalError("eventfd failed");
+  return w;
+}
+
+Worker::~Worker() {
+  Stop();
+  if (worker_ != nullptr) ucp_worker_destroy(worker_);
+  if (context_ != nullptr) ucp_cleanup(context_);
+  if (wake_fd_ >= 0) ::close(wake_fd_);
+}
+
+void Worker::Stop() {
+  if (thread_.joinable()) {
+    RunSync([this] {
+      for (auto& [ep, state] : endpoints_) {
+        ucp_request_param_t p{};
+        p.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
+        p.flags = UCP_EP_CLOSE_FLAG_FORCE;
+        ucs_status_ptr_t r = ucp_ep_close_nbx(ep, &p);
+        if (UCS_PTR_IS_PTR(r)) {
+          while (ucp_request_check_status(r) == UCS_INPROGRESS) ucp_worker_progress(worker_);
+          ucp_request_free(r);
+        }
+      }
+      endpoints_.clear();
+      for (AmMessage& m : arrived_) Release(m);
+      arrived_.clear();
+    });
+    stop_ = true;
+    Post([] {});
+    thread_.join();
+  }
+}
+
+void Worker::SetHandler(uint16_t id, Handler handler) {
+  handlers_[id] = std::move(handler);
+  slots_.push_back(std::make_unique<HandlerSlot>(HandlerSlot{this, id}));
+  ucp_am_handler_param_t p{};
+  p.field_mask = UCP_AM_HANDLER_PARAM_FIELD_ID | UCP_AM_HANDLER_PARAM_FIELD_CB |
+                 UCP_AM_HANDLER_PARAM_FIELD_ARG | UCP_AM_HANDLER_PARAM_FIELD_FLAGS;
+  p.id = id;
+  p.cb = &Worker::OnAm;
+  p.arg = slots_.back().get();
+  p.flags = UCP_AM_FLAG_PERSISTENT_DATA;
+  ucp_worker_set_am_recv_handler(worker_, &p);
+}
+
+absl::Status Worker::Start() {
+  thread_ = std::thread([this] { Loop(); });
+  return absl::OkStatus();
+}
+
+ucs_status_t Worker::OnAm(void* arg, const void* header, size_t header_length, void* data,
+                          size_t length, const ucp_am_recv_param_t* param) {
+  auto* slot = static_cast<HandlerSlot*>(arg);
+  AmMessage m;
+  m.id = slot->id;
+  if (header_length > 0) m.header.assign(static_cast<const char*>(header), header_length);
+  m.length = length;
+  if (param->recv_attr & UCP_AM_RECV_ATTR_FIELD_REPLY_EP) m.reply_ep = param->reply_ep;
+  ucs_status_t status = UCS_OK;
+  if (param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) {
+    m.rndv_desc = data;
+    status = UCS_INPROGRESS;
+  } else if (param->recv_attr & UCP_AM_RECV_ATTR_FLAG_DATA) {
+    m.persistent = data;
+    status = UCS_INPROGRESS;
+  } else if (length > 0) {
+    m.eager_copy.assign(static_cast<const char*>(data), length);
+  }
+  // Handlers run after ucp_worker_progress returns, where they may send and receive.
+  slot->worker->arrived_.push_back(std::move(m));
+  return status;
+}
+
+void Worker::Loop() {
+  while (!stop_) {
+    while (ucp_worker_progress(worker_) != 0) {
+    }
+    while (!arrived_.empty()) {
+      AmMessage m = std::move(arrived_.front());
+      arrived_.pop_front();
+      auto it = handlers_.find(m.id);
+      if (it != handlers_.end()) it->second(m);
+      Release(m);  // whatever the handler did not take
+    }
+    std::vector<std::function<void()>> posted;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      posted.swap(posted_);
+    }
+    for (auto& fn : posted) fn();
+    if (!posted.empty() || !arrived_.empty()) continue;
+    if (ucp_worker_arm(worker_) == UCS_ERR_BUSY) continue;
+    pollfd fds[2] = {{ucx_fd_, POLLIN, 0}, {wake_fd_, POLLIN, 0}};
+    ::poll(fds, 2, 100);
+    uint64_t drained;
+    while (::read(wake_fd_, &drained, sizeof(drained)) > 0) {
+    }
+  }
+}
+
+void Worker::Post(std::function<void()> fn) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    posted_.push_back(std::move(fn));
+  }
+  const uint64_t one = 1;
+  ssize_t n = ::write(wake_fd_, &one, sizeof(one));
+  (void)n;
+}
+
+void Worker::RunSync(const std::function<void()>& fn) {
+  if (OnProgressThread() || !thread_.joinable()) {
+    fn();
+    return;
+  }
+  absl::Notification done;
+  Post([&] {
+    fn();
+    done.Notify();
+  });
+  done.WaitForNotification();
+}
+
+absl::StatusOr<std::unique_ptr<MemoryRegion>> Worker::Map(void* data, size_t size, bool allocate) {
+  ucp_mem_map_params_t p{};
+  p.field_mask = UCP_MEM_MAP_PARAM_FIELD_ADDRESS | UCP_MEM_MAP_PARAM_FIELD_LENGTH;
+  p.address = data;
+  p.length = size;
+  if (allocate) {
+    p.field_mask |= UCP_MEM_MAP_PARAM_FIELD_FLAGS;
+    p.flags = UCP_MEM_MAP_ALLOCATE;
+    p.address = nullptr;
+  }
+  ucp_mem_h memh = nullptr;
+  absl::Status status;
+  RunSync([&] { status = FromUcs(ucp_mem_map(context_, &p, &memh), "mem map"); });
+  if (!status.ok()) return status;
+  ucp_mem_attr_t attr{};
+  attr.field_mask = UCP_MEM_ATTR_FIELD_ADDRESS | UCP_MEM_ATTR_FIELD_LENGTH;
+  ucp_mem_query(memh, &attr);
+  return std::unique_ptr<MemoryRegion>(
+      new MemoryRegion(context_, memh, static_cast<uint8_t*>(attr.address), size));
+}
+
+absl::StatusOr<std::unique_ptr<MemoryRegion>> Worker::Allocate(size_t size) {
+  return Map(nullptr, size, true);
+}
+
+absl::StatusOr<std::unique_ptr<MemoryRegion>> Worker::Register(void* data, size_t size) {
+  return Map(data, size, false);
+}
+
+void Worker::OnEndpointError(void* arg, ucp_ep_h ep, ucs_status_t status) {
+  auto* state = static_cast<EndpointState*>(arg);
+  if (state->on_error) state->on_error(FromUcs(status, "peer failed"));
+}
+
+absl::StatusOr<ucp_ep_h> Worker::Connect(const std::string& address,
+                                         std::function<void(absl::Status)> on_error) {
+  auto state = std::make_unique<EndpointState>(EndpointState{this, std::move(on_error)});
+  ucp_ep_params_t p{};
+  p.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE |
+                 UCP_EP_PARAM_FIELD_ERR_HANDLER;
+  p.address = reinterpret_cast<const ucp_address_t*>(address.data());
+  p.err_mode = UCP_ERR_HANDLING_MODE_PEER;
+  p.err_handler.cb = &Worker::OnEndpointError;
+  p.err_handler.arg = state.get();
+  ucp_ep_h ep = nullptr;
+  ucs_status_t s = ucp_ep_create(worker_, &p, &ep);
+  if (s != UCS_OK) return FromUcs(s, "connect");
+  endpoints_[ep] = std::move(state);
+  return ep;
+}
+
+void Worker::Close(ucp_ep_h ep) {
+  auto it = endpoints_.find(ep);
+  if (it == endpoints_.end()) return;
+  ucp_request_param_t p{};
+  p.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
+  p.flags = UCP_EP_CLOSE_FLAG_FORCE;
+  ucs_status_ptr_t r = ucp_ep_close_nbx(ep, &p);
+  if (UCS_PTR_IS_PTR(r)) {
+    while (ucp_request_check_status(r) == UCS_INPROGRESS) ucp_worker_progress(worker_);
+    ucp_request_free(r);
+  }
+  endpoints_.erase(it);
+}
+
+void Worker::OnSendDone(void* request, ucs_status_t status, void* user_data) {
+  std::unique_ptr<OpContext> ctx(static_cast<OpContext*>(user_data));
+  ucp_request_free(request);
+  ctx->done(FromUcs(status, "send"));
+}
+
+void Worker::OnRecvDone(void* request, ucs_status_t status, size_t, void* user_data) {
+  std::unique_ptr<OpContext> ctx(static_cast<OpContext*>(user_data));
+  ucp_request_free(request);
+  ctx->done(FromUcs(status, "receive"));
+}
+
+void Worker::Send(ucp_ep_h ep, uint16_t id, std::string header, const void* data, size_t size,
+                  ucp_mem_h memh, bool want_reply, Done done) {
+  auto ctx = std::make_unique<OpContext>(OpContext{std::move(done), std::move(header)});
+  ucp_request_param_t p{};
+  p.op_attr_mask =
+      UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_FLAGS;
+  p.cb.send = &Worker::OnSendDone;
+  p.user_data = ctx.get();
+  p.flags = want_reply ? UCP_AM_SEND_FLAG_REPLY : 0;
+  if (memh != nullptr) {
+    p.op_attr_mask |= UCP_OP_ATTR_FIELD_MEMH;
+    p.memh = memh;
+  }
+  ucs_status_ptr_t r =
+      ucp_am_send_nbx(ep, id, ctx->header.data(), ctx->header.size(), data, size, &p);
+  if (UCS_PTR_IS_PTR(r)) {
+    ctx.release();  // OnSendDone owns it now
+    return;
+  }
+  ctx->done(FromUcs(UCS_PTR_STATUS(r), "send"));
+}
+
+void Worker::ReceiveData(AmMessage& m, void* buffer, ucp_mem_h memh, Done done) {
+  if (m.rndv_desc == nullptr) {
+    if (m.length > 0) std::memcpy(buffer, m.eager_data(), m.length);
+    Release(m);
+    done(absl::OkStatus());
+    return;
+  }
+  auto ctx = std::make_unique<OpContext>(OpContext{std::move(done), {}});
+  ucp_request_param_t p{};
+  p.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
+  p.cb.recv_am = &Worker::OnRecvDone;
+  p.user_data = ctx.get();
+  if (memh != nullptr) {
+    p.op_attr_mask |= UCP_OP_ATTR_FIELD_MEMH;
+    p.memh = memh;
+  }
+  void* desc = std::exchange(m.rndv_desc, nullptr);  // UCX owns it from here on
+  ucs_status_ptr_t r = ucp_am_recv_data_nbx(worker_, desc, buffer, m.length, &p);
+  if (UCS_PTR_IS_PTR(r)) {
+    ctx.release();
+    return;
+  }
+  ctx->done(FromUcs(UCS_PTR_STATUS(r), "receive"));
+}
+
+void Worker::Release(AmMessage& m) {
+  if (m.rndv_desc != nullptr) ucp_am_data_release(worker_, std::exchange(m.rndv_desc, nullptr));
+  if (m.persistent != nullptr) ucp_am_data_release(worker_, std::exchange(m.persistent, nullptr));
+}
+
+}  // namespace pith::ucx

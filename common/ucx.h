@@ -1,0 +1,163 @@
+// UCX (ucp) behind a small RAII surface: a context + worker driven by one progress thread,
+// endpoints, memory registrations, and active messages with rendezvous payloads received
+// straight into caller memory. Nothing here assumes a transport: UCX picks shared memory,
+// TCP or RDMA by itself; Pith only uses active messages, which are fast on all of them
+// (one-sided RMA is emulated over TCP; see TOOLCHAIN.md).
+//
+// Threading: every ucp call happens on the worker's progress thread. Handlers and
+// completion callbacks run there; other threads hand work over with Post() or RunSync().
+// Methods marked "progress thread" must only be called from it.
+#ifndef PITH_COMMON_UCX_H_
+#define PITH_COMMON_UCX_H_
+
+#include <ucp/api/ucp.h>
+
+#include <atomic>
+#include <cstdint>
+#include <deque>
+#include <functional>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+
+namespace pith::ucx {
+
+absl::Status FromUcs(ucs_status_t status, absl::string_view what);
+
+class Worker;
+
+// Memory registered with UCX (ucp_mem_map), allocated by UCX or borrowed; unregistered
+// (and freed when allocated) on destruction, which must happen before the Worker's.
+class MemoryRegion {
+ public:
+  ~MemoryRegion();
+  MemoryRegion(const MemoryRegion&) = delete;
+  MemoryRegion& operator=(const MemoryRegion&) = delete;
+  uint8_t* data() const { return data_; }
+  size_t size() const { return size_; }
+  ucp_mem_h handle() const { return memh_; }
+
+ private:
+  friend class Worker;
+  MemoryRegion(ucp_context_h context, ucp_mem_h memh, uint8_t* data, size_t size)
+      : context_(context), memh_(memh), data_(data), size_(size) {}
+  ucp_context_h context_;
+  ucp_mem_h memh_;
+  uint8_t* data_;
+  size_t size_;
+};
+
+// An incoming active message, as a handler sees it. The payload is either in `eager`
+// (small messages) or still at the sender (rendezvous): then the handler calls
+// Worker::ReceiveData to land it in its own memory, or Worker::Release to refuse it.
+struct AmMessage {
+  uint16_t id = 0;
+  std::string header;
+  ucp_ep_h reply_ep = nullptr;
+  size_t length = 0;
+  void* rndv_desc = nullptr;   // set for a rendezvous payload not yet received
+  void* persistent = nullptr;  // eager payload UCX keeps until released
+  std::string eager_copy;      // eager payload copied out of UCX
+  const uint8_t* eager_data() const {
+    return persistent ? static_cast<const uint8_t*>(persistent)
+                      : reinterpret_cast<const uint8_t*>(eager_copy.data());
+  }
+  bool has_rndv() const { return rndv_desc != nullptr; }
+};
+
+class Worker {
+ public:
+  using Handler = std::function<void(AmMessage&)>;
+  using Done = std::function<void(absl::Status)>;
+
+  // A context and worker with active messages and wakeup; UCX_* environment variables
+  // (UCX_TLS, ...) apply.
+  static absl::StatusOr<std::unique_ptr<Worker>> Create();
+  // Closes every endpoint (cancelling what is in flight; completions still run), then
+  // stops the progress thread. Idempotent. Memory regions may be destroyed after it.
+  void Stop();
+  // Stop(), then releases the worker and context.
+  ~Worker();
+  Worker(const Worker&) = delete;
+  Worker& operator=(const Worker&) = delete;
+
+  // Registers the handler of active-message `id`; call before Start().
+  void SetHandler(uint16_t id, Handler handler);
+  absl::Status Start();
+
+  // The packed worker address peers connect to.
+  const std::string& address() const { return address_; }
+
+  // Thread-safe: allocates and registers `size` bytes, or registers caller memory.
+  absl::StatusOr<std::unique_ptr<MemoryRegion>> Allocate(size_t size);
+  absl::StatusOr<std::unique_ptr<MemoryRegion>> Register(void* data, size_t size);
+
+  // Thread-safe: runs `fn` on the progress thread soon.
+  void Post(std::function<void()> fn);
+  // Thread-safe, not from the progress thread: runs `fn` there and waits for it.
+  void RunSync(const std::function<void()>& fn);
+  bool OnProgressThread() const { return std::this_thread::get_id() == thread_.get_id(); }
+
+  // --- progress thread only ----------------------------------------------------------
+  // An endpoint to the worker at `address`; `on_error` runs (on the progress thread) when
+  // the peer fails. Outstanding operations on it then complete with an error.
+  absl::StatusOr<ucp_ep_h> Connect(const std::string& address,
+                                   std::function<void(absl::Status)> on_error);
+  // Closes an endpoint (forcefully: outstanding operations are cancelled).
+  void Close(ucp_ep_h ep);
+  // Sends active message `id` with `header` and `size` bytes of payload from `data` (which
+  // must stay valid until `done` runs; memh, when given, is its registration). With
+  // `want_reply` the receiver gets a reply endpoint.
+  void Send(ucp_ep_h ep, uint16_t id, std::string header, const void* data, size_t size,
+            ucp_mem_h memh, bool want_reply, Done done);
+  // Receives a rendezvous payload of `message` into `buffer` (length bytes).
+  void ReceiveData(AmMessage& message, void* buffer, ucp_mem_h memh, Done done);
+  // Drops a payload the handler does not want.
+  void Release(AmMessage& message);
+
+ private:
+  Worker() = default;
+  static ucs_status_t OnAm(void* arg, const void* header, size_t header_length, void* data,
+                           size_t length, const ucp_am_recv_param_t* param);
+  static void OnSendDone(void* request, ucs_status_t status, void* user_data);
+  static void OnRecvDone(void* request, ucs_status_t status, size_t length, void* user_data);
+  static void OnEndpointError(void* arg, ucp_ep_h ep, ucs_status_t status);
+  void Loop();
+  absl::StatusOr<std::unique_ptr<MemoryRegion>> Map(void* data, size_t size, bool allocate);
+
+  ucp_context_h context_ = nullptr;
+  ucp_worker_h worker_ = nullptr;
+  std::string address_;
+  int wake_fd_ = -1;  // eventfd: Post() wakes the loop
+  int ucx_fd_ = -1;
+  std::thread thread_;
+  std::atomic<bool> stop_{false};
+
+  struct HandlerSlot {
+    Worker* worker;
+    uint16_t id;
+  };
+  std::map<uint16_t, Handler> handlers_;
+  std::vector<std::unique_ptr<HandlerSlot>> slots_;
+  std::deque<AmMessage> arrived_;  // progress thread only
+
+  std::mutex mu_;
+  std::vector<std::function<void()>> posted_;  // guarded by mu_
+
+  struct EndpointState {
+    Worker* worker;
+    std::function<void(absl::Status)> on_error;
+  };
+  std::map<ucp_ep_h, std::unique_ptr<EndpointState>> endpoints_;  // progress thread only
+};
+
+}  // namespace pith::ucx
+
+#endif  // PITH_COMMON_UCX_H_

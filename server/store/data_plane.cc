@@ -1,0 +1,137 @@
+#include "server/store/data_plane.h"
+
+#include <chrono>
+#include <cstring>
+
+#include "absl/strings/str_cat.h"
+#include "common/crc32c.h"
+#include "glog/logging.h"
+
+namespace pith::store {
+namespace {
+
+double SecondsSince(std::chrono::steady_clock::time_point start) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+}
+
+v1::UcxBlobReply ErrorReply(uint64_t request_id, uint32_t index, const absl::Status& status) {
+  v1::UcxBlobReply r;
+  r.set_request_id(request_id);
+  r.set_index(index);
+  r.set_code(static_cast<int32_t>(status.code()));
+  r.set_message(std::string(status.message()));
+  return r;
+}
+
+}  // namespace
+
+DataPlane::DataPlane(ucx::Worker* worker, BlobStore* store, const ucx::MemoryRegion* arena,
+                     MetricsRegistry* metrics)
+    : worker_(worker), store_(store), memh_(arena ? arena->handle() : nullptr) {
+  if (metrics != nullptr) {
+    const auto buckets = MetricsRegistry::LatencyBuckets();
+    bytes_sent_ = *metrics->Counter("pith_store_bytes_sent_total", "Blob bytes sent over UCX");
+    bytes_received_ =
+        *metrics->Counter("pith_store_bytes_received_total", "Blob bytes received over UCX");
+    get_seconds_ = *metrics->Histogram(
+        "pith_store_get_seconds", "Time to serve one blob of a fetch, lookup to sent", buckets);
+    put_seconds_ = *metrics->Histogram("pith_store_put_seconds",
+                                       "Time to take one blob version, header to durable", buckets);
+    errors_ = *metrics->Counter("pith_store_data_plane_errors_total",
+                                "Data-plane requests answered with an error");
+  }
+  worker_->SetHandler(v1::UCX_MESSAGE_GET_REQUEST, [this](ucx::AmMessage& m) { OnGet(m); });
+  worker_->SetHandler(v1::UCX_MESSAGE_PUT_REQUEST, [this](ucx::AmMessage& m) { OnPut(m); });
+}
+
+void DataPlane::Reply(ucp_ep_h ep, uint16_t id, const v1::UcxBlobReply& reply, BlobRef payload) {
+  if (reply.code() != 0 && errors_) errors_->Increment();
+  const void* data = payload.data();
+  const size_t size = payload.size();
+  // The BlobRef rides in the completion: the blob stays pinned until UCX has sent it.
+  worker_->Send(ep, id, reply.SerializeAsString(), data, size, data ? memh_ : nullptr, false,
+                [payload, this, size](absl::Status status) {
+                  if (status.ok() && bytes_sent_) bytes_sent_->Increment(static_cast<double>(size));
+                  if (!status.ok()) VLOG(1) << "reply not delivered: " << status;
+                });
+}
+
+void DataPlane::OnGet(ucx::AmMessage& m) {
+  v1::UcxGetRequest request;
+  if (m.reply_ep == nullptr) return;  // nobody to answer
+  if (!request.ParseFromString(m.header)) {
+    Reply(m.reply_ep, v1::UCX_MESSAGE_GET_REPLY,
+          ErrorReply(0, 0, absl::InvalidArgumentError("malformed fetch request")), BlobRef());
+    return;
+  }
+  for (int i = 0; i < request.items_size(); ++i) {
+    const auto start = std::chrono::steady_clock::now();
+    const v1::UcxGetItem& item = request.items(i);
+    absl::StatusOr<BlobRef> ref = store_->Get(item.key(), item.version());
+    if (ref.ok() && ref->size() > item.capacity()) {
+      ref = absl::ResourceExhaustedError(
+          absl::StrCat("blob has ", ref->size(), " bytes, the buffer ", item.capacity()));
+    }
+    if (!ref.ok()) {
+      Reply(m.reply_ep, v1::UCX_MESSAGE_GET_REPLY,
+            ErrorReply(request.request_id(), i, ref.status()), BlobRef());
+      continue;
+    }
+    v1::UcxBlobReply reply;
+    reply.set_request_id(request.request_id());
+    reply.set_index(i);
+    v1::BlobInfo* info = reply.mutable_info();
+    *info->mutable_key() = item.key();
+    info->set_version(ref->version());
+    info->set_size_bytes(ref->size());
+    info->set_crc32c(ref->crc());
+    info->set_committed(item.version() < 0);
+    Reply(m.reply_ep, v1::UCX_MESSAGE_GET_REPLY, reply, *ref);
+    if (get_seconds_) get_seconds_->Observe(SecondsSince(start));
+  }
+}
+
+void DataPlane::OnPut(ucx::AmMessage& m) {
+  const auto start = std::chrono::steady_clock::now();
+  v1::UcxPutRequest request;
+  if (m.reply_ep == nullptr) return;
+  if (!request.ParseFromString(m.header)) {
+    Reply(m.reply_ep, v1::UCX_MESSAGE_PUT_REPLY,
+          ErrorReply(0, 0, absl::InvalidArgumentError("malformed put request")), BlobRef());
+    return;
+  }
+  if (request.size() != m.length) {
+    Reply(m.reply_ep, v1::UCX_MESSAGE_PUT_REPLY,
+          ErrorReply(request.request_id(), 0,
+                     absl::InvalidArgumentError(
+                         absl::StrCat("put says ", request.size(), " bytes, carries ", m.length))),
+          BlobRef());
+    return;
+  }
+  absl::StatusOr<PutReservation> reservation =
+      store_->BeginPut(request.key(), request.version(), request.size());
+  if (!reservation.ok()) {
+    Reply(m.reply_ep, v1::UCX_MESSAGE_PUT_REPLY,
+          ErrorReply(request.request_id(), 0, reservation.status()), BlobRef());
+    return;  // the payload is released by the worker
+  }
+  ucp_ep_h reply_ep = m.reply_ep;
+  uint8_t* target = reservation->data();
+  worker_->ReceiveData(
+      m, target, memh_,
+      [this, reply_ep, request, reservation = std::move(*reservation),
+       start](absl::Status status) mutable {
+        absl::StatusOr<v1::BlobInfo> info =
+            status.ok() ? store_->FinishPut(std::move(reservation), request.crc32c())
+                        : absl::StatusOr<v1::BlobInfo>(status);
+        v1::UcxBlobReply reply = ErrorReply(request.request_id(), 0, info.status());
+        if (info.ok()) {
+          *reply.mutable_info() = *info;
+          if (bytes_received_) bytes_received_->Increment(static_cast<double>(request.size()));
+          if (put_seconds_) put_seconds_->Observe(SecondsSince(start));
+        }
+        Reply(reply_ep, v1::UCX_MESSAGE_PUT_REPLY, reply, BlobRef());
+      });
+}
+
+}  // namespace pith::store

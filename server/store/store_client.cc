@@ -1,0 +1,242 @@
+#include "server/store/store_client.h"
+
+#include <cstring>
+
+#include "absl/strings/str_cat.h"
+#include "absl/synchronization/notification.h"
+#include "common/crc32c.h"
+
+namespace pith::store {
+
+// One outstanding fetch or put. Touched on the progress thread only, but for `done`.
+struct StoreClient::Pending {
+  int peer = 0;
+  FetchItem* items = nullptr;  // fetch
+  size_t count = 0;
+  size_t remaining = 0;
+  v1::BlobInfo put_info;  // put
+  absl::Status status;
+  bool finished = false;
+  absl::Notification done;
+
+  // Ends the request (once; later calls do nothing).
+  void Complete() {
+    if (finished) return;
+    finished = true;
+    done.Notify();
+  }
+  // One item (or the put) is done.
+  void ItemDone() {
+    if (remaining > 0 && --remaining == 0) Complete();
+  }
+  void Fail(const absl::Status& s) {
+    if (status.ok()) status = s;
+  }
+};
+
+absl::StatusOr<std::unique_ptr<StoreClient>> StoreClient::Create() {
+  std::unique_ptr<StoreClient> c(new StoreClient());
+  auto worker = ucx::Worker::Create();
+  if (!worker.ok()) return worker.status();
+  c->worker_ = std::move(*worker);
+  StoreClient* self = c.get();
+  c->worker_->SetHandler(v1::UCX_MESSAGE_GET_REPLY,
+                         [self](ucx::AmMessage& m) { self->OnReply(m, true); });
+  c->worker_->SetHandler(v1::UCX_MESSAGE_PUT_REPLY,
+                         [self](ucx::AmMessage& m) { self->OnReply(m, false); });
+  if (absl::Status s = c->worker_->Start(); !s.ok()) return s;
+  return c;
+}
+
+StoreClient::~StoreClient() {
+  worker_->RunSync([this] {
+    for (auto& [id, p] : pending_) {
+      p->Fail(absl::CancelledError("store client closed"));
+      p->Complete();
+    }
+    pending_.clear();
+  });
+  worker_.reset();
+}
+
+absl::StatusOr<int> StoreClient::Connect(const std::string& ucx_address) {
+  if (ucx_address.empty()) return absl::InvalidArgumentError("empty UCX address");
+  absl::StatusOr<int> result;
+  worker_->RunSync([&] {
+    auto it = peer_by_address_.find(ucx_address);
+    if (it != peer_by_address_.end()) {
+      result = it->second;
+      return;
+    }
+    const int peer = next_peer_++;
+    absl::StatusOr<ucp_ep_h> ep =
+        worker_->Connect(ucx_address, [this, peer](absl::Status s) { FailPeer(peer, s); });
+    if (!ep.ok()) {
+      result = ep.status();
+      return;
+    }
+    peers_[peer] = *ep;
+    peer_by_address_[ucx_address] = peer;
+    result = peer;
+  });
+  return result;
+}
+
+absl::StatusOr<std::unique_ptr<ucx::MemoryRegion>> StoreClient::AllocateBuffer(size_t bytes) {
+  return worker_->Allocate(bytes);
+}
+
+void StoreClient::FailPeer(int peer, const absl::Status& status) {
+  // Progress thread. Every request to that store fails; the endpoint goes.
+  for (auto it = pending_.begin(); it != pending_.end();) {
+    if (it->second->peer != peer) {
+      ++it;
+      continue;
+    }
+    std::shared_ptr<Pending> p = it->second;
+    it = pending_.erase(it);
+    p->Fail(absl::UnavailableError(absl::StrCat("store connection lost: ", status.message())));
+    p->Complete();
+  }
+  auto ep = peers_.find(peer);
+  if (ep == peers_.end()) return;
+  worker_->Close(ep->second);
+  for (auto a = peer_by_address_.begin(); a != peer_by_address_.end(); ++a) {
+    if (a->second == peer) {
+      peer_by_address_.erase(a);
+      break;
+    }
+  }
+  peers_.erase(ep);
+}
+
+void StoreClient::OnReply(ucx::AmMessage& m, bool is_get) {
+  v1::UcxBlobReply reply;
+  if (!reply.ParseFromString(m.header)) return;  // not from a store; the payload is released
+  auto it = pending_.find(reply.request_id());
+  if (it == pending_.end()) return;  // a request that timed out
+  std::shared_ptr<Pending> p = it->second;
+  const absl::Status status(static_cast<absl::StatusCode>(reply.code()), reply.message());
+  if (!is_get) {
+    p->Fail(status);
+    p->put_info = reply.info();
+    pending_.erase(it);
+    p->Complete();
+    return;
+  }
+  if (reply.index() >= p->count) return;
+  FetchItem& item = p->items[reply.index()];
+  const uint64_t id = reply.request_id();
+  auto item_done = [this, p, id] {
+    p->ItemDone();
+    if (p->finished) pending_.erase(id);
+  };
+  if (!status.ok()) {
+    item.status = status;
+    p->Fail(status);
+    item_done();
+    return;
+  }
+  if (m.length != reply.info().size_bytes() || m.length > item.capacity) {
+    item.status = absl::DataLossError("fetched payload does not match its header");
+    p->Fail(item.status);
+    item_done();
+    return;  // the worker releases the payload
+  }
+  item.info = reply.info();
+  worker_->ReceiveData(m, item.buffer, item.memh, [p, &item, item_done](absl::Status s) {
+    if (p->finished) return;  // the request already failed; the buffers are not ours
+    if (!s.ok()) {
+      item.status = s;
+      p->Fail(s);
+    }
+    item_done();
+  });
+}
+
+absl::Status StoreClient::Wait(int peer, const std::shared_ptr<Pending>& pending,
+                               absl::Duration timeout) {
+  if (pending->done.WaitForNotificationWithTimeout(timeout)) return pending->status;
+  // Give up: close the endpoint so that no late payload lands in the caller's buffers.
+  worker_->RunSync([&] {
+    if (!pending->done.HasBeenNotified()) {
+      FailPeer(peer, absl::DeadlineExceededError("timed out"));
+    }
+  });
+  return absl::DeadlineExceededError(
+      absl::StrCat("store did not answer within ", absl::FormatDuration(timeout)));
+}
+
+absl::Status StoreClient::Fetch(int peer, absl::Span<FetchItem> items, absl::Duration timeout) {
+  if (items.empty()) return absl::OkStatus();
+  auto pending = std::make_shared<Pending>();
+  pending->peer = peer;
+  pending->items = items.data();
+  pending->count = items.size();
+  pending->remaining = items.size();
+  v1::UcxGetRequest request;
+  request.set_request_id(next_request_++);
+  for (FetchItem& item : items) {
+    item.status = absl::OkStatus();
+    v1::UcxGetItem* g = request.add_items();
+    *g->mutable_key() = item.key;
+    g->set_version(item.version);
+    g->set_capacity(item.capacity);
+  }
+  std::string header = request.SerializeAsString();
+  worker_->Post(
+      [this, peer, pending, id = request.request_id(), header = std::move(header)]() mutable {
+        auto ep = peers_.find(peer);
+        if (ep == peers_.end()) {
+          pending->Fail(absl::UnavailableError("not connected to that store"));
+          pending->Complete();
+          return;
+        }
+        pending_[id] = pending;
+        worker_->Send(ep->second, v1::UCX_MESSAGE_GET_REQUEST, std::move(header), nullptr, 0,
+                      nullptr, true, [this, pending, id](absl::Status s) {
+                        if (s.ok() || !pending_.count(id)) return;
+                        pending_.erase(id);
+                        pending->Fail(s);
+                        pending->Complete();
+                      });
+      });
+  return Wait(peer, pending, timeout);
+}
+
+absl::StatusOr<v1::BlobInfo> StoreClient::Put(int peer, const v1::BlobKey& key, int64_t version,
+                                              const void* data, size_t size, ucp_mem_h memh,
+                                              absl::Duration timeout) {
+  auto pending = std::make_shared<Pending>();
+  pending->peer = peer;
+  pending->remaining = 1;
+  v1::UcxPutRequest request;
+  request.set_request_id(next_request_++);
+  *request.mutable_key() = key;
+  request.set_version(version);
+  request.set_size(size);
+  request.set_crc32c(Crc32c(data, size));
+  std::string header = request.SerializeAsString();
+  worker_->Post([this, peer, pending, data, size, memh, id = request.request_id(),
+                 header = std::move(header)]() mutable {
+    auto ep = peers_.find(peer);
+    if (ep == peers_.end()) {
+      pending->Fail(absl::UnavailableError("not connected to that store"));
+      pending->Complete();
+      return;
+    }
+    pending_[id] = pending;
+    worker_->Send(ep->second, v1::UCX_MESSAGE_PUT_REQUEST, std::move(header), data, size, memh,
+                  true, [this, pending, id](absl::Status s) {
+                    if (s.ok() || !pending_.count(id)) return;
+                    pending_.erase(id);
+                    pending->Fail(s);
+                    pending->Complete();
+                  });
+  });
+  absl::Status s = Wait(peer, pending, timeout);
+  if (!s.ok()) return s;
+  return pending->put_info;
+}
+
+}  // namespace pith::store

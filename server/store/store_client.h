@@ -1,0 +1,76 @@
+// StoreClient: the worker side of the store's UCX data plane. Fetches blobs straight into
+// caller memory (registered with AllocateBuffer for zero-copy), many per call with one
+// completion, and writes new versions from caller memory.
+//
+// Thread safety: all methods are thread-safe and may be called concurrently; each call
+// blocks its caller until done. Buffers must stay valid until the call returns.
+#ifndef PITH_SERVER_STORE_STORE_CLIENT_H_
+#define PITH_SERVER_STORE_STORE_CLIENT_H_
+
+#include <atomic>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "absl/types/span.h"
+#include "common/ucx.h"
+#include "pith/v1/store.pb.h"
+
+namespace pith::store {
+
+class StoreClient {
+ public:
+  static absl::StatusOr<std::unique_ptr<StoreClient>> Create();
+  ~StoreClient();
+
+  // Opens (or reuses) an endpoint to the store whose packed UCX address this is (from
+  // StoreService.GetUcxAddress). Returns a peer id for the calls below.
+  absl::StatusOr<int> Connect(const std::string& ucx_address);
+
+  // Registered memory for fetch targets and put sources.
+  absl::StatusOr<std::unique_ptr<ucx::MemoryRegion>> AllocateBuffer(size_t bytes);
+
+  struct FetchItem {
+    v1::BlobKey key;
+    int64_t version = -1;  // -1: the committed version
+    void* buffer = nullptr;
+    size_t capacity = 0;
+    ucp_mem_h memh = nullptr;  // the buffer's registration, if any
+    // Filled in:
+    absl::Status status;
+    v1::BlobInfo info;
+  };
+  // Fetches every item in one request. OK when all items are; otherwise the first error,
+  // with each item's own status set. DEADLINE_EXCEEDED after `timeout` (the endpoint is
+  // then closed so that nothing is written into the buffers after return).
+  absl::Status Fetch(int peer, absl::Span<FetchItem> items,
+                     absl::Duration timeout = absl::Seconds(30));
+
+  // Writes (key, version) from `data`; returns what the store recorded.
+  absl::StatusOr<v1::BlobInfo> Put(int peer, const v1::BlobKey& key, int64_t version,
+                                   const void* data, size_t size, ucp_mem_h memh = nullptr,
+                                   absl::Duration timeout = absl::Seconds(30));
+
+ private:
+  struct Pending;
+  StoreClient() = default;
+  void OnReply(ucx::AmMessage& message, bool is_get);
+  absl::Status Wait(int peer, const std::shared_ptr<Pending>& pending, absl::Duration timeout);
+  void FailPeer(int peer, const absl::Status& status);
+
+  std::unique_ptr<ucx::Worker> worker_;
+  std::atomic<uint64_t> next_request_{1};
+  // Progress thread only:
+  std::map<int, ucp_ep_h> peers_;
+  std::map<std::string, int> peer_by_address_;
+  std::map<uint64_t, std::shared_ptr<Pending>> pending_;
+  int next_peer_ = 1;
+};
+
+}  // namespace pith::store
+
+#endif  // PITH_SERVER_STORE_STORE_CLIENT_H_

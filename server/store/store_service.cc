@@ -1,0 +1,216 @@
+#include "server/store/store_service.h"
+
+#include <chrono>
+#include <filesystem>
+#include <thread>
+
+#include "absl/strings/escaping.h"
+#include "absl/strings/str_cat.h"
+#include "common/grpc_util.h"
+#include "common/safetensors.h"
+#include "common/status.h"
+#include "server/store/blob_key.h"
+
+namespace pith::store {
+namespace {
+
+// The name a blob takes in a safetensors export: the DESIGN tensor name for dense blobs,
+// h.{l}.moe.e{e} for an expert's contiguous blob; optimizer kinds get DESIGN's prefixes.
+std::string ExportName(const v1::BlobKey& key) {
+  const std::string name =
+      key.layer() == -1 ? key.tensor() : absl::StrCat("h.", key.layer(), ".moe.e", key.expert());
+  switch (key.kind()) {
+    case v1::BLOB_KIND_MASTER:
+      return "master." + name;
+    case v1::BLOB_KIND_ADAM_M:
+      return "m." + name;
+    case v1::BLOB_KIND_ADAM_V:
+      return "v." + name;
+    default:
+      return name;
+  }
+}
+
+}  // namespace
+
+grpc::Status StoreServiceImpl::GetUcxAddress(grpc::ServerContext*, const v1::GetUcxAddressRequest*,
+                                             v1::UcxAddress* reply) {
+  reply->set_worker_address(ucx_address_);
+  const char* tls = std::getenv("UCX_TLS");
+  reply->set_transports(tls != nullptr ? tls : "all");
+  return grpc::Status::OK;
+}
+
+grpc::Status StoreServiceImpl::StatBlob(grpc::ServerContext*, const v1::StatBlobRequest* request,
+                                        v1::BlobInfo* reply) {
+  absl::StatusOr<v1::BlobInfo> info = store_->Stat(request->key(), request->version());
+  if (!info.ok()) return ToGrpcStatus(info.status());
+  *reply = *info;
+  return grpc::Status::OK;
+}
+
+grpc::Status StoreServiceImpl::ListBlobs(grpc::ServerContext*, const v1::ListBlobsRequest* request,
+                                         v1::ListBlobsResponse* reply) {
+  std::string after;
+  if (!request->page_token().empty() &&
+      !absl::WebSafeBase64Unescape(request->page_token(), &after)) {
+    return ToGrpcStatus(absl::InvalidArgumentError("malformed page_token"));
+  }
+  if (request->layer() < -2) return ToGrpcStatus(absl::InvalidArgumentError("layer must be >= -2"));
+  const int limit = request->page_size() > 0 ? std::min(request->page_size(), 10000) : 1000;
+  std::string next;
+  absl::StatusOr<std::vector<v1::BlobInfo>> blobs =
+      store_->List(request->job_id(), request->layer(), after, limit, &next);
+  if (!blobs.ok()) return ToGrpcStatus(blobs.status());
+  for (v1::BlobInfo& b : *blobs) *reply->add_blobs() = std::move(b);
+  if (!next.empty()) reply->set_next_page_token(absl::WebSafeBase64Escape(next));
+  return grpc::Status::OK;
+}
+
+grpc::Status StoreServiceImpl::CommitStep(grpc::ServerContext*,
+                                          const v1::CommitStepRequest* request,
+                                          v1::CommitStepResponse* reply) {
+  absl::StatusOr<BlobStore::CommitResult> r =
+      store_->CommitStep(request->job_id(), request->step());
+  if (!r.ok()) return ToGrpcStatus(r.status());
+  reply->set_committed_step(r->committed_step);
+  reply->set_blobs_committed(r->blobs_committed);
+  return grpc::Status::OK;
+}
+
+grpc::Status StoreServiceImpl::AbortStep(grpc::ServerContext*, const v1::AbortStepRequest* request,
+                                         v1::AbortStepResponse* reply) {
+  absl::StatusOr<uint64_t> n = store_->AbortStep(request->job_id(), request->step());
+  if (!n.ok()) return ToGrpcStatus(n.status());
+  reply->set_blobs_discarded(*n);
+  return grpc::Status::OK;
+}
+
+grpc::Status StoreServiceImpl::DeleteBlob(grpc::ServerContext*,
+                                          const v1::DeleteBlobRequest* request,
+                                          v1::DeleteBlobResponse* reply) {
+  absl::StatusOr<uint64_t> bytes = store_->DeleteBlob(request->key());
+  if (!bytes.ok()) return ToGrpcStatus(bytes.status());
+  reply->set_bytes_freed(*bytes);
+  return grpc::Status::OK;
+}
+
+grpc::Status StoreServiceImpl::DeleteJob(grpc::ServerContext*, const v1::DeleteJobRequest* request,
+                                         v1::DeleteJobResponse* reply) {
+  auto r = store_->DeleteJob(request->job_id());
+  if (!r.ok()) return ToGrpcStatus(r.status());
+  reply->set_blobs_deleted(r->first);
+  reply->set_bytes_freed(r->second);
+  return grpc::Status::OK;
+}
+
+grpc::Status StoreServiceImpl::GetStats(grpc::ServerContext*, const v1::GetStatsRequest*,
+                                        v1::StoreStats* reply) {
+  *reply = store_->Stats();
+  return grpc::Status::OK;
+}
+
+grpc::Status StoreServiceImpl::Checkpoint(grpc::ServerContext*,
+                                          const v1::CheckpointRequest* request,
+                                          v1::CheckpointResponse* reply) {
+  if (request->checkpoint_dir().empty() && request->export_job_id().empty()) {
+    return ToGrpcStatus(absl::InvalidArgumentError("give checkpoint_dir, export_job_id, or both"));
+  }
+  if (!request->checkpoint_dir().empty()) {
+    if (std::filesystem::exists(request->checkpoint_dir())) {
+      return ToGrpcStatus(absl::AlreadyExistsError(
+          absl::StrCat("checkpoint_dir ", request->checkpoint_dir(), " already exists")));
+    }
+    absl::Status s = store_->cold().Checkpoint(request->checkpoint_dir());
+    if (!s.ok()) return ToGrpcStatus(s);
+    reply->set_checkpoint_dir(request->checkpoint_dir());
+  }
+  if (!request->export_job_id().empty()) {
+    if (request->export_path().empty()) {
+      return ToGrpcStatus(absl::InvalidArgumentError("export_path is required with export_job_id"));
+    }
+    // Pin every committed blob of the job, then write them in one safetensors file.
+    std::vector<BlobRef> refs;
+    SafetensorsWriter writer;
+    std::string after, next;
+    uint64_t bytes = 0;
+    do {
+      auto page = store_->List(request->export_job_id(), -2, after, 1000, &next);
+      if (!page.ok()) return ToGrpcStatus(page.status());
+      for (const v1::BlobInfo& info : *page) {
+        absl::StatusOr<BlobRef> ref = store_->Get(info.key(), info.version());
+        if (!ref.ok()) return ToGrpcStatus(ref.status());
+        const bool f32 = ref->size() % 4 == 0;
+        TensorView view{f32 ? DType::kF32 : DType::kU8,
+                        {static_cast<int64_t>(ref->size() / (f32 ? 4 : 1))},
+                        {ref->data(), ref->size()}};
+        absl::Status s = writer.Add(ExportName(info.key()), view);
+        if (!s.ok()) return ToGrpcStatus(s);
+        bytes += ref->size();
+        refs.push_back(*std::move(ref));
+      }
+      after = next;
+    } while (!next.empty());
+    const int64_t step = store_->CommittedStep(request->export_job_id());
+    writer.SetMetadata(std::string(kSafetensorsStepKey), absl::StrCat(step));
+    absl::Status s = writer.Write(request->export_path());
+    if (!s.ok()) return ToGrpcStatus(s);
+    reply->set_export_path(request->export_path());
+    reply->set_step(step);
+    reply->set_bytes(bytes);
+  }
+  return grpc::Status::OK;
+}
+
+absl::StatusOr<StoreClient*> StoreServiceImpl::PeerClient() {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (!peers_) {
+    ASSIGN_OR_RETURN(peers_, StoreClient::Create());
+  }
+  return peers_.get();
+}
+
+grpc::Status StoreServiceImpl::PullBlobs(grpc::ServerContext* context,
+                                         const v1::PullBlobsRequest* request,
+                                         v1::PullBlobsResponse* reply) {
+  if (request->source_ucx_address().empty()) {
+    return ToGrpcStatus(absl::InvalidArgumentError("source_ucx_address is required"));
+  }
+  absl::StatusOr<StoreClient*> client = PeerClient();
+  if (!client.ok()) return ToGrpcStatus(client.status());
+  absl::StatusOr<int> peer = (*client)->Connect(request->source_ucx_address());
+  if (!peer.ok()) return ToGrpcStatus(peer.status());
+  absl::StatusOr<std::unique_ptr<ucx::MemoryRegion>> buffer =
+      (*client)->AllocateBuffer(store_->options().max_blob_bytes);
+  if (!buffer.ok()) return ToGrpcStatus(buffer.status());
+  const auto start = std::chrono::steady_clock::now();
+  uint64_t moved = 0;
+  for (const v1::BlobKey& key : request->keys()) {
+    if (context->IsCancelled()) return ToGrpcStatus(absl::CancelledError("pull cancelled"));
+    StoreClient::FetchItem item;
+    item.key = key;
+    item.buffer = (*buffer)->data();
+    item.capacity = (*buffer)->size();
+    item.memh = (*buffer)->handle();
+    absl::Status s = (*client)->Fetch(*peer, absl::MakeSpan(&item, 1));
+    if (!s.ok()) return ToGrpcStatus(Annotate(s, BlobKeyDebugString(key)));
+    absl::StatusOr<v1::BlobInfo> info = store_->InstallCommitted(
+        key, item.info.version(), {(*buffer)->data(), item.info.size_bytes()});
+    if (!info.ok()) return ToGrpcStatus(info.status());
+    if (info->crc32c() != item.info.crc32c()) {
+      return ToGrpcStatus(absl::DataLossError(
+          absl::StrCat(BlobKeyDebugString(key), ": checksum changed in transit")));
+    }
+    *reply->add_pulled() = *info;
+    moved += item.info.size_bytes();
+    // Throttle so that training fetches keep priority.
+    if (request->max_bytes_per_second() > 0) {
+      const auto due = start + std::chrono::duration<double>(static_cast<double>(moved) /
+                                                             request->max_bytes_per_second());
+      std::this_thread::sleep_until(due);
+    }
+  }
+  return grpc::Status::OK;
+}
+
+}  // namespace pith::store

@@ -1,0 +1,56 @@
+// StoreServiceImpl: the gRPC adapter of the store's control plane. It converts between
+// protos and BlobStore calls and Status codes; the logic lives in BlobStore.
+//
+// Thread safety: handlers run concurrently on gRPC threads; BlobStore is thread-safe and
+// the peer client (for PullBlobs) is too.
+#ifndef PITH_SERVER_STORE_STORE_SERVICE_H_
+#define PITH_SERVER_STORE_STORE_SERVICE_H_
+
+#include <memory>
+#include <mutex>
+#include <string>
+
+#include "pith/v1/store.grpc.pb.h"
+#include "server/store/blob_store.h"
+#include "server/store/store_client.h"
+
+namespace pith::store {
+
+class StoreServiceImpl final : public v1::StoreService::Service {
+ public:
+  StoreServiceImpl(BlobStore* store, std::string ucx_address)
+      : store_(store), ucx_address_(std::move(ucx_address)) {}
+
+  grpc::Status GetUcxAddress(grpc::ServerContext*, const v1::GetUcxAddressRequest*,
+                             v1::UcxAddress* reply) override;
+  grpc::Status StatBlob(grpc::ServerContext*, const v1::StatBlobRequest* request,
+                        v1::BlobInfo* reply) override;
+  grpc::Status ListBlobs(grpc::ServerContext*, const v1::ListBlobsRequest* request,
+                         v1::ListBlobsResponse* reply) override;
+  grpc::Status CommitStep(grpc::ServerContext*, const v1::CommitStepRequest* request,
+                          v1::CommitStepResponse* reply) override;
+  grpc::Status AbortStep(grpc::ServerContext*, const v1::AbortStepRequest* request,
+                         v1::AbortStepResponse* reply) override;
+  grpc::Status DeleteBlob(grpc::ServerContext*, const v1::DeleteBlobRequest* request,
+                          v1::DeleteBlobResponse* reply) override;
+  grpc::Status DeleteJob(grpc::ServerContext*, const v1::DeleteJobRequest* request,
+                         v1::DeleteJobResponse* reply) override;
+  grpc::Status GetStats(grpc::ServerContext*, const v1::GetStatsRequest*,
+                        v1::StoreStats* reply) override;
+  grpc::Status Checkpoint(grpc::ServerContext*, const v1::CheckpointRequest* request,
+                          v1::CheckpointResponse* reply) override;
+  grpc::Status PullBlobs(grpc::ServerContext*, const v1::PullBlobsRequest* request,
+                         v1::PullBlobsResponse* reply) override;
+
+ private:
+  absl::StatusOr<StoreClient*> PeerClient();
+
+  BlobStore* store_;
+  std::string ucx_address_;
+  std::mutex mu_;
+  std::unique_ptr<StoreClient> peers_;  // guarded by mu_; created on first pull
+};
+
+}  // namespace pith::store
+
+#endif  // PITH_SERVER_STORE_STORE_SERVICE_H_

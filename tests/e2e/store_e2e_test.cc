@@ -1,0 +1,314 @@
+// A real pith-store process over UCX loopback: put, get, commit, abort, batched get, a RAM
+// budget far below the data, kill -9 mid-step and restart, and bad input on both planes.
+#include <atomic>
+#include <cstring>
+#include <filesystem>
+#include <memory>
+#include <numeric>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/synchronization/notification.h"
+#include "child_process.h"
+#include "common/crc32c.h"
+#include "common/grpc_util.h"
+#include "gtest/gtest.h"
+#include "pith/v1/store.grpc.pb.h"
+#include "server/store/store_client.h"
+
+namespace pith::store {
+namespace {
+
+using pith::testing::ChildProcess;
+
+v1::BlobKey Key(int layer, int expert, v1::BlobKind kind = v1::BLOB_KIND_WEIGHTS) {
+  v1::BlobKey k;
+  k.set_job_id("job");
+  k.set_layer(layer);
+  k.set_expert(expert);
+  k.set_kind(kind);
+  return k;
+}
+
+std::vector<uint8_t> Bytes(size_t n, uint32_t seed) {
+  std::vector<uint8_t> v(n);
+  std::mt19937 rng(seed);
+  for (size_t i = 0; i + 4 <= n; i += 4) {
+    const uint32_t r = rng();
+    std::memcpy(v.data() + i, &r, 4);
+  }
+  for (size_t i = n / 4 * 4; i < n; ++i) v[i] = static_cast<uint8_t>(rng());
+  return v;
+}
+
+class StoreE2eTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    dir_ = ::testing::TempDir() + "/store_e2e_" + std::to_string(getpid()) + "_" +
+           ::testing::UnitTest::GetInstance()->current_test_info()->name();
+    std::filesystem::remove_all(dir_);
+    std::filesystem::create_directories(dir_);
+  }
+
+  void StartStore(uint64_t ram_bytes = 64 << 20, uint64_t max_blob = 4 << 20) {
+    store_ = std::make_unique<ChildProcess>(
+        PITH_STORE_BINARY,
+        std::vector<std::string>{"--listen=127.0.0.1:0", "--metrics_port=0",
+                                 "--data_dir=" + dir_ + "/data",
+                                 "--ram_bytes=" + std::to_string(ram_bytes),
+                                 "--max_blob_bytes=" + std::to_string(max_blob)},
+        dir_ + "/store." + std::to_string(++starts_) + ".log");
+    ASSERT_TRUE(store_->WaitReady()) << store_->Log();
+    // NOTE: the client's UCX worker is created after the fork, each time: UCX state does
+    // not survive a fork of its process.
+    client_.reset();
+    auto client = StoreClient::Create();
+    ASSERT_TRUE(client.ok()) << client.status();
+    client_ = std::move(*client);
+    channel_ = grpc::CreateChannel("127.0.0.1:" + std::to_string(store_->grpc_port),
+                                   grpc::InsecureChannelCredentials());
+    stub_ = v1::StoreService::NewStub(channel_);
+    grpc::ClientContext ctx;
+    v1::UcxAddress address;
+    ASSERT_TRUE(stub_->GetUcxAddress(&ctx, v1::GetUcxAddressRequest(), &address).ok());
+    auto peer = client_->Connect(address.worker_address());
+    ASSERT_TRUE(peer.ok()) << peer.status();
+    peer_ = *peer;
+  }
+
+  absl::Status Commit(int64_t step) {
+    grpc::ClientContext ctx;
+    v1::CommitStepRequest req;
+    req.set_job_id("job");
+    req.set_step(step);
+    v1::CommitStepResponse resp;
+    return FromGrpcStatus(stub_->CommitStep(&ctx, req, &resp));
+  }
+
+  absl::StatusOr<v1::BlobInfo> Stat(const v1::BlobKey& key, int64_t version = -1) {
+    grpc::ClientContext ctx;
+    v1::StatBlobRequest req;
+    *req.mutable_key() = key;
+    req.set_version(version);
+    v1::BlobInfo info;
+    absl::Status s = FromGrpcStatus(stub_->StatBlob(&ctx, req, &info));
+    if (!s.ok()) return s;
+    return info;
+  }
+
+  v1::StoreStats Stats() {
+    grpc::ClientContext ctx;
+    v1::StoreStats stats;
+    EXPECT_TRUE(stub_->GetStats(&ctx, v1::GetStatsRequest(), &stats).ok());
+    return stats;
+  }
+
+  absl::Status PutBytes(const v1::BlobKey& key, int64_t version, const std::vector<uint8_t>& data) {
+    return client_->Put(peer_, key, version, data.data(), data.size()).status();
+  }
+
+  // Fetches `keys` (committed versions) in one batched call and returns their bytes.
+  std::vector<std::vector<uint8_t>> FetchAll(const std::vector<v1::BlobKey>& keys,
+                                             size_t capacity) {
+    auto region = client_->AllocateBuffer(capacity * keys.size());
+    EXPECT_TRUE(region.ok());
+    std::vector<StoreClient::FetchItem> items(keys.size());
+    for (size_t i = 0; i < keys.size(); ++i) {
+      items[i].key = keys[i];
+      items[i].buffer = (*region)->data() + i * capacity;
+      items[i].capacity = capacity;
+      items[i].memh = (*region)->handle();
+    }
+    absl::Status s = client_->Fetch(peer_, absl::MakeSpan(items));
+    EXPECT_TRUE(s.ok()) << s;
+    std::vector<std::vector<uint8_t>> out;
+    for (auto& item : items) {
+      const uint8_t* p = static_cast<const uint8_t*>(item.buffer);
+      out.emplace_back(p, p + item.info.size_bytes());
+      EXPECT_EQ(Crc32c(p, item.info.size_bytes()), item.info.crc32c());
+    }
+    return out;
+  }
+
+  std::string dir_;
+  std::unique_ptr<ChildProcess> store_;
+  std::unique_ptr<StoreClient> client_;
+  std::shared_ptr<grpc::Channel> channel_;
+  std::unique_ptr<v1::StoreService::Stub> stub_;
+  int peer_ = -1;
+  int starts_ = 0;
+};
+
+TEST_F(StoreE2eTest, PutGetCommitAbortAndBatchedGet) {
+  StartStore();
+  const std::vector<size_t> sizes = {100, 64 << 10, 1 << 20, 3 << 20};
+  std::vector<v1::BlobKey> keys;
+  for (size_t i = 0; i < sizes.size(); ++i) {
+    keys.push_back(Key(0, static_cast<int>(i)));
+    ASSERT_TRUE(PutBytes(keys[i], 0, Bytes(sizes[i], i)).ok())
+        << PutBytes(keys[i], 0, Bytes(sizes[i], i)) << store_->Log();
+  }
+  ASSERT_TRUE(Commit(0).ok());
+  auto got = FetchAll(keys, 4 << 20);
+  for (size_t i = 0; i < sizes.size(); ++i) EXPECT_EQ(got[i], Bytes(sizes[i], i)) << i;
+
+  // Version 1 pending: readers still see version 0; abort drops it.
+  ASSERT_TRUE(PutBytes(keys[2], 1, Bytes(sizes[2], 100)).ok());
+  EXPECT_EQ(FetchAll({keys[2]}, 4 << 20)[0], Bytes(sizes[2], 2));
+  EXPECT_FALSE(Stat(keys[2], 1)->committed());
+  {
+    grpc::ClientContext ctx;
+    v1::AbortStepRequest req;
+    req.set_job_id("job");
+    req.set_step(1);
+    v1::AbortStepResponse resp;
+    ASSERT_TRUE(stub_->AbortStep(&ctx, req, &resp).ok());
+    EXPECT_EQ(resp.blobs_discarded(), 1u);
+  }
+  EXPECT_EQ(Stat(keys[2], 1).status().code(), absl::StatusCode::kNotFound);
+  // Written again and committed, version 1 is what readers get.
+  for (size_t i = 0; i < sizes.size(); ++i)
+    ASSERT_TRUE(PutBytes(keys[i], 1, Bytes(sizes[i], 200 + i)).ok());
+  ASSERT_TRUE(Commit(1).ok());
+  got = FetchAll(keys, 4 << 20);
+  for (size_t i = 0; i < sizes.size(); ++i) EXPECT_EQ(got[i], Bytes(sizes[i], 200 + i)) << i;
+  EXPECT_EQ(Stat(keys[0])->version(), 1);
+  EXPECT_EQ(store_->Terminate(), 0) << store_->Log();
+}
+
+TEST_F(StoreE2eTest, RamBudgetFarBelowTheData) {
+  StartStore(/*ram_bytes=*/4 << 20, /*max_blob=*/1 << 20);  // 4 MiB of RAM, 32 MiB of data
+  const int kBlobs = 64;
+  std::vector<v1::BlobKey> keys;
+  for (int e = 0; e < kBlobs; ++e) {
+    keys.push_back(Key(e / 16, e % 16));
+    ASSERT_TRUE(PutBytes(keys.back(), 0, Bytes(512 << 10, e)).ok());
+  }
+  ASSERT_TRUE(Commit(0).ok());
+  std::mt19937 rng(5);
+  for (int round = 0; round < 2; ++round) {
+    std::vector<int> order(kBlobs);
+    std::iota(order.begin(), order.end(), 0);
+    std::shuffle(order.begin(), order.end(), rng);
+    for (int start = 0; start < kBlobs; start += 4) {  // batches of 4 fit the RAM tier
+      std::vector<v1::BlobKey> batch;
+      for (int j = start; j < start + 4; ++j) batch.push_back(keys[order[j]]);
+      auto got = FetchAll(batch, 512 << 10);
+      for (int j = 0; j < 4; ++j) ASSERT_EQ(got[j], Bytes(512 << 10, order[start + j]));
+    }
+  }
+  const v1::StoreStats s = Stats();
+  EXPECT_LE(s.ram_bytes(), 4u << 20);
+  EXPECT_GT(s.demotions(), 64u);
+  EXPECT_GT(s.promotions(), 64u);
+  EXPECT_EQ(s.rocksdb_bytes(), 64u * (512 << 10));
+}
+
+TEST_F(StoreE2eTest, KillDashNineMidStepLosesNoCommittedVersion) {
+  StartStore();
+  const int kBlobs = 24, kSteps = 3;
+  for (int step = 0; step < kSteps; ++step) {
+    for (int e = 0; e < kBlobs; ++e)
+      ASSERT_TRUE(PutBytes(Key(1, e), step, Bytes(200 << 10, step * 100 + e)).ok());
+    ASSERT_TRUE(Commit(step).ok());
+  }
+  // Write step 3 from another thread and kill the store while it is at it.
+  std::atomic<int> written{0};
+  std::thread writer([&] {
+    for (int e = 0; e < kBlobs; ++e) {
+      if (!PutBytes(Key(1, e), kSteps, Bytes(200 << 10, 999 + e)).ok()) return;
+      ++written;
+    }
+  });
+  while (written < kBlobs / 3) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  store_->Kill();
+  writer.join();
+  ASSERT_GT(written.load(), 0);
+  ASSERT_LT(written.load(), kBlobs) << "the kill came too late to land mid-step";
+
+  StartStore();
+  std::vector<v1::BlobKey> keys;
+  for (int e = 0; e < kBlobs; ++e) keys.push_back(Key(1, e));
+  auto got = FetchAll(keys, 200 << 10);
+  for (int e = 0; e < kBlobs; ++e) {
+    EXPECT_EQ(got[e], Bytes(200 << 10, (kSteps - 1) * 100 + e)) << e;
+    auto info = Stat(Key(1, e));
+    ASSERT_TRUE(info.ok());
+    EXPECT_EQ(info->version(), kSteps - 1);
+    EXPECT_EQ(info->crc32c(), Crc32c(got[e].data(), got[e].size()));
+    EXPECT_EQ(Stat(Key(1, e), kSteps).status().code(), absl::StatusCode::kNotFound);
+  }
+  EXPECT_EQ(Stats().pending_blobs(), 0u);
+}
+
+TEST_F(StoreE2eTest, BadInputOnBothPlanesAndTheStoreKeepsServing) {
+  StartStore(64 << 20, 1 << 20);
+  ASSERT_TRUE(PutBytes(Key(0, 0), 0, Bytes(1000, 1)).ok());
+  ASSERT_TRUE(Commit(0).ok());
+
+  // Unknown key: NOT_FOUND on both planes.
+  EXPECT_EQ(Stat(Key(9, 9)).status().code(), absl::StatusCode::kNotFound);
+  auto region = client_->AllocateBuffer(1 << 20);
+  ASSERT_TRUE(region.ok());
+  StoreClient::FetchItem item;
+  item.key = Key(9, 9);
+  item.buffer = (*region)->data();
+  item.capacity = (*region)->size();
+  EXPECT_EQ(client_->Fetch(peer_, absl::MakeSpan(&item, 1)).code(), absl::StatusCode::kNotFound);
+  // A buffer too small: RESOURCE_EXHAUSTED, nothing written past it.
+  item.key = Key(0, 0);
+  item.capacity = 10;
+  EXPECT_EQ(client_->Fetch(peer_, absl::MakeSpan(&item, 1)).code(),
+            absl::StatusCode::kResourceExhausted);
+  // Over the blob limit: RESOURCE_EXHAUSTED.
+  const auto big = Bytes((1 << 20) + 1, 3);
+  EXPECT_EQ(client_->Put(peer_, Key(0, 1), 0, big.data(), big.size()).status().code(),
+            absl::StatusCode::kResourceExhausted);
+  // Malformed: an invalid key on gRPC and on UCX.
+  v1::BlobKey bad = Key(0, 0);
+  bad.set_kind(v1::BLOB_KIND_UNSPECIFIED);
+  EXPECT_EQ(Stat(bad).status().code(), absl::StatusCode::kInvalidArgument);
+  const auto small = Bytes(10, 4);
+  EXPECT_EQ(client_->Put(peer_, bad, 0, small.data(), small.size()).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  {
+    grpc::ClientContext ctx;
+    v1::ListBlobsRequest req;
+    req.set_job_id("job");
+    req.set_page_token("%%%");
+    v1::ListBlobsResponse resp;
+    EXPECT_EQ(FromGrpcStatus(stub_->ListBlobs(&ctx, req, &resp)).code(),
+              absl::StatusCode::kInvalidArgument);
+  }
+  // A raw UCX peer sending garbage gets INVALID_ARGUMENT back.
+  {
+    auto raw = ucx::Worker::Create();
+    ASSERT_TRUE(raw.ok());
+    absl::Notification got_reply;
+    v1::UcxBlobReply reply;
+    (*raw)->SetHandler(v1::UCX_MESSAGE_GET_REPLY, [&](ucx::AmMessage& m) {
+      reply.ParseFromString(m.header);
+      got_reply.Notify();
+    });
+    ASSERT_TRUE((*raw)->Start().ok());
+    grpc::ClientContext ctx;
+    v1::UcxAddress address;
+    ASSERT_TRUE(stub_->GetUcxAddress(&ctx, v1::GetUcxAddressRequest(), &address).ok());
+    (*raw)->RunSync([&] {
+      auto ep = (*raw)->Connect(address.worker_address(), nullptr);
+      ASSERT_TRUE(ep.ok());
+      (*raw)->Send(*ep, v1::UCX_MESSAGE_GET_REQUEST, std::string("\xff\xff\xff garbage"), nullptr,
+                   0, nullptr, true, [](absl::Status) {});
+    });
+    ASSERT_TRUE(got_reply.WaitForNotificationWithTimeout(absl::Seconds(10)));
+    EXPECT_EQ(reply.code(), static_cast<int>(absl::StatusCode::kInvalidArgument));
+  }
+  // Still serving.
+  EXPECT_EQ(FetchAll({Key(0, 0)}, 1 << 20)[0], Bytes(1000, 1));
+  EXPECT_EQ(store_->Terminate(), 0) << store_->Log();
+}
+
+}  // namespace
+}  // namespace pith::store
