@@ -46,12 +46,14 @@ class MemoryRegion {
 
  private:
   friend class Worker;
-  MemoryRegion(ucp_context_h context, ucp_mem_h memh, uint8_t* data, size_t size)
-      : context_(context), memh_(memh), data_(data), size_(size) {}
+  MemoryRegion(ucp_context_h context, ucp_mem_h memh, uint8_t* data, size_t size,
+               size_t mapped_bytes)
+      : context_(context), memh_(memh), data_(data), size_(size), mapped_bytes_(mapped_bytes) {}
   ucp_context_h context_;
   ucp_mem_h memh_;
   uint8_t* data_;
   size_t size_;
+  size_t mapped_bytes_;  // > 0 when this region owns an mmap of that many bytes
 };
 
 // An incoming active message, as a handler sees it. The payload is either in `eager`
@@ -130,7 +132,7 @@ class Worker {
   static void OnRecvDone(void* request, ucs_status_t status, size_t length, void* user_data);
   static void OnEndpointError(void* arg, ucp_ep_h ep, ucs_status_t status);
   void Loop();
-  absl::StatusOr<std::unique_ptr<MemoryRegion>> Map(void* data, size_t size, bool allocate);
+  absl::StatusOr<std::unique_ptr<MemoryRegion>> Map(void* data, size_t size, size_t mapped_bytes);
 
   ucp_context_h context_ = nullptr;
   ucp_worker_h worker_ = nullptr;

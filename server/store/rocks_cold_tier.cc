@@ -57,8 +57,11 @@ class RocksColdTier final : public ColdTier {
 
   absl::Status ReadData(absl::string_view key, int64_t version, absl::Span<uint8_t> out) override {
     rocksdb::PinnableSlice value;
+    rocksdb::ReadOptions options;
+    // The RAM tier is the cache; RocksDB's block cache would only hold a second copy.
+    options.fill_cache = false;
     rocksdb::Status s =
-        db_->Get(rocksdb::ReadOptions(), db_->DefaultColumnFamily(), DataKey(key, version), &value);
+        db_->Get(options, db_->DefaultColumnFamily(), DataKey(key, version), &value);
     if (!s.ok()) return ToStatus(s, "get");
     if (value.size() != out.size()) {
       return absl::DataLossError(

@@ -1,0 +1,249 @@
+// store_fetch_bench: fetches 64 KiB, 1 MiB and 16 MiB blobs from a real pith-store over
+// UCX, from the RAM tier and from the RocksDB tier, and measures in the same run the
+// anchors for each: ucx_perftest with the same operation (ucp_am_bw: active messages,
+// rendezvous for large ones) and transports, and db_bench readrandom with the same value
+// size on a warm page cache. One line per case:
+//   fetch size=<bytes> tier=<ram|rocksdb> GB/s=<x> anchor_GB/s=<y> ratio=<x/y>
+// Usage: store_fetch_bench [--seconds=S]   (GB = 1e9 bytes)
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <chrono>
+#include <cstdio>
+#include <cstring>
+#include <filesystem>
+#include <memory>
+#include <regex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "../e2e/child_process.h"
+#include "common/grpc_util.h"
+#include "pith/v1/store.grpc.pb.h"
+#include "server/store/store_client.h"
+
+namespace pith::store {
+namespace {
+
+using pith::testing::ChildProcess;
+
+double g_seconds = 2.0;
+
+int FreePort() {
+  int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  ::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr));
+  socklen_t len = sizeof(addr);
+  ::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len);
+  ::close(fd);
+  return ntohs(addr.sin_port);
+}
+
+std::string Run(const std::string& command) {
+  std::string out;
+  FILE* p = ::popen(command.c_str(), "r");
+  if (p == nullptr) return out;
+  char buf[4096];
+  size_t n;
+  while ((n = fread(buf, 1, sizeof(buf), p)) > 0) out.append(buf, n);
+  ::pclose(p);
+  return out;
+}
+
+// ucx_perftest ucp_am_bw between two processes on this host, in GB/s.
+double UcxPerftestGBps(size_t size) {
+  const int port = FreePort();
+  const long iters = std::max<long>(200, static_cast<long>(4e9 * g_seconds / 2 / size));
+  const std::string args = " -t ucp_am_bw -s " + std::to_string(size) + " -n " +
+                           std::to_string(iters) + " -p " + std::to_string(port);
+  ChildProcess server("/usr/bin/ucx_perftest",
+                      {"-t", "ucp_am_bw", "-s", std::to_string(size), "-n", std::to_string(iters),
+                       "-p", std::to_string(port)},
+                      "/tmp/pith_perftest_server.log");
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  const std::string out = Run("ucx_perftest 127.0.0.1" + args + " 2>&1");
+  std::smatch m;
+  // Final: iters  latency(50%) avg overall  bw-avg(MB/s) bw-overall(MB/s) ...
+  const std::regex final_line(R"(Final:\s+\d+\s+[\d.]+\s+[\d.]+\s+[\d.]+\s+[\d.]+\s+([\d.]+))");
+  if (!std::regex_search(out, m, final_line)) {
+    std::fprintf(stderr, "ucx_perftest gave no result:\n%s\n", out.c_str());
+    return 0;
+  }
+  return std::stod(m[1]) * 1048576.0 / 1e9;  // ucx_perftest's "MB/s" is MiB/s
+}
+
+// db_bench readrandom with `size`-byte values, warm page cache, in GB/s.
+double DbBenchGBps(size_t size, const std::string& dir) {
+  const long num = std::max<long>(16, static_cast<long>((256ull << 20) / size));
+  const long reads = std::max<long>(100, static_cast<long>(3e9 * g_seconds / 2 / size));
+  std::filesystem::remove_all(dir);
+  const std::string out =
+      Run("db_bench --benchmarks=fillseq,readrandom --compression_type=none --threads=1"
+          " --value_size=" +
+          std::to_string(size) + " --num=" + std::to_string(num) +
+          " --reads=" + std::to_string(reads) + " --db=" + dir + " 2>&1");
+  std::smatch m;
+  const std::regex line(
+      R"(readrandom\s*:\s*[\d.]+ micros/op\s+[\d]+ ops/sec[^;]*;\s*([\d.]+) MB/s)");
+  if (!std::regex_search(out, m, line)) {
+    std::fprintf(stderr, "db_bench gave no result:\n%s\n", out.c_str());
+    return 0;
+  }
+  return std::stod(m[1]) * 1048576.0 / 1e9;  // db_bench's "MB/s" is MiB/s
+}
+
+struct Store {
+  std::unique_ptr<ChildProcess> process;
+  std::unique_ptr<StoreClient> client;
+  std::unique_ptr<v1::StoreService::Stub> stub;
+  int peer = -1;
+};
+
+Store StartStore(const std::string& dir, uint64_t ram_bytes) {
+  Store s;
+  std::filesystem::remove_all(dir);
+  std::filesystem::create_directories(dir);
+  s.process = std::make_unique<ChildProcess>(
+      PITH_STORE_BINARY,
+      std::vector<std::string>{"--listen=127.0.0.1:0", "--metrics_port=-1",
+                               "--data_dir=" + dir + "/data",
+                               "--ram_bytes=" + std::to_string(ram_bytes),
+                               "--max_blob_bytes=" + std::to_string(16 << 20)},
+      dir + "/store.log");
+  if (!s.process->WaitReady()) {
+    std::fprintf(stderr, "pith-store did not start:\n%s\n", s.process->Log().c_str());
+    std::exit(1);
+  }
+  s.stub = v1::StoreService::NewStub(grpc::CreateChannel(
+      "127.0.0.1:" + std::to_string(s.process->grpc_port), grpc::InsecureChannelCredentials()));
+  grpc::ClientContext ctx;
+  v1::UcxAddress address;
+  if (!s.stub->GetUcxAddress(&ctx, v1::GetUcxAddressRequest(), &address).ok()) std::exit(1);
+  s.client = *StoreClient::Create();
+  s.peer = *s.client->Connect(address.worker_address());
+  return s;
+}
+
+v1::BlobKey Key(const std::string& job, int i) {
+  v1::BlobKey k;
+  k.set_job_id(job);
+  k.set_layer(i / 1024);
+  k.set_expert(i % 1024);
+  k.set_kind(v1::BLOB_KIND_WEIGHTS);
+  return k;
+}
+
+// Writes `count` blobs of `size` bytes to job `job` as committed version 0.
+void Fill(Store& s, const std::string& job, int count, size_t size) {
+  auto buf = *s.client->AllocateBuffer(size);
+  for (size_t i = 0; i < size; ++i) buf->data()[i] = static_cast<uint8_t>(i * 31);
+  for (int i = 0; i < count; ++i) {
+    auto info = s.client->Put(s.peer, Key(job, i), 0, buf->data(), size, buf->handle());
+    if (!info.ok()) {
+      std::fprintf(stderr, "put failed: %s\n", info.status().ToString().c_str());
+      std::exit(1);
+    }
+  }
+  grpc::ClientContext ctx;
+  v1::CommitStepRequest req;
+  req.set_job_id(job);
+  req.set_step(0);
+  v1::CommitStepResponse resp;
+  s.stub->CommitStep(&ctx, req, &resp);
+}
+
+// Fetches blobs [0, count) of `job` round-robin, `batch` per call, from `threads` threads
+// at once (so one batch's replies are in flight while another's are consumed, as
+// ucx_perftest keeps a window of messages in flight), for g_seconds; GB/s.
+double FetchGBps(Store& s, const std::string& job, int count, size_t size, int batch,
+                 int threads = 2) {
+  std::atomic<uint64_t> bytes{0};
+  std::atomic<bool> stop{false};
+  auto run = [&](int t) {
+    auto buf = *s.client->AllocateBuffer(size * batch);
+    std::vector<StoreClient::FetchItem> items(batch);
+    int next = (t * count) / threads;
+    auto round = [&] {
+      for (int i = 0; i < batch; ++i) {
+        items[i].key = Key(job, next);
+        next = (next + 1) % count;
+        items[i].version = -1;
+        items[i].buffer = buf->data() + i * size;
+        items[i].capacity = size;
+        items[i].memh = buf->handle();
+      }
+      absl::Status st = s.client->Fetch(s.peer, absl::MakeSpan(items));
+      if (!st.ok()) {
+        std::fprintf(stderr, "fetch failed: %s\n", st.ToString().c_str());
+        std::exit(1);
+      }
+    };
+    round();  // warm-up
+    while (!stop) {
+      round();
+      bytes += size * batch;
+    }
+  };
+  std::vector<std::thread> pool;
+  for (int t = 0; t < threads; ++t) pool.emplace_back(run, t);
+  std::this_thread::sleep_for(std::chrono::milliseconds(200));  // let every thread warm up
+  const uint64_t start_bytes = bytes.load();
+  const auto start = std::chrono::steady_clock::now();
+  std::this_thread::sleep_for(std::chrono::duration<double>(g_seconds));
+  const uint64_t moved = bytes.load() - start_bytes;
+  const double elapsed =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  stop = true;
+  for (auto& t : pool) t.join();
+  return moved / elapsed / 1e9;
+}
+
+void Print(size_t size, const char* tier, double gbps, double anchor) {
+  std::printf("fetch size=%zu tier=%s GB/s=%.3f anchor_GB/s=%.3f ratio=%.3f\n", size, tier, gbps,
+              anchor, anchor > 0 ? gbps / anchor : 0.0);
+  std::fflush(stdout);
+}
+
+}  // namespace
+}  // namespace pith::store
+
+int main(int argc, char** argv) {
+  using namespace pith::store;
+  for (int i = 1; i < argc; ++i) {
+    if (std::strncmp(argv[i], "--seconds=", 10) == 0) g_seconds = std::atof(argv[i] + 10);
+  }
+  const std::string base = "/tmp/pith_store_fetch_bench_" + std::to_string(getpid());
+  const size_t sizes[] = {64 << 10, 1 << 20, 16 << 20};
+  {
+    // RAM tier: everything resident (64 MiB per size in a 512 MiB arena).
+    Store s = StartStore(base + "/ram", 512ull << 20);
+    for (size_t size : sizes) {
+      const int count = static_cast<int>(std::max<size_t>(2, (4ull << 20) / size));
+      const std::string job = "ram" + std::to_string(size);
+      Fill(s, job, count, size);
+      const double gbps = FetchGBps(s, job, count, size, std::min(count, 32));
+      Print(size, "ram", gbps, UcxPerftestGBps(size));
+    }
+  }
+  {
+    // RocksDB tier: 256 MiB of blobs behind a 64 MiB RAM tier, read round-robin, so every
+    // fetch is a promotion from RocksDB (warm page cache, as db_bench's).
+    Store s = StartStore(base + "/rocks", 64ull << 20);
+    for (size_t size : sizes) {
+      const int count = static_cast<int>((256ull << 20) / size);
+      const std::string job = "rocks" + std::to_string(size);
+      Fill(s, job, count, size);
+      const int batch =
+          static_cast<int>(std::max<size_t>(1, std::min<size_t>(32, (16ull << 20) / size)));
+      const double gbps = FetchGBps(s, job, count, size, batch);
+      Print(size, "rocksdb", gbps, DbBenchGBps(size, base + "/db_bench"));
+    }
+  }
+  std::filesystem::remove_all(base);
+  return 0;
+}
