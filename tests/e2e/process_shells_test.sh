@@ -6,7 +6,7 @@ COORDINATOR=$1 STORE=$2
 source "$(dirname "$0")/../../deploy/proc-lib.sh"
 
 start_proc coordinator "$COORDINATOR" --listen=127.0.0.1:0 --metrics_port=0
-start_proc store "$STORE" --listen=127.0.0.1:0 --metrics_port=0
+start_proc store "$STORE" --listen=127.0.0.1:0 --metrics_port=0 --data_dir="$E2E_TMP/store-data"
 wait_ready coordinator
 wait_ready store
 
@@ -15,6 +15,13 @@ for name in coordinator store; do
   body=$(curl -sf "http://127.0.0.1:$port/metrics") || fail "$name /metrics did not answer"
   grep -q "pith_build_info{component=\"$name\"" <<<"$body" || fail "$name: no pith_build_info"
   grep -q '^pith_process_start_time_seconds ' <<<"$body" || fail "$name: no start time"
+  if [[ $name == store ]]; then
+    for metric in 'pith_store_tier_bytes{tier="ram"}' 'pith_store_tier_bytes{tier="rocksdb"}' \
+      'pith_store_gets_total{tier="ram"}' 'pith_store_puts_total' 'pith_store_get_seconds_count' \
+      'pith_store_promotions_total' 'pith_store_demotions_total' 'pith_store_bytes_sent_total'; do
+      grep -qF "$metric" <<<"$body" || fail "store: no $metric"
+    done
+  fi
   grpc=$(eval "echo \$GRPC_PORT_$name")
   (exec 3<>"/dev/tcp/127.0.0.1/$grpc") 2>/dev/null || fail "$name gRPC port $grpc is closed"
 done
@@ -35,7 +42,7 @@ grep -q "no_such_flag" <<<"$out" || fail "unknown flag not named: $out"
 busy=$(free_port)
 start_proc blocker "$COORDINATOR" --listen=127.0.0.1:0 --metrics_port="$busy"
 wait_ready blocker
-if out=$("$STORE" --listen=127.0.0.1:0 --metrics_port="$busy" 2>&1); then
+if out=$("$STORE" --listen=127.0.0.1:0 --metrics_port="$busy" --data_dir="$E2E_TMP/busy-data" 2>&1); then
   fail "second process on a busy metrics port started"
 fi
 grep -q "cannot serve on 0.0.0.0:$busy" <<<"$out" || fail "busy port error unclear: $out"

@@ -8,7 +8,7 @@ PROMETHEUS=$(command -v prometheus || true)
 [[ -x /usr/bin/prometheus ]] && PROMETHEUS=/usr/bin/prometheus
 [[ -n $PROMETHEUS ]] || fail "prometheus is not installed (deploy/install-deps.sh installs it)"
 
-start_proc store "$STORE" --listen=127.0.0.1:0 --metrics_port=0
+start_proc store "$STORE" --listen=127.0.0.1:0 --metrics_port=0 --data_dir="$E2E_TMP/store-data"
 wait_ready store
 
 cat >"$E2E_TMP/prometheus.yml" <<YAML
