@@ -147,6 +147,9 @@ absl::StatusOr<std::unique_ptr<ColdTier>> OpenRocksColdTier(const std::string& d
   options.IncreaseParallelism(2);
   // Blobs are large: keep the memtable big enough for a few of them.
   options.write_buffer_size = 128 << 20;
+  // Reads come straight out of the page cache through the mapping: RocksDB then copies
+  // nothing, and the promotion copy into the RAM tier is the only one on this side.
+  options.allow_mmap_reads = true;
   rocksdb::DB* raw = nullptr;
   rocksdb::Status s = rocksdb::DB::Open(options, dir, &raw);
   if (!s.ok()) return ToStatus(s, absl::StrCat("open ", dir));
