@@ -114,7 +114,16 @@ absl::Status ValidateCluster(const v1::ClusterConfig& c) {
 }  // namespace
 
 void ApplyJobSpecDefaults(v1::JobSpec* spec) {
+  // -0 means 0 everywhere in a spec; keeping the sign would make equal specs differ.
+  v1::ModelConfig* m = spec->mutable_model();
+  m->set_capacity_factor(m->capacity_factor() + 0.0);
+  m->set_aux_loss_coef(m->aux_loss_coef() + 0.0);
+  m->set_z_loss_coef(m->z_loss_coef() + 0.0);
   v1::TrainConfig* t = spec->mutable_train();
+  t->set_lr(t->lr() + 0.0);
+  t->set_weight_decay(t->weight_decay() + 0.0);
+  t->set_grad_clip(t->grad_clip() + 0.0);
+  if (t->has_min_lr_ratio()) t->set_min_lr_ratio(t->min_lr_ratio() + 0.0);
   if (!t->has_min_lr_ratio()) t->set_min_lr_ratio(0.1);
   if (!t->has_beta1()) t->set_beta1(0.9);
   if (!t->has_beta2()) t->set_beta2(0.95);

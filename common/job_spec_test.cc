@@ -1,5 +1,6 @@
 #include "common/job_spec.h"
 
+#include <cmath>
 #include <string>
 
 #include "absl/strings/str_replace.h"
@@ -66,6 +67,18 @@ TEST(JobSpecTest, JsonRoundTrip) {
   EXPECT_THAT(json, HasSubstr("\"d_model\": 128"));
   absl::StatusOr<v1::JobSpec> again = ParseJobSpec(json);
   ASSERT_TRUE(again.ok()) << again.status();
+  EXPECT_TRUE(google::protobuf::util::MessageDifferencer::Equals(*spec, *again));
+}
+
+TEST(JobSpecTest, NegativeZeroRoundTripsAsZero) {
+  // Found by the fuzzer: -0 used to print and re-parse as a different spec.
+  std::string json =
+      absl::StrReplaceAll(kDesignExample, {{"\"aux_loss_coef\": 0.01", "\"aux_loss_coef\": -0.0"}});
+  absl::StatusOr<v1::JobSpec> spec = ParseJobSpec(json);
+  ASSERT_TRUE(spec.ok()) << spec.status();
+  EXPECT_FALSE(std::signbit(spec->model().aux_loss_coef()));
+  absl::StatusOr<v1::JobSpec> again = ParseJobSpec(JobSpecToJson(*spec));
+  ASSERT_TRUE(again.ok());
   EXPECT_TRUE(google::protobuf::util::MessageDifferencer::Equals(*spec, *again));
 }
 
