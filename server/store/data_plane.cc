@@ -5,6 +5,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/crc32c.h"
+#include "common/status.h"
 #include "glog/logging.h"
 
 namespace pith::store {
@@ -25,23 +26,31 @@ v1::UcxBlobReply ErrorReply(uint64_t request_id, uint32_t index, const absl::Sta
 
 }  // namespace
 
-DataPlane::DataPlane(ucx::Worker* worker, BlobStore* store, const ucx::MemoryRegion* arena,
-                     MetricsRegistry* metrics)
-    : worker_(worker), store_(store), memh_(arena ? arena->handle() : nullptr) {
+absl::StatusOr<std::unique_ptr<DataPlane>> DataPlane::Create(ucx::Worker* worker, BlobStore* store,
+                                                             const ucx::MemoryRegion* arena,
+                                                             MetricsRegistry* metrics) {
+  std::unique_ptr<DataPlane> d(new DataPlane(worker, store, arena));
   if (metrics != nullptr) {
     const auto buckets = MetricsRegistry::LatencyBuckets();
-    bytes_sent_ = *metrics->Counter("pith_store_bytes_sent_total", "Blob bytes sent over UCX");
-    bytes_received_ =
-        *metrics->Counter("pith_store_bytes_received_total", "Blob bytes received over UCX");
-    get_seconds_ = *metrics->Histogram(
-        "pith_store_get_seconds", "Time to serve one blob of a fetch, lookup to sent", buckets);
-    put_seconds_ = *metrics->Histogram("pith_store_put_seconds",
-                                       "Time to take one blob version, header to durable", buckets);
-    errors_ = *metrics->Counter("pith_store_data_plane_errors_total",
-                                "Data-plane requests answered with an error");
+    ASSIGN_OR_RETURN(d->bytes_sent_,
+                     metrics->Counter("pith_store_bytes_sent_total", "Blob bytes sent over UCX"));
+    ASSIGN_OR_RETURN(d->bytes_received_, metrics->Counter("pith_store_bytes_received_total",
+                                                          "Blob bytes received over UCX"));
+    ASSIGN_OR_RETURN(
+        d->get_seconds_,
+        metrics->Histogram("pith_store_get_seconds",
+                           "Time to serve one blob of a fetch, lookup to sent", buckets));
+    ASSIGN_OR_RETURN(
+        d->put_seconds_,
+        metrics->Histogram("pith_store_put_seconds",
+                           "Time to take one blob version, header to durable", buckets));
+    ASSIGN_OR_RETURN(d->errors_, metrics->Counter("pith_store_data_plane_errors_total",
+                                                  "Data-plane requests answered with an error"));
   }
-  worker_->SetHandler(v1::UCX_MESSAGE_GET_REQUEST, [this](ucx::AmMessage& m) { OnGet(m); });
-  worker_->SetHandler(v1::UCX_MESSAGE_PUT_REQUEST, [this](ucx::AmMessage& m) { OnPut(m); });
+  DataPlane* self = d.get();
+  worker->SetHandler(v1::UCX_MESSAGE_GET_REQUEST, [self](ucx::AmMessage& m) { self->OnGet(m); });
+  worker->SetHandler(v1::UCX_MESSAGE_PUT_REQUEST, [self](ucx::AmMessage& m) { self->OnPut(m); });
+  return d;
 }
 
 void DataPlane::Reply(ucp_ep_h ep, uint16_t id, const v1::UcxBlobReply& reply, BlobRef payload) {

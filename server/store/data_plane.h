@@ -20,11 +20,15 @@ namespace pith::store {
 class DataPlane {
  public:
   // Serves `store`, whose arena is `arena` (registered with `worker`). Installs the
-  // handlers on `worker` (before its Start()).
-  DataPlane(ucx::Worker* worker, BlobStore* store, const ucx::MemoryRegion* arena,
-            MetricsRegistry* metrics);
+  // handlers on `worker` (before its Start()). Fails only if its metrics cannot be
+  // registered.
+  static absl::StatusOr<std::unique_ptr<DataPlane>> Create(ucx::Worker* worker, BlobStore* store,
+                                                           const ucx::MemoryRegion* arena,
+                                                           MetricsRegistry* metrics);
 
  private:
+  DataPlane(ucx::Worker* worker, BlobStore* store, const ucx::MemoryRegion* arena)
+      : worker_(worker), store_(store), memh_(arena ? arena->handle() : nullptr) {}
   void OnGet(ucx::AmMessage& message);
   void OnPut(ucx::AmMessage& message);
   void Reply(ucp_ep_h ep, uint16_t id, const v1::UcxBlobReply& reply, BlobRef payload);

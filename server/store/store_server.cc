@@ -30,8 +30,8 @@ absl::StatusOr<std::unique_ptr<StoreServer>> StoreServer::Start(const StoreServe
   store_options.max_blob_bytes = options.max_blob_bytes;
   ASSIGN_OR_RETURN(s->store_,
                    BlobStore::Open(store_options, std::move(cold), s->arena_->data(), metrics));
-  s->data_plane_ =
-      std::make_unique<DataPlane>(s->worker_.get(), s->store_.get(), s->arena_.get(), metrics);
+  ASSIGN_OR_RETURN(s->data_plane_,
+                   DataPlane::Create(s->worker_.get(), s->store_.get(), s->arena_.get(), metrics));
   RETURN_IF_ERROR(s->worker_->Start());
   s->service_ = std::make_unique<StoreServiceImpl>(s->store_.get(), s->worker_->address());
   ASSIGN_OR_RETURN(s->grpc_, GrpcServer::Start({.listen_address = options.listen_address,

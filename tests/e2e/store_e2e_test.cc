@@ -14,6 +14,7 @@
 #include "child_process.h"
 #include "common/crc32c.h"
 #include "common/grpc_util.h"
+#include "common/safetensors.h"
 #include "gtest/gtest.h"
 #include "pith/v1/store.grpc.pb.h"
 #include "server/store/store_client.h"
@@ -308,6 +309,115 @@ TEST_F(StoreE2eTest, BadInputOnBothPlanesAndTheStoreKeepsServing) {
   // Still serving.
   EXPECT_EQ(FetchAll({Key(0, 0)}, 1 << 20)[0], Bytes(1000, 1));
   EXPECT_EQ(store_->Terminate(), 0) << store_->Log();
+}
+
+}  // namespace
+}  // namespace pith::store
+
+namespace pith::store {
+namespace {
+
+// Two stores: PullBlobs copies committed blobs from one to the other over UCX; Checkpoint
+// writes a RocksDB checkpoint and a safetensors export.
+TEST(StorePeerTest, PullBlobsAndCheckpoint) {
+  const std::string dir = ::testing::TempDir() + "/store_peer_" + std::to_string(getpid());
+  std::filesystem::remove_all(dir);
+  std::filesystem::create_directories(dir);
+  std::vector<std::unique_ptr<pith::testing::ChildProcess>> stores;
+  std::vector<std::unique_ptr<v1::StoreService::Stub>> stubs;
+  std::vector<std::string> addresses;
+  for (int i = 0; i < 2; ++i) {
+    stores.push_back(std::make_unique<pith::testing::ChildProcess>(
+        PITH_STORE_BINARY,
+        std::vector<std::string>{"--listen=127.0.0.1:0", "--metrics_port=-1",
+                                 "--data_dir=" + dir + "/data" + std::to_string(i),
+                                 "--ram_bytes=67108864", "--max_blob_bytes=4194304"},
+        dir + "/store" + std::to_string(i) + ".log"));
+    ASSERT_TRUE(stores.back()->WaitReady()) << stores.back()->Log();
+    stubs.push_back(v1::StoreService::NewStub(
+        grpc::CreateChannel("127.0.0.1:" + std::to_string(stores.back()->grpc_port),
+                            grpc::InsecureChannelCredentials())));
+    grpc::ClientContext ctx;
+    v1::UcxAddress address;
+    ASSERT_TRUE(stubs.back()->GetUcxAddress(&ctx, v1::GetUcxAddressRequest(), &address).ok());
+    addresses.push_back(address.worker_address());
+  }
+  auto client = StoreClient::Create();
+  ASSERT_TRUE(client.ok());
+  auto peer = (*client)->Connect(addresses[0]);
+  ASSERT_TRUE(peer.ok());
+  std::vector<v1::BlobKey> keys;
+  for (int e = 0; e < 6; ++e) {
+    keys.push_back(Key(2, e, e % 2 ? v1::BLOB_KIND_ADAM_M : v1::BLOB_KIND_WEIGHTS));
+    const auto bytes = Bytes(100000 + 4 * e, e);
+    ASSERT_TRUE((*client)->Put(*peer, keys.back(), 3, bytes.data(), bytes.size()).ok());
+  }
+  {
+    grpc::ClientContext ctx;
+    v1::CommitStepRequest req;
+    req.set_job_id("job");
+    req.set_step(3);
+    v1::CommitStepResponse resp;
+    ASSERT_TRUE(stubs[0]->CommitStep(&ctx, req, &resp).ok());
+  }
+  // Store 1 pulls them all from store 0.
+  {
+    grpc::ClientContext ctx;
+    v1::PullBlobsRequest req;
+    req.set_source_ucx_address(addresses[0]);
+    for (const auto& k : keys) *req.add_keys() = k;
+    v1::PullBlobsResponse resp;
+    grpc::Status s = stubs[1]->PullBlobs(&ctx, req, &resp);
+    ASSERT_TRUE(s.ok()) << s.error_message();
+    ASSERT_EQ(resp.pulled_size(), 6);
+  }
+  for (size_t e = 0; e < keys.size(); ++e) {
+    grpc::ClientContext ctx;
+    v1::StatBlobRequest req;
+    *req.mutable_key() = keys[e];
+    req.set_version(-1);
+    v1::BlobInfo info;
+    ASSERT_TRUE(stubs[1]->StatBlob(&ctx, req, &info).ok());
+    EXPECT_EQ(info.version(), 3);
+    EXPECT_TRUE(info.committed());
+    const auto bytes = Bytes(100000 + 4 * e, e);
+    EXPECT_EQ(info.crc32c(), Crc32c(bytes.data(), bytes.size()));
+  }
+  // Pulling an unknown blob fails cleanly and names it.
+  {
+    grpc::ClientContext ctx;
+    v1::PullBlobsRequest req;
+    req.set_source_ucx_address(addresses[0]);
+    *req.add_keys() = Key(9, 9);
+    v1::PullBlobsResponse resp;
+    grpc::Status s = stubs[1]->PullBlobs(&ctx, req, &resp);
+    EXPECT_EQ(s.error_code(), grpc::StatusCode::NOT_FOUND) << s.error_message();
+  }
+  // Checkpoint: a RocksDB copy and a safetensors export of the job.
+  {
+    grpc::ClientContext ctx;
+    v1::CheckpointRequest req;
+    req.set_checkpoint_dir(dir + "/checkpoint");
+    req.set_export_job_id("job");
+    req.set_export_path(dir + "/job.safetensors");
+    v1::CheckpointResponse resp;
+    grpc::Status s = stubs[1]->Checkpoint(&ctx, req, &resp);
+    ASSERT_TRUE(s.ok()) << s.error_message();
+    EXPECT_EQ(resp.step(), -1);  // pulled blobs carry versions, not a job step
+    EXPECT_TRUE(std::filesystem::exists(dir + "/checkpoint/CURRENT"));
+    auto file = SafetensorsFile::Read(dir + "/job.safetensors");
+    ASSERT_TRUE(file.ok()) << file.status();
+    EXPECT_EQ(file->entries().size(), 6u);
+    EXPECT_TRUE(file->Contains("h.2.moe.e0"));
+    EXPECT_TRUE(file->Contains("m.h.2.moe.e1"));
+    auto e2 = file->Get("h.2.moe.e2");
+    ASSERT_TRUE(e2.ok());
+    EXPECT_EQ(std::vector<uint8_t>(e2->bytes.begin(), e2->bytes.end()), Bytes(100008, 2));
+    // A second checkpoint into the same directory is refused.
+    grpc::ClientContext ctx2;
+    EXPECT_EQ(stubs[1]->Checkpoint(&ctx2, req, &resp).error_code(),
+              grpc::StatusCode::ALREADY_EXISTS);
+  }
 }
 
 }  // namespace
