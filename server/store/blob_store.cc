@@ -298,18 +298,39 @@ absl::StatusOr<BlobRef> BlobStore::Get(const v1::BlobKey& key, int64_t version) 
     ++ram_gets_;
     if (metrics_) metrics_->ram_gets->Increment();
   } else {
+    ++cold_gets_;
+    if (metrics_) metrics_->rocksdb_gets->Increment();
+    // Admission: promote on the second read; the first is served in place.
+    const std::string admission_key = absl::StrCat(encoded, "@", v.version);
+    if (options_.admission_window > 0 && !recent_cold_set_.contains(admission_key)) {
+      ASSIGN_OR_RETURN(ColdRead read, cold_->ReadPinned(encoded, v.version));
+      if (read.size != v.size) {
+        return absl::DataLossError(absl::StrCat(BlobKeyDebugString(key), ": cold copy has ",
+                                                read.size, " bytes, want ", v.size));
+      }
+      recent_cold_.push_back(admission_key);
+      recent_cold_set_.insert(admission_key);
+      if (recent_cold_.size() > options_.admission_window) {
+        recent_cold_set_.erase(recent_cold_.front());
+        recent_cold_.pop_front();
+      }
+      BlobRef ref;
+      ref.cold_pin_ = std::move(read.pin);
+      ref.data_ = read.data;
+      ref.size_ = v.size;
+      ref.version_ = v.version;
+      ref.crc_ = v.crc;
+      return ref;
+    }
+    recent_cold_set_.erase(admission_key);  // its deque entry ages out harmlessly
     ASSIGN_OR_RETURN(std::shared_ptr<RamBlock> block,
                      AllocateLocked(std::max<uint64_t>(v.size, 1)));
     RETURN_IF_ERROR(cold_->ReadData(encoded, v.version, {arena_ + block->offset(), v.size}));
     v.ram = std::move(block);
     lru_.emplace_front(encoded, v.version);
     v.lru = lru_.begin();
-    ++cold_gets_;
     ++promotions_;
-    if (metrics_) {
-      metrics_->rocksdb_gets->Increment();
-      metrics_->promotions->Increment();
-    }
+    if (metrics_) metrics_->promotions->Increment();
     UpdateGaugesLocked();
   }
   BlobRef ref;

@@ -13,6 +13,7 @@
 #define PITH_SERVER_STORE_BLOB_STORE_H_
 
 #include <cstdint>
+#include <deque>
 #include <list>
 #include <map>
 #include <memory>
@@ -22,6 +23,7 @@
 #include <vector>
 
 #include "absl/container/btree_map.h"
+#include "absl/container/flat_hash_set.h"
 #include "absl/status/statusor.h"
 #include "absl/types/span.h"
 #include "common/metrics.h"
@@ -39,6 +41,11 @@ struct BlobStoreOptions {
   uint64_t max_blob_bytes = 64ull << 20;
   // Smallest RAM block.
   uint64_t min_block_bytes = 4096;
+  // Admission: a blob read from the cold tier is promoted into RAM when it was read from
+  // there before, among the last `admission_window` such reads; a first read is served
+  // straight from the cold tier. One pass over more data than the RAM tier holds then
+  // does not flush the hot blobs out. 0 promotes on every read.
+  uint64_t admission_window = 4096;
 };
 
 class BlobStore;
@@ -67,10 +74,14 @@ class BlobRef {
   uint64_t size() const { return size_; }
   int64_t version() const { return version_; }
   uint32_t crc() const { return crc_; }
+  // True when the bytes are in the RAM tier (registered memory), false when they are
+  // read in place from the cold tier.
+  bool in_ram() const { return block_ != nullptr; }
 
  private:
   friend class BlobStore;
   std::shared_ptr<RamBlock> block_;
+  std::shared_ptr<void> cold_pin_;
   const uint8_t* data_ = nullptr;
   uint64_t size_ = 0;
   int64_t version_ = 0;
@@ -189,6 +200,9 @@ class BlobStore {
   absl::btree_map<std::string, Blob> blobs_;        // by encoded key; guarded by mu_
   std::list<std::pair<std::string, int64_t>> lru_;  // RAM-resident, most recent first
   std::map<std::string, int64_t> job_steps_;
+  // Recent cold reads not promoted, oldest first (admission).
+  std::deque<std::string> recent_cold_;
+  absl::flat_hash_set<std::string> recent_cold_set_;
   uint64_t cold_bytes_ = 0;
   uint64_t ram_gets_ = 0, cold_gets_ = 0, puts_ = 0, promotions_ = 0, demotions_ = 0;
 };

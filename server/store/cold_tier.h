@@ -53,6 +53,13 @@ struct ColdContents {
   std::map<std::string, int64_t> job_steps;   // job id -> committed step
 };
 
+// Bytes read from the cold tier in place: valid while `pin` lives.
+struct ColdRead {
+  const uint8_t* data = nullptr;
+  uint64_t size = 0;
+  std::shared_ptr<void> pin;
+};
+
 class ColdTier {
  public:
   virtual ~ColdTier() = default;
@@ -64,6 +71,9 @@ class ColdTier {
   // stored size differs.
   virtual absl::Status ReadData(absl::string_view key, int64_t version,
                                 absl::Span<uint8_t> out) = 0;
+  // Reads (key, version) without copying where the tier can (RocksDB: the page cache,
+  // through its mapping). NOT_FOUND if absent.
+  virtual absl::StatusOr<ColdRead> ReadPinned(absl::string_view key, int64_t version) = 0;
   // Applies `batch` atomically; with `sync` it and every earlier write are durable on return.
   virtual absl::Status Apply(const ColdBatch& batch, bool sync) = 0;
   virtual absl::StatusOr<ColdContents> Load() = 0;
@@ -81,6 +91,7 @@ class MemoryColdTier final : public ColdTier {
   absl::Status PutData(absl::string_view key, int64_t version,
                        absl::Span<const uint8_t> bytes) override;
   absl::Status ReadData(absl::string_view key, int64_t version, absl::Span<uint8_t> out) override;
+  absl::StatusOr<ColdRead> ReadPinned(absl::string_view key, int64_t version) override;
   absl::Status Apply(const ColdBatch& batch, bool sync) override;
   absl::StatusOr<ColdContents> Load() override;
   absl::Status Checkpoint(const std::string& dir) override {

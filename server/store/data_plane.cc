@@ -58,8 +58,8 @@ void DataPlane::Reply(ucp_ep_h ep, uint16_t id, const v1::UcxBlobReply& reply, B
   const void* data = payload.data();
   const size_t size = payload.size();
   // The BlobRef rides in the completion: the blob stays pinned until UCX has sent it.
-  worker_->Send(ep, id, reply.SerializeAsString(), data, size, data ? memh_ : nullptr, false,
-                [payload, this, size](absl::Status status) {
+  worker_->Send(ep, id, reply.SerializeAsString(), data, size, payload.in_ram() ? memh_ : nullptr,
+                false, [payload, this, size](absl::Status status) {
                   if (status.ok() && bytes_sent_) bytes_sent_->Increment(static_cast<double>(size));
                   if (!status.ok()) VLOG(1) << "reply not delivered: " << status;
                 });

@@ -27,6 +27,14 @@ absl::Status MemoryColdTier::ReadData(absl::string_view key, int64_t version,
   return absl::OkStatus();
 }
 
+absl::StatusOr<ColdRead> MemoryColdTier::ReadPinned(absl::string_view key, int64_t version) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = live_.data.find({std::string(key), version});
+  if (it == live_.data.end()) return absl::NotFoundError("no such blob version in the cold tier");
+  auto copy = std::make_shared<std::string>(it->second);
+  return ColdRead{reinterpret_cast<const uint8_t*>(copy->data()), copy->size(), copy};
+}
+
 absl::Status MemoryColdTier::Apply(const ColdBatch& batch, bool sync) {
   std::lock_guard<std::mutex> lock(mu_);
   ColdContents& m = live_.meta;

@@ -71,6 +71,16 @@ class RocksColdTier final : public ColdTier {
     return absl::OkStatus();
   }
 
+  absl::StatusOr<ColdRead> ReadPinned(absl::string_view key, int64_t version) override {
+    auto value = std::make_shared<rocksdb::PinnableSlice>();
+    rocksdb::ReadOptions options;
+    options.fill_cache = false;
+    rocksdb::Status s =
+        db_->Get(options, db_->DefaultColumnFamily(), DataKey(key, version), value.get());
+    if (!s.ok()) return ToStatus(s, "get");
+    return ColdRead{reinterpret_cast<const uint8_t*>(value->data()), value->size(), value};
+  }
+
   absl::Status Apply(const ColdBatch& batch, bool sync) override {
     rocksdb::WriteBatch wb;
     for (const auto& r : batch.set_records) wb.Put(RecordKey(r.key), EncodeRecord(r.record));

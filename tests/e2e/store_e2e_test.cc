@@ -106,8 +106,9 @@ class StoreE2eTest : public ::testing::Test {
     return stats;
   }
 
-  absl::Status PutBytes(const v1::BlobKey& key, int64_t version, const std::vector<uint8_t>& data) {
-    return client_->Put(peer_, key, version, data.data(), data.size()).status();
+  absl::Status PutBytes(const v1::BlobKey& key, int64_t version, const std::vector<uint8_t>& data,
+                        absl::Duration timeout = absl::Seconds(30)) {
+    return client_->Put(peer_, key, version, data.data(), data.size(), nullptr, timeout).status();
   }
 
   // Fetches `keys` (committed versions) in one batched call and returns their bytes.
@@ -189,7 +190,7 @@ TEST_F(StoreE2eTest, RamBudgetFarBelowTheData) {
   }
   ASSERT_TRUE(Commit(0).ok());
   std::mt19937 rng(5);
-  for (int round = 0; round < 2; ++round) {
+  for (int round = 0; round < 3; ++round) {  // first cold reads are served in place
     std::vector<int> order(kBlobs);
     std::iota(order.begin(), order.end(), 0);
     std::shuffle(order.begin(), order.end(), rng);
@@ -203,7 +204,8 @@ TEST_F(StoreE2eTest, RamBudgetFarBelowTheData) {
   const v1::StoreStats s = Stats();
   EXPECT_LE(s.ram_bytes(), 4u << 20);
   EXPECT_GT(s.demotions(), 64u);
-  EXPECT_GT(s.promotions(), 64u);
+  EXPECT_GT(s.promotions(), 32u);
+  EXPECT_GT(s.rocksdb_gets(), 64u);
   EXPECT_EQ(s.rocksdb_bytes(), 64u * (512 << 10));
 }
 
@@ -219,7 +221,8 @@ TEST_F(StoreE2eTest, KillDashNineMidStepLosesNoCommittedVersion) {
   std::atomic<int> written{0};
   std::thread writer([&] {
     for (int e = 0; e < kBlobs; ++e) {
-      if (!PutBytes(Key(1, e), kSteps, Bytes(200 << 10, 999 + e)).ok()) return;
+      // A dead store is noticed by the request deadline.
+      if (!PutBytes(Key(1, e), kSteps, Bytes(200 << 10, 999 + e), absl::Seconds(3)).ok()) return;
       ++written;
     }
   });
