@@ -89,17 +89,7 @@ Worker::~Worker() {
 void Worker::Stop() {
   if (thread_.joinable()) {
     RunSync([this] {
-      for (auto& [ep, state] : endpoints_) {
-        ucp_request_param_t p{};
-        p.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
-        p.flags = UCP_EP_CLOSE_FLAG_FORCE;
-        ucs_status_ptr_t r = ucp_ep_close_nbx(ep, &p);
-        if (UCS_PTR_IS_PTR(r)) {
-          while (ucp_request_check_status(r) == UCS_INPROGRESS) ucp_worker_progress(worker_);
-          ucp_request_free(r);
-        }
-      }
-      endpoints_.clear();
+      while (!endpoints_.empty()) Close(endpoints_.begin()->first);
       for (AmMessage& m : arrived_) Release(m);
       arrived_.clear();
     });

@@ -154,6 +154,29 @@ void StoreClient::OnReply(ucx::AmMessage& m, bool is_get) {
   });
 }
 
+absl::Status StoreClient::Issue(int peer, uint64_t id, const std::shared_ptr<Pending>& pending,
+                                uint16_t message, std::string header, const void* data, size_t size,
+                                ucp_mem_h memh, absl::Duration timeout) {
+  worker_->Post(
+      [this, peer, pending, id, message, data, size, memh, header = std::move(header)]() mutable {
+        auto ep = peers_.find(peer);
+        if (ep == peers_.end()) {
+          pending->Fail(absl::UnavailableError("not connected to that store"));
+          pending->Complete();
+          return;
+        }
+        pending_[id] = pending;
+        worker_->Send(ep->second, message, std::move(header), data, size, memh, true,
+                      [this, pending, id](absl::Status s) {
+                        if (s.ok() || !pending_.count(id)) return;
+                        pending_.erase(id);
+                        pending->Fail(s);
+                        pending->Complete();
+                      });
+      });
+  return Wait(peer, pending, timeout);
+}
+
 absl::Status StoreClient::Wait(int peer, const std::shared_ptr<Pending>& pending,
                                absl::Duration timeout) {
   if (pending->done.WaitForNotificationWithTimeout(timeout)) return pending->status;
@@ -183,25 +206,8 @@ absl::Status StoreClient::Fetch(int peer, absl::Span<FetchItem> items, absl::Dur
     g->set_version(item.version);
     g->set_capacity(item.capacity);
   }
-  std::string header = request.SerializeAsString();
-  worker_->Post(
-      [this, peer, pending, id = request.request_id(), header = std::move(header)]() mutable {
-        auto ep = peers_.find(peer);
-        if (ep == peers_.end()) {
-          pending->Fail(absl::UnavailableError("not connected to that store"));
-          pending->Complete();
-          return;
-        }
-        pending_[id] = pending;
-        worker_->Send(ep->second, v1::UCX_MESSAGE_GET_REQUEST, std::move(header), nullptr, 0,
-                      nullptr, true, [this, pending, id](absl::Status s) {
-                        if (s.ok() || !pending_.count(id)) return;
-                        pending_.erase(id);
-                        pending->Fail(s);
-                        pending->Complete();
-                      });
-      });
-  return Wait(peer, pending, timeout);
+  return Issue(peer, request.request_id(), pending, v1::UCX_MESSAGE_GET_REQUEST,
+               request.SerializeAsString(), nullptr, 0, nullptr, timeout);
 }
 
 absl::StatusOr<v1::BlobInfo> StoreClient::Put(int peer, const v1::BlobKey& key, int64_t version,
@@ -216,25 +222,8 @@ absl::StatusOr<v1::BlobInfo> StoreClient::Put(int peer, const v1::BlobKey& key, 
   request.set_version(version);
   request.set_size(size);
   request.set_crc32c(Crc32c(data, size));
-  std::string header = request.SerializeAsString();
-  worker_->Post([this, peer, pending, data, size, memh, id = request.request_id(),
-                 header = std::move(header)]() mutable {
-    auto ep = peers_.find(peer);
-    if (ep == peers_.end()) {
-      pending->Fail(absl::UnavailableError("not connected to that store"));
-      pending->Complete();
-      return;
-    }
-    pending_[id] = pending;
-    worker_->Send(ep->second, v1::UCX_MESSAGE_PUT_REQUEST, std::move(header), data, size, memh,
-                  true, [this, pending, id](absl::Status s) {
-                    if (s.ok() || !pending_.count(id)) return;
-                    pending_.erase(id);
-                    pending->Fail(s);
-                    pending->Complete();
-                  });
-  });
-  absl::Status s = Wait(peer, pending, timeout);
+  absl::Status s = Issue(peer, request.request_id(), pending, v1::UCX_MESSAGE_PUT_REQUEST,
+                         request.SerializeAsString(), data, size, memh, timeout);
   if (!s.ok()) return s;
   return pending->put_info;
 }

@@ -59,6 +59,10 @@ class StoreClient {
   struct Pending;
   StoreClient() = default;
   void OnReply(ucx::AmMessage& message, bool is_get);
+  // Sends request `id` (on the progress thread) and waits for its replies.
+  absl::Status Issue(int peer, uint64_t id, const std::shared_ptr<Pending>& pending,
+                     uint16_t message, std::string header, const void* data, size_t size,
+                     ucp_mem_h memh, absl::Duration timeout);
   absl::Status Wait(int peer, const std::shared_ptr<Pending>& pending, absl::Duration timeout);
   void FailPeer(int peer, const absl::Status& status);
 
