@@ -17,6 +17,9 @@ ABSL_FLAG(int, metrics_port, 9101, "Prometheus /metrics port; -1 disables it, 0 
 ABSL_FLAG(std::string, data_dir, "", "RocksDB directory of the durable tier (required)");
 ABSL_FLAG(uint64_t, ram_bytes, 1ull << 30, "RAM-tier budget in bytes (UCX-registered memory)");
 ABSL_FLAG(uint64_t, max_blob_bytes, 64ull << 20, "Largest blob accepted, in bytes");
+ABSL_FLAG(uint64_t, admission_window, 4096,
+          "A cold blob is promoted into RAM on its second read among the last N cold reads; "
+          "0 promotes on every read");
 ABSL_FLAG(int, max_message_bytes, 64 << 20, "Largest gRPC message, in bytes");
 ABSL_FLAG(std::string, coordinator, "",
           "Coordinator address (host:port); registration arrives with the coordinator");
@@ -38,6 +41,7 @@ absl::Status Run(pith::ShutdownSignals& signals) {
   options.ram_bytes = absl::GetFlag(FLAGS_ram_bytes);
   options.max_blob_bytes = absl::GetFlag(FLAGS_max_blob_bytes);
   options.max_message_bytes = absl::GetFlag(FLAGS_max_message_bytes);
+  options.admission_window = absl::GetFlag(FLAGS_admission_window);
   options.coordinator = absl::GetFlag(FLAGS_coordinator);
   ASSIGN_OR_RETURN(auto server, pith::store::StoreServer::Start(options, &metrics));
   LOG(INFO) << "pith-store ready: grpc_port=" << server->grpc_port()

@@ -28,6 +28,7 @@ absl::StatusOr<std::unique_ptr<StoreServer>> StoreServer::Start(const StoreServe
   BlobStoreOptions store_options;
   store_options.ram_bytes = options.ram_bytes;
   store_options.max_blob_bytes = options.max_blob_bytes;
+  store_options.admission_window = options.admission_window;
   ASSIGN_OR_RETURN(s->store_,
                    BlobStore::Open(store_options, std::move(cold), s->arena_->data(), metrics));
   ASSIGN_OR_RETURN(s->data_plane_,

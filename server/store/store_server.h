@@ -24,6 +24,7 @@ struct StoreServerOptions {
   std::string data_dir;                        // RocksDB directory (created if missing)
   uint64_t ram_bytes = 1ull << 30;
   uint64_t max_blob_bytes = 64ull << 20;
+  uint64_t admission_window = 4096;  // see BlobStoreOptions
   int max_message_bytes = kDefaultMaxMessageBytes;
   std::string coordinator;  // optional: register with this coordinator
 };
