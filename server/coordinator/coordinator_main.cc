@@ -1,4 +1,5 @@
 // pith-coordinator: membership, placement, heat and the job API (DESIGN §1, §5).
+#include <cstdio>
 #include <cstdlib>
 #include <string>
 
@@ -9,15 +10,51 @@
 #include "glog/logging.h"
 #include "pith/v1/coordinator.grpc.pb.h"
 #include "pith/v1/job.grpc.pb.h"
+#include "server/coordinator/simulator.h"
 
 ABSL_FLAG(std::string, listen, "127.0.0.1:7000", "gRPC listen address (host:port)");
 ABSL_FLAG(int, metrics_port, 9100, "Prometheus /metrics port; -1 disables it, 0 picks one");
+ABSL_FLAG(bool, simulate, false, "Run the placement simulator, print one line and exit");
+ABSL_FLAG(int, layers, 58, "--simulate: MoE layers");
+ABSL_FLAG(int, experts, 256, "--simulate: experts per layer");
+ABSL_FLAG(int, top_k, 8, "--simulate: experts per token");
+ABSL_FLAG(int, workers, 256, "--simulate: workers");
+ABSL_FLAG(int, stores, 32, "--simulate: stores");
+ABSL_FLAG(double, zipf, 1.2, "--simulate: Zipf exponent of expert popularity");
+ABSL_FLAG(int, steps, 10, "--simulate: steps of routing that build the heat map");
+ABSL_FLAG(int, tokens_per_step, 4096, "--simulate: tokens per step and layer");
+
+namespace {
+
+int Simulate() {
+  pith::coordinator::SimOptions o;
+  o.layers = absl::GetFlag(FLAGS_layers);
+  o.experts = absl::GetFlag(FLAGS_experts);
+  o.top_k = absl::GetFlag(FLAGS_top_k);
+  o.workers = absl::GetFlag(FLAGS_workers);
+  o.stores = absl::GetFlag(FLAGS_stores);
+  o.zipf = absl::GetFlag(FLAGS_zipf);
+  o.steps = absl::GetFlag(FLAGS_steps);
+  o.tokens_per_step = absl::GetFlag(FLAGS_tokens_per_step);
+  absl::StatusOr<pith::coordinator::SimResult> r = pith::coordinator::RunSimulation(o);
+  if (!r.ok()) {
+    fprintf(stderr, "pith-coordinator: %s\n", std::string(r.status().message()).c_str());
+    return EXIT_FAILURE;
+  }
+  printf("%s\n", r->ToString().c_str());
+  return EXIT_SUCCESS;
+}
+
+}  // namespace
 
 int main(int argc, char** argv) {
   pith::ShutdownSignals signals;
   pith::InitProcess(argc, argv,
                     "the brain of a Pith cluster.\n"
-                    "Usage: pith-coordinator --listen=HOST:PORT --metrics_port=PORT");
+                    "Usage: pith-coordinator --listen=HOST:PORT --metrics_port=PORT\n"
+                    "       pith-coordinator --simulate [--layers --experts --top_k --workers "
+                    "--stores --zipf --steps]");
+  if (absl::GetFlag(FLAGS_simulate)) return Simulate();
   // NOTE: the services are registered with every RPC answering UNIMPLEMENTED until the
   // coordinator issue implements them; the process, its ports and its metrics are real.
   pith::v1::JobService::Service job_service;
