@@ -31,6 +31,13 @@ class HeatMap {
   double heat(int layer, int expert) const { return heat_[Index(layer, expert)]; }
   // Decayed co-activation weight of experts a != b of one layer (0 if never seen).
   double coactivation(int layer, int a, int b) const;
+  // Calls fn(a, b, weight) for every pair of `layer` with a < b, in no particular order.
+  template <typename Fn>
+  void ForEachPair(int layer, Fn&& fn) const {
+    for (const auto& [key, w] : pairs_[layer]) {
+      fn(static_cast<int>(key >> 32), static_cast<int>(key & 0xffffffff), w);
+    }
+  }
   // The pairs of `layer` with their weights, strongest first.
   std::vector<std::pair<std::pair<int, int>, double>> Pairs(int layer) const;
   // Index of (i, j), i < j, in LayerRouting.coactivation's packed upper triangle.

@@ -35,6 +35,10 @@ struct ComputePlanOptions {
   // A worker may take up to (1 + slack) x the mean load when that keeps co-activated
   // experts together.
   double slack = 0.25;
+  // An expert gets one owner per `replica_load` x the mean worker load of its heat (up to
+  // max_replicas): below 1, hot experts are spread wider than balance alone needs, so that
+  // more of their tokens are computed where they already are.
+  double replica_load = 0.03;
 };
 
 // One expert's owners: (worker, share of its tokens), shares summing to 1.

@@ -66,24 +66,37 @@ class LayerRouter {
   std::discrete_distribution<int> pick_cluster_, global_;
 };
 
-struct Eval {
-  double max_over_mean = 0;
-  double sends_per_token = 0;
-};
+// Expected load per worker, exactly, from the experts' assignment counts: a token from a
+// source that owns the expert stays there; any other goes to an owner by share.
+double MaxOverMeanLoad(const ComputePlan& plan, const std::vector<std::vector<double>>& counts,
+                       int workers) {
+  double worst = 0;
+  for (size_t l = 0; l < plan.size(); ++l) {
+    std::vector<double> load(workers, 0);
+    for (size_t e = 0; e < plan[l].size(); ++e) {
+      const Owners& owners = plan[l][e];
+      const double remote =
+          static_cast<double>(workers - static_cast<int>(owners.size())) / workers;
+      for (const auto& [w, share] : owners)
+        load[w] += counts[l][e] * (1.0 / workers + remote * share);
+    }
+    const double mean = std::accumulate(load.begin(), load.end(), 0.0) / workers;
+    if (mean > 0) worst = std::max(worst, *std::max_element(load.begin(), load.end()) / mean);
+  }
+  return worst;
+}
 
 // Routes eval tokens (each from a uniformly random source worker) through `plan`: an
 // expert with an owner on the source worker is computed there; otherwise one owner is
-// picked by its share. Counts the distinct other workers each token is sent to, and the
-// load per worker.
-Eval Evaluate(const ComputePlan& plan, std::vector<LayerRouter>& routers, int workers, int tokens,
-              uint64_t seed) {
+// picked by its share. Returns the distinct other workers a token is sent to, per layer.
+double SendsPerToken(const ComputePlan& plan, std::vector<LayerRouter>& routers, int workers,
+                     int tokens, uint64_t seed) {
   std::mt19937_64 rng(seed);
   std::uniform_int_distribution<int> source(0, workers - 1);
   std::uniform_real_distribution<double> coin(0, 1);
   std::vector<int> chosen, dest;
-  double sends = 0, worst = 0;
+  double sends = 0;
   for (size_t l = 0; l < plan.size(); ++l) {
-    std::vector<double> load(workers, 0);
     for (int t = 0; t < tokens; ++t) {
       const int src = source(rng);
       routers[l].Route(rng, &chosen);
@@ -104,15 +117,12 @@ Eval Evaluate(const ComputePlan& plan, std::vector<LayerRouter>& routers, int wo
             }
           }
         }
-        load[to] += 1;
         if (to != src && std::find(dest.begin(), dest.end(), to) == dest.end()) dest.push_back(to);
       }
       sends += dest.size();
     }
-    const double mean = std::accumulate(load.begin(), load.end(), 0.0) / workers;
-    worst = std::max(worst, *std::max_element(load.begin(), load.end()) / mean);
   }
-  return {worst, sends / (static_cast<double>(tokens) * plan.size())};
+  return sends / (static_cast<double>(tokens) * plan.size());
 }
 
 }  // namespace
@@ -178,13 +188,20 @@ absl::StatusOr<SimResult> RunSimulation(const SimOptions& o) {
   const ComputePlan no_heat = PlanCompute(heat, plain);
   const ComputePlan rr = RoundRobinPlan(o.layers, o.experts, o.workers);
 
-  const Eval with = Evaluate(plan, routers, o.workers, o.eval_tokens, o.seed + 1);
-  const Eval without = Evaluate(no_heat, routers, o.workers, o.eval_tokens, o.seed + 1);
-  const Eval base = Evaluate(rr, routers, o.workers, o.eval_tokens, o.seed + 1);
-  r.max_over_mean_load = with.max_over_mean;
-  r.max_over_mean_load_no_heat = without.max_over_mean;
-  r.cross_worker_sends_per_token = with.sends_per_token;
-  r.rr_cross_worker_sends_per_token = base.sends_per_token;
+  r.cross_worker_sends_per_token =
+      SendsPerToken(plan, routers, o.workers, o.eval_tokens, o.seed + 1);
+  r.rr_cross_worker_sends_per_token =
+      SendsPerToken(rr, routers, o.workers, o.eval_tokens, o.seed + 1);
+  // Loads from a large sample of fresh routing, computed exactly rather than sampled.
+  std::vector<std::vector<double>> counts(o.layers, std::vector<double>(o.experts, 0));
+  for (int l = 0; l < o.layers; ++l) {
+    for (int t = 0; t < 4 * o.eval_tokens; ++t) {
+      routers[l].Route(rng, &chosen);
+      for (int e : chosen) counts[l][e] += 1;
+    }
+  }
+  r.max_over_mean_load = MaxOverMeanLoad(plan, counts, o.workers);
+  r.max_over_mean_load_no_heat = MaxOverMeanLoad(no_heat, counts, o.workers);
 
   // A store joins: the share of blob copies (all kinds of every expert) that move.
   std::vector<std::string> stores;
