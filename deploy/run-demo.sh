@@ -15,7 +15,7 @@ cmake --build "$BUILD_DIR" -j"$(nproc)" --target pith-coordinator pith-store pit
 
 source deploy/proc-lib.sh
 BIN=$BUILD_DIR/server
-start_proc coordinator "$BIN/coordinator/pith-coordinator" --listen=127.0.0.1:0 --metrics_port=0
+start_proc coordinator "$BIN/coordinator/pith-coordinator" --listen=127.0.0.1:0 --metrics_port=0 --data_dir="$E2E_TMP/coordinator"
 start_proc store0 "$BIN/store/pith-store" --listen=127.0.0.1:0 --metrics_port=0 --data_dir="$E2E_TMP/store0" --ram_bytes=268435456
 start_proc store1 "$BIN/store/pith-store" --listen=127.0.0.1:0 --metrics_port=0 --data_dir="$E2E_TMP/store1" --ram_bytes=268435456
 

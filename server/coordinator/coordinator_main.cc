@@ -10,10 +10,13 @@
 #include "glog/logging.h"
 #include "pith/v1/coordinator.grpc.pb.h"
 #include "pith/v1/job.grpc.pb.h"
+#include "server/coordinator/job_registry.h"
+#include "server/coordinator/job_service.h"
 #include "server/coordinator/simulator.h"
 
 ABSL_FLAG(std::string, listen, "127.0.0.1:7000", "gRPC listen address (host:port)");
 ABSL_FLAG(int, metrics_port, 9100, "Prometheus /metrics port; -1 disables it, 0 picks one");
+ABSL_FLAG(std::string, data_dir, "", "Directory of the coordinator's embedded RocksDB (required)");
 ABSL_FLAG(bool, simulate, false, "Run the placement simulator, print one line and exit");
 ABSL_FLAG(int, layers, 58, "--simulate: MoE layers");
 ABSL_FLAG(int, experts, 256, "--simulate: experts per layer");
@@ -55,9 +58,15 @@ int main(int argc, char** argv) {
                     "       pith-coordinator --simulate [--layers --experts --top_k --workers "
                     "--stores --zipf --steps]");
   if (absl::GetFlag(FLAGS_simulate)) return Simulate();
-  // NOTE: the services are registered with every RPC answering UNIMPLEMENTED until the
-  // coordinator issue implements them; the process, its ports and its metrics are real.
-  pith::v1::JobService::Service job_service;
+  absl::StatusOr<std::unique_ptr<pith::coordinator::JobRegistry>> jobs =
+      pith::coordinator::JobRegistry::Open(absl::GetFlag(FLAGS_data_dir));
+  if (!jobs.ok()) {
+    fprintf(stderr, "pith-coordinator: %s\n", std::string(jobs.status().message()).c_str());
+    return EXIT_FAILURE;
+  }
+  pith::coordinator::JobServiceImpl job_service(jobs->get());
+  // NOTE: CoordinatorService (membership, leases, step commits) answers UNIMPLEMENTED until
+  // the rest of the coordinator issue; jobs are accepted, stored and can be watched.
   pith::v1::CoordinatorService::Service coordinator_service;
   pith::MetricsRegistry metrics;
   absl::Status status = pith::RunServerProcess({.component = "coordinator",

@@ -5,7 +5,7 @@ set -euo pipefail
 COORDINATOR=$1 STORE=$2
 source "$(dirname "$0")/../../deploy/proc-lib.sh"
 
-start_proc coordinator "$COORDINATOR" --listen=127.0.0.1:0 --metrics_port=0
+start_proc coordinator "$COORDINATOR" --listen=127.0.0.1:0 --metrics_port=0 --data_dir="$E2E_TMP/coordinator-data"
 start_proc store "$STORE" --listen=127.0.0.1:0 --metrics_port=0 --data_dir="$E2E_TMP/store-data"
 wait_ready coordinator
 wait_ready store
@@ -40,7 +40,7 @@ grep -q "no_such_flag" <<<"$out" || fail "unknown flag not named: $out"
 
 # A busy metrics port: non-zero exit and one clear error line.
 busy=$(free_port)
-start_proc blocker "$COORDINATOR" --listen=127.0.0.1:0 --metrics_port="$busy"
+start_proc blocker "$COORDINATOR" --listen=127.0.0.1:0 --metrics_port="$busy" --data_dir="$E2E_TMP/blocker-data"
 wait_ready blocker
 if out=$("$STORE" --listen=127.0.0.1:0 --metrics_port="$busy" --data_dir="$E2E_TMP/busy-data" 2>&1); then
   fail "second process on a busy metrics port started"

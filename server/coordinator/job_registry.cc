@@ -1,0 +1,156 @@
+#include "server/coordinator/job_registry.h"
+
+#include <algorithm>
+#include <chrono>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "common/job_spec.h"
+#include "common/status.h"
+#include "rocksdb/db.h"
+
+namespace pith::coordinator {
+namespace {
+
+constexpr char kJobPrefix[] = "job/";
+constexpr char kNextIdKey[] = "meta/next_job_id";
+
+int64_t NowMs() {
+  return std::chrono::duration_cast<std::chrono::milliseconds>(
+             std::chrono::system_clock::now().time_since_epoch())
+      .count();
+}
+
+absl::Status FromRocks(const rocksdb::Status& s, absl::string_view what) {
+  if (s.ok()) return absl::OkStatus();
+  return absl::InternalError(absl::StrCat("rocksdb ", what, ": ", s.ToString()));
+}
+
+}  // namespace
+
+bool IsFinal(v1::JobState state) {
+  return state == v1::JOB_STATE_SUCCEEDED || state == v1::JOB_STATE_FAILED ||
+         state == v1::JOB_STATE_CANCELLED;
+}
+
+absl::StatusOr<std::unique_ptr<JobRegistry>> JobRegistry::Open(const std::string& data_dir) {
+  if (data_dir.empty()) return absl::InvalidArgumentError("--data_dir is required");
+  rocksdb::Options options;
+  options.create_if_missing = true;
+  rocksdb::DB* raw = nullptr;
+  RETURN_IF_ERROR(FromRocks(rocksdb::DB::Open(options, data_dir, &raw), "open " + data_dir));
+  std::unique_ptr<JobRegistry> r(new JobRegistry());
+  r->db_.reset(raw);
+  absl::MutexLock lock(&r->mu_);
+  std::unique_ptr<rocksdb::Iterator> it(r->db_->NewIterator(rocksdb::ReadOptions()));
+  for (it->Seek(kJobPrefix); it->Valid() && it->key().starts_with(kJobPrefix); it->Next()) {
+    v1::Job job;
+    if (!job.ParseFromArray(it->value().data(), static_cast<int>(it->value().size()))) {
+      return absl::DataLossError(absl::StrCat("unreadable job record ", it->key().ToString()));
+    }
+    r->versions_[job.job_id()] = 0;
+    r->jobs_[job.job_id()] = std::move(job);
+  }
+  RETURN_IF_ERROR(FromRocks(it->status(), "scan"));
+  std::string next;
+  if (r->db_->Get(rocksdb::ReadOptions(), kNextIdKey, &next).ok()) {
+    absl::SimpleAtoi(next, &r->next_id_);
+  }
+  return r;
+}
+
+JobRegistry::~JobRegistry() = default;
+
+absl::Status JobRegistry::Persist(const v1::Job& job) {
+  rocksdb::WriteOptions sync;
+  sync.sync = true;
+  return FromRocks(db_->Put(sync, absl::StrCat(kJobPrefix, job.job_id()), job.SerializeAsString()),
+                   "put job");
+}
+
+absl::StatusOr<v1::Job> JobRegistry::Submit(v1::JobSpec spec) {
+  ApplyJobSpecDefaults(&spec);
+  RETURN_IF_ERROR(ValidateJobSpec(spec));
+  absl::MutexLock lock(&mu_);
+  v1::Job job;
+  job.set_job_id(absl::StrCat(spec.name(), "-", next_id_));
+  *job.mutable_spec() = std::move(spec);
+  job.set_state(v1::JOB_STATE_PENDING);
+  job.set_created_unix_ms(NowMs());
+  rocksdb::WriteOptions sync;
+  sync.sync = true;
+  RETURN_IF_ERROR(FromRocks(db_->Put(sync, kNextIdKey, absl::StrCat(next_id_ + 1)), "put id"));
+  RETURN_IF_ERROR(Persist(job));
+  ++next_id_;
+  versions_[job.job_id()] = 0;
+  jobs_[job.job_id()] = job;
+  return job;
+}
+
+absl::StatusOr<v1::Job> JobRegistry::Get(const std::string& job_id) const {
+  absl::MutexLock lock(&mu_);
+  auto it = jobs_.find(job_id);
+  if (it == jobs_.end()) return absl::NotFoundError(absl::StrCat("no job ", job_id));
+  return it->second;
+}
+
+std::vector<v1::Job> JobRegistry::List(const std::vector<v1::JobState>& states, int limit) const {
+  absl::MutexLock lock(&mu_);
+  std::vector<v1::Job> out;
+  for (const auto& [id, job] : jobs_) {
+    if (states.empty() || std::find(states.begin(), states.end(), job.state()) != states.end()) {
+      out.push_back(job);
+    }
+  }
+  std::sort(out.begin(), out.end(), [](const v1::Job& a, const v1::Job& b) {
+    return a.created_unix_ms() != b.created_unix_ms() ? a.created_unix_ms() > b.created_unix_ms()
+                                                      : a.job_id() > b.job_id();
+  });
+  if (limit > 0 && static_cast<int>(out.size()) > limit) out.resize(limit);
+  return out;
+}
+
+absl::StatusOr<v1::Job> JobRegistry::Update(const std::string& job_id,
+                                            const std::function<absl::Status(v1::Job&)>& update) {
+  absl::MutexLock lock(&mu_);
+  auto it = jobs_.find(job_id);
+  if (it == jobs_.end()) return absl::NotFoundError(absl::StrCat("no job ", job_id));
+  v1::Job job = it->second;
+  RETURN_IF_ERROR(update(job));
+  RETURN_IF_ERROR(Persist(job));
+  it->second = job;
+  ++versions_[job_id];
+  return job;
+}
+
+absl::StatusOr<v1::Job> JobRegistry::Cancel(const std::string& job_id, const std::string& reason) {
+  return Update(job_id, [&](v1::Job& job) -> absl::Status {
+    if (IsFinal(job.state())) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("job ", job_id, " already ended (", v1::JobState_Name(job.state()), ")"));
+    }
+    job.set_state(v1::JOB_STATE_CANCELLED);
+    job.set_failure_reason(reason.empty() ? "cancelled" : reason);
+    job.set_finished_unix_ms(NowMs());
+    return absl::OkStatus();
+  });
+}
+
+int64_t JobRegistry::Version(const std::string& job_id) const {
+  absl::MutexLock lock(&mu_);
+  auto it = versions_.find(job_id);
+  return it == versions_.end() ? -1 : it->second;
+}
+
+absl::StatusOr<v1::Job> JobRegistry::WaitForChange(const std::string& job_id, int64_t seen_version,
+                                                   absl::Duration timeout) const {
+  absl::MutexLock lock(&mu_);
+  if (!jobs_.count(job_id)) return absl::NotFoundError(absl::StrCat("no job ", job_id));
+  auto changed = [&]() ABSL_SHARED_LOCKS_REQUIRED(mu_) {
+    return versions_.at(job_id) != seen_version;
+  };
+  mu_.AwaitWithTimeout(absl::Condition(&changed), timeout);
+  return jobs_.at(job_id);
+}
+
+}  // namespace pith::coordinator

@@ -1,0 +1,76 @@
+#include "server/coordinator/job_service.h"
+
+#include "absl/strings/str_cat.h"
+#include "common/grpc_util.h"
+
+namespace pith::coordinator {
+namespace {
+
+v1::JobEvent EventOf(const v1::Job& job) {
+  v1::JobEvent e;
+  e.set_job_id(job.job_id());
+  e.set_state(job.state());
+  e.set_step(job.committed_step());
+  e.set_loss(job.last_loss());
+  e.set_tokens_per_second(job.tokens_per_second());
+  e.set_placement_epoch(job.placement_epoch());
+  e.set_message(job.failure_reason());
+  return e;
+}
+
+}  // namespace
+
+grpc::Status JobServiceImpl::SubmitJob(grpc::ServerContext*, const v1::SubmitJobRequest* request,
+                                       v1::SubmitJobResponse* reply) {
+  if (!request->has_spec())
+    return ToGrpcStatus(absl::InvalidArgumentError("JobSpec: spec is required"));
+  absl::StatusOr<v1::Job> job = jobs_->Submit(request->spec());
+  if (!job.ok()) return ToGrpcStatus(job.status());
+  *reply->mutable_job() = *std::move(job);
+  return grpc::Status::OK;
+}
+
+grpc::Status JobServiceImpl::GetJob(grpc::ServerContext*, const v1::GetJobRequest* request,
+                                    v1::Job* reply) {
+  absl::StatusOr<v1::Job> job = jobs_->Get(request->job_id());
+  if (!job.ok()) return ToGrpcStatus(job.status());
+  *reply = *std::move(job);
+  return grpc::Status::OK;
+}
+
+grpc::Status JobServiceImpl::ListJobs(grpc::ServerContext*, const v1::ListJobsRequest* request,
+                                      v1::ListJobsResponse* reply) {
+  if (request->limit() < 0) return ToGrpcStatus(absl::InvalidArgumentError("limit must be >= 0"));
+  std::vector<v1::JobState> states;
+  for (int s : request->states()) states.push_back(static_cast<v1::JobState>(s));
+  for (v1::Job& job : jobs_->List(states, request->limit())) *reply->add_jobs() = std::move(job);
+  return grpc::Status::OK;
+}
+
+grpc::Status JobServiceImpl::WatchJob(grpc::ServerContext* context,
+                                      const v1::WatchJobRequest* request,
+                                      grpc::ServerWriter<v1::JobEvent>* writer) {
+  absl::StatusOr<v1::Job> job = jobs_->Get(request->job_id());
+  if (!job.ok()) return ToGrpcStatus(job.status());
+  int64_t seen = jobs_->Version(request->job_id());
+  if (!writer->Write(EventOf(*job))) return grpc::Status::OK;
+  while (!IsFinal(job->state()) && !context->IsCancelled()) {
+    job = jobs_->WaitForChange(request->job_id(), seen, absl::Milliseconds(500));
+    if (!job.ok()) return ToGrpcStatus(job.status());
+    const int64_t now = jobs_->Version(request->job_id());
+    if (now == seen) continue;
+    seen = now;
+    if (!writer->Write(EventOf(*job))) break;
+  }
+  return grpc::Status::OK;
+}
+
+grpc::Status JobServiceImpl::CancelJob(grpc::ServerContext*, const v1::CancelJobRequest* request,
+                                       v1::Job* reply) {
+  absl::StatusOr<v1::Job> job = jobs_->Cancel(request->job_id(), request->reason());
+  if (!job.ok()) return ToGrpcStatus(job.status());
+  *reply = *std::move(job);
+  return grpc::Status::OK;
+}
+
+}  // namespace pith::coordinator

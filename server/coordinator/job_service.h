@@ -1,0 +1,35 @@
+// JobServiceImpl: the gRPC adapter of the job API (the client surface). Jobs live in the
+// JobRegistry; the rest of the coordinator (scheduling, step commits, heat, cluster state)
+// fills them in.
+//
+// Thread safety: handlers run concurrently on gRPC threads; JobRegistry is thread-safe.
+#ifndef PITH_SERVER_COORDINATOR_JOB_SERVICE_H_
+#define PITH_SERVER_COORDINATOR_JOB_SERVICE_H_
+
+#include "pith/v1/job.grpc.pb.h"
+#include "server/coordinator/job_registry.h"
+
+namespace pith::coordinator {
+
+class JobServiceImpl final : public v1::JobService::Service {
+ public:
+  explicit JobServiceImpl(JobRegistry* jobs) : jobs_(jobs) {}
+
+  grpc::Status SubmitJob(grpc::ServerContext*, const v1::SubmitJobRequest* request,
+                         v1::SubmitJobResponse* reply) override;
+  grpc::Status GetJob(grpc::ServerContext*, const v1::GetJobRequest* request,
+                      v1::Job* reply) override;
+  grpc::Status ListJobs(grpc::ServerContext*, const v1::ListJobsRequest* request,
+                        v1::ListJobsResponse* reply) override;
+  grpc::Status WatchJob(grpc::ServerContext* context, const v1::WatchJobRequest* request,
+                        grpc::ServerWriter<v1::JobEvent>* writer) override;
+  grpc::Status CancelJob(grpc::ServerContext*, const v1::CancelJobRequest* request,
+                         v1::Job* reply) override;
+
+ private:
+  JobRegistry* jobs_;
+};
+
+}  // namespace pith::coordinator
+
+#endif  // PITH_SERVER_COORDINATOR_JOB_SERVICE_H_

@@ -1,0 +1,210 @@
+// The job API on an ephemeral port: submit (every validation error named), get, list,
+// cancel, watch, and the registry surviving a reopen.
+#include "server/coordinator/job_service.h"
+
+#include <filesystem>
+#include <memory>
+#include <string>
+#include <thread>
+
+#include "absl/strings/str_replace.h"
+#include "common/grpc_util.h"
+#include "google/protobuf/util/json_util.h"
+#include "gtest/gtest.h"
+
+namespace pith::coordinator {
+namespace {
+
+constexpr char kSpec[] = R"json({
+  "name": "demo",
+  "model": {"vocab_size": 256, "seq_len": 64, "d_model": 128, "n_layer": 4, "n_head": 4,
+            "n_expert": 16, "top_k": 2, "d_ff": 256, "capacity_factor": 1.25,
+            "aux_loss_coef": 0.01, "z_loss_coef": 0.001, "renormalize_topk": true},
+  "train": {"data_path": "tokens.bin", "batch": 16, "steps": 300, "lr": 0.003,
+            "warmup": 20, "min_lr_ratio": 0.1, "weight_decay": 0.1, "grad_clip": 1.0,
+            "seed": 1337, "init_path": ""},
+  "cluster": {"workers": 2, "store_replicas": 2, "cache_bytes": 0}
+})json";
+
+v1::JobSpec SpecFrom(const std::string& json) {
+  v1::JobSpec spec;
+  EXPECT_TRUE(google::protobuf::util::JsonStringToMessage(json, &spec).ok()) << json;
+  return spec;
+}
+
+class JobServiceTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    dir_ = ::testing::TempDir() + "/jobs_" + std::to_string(getpid()) + "_" +
+           ::testing::UnitTest::GetInstance()->current_test_info()->name();
+    std::filesystem::remove_all(dir_);
+    Start();
+  }
+  void Start() {
+    server_.reset();
+    service_.reset();
+    jobs_.reset();
+    auto jobs = JobRegistry::Open(dir_);
+    ASSERT_TRUE(jobs.ok()) << jobs.status();
+    jobs_ = std::move(*jobs);
+    service_ = std::make_unique<JobServiceImpl>(jobs_.get());
+    auto server =
+        GrpcServer::Start({.listen_address = "127.0.0.1:0", .services = {service_.get()}});
+    ASSERT_TRUE(server.ok()) << server.status();
+    server_ = std::move(*server);
+    stub_ = v1::JobService::NewStub(grpc::CreateChannel(
+        "127.0.0.1:" + std::to_string(server_->port()), grpc::InsecureChannelCredentials()));
+  }
+
+  absl::StatusOr<v1::Job> Submit(const v1::JobSpec& spec) {
+    grpc::ClientContext ctx;
+    v1::SubmitJobRequest req;
+    *req.mutable_spec() = spec;
+    v1::SubmitJobResponse resp;
+    absl::Status s = FromGrpcStatus(stub_->SubmitJob(&ctx, req, &resp));
+    if (!s.ok()) return s;
+    return resp.job();
+  }
+
+  std::string dir_;
+  std::unique_ptr<JobRegistry> jobs_;
+  std::unique_ptr<JobServiceImpl> service_;
+  std::unique_ptr<GrpcServer> server_;
+  std::unique_ptr<v1::JobService::Stub> stub_;
+};
+
+TEST_F(JobServiceTest, SubmitGetListCancel) {
+  auto job = Submit(SpecFrom(kSpec));
+  ASSERT_TRUE(job.ok()) << job.status();
+  EXPECT_EQ(job->state(), v1::JOB_STATE_PENDING);
+  EXPECT_EQ(job->spec().train().beta2(), 0.95);  // defaults filled in
+  auto second = Submit(SpecFrom(kSpec));
+  ASSERT_TRUE(second.ok());
+  EXPECT_NE(second->job_id(), job->job_id());
+
+  grpc::ClientContext get_ctx;
+  v1::GetJobRequest get;
+  get.set_job_id(job->job_id());
+  v1::Job got;
+  ASSERT_TRUE(stub_->GetJob(&get_ctx, get, &got).ok());
+  EXPECT_EQ(got.spec().name(), "demo");
+
+  grpc::ClientContext cancel_ctx;
+  v1::CancelJobRequest cancel;
+  cancel.set_job_id(job->job_id());
+  cancel.set_reason("operator asked");
+  v1::Job cancelled;
+  ASSERT_TRUE(stub_->CancelJob(&cancel_ctx, cancel, &cancelled).ok());
+  EXPECT_EQ(cancelled.state(), v1::JOB_STATE_CANCELLED);
+  EXPECT_EQ(cancelled.failure_reason(), "operator asked");
+  grpc::ClientContext again_ctx;
+  EXPECT_EQ(stub_->CancelJob(&again_ctx, cancel, &cancelled).error_code(),
+            grpc::StatusCode::FAILED_PRECONDITION);
+
+  grpc::ClientContext list_ctx;
+  v1::ListJobsRequest list;
+  list.add_states(v1::JOB_STATE_PENDING);
+  v1::ListJobsResponse listed;
+  ASSERT_TRUE(stub_->ListJobs(&list_ctx, list, &listed).ok());
+  ASSERT_EQ(listed.jobs_size(), 1);
+  EXPECT_EQ(listed.jobs(0).job_id(), second->job_id());
+
+  grpc::ClientContext missing_ctx;
+  get.set_job_id("nope");
+  EXPECT_EQ(stub_->GetJob(&missing_ctx, get, &got).error_code(), grpc::StatusCode::NOT_FOUND);
+}
+
+TEST_F(JobServiceTest, EveryInvalidFieldIsNamed) {
+  struct Case {
+    std::string from, to, field;
+  };
+  const Case cases[] = {
+      {"\"name\": \"demo\"", "\"name\": \"\"", "name"},
+      {"\"vocab_size\": 256", "\"vocab_size\": 1", "model.vocab_size"},
+      {"\"seq_len\": 64", "\"seq_len\": 0", "model.seq_len"},
+      {"\"d_model\": 128", "\"d_model\": 0", "model.d_model"},
+      {"\"n_layer\": 4", "\"n_layer\": 0", "model.n_layer"},
+      {"\"n_head\": 4", "\"n_head\": 3", "model.n_head"},
+      {"\"n_expert\": 16", "\"n_expert\": 0", "model.n_expert"},
+      {"\"top_k\": 2", "\"top_k\": 17", "model.top_k"},
+      {"\"d_ff\": 256", "\"d_ff\": 0", "model.d_ff"},
+      {"\"aux_loss_coef\": 0.01", "\"aux_loss_coef\": -1", "model.aux_loss_coef"},
+      {"\"z_loss_coef\": 0.001", "\"z_loss_coef\": -1", "model.z_loss_coef"},
+      {"\"data_path\": \"tokens.bin\"", "\"data_path\": \"\"", "train.data_path"},
+      {"\"batch\": 16", "\"batch\": 0", "train.batch"},
+      {"\"steps\": 300", "\"steps\": 0", "train.steps"},
+      {"\"lr\": 0.003", "\"lr\": 0", "train.lr"},
+      {"\"warmup\": 20", "\"warmup\": -1", "train.warmup"},
+      {"\"min_lr_ratio\": 0.1", "\"min_lr_ratio\": 2", "train.min_lr_ratio"},
+      {"\"weight_decay\": 0.1", "\"weight_decay\": -1", "train.weight_decay"},
+      {"\"grad_clip\": 1.0", "\"grad_clip\": -1", "train.grad_clip"},
+      {"\"workers\": 2", "\"workers\": -1", "cluster.workers"},
+      {"\"store_replicas\": 2", "\"store_replicas\": 99", "cluster.store_replicas"},
+      {"\"cache_bytes\": 0", "\"cache_bytes\": -1", "cluster.cache_bytes"},
+  };
+  for (const Case& c : cases) {
+    const std::string json = absl::StrReplaceAll(kSpec, {{c.from, c.to}});
+    ASSERT_NE(json, kSpec) << c.from;
+    auto job = Submit(SpecFrom(json));
+    ASSERT_FALSE(job.ok()) << c.field;
+    EXPECT_EQ(job.status().code(), absl::StatusCode::kInvalidArgument) << c.field;
+    EXPECT_EQ(job.status().message().find("JobSpec " + c.field + ":"), 0u)
+        << c.field << ": " << job.status().message();
+  }
+  grpc::ClientContext ctx;
+  v1::SubmitJobResponse resp;
+  EXPECT_EQ(stub_->SubmitJob(&ctx, v1::SubmitJobRequest(), &resp).error_code(),
+            grpc::StatusCode::INVALID_ARGUMENT);
+}
+
+TEST_F(JobServiceTest, WatchStreamsChangesUntilTheJobEnds) {
+  auto job = Submit(SpecFrom(kSpec));
+  ASSERT_TRUE(job.ok());
+  grpc::ClientContext ctx;
+  v1::WatchJobRequest req;
+  req.set_job_id(job->job_id());
+  auto reader = stub_->WatchJob(&ctx, req);
+  v1::JobEvent event;
+  ASSERT_TRUE(reader->Read(&event));
+  EXPECT_EQ(event.state(), v1::JOB_STATE_PENDING);
+  std::thread updater([&] {
+    ASSERT_TRUE(jobs_
+                    ->Update(job->job_id(),
+                             [](v1::Job& j) {
+                               j.set_state(v1::JOB_STATE_RUNNING);
+                               j.set_committed_step(3);
+                               j.set_last_loss(4.5);
+                               return absl::OkStatus();
+                             })
+                    .ok());
+    ASSERT_TRUE(jobs_->Cancel(job->job_id(), "done watching").ok());
+  });
+  std::vector<v1::JobEvent> events;
+  while (reader->Read(&event)) events.push_back(event);
+  updater.join();
+  EXPECT_TRUE(reader->Finish().ok());
+  ASSERT_FALSE(events.empty());
+  EXPECT_EQ(events.back().state(), v1::JOB_STATE_CANCELLED);
+}
+
+TEST_F(JobServiceTest, JobsSurviveAReopen) {
+  auto job = Submit(SpecFrom(kSpec));
+  ASSERT_TRUE(job.ok());
+  ASSERT_TRUE(jobs_
+                  ->Update(job->job_id(),
+                           [](v1::Job& j) {
+                             j.set_committed_step(7);
+                             return absl::OkStatus();
+                           })
+                  .ok());
+  Start();  // a new registry over the same directory
+  auto again = jobs_->Get(job->job_id());
+  ASSERT_TRUE(again.ok()) << again.status();
+  EXPECT_EQ(again->committed_step(), 7);
+  auto next = Submit(SpecFrom(kSpec));
+  ASSERT_TRUE(next.ok());
+  EXPECT_NE(next->job_id(), job->job_id());  // ids are not reused
+}
+
+}  // namespace
+}  // namespace pith::coordinator
