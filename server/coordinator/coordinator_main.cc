@@ -10,6 +10,7 @@
 #include "glog/logging.h"
 #include "pith/v1/coordinator.grpc.pb.h"
 #include "pith/v1/job.grpc.pb.h"
+#include "server/coordinator/coordinator_service.h"
 #include "server/coordinator/job_registry.h"
 #include "server/coordinator/job_service.h"
 #include "server/coordinator/simulator.h"
@@ -17,6 +18,7 @@
 ABSL_FLAG(std::string, listen, "127.0.0.1:7000", "gRPC listen address (host:port)");
 ABSL_FLAG(int, metrics_port, 9100, "Prometheus /metrics port; -1 disables it, 0 picks one");
 ABSL_FLAG(std::string, data_dir, "", "Directory of the coordinator's embedded RocksDB (required)");
+ABSL_FLAG(int64_t, lease_ms, 3000, "Member lease: a member silent this long is marked dead");
 ABSL_FLAG(bool, simulate, false, "Run the placement simulator, print one line and exit");
 ABSL_FLAG(int, layers, 58, "--simulate: MoE layers");
 ABSL_FLAG(int, experts, 256, "--simulate: experts per layer");
@@ -64,10 +66,11 @@ int main(int argc, char** argv) {
     fprintf(stderr, "pith-coordinator: %s\n", std::string(jobs.status().message()).c_str());
     return EXIT_FAILURE;
   }
-  pith::coordinator::JobServiceImpl job_service(jobs->get());
-  // NOTE: CoordinatorService (membership, leases, step commits) answers UNIMPLEMENTED until
-  // the rest of the coordinator issue; jobs are accepted, stored and can be watched.
-  pith::v1::CoordinatorService::Service coordinator_service;
+  pith::coordinator::Membership members(absl::Milliseconds(absl::GetFlag(FLAGS_lease_ms)));
+  pith::coordinator::JobServiceImpl job_service(jobs->get(), &members);
+  // NOTE: registration, heartbeats and leases are served; assignments, heat reports and
+  // step commits answer UNIMPLEMENTED until the scheduler lands.
+  pith::coordinator::CoordinatorServiceImpl coordinator_service(&members);
   pith::MetricsRegistry metrics;
   absl::Status status = pith::RunServerProcess({.component = "coordinator",
                                                 .listen_address = absl::GetFlag(FLAGS_listen),

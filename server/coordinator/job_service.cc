@@ -73,4 +73,14 @@ grpc::Status JobServiceImpl::CancelJob(grpc::ServerContext*, const v1::CancelJob
   return grpc::Status::OK;
 }
 
+grpc::Status JobServiceImpl::ClusterStatus(grpc::ServerContext*, const v1::ClusterStatusRequest*,
+                                           v1::ClusterStatusResponse* reply) {
+  members_->ExpireLeases();
+  for (v1::MemberInfo& m : members_->Members(v1::MEMBER_ROLE_STORE))
+    *reply->add_stores() = std::move(m);
+  for (v1::MemberInfo& m : members_->Members(v1::MEMBER_ROLE_WORKER))
+    *reply->add_workers() = std::move(m);
+  return grpc::Status::OK;
+}
+
 }  // namespace pith::coordinator

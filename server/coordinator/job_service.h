@@ -8,12 +8,13 @@
 
 #include "pith/v1/job.grpc.pb.h"
 #include "server/coordinator/job_registry.h"
+#include "server/coordinator/membership.h"
 
 namespace pith::coordinator {
 
 class JobServiceImpl final : public v1::JobService::Service {
  public:
-  explicit JobServiceImpl(JobRegistry* jobs) : jobs_(jobs) {}
+  JobServiceImpl(JobRegistry* jobs, Membership* members) : jobs_(jobs), members_(members) {}
 
   grpc::Status SubmitJob(grpc::ServerContext*, const v1::SubmitJobRequest* request,
                          v1::SubmitJobResponse* reply) override;
@@ -25,9 +26,12 @@ class JobServiceImpl final : public v1::JobService::Service {
                         grpc::ServerWriter<v1::JobEvent>* writer) override;
   grpc::Status CancelJob(grpc::ServerContext*, const v1::CancelJobRequest* request,
                          v1::Job* reply) override;
+  grpc::Status ClusterStatus(grpc::ServerContext*, const v1::ClusterStatusRequest*,
+                             v1::ClusterStatusResponse* reply) override;
 
  private:
   JobRegistry* jobs_;
+  Membership* members_;
 };
 
 }  // namespace pith::coordinator

@@ -11,6 +11,7 @@
 #include "common/grpc_util.h"
 #include "google/protobuf/util/json_util.h"
 #include "gtest/gtest.h"
+#include "server/coordinator/coordinator_service.h"
 
 namespace pith::coordinator {
 namespace {
@@ -47,13 +48,16 @@ class JobServiceTest : public ::testing::Test {
     auto jobs = JobRegistry::Open(dir_);
     ASSERT_TRUE(jobs.ok()) << jobs.status();
     jobs_ = std::move(*jobs);
-    service_ = std::make_unique<JobServiceImpl>(jobs_.get());
-    auto server =
-        GrpcServer::Start({.listen_address = "127.0.0.1:0", .services = {service_.get()}});
+    service_ = std::make_unique<JobServiceImpl>(jobs_.get(), &members_);
+    members_service_ = std::make_unique<CoordinatorServiceImpl>(&members_);
+    auto server = GrpcServer::Start(
+        {.listen_address = "127.0.0.1:0", .services = {service_.get(), members_service_.get()}});
     ASSERT_TRUE(server.ok()) << server.status();
     server_ = std::move(*server);
-    stub_ = v1::JobService::NewStub(grpc::CreateChannel(
-        "127.0.0.1:" + std::to_string(server_->port()), grpc::InsecureChannelCredentials()));
+    auto channel = grpc::CreateChannel("127.0.0.1:" + std::to_string(server_->port()),
+                                       grpc::InsecureChannelCredentials());
+    stub_ = v1::JobService::NewStub(channel);
+    members_stub_ = v1::CoordinatorService::NewStub(channel);
   }
 
   absl::StatusOr<v1::Job> Submit(const v1::JobSpec& spec) {
@@ -68,7 +72,11 @@ class JobServiceTest : public ::testing::Test {
 
   std::string dir_;
   std::unique_ptr<JobRegistry> jobs_;
+  absl::Time now_ = absl::FromUnixSeconds(1000);
+  Membership members_{absl::Seconds(3), [this] { return now_; }};
   std::unique_ptr<JobServiceImpl> service_;
+  std::unique_ptr<CoordinatorServiceImpl> members_service_;
+  std::unique_ptr<v1::CoordinatorService::Stub> members_stub_;
   std::unique_ptr<GrpcServer> server_;
   std::unique_ptr<v1::JobService::Stub> stub_;
 };
@@ -185,6 +193,63 @@ TEST_F(JobServiceTest, WatchStreamsChangesUntilTheJobEnds) {
   EXPECT_TRUE(reader->Finish().ok());
   ASSERT_FALSE(events.empty());
   EXPECT_EQ(events.back().state(), v1::JOB_STATE_CANCELLED);
+}
+
+TEST_F(JobServiceTest, MembersRegisterHeartbeatAndExpire) {
+  v1::RegisterRequest reg;
+  reg.mutable_member()->set_role(v1::MEMBER_ROLE_STORE);
+  reg.mutable_member()->set_grpc_address("127.0.0.1:7100");
+  v1::RegisterResponse registered;
+  {
+    grpc::ClientContext ctx;
+    ASSERT_TRUE(members_stub_->Register(&ctx, reg, &registered).ok());
+  }
+  EXPECT_EQ(registered.member_id(), "store-0");
+  EXPECT_EQ(registered.lease_ms(), 3000);
+  reg.mutable_member()->set_role(v1::MEMBER_ROLE_WORKER);
+  {
+    grpc::ClientContext ctx;
+    ASSERT_TRUE(members_stub_->Register(&ctx, reg, &registered).ok());
+    EXPECT_EQ(registered.member_id(), "worker-0");
+  }
+  auto status = [&] {
+    grpc::ClientContext ctx;
+    v1::ClusterStatusResponse resp;
+    EXPECT_TRUE(stub_->ClusterStatus(&ctx, v1::ClusterStatusRequest(), &resp).ok());
+    return resp;
+  };
+  ASSERT_EQ(status().stores_size(), 1);
+  EXPECT_EQ(status().stores(0).state(), v1::MEMBER_STATE_ALIVE);
+
+  // The store keeps heartbeating, the worker goes silent past its lease.
+  now_ += absl::Seconds(2);
+  v1::HeartbeatRequest beat;
+  beat.set_member_id("store-0");
+  beat.mutable_status()->set_ram_bytes(4096);
+  v1::HeartbeatResponse beat_reply;
+  {
+    grpc::ClientContext ctx;
+    ASSERT_TRUE(members_stub_->Heartbeat(&ctx, beat, &beat_reply).ok());
+    EXPECT_FALSE(beat_reply.reregister());
+  }
+  now_ += absl::Seconds(2);
+  const auto after = status();
+  EXPECT_EQ(after.stores(0).state(), v1::MEMBER_STATE_ALIVE);
+  EXPECT_EQ(after.stores(0).ram_bytes(), 4096u);
+  EXPECT_EQ(after.workers(0).state(), v1::MEMBER_STATE_DEAD);
+  // A dead or unknown member is told to register again.
+  beat.set_member_id("worker-0");
+  {
+    grpc::ClientContext ctx;
+    ASSERT_TRUE(members_stub_->Heartbeat(&ctx, beat, &beat_reply).ok());
+    EXPECT_TRUE(beat_reply.reregister());
+  }
+  // Bad registrations are named.
+  v1::RegisterRequest bad;
+  bad.mutable_member()->set_grpc_address("x:1");
+  grpc::ClientContext ctx;
+  EXPECT_EQ(members_stub_->Register(&ctx, bad, &registered).error_code(),
+            grpc::StatusCode::INVALID_ARGUMENT);
 }
 
 TEST_F(JobServiceTest, JobsSurviveAReopen) {

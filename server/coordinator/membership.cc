@@ -1,0 +1,78 @@
+#include "server/coordinator/membership.h"
+
+#include "absl/strings/str_cat.h"
+
+namespace pith::coordinator {
+
+Membership::Membership(absl::Duration lease, Clock clock)
+    : lease_(lease), clock_(std::move(clock)) {}
+
+absl::StatusOr<std::string> Membership::Register(v1::MemberInfo member) {
+  if (member.role() != v1::MEMBER_ROLE_STORE && member.role() != v1::MEMBER_ROLE_WORKER) {
+    return absl::InvalidArgumentError("member.role must be store or worker");
+  }
+  if (member.grpc_address().empty()) {
+    return absl::InvalidArgumentError("member.grpc_address is required");
+  }
+  absl::MutexLock lock(&mu_);
+  if (member.member_id().empty()) {
+    const char* prefix = member.role() == v1::MEMBER_ROLE_STORE ? "store-" : "worker-";
+    std::string id;
+    do {
+      id = absl::StrCat(prefix, next_[member.role()]++);
+    } while (members_.count(id));
+    member.set_member_id(id);
+  }
+  member.set_state(v1::MEMBER_STATE_ALIVE);
+  member.set_lease_expires_unix_ms(absl::ToUnixMillis(clock_() + lease_));
+  const std::string id = member.member_id();
+  members_[id] = std::move(member);
+  return id;
+}
+
+absl::Status Membership::Heartbeat(const std::string& member_id, const v1::MemberInfo& status) {
+  absl::MutexLock lock(&mu_);
+  auto it = members_.find(member_id);
+  if (it == members_.end() || it->second.state() == v1::MEMBER_STATE_DEAD) {
+    return absl::NotFoundError(absl::StrCat("unknown member ", member_id, ": register again"));
+  }
+  v1::MemberInfo& m = it->second;
+  m.set_lease_expires_unix_ms(absl::ToUnixMillis(clock_() + lease_));
+  m.set_ram_bytes(status.ram_bytes());
+  m.set_rocksdb_bytes(status.rocksdb_bytes());
+  if (status.capacity_bytes() != 0) m.set_capacity_bytes(status.capacity_bytes());
+  if (!status.job_id().empty()) m.set_job_id(status.job_id());
+  return absl::OkStatus();
+}
+
+absl::Status Membership::Deregister(const std::string& member_id) {
+  absl::MutexLock lock(&mu_);
+  if (members_.erase(member_id) == 0) {
+    return absl::NotFoundError(absl::StrCat("unknown member ", member_id));
+  }
+  return absl::OkStatus();
+}
+
+std::vector<std::string> Membership::ExpireLeases() {
+  const int64_t now = absl::ToUnixMillis(clock_());
+  std::vector<std::string> dead;
+  absl::MutexLock lock(&mu_);
+  for (auto& [id, m] : members_) {
+    if (m.state() != v1::MEMBER_STATE_DEAD && m.lease_expires_unix_ms() < now) {
+      m.set_state(v1::MEMBER_STATE_DEAD);
+      dead.push_back(id);
+    }
+  }
+  return dead;
+}
+
+std::vector<v1::MemberInfo> Membership::Members(v1::MemberRole role) const {
+  absl::MutexLock lock(&mu_);
+  std::vector<v1::MemberInfo> out;
+  for (const auto& [id, m] : members_) {
+    if (m.role() == role) out.push_back(m);
+  }
+  return out;
+}
+
+}  // namespace pith::coordinator

@@ -1,0 +1,54 @@
+// Membership: the stores and workers the coordinator knows, with leases. A member
+// registers, heartbeats at least every lease/3, and is marked dead when its lease runs
+// out. After a coordinator restart members are unknown until they register again (their
+// heartbeat is answered with `reregister`).
+//
+// Thread safety: all methods are thread-safe.
+#ifndef PITH_SERVER_COORDINATOR_MEMBERSHIP_H_
+#define PITH_SERVER_COORDINATOR_MEMBERSHIP_H_
+
+#include <functional>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "pith/v1/common.pb.h"
+
+namespace pith::coordinator {
+
+class Membership {
+ public:
+  using Clock = std::function<absl::Time()>;
+  explicit Membership(
+      absl::Duration lease, Clock clock = [] { return absl::Now(); });
+
+  absl::Duration lease() const { return lease_; }
+
+  // Registers `member` (role and grpc_address required; INVALID_ARGUMENT otherwise). An
+  // empty member_id gets a new one; a known or previous id is kept.
+  absl::StatusOr<std::string> Register(v1::MemberInfo member);
+  // Renews the lease and takes fresh figures from `status`. NOT_FOUND for an unknown or
+  // dead member: it must register again.
+  absl::Status Heartbeat(const std::string& member_id, const v1::MemberInfo& status);
+  // Removes a member that leaves cleanly.
+  absl::Status Deregister(const std::string& member_id);
+  // Marks members whose lease ran out as dead; returns their ids.
+  std::vector<std::string> ExpireLeases();
+
+  // Every member of a role (dead ones included), by id.
+  std::vector<v1::MemberInfo> Members(v1::MemberRole role) const;
+
+ private:
+  const absl::Duration lease_;
+  const Clock clock_;
+  mutable absl::Mutex mu_;
+  std::map<std::string, v1::MemberInfo> members_ ABSL_GUARDED_BY(mu_);
+  std::map<v1::MemberRole, int> next_ ABSL_GUARDED_BY(mu_);
+};
+
+}  // namespace pith::coordinator
+
+#endif  // PITH_SERVER_COORDINATOR_MEMBERSHIP_H_
