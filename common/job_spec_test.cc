@@ -4,6 +4,7 @@
 #include <string>
 
 #include "absl/strings/str_replace.h"
+#include "common/job_spec_testing.h"
 #include "gmock/gmock.h"
 #include "google/protobuf/util/message_differencer.h"
 #include "gtest/gtest.h"
@@ -14,17 +15,7 @@ namespace {
 using ::testing::HasSubstr;
 using ::testing::StartsWith;
 
-// The example of DESIGN §3, verbatim.
-constexpr char kDesignExample[] = R"json({
-  "name": "demo",
-  "model": {"vocab_size": 256, "seq_len": 64, "d_model": 128, "n_layer": 4, "n_head": 4,
-            "n_expert": 16, "top_k": 2, "d_ff": 256, "capacity_factor": 1.25,
-            "aux_loss_coef": 0.01, "z_loss_coef": 0.001, "renormalize_topk": true},
-  "train": {"data_path": "tokens.bin", "batch": 16, "steps": 300, "lr": 0.003,
-            "warmup": 20, "min_lr_ratio": 0.1, "weight_decay": 0.1, "grad_clip": 1.0,
-            "seed": 1337, "init_path": ""},
-  "cluster": {"workers": 2, "store_replicas": 2, "cache_bytes": 0}
-})json";
+constexpr const char* kDesignExample = pith::testing::kDesignExampleSpecJson;
 
 TEST(JobSpecTest, ParsesTheDesignExample) {
   absl::StatusOr<v1::JobSpec> spec = ParseJobSpec(kDesignExample);
