@@ -22,7 +22,7 @@ ABSL_FLAG(uint64_t, admission_window, 4096,
           "0 promotes on every read");
 ABSL_FLAG(int, max_message_bytes, 64 << 20, "Largest gRPC message, in bytes");
 ABSL_FLAG(std::string, coordinator, "",
-          "Coordinator address (host:port); registration arrives with the coordinator");
+          "Coordinator address (host:port): register there and keep the lease alive");
 
 namespace {
 
@@ -43,6 +43,7 @@ absl::Status Run(pith::ShutdownSignals& signals) {
   options.max_message_bytes = absl::GetFlag(FLAGS_max_message_bytes);
   options.admission_window = absl::GetFlag(FLAGS_admission_window);
   options.coordinator = absl::GetFlag(FLAGS_coordinator);
+  options.metrics_port = exposer ? exposer->port() : -1;
   ASSIGN_OR_RETURN(auto server, pith::store::StoreServer::Start(options, &metrics));
   LOG(INFO) << "pith-store ready: grpc_port=" << server->grpc_port()
             << " metrics_port=" << (exposer ? exposer->port() : -1);

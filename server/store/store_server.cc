@@ -1,5 +1,7 @@
 #include "server/store/store_server.h"
 
+#include <unistd.h>
+
 #include <filesystem>
 #include <system_error>
 
@@ -38,6 +40,32 @@ absl::StatusOr<std::unique_ptr<StoreServer>> StoreServer::Start(const StoreServe
   ASSIGN_OR_RETURN(s->grpc_, GrpcServer::Start({.listen_address = options.listen_address,
                                                 .services = {s->service_.get()},
                                                 .max_message_bytes = options.max_message_bytes}));
+  if (!options.coordinator.empty()) {
+    // Advertise an address others can reach: the listen host, or this host's name when
+    // listening on every interface.
+    std::string host = options.listen_address.substr(0, options.listen_address.rfind(':'));
+    if (host == "0.0.0.0" || host == "[::]" || host.empty()) {
+      char name[256] = {};
+      gethostname(name, sizeof(name) - 1);
+      host = name;
+    }
+    v1::MemberInfo self;
+    self.set_role(v1::MEMBER_ROLE_STORE);
+    self.set_grpc_address(absl::StrCat(host, ":", s->grpc_->port()));
+    self.set_ucx_address(s->worker_->address());
+    self.set_capacity_bytes(options.ram_bytes);
+    if (options.metrics_port >= 0)
+      self.set_metrics_address(absl::StrCat(host, ":", options.metrics_port));
+    BlobStore* store = s->store_.get();
+    ASSIGN_OR_RETURN(s->agent_, MemberAgent::Start(options.coordinator, std::move(self),
+                                                   [store](v1::MemberInfo* status) {
+                                                     const v1::StoreStats st = store->Stats();
+                                                     status->set_ram_bytes(st.ram_bytes());
+                                                     status->set_rocksdb_bytes(st.rocksdb_bytes());
+                                                   }));
+    LOG(INFO) << "registered with the coordinator at " << options.coordinator << " as "
+              << s->agent_->member_id();
+  }
   const v1::StoreStats stats = s->store_->Stats();
   LOG(INFO) << "store open: " << stats.blobs() << " committed blobs, " << stats.rocksdb_bytes()
             << " bytes in RocksDB at " << options.data_dir << ", RAM tier " << options.ram_bytes
@@ -46,6 +74,7 @@ absl::StatusOr<std::unique_ptr<StoreServer>> StoreServer::Start(const StoreServe
 }
 
 StoreServer::~StoreServer() {
+  agent_.reset();  // leave the cluster first
   if (grpc_) grpc_->Shutdown();
   // No more data-plane traffic: in-flight sends are cancelled and release their pins.
   if (worker_) worker_->Stop();

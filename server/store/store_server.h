@@ -11,6 +11,7 @@
 #include <string>
 
 #include "absl/status/statusor.h"
+#include "client/member_agent.h"
 #include "common/grpc_util.h"
 #include "common/metrics.h"
 #include "common/ucx.h"
@@ -26,7 +27,8 @@ struct StoreServerOptions {
   uint64_t max_blob_bytes = 64ull << 20;
   uint64_t admission_window = 4096;  // see BlobStoreOptions
   int max_message_bytes = kDefaultMaxMessageBytes;
-  std::string coordinator;  // optional: register with this coordinator
+  std::string coordinator;  // optional: register with this coordinator and heartbeat
+  int metrics_port = -1;    // advertised to the coordinator
 };
 
 class StoreServiceImpl;
@@ -52,6 +54,7 @@ class StoreServer {
   std::unique_ptr<DataPlane> data_plane_;
   std::unique_ptr<StoreServiceImpl> service_;
   std::unique_ptr<GrpcServer> grpc_;
+  std::unique_ptr<MemberAgent> agent_;  // when --coordinator is given
 };
 
 }  // namespace pith::store

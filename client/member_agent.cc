@@ -1,0 +1,85 @@
+#include "client/member_agent.h"
+
+#include "absl/strings/str_cat.h"
+#include "client/connection.h"
+#include "common/grpc_util.h"
+#include "common/status.h"
+#include "glog/logging.h"
+
+namespace pith {
+
+absl::StatusOr<std::unique_ptr<MemberAgent>> MemberAgent::Start(const std::string& address,
+                                                                v1::MemberInfo self,
+                                                                StatusFn status,
+                                                                absl::Duration timeout) {
+  absl::StatusOr<std::shared_ptr<grpc::Channel>> channel = Dial(address, timeout);
+  if (!channel.ok()) return Annotate(channel.status(), "coordinator");
+  std::unique_ptr<MemberAgent> agent(new MemberAgent());
+  agent->stub_ = v1::CoordinatorService::NewStub(*channel);
+  agent->status_ = std::move(status);
+  {
+    absl::MutexLock lock(&agent->mu_);
+    agent->self_ = std::move(self);
+  }
+  RETURN_IF_ERROR(agent->Register());
+  agent->thread_ = std::thread([a = agent.get()] { a->Loop(); });
+  return agent;
+}
+
+MemberAgent::~MemberAgent() {
+  stop_.Notify();
+  if (thread_.joinable()) thread_.join();
+  grpc::ClientContext ctx;
+  ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(2)));
+  v1::DeregisterRequest req;
+  req.set_member_id(member_id());
+  v1::DeregisterResponse resp;
+  stub_->Deregister(&ctx, req, &resp);  // best effort: the lease expires otherwise
+}
+
+std::string MemberAgent::member_id() const {
+  absl::MutexLock lock(&mu_);
+  return self_.member_id();
+}
+
+absl::Status MemberAgent::Register() {
+  v1::RegisterRequest req;
+  {
+    absl::MutexLock lock(&mu_);
+    *req.mutable_member() = self_;
+  }
+  grpc::ClientContext ctx;
+  ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(5)));
+  v1::RegisterResponse resp;
+  RETURN_IF_ERROR(Annotate(FromGrpcStatus(stub_->Register(&ctx, req, &resp)), "register"));
+  absl::MutexLock lock(&mu_);
+  self_.set_member_id(resp.member_id());
+  lease_ = absl::Milliseconds(resp.lease_ms());
+  return absl::OkStatus();
+}
+
+void MemberAgent::Loop() {
+  auto lease = [this] {
+    absl::MutexLock lock(&mu_);
+    return lease_;
+  };
+  while (!stop_.WaitForNotificationWithTimeout(lease() / 3)) {
+    v1::HeartbeatRequest req;
+    req.set_member_id(member_id());
+    if (status_) status_(req.mutable_status());
+    grpc::ClientContext ctx;
+    ctx.set_deadline(absl::ToChronoTime(absl::Now() + lease() / 3));
+    v1::HeartbeatResponse resp;
+    absl::Status s = FromGrpcStatus(stub_->Heartbeat(&ctx, req, &resp));
+    if (!s.ok()) {
+      LOG(WARNING) << "heartbeat to the coordinator failed: " << s.message();
+      continue;
+    }
+    if (resp.reregister()) {
+      LOG(INFO) << "the coordinator does not know " << member_id() << "; registering again";
+      if (absl::Status r = Register(); !r.ok()) LOG(WARNING) << r.message();
+    }
+  }
+}
+
+}  // namespace pith

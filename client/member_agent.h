@@ -1,0 +1,56 @@
+// MemberAgent: keeps one process (a store or a worker) a member of the cluster — it
+// registers with the coordinator, heartbeats at a third of the lease from a background
+// thread with fresh figures, and registers again (keeping its id) when the coordinator
+// has forgotten it, e.g. after a restart.
+//
+// Thread safety: the status callback runs on the agent's thread; the accessors are
+// thread-safe.
+#ifndef PITH_CLIENT_MEMBER_AGENT_H_
+#define PITH_CLIENT_MEMBER_AGENT_H_
+
+#include <functional>
+#include <memory>
+#include <string>
+#include <thread>
+
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/synchronization/notification.h"
+#include "absl/time/time.h"
+#include "pith/v1/coordinator.grpc.pb.h"
+
+namespace pith {
+
+class MemberAgent {
+ public:
+  using StatusFn = std::function<void(v1::MemberInfo*)>;
+
+  // Registers `self` with the coordinator at `address`. UNAVAILABLE, naming the address,
+  // when it cannot be reached within `timeout`; the coordinator's error otherwise.
+  static absl::StatusOr<std::unique_ptr<MemberAgent>> Start(
+      const std::string& address, v1::MemberInfo self, StatusFn status,
+      absl::Duration timeout = absl::Seconds(10));
+  // Stops heartbeating and deregisters (best effort).
+  ~MemberAgent();
+  MemberAgent(const MemberAgent&) = delete;
+  MemberAgent& operator=(const MemberAgent&) = delete;
+
+  std::string member_id() const;
+
+ private:
+  MemberAgent() = default;
+  absl::Status Register();
+  void Loop();
+
+  std::unique_ptr<v1::CoordinatorService::Stub> stub_;
+  StatusFn status_;
+  std::thread thread_;
+  absl::Notification stop_;
+  mutable absl::Mutex mu_;
+  v1::MemberInfo self_ ABSL_GUARDED_BY(mu_);
+  absl::Duration lease_ ABSL_GUARDED_BY(mu_) = absl::Seconds(3);
+};
+
+}  // namespace pith
+
+#endif  // PITH_CLIENT_MEMBER_AGENT_H_
