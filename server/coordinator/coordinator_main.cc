@@ -67,10 +67,11 @@ int main(int argc, char** argv) {
     return EXIT_FAILURE;
   }
   pith::coordinator::Membership members(absl::Milliseconds(absl::GetFlag(FLAGS_lease_ms)));
-  pith::coordinator::JobServiceImpl job_service(jobs->get(), &members);
-  // NOTE: registration, heartbeats and leases are served; assignments, heat reports and
+  pith::coordinator::HeatRegistry heat;
+  pith::coordinator::JobServiceImpl job_service(jobs->get(), &members, &heat);
+  // NOTE: registration, heartbeats, leases and heat reports are served; assignments and
   // step commits answer UNIMPLEMENTED until the scheduler lands.
-  pith::coordinator::CoordinatorServiceImpl coordinator_service(&members);
+  pith::coordinator::CoordinatorServiceImpl coordinator_service(&members, jobs->get(), &heat);
   pith::MetricsRegistry metrics;
   absl::Status status = pith::RunServerProcess({.component = "coordinator",
                                                 .listen_address = absl::GetFlag(FLAGS_listen),

@@ -32,4 +32,11 @@ grpc::Status CoordinatorServiceImpl::Deregister(grpc::ServerContext*,
   return ToGrpcStatus(members_->Deregister(request->member_id()));
 }
 
+grpc::Status CoordinatorServiceImpl::ReportHeat(grpc::ServerContext*, const v1::HeatReport* request,
+                                                v1::HeatReportResponse*) {
+  absl::StatusOr<v1::Job> job = jobs_->Get(request->job_id());
+  if (!job.ok()) return ToGrpcStatus(job.status());
+  return ToGrpcStatus(heat_->Report(*job, *request));
+}
+
 }  // namespace pith::coordinator

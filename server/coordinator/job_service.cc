@@ -83,4 +83,15 @@ grpc::Status JobServiceImpl::ClusterStatus(grpc::ServerContext*, const v1::Clust
   return grpc::Status::OK;
 }
 
+grpc::Status JobServiceImpl::ExpertHeat(grpc::ServerContext*, const v1::ExpertHeatRequest* request,
+                                        v1::ExpertHeatResponse* reply) {
+  absl::StatusOr<v1::Job> job = jobs_->Get(request->job_id());
+  if (!job.ok()) return ToGrpcStatus(job.status());
+  absl::StatusOr<v1::ExpertHeatResponse> heat = heat_->Heat(request->job_id(), request->layer());
+  if (!heat.ok()) return ToGrpcStatus(heat.status());
+  *reply = *std::move(heat);
+  reply->set_placement_epoch(job->placement_epoch());
+  return grpc::Status::OK;
+}
+
 }  // namespace pith::coordinator

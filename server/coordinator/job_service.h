@@ -7,6 +7,7 @@
 #define PITH_SERVER_COORDINATOR_JOB_SERVICE_H_
 
 #include "pith/v1/job.grpc.pb.h"
+#include "server/coordinator/heat_registry.h"
 #include "server/coordinator/job_registry.h"
 #include "server/coordinator/membership.h"
 
@@ -14,7 +15,8 @@ namespace pith::coordinator {
 
 class JobServiceImpl final : public v1::JobService::Service {
  public:
-  JobServiceImpl(JobRegistry* jobs, Membership* members) : jobs_(jobs), members_(members) {}
+  JobServiceImpl(JobRegistry* jobs, Membership* members, HeatRegistry* heat)
+      : jobs_(jobs), members_(members), heat_(heat) {}
 
   grpc::Status SubmitJob(grpc::ServerContext*, const v1::SubmitJobRequest* request,
                          v1::SubmitJobResponse* reply) override;
@@ -28,10 +30,13 @@ class JobServiceImpl final : public v1::JobService::Service {
                          v1::Job* reply) override;
   grpc::Status ClusterStatus(grpc::ServerContext*, const v1::ClusterStatusRequest*,
                              v1::ClusterStatusResponse* reply) override;
+  grpc::Status ExpertHeat(grpc::ServerContext*, const v1::ExpertHeatRequest* request,
+                          v1::ExpertHeatResponse* reply) override;
 
  private:
   JobRegistry* jobs_;
   Membership* members_;
+  HeatRegistry* heat_;
 };
 
 }  // namespace pith::coordinator

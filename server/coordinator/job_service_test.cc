@@ -40,8 +40,8 @@ class JobServiceTest : public ::testing::Test {
     auto jobs = JobRegistry::Open(dir_);
     ASSERT_TRUE(jobs.ok()) << jobs.status();
     jobs_ = std::move(*jobs);
-    service_ = std::make_unique<JobServiceImpl>(jobs_.get(), &members_);
-    members_service_ = std::make_unique<CoordinatorServiceImpl>(&members_);
+    service_ = std::make_unique<JobServiceImpl>(jobs_.get(), &members_, &heat_);
+    members_service_ = std::make_unique<CoordinatorServiceImpl>(&members_, jobs_.get(), &heat_);
     auto server = GrpcServer::Start(
         {.listen_address = "127.0.0.1:0", .services = {service_.get(), members_service_.get()}});
     ASSERT_TRUE(server.ok()) << server.status();
@@ -66,6 +66,7 @@ class JobServiceTest : public ::testing::Test {
   std::unique_ptr<JobRegistry> jobs_;
   absl::Time now_ = absl::FromUnixSeconds(1000);
   Membership members_{absl::Seconds(3), [this] { return now_; }};
+  HeatRegistry heat_;
   std::unique_ptr<JobServiceImpl> service_;
   std::unique_ptr<CoordinatorServiceImpl> members_service_;
   std::unique_ptr<v1::CoordinatorService::Stub> members_stub_;
@@ -242,6 +243,50 @@ TEST_F(JobServiceTest, MembersRegisterHeartbeatAndExpire) {
   grpc::ClientContext ctx;
   EXPECT_EQ(members_stub_->Register(&ctx, bad, &registered).error_code(),
             grpc::StatusCode::INVALID_ARGUMENT);
+}
+
+TEST_F(JobServiceTest, HeatReportsShowInExpertHeat) {
+  auto job = Submit(SpecFrom(kSpec));  // 4 layers x 16 experts, heat decay 0.9
+  ASSERT_TRUE(job.ok());
+  auto report = [&](int64_t step, int expert, uint64_t tokens, bool pair) {
+    v1::HeatReport r;
+    r.set_job_id(job->job_id());
+    r.set_step(step);
+    v1::LayerRouting* l = r.add_layers();
+    l->set_layer(2);
+    for (int e = 0; e < 16; ++e) l->add_tokens_per_expert(e == expert ? tokens : 0);
+    if (pair) {
+      l->mutable_coactivation()->Resize(16 * 15 / 2, 0);
+      l->set_coactivation(static_cast<int>(HeatMap::PairIndex(16, 3, 9)), 5);
+    }
+    grpc::ClientContext ctx;
+    v1::HeatReportResponse resp;
+    return FromGrpcStatus(members_stub_->ReportHeat(&ctx, r, &resp));
+  };
+  ASSERT_TRUE(report(1, 3, 100, true).ok());
+  ASSERT_TRUE(report(1, 3, 20, false).ok());  // a second worker, same step: adds up
+  ASSERT_TRUE(report(2, 9, 10, false).ok());  // next step: decay first
+  grpc::ClientContext ctx;
+  v1::ExpertHeatRequest req;
+  req.set_job_id(job->job_id());
+  req.set_layer(2);
+  v1::ExpertHeatResponse heat;
+  ASSERT_TRUE(stub_->ExpertHeat(&ctx, req, &heat).ok());
+  ASSERT_EQ(heat.experts_size(), 16);
+  EXPECT_NEAR(heat.experts(3).heat(), 108.0, 1e-9);  // 0.9 * 120
+  EXPECT_NEAR(heat.experts(9).heat(), 10.0, 1e-9);
+  EXPECT_EQ(heat.step(), 2);
+  ASSERT_EQ(heat.pairs_size(), 1);
+  EXPECT_EQ(heat.pairs(0).expert_a(), 3);
+  EXPECT_EQ(heat.pairs(0).expert_b(), 9);
+  // An older step, a wrong layer and an unknown job are refused.
+  EXPECT_EQ(report(1, 3, 1, false).code(), absl::StatusCode::kFailedPrecondition);
+  grpc::ClientContext ctx2;
+  req.set_layer(4);
+  EXPECT_EQ(stub_->ExpertHeat(&ctx2, req, &heat).error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  grpc::ClientContext ctx3;
+  req.set_job_id("nope");
+  EXPECT_EQ(stub_->ExpertHeat(&ctx3, req, &heat).error_code(), grpc::StatusCode::NOT_FOUND);
 }
 
 TEST_F(JobServiceTest, JobsSurviveAReopen) {

@@ -1,0 +1,42 @@
+// HeatRegistry: one HeatMap per job, fed by the workers' ReportHeat calls and read by
+// ExpertHeat and the placement policy. A report for a newer step first decays the map
+// (heat = decay * heat + tokens), so a step's reports from several workers add up.
+//
+// Thread safety: all methods are thread-safe.
+#ifndef PITH_SERVER_COORDINATOR_HEAT_REGISTRY_H_
+#define PITH_SERVER_COORDINATOR_HEAT_REGISTRY_H_
+
+#include <map>
+#include <memory>
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "pith/v1/coordinator.pb.h"
+#include "pith/v1/job.pb.h"
+#include "server/coordinator/heat_map.h"
+
+namespace pith::coordinator {
+
+class HeatRegistry {
+ public:
+  // Adds a report for `job` (whose spec sizes the map). INVALID_ARGUMENT for a report
+  // that does not fit the model; FAILED_PRECONDITION for a step older than the map's.
+  absl::Status Report(const v1::Job& job, const v1::HeatReport& report);
+  // The heat of a job's experts (layer -1: all) and its strongest co-activated pairs.
+  // NOT_FOUND before the first report.
+  absl::StatusOr<v1::ExpertHeatResponse> Heat(const std::string& job_id, int layer,
+                                              int max_pairs = 20) const;
+
+ private:
+  struct JobHeat {
+    std::unique_ptr<HeatMap> map;
+    int64_t step = -1;
+  };
+  mutable absl::Mutex mu_;
+  std::map<std::string, JobHeat> jobs_ ABSL_GUARDED_BY(mu_);
+};
+
+}  // namespace pith::coordinator
+
+#endif  // PITH_SERVER_COORDINATOR_HEAT_REGISTRY_H_
