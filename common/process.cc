@@ -2,6 +2,9 @@
 
 #include <signal.h>
 
+#include <cstdio>
+#include <cstdlib>
+
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
@@ -33,6 +36,12 @@ std::vector<std::string> InitProcess(int argc, char** argv, absl::string_view us
   google::InitGoogleLogging(argv[0]);
 
   return std::vector<std::string>(positional.begin() + 1, positional.end());
+}
+
+int ExitStatus(absl::string_view program, const absl::Status& status) {
+  if (status.ok()) return EXIT_SUCCESS;
+  fprintf(stderr, "%s: %s\n", std::string(program).c_str(), std::string(status.message()).c_str());
+  return EXIT_FAILURE;
 }
 
 namespace {

@@ -6,6 +6,7 @@
 #include <string>
 #include <vector>
 
+#include "absl/status/status.h"
 #include "absl/strings/string_view.h"
 
 namespace pith {
@@ -14,6 +15,10 @@ namespace pith {
 // malformed flag, as Abseil does) and starts logging. Returns the positional arguments,
 // argv[0] excluded. Call once, first thing in main().
 std::vector<std::string> InitProcess(int argc, char** argv, absl::string_view usage);
+
+// The exit status of a binary that ends with `status`: EXIT_SUCCESS for OK; otherwise
+// one line "program: message" on stderr (whatever the log settings) and EXIT_FAILURE.
+int ExitStatus(absl::string_view program, const absl::Status& status);
 
 // Blocks SIGTERM and SIGINT in the constructing thread, and so in every thread started
 // after it, so that Wait() can receive them synchronously. Construct in main() before

@@ -60,11 +60,5 @@ int main(int argc, char** argv) {
                     "runs Pith training steps.\n"
                     "Usage: pith-worker --standalone --spec=SPEC.json [--init=FILE] "
                     "[--export_init=FILE] [--steps=N] [--loss_log=FILE] [--save=FILE]");
-  absl::Status status = Run();
-  if (!status.ok()) {
-    // One line on stderr, whatever the log settings.
-    fprintf(stderr, "pith-worker: %s\n", std::string(status.message()).c_str());
-    return EXIT_FAILURE;
-  }
-  return EXIT_SUCCESS;
+  return pith::ExitStatus("pith-worker", Run());
 }

@@ -42,12 +42,8 @@ int Simulate() {
   o.steps = absl::GetFlag(FLAGS_steps);
   o.tokens_per_step = absl::GetFlag(FLAGS_tokens_per_step);
   absl::StatusOr<pith::coordinator::SimResult> r = pith::coordinator::RunSimulation(o);
-  if (!r.ok()) {
-    fprintf(stderr, "pith-coordinator: %s\n", std::string(r.status().message()).c_str());
-    return EXIT_FAILURE;
-  }
-  printf("%s\n", r->ToString().c_str());
-  return EXIT_SUCCESS;
+  if (r.ok()) printf("%s\n", r->ToString().c_str());
+  return pith::ExitStatus("pith-coordinator", r.status());
 }
 
 }  // namespace
@@ -62,10 +58,7 @@ int main(int argc, char** argv) {
   if (absl::GetFlag(FLAGS_simulate)) return Simulate();
   absl::StatusOr<std::unique_ptr<pith::coordinator::JobRegistry>> jobs =
       pith::coordinator::JobRegistry::Open(absl::GetFlag(FLAGS_data_dir));
-  if (!jobs.ok()) {
-    fprintf(stderr, "pith-coordinator: %s\n", std::string(jobs.status().message()).c_str());
-    return EXIT_FAILURE;
-  }
+  if (!jobs.ok()) return pith::ExitStatus("pith-coordinator", jobs.status());
   pith::coordinator::Membership members(absl::Milliseconds(absl::GetFlag(FLAGS_lease_ms)));
   pith::coordinator::HeatRegistry heat;
   pith::coordinator::JobServiceImpl job_service(jobs->get(), &members, &heat);
@@ -78,9 +71,5 @@ int main(int argc, char** argv) {
                                                 .metrics_port = absl::GetFlag(FLAGS_metrics_port),
                                                 .services = {&job_service, &coordinator_service}},
                                                metrics, signals);
-  if (!status.ok()) {
-    LOG(ERROR) << "pith-coordinator: " << status.message();
-    return EXIT_FAILURE;
-  }
-  return EXIT_SUCCESS;
+  return pith::ExitStatus("pith-coordinator", status);
 }

@@ -60,10 +60,5 @@ int main(int argc, char** argv) {
                     "holds expert weights and optimizer state for Pith workers.\n"
                     "Usage: pith-store --data_dir=DIR [--listen=HOST:PORT] [--ram_bytes=N] "
                     "[--metrics_port=PORT]");
-  absl::Status status = Run(signals);
-  if (!status.ok()) {
-    fprintf(stderr, "pith-store: %s\n", std::string(status.message()).c_str());
-    return EXIT_FAILURE;
-  }
-  return EXIT_SUCCESS;
+  return pith::ExitStatus("pith-store", Run(signals));
 }
