@@ -142,7 +142,27 @@ void BlobStore::DropRamLocked(const std::string& key, Version& v) {
   v.ram.reset();  // the block returns to the allocator once no reader holds it
 }
 
+std::shared_ptr<RamBlock> BlobStore::TryAllocateLocked(uint64_t size) {
+  std::lock_guard<std::mutex> lock(alloc_mu_);
+  if (std::optional<uint64_t> offset = allocator_.Allocate(size)) {
+    return std::make_shared<RamBlock>(this, *offset, size);
+  }
+  return nullptr;
+}
+
+bool BlobStore::MoreRecentThanVictimLocked(uint64_t use) {
+  // The least recently used resident blob nobody is reading is the one a promotion
+  // would evict first.
+  for (auto it = lru_.rbegin(); it != lru_.rend(); ++it) {
+    const Version& victim = blobs_.at(it->first).versions.at(it->second);
+    if (victim.ram.use_count() > 1) continue;
+    return use > victim.last_use;
+  }
+  return false;  // everything resident is being read: nothing to evict
+}
+
 void BlobStore::TouchLocked(const std::string& key, Version& v) {
+  v.last_use = ++clock_;
   if (v.ram) {
     lru_.splice(lru_.begin(), lru_, v.lru);
   }
@@ -224,6 +244,7 @@ absl::StatusOr<v1::BlobInfo> BlobStore::FinishPut(PutReservation r,
   v.size = r.size_;
   v.crc = crc;
   v.ram = std::move(r.block_);
+  v.last_use = ++clock_;
   lru_.emplace_front(encoded, r.version_);
   v.lru = lru_.begin();
   cold_bytes_ += r.size_;
@@ -300,19 +321,22 @@ absl::StatusOr<BlobRef> BlobStore::Get(const v1::BlobKey& key, int64_t version) 
   } else {
     ++cold_gets_;
     if (metrics_) metrics_->rocksdb_gets->Increment();
-    // Admission: promote on the second read; the first is served in place.
-    const std::string admission_key = absl::StrCat(encoded, "@", v.version);
-    if (options_.admission_window > 0 && !recent_cold_set_.contains(admission_key)) {
+    const uint64_t previous_use = v.last_use, previous_cold_read = v.last_cold_read;
+    v.last_use = ++clock_;
+    v.last_cold_read = cold_gets_;
+    std::shared_ptr<RamBlock> block;
+    bool promote = true;
+    if (options_.admission_window > 0) {
+      const bool seen =
+          previous_cold_read != 0 && cold_gets_ - previous_cold_read <= options_.admission_window;
+      if (seen) block = TryAllocateLocked(std::max<uint64_t>(v.size, 1));
+      promote = seen && (block != nullptr || MoreRecentThanVictimLocked(previous_use));
+    }
+    if (!promote) {
       ASSIGN_OR_RETURN(ColdRead read, cold_->ReadPinned(encoded, v.version));
       if (read.size != v.size) {
         return absl::DataLossError(absl::StrCat(BlobKeyDebugString(key), ": cold copy has ",
                                                 read.size, " bytes, want ", v.size));
-      }
-      recent_cold_.push_back(admission_key);
-      recent_cold_set_.insert(admission_key);
-      if (recent_cold_.size() > options_.admission_window) {
-        recent_cold_set_.erase(recent_cold_.front());
-        recent_cold_.pop_front();
       }
       BlobRef ref;
       ref.cold_pin_ = std::move(read.pin);
@@ -322,9 +346,9 @@ absl::StatusOr<BlobRef> BlobStore::Get(const v1::BlobKey& key, int64_t version) 
       ref.crc_ = v.crc;
       return ref;
     }
-    recent_cold_set_.erase(admission_key);  // its deque entry ages out harmlessly
-    ASSIGN_OR_RETURN(std::shared_ptr<RamBlock> block,
-                     AllocateLocked(std::max<uint64_t>(v.size, 1)));
+    if (block == nullptr) {
+      ASSIGN_OR_RETURN(block, AllocateLocked(std::max<uint64_t>(v.size, 1)));
+    }
     RETURN_IF_ERROR(cold_->ReadData(encoded, v.version, {arena_ + block->offset(), v.size}));
     v.ram = std::move(block);
     lru_.emplace_front(encoded, v.version);

@@ -13,7 +13,6 @@
 #define PITH_SERVER_STORE_BLOB_STORE_H_
 
 #include <cstdint>
-#include <deque>
 #include <list>
 #include <map>
 #include <memory>
@@ -23,7 +22,6 @@
 #include <vector>
 
 #include "absl/container/btree_map.h"
-#include "absl/container/flat_hash_set.h"
 #include "absl/status/statusor.h"
 #include "absl/types/span.h"
 #include "common/metrics.h"
@@ -41,10 +39,13 @@ struct BlobStoreOptions {
   uint64_t max_blob_bytes = 64ull << 20;
   // Smallest RAM block.
   uint64_t min_block_bytes = 4096;
-  // Admission: a blob read from the cold tier is promoted into RAM when it was read from
-  // there before, among the last `admission_window` such reads; a first read is served
-  // straight from the cold tier. One pass over more data than the RAM tier holds then
-  // does not flush the hot blobs out. 0 promotes on every read.
+  // Admission: a blob read from the cold tier is promoted into RAM only when it was read
+  // from there before, among the last `admission_window` cold reads, and either fits in
+  // free RAM or was last read more recently than the least recently used resident blob
+  // (promoting it would evict a blob in use longer ago than its own reuse). Otherwise the
+  // read is served in place from the cold tier. A pass over more data than the RAM tier
+  // holds then neither flushes the hot blobs out nor pays a copy per read for blobs it
+  // would demote again before their next use. 0 promotes on every read.
   uint64_t admission_window = 4096;
 };
 
@@ -168,6 +169,8 @@ class BlobStore {
     uint32_t crc = 0;
     std::shared_ptr<RamBlock> ram;                             // null when only in the cold tier
     std::list<std::pair<std::string, int64_t>>::iterator lru;  // valid when ram is set
+    uint64_t last_use = 0;        // clock_ at the last read or write; 0: never
+    uint64_t last_cold_read = 0;  // cold_gets_ at the last read from the cold tier; 0: never
   };
   struct Blob {
     v1::BlobKey key;
@@ -180,6 +183,11 @@ class BlobStore {
   absl::Status Recover();
   // A RAM block of `size` bytes, demoting unpinned LRU blobs as needed. Requires mu_.
   absl::StatusOr<std::shared_ptr<RamBlock>> AllocateLocked(uint64_t size);
+  // A RAM block from free space only (null when there is none). Requires mu_.
+  std::shared_ptr<RamBlock> TryAllocateLocked(uint64_t size);
+  // Whether a blob last used at `use` (clock_) was used after the blob a promotion would
+  // evict first. Requires mu_.
+  bool MoreRecentThanVictimLocked(uint64_t use);
   void DropRamLocked(const std::string& key, Version& v);
   void TouchLocked(const std::string& key, Version& v);
   void ReleaseBlock(uint64_t offset);
@@ -200,9 +208,7 @@ class BlobStore {
   absl::btree_map<std::string, Blob> blobs_;        // by encoded key; guarded by mu_
   std::list<std::pair<std::string, int64_t>> lru_;  // RAM-resident, most recent first
   std::map<std::string, int64_t> job_steps_;
-  // Recent cold reads not promoted, oldest first (admission).
-  std::deque<std::string> recent_cold_;
-  absl::flat_hash_set<std::string> recent_cold_set_;
+  uint64_t clock_ = 0;  // ticks on every read and write (admission)
   uint64_t cold_bytes_ = 0;
   uint64_t ram_gets_ = 0, cold_gets_ = 0, puts_ = 0, promotions_ = 0, demotions_ = 0;
 };

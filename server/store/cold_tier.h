@@ -79,6 +79,8 @@ class ColdTier {
   virtual absl::StatusOr<ColdContents> Load() = 0;
   // A consistent copy of the whole tier in `dir` (UNIMPLEMENTED where there is no disk).
   virtual absl::Status Checkpoint(const std::string& dir) = 0;
+  // Flushes and compactions running or waiting to run (0 when the tier is settled).
+  virtual uint64_t BackgroundJobs() { return 0; }
 };
 
 // Opens (creating if needed) a RocksDB tier in `dir` with the WAL on.

@@ -6,7 +6,9 @@
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
+#include "common/status.h"
 #include "rocksdb/db.h"
+#include "rocksdb/table.h"
 #include "rocksdb/utilities/checkpoint.h"
 #include "rocksdb/write_batch.h"
 #include "server/store/cold_tier.h"
@@ -56,29 +58,44 @@ class RocksColdTier final : public ColdTier {
   }
 
   absl::Status ReadData(absl::string_view key, int64_t version, absl::Span<uint8_t> out) override {
-    rocksdb::PinnableSlice value;
-    rocksdb::ReadOptions options;
-    // The RAM tier is the cache; RocksDB's block cache would only hold a second copy.
-    options.fill_cache = false;
-    rocksdb::Status s =
-        db_->Get(options, db_->DefaultColumnFamily(), DataKey(key, version), &value);
-    if (!s.ok()) return ToStatus(s, "get");
-    if (value.size() != out.size()) {
+    ASSIGN_OR_RETURN(ColdRead read, ReadPinned(key, version));
+    if (read.size != out.size()) {
       return absl::DataLossError(
-          absl::StrCat("rocksdb blob has ", value.size(), " bytes, want ", out.size()));
+          absl::StrCat("rocksdb blob has ", read.size, " bytes, want ", out.size()));
     }
-    std::memcpy(out.data(), value.data(), out.size());
+    std::memcpy(out.data(), read.data, out.size());
     return absl::OkStatus();
   }
 
+  // Reads through an iterator parked on the key, not Get: Get copies every value of a
+  // block it cannot pin (a mapped block of a table that can still be compacted away)
+  // into the PinnableSlice, while an iterator's value points into the block itself (the
+  // page cache, through the mapping) and stays valid as long as the iterator lives.
   absl::StatusOr<ColdRead> ReadPinned(absl::string_view key, int64_t version) override {
-    auto value = std::make_shared<rocksdb::PinnableSlice>();
+    const std::string data_key = DataKey(key, version);
+    struct Pin {  // the bound outlives the iterator that points at it
+      std::string upper_key;
+      rocksdb::Slice upper;
+      std::unique_ptr<rocksdb::Iterator> it;
+    };
+    auto pin = std::make_shared<Pin>();
+    pin->upper_key = DataKey(key, static_cast<int64_t>(static_cast<uint64_t>(version) + 1));
+    pin->upper = rocksdb::Slice(pin->upper_key);
     rocksdb::ReadOptions options;
+    // The RAM tier is the cache; RocksDB's block cache would only hold a second copy.
     options.fill_cache = false;
-    rocksdb::Status s =
-        db_->Get(options, db_->DefaultColumnFamily(), DataKey(key, version), value.get());
-    if (!s.ok()) return ToStatus(s, "get");
-    return ColdRead{reinterpret_cast<const uint8_t*>(value->data()), value->size(), value};
+    options.iterate_upper_bound = &pin->upper;
+    pin->it.reset(db_->NewIterator(options));
+    pin->it->Seek(data_key);
+    if (!pin->it->Valid()) {
+      if (!pin->it->status().ok()) return ToStatus(pin->it->status(), "get");
+      return absl::NotFoundError(absl::StrCat("rocksdb has no version ", version, " of the blob"));
+    }
+    if (pin->it->key() != rocksdb::Slice(data_key)) {
+      return absl::NotFoundError(absl::StrCat("rocksdb has no version ", version, " of the blob"));
+    }
+    const rocksdb::Slice value = pin->it->value();
+    return ColdRead{reinterpret_cast<const uint8_t*>(value.data()), value.size(), pin};
   }
 
   absl::Status Apply(const ColdBatch& batch, bool sync) override {
@@ -144,6 +161,18 @@ class RocksColdTier final : public ColdTier {
     return ToStatus(checkpoint->CreateCheckpoint(dir), "checkpoint");
   }
 
+  uint64_t BackgroundJobs() override {
+    uint64_t total = 0;
+    for (const std::string& property : {rocksdb::DB::Properties::kNumRunningFlushes,
+                                        rocksdb::DB::Properties::kNumRunningCompactions,
+                                        rocksdb::DB::Properties::kMemTableFlushPending,
+                                        rocksdb::DB::Properties::kCompactionPending}) {
+      uint64_t value = 0;
+      if (db_->GetIntProperty(property, &value)) total += value;
+    }
+    return total;
+  }
+
  private:
   std::unique_ptr<rocksdb::DB> db_;
 };
@@ -160,6 +189,12 @@ absl::StatusOr<std::unique_ptr<ColdTier>> OpenRocksColdTier(const std::string& d
   // Reads come straight out of the page cache through the mapping: RocksDB then copies
   // nothing, and the promotion copy into the RAM tier is the only one on this side.
   options.allow_mmap_reads = true;
+  // Index entries carry their block's first key, so a Seek that lands in a sorted run
+  // not holding the key compares against the index and never reads (and checksums) that
+  // run's block: only the block holding the wanted blob is touched.
+  rocksdb::BlockBasedTableOptions table;
+  table.index_type = rocksdb::BlockBasedTableOptions::kBinarySearchWithFirstKey;
+  options.table_factory.reset(rocksdb::NewBlockBasedTableFactory(table));
   rocksdb::DB* raw = nullptr;
   rocksdb::Status s = rocksdb::DB::Open(options, dir, &raw);
   if (!s.ok()) return ToStatus(s, absl::StrCat("open ", dir));

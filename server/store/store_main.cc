@@ -18,7 +18,8 @@ ABSL_FLAG(std::string, data_dir, "", "RocksDB directory of the durable tier (req
 ABSL_FLAG(uint64_t, ram_bytes, 1ull << 30, "RAM-tier budget in bytes (UCX-registered memory)");
 ABSL_FLAG(uint64_t, max_blob_bytes, 64ull << 20, "Largest blob accepted, in bytes");
 ABSL_FLAG(uint64_t, admission_window, 4096,
-          "A cold blob is promoted into RAM on its second read among the last N cold reads; "
+          "A cold blob is promoted into RAM on its second read among the last N cold reads, "
+          "when it fits in free RAM or was read more recently than the blob it would evict; "
           "0 promotes on every read");
 ABSL_FLAG(int, max_message_bytes, 64 << 20, "Largest gRPC message, in bytes");
 ABSL_FLAG(std::string, coordinator, "",

@@ -4,7 +4,8 @@
 // rendezvous for large ones) and transports, and db_bench readrandom with the same value
 // size on a warm page cache. One line per case:
 //   fetch size=<bytes> tier=<ram|rocksdb> GB/s=<x> anchor_GB/s=<y> ratio=<x/y>
-// Usage: store_fetch_bench [--seconds=S]   (GB = 1e9 bytes)
+// Usage: store_fetch_bench [--seconds=S] [--size=BYTES] [--tier=ram|rocksdb]
+//   (GB = 1e9 bytes; --size and --tier run one case, e.g. to profile it)
 #include <netinet/in.h>
 #include <sys/socket.h>
 #include <unistd.h>
@@ -146,6 +147,13 @@ v1::BlobKey Key(const std::string& job, int i) {
   return k;
 }
 
+v1::StoreStats Stats(Store& s) {
+  grpc::ClientContext ctx;
+  v1::StoreStats stats;
+  if (!s.stub->GetStats(&ctx, v1::GetStatsRequest(), &stats).ok()) std::exit(1);
+  return stats;
+}
+
 // Writes `count` blobs of `size` bytes to job `job` as committed version 0.
 void Fill(Store& s, const std::string& job, int count, size_t size) {
   auto buf = *s.client->AllocateBuffer(size);
@@ -163,11 +171,22 @@ void Fill(Store& s, const std::string& job, int count, size_t size) {
   req.set_step(0);
   v1::CommitStepResponse resp;
   s.stub->CommitStep(&ctx, req, &resp);
+  // Let RocksDB finish flushing and compacting what was just written before anything is
+  // timed, as db_bench's readrandom runs on a database its fill left settled.
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::minutes(5);
+  while (std::chrono::steady_clock::now() < deadline) {
+    grpc::ClientContext stats_ctx;
+    v1::StoreStats stats;
+    if (!s.stub->GetStats(&stats_ctx, v1::GetStatsRequest(), &stats).ok()) std::exit(1);
+    if (stats.rocksdb_background_jobs() == 0) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
 }
 
-// Fetches blobs [0, count) of `job` round-robin, `batch` per call, from `threads` threads
-// at once (so one batch's replies are in flight while another's are consumed, as
-// ucx_perftest keeps a window of messages in flight), for g_seconds; GB/s.
+// Fetches blobs [0, count) of `job`, `batch` per call, from `threads` threads at once (so
+// one batch's replies are in flight while another's are consumed, as ucx_perftest keeps a
+// window of messages in flight), for g_seconds; GB/s. Each thread reads its own share of
+// the blobs round-robin (all of them when there are fewer blobs than threads).
 // With `one_buffer` every item of a batch lands in the same buffer (the data is the same
 // blob), which keeps source and target cache-resident exactly as ucx_perftest's one
 // send and one receive buffer are.
@@ -178,11 +197,13 @@ double FetchGBps(Store& s, const std::string& job, int count, size_t size, int b
   auto run = [&](int t) {
     auto buf = *s.client->AllocateBuffer(size * batch);
     std::vector<StoreClient::FetchItem> items(batch);
-    int next = (t * count) / threads;
+    int lo = (t * count) / threads, hi = ((t + 1) * count) / threads;
+    if (lo == hi) lo = 0, hi = count;
+    int next = lo;
     auto round = [&] {
       for (int i = 0; i < batch; ++i) {
         items[i].key = Key(job, next);
-        next = (next + 1) % count;
+        next = next + 1 == hi ? lo : next + 1;
         items[i].version = -1;
         items[i].buffer = buf->data() + (one_buffer ? 0 : i * size);
         items[i].capacity = size;
@@ -227,17 +248,33 @@ void Print(size_t size, const char* tier, double gbps, double anchor) {
 
 int main(int argc, char** argv) {
   using namespace pith::store;
+  size_t only_size = 0;
+  std::string only_tier;
   for (int i = 1; i < argc; ++i) {
-    if (std::strncmp(argv[i], "--seconds=", 10) == 0) g_seconds = std::atof(argv[i] + 10);
+    if (std::strncmp(argv[i], "--seconds=", 10) == 0) {
+      g_seconds = std::atof(argv[i] + 10);
+    } else if (std::strncmp(argv[i], "--size=", 7) == 0) {
+      only_size = std::strtoull(argv[i] + 7, nullptr, 10);
+    } else if (std::strncmp(argv[i], "--tier=", 7) == 0) {
+      only_tier = argv[i] + 7;
+    } else {
+      std::fprintf(stderr,
+                   "usage: store_fetch_bench [--seconds=S] [--size=BYTES] [--tier=ram|rocksdb]\n");
+      return 2;
+    }
   }
   const std::string base = "/tmp/pith_store_fetch_bench_" + std::to_string(getpid());
   const size_t sizes[] = {64 << 10, 1 << 20, 16 << 20};
-  {
+  auto wanted = [&](size_t size, const char* tier) {
+    return (only_size == 0 || only_size == size) && (only_tier.empty() || only_tier == tier);
+  };
+  if (only_tier.empty() || only_tier == "ram") {
     // RAM tier. The required line mirrors ucx_perftest: one blob, fetched again and again
     // into one buffer, 16 in flight per call. The "ram_many" line fetches 64 MiB of
     // distinct blobs into distinct buffers: memory-bound, for reference.
     Store s = StartStore(base + "/ram", 512ull << 20);
     for (size_t size : sizes) {
+      if (!wanted(size, "ram")) continue;
       const std::string job = "ram" + std::to_string(size);
       const int count = static_cast<int>(std::max<size_t>(4, (64ull << 20) / size));
       Fill(s, job, count, size);
@@ -247,17 +284,24 @@ int main(int argc, char** argv) {
       Print(size, "ram_many", FetchGBps(s, job, count, size, std::min(count, 16)), anchor);
     }
   }
-  {
-    // RocksDB tier: 256 MiB of blobs behind a 64 MiB RAM tier, read round-robin, so every
-    // fetch is a promotion from RocksDB (warm page cache, as db_bench's).
-    Store s = StartStore(base + "/rocks", 64ull << 20);
+  if (only_tier.empty() || only_tier == "rocksdb") {
+    // RocksDB tier: 256 MiB of blobs behind a 64 MiB RAM tier, each thread reading its
+    // share round-robin (warm page cache, as db_bench's). Each size gets a fresh store,
+    // as db_bench gets a fresh database filled with that size only.
     for (size_t size : sizes) {
+      if (!wanted(size, "rocksdb")) continue;
+      Store s = StartStore(base + "/rocks" + std::to_string(size), 64ull << 20);
       const int count = static_cast<int>((256ull << 20) / size);
       const std::string job = "rocks" + std::to_string(size);
       Fill(s, job, count, size);
       const int batch =
           static_cast<int>(std::max<size_t>(1, std::min<size_t>(32, (16ull << 20) / size)));
+      const pith::v1::StoreStats before = Stats(s);
       const double gbps = FetchGBps(s, job, count, size, batch);
+      const pith::v1::StoreStats after = Stats(s);
+      std::fprintf(stderr, "  (rocksdb reads %lu, ram reads %lu, promotions %lu)\n",
+                   after.rocksdb_gets() - before.rocksdb_gets(),
+                   after.ram_gets() - before.ram_gets(), after.promotions() - before.promotions());
       Print(size, "rocksdb", gbps, DbBenchGBps(size, base + "/db_bench"));
     }
   }
