@@ -1,4 +1,5 @@
 // pith-coordinator: membership, placement, heat and the job API (DESIGN §1, §5).
+#include <algorithm>
 #include <cstdio>
 #include <cstdlib>
 #include <string>
@@ -13,6 +14,7 @@
 #include "server/coordinator/coordinator_service.h"
 #include "server/coordinator/job_registry.h"
 #include "server/coordinator/job_service.h"
+#include "server/coordinator/scheduler.h"
 #include "server/coordinator/simulator.h"
 
 ABSL_FLAG(std::string, listen, "127.0.0.1:7000", "gRPC listen address (host:port)");
@@ -61,11 +63,18 @@ int main(int argc, char** argv) {
   if (!jobs.ok()) return pith::ExitStatus("pith-coordinator", jobs.status());
   pith::coordinator::Membership members(absl::Milliseconds(absl::GetFlag(FLAGS_lease_ms)));
   pith::coordinator::HeatRegistry heat;
-  pith::coordinator::JobServiceImpl job_service(jobs->get(), &members, &heat);
-  // NOTE: registration, heartbeats, leases and heat reports are served; assignments and
-  // step commits answer UNIMPLEMENTED until the scheduler lands.
-  pith::coordinator::CoordinatorServiceImpl coordinator_service(&members, jobs->get(), &heat);
   pith::MetricsRegistry metrics;
+  const absl::Duration lease = absl::Milliseconds(absl::GetFlag(FLAGS_lease_ms));
+  std::unique_ptr<pith::coordinator::StoreControl> store_control =
+      pith::coordinator::NewGrpcStoreControl(std::max(lease, absl::Seconds(5)));
+  pith::coordinator::Scheduler scheduler(jobs->get(), &members, &heat, store_control.get(),
+                                         &metrics);
+  if (absl::Status s = scheduler.Recover(); !s.ok()) return pith::ExitStatus("pith-coordinator", s);
+  // Leases are checked and jobs scheduled several times per lease.
+  scheduler.Start(std::clamp(lease / 8, absl::Milliseconds(20), absl::Milliseconds(500)));
+  pith::coordinator::JobServiceImpl job_service(jobs->get(), &members, &heat);
+  pith::coordinator::CoordinatorServiceImpl coordinator_service(&members, jobs->get(), &heat,
+                                                                &scheduler);
   absl::Status status = pith::RunServerProcess({.component = "coordinator",
                                                 .listen_address = absl::GetFlag(FLAGS_listen),
                                                 .metrics_port = absl::GetFlag(FLAGS_metrics_port),

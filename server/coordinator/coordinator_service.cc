@@ -1,5 +1,8 @@
 #include "server/coordinator/coordinator_service.h"
 
+#include <algorithm>
+
+#include "absl/strings/str_cat.h"
 #include "common/grpc_util.h"
 
 namespace pith::coordinator {
@@ -23,6 +26,7 @@ grpc::Status CoordinatorServiceImpl::Heartbeat(grpc::ServerContext*,
   reply->set_reregister(absl::IsNotFound(s));
   if (!s.ok() && !absl::IsNotFound(s)) return ToGrpcStatus(s);
   reply->set_lease_ms(absl::ToInt64Milliseconds(members_->lease()));
+  if (s.ok()) reply->set_assignment_version(scheduler_->AssignmentVersion(request->member_id()));
   return grpc::Status::OK;
 }
 
@@ -37,6 +41,57 @@ grpc::Status CoordinatorServiceImpl::ReportHeat(grpc::ServerContext*, const v1::
   absl::StatusOr<v1::Job> job = jobs_->Get(request->job_id());
   if (!job.ok()) return ToGrpcStatus(job.status());
   return ToGrpcStatus(heat_->Report(*job, *request));
+}
+
+grpc::Status CoordinatorServiceImpl::GetAssignment(grpc::ServerContext*,
+                                                   const v1::GetAssignmentRequest* request,
+                                                   v1::Assignment* reply) {
+  absl::StatusOr<v1::Assignment> a = scheduler_->GetAssignment(request->worker_id());
+  if (!a.ok()) return ToGrpcStatus(a.status());
+  *reply = *std::move(a);
+  return grpc::Status::OK;
+}
+
+grpc::Status CoordinatorServiceImpl::GetPlacement(grpc::ServerContext*,
+                                                  const v1::GetPlacementRequest* request,
+                                                  v1::PlacementTable* reply) {
+  absl::StatusOr<v1::PlacementTable> t = scheduler_->GetPlacement(request->job_id());
+  if (!t.ok()) return ToGrpcStatus(t.status());
+  if (t->epoch() < request->min_epoch()) {
+    return ToGrpcStatus(absl::FailedPreconditionError(
+        absl::StrCat("job ", request->job_id(), " is at placement epoch ", t->epoch(), ", not ",
+                     request->min_epoch(), " yet")));
+  }
+  *reply = *std::move(t);
+  return grpc::Status::OK;
+}
+
+grpc::Status CoordinatorServiceImpl::ReportStepWritten(grpc::ServerContext*,
+                                                       const v1::StepWrittenRequest* request,
+                                                       v1::StepWrittenResponse* reply) {
+  if (request->job_id().empty() || request->worker_id().empty() || request->step() < 0) {
+    return ToGrpcStatus(absl::InvalidArgumentError("job_id, worker_id and step >= 0 are required"));
+  }
+  absl::StatusOr<v1::StepStatus> s = scheduler_->ReportStepWritten(*request);
+  if (!s.ok()) return ToGrpcStatus(s.status());
+  *reply->mutable_status() = *std::move(s);
+  return grpc::Status::OK;
+}
+
+grpc::Status CoordinatorServiceImpl::WaitStep(grpc::ServerContext* context,
+                                              const v1::WaitStepRequest* request,
+                                              v1::StepStatus* reply) {
+  if (request->job_id().empty() || request->step() < 0) {
+    return ToGrpcStatus(absl::InvalidArgumentError("job_id and step >= 0 are required"));
+  }
+  absl::Duration timeout = absl::Seconds(30);
+  const absl::Time deadline = absl::FromChrono(context->deadline());
+  if (deadline < absl::Now() + timeout)
+    timeout = std::max(deadline - absl::Now(), absl::ZeroDuration());
+  absl::StatusOr<v1::StepStatus> s = scheduler_->WaitStep(*request, timeout);
+  if (!s.ok()) return ToGrpcStatus(s.status());
+  *reply = *std::move(s);
+  return grpc::Status::OK;
 }
 
 }  // namespace pith::coordinator

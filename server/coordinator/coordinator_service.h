@@ -1,8 +1,9 @@
 // CoordinatorServiceImpl: the member-facing gRPC adapter — registration, heartbeats and
-// leases, clean departure, heat reports. Assignments, placement and step commits answer
-// UNIMPLEMENTED until the scheduler lands.
+// leases, clean departure, heat reports, assignments, placement and the step-commit
+// protocol (the Scheduler). DrainStore answers UNIMPLEMENTED until store draining lands.
 //
-// Thread safety: handlers run concurrently; Membership is thread-safe.
+// Thread safety: handlers run concurrently; Membership, JobRegistry, HeatRegistry and
+// Scheduler are thread-safe.
 #ifndef PITH_SERVER_COORDINATOR_COORDINATOR_SERVICE_H_
 #define PITH_SERVER_COORDINATOR_COORDINATOR_SERVICE_H_
 
@@ -10,13 +11,15 @@
 #include "server/coordinator/heat_registry.h"
 #include "server/coordinator/job_registry.h"
 #include "server/coordinator/membership.h"
+#include "server/coordinator/scheduler.h"
 
 namespace pith::coordinator {
 
 class CoordinatorServiceImpl final : public v1::CoordinatorService::Service {
  public:
-  CoordinatorServiceImpl(Membership* members, JobRegistry* jobs, HeatRegistry* heat)
-      : members_(members), jobs_(jobs), heat_(heat) {}
+  CoordinatorServiceImpl(Membership* members, JobRegistry* jobs, HeatRegistry* heat,
+                         Scheduler* scheduler)
+      : members_(members), jobs_(jobs), heat_(heat), scheduler_(scheduler) {}
 
   grpc::Status Register(grpc::ServerContext*, const v1::RegisterRequest* request,
                         v1::RegisterResponse* reply) override;
@@ -26,11 +29,21 @@ class CoordinatorServiceImpl final : public v1::CoordinatorService::Service {
                           v1::DeregisterResponse* reply) override;
   grpc::Status ReportHeat(grpc::ServerContext*, const v1::HeatReport* request,
                           v1::HeatReportResponse* reply) override;
+  grpc::Status GetAssignment(grpc::ServerContext*, const v1::GetAssignmentRequest* request,
+                             v1::Assignment* reply) override;
+  grpc::Status GetPlacement(grpc::ServerContext*, const v1::GetPlacementRequest* request,
+                            v1::PlacementTable* reply) override;
+  grpc::Status ReportStepWritten(grpc::ServerContext*, const v1::StepWrittenRequest* request,
+                                 v1::StepWrittenResponse* reply) override;
+  // Waits at most until the call's deadline, and never longer than 30 s.
+  grpc::Status WaitStep(grpc::ServerContext* context, const v1::WaitStepRequest* request,
+                        v1::StepStatus* reply) override;
 
  private:
   Membership* members_;
   JobRegistry* jobs_;
   HeatRegistry* heat_;
+  Scheduler* scheduler_;
 };
 
 }  // namespace pith::coordinator

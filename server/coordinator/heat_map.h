@@ -25,6 +25,9 @@ class HeatMap {
   absl::Status Add(const v1::LayerRouting& routing);
   // Ends a step: decays everything by `decay` before the next step's reports.
   void EndStep();
+  // Restoring a saved map: sets one expert's heat, or one pair's weight (a != b).
+  void SetHeat(int layer, int expert, double heat) { heat_[Index(layer, expert)] = heat; }
+  void SetPair(int layer, int a, int b, double weight) { pairs_[layer][PairKey(a, b)] = weight; }
 
   int layers() const { return layers_; }
   int experts() const { return experts_; }

@@ -50,7 +50,7 @@ absl::StatusOr<v1::ExpertHeatResponse> HeatRegistry::Heat(const std::string& job
     }
     int n = 0;
     for (const auto& [pair, weight] : map.Pairs(l)) {
-      if (n++ == max_pairs) break;
+      if (n++ == max_pairs) break;  // never for max_pairs < 0
       v1::CoActivationPair* p = out.add_pairs();
       p->set_layer(l);
       p->set_expert_a(pair.first);
@@ -59,6 +59,56 @@ absl::StatusOr<v1::ExpertHeatResponse> HeatRegistry::Heat(const std::string& job
     }
   }
   return out;
+}
+
+std::optional<HeatMap> HeatRegistry::Snapshot(const std::string& job_id) const {
+  absl::MutexLock lock(&mu_);
+  auto it = jobs_.find(job_id);
+  if (it == jobs_.end()) return std::nullopt;
+  return *it->second.map;
+}
+
+std::string HeatRegistry::Save(const std::string& job_id) const {
+  absl::StatusOr<v1::ExpertHeatResponse> all = Heat(job_id, -1, /*max_pairs=*/-1);
+  return all.ok() ? all->SerializeAsString() : std::string();
+}
+
+absl::Status HeatRegistry::Restore(const v1::Job& job, const std::string& saved) {
+  v1::ExpertHeatResponse all;
+  if (!all.ParseFromString(saved)) {
+    return absl::DataLossError(absl::StrCat("unreadable heat record of job ", job.job_id()));
+  }
+  const v1::ModelConfig& m = job.spec().model();
+  auto map = std::make_unique<HeatMap>(m.n_layer(), m.n_expert(),
+                                       job.spec().cluster().replication().heat_decay());
+  auto fits = [&](int layer, int expert) {
+    return layer >= 0 && layer < m.n_layer() && expert >= 0 && expert < m.n_expert();
+  };
+  for (const v1::ExpertHeatEntry& e : all.experts()) {
+    if (!fits(e.expert().layer(), e.expert().expert())) {
+      return absl::DataLossError(
+          absl::StrCat("heat record of job ", job.job_id(), " does not fit its model"));
+    }
+    map->SetHeat(e.expert().layer(), e.expert().expert(), e.heat());
+  }
+  for (const v1::CoActivationPair& p : all.pairs()) {
+    if (!fits(p.layer(), p.expert_a()) || !fits(p.layer(), p.expert_b()) ||
+        p.expert_a() == p.expert_b()) {
+      return absl::DataLossError(
+          absl::StrCat("heat record of job ", job.job_id(), " does not fit its model"));
+    }
+    map->SetPair(p.layer(), p.expert_a(), p.expert_b(), p.weight());
+  }
+  absl::MutexLock lock(&mu_);
+  JobHeat& heat = jobs_[job.job_id()];
+  heat.map = std::move(map);
+  heat.step = all.step();
+  return absl::OkStatus();
+}
+
+void HeatRegistry::Drop(const std::string& job_id) {
+  absl::MutexLock lock(&mu_);
+  jobs_.erase(job_id);
 }
 
 }  // namespace pith::coordinator

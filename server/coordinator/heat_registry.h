@@ -8,6 +8,7 @@
 
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
 
 #include "absl/status/statusor.h"
@@ -25,8 +26,19 @@ class HeatRegistry {
   absl::Status Report(const v1::Job& job, const v1::HeatReport& report);
   // The heat of a job's experts (layer -1: all) and its strongest co-activated pairs.
   // NOT_FOUND before the first report.
+  // max_pairs < 0: every pair.
   absl::StatusOr<v1::ExpertHeatResponse> Heat(const std::string& job_id, int layer,
                                               int max_pairs = 20) const;
+  // A copy of a job's map; nullopt before the first report.
+  std::optional<HeatMap> Snapshot(const std::string& job_id) const;
+  // The whole map of a job (every expert, every pair) for persistence; empty before the
+  // first report.
+  std::string Save(const std::string& job_id) const;
+  // Reinstalls a map saved by Save for `job`. DATA_LOSS for bytes that do not parse or
+  // do not fit the job's model.
+  absl::Status Restore(const v1::Job& job, const std::string& saved);
+  // Forgets a job's map.
+  void Drop(const std::string& job_id);
 
  private:
   struct JobHeat {

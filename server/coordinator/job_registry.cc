@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <chrono>
 
+#include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "common/job_spec.h"
@@ -76,6 +77,7 @@ absl::StatusOr<v1::Job> JobRegistry::Submit(v1::JobSpec spec) {
   job.set_job_id(absl::StrCat(spec.name(), "-", next_id_));
   *job.mutable_spec() = std::move(spec);
   job.set_state(v1::JOB_STATE_PENDING);
+  job.set_committed_step(-1);  // no initial weights yet
   job.set_created_unix_ms(NowMs());
   rocksdb::WriteOptions sync;
   sync.sync = true;
@@ -151,6 +153,32 @@ absl::StatusOr<v1::Job> JobRegistry::WaitForChange(const std::string& job_id, in
   };
   mu_.AwaitWithTimeout(absl::Condition(&changed), timeout);
   return jobs_.at(job_id);
+}
+
+absl::Status JobRegistry::PutRecord(const std::string& key, const std::string& value) {
+  if (absl::StartsWith(key, kJobPrefix) || absl::StartsWith(key, "meta/")) {
+    return absl::InvalidArgumentError(absl::StrCat("reserved record key ", key));
+  }
+  rocksdb::WriteOptions sync;
+  sync.sync = true;
+  return FromRocks(db_->Put(sync, key, value), "put record");
+}
+
+absl::Status JobRegistry::DeleteRecord(const std::string& key) {
+  rocksdb::WriteOptions sync;
+  sync.sync = true;
+  return FromRocks(db_->Delete(sync, key), "delete record");
+}
+
+absl::StatusOr<std::map<std::string, std::string>> JobRegistry::Records(
+    const std::string& prefix) const {
+  std::map<std::string, std::string> out;
+  std::unique_ptr<rocksdb::Iterator> it(db_->NewIterator(rocksdb::ReadOptions()));
+  for (it->Seek(prefix); it->Valid() && it->key().starts_with(prefix); it->Next()) {
+    out.emplace(it->key().ToString(), it->value().ToString());
+  }
+  RETURN_IF_ERROR(FromRocks(it->status(), "scan records"));
+  return out;
 }
 
 }  // namespace pith::coordinator

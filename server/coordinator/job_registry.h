@@ -49,6 +49,13 @@ class JobRegistry {
   // A job's change counter (bumped by every Update/Cancel).
   int64_t Version(const std::string& job_id) const;
 
+  // Side records of the rest of the coordinator (schedules, heat), durable on return,
+  // in the same store: `key` must not start with "job/" or "meta/".
+  absl::Status PutRecord(const std::string& key, const std::string& value);
+  absl::Status DeleteRecord(const std::string& key);
+  // Every record whose key starts with `prefix`, by key.
+  absl::StatusOr<std::map<std::string, std::string>> Records(const std::string& prefix) const;
+
  private:
   JobRegistry() = default;
   absl::Status Persist(const v1::Job& job);

@@ -25,6 +25,17 @@ v1::JobSpec SpecFrom(const std::string& json) {
   return spec;
 }
 
+// The job API does not reach stores in these tests.
+class NoStores final : public StoreControl {
+ public:
+  absl::Status CommitStep(const v1::MemberInfo&, const std::string&, int64_t) override {
+    return absl::OkStatus();
+  }
+  absl::Status AbortStep(const v1::MemberInfo&, const std::string&, int64_t) override {
+    return absl::OkStatus();
+  }
+};
+
 class JobServiceTest : public ::testing::Test {
  protected:
   void SetUp() override {
@@ -36,12 +47,16 @@ class JobServiceTest : public ::testing::Test {
   void Start() {
     server_.reset();
     service_.reset();
+    members_service_.reset();
+    scheduler_.reset();
     jobs_.reset();
     auto jobs = JobRegistry::Open(dir_);
     ASSERT_TRUE(jobs.ok()) << jobs.status();
     jobs_ = std::move(*jobs);
     service_ = std::make_unique<JobServiceImpl>(jobs_.get(), &members_, &heat_);
-    members_service_ = std::make_unique<CoordinatorServiceImpl>(&members_, jobs_.get(), &heat_);
+    scheduler_ = std::make_unique<Scheduler>(jobs_.get(), &members_, &heat_, &stores_);
+    members_service_ =
+        std::make_unique<CoordinatorServiceImpl>(&members_, jobs_.get(), &heat_, scheduler_.get());
     auto server = GrpcServer::Start(
         {.listen_address = "127.0.0.1:0", .services = {service_.get(), members_service_.get()}});
     ASSERT_TRUE(server.ok()) << server.status();
@@ -68,6 +83,8 @@ class JobServiceTest : public ::testing::Test {
   Membership members_{absl::Seconds(3), [this] { return now_; }};
   HeatRegistry heat_;
   std::unique_ptr<JobServiceImpl> service_;
+  NoStores stores_;
+  std::unique_ptr<Scheduler> scheduler_;
   std::unique_ptr<CoordinatorServiceImpl> members_service_;
   std::unique_ptr<v1::CoordinatorService::Stub> members_stub_;
   std::unique_ptr<GrpcServer> server_;

@@ -1,0 +1,689 @@
+#include "server/coordinator/scheduler.h"
+
+#include <algorithm>
+#include <chrono>
+
+#include "absl/strings/str_cat.h"
+#include "common/grpc_util.h"
+#include "common/status.h"
+#include "glog/logging.h"
+#include "grpcpp/grpcpp.h"
+#include "pith/v1/store.grpc.pb.h"
+
+namespace pith::coordinator {
+namespace {
+
+constexpr char kRunPrefix[] = "run/";
+constexpr char kHeatPrefix[] = "heat/";
+
+int64_t NowMs() { return absl::ToUnixMillis(absl::Now()); }
+
+// Assignment versions only ever grow, across jobs and coordinator restarts alike, so a
+// worker can tell any change by inequality.
+int64_t NextVersion(int64_t previous) { return std::max(previous + 1, NowMs()); }
+
+std::string GroupName(const std::string& job_id, int layer, int expert) {
+  return layer < 0 ? absl::StrCat(job_id, "/dense") : absl::StrCat(job_id, "/", layer, "/", expert);
+}
+
+class GrpcStoreControl final : public StoreControl {
+ public:
+  explicit GrpcStoreControl(absl::Duration timeout) : timeout_(timeout) {}
+
+  absl::Status CommitStep(const v1::MemberInfo& store, const std::string& job_id,
+                          int64_t step) override {
+    v1::CommitStepRequest request;
+    request.set_job_id(job_id);
+    request.set_step(step);
+    v1::CommitStepResponse reply;
+    grpc::ClientContext ctx;
+    ctx.set_deadline(absl::ToChronoTime(absl::Now() + timeout_));
+    return Annotate(Stub(store)->CommitStep(&ctx, request, &reply), store);
+  }
+
+  absl::Status AbortStep(const v1::MemberInfo& store, const std::string& job_id,
+                         int64_t step) override {
+    v1::AbortStepRequest request;
+    request.set_job_id(job_id);
+    request.set_step(step);
+    v1::AbortStepResponse reply;
+    grpc::ClientContext ctx;
+    ctx.set_deadline(absl::ToChronoTime(absl::Now() + timeout_));
+    return Annotate(Stub(store)->AbortStep(&ctx, request, &reply), store);
+  }
+
+ private:
+  std::unique_ptr<v1::StoreService::Stub> Stub(const v1::MemberInfo& store) {
+    absl::MutexLock lock(&mu_);
+    std::shared_ptr<grpc::Channel>& channel = channels_[store.grpc_address()];
+    if (channel == nullptr) {
+      channel = grpc::CreateChannel(store.grpc_address(), grpc::InsecureChannelCredentials());
+    }
+    return v1::StoreService::NewStub(channel);
+  }
+
+  static absl::Status Annotate(const grpc::Status& s, const v1::MemberInfo& store) {
+    absl::Status status = FromGrpcStatus(s);
+    if (status.ok()) return status;
+    return absl::Status(status.code(), absl::StrCat("store ", store.member_id(), " (",
+                                                    store.grpc_address(), "): ", status.message()));
+  }
+
+  const absl::Duration timeout_;
+  absl::Mutex mu_;
+  std::map<std::string, std::shared_ptr<grpc::Channel>> channels_ ABSL_GUARDED_BY(mu_);
+};
+
+struct Alive {
+  std::map<std::string, v1::MemberInfo> stores, workers;  // live members by id
+  std::set<std::string> known;                            // every id, dead ones included
+  std::vector<std::string> store_ids() const {
+    std::vector<std::string> ids;
+    for (const auto& [id, m] : stores) ids.push_back(id);
+    return ids;
+  }
+  std::vector<v1::MemberInfo> store_list() const {
+    std::vector<v1::MemberInfo> out;
+    for (const auto& [id, m] : stores) out.push_back(m);
+    return out;
+  }
+};
+
+Alive Snapshot(Membership& members) {
+  Alive a;
+  for (v1::MemberRole role : {v1::MEMBER_ROLE_STORE, v1::MEMBER_ROLE_WORKER}) {
+    for (v1::MemberInfo& m : members.Members(role)) {
+      a.known.insert(m.member_id());
+      if (m.state() != v1::MEMBER_STATE_ALIVE) continue;
+      (role == v1::MEMBER_ROLE_STORE ? a.stores : a.workers)[m.member_id()] = std::move(m);
+    }
+  }
+  return a;
+}
+
+bool SameOwners(const v1::PlacementTable& a, const v1::PlacementTable& b) {
+  if (a.experts_size() != b.experts_size()) return false;
+  for (int i = 0; i < a.experts_size(); ++i) {
+    const auto& x = a.experts(i).owners();
+    const auto& y = b.experts(i).owners();
+    if (x.size() != y.size()) return false;
+    for (int j = 0; j < x.size(); ++j) {
+      if (x[j].worker_id() != y[j].worker_id() ||
+          std::abs(x[j].token_share() - y[j].token_share()) > 1e-9) {
+        return false;
+      }
+    }
+  }
+  return true;
+}
+
+}  // namespace
+
+std::unique_ptr<StoreControl> NewGrpcStoreControl(absl::Duration timeout) {
+  return std::make_unique<GrpcStoreControl>(timeout);
+}
+
+v1::PlacementTable BuildPlacement(const v1::Job& job, const std::vector<std::string>& workers,
+                                  const std::vector<std::string>& stores, const ComputePlan& plan,
+                                  const v1::PlacementTable* previous, int64_t epoch,
+                                  int64_t effective_step) {
+  const v1::ModelConfig& m = job.spec().model();
+  const int replicas = std::max(1, job.spec().cluster().store_replicas());
+  std::map<std::pair<int, int>, const v1::ExpertPlacement*> before;
+  if (previous != nullptr) {
+    for (const v1::ExpertPlacement& e : previous->experts()) {
+      before[{e.layer(), e.layer() < 0 ? 0 : e.expert()}] = &e;
+    }
+  }
+  v1::PlacementTable table;
+  table.set_job_id(job.job_id());
+  table.set_epoch(epoch);
+  table.set_effective_step(effective_step);
+  auto place = [&](int layer, int expert) {
+    v1::ExpertPlacement* e = table.add_experts();
+    e->set_layer(layer);
+    e->set_expert(layer < 0 ? 0 : expert);
+    auto it = before.find({layer, layer < 0 ? 0 : expert});
+    if (it != before.end() && it->second->store_ids_size() > 0) {
+      *e->mutable_store_ids() = it->second->store_ids();
+    } else {
+      for (std::string& id :
+           RendezvousStores(GroupName(job.job_id(), layer, expert), stores, replicas)) {
+        e->add_store_ids(std::move(id));
+      }
+    }
+    if (layer < 0 || workers.empty()) return;
+    for (const auto& [rank, share] : plan.at(layer).at(expert)) {
+      v1::ComputeOwner* o = e->add_owners();
+      o->set_worker_id(workers.at(rank));
+      o->set_rank(rank);
+      o->set_token_share(share);
+    }
+  };
+  place(-1, 0);
+  for (int l = 0; l < m.n_layer(); ++l) {
+    for (int x = 0; x < m.n_expert(); ++x) place(l, x);
+  }
+  return table;
+}
+
+Scheduler::Scheduler(JobRegistry* jobs, Membership* members, HeatRegistry* heat,
+                     StoreControl* stores, MetricsRegistry* metrics)
+    : jobs_(jobs),
+      members_(members),
+      heat_(heat),
+      stores_(stores),
+      metrics_(metrics),
+      started_(absl::Now()) {
+  if (metrics_ != nullptr) {
+    steps_committed_ = *metrics_->Counter("pith_coordinator_steps_committed_total",
+                                          "Job steps committed on every store");
+    steps_aborted_ = *metrics_->Counter("pith_coordinator_steps_aborted_total",
+                                        "Step attempts aborted (worker failure, dead member)");
+  }
+}
+
+Scheduler::~Scheduler() {
+  stop_.Notify();
+  if (loop_.joinable()) loop_.join();
+}
+
+void Scheduler::Start(absl::Duration period) {
+  loop_ = std::thread([this, period] {
+    while (!stop_.WaitForNotificationWithTimeout(period)) Tick();
+  });
+}
+
+absl::Status Scheduler::Recover() {
+  ASSIGN_OR_RETURN(auto records, jobs_->Records(kRunPrefix));
+  ASSIGN_OR_RETURN(auto heats, jobs_->Records(kHeatPrefix));
+  absl::MutexLock lock(&mu_);
+  for (const auto& [key, bytes] : records) {
+    Run run;
+    if (!run.record.ParseFromString(bytes)) {
+      return absl::DataLossError(absl::StrCat("unreadable schedule record ", key));
+    }
+    absl::StatusOr<v1::Job> job = jobs_->Get(run.record.job_id());
+    if (!job.ok() || IsFinal(job->state())) {
+      RETURN_IF_ERROR(jobs_->DeleteRecord(key));
+      continue;
+    }
+    if (auto h = heats.find(absl::StrCat(kHeatPrefix, job->job_id())); h != heats.end()) {
+      absl::Status s = heat_->Restore(*job, h->second);
+      if (!s.ok()) LOG(WARNING) << s;  // heat is advisory: start afresh
+    }
+    run.committed = job->committed_step();
+    // Whatever attempt was in flight is void: its reports died with the old process.
+    run.record.set_assignment_version(NextVersion(run.record.assignment_version()));
+    RETURN_IF_ERROR(PersistLocked(run));
+    for (const std::string& w : run.record.workers()) worker_job_[w] = job->job_id();
+    runs_[job->job_id()] = std::move(run);
+  }
+  return absl::OkStatus();
+}
+
+absl::Status Scheduler::PersistLocked(const Run& run) {
+  return jobs_->PutRecord(absl::StrCat(kRunPrefix, run.record.job_id()),
+                          run.record.SerializeAsString());
+}
+
+void Scheduler::AbortLocked(Run& run, const std::string& reason, std::vector<StoreCall>* aborts) {
+  const Alive alive = Snapshot(*members_);
+  for (const auto& [id, store] : alive.stores) {
+    aborts->push_back({store, run.record.job_id(), step_in_flight(run)});
+  }
+  run.written.clear();
+  run.tokens = run.cache_hits = run.cache_misses = 0;
+  run.rank0.Clear();
+  run.abort_reason = reason;
+  run.record.set_assignment_version(NextVersion(run.record.assignment_version()));
+  if (steps_aborted_ != nullptr) steps_aborted_->Increment();
+  LOG(INFO) << "job " << run.record.job_id() << ": step " << step_in_flight(run)
+            << " aborted: " << reason;
+}
+
+ComputePlan Scheduler::PlanLocked(const v1::Job& job, int workers) {
+  if (workers == 0) return {};
+  const v1::ModelConfig& m = job.spec().model();
+  const v1::ReplicationConfig& r = job.spec().cluster().replication();
+  std::optional<HeatMap> map = heat_->Snapshot(job.job_id());
+  if (!map) map.emplace(m.n_layer(), m.n_expert(), r.heat_decay());
+  ComputePlanOptions options;
+  options.workers = workers;
+  options.max_replicas = std::max(1, r.max_compute_replicas());
+  options.affinity = !r.disable_affinity();
+  return PlanCompute(*map, options);
+}
+
+void Scheduler::ReplaceLocked(Run& run, const v1::Job& job,
+                              const std::vector<std::string>& stores) {
+  v1::PlacementTable previous = run.record.placement();
+  const std::set<std::string> live(stores.begin(), stores.end());
+  std::string lost;
+  for (v1::ExpertPlacement& e : *previous.mutable_experts()) {
+    const bool had = e.store_ids_size() > 0;
+    auto* ids = e.mutable_store_ids();
+    ids->erase(std::remove_if(ids->begin(), ids->end(),
+                              [&](const std::string& id) { return !live.count(id); }),
+               ids->end());
+    if (had && ids->empty() && run.committed >= 0 && lost.empty()) {
+      lost = e.layer() < 0 ? "the dense tensors"
+                           : absl::StrCat("layer ", e.layer(), " expert ", e.expert());
+    }
+  }
+  if (!lost.empty()) {
+    const std::string reason = absl::StrCat("every store copy of ", lost, " was lost");
+    LOG(ERROR) << "job " << job.job_id() << ": " << reason;
+    (void)jobs_->Update(job.job_id(), [&](v1::Job& j) {
+      j.set_state(v1::JOB_STATE_FAILED);
+      j.set_failure_reason(reason);
+      j.set_finished_unix_ms(NowMs());
+      return absl::OkStatus();
+    });
+    return;  // the next Tick releases the run
+  }
+  std::vector<std::string> workers(run.record.workers().begin(), run.record.workers().end());
+  const ComputePlan plan = PlanLocked(job, static_cast<int>(workers.size()));
+  *run.record.mutable_placement() = BuildPlacement(job, workers, stores, plan, &previous,
+                                                   previous.epoch() + 1, step_in_flight(run));
+  const int64_t epoch = run.record.placement().epoch();
+  (void)jobs_->Update(job.job_id(), [&](v1::Job& j) {
+    j.set_placement_epoch(epoch);
+    j.set_workers(static_cast<int>(workers.size()));
+    return absl::OkStatus();
+  });
+  UpdateMetricsLocked(job, run);
+}
+
+void Scheduler::Tick() {
+  members_->ExpireLeases();
+  const Alive alive = Snapshot(*members_);
+  const bool grace_over = absl::Now() > started_ + 3 * members_->lease();
+  // A member is gone when it is known dead, or still unknown once members had time to
+  // re-register after a coordinator restart.
+  auto gone = [&](const std::string& id, bool store) {
+    if ((store ? alive.stores : alive.workers).count(id)) return false;
+    return alive.known.count(id) > 0 || grace_over;
+  };
+  std::vector<StoreCall> aborts;
+  std::vector<std::pair<std::string, int64_t>> commits;
+  {
+    absl::MutexLock lock(&mu_);
+    for (auto it = runs_.begin(); it != runs_.end();) {
+      const std::string job_id = it->first;
+      Run& run = it->second;
+      absl::StatusOr<v1::Job> job = jobs_->Get(job_id);
+      if (!job.ok() || IsFinal(job->state())) {
+        // Cancelled or failed: drop the attempt in flight and free the workers.
+        if (run.record.committing_step() < 0) AbortLocked(run, "job ended", &aborts);
+        for (const std::string& w : run.record.workers()) worker_job_.erase(w);
+        (void)jobs_->DeleteRecord(absl::StrCat(kRunPrefix, job_id));
+        it = runs_.erase(it);
+        continue;
+      }
+      ++it;
+      if (run.record.committing_step() >= 0) {
+        // The decision is made: finish it before anything else changes.
+        if (!run.committing) commits.emplace_back(job_id, run.record.committing_step());
+        continue;
+      }
+      std::vector<std::string> kept, lost;
+      for (const std::string& w : run.record.workers()) {
+        (gone(w, false) ? lost : kept).push_back(w);
+      }
+      bool stores_lost = false;
+      for (const v1::ExpertPlacement& e : run.record.placement().experts()) {
+        for (const std::string& s : e.store_ids()) stores_lost |= gone(s, true);
+      }
+      const int want = std::max(1, job->spec().cluster().workers());
+      std::vector<std::string> idle;
+      for (const auto& [id, m] : alive.workers) {
+        if (!worker_job_.count(id)) idle.push_back(id);
+      }
+      const bool grow = static_cast<int>(kept.size()) < want && !idle.empty();
+      if (lost.empty() && !stores_lost && !grow) continue;
+      std::string reason = lost.empty() ? (stores_lost ? "a store died" : "a worker joined")
+                                        : absl::StrCat("worker ", lost.front(), " died");
+      AbortLocked(run, reason, &aborts);
+      for (const std::string& w : lost) worker_job_.erase(w);
+      for (size_t i = 0; static_cast<int>(kept.size()) < want && i < idle.size(); ++i) {
+        kept.push_back(idle[i]);
+        worker_job_[idle[i]] = job_id;
+      }
+      run.record.clear_workers();
+      for (const std::string& w : kept) run.record.add_workers(w);
+      ReplaceLocked(run, *job, alive.store_ids());
+      absl::Status s = PersistLocked(run);
+      if (!s.ok()) LOG(ERROR) << s;
+    }
+
+    // Pending jobs, oldest first, while there are idle workers and a store.
+    std::vector<v1::Job> waiting = jobs_->List({v1::JOB_STATE_PENDING, v1::JOB_STATE_RUNNING}, 0);
+    std::reverse(waiting.begin(), waiting.end());
+    for (const v1::Job& job : waiting) {
+      if (runs_.count(job.job_id()) || alive.stores.empty()) continue;
+      std::vector<std::string> idle;
+      for (const auto& [id, m] : alive.workers) {
+        if (!worker_job_.count(id)) idle.push_back(id);
+      }
+      const int want = std::max(1, job.spec().cluster().workers());
+      if (static_cast<int>(idle.size()) < want) break;  // first come, first served
+      idle.resize(want);
+      Run run;
+      run.committed = job.committed_step();
+      run.record.set_job_id(job.job_id());
+      for (const std::string& w : idle) run.record.add_workers(w);
+      run.record.set_assignment_version(NextVersion(0));
+      run.record.set_committing_step(-1);
+      *run.record.mutable_placement() =
+          BuildPlacement(job, idle, alive.store_ids(), PlanLocked(job, want), nullptr,
+                         job.placement_epoch() + 1, run.committed + 1);
+      absl::Status s = PersistLocked(run);
+      if (!s.ok()) {
+        LOG(ERROR) << s;
+        continue;
+      }
+      const int64_t epoch = run.record.placement().epoch();
+      (void)jobs_->Update(job.job_id(), [&](v1::Job& j) {
+        j.set_state(v1::JOB_STATE_RUNNING);
+        if (j.started_unix_ms() == 0) j.set_started_unix_ms(NowMs());
+        j.set_placement_epoch(epoch);
+        j.set_workers(want);
+        return absl::OkStatus();
+      });
+      for (const std::string& w : idle) worker_job_[w] = job.job_id();
+      LOG(INFO) << "job " << job.job_id() << " scheduled on " << want << " worker(s)";
+      UpdateMetricsLocked(job, run);
+      runs_[job.job_id()] = std::move(run);
+    }
+  }
+  RunStoreAborts(aborts);
+  for (const auto& [job_id, step] : commits) Commit(job_id, step);
+}
+
+void Scheduler::RunStoreAborts(const std::vector<StoreCall>& aborts) {
+  for (const StoreCall& call : aborts) {
+    absl::Status s = stores_->AbortStep(call.store, call.job_id, call.step);
+    // Best effort: a store that missed it replaces the pending versions on the retry's
+    // writes, and a dead one is dropped from the placement.
+    if (!s.ok()) LOG(WARNING) << "abort of step " << call.step << ": " << s;
+  }
+}
+
+absl::StatusOr<v1::Assignment> Scheduler::GetAssignment(const std::string& worker_id) {
+  const Alive alive = Snapshot(*members_);
+  if (!alive.workers.count(worker_id)) {
+    return absl::NotFoundError(absl::StrCat("unknown worker ", worker_id, ": register again"));
+  }
+  absl::MutexLock lock(&mu_);
+  v1::Assignment a;
+  auto w = worker_job_.find(worker_id);
+  if (w == worker_job_.end()) return a;  // idle
+  const Run& run = runs_.at(w->second);
+  ASSIGN_OR_RETURN(v1::Job job, jobs_->Get(w->second));
+  a.set_assignment_version(run.record.assignment_version());
+  a.set_job_id(job.job_id());
+  *a.mutable_spec() = job.spec();
+  a.set_world(run.record.workers_size());
+  for (int rank = 0; rank < run.record.workers_size(); ++rank) {
+    const std::string& id = run.record.workers(rank);
+    if (id == worker_id) a.set_rank(rank);
+    auto peer = alive.workers.find(id);
+    v1::MemberInfo* p = a.add_peers();
+    if (peer != alive.workers.end()) {
+      *p = peer->second;
+    } else {
+      p->set_member_id(id);
+    }
+  }
+  for (const auto& [id, store] : alive.stores) *a.add_stores() = store;
+  *a.mutable_placement() = run.record.placement();
+  a.set_committed_step(run.committed);
+  return a;
+}
+
+int64_t Scheduler::AssignmentVersion(const std::string& worker_id) {
+  absl::MutexLock lock(&mu_);
+  auto w = worker_job_.find(worker_id);
+  if (w == worker_job_.end()) return 0;
+  return runs_.at(w->second).record.assignment_version();
+}
+
+absl::StatusOr<v1::PlacementTable> Scheduler::GetPlacement(const std::string& job_id) {
+  absl::MutexLock lock(&mu_);
+  auto it = runs_.find(job_id);
+  if (it == runs_.end())
+    return absl::NotFoundError(absl::StrCat("job ", job_id, " is not running"));
+  return it->second.record.placement();
+}
+
+v1::StepStatus Scheduler::StatusLocked(const std::string& job_id, const Run& run, int64_t step) {
+  v1::StepStatus s;
+  s.set_job_id(job_id);
+  s.set_step(step);
+  s.set_committed_step(run.committed);
+  s.set_assignment_version(run.record.assignment_version());
+  s.set_placement_epoch(run.record.placement().epoch());
+  return s;
+}
+
+absl::StatusOr<v1::StepStatus> Scheduler::ReportStepWritten(const v1::StepWrittenRequest& r) {
+  std::vector<StoreCall> aborts;
+  bool commit = false;
+  {
+    absl::MutexLock lock(&mu_);
+    auto it = runs_.find(r.job_id());
+    if (it == runs_.end()) {
+      return absl::FailedPreconditionError(absl::StrCat("job ", r.job_id(), " is not running"));
+    }
+    Run& run = it->second;
+    const auto& workers = run.record.workers();
+    const auto pos = std::find(workers.begin(), workers.end(), r.worker_id());
+    if (pos == workers.end()) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("worker ", r.worker_id(), " is not training job ", r.job_id()));
+    }
+    if (r.step() <= run.committed) return StatusLocked(r.job_id(), run, r.step());
+    if (r.assignment_version() != run.record.assignment_version()) {
+      return absl::AbortedError(absl::StrCat("step ", r.step(), " of job ", r.job_id(),
+                                             " was aborted (", run.abort_reason,
+                                             "); fetch the new assignment"));
+    }
+    if (r.step() != step_in_flight(run)) {
+      return absl::FailedPreconditionError(absl::StrCat("job ", r.job_id(), " is at step ",
+                                                        step_in_flight(run), ", not ", r.step()));
+    }
+    if (run.record.committing_step() >= 0) return StatusLocked(r.job_id(), run, r.step());
+    if (!r.ok()) {
+      AbortLocked(run,
+                  absl::StrCat("worker ", r.worker_id(), ": ",
+                               r.failure().empty() ? "step failed" : r.failure()),
+                  &aborts);
+      absl::Status s = PersistLocked(run);
+      if (!s.ok()) LOG(ERROR) << s;
+    } else if (run.written.insert(r.worker_id()).second) {
+      run.tokens += r.tokens();
+      run.cache_hits += r.cache_hits();
+      run.cache_misses += r.cache_misses();
+      if (pos == workers.begin()) run.rank0 = r;
+      if (run.written.size() == static_cast<size_t>(workers.size())) {
+        run.record.set_committing_step(r.step());
+        RETURN_IF_ERROR(PersistLocked(run));  // the decision is durable before any store hears it
+        commit = true;
+      }
+    }
+  }
+  RunStoreAborts(aborts);
+  if (commit) Commit(r.job_id(), r.step());
+  absl::MutexLock lock(&mu_);
+  auto it = runs_.find(r.job_id());
+  v1::StepStatus status;
+  if (it != runs_.end()) {
+    status = StatusLocked(r.job_id(), it->second, r.step());
+  } else {
+    status.set_job_id(r.job_id());
+    status.set_step(r.step());
+    status.set_committed_step(r.step());
+    status.set_job_ended(true);
+  }
+  if (!r.ok()) {
+    status.set_aborted(true);
+    status.set_abort_reason(it != runs_.end() ? it->second.abort_reason : r.failure());
+  }
+  return status;
+}
+
+void Scheduler::Commit(const std::string& job_id, int64_t step) {
+  const Alive alive = Snapshot(*members_);
+  {
+    absl::MutexLock lock(&mu_);
+    auto it = runs_.find(job_id);
+    if (it == runs_.end() || it->second.committing || it->second.record.committing_step() != step) {
+      return;
+    }
+    it->second.committing = true;
+  }
+  bool all = true;
+  for (const auto& [id, store] : alive.stores) {
+    absl::Status s = stores_->CommitStep(store, job_id, step);
+    if (!s.ok()) {
+      LOG(WARNING) << "commit of step " << step << " of job " << job_id << ": " << s;
+      all = false;  // retried by Tick until the store answers or is declared dead
+    }
+  }
+  absl::MutexLock lock(&mu_);
+  auto it = runs_.find(job_id);
+  if (it == runs_.end()) return;
+  it->second.committing = false;
+  if (all) FinishCommitLocked(job_id, it->second);
+}
+
+void Scheduler::FinishCommitLocked(const std::string& job_id, Run& run) {
+  const int64_t step = run.record.committing_step();
+  const int64_t now = NowMs();
+  const double seconds =
+      run.record.last_commit_unix_ms() > 0 ? (now - run.record.last_commit_unix_ms()) / 1e3 : 0.0;
+  bool ended = false;
+  absl::StatusOr<v1::Job> job = jobs_->Update(job_id, [&](v1::Job& j) {
+    j.set_committed_step(step);
+    if (step >= 1) {
+      j.set_last_loss(run.rank0.loss());
+      j.set_last_ce(run.rank0.ce());
+      j.set_last_lr(run.rank0.lr());
+      j.set_step_seconds(seconds);
+      j.set_tokens_per_second(seconds > 0 ? run.tokens / seconds : 0.0);
+      const uint64_t lookups = run.cache_hits + run.cache_misses;
+      j.set_cache_hit_rate(lookups > 0 ? static_cast<double>(run.cache_hits) / lookups : 0.0);
+    }
+    if (!IsFinal(j.state()) && step >= j.spec().train().steps()) {
+      j.set_state(v1::JOB_STATE_SUCCEEDED);
+      j.set_finished_unix_ms(now);
+    }
+    ended = IsFinal(j.state());
+    return absl::OkStatus();
+  });
+  if (!job.ok()) {
+    LOG(ERROR) << "job " << job_id << ": " << job.status();
+    return;
+  }
+  run.committed = step;
+  run.record.set_committing_step(-1);
+  run.record.set_last_commit_unix_ms(now);
+  run.written.clear();
+  run.tokens = run.cache_hits = run.cache_misses = 0;
+  run.rank0.Clear();
+  run.abort_reason.clear();
+  if (steps_committed_ != nullptr) steps_committed_->Increment();
+  if (ended) {
+    for (const std::string& w : run.record.workers()) worker_job_.erase(w);
+    (void)jobs_->DeleteRecord(absl::StrCat(kRunPrefix, job_id));
+    (void)jobs_->PutRecord(absl::StrCat(kHeatPrefix, job_id), heat_->Save(job_id));
+    runs_.erase(job_id);
+    return;
+  }
+  const int every = std::max(1, job->spec().cluster().replication().replan_every());
+  if (step >= 1 && step % every == 0) {
+    // Heat is durable at each re-plan boundary; a new placement applies from the next step.
+    absl::Status s = jobs_->PutRecord(absl::StrCat(kHeatPrefix, job_id), heat_->Save(job_id));
+    if (!s.ok()) LOG(WARNING) << s;
+    std::vector<std::string> workers(run.record.workers().begin(), run.record.workers().end());
+    std::vector<std::string> stores;  // unchanged: every group keeps its copies
+    v1::PlacementTable next =
+        BuildPlacement(*job, workers, stores, PlanLocked(*job, static_cast<int>(workers.size())),
+                       &run.record.placement(), run.record.placement().epoch() + 1, step + 1);
+    if (!SameOwners(next, run.record.placement())) {
+      *run.record.mutable_placement() = std::move(next);
+      run.record.set_assignment_version(NextVersion(run.record.assignment_version()));
+      const int64_t epoch = run.record.placement().epoch();
+      (void)jobs_->Update(job_id, [&](v1::Job& j) {
+        j.set_placement_epoch(epoch);
+        return absl::OkStatus();
+      });
+      LOG(INFO) << "job " << job_id << ": placement epoch " << epoch << " from step " << step + 1;
+    }
+    UpdateMetricsLocked(*job, run);
+  }
+  absl::Status s = PersistLocked(run);
+  if (!s.ok()) LOG(ERROR) << s;
+}
+
+absl::StatusOr<v1::StepStatus> Scheduler::WaitStep(const v1::WaitStepRequest& request,
+                                                   absl::Duration timeout) {
+  absl::MutexLock lock(&mu_);
+  auto settled = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    auto it = runs_.find(request.job_id());
+    if (it == runs_.end()) return true;
+    return it->second.committed >= request.step() ||
+           it->second.record.assignment_version() != request.assignment_version();
+  };
+  mu_.AwaitWithTimeout(absl::Condition(&settled), timeout);
+  auto it = runs_.find(request.job_id());
+  if (it == runs_.end()) {
+    ASSIGN_OR_RETURN(v1::Job job, jobs_->Get(request.job_id()));
+    v1::StepStatus s;
+    s.set_job_id(job.job_id());
+    s.set_step(request.step());
+    s.set_committed_step(job.committed_step());
+    s.set_job_ended(IsFinal(job.state()));
+    if (!s.job_ended() && job.committed_step() < request.step()) {
+      s.set_aborted(true);
+      s.set_abort_reason("the job is waiting for workers");
+    }
+    return s;
+  }
+  v1::StepStatus s = StatusLocked(request.job_id(), it->second, request.step());
+  if (it->second.committed < request.step() &&
+      it->second.record.assignment_version() != request.assignment_version()) {
+    s.set_aborted(true);
+    s.set_abort_reason(it->second.abort_reason.empty() ? "the assignment changed"
+                                                       : it->second.abort_reason);
+  }
+  return s;
+}
+
+void Scheduler::UpdateMetricsLocked(const v1::Job& job, const Run& run) {
+  if (metrics_ == nullptr) return;
+  std::optional<HeatMap> heat = heat_->Snapshot(job.job_id());
+  for (const v1::ExpertPlacement& e : run.record.placement().experts()) {
+    if (e.layer() < 0) continue;
+    MetricLabels labels = {{"job", job.job_id()},
+                           {"layer", absl::StrCat(e.layer())},
+                           {"expert", absl::StrCat(e.expert())}};
+    if (heat) {
+      absl::StatusOr<prometheus::Gauge*> g = metrics_->Gauge(
+          "pith_coordinator_expert_heat", "Decayed tokens routed to an expert per step", labels);
+      if (g.ok()) (*g)->Set(heat->heat(e.layer(), e.expert()));
+    }
+    for (const auto& [kind, count] :
+         {std::pair<const char*, int>{"store", e.store_ids_size()}, {"compute", e.owners_size()}}) {
+      labels["kind"] = kind;
+      absl::StatusOr<prometheus::Gauge*> g = metrics_->Gauge(
+          "pith_coordinator_replicas",
+          "Copies of an expert: kind=store (stores holding it), kind=compute (owning workers)",
+          labels);
+      if (g.ok()) (*g)->Set(count);
+    }
+  }
+}
+
+}  // namespace pith::coordinator

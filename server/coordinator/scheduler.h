@@ -1,0 +1,153 @@
+// Scheduler: the coordinator's running half (DESIGN §5, §6). It gives pending jobs their
+// workers, builds and versions each job's placement (stores by rendezvous hashing,
+// compute owners from the heat map), runs the step-commit protocol with the stores, and
+// reacts to members that die: the step in flight is aborted everywhere and the job goes
+// on from its last committed step once its assignment is repaired.
+//
+// Step protocol. Step 0 writes the initial weights, step s >= 1 is training step s. A
+// step attempt is identified by (step, assignment_version): every worker reports its new
+// versions written (ReportStepWritten); when all have, the coordinator records that the
+// step is committing (durably), tells every live store to commit it, then advances the
+// job's committed step. Any failure before that (a worker reporting failure, a member
+// dying) aborts the attempt: the stores drop the step's pending versions and the
+// assignment version is bumped, so every worker refetches its assignment and redoes the
+// step. After a coordinator restart, every running job's assignment version is bumped
+// (in-flight attempts are void) and an interrupted commit is finished first.
+//
+// Thread safety: all methods are thread-safe. Calls into stores are made without the
+// scheduler's lock held. Lock order: Scheduler::mu_, then JobRegistry/Membership/HeatRegistry.
+#ifndef PITH_SERVER_COORDINATOR_SCHEDULER_H_
+#define PITH_SERVER_COORDINATOR_SCHEDULER_H_
+
+#include <atomic>
+#include <map>
+#include <memory>
+#include <set>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/synchronization/notification.h"
+#include "absl/time/time.h"
+#include "common/metrics.h"
+#include "pith/v1/coordinator.pb.h"
+#include "server/coordinator/heat_registry.h"
+#include "server/coordinator/job_registry.h"
+#include "server/coordinator/membership.h"
+#include "server/coordinator/placement.h"
+
+namespace pith::coordinator {
+
+// The coordinator's calls into stores; a seam so the scheduler's logic can be tested
+// without store processes. Implementations are thread-safe.
+class StoreControl {
+ public:
+  virtual ~StoreControl() = default;
+  // Makes the job's pending versions of `step` current on `store` (idempotent).
+  virtual absl::Status CommitStep(const v1::MemberInfo& store, const std::string& job_id,
+                                  int64_t step) = 0;
+  // Drops the job's pending versions of `step` on `store`.
+  virtual absl::Status AbortStep(const v1::MemberInfo& store, const std::string& job_id,
+                                 int64_t step) = 0;
+};
+
+// StoreControl over the stores' gRPC StoreService, each call bounded by `timeout`.
+std::unique_ptr<StoreControl> NewGrpcStoreControl(absl::Duration timeout);
+
+// The placement of a job over `workers` (member ids by rank) and `stores`: every expert
+// group keeps the store copies `previous` lists, new groups get RendezvousStores over
+// `stores` with the spec's replica count; compute owners come from `plan`. The dense
+// tensors are one group (layer -1, empty tensor name): every dense blob of the job lives
+// on its stores.
+v1::PlacementTable BuildPlacement(const v1::Job& job, const std::vector<std::string>& workers,
+                                  const std::vector<std::string>& stores, const ComputePlan& plan,
+                                  const v1::PlacementTable* previous, int64_t epoch,
+                                  int64_t effective_step);
+
+class Scheduler {
+ public:
+  // None of the pointers is owned; all outlive the scheduler. `metrics` may be null.
+  Scheduler(JobRegistry* jobs, Membership* members, HeatRegistry* heat, StoreControl* stores,
+            MetricsRegistry* metrics = nullptr);
+  ~Scheduler();  // stops the loop started by Start
+
+  // Loads the durable schedule after a (re)start: every running job's assignment
+  // version is bumped and its heat restored. Call once, before Start.
+  absl::Status Recover();
+  // Runs Tick every `period` on its own thread until destruction.
+  void Start(absl::Duration period);
+  // One pass: expires leases, reacts to dead members and ended jobs, finishes pending
+  // commits, schedules pending jobs.
+  void Tick();
+
+  // A worker's assignment (an idle worker gets an empty job_id). NOT_FOUND for an
+  // unknown or dead worker.
+  absl::StatusOr<v1::Assignment> GetAssignment(const std::string& worker_id);
+  // The assignment version of the worker's job (0 when idle), for heartbeats.
+  int64_t AssignmentVersion(const std::string& worker_id);
+  // A running job's placement. NOT_FOUND for a job that is not running.
+  absl::StatusOr<v1::PlacementTable> GetPlacement(const std::string& job_id);
+  // A worker's report that it wrote (or failed to write) a step's versions.
+  // FAILED_PRECONDITION for a job that is not running, a worker not in it, or a step
+  // that is not the one in flight; ABORTED for an attempt that was aborted meanwhile.
+  absl::StatusOr<v1::StepStatus> ReportStepWritten(const v1::StepWrittenRequest& report);
+  // Waits until the step commits, its attempt is aborted, or `timeout` passes.
+  absl::StatusOr<v1::StepStatus> WaitStep(const v1::WaitStepRequest& request,
+                                          absl::Duration timeout);
+
+ private:
+  struct Run {
+    v1::JobRun record;              // durable
+    int64_t committed = -1;         // the job's committed step
+    std::set<std::string> written;  // workers that reported the step in flight
+    v1::StepWrittenRequest rank0;   // rank 0's figures for the step in flight
+    uint64_t tokens = 0, cache_hits = 0, cache_misses = 0;
+    bool committing = false;  // a thread is running the store commits
+    std::string abort_reason;
+  };
+  struct StoreCall {
+    v1::MemberInfo store;
+    std::string job_id;
+    int64_t step;
+  };
+
+  int64_t step_in_flight(const Run& run) const { return run.committed + 1; }
+  v1::StepStatus StatusLocked(const std::string& job_id, const Run& run, int64_t step)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  absl::Status PersistLocked(const Run& run) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Voids the attempt in flight: queues store aborts, bumps the assignment version.
+  void AbortLocked(Run& run, const std::string& reason, std::vector<StoreCall>* aborts)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Re-plans compute owners (and the store copies that are gone) under a new epoch.
+  void ReplaceLocked(Run& run, const v1::Job& job, const std::vector<std::string>& stores)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  ComputePlan PlanLocked(const v1::Job& job, int workers) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Commits `step` of `job_id` on every live store, then advances the job.
+  void Commit(const std::string& job_id, int64_t step);
+  void FinishCommitLocked(const std::string& job_id, Run& run) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void RunStoreAborts(const std::vector<StoreCall>& aborts);
+  void UpdateMetricsLocked(const v1::Job& job, const Run& run) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
+  JobRegistry* const jobs_;
+  Membership* const members_;
+  HeatRegistry* const heat_;
+  StoreControl* const stores_;
+  MetricsRegistry* const metrics_;
+  const absl::Time started_;
+
+  absl::Mutex mu_;
+  std::map<std::string, Run> runs_ ABSL_GUARDED_BY(mu_);                // by job id: running jobs
+  std::map<std::string, std::string> worker_job_ ABSL_GUARDED_BY(mu_);  // worker -> job
+
+  prometheus::Counter* steps_committed_ = nullptr;
+  prometheus::Counter* steps_aborted_ = nullptr;
+
+  absl::Notification stop_;
+  std::thread loop_;
+};
+
+}  // namespace pith::coordinator
+
+#endif  // PITH_SERVER_COORDINATOR_SCHEDULER_H_
