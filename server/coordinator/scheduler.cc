@@ -561,8 +561,13 @@ void Scheduler::Commit(const std::string& job_id, int64_t step) {
 void Scheduler::FinishCommitLocked(const std::string& job_id, Run& run) {
   const int64_t step = run.record.committing_step();
   const int64_t now = NowMs();
-  const double seconds =
-      run.record.last_commit_unix_ms() > 0 ? (now - run.record.last_commit_unix_ms()) / 1e3 : 0.0;
+  const absl::Time now_time = absl::Now();
+  double seconds = 0;
+  if (run.last_commit != absl::InfinitePast()) {
+    seconds = absl::ToDoubleSeconds(now_time - run.last_commit);
+  } else if (run.record.last_commit_unix_ms() > 0) {  // the previous commit was before a restart
+    seconds = (now - run.record.last_commit_unix_ms()) / 1e3;
+  }
   bool ended = false;
   absl::StatusOr<v1::Job> job = jobs_->Update(job_id, [&](v1::Job& j) {
     j.set_committed_step(step);
@@ -589,6 +594,7 @@ void Scheduler::FinishCommitLocked(const std::string& job_id, Run& run) {
   run.committed = step;
   run.record.set_committing_step(-1);
   run.record.set_last_commit_unix_ms(now);
+  run.last_commit = now_time;
   run.written.clear();
   run.tokens = run.cache_hits = run.cache_misses = 0;
   run.rank0.Clear();

@@ -105,6 +105,7 @@ class Scheduler {
     v1::StepWrittenRequest rank0;   // rank 0's figures for the step in flight
     uint64_t tokens = 0, cache_hits = 0, cache_misses = 0;
     bool committing = false;  // a thread is running the store commits
+    absl::Time last_commit = absl::InfinitePast();  // of this process; step timing
     std::string abort_reason;
   };
   struct StoreCall {

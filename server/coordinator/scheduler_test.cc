@@ -1,0 +1,442 @@
+// The scheduler's logic with an in-memory seam for the stores and a fake clock for
+// leases: scheduling, the step-commit protocol, aborts, lease expiry and reassignment,
+// store loss, job end, cancellation, and a restart in the middle of a commit.
+#include "server/coordinator/scheduler.h"
+
+#include <filesystem>
+#include <memory>
+#include <string>
+#include <thread>
+
+#include "common/job_spec_testing.h"
+#include "google/protobuf/util/json_util.h"
+#include "gtest/gtest.h"
+
+namespace pith::coordinator {
+namespace {
+
+// Records every call; CommitStep fails while `fail_commits` is set.
+class FakeStores final : public StoreControl {
+ public:
+  absl::Status CommitStep(const v1::MemberInfo& store, const std::string& job_id,
+                          int64_t step) override {
+    absl::MutexLock lock(&mu_);
+    if (fail_commits) return absl::UnavailableError("store down");
+    commits.push_back(absl::StrCat(store.member_id(), ":", job_id, ":", step));
+    return absl::OkStatus();
+  }
+  absl::Status AbortStep(const v1::MemberInfo& store, const std::string& job_id,
+                         int64_t step) override {
+    absl::MutexLock lock(&mu_);
+    aborts.push_back(absl::StrCat(store.member_id(), ":", job_id, ":", step));
+    return absl::OkStatus();
+  }
+  absl::Mutex mu_;
+  bool fail_commits = false;
+  std::vector<std::string> commits, aborts;
+};
+
+class SchedulerTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    dir_ = ::testing::TempDir() + "/sched_" + std::to_string(getpid()) + "_" +
+           ::testing::UnitTest::GetInstance()->current_test_info()->name();
+    std::filesystem::remove_all(dir_);
+    Open();
+  }
+  void TearDown() override { std::filesystem::remove_all(dir_); }
+
+  // (Re)starts the coordinator's state: registry from disk, empty membership.
+  void Open() {
+    scheduler_.reset();
+    jobs_.reset();
+    members_ = std::make_unique<Membership>(absl::Seconds(3), [this] { return now_; });
+    heat_ = std::make_unique<HeatRegistry>();
+    auto jobs = JobRegistry::Open(dir_);
+    ASSERT_TRUE(jobs.ok()) << jobs.status();
+    jobs_ = std::move(*jobs);
+    scheduler_ = std::make_unique<Scheduler>(jobs_.get(), members_.get(), heat_.get(), &stores_);
+    ASSERT_TRUE(scheduler_->Recover().ok());
+  }
+
+  std::string Join(v1::MemberRole role, const std::string& id = "") {
+    v1::MemberInfo m;
+    m.set_member_id(id);
+    m.set_role(role);
+    m.set_grpc_address("127.0.0.1:1");
+    auto got = members_->Register(m);
+    EXPECT_TRUE(got.ok()) << got.status();
+    return *got;
+  }
+
+  v1::Job Submit(int workers = 2, int steps = 300, int replicas = 2) {
+    v1::JobSpec spec;
+    EXPECT_TRUE(
+        google::protobuf::util::JsonStringToMessage(pith::testing::kDesignExampleSpecJson, &spec)
+            .ok());
+    spec.mutable_cluster()->set_workers(workers);
+    spec.mutable_cluster()->set_store_replicas(replicas);
+    spec.mutable_train()->set_steps(steps);
+    auto job = jobs_->Submit(spec);
+    EXPECT_TRUE(job.ok()) << job.status();
+    return *job;
+  }
+
+  v1::Job Job(const std::string& id) { return *jobs_->Get(id); }
+
+  absl::StatusOr<v1::StepStatus> Report(const std::string& job, const std::string& worker,
+                                        int64_t step, bool ok = true, double loss = 0) {
+    v1::StepWrittenRequest r;
+    r.set_job_id(job);
+    r.set_worker_id(worker);
+    r.set_step(step);
+    r.set_ok(ok);
+    r.set_loss(loss);
+    r.set_tokens(512);
+    r.set_cache_hits(3);
+    r.set_cache_misses(1);
+    r.set_assignment_version(scheduler_->AssignmentVersion(worker));
+    if (!ok) r.set_failure("out of memory");
+    return scheduler_->ReportStepWritten(r);
+  }
+
+  // Every worker of the job reports `step` written.
+  void CommitStep(const std::string& job, int64_t step, const std::vector<std::string>& workers) {
+    for (const std::string& w : workers) ASSERT_TRUE(Report(job, w, step, true, 5.0 - step).ok());
+    ASSERT_EQ(Job(job).committed_step(), step);
+  }
+
+  std::string dir_;
+  absl::Time now_ = absl::FromUnixSeconds(1000);
+  FakeStores stores_;
+  std::unique_ptr<Membership> members_;
+  std::unique_ptr<HeatRegistry> heat_;
+  std::unique_ptr<JobRegistry> jobs_;
+  std::unique_ptr<Scheduler> scheduler_;
+};
+
+TEST_F(SchedulerTest, AJobWaitsForItsWorkersThenGetsRanksAndAPlacement) {
+  const v1::Job job = Submit(/*workers=*/2);
+  EXPECT_EQ(job.committed_step(), -1);
+  scheduler_->Tick();
+  EXPECT_EQ(Job(job.job_id()).state(), v1::JOB_STATE_PENDING);  // nobody there
+  const std::string s0 = Join(v1::MEMBER_ROLE_STORE), s1 = Join(v1::MEMBER_ROLE_STORE);
+  const std::string w0 = Join(v1::MEMBER_ROLE_WORKER);
+  scheduler_->Tick();
+  EXPECT_EQ(Job(job.job_id()).state(), v1::JOB_STATE_PENDING);  // one worker of two
+  const std::string w1 = Join(v1::MEMBER_ROLE_WORKER);
+  scheduler_->Tick();
+  const v1::Job running = Job(job.job_id());
+  EXPECT_EQ(running.state(), v1::JOB_STATE_RUNNING);
+  EXPECT_EQ(running.workers(), 2);
+  EXPECT_EQ(running.placement_epoch(), 1);
+
+  auto a0 = scheduler_->GetAssignment(w0);
+  auto a1 = scheduler_->GetAssignment(w1);
+  ASSERT_TRUE(a0.ok() && a1.ok());
+  EXPECT_EQ(a0->job_id(), job.job_id());
+  EXPECT_EQ(a0->world(), 2);
+  EXPECT_NE(a0->rank(), a1->rank());
+  EXPECT_EQ(a0->committed_step(), -1);
+  EXPECT_EQ(a0->stores_size(), 2);
+  EXPECT_EQ(a0->peers(a0->rank()).member_id(), w0);
+  EXPECT_GT(a0->assignment_version(), 0);
+  EXPECT_EQ(a0->assignment_version(), scheduler_->AssignmentVersion(w0));
+  const v1::PlacementTable& p = a0->placement();
+  EXPECT_EQ(p.epoch(), 1);
+  EXPECT_EQ(p.effective_step(), 0);
+  ASSERT_EQ(p.experts_size(), 1 + 4 * 16);  // the dense group and every expert
+  EXPECT_EQ(p.experts(0).layer(), -1);
+  int owned[2] = {0, 0};
+  for (const v1::ExpertPlacement& e : p.experts()) {
+    EXPECT_EQ(e.store_ids_size(), 2);  // R = 2 of 2 stores
+    if (e.layer() < 0) continue;
+    ASSERT_EQ(e.owners_size(), 1);
+    EXPECT_DOUBLE_EQ(e.owners(0).token_share(), 1.0);
+    ++owned[e.owners(0).rank()];
+  }
+  EXPECT_EQ(owned[0], 32);  // balanced with no heat yet
+  EXPECT_EQ(owned[1], 32);
+  (void)s0;
+  (void)s1;
+}
+
+TEST_F(SchedulerTest, AStepCommitsOnEveryStoreOnceEveryWorkerReported) {
+  const v1::Job job = Submit(2);
+  const std::string s0 = Join(v1::MEMBER_ROLE_STORE), s1 = Join(v1::MEMBER_ROLE_STORE);
+  const std::string w0 = Join(v1::MEMBER_ROLE_WORKER), w1 = Join(v1::MEMBER_ROLE_WORKER);
+  scheduler_->Tick();
+
+  auto first = Report(job.job_id(), w0, 0);
+  ASSERT_TRUE(first.ok()) << first.status();
+  EXPECT_EQ(first->committed_step(), -1);
+  EXPECT_TRUE(stores_.commits.empty());
+  auto again = Report(job.job_id(), w0, 0);  // a retried report changes nothing
+  ASSERT_TRUE(again.ok());
+  EXPECT_TRUE(stores_.commits.empty());
+  auto last = Report(job.job_id(), w1, 0);
+  ASSERT_TRUE(last.ok());
+  EXPECT_EQ(last->committed_step(), 0);
+  EXPECT_EQ(stores_.commits, (std::vector<std::string>{s0 + ":" + job.job_id() + ":0",
+                                                       s1 + ":" + job.job_id() + ":0"}));
+  EXPECT_EQ(Job(job.job_id()).committed_step(), 0);
+
+  // Bad reports: a step that is not in flight, a worker not in the job, a finished step.
+  EXPECT_EQ(Report(job.job_id(), w0, 5).status().code(), absl::StatusCode::kFailedPrecondition);
+  const std::string stranger = Join(v1::MEMBER_ROLE_WORKER);
+  EXPECT_EQ(Report(job.job_id(), stranger, 1).status().code(),
+            absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(Report("no-such-job", w0, 1).status().code(), absl::StatusCode::kFailedPrecondition);
+  auto old = Report(job.job_id(), w0, 0);
+  ASSERT_TRUE(old.ok());
+  EXPECT_EQ(old->committed_step(), 0);
+
+  // A training step: rank 0's loss becomes the job's, throughput and cache figures add up.
+  const std::string rank0 = scheduler_->GetAssignment(w0)->rank() == 0 ? w0 : w1;
+  const std::string rank1 = rank0 == w0 ? w1 : w0;
+  ASSERT_TRUE(Report(job.job_id(), rank1, 1, true, 9.0).ok());
+  ASSERT_TRUE(Report(job.job_id(), rank0, 1, true, 4.5).ok());
+  const v1::Job j = Job(job.job_id());
+  EXPECT_EQ(j.committed_step(), 1);
+  EXPECT_DOUBLE_EQ(j.last_loss(), 4.5);
+  EXPECT_DOUBLE_EQ(j.cache_hit_rate(), 0.75);
+  EXPECT_GT(j.tokens_per_second(), 0);
+}
+
+TEST_F(SchedulerTest, AFailedReportAbortsTheStepEverywhereAndItIsRedone) {
+  const v1::Job job = Submit(2);
+  const std::string s0 = Join(v1::MEMBER_ROLE_STORE);
+  const std::string w0 = Join(v1::MEMBER_ROLE_WORKER), w1 = Join(v1::MEMBER_ROLE_WORKER);
+  scheduler_->Tick();
+  CommitStep(job.job_id(), 0, {w0, w1});
+
+  const int64_t before = scheduler_->AssignmentVersion(w0);
+  v1::StepWrittenRequest stale;
+  stale.set_job_id(job.job_id());
+  stale.set_worker_id(w0);
+  stale.set_step(1);
+  stale.set_ok(true);
+  stale.set_assignment_version(before);
+  ASSERT_TRUE(scheduler_->ReportStepWritten(stale).ok());  // w0 wrote step 1
+  auto failed = Report(job.job_id(), w1, 1, /*ok=*/false);
+  ASSERT_TRUE(failed.ok());
+  EXPECT_TRUE(failed->aborted());
+  EXPECT_NE(failed->abort_reason().find("out of memory"), std::string::npos);
+  EXPECT_EQ(stores_.aborts, (std::vector<std::string>{s0 + ":" + job.job_id() + ":1"}));
+  EXPECT_NE(scheduler_->AssignmentVersion(w0), before);
+  // The old attempt is void: its reports are refused, waiting on it returns at once.
+  EXPECT_EQ(scheduler_->ReportStepWritten(stale).status().code(), absl::StatusCode::kAborted);
+  v1::WaitStepRequest wait;
+  wait.set_job_id(job.job_id());
+  wait.set_step(1);
+  wait.set_assignment_version(before);
+  auto waited = scheduler_->WaitStep(wait, absl::Seconds(10));
+  ASSERT_TRUE(waited.ok());
+  EXPECT_TRUE(waited->aborted());
+  EXPECT_EQ(waited->committed_step(), 0);
+  // Redone under the new version, it commits.
+  CommitStep(job.job_id(), 1, {w0, w1});
+}
+
+TEST_F(SchedulerTest, WaitStepReturnsWhenTheStepCommits) {
+  const v1::Job job = Submit(2);
+  Join(v1::MEMBER_ROLE_STORE);
+  const std::string w0 = Join(v1::MEMBER_ROLE_WORKER), w1 = Join(v1::MEMBER_ROLE_WORKER);
+  scheduler_->Tick();
+  ASSERT_TRUE(Report(job.job_id(), w0, 0).ok());
+  v1::WaitStepRequest wait;
+  wait.set_job_id(job.job_id());
+  wait.set_step(0);
+  wait.set_assignment_version(scheduler_->AssignmentVersion(w0));
+  std::thread other([&] {
+    absl::SleepFor(absl::Milliseconds(100));
+    ASSERT_TRUE(Report(job.job_id(), w1, 0).ok());
+  });
+  const absl::Time start = absl::Now();
+  auto waited = scheduler_->WaitStep(wait, absl::Seconds(20));
+  other.join();
+  ASSERT_TRUE(waited.ok());
+  EXPECT_FALSE(waited->aborted());
+  EXPECT_EQ(waited->committed_step(), 0);
+  EXPECT_LT(absl::Now() - start, absl::Seconds(10));
+}
+
+TEST_F(SchedulerTest, AWorkerWhoseLeaseRunsOutIsReplacedAndTheStepRedone) {
+  const v1::Job job = Submit(2);
+  const std::string s0 = Join(v1::MEMBER_ROLE_STORE);
+  const std::string w0 = Join(v1::MEMBER_ROLE_WORKER), w1 = Join(v1::MEMBER_ROLE_WORKER);
+  scheduler_->Tick();
+  CommitStep(job.job_id(), 0, {w0, w1});
+  const std::string spare = Join(v1::MEMBER_ROLE_WORKER);
+  scheduler_->Tick();
+  EXPECT_EQ(scheduler_->AssignmentVersion(spare), 0);  // idle: the job has its two
+  ASSERT_TRUE(Report(job.job_id(), w0, 1).ok());
+
+  // w1 goes silent; the others heartbeat.
+  now_ += absl::Seconds(2);
+  ASSERT_TRUE(members_->Heartbeat(w0, {}).ok());
+  ASSERT_TRUE(members_->Heartbeat(spare, {}).ok());
+  ASSERT_TRUE(members_->Heartbeat(s0, {}).ok());
+  now_ += absl::Seconds(2);
+  scheduler_->Tick();
+  EXPECT_EQ(stores_.aborts, (std::vector<std::string>{s0 + ":" + job.job_id() + ":1"}));
+  auto a = scheduler_->GetAssignment(spare);
+  ASSERT_TRUE(a.ok());
+  EXPECT_EQ(a->job_id(), job.job_id());
+  EXPECT_EQ(a->world(), 2);
+  EXPECT_EQ(a->committed_step(), 0);  // resumes from the last commit
+  EXPECT_EQ(a->placement().epoch(), 2);
+  EXPECT_EQ(a->placement().effective_step(), 1);
+  for (const v1::ExpertPlacement& e : a->placement().experts()) {
+    for (const v1::ComputeOwner& o : e.owners()) EXPECT_NE(o.worker_id(), w1);
+  }
+  EXPECT_EQ(scheduler_->GetAssignment(w1).status().code(), absl::StatusCode::kNotFound);
+  CommitStep(job.job_id(), 1, {w0, spare});
+}
+
+TEST_F(SchedulerTest, ALostStoreLeavesThePlacementAndLosingEveryCopyFailsTheJob) {
+  const v1::Job job = Submit(1, 300, /*replicas=*/2);
+  const std::string s0 = Join(v1::MEMBER_ROLE_STORE), s1 = Join(v1::MEMBER_ROLE_STORE);
+  const std::string w0 = Join(v1::MEMBER_ROLE_WORKER);
+  scheduler_->Tick();
+  CommitStep(job.job_id(), 0, {w0});
+  now_ += absl::Seconds(2);
+  ASSERT_TRUE(members_->Heartbeat(w0, {}).ok());
+  ASSERT_TRUE(members_->Heartbeat(s0, {}).ok());
+  now_ += absl::Seconds(2);
+  scheduler_->Tick();  // s1 died: one copy of everything is left on s0
+  auto placement = scheduler_->GetPlacement(job.job_id());
+  ASSERT_TRUE(placement.ok());
+  EXPECT_EQ(placement->epoch(), 2);
+  for (const v1::ExpertPlacement& e : placement->experts()) {
+    EXPECT_EQ(std::vector<std::string>(e.store_ids().begin(), e.store_ids().end()),
+              std::vector<std::string>{s0});
+  }
+  CommitStep(job.job_id(), 1, {w0});
+  now_ += absl::Seconds(4);
+  ASSERT_TRUE(members_->Heartbeat(w0, {}).ok());
+  scheduler_->Tick();  // s0 died too
+  const v1::Job failed = Job(job.job_id());
+  EXPECT_EQ(failed.state(), v1::JOB_STATE_FAILED);
+  EXPECT_NE(failed.failure_reason().find("every store copy"), std::string::npos);
+  scheduler_->Tick();
+  EXPECT_EQ(scheduler_->AssignmentVersion(w0), 0);  // released
+}
+
+TEST_F(SchedulerTest, TheLastStepEndsTheJobAndCancellingReleasesTheWorkers) {
+  const v1::Job job = Submit(1, /*steps=*/2);
+  Join(v1::MEMBER_ROLE_STORE);
+  const std::string w0 = Join(v1::MEMBER_ROLE_WORKER);
+  scheduler_->Tick();
+  for (int step = 0; step <= 2; ++step) CommitStep(job.job_id(), step, {w0});
+  EXPECT_EQ(Job(job.job_id()).state(), v1::JOB_STATE_SUCCEEDED);
+  EXPECT_EQ(scheduler_->AssignmentVersion(w0), 0);
+  v1::WaitStepRequest wait;
+  wait.set_job_id(job.job_id());
+  wait.set_step(3);
+  auto waited = scheduler_->WaitStep(wait, absl::Seconds(5));
+  ASSERT_TRUE(waited.ok());
+  EXPECT_TRUE(waited->job_ended());
+
+  const v1::Job next = Submit(1);
+  scheduler_->Tick();
+  EXPECT_EQ(scheduler_->GetAssignment(w0)->job_id(), next.job_id());
+  ASSERT_TRUE(jobs_->Cancel(next.job_id(), "enough").ok());
+  scheduler_->Tick();
+  EXPECT_EQ(scheduler_->AssignmentVersion(w0), 0);
+  EXPECT_TRUE(scheduler_->GetAssignment(w0)->job_id().empty());
+  EXPECT_EQ(stores_.aborts.size(), 1u);  // the attempt in flight
+}
+
+TEST_F(SchedulerTest, ARestartMidCommitFinishesTheCommitAndKeepsTheSchedule) {
+  const v1::Job job = Submit(2, 300);
+  const std::string s0 = Join(v1::MEMBER_ROLE_STORE);
+  const std::string w0 = Join(v1::MEMBER_ROLE_WORKER), w1 = Join(v1::MEMBER_ROLE_WORKER);
+  scheduler_->Tick();
+  CommitStep(job.job_id(), 0, {w0, w1});
+  const int64_t version = scheduler_->AssignmentVersion(w0);
+  const int64_t epoch = scheduler_->GetPlacement(job.job_id())->epoch();
+  stores_.fail_commits = true;  // every worker reported step 1; no store answers
+  ASSERT_TRUE(Report(job.job_id(), w0, 1).ok());
+  ASSERT_TRUE(Report(job.job_id(), w1, 1).ok());
+  EXPECT_EQ(Job(job.job_id()).committed_step(), 0);
+
+  Open();  // the coordinator restarts; its members register again with their ids
+  stores_.fail_commits = false;
+  Join(v1::MEMBER_ROLE_STORE, s0);
+  Join(v1::MEMBER_ROLE_WORKER, w0);
+  Join(v1::MEMBER_ROLE_WORKER, w1);
+  scheduler_->Tick();
+  const v1::Job j = Job(job.job_id());
+  EXPECT_EQ(j.state(), v1::JOB_STATE_RUNNING);
+  EXPECT_EQ(j.committed_step(), 1);  // the decided commit was finished
+  EXPECT_EQ(stores_.commits.back(), s0 + ":" + job.job_id() + ":1");
+  auto a = scheduler_->GetAssignment(w0);
+  ASSERT_TRUE(a.ok());
+  EXPECT_EQ(a->job_id(), job.job_id());
+  EXPECT_GT(a->assignment_version(), version);  // old attempts are void
+  EXPECT_EQ(a->placement().epoch(), epoch);
+  CommitStep(job.job_id(), 2, {w0, w1});
+}
+
+TEST_F(SchedulerTest, HeatSurvivesARestart) {
+  v1::JobSpec spec;
+  const v1::Job job = Submit(1, 300);
+  ASSERT_TRUE(
+      jobs_
+          ->Update(job.job_id(),
+                   [](v1::Job& j) {
+                     j.mutable_spec()->mutable_cluster()->mutable_replication()->set_replan_every(
+                         1);
+                     return absl::OkStatus();
+                   })
+          .ok());
+  Join(v1::MEMBER_ROLE_STORE);
+  const std::string w0 = Join(v1::MEMBER_ROLE_WORKER);
+  scheduler_->Tick();
+  CommitStep(job.job_id(), 0, {w0});
+  v1::HeatReport report;
+  report.set_job_id(job.job_id());
+  report.set_worker_id(w0);
+  report.set_step(1);
+  v1::LayerRouting* l = report.add_layers();
+  l->set_layer(2);
+  for (int e = 0; e < 16; ++e) l->add_tokens_per_expert(e == 5 ? 900 : 10);
+  ASSERT_TRUE(heat_->Report(Job(job.job_id()), report).ok());
+  CommitStep(job.job_id(), 1, {w0});  // a re-plan boundary: heat is saved
+  Open();
+  auto heat = heat_->Heat(job.job_id(), 2);
+  ASSERT_TRUE(heat.ok()) << heat.status();
+  EXPECT_DOUBLE_EQ(heat->experts(5).heat(), 900);
+}
+
+TEST(BuildPlacementTest, KeepsExistingCopiesAndPlacesNewGroupsByRendezvous) {
+  v1::Job job;
+  job.set_job_id("j");
+  job.mutable_spec()->mutable_model()->set_n_layer(2);
+  job.mutable_spec()->mutable_model()->set_n_expert(4);
+  job.mutable_spec()->mutable_cluster()->set_store_replicas(2);
+  const ComputePlan plan = RoundRobinPlan(2, 4, 2);
+  const v1::PlacementTable first =
+      BuildPlacement(job, {"w0", "w1"}, {"s0", "s1", "s2"}, plan, nullptr, 1, 0);
+  ASSERT_EQ(first.experts_size(), 9);
+  for (const v1::ExpertPlacement& e : first.experts()) {
+    EXPECT_EQ(e.store_ids_size(), 2);
+    EXPECT_EQ(
+        std::vector<std::string>(e.store_ids().begin(), e.store_ids().end()),
+        RendezvousStores(e.layer() < 0 ? "j/dense" : absl::StrCat("j/", e.layer(), "/", e.expert()),
+                         std::vector<std::string>{"s0", "s1", "s2"}, 2));
+  }
+  // A new store does not pull existing groups onto itself: readers only see complete copies.
+  const v1::PlacementTable second =
+      BuildPlacement(job, {"w0", "w1"}, {"s0", "s1", "s2", "s3"}, plan, &first, 2, 5);
+  EXPECT_EQ(second.epoch(), 2);
+  EXPECT_EQ(second.effective_step(), 5);
+  for (int i = 0; i < first.experts_size(); ++i) {
+    EXPECT_EQ(second.experts(i).store_ids(0), first.experts(i).store_ids(0));
+    EXPECT_EQ(second.experts(i).store_ids(1), first.experts(i).store_ids(1));
+  }
+}
+
+}  // namespace
+}  // namespace pith::coordinator
