@@ -213,9 +213,9 @@ absl::Status Scheduler::Recover() {
       if (!s.ok()) LOG(WARNING) << s;  // heat is advisory: start afresh
     }
     run.committed = job->committed_step();
-    // Whatever attempt was in flight is void: its reports died with the old process.
-    run.record.set_assignment_version(NextVersion(run.record.assignment_version()));
-    RETURN_IF_ERROR(PersistLocked(run));
+    // Whatever attempt was in flight is void (its reports died with the old process); it
+    // is aborted once the job's members are back (Tick).
+    run.recovering = true;
     for (const std::string& w : run.record.workers()) worker_job_[w] = job->job_id();
     runs_[job->job_id()] = std::move(run);
   }
@@ -295,15 +295,20 @@ void Scheduler::ReplaceLocked(Run& run, const v1::Job& job,
   UpdateMetricsLocked(job, run);
 }
 
+bool Scheduler::Gone(const std::set<std::string>& alive, const std::set<std::string>& known,
+                     const std::string& id) const {
+  if (alive.count(id)) return false;
+  return known.count(id) > 0 || absl::Now() > started_ + 3 * members_->lease();
+}
+
 void Scheduler::Tick() {
   members_->ExpireLeases();
   const Alive alive = Snapshot(*members_);
-  const bool grace_over = absl::Now() > started_ + 3 * members_->lease();
-  // A member is gone when it is known dead, or still unknown once members had time to
-  // re-register after a coordinator restart.
+  std::set<std::string> live_stores, live_workers;
+  for (const auto& [id, m] : alive.stores) live_stores.insert(id);
+  for (const auto& [id, m] : alive.workers) live_workers.insert(id);
   auto gone = [&](const std::string& id, bool store) {
-    if ((store ? alive.stores : alive.workers).count(id)) return false;
-    return alive.known.count(id) > 0 || grace_over;
+    return Gone(store ? live_stores : live_workers, alive.known, id);
   };
   std::vector<StoreCall> aborts;
   std::vector<std::pair<std::string, int64_t>> commits;
@@ -328,12 +333,27 @@ void Scheduler::Tick() {
         continue;
       }
       std::vector<std::string> kept, lost;
+      bool back = true;  // every member of the job is alive
       for (const std::string& w : run.record.workers()) {
         (gone(w, false) ? lost : kept).push_back(w);
+        back &= live_workers.count(w) > 0;
       }
       bool stores_lost = false;
       for (const v1::ExpertPlacement& e : run.record.placement().experts()) {
-        for (const std::string& s : e.store_ids()) stores_lost |= gone(s, true);
+        for (const std::string& s : e.store_ids()) {
+          stores_lost |= gone(s, true);
+          back &= live_stores.count(s) > 0;
+        }
+      }
+      if (run.recovering) {
+        if (!back && lost.empty() && !stores_lost) continue;  // still in the grace period
+        run.recovering = false;
+        if (back) {
+          AbortLocked(run, "the coordinator restarted", &aborts);
+          absl::Status s = PersistLocked(run);
+          if (!s.ok()) LOG(ERROR) << s;
+          continue;
+        }
       }
       const int want = std::max(1, job->spec().cluster().workers());
       std::vector<std::string> idle;
@@ -420,6 +440,11 @@ absl::StatusOr<v1::Assignment> Scheduler::GetAssignment(const std::string& worke
   auto w = worker_job_.find(worker_id);
   if (w == worker_job_.end()) return a;  // idle
   const Run& run = runs_.at(w->second);
+  if (run.recovering) {
+    return absl::UnavailableError(absl::StrCat("job ", w->second,
+                                               " is waiting for its members after a coordinator "
+                                               "restart; retry"));
+  }
   ASSIGN_OR_RETURN(v1::Job job, jobs_->Get(w->second));
   a.set_assignment_version(run.record.assignment_version());
   a.set_job_id(job.job_id());
@@ -477,6 +502,10 @@ absl::StatusOr<v1::StepStatus> Scheduler::ReportStepWritten(const v1::StepWritte
       return absl::FailedPreconditionError(absl::StrCat("job ", r.job_id(), " is not running"));
     }
     Run& run = it->second;
+    if (run.recovering) {
+      return absl::UnavailableError(
+          absl::StrCat("job ", r.job_id(), " is waiting for its members after a restart; retry"));
+    }
     const auto& workers = run.record.workers();
     const auto pos = std::find(workers.begin(), workers.end(), r.worker_id());
     if (pos == workers.end()) {
@@ -543,7 +572,22 @@ void Scheduler::Commit(const std::string& job_id, int64_t step) {
     }
     it->second.committing = true;
   }
+  // Every store of the placement must commit; one that is not alive yet (after a restart)
+  // holds the commit back until it registers again or is declared gone.
+  std::set<std::string> live;
+  for (const auto& [id, store] : alive.stores) live.insert(id);
   bool all = true;
+  {
+    absl::MutexLock lock(&mu_);
+    auto it = runs_.find(job_id);
+    if (it != runs_.end()) {
+      for (const v1::ExpertPlacement& e : it->second.record.placement().experts()) {
+        for (const std::string& id : e.store_ids()) {
+          if (!live.count(id) && !Gone(live, alive.known, id)) all = false;
+        }
+      }
+    }
+  }
   for (const auto& [id, store] : alive.stores) {
     absl::Status s = stores_->CommitStep(store, job_id, step);
     if (!s.ok()) {

@@ -104,8 +104,11 @@ class Scheduler {
     std::set<std::string> written;  // workers that reported the step in flight
     v1::StepWrittenRequest rank0;   // rank 0's figures for the step in flight
     uint64_t tokens = 0, cache_hits = 0, cache_misses = 0;
-    bool committing = false;  // a thread is running the store commits
+    bool committing = false;                        // a thread is running the store commits
     absl::Time last_commit = absl::InfinitePast();  // of this process; step timing
+    // Loaded after a restart and waiting for its members to register again (or for the
+    // grace period to end); assignments and reports wait too.
+    bool recovering = false;
     std::string abort_reason;
   };
   struct StoreCall {
@@ -115,6 +118,10 @@ class Scheduler {
   };
 
   int64_t step_in_flight(const Run& run) const { return run.committed + 1; }
+  // Whether a member that is not alive is gone for good: known dead, or still unknown
+  // once members had time to register again after a restart (3 leases).
+  bool Gone(const std::set<std::string>& alive, const std::set<std::string>& known,
+            const std::string& id) const;
   v1::StepStatus StatusLocked(const std::string& job_id, const Run& run, int64_t step)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::Status PersistLocked(const Run& run) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);

@@ -365,8 +365,11 @@ TEST_F(SchedulerTest, ARestartMidCommitFinishesTheCommitAndKeepsTheSchedule) {
   stores_.fail_commits = false;
   Join(v1::MEMBER_ROLE_STORE, s0);
   Join(v1::MEMBER_ROLE_WORKER, w0);
+  EXPECT_EQ(scheduler_->GetAssignment(w0).status().code(), absl::StatusCode::kUnavailable);
   Join(v1::MEMBER_ROLE_WORKER, w1);
-  scheduler_->Tick();
+  scheduler_->Tick();  // finishes the commit
+  EXPECT_EQ(scheduler_->GetAssignment(w0).status().code(), absl::StatusCode::kUnavailable);
+  scheduler_->Tick();  // every member is back: the attempt in flight is voided
   const v1::Job j = Job(job.job_id());
   EXPECT_EQ(j.state(), v1::JOB_STATE_RUNNING);
   EXPECT_EQ(j.committed_step(), 1);  // the decided commit was finished
