@@ -21,6 +21,10 @@ ABSL_FLAG(std::string, listen, "127.0.0.1:7000", "gRPC listen address (host:port
 ABSL_FLAG(int, metrics_port, 9100, "Prometheus /metrics port; -1 disables it, 0 picks one");
 ABSL_FLAG(std::string, data_dir, "", "Directory of the coordinator's embedded RocksDB (required)");
 ABSL_FLAG(int64_t, lease_ms, 3000, "Member lease: a member silent this long is marked dead");
+ABSL_FLAG(uint64_t, replication_bytes_per_second, 256ull << 20,
+          "Throttle of each store-to-store copy (re-replication, hot replicas, rebalancing), "
+          "so that training fetches keep priority");
+ABSL_FLAG(int, max_pulls, 4, "Store-to-store group copies in flight at most");
 ABSL_FLAG(bool, simulate, false, "Run the placement simulator, print one line and exit");
 ABSL_FLAG(int, layers, 58, "--simulate: MoE layers");
 ABSL_FLAG(int, experts, 256, "--simulate: experts per layer");
@@ -67,12 +71,16 @@ int main(int argc, char** argv) {
   const absl::Duration lease = absl::Milliseconds(absl::GetFlag(FLAGS_lease_ms));
   std::unique_ptr<pith::coordinator::StoreControl> store_control =
       pith::coordinator::NewGrpcStoreControl(std::max(lease, absl::Seconds(5)));
+  pith::coordinator::SchedulerOptions scheduler_options;
+  scheduler_options.replication_bytes_per_second =
+      absl::GetFlag(FLAGS_replication_bytes_per_second);
+  scheduler_options.max_pulls = std::max(1, absl::GetFlag(FLAGS_max_pulls));
   pith::coordinator::Scheduler scheduler(jobs->get(), &members, &heat, store_control.get(),
-                                         &metrics);
+                                         &metrics, scheduler_options);
   if (absl::Status s = scheduler.Recover(); !s.ok()) return pith::ExitStatus("pith-coordinator", s);
   // Leases are checked and jobs scheduled several times per lease.
   scheduler.Start(std::clamp(lease / 8, absl::Milliseconds(20), absl::Milliseconds(500)));
-  pith::coordinator::JobServiceImpl job_service(jobs->get(), &members, &heat);
+  pith::coordinator::JobServiceImpl job_service(jobs->get(), &members, &heat, &scheduler);
   pith::coordinator::CoordinatorServiceImpl coordinator_service(&members, jobs->get(), &heat,
                                                                 &scheduler);
   absl::Status status = pith::RunServerProcess({.component = "coordinator",

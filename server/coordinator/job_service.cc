@@ -1,20 +1,38 @@
 #include "server/coordinator/job_service.h"
 
+#include <algorithm>
+#include <vector>
+
 #include "absl/strings/str_cat.h"
 #include "common/grpc_util.h"
 
 namespace pith::coordinator {
 namespace {
 
-v1::JobEvent EventOf(const v1::Job& job) {
+// A job's latest figures, with its five hottest experts as the heat summary.
+v1::JobEvent EventOf(const v1::Job& job, const HeatRegistry& heat) {
   v1::JobEvent e;
   e.set_job_id(job.job_id());
   e.set_state(job.state());
   e.set_step(job.committed_step());
   e.set_loss(job.last_loss());
+  e.set_ce(job.last_ce());
+  e.set_lr(job.last_lr());
   e.set_tokens_per_second(job.tokens_per_second());
+  e.set_cache_hit_rate(job.cache_hit_rate());
+  e.set_step_seconds(job.step_seconds());
   e.set_placement_epoch(job.placement_epoch());
   e.set_message(job.failure_reason());
+  absl::StatusOr<v1::ExpertHeatResponse> h = heat.Heat(job.job_id(), -1, /*max_pairs=*/0);
+  if (h.ok()) {
+    std::vector<v1::ExpertHeatEntry> all(h->experts().begin(), h->experts().end());
+    const size_t n = std::min<size_t>(5, all.size());
+    std::partial_sort(all.begin(), all.begin() + n, all.end(),
+                      [](const v1::ExpertHeatEntry& a, const v1::ExpertHeatEntry& b) {
+                        return a.heat() > b.heat();
+                      });
+    for (size_t i = 0; i < n; ++i) *e.add_hottest() = all[i];
+  }
   return e;
 }
 
@@ -53,14 +71,14 @@ grpc::Status JobServiceImpl::WatchJob(grpc::ServerContext* context,
   absl::StatusOr<v1::Job> job = jobs_->Get(request->job_id());
   if (!job.ok()) return ToGrpcStatus(job.status());
   int64_t seen = jobs_->Version(request->job_id());
-  if (!writer->Write(EventOf(*job))) return grpc::Status::OK;
+  if (!writer->Write(EventOf(*job, *heat_))) return grpc::Status::OK;
   while (!IsFinal(job->state()) && !context->IsCancelled()) {
     job = jobs_->WaitForChange(request->job_id(), seen, absl::Milliseconds(500));
     if (!job.ok()) return ToGrpcStatus(job.status());
     const int64_t now = jobs_->Version(request->job_id());
     if (now == seen) continue;
     seen = now;
-    if (!writer->Write(EventOf(*job))) break;
+    if (!writer->Write(EventOf(*job, *heat_))) break;
   }
   return grpc::Status::OK;
 }
@@ -80,6 +98,7 @@ grpc::Status JobServiceImpl::ClusterStatus(grpc::ServerContext*, const v1::Clust
     *reply->add_stores() = std::move(m);
   for (v1::MemberInfo& m : members_->Members(v1::MEMBER_ROLE_WORKER))
     *reply->add_workers() = std::move(m);
+  if (scheduler_ != nullptr) scheduler_->ReplicationStatus(reply);
   return grpc::Status::OK;
 }
 

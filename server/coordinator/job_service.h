@@ -10,13 +10,16 @@
 #include "server/coordinator/heat_registry.h"
 #include "server/coordinator/job_registry.h"
 #include "server/coordinator/membership.h"
+#include "server/coordinator/scheduler.h"
 
 namespace pith::coordinator {
 
 class JobServiceImpl final : public v1::JobService::Service {
  public:
-  JobServiceImpl(JobRegistry* jobs, Membership* members, HeatRegistry* heat)
-      : jobs_(jobs), members_(members), heat_(heat) {}
+  // `scheduler` may be null (no replication figures in ClusterStatus).
+  JobServiceImpl(JobRegistry* jobs, Membership* members, HeatRegistry* heat,
+                 Scheduler* scheduler = nullptr)
+      : jobs_(jobs), members_(members), heat_(heat), scheduler_(scheduler) {}
 
   grpc::Status SubmitJob(grpc::ServerContext*, const v1::SubmitJobRequest* request,
                          v1::SubmitJobResponse* reply) override;
@@ -37,6 +40,7 @@ class JobServiceImpl final : public v1::JobService::Service {
   JobRegistry* jobs_;
   Membership* members_;
   HeatRegistry* heat_;
+  Scheduler* scheduler_;
 };
 
 }  // namespace pith::coordinator

@@ -34,6 +34,15 @@ class NoStores final : public StoreControl {
   absl::Status AbortStep(const v1::MemberInfo&, const std::string&, int64_t) override {
     return absl::OkStatus();
   }
+  absl::StatusOr<std::vector<v1::BlobInfo>> ListGroup(const v1::MemberInfo&, const std::string&,
+                                                      int, int) override {
+    return std::vector<v1::BlobInfo>();
+  }
+  absl::StatusOr<std::vector<v1::BlobInfo>> Pull(const v1::MemberInfo&, const v1::MemberInfo&,
+                                                 const std::vector<v1::BlobKey>&,
+                                                 uint64_t) override {
+    return std::vector<v1::BlobInfo>();
+  }
 };
 
 class JobServiceTest : public ::testing::Test {

@@ -1,7 +1,9 @@
 #include "server/coordinator/scheduler.h"
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
+#include <optional>
 
 #include "absl/strings/str_cat.h"
 #include "common/grpc_util.h"
@@ -50,6 +52,43 @@ class GrpcStoreControl final : public StoreControl {
     grpc::ClientContext ctx;
     ctx.set_deadline(absl::ToChronoTime(absl::Now() + timeout_));
     return Annotate(Stub(store)->AbortStep(&ctx, request, &reply), store);
+  }
+
+  absl::StatusOr<std::vector<v1::BlobInfo>> ListGroup(const v1::MemberInfo& store,
+                                                      const std::string& job_id, int layer,
+                                                      int expert) override {
+    std::vector<v1::BlobInfo> out;
+    v1::ListBlobsRequest request;
+    request.set_job_id(job_id);
+    request.set_layer(layer);
+    request.set_page_size(10000);
+    do {
+      v1::ListBlobsResponse reply;
+      grpc::ClientContext ctx;
+      ctx.set_deadline(absl::ToChronoTime(absl::Now() + timeout_));
+      RETURN_IF_ERROR(Annotate(Stub(store)->ListBlobs(&ctx, request, &reply), store));
+      for (v1::BlobInfo& b : *reply.mutable_blobs()) {
+        if (layer < 0 || b.key().expert() == expert) out.push_back(std::move(b));
+      }
+      request.set_page_token(reply.next_page_token());
+    } while (!request.page_token().empty());
+    return out;
+  }
+
+  absl::StatusOr<std::vector<v1::BlobInfo>> Pull(const v1::MemberInfo& target,
+                                                 const v1::MemberInfo& source,
+                                                 const std::vector<v1::BlobKey>& keys,
+                                                 uint64_t max_bytes_per_second) override {
+    v1::PullBlobsRequest request;
+    request.set_source_store_id(source.member_id());
+    request.set_source_ucx_address(source.ucx_address());
+    for (const v1::BlobKey& k : keys) *request.add_keys() = k;
+    request.set_max_bytes_per_second(max_bytes_per_second);
+    v1::PullBlobsResponse reply;
+    grpc::ClientContext ctx;
+    ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Minutes(10)));
+    RETURN_IF_ERROR(Annotate(Stub(target)->PullBlobs(&ctx, request, &reply), target));
+    return std::vector<v1::BlobInfo>(reply.pulled().begin(), reply.pulled().end());
   }
 
  private:
@@ -117,6 +156,33 @@ bool SameOwners(const v1::PlacementTable& a, const v1::PlacementTable& b) {
   return true;
 }
 
+std::pair<int, int> GroupOf(int layer, int expert) { return {layer, layer < 0 ? 0 : expert}; }
+
+// Mean heat per layer, for the hot-expert test.
+std::vector<double> LayerMeans(const HeatMap& heat) {
+  std::vector<double> means(heat.layers(), 0);
+  for (int l = 0; l < heat.layers(); ++l) {
+    for (int e = 0; e < heat.experts(); ++e) means[l] += heat.heat(l, e);
+    means[l] /= std::max(1, heat.experts());
+  }
+  return means;
+}
+
+// The stores a group should be on: R of `live` by rendezvous (a hot expert, heat above
+// hot_threshold x its layer's mean, up to max_store_replicas).
+std::vector<std::string> DesiredStores(const v1::Job& job, int layer, int expert,
+                                       const std::vector<std::string>& live, const HeatMap* heat,
+                                       const std::vector<double>& means) {
+  const v1::ClusterConfig& c = job.spec().cluster();
+  int want = std::max(1, c.store_replicas());
+  if (heat != nullptr && layer >= 0 && layer < heat->layers() && expert < heat->experts() &&
+      means[layer] > 0 &&
+      heat->heat(layer, expert) > c.replication().hot_threshold() * means[layer]) {
+    want = std::max(want, c.replication().max_store_replicas());
+  }
+  return RendezvousStores(GroupName(job.job_id(), layer, expert), live, want);
+}
+
 }  // namespace
 
 std::unique_ptr<StoreControl> NewGrpcStoreControl(absl::Duration timeout) {
@@ -168,29 +234,43 @@ v1::PlacementTable BuildPlacement(const v1::Job& job, const std::vector<std::str
 }
 
 Scheduler::Scheduler(JobRegistry* jobs, Membership* members, HeatRegistry* heat,
-                     StoreControl* stores, MetricsRegistry* metrics)
+                     StoreControl* stores, MetricsRegistry* metrics, SchedulerOptions options)
     : jobs_(jobs),
       members_(members),
       heat_(heat),
       stores_(stores),
       metrics_(metrics),
+      options_(options),
       started_(absl::Now()) {
   if (metrics_ != nullptr) {
     steps_committed_ = *metrics_->Counter("pith_coordinator_steps_committed_total",
                                           "Job steps committed on every store");
     steps_aborted_ = *metrics_->Counter("pith_coordinator_steps_aborted_total",
                                         "Step attempts aborted (worker failure, dead member)");
+    blobs_moved_total_ =
+        *metrics_->Counter("pith_coordinator_blobs_moved_total", "Blobs copied store to store");
+    bytes_moved_total_ =
+        *metrics_->Counter("pith_coordinator_moved_bytes_total", "Bytes copied store to store");
+    moves_in_flight_ = *metrics_->Gauge("pith_coordinator_moves_in_flight",
+                                        "Store-to-store group copies in progress");
+    replica_deficit_ =
+        *metrics_->Gauge("pith_coordinator_replica_deficit",
+                         "Store copies missing to give every group its configured replica count");
   }
 }
 
 Scheduler::~Scheduler() {
   stop_.Notify();
   if (loop_.joinable()) loop_.join();
+  if (replicator_.joinable()) replicator_.join();
 }
 
 void Scheduler::Start(absl::Duration period) {
   loop_ = std::thread([this, period] {
     while (!stop_.WaitForNotificationWithTimeout(period)) Tick();
+  });
+  replicator_ = std::thread([this, period] {
+    while (!stop_.WaitForNotificationWithTimeout(period)) ReplicateOnce();
   });
 }
 
@@ -531,6 +611,9 @@ absl::StatusOr<v1::StepStatus> Scheduler::ReportStepWritten(const v1::StepWritte
       absl::Status s = PersistLocked(run);
       if (!s.ok()) LOG(ERROR) << s;
     } else if (run.written.insert(r.worker_id()).second) {
+      for (const v1::BlobInfo& b : r.written()) {
+        run.last_written[GroupOf(b.key().layer(), b.key().expert())] = r.step();
+      }
       run.tokens += r.tokens();
       run.cache_hits += r.cache_hits();
       run.cache_misses += r.cache_misses();
@@ -651,6 +734,8 @@ void Scheduler::FinishCommitLocked(const std::string& job_id, Run& run) {
     runs_.erase(job_id);
     return;
   }
+  const v1::PlacementTable before = run.record.placement();
+  bool changed = ApplyCopiesLocked(run, *job);
   const int every = std::max(1, job->spec().cluster().replication().replan_every());
   if (step >= 1 && step % every == 0) {
     // Heat is durable at each re-plan boundary; a new placement applies from the next step.
@@ -660,19 +745,24 @@ void Scheduler::FinishCommitLocked(const std::string& job_id, Run& run) {
     std::vector<std::string> stores;  // unchanged: every group keeps its copies
     v1::PlacementTable next =
         BuildPlacement(*job, workers, stores, PlanLocked(*job, static_cast<int>(workers.size())),
-                       &run.record.placement(), run.record.placement().epoch() + 1, step + 1);
+                       &run.record.placement(), before.epoch(), step + 1);
     if (!SameOwners(next, run.record.placement())) {
       *run.record.mutable_placement() = std::move(next);
-      run.record.set_assignment_version(NextVersion(run.record.assignment_version()));
-      const int64_t epoch = run.record.placement().epoch();
-      (void)jobs_->Update(job_id, [&](v1::Job& j) {
-        j.set_placement_epoch(epoch);
-        return absl::OkStatus();
-      });
-      LOG(INFO) << "job " << job_id << ": placement epoch " << epoch << " from step " << step + 1;
+      changed = true;
     }
-    UpdateMetricsLocked(*job, run);
   }
+  if (changed) {
+    run.record.mutable_placement()->set_epoch(before.epoch() + 1);
+    run.record.mutable_placement()->set_effective_step(step + 1);
+    run.record.set_assignment_version(NextVersion(run.record.assignment_version()));
+    const int64_t epoch = run.record.placement().epoch();
+    (void)jobs_->Update(job_id, [&](v1::Job& j) {
+      j.set_placement_epoch(epoch);
+      return absl::OkStatus();
+    });
+    LOG(INFO) << "job " << job_id << ": placement epoch " << epoch << " from step " << step + 1;
+  }
+  if (changed || (step >= 1 && step % every == 0)) UpdateMetricsLocked(*job, run);
   absl::Status s = PersistLocked(run);
   if (!s.ok()) LOG(ERROR) << s;
 }
@@ -734,6 +824,177 @@ void Scheduler::UpdateMetricsLocked(const v1::Job& job, const Run& run) {
       if (g.ok()) (*g)->Set(count);
     }
   }
+}
+
+bool Scheduler::ApplyCopiesLocked(Run& run, const v1::Job& job) {
+  const Alive alive = Snapshot(*members_);
+  const std::vector<std::string> live = alive.store_ids();
+  std::map<std::pair<int, int>, v1::ExpertPlacement*> entries;
+  for (v1::ExpertPlacement& e : *run.record.mutable_placement()->mutable_experts()) {
+    entries[GroupOf(e.layer(), e.expert())] = &e;
+  }
+  bool changed = false;
+  for (const Run::Copy& copy : run.copied) {
+    auto it = entries.find(copy.group);
+    if (it == entries.end() || !alive.stores.count(copy.target)) continue;
+    auto written = run.last_written.find(copy.group);
+    if (written != run.last_written.end() && written->second > copy.start_step) {
+      continue;  // written since the copy began: stale, copied again later
+    }
+    auto* ids = it->second->mutable_store_ids();
+    if (std::find(ids->begin(), ids->end(), copy.target) == ids->end()) {
+      *ids->Add() = copy.target;
+      changed = true;
+    }
+  }
+  run.copied.clear();
+  // Surplus copies (a store joined and took over a share, a store is draining, an expert
+  // cooled down) leave once every desired store holds the group.
+  std::optional<HeatMap> heat = heat_->Snapshot(job.job_id());
+  const std::vector<double> means = heat ? LayerMeans(*heat) : std::vector<double>();
+  for (auto& [group, e] : entries) {
+    const std::vector<std::string> desired =
+        DesiredStores(job, e->layer(), e->expert(), live, heat ? &*heat : nullptr, means);
+    const std::set<std::string> held(e->store_ids().begin(), e->store_ids().end());
+    bool complete = !desired.empty();
+    for (const std::string& d : desired) complete &= held.count(d) > 0;
+    if (!complete || held.size() == desired.size()) continue;
+    e->clear_store_ids();
+    for (const std::string& d : desired) e->add_store_ids(d);
+    changed = true;
+  }
+  return changed;
+}
+
+int Scheduler::ReplicateOnce() {
+  struct Task {
+    std::string job_id;
+    int layer, expert;
+    v1::MemberInfo source, target;
+    int64_t start_step;
+  };
+  const Alive alive = Snapshot(*members_);
+  const std::vector<std::string> live = alive.store_ids();
+  std::vector<Task> tasks;
+  {
+    absl::MutexLock lock(&mu_);
+    for (auto& [job_id, run] : runs_) {
+      if (run.recovering || run.committed < 0) continue;
+      absl::StatusOr<v1::Job> job = jobs_->Get(job_id);
+      if (!job.ok()) continue;
+      std::optional<HeatMap> heat = heat_->Snapshot(job_id);
+      const std::vector<double> means = heat ? LayerMeans(*heat) : std::vector<double>();
+      for (const v1::ExpertPlacement& e : run.record.placement().experts()) {
+        if (static_cast<int>(tasks.size()) >= options_.max_pulls) break;
+        const std::pair<int, int> group = GroupOf(e.layer(), e.expert());
+        if (run.copying.count(group)) continue;
+        std::vector<std::string> holders;
+        for (const std::string& id : e.store_ids()) {
+          if (alive.stores.count(id)) holders.push_back(id);
+        }
+        if (holders.empty()) continue;  // nothing to copy from
+        std::set<std::string> have(e.store_ids().begin(), e.store_ids().end());
+        for (const Run::Copy& c : run.copied) {
+          if (c.group == group) have.insert(c.target);
+        }
+        for (const std::string& d :
+             DesiredStores(*job, e.layer(), e.expert(), live, heat ? &*heat : nullptr, means)) {
+          if (have.count(d)) continue;
+          tasks.push_back({job_id, e.layer(), e.expert(), alive.stores.at(holders.front()),
+                           alive.stores.at(d), run.committed});
+          run.copying.insert(group);
+          v1::BlobMove move;
+          move.mutable_key()->set_job_id(job_id);
+          move.mutable_key()->set_layer(e.layer());
+          move.mutable_key()->set_expert(e.expert());
+          move.set_from_store_id(holders.front());
+          move.set_to_store_id(d);
+          move.set_reason(static_cast<int>(holders.size()) <
+                                  std::max(1, job->spec().cluster().store_replicas())
+                              ? "replicate"
+                              : "rebalance");
+          moves_.push_back(std::move(move));
+          break;  // one new copy of a group at a time
+        }
+      }
+    }
+    if (moves_in_flight_ != nullptr) moves_in_flight_->Set(static_cast<double>(moves_.size()));
+  }
+  if (tasks.empty()) return 0;
+  std::atomic<int> done{0};
+  std::vector<std::thread> threads;
+  for (const Task& t : tasks) {
+    threads.emplace_back([this, &t, &done] {
+      uint64_t bytes = 0;
+      size_t blobs = 0;
+      absl::Status status;
+      absl::StatusOr<std::vector<v1::BlobInfo>> listed =
+          stores_->ListGroup(t.source, t.job_id, t.layer, t.expert);
+      if (listed.ok()) {
+        std::vector<v1::BlobKey> keys;
+        for (const v1::BlobInfo& b : *listed) keys.push_back(b.key());
+        absl::StatusOr<std::vector<v1::BlobInfo>> pulled =
+            stores_->Pull(t.target, t.source, keys, options_.replication_bytes_per_second);
+        if (pulled.ok()) {
+          blobs = pulled->size();
+          for (const v1::BlobInfo& b : *pulled) bytes += b.size_bytes();
+        }
+        status = pulled.status();
+      } else {
+        status = listed.status();
+      }
+      if (!status.ok()) {
+        LOG(WARNING) << "copy of " << GroupName(t.job_id, t.layer, t.expert) << " to "
+                     << t.target.member_id() << ": " << status;
+      }
+      absl::MutexLock lock(&mu_);
+      moves_.erase(std::remove_if(moves_.begin(), moves_.end(),
+                                  [&](const v1::BlobMove& m) {
+                                    return m.key().job_id() == t.job_id &&
+                                           m.key().layer() == t.layer &&
+                                           m.key().expert() == t.expert &&
+                                           m.to_store_id() == t.target.member_id();
+                                  }),
+                   moves_.end());
+      if (moves_in_flight_ != nullptr) moves_in_flight_->Set(static_cast<double>(moves_.size()));
+      auto it = runs_.find(t.job_id);
+      if (it == runs_.end()) return;
+      it->second.copying.erase(GroupOf(t.layer, t.expert));
+      if (!status.ok()) return;
+      it->second.copied.push_back({GroupOf(t.layer, t.expert), t.target.member_id(), t.start_step});
+      blobs_moved_ += blobs;
+      bytes_moved_ += bytes;
+      if (blobs_moved_total_ != nullptr) {
+        blobs_moved_total_->Increment(static_cast<double>(blobs));
+        bytes_moved_total_->Increment(static_cast<double>(bytes));
+      }
+      ++done;
+    });
+  }
+  for (std::thread& th : threads) th.join();
+  return done.load();
+}
+
+void Scheduler::ReplicationStatus(v1::ClusterStatusResponse* out) {
+  const Alive alive = Snapshot(*members_);
+  absl::MutexLock lock(&mu_);
+  for (const v1::BlobMove& m : moves_) *out->add_moves() = m;
+  out->set_blobs_moved(blobs_moved_);
+  out->set_bytes_moved(bytes_moved_);
+  uint64_t deficit = 0;
+  for (const auto& [job_id, run] : runs_) {
+    absl::StatusOr<v1::Job> job = jobs_->Get(job_id);
+    if (!job.ok()) continue;
+    const int want = std::min<int>(std::max(1, job->spec().cluster().store_replicas()),
+                                   static_cast<int>(alive.stores.size()));
+    for (const v1::ExpertPlacement& e : run.record.placement().experts()) {
+      int held = 0;
+      for (const std::string& id : e.store_ids()) held += alive.stores.count(id) > 0;
+      deficit += static_cast<uint64_t>(std::max(0, want - held));
+    }
+  }
+  out->set_replica_deficit(deficit);
+  if (replica_deficit_ != nullptr) replica_deficit_->Set(static_cast<double>(deficit));
 }
 
 }  // namespace pith::coordinator

@@ -51,6 +51,16 @@ class StoreControl {
   // Drops the job's pending versions of `step` on `store`.
   virtual absl::Status AbortStep(const v1::MemberInfo& store, const std::string& job_id,
                                  int64_t step) = 0;
+  // The committed blobs of one group on `store` (layer -1: every dense tensor).
+  virtual absl::StatusOr<std::vector<v1::BlobInfo>> ListGroup(const v1::MemberInfo& store,
+                                                              const std::string& job_id, int layer,
+                                                              int expert) = 0;
+  // Has `target` copy `keys` (their committed versions) from `source`, store to store
+  // over UCX, at most `max_bytes_per_second`. Returns what `target` installed.
+  virtual absl::StatusOr<std::vector<v1::BlobInfo>> Pull(const v1::MemberInfo& target,
+                                                         const v1::MemberInfo& source,
+                                                         const std::vector<v1::BlobKey>& keys,
+                                                         uint64_t max_bytes_per_second) = 0;
 };
 
 // StoreControl over the stores' gRPC StoreService, each call bounded by `timeout`.
@@ -66,17 +76,26 @@ v1::PlacementTable BuildPlacement(const v1::Job& job, const std::vector<std::str
                                   const v1::PlacementTable* previous, int64_t epoch,
                                   int64_t effective_step);
 
+struct SchedulerOptions {
+  // Store-to-store copies (re-replication, hot-expert replicas, rebalancing) are throttled
+  // to this many bytes per second per pull, so that training fetches keep priority.
+  uint64_t replication_bytes_per_second = 256ull << 20;
+  // Groups copied concurrently at most (one pull each).
+  int max_pulls = 4;
+};
+
 class Scheduler {
  public:
   // None of the pointers is owned; all outlive the scheduler. `metrics` may be null.
   Scheduler(JobRegistry* jobs, Membership* members, HeatRegistry* heat, StoreControl* stores,
-            MetricsRegistry* metrics = nullptr);
+            MetricsRegistry* metrics = nullptr, SchedulerOptions options = {});
   ~Scheduler();  // stops the loop started by Start
 
   // Loads the durable schedule after a (re)start: every running job's assignment
   // version is bumped and its heat restored. Call once, before Start.
   absl::Status Recover();
-  // Runs Tick every `period` on its own thread until destruction.
+  // Runs Tick every `period` on its own thread, and the replicator on another, until
+  // destruction.
   void Start(absl::Duration period);
   // One pass: expires leases, reacts to dead members and ended jobs, finishes pending
   // commits, schedules pending jobs.
@@ -97,6 +116,17 @@ class Scheduler {
   absl::StatusOr<v1::StepStatus> WaitStep(const v1::WaitStepRequest& request,
                                           absl::Duration timeout);
 
+  // Replication: starts store-to-store copies for every group short of its desired
+  // stores (the spec's replica count over the live stores by rendezvous hashing, more
+  // for hot experts), up to max_pulls at once, and waits for them. A finished copy joins
+  // the placement at the next step commit, unless the group was written since the copy
+  // began (then it is copied again); a group's surplus copies leave the placement once
+  // its desired stores all hold it. Returns the copies made.
+  int ReplicateOnce();
+  // Moves in flight, blobs and bytes moved so far, and the replica deficit (copies
+  // missing to reach every group's replica count), into `out`.
+  void ReplicationStatus(v1::ClusterStatusResponse* out);
+
  private:
   struct Run {
     v1::JobRun record;              // durable
@@ -109,6 +139,15 @@ class Scheduler {
     // Loaded after a restart and waiting for its members to register again (or for the
     // grace period to end); assignments and reports wait too.
     bool recovering = false;
+    // Replication: the last step that wrote each group, copies in progress and done.
+    std::map<std::pair<int, int>, int64_t> last_written;
+    std::set<std::pair<int, int>> copying;
+    struct Copy {
+      std::pair<int, int> group;
+      std::string target;
+      int64_t start_step;  // committed step when the copy began
+    };
+    std::vector<Copy> copied;
     std::string abort_reason;
   };
   struct StoreCall {
@@ -137,23 +176,35 @@ class Scheduler {
   void FinishCommitLocked(const std::string& job_id, Run& run) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void RunStoreAborts(const std::vector<StoreCall>& aborts);
   void UpdateMetricsLocked(const v1::Job& job, const Run& run) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // At a step boundary: finished copies join the placement, surplus copies leave it.
+  // Returns whether the placement changed.
+  bool ApplyCopiesLocked(Run& run, const v1::Job& job) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   JobRegistry* const jobs_;
   Membership* const members_;
   HeatRegistry* const heat_;
   StoreControl* const stores_;
   MetricsRegistry* const metrics_;
+  const SchedulerOptions options_;
   const absl::Time started_;
 
   absl::Mutex mu_;
   std::map<std::string, Run> runs_ ABSL_GUARDED_BY(mu_);                // by job id: running jobs
   std::map<std::string, std::string> worker_job_ ABSL_GUARDED_BY(mu_);  // worker -> job
 
+  std::vector<v1::BlobMove> moves_ ABSL_GUARDED_BY(mu_);  // copies in flight
+  uint64_t blobs_moved_ ABSL_GUARDED_BY(mu_) = 0;
+  uint64_t bytes_moved_ ABSL_GUARDED_BY(mu_) = 0;
+
   prometheus::Counter* steps_committed_ = nullptr;
   prometheus::Counter* steps_aborted_ = nullptr;
+  prometheus::Counter* blobs_moved_total_ = nullptr;
+  prometheus::Counter* bytes_moved_total_ = nullptr;
+  prometheus::Gauge* moves_in_flight_ = nullptr;
+  prometheus::Gauge* replica_deficit_ = nullptr;
 
   absl::Notification stop_;
-  std::thread loop_;
+  std::thread loop_, replicator_;
 };
 
 }  // namespace pith::coordinator

@@ -4,7 +4,9 @@
 #include "server/coordinator/scheduler.h"
 
 #include <filesystem>
+#include <map>
 #include <memory>
+#include <set>
 #include <string>
 #include <thread>
 
@@ -31,9 +33,36 @@ class FakeStores final : public StoreControl {
     aborts.push_back(absl::StrCat(store.member_id(), ":", job_id, ":", step));
     return absl::OkStatus();
   }
+  // One weights blob per group, of 100 bytes.
+  absl::StatusOr<std::vector<v1::BlobInfo>> ListGroup(const v1::MemberInfo&,
+                                                      const std::string& job_id, int layer,
+                                                      int expert) override {
+    v1::BlobInfo b;
+    b.mutable_key()->set_job_id(job_id);
+    b.mutable_key()->set_layer(layer);
+    b.mutable_key()->set_expert(expert);
+    b.set_size_bytes(100);
+    return std::vector<v1::BlobInfo>{b};
+  }
+  absl::StatusOr<std::vector<v1::BlobInfo>> Pull(const v1::MemberInfo& target,
+                                                 const v1::MemberInfo& source,
+                                                 const std::vector<v1::BlobKey>& keys,
+                                                 uint64_t) override {
+    absl::MutexLock lock(&mu_);
+    std::vector<v1::BlobInfo> out;
+    for (const v1::BlobKey& k : keys) {
+      pulls.push_back(absl::StrCat(source.member_id(), "->", target.member_id(), ":", k.layer(),
+                                   "/", k.expert()));
+      v1::BlobInfo b;
+      *b.mutable_key() = k;
+      b.set_size_bytes(100);
+      out.push_back(b);
+    }
+    return out;
+  }
   absl::Mutex mu_;
   bool fail_commits = false;
-  std::vector<std::string> commits, aborts;
+  std::vector<std::string> commits, aborts, pulls;
 };
 
 class SchedulerTest : public ::testing::Test {
@@ -411,6 +440,98 @@ TEST_F(SchedulerTest, HeatSurvivesARestart) {
   auto heat = heat_->Heat(job.job_id(), 2);
   ASSERT_TRUE(heat.ok()) << heat.status();
   EXPECT_DOUBLE_EQ(heat->experts(5).heat(), 900);
+}
+
+// Every group's store list.
+std::map<std::pair<int, int>, std::vector<std::string>> Copies(const v1::PlacementTable& t) {
+  std::map<std::pair<int, int>, std::vector<std::string>> out;
+  for (const v1::ExpertPlacement& e : t.experts()) {
+    out[{e.layer(), e.expert()}] = {e.store_ids().begin(), e.store_ids().end()};
+  }
+  return out;
+}
+
+TEST_F(SchedulerTest, ALostStoreIsReReplicatedToTheReplicaCount) {
+  const v1::Job job = Submit(1, 300, /*replicas=*/2);
+  const std::string s0 = Join(v1::MEMBER_ROLE_STORE), s1 = Join(v1::MEMBER_ROLE_STORE),
+                    s2 = Join(v1::MEMBER_ROLE_STORE);
+  const std::string w0 = Join(v1::MEMBER_ROLE_WORKER);
+  scheduler_->Tick();
+  CommitStep(job.job_id(), 0, {w0});
+  // s1 dies.
+  now_ += absl::Seconds(2);
+  for (const std::string& id : {s0, s2, w0}) ASSERT_TRUE(members_->Heartbeat(id, {}).ok());
+  now_ += absl::Seconds(2);
+  scheduler_->Tick();
+  v1::ClusterStatusResponse status;
+  scheduler_->ReplicationStatus(&status);
+  EXPECT_GT(status.replica_deficit(), 0u);
+  while (scheduler_->ReplicateOnce() > 0) {
+  }
+  EXPECT_FALSE(stores_.pulls.empty());
+  CommitStep(job.job_id(), 1, {w0});  // the copies join the placement at the boundary
+  const v1::PlacementTable p = *scheduler_->GetPlacement(job.job_id());
+  EXPECT_EQ(p.effective_step(), 2);
+  for (const auto& [group, ids] : Copies(p)) {
+    EXPECT_EQ(std::set<std::string>(ids.begin(), ids.end()), (std::set<std::string>{s0, s2}))
+        << group.first << "/" << group.second;
+  }
+  v1::ClusterStatusResponse after;
+  scheduler_->ReplicationStatus(&after);
+  EXPECT_EQ(after.replica_deficit(), 0u);
+  EXPECT_EQ(after.blobs_moved(), stores_.pulls.size());
+}
+
+TEST_F(SchedulerTest, ACopyOfAGroupWrittenMeanwhileIsNotInstalled) {
+  const v1::Job job = Submit(1, 300, /*replicas=*/2);
+  const std::string s0 = Join(v1::MEMBER_ROLE_STORE);
+  const std::string w0 = Join(v1::MEMBER_ROLE_WORKER);
+  scheduler_->Tick();
+  CommitStep(job.job_id(), 0, {w0});
+  const std::string s1 = Join(v1::MEMBER_ROLE_STORE);  // every group wants a second copy
+  ASSERT_GT(scheduler_->ReplicateOnce(), 0);
+  // Step 1 writes the dense group: its copy (begun at step 0) is stale.
+  v1::StepWrittenRequest r;
+  r.set_job_id(job.job_id());
+  r.set_worker_id(w0);
+  r.set_step(1);
+  r.set_ok(true);
+  r.set_assignment_version(scheduler_->AssignmentVersion(w0));
+  r.add_written()->mutable_key()->set_layer(-1);
+  ASSERT_TRUE(scheduler_->ReportStepWritten(r).ok());
+  const auto copies = Copies(*scheduler_->GetPlacement(job.job_id()));
+  EXPECT_EQ(copies.at({-1, 0}), std::vector<std::string>{s0});
+  int copied = 0;
+  for (const auto& [group, ids] : copies) copied += ids.size() == 2;
+  EXPECT_GT(copied, 0);  // the groups step 1 did not write got their copy
+  (void)s1;
+}
+
+TEST_F(SchedulerTest, AJoiningStoreTakesOnlyItsShare) {
+  const v1::Job job = Submit(1, 300, /*replicas=*/2);
+  std::vector<std::string> stores = {Join(v1::MEMBER_ROLE_STORE), Join(v1::MEMBER_ROLE_STORE)};
+  const std::string w0 = Join(v1::MEMBER_ROLE_WORKER);
+  scheduler_->Tick();
+  CommitStep(job.job_id(), 0, {w0});
+  const auto before = Copies(*scheduler_->GetPlacement(job.job_id()));
+  stores.push_back(Join(v1::MEMBER_ROLE_STORE));
+  while (scheduler_->ReplicateOnce() > 0) {
+  }
+  CommitStep(job.job_id(), 1, {w0});
+  const auto after = Copies(*scheduler_->GetPlacement(job.job_id()));
+  int moved = 0, total = 0;
+  for (const auto& [group, ids] : after) {
+    EXPECT_EQ(ids, RendezvousStores(group.first < 0 ? job.job_id() + "/dense"
+                                                    : absl::StrCat(job.job_id(), "/", group.first,
+                                                                   "/", group.second),
+                                    stores, 2));
+    const std::set<std::string> had(before.at(group).begin(), before.at(group).end());
+    for (const std::string& id : ids) moved += !had.count(id);
+    total += ids.size();
+  }
+  // Each group has 2 of 3 stores: a third of the copies move, all to the new store.
+  EXPECT_GT(moved, 0);
+  EXPECT_LE(static_cast<double>(moved) / total, 1.2 / 3);
 }
 
 TEST(BuildPlacementTest, KeepsExistingCopiesAndPlacesNewGroupsByRendezvous) {
