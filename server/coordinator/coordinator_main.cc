@@ -34,6 +34,11 @@ ABSL_FLAG(int, stores, 32, "--simulate: stores");
 ABSL_FLAG(double, zipf, 1.2, "--simulate: Zipf exponent of expert popularity");
 ABSL_FLAG(int, steps, 10, "--simulate: steps of routing that build the heat map");
 ABSL_FLAG(int, tokens_per_step, 4096, "--simulate: tokens per step and layer");
+ABSL_FLAG(std::string, trace, "",
+          "--simulate: replay this heat trace (a <job>.heat.jsonl from --heat_trace_dir) "
+          "instead of synthetic routing");
+ABSL_FLAG(std::string, heat_trace_dir, "",
+          "Record every heat report, one JSON line each, in DIR/<job>.heat.jsonl");
 
 namespace {
 
@@ -47,6 +52,7 @@ int Simulate() {
   o.zipf = absl::GetFlag(FLAGS_zipf);
   o.steps = absl::GetFlag(FLAGS_steps);
   o.tokens_per_step = absl::GetFlag(FLAGS_tokens_per_step);
+  o.trace_path = absl::GetFlag(FLAGS_trace);
   absl::StatusOr<pith::coordinator::SimResult> r = pith::coordinator::RunSimulation(o);
   if (r.ok()) printf("%s\n", r->ToString().c_str());
   return pith::ExitStatus("pith-coordinator", r.status());
@@ -60,13 +66,14 @@ int main(int argc, char** argv) {
                     "the brain of a Pith cluster.\n"
                     "Usage: pith-coordinator --listen=HOST:PORT --metrics_port=PORT\n"
                     "       pith-coordinator --simulate [--layers --experts --top_k --workers "
-                    "--stores --zipf --steps]");
+                    "--stores --zipf --steps | --trace FILE]");
   if (absl::GetFlag(FLAGS_simulate)) return Simulate();
   absl::StatusOr<std::unique_ptr<pith::coordinator::JobRegistry>> jobs =
       pith::coordinator::JobRegistry::Open(absl::GetFlag(FLAGS_data_dir));
   if (!jobs.ok()) return pith::ExitStatus("pith-coordinator", jobs.status());
   pith::coordinator::Membership members(absl::Milliseconds(absl::GetFlag(FLAGS_lease_ms)));
   pith::coordinator::HeatRegistry heat;
+  heat.RecordTo(absl::GetFlag(FLAGS_heat_trace_dir));
   pith::MetricsRegistry metrics;
   const absl::Duration lease = absl::Milliseconds(absl::GetFlag(FLAGS_lease_ms));
   std::unique_ptr<pith::coordinator::StoreControl> store_control =

@@ -1,7 +1,11 @@
 #include "server/coordinator/heat_registry.h"
 
+#include <fstream>
+
 #include "absl/strings/str_cat.h"
 #include "common/status.h"
+#include "glog/logging.h"
+#include "google/protobuf/util/json_util.h"
 
 namespace pith::coordinator {
 
@@ -23,6 +27,15 @@ absl::Status HeatRegistry::Report(const v1::Job& job, const v1::HeatReport& repo
   }
   for (const v1::LayerRouting& routing : report.layers()) {
     RETURN_IF_ERROR(heat.map->Add(routing));
+  }
+  if (!trace_dir_.empty()) {
+    std::string line;
+    google::protobuf::util::JsonPrintOptions compact;
+    if (google::protobuf::util::MessageToJsonString(report, &line, compact).ok()) {
+      std::ofstream out(trace_dir_ + "/" + job.job_id() + ".heat.jsonl", std::ios::app);
+      out << line << "\n";
+      if (!out) LOG(WARNING) << "heat trace of job " << job.job_id() << " not written";
+    }
   }
   return absl::OkStatus();
 }

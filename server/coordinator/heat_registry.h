@@ -21,6 +21,13 @@ namespace pith::coordinator {
 
 class HeatRegistry {
  public:
+  // Records every accepted report, as one JSON line, in `dir`/<job>.heat.jsonl (the
+  // simulator's --trace input). Empty: no recording.
+  void RecordTo(const std::string& dir) {
+    absl::MutexLock lock(&mu_);
+    trace_dir_ = dir;
+  }
+
   // Adds a report for `job` (whose spec sizes the map). INVALID_ARGUMENT for a report
   // that does not fit the model; FAILED_PRECONDITION for a step older than the map's.
   absl::Status Report(const v1::Job& job, const v1::HeatReport& report);
@@ -47,6 +54,7 @@ class HeatRegistry {
   };
   mutable absl::Mutex mu_;
   std::map<std::string, JobHeat> jobs_ ABSL_GUARDED_BY(mu_);
+  std::string trace_dir_ ABSL_GUARDED_BY(mu_);
 };
 
 }  // namespace pith::coordinator

@@ -3,6 +3,8 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <fstream>
+#include <map>
 #include <numeric>
 #include <random>
 #include <set>
@@ -11,6 +13,8 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "common/status.h"
+#include "google/protobuf/util/json_util.h"
+#include "pith/v1/coordinator.pb.h"
 #include "server/coordinator/heat_map.h"
 #include "server/coordinator/placement.h"
 
@@ -89,8 +93,9 @@ double MaxOverMeanLoad(const ComputePlan& plan, const std::vector<std::vector<do
 // Routes eval tokens (each from a uniformly random source worker) through `plan`: an
 // expert with an owner on the source worker is computed there; otherwise one owner is
 // picked by its share. Returns the distinct other workers a token is sent to, per layer.
-double SendsPerToken(const ComputePlan& plan, std::vector<LayerRouter>& routers, int workers,
-                     int tokens, uint64_t seed) {
+template <typename Router>
+double SendsPerToken(const ComputePlan& plan, std::vector<Router>& routers, int workers, int tokens,
+                     uint64_t seed) {
   std::mt19937_64 rng(seed);
   std::uniform_int_distribution<int> source(0, workers - 1);
   std::uniform_real_distribution<double> coin(0, 1);
@@ -125,6 +130,152 @@ double SendsPerToken(const ComputePlan& plan, std::vector<LayerRouter>& routers,
   return sends / (static_cast<double>(tokens) * plan.size());
 }
 
+// A store joins: the share of blob copies (all kinds of every expert) that move.
+double StoreJoinShare(int layers, int experts, int store_count, int replicas) {
+  std::vector<std::string> stores;
+  for (int s = 0; s < store_count; ++s) stores.push_back(absl::StrCat("store-", s));
+  std::vector<std::string> grown = stores;
+  grown.push_back(absl::StrCat("store-", store_count));
+  int64_t moved = 0, copies = 0;
+  for (int l = 0; l < layers; ++l) {
+    for (int e = 0; e < experts; ++e) {
+      const std::string group = absl::StrCat("job/", l, "/", e);
+      const auto before = RendezvousStores(group, stores, replicas);
+      const auto after = RendezvousStores(group, grown, replicas);
+      const std::set<std::string> had(before.begin(), before.end());
+      for (const std::string& s : after) moved += !had.count(s);
+      copies += after.size();
+    }
+  }
+  return copies ? static_cast<double>(moved) / copies : 0;
+}
+
+// Routing sampled from a trace's totals: the first expert by its token count, each next
+// one by its co-activation with those already chosen (a little of its own count mixed in
+// so that every expert stays reachable).
+class TraceRouter {
+ public:
+  TraceRouter(std::vector<double> counts, std::map<std::pair<int, int>, double> pairs, int top_k)
+      : k_(top_k), counts_(std::move(counts)), pairs_(std::move(pairs)) {
+    first_ = std::discrete_distribution<int>(counts_.begin(), counts_.end());
+    double total = 0;
+    for (double c : counts_) total += c;
+    floor_ = total > 0 ? 1e-3 / total : 1e-3;
+  }
+
+  void Route(std::mt19937_64& rng, std::vector<int>* chosen) {
+    chosen->clear();
+    chosen->push_back(first_(rng));
+    const int experts = static_cast<int>(counts_.size());
+    std::vector<double> w(experts);
+    while (static_cast<int>(chosen->size()) < std::min(k_, experts)) {
+      for (int e = 0; e < experts; ++e) {
+        if (std::find(chosen->begin(), chosen->end(), e) != chosen->end()) {
+          w[e] = 0;
+          continue;
+        }
+        double x = floor_ * counts_[e];
+        for (int c : *chosen) {
+          auto it = pairs_.find({std::min(c, e), std::max(c, e)});
+          if (it != pairs_.end()) x += it->second;
+        }
+        w[e] = x;
+      }
+      std::discrete_distribution<int> next(w.begin(), w.end());
+      chosen->push_back(next(rng));
+    }
+  }
+
+ private:
+  int k_;
+  std::vector<double> counts_;
+  std::map<std::pair<int, int>, double> pairs_;
+  std::discrete_distribution<int> first_;
+  double floor_;
+};
+
+absl::StatusOr<SimResult> RunTrace(const SimOptions& o) {
+  std::ifstream in(o.trace_path);
+  if (!in) return absl::NotFoundError(absl::StrCat("cannot read trace ", o.trace_path));
+  std::vector<v1::HeatReport> reports;
+  std::string line;
+  int line_no = 0, layers = 0, experts = 0;
+  double assignments = 0, tokens = 0;
+  while (std::getline(in, line)) {
+    ++line_no;
+    if (line.empty()) continue;
+    v1::HeatReport r;
+    if (!google::protobuf::util::JsonStringToMessage(line, &r).ok()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(o.trace_path, ":", line_no, ": not a pith.v1.HeatReport"));
+    }
+    for (const v1::LayerRouting& l : r.layers()) {
+      if (l.layer() < 0 || l.tokens_per_expert_size() == 0) {
+        return absl::InvalidArgumentError(
+            absl::StrCat(o.trace_path, ":", line_no, ": bad layer routing"));
+      }
+      layers = std::max(layers, l.layer() + 1);
+      experts = std::max(experts, l.tokens_per_expert_size());
+      if (l.layer() == 0) {
+        for (uint64_t c : l.tokens_per_expert()) assignments += c;
+        tokens += r.tokens();
+      }
+    }
+    reports.push_back(std::move(r));
+  }
+  if (reports.empty()) return absl::InvalidArgumentError(o.trace_path + ": empty trace");
+  const int top_k =
+      tokens > 0 ? std::max(1, static_cast<int>(std::lround(assignments / tokens))) : o.top_k;
+
+  HeatMap heat(layers, experts, o.heat_decay);
+  std::vector<std::vector<double>> counts(layers, std::vector<double>(experts, 0));
+  std::vector<std::map<std::pair<int, int>, double>> pairs(layers);
+  std::sort(reports.begin(), reports.end(),
+            [](const v1::HeatReport& a, const v1::HeatReport& b) { return a.step() < b.step(); });
+  int64_t step = reports.front().step();
+  for (const v1::HeatReport& r : reports) {
+    if (r.step() != step) {
+      heat.EndStep();
+      step = r.step();
+    }
+    for (const v1::LayerRouting& l : r.layers()) {
+      RETURN_IF_ERROR(heat.Add(l));
+      for (int e = 0; e < l.tokens_per_expert_size(); ++e)
+        counts[l.layer()][e] += l.tokens_per_expert(e);
+      for (int i = 0, idx = 0; i < experts; ++i) {
+        for (int j = i + 1; j < experts; ++j, ++idx) {
+          if (idx < l.coactivation_size() && l.coactivation(idx) > 0) {
+            pairs[l.layer()][{i, j}] += l.coactivation(idx);
+          }
+        }
+      }
+    }
+  }
+  std::vector<TraceRouter> routers;
+  for (int l = 0; l < layers; ++l) routers.emplace_back(counts[l], pairs[l], top_k);
+
+  SimResult r;
+  ComputePlanOptions options;
+  options.workers = o.workers;
+  options.max_replicas = o.max_replicas > 0 ? o.max_replicas : o.workers;
+  const auto start = std::chrono::steady_clock::now();
+  const ComputePlan plan = PlanCompute(heat, options);
+  r.replan_ms =
+      std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
+  ComputePlanOptions plain = options;
+  plain.max_replicas = 1;
+  plain.affinity = false;
+  const ComputePlan no_heat = PlanCompute(heat, plain);
+  const ComputePlan rr = RoundRobinPlan(layers, experts, o.workers);
+  const int eval = std::min(o.eval_tokens, 2048);
+  r.cross_worker_sends_per_token = SendsPerToken(plan, routers, o.workers, eval, o.seed + 1);
+  r.rr_cross_worker_sends_per_token = SendsPerToken(rr, routers, o.workers, eval, o.seed + 1);
+  r.max_over_mean_load = MaxOverMeanLoad(plan, counts, o.workers);
+  r.max_over_mean_load_no_heat = MaxOverMeanLoad(no_heat, counts, o.workers);
+  r.moved_blobs_on_store_join = StoreJoinShare(layers, experts, o.stores, o.store_replicas);
+  return r;
+}
+
 }  // namespace
 
 std::string SimResult::ToString() const {
@@ -137,6 +288,12 @@ std::string SimResult::ToString() const {
 }
 
 absl::StatusOr<SimResult> RunSimulation(const SimOptions& o) {
+  if (!o.trace_path.empty()) {
+    if (o.workers < 1 || o.stores < 1) {
+      return absl::InvalidArgumentError("simulate: need workers, stores >= 1");
+    }
+    return RunTrace(o);
+  }
   if (o.layers < 1 || o.experts < 1 || o.top_k < 1 || o.top_k > o.experts || o.workers < 1 ||
       o.stores < 1 || o.zipf < 0 || o.steps < 1 || o.tokens_per_step < 1) {
     return absl::InvalidArgumentError(
@@ -203,23 +360,7 @@ absl::StatusOr<SimResult> RunSimulation(const SimOptions& o) {
   r.max_over_mean_load = MaxOverMeanLoad(plan, counts, o.workers);
   r.max_over_mean_load_no_heat = MaxOverMeanLoad(no_heat, counts, o.workers);
 
-  // A store joins: the share of blob copies (all kinds of every expert) that move.
-  std::vector<std::string> stores;
-  for (int s = 0; s < o.stores; ++s) stores.push_back(absl::StrCat("store-", s));
-  std::vector<std::string> grown = stores;
-  grown.push_back(absl::StrCat("store-", o.stores));
-  int64_t moved = 0, copies = 0;
-  for (int l = 0; l < o.layers; ++l) {
-    for (int e = 0; e < o.experts; ++e) {
-      const std::string group = absl::StrCat("job/", l, "/", e);
-      const auto before = RendezvousStores(group, stores, o.store_replicas);
-      const auto after = RendezvousStores(group, grown, o.store_replicas);
-      const std::set<std::string> had(before.begin(), before.end());
-      for (const std::string& s : after) moved += !had.count(s);
-      copies += after.size();
-    }
-  }
-  r.moved_blobs_on_store_join = copies ? static_cast<double>(moved) / copies : 0;
+  r.moved_blobs_on_store_join = StoreJoinShare(o.layers, o.experts, o.stores, o.store_replicas);
   return r;
 }
 

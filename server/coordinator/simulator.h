@@ -1,6 +1,7 @@
 // The placement simulator (`pith-coordinator --simulate`): synthetic routing with Zipf
-// expert popularity and clustered co-activation, fed through the real HeatMap and
-// placement code, to plan clusters bigger than the one at hand.
+// expert popularity and clustered co-activation (or a heat trace recorded from a real
+// job), fed through the real HeatMap and placement code, to plan clusters bigger than the
+// one at hand.
 //
 // Thread safety: RunSimulation runs on the calling thread.
 #ifndef PITH_SERVER_COORDINATOR_SIMULATOR_H_
@@ -27,6 +28,11 @@ struct SimOptions {
   int max_replicas = 0;    // compute replicas per expert; 0 = as many as workers
   double heat_decay = 0.9;
   uint64_t seed = 1;
+  // Replay this heat trace (JSON lines of pith.v1.HeatReport, as `pith-coordinator
+  // --heat_trace_dir` records them) instead of synthetic routing: layers, experts and
+  // top_k come from the trace, the heat map is built from its reports, and the placements
+  // are measured on tokens sampled from its expert and co-activation counts.
+  std::string trace_path;
 };
 
 struct SimResult {
