@@ -91,6 +91,18 @@ grpc::Status JobServiceImpl::CancelJob(grpc::ServerContext*, const v1::CancelJob
   return grpc::Status::OK;
 }
 
+grpc::Status JobServiceImpl::CheckpointJob(grpc::ServerContext*,
+                                           const v1::CheckpointJobRequest* request,
+                                           v1::CheckpointJobResponse* reply) {
+  if (scheduler_ == nullptr) {
+    return ToGrpcStatus(absl::UnavailableError("this coordinator reaches no stores"));
+  }
+  absl::StatusOr<v1::CheckpointJobResponse> r = scheduler_->Checkpoint(*request);
+  if (!r.ok()) return ToGrpcStatus(r.status());
+  *reply = *std::move(r);
+  return grpc::Status::OK;
+}
+
 grpc::Status JobServiceImpl::ClusterStatus(grpc::ServerContext*, const v1::ClusterStatusRequest*,
                                            v1::ClusterStatusResponse* reply) {
   members_->ExpireLeases();

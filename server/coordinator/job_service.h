@@ -31,6 +31,8 @@ class JobServiceImpl final : public v1::JobService::Service {
                         grpc::ServerWriter<v1::JobEvent>* writer) override;
   grpc::Status CancelJob(grpc::ServerContext*, const v1::CancelJobRequest* request,
                          v1::Job* reply) override;
+  grpc::Status CheckpointJob(grpc::ServerContext*, const v1::CheckpointJobRequest* request,
+                             v1::CheckpointJobResponse* reply) override;
   grpc::Status ClusterStatus(grpc::ServerContext*, const v1::ClusterStatusRequest*,
                              v1::ClusterStatusResponse* reply) override;
   grpc::Status ExpertHeat(grpc::ServerContext*, const v1::ExpertHeatRequest* request,

@@ -43,6 +43,9 @@ class NoStores final : public StoreControl {
                                                  uint64_t) override {
     return std::vector<v1::BlobInfo>();
   }
+  absl::Status Fetch(const v1::MemberInfo&, std::vector<Read>&) override {
+    return absl::UnavailableError("no stores in this test");
+  }
 };
 
 class JobServiceTest : public ::testing::Test {

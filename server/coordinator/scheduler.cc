@@ -3,7 +3,9 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <filesystem>
 #include <optional>
+#include <tuple>
 
 #include "absl/strings/str_cat.h"
 #include "common/grpc_util.h"
@@ -11,6 +13,9 @@
 #include "glog/logging.h"
 #include "grpcpp/grpcpp.h"
 #include "pith/v1/store.grpc.pb.h"
+#include "server/store/store_client.h"
+#include "worker/model/checkpoint.h"
+#include "worker/model/param_layout.h"
 
 namespace pith::coordinator {
 namespace {
@@ -31,6 +36,28 @@ std::string GroupName(const std::string& job_id, int layer, int expert) {
 class GrpcStoreControl final : public StoreControl {
  public:
   explicit GrpcStoreControl(absl::Duration timeout) : timeout_(timeout) {}
+
+  absl::Status Fetch(const v1::MemberInfo& store, std::vector<Read>& reads) override {
+    std::vector<store::StoreClient::FetchItem> items(reads.size());
+    for (size_t i = 0; i < reads.size(); ++i) {
+      items[i].key = reads[i].key;
+      items[i].buffer = reads[i].buffer;
+      items[i].capacity = reads[i].capacity;
+    }
+    {
+      absl::MutexLock lock(&mu_);
+      if (client_ == nullptr) {
+        ASSIGN_OR_RETURN(client_, store::StoreClient::Create());
+      }
+    }
+    ASSIGN_OR_RETURN(int peer, client_->Connect(store.ucx_address()));
+    absl::Status s = client_->Fetch(peer, absl::MakeSpan(items), timeout_ + absl::Minutes(1));
+    for (size_t i = 0; i < reads.size(); ++i) reads[i].info = items[i].info;
+    if (!s.ok()) {
+      return absl::Status(s.code(), absl::StrCat("store ", store.member_id(), ": ", s.message()));
+    }
+    return s;
+  }
 
   absl::Status CommitStep(const v1::MemberInfo& store, const std::string& job_id,
                           int64_t step) override {
@@ -111,6 +138,7 @@ class GrpcStoreControl final : public StoreControl {
   const absl::Duration timeout_;
   absl::Mutex mu_;
   std::map<std::string, std::shared_ptr<grpc::Channel>> channels_ ABSL_GUARDED_BY(mu_);
+  std::unique_ptr<store::StoreClient> client_;  // set once under mu_, thread-safe after
 };
 
 struct Alive {
@@ -995,6 +1023,129 @@ void Scheduler::ReplicationStatus(v1::ClusterStatusResponse* out) {
   }
   out->set_replica_deficit(deficit);
   if (replica_deficit_ != nullptr) replica_deficit_->Set(static_cast<double>(deficit));
+}
+
+absl::StatusOr<v1::CheckpointJobResponse> Scheduler::Checkpoint(
+    const v1::CheckpointJobRequest& request) {
+  if (request.output_dir().empty()) return absl::InvalidArgumentError("output_dir is required");
+  if (request.include_optimizer()) {
+    return absl::UnimplementedError(
+        "include_optimizer: exporting the optimizer state is not supported yet; export the "
+        "weights only");
+  }
+  ASSIGN_OR_RETURN(v1::Job job, jobs_->Get(request.job_id()));
+  // Hold the job's commits (after any in progress) so every blob read is of one step.
+  bool held = false;
+  {
+    absl::MutexLock lock(&mu_);
+    auto it = runs_.find(job.job_id());
+    if (it != runs_.end()) {
+      auto idle = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+        auto r = runs_.find(job.job_id());
+        return r == runs_.end() || !r->second.committing;
+      };
+      mu_.Await(absl::Condition(&idle));
+      it = runs_.find(job.job_id());
+      if (it != runs_.end()) {
+        ++it->second.holds;
+        held = true;
+      }
+    }
+  }
+  auto release = [&] {
+    if (!held) return;
+    absl::MutexLock lock(&mu_);
+    auto it = runs_.find(job.job_id());
+    if (it != runs_.end()) --it->second.holds;
+  };
+  absl::StatusOr<v1::CheckpointJobResponse> out =
+      [&]() -> absl::StatusOr<v1::CheckpointJobResponse> {
+    ASSIGN_OR_RETURN(job, jobs_->Get(request.job_id()));
+    const int64_t step = job.committed_step();
+    if (step < 0) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("job ", job.job_id(), " has no committed step yet"));
+    }
+    const model::ParamLayout layout(model::ModelShape::FromSpec(job.spec().model()));
+    // Which live store holds the newest committed copy of each weights blob.
+    const Alive alive = Snapshot(*members_);
+    struct Best {
+      int64_t version = -1;
+      std::string store;
+    };
+    std::map<std::tuple<int, int, std::string>, Best> best;
+    for (const auto& [id, store] : alive.stores) {
+      absl::StatusOr<std::vector<v1::BlobInfo>> listed =
+          stores_->ListGroup(store, job.job_id(), /*layer=*/-2, 0);
+      if (!listed.ok()) {
+        LOG(WARNING) << "checkpoint of " << job.job_id() << ": " << listed.status();
+        continue;
+      }
+      for (const v1::BlobInfo& b : *listed) {
+        if (b.key().kind() != v1::BLOB_KIND_WEIGHTS || b.version() > step) continue;
+        const auto key =
+            std::make_tuple(b.key().layer(), b.key().layer() < 0 ? 0 : b.key().expert(),
+                            b.key().layer() < 0 ? b.key().tensor() : std::string());
+        Best& slot = best[key];
+        if (b.version() > slot.version) slot = {b.version(), id};
+      }
+    }
+    std::vector<float> host(layout.total_floats());
+    std::map<std::string, std::vector<StoreControl::Read>> reads;  // by store
+    std::set<std::pair<int, int>> experts;
+    for (const model::ParamTensor& t : layout.tensors()) {
+      v1::BlobKey key;
+      key.set_job_id(job.job_id());
+      key.set_kind(v1::BLOB_KIND_WEIGHTS);
+      int64_t offset = t.offset, floats = t.numel;
+      if (t.layer < 0) {
+        key.set_layer(-1);
+        key.set_tensor(t.name);
+      } else {
+        if (!experts.insert({t.layer, t.expert}).second) continue;  // one blob per expert
+        key.set_layer(t.layer);
+        key.set_expert(t.expert);
+        floats = layout.shape().expert_floats();
+      }
+      auto it = best.find(std::make_tuple(key.layer(), key.expert(), key.tensor()));
+      if (it == best.end()) {
+        return absl::FailedPreconditionError(absl::StrCat(
+            "job ", job.job_id(), ": no live store holds the weights of ",
+            t.layer < 0 ? t.name : absl::StrCat("layer ", t.layer, " expert ", t.expert)));
+      }
+      StoreControl::Read read;
+      read.key = key;
+      read.buffer = host.data() + offset;
+      read.capacity = static_cast<size_t>(floats) * sizeof(float);
+      reads[it->second.store].push_back(std::move(read));
+    }
+    for (auto& [store, batch] : reads) {
+      RETURN_IF_ERROR(stores_->Fetch(alive.stores.at(store), batch));
+      for (const StoreControl::Read& r : batch) {
+        if (r.info.size_bytes() != r.capacity) {
+          return absl::DataLossError(absl::StrCat("blob of layer ", r.key.layer(), " (",
+                                                  r.key.tensor(), ") has ", r.info.size_bytes(),
+                                                  " bytes, the model wants ", r.capacity));
+        }
+      }
+    }
+    std::error_code ec;
+    std::filesystem::create_directories(request.output_dir(), ec);
+    if (ec) {
+      return absl::PermissionDeniedError(
+          absl::StrCat("cannot create ", request.output_dir(), ": ", ec.message()));
+    }
+    const std::string path =
+        absl::StrCat(request.output_dir(), "/", job.job_id(), ".step", step, ".safetensors");
+    RETURN_IF_ERROR(model::SaveHostWeights(layout, host.data(), path));
+    v1::CheckpointJobResponse response;
+    response.set_step(step);
+    response.set_weights_path(path);
+    response.set_bytes(std::filesystem::file_size(path, ec));
+    return response;
+  }();
+  release();
+  return out;
 }
 
 }  // namespace pith::coordinator

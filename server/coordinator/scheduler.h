@@ -33,6 +33,7 @@
 #include "absl/time/time.h"
 #include "common/metrics.h"
 #include "pith/v1/coordinator.pb.h"
+#include "pith/v1/job.pb.h"
 #include "server/coordinator/heat_registry.h"
 #include "server/coordinator/job_registry.h"
 #include "server/coordinator/membership.h"
@@ -61,6 +62,15 @@ class StoreControl {
                                                          const v1::MemberInfo& source,
                                                          const std::vector<v1::BlobKey>& keys,
                                                          uint64_t max_bytes_per_second) = 0;
+  // One blob to read into `buffer`; `info` is filled in.
+  struct Read {
+    v1::BlobKey key;
+    void* buffer = nullptr;
+    size_t capacity = 0;
+    v1::BlobInfo info;
+  };
+  // Reads the committed versions of `reads` from `store` (one batched UCX fetch).
+  virtual absl::Status Fetch(const v1::MemberInfo& store, std::vector<Read>& reads) = 0;
 };
 
 // StoreControl over the stores' gRPC StoreService, each call bounded by `timeout`.
@@ -116,6 +126,12 @@ class Scheduler {
   absl::StatusOr<v1::StepStatus> WaitStep(const v1::WaitStepRequest& request,
                                           absl::Duration timeout);
 
+  // Exports a job's last committed step as a safetensors weights file (DESIGN §3 names)
+  // in request.output_dir, reading every blob from a store that holds it. A running
+  // job's commits are held meanwhile, so the file is one step. FAILED_PRECONDITION
+  // before the initial weights are committed or when a blob is on no live store.
+  absl::StatusOr<v1::CheckpointJobResponse> Checkpoint(const v1::CheckpointJobRequest& request);
+
   // Replication: starts store-to-store copies for every group short of its desired
   // stores (the spec's replica count over the live stores by rendezvous hashing, more
   // for hot experts), up to max_pulls at once, and waits for them. A finished copy joins
@@ -148,6 +164,7 @@ class Scheduler {
       int64_t start_step;  // committed step when the copy began
     };
     std::vector<Copy> copied;
+    int holds = 0;  // checkpoints reading the job: commits wait
     std::string abort_reason;
   };
   struct StoreCall {

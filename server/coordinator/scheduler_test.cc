@@ -11,8 +11,10 @@
 #include <thread>
 
 #include "common/job_spec_testing.h"
+#include "common/safetensors.h"
 #include "google/protobuf/util/json_util.h"
 #include "gtest/gtest.h"
+#include "worker/model/param_layout.h"
 
 namespace pith::coordinator {
 namespace {
@@ -33,10 +35,19 @@ class FakeStores final : public StoreControl {
     aborts.push_back(absl::StrCat(store.member_id(), ":", job_id, ":", step));
     return absl::OkStatus();
   }
-  // One weights blob per group, of 100 bytes.
+  // `contents` when set (layer -2: all of it), else one weights blob per group of 100 bytes.
   absl::StatusOr<std::vector<v1::BlobInfo>> ListGroup(const v1::MemberInfo&,
                                                       const std::string& job_id, int layer,
                                                       int expert) override {
+    absl::MutexLock lock(&mu_);
+    if (!contents.empty()) {
+      std::vector<v1::BlobInfo> out;
+      for (const v1::BlobInfo& b : contents) {
+        if (layer == -2 || (b.key().layer() == layer && (layer < 0 || b.key().expert() == expert)))
+          out.push_back(b);
+      }
+      return out;
+    }
     v1::BlobInfo b;
     b.mutable_key()->set_job_id(job_id);
     b.mutable_key()->set_layer(layer);
@@ -60,7 +71,20 @@ class FakeStores final : public StoreControl {
     }
     return out;
   }
+  // Fills each buffer with the float layer * 1000 + expert (dense: -1 - tensor name length).
+  absl::Status Fetch(const v1::MemberInfo&, std::vector<Read>& reads) override {
+    for (Read& r : reads) {
+      const float value = r.key.layer() < 0 ? -1.0f - static_cast<float>(r.key.tensor().size())
+                                            : r.key.layer() * 1000.0f + r.key.expert();
+      float* out = static_cast<float*>(r.buffer);
+      for (size_t i = 0; i < r.capacity / sizeof(float); ++i) out[i] = value;
+      *r.info.mutable_key() = r.key;
+      r.info.set_size_bytes(r.capacity);
+    }
+    return absl::OkStatus();
+  }
   absl::Mutex mu_;
+  std::vector<v1::BlobInfo> contents;
   bool fail_commits = false;
   std::vector<std::string> commits, aborts, pulls;
 };
@@ -532,6 +556,57 @@ TEST_F(SchedulerTest, AJoiningStoreTakesOnlyItsShare) {
   // Each group has 2 of 3 stores: a third of the copies move, all to the new store.
   EXPECT_GT(moved, 0);
   EXPECT_LE(static_cast<double>(moved) / total, 1.2 / 3);
+}
+
+TEST_F(SchedulerTest, ACheckpointIsTheCommittedWeightsUnderTheirDesignNames) {
+  const v1::Job job = Submit(1, 300, 1);
+  Join(v1::MEMBER_ROLE_STORE);
+  const std::string w0 = Join(v1::MEMBER_ROLE_WORKER);
+  scheduler_->Tick();
+  v1::CheckpointJobRequest request;
+  request.set_job_id(job.job_id());
+  request.set_output_dir(dir_ + "/export");
+  EXPECT_EQ(scheduler_->Checkpoint(request).status().code(),
+            absl::StatusCode::kFailedPrecondition);  // nothing committed yet
+  CommitStep(job.job_id(), 0, {w0});
+  // The store holds every weights blob at version 0, and an optimizer blob to ignore.
+  const model::ParamLayout layout(model::ModelShape::FromSpec(Job(job.job_id()).spec().model()));
+  std::set<std::pair<int, int>> experts;
+  for (const model::ParamTensor& t : layout.tensors()) {
+    v1::BlobInfo b;
+    b.mutable_key()->set_job_id(job.job_id());
+    b.mutable_key()->set_kind(v1::BLOB_KIND_WEIGHTS);
+    b.mutable_key()->set_layer(t.layer < 0 ? -1 : t.layer);
+    if (t.layer < 0) {
+      b.mutable_key()->set_tensor(t.name);
+    } else {
+      if (!experts.insert({t.layer, t.expert}).second) continue;
+      b.mutable_key()->set_expert(t.expert);
+    }
+    stores_.contents.push_back(b);
+  }
+  v1::BlobInfo moment = stores_.contents.back();
+  moment.mutable_key()->set_kind(v1::BLOB_KIND_ADAM_M);
+  stores_.contents.push_back(moment);
+
+  auto done = scheduler_->Checkpoint(request);
+  ASSERT_TRUE(done.ok()) << done.status();
+  EXPECT_EQ(done->step(), 0);
+  auto file = SafetensorsFile::Read(done->weights_path());
+  ASSERT_TRUE(file.ok()) << file.status();
+  auto w1 = file->Get("h.2.moe.e7.w2");
+  ASSERT_TRUE(w1.ok());
+  EXPECT_EQ(reinterpret_cast<const float*>(w1->bytes.data())[5], 2007.0f);
+  auto qkv = file->Get("h.1.attn.qkv.w");
+  ASSERT_TRUE(qkv.ok());
+  EXPECT_EQ(reinterpret_cast<const float*>(qkv->bytes.data())[0], -1.0f - 14);  // its name length
+  EXPECT_EQ(file->entries().size(), layout.tensors().size());
+
+  // A blob on no store is a clear error, not a file with holes.
+  stores_.contents.erase(stores_.contents.begin());
+  EXPECT_EQ(scheduler_->Checkpoint(request).status().code(), absl::StatusCode::kFailedPrecondition);
+  request.set_include_optimizer(true);
+  EXPECT_EQ(scheduler_->Checkpoint(request).status().code(), absl::StatusCode::kUnimplemented);
 }
 
 TEST(BuildPlacementTest, KeepsExistingCopiesAndPlacesNewGroupsByRendezvous) {

@@ -18,11 +18,14 @@ absl::StatusOr<std::vector<float>> ToHost(compute::Backend& backend, const Param
   return host;
 }
 
-TensorView ViewOf(const std::vector<float>& host, const ParamTensor& t) {
+TensorView ViewOf(const float* host, const ParamTensor& t) {
   return TensorView{DType::kF32,
                     t.shape,
-                    {reinterpret_cast<const uint8_t*>(host.data() + t.offset),
+                    {reinterpret_cast<const uint8_t*>(host + t.offset),
                      static_cast<size_t>(t.numel) * sizeof(float)}};
+}
+TensorView ViewOf(const std::vector<float>& host, const ParamTensor& t) {
+  return ViewOf(host.data(), t);
 }
 
 // Copies the tensors named prefix + <layout name> from `file` into a host arena.
@@ -64,6 +67,11 @@ absl::Status CheckNoExtraTensors(const ParamLayout& layout, const SafetensorsFil
 absl::Status SaveWeights(compute::Backend& backend, const ParamLayout& layout, const float* arena,
                          const std::string& path) {
   ASSIGN_OR_RETURN(std::vector<float> host, ToHost(backend, layout, arena));
+  return SaveHostWeights(layout, host.data(), path);
+}
+
+absl::Status SaveHostWeights(const ParamLayout& layout, const float* host,
+                             const std::string& path) {
   SafetensorsWriter writer;
   for (const ParamTensor& t : layout.tensors())
     RETURN_IF_ERROR(writer.Add(t.name, ViewOf(host, t)));

@@ -23,6 +23,9 @@ namespace pith::model {
 absl::Status SaveWeights(compute::Backend& backend, const ParamLayout& layout, const float* arena,
                          const std::string& path);
 
+// The same from host memory (a whole arena of layout.total_floats() floats).
+absl::Status SaveHostWeights(const ParamLayout& layout, const float* host, const std::string& path);
+
 // Loads a weights file into `arena`. Every tensor of the layout must be there with its
 // exact shape and dtype F32, and nothing else; errors name the tensor.
 absl::Status LoadWeights(compute::Backend& backend, const ParamLayout& layout,
