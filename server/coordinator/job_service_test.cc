@@ -65,8 +65,8 @@ class JobServiceTest : public ::testing::Test {
     auto jobs = JobRegistry::Open(dir_);
     ASSERT_TRUE(jobs.ok()) << jobs.status();
     jobs_ = std::move(*jobs);
-    service_ = std::make_unique<JobServiceImpl>(jobs_.get(), &members_, &heat_);
     scheduler_ = std::make_unique<Scheduler>(jobs_.get(), &members_, &heat_, &stores_);
+    service_ = std::make_unique<JobServiceImpl>(jobs_.get(), &members_, &heat_, scheduler_.get());
     members_service_ =
         std::make_unique<CoordinatorServiceImpl>(&members_, jobs_.get(), &heat_, scheduler_.get());
     auto server = GrpcServer::Start(
@@ -335,6 +335,74 @@ TEST_F(JobServiceTest, JobsSurviveAReopen) {
   auto next = Submit(SpecFrom(kSpec));
   ASSERT_TRUE(next.ok());
   EXPECT_NE(next->job_id(), job->job_id());  // ids are not reused
+}
+
+TEST_F(JobServiceTest, CheckpointAndTheMemberRpcsRefuseBadRequests) {
+  auto job = Submit(SpecFrom(kSpec));
+  ASSERT_TRUE(job.ok());
+  auto checkpoint = [&](const std::string& id, const std::string& dir) {
+    grpc::ClientContext ctx;
+    v1::CheckpointJobRequest req;
+    req.set_job_id(id);
+    req.set_output_dir(dir);
+    v1::CheckpointJobResponse resp;
+    return FromGrpcStatus(stub_->CheckpointJob(&ctx, req, &resp)).code();
+  };
+  EXPECT_EQ(checkpoint("nope", dir_), absl::StatusCode::kNotFound);
+  EXPECT_EQ(checkpoint(job->job_id(), ""), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(checkpoint(job->job_id(), dir_ + "/out"), absl::StatusCode::kFailedPrecondition);
+
+  {
+    grpc::ClientContext ctx;
+    v1::StepWrittenRequest req;  // no job, worker or step
+    req.set_step(-1);
+    v1::StepWrittenResponse resp;
+    EXPECT_EQ(FromGrpcStatus(members_stub_->ReportStepWritten(&ctx, req, &resp)).code(),
+              absl::StatusCode::kInvalidArgument);
+  }
+  {
+    grpc::ClientContext ctx;
+    v1::StepWrittenRequest req;
+    req.set_job_id(job->job_id());
+    req.set_worker_id("worker-9");
+    req.set_step(0);
+    v1::StepWrittenResponse resp;  // the job is not running
+    EXPECT_EQ(FromGrpcStatus(members_stub_->ReportStepWritten(&ctx, req, &resp)).code(),
+              absl::StatusCode::kFailedPrecondition);
+  }
+  {
+    grpc::ClientContext ctx;
+    v1::GetAssignmentRequest req;
+    req.set_worker_id("worker-9");
+    v1::Assignment resp;
+    EXPECT_EQ(FromGrpcStatus(members_stub_->GetAssignment(&ctx, req, &resp)).code(),
+              absl::StatusCode::kNotFound);
+  }
+  {
+    grpc::ClientContext ctx;
+    v1::GetPlacementRequest req;
+    req.set_job_id(job->job_id());
+    v1::PlacementTable resp;
+    EXPECT_EQ(FromGrpcStatus(members_stub_->GetPlacement(&ctx, req, &resp)).code(),
+              absl::StatusCode::kNotFound);
+  }
+  {
+    grpc::ClientContext ctx;
+    v1::WaitStepRequest req;  // no job
+    v1::StepStatus resp;
+    EXPECT_EQ(FromGrpcStatus(members_stub_->WaitStep(&ctx, req, &resp)).code(),
+              absl::StatusCode::kInvalidArgument);
+  }
+  {
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
+    v1::WaitStepRequest req;
+    req.set_job_id("nope");
+    req.set_step(1);
+    v1::StepStatus resp;
+    EXPECT_EQ(FromGrpcStatus(members_stub_->WaitStep(&ctx, req, &resp)).code(),
+              absl::StatusCode::kNotFound);
+  }
 }
 
 }  // namespace
