@@ -1,0 +1,188 @@
+#include "worker/runtime/peer_group.h"
+
+#include <cstring>
+
+#include "absl/strings/str_cat.h"
+#include "common/status.h"
+#include "glog/logging.h"
+
+namespace pith::runtime {
+namespace {
+
+constexpr uint16_t kPeerMessage = 100;
+
+struct Header {
+  uint64_t attempt;
+  uint64_t tag;
+  int32_t source;
+};
+
+std::string Pack(const Header& h) {
+  std::string out(sizeof(Header), '\0');
+  std::memcpy(out.data(), &h, sizeof(Header));
+  return out;
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<PeerGroup>> PeerGroup::Create() {
+  std::unique_ptr<PeerGroup> g(new PeerGroup());
+  ASSIGN_OR_RETURN(g->worker_, ucx::Worker::Create());
+  PeerGroup* self = g.get();
+  g->worker_->SetHandler(kPeerMessage, [self](ucx::AmMessage& m) { self->OnMessage(m); });
+  RETURN_IF_ERROR(g->worker_->Start());
+  return g;
+}
+
+PeerGroup::~PeerGroup() {
+  if (worker_) worker_->Stop();
+}
+
+absl::Status PeerGroup::Join(int rank, const std::vector<std::string>& addresses,
+                             uint64_t attempt) {
+  if (rank < 0 || rank >= static_cast<int>(addresses.size())) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("rank ", rank, " outside a group of ", addresses.size()));
+  }
+  absl::Status status;
+  worker_->RunSync([&] {
+    for (ucp_ep_h ep : endpoints_) {
+      if (ep != nullptr) worker_->Close(ep);
+    }
+    endpoints_.assign(addresses.size(), nullptr);
+    for (size_t r = 0; r < addresses.size() && status.ok(); ++r) {
+      if (static_cast<int>(r) == rank) continue;
+      const int peer = static_cast<int>(r);
+      absl::StatusOr<ucp_ep_h> ep = worker_->Connect(addresses[r], [this, peer](absl::Status s) {
+        LOG(WARNING) << "peer " << peer << " failed: " << s;
+        absl::MutexLock lock(&mu_);
+        if (peer < static_cast<int>(failed_.size())) failed_[peer] = true;
+      });
+      if (!ep.ok()) {
+        status = ep.status();
+      } else {
+        endpoints_[r] = *ep;
+      }
+    }
+  });
+  RETURN_IF_ERROR(status);
+  absl::MutexLock lock(&mu_);
+  rank_ = rank;
+  world_ = static_cast<int>(addresses.size());
+  failed_.assign(addresses.size(), false);
+  attempt_ = attempt;
+  mailbox_.clear();
+  return absl::OkStatus();
+}
+
+void PeerGroup::SetAttempt(uint64_t attempt) {
+  absl::MutexLock lock(&mu_);
+  attempt_ = attempt;
+  mailbox_.clear();
+}
+
+absl::Status PeerGroup::Send(int peer, uint64_t tag, std::string bytes) {
+  uint64_t attempt;
+  {
+    absl::MutexLock lock(&mu_);
+    if (peer < 0 || peer >= world_ || peer == rank_) {
+      return absl::InvalidArgumentError(absl::StrCat("no peer ", peer));
+    }
+    if (failed_[peer]) return absl::UnavailableError(absl::StrCat("peer ", peer, " failed"));
+    attempt = attempt_;
+  }
+  auto payload = std::make_shared<std::string>(std::move(bytes));
+  const Header h{attempt, tag, rank_};
+  worker_->Post([this, peer, payload, h] {
+    if (peer >= static_cast<int>(endpoints_.size()) || endpoints_[peer] == nullptr) return;
+    worker_->Send(endpoints_[peer], kPeerMessage, Pack(h), payload->data(), payload->size(),
+                  nullptr, false, [payload, peer](absl::Status s) {
+                    if (!s.ok()) LOG(WARNING) << "message to peer " << peer << ": " << s;
+                  });
+  });
+  return absl::OkStatus();
+}
+
+void PeerGroup::OnMessage(ucx::AmMessage& m) {
+  if (m.header.size() != sizeof(Header)) {
+    worker_->Release(m);
+    return;
+  }
+  Header h;
+  std::memcpy(&h, m.header.data(), sizeof(Header));
+  auto buffer = std::make_shared<std::string>(m.length, '\0');
+  worker_->ReceiveData(m, buffer->data(), nullptr, [this, h, buffer](absl::Status s) {
+    if (!s.ok()) {
+      LOG(WARNING) << "message from peer " << h.source << " lost: " << s;
+      return;
+    }
+    Deliver(h.attempt, h.source, h.tag, std::move(*buffer));
+  });
+}
+
+void PeerGroup::Deliver(uint64_t attempt, int source, uint64_t tag, std::string bytes) {
+  absl::MutexLock lock(&mu_);
+  if (attempt != attempt_) return;  // from an aborted (or not yet started) attempt
+  mailbox_[{source, tag}] = std::move(bytes);
+}
+
+absl::StatusOr<std::string> PeerGroup::Receive(int peer, uint64_t tag, absl::Duration timeout) {
+  absl::MutexLock lock(&mu_);
+  const uint64_t attempt = attempt_;
+  const std::pair<int, uint64_t> key{peer, tag};
+  auto ready = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    return mailbox_.count(key) > 0 || attempt_ != attempt ||
+           (peer >= 0 && peer < static_cast<int>(failed_.size()) && failed_[peer]);
+  };
+  if (!mu_.AwaitWithTimeout(absl::Condition(&ready), timeout)) {
+    return absl::DeadlineExceededError(absl::StrCat("no message ", tag, " from peer ", peer,
+                                                    " within ", absl::FormatDuration(timeout)));
+  }
+  auto it = mailbox_.find(key);
+  if (it == mailbox_.end()) {
+    return absl::UnavailableError(attempt_ != attempt
+                                      ? std::string("the step attempt was abandoned")
+                                      : absl::StrCat("peer ", peer, " failed"));
+  }
+  std::string out = std::move(it->second);
+  mailbox_.erase(it);
+  return out;
+}
+
+template <typename T>
+absl::Status PeerGroup::AllReduce(T* values, size_t n, uint64_t tag) {
+  if (world_ == 1) return absl::OkStatus();
+  const std::string mine(reinterpret_cast<const char*>(values), n * sizeof(T));
+  for (int p = 0; p < world_; ++p) {
+    if (p != rank_) RETURN_IF_ERROR(Send(p, tag, mine));
+  }
+  // Every rank adds the same contributions in the same (rank) order.
+  std::vector<T> sum(n, T{0});
+  for (int p = 0; p < world_; ++p) {
+    const T* part = values;
+    std::string got;
+    if (p != rank_) {
+      ASSIGN_OR_RETURN(got, Receive(p, tag));
+      if (got.size() != n * sizeof(T)) {
+        return absl::DataLossError(absl::StrCat("all-reduce ", tag, ": peer ", p, " sent ",
+                                                got.size(), " bytes, want ", n * sizeof(T)));
+      }
+      part = reinterpret_cast<const T*>(got.data());
+    } else {
+      part = reinterpret_cast<const T*>(mine.data());
+    }
+    for (size_t i = 0; i < n; ++i) sum[i] += part[i];
+  }
+  std::memcpy(values, sum.data(), n * sizeof(T));
+  return absl::OkStatus();
+}
+
+absl::Status PeerGroup::AllReduceSum(double* values, size_t n, uint64_t tag) {
+  return AllReduce(values, n, tag);
+}
+
+absl::Status PeerGroup::AllReduceSum(float* values, size_t n, uint64_t tag) {
+  return AllReduce(values, n, tag);
+}
+
+}  // namespace pith::runtime

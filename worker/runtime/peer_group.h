@@ -1,0 +1,73 @@
+// PeerGroup: the workers of one job talking point to point over UCX active messages.
+// Messages carry (attempt, source rank, tag) and land in a mailbox that Receive() waits
+// on; the collectives a step needs are built on top: a deterministic all-reduce (every
+// rank sums the contributions in rank order, so all end with the same bits).
+//
+// Attempts: a step attempt that is aborted leaves messages in flight. SetAttempt() starts
+// a new one: the mailbox is emptied and messages of any other attempt are dropped.
+//
+// Thread safety: all methods are thread-safe; Receive and the collectives block the
+// calling thread (never the UCX progress thread).
+#ifndef PITH_WORKER_RUNTIME_PEER_GROUP_H_
+#define PITH_WORKER_RUNTIME_PEER_GROUP_H_
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "common/ucx.h"
+
+namespace pith::runtime {
+
+class PeerGroup {
+ public:
+  static absl::StatusOr<std::unique_ptr<PeerGroup>> Create();
+  ~PeerGroup();
+
+  // The packed UCX address peers connect to (published as MemberInfo.ucx_address).
+  const std::string& address() const { return worker_->address(); }
+
+  // Joins a group: this worker is `rank` of `addresses.size()`; endpoints to the others
+  // are opened (and those of a previous group closed). Starts attempt `attempt`.
+  absl::Status Join(int rank, const std::vector<std::string>& addresses, uint64_t attempt);
+  int rank() const { return rank_; }
+  int world() const { return world_; }
+  // Starts a new attempt: forgets every message received so far.
+  void SetAttempt(uint64_t attempt);
+
+  // Sends `bytes` to `peer` under `tag` (the bytes are kept until sent).
+  absl::Status Send(int peer, uint64_t tag, std::string bytes);
+  // The message `peer` sent under `tag` in this attempt. DEADLINE_EXCEEDED after
+  // `timeout`; UNAVAILABLE when the peer failed or the attempt changed meanwhile.
+  absl::StatusOr<std::string> Receive(int peer, uint64_t tag,
+                                      absl::Duration timeout = absl::Seconds(120));
+
+  // Sums `values` across the group (tag: unique within the attempt). Deterministic.
+  absl::Status AllReduceSum(double* values, size_t n, uint64_t tag);
+  absl::Status AllReduceSum(float* values, size_t n, uint64_t tag);
+
+ private:
+  PeerGroup() = default;
+  void OnMessage(ucx::AmMessage& m);
+  void Deliver(uint64_t attempt, int source, uint64_t tag, std::string bytes);
+  template <typename T>
+  absl::Status AllReduce(T* values, size_t n, uint64_t tag);
+
+  std::unique_ptr<ucx::Worker> worker_;
+  int rank_ = 0, world_ = 1;
+  std::vector<ucp_ep_h> endpoints_;  // by rank; progress thread only
+
+  absl::Mutex mu_;
+  uint64_t attempt_ ABSL_GUARDED_BY(mu_) = 0;
+  std::map<std::pair<int, uint64_t>, std::string> mailbox_ ABSL_GUARDED_BY(mu_);
+  std::vector<bool> failed_ ABSL_GUARDED_BY(mu_);  // by rank: the endpoint failed
+};
+
+}  // namespace pith::runtime
+
+#endif  // PITH_WORKER_RUNTIME_PEER_GROUP_H_
