@@ -174,7 +174,7 @@ compute::RoutingBuffers MoeGpt::Routing(int l) {
           h.offsets.data(), h.routed.data(), h.prob_sum.data()};
 }
 
-void MoeGpt::Forward(const int32_t* tokens) {
+absl::Status MoeGpt::Forward(const int32_t* tokens) {
   const ModelShape& s = shape();
   const int N = batch_ * s.seq, C = s.channels, E = s.experts, F = s.hidden;
   Backend& b = *backend_;
@@ -197,17 +197,21 @@ void MoeGpt::Forward(const int32_t* tokens) {
     b.Route(a.router_logits, N, E, router_, Routing(l));
     const int64_t* offsets = host_[l].offsets.data();
     b.Permute(a.xperm, a.ln2, a.bucket_token, offsets[E], C);
-    absl::Span<const compute::ExpertWeights> experts(expert_weights_.data() + int64_t{l} * E, E);
-    b.ExpertForward(a.y, a.hpre, a.h, a.xperm, offsets, experts, C, F);
+    if (parallel_ != nullptr) {
+      RETURN_IF_ERROR(parallel_->Forward(l, a.y, a.hpre, a.h, a.xperm, offsets));
+    } else {
+      b.ExpertForward(a.y, a.hpre, a.h, a.xperm, offsets, expert_weights(l), C, F);
+    }
     b.Combine(dtmp_, a.y, a.row, a.gate, N, s.top_k, C);
     b.Add(residual_[l + 1], a.mid, dtmp_, int64_t{N} * C);
   }
   b.LayerNorm(lnf_, lnf_mean_, lnf_rstd_, residual_[s.layers], p + layout_.lnf_w(),
               p + layout_.lnf_b(), N, C);
   b.Gemm(false, true, N, s.vocab, C, 1.0f, lnf_, C, p + layout_.wte(), C, 0.0f, logits_, s.vocab);
+  return absl::OkStatus();
 }
 
-void MoeGpt::Backward(int64_t global_tokens) {
+absl::Status MoeGpt::Backward(int64_t global_tokens) {
   const ModelShape& s = shape();
   const int N = batch_ * s.seq, C = s.channels, E = s.experts, F = s.hidden, V = s.vocab;
   Backend& b = *backend_;
@@ -226,12 +230,15 @@ void MoeGpt::Backward(int64_t global_tokens) {
     LayerActs& a = layer_[l];
     LayerHost& h = host_[l];
     const int64_t* offsets = h.offsets.data();
-    absl::Span<const compute::ExpertWeights> experts(expert_weights_.data() + int64_t{l} * E, E);
-    absl::Span<const compute::ExpertGrads> egrads(expert_grads_.data() + int64_t{l} * E, E);
 
     // MoE sub-block: out = mid + Combine(experts(Permute(ln2))).
     b.CombineBackward(dy_, dgate_, dres_, a.y, a.row, a.gate, N, s.top_k, C);
-    b.ExpertBackward(dxperm_, dh_, egrads, dy_, a.xperm, a.hpre, a.h, offsets, experts, C, F);
+    if (parallel_ != nullptr) {
+      RETURN_IF_ERROR(parallel_->Backward(l, dxperm_, dh_, dy_, a.xperm, a.hpre, a.h, offsets));
+    } else {
+      b.ExpertBackward(dxperm_, dh_, expert_grads(l), dy_, a.xperm, a.hpre, a.h, offsets,
+                       expert_weights(l), C, F);
+    }
     b.Zero(dln_, sizeof(float) * N * C);
     b.PermuteBackward(dln_, dxperm_, a.row, N, s.top_k, C);
     compute::RouterLossGrad loss{s.aux_loss_coef, s.z_loss_coef, global_tokens, h.global_f.data()};
@@ -253,6 +260,7 @@ void MoeGpt::Backward(int64_t global_tokens) {
                         a.ln1_mean, a.ln1_rstd, N, C);
   }
   b.EmbeddingBackward(g + layout_.wte(), g + layout_.wpe(), dres_, inputs_dev_, batch_, s.seq, C);
+  return absl::OkStatus();
 }
 
 absl::StatusOr<StepLoss> MoeGpt::ForwardBackward(const int32_t* inputs, const int32_t* targets,
@@ -270,34 +278,50 @@ absl::StatusOr<StepLoss> MoeGpt::ForwardBackward(const int32_t* inputs, const in
   RETURN_IF_ERROR(b.CopyToDevice(targets_dev_, targets, sizeof(int32_t) * N));
   b.Zero(grads(), sizeof(float) * layout_.total_floats());
 
-  Forward(inputs_dev_);
+  RETURN_IF_ERROR(Forward(inputs_dev_));
 
+  // Routing statistics of the whole global batch (DESIGN §3: f_e and P_e are global):
+  // this worker's, summed across the workers when there are several.
   const int64_t global_tokens = global_rows * s.seq;
+  const int L = s.layers;
+  global_stats_.assign(int64_t{3} * L * E, 0.0);
+  double* routed = global_stats_.data();
+  double* prob_sum = routed + int64_t{L} * E;
+  double* kept = prob_sum + int64_t{L} * E;
+  for (int l = 0; l < L; ++l) {
+    const LayerHost& h = host_[l];
+    for (int e = 0; e < E; ++e) {
+      routed[int64_t{l} * E + e] = static_cast<double>(h.routed[e]);
+      prob_sum[int64_t{l} * E + e] = h.prob_sum[e];
+      kept[int64_t{l} * E + e] = static_cast<double>(h.offsets[e + 1] - h.offsets[e]);
+    }
+  }
+  if (parallel_ != nullptr) {
+    RETURN_IF_ERROR(parallel_->AllReduce(global_stats_.data(), global_stats_.size()));
+  }
   StepLoss loss;
-  for (int l = 0; l < s.layers; ++l) {
+  double local[2] = {0, 0};  // cross-entropy and z-loss sums of this worker's tokens
+  for (int l = 0; l < L; ++l) {
     LayerHost& h = host_[l];
-    // NOTE: with several workers routed and prob_sum are summed across them here, so
-    // that f_e and P_e are global (DESIGN §3); alone they already are.
     double aux = 0;
     for (int e = 0; e < E; ++e) {
-      h.global_f[e] =
-          static_cast<double>(h.routed[e]) / (static_cast<double>(global_tokens) * s.top_k);
-      aux += h.global_f[e] * (h.prob_sum[e] / static_cast<double>(global_tokens));
+      h.global_f[e] = routed[int64_t{l} * E + e] / (static_cast<double>(global_tokens) * s.top_k);
+      aux += h.global_f[e] * (prob_sum[int64_t{l} * E + e] / static_cast<double>(global_tokens));
     }
     loss.aux += E * aux;
     RETURN_IF_ERROR(b.CopyToHost(h.lse.data(), layer_[l].lse, sizeof(float) * N));
-    double z = 0;
-    for (float v : h.lse) z += double{v} * v;
-    loss.z += z / static_cast<double>(global_tokens);
+    for (float v : h.lse) local[1] += double{v} * v;
   }
   b.CrossEntropyForwardBackward(logits_, losses_, targets_dev_, N, s.vocab,
                                 static_cast<float>(1.0 / static_cast<double>(global_tokens)));
   RETURN_IF_ERROR(b.CopyToHost(host_losses_.data(), losses_, sizeof(float) * N));
-  for (float v : host_losses_) loss.ce += v;
-  loss.ce /= static_cast<double>(global_tokens);
+  for (float v : host_losses_) local[0] += v;
+  if (parallel_ != nullptr) RETURN_IF_ERROR(parallel_->AllReduce(local, 2));
+  loss.ce = local[0] / static_cast<double>(global_tokens);
+  loss.z = local[1] / static_cast<double>(global_tokens);
   loss.loss = loss.ce + s.aux_loss_coef * loss.aux + s.z_loss_coef * loss.z;
 
-  Backward(global_tokens);
+  RETURN_IF_ERROR(Backward(global_tokens));
   RETURN_IF_ERROR(b.Synchronize());
   return loss;
 }
@@ -313,6 +337,10 @@ absl::Status MoeGpt::CopyLogitGrads(float* out) const {
 }
 
 bool MoeGpt::ExpertUsed(int layer, int expert) const {
+  const int L = shape().layers, E = shape().experts;
+  if (global_stats_.size() == static_cast<size_t>(3) * L * E) {
+    return global_stats_[int64_t{2} * L * E + int64_t{layer} * E + expert] > 0;
+  }
   const std::vector<int64_t>& o = host_[layer].offsets;
   return o[expert + 1] > o[expert];
 }

@@ -25,6 +25,25 @@ struct StepLoss {
   double z = 0;
 };
 
+// Expert parallelism: where the experts of a MoE layer run, and how a step's statistics
+// are summed across the workers of a job. Unset (the default), everything runs here,
+// which is training alone.
+class ExpertParallel {
+ public:
+  virtual ~ExpertParallel() = default;
+  // y rows of every expert bucket of `layer` (bucket e: rows offsets[e]..offsets[e+1] of
+  // xperm [A, C]); hpre and h [A, F] hold the activations of the rows computed here.
+  virtual absl::Status Forward(int layer, float* y, float* hpre, float* h, const float* xperm,
+                               const int64_t* offsets) = 0;
+  // dxperm rows from dy; the gradients of the experts computed here accumulate into the
+  // model's gradient arena. dh is scratch [A, F].
+  virtual absl::Status Backward(int layer, float* dxperm, float* dh, const float* dy,
+                                const float* xperm, const float* hpre, const float* h,
+                                const int64_t* offsets) = 0;
+  // Sums `values` over the job's workers; every worker gets the same bits.
+  virtual absl::Status AllReduce(double* values, size_t n) = 0;
+};
+
 class MoeGpt {
  public:
   // A model for `batch` rows of `shape.seq` tokens per step.
@@ -51,9 +70,22 @@ class MoeGpt {
   absl::StatusOr<StepLoss> ForwardBackward(const int32_t* inputs, const int32_t* targets,
                                            int64_t global_rows);
 
-  // Whether the expert kept at least one token in the last ForwardBackward (an expert
-  // that did not gets no gradient and no update that step).
+  // Whether the expert kept at least one token in the last ForwardBackward, on any worker
+  // (an expert that did not gets no gradient and no update that step).
   bool ExpertUsed(int layer, int expert) const;
+
+  // Runs the experts through `parallel` (not owned; null: here) from the next step on.
+  void SetExpertParallel(ExpertParallel* parallel) { parallel_ = parallel; }
+
+  // Expert weights and gradients of one layer, for an ExpertParallel that computes here.
+  absl::Span<const compute::ExpertWeights> expert_weights(int layer) const {
+    return {expert_weights_.data() + int64_t{layer} * shape().experts,
+            static_cast<size_t>(shape().experts)};
+  }
+  absl::Span<const compute::ExpertGrads> expert_grads(int layer) const {
+    return {expert_grads_.data() + int64_t{layer} * shape().experts,
+            static_cast<size_t>(shape().experts)};
+  }
 
   // Host copies of the last step's activations, for tests and debugging: the router
   // probabilities of a layer [N, E] and d loss / d logits [N, V].
@@ -79,8 +111,8 @@ class MoeGpt {
   MoeGpt(compute::Backend* backend, const ModelShape& shape, int batch);
   absl::Status AllocateBuffers();
   compute::RoutingBuffers Routing(int l);
-  void Forward(const int32_t* tokens);
-  void Backward(int64_t global_tokens);
+  absl::Status Forward(const int32_t* tokens);
+  absl::Status Backward(int64_t global_tokens);
 
   compute::Backend* backend_;
   ParamLayout layout_;
@@ -97,6 +129,8 @@ class MoeGpt {
   std::vector<float> host_losses_;
   std::vector<compute::ExpertWeights> expert_weights_;  // per layer, E entries each
   std::vector<compute::ExpertGrads> expert_grads_;
+  ExpertParallel* parallel_ = nullptr;
+  std::vector<double> global_stats_;  // routed, prob_sum, kept: L x E each, summed
 };
 
 }  // namespace pith::model
