@@ -1,0 +1,205 @@
+#include "worker/runtime/dispatch.h"
+
+#include <cstring>
+
+#include "absl/strings/str_cat.h"
+#include "common/status.h"
+
+namespace pith::runtime {
+namespace {
+
+enum Phase : int {
+  kForwardRows = 1,  // sender's rows of the owner's buckets
+  kForwardOut = 2,   // owner's expert outputs for them
+  kBackwardDy = 3,   // sender's output gradients of those rows
+  kBackwardDx = 4,   // owner's input gradients for them
+};
+
+}  // namespace
+
+Dispatch::Dispatch(compute::Backend* backend, model::MoeGpt* model, PeerGroup* peers,
+                   std::vector<std::vector<int>> owner)
+    : backend_(backend), model_(model), peers_(peers), owner_(std::move(owner)) {
+  inbound_.resize(model_->shape().layers);
+  for (auto& layer : inbound_) layer.resize(peers_->world());
+}
+
+uint64_t Dispatch::Tag(int layer, int phase) const {
+  return (static_cast<uint64_t>(step_) << 32) | (static_cast<uint64_t>(layer) << 8) |
+         static_cast<uint64_t>(phase);
+}
+
+absl::Status Dispatch::SendBuckets(int layer, int phase, const float* rows, int64_t width,
+                                   const int64_t* offsets) {
+  const int E = model_->shape().experts;
+  for (int p = 0; p < peers_->world(); ++p) {
+    if (p == peers_->rank()) continue;
+    std::vector<int64_t> counts(E, 0);
+    int64_t total = 0;
+    for (int e = 0; e < E; ++e) {
+      if (owner_[layer][e] == p) counts[e] = offsets[e + 1] - offsets[e];
+      total += counts[e];
+    }
+    std::string bytes(E * sizeof(int64_t) + total * width * sizeof(float), '\0');
+    std::memcpy(bytes.data(), counts.data(), E * sizeof(int64_t));
+    char* out = bytes.data() + E * sizeof(int64_t);
+    for (int e = 0; e < E; ++e) {
+      if (counts[e] == 0) continue;
+      const size_t n = counts[e] * width * sizeof(float);
+      std::memcpy(out, rows + offsets[e] * width, n);
+      out += n;
+    }
+    if (phase == kForwardRows) rows_sent_ += total;
+    RETURN_IF_ERROR(peers_->Send(p, Tag(layer, phase), std::move(bytes)));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status Dispatch::ReceiveBuckets(int layer, int phase, int peer, int64_t width, Inbound& in,
+                                      std::vector<float>& rows) {
+  const int E = model_->shape().experts;
+  ASSIGN_OR_RETURN(std::string bytes, peers_->Receive(peer, Tag(layer, phase)));
+  if (bytes.size() < E * sizeof(int64_t)) {
+    return absl::DataLossError(absl::StrCat("dispatch: short message from peer ", peer));
+  }
+  in.counts.assign(E, 0);
+  std::memcpy(in.counts.data(), bytes.data(), E * sizeof(int64_t));
+  int64_t total = 0;
+  for (int e = 0; e < E; ++e) {
+    if (in.counts[e] < 0 || (in.counts[e] > 0 && owner_[layer][e] != peers_->rank())) {
+      return absl::DataLossError(absl::StrCat("dispatch: peer ", peer, " sent rows of expert ", e,
+                                              " of layer ", layer, " that rank ", peers_->rank(),
+                                              " does not own"));
+    }
+    total += in.counts[e];
+  }
+  if (bytes.size() != E * sizeof(int64_t) + total * width * sizeof(float)) {
+    return absl::DataLossError(absl::StrCat("dispatch: message from peer ", peer, " has ",
+                                            bytes.size(), " bytes for ", total, " rows"));
+  }
+  rows.resize(total * width);
+  std::memcpy(rows.data(), bytes.data() + E * sizeof(int64_t), total * width * sizeof(float));
+  return absl::OkStatus();
+}
+
+absl::Status Dispatch::ScatterReturned(int layer, int phase, int peer, int64_t width,
+                                       const int64_t* offsets, float* out) {
+  const int E = model_->shape().experts;
+  ASSIGN_OR_RETURN(std::string bytes, peers_->Receive(peer, Tag(layer, phase)));
+  int64_t total = 0;
+  for (int e = 0; e < E; ++e) {
+    if (owner_[layer][e] == peer) total += offsets[e + 1] - offsets[e];
+  }
+  if (bytes.size() != total * width * sizeof(float)) {
+    return absl::DataLossError(absl::StrCat("dispatch: peer ", peer, " returned ", bytes.size(),
+                                            " bytes for ", total, " rows"));
+  }
+  const char* in = bytes.data();
+  for (int e = 0; e < E; ++e) {
+    if (owner_[layer][e] != peer) continue;
+    const size_t n = (offsets[e + 1] - offsets[e]) * width * sizeof(float);
+    std::memcpy(out + offsets[e] * width, in, n);
+    in += n;
+  }
+  return absl::OkStatus();
+}
+
+absl::Status Dispatch::Forward(int layer, float* y, float* hpre, float* h, const float* xperm,
+                               const int64_t* offsets) {
+  const model::ModelShape& s = model_->shape();
+  const int E = s.experts, C = s.channels, F = s.hidden;
+  const int me = peers_->rank();
+  if (layer == 0) rows_sent_ = rows_received_ = 0;
+  RETURN_IF_ERROR(SendBuckets(layer, kForwardRows, xperm, C, offsets));
+
+  // This worker's own rows of the experts it owns, bucket by bucket.
+  const auto weights = model_->expert_weights(layer);
+  for (int e = 0; e < E; ++e) {
+    const int64_t o = offsets[e], n = offsets[e + 1] - offsets[e];
+    if (owner_[layer][e] != me || n == 0) continue;
+    const int64_t one[2] = {0, n};
+    backend_->ExpertForward(y + o * C, hpre + o * F, h + o * F, xperm + o * C, one,
+                            weights.subspan(e, 1), C, F);
+  }
+  // The rows peers sent, in rank order; their outputs go back.
+  for (int q = 0; q < peers_->world(); ++q) {
+    if (q == me) continue;
+    Inbound& in = inbound_[layer][q];
+    RETURN_IF_ERROR(ReceiveBuckets(layer, kForwardRows, q, C, in, in.x));
+    std::vector<int64_t> off(E + 1, 0);
+    for (int e = 0; e < E; ++e) off[e + 1] = off[e] + in.counts[e];
+    const int64_t rows = off[E];
+    rows_received_ += rows;
+    in.hpre.resize(rows * F);
+    in.h.resize(rows * F);
+    in.out.resize(rows * C);
+    if (rows > 0) {
+      backend_->ExpertForward(in.out.data(), in.hpre.data(), in.h.data(), in.x.data(), off.data(),
+                              weights, C, F);
+    }
+    RETURN_IF_ERROR(backend_->Synchronize());
+    RETURN_IF_ERROR(peers_->Send(
+        q, Tag(layer, kForwardOut),
+        std::string(reinterpret_cast<const char*>(in.out.data()), rows * C * sizeof(float))));
+  }
+  for (int p = 0; p < peers_->world(); ++p) {
+    if (p != me) RETURN_IF_ERROR(ScatterReturned(layer, kForwardOut, p, C, offsets, y));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status Dispatch::Backward(int layer, float* dxperm, float* dh, const float* dy,
+                                const float* xperm, const float* hpre, const float* h,
+                                const int64_t* offsets) {
+  const model::ModelShape& s = model_->shape();
+  const int E = s.experts, C = s.channels, F = s.hidden;
+  const int me = peers_->rank();
+  RETURN_IF_ERROR(SendBuckets(layer, kBackwardDy, dy, C, offsets));
+
+  const auto weights = model_->expert_weights(layer);
+  const auto grads = model_->expert_grads(layer);
+  for (int e = 0; e < E; ++e) {
+    const int64_t o = offsets[e], n = offsets[e + 1] - offsets[e];
+    if (owner_[layer][e] != me || n == 0) continue;
+    const int64_t one[2] = {0, n};
+    backend_->ExpertBackward(dxperm + o * C, dh + o * F, grads.subspan(e, 1), dy + o * C,
+                             xperm + o * C, hpre + o * F, h + o * F, one, weights.subspan(e, 1), C,
+                             F);
+  }
+  for (int q = 0; q < peers_->world(); ++q) {
+    if (q == me) continue;
+    Inbound& in = inbound_[layer][q];
+    std::vector<float> dy_in;
+    const std::vector<int64_t> counts = in.counts;
+    RETURN_IF_ERROR(ReceiveBuckets(layer, kBackwardDy, q, C, in, dy_in));
+    if (in.counts != counts) {
+      return absl::DataLossError(
+          absl::StrCat("dispatch: peer ", q, " sent gradients for other rows than in forward"));
+    }
+    std::vector<int64_t> off(E + 1, 0);
+    for (int e = 0; e < E; ++e) off[e + 1] = off[e] + in.counts[e];
+    const int64_t rows = off[E];
+    in.dh.resize(rows * F);
+    std::vector<float> dx(rows * C);
+    if (rows > 0) {
+      backend_->ExpertBackward(dx.data(), in.dh.data(), grads, dy_in.data(), in.x.data(),
+                               in.hpre.data(), in.h.data(), off.data(), weights, C, F);
+    }
+    RETURN_IF_ERROR(backend_->Synchronize());
+    RETURN_IF_ERROR(peers_->Send(
+        q, Tag(layer, kBackwardDx),
+        std::string(reinterpret_cast<const char*>(dx.data()), rows * C * sizeof(float))));
+  }
+  for (int p = 0; p < peers_->world(); ++p) {
+    if (p != me) RETURN_IF_ERROR(ScatterReturned(layer, kBackwardDx, p, C, offsets, dxperm));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status Dispatch::AllReduce(double* values, size_t n) {
+  const uint64_t tag =
+      (static_cast<uint64_t>(step_) << 32) | (1ull << 31) | (reduce_seq_++ & 0xffff);
+  return peers_->AllReduceSum(values, n, tag);
+}
+
+}  // namespace pith::runtime

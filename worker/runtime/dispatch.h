@@ -1,0 +1,78 @@
+// Dispatch: expert parallelism over a PeerGroup (DESIGN §6, steps 2-4) on the CPU
+// backend. At each MoE layer a worker sends every other worker the rows of the expert
+// buckets that worker owns — point to point, and only where there is something to send
+// (a peer with no rows gets a bucket-count header alone) — computes the buckets it owns
+// itself for its own rows and for those it received, returns the outputs, and scatters
+// the outputs it gets back into place. Backward mirrors it: the owner of an expert gets
+// the gradient rows, accumulates the expert's gradient (so expert gradients never cross
+// workers) and returns the input gradients.
+//
+// Every message of a step is tagged with (step, layer, phase); peers are always handled in
+// rank order, so gradients accumulate in the same order on every run (bit-identical).
+//
+// Thread safety: one thread (the training loop) at a time.
+#ifndef PITH_WORKER_RUNTIME_DISPATCH_H_
+#define PITH_WORKER_RUNTIME_DISPATCH_H_
+
+#include <cstdint>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "worker/compute/backend.h"
+#include "worker/model/moe_gpt.h"
+#include "worker/runtime/peer_group.h"
+
+namespace pith::runtime {
+
+class Dispatch final : public model::ExpertParallel {
+ public:
+  // `owner[l][e]`: the rank computing expert e of layer l. None of the pointers is owned.
+  Dispatch(compute::Backend* backend, model::MoeGpt* model, PeerGroup* peers,
+           std::vector<std::vector<int>> owner);
+
+  // Tags the messages of the coming step.
+  void SetStep(int64_t step) {
+    step_ = step;
+    reduce_seq_ = 0;
+  }
+  const std::vector<std::vector<int>>& owner() const { return owner_; }
+  // Rows this worker sent to and received from peers in the last step (for metrics).
+  int64_t rows_sent() const { return rows_sent_; }
+  int64_t rows_received() const { return rows_received_; }
+
+  absl::Status Forward(int layer, float* y, float* hpre, float* h, const float* xperm,
+                       const int64_t* offsets) override;
+  absl::Status Backward(int layer, float* dxperm, float* dh, const float* dy, const float* xperm,
+                        const float* hpre, const float* h, const int64_t* offsets) override;
+  absl::Status AllReduce(double* values, size_t n) override;
+
+ private:
+  // What a peer sent for one layer: rows per expert, and the activations kept for backward.
+  struct Inbound {
+    std::vector<int64_t> counts;  // E
+    std::vector<float> x, hpre, h, out, dh;
+  };
+  uint64_t Tag(int layer, int phase) const;
+  // Sends each peer the rows of `rows` ([A, width]) in the buckets it owns.
+  absl::Status SendBuckets(int layer, int phase, const float* rows, int64_t width,
+                           const int64_t* offsets);
+  // Receives what `peer` sent under `phase` into `in` (counts, then rows of `width`).
+  absl::Status ReceiveBuckets(int layer, int phase, int peer, int64_t width, Inbound& in,
+                              std::vector<float>& rows);
+  // Receives the rows `peer` returns for the buckets it owns, into `out` ([A, width]).
+  absl::Status ScatterReturned(int layer, int phase, int peer, int64_t width,
+                               const int64_t* offsets, float* out);
+
+  compute::Backend* backend_;
+  model::MoeGpt* model_;
+  PeerGroup* peers_;
+  std::vector<std::vector<int>> owner_;
+  int64_t step_ = 0;
+  int64_t rows_sent_ = 0, rows_received_ = 0;
+  std::vector<std::vector<Inbound>> inbound_;  // [layer][peer]
+  uint64_t reduce_seq_ = 0;
+};
+
+}  // namespace pith::runtime
+
+#endif  // PITH_WORKER_RUNTIME_DISPATCH_H_
