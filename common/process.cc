@@ -1,7 +1,10 @@
 #include "common/process.h"
 
+#include <fcntl.h>
 #include <signal.h>
+#include <unistd.h>
 
+#include <cerrno>
 #include <cstdio>
 #include <cstdlib>
 
@@ -46,27 +49,39 @@ int ExitStatus(absl::string_view program, const absl::Status& status) {
 
 namespace {
 
-sigset_t ShutdownSet() {
-  sigset_t set;
-  sigemptyset(&set);
-  sigaddset(&set, SIGTERM);
-  sigaddset(&set, SIGINT);
-  return set;
+// The write end of the shutdown pipe; the handler only writes the signal number to it.
+int g_shutdown_pipe[2] = {-1, -1};
+
+void OnShutdownSignal(int sig) {
+  const unsigned char byte = static_cast<unsigned char>(sig);
+  (void)!::write(g_shutdown_pipe[1], &byte, 1);
 }
 
 }  // namespace
 
 ShutdownSignals::ShutdownSignals() {
-  sigset_t set = ShutdownSet();
-  pthread_sigmask(SIG_BLOCK, &set, nullptr);
+  if (g_shutdown_pipe[0] < 0 && ::pipe2(g_shutdown_pipe, O_CLOEXEC) != 0) {
+    PLOG(FATAL) << "shutdown pipe";
+  }
+  // A handler rather than sigwait: libraries start threads of their own (OpenBLAS at load
+  // time) whose signal masks this process does not control, and a handler works whichever
+  // thread the signal lands on.
+  struct sigaction action = {};
+  action.sa_handler = OnShutdownSignal;
+  sigemptyset(&action.sa_mask);
+  action.sa_flags = SA_RESTART;
+  sigaction(SIGTERM, &action, nullptr);
+  sigaction(SIGINT, &action, nullptr);
 }
 
 int ShutdownSignals::Wait() {
-  sigset_t set = ShutdownSet();
-  int sig = 0;
-  while (sigwait(&set, &sig) != 0) {
+  unsigned char byte = 0;
+  while (true) {
+    const ssize_t n = ::read(g_shutdown_pipe[0], &byte, 1);
+    if (n == 1) return byte;
+    if (n < 0 && errno == EINTR) continue;
+    PLOG(FATAL) << "shutdown pipe";
   }
-  return sig;
 }
 
 }  // namespace pith

@@ -20,9 +20,8 @@ std::vector<std::string> InitProcess(int argc, char** argv, absl::string_view us
 // one line "program: message" on stderr (whatever the log settings) and EXIT_FAILURE.
 int ExitStatus(absl::string_view program, const absl::Status& status);
 
-// Blocks SIGTERM and SIGINT in the constructing thread, and so in every thread started
-// after it, so that Wait() can receive them synchronously. Construct in main() before
-// any other thread starts.
+// Catches SIGTERM and SIGINT (whichever thread they land on) so that Wait() returns them
+// instead of the process dying. Construct once, in main(), before anything can take long.
 //
 // Thread safety: Wait() is called from one thread only.
 class ShutdownSignals {

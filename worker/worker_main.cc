@@ -1,8 +1,14 @@
-// pith-worker: runs training steps (DESIGN §1, §6). With --standalone it trains a whole
+// pith-worker: runs training steps (DESIGN §1, §6). With --coordinator it joins a cluster
+// and trains the jobs it is assigned with its peers; with --standalone it trains a whole
 // job alone from its spec, the reference the distributed path is compared against.
+#include <signal.h>
+#include <unistd.h>
+
+#include <atomic>
 #include <cstdio>
 #include <cstdlib>
 #include <string>
+#include <thread>
 
 #include "absl/flags/flag.h"
 #include "absl/strings/str_cat.h"
@@ -11,14 +17,21 @@
 #include "common/status.h"
 #include "glog/logging.h"
 #include "worker/compute/cpu_backend.h"
+#include "worker/runtime/cluster_worker.h"
 #include "worker/trainer/standalone.h"
 
+ABSL_FLAG(std::string, coordinator, "", "Join the cluster of this coordinator (host:port)");
+ABSL_FLAG(std::string, listen, "127.0.0.1:0", "Address this worker advertises (host:port)");
+ABSL_FLAG(int, metrics_port, -1, "Prometheus /metrics port; -1 disables it, 0 picks one");
+ABSL_FLAG(uint64_t, cache_bytes, 0, "Expert cache budget in bytes (0: unlimited)");
 ABSL_FLAG(bool, standalone, false, "Train the job of --spec alone, in this process");
 ABSL_FLAG(std::string, spec, "", "Job spec (JSON) for --standalone");
 ABSL_FLAG(std::string, init, "", "Start from these weights (safetensors)");
 ABSL_FLAG(std::string, export_init, "", "Write the weights training starts from (safetensors)");
 ABSL_FLAG(int64_t, steps, -1, "Train this many steps instead of the spec's train.steps");
-ABSL_FLAG(std::string, loss_log, "", "Write '<step> <loss> <ce>' per step here (step from 1)");
+ABSL_FLAG(std::string, loss_log, "",
+          "Write '<step> <loss> <ce>' per step here (step from 1; in a cluster, rank 0 "
+          "appends each committed step)");
 ABSL_FLAG(std::string, save, "", "Write the final weights here (safetensors)");
 ABSL_FLAG(std::string, save_optimizer, "", "Write the final optimizer state here (safetensors)");
 ABSL_FLAG(std::string, backend, "cpu", "Compute backend: cpu (cuda arrives with its issue)");
@@ -26,10 +39,38 @@ ABSL_FLAG(int, threads, 0, "Threads of the CPU backend's own loops; 0 = one per 
 
 namespace {
 
+absl::Status RunCluster() {
+  if (absl::GetFlag(FLAGS_backend) != "cpu" && absl::GetFlag(FLAGS_backend) != "auto") {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--backend=", absl::GetFlag(FLAGS_backend), ": only cpu is built in so far"));
+  }
+  pith::runtime::ClusterWorkerOptions options;
+  options.coordinator = absl::GetFlag(FLAGS_coordinator);
+  options.listen = absl::GetFlag(FLAGS_listen);
+  options.metrics_port = absl::GetFlag(FLAGS_metrics_port);
+  options.cache_bytes = absl::GetFlag(FLAGS_cache_bytes);
+  options.threads = absl::GetFlag(FLAGS_threads);
+  options.loss_log = absl::GetFlag(FLAGS_loss_log);
+  pith::ShutdownSignals signals;  // SIGTERM and SIGINT end the loop below cleanly
+  std::atomic<bool> stop{false};
+  absl::Status result;
+  std::thread worker([&] { result = pith::runtime::RunClusterWorker(options, stop); });
+  std::thread watcher([&] {
+    signals.Wait();
+    stop = true;
+  });
+  worker.join();
+  if (!stop) {  // the worker failed on its own: release the signal watcher
+    ::kill(::getpid(), SIGTERM);
+  }
+  watcher.join();
+  return result;
+}
+
 absl::Status Run() {
+  if (!absl::GetFlag(FLAGS_coordinator).empty()) return RunCluster();
   if (!absl::GetFlag(FLAGS_standalone)) {
-    return absl::UnimplementedError(
-        "pith-worker joins a cluster with the worker issue; today it runs --standalone only");
+    return absl::InvalidArgumentError("give --coordinator=HOST:PORT or --standalone");
   }
   if (absl::GetFlag(FLAGS_spec).empty()) return absl::InvalidArgumentError("--spec is required");
   if (absl::GetFlag(FLAGS_backend) != "cpu") {
@@ -58,7 +99,9 @@ absl::Status Run() {
 int main(int argc, char** argv) {
   pith::InitProcess(argc, argv,
                     "runs Pith training steps.\n"
-                    "Usage: pith-worker --standalone --spec=SPEC.json [--init=FILE] "
+                    "Usage: pith-worker --coordinator=HOST:PORT [--metrics_port=PORT "
+                    "--cache_bytes=N]\n"
+                    "       pith-worker --standalone --spec=SPEC.json [--init=FILE] "
                     "[--export_init=FILE] [--steps=N] [--loss_log=FILE] [--save=FILE]");
   return pith::ExitStatus("pith-worker", Run());
 }

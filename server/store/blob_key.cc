@@ -28,6 +28,8 @@ absl::string_view KindName(v1::BlobKind kind) {
       return "adam_m";
     case v1::BLOB_KIND_ADAM_V:
       return "adam_v";
+    case v1::BLOB_KIND_STATE:
+      return "state";
     default:
       return "unknown";
   }
@@ -40,7 +42,7 @@ absl::Status ValidateBlobKey(const v1::BlobKey& key) {
     return absl::InvalidArgumentError(
         absl::StrCat("key.job_id must have 1 to ", kMaxJobIdBytes, " bytes"));
   }
-  if (key.kind() < v1::BLOB_KIND_WEIGHTS || key.kind() > v1::BLOB_KIND_ADAM_V) {
+  if (key.kind() < v1::BLOB_KIND_WEIGHTS || key.kind() > v1::BLOB_KIND_STATE) {
     return absl::InvalidArgumentError(absl::StrCat("key.kind ", key.kind(), " is not a blob kind"));
   }
   if (key.layer() < -1) {

@@ -26,6 +26,8 @@ std::string ExportName(const v1::BlobKey& key) {
       return "m." + name;
     case v1::BLOB_KIND_ADAM_V:
       return "v." + name;
+    case v1::BLOB_KIND_STATE:
+      return "state." + name;
     default:
       return name;
   }

@@ -81,6 +81,23 @@ class ChildProcess {
     pid_ = -1;
   }
 
+  // Waits for the process to exit by itself; returns its exit status (or -1 on timeout,
+  // after which it is killed).
+  int Wait(double seconds) {
+    if (pid_ <= 0) return -1;
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::duration<double>(seconds);
+    while (std::chrono::steady_clock::now() < deadline) {
+      int status;
+      if (waitpid(pid_, &status, WNOHANG) == pid_) {
+        pid_ = -1;
+        return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    }
+    Kill();
+    return -1;
+  }
+
   // SIGTERM; returns the exit status (or -1 on timeout, after which it is killed).
   int Terminate(double seconds = 10) {
     if (pid_ <= 0) return -1;

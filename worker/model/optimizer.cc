@@ -41,14 +41,23 @@ absl::StatusOr<std::unique_ptr<AdamWOptimizer>> AdamWOptimizer::Create(
 
 OptimizerStep AdamWOptimizer::Step(float* params, float* grads, int64_t step,
                                    const HasGrad& has_grad) {
+  return Apply(params, grads, step, has_grad, std::sqrt(LocalSumOfSquares(grads, has_grad)));
+}
+
+double AdamWOptimizer::LocalSumOfSquares(const float* grads, const HasGrad& has_grad) {
+  double sum_sq = 0;
+  for (const ParamTensor& t : layout_.tensors()) {
+    if (has_grad(t)) sum_sq += backend_->SumOfSquares(grads + t.offset, t.numel);
+  }
+  return sum_sq;
+}
+
+OptimizerStep AdamWOptimizer::Apply(float* params, float* grads, int64_t step,
+                                    const HasGrad& has_grad, double grad_norm) {
   const std::vector<ParamTensor>& tensors = layout_.tensors();
   OptimizerStep out;
   out.lr = LearningRate(config_, step);
-  double sum_sq = 0;
-  for (const ParamTensor& t : tensors) {
-    if (has_grad(t)) sum_sq += backend_->SumOfSquares(grads + t.offset, t.numel);
-  }
-  out.grad_norm = std::sqrt(sum_sq);
+  out.grad_norm = grad_norm;
   if (config_.grad_clip > 0) {
     // As torch.nn.utils.clip_grad_norm_.
     const double coef = config_.grad_clip / (out.grad_norm + 1e-6);

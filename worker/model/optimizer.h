@@ -53,6 +53,13 @@ class AdamWOptimizer {
   // AdamW to them with the learning rate of `step` (from 0) and advances their counts.
   OptimizerStep Step(float* params, float* grads, int64_t step, const HasGrad& has_grad);
 
+  // The two halves of Step, for training across workers: the squared norm of the
+  // gradients of the tensors with a gradient here, and the update of those tensors given
+  // the global norm (the square root of the sum of every worker's LocalSumOfSquares).
+  double LocalSumOfSquares(const float* grads, const HasGrad& has_grad);
+  OptimizerStep Apply(float* params, float* grads, int64_t step, const HasGrad& has_grad,
+                      double grad_norm);
+
   float* m() const { return m_.f32(); }
   float* v() const { return v_.f32(); }
   // Updates applied so far, per tensor of the layout.

@@ -1,0 +1,178 @@
+// Distributed training on real processes (1 coordinator, 2 stores, 2 workers on loopback)
+// against `pith-worker --standalone` on the same spec, init and data: a dropless job's
+// per-step losses agree within 1e-4 relative, and the final weights (CheckpointJob) match.
+#include <chrono>
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+#include <iostream>
+#include <map>
+#include <memory>
+#include <sstream>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "child_process.h"
+#include "common/grpc_util.h"
+#include "common/safetensors.h"
+#include "google/protobuf/util/json_util.h"
+#include "gtest/gtest.h"
+#include "pith/v1/job.grpc.pb.h"
+
+namespace pith {
+namespace {
+
+using pith::testing::ChildProcess;
+
+constexpr int kSteps = 20;
+
+std::string SpecJson(const std::string& data) {
+  return R"({"name": "cluster", "model": {"vocab_size": 256, "seq_len": 16, "d_model": 32,
+  "n_layer": 2, "n_head": 2, "n_expert": 4, "top_k": 2, "d_ff": 64, "capacity_factor": 4.0,
+  "aux_loss_coef": 0.01, "z_loss_coef": 0.001}, "train": {"data_path": ")" +
+         data + R"(", "batch": 8, "steps": )" + std::to_string(kSteps) +
+         R"(, "lr": 0.003, "warmup": 5, "seed": 1337}, "cluster": {"workers": 2,
+  "store_replicas": 2}})";
+}
+
+// step -> loss from a "<step> <loss> <ce>" log.
+std::map<int, double> Losses(const std::string& path) {
+  std::map<int, double> out;
+  std::ifstream in(path);
+  int step;
+  double loss, ce;
+  while (in >> step >> loss >> ce) out[step] = loss;
+  return out;
+}
+
+TEST(ClusterE2eTest, TwoWorkersTrainAsOneProcessDoes) {
+  const std::string dir = ::testing::TempDir() + "/cluster_e2e_" + std::to_string(getpid());
+  std::filesystem::remove_all(dir);
+  std::filesystem::create_directories(dir);
+  {
+    std::ofstream text(dir + "/tokens.bin", std::ios::binary);
+    for (int i = 0; i < 400; ++i) {
+      text << "Mixture-of-experts models are huge in parameters but sparse in use; line " << i
+           << " of the tiny corpus.\n";
+    }
+  }
+  const std::string spec_path = dir + "/spec.json";
+  std::ofstream(spec_path) << SpecJson(dir + "/tokens.bin");
+
+  // The reference: one process.
+  {
+    ChildProcess alone(PITH_WORKER_BINARY,
+                       {"--standalone", "--spec=" + spec_path, "--loss_log=" + dir + "/alone.log",
+                        "--save=" + dir + "/alone.safetensors", "--threads=1"},
+                       dir + "/alone.out");
+    ASSERT_EQ(alone.Wait(120), 0) << alone.Log();
+  }
+
+  auto coordinator = std::make_unique<ChildProcess>(
+      PITH_COORDINATOR_BINARY,
+      std::vector<std::string>{"--listen=127.0.0.1:0", "--metrics_port=-1", "--lease_ms=2000",
+                               "--data_dir=" + dir + "/coordinator"},
+      dir + "/coordinator.log");
+  ASSERT_TRUE(coordinator->WaitReady()) << coordinator->Log();
+  const std::string address = "127.0.0.1:" + std::to_string(coordinator->grpc_port);
+  std::vector<std::unique_ptr<ChildProcess>> stores, workers;
+  for (int n = 0; n < 2; ++n) {
+    stores.push_back(std::make_unique<ChildProcess>(
+        PITH_STORE_BINARY,
+        std::vector<std::string>{"--listen=127.0.0.1:0", "--metrics_port=-1",
+                                 "--data_dir=" + dir + "/store" + std::to_string(n),
+                                 "--ram_bytes=67108864", "--coordinator=" + address},
+        dir + "/store" + std::to_string(n) + ".log"));
+    ASSERT_TRUE(stores.back()->WaitReady()) << stores.back()->Log();
+  }
+  for (int n = 0; n < 2; ++n) {
+    workers.push_back(std::make_unique<ChildProcess>(
+        PITH_WORKER_BINARY,
+        std::vector<std::string>{"--coordinator=" + address, "--threads=1",
+                                 "--loss_log=" + dir + "/cluster.log"},
+        dir + "/worker" + std::to_string(n) + ".log"));
+  }
+  auto stub =
+      v1::JobService::NewStub(grpc::CreateChannel(address, grpc::InsecureChannelCredentials()));
+  v1::SubmitJobRequest submit;
+  {
+    std::ifstream in(spec_path);
+    std::stringstream json;
+    json << in.rdbuf();
+    ASSERT_TRUE(
+        google::protobuf::util::JsonStringToMessage(json.str(), submit.mutable_spec()).ok());
+  }
+  std::string job_id;
+  {
+    grpc::ClientContext ctx;
+    v1::SubmitJobResponse resp;
+    grpc::Status s = stub->SubmitJob(&ctx, submit, &resp);
+    ASSERT_TRUE(s.ok()) << s.error_message();
+    job_id = resp.job().job_id();
+  }
+  v1::Job job;
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(240);
+  while (std::chrono::steady_clock::now() < deadline) {
+    grpc::ClientContext ctx;
+    v1::GetJobRequest get;
+    get.set_job_id(job_id);
+    ASSERT_TRUE(stub->GetJob(&ctx, get, &job).ok());
+    if (job.state() == v1::JOB_STATE_SUCCEEDED || job.state() == v1::JOB_STATE_FAILED) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(200));
+  }
+  ASSERT_EQ(job.state(), v1::JOB_STATE_SUCCEEDED) << job.ShortDebugString() << "\n"
+                                                  << workers[0]->Log() << "\n"
+                                                  << workers[1]->Log();
+  EXPECT_EQ(job.committed_step(), kSteps);
+
+  const auto alone = Losses(dir + "/alone.log");
+  const auto cluster = Losses(dir + "/cluster.log");
+  ASSERT_EQ(alone.size(), static_cast<size_t>(kSteps));
+  ASSERT_EQ(cluster.size(), static_cast<size_t>(kSteps)) << workers[0]->Log();
+  double worst = 0;
+  for (const auto& [step, loss] : alone) {
+    worst = std::max(worst, std::abs(cluster.at(step) - loss) / std::abs(loss));
+  }
+  EXPECT_LT(worst, 1e-4) << "largest per-step relative loss difference";
+  std::cout << "largest per-step relative loss difference: " << worst << " (step 1 loss "
+            << cluster.at(1) << ", step " << kSteps << " loss " << cluster.at(kSteps) << ")\n";
+  EXPECT_LT(alone.at(kSteps), alone.at(1));  // it learns
+
+  // The final weights, exported from the stores, match the single process's.
+  v1::CheckpointJobRequest checkpoint;
+  checkpoint.set_job_id(job_id);
+  checkpoint.set_output_dir(dir + "/export");
+  v1::CheckpointJobResponse exported;
+  {
+    grpc::ClientContext ctx;
+    grpc::Status s = stub->CheckpointJob(&ctx, checkpoint, &exported);
+    ASSERT_TRUE(s.ok()) << s.error_message();
+  }
+  EXPECT_EQ(exported.step(), kSteps);
+  auto a = SafetensorsFile::Read(dir + "/alone.safetensors");
+  auto c = SafetensorsFile::Read(exported.weights_path());
+  ASSERT_TRUE(a.ok() && c.ok());
+  ASSERT_EQ(a->entries().size(), c->entries().size());
+  double max_diff = 0;
+  for (const auto& entry : a->entries()) {
+    auto x = a->Get(entry.name);
+    auto y = c->Get(entry.name);
+    ASSERT_TRUE(x.ok() && y.ok()) << entry.name;
+    ASSERT_EQ(x->bytes.size(), y->bytes.size()) << entry.name;
+    const float* p = reinterpret_cast<const float*>(x->bytes.data());
+    const float* q = reinterpret_cast<const float*>(y->bytes.data());
+    for (size_t i = 0; i < x->bytes.size() / 4; ++i) {
+      max_diff = std::max(max_diff, static_cast<double>(std::abs(p[i] - q[i])));
+    }
+  }
+  EXPECT_LT(max_diff, 1e-4) << "largest weight difference";
+  std::cout << "largest final weight difference: " << max_diff << "\n";
+
+  for (auto& w : workers) EXPECT_EQ(w->Terminate(), 0) << w->Log();
+  for (auto& s : stores) EXPECT_EQ(s->Terminate(), 0) << s->Log();
+  EXPECT_EQ(coordinator->Terminate(), 0) << coordinator->Log();
+}
+
+}  // namespace
+}  // namespace pith

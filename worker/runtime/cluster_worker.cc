@@ -1,0 +1,562 @@
+#include "worker/runtime/cluster_worker.h"
+
+#include <fcntl.h>
+
+#include <chrono>
+#include <cmath>
+#include <cstring>
+#include <map>
+#include <memory>
+#include <optional>
+#include <thread>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "client/member_agent.h"
+#include "common/file.h"
+#include "common/grpc_util.h"
+#include "common/metrics.h"
+#include "common/safetensors.h"
+#include "common/status.h"
+#include "glog/logging.h"
+#include "grpcpp/grpcpp.h"
+#include "pith/v1/coordinator.grpc.pb.h"
+#include "server/store/store_client.h"
+#include "worker/compute/cpu_backend.h"
+#include "worker/data/token_dataset.h"
+#include "worker/model/checkpoint.h"
+#include "worker/model/moe_gpt.h"
+#include "worker/model/optimizer.h"
+#include "worker/runtime/dispatch.h"
+#include "worker/runtime/peer_group.h"
+
+namespace pith::runtime {
+namespace {
+
+using store::StoreClient;
+
+constexpr v1::BlobKind kStateKinds[] = {v1::BLOB_KIND_WEIGHTS, v1::BLOB_KIND_MASTER,
+                                        v1::BLOB_KIND_ADAM_M, v1::BLOB_KIND_ADAM_V};
+
+struct Metrics {
+  prometheus::Counter* tokens = nullptr;
+  prometheus::Histogram* step_seconds = nullptr;
+  prometheus::Counter* hits = nullptr;
+  prometheus::Counter* misses = nullptr;
+  prometheus::Counter* fetch_bytes = nullptr;
+  prometheus::Histogram* fetch_seconds = nullptr;
+  prometheus::Counter* put_bytes = nullptr;
+  prometheus::Counter* rows_sent = nullptr;
+  prometheus::Gauge* step = nullptr;
+  prometheus::Gauge* loss = nullptr;
+};
+
+absl::StatusOr<Metrics> MakeMetrics(MetricsRegistry& r) {
+  Metrics m;
+  ASSIGN_OR_RETURN(m.tokens, r.Counter("pith_worker_tokens_total", "Tokens trained on"));
+  ASSIGN_OR_RETURN(m.step_seconds, r.Histogram("pith_worker_step_seconds", "Wall time of a step",
+                                               MetricsRegistry::LatencyBuckets()));
+  ASSIGN_OR_RETURN(m.hits, r.Counter("pith_worker_expert_cache_hits_total",
+                                     "Expert weights found resident when a step needed them"));
+  ASSIGN_OR_RETURN(m.misses, r.Counter("pith_worker_expert_cache_misses_total",
+                                       "Expert weights fetched from a store when needed"));
+  ASSIGN_OR_RETURN(m.fetch_bytes,
+                   r.Counter("pith_worker_fetch_bytes_total", "Bytes fetched from stores"));
+  ASSIGN_OR_RETURN(m.fetch_seconds, r.Histogram("pith_worker_fetch_seconds",
+                                                "Time of one batched fetch from a store",
+                                                MetricsRegistry::LatencyBuckets()));
+  ASSIGN_OR_RETURN(m.put_bytes,
+                   r.Counter("pith_worker_put_bytes_total", "Bytes written to stores"));
+  ASSIGN_OR_RETURN(m.rows_sent, r.Counter("pith_worker_dispatch_rows_sent_total",
+                                          "Token rows sent to other workers' experts"));
+  ASSIGN_OR_RETURN(m.step, r.Gauge("pith_job_step", "Last step this worker saw committed"));
+  ASSIGN_OR_RETURN(m.loss, r.Gauge("pith_job_loss", "Loss of the last committed step"));
+  return m;
+}
+
+// One assignment: the model, optimizer and peers of one job at one (rank, world).
+class JobRun {
+ public:
+  JobRun(const v1::Assignment& a, std::string me, PeerGroup* peers, StoreClient* client,
+         v1::CoordinatorService::Stub* coordinator, const ClusterWorkerOptions& options,
+         Metrics* metrics)
+      : a_(a),
+        me_(std::move(me)),
+        peers_(peers),
+        client_(client),
+        coordinator_(coordinator),
+        options_(options),
+        metrics_(metrics),
+        backend_(options.threads) {}
+
+  // Trains until the job ends or the assignment changes (OK: fetch it again), or a
+  // failure (reported to the coordinator, which aborts the step).
+  absl::Status Run(const std::atomic<bool>& stop) {
+    absl::Status s = Setup();
+    int64_t step = a_.committed_step();  // the last committed step
+    bool reported = false;               // step `step` is written and reported, not committed
+    if (s.ok()) {
+      if (step < 0) {
+        step = 0;
+        s = WriteInitial();
+        reported = true;
+      } else {
+        s = LoadCommitted();
+      }
+    }
+    while (s.ok() && !stop) {
+      if (reported) {
+        absl::StatusOr<bool> go_on = Finish(step);
+        if (!go_on.ok()) return go_on.status();  // the coordinator is unreachable: start over
+        if (!*go_on) return absl::OkStatus();
+      }
+      if (step >= a_.spec().train().steps()) return absl::OkStatus();
+      ++step;
+      s = TrainStep(step);
+      reported = true;
+    }
+    if (!s.ok()) {
+      ReportFailure(step, s);
+      return s;
+    }
+    return absl::OkStatus();
+  }
+
+ private:
+  absl::Status Setup() {
+    const v1::JobSpec& spec = a_.spec();
+    shape_ = model::ModelShape::FromSpec(spec.model());
+    const int W = a_.world(), B = spec.train().batch();
+    for (int i = a_.rank(); i < B; i += W) rows_.push_back(i);
+    if (rows_.empty()) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("global batch ", B, " has no rows for rank ", a_.rank(), " of ", W));
+    }
+    ASSIGN_OR_RETURN(model_,
+                     model::MoeGpt::Create(&backend_, shape_, static_cast<int>(rows_.size())));
+    ASSIGN_OR_RETURN(optimizer_,
+                     model::AdamWOptimizer::Create(&backend_, model_->layout(),
+                                                   model::OptimizerConfig::FromSpec(spec.train())));
+    std::vector<std::string> addresses;
+    for (const v1::MemberInfo& p : a_.peers()) addresses.push_back(p.ucx_address());
+    RETURN_IF_ERROR(peers_->Join(a_.rank(), addresses, a_.assignment_version()));
+    std::vector<std::vector<int>> owner(shape_.layers, std::vector<int>(shape_.experts, -1));
+    for (const v1::ExpertPlacement& e : a_.placement().experts()) {
+      if (e.layer() < 0) {
+        dense_stores_.assign(e.store_ids().begin(), e.store_ids().end());
+        continue;
+      }
+      if (e.layer() >= shape_.layers || e.expert() >= shape_.experts || e.owners_size() == 0) {
+        return absl::InvalidArgumentError(absl::StrCat("placement entry of layer ", e.layer(),
+                                                       " expert ", e.expert(), " does not fit"));
+      }
+      owner[e.layer()][e.expert()] = e.owners(0).rank();
+      expert_stores_[{e.layer(), e.expert()}].assign(e.store_ids().begin(), e.store_ids().end());
+    }
+    for (const auto& layer : owner) {
+      for (int o : layer) {
+        if (o < 0) return absl::InvalidArgumentError("placement leaves an expert without owner");
+      }
+    }
+    dispatch_ = std::make_unique<Dispatch>(&backend_, model_.get(), peers_, owner);
+    model_->SetExpertParallel(dispatch_.get());
+    for (const v1::MemberInfo& s : a_.stores()) {
+      ASSIGN_OR_RETURN(int peer, client_->Connect(s.ucx_address()));
+      store_peer_[s.member_id()] = peer;
+    }
+    ASSIGN_OR_RETURN(dataset_, data::TokenDataset::Open(spec.train().data_path(), shape_.vocab));
+    inputs_.resize(rows_.size() * shape_.seq);
+    targets_.resize(rows_.size() * shape_.seq);
+    zeros_.assign(std::max<int64_t>(shape_.expert_floats(), LargestDense()), 0.0f);
+    LOG(INFO) << "job " << a_.job_id() << ": rank " << a_.rank() << " of " << W << ", "
+              << rows_.size() << " rows per step, placement epoch " << a_.placement().epoch();
+    return absl::OkStatus();
+  }
+
+  int64_t LargestDense() const {
+    int64_t n = 0;
+    for (const model::ParamTensor& t : model_->layout().tensors()) {
+      if (t.layer < 0) n = std::max(n, t.numel);
+    }
+    return n;
+  }
+
+  bool Owns(int layer, int expert) const { return dispatch_->owner()[layer][expert] == a_.rank(); }
+
+  v1::BlobKey Key(int layer, int expert, const std::string& tensor, v1::BlobKind kind) const {
+    v1::BlobKey k;
+    k.set_job_id(a_.job_id());
+    k.set_layer(layer);
+    k.set_kind(kind);
+    if (layer < 0) {
+      k.set_tensor(tensor);
+    } else {
+      k.set_expert(expert);
+    }
+    return k;
+  }
+
+  // Writes one blob's new version to every store of its group.
+  absl::Status Put(const std::vector<std::string>& stores, const v1::BlobKey& key, int64_t version,
+                   const void* data, size_t bytes) {
+    if (stores.empty()) return absl::FailedPreconditionError("a group has no store");
+    for (const std::string& id : stores) {
+      auto peer = store_peer_.find(id);
+      if (peer == store_peer_.end()) {
+        return absl::UnavailableError(absl::StrCat("store ", id, " is not in the assignment"));
+      }
+      ASSIGN_OR_RETURN(v1::BlobInfo info, client_->Put(peer->second, key, version, data, bytes));
+      if (id == stores.front()) *written_.Add() = info;
+      metrics_->put_bytes->Increment(static_cast<double>(bytes));
+    }
+    return absl::OkStatus();
+  }
+
+  // Reads the committed versions of `items` from the first store of `stores` that answers.
+  absl::Status Fetch(const std::vector<std::string>& stores,
+                     std::vector<StoreClient::FetchItem>& items) {
+    absl::Status last = absl::FailedPreconditionError("a group has no store");
+    for (const std::string& id : stores) {
+      auto peer = store_peer_.find(id);
+      if (peer == store_peer_.end()) continue;
+      const auto start = std::chrono::steady_clock::now();
+      last = client_->Fetch(peer->second, absl::MakeSpan(items));
+      if (!last.ok()) continue;
+      metrics_->fetch_seconds->Observe(
+          std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
+      for (const auto& item : items) {
+        if (item.info.size_bytes() != item.capacity) {
+          return absl::DataLossError(absl::StrCat("blob ", item.key.ShortDebugString(), " has ",
+                                                  item.info.size_bytes(), " bytes, want ",
+                                                  item.capacity));
+        }
+        metrics_->fetch_bytes->Increment(static_cast<double>(item.capacity));
+      }
+      return absl::OkStatus();
+    }
+    return last;
+  }
+
+  StoreClient::FetchItem Item(const v1::BlobKey& key, void* buffer, size_t bytes) {
+    StoreClient::FetchItem item;
+    item.key = key;
+    item.buffer = buffer;
+    item.capacity = bytes;
+    return item;
+  }
+
+  // Step 0: every worker builds the same initial weights; rank 0 writes the dense
+  // tensors, each owner its experts, with zero moments and counts.
+  absl::Status WriteInitial() {
+    const std::string& init = a_.spec().train().init_path();
+    if (!init.empty()) {
+      ASSIGN_OR_RETURN(SafetensorsFile file, SafetensorsFile::Read(init));
+      RETURN_IF_ERROR(model::LoadWeights(backend_, model_->layout(), file, model_->params()));
+    } else {
+      RETURN_IF_ERROR(model_->InitWeights(a_.spec().train().seed()));
+    }
+    written_.Clear();
+    RETURN_IF_ERROR(WriteOwned(0, /*all_experts=*/true));
+    dense_version_ = 0;  // every worker built the same initial weights
+    return Report(0, model::StepLoss(), 0);
+  }
+
+  // Writes version `version` of what this worker updates: the dense tensors (rank 0) and
+  // its experts (all of them, or those that got tokens).
+  absl::Status WriteOwned(int64_t version, bool all_experts) {
+    const model::ParamLayout& layout = model_->layout();
+    const float* p = model_->params();
+    const float* m = version == 0 ? zeros_.data() : optimizer_->m();
+    const float* v = version == 0 ? zeros_.data() : optimizer_->v();
+    if (a_.rank() == 0) {
+      for (const model::ParamTensor& t : layout.tensors()) {
+        if (t.layer >= 0) continue;
+        const size_t bytes = t.numel * sizeof(float);
+        const int64_t o = version == 0 ? 0 : t.offset;
+        RETURN_IF_ERROR(Put(dense_stores_, Key(-1, 0, t.name, v1::BLOB_KIND_WEIGHTS), version,
+                            p + t.offset, bytes));
+        RETURN_IF_ERROR(Put(dense_stores_, Key(-1, 0, t.name, v1::BLOB_KIND_MASTER), version,
+                            p + t.offset, bytes));
+        RETURN_IF_ERROR(
+            Put(dense_stores_, Key(-1, 0, t.name, v1::BLOB_KIND_ADAM_M), version, m + o, bytes));
+        RETURN_IF_ERROR(
+            Put(dense_stores_, Key(-1, 0, t.name, v1::BLOB_KIND_ADAM_V), version, v + o, bytes));
+      }
+    }
+    const size_t bytes = shape_.expert_floats() * sizeof(float);
+    for (int l = 0; l < shape_.layers; ++l) {
+      for (int e = 0; e < shape_.experts; ++e) {
+        if (!Owns(l, e) || (!all_experts && !model_->ExpertUsed(l, e))) continue;
+        const std::vector<std::string>& stores = expert_stores_.at({l, e});
+        const int64_t off = layout.ExpertOffset(l, e);
+        const int64_t o = version == 0 ? 0 : off;
+        RETURN_IF_ERROR(Put(stores, Key(l, e, "", v1::BLOB_KIND_WEIGHTS), version, p + off, bytes));
+        RETURN_IF_ERROR(Put(stores, Key(l, e, "", v1::BLOB_KIND_MASTER), version, p + off, bytes));
+        RETURN_IF_ERROR(Put(stores, Key(l, e, "", v1::BLOB_KIND_ADAM_M), version, m + o, bytes));
+        RETURN_IF_ERROR(Put(stores, Key(l, e, "", v1::BLOB_KIND_ADAM_V), version, v + o, bytes));
+        const int64_t count = optimizer_->update_counts()[layout.ExpertTensorIndex(l, e)];
+        RETURN_IF_ERROR(
+            Put(stores, Key(l, e, "", v1::BLOB_KIND_STATE), version, &count, sizeof(count)));
+      }
+    }
+    return absl::OkStatus();
+  }
+
+  // Rebuilds this worker's state from the committed step in the stores.
+  absl::Status LoadCommitted() {
+    const model::ParamLayout& layout = model_->layout();
+    RETURN_IF_ERROR(FetchDense(/*with_moments=*/a_.rank() == 0));
+    dense_version_ = a_.committed_step();
+    const size_t bytes = shape_.expert_floats() * sizeof(float);
+    std::vector<int64_t>& counts = optimizer_->update_counts();
+    for (const model::ParamTensor& t : layout.tensors()) {
+      if (t.layer < 0) counts[&t - layout.tensors().data()] = a_.committed_step();
+    }
+    for (int l = 0; l < shape_.layers; ++l) {
+      for (int e = 0; e < shape_.experts; ++e) {
+        if (!Owns(l, e)) continue;
+        const int64_t off = layout.ExpertOffset(l, e);
+        int64_t count = 0;
+        std::vector<StoreClient::FetchItem> items = {
+            Item(Key(l, e, "", v1::BLOB_KIND_WEIGHTS), model_->params() + off, bytes),
+            Item(Key(l, e, "", v1::BLOB_KIND_ADAM_M), optimizer_->m() + off, bytes),
+            Item(Key(l, e, "", v1::BLOB_KIND_ADAM_V), optimizer_->v() + off, bytes),
+            Item(Key(l, e, "", v1::BLOB_KIND_STATE), &count, sizeof(count))};
+        RETURN_IF_ERROR(Fetch(expert_stores_.at({l, e}), items));
+        metrics_->misses->Increment();
+        const int first = layout.ExpertTensorIndex(l, e);
+        for (int i = 0; i < 4; ++i) counts[first + i] = count;
+      }
+    }
+    return absl::OkStatus();
+  }
+
+  absl::Status FetchDense(bool with_moments) {
+    std::vector<StoreClient::FetchItem> items;
+    for (const model::ParamTensor& t : model_->layout().tensors()) {
+      if (t.layer >= 0) continue;
+      const size_t bytes = t.numel * sizeof(float);
+      items.push_back(
+          Item(Key(-1, 0, t.name, v1::BLOB_KIND_WEIGHTS), model_->params() + t.offset, bytes));
+      if (with_moments) {
+        items.push_back(
+            Item(Key(-1, 0, t.name, v1::BLOB_KIND_ADAM_M), optimizer_->m() + t.offset, bytes));
+        items.push_back(
+            Item(Key(-1, 0, t.name, v1::BLOB_KIND_ADAM_V), optimizer_->v() + t.offset, bytes));
+      }
+    }
+    return Fetch(dense_stores_, items);
+  }
+
+  // One training step s >= 1 (data step s - 1): forward/backward with the experts
+  // dispatched, dense gradients summed, the global grad norm, the updates written.
+  absl::Status TrainStep(int64_t s) {
+    const auto start = std::chrono::steady_clock::now();
+    if (dense_version_ != s - 1) {  // rank 0 updated the dense tensors of the last step
+      RETURN_IF_ERROR(FetchDense(/*with_moments=*/false));
+      dense_version_ = s - 1;
+    }
+    dispatch_->SetStep(s);
+    const int T = shape_.seq;
+    const int64_t B = a_.spec().train().batch();
+    for (size_t j = 0; j < rows_.size(); ++j) {
+      dataset_->Row((s - 1) * B + rows_[j], T, inputs_.data() + j * T, targets_.data() + j * T);
+    }
+    ASSIGN_OR_RETURN(model::StepLoss loss,
+                     model_->ForwardBackward(inputs_.data(), targets_.data(), B));
+    ReportHeat(s);
+    const uint64_t tag = (static_cast<uint64_t>(s) << 32) | (1ull << 30);
+    RETURN_IF_ERROR(peers_->AllReduceSum(model_->grads(), model_->layout().dense_floats(), tag));
+    const int rank = a_.rank();
+    const model::HasGrad has_grad = [&](const model::ParamTensor& t) {
+      return t.layer < 0 ? rank == 0
+                         : Owns(t.layer, t.expert) && model_->ExpertUsed(t.layer, t.expert);
+    };
+    double sum_sq = optimizer_->LocalSumOfSquares(model_->grads(), has_grad);
+    RETURN_IF_ERROR(peers_->AllReduceSum(&sum_sq, 1, tag | 1));
+    const model::OptimizerStep step =
+        optimizer_->Apply(model_->params(), model_->grads(), s - 1, has_grad, std::sqrt(sum_sq));
+    lr_ = step.lr;
+    written_.Clear();
+    RETURN_IF_ERROR(WriteOwned(s, /*all_experts=*/false));
+    if (rank == 0) dense_version_ = s;
+    metrics_->tokens->Increment(static_cast<double>(rows_.size() * T));
+    metrics_->rows_sent->Increment(static_cast<double>(dispatch_->rows_sent()));
+    metrics_->step_seconds->Observe(
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
+    return Report(s, loss, rows_.size() * T);
+  }
+
+  absl::Status Report(int64_t s, const model::StepLoss& loss, uint64_t tokens) {
+    v1::StepWrittenRequest r;
+    r.set_job_id(a_.job_id());
+    r.set_worker_id(me_);
+    r.set_step(s);
+    r.set_placement_epoch(a_.placement().epoch());
+    r.set_assignment_version(a_.assignment_version());
+    r.set_ok(true);
+    *r.mutable_written() = written_;
+    r.set_loss(loss.loss);
+    r.set_ce(loss.ce);
+    r.set_lr(lr_);
+    r.set_tokens(tokens);
+    last_loss_ = loss;
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(60));
+    v1::StepWrittenResponse resp;
+    return FromGrpcStatus(coordinator_->ReportStepWritten(&ctx, r, &resp));
+  }
+
+  void ReportFailure(int64_t s, const absl::Status& why) {
+    v1::StepWrittenRequest r;
+    r.set_job_id(a_.job_id());
+    r.set_worker_id(me_);
+    r.set_step(s);
+    r.set_assignment_version(a_.assignment_version());
+    r.set_ok(false);
+    r.set_failure(std::string(why.message()));
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
+    v1::StepWrittenResponse resp;
+    (void)coordinator_->ReportStepWritten(&ctx, r, &resp);
+  }
+
+  void ReportHeat(int64_t s) {
+    v1::HeatReport r;
+    r.set_job_id(a_.job_id());
+    r.set_worker_id(me_);
+    r.set_step(s);
+    r.set_tokens(rows_.size() * shape_.seq);
+    for (int l = 0; l < shape_.layers; ++l) {
+      v1::LayerRouting* routing = r.add_layers();
+      routing->set_layer(l);
+      for (int64_t n : model_->routed(l)) routing->add_tokens_per_expert(n);
+    }
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
+    v1::HeatReportResponse resp;
+    grpc::Status st = coordinator_->ReportHeat(&ctx, r, &resp);
+    if (!st.ok()) VLOG(1) << "heat report: " << st.error_message();
+  }
+
+  // Waits for step s to settle. true: committed, go on; false: re-fetch the assignment.
+  absl::StatusOr<bool> Finish(int64_t s) {
+    while (true) {
+      v1::WaitStepRequest req;
+      req.set_job_id(a_.job_id());
+      req.set_step(s);
+      req.set_assignment_version(a_.assignment_version());
+      v1::StepStatus st;
+      grpc::ClientContext ctx;
+      ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(35));
+      absl::Status rpc = FromGrpcStatus(coordinator_->WaitStep(&ctx, req, &st));
+      if (absl::IsDeadlineExceeded(rpc)) continue;
+      RETURN_IF_ERROR(rpc);
+      if (st.committed_step() >= s) {
+        OnCommitted(s);
+        if (st.job_ended()) return false;
+        // A new placement epoch (or worker set) from the next step: re-fetch.
+        return st.assignment_version() == a_.assignment_version();
+      }
+      if (st.aborted() || st.job_ended()) {
+        LOG(INFO) << "step " << s << " of job " << a_.job_id() << " aborted: " << st.abort_reason();
+        return false;
+      }
+    }
+  }
+
+  void OnCommitted(int64_t s) {
+    metrics_->step->Set(static_cast<double>(s));
+    if (s == 0) return;
+    metrics_->loss->Set(last_loss_.loss);
+    if (a_.rank() == 0 && (s == 1 || s % 10 == 0 || s == a_.spec().train().steps())) {
+      LOG(INFO) << absl::StrFormat("job %s step %d/%d loss %.4f ce %.4f lr %.3g", a_.job_id(), s,
+                                   a_.spec().train().steps(), last_loss_.loss, last_loss_.ce, lr_);
+    }
+    if (a_.rank() == 0 && !options_.loss_log.empty()) {
+      const std::string line = absl::StrFormat("%d %.9g %.9g\n", s, last_loss_.loss, last_loss_.ce);
+      UniqueFd fd(
+          ::open(options_.loss_log.c_str(), O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0644));
+      if (fd.valid()) {
+        (void)WriteAll(fd.get(), {reinterpret_cast<const uint8_t*>(line.data()), line.size()},
+                       options_.loss_log);
+      }
+    }
+  }
+
+  const v1::Assignment a_;
+  const std::string me_;
+  PeerGroup* peers_;
+  StoreClient* client_;
+  v1::CoordinatorService::Stub* coordinator_;
+  const ClusterWorkerOptions& options_;
+  Metrics* metrics_;
+  compute::CpuBackend backend_;
+  model::ModelShape shape_;
+  std::vector<int> rows_;
+  std::unique_ptr<model::MoeGpt> model_;
+  std::unique_ptr<model::AdamWOptimizer> optimizer_;
+  std::unique_ptr<Dispatch> dispatch_;
+  std::optional<data::TokenDataset> dataset_;
+  std::vector<int32_t> inputs_, targets_;
+  std::vector<float> zeros_;
+  std::vector<std::string> dense_stores_;
+  std::map<std::pair<int, int>, std::vector<std::string>> expert_stores_;
+  std::map<std::string, int> store_peer_;
+  google::protobuf::RepeatedPtrField<v1::BlobInfo> written_;
+  model::StepLoss last_loss_;
+  double lr_ = 0;
+  int64_t dense_version_ = -1;  // the step whose dense weights are in params
+};
+
+}  // namespace
+
+absl::Status RunClusterWorker(const ClusterWorkerOptions& options, const std::atomic<bool>& stop) {
+  if (options.coordinator.empty()) return absl::InvalidArgumentError("--coordinator is required");
+  MetricsRegistry registry;
+  ASSIGN_OR_RETURN(Metrics metrics, MakeMetrics(registry));
+  std::unique_ptr<MetricsExposer> exposer;
+  v1::MemberInfo self;
+  if (options.metrics_port >= 0) {
+    ASSIGN_OR_RETURN(
+        exposer, MetricsExposer::Start(absl::StrCat("0.0.0.0:", options.metrics_port), registry));
+    self.set_metrics_address(absl::StrCat("127.0.0.1:", exposer->port()));
+    LOG(INFO) << "metrics on :" << exposer->port();
+  }
+  ASSIGN_OR_RETURN(std::unique_ptr<PeerGroup> peers, PeerGroup::Create());
+  ASSIGN_OR_RETURN(std::unique_ptr<StoreClient> client, StoreClient::Create());
+  self.set_role(v1::MEMBER_ROLE_WORKER);
+  self.set_grpc_address(options.listen);
+  self.set_ucx_address(peers->address());
+  self.set_capacity_bytes(options.cache_bytes);
+  self.set_backend(v1::BACKEND_CPU);
+  ASSIGN_OR_RETURN(std::unique_ptr<MemberAgent> agent,
+                   MemberAgent::Start(options.coordinator, self, [](v1::MemberInfo*) {}));
+  LOG(INFO) << "worker " << agent->member_id() << " joined " << options.coordinator;
+  auto coordinator = v1::CoordinatorService::NewStub(
+      grpc::CreateChannel(options.coordinator, grpc::InsecureChannelCredentials()));
+  while (!stop) {
+    v1::GetAssignmentRequest req;
+    req.set_worker_id(agent->member_id());
+    v1::Assignment a;
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
+    absl::Status s = FromGrpcStatus(coordinator->GetAssignment(&ctx, req, &a));
+    if (!s.ok() || a.job_id().empty()) {
+      if (!s.ok()) VLOG(1) << "assignment: " << s;
+      std::this_thread::sleep_for(std::chrono::milliseconds(200));
+      continue;
+    }
+    JobRun run(a, agent->member_id(), peers.get(), client.get(), coordinator.get(), options,
+               &metrics);
+    s = run.Run(stop);
+    if (!s.ok()) {
+      LOG(WARNING) << "job " << a.job_id() << ": " << s;
+      std::this_thread::sleep_for(std::chrono::milliseconds(200));
+    }
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace pith::runtime

@@ -1,0 +1,40 @@
+// ClusterWorker: `pith-worker --coordinator`. It registers with the coordinator, takes
+// its assignment (rank, world, expert ownership, placement) and trains the job's steps
+// with its peers (DESIGN §6): its rows of each global batch (i % W == rank), experts run
+// by their owners through Dispatch, dense gradients all-reduced, the global grad norm
+// summed, then the updates — rank 0 the dense tensors, each owner its experts that got
+// tokens — written to the stores as the step's new versions (weights, master, AdamW
+// moments and, for experts, the update count), reported, and committed by the
+// coordinator. Step 0 writes the initial weights.
+//
+// Stateless: everything it holds is rebuilt from the stores after an abort or a new
+// assignment (weights, moments, counts of the committed step). The loss it logs is the
+// global one (every worker computes the same bits).
+//
+// Thread safety: Run blocks the calling thread until shutdown.
+#ifndef PITH_WORKER_RUNTIME_CLUSTER_WORKER_H_
+#define PITH_WORKER_RUNTIME_CLUSTER_WORKER_H_
+
+#include <atomic>
+#include <cstdint>
+#include <string>
+
+#include "absl/status/status.h"
+
+namespace pith::runtime {
+
+struct ClusterWorkerOptions {
+  std::string coordinator;   // host:port
+  std::string listen;        // advertised gRPC address (host:port)
+  int metrics_port = -1;     // Prometheus /metrics; -1 disables, 0 picks one
+  uint64_t cache_bytes = 0;  // expert cache budget (advertised; 0: unlimited)
+  int threads = 0;           // CPU backend threads; 0 = one per core
+  std::string loss_log;      // "<step> <loss> <ce>" per committed step (rank 0 only)
+};
+
+// Runs until `stop` becomes true (checked between steps and while idle).
+absl::Status RunClusterWorker(const ClusterWorkerOptions& options, const std::atomic<bool>& stop);
+
+}  // namespace pith::runtime
+
+#endif  // PITH_WORKER_RUNTIME_CLUSTER_WORKER_H_
