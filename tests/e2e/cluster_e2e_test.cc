@@ -1,6 +1,7 @@
 // Distributed training on real processes (1 coordinator, 2 stores, 2 workers on loopback)
 // against `pith-worker --standalone` on the same spec, init and data: a dropless job's
-// per-step losses agree within 1e-4 relative, and the final weights (CheckpointJob) match.
+// per-step losses agree within 1e-4 relative and the final weights (CheckpointJob) match —
+// also when a worker (a spare takes its place) or a store (R = 2) is killed mid-job.
 #include <chrono>
 #include <cmath>
 #include <filesystem>
@@ -46,8 +47,15 @@ std::map<int, double> Losses(const std::string& path) {
   return out;
 }
 
-TEST(ClusterE2eTest, TwoWorkersTrainAsOneProcessDoes) {
-  const std::string dir = ::testing::TempDir() + "/cluster_e2e_" + std::to_string(getpid());
+struct Failure {
+  int kill_worker_after_step = -1;  // kill -9 one worker once this step is committed
+  int kill_store_after_step = -1;   // kill -9 one store once this step is committed
+};
+
+// Trains the spec alone and on a cluster (with `failure` injected); compares.
+void TrainAndCompare(const std::string& name, Failure failure) {
+  const std::string dir =
+      ::testing::TempDir() + "/cluster_e2e_" + name + "_" + std::to_string(getpid());
   std::filesystem::remove_all(dir);
   std::filesystem::create_directories(dir);
   {
@@ -71,7 +79,7 @@ TEST(ClusterE2eTest, TwoWorkersTrainAsOneProcessDoes) {
 
   auto coordinator = std::make_unique<ChildProcess>(
       PITH_COORDINATOR_BINARY,
-      std::vector<std::string>{"--listen=127.0.0.1:0", "--metrics_port=-1", "--lease_ms=2000",
+      std::vector<std::string>{"--listen=127.0.0.1:0", "--metrics_port=-1", "--lease_ms=1500",
                                "--data_dir=" + dir + "/coordinator"},
       dir + "/coordinator.log");
   ASSERT_TRUE(coordinator->WaitReady()) << coordinator->Log();
@@ -86,7 +94,9 @@ TEST(ClusterE2eTest, TwoWorkersTrainAsOneProcessDoes) {
         dir + "/store" + std::to_string(n) + ".log"));
     ASSERT_TRUE(stores.back()->WaitReady()) << stores.back()->Log();
   }
-  for (int n = 0; n < 2; ++n) {
+  // Two workers train; with a worker failure a third waits as the spare.
+  const int worker_count = failure.kill_worker_after_step >= 0 ? 3 : 2;
+  for (int n = 0; n < worker_count; ++n) {
     workers.push_back(std::make_unique<ChildProcess>(
         PITH_WORKER_BINARY,
         std::vector<std::string>{"--coordinator=" + address, "--threads=1",
@@ -112,6 +122,7 @@ TEST(ClusterE2eTest, TwoWorkersTrainAsOneProcessDoes) {
     job_id = resp.job().job_id();
   }
   v1::Job job;
+  bool worker_killed = false, store_killed = false;
   const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(240);
   while (std::chrono::steady_clock::now() < deadline) {
     grpc::ClientContext ctx;
@@ -119,25 +130,38 @@ TEST(ClusterE2eTest, TwoWorkersTrainAsOneProcessDoes) {
     get.set_job_id(job_id);
     ASSERT_TRUE(stub->GetJob(&ctx, get, &job).ok());
     if (job.state() == v1::JOB_STATE_SUCCEEDED || job.state() == v1::JOB_STATE_FAILED) break;
-    std::this_thread::sleep_for(std::chrono::milliseconds(200));
+    if (!worker_killed && failure.kill_worker_after_step >= 0 &&
+        job.committed_step() >= failure.kill_worker_after_step) {
+      // The worker with the most recent log line is training (the spare is idle).
+      workers[0]->Kill();
+      worker_killed = true;
+    }
+    if (!store_killed && failure.kill_store_after_step >= 0 &&
+        job.committed_step() >= failure.kill_store_after_step) {
+      stores[1]->Kill();
+      store_killed = true;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
   }
-  ASSERT_EQ(job.state(), v1::JOB_STATE_SUCCEEDED) << job.ShortDebugString() << "\n"
-                                                  << workers[0]->Log() << "\n"
-                                                  << workers[1]->Log();
+  std::string logs;
+  for (auto& w : workers) logs += w->Log() + "\n";
+  ASSERT_EQ(job.state(), v1::JOB_STATE_SUCCEEDED) << job.ShortDebugString() << "\n" << logs;
   EXPECT_EQ(job.committed_step(), kSteps);
+  EXPECT_EQ(worker_killed, failure.kill_worker_after_step >= 0);
+  EXPECT_EQ(store_killed, failure.kill_store_after_step >= 0);
 
   const auto alone = Losses(dir + "/alone.log");
   const auto cluster = Losses(dir + "/cluster.log");
   ASSERT_EQ(alone.size(), static_cast<size_t>(kSteps));
-  ASSERT_EQ(cluster.size(), static_cast<size_t>(kSteps)) << workers[0]->Log();
+  ASSERT_EQ(cluster.size(), static_cast<size_t>(kSteps)) << logs;
   double worst = 0;
   for (const auto& [step, loss] : alone) {
     worst = std::max(worst, std::abs(cluster.at(step) - loss) / std::abs(loss));
   }
   EXPECT_LT(worst, 1e-4) << "largest per-step relative loss difference";
-  std::cout << "largest per-step relative loss difference: " << worst << " (step 1 loss "
-            << cluster.at(1) << ", step " << kSteps << " loss " << cluster.at(kSteps) << ")\n";
   EXPECT_LT(alone.at(kSteps), alone.at(1));  // it learns
+  std::cout << name << ": largest per-step relative loss difference " << worst << " (step 1 loss "
+            << cluster.at(1) << ", step " << kSteps << " loss " << cluster.at(kSteps) << ")\n";
 
   // The final weights, exported from the stores, match the single process's.
   v1::CheckpointJobRequest checkpoint;
@@ -167,11 +191,30 @@ TEST(ClusterE2eTest, TwoWorkersTrainAsOneProcessDoes) {
     }
   }
   EXPECT_LT(max_diff, 1e-4) << "largest weight difference";
-  std::cout << "largest final weight difference: " << max_diff << "\n";
+  std::cout << name << ": largest final weight difference " << max_diff << "\n";
 
-  for (auto& w : workers) EXPECT_EQ(w->Terminate(), 0) << w->Log();
-  for (auto& s : stores) EXPECT_EQ(s->Terminate(), 0) << s->Log();
+  for (auto& w : workers) {
+    if (w->pid() > 0) {
+      EXPECT_EQ(w->Terminate(), 0) << w->Log();
+    }
+  }
+  for (auto& s : stores) {
+    if (s->pid() > 0) {
+      EXPECT_EQ(s->Terminate(), 0) << s->Log();
+    }
+  }
   EXPECT_EQ(coordinator->Terminate(), 0) << coordinator->Log();
+  std::filesystem::remove_all(dir);
+}
+
+TEST(ClusterE2eTest, TwoWorkersTrainAsOneProcessDoes) { TrainAndCompare("plain", {}); }
+
+TEST(ClusterE2eTest, AWorkerKilledMidJobIsReplacedAndNothingCommittedIsLost) {
+  TrainAndCompare("worker_kill", {.kill_worker_after_step = 6});
+}
+
+TEST(ClusterE2eTest, AStoreKilledMidJobLeavesItsReplicaToCarryOn) {
+  TrainAndCompare("store_kill", {.kill_store_after_step = 6});
 }
 
 }  // namespace

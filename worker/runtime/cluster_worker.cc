@@ -39,6 +39,9 @@ using store::StoreClient;
 constexpr v1::BlobKind kStateKinds[] = {v1::BLOB_KIND_WEIGHTS, v1::BLOB_KIND_MASTER,
                                         v1::BLOB_KIND_ADAM_M, v1::BLOB_KIND_ADAM_V};
 
+// A store that does not answer within this is taken for dead (its lease then runs out).
+constexpr absl::Duration kStoreTimeout = absl::Seconds(10);
+
 struct Metrics {
   prometheus::Counter* tokens = nullptr;
   prometheus::Histogram* step_seconds = nullptr;
@@ -90,10 +93,16 @@ class JobRun {
         metrics_(metrics),
         backend_(options.threads) {}
 
+  ~JobRun() {
+    done_ = true;
+    if (watcher_.joinable()) watcher_.join();
+  }
+
   // Trains until the job ends or the assignment changes (OK: fetch it again), or a
   // failure (reported to the coordinator, which aborts the step).
   absl::Status Run(const std::atomic<bool>& stop) {
     absl::Status s = Setup();
+    if (s.ok()) watcher_ = std::thread([this] { WatchForAbort(); });
     int64_t step = a_.committed_step();  // the last committed step
     bool reported = false;               // step `step` is written and reported, not committed
     if (s.ok()) {
@@ -206,7 +215,8 @@ class JobRun {
       if (peer == store_peer_.end()) {
         return absl::UnavailableError(absl::StrCat("store ", id, " is not in the assignment"));
       }
-      ASSIGN_OR_RETURN(v1::BlobInfo info, client_->Put(peer->second, key, version, data, bytes));
+      ASSIGN_OR_RETURN(v1::BlobInfo info, client_->Put(peer->second, key, version, data, bytes,
+                                                       nullptr, kStoreTimeout));
       if (id == stores.front()) *written_.Add() = info;
       metrics_->put_bytes->Increment(static_cast<double>(bytes));
     }
@@ -221,7 +231,7 @@ class JobRun {
       auto peer = store_peer_.find(id);
       if (peer == store_peer_.end()) continue;
       const auto start = std::chrono::steady_clock::now();
-      last = client_->Fetch(peer->second, absl::MakeSpan(items));
+      last = client_->Fetch(peer->second, absl::MakeSpan(items), kStoreTimeout);
       if (!last.ok()) continue;
       metrics_->fetch_seconds->Observe(
           std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
@@ -352,6 +362,7 @@ class JobRun {
   // One training step s >= 1 (data step s - 1): forward/backward with the experts
   // dispatched, dense gradients summed, the global grad norm, the updates written.
   absl::Status TrainStep(int64_t s) {
+    current_step_ = s;
     const auto start = std::chrono::steady_clock::now();
     if (dense_version_ != s - 1) {  // rank 0 updated the dense tensors of the last step
       RETURN_IF_ERROR(FetchDense(/*with_moments=*/false));
@@ -440,6 +451,36 @@ class JobRun {
     if (!st.ok()) VLOG(1) << "heat report: " << st.error_message();
   }
 
+  // While a step runs, asks the coordinator whether its attempt was aborted (a peer or
+  // store died): then every wait on a peer ends at once instead of timing out.
+  void WatchForAbort() {
+    while (!done_) {
+      v1::WaitStepRequest req;
+      req.set_job_id(a_.job_id());
+      req.set_step(current_step_.load());
+      req.set_assignment_version(a_.assignment_version());
+      v1::StepStatus st;
+      grpc::ClientContext ctx;
+      ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::milliseconds(500));
+      const grpc::Status rpc = coordinator_->WaitStep(&ctx, req, &st);
+      if (rpc.ok() && st.committed_step() < req.step() &&
+          (st.aborted() || st.assignment_version() != a_.assignment_version())) {
+        LOG(INFO) << "step " << req.step() << " of job " << a_.job_id()
+                  << " was aborted: " << st.abort_reason();
+        peers_->Abandon();
+        return;
+      }
+      if (rpc.ok() && st.committed_step() >= req.step()) {
+        // Settled: wait for the next step to start.
+        while (!done_ && current_step_.load() == req.step()) {
+          std::this_thread::sleep_for(std::chrono::milliseconds(20));
+        }
+      } else if (!rpc.ok() && rpc.error_code() != grpc::StatusCode::DEADLINE_EXCEEDED) {
+        std::this_thread::sleep_for(std::chrono::milliseconds(100));
+      }
+    }
+  }
+
   // Waits for step s to settle. true: committed, go on; false: re-fetch the assignment.
   absl::StatusOr<bool> Finish(int64_t s) {
     while (true) {
@@ -508,6 +549,9 @@ class JobRun {
   model::StepLoss last_loss_;
   double lr_ = 0;
   int64_t dense_version_ = -1;  // the step whose dense weights are in params
+  std::atomic<int64_t> current_step_{0};
+  std::atomic<bool> done_{false};
+  std::thread watcher_;
 };
 
 }  // namespace

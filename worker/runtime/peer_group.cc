@@ -1,5 +1,7 @@
 #include "worker/runtime/peer_group.h"
 
+#include <climits>
+#include <cstdint>
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
@@ -66,19 +68,26 @@ absl::Status PeerGroup::Join(int rank, const std::vector<std::string>& addresses
     }
   });
   RETURN_IF_ERROR(status);
-  absl::MutexLock lock(&mu_);
-  rank_ = rank;
-  world_ = static_cast<int>(addresses.size());
-  failed_.assign(addresses.size(), false);
-  attempt_ = attempt;
-  mailbox_.clear();
+  {
+    absl::MutexLock lock(&mu_);
+    rank_ = rank;
+    world_ = static_cast<int>(addresses.size());
+    failed_.assign(addresses.size(), false);
+  }
+  SetAttempt(attempt);
   return absl::OkStatus();
 }
 
 void PeerGroup::SetAttempt(uint64_t attempt) {
   absl::MutexLock lock(&mu_);
   attempt_ = attempt;
-  mailbox_.clear();
+  abandoned_ = false;
+  mailbox_.erase(mailbox_.begin(), mailbox_.lower_bound({attempt, INT32_MIN, 0}));
+}
+
+void PeerGroup::Abandon() {
+  absl::MutexLock lock(&mu_);
+  abandoned_ = true;
 }
 
 absl::Status PeerGroup::Send(int peer, uint64_t tag, std::string bytes) {
@@ -89,6 +98,7 @@ absl::Status PeerGroup::Send(int peer, uint64_t tag, std::string bytes) {
       return absl::InvalidArgumentError(absl::StrCat("no peer ", peer));
     }
     if (failed_[peer]) return absl::UnavailableError(absl::StrCat("peer ", peer, " failed"));
+    if (abandoned_) return absl::UnavailableError("the step attempt was abandoned");
     attempt = attempt_;
   }
   auto payload = std::make_shared<std::string>(std::move(bytes));
@@ -122,16 +132,16 @@ void PeerGroup::OnMessage(ucx::AmMessage& m) {
 
 void PeerGroup::Deliver(uint64_t attempt, int source, uint64_t tag, std::string bytes) {
   absl::MutexLock lock(&mu_);
-  if (attempt != attempt_) return;  // from an aborted (or not yet started) attempt
-  mailbox_[{source, tag}] = std::move(bytes);
+  if (attempt < attempt_) return;                       // from an aborted attempt
+  mailbox_[{attempt, source, tag}] = std::move(bytes);  // this one, or one about to start
 }
 
 absl::StatusOr<std::string> PeerGroup::Receive(int peer, uint64_t tag, absl::Duration timeout) {
   absl::MutexLock lock(&mu_);
   const uint64_t attempt = attempt_;
-  const std::pair<int, uint64_t> key{peer, tag};
+  const std::tuple<uint64_t, int, uint64_t> key{attempt, peer, tag};
   auto ready = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    return mailbox_.count(key) > 0 || attempt_ != attempt ||
+    return mailbox_.count(key) > 0 || attempt_ != attempt || abandoned_ ||
            (peer >= 0 && peer < static_cast<int>(failed_.size()) && failed_[peer]);
   };
   if (!mu_.AwaitWithTimeout(absl::Condition(&ready), timeout)) {
@@ -139,8 +149,8 @@ absl::StatusOr<std::string> PeerGroup::Receive(int peer, uint64_t tag, absl::Dur
                                                     " within ", absl::FormatDuration(timeout)));
   }
   auto it = mailbox_.find(key);
-  if (it == mailbox_.end()) {
-    return absl::UnavailableError(attempt_ != attempt
+  if (it == mailbox_.end() || abandoned_) {
+    return absl::UnavailableError(attempt_ != attempt || abandoned_
                                       ? std::string("the step attempt was abandoned")
                                       : absl::StrCat("peer ", peer, " failed"));
   }

@@ -3,8 +3,9 @@
 // on; the collectives a step needs are built on top: a deterministic all-reduce (every
 // rank sums the contributions in rank order, so all end with the same bits).
 //
-// Attempts: a step attempt that is aborted leaves messages in flight. SetAttempt() starts
-// a new one: the mailbox is emptied and messages of any other attempt are dropped.
+// Attempts (the job's assignment versions, which only grow): a step attempt that is
+// aborted leaves messages in flight. SetAttempt() starts a new one: messages of older
+// attempts are dropped, while those of newer ones (a peer that got there first) are kept.
 //
 // Thread safety: all methods are thread-safe; Receive and the collectives block the
 // calling thread (never the UCX progress thread).
@@ -15,6 +16,7 @@
 #include <map>
 #include <memory>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "absl/status/statusor.h"
@@ -37,8 +39,11 @@ class PeerGroup {
   absl::Status Join(int rank, const std::vector<std::string>& addresses, uint64_t attempt);
   int rank() const { return rank_; }
   int world() const { return world_; }
-  // Starts a new attempt: forgets every message received so far.
+  // Starts attempt `attempt` (no older than the current one).
   void SetAttempt(uint64_t attempt);
+  // Gives up the current attempt (it was aborted): every Receive waiting on it returns
+  // UNAVAILABLE now, and so does every later one until the next Join or SetAttempt.
+  void Abandon();
 
   // Sends `bytes` to `peer` under `tag` (the bytes are kept until sent).
   absl::Status Send(int peer, uint64_t tag, std::string bytes);
@@ -64,7 +69,9 @@ class PeerGroup {
 
   absl::Mutex mu_;
   uint64_t attempt_ ABSL_GUARDED_BY(mu_) = 0;
-  std::map<std::pair<int, uint64_t>, std::string> mailbox_ ABSL_GUARDED_BY(mu_);
+  bool abandoned_ ABSL_GUARDED_BY(mu_) = false;
+  // (attempt, source rank, tag) -> bytes
+  std::map<std::tuple<uint64_t, int, uint64_t>, std::string> mailbox_ ABSL_GUARDED_BY(mu_);
   std::vector<bool> failed_ ABSL_GUARDED_BY(mu_);  // by rank: the endpoint failed
 };
 

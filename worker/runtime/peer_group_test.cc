@@ -59,7 +59,7 @@ TEST(PeerGroupTest, AllReduceGivesEveryRankTheSameBits) {
   }
 }
 
-TEST(PeerGroupTest, ANewAttemptDropsTheOldOnesMessages) {
+TEST(PeerGroupTest, ANewAttemptDropsOlderMessagesAndKeepsNewerOnes) {
   auto g = Group(2, /*attempt=*/1);
   ASSERT_TRUE(g[0]->Send(1, 3, "old").ok());
   ASSERT_TRUE(g[1]->Receive(0, 3).ok());
@@ -68,11 +68,27 @@ TEST(PeerGroupTest, ANewAttemptDropsTheOldOnesMessages) {
   g[1]->SetAttempt(2);
   EXPECT_EQ(g[1]->Receive(0, 4, absl::Milliseconds(100)).status().code(),
             absl::StatusCode::kDeadlineExceeded);
-  g[0]->SetAttempt(2);
-  ASSERT_TRUE(g[0]->Send(1, 4, "fresh").ok());
+  // A peer that starts attempt 3 first: its message waits for this side to get there.
+  g[0]->SetAttempt(3);
+  ASSERT_TRUE(g[0]->Send(1, 4, "early").ok());
+  absl::SleepFor(absl::Milliseconds(100));
+  g[1]->SetAttempt(3);
   auto got = g[1]->Receive(0, 4);
-  ASSERT_TRUE(got.ok());
-  EXPECT_EQ(*got, "fresh");
+  ASSERT_TRUE(got.ok()) << got.status();
+  EXPECT_EQ(*got, "early");
+}
+
+TEST(PeerGroupTest, AbandoningAnAttemptReleasesItsWaiters) {
+  auto g = Group(2);
+  std::thread abort([&] {
+    absl::SleepFor(absl::Milliseconds(100));
+    g[1]->Abandon();
+  });
+  const absl::Time start = absl::Now();
+  EXPECT_EQ(g[1]->Receive(0, 1, absl::Seconds(30)).status().code(), absl::StatusCode::kUnavailable);
+  EXPECT_LT(absl::Now() - start, absl::Seconds(10));
+  abort.join();
+  EXPECT_EQ(g[1]->Send(0, 2, "x").code(), absl::StatusCode::kUnavailable);
 }
 
 }  // namespace
