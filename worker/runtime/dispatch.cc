@@ -104,6 +104,17 @@ absl::Status Dispatch::ScatterReturned(int layer, int phase, int peer, int64_t w
   return absl::OkStatus();
 }
 
+absl::StatusOr<compute::ExpertWeights> Dispatch::Weights(int layer, int expert) {
+  if (cache_ == nullptr) return model_->expert_weights(layer)[expert];
+  ASSIGN_OR_RETURN(float* w, cache_->Acquire({layer, expert}));
+  const int64_t C = model_->shape().channels, F = model_->shape().hidden;
+  return compute::ExpertWeights{w, w + C * F, w + C * F + F, w + 2 * C * F + F};
+}
+
+void Dispatch::Done(int layer, int expert) {
+  if (cache_ != nullptr) cache_->Release({layer, expert});
+}
+
 absl::Status Dispatch::Forward(int layer, float* y, float* hpre, float* h, const float* xperm,
                                const int64_t* offsets) {
   const model::ModelShape& s = model_->shape();
@@ -111,36 +122,53 @@ absl::Status Dispatch::Forward(int layer, float* y, float* hpre, float* h, const
   const int me = peers_->rank();
   if (layer == 0) rows_sent_ = rows_received_ = 0;
   RETURN_IF_ERROR(SendBuckets(layer, kForwardRows, xperm, C, offsets));
-
-  // This worker's own rows of the experts it owns, bucket by bucket.
-  const auto weights = model_->expert_weights(layer);
-  for (int e = 0; e < E; ++e) {
-    const int64_t o = offsets[e], n = offsets[e + 1] - offsets[e];
-    if (owner_[layer][e] != me || n == 0) continue;
-    const int64_t one[2] = {0, n};
-    backend_->ExpertForward(y + o * C, hpre + o * F, h + o * F, xperm + o * C, one,
-                            weights.subspan(e, 1), C, F);
-  }
-  // The rows peers sent, in rank order; their outputs go back.
+  // The rows peers sent, in rank order.
   for (int q = 0; q < peers_->world(); ++q) {
     if (q == me) continue;
     Inbound& in = inbound_[layer][q];
     RETURN_IF_ERROR(ReceiveBuckets(layer, kForwardRows, q, C, in, in.x));
-    std::vector<int64_t> off(E + 1, 0);
-    for (int e = 0; e < E; ++e) off[e + 1] = off[e] + in.counts[e];
-    const int64_t rows = off[E];
+    in.offsets.assign(E + 1, 0);
+    for (int e = 0; e < E; ++e) in.offsets[e + 1] = in.offsets[e] + in.counts[e];
+    const int64_t rows = in.offsets[E];
     rows_received_ += rows;
     in.hpre.resize(rows * F);
     in.h.resize(rows * F);
     in.out.resize(rows * C);
-    if (rows > 0) {
-      backend_->ExpertForward(in.out.data(), in.hpre.data(), in.h.data(), in.x.data(), off.data(),
-                              weights, C, F);
+  }
+  // Each owned expert once, over this worker's rows and then each peer's.
+  for (int e = 0; e < E; ++e) {
+    if (owner_[layer][e] != me) continue;
+    bool any = offsets[e + 1] > offsets[e];
+    for (int q = 0; q < peers_->world(); ++q) {
+      if (q != me) any |= inbound_[layer][q].counts[e] > 0;
     }
-    RETURN_IF_ERROR(backend_->Synchronize());
+    if (!any) continue;
+    ASSIGN_OR_RETURN(const compute::ExpertWeights w, Weights(layer, e));
+    const absl::Span<const compute::ExpertWeights> one_expert(&w, 1);
+    if (const int64_t o = offsets[e], n = offsets[e + 1] - offsets[e]; n > 0) {
+      const int64_t bucket[2] = {0, n};
+      backend_->ExpertForward(y + o * C, hpre + o * F, h + o * F, xperm + o * C, bucket, one_expert,
+                              C, F);
+    }
+    for (int q = 0; q < peers_->world(); ++q) {
+      if (q == me) continue;
+      Inbound& in = inbound_[layer][q];
+      const int64_t o = in.offsets[e], n = in.counts[e];
+      if (n == 0) continue;
+      const int64_t bucket[2] = {0, n};
+      backend_->ExpertForward(in.out.data() + o * C, in.hpre.data() + o * F, in.h.data() + o * F,
+                              in.x.data() + o * C, bucket, one_expert, C, F);
+    }
+    absl::Status synced = backend_->Synchronize();
+    Done(layer, e);
+    RETURN_IF_ERROR(synced);
+  }
+  for (int q = 0; q < peers_->world(); ++q) {
+    if (q == me) continue;
+    const Inbound& in = inbound_[layer][q];
     RETURN_IF_ERROR(peers_->Send(
         q, Tag(layer, kForwardOut),
-        std::string(reinterpret_cast<const char*>(in.out.data()), rows * C * sizeof(float))));
+        std::string(reinterpret_cast<const char*>(in.out.data()), in.out.size() * sizeof(float))));
   }
   for (int p = 0; p < peers_->world(); ++p) {
     if (p != me) RETURN_IF_ERROR(ScatterReturned(layer, kForwardOut, p, C, offsets, y));
@@ -155,40 +183,55 @@ absl::Status Dispatch::Backward(int layer, float* dxperm, float* dh, const float
   const int E = s.experts, C = s.channels, F = s.hidden;
   const int me = peers_->rank();
   RETURN_IF_ERROR(SendBuckets(layer, kBackwardDy, dy, C, offsets));
-
-  const auto weights = model_->expert_weights(layer);
-  const auto grads = model_->expert_grads(layer);
-  for (int e = 0; e < E; ++e) {
-    const int64_t o = offsets[e], n = offsets[e + 1] - offsets[e];
-    if (owner_[layer][e] != me || n == 0) continue;
-    const int64_t one[2] = {0, n};
-    backend_->ExpertBackward(dxperm + o * C, dh + o * F, grads.subspan(e, 1), dy + o * C,
-                             xperm + o * C, hpre + o * F, h + o * F, one, weights.subspan(e, 1), C,
-                             F);
-  }
   for (int q = 0; q < peers_->world(); ++q) {
     if (q == me) continue;
     Inbound& in = inbound_[layer][q];
-    std::vector<float> dy_in;
     const std::vector<int64_t> counts = in.counts;
-    RETURN_IF_ERROR(ReceiveBuckets(layer, kBackwardDy, q, C, in, dy_in));
+    RETURN_IF_ERROR(ReceiveBuckets(layer, kBackwardDy, q, C, in, in.dy));
     if (in.counts != counts) {
       return absl::DataLossError(
           absl::StrCat("dispatch: peer ", q, " sent gradients for other rows than in forward"));
     }
-    std::vector<int64_t> off(E + 1, 0);
-    for (int e = 0; e < E; ++e) off[e + 1] = off[e] + in.counts[e];
-    const int64_t rows = off[E];
-    in.dh.resize(rows * F);
-    std::vector<float> dx(rows * C);
-    if (rows > 0) {
-      backend_->ExpertBackward(dx.data(), in.dh.data(), grads, dy_in.data(), in.x.data(),
-                               in.hpre.data(), in.h.data(), off.data(), weights, C, F);
+    in.dh.resize(in.offsets[E] * F);
+    in.dx.resize(in.offsets[E] * C);
+  }
+  const auto grads = model_->expert_grads(layer);
+  for (int e = 0; e < E; ++e) {
+    if (owner_[layer][e] != me) continue;
+    bool any = offsets[e + 1] > offsets[e];
+    for (int q = 0; q < peers_->world(); ++q) {
+      if (q != me) any |= inbound_[layer][q].counts[e] > 0;
     }
-    RETURN_IF_ERROR(backend_->Synchronize());
+    if (!any) continue;
+    ASSIGN_OR_RETURN(const compute::ExpertWeights w, Weights(layer, e));
+    const absl::Span<const compute::ExpertWeights> one_expert(&w, 1);
+    // The expert's gradient accumulates over this worker's rows, then each peer's in rank
+    // order: the same order on every run.
+    if (const int64_t o = offsets[e], n = offsets[e + 1] - offsets[e]; n > 0) {
+      const int64_t bucket[2] = {0, n};
+      backend_->ExpertBackward(dxperm + o * C, dh + o * F, grads.subspan(e, 1), dy + o * C,
+                               xperm + o * C, hpre + o * F, h + o * F, bucket, one_expert, C, F);
+    }
+    for (int q = 0; q < peers_->world(); ++q) {
+      if (q == me) continue;
+      Inbound& in = inbound_[layer][q];
+      const int64_t o = in.offsets[e], n = in.counts[e];
+      if (n == 0) continue;
+      const int64_t bucket[2] = {0, n};
+      backend_->ExpertBackward(in.dx.data() + o * C, in.dh.data() + o * F, grads.subspan(e, 1),
+                               in.dy.data() + o * C, in.x.data() + o * C, in.hpre.data() + o * F,
+                               in.h.data() + o * F, bucket, one_expert, C, F);
+    }
+    absl::Status synced = backend_->Synchronize();
+    Done(layer, e);
+    RETURN_IF_ERROR(synced);
+  }
+  for (int q = 0; q < peers_->world(); ++q) {
+    if (q == me) continue;
+    const Inbound& in = inbound_[layer][q];
     RETURN_IF_ERROR(peers_->Send(
         q, Tag(layer, kBackwardDx),
-        std::string(reinterpret_cast<const char*>(dx.data()), rows * C * sizeof(float))));
+        std::string(reinterpret_cast<const char*>(in.dx.data()), in.dx.size() * sizeof(float))));
   }
   for (int p = 0; p < peers_->world(); ++p) {
     if (p != me) RETURN_IF_ERROR(ScatterReturned(layer, kBackwardDx, p, C, offsets, dxperm));

@@ -20,6 +20,7 @@
 #include "absl/status/status.h"
 #include "worker/compute/backend.h"
 #include "worker/model/moe_gpt.h"
+#include "worker/runtime/expert_cache.h"
 #include "worker/runtime/peer_group.h"
 
 namespace pith::runtime {
@@ -30,6 +31,9 @@ class Dispatch final : public model::ExpertParallel {
   Dispatch(compute::Backend* backend, model::MoeGpt* model, PeerGroup* peers,
            std::vector<std::vector<int>> owner);
 
+  // Takes the owned experts' weights from `cache` (not owned) instead of the model's
+  // arena; null: the arena.
+  void SetCache(ExpertCache* cache) { cache_ = cache; }
   // Tags the messages of the coming step.
   void SetStep(int64_t step) {
     step_ = step;
@@ -49,9 +53,13 @@ class Dispatch final : public model::ExpertParallel {
  private:
   // What a peer sent for one layer: rows per expert, and the activations kept for backward.
   struct Inbound {
-    std::vector<int64_t> counts;  // E
-    std::vector<float> x, hpre, h, out, dh;
+    std::vector<int64_t> counts;   // E
+    std::vector<int64_t> offsets;  // E + 1, prefix sums of counts
+    std::vector<float> x, hpre, h, out, dy, dx, dh;
   };
+  // The weights of an owned expert for compute, and their release.
+  absl::StatusOr<compute::ExpertWeights> Weights(int layer, int expert);
+  void Done(int layer, int expert);
   uint64_t Tag(int layer, int phase) const;
   // Sends each peer the rows of `rows` ([A, width]) in the buckets it owns.
   absl::Status SendBuckets(int layer, int phase, const float* rows, int64_t width,
@@ -70,6 +78,7 @@ class Dispatch final : public model::ExpertParallel {
   int64_t step_ = 0;
   int64_t rows_sent_ = 0, rows_received_ = 0;
   std::vector<std::vector<Inbound>> inbound_;  // [layer][peer]
+  ExpertCache* cache_ = nullptr;
   uint64_t reduce_seq_ = 0;
 };
 

@@ -1,0 +1,208 @@
+#include "worker/runtime/expert_cache.h"
+
+#include <algorithm>
+#include <chrono>
+
+#include "absl/strings/str_cat.h"
+
+namespace pith::runtime {
+
+absl::StatusOr<std::unique_ptr<ExpertCache>> ExpertCache::Create(
+    std::unique_ptr<ucx::MemoryRegion> memory, size_t slot_bytes, int slots, FetchFn fetch) {
+  if (slots < 2 || slot_bytes == 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("the expert cache needs 2 slots at least, got ", slots));
+  }
+  if (memory == nullptr || memory->size() < slot_bytes * static_cast<size_t>(slots)) {
+    return absl::InvalidArgumentError("the expert cache's memory is smaller than its slots");
+  }
+  std::unique_ptr<ExpertCache> c(new ExpertCache());
+  c->memory_ = std::move(memory);
+  c->slot_bytes_ = slot_bytes;
+  c->fetch_ = std::move(fetch);
+  {
+    absl::MutexLock lock(&c->mu_);
+    c->slots_.resize(slots);
+  }
+  c->prefetcher_ = std::thread([p = c.get()] { p->Prefetch(); });
+  return c;
+}
+
+ExpertCache::~ExpertCache() {
+  {
+    absl::MutexLock lock(&mu_);
+    stop_ = true;
+  }
+  if (prefetcher_.joinable()) prefetcher_.join();
+}
+
+int ExpertCache::VictimLocked() {
+  // Soon needed: the next entries of the schedule, as many as there are slots.
+  std::vector<Expert> soon;
+  for (size_t i = cursor_; i < schedule_.size() && soon.size() < slots_.size(); ++i) {
+    soon.push_back(schedule_[i]);
+  }
+  int best = -1;
+  for (int i = 0; i < static_cast<int>(slots_.size()); ++i) {
+    const Slot& s = slots_[i];
+    if (s.fetching || s.pins > 0) continue;
+    if (!s.valid) return i;  // free
+    if (std::find(soon.begin(), soon.end(), s.expert) != soon.end()) continue;
+    if (best < 0 || s.last_use < slots_[best].last_use) best = i;
+  }
+  return best;
+}
+
+absl::StatusOr<float*> ExpertCache::Acquire(Expert expert) {
+  absl::MutexLock lock(&mu_);
+  // The consumer's position in the schedule: just past this expert's next occurrence.
+  for (size_t i = cursor_; i < schedule_.size(); ++i) {
+    if (schedule_[i] == expert) {
+      cursor_ = i + 1;
+      break;
+    }
+  }
+  while (true) {
+    auto it = index_.find(expert);
+    if (it != index_.end()) {
+      Slot& s = slots_[it->second];
+      if (s.fetching) {  // the prefetcher is on it
+        auto done = [&s]() { return !s.fetching; };
+        mu_.Await(absl::Condition(&done));
+        continue;
+      }
+      if (s.valid) {
+        ++s.pins;
+        s.last_use = ++clock_;
+        ++stats_.hits;
+        if (s.prefetched) ++stats_.prefetch_hits;
+        s.prefetched = false;
+        return SlotData(it->second);
+      }
+    }
+    int victim = VictimLocked();
+    if (victim < 0) {
+      // Every slot is pinned or being filled: take any unpinned one, or wait for a fetch.
+      for (int i = 0; i < static_cast<int>(slots_.size()) && victim < 0; ++i) {
+        if (slots_[i].pins == 0 && !slots_[i].fetching) victim = i;
+      }
+    }
+    if (victim < 0) {
+      bool fetching = false;
+      for (const Slot& s : slots_) fetching |= s.fetching;
+      if (!fetching) {
+        return absl::ResourceExhaustedError(
+            absl::StrCat("every one of the ", slots_.size(), " expert cache slots is in use"));
+      }
+      const uint64_t seen = clock_;
+      auto changed = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return clock_ != seen; };
+      mu_.AwaitWithTimeout(absl::Condition(&changed), absl::Milliseconds(10));
+      continue;
+    }
+    Slot& s = slots_[victim];
+    if (s.valid) index_.erase(s.expert);
+    s = Slot{expert, false, true, false, 1, ++clock_};
+    index_[expert] = victim;
+    float* data = SlotData(victim);
+    mu_.Unlock();
+    const auto start = std::chrono::steady_clock::now();
+    absl::Status status = fetch_(expert, data, slot_bytes_, memory_->handle());
+    const double seconds =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    mu_.Lock();
+    s.fetching = false;
+    ++clock_;
+    if (!status.ok()) {
+      index_.erase(expert);
+      s = Slot{};
+      return status;
+    }
+    s.valid = true;
+    ++stats_.misses;
+    stats_.bytes_fetched += slot_bytes_;
+    stats_.seconds_fetching += seconds;
+    return data;
+  }
+}
+
+void ExpertCache::Release(Expert expert) {
+  absl::MutexLock lock(&mu_);
+  auto it = index_.find(expert);
+  if (it == index_.end()) return;
+  Slot& s = slots_[it->second];
+  if (s.pins > 0) --s.pins;
+  ++clock_;
+}
+
+void ExpertCache::SetSchedule(std::vector<Expert> order) {
+  absl::MutexLock lock(&mu_);
+  schedule_ = std::move(order);
+  cursor_ = 0;
+  ++clock_;
+}
+
+void ExpertCache::Clear() {
+  absl::MutexLock lock(&mu_);
+  for (Slot& s : slots_) {
+    if (s.pins > 0 || s.fetching || !s.valid) continue;
+    index_.erase(s.expert);
+    s = Slot{};
+  }
+  ++clock_;
+}
+
+ExpertCache::Stats ExpertCache::stats() {
+  absl::MutexLock lock(&mu_);
+  Stats out = stats_;
+  out.resident_bytes = 0;
+  for (const Slot& s : slots_) out.resident_bytes += s.valid ? slot_bytes_ : 0;
+  return out;
+}
+
+void ExpertCache::Prefetch() {
+  absl::MutexLock lock(&mu_);
+  while (!stop_) {
+    // The next scheduled expert within reach (a slot's worth ahead of the consumer) that
+    // is not resident yet.
+    int target = -1;
+    const size_t reach = std::min(schedule_.size(), cursor_ + slots_.size() - 1);
+    for (size_t i = cursor_; i < reach; ++i) {
+      if (!index_.count(schedule_[i])) {
+        target = static_cast<int>(i);
+        break;
+      }
+    }
+    const int victim = target >= 0 ? VictimLocked() : -1;
+    if (target < 0 || victim < 0) {
+      const uint64_t seen = clock_;
+      auto changed = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return stop_ || clock_ != seen; };
+      mu_.AwaitWithTimeout(absl::Condition(&changed), absl::Milliseconds(50));
+      continue;
+    }
+    const Expert expert = schedule_[target];
+    Slot& s = slots_[victim];
+    if (s.valid) index_.erase(s.expert);
+    s = Slot{expert, false, true, false, 0, ++clock_};
+    index_[expert] = victim;
+    float* data = SlotData(victim);
+    mu_.Unlock();
+    const auto start = std::chrono::steady_clock::now();
+    absl::Status status = fetch_(expert, data, slot_bytes_, memory_->handle());
+    const double seconds =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    mu_.Lock();
+    s.fetching = false;
+    ++clock_;
+    if (!status.ok()) {
+      index_.erase(expert);
+      s = Slot{};
+      continue;  // the consumer fetches it itself and sees the error
+    }
+    s.valid = true;
+    s.prefetched = true;
+    stats_.bytes_fetched += slot_bytes_;
+    stats_.seconds_fetching += seconds;
+  }
+}
+
+}  // namespace pith::runtime

@@ -1,0 +1,98 @@
+// ExpertCache: the worker's fixed-slot pool of expert weights (DESIGN §6 step 3). One
+// allocation of UCX-registered memory, cut into slots of one expert blob each (no
+// allocation per fetch); least recently used slots are reused; a slot is pinned while
+// compute reads it; a prefetcher on its own thread fetches the experts the owner will
+// need next (its compute order: forward through the layers, backward, the updates) into
+// free slots while the current ones compute.
+//
+// Contents are always the bytes of a committed version in the stores, or the owner's own
+// update of them (Store), so a hit and a miss give the same bits: caching never changes
+// the math.
+//
+// Thread safety: all methods are thread-safe; the fetch function runs on the caller's or
+// the prefetcher's thread.
+#ifndef PITH_WORKER_RUNTIME_EXPERT_CACHE_H_
+#define PITH_WORKER_RUNTIME_EXPERT_CACHE_H_
+
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <memory>
+#include <thread>
+#include <utility>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "common/ucx.h"
+
+namespace pith::runtime {
+
+class ExpertCache {
+ public:
+  using Expert = std::pair<int, int>;  // (layer, expert)
+  // Fills `dst` (slot_bytes) with the committed weights of an expert, from the stores.
+  using FetchFn = std::function<absl::Status(Expert, void* dst, size_t bytes, ucp_mem_h memh)>;
+
+  struct Stats {
+    uint64_t hits = 0, misses = 0, prefetch_hits = 0;
+    uint64_t bytes_fetched = 0;
+    double seconds_fetching = 0;
+    uint64_t resident_bytes = 0;
+  };
+
+  // `slots` slots of `slot_bytes` in `memory` (registered, slots * slot_bytes bytes, not
+  // owned... kept alive by the cache). At least 2 slots.
+  static absl::StatusOr<std::unique_ptr<ExpertCache>> Create(
+      std::unique_ptr<ucx::MemoryRegion> memory, size_t slot_bytes, int slots, FetchFn fetch);
+  ~ExpertCache();  // stops the prefetcher
+
+  int slots() const { return static_cast<int>(slots_.size()); }
+  size_t slot_bytes() const { return slot_bytes_; }
+
+  // The weights of `expert`, fetched on a miss (waiting for a prefetch in flight); pinned
+  // until Release. RESOURCE_EXHAUSTED when every slot is pinned.
+  absl::StatusOr<float*> Acquire(Expert expert);
+  void Release(Expert expert);
+
+  // The order experts will be acquired in this step; the prefetcher works through it.
+  void SetSchedule(std::vector<Expert> order);
+  // Drops every unpinned entry (after an aborted step its updates are void).
+  void Clear();
+  Stats stats();
+
+ private:
+  struct Slot {
+    Expert expert{-1, -1};
+    bool valid = false;       // holds the expert's bytes
+    bool fetching = false;    // a fetch is filling it
+    bool prefetched = false;  // filled by the prefetcher, not acquired since
+    int pins = 0;
+    uint64_t last_use = 0;
+  };
+  ExpertCache() = default;
+  // A slot to reuse: free, or the least recently used unpinned one not scheduled soon.
+  int VictimLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void Prefetch();
+  float* SlotData(int i) const {
+    return reinterpret_cast<float*>(memory_->data() + static_cast<size_t>(i) * slot_bytes_);
+  }
+
+  std::unique_ptr<ucx::MemoryRegion> memory_;
+  size_t slot_bytes_ = 0;
+  FetchFn fetch_;
+
+  absl::Mutex mu_;
+  std::vector<Slot> slots_ ABSL_GUARDED_BY(mu_);
+  std::map<Expert, int> index_ ABSL_GUARDED_BY(mu_);  // expert -> slot
+  std::vector<Expert> schedule_ ABSL_GUARDED_BY(mu_);
+  size_t cursor_ ABSL_GUARDED_BY(mu_) = 0;  // next schedule entry the consumer acquires
+  uint64_t clock_ ABSL_GUARDED_BY(mu_) = 0;
+  Stats stats_ ABSL_GUARDED_BY(mu_);
+  bool stop_ ABSL_GUARDED_BY(mu_) = false;
+  std::thread prefetcher_;
+};
+
+}  // namespace pith::runtime
+
+#endif  // PITH_WORKER_RUNTIME_EXPERT_CACHE_H_
