@@ -29,6 +29,7 @@
 #include "worker/model/moe_gpt.h"
 #include "worker/model/optimizer.h"
 #include "worker/runtime/dispatch.h"
+#include "worker/runtime/expert_cache.h"
 #include "worker/runtime/peer_group.h"
 
 namespace pith::runtime {
@@ -51,6 +52,8 @@ struct Metrics {
   prometheus::Histogram* fetch_seconds = nullptr;
   prometheus::Counter* put_bytes = nullptr;
   prometheus::Counter* rows_sent = nullptr;
+  prometheus::Counter* prefetch_hits = nullptr;
+  prometheus::Gauge* resident = nullptr;
   prometheus::Gauge* step = nullptr;
   prometheus::Gauge* loss = nullptr;
 };
@@ -73,6 +76,11 @@ absl::StatusOr<Metrics> MakeMetrics(MetricsRegistry& r) {
                    r.Counter("pith_worker_put_bytes_total", "Bytes written to stores"));
   ASSIGN_OR_RETURN(m.rows_sent, r.Counter("pith_worker_dispatch_rows_sent_total",
                                           "Token rows sent to other workers' experts"));
+  ASSIGN_OR_RETURN(m.prefetch_hits,
+                   r.Counter("pith_worker_expert_cache_prefetch_hits_total",
+                             "Expert weights the prefetcher had fetched before they were needed"));
+  ASSIGN_OR_RETURN(m.resident, r.Gauge("pith_worker_expert_cache_resident_bytes",
+                                       "Bytes of expert weights resident in the cache"));
   ASSIGN_OR_RETURN(m.step, r.Gauge("pith_job_step", "Last step this worker saw committed"));
   ASSIGN_OR_RETURN(m.loss, r.Gauge("pith_job_loss", "Loss of the last committed step"));
   return m;
@@ -170,16 +178,43 @@ class JobRun {
     }
     dispatch_ = std::make_unique<Dispatch>(&backend_, model_.get(), peers_, owner);
     model_->SetExpertParallel(dispatch_.get());
+    for (int l = 0; l < shape_.layers; ++l) {
+      for (int e = 0; e < shape_.experts; ++e) {
+        if (owner[l][e] == a_.rank()) owned_.push_back({l, e});
+      }
+    }
     for (const v1::MemberInfo& s : a_.stores()) {
       ASSIGN_OR_RETURN(int peer, client_->Connect(s.ucx_address()));
       store_peer_[s.member_id()] = peer;
     }
+    // The expert cache: --cache_bytes of slots (all owned experts when 0), two at least.
+    const size_t slot_bytes = shape_.expert_floats() * sizeof(float);
+    int slots = static_cast<int>(owned_.size()) + 1;
+    if (options_.cache_bytes > 0) {
+      slots = std::min<int64_t>(slots, static_cast<int64_t>(options_.cache_bytes / slot_bytes));
+    }
+    slots = std::max(slots, 2);
+    ASSIGN_OR_RETURN(std::unique_ptr<ucx::MemoryRegion> slot_memory,
+                     client_->AllocateBuffer(slot_bytes * slots));
+    ASSIGN_OR_RETURN(
+        cache_,
+        ExpertCache::Create(std::move(slot_memory), slot_bytes, slots,
+                            [this](ExpertCache::Expert x, void* dst, size_t bytes, ucp_mem_h memh) {
+                              std::vector<StoreClient::FetchItem> items = {Item(
+                                  Key(x.first, x.second, "", v1::BLOB_KIND_WEIGHTS), dst, bytes)};
+                              items[0].memh = memh;
+                              return Fetch(expert_stores_.at(x), items);
+                            }));
+    dispatch_->SetCache(cache_.get());
+    m_scratch_.resize(shape_.expert_floats());
+    v_scratch_.resize(shape_.expert_floats());
     ASSIGN_OR_RETURN(dataset_, data::TokenDataset::Open(spec.train().data_path(), shape_.vocab));
     inputs_.resize(rows_.size() * shape_.seq);
     targets_.resize(rows_.size() * shape_.seq);
     zeros_.assign(std::max<int64_t>(shape_.expert_floats(), LargestDense()), 0.0f);
     LOG(INFO) << "job " << a_.job_id() << ": rank " << a_.rank() << " of " << W << ", "
-              << rows_.size() << " rows per step, placement epoch " << a_.placement().epoch();
+              << rows_.size() << " rows per step, " << owned_.size() << " experts owned, " << slots
+              << " cache slots, placement epoch " << a_.placement().epoch();
     return absl::OkStatus();
   }
 
@@ -294,10 +329,11 @@ class JobRun {
             Put(dense_stores_, Key(-1, 0, t.name, v1::BLOB_KIND_ADAM_V), version, v + o, bytes));
       }
     }
+    if (!all_experts) return absl::OkStatus();  // training steps write experts as they update
     const size_t bytes = shape_.expert_floats() * sizeof(float);
     for (int l = 0; l < shape_.layers; ++l) {
       for (int e = 0; e < shape_.experts; ++e) {
-        if (!Owns(l, e) || (!all_experts && !model_->ExpertUsed(l, e))) continue;
+        if (!Owns(l, e)) continue;
         const std::vector<std::string>& stores = expert_stores_.at({l, e});
         const int64_t off = layout.ExpertOffset(l, e);
         const int64_t o = version == 0 ? 0 : off;
@@ -313,31 +349,15 @@ class JobRun {
     return absl::OkStatus();
   }
 
-  // Rebuilds this worker's state from the committed step in the stores.
+  // Rebuilds this worker's state from the committed step in the stores: the dense
+  // tensors (rank 0 also their moments); experts come through the cache when needed.
   absl::Status LoadCommitted() {
     const model::ParamLayout& layout = model_->layout();
     RETURN_IF_ERROR(FetchDense(/*with_moments=*/a_.rank() == 0));
     dense_version_ = a_.committed_step();
-    const size_t bytes = shape_.expert_floats() * sizeof(float);
     std::vector<int64_t>& counts = optimizer_->update_counts();
-    for (const model::ParamTensor& t : layout.tensors()) {
-      if (t.layer < 0) counts[&t - layout.tensors().data()] = a_.committed_step();
-    }
-    for (int l = 0; l < shape_.layers; ++l) {
-      for (int e = 0; e < shape_.experts; ++e) {
-        if (!Owns(l, e)) continue;
-        const int64_t off = layout.ExpertOffset(l, e);
-        int64_t count = 0;
-        std::vector<StoreClient::FetchItem> items = {
-            Item(Key(l, e, "", v1::BLOB_KIND_WEIGHTS), model_->params() + off, bytes),
-            Item(Key(l, e, "", v1::BLOB_KIND_ADAM_M), optimizer_->m() + off, bytes),
-            Item(Key(l, e, "", v1::BLOB_KIND_ADAM_V), optimizer_->v() + off, bytes),
-            Item(Key(l, e, "", v1::BLOB_KIND_STATE), &count, sizeof(count))};
-        RETURN_IF_ERROR(Fetch(expert_stores_.at({l, e}), items));
-        metrics_->misses->Increment();
-        const int first = layout.ExpertTensorIndex(l, e);
-        for (int i = 0; i < 4; ++i) counts[first + i] = count;
-      }
+    for (size_t i = 0; i < layout.tensors().size(); ++i) {
+      if (layout.tensors()[i].layer < 0) counts[i] = a_.committed_step();
     }
     return absl::OkStatus();
   }
@@ -369,6 +389,12 @@ class JobRun {
       dense_version_ = s - 1;
     }
     dispatch_->SetStep(s);
+    // The owner's compute order: forward through the layers, backward, then the updates.
+    std::vector<ExpertCache::Expert> order(owned_.begin(), owned_.end());
+    for (auto it = owned_.rbegin(); it != owned_.rend(); ++it) order.push_back(*it);
+    order.insert(order.end(), owned_.begin(), owned_.end());
+    cache_->SetSchedule(std::move(order));
+    const ExpertCache::Stats before = cache_->stats();
     const int T = shape_.seq;
     const int64_t B = a_.spec().train().batch();
     for (size_t j = 0; j < rows_.size(); ++j) {
@@ -386,17 +412,79 @@ class JobRun {
     };
     double sum_sq = optimizer_->LocalSumOfSquares(model_->grads(), has_grad);
     RETURN_IF_ERROR(peers_->AllReduceSum(&sum_sq, 1, tag | 1));
-    const model::OptimizerStep step =
-        optimizer_->Apply(model_->params(), model_->grads(), s - 1, has_grad, std::sqrt(sum_sq));
-    lr_ = step.lr;
+    const double norm = std::sqrt(sum_sq);
+    // Dense tensors (rank 0) through the optimizer; experts one at a time below, with
+    // their moments fetched from the stores.
+    const model::HasGrad dense_here = [&](const model::ParamTensor& t) {
+      return t.layer < 0 && rank == 0;
+    };
+    lr_ = optimizer_->Apply(model_->params(), model_->grads(), s - 1, dense_here, norm).lr;
     written_.Clear();
     RETURN_IF_ERROR(WriteOwned(s, /*all_experts=*/false));
+    RETURN_IF_ERROR(UpdateExperts(s, norm));
+    const ExpertCache::Stats after = cache_->stats();
+    step_hits_ = after.hits - before.hits;
+    step_misses_ = after.misses - before.misses;
+    metrics_->hits->Increment(static_cast<double>(step_hits_));
+    metrics_->misses->Increment(static_cast<double>(step_misses_));
+    metrics_->prefetch_hits->Increment(
+        static_cast<double>(after.prefetch_hits - before.prefetch_hits));
+    metrics_->resident->Set(static_cast<double>(after.resident_bytes));
     if (rank == 0) dense_version_ = s;
     metrics_->tokens->Increment(static_cast<double>(rows_.size() * T));
     metrics_->rows_sent->Increment(static_cast<double>(dispatch_->rows_sent()));
     metrics_->step_seconds->Observe(
         std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
     return Report(s, loss, rows_.size() * T);
+  }
+
+  // AdamW on each owned expert that got tokens, exactly as AdamWOptimizer::Apply does it:
+  // the weights in its cache slot, the moments and count of the committed step from the
+  // stores; the new versions go straight back.
+  absl::Status UpdateExperts(int64_t s, double grad_norm) {
+    const model::OptimizerConfig& c = optimizer_->config();
+    const model::ParamLayout& layout = model_->layout();
+    const float lr = static_cast<float>(model::LearningRate(c, s - 1));
+    const double coef = c.grad_clip > 0 ? c.grad_clip / (grad_norm + 1e-6) : 1.0;
+    const size_t bytes = shape_.expert_floats() * sizeof(float);
+    for (const ExpertCache::Expert& x : owned_) {
+      const auto [l, e] = x;
+      if (!model_->ExpertUsed(l, e)) continue;
+      ASSIGN_OR_RETURN(float* w, cache_->Acquire(x));
+      absl::Status status = [&]() -> absl::Status {
+        const std::vector<std::string>& stores = expert_stores_.at(x);
+        int64_t count = 0;
+        std::vector<StoreClient::FetchItem> items = {
+            Item(Key(l, e, "", v1::BLOB_KIND_ADAM_M), m_scratch_.data(), bytes),
+            Item(Key(l, e, "", v1::BLOB_KIND_ADAM_V), v_scratch_.data(), bytes),
+            Item(Key(l, e, "", v1::BLOB_KIND_STATE), &count, sizeof(count))};
+        RETURN_IF_ERROR(Fetch(stores, items));
+        const int64_t base = layout.ExpertOffset(l, e);
+        float* g = model_->grads() + base;
+        ++count;
+        const int first = layout.ExpertTensorIndex(l, e);
+        for (int i = 0; i < 4; ++i) {
+          const model::ParamTensor& t = layout.tensors()[first + i];
+          const int64_t o = t.offset - base;
+          if (coef < 1.0) backend_.Scale(g + o, static_cast<float>(coef), t.numel);
+          backend_.AdamW(w + o, g + o, m_scratch_.data() + o, v_scratch_.data() + o, t.numel, lr,
+                         static_cast<float>(c.beta1), static_cast<float>(c.beta2),
+                         static_cast<float>(c.eps),
+                         t.decay ? static_cast<float>(c.weight_decay) : 0.0f, count);
+        }
+        RETURN_IF_ERROR(backend_.Synchronize());
+        RETURN_IF_ERROR(Put(stores, Key(l, e, "", v1::BLOB_KIND_WEIGHTS), s, w, bytes));
+        RETURN_IF_ERROR(Put(stores, Key(l, e, "", v1::BLOB_KIND_MASTER), s, w, bytes));
+        RETURN_IF_ERROR(
+            Put(stores, Key(l, e, "", v1::BLOB_KIND_ADAM_M), s, m_scratch_.data(), bytes));
+        RETURN_IF_ERROR(
+            Put(stores, Key(l, e, "", v1::BLOB_KIND_ADAM_V), s, v_scratch_.data(), bytes));
+        return Put(stores, Key(l, e, "", v1::BLOB_KIND_STATE), s, &count, sizeof(count));
+      }();
+      cache_->Release(x);
+      RETURN_IF_ERROR(status);
+    }
+    return absl::OkStatus();
   }
 
   absl::Status Report(int64_t s, const model::StepLoss& loss, uint64_t tokens) {
@@ -412,6 +500,8 @@ class JobRun {
     r.set_ce(loss.ce);
     r.set_lr(lr_);
     r.set_tokens(tokens);
+    r.set_cache_hits(step_hits_);
+    r.set_cache_misses(step_misses_);
     last_loss_ = loss;
     grpc::ClientContext ctx;
     ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(60));
@@ -550,6 +640,10 @@ class JobRun {
   double lr_ = 0;
   int64_t dense_version_ = -1;  // the step whose dense weights are in params
   std::atomic<int64_t> current_step_{0};
+  std::vector<ExpertCache::Expert> owned_;  // in (layer, expert) order
+  std::unique_ptr<ExpertCache> cache_;
+  std::vector<float> m_scratch_, v_scratch_;
+  uint64_t step_hits_ = 0, step_misses_ = 0;
   std::atomic<bool> done_{false};
   std::thread watcher_;
 };
