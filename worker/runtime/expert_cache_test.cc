@@ -1,0 +1,97 @@
+// ExpertCache: hits and LRU reuse, pinning, every slot pinned, fetch errors, and the
+// prefetcher fetching ahead of a consumer that follows the schedule.
+#include "worker/runtime/expert_cache.h"
+
+#include <atomic>
+#include <thread>
+
+#include "gtest/gtest.h"
+
+namespace pith::runtime {
+namespace {
+
+constexpr size_t kSlotBytes = 4096;
+
+class ExpertCacheTest : public ::testing::Test {
+ protected:
+  void SetUp() override { worker_ = *ucx::Worker::Create(); }
+  void TearDown() override {
+    cache_.reset();
+    worker_.reset();
+  }
+  void Open(int slots, absl::Duration fetch_time = absl::ZeroDuration()) {
+    auto memory = worker_->Allocate(kSlotBytes * slots);
+    ASSERT_TRUE(memory.ok());
+    auto cache = ExpertCache::Create(
+        std::move(*memory), kSlotBytes, slots,
+        [this, fetch_time](ExpertCache::Expert x, void* dst, size_t bytes, ucp_mem_h) {
+          ++fetches_;
+          absl::SleepFor(fetch_time);
+          if (x.first < 0) return absl::NotFoundError("no such expert");
+          float* f = static_cast<float*>(dst);
+          for (size_t i = 0; i < bytes / sizeof(float); ++i) f[i] = x.first * 100.0f + x.second;
+          return absl::OkStatus();
+        });
+    ASSERT_TRUE(cache.ok()) << cache.status();
+    cache_ = std::move(*cache);
+  }
+  float Read(ExpertCache::Expert x) {
+    auto w = cache_->Acquire(x);
+    EXPECT_TRUE(w.ok()) << w.status();
+    const float v = w.ok() ? (*w)[kSlotBytes / sizeof(float) - 1] : -1;
+    cache_->Release(x);
+    return v;
+  }
+
+  std::unique_ptr<ucx::Worker> worker_;
+  std::unique_ptr<ExpertCache> cache_;
+  std::atomic<int> fetches_{0};
+};
+
+TEST_F(ExpertCacheTest, HitsMissesAndLeastRecentlyUsedReuse) {
+  Open(2);
+  EXPECT_EQ(Read({0, 1}), 1.0f);
+  EXPECT_EQ(Read({0, 2}), 2.0f);
+  EXPECT_EQ(Read({0, 1}), 1.0f);  // hit
+  EXPECT_EQ(fetches_.load(), 2);
+  EXPECT_EQ(Read({1, 3}), 103.0f);  // evicts (0, 2), the least recently used
+  EXPECT_EQ(Read({0, 1}), 1.0f);    // still there
+  EXPECT_EQ(fetches_.load(), 3);
+  const ExpertCache::Stats s = cache_->stats();
+  EXPECT_EQ(s.hits, 2u);
+  EXPECT_EQ(s.misses, 3u);
+  EXPECT_EQ(s.resident_bytes, 2 * kSlotBytes);
+  // A failed fetch is an error, and leaves no entry behind.
+  EXPECT_EQ(cache_->Acquire({-1, 0}).status().code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(cache_->Acquire({-1, 0}).status().code(), absl::StatusCode::kNotFound);
+}
+
+TEST_F(ExpertCacheTest, PinnedSlotsAreNeverReused) {
+  Open(2);
+  auto a = cache_->Acquire({0, 0});
+  auto b = cache_->Acquire({0, 1});
+  ASSERT_TRUE(a.ok() && b.ok());
+  EXPECT_EQ(cache_->Acquire({0, 2}).status().code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_EQ((*a)[0], 0.0f);
+  cache_->Release({0, 0});
+  EXPECT_EQ(Read({0, 2}), 2.0f);  // took (0, 0)'s slot
+  EXPECT_EQ((*b)[0], 1.0f);       // (0, 1) stayed put
+  cache_->Release({0, 1});
+}
+
+TEST_F(ExpertCacheTest, ThePrefetcherFetchesAheadOfTheSchedule) {
+  Open(3, absl::Milliseconds(20));
+  std::vector<ExpertCache::Expert> order;
+  for (int e = 0; e < 8; ++e) order.push_back({0, e});
+  cache_->SetSchedule(order);
+  for (const auto& x : order) {
+    EXPECT_EQ(Read(x), static_cast<float>(x.second));
+    absl::SleepFor(absl::Milliseconds(25));  // compute while the next one arrives
+  }
+  const ExpertCache::Stats s = cache_->stats();
+  EXPECT_GE(s.prefetch_hits, 5u) << "hits " << s.hits << " misses " << s.misses;
+  EXPECT_EQ(s.hits + s.misses, 8u);
+}
+
+}  // namespace
+}  // namespace pith::runtime
