@@ -183,6 +183,22 @@ void TrainAndCompare(const std::string& name, Failure failure, Outcome* outcome 
   std::cout << name << ": largest per-step relative loss difference " << worst << " (step 1 loss "
             << cluster.at(1) << ", step " << kSteps << " loss " << cluster.at(kSteps) << ")\n";
 
+  // The workers reported their routing every step: heat and co-activation are there.
+  {
+    grpc::ClientContext ctx;
+    v1::ExpertHeatRequest req;
+    req.set_job_id(job_id);
+    req.set_layer(-1);
+    v1::ExpertHeatResponse heat;
+    grpc::Status s = stub->ExpertHeat(&ctx, req, &heat);
+    ASSERT_TRUE(s.ok()) << s.error_message();
+    EXPECT_EQ(heat.experts_size(), 2 * 4);
+    double total = 0;
+    for (const auto& e : heat.experts()) total += e.heat();
+    EXPECT_GT(total, 0);
+    EXPECT_GT(heat.pairs_size(), 0);
+  }
+
   // The final weights, exported from the stores, match the single process's.
   v1::CheckpointJobRequest checkpoint;
   checkpoint.set_job_id(job_id);

@@ -336,6 +336,11 @@ absl::Status MoeGpt::CopyLogitGrads(float* out) const {
   return backend_->CopyToHost(out, logits_, sizeof(float) * n);
 }
 
+absl::Status MoeGpt::CopyChosenExperts(int layer, int32_t* out) const {
+  const int64_t n = int64_t{batch_} * shape().seq * shape().top_k;
+  return backend_->CopyToHost(out, layer_[layer].expert, sizeof(int32_t) * n);
+}
+
 bool MoeGpt::ExpertUsed(int layer, int expert) const {
   const int L = shape().layers, E = shape().experts;
   if (global_stats_.size() == static_cast<size_t>(3) * L * E) {

@@ -91,6 +91,8 @@ class MoeGpt {
   // probabilities of a layer [N, E] and d loss / d logits [N, V].
   absl::Status CopyRouterProbs(int layer, float* out) const;
   absl::Status CopyLogitGrads(float* out) const;
+  // The experts each token chose at `layer` in the last step, [N, top_k] (kept or not).
+  absl::Status CopyChosenExperts(int layer, int32_t* out) const;
 
   // Host copies of the last step's routing of one layer, for heat reports and tests.
   const std::vector<int64_t>& routed(int layer) const { return host_[layer].routed; }

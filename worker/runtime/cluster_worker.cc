@@ -529,10 +529,29 @@ class JobRun {
     r.set_worker_id(me_);
     r.set_step(s);
     r.set_tokens(rows_.size() * shape_.seq);
+    const int E = shape_.experts, k = shape_.top_k;
+    const int64_t tokens = static_cast<int64_t>(rows_.size()) * shape_.seq;
+    // Co-activation (pairs of experts chosen by one token) for layers of up to 64 experts;
+    // wider ones report token counts only (the packed triangle would outweigh the step).
+    const bool pairs = E <= 64;
+    std::vector<int32_t> chosen(pairs ? tokens * k : 0);
     for (int l = 0; l < shape_.layers; ++l) {
       v1::LayerRouting* routing = r.add_layers();
       routing->set_layer(l);
       for (int64_t n : model_->routed(l)) routing->add_tokens_per_expert(n);
+      if (!pairs || !model_->CopyChosenExperts(l, chosen.data()).ok()) continue;
+      routing->mutable_coactivation()->Resize(E * (E - 1) / 2, 0);
+      for (int64_t t = 0; t < tokens; ++t) {
+        for (int i = 0; i < k; ++i) {
+          for (int j = i + 1; j < k; ++j) {
+            const int a = std::min(chosen[t * k + i], chosen[t * k + j]);
+            const int b = std::max(chosen[t * k + i], chosen[t * k + j]);
+            if (a == b || a < 0) continue;
+            const int64_t idx = int64_t{a} * E - int64_t{a} * (a + 1) / 2 + (b - a - 1);
+            routing->set_coactivation(idx, routing->coactivation(idx) + 1);
+          }
+        }
+      }
     }
     grpc::ClientContext ctx;
     ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
