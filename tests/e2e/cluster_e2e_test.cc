@@ -19,6 +19,7 @@
 #include "common/safetensors.h"
 #include "google/protobuf/util/json_util.h"
 #include "gtest/gtest.h"
+#include "pith/v1/coordinator.grpc.pb.h"
 #include "pith/v1/job.grpc.pb.h"
 
 namespace pith {
@@ -28,13 +29,14 @@ using pith::testing::ChildProcess;
 
 constexpr int kSteps = 20;
 
-std::string SpecJson(const std::string& data) {
+std::string SpecJson(const std::string& data, const std::string& replication) {
   return R"({"name": "cluster", "model": {"vocab_size": 256, "seq_len": 16, "d_model": 32,
   "n_layer": 2, "n_head": 2, "n_expert": 4, "top_k": 2, "d_ff": 64, "capacity_factor": 4.0,
   "aux_loss_coef": 0.01, "z_loss_coef": 0.001}, "train": {"data_path": ")" +
          data + R"(", "batch": 8, "steps": )" + std::to_string(kSteps) +
          R"(, "lr": 0.003, "warmup": 5, "seed": 1337}, "cluster": {"workers": 2,
-  "store_replicas": 2}})";
+  "store_replicas": 2)" +
+         replication + "}}";
 }
 
 // step -> loss from a "<step> <loss> <ce>" log.
@@ -51,6 +53,7 @@ struct Failure {
   int kill_worker_after_step = -1;  // kill -9 one worker once this step is committed
   int kill_store_after_step = -1;   // kill -9 one store once this step is committed
   uint64_t cache_bytes = 0;         // the workers' --cache_bytes (0: every expert resident)
+  bool hot_replicas = false;        // re-plan every 5 steps with up to 2 compute owners
 };
 
 struct Outcome {
@@ -73,7 +76,10 @@ void TrainAndCompare(const std::string& name, Failure failure, Outcome* outcome 
     }
   }
   const std::string spec_path = dir + "/spec.json";
-  std::ofstream(spec_path) << SpecJson(dir + "/tokens.bin");
+  std::ofstream(spec_path) << SpecJson(
+      dir + "/tokens.bin",
+      failure.hot_replicas ? R"(, "replication": {"max_compute_replicas": 2, "replan_every": 5})"
+                           : "");
 
   // The reference: one process.
   {
@@ -131,6 +137,9 @@ void TrainAndCompare(const std::string& name, Failure failure, Outcome* outcome 
   }
   v1::Job job;
   bool worker_killed = false, store_killed = false;
+  int most_owners = 0;  // of any expert, seen in the placement after the first re-plan
+  auto coordinator_stub = v1::CoordinatorService::NewStub(
+      grpc::CreateChannel(address, grpc::InsecureChannelCredentials()));
   const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(240);
   while (std::chrono::steady_clock::now() < deadline) {
     grpc::ClientContext ctx;
@@ -143,6 +152,15 @@ void TrainAndCompare(const std::string& name, Failure failure, Outcome* outcome 
       // The worker with the most recent log line is training (the spare is idle).
       workers[0]->Kill();
       worker_killed = true;
+    }
+    if (failure.hot_replicas && most_owners == 0 && job.committed_step() >= 6) {
+      grpc::ClientContext pctx;
+      v1::GetPlacementRequest preq;
+      preq.set_job_id(job_id);
+      v1::PlacementTable table;
+      if (coordinator_stub->GetPlacement(&pctx, preq, &table).ok()) {
+        for (const auto& e : table.experts()) most_owners = std::max(most_owners, e.owners_size());
+      }
     }
     if (!store_killed && failure.kill_store_after_step >= 0 &&
         job.committed_step() >= failure.kill_store_after_step) {
@@ -157,6 +175,9 @@ void TrainAndCompare(const std::string& name, Failure failure, Outcome* outcome 
   EXPECT_EQ(job.committed_step(), kSteps);
   EXPECT_EQ(worker_killed, failure.kill_worker_after_step >= 0);
   EXPECT_EQ(store_killed, failure.kill_store_after_step >= 0);
+  if (failure.hot_replicas) {
+    EXPECT_EQ(most_owners, 2) << "no expert has a second owner";
+  }
 
   const auto alone = Losses(dir + "/alone.log");
   // Rank 0 logs a step once it sees it committed, a moment after the coordinator does.
@@ -270,6 +291,10 @@ TEST(ClusterE2eTest, ACacheOfAQuarterOfTheExpertsChangesNothing) {
   EXPECT_LT(cached.cache_hit_rate, 0.9);
   std::cout << "cache hit rate of the last step: everything resident " << resident.cache_hit_rate
             << ", a quarter " << cached.cache_hit_rate << "\n";
+}
+
+TEST(ClusterE2eTest, HotExpertsGetSecondOwnersAndTheMathHolds) {
+  TrainAndCompare("hot_replicas", {.hot_replicas = true});
 }
 
 TEST(ClusterE2eTest, AWorkerKilledMidJobIsReplacedAndNothingCommittedIsLost) {

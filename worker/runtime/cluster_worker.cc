@@ -158,7 +158,9 @@ class JobRun {
     std::vector<std::string> addresses;
     for (const v1::MemberInfo& p : a_.peers()) addresses.push_back(p.ucx_address());
     RETURN_IF_ERROR(peers_->Join(a_.rank(), addresses, a_.assignment_version()));
-    std::vector<std::vector<int>> owner(shape_.layers, std::vector<int>(shape_.experts, -1));
+    std::vector<std::vector<ExpertOwners>> owners(shape_.layers,
+                                                  std::vector<ExpertOwners>(shape_.experts));
+    primary_.assign(shape_.layers, std::vector<int>(shape_.experts, -1));
     for (const v1::ExpertPlacement& e : a_.placement().experts()) {
       if (e.layer() < 0) {
         dense_stores_.assign(e.store_ids().begin(), e.store_ids().end());
@@ -168,19 +170,27 @@ class JobRun {
         return absl::InvalidArgumentError(absl::StrCat("placement entry of layer ", e.layer(),
                                                        " expert ", e.expert(), " does not fit"));
       }
-      owner[e.layer()][e.expert()] = e.owners(0).rank();
+      primary_[e.layer()][e.expert()] = e.owners(0).rank();
+      for (const v1::ComputeOwner& o : e.owners()) {
+        if (o.rank() < 0 || o.rank() >= W) {
+          return absl::InvalidArgumentError(absl::StrCat("owner rank ", o.rank(), " outside ", W));
+        }
+        owners[e.layer()][e.expert()].push_back({o.rank(), o.token_share()});
+      }
       expert_stores_[{e.layer(), e.expert()}].assign(e.store_ids().begin(), e.store_ids().end());
     }
-    for (const auto& layer : owner) {
+    for (const auto& layer : primary_) {
       for (int o : layer) {
         if (o < 0) return absl::InvalidArgumentError("placement leaves an expert without owner");
       }
     }
-    dispatch_ = std::make_unique<Dispatch>(&backend_, model_.get(), peers_, owner);
+    owners_ = owners;
+    dispatch_ = std::make_unique<Dispatch>(&backend_, model_.get(), peers_, std::move(owners));
     model_->SetExpertParallel(dispatch_.get());
     for (int l = 0; l < shape_.layers; ++l) {
       for (int e = 0; e < shape_.experts; ++e) {
-        if (owner[l][e] == a_.rank()) owned_.push_back({l, e});
+        if (dispatch_->Computes(l, e)) owned_.push_back({l, e});
+        if (primary_[l][e] == a_.rank()) updated_.push_back({l, e});
       }
     }
     for (const v1::MemberInfo& s : a_.stores()) {
@@ -213,8 +223,9 @@ class JobRun {
     targets_.resize(rows_.size() * shape_.seq);
     zeros_.assign(std::max<int64_t>(shape_.expert_floats(), LargestDense()), 0.0f);
     LOG(INFO) << "job " << a_.job_id() << ": rank " << a_.rank() << " of " << W << ", "
-              << rows_.size() << " rows per step, " << owned_.size() << " experts owned, " << slots
-              << " cache slots, placement epoch " << a_.placement().epoch();
+              << rows_.size() << " rows per step, " << owned_.size() << " experts computed ("
+              << updated_.size() << " updated), " << slots << " cache slots, placement epoch "
+              << a_.placement().epoch();
     return absl::OkStatus();
   }
 
@@ -226,7 +237,8 @@ class JobRun {
     return n;
   }
 
-  bool Owns(int layer, int expert) const { return dispatch_->owner()[layer][expert] == a_.rank(); }
+  // Whether this worker is the expert's primary owner: it applies its update.
+  bool Owns(int layer, int expert) const { return primary_[layer][expert] == a_.rank(); }
 
   v1::BlobKey Key(int layer, int expert, const std::string& tensor, v1::BlobKind kind) const {
     v1::BlobKey k;
@@ -390,9 +402,13 @@ class JobRun {
     }
     dispatch_->SetStep(s);
     // The owner's compute order: forward through the layers, backward, then the updates.
+    // Experts this worker computes but does not update were updated by their primary.
+    for (const ExpertCache::Expert& x : owned_) {
+      if (!Owns(x.first, x.second)) cache_->Invalidate(x);
+    }
     std::vector<ExpertCache::Expert> order(owned_.begin(), owned_.end());
     for (auto it = owned_.rbegin(); it != owned_.rend(); ++it) order.push_back(*it);
-    order.insert(order.end(), owned_.begin(), owned_.end());
+    order.insert(order.end(), updated_.begin(), updated_.end());
     cache_->SetSchedule(std::move(order));
     const ExpertCache::Stats before = cache_->stats();
     const int T = shape_.seq;
@@ -403,6 +419,7 @@ class JobRun {
     ASSIGN_OR_RETURN(model::StepLoss loss,
                      model_->ForwardBackward(inputs_.data(), targets_.data(), B));
     ReportHeat(s);
+    RETURN_IF_ERROR(ReduceReplicaGradients(s));
     const uint64_t tag = (static_cast<uint64_t>(s) << 32) | (1ull << 30);
     RETURN_IF_ERROR(peers_->AllReduceSum(model_->grads(), model_->layout().dense_floats(), tag));
     const int rank = a_.rank();
@@ -438,6 +455,47 @@ class JobRun {
     return Report(s, loss, rows_.size() * T);
   }
 
+  // Experts computed by several workers (hot ones): their gradients are summed at the
+  // primary owner, in rank order (the same bits every run); the others' copies are zeroed.
+  absl::Status ReduceReplicaGradients(int64_t s) {
+    const int64_t floats = shape_.expert_floats();
+    const uint64_t base = (static_cast<uint64_t>(s) << 32) | (1ull << 29);
+    std::vector<float> sum(floats);
+    for (const ExpertCache::Expert& x : owned_) {
+      const auto [l, e] = x;
+      const ExpertOwners& owners = owners_[l][e];
+      if (owners.size() < 2 || !model_->ExpertUsed(l, e)) continue;
+      float* g = model_->grads() + model_->layout().ExpertOffset(l, e);
+      const uint64_t tag = base | static_cast<uint64_t>(l * shape_.experts + e);
+      const int primary = primary_[l][e];
+      if (primary != a_.rank()) {
+        RETURN_IF_ERROR(peers_->Send(
+            primary, tag, std::string(reinterpret_cast<const char*>(g), floats * sizeof(float))));
+        std::fill(g, g + floats, 0.0f);
+        continue;
+      }
+      std::vector<int> ranks;
+      for (const auto& [rank, share] : owners) ranks.push_back(rank);
+      std::sort(ranks.begin(), ranks.end());
+      std::fill(sum.begin(), sum.end(), 0.0f);
+      for (int rank : ranks) {
+        const float* part = g;
+        std::string got;
+        if (rank != a_.rank()) {
+          ASSIGN_OR_RETURN(got, peers_->Receive(rank, tag));
+          if (got.size() != floats * sizeof(float)) {
+            return absl::DataLossError(
+                absl::StrCat("replica gradient from rank ", rank, " has ", got.size(), " bytes"));
+          }
+          part = reinterpret_cast<const float*>(got.data());
+        }
+        for (int64_t i = 0; i < floats; ++i) sum[i] += part[i];
+      }
+      std::copy(sum.begin(), sum.end(), g);
+    }
+    return absl::OkStatus();
+  }
+
   // AdamW on each owned expert that got tokens, exactly as AdamWOptimizer::Apply does it:
   // the weights in its cache slot, the moments and count of the committed step from the
   // stores; the new versions go straight back.
@@ -447,7 +505,7 @@ class JobRun {
     const float lr = static_cast<float>(model::LearningRate(c, s - 1));
     const double coef = c.grad_clip > 0 ? c.grad_clip / (grad_norm + 1e-6) : 1.0;
     const size_t bytes = shape_.expert_floats() * sizeof(float);
-    for (const ExpertCache::Expert& x : owned_) {
+    for (const ExpertCache::Expert& x : updated_) {
       const auto [l, e] = x;
       if (!model_->ExpertUsed(l, e)) continue;
       ASSIGN_OR_RETURN(float* w, cache_->Acquire(x));
@@ -659,7 +717,10 @@ class JobRun {
   double lr_ = 0;
   int64_t dense_version_ = -1;  // the step whose dense weights are in params
   std::atomic<int64_t> current_step_{0};
-  std::vector<ExpertCache::Expert> owned_;  // in (layer, expert) order
+  std::vector<ExpertCache::Expert> owned_;    // computed here, in (layer, expert) order
+  std::vector<ExpertCache::Expert> updated_;  // primary here: updated here
+  std::vector<std::vector<int>> primary_;     // [layer][expert] -> primary owner's rank
+  std::vector<std::vector<ExpertOwners>> owners_;
   std::unique_ptr<ExpertCache> cache_;
   std::vector<float> m_scratch_, v_scratch_;
   uint64_t step_hits_ = 0, step_misses_ = 0;

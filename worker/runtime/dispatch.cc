@@ -1,6 +1,8 @@
 #include "worker/runtime/dispatch.h"
 
+#include <cmath>
 #include <cstring>
+#include <tuple>
 
 #include "absl/strings/str_cat.h"
 #include "common/status.h"
@@ -18,10 +20,35 @@ enum Phase : int {
 }  // namespace
 
 Dispatch::Dispatch(compute::Backend* backend, model::MoeGpt* model, PeerGroup* peers,
-                   std::vector<std::vector<int>> owner)
-    : backend_(backend), model_(model), peers_(peers), owner_(std::move(owner)) {
+                   std::vector<std::vector<ExpertOwners>> owners)
+    : backend_(backend), model_(model), peers_(peers), owners_(std::move(owners)) {
   inbound_.resize(model_->shape().layers);
   for (auto& layer : inbound_) layer.resize(peers_->world());
+}
+
+bool Dispatch::Computes(int layer, int expert) const {
+  for (const auto& [rank, share] : owners_[layer][expert]) {
+    if (rank == peers_->rank()) return true;
+  }
+  return false;
+}
+
+std::pair<int64_t, int64_t> Dispatch::Part(int layer, int expert, int64_t n, int rank) const {
+  const ExpertOwners& owners = owners_[layer][expert];
+  if (Computes(layer, expert)) {
+    return rank == peers_->rank() ? std::pair<int64_t, int64_t>{0, n}
+                                  : std::pair<int64_t, int64_t>{0, 0};
+  }
+  double cumulative = 0;
+  int64_t begin = 0;
+  for (size_t i = 0; i < owners.size(); ++i) {
+    cumulative += owners[i].second;
+    const int64_t end =
+        i + 1 == owners.size() ? n : std::min<int64_t>(n, std::llround(cumulative * n));
+    if (owners[i].first == rank) return {begin, std::max<int64_t>(0, end - begin)};
+    begin = std::max(begin, end);
+  }
+  return {0, 0};
 }
 
 uint64_t Dispatch::Tag(int layer, int phase) const {
@@ -34,10 +61,10 @@ absl::Status Dispatch::SendBuckets(int layer, int phase, const float* rows, int6
   const int E = model_->shape().experts;
   for (int p = 0; p < peers_->world(); ++p) {
     if (p == peers_->rank()) continue;
-    std::vector<int64_t> counts(E, 0);
+    std::vector<int64_t> counts(E, 0), begins(E, 0);
     int64_t total = 0;
     for (int e = 0; e < E; ++e) {
-      if (owner_[layer][e] == p) counts[e] = offsets[e + 1] - offsets[e];
+      std::tie(begins[e], counts[e]) = Part(layer, e, offsets[e + 1] - offsets[e], p);
       total += counts[e];
     }
     std::string bytes(E * sizeof(int64_t) + total * width * sizeof(float), '\0');
@@ -46,7 +73,7 @@ absl::Status Dispatch::SendBuckets(int layer, int phase, const float* rows, int6
     for (int e = 0; e < E; ++e) {
       if (counts[e] == 0) continue;
       const size_t n = counts[e] * width * sizeof(float);
-      std::memcpy(out, rows + offsets[e] * width, n);
+      std::memcpy(out, rows + (offsets[e] + begins[e]) * width, n);
       out += n;
     }
     if (phase == kForwardRows) rows_sent_ += total;
@@ -66,7 +93,7 @@ absl::Status Dispatch::ReceiveBuckets(int layer, int phase, int peer, int64_t wi
   std::memcpy(in.counts.data(), bytes.data(), E * sizeof(int64_t));
   int64_t total = 0;
   for (int e = 0; e < E; ++e) {
-    if (in.counts[e] < 0 || (in.counts[e] > 0 && owner_[layer][e] != peers_->rank())) {
+    if (in.counts[e] < 0 || (in.counts[e] > 0 && !Computes(layer, e))) {
       return absl::DataLossError(absl::StrCat("dispatch: peer ", peer, " sent rows of expert ", e,
                                               " of layer ", layer, " that rank ", peers_->rank(),
                                               " does not own"));
@@ -87,18 +114,16 @@ absl::Status Dispatch::ScatterReturned(int layer, int phase, int peer, int64_t w
   const int E = model_->shape().experts;
   ASSIGN_OR_RETURN(std::string bytes, peers_->Receive(peer, Tag(layer, phase)));
   int64_t total = 0;
-  for (int e = 0; e < E; ++e) {
-    if (owner_[layer][e] == peer) total += offsets[e + 1] - offsets[e];
-  }
+  for (int e = 0; e < E; ++e) total += Part(layer, e, offsets[e + 1] - offsets[e], peer).second;
   if (bytes.size() != total * width * sizeof(float)) {
     return absl::DataLossError(absl::StrCat("dispatch: peer ", peer, " returned ", bytes.size(),
                                             " bytes for ", total, " rows"));
   }
   const char* in = bytes.data();
   for (int e = 0; e < E; ++e) {
-    if (owner_[layer][e] != peer) continue;
-    const size_t n = (offsets[e + 1] - offsets[e]) * width * sizeof(float);
-    std::memcpy(out + offsets[e] * width, in, n);
+    const auto [begin, count] = Part(layer, e, offsets[e + 1] - offsets[e], peer);
+    const size_t n = count * width * sizeof(float);
+    std::memcpy(out + (offsets[e] + begin) * width, in, n);
     in += n;
   }
   return absl::OkStatus();
@@ -137,7 +162,7 @@ absl::Status Dispatch::Forward(int layer, float* y, float* hpre, float* h, const
   }
   // Each owned expert once, over this worker's rows and then each peer's.
   for (int e = 0; e < E; ++e) {
-    if (owner_[layer][e] != me) continue;
+    if (!Computes(layer, e)) continue;
     bool any = offsets[e + 1] > offsets[e];
     for (int q = 0; q < peers_->world(); ++q) {
       if (q != me) any |= inbound_[layer][q].counts[e] > 0;
@@ -197,7 +222,7 @@ absl::Status Dispatch::Backward(int layer, float* dxperm, float* dh, const float
   }
   const auto grads = model_->expert_grads(layer);
   for (int e = 0; e < E; ++e) {
-    if (owner_[layer][e] != me) continue;
+    if (!Computes(layer, e)) continue;
     bool any = offsets[e + 1] > offsets[e];
     for (int q = 0; q < peers_->world(); ++q) {
       if (q != me) any |= inbound_[layer][q].counts[e] > 0;

@@ -25,11 +25,16 @@
 
 namespace pith::runtime {
 
+// The workers computing one expert: (rank, share of its tokens), shares summing to 1.
+using ExpertOwners = std::vector<std::pair<int, double>>;
+
 class Dispatch final : public model::ExpertParallel {
  public:
-  // `owner[l][e]`: the rank computing expert e of layer l. None of the pointers is owned.
+  // `owners[l][e]`: the ranks computing expert e of layer l. A worker that owns an expert
+  // computes all of its own rows of it; the others split their rows of it among the owners
+  // by share (contiguous parts, in the listed order). None of the pointers is owned.
   Dispatch(compute::Backend* backend, model::MoeGpt* model, PeerGroup* peers,
-           std::vector<std::vector<int>> owner);
+           std::vector<std::vector<ExpertOwners>> owners);
 
   // Takes the owned experts' weights from `cache` (not owned) instead of the model's
   // arena; null: the arena.
@@ -39,7 +44,8 @@ class Dispatch final : public model::ExpertParallel {
     step_ = step;
     reduce_seq_ = 0;
   }
-  const std::vector<std::vector<int>>& owner() const { return owner_; }
+  // Whether this worker computes expert e of layer l.
+  bool Computes(int layer, int expert) const;
   // Rows this worker sent to and received from peers in the last step (for metrics).
   int64_t rows_sent() const { return rows_sent_; }
   int64_t rows_received() const { return rows_received_; }
@@ -61,6 +67,9 @@ class Dispatch final : public model::ExpertParallel {
   absl::StatusOr<compute::ExpertWeights> Weights(int layer, int expert);
   void Done(int layer, int expert);
   uint64_t Tag(int layer, int phase) const;
+  // The rows [begin, begin + count) of this worker's bucket of (layer, expert) (n rows) that
+  // go to `rank`.
+  std::pair<int64_t, int64_t> Part(int layer, int expert, int64_t n, int rank) const;
   // Sends each peer the rows of `rows` ([A, width]) in the buckets it owns.
   absl::Status SendBuckets(int layer, int phase, const float* rows, int64_t width,
                            const int64_t* offsets);
@@ -74,7 +83,7 @@ class Dispatch final : public model::ExpertParallel {
   compute::Backend* backend_;
   model::MoeGpt* model_;
   PeerGroup* peers_;
-  std::vector<std::vector<int>> owner_;
+  std::vector<std::vector<ExpertOwners>> owners_;
   int64_t step_ = 0;
   int64_t rows_sent_ = 0, rows_received_ = 0;
   std::vector<std::vector<Inbound>> inbound_;  // [layer][peer]

@@ -62,8 +62,19 @@ Result Alone(const model::ModelShape& s) {
   return r;
 }
 
-Result Parallel(const model::ModelShape& s) {
-  const int W = 2;
+// Owners of each expert of each layer: single owners (rank 0 owns experts 0 and 3 of
+// layer 0, the rest alternate), or — replicated — experts shared by ranks 0 and 1 with
+// a third worker that owns nothing and splits its rows.
+std::vector<std::vector<ExpertOwners>> Owners(bool replicated) {
+  if (!replicated) {
+    return {{{{0, 1.0}}, {{1, 1.0}}, {{1, 1.0}}, {{0, 1.0}}},
+            {{{1, 1.0}}, {{0, 1.0}}, {{1, 1.0}}, {{0, 1.0}}}};
+  }
+  return {{{{0, 0.5}, {1, 0.5}}, {{1, 1.0}}, {{1, 0.25}, {0, 0.75}}, {{0, 1.0}}},
+          {{{1, 1.0}}, {{0, 0.5}, {1, 0.5}}, {{1, 1.0}}, {{0, 0.6}, {1, 0.4}}}};
+}
+
+Result Parallel(const model::ModelShape& s, int W = 2, bool replicated = false) {
   std::vector<std::unique_ptr<PeerGroup>> peers;
   std::vector<std::string> addresses;
   for (int r = 0; r < W; ++r) {
@@ -71,8 +82,7 @@ Result Parallel(const model::ModelShape& s) {
     addresses.push_back(peers.back()->address());
   }
   for (int r = 0; r < W; ++r) EXPECT_TRUE(peers[r]->Join(r, addresses, 1).ok());
-  // Experts 0 and 3 of layer 0 on rank 0, the rest alternating.
-  std::vector<std::vector<int>> owner = {{0, 1, 1, 0}, {1, 0, 1, 0}};
+  const auto owner = Owners(replicated);
   const auto in = Tokens(s, 1), tgt = Tokens(s, 2);
   std::vector<model::StepLoss> losses(W);
   std::vector<std::vector<float>> grads(W);
@@ -82,7 +92,9 @@ Result Parallel(const model::ModelShape& s) {
   for (int rank = 0; rank < W; ++rank) {
     threads.emplace_back([&, rank] {
       compute::CpuBackend backend(1);
-      auto m = model::MoeGpt::Create(&backend, s, kRows / W);
+      int rows = 0;
+      for (int row = rank; row < kRows; row += W) ++rows;
+      auto m = model::MoeGpt::Create(&backend, s, rows);
       if (!m.ok() || !(*m)->InitWeights(7).ok()) {
         status[rank] = absl::InternalError("model");
         return;
@@ -109,11 +121,33 @@ Result Parallel(const model::ModelShape& s) {
   }
   for (auto& t : threads) t.join();
   for (int rank = 0; rank < W; ++rank) EXPECT_TRUE(status[rank].ok()) << status[rank];
-  EXPECT_EQ(losses[0].loss, losses[1].loss);  // the same bits on every worker
+  for (int rank = 1; rank < W; ++rank) {
+    EXPECT_EQ(losses[0].loss, losses[rank].loss);  // the same bits on every worker
+  }
   r.loss = losses[0];
   r.grads = grads[0];
-  for (size_t i = 0; i < r.grads.size(); ++i) r.grads[i] += grads[1][i];
+  for (int rank = 1; rank < W; ++rank) {
+    for (size_t i = 0; i < r.grads.size(); ++i) r.grads[i] += grads[rank][i];
+  }
   return r;
+}
+
+void ExpectSameAs(const Result& alone, const Result& parallel) {
+  EXPECT_NEAR(parallel.loss.loss, alone.loss.loss, 1e-6 * std::abs(alone.loss.loss));
+  EXPECT_EQ(parallel.used, alone.used);
+  double worst = 0;
+  for (size_t i = 0; i < alone.grads.size(); ++i) {
+    worst = std::max(worst, std::abs(double{parallel.grads[i]} - alone.grads[i]) /
+                                (std::abs(double{alone.grads[i]}) + 1e-4));
+  }
+  EXPECT_LT(worst, 1e-3) << "largest relative gradient difference";
+}
+
+TEST(DispatchTest, ReplicatedExpertsSplitTheirRowsAndTheMathHolds) {
+  // Three workers, kRows = 6: two rows each; experts shared by ranks 0 and 1; rank 2 owns
+  // nothing. The gradients of a shared expert add up across its owners.
+  const model::ModelShape s = Shape();
+  ExpectSameAs(Alone(s), Parallel(s, 3, /*replicated=*/true));
 }
 
 TEST(DispatchTest, TwoWorkersComputeWhatOneModelComputes) {

@@ -151,6 +151,17 @@ void ExpertCache::Clear() {
   ++clock_;
 }
 
+void ExpertCache::Invalidate(Expert expert) {
+  absl::MutexLock lock(&mu_);
+  auto it = index_.find(expert);
+  if (it == index_.end()) return;
+  Slot& s = slots_[it->second];
+  if (s.pins > 0 || s.fetching) return;
+  index_.erase(it);
+  s = Slot{};
+  ++clock_;
+}
+
 ExpertCache::Stats ExpertCache::stats() {
   absl::MutexLock lock(&mu_);
   Stats out = stats_;

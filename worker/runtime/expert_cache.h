@@ -59,6 +59,8 @@ class ExpertCache {
   void SetSchedule(std::vector<Expert> order);
   // Drops every unpinned entry (after an aborted step its updates are void).
   void Clear();
+  // Drops one entry if it is not pinned (another worker updated the expert).
+  void Invalidate(Expert expert);
   Stats stats();
 
  private:
