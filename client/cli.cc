@@ -6,13 +6,17 @@
 #include "absl/status/status.h"
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "common/job_spec.h"
 #include "common/safetensors.h"
 #include "common/status.h"
 #include "common/version.h"
+#include "worker/compute/cpu_backend.h"
 #include "worker/data/token_dataset.h"
+#include "worker/model/checkpoint.h"
+#include "worker/model/moe_gpt.h"
 
 namespace pith {
 namespace {
@@ -25,6 +29,9 @@ constexpr char kUsage[] =
     "  safetensors inspect FILE    validate a safetensors file; list its tensors\n"
     "  data prepare --out FILE [--vocab 256] TEXT...\n"
     "                              turn text files into a token file (byte-level)\n"
+    "  eval --spec SPEC.json --checkpoint FILE --tokens FILE [--batches N]\n"
+    "                              mean loss of a checkpoint on token data (held-out\n"
+    "                              data: rows as DESIGN §3 orders them, batch s = 0..N-1)\n"
     "  version                     print the Pith version\n";
 
 using Args = std::vector<std::string>;
@@ -81,6 +88,49 @@ absl::Status DataPrepare(const Args& args, std::ostream& out) {
   return absl::OkStatus();
 }
 
+// Evaluates a weights file: the mean cross-entropy (and total loss) over `batches` global
+// batches of the token file, computed by the same model code training uses.
+absl::Status Eval(const Args& args, std::ostream& out) {
+  std::map<std::string, std::string> flags = {
+      {"--spec", ""}, {"--checkpoint", ""}, {"--tokens", ""}, {"--batches", "4"}};
+  for (size_t i = 0; i < args.size(); ++i) {
+    auto it = flags.find(args[i]);
+    if (it == flags.end()) return UsageError("eval: unknown argument " + args[i]);
+    if (i + 1 == args.size()) return UsageError(args[i] + " needs a value");
+    it->second = args[++i];
+  }
+  for (const char* required : {"--spec", "--checkpoint", "--tokens"}) {
+    if (flags[required].empty()) return UsageError(absl::StrCat("eval needs ", required));
+  }
+  int batches = 0;
+  if (!absl::SimpleAtoi(flags["--batches"], &batches) || batches < 1) {
+    return UsageError("--batches wants a number >= 1, got " + flags["--batches"]);
+  }
+  ASSIGN_OR_RETURN(v1::JobSpec spec, LoadJobSpec(flags["--spec"]));
+  const model::ModelShape shape = model::ModelShape::FromSpec(spec.model());
+  const int B = spec.train().batch(), T = shape.seq;
+  compute::CpuBackend backend(0);
+  ASSIGN_OR_RETURN(std::unique_ptr<model::MoeGpt> m, model::MoeGpt::Create(&backend, shape, B));
+  ASSIGN_OR_RETURN(SafetensorsFile file, SafetensorsFile::Read(flags["--checkpoint"]));
+  RETURN_IF_ERROR(model::LoadWeights(backend, m->layout(), file, m->params()));
+  ASSIGN_OR_RETURN(data::TokenDataset tokens,
+                   data::TokenDataset::Open(flags["--tokens"], shape.vocab));
+  std::vector<int32_t> inputs(int64_t{B} * T), targets(int64_t{B} * T);
+  double ce = 0, loss = 0;
+  for (int s = 0; s < batches; ++s) {
+    for (int i = 0; i < B; ++i) {
+      tokens.Row(int64_t{s} * B + i, T, inputs.data() + int64_t{i} * T,
+                 targets.data() + int64_t{i} * T);
+    }
+    ASSIGN_OR_RETURN(model::StepLoss l, m->ForwardBackward(inputs.data(), targets.data(), B));
+    ce += l.ce;
+    loss += l.loss;
+  }
+  out << absl::StrFormat("eval rows=%d tokens=%d ce=%.9g loss=%.9g\n", batches * B,
+                         int64_t{batches} * B * T, ce / batches, loss / batches);
+  return absl::OkStatus();
+}
+
 absl::Status Version(const Args& args, std::ostream& out) {
   out << "Pith " << kPithVersion << "\n";
   return absl::OkStatus();
@@ -91,9 +141,8 @@ absl::Status Version(const Args& args, std::ostream& out) {
 int RunCli(const std::vector<std::string>& args, std::ostream& out, std::ostream& err) {
   // Commands are named by one or two words ("version", "spec check").
   static const std::map<std::string, Command> kCommands = {
-      {"spec check", SpecCheck},
-      {"safetensors inspect", SafetensorsInspect},
-      {"data prepare", DataPrepare},
+      {"spec check", SpecCheck},     {"safetensors inspect", SafetensorsInspect},
+      {"data prepare", DataPrepare}, {"eval", Eval},
       {"version", Version},
   };
   if (args.empty() || args[0] == "help" || args[0] == "--help" || args[0] == "-h") {

@@ -3,6 +3,7 @@
 // per-step losses agree within 1e-4 relative and the final weights (CheckpointJob) match —
 // also when a worker (a spare takes its place) or a store (R = 2) is killed mid-job.
 #include <chrono>
+#include <cstdlib>
 #include <cmath>
 #include <filesystem>
 #include <fstream>
@@ -271,7 +272,7 @@ void TrainAndCompare(const std::string& name, Failure failure, Outcome* outcome 
     }
   }
   EXPECT_EQ(coordinator->Terminate(), 0) << coordinator->Log();
-  std::filesystem::remove_all(dir);
+  if (std::getenv("PITH_KEEP_TEST_DIR") == nullptr) std::filesystem::remove_all(dir);
 }
 
 TEST(ClusterE2eTest, TwoWorkersTrainAsOneProcessDoes) { TrainAndCompare("plain", {}); }

@@ -271,6 +271,9 @@ def main():
     ap.add_argument("--tokens")
     ap.add_argument("--steps", type=int)
     ap.add_argument("--loss_log")
+    ap.add_argument("--eval", type=int, metavar="BATCHES",
+                    help="with --spec/--init/--tokens: print the mean loss of the weights over "
+                         "this many global batches instead of training")
     args = ap.parse_args()
     torch.set_num_threads(1)
     if args.spec:
@@ -280,6 +283,18 @@ def main():
         spec["train"]["steps"] = steps  # as pith-worker --steps: the schedule follows
         tokens = load_tokens(args.tokens or spec["train"]["data_path"], spec["model"]["vocab_size"])
         weights = read_safetensors(args.init)
+        if args.eval:
+            m, B, T = spec["model"], spec["train"]["batch"], spec["model"]["seq_len"]
+            ce_sum = loss_sum = 0.0
+            with torch.no_grad():
+                for s in range(args.eval):
+                    idx, tgt = batch_at(tokens, s, B, T)
+                    loss, ce, _, _, _ = forward(weights, m, idx, tgt)
+                    ce_sum += float(ce)
+                    loss_sum += float(loss)
+            print(f"eval rows={args.eval * B} tokens={args.eval * B * T} "
+                  f"ce={ce_sum / args.eval:.9g} loss={loss_sum / args.eval:.9g}")
+            return
         with open(args.loss_log, "w") as log:
             train(spec, weights, tokens, steps,
                   lambda s, lo, c, a, zz: log.write(f"{s + 1} {lo:.9g} {c:.9g}\n"))
