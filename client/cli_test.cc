@@ -5,9 +5,12 @@
 
 #include "absl/strings/str_split.h"
 #include "common/file.h"
+#include "common/job_spec.h"
 #include "common/safetensors.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "worker/compute/cpu_backend.h"
+#include "worker/model/moe_gpt.h"
 
 namespace pith {
 namespace {
@@ -114,6 +117,48 @@ TEST(CliTest, UsageErrors) {
   EXPECT_THAT(r.err, HasSubstr("/nonexistent.json"));
   EXPECT_EQ(RunPith({"help"}).code, 0);
   EXPECT_THAT(RunPith({"version"}).out, StartsWith("Pith "));
+}
+
+TEST(CliTest, EvalReportsTheLossOfAnInitAndRefusesBadInput) {
+  const std::string spec = WriteTemp("eval_spec.json", R"({"name": "tiny",
+    "model": {"vocab_size": 256, "seq_len": 8, "d_model": 16, "n_layer": 1, "n_head": 2,
+              "n_expert": 4, "top_k": 2, "d_ff": 32},
+    "train": {"data_path": "tokens.bin", "batch": 2, "steps": 1, "lr": 0.003}})");
+  const std::string tokens = WriteTemp("eval_tokens.bin", std::string(500, 'a'));
+  // Weights: every tensor of the model, zero (every logit equal: ce = ln 256).
+  SafetensorsWriter writer;
+  std::vector<std::vector<float>> keep;
+  compute::CpuBackend backend(1);
+  auto m =
+      model::MoeGpt::Create(&backend, model::ModelShape::FromSpec(LoadJobSpec(spec)->model()), 2);
+  ASSERT_TRUE(m.ok());
+  for (const model::ParamTensor& t : (*m)->layout().tensors()) {
+    keep.emplace_back(t.numel, 0.0f);
+    ASSERT_TRUE(writer
+                    .Add(t.name, TensorView{DType::kF32,
+                                            t.shape,
+                                            {reinterpret_cast<const uint8_t*>(keep.back().data()),
+                                             keep.back().size() * sizeof(float)}})
+                    .ok());
+  }
+  const std::string weights = testing::TempDir() + "/eval_zero.safetensors";
+  ASSERT_TRUE(writer.Write(weights).ok());
+  Result r = RunPith(
+      {"eval", "--spec", spec, "--checkpoint", weights, "--tokens", tokens, "--batches", "2"});
+  ASSERT_EQ(r.code, 0) << r.err;
+  EXPECT_THAT(r.out, HasSubstr("eval rows=4 tokens=32 ce=5.5451774"));  // ln 256
+
+  r = RunPith({"eval", "--spec", spec});
+  EXPECT_EQ(r.code, 1);
+  EXPECT_THAT(r.err, HasSubstr("--checkpoint"));
+  ExpectOneErrorLine(r);
+  r = RunPith({"eval", "--spec", spec, "--checkpoint", tokens, "--tokens", tokens});
+  EXPECT_EQ(r.code, 1);
+  ExpectOneErrorLine(r);
+  r = RunPith(
+      {"eval", "--spec", spec, "--checkpoint", weights, "--tokens", tokens, "--batches", "zero"});
+  EXPECT_EQ(r.code, 1);
+  EXPECT_THAT(r.err, HasSubstr("--batches"));
 }
 
 }  // namespace
