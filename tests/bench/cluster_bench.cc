@@ -1,0 +1,202 @@
+// cluster_bench: a real local cluster (1 coordinator, 2 stores, 2 workers, loopback)
+// training the demo model (deploy/demo/spec.json's model and batch) on generated text,
+// measured against anchors from the same run:
+//   prefetch    step time with a worker cache of 25% of the expert bytes / step time with
+//               every owned expert resident
+//   compactness (expert weights + master + moments) / one worker's cache bytes, and the
+//               step time ratio at that setting
+//   pytorch     tokens/s of the cluster / tokens/s of tests/golden/moe_gpt_reference.py
+//               training the same spec in one process (when /usr/bin/python3 has torch)
+// Step times are the coordinator's per-step wall times (commit to commit), averaged over
+// the steps after the first three.
+// Usage: cluster_bench [--steps=N] [--repo=DIR]
+#include <chrono>
+#include <cstdio>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <memory>
+#include <sstream>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "../e2e/child_process.h"
+#include "google/protobuf/util/json_util.h"
+#include "grpcpp/grpcpp.h"
+#include "pith/v1/job.grpc.pb.h"
+
+namespace {
+
+using pith::testing::ChildProcess;
+
+int g_steps = 30;
+std::string g_repo = PITH_SOURCE_DIR;
+
+// L4 d128 E16 k2 f256 T64 B16: the demo model.
+std::string Spec(const std::string& data, int steps) {
+  return R"({"name": "bench", "model": {"vocab_size": 256, "seq_len": 64, "d_model": 128,
+  "n_layer": 4, "n_head": 4, "n_expert": 16, "top_k": 2, "d_ff": 256, "capacity_factor": 1.25,
+  "aux_loss_coef": 0.01, "z_loss_coef": 0.001}, "train": {"data_path": ")" +
+         data + R"(", "batch": 16, "steps": )" + std::to_string(steps) +
+         R"(, "lr": 0.003, "warmup": 5, "seed": 1337}, "cluster": {"workers": 2,
+  "store_replicas": 2}})";
+}
+
+constexpr int64_t kExpertFloats = 2 * 128 * 256 + 256 + 128;
+constexpr int64_t kExperts = 4 * 16;
+constexpr int64_t kExpertBytes = kExpertFloats * kExperts * 4;
+
+struct Measured {
+  double step_seconds = 0;       // mean over steps > 3
+  double tokens_per_second = 0;  // over the same steps
+  double cache_hit_rate = 0;     // of the last step
+};
+
+// Runs the job on a fresh cluster whose workers have `cache_bytes`; nullopt-like on failure.
+bool RunCluster(const std::string& dir, uint64_t cache_bytes, Measured* m) {
+  std::filesystem::remove_all(dir + "/cluster");
+  std::filesystem::create_directories(dir + "/cluster");
+  const std::string d = dir + "/cluster";
+  ChildProcess coordinator(PITH_COORDINATOR_BINARY,
+                           {"--listen=127.0.0.1:0", "--metrics_port=-1", "--data_dir=" + d + "/c"},
+                           d + "/coordinator.log");
+  if (!coordinator.WaitReady()) return false;
+  const std::string address = "127.0.0.1:" + std::to_string(coordinator.grpc_port);
+  std::vector<std::unique_ptr<ChildProcess>> procs;
+  for (int n = 0; n < 2; ++n) {
+    procs.push_back(std::make_unique<ChildProcess>(
+        PITH_STORE_BINARY,
+        std::vector<std::string>{"--listen=127.0.0.1:0", "--metrics_port=-1",
+                                 "--data_dir=" + d + "/s" + std::to_string(n),
+                                 "--ram_bytes=268435456", "--coordinator=" + address},
+        d + "/store" + std::to_string(n) + ".log"));
+    if (!procs.back()->WaitReady()) return false;
+  }
+  for (int n = 0; n < 2; ++n) {
+    procs.push_back(std::make_unique<ChildProcess>(
+        PITH_WORKER_BINARY,
+        std::vector<std::string>{"--coordinator=" + address, "--threads=1",
+                                 "--cache_bytes=" + std::to_string(cache_bytes)},
+        d + "/worker" + std::to_string(n) + ".log"));
+  }
+  auto stub = pith::v1::JobService::NewStub(
+      grpc::CreateChannel(address, grpc::InsecureChannelCredentials()));
+  pith::v1::SubmitJobRequest submit;
+  if (!google::protobuf::util::JsonStringToMessage(Spec(dir + "/tokens.bin", g_steps),
+                                                   submit.mutable_spec())
+           .ok()) {
+    return false;
+  }
+  std::string job_id;
+  {
+    grpc::ClientContext ctx;
+    pith::v1::SubmitJobResponse resp;
+    if (!stub->SubmitJob(&ctx, submit, &resp).ok()) return false;
+    job_id = resp.job().job_id();
+  }
+  // Every committed step's wall time, from the job's event stream.
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::minutes(10));
+  pith::v1::WatchJobRequest watch;
+  watch.set_job_id(job_id);
+  auto stream = stub->WatchJob(&ctx, watch);
+  pith::v1::JobEvent event;
+  double seconds = 0, tokens = 0;
+  int counted = 0;
+  int64_t last_step = -1;
+  while (stream->Read(&event)) {
+    if (event.step() > 3 && event.step() != last_step && event.step_seconds() > 0) {
+      seconds += event.step_seconds();
+      tokens += event.tokens_per_second() * event.step_seconds();
+      ++counted;
+      m->cache_hit_rate = event.cache_hit_rate();
+    }
+    last_step = event.step();
+    if (event.state() == pith::v1::JOB_STATE_SUCCEEDED ||
+        event.state() == pith::v1::JOB_STATE_FAILED) {
+      break;
+    }
+  }
+  if (event.state() != pith::v1::JOB_STATE_SUCCEEDED || counted == 0) {
+    std::fprintf(stderr, "the job did not succeed: %s\n", event.ShortDebugString().c_str());
+    return false;
+  }
+  m->step_seconds = seconds / counted;
+  m->tokens_per_second = tokens / seconds;
+  for (auto& p : procs) p->Terminate();
+  coordinator.Terminate();
+  return true;
+}
+
+// tokens/s of the PyTorch reference training the same spec in one process; 0 without torch.
+double PytorchTokensPerSecond(const std::string& dir) {
+  const std::string spec = dir + "/spec.json";
+  std::ofstream(spec) << Spec(dir + "/tokens.bin", g_steps);
+  const std::string init = dir + "/init.safetensors";
+  {
+    ChildProcess w(PITH_WORKER_BINARY,
+                   {"--standalone", "--spec=" + spec, "--steps=0", "--export_init=" + init},
+                   dir + "/init.log");
+    if (w.Wait(60) != 0) return 0;
+  }
+  const std::string command =
+      "/usr/bin/python3 " + g_repo + "/tests/golden/moe_gpt_reference.py --spec " + spec +
+      " --init " + init + " --loss_log " + dir + "/torch.log > " + dir + "/torch.out 2>&1";
+  const auto start = std::chrono::steady_clock::now();
+  if (std::system(command.c_str()) != 0) return 0;
+  const double seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  return g_steps * 16.0 * 64.0 / seconds;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  for (int i = 1; i < argc; ++i) {
+    if (std::strncmp(argv[i], "--steps=", 8) == 0) {
+      g_steps = std::atoi(argv[i] + 8);
+    } else if (std::strncmp(argv[i], "--repo=", 7) == 0) {
+      g_repo = argv[i] + 7;
+    } else {
+      std::fprintf(stderr, "usage: cluster_bench [--steps=N] [--repo=DIR]\n");
+      return 2;
+    }
+  }
+  if (g_steps < 6) g_steps = 6;
+  const std::string dir = "/tmp/pith_cluster_bench_" + std::to_string(getpid());
+  std::filesystem::remove_all(dir);
+  std::filesystem::create_directories(dir);
+  {
+    std::ofstream text(dir + "/tokens.bin", std::ios::binary);
+    for (int i = 0; i < 4000; ++i) {
+      text << "Experts live in the stores and come to the workers when they are needed; "
+           << "line " << i << " of the benchmark corpus.\n";
+    }
+  }
+  Measured resident, cached;
+  const uint64_t quarter = kExpertBytes / 4;
+  if (!RunCluster(dir, 0, &resident) || !RunCluster(dir, quarter, &cached)) {
+    std::fprintf(stderr, "cluster_bench: a cluster run failed; logs under %s\n", dir.c_str());
+    return 1;
+  }
+  std::printf(
+      "prefetch step_seconds_resident=%.4f step_seconds_cache25=%.4f ratio=%.3f "
+      "(cache hit rate %.2f vs %.2f)\n",
+      resident.step_seconds, cached.step_seconds, cached.step_seconds / resident.step_seconds,
+      cached.cache_hit_rate, resident.cache_hit_rate);
+  std::printf(
+      "compactness expert_state_bytes=%lld worker_cache_bytes=%llu ratio=%.1f "
+      "step_time_ratio=%.3f\n",
+      static_cast<long long>(4 * kExpertBytes), static_cast<unsigned long long>(quarter),
+      4.0 * kExpertBytes / quarter, cached.step_seconds / resident.step_seconds);
+  const double torch = PytorchTokensPerSecond(dir);
+  if (torch > 0) {
+    std::printf("pytorch cluster_tokens_per_s=%.0f pytorch_tokens_per_s=%.0f ratio=%.3f\n",
+                resident.tokens_per_second, torch, resident.tokens_per_second / torch);
+  } else {
+    std::printf("pytorch skipped: /usr/bin/python3 with torch is not available\n");
+  }
+  std::filesystem::remove_all(dir);
+  return 0;
+}
