@@ -210,6 +210,63 @@ absl::Status StoreClient::Fetch(int peer, absl::Span<FetchItem> items, absl::Dur
                request.SerializeAsString(), nullptr, 0, nullptr, timeout);
 }
 
+absl::Status StoreClient::PutMany(absl::Span<PutItem> items, absl::Duration timeout) {
+  std::vector<std::shared_ptr<Pending>> pendings;
+  std::vector<std::pair<uint64_t, std::string>> headers;
+  for (PutItem& item : items) {
+    auto pending = std::make_shared<Pending>();
+    pending->peer = item.peer;
+    pending->remaining = 1;
+    v1::UcxPutRequest request;
+    request.set_request_id(next_request_++);
+    *request.mutable_key() = item.key;
+    request.set_version(item.version);
+    request.set_size(item.size);
+    request.set_crc32c(Crc32c(item.data, item.size));
+    headers.emplace_back(request.request_id(), request.SerializeAsString());
+    pendings.push_back(std::move(pending));
+  }
+  struct Outgoing {
+    int peer;
+    const void* data;
+    size_t size;
+    ucp_mem_h memh;
+  };
+  std::vector<Outgoing> out;
+  for (const PutItem& item : items) out.push_back({item.peer, item.data, item.size, item.memh});
+  worker_->Post([this, out = std::move(out), pendings, headers = std::move(headers)]() mutable {
+    for (size_t i = 0; i < out.size(); ++i) {
+      const Outgoing& item = out[i];
+      std::shared_ptr<Pending> pending = pendings[i];
+      const uint64_t id = headers[i].first;
+      auto ep = peers_.find(item.peer);
+      if (ep == peers_.end()) {
+        pending->Fail(absl::UnavailableError("not connected to that store"));
+        pending->Complete();
+        continue;
+      }
+      pending_[id] = pending;
+      worker_->Send(ep->second, v1::UCX_MESSAGE_PUT_REQUEST, std::move(headers[i].second),
+                    item.data, item.size, item.memh, true, [this, pending, id](absl::Status st) {
+                      if (st.ok() || !pending_.count(id)) return;
+                      pending_.erase(id);
+                      pending->Fail(st);
+                      pending->Complete();
+                    });
+    }
+  });
+  const absl::Time deadline = absl::Now() + timeout;
+  absl::Status first;
+  for (size_t i = 0; i < items.size(); ++i) {
+    absl::Status st =
+        Wait(items[i].peer, pendings[i], std::max(deadline - absl::Now(), absl::ZeroDuration()));
+    items[i].status = st;
+    if (st.ok()) items[i].info = pendings[i]->put_info;
+    if (first.ok() && !st.ok()) first = st;
+  }
+  return first;
+}
+
 absl::StatusOr<v1::BlobInfo> StoreClient::Put(int peer, const v1::BlobKey& key, int64_t version,
                                               const void* data, size_t size, ucp_mem_h memh,
                                               absl::Duration timeout) {

@@ -50,6 +50,21 @@ class StoreClient {
   absl::Status Fetch(int peer, absl::Span<FetchItem> items,
                      absl::Duration timeout = absl::Seconds(30));
 
+  struct PutItem {
+    int peer = -1;
+    v1::BlobKey key;
+    int64_t version = 0;
+    const void* data = nullptr;  // valid until PutMany returns
+    size_t size = 0;
+    ucp_mem_h memh = nullptr;
+    // Filled in:
+    absl::Status status;
+    v1::BlobInfo info;
+  };
+  // Writes every item, all in flight at once (to one store or several); returns when all
+  // are answered: OK when all are, else the first error, each item's status set.
+  absl::Status PutMany(absl::Span<PutItem> items, absl::Duration timeout = absl::Seconds(30));
+
   // Writes (key, version) from `data`; returns what the store recorded.
   absl::StatusOr<v1::BlobInfo> Put(int peer, const v1::BlobKey& key, int64_t version,
                                    const void* data, size_t size, ucp_mem_h memh = nullptr,

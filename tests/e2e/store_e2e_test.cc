@@ -143,6 +143,35 @@ class StoreE2eTest : public ::testing::Test {
   int starts_ = 0;
 };
 
+TEST_F(StoreE2eTest, ManyPutsInFlightAtOnceLandWhereTheyBelong) {
+  StartStore();
+  std::vector<v1::BlobKey> keys;
+  std::vector<std::vector<uint8_t>> data;
+  std::vector<StoreClient::PutItem> items;
+  for (int i = 0; i < 60; ++i) {
+    keys.push_back(Key(i / 16, i % 16));
+    data.push_back(Bytes(1000 + 997 * (i % 40), i + 1));
+  }
+  for (int i = 0; i < 60; ++i) {
+    StoreClient::PutItem item;
+    item.peer = peer_;
+    item.key = keys[i];
+    item.version = 0;
+    item.data = data[i].data();
+    item.size = data[i].size();
+    items.push_back(item);
+  }
+  ASSERT_TRUE(client_->PutMany(absl::MakeSpan(items)).ok());
+  for (int i = 0; i < 60; ++i) {
+    ASSERT_TRUE(items[i].status.ok());
+    EXPECT_EQ(items[i].info.key().expert(), keys[i].expert());
+    EXPECT_EQ(items[i].info.size_bytes(), data[i].size());
+  }
+  ASSERT_TRUE(Commit(0).ok());
+  auto got = FetchAll(keys, 64 << 10);
+  for (int i = 0; i < 60; ++i) EXPECT_EQ(got[i], data[i]) << i;
+}
+
 TEST_F(StoreE2eTest, PutGetCommitAbortAndBatchedGet) {
   StartStore();
   const std::vector<size_t> sizes = {100, 64 << 10, 1 << 20, 3 << 20};

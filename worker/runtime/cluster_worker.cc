@@ -253,7 +253,8 @@ class JobRun {
     return k;
   }
 
-  // Writes one blob's new version to every store of its group.
+  // Queues one blob's new version for every store of its group; Flush sends the queue
+  // (all in flight at once). `data` must stay put until then.
   absl::Status Put(const std::vector<std::string>& stores, const v1::BlobKey& key, int64_t version,
                    const void* data, size_t bytes) {
     if (stores.empty()) return absl::FailedPreconditionError("a group has no store");
@@ -262,12 +263,28 @@ class JobRun {
       if (peer == store_peer_.end()) {
         return absl::UnavailableError(absl::StrCat("store ", id, " is not in the assignment"));
       }
-      ASSIGN_OR_RETURN(v1::BlobInfo info, client_->Put(peer->second, key, version, data, bytes,
-                                                       nullptr, kStoreTimeout));
-      if (id == stores.front()) *written_.Add() = info;
-      metrics_->put_bytes->Increment(static_cast<double>(bytes));
+      StoreClient::PutItem item;
+      item.peer = peer->second;
+      item.key = key;
+      item.version = version;
+      item.data = data;
+      item.size = bytes;
+      puts_.push_back(std::move(item));
+      primary_put_.push_back(id == stores.front());
     }
     return absl::OkStatus();
+  }
+
+  absl::Status Flush() {
+    absl::Status s = client_->PutMany(absl::MakeSpan(puts_), kStoreTimeout);
+    for (size_t i = 0; i < puts_.size(); ++i) {
+      if (!puts_[i].status.ok()) continue;
+      if (primary_put_[i]) *written_.Add() = puts_[i].info;
+      metrics_->put_bytes->Increment(static_cast<double>(puts_[i].size));
+    }
+    puts_.clear();
+    primary_put_.clear();
+    return s;
   }
 
   // Reads the committed versions of `items` from the first store of `stores` that answers.
@@ -341,7 +358,7 @@ class JobRun {
             Put(dense_stores_, Key(-1, 0, t.name, v1::BLOB_KIND_ADAM_V), version, v + o, bytes));
       }
     }
-    if (!all_experts) return absl::OkStatus();  // training steps write experts as they update
+    if (!all_experts) return Flush();  // training steps write experts as they update
     const size_t bytes = shape_.expert_floats() * sizeof(float);
     for (int l = 0; l < shape_.layers; ++l) {
       for (int e = 0; e < shape_.experts; ++e) {
@@ -353,12 +370,21 @@ class JobRun {
         RETURN_IF_ERROR(Put(stores, Key(l, e, "", v1::BLOB_KIND_MASTER), version, p + off, bytes));
         RETURN_IF_ERROR(Put(stores, Key(l, e, "", v1::BLOB_KIND_ADAM_M), version, m + o, bytes));
         RETURN_IF_ERROR(Put(stores, Key(l, e, "", v1::BLOB_KIND_ADAM_V), version, v + o, bytes));
-        const int64_t count = optimizer_->update_counts()[layout.ExpertTensorIndex(l, e)];
-        RETURN_IF_ERROR(
-            Put(stores, Key(l, e, "", v1::BLOB_KIND_STATE), version, &count, sizeof(count)));
+        counts_scratch_.push_back(optimizer_->update_counts()[layout.ExpertTensorIndex(l, e)]);
       }
     }
-    return absl::OkStatus();
+    // The counts' addresses are stable once they are all in place.
+    size_t next = 0;
+    for (int l = 0; l < shape_.layers; ++l) {
+      for (int e = 0; e < shape_.experts; ++e) {
+        if (!Owns(l, e)) continue;
+        RETURN_IF_ERROR(Put(expert_stores_.at({l, e}), Key(l, e, "", v1::BLOB_KIND_STATE), version,
+                            &counts_scratch_[next++], sizeof(int64_t)));
+      }
+    }
+    absl::Status flushed = Flush();
+    counts_scratch_.clear();
+    return flushed;
   }
 
   // Rebuilds this worker's state from the committed step in the stores: the dense
@@ -439,6 +465,7 @@ class JobRun {
     written_.Clear();
     RETURN_IF_ERROR(WriteOwned(s, /*all_experts=*/false));
     RETURN_IF_ERROR(UpdateExperts(s, norm));
+    if (!puts_.empty()) return absl::InternalError("writes queued and never sent");
     const ExpertCache::Stats after = cache_->stats();
     step_hits_ = after.hits - before.hits;
     step_misses_ = after.misses - before.misses;
@@ -537,7 +564,8 @@ class JobRun {
             Put(stores, Key(l, e, "", v1::BLOB_KIND_ADAM_M), s, m_scratch_.data(), bytes));
         RETURN_IF_ERROR(
             Put(stores, Key(l, e, "", v1::BLOB_KIND_ADAM_V), s, v_scratch_.data(), bytes));
-        return Put(stores, Key(l, e, "", v1::BLOB_KIND_STATE), s, &count, sizeof(count));
+        RETURN_IF_ERROR(Put(stores, Key(l, e, "", v1::BLOB_KIND_STATE), s, &count, sizeof(count)));
+        return Flush();  // before the slot, the scratch buffers and `count` are reused
       }();
       cache_->Release(x);
       RETURN_IF_ERROR(status);
@@ -724,6 +752,9 @@ class JobRun {
   std::unique_ptr<ExpertCache> cache_;
   std::vector<float> m_scratch_, v_scratch_;
   uint64_t step_hits_ = 0, step_misses_ = 0;
+  std::vector<StoreClient::PutItem> puts_;  // queued by Put, sent by Flush
+  std::vector<bool> primary_put_;           // the item goes to its group's first store
+  std::vector<int64_t> counts_scratch_;
   std::atomic<bool> done_{false};
   std::thread watcher_;
 };
