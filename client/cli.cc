@@ -1,18 +1,27 @@
 #include "client/cli.h"
 
+#include <unistd.h>
+
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
 #include <functional>
 #include <map>
 
 #include "absl/status/status.h"
+#include "absl/strings/ascii.h"
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
+#include "absl/strings/strip.h"
+#include "client/client.h"
 #include "common/job_spec.h"
 #include "common/safetensors.h"
 #include "common/status.h"
 #include "common/version.h"
+#include "google/protobuf/util/json_util.h"
 #include "worker/compute/cpu_backend.h"
 #include "worker/data/token_dataset.h"
 #include "worker/model/checkpoint.h"
@@ -32,12 +41,204 @@ constexpr char kUsage[] =
     "  eval --spec SPEC.json --checkpoint FILE --tokens FILE [--batches N]\n"
     "                              mean loss of a checkpoint on token data (held-out\n"
     "                              data: rows as DESIGN §3 orders them, batch s = 0..N-1)\n"
-    "  version                     print the Pith version\n";
+    "  version                     print the Pith version\n"
+    "\n"
+    "job commands (coordinator from --coordinator HOST:PORT, else $PITH_COORDINATOR, else\n"
+    "127.0.0.1:7000; --output json for machine-readable output):\n"
+    "  submit SPEC.json            submit a job; prints its id\n"
+    "  status [JOB]                one job's state and figures, or every job\n"
+    "  watch JOB                   follow a job: step, loss, tokens/s, cache hit rate, ETA\n"
+    "  cancel JOB                  cancel a job\n"
+    "  checkpoint JOB --out FILE   export the job's last committed weights (safetensors)\n"
+    "  cluster                     members, their leases and tiers, moves in flight\n";
 
 using Args = std::vector<std::string>;
 using Command = std::function<absl::Status(const Args&, std::ostream&)>;
 
 absl::Status UsageError(const std::string& what) { return absl::InvalidArgumentError(what); }
+
+// Flags every job command understands, taken out of the arguments by RunCli.
+struct Globals {
+  std::string coordinator;
+  bool json = false;
+};
+Globals g_globals;
+
+absl::StatusOr<std::unique_ptr<Client>> Connect() {
+  std::string address = g_globals.coordinator;
+  if (address.empty()) {
+    const char* env = std::getenv("PITH_COORDINATOR");
+    address = env != nullptr && *env != '\0' ? env : "127.0.0.1:7000";
+  }
+  return Client::Connect(address, absl::Seconds(5));
+}
+
+std::string Json(const google::protobuf::Message& m) {
+  std::string out;
+  google::protobuf::util::JsonPrintOptions options;
+  options.preserve_proto_field_names = true;
+  (void)google::protobuf::util::MessageToJsonString(m, &out, options);
+  return out;
+}
+
+std::string StateName(v1::JobState s) {
+  std::string name = v1::JobState_Name(s);
+  return absl::AsciiStrToLower(absl::StripPrefix(name, "JOB_STATE_"));
+}
+
+absl::Status Submit(const Args& args, std::ostream& out) {
+  if (args.size() != 1) return UsageError("submit takes one spec file: pith submit SPEC.json");
+  ASSIGN_OR_RETURN(v1::JobSpec spec, LoadJobSpec(args[0]));
+  ASSIGN_OR_RETURN(std::unique_ptr<Client> client, Connect());
+  ASSIGN_OR_RETURN(v1::Job job, client->Submit(spec));
+  if (g_globals.json) {
+    out << "{\"job_id\": \"" << job.job_id() << "\"}\n";
+  } else {
+    out << job.job_id() << "\n";
+  }
+  return absl::OkStatus();
+}
+
+std::string JobLine(const v1::Job& j) {
+  return absl::StrFormat("%-24s %-10s step %d/%d  loss %.4f  %.0f tokens/s  cache hit %.2f%s",
+                         j.job_id(), StateName(j.state()), std::max<int64_t>(0, j.committed_step()),
+                         j.spec().train().steps(), j.last_loss(), j.tokens_per_second(),
+                         j.cache_hit_rate(),
+                         j.failure_reason().empty() ? "" : "  (" + j.failure_reason() + ")");
+}
+
+absl::Status Status(const Args& args, std::ostream& out) {
+  if (args.size() > 1) return UsageError("status takes at most one job id");
+  ASSIGN_OR_RETURN(std::unique_ptr<Client> client, Connect());
+  if (args.size() == 1) {
+    ASSIGN_OR_RETURN(v1::Job job, client->Get(args[0]));
+    out << (g_globals.json ? Json(job) : JobLine(job)) << "\n";
+    return absl::OkStatus();
+  }
+  ASSIGN_OR_RETURN(std::vector<v1::Job> jobs, client->List());
+  if (g_globals.json) {
+    v1::ListJobsResponse all;
+    for (v1::Job& j : jobs) *all.add_jobs() = std::move(j);
+    out << Json(all) << "\n";
+    return absl::OkStatus();
+  }
+  if (jobs.empty()) out << "no jobs\n";
+  for (const v1::Job& j : jobs) out << JobLine(j) << "\n";
+  return absl::OkStatus();
+}
+
+absl::Status Watch(const Args& args, std::ostream& out) {
+  if (args.size() != 1) return UsageError("watch takes one job id: pith watch JOB");
+  ASSIGN_OR_RETURN(std::unique_ptr<Client> client, Connect());
+  ASSIGN_OR_RETURN(v1::Job job, client->Get(args[0]));
+  const int64_t steps = job.spec().train().steps();
+  double first_loss = -1, last_loss = 0, tokens_per_second = 0, hit_rate = 0;
+  int64_t last_step = -2;
+  v1::JobEvent last;
+  RETURN_IF_ERROR(client->Watch(args[0], [&](const v1::JobEvent& e) {
+    last = e;
+    if (e.step() == last_step && e.state() == v1::JOB_STATE_RUNNING) return true;
+    last_step = e.step();
+    if (e.step() >= 1) {
+      if (first_loss < 0) first_loss = e.loss();
+      last_loss = e.loss();
+      tokens_per_second = e.tokens_per_second();
+      hit_rate = e.cache_hit_rate();
+    }
+    if (g_globals.json) {
+      out << Json(e) << "\n";
+    } else if (e.step() >= 1) {
+      const double eta = e.step_seconds() * static_cast<double>(steps - e.step());
+      const int width = 30,
+                filled = static_cast<int>(width * e.step() / std::max<int64_t>(1, steps));
+      out << absl::StrFormat(
+          "[%s%s] step %d/%d  loss %.4f  %.0f tokens/s  cache hit %.2f  ETA %.0fs\n",
+          std::string(filled, '#'), std::string(width - filled, '.'), e.step(), steps, e.loss(),
+          e.tokens_per_second(), e.cache_hit_rate(), eta);
+    } else {
+      out << "job " << e.job_id() << ": " << StateName(e.state())
+          << (e.step() == 0 ? " (initial weights written)" : " (waiting for workers)") << "\n";
+    }
+    out.flush();
+    return true;
+  }));
+  if (!g_globals.json) {
+    out << absl::StrFormat(
+        "job %s %s at step %d: loss %.4f -> %.4f, %.0f tokens/s, cache hit %.2f%s\n", last.job_id(),
+        StateName(last.state()), last.step(), first_loss, last_loss, tokens_per_second, hit_rate,
+        last.message().empty() ? "" : " (" + last.message() + ")");
+  }
+  if (last.state() != v1::JOB_STATE_SUCCEEDED) {
+    return absl::AbortedError(absl::StrCat("job ", args[0], " ended ", StateName(last.state()),
+                                           last.message().empty() ? "" : ": " + last.message()));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status Cancel(const Args& args, std::ostream& out) {
+  if (args.size() != 1) return UsageError("cancel takes one job id: pith cancel JOB");
+  ASSIGN_OR_RETURN(std::unique_ptr<Client> client, Connect());
+  ASSIGN_OR_RETURN(v1::Job job, client->Cancel(args[0], "cancelled with pith cancel"));
+  out << (g_globals.json ? Json(job) : JobLine(job)) << "\n";
+  return absl::OkStatus();
+}
+
+absl::Status Checkpoint(const Args& args, std::ostream& out) {
+  if (args.size() != 3 || args[1] != "--out") {
+    return UsageError("checkpoint takes a job and a file: pith checkpoint JOB --out FILE");
+  }
+  const std::filesystem::path target = std::filesystem::absolute(args[2]);
+  ASSIGN_OR_RETURN(std::unique_ptr<Client> client, Connect());
+  // The coordinator writes under a folder on its host (this one, for a local cluster);
+  // the file is then moved to the name asked for.
+  const std::filesystem::path staging =
+      target.parent_path() / (".pith-checkpoint-" + std::to_string(::getpid()));
+  ASSIGN_OR_RETURN(v1::CheckpointJobResponse r, client->Checkpoint(args[0], staging.string()));
+  std::error_code ec;
+  std::filesystem::rename(r.weights_path(), target, ec);
+  std::filesystem::remove_all(staging);
+  if (ec)
+    return absl::InternalError(absl::StrCat("cannot write ", target.string(), ": ", ec.message()));
+  if (g_globals.json) {
+    out << absl::StrFormat("{\"path\": \"%s\", \"step\": %d, \"bytes\": %d}\n", target.string(),
+                           r.step(), r.bytes());
+  } else {
+    out << "wrote " << target.string() << " (step " << r.step() << ", " << r.bytes() << " bytes)\n";
+  }
+  return absl::OkStatus();
+}
+
+absl::Status Cluster(const Args& args, std::ostream& out) {
+  if (!args.empty()) return UsageError("cluster takes no arguments");
+  ASSIGN_OR_RETURN(std::unique_ptr<Client> client, Connect());
+  ASSIGN_OR_RETURN(v1::ClusterStatusResponse c, client->ClusterStatus());
+  if (g_globals.json) {
+    out << Json(c) << "\n";
+    return absl::OkStatus();
+  }
+  const int64_t now = absl::ToUnixMillis(absl::Now());
+  auto member = [&](const v1::MemberInfo& m) {
+    const std::string state =
+        absl::AsciiStrToLower(absl::StripPrefix(v1::MemberState_Name(m.state()), "MEMBER_STATE_"));
+    out << absl::StrFormat("  %-10s %-6s %-21s lease %5.1fs", m.member_id(), state,
+                           m.grpc_address(), (m.lease_expires_unix_ms() - now) / 1e3);
+    if (m.role() == v1::MEMBER_ROLE_STORE) {
+      out << absl::StrFormat("  ram %.1f MB / %.1f MB  rocksdb %.1f MB", m.ram_bytes() / 1e6,
+                             m.capacity_bytes() / 1e6, m.rocksdb_bytes() / 1e6);
+    } else if (!m.job_id().empty()) {
+      out << "  job " << m.job_id();
+    }
+    out << "\n";
+  };
+  out << "stores:\n";
+  for (const auto& m : c.stores()) member(m);
+  out << "workers:\n";
+  for (const auto& m : c.workers()) member(m);
+  out << absl::StrFormat("moves in flight %d, blobs moved %d (%.1f MB), replica deficit %d\n",
+                         c.moves_size(), c.blobs_moved(), c.bytes_moved() / 1e6,
+                         c.replica_deficit());
+  return absl::OkStatus();
+}
 
 absl::Status SpecCheck(const Args& args, std::ostream& out) {
   if (args.size() != 1) return UsageError("spec check takes one file: pith spec check SPEC.json");
@@ -138,12 +339,51 @@ absl::Status Version(const Args& args, std::ostream& out) {
 
 }  // namespace
 
-int RunCli(const std::vector<std::string>& args, std::ostream& out, std::ostream& err) {
+int RunCli(const std::vector<std::string>& raw_args, std::ostream& out, std::ostream& err) {
+  // Flags of every job command, anywhere on the line.
+  g_globals = Globals();
+  std::vector<std::string> args;
+  for (size_t i = 0; i < raw_args.size(); ++i) {
+    const std::string& a = raw_args[i];
+    std::string value;
+    bool has_value = false;
+    for (const char* flag : {"--coordinator", "--output"}) {
+      if (a == flag || absl::StartsWith(a, std::string(flag) + "=")) {
+        if (a == flag) {
+          if (i + 1 == raw_args.size()) {
+            err << "pith: " << flag << " needs a value\n";
+            return 2;
+          }
+          value = raw_args[++i];
+        } else {
+          value = a.substr(std::strlen(flag) + 1);
+        }
+        has_value = true;
+        if (std::string(flag) == "--coordinator") {
+          g_globals.coordinator = value;
+        } else if (value == "json" || value == "text") {
+          g_globals.json = value == "json";
+        } else {
+          err << "pith: --output is json or text, not " << value << "\n";
+          return 2;
+        }
+      }
+    }
+    if (!has_value) args.push_back(a);
+  }
   // Commands are named by one or two words ("version", "spec check").
   static const std::map<std::string, Command> kCommands = {
-      {"spec check", SpecCheck},     {"safetensors inspect", SafetensorsInspect},
-      {"data prepare", DataPrepare}, {"eval", Eval},
+      {"spec check", SpecCheck},
+      {"safetensors inspect", SafetensorsInspect},
+      {"data prepare", DataPrepare},
+      {"eval", Eval},
       {"version", Version},
+      {"submit", Submit},
+      {"status", Status},
+      {"watch", Watch},
+      {"cancel", Cancel},
+      {"checkpoint", Checkpoint},
+      {"cluster", Cluster},
   };
   if (args.empty() || args[0] == "help" || args[0] == "--help" || args[0] == "-h") {
     (args.empty() ? err : out) << kUsage;

@@ -1,0 +1,128 @@
+#include "client/client.h"
+
+#include <chrono>
+#include <thread>
+
+#include "absl/strings/str_cat.h"
+#include "client/connection.h"
+#include "common/grpc_util.h"
+#include "common/status.h"
+
+namespace pith {
+
+absl::StatusOr<std::unique_ptr<Client>> Client::Connect(const std::string& address,
+                                                        absl::Duration timeout) {
+  ASSIGN_OR_RETURN(std::shared_ptr<grpc::Channel> channel, Dial(address, timeout));
+  return std::unique_ptr<Client>(new Client(address, v1::JobService::NewStub(channel)));
+}
+
+absl::Status Client::Call(absl::Duration deadline,
+                          const std::function<grpc::Status(grpc::ClientContext*)>& call) {
+  absl::Status status;
+  for (int attempt = 0; attempt < 4; ++attempt) {
+    if (attempt > 0) std::this_thread::sleep_for(std::chrono::milliseconds(200 << attempt));
+    grpc::ClientContext ctx;
+    ctx.set_deadline(absl::ToChronoTime(absl::Now() + deadline));
+    status = FromGrpcStatus(call(&ctx));
+    if (!absl::IsUnavailable(status)) return status;
+  }
+  return absl::UnavailableError(
+      absl::StrCat("coordinator ", address_, " unavailable: ", status.message()));
+}
+
+absl::StatusOr<v1::Job> Client::Submit(const v1::JobSpec& spec) {
+  v1::SubmitJobRequest req;
+  *req.mutable_spec() = spec;
+  v1::SubmitJobResponse resp;
+  RETURN_IF_ERROR(Call(absl::Seconds(10),
+                       [&](grpc::ClientContext* c) { return stub_->SubmitJob(c, req, &resp); }));
+  return resp.job();
+}
+
+absl::StatusOr<v1::Job> Client::Get(const std::string& job_id) {
+  v1::GetJobRequest req;
+  req.set_job_id(job_id);
+  v1::Job job;
+  RETURN_IF_ERROR(
+      Call(absl::Seconds(10), [&](grpc::ClientContext* c) { return stub_->GetJob(c, req, &job); }));
+  return job;
+}
+
+absl::StatusOr<std::vector<v1::Job>> Client::List(int limit) {
+  v1::ListJobsRequest req;
+  req.set_limit(limit);
+  v1::ListJobsResponse resp;
+  RETURN_IF_ERROR(Call(absl::Seconds(10),
+                       [&](grpc::ClientContext* c) { return stub_->ListJobs(c, req, &resp); }));
+  return std::vector<v1::Job>(resp.jobs().begin(), resp.jobs().end());
+}
+
+absl::Status Client::Watch(const std::string& job_id,
+                           const std::function<bool(const v1::JobEvent&)>& on_event) {
+  v1::WatchJobRequest req;
+  req.set_job_id(job_id);
+  // The stream is long; a dropped connection is resumed (events are the job's state).
+  for (int attempt = 0; attempt < 4; ++attempt) {
+    grpc::ClientContext ctx;
+    auto stream = stub_->WatchJob(&ctx, req);
+    v1::JobEvent event;
+    while (stream->Read(&event)) {
+      if (!on_event(event)) {
+        ctx.TryCancel();
+        stream->Finish();
+        return absl::OkStatus();
+      }
+      if (event.state() == v1::JOB_STATE_SUCCEEDED || event.state() == v1::JOB_STATE_FAILED ||
+          event.state() == v1::JOB_STATE_CANCELLED) {
+        stream->Finish();
+        return absl::OkStatus();
+      }
+    }
+    absl::Status s = FromGrpcStatus(stream->Finish());
+    if (!absl::IsUnavailable(s)) return s;
+    std::this_thread::sleep_for(std::chrono::milliseconds(500));
+  }
+  return absl::UnavailableError(absl::StrCat("coordinator ", address_, " unavailable"));
+}
+
+absl::StatusOr<v1::Job> Client::Cancel(const std::string& job_id, const std::string& reason) {
+  v1::CancelJobRequest req;
+  req.set_job_id(job_id);
+  req.set_reason(reason);
+  v1::Job job;
+  RETURN_IF_ERROR(Call(absl::Seconds(10),
+                       [&](grpc::ClientContext* c) { return stub_->CancelJob(c, req, &job); }));
+  return job;
+}
+
+absl::StatusOr<v1::CheckpointJobResponse> Client::Checkpoint(const std::string& job_id,
+                                                             const std::string& output_dir) {
+  v1::CheckpointJobRequest req;
+  req.set_job_id(job_id);
+  req.set_output_dir(output_dir);
+  v1::CheckpointJobResponse resp;
+  RETURN_IF_ERROR(Call(absl::Minutes(5), [&](grpc::ClientContext* c) {
+    return stub_->CheckpointJob(c, req, &resp);
+  }));
+  return resp;
+}
+
+absl::StatusOr<v1::ClusterStatusResponse> Client::ClusterStatus() {
+  v1::ClusterStatusResponse resp;
+  RETURN_IF_ERROR(Call(absl::Seconds(10), [&](grpc::ClientContext* c) {
+    return stub_->ClusterStatus(c, v1::ClusterStatusRequest(), &resp);
+  }));
+  return resp;
+}
+
+absl::StatusOr<v1::ExpertHeatResponse> Client::ExpertHeat(const std::string& job_id, int layer) {
+  v1::ExpertHeatRequest req;
+  req.set_job_id(job_id);
+  req.set_layer(layer);
+  v1::ExpertHeatResponse resp;
+  RETURN_IF_ERROR(Call(absl::Seconds(10),
+                       [&](grpc::ClientContext* c) { return stub_->ExpertHeat(c, req, &resp); }));
+  return resp;
+}
+
+}  // namespace pith

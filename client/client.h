@@ -1,0 +1,57 @@
+// pith::Client: the C++ client of the job API (proto/pith/v1/job.proto). Every call has a
+// deadline; calls that find the coordinator UNAVAILABLE are retried a few times with
+// backoff; errors are absl::Status with the coordinator's message (a bad spec field is
+// named, an unknown job says so).
+//
+// Thread safety: all methods are thread-safe (gRPC stubs are).
+#ifndef PITH_CLIENT_CLIENT_H_
+#define PITH_CLIENT_CLIENT_H_
+
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "pith/v1/job.grpc.pb.h"
+
+namespace pith {
+
+class Client {
+ public:
+  // A client of the coordinator at `address`. UNAVAILABLE, naming the address, when it
+  // cannot be reached within `timeout`.
+  static absl::StatusOr<std::unique_ptr<Client>> Connect(const std::string& address,
+                                                         absl::Duration timeout = absl::Seconds(5));
+
+  absl::StatusOr<v1::Job> Submit(const v1::JobSpec& spec);
+  absl::StatusOr<v1::Job> Get(const std::string& job_id);
+  // Newest first; limit 0: all.
+  absl::StatusOr<std::vector<v1::Job>> List(int limit = 0);
+  // Calls `on_event` with every event of the job until it ends or `on_event` returns false.
+  absl::Status Watch(const std::string& job_id,
+                     const std::function<bool(const v1::JobEvent&)>& on_event);
+  absl::StatusOr<v1::Job> Cancel(const std::string& job_id, const std::string& reason = "");
+  // Writes the job's last committed weights under `output_dir` on the coordinator's host.
+  absl::StatusOr<v1::CheckpointJobResponse> Checkpoint(const std::string& job_id,
+                                                       const std::string& output_dir);
+  absl::StatusOr<v1::ClusterStatusResponse> ClusterStatus();
+  absl::StatusOr<v1::ExpertHeatResponse> ExpertHeat(const std::string& job_id, int layer = -1);
+
+  const std::string& address() const { return address_; }
+
+ private:
+  Client(std::string address, std::unique_ptr<v1::JobService::Stub> stub)
+      : address_(std::move(address)), stub_(std::move(stub)) {}
+  // Runs `call` with a fresh context and `deadline`, retrying on UNAVAILABLE.
+  absl::Status Call(absl::Duration deadline,
+                    const std::function<grpc::Status(grpc::ClientContext*)>& call);
+
+  const std::string address_;
+  std::unique_ptr<v1::JobService::Stub> stub_;
+};
+
+}  // namespace pith
+
+#endif  // PITH_CLIENT_CLIENT_H_
