@@ -1,14 +1,25 @@
 #include "common/metrics.h"
 
+#include <arpa/inet.h>
+#include <fcntl.h>
+#include <netinet/in.h>
+#include <poll.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <cerrno>
 #include <chrono>
+#include <cstring>
 #include <exception>
+#include <thread>
 #include <utility>
 
 #include "absl/status/status.h"
+#include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "common/status.h"
 #include "common/version.h"
-#include "prometheus/exposer.h"
 #include "prometheus/text_serializer.h"
 
 namespace pith {
@@ -61,8 +72,67 @@ std::string MetricsRegistry::Serialize() const {
   return prometheus::TextSerializer().Serialize(registry_->Collect());
 }
 
+// A small HTTP/1.1 server of its own, on one thread with a normal stack: GET /metrics
+// answers the registry's text exposition, anything else 404. (civetweb, under
+// prometheus-cpp's Exposer, starts threads with a small fixed stack, which a process
+// whose libraries carry large thread-local storage — OpenBLAS — overflows.)
 struct MetricsExposer::Impl {
-  std::unique_ptr<prometheus::Exposer> exposer;
+  const MetricsRegistry* registry = nullptr;
+  int listen_fd = -1;
+  int wake[2] = {-1, -1};  // a pipe: the destructor writes to stop the loop
+  std::thread thread;
+
+  ~Impl() {
+    if (wake[1] >= 0) (void)!::write(wake[1], "x", 1);
+    if (thread.joinable()) thread.join();
+    for (int fd : {listen_fd, wake[0], wake[1]}) {
+      if (fd >= 0) ::close(fd);
+    }
+  }
+
+  void Serve(int fd) {
+    timeval timeout{2, 0};
+    ::setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &timeout, sizeof(timeout));
+    ::setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &timeout, sizeof(timeout));
+    std::string request;
+    char buf[2048];
+    while (request.find("\r\n\r\n") == std::string::npos && request.size() < 16384) {
+      const ssize_t n = ::read(fd, buf, sizeof(buf));
+      if (n <= 0) break;
+      request.append(buf, static_cast<size_t>(n));
+    }
+    const bool metrics = absl::StartsWith(request, "GET /metrics ") ||
+                         absl::StartsWith(request, "GET /metrics?") ||
+                         absl::StartsWith(request, "GET /metrics\r");
+    const std::string body = metrics ? registry->Serialize() : "not found\n";
+    const std::string response =
+        absl::StrCat("HTTP/1.1 ", metrics ? "200 OK" : "404 Not Found",
+                     "\r\nContent-Type: text/plain; version=0.0.4; charset=utf-8\r\n"
+                     "Content-Length: ",
+                     body.size(), "\r\nConnection: close\r\n\r\n", body);
+    size_t sent = 0;
+    while (sent < response.size()) {
+      const ssize_t n = ::send(fd, response.data() + sent, response.size() - sent, MSG_NOSIGNAL);
+      if (n <= 0) break;
+      sent += static_cast<size_t>(n);
+    }
+    ::close(fd);
+  }
+
+  void Loop() {
+    while (true) {
+      pollfd fds[2] = {{listen_fd, POLLIN, 0}, {wake[0], POLLIN, 0}};
+      if (::poll(fds, 2, -1) < 0) {
+        if (errno == EINTR) continue;
+        return;
+      }
+      if (fds[1].revents != 0) return;
+      if (fds[0].revents & POLLIN) {
+        const int fd = ::accept4(listen_fd, nullptr, nullptr, SOCK_CLOEXEC);
+        if (fd >= 0) Serve(fd);
+      }
+    }
+  }
 };
 
 MetricsExposer::MetricsExposer(std::unique_ptr<Impl> impl, int port)
@@ -72,21 +142,36 @@ MetricsExposer::~MetricsExposer() = default;
 
 absl::StatusOr<std::unique_ptr<MetricsExposer>> MetricsExposer::Start(
     const std::string& bind_address, const MetricsRegistry& registry) {
-  auto impl = std::make_unique<Impl>();
-  try {
-    // Two threads are plenty for a scrape every few seconds.
-    impl->exposer = std::make_unique<prometheus::Exposer>(bind_address, 2);
-    impl->exposer->RegisterCollectable(registry.registry());
-    std::vector<int> ports = impl->exposer->GetListeningPorts();
-    if (ports.empty()) {
-      return absl::UnavailableError(absl::StrCat("metrics: no port bound on ", bind_address));
-    }
-    const int port = ports.front();
-    return std::unique_ptr<MetricsExposer>(new MetricsExposer(std::move(impl), port));
-  } catch (const std::exception& e) {
-    return absl::UnavailableError(
-        absl::StrCat("metrics: cannot serve on ", bind_address, ": ", e.what()));
+  const size_t colon = bind_address.rfind(':');
+  int port = 0;
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  if (colon == std::string::npos || !absl::SimpleAtoi(bind_address.substr(colon + 1), &port) ||
+      port < 0 || port > 65535 ||
+      ::inet_pton(AF_INET, bind_address.substr(0, colon).c_str(), &addr.sin_addr) != 1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("metrics: bad address ", bind_address, " (want IPv4:port)"));
   }
+  addr.sin_port = htons(static_cast<uint16_t>(port));
+  auto impl = std::make_unique<Impl>();
+  impl->registry = &registry;
+  impl->listen_fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  const int one = 1;
+  if (impl->listen_fd < 0 ||
+      ::setsockopt(impl->listen_fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one)) != 0 ||
+      ::bind(impl->listen_fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0 ||
+      ::listen(impl->listen_fd, 16) != 0) {
+    return absl::UnavailableError(
+        absl::StrCat("metrics: cannot serve on ", bind_address, ": ", std::strerror(errno)));
+  }
+  socklen_t len = sizeof(addr);
+  ::getsockname(impl->listen_fd, reinterpret_cast<sockaddr*>(&addr), &len);
+  if (::pipe2(impl->wake, O_CLOEXEC) != 0) {
+    return absl::InternalError(absl::StrCat("metrics: pipe: ", std::strerror(errno)));
+  }
+  Impl* raw = impl.get();
+  impl->thread = std::thread([raw] { raw->Loop(); });
+  return std::unique_ptr<MetricsExposer>(new MetricsExposer(std::move(impl), ntohs(addr.sin_port)));
 }
 
 absl::Status RegisterProcessMetrics(MetricsRegistry& registry, const std::string& component) {

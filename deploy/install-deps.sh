@@ -18,6 +18,8 @@ PACKAGES=(
   libgtest-dev libgmock-dev libbenchmark-dev curl
   # the metrics scrape test runs a real Prometheus server
   prometheus
+  # the demo's English text corpus
+  fortunes
 )
 
 missing=()

@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # The README main command. Installs what is missing, builds Pith, starts a local cluster
-# on loopback (1 coordinator, 2 expert stores) and shows every process serving gRPC and
-# Prometheus /metrics, trains the demo model (deploy/demo/spec.json, DESIGN §3) on text
-# from this repository, and stops the cluster cleanly.
-# NOTE: until the worker and client issues join them up, the demo model trains in one
-# `pith-worker --standalone` process beside the cluster rather than through it.
+# on loopback (1 coordinator, 2 expert stores, 2 workers, each with gRPC and Prometheus
+# /metrics), prepares an English text corpus, submits the demo job (deploy/demo/spec.json,
+# DESIGN §3) and watches it train through the cluster — experts fetched from the stores
+# into worker caches far smaller than the experts and their optimizer state — then prints
+# the loss at start and end, tokens/s and cache hit rate, exports a checkpoint, scores it
+# on held-out text, and stops the cluster cleanly.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -14,43 +15,74 @@ cmake -S . -B "$BUILD_DIR" -DCMAKE_BUILD_TYPE=Release >/dev/null
 cmake --build "$BUILD_DIR" -j"$(nproc)" --target pith-coordinator pith-store pith-worker pith
 
 source deploy/proc-lib.sh
-BIN=$BUILD_DIR/server
-start_proc coordinator "$BIN/coordinator/pith-coordinator" --listen=127.0.0.1:0 --metrics_port=0 --data_dir="$E2E_TMP/coordinator"
-start_proc store0 "$BIN/store/pith-store" --listen=127.0.0.1:0 --metrics_port=0 --data_dir="$E2E_TMP/store0" --ram_bytes=268435456
-start_proc store1 "$BIN/store/pith-store" --listen=127.0.0.1:0 --metrics_port=0 --data_dir="$E2E_TMP/store1" --ram_bytes=268435456
+BIN=$BUILD_DIR
+PITH="$BUILD_DIR/client/pith"
+start_proc coordinator "$BIN/server/coordinator/pith-coordinator" --listen=127.0.0.1:0 \
+  --metrics_port=0 --data_dir="$E2E_TMP/coordinator"
+wait_ready coordinator
+export PITH_COORDINATOR=127.0.0.1:$GRPC_PORT_coordinator
+for n in 0 1; do
+  start_proc store$n "$BIN/server/store/pith-store" --listen=127.0.0.1:0 --metrics_port=0 \
+    --data_dir="$E2E_TMP/store$n" --ram_bytes=268435456 --coordinator="$PITH_COORDINATOR"
+  wait_ready store$n
+done
+# Each worker caches 1 MiB of expert weights: the job's experts hold 4.3 MB of weights and
+# 17 MB with their master copy and AdamW moments, all in the stores.
+for n in 0 1; do
+  start_proc worker$n "$BIN/worker/pith-worker" --coordinator="$PITH_COORDINATOR" \
+    --metrics_port=0 --cache_bytes=1048576
+  wait_ready worker$n
+done
 
 echo
 echo "Pith local cluster:"
 printf '  %-12s %-22s %s\n' process grpc metrics
-for name in coordinator store0 store1; do
-  wait_ready "$name"
+for name in coordinator store0 store1 worker0 worker1; do
   grpc=$(eval "echo \$GRPC_PORT_$name")
   metrics=$(eval "echo \$METRICS_PORT_$name")
-  printf '  %-12s %-22s %s\n' "$name" "127.0.0.1:$grpc" "http://127.0.0.1:$metrics/metrics"
+  [[ $grpc == 0 ]] && grpc="-" || grpc="127.0.0.1:$grpc"
+  printf '  %-12s %-22s %s\n' "$name" "$grpc" "http://127.0.0.1:$metrics/metrics"
 done
+"$PITH" cluster | sed 's/^/  /'
 
 echo
-echo "Scraped from each /metrics endpoint:"
-for name in coordinator store0 store1; do
+echo "Corpus: the fortune cookies of Debian's fortunes packages (held-out: the last 5%)."
+mapfile -t texts < <(find /usr/share/games/fortunes -maxdepth 1 -type f ! -name '*.dat' ! -name '*.u8' | sort)
+[[ ${#texts[@]} -gt 0 ]] || fail "no fortunes corpus (deploy/install-deps.sh installs it)"
+cat "${texts[@]}" >"$E2E_TMP/corpus.txt"
+total=$(stat -c %s "$E2E_TMP/corpus.txt")
+head -c $((total * 95 / 100)) "$E2E_TMP/corpus.txt" >"$E2E_TMP/train.txt"
+tail -c $((total - total * 95 / 100)) "$E2E_TMP/corpus.txt" >"$E2E_TMP/heldout.txt"
+"$PITH" data prepare --out "$E2E_TMP/tokens.bin" "$E2E_TMP/train.txt"
+"$PITH" data prepare --out "$E2E_TMP/heldout.bin" "$E2E_TMP/heldout.txt"
+sed "s|\"data_path\": \"tokens.bin\"|\"data_path\": \"$E2E_TMP/tokens.bin\"|" deploy/demo/spec.json \
+  >"$E2E_TMP/spec.json"
+
+echo
+echo "Training the demo model (d 128, 4 layers, 16 experts, top-2; 300 steps) on 2 workers:"
+job=$("$PITH" submit "$E2E_TMP/spec.json")
+echo "  submitted job $job"
+"$PITH" watch "$job" | awk 'NR <= 2 || /step [0-9]*0\// || /^job/' | sed 's/^/  /' ||
+  fail "the job did not succeed"
+
+echo
+for name in coordinator store0 store1 worker0 worker1; do
   metrics=$(eval "echo \$METRICS_PORT_$name")
-  curl -sf "http://127.0.0.1:$metrics/metrics" | grep '^pith_build_info' | sed "s/^/  $name: /" ||
+  curl -sf "http://127.0.0.1:$metrics/metrics" >"$E2E_TMP/$name.metrics" ||
     fail "$name does not serve /metrics"
 done
+echo "Every process answered /metrics; a few of the figures:"
+grep -h -E '^pith_worker_expert_cache_(hits|misses|prefetch_hits)_total|^pith_worker_tokens_total' \
+  "$E2E_TMP/worker0.metrics" | sed 's/^/  worker0: /'
+grep -h -E '^pith_store_tier_bytes' "$E2E_TMP/store0.metrics" | sed 's/^/  store0: /'
+grep -h -E '^pith_coordinator_steps_committed_total' "$E2E_TMP/coordinator.metrics" |
+  sed 's/^/  coordinator: /'
 
 echo
-echo "Training the demo model (d 128, 4 layers, 16 experts, top-2; 300 steps):"
-cp deploy/demo/spec.json "$E2E_TMP/spec.json"
-mapfile -t texts < <(git ls-files '*.md' '*.cc' '*.h' '*.proto' 2>/dev/null || find . -name '*.md')
-"$BUILD_DIR/client/pith" data prepare --out "$E2E_TMP/tokens.bin" "${texts[@]}"
-(cd "$E2E_TMP" && "$OLDPWD/$BUILD_DIR/worker/pith-worker" --standalone --spec=spec.json \
-  --loss_log=loss.txt --save=demo.safetensors 2>&1 | grep -E 'step (1|[0-9]*00)/|trained') ||
-  fail "training failed"
-first=$(head -10 "$E2E_TMP/loss.txt" | awk '{s += $3} END {printf "%.3f", s / NR}')
-last=$(tail -10 "$E2E_TMP/loss.txt" | awk '{s += $3} END {printf "%.3f", s / NR}')
-echo "Mean cross-entropy over the first 10 steps: $first; over the last 10: $last (nats/byte)."
-"$BUILD_DIR/client/pith" safetensors inspect "$E2E_TMP/demo.safetensors" | tail -1 |
-  sed 's/^/Final weights: /'
+"$PITH" checkpoint "$job" --out "$E2E_TMP/demo.safetensors" | sed 's/^/  /'
+"$PITH" eval --spec "$E2E_TMP/spec.json" --checkpoint "$E2E_TMP/demo.safetensors" \
+  --tokens "$E2E_TMP/heldout.bin" --batches 4 | sed 's/^/  held-out /'
 
 echo
-for name in store1 store0 coordinator; do stop_proc "$name"; done
+for name in worker1 worker0 store1 store0 coordinator; do stop_proc "$name"; done
 echo "Cluster stopped cleanly (SIGTERM, exit 0)."

@@ -13,6 +13,7 @@
 #include "absl/flags/flag.h"
 #include "absl/strings/str_cat.h"
 #include "common/job_spec.h"
+#include "common/metrics.h"
 #include "common/process.h"
 #include "common/status.h"
 #include "glog/logging.h"
@@ -47,14 +48,27 @@ absl::Status RunCluster() {
   pith::runtime::ClusterWorkerOptions options;
   options.coordinator = absl::GetFlag(FLAGS_coordinator);
   options.listen = absl::GetFlag(FLAGS_listen);
-  options.metrics_port = absl::GetFlag(FLAGS_metrics_port);
+  // The metrics endpoint is served from this (the main) thread's setup.
+  pith::MetricsRegistry metrics;
+  std::unique_ptr<pith::MetricsExposer> exposer;
+  int metrics_port = -1;
+  if (absl::GetFlag(FLAGS_metrics_port) >= 0) {
+    ASSIGN_OR_RETURN(exposer,
+                     pith::MetricsExposer::Start(
+                         absl::StrCat("0.0.0.0:", absl::GetFlag(FLAGS_metrics_port)), metrics));
+    metrics_port = exposer->port();
+    options.metrics_address = absl::StrCat("127.0.0.1:", metrics_port);
+  }
+  RETURN_IF_ERROR(pith::RegisterProcessMetrics(metrics, "worker"));
   options.cache_bytes = absl::GetFlag(FLAGS_cache_bytes);
   options.threads = absl::GetFlag(FLAGS_threads);
   options.loss_log = absl::GetFlag(FLAGS_loss_log);
   pith::ShutdownSignals signals;  // SIGTERM and SIGINT end the loop below cleanly
   std::atomic<bool> stop{false};
   absl::Status result;
-  std::thread worker([&] { result = pith::runtime::RunClusterWorker(options, stop); });
+  // The same ready line as the servers' (a worker serves no gRPC of its own).
+  LOG(INFO) << "pith-worker ready: grpc_port=0 metrics_port=" << metrics_port;
+  std::thread worker([&] { result = pith::runtime::RunClusterWorker(options, metrics, stop); });
   std::thread watcher([&] {
     signals.Wait();
     stop = true;

@@ -761,18 +761,12 @@ class JobRun {
 
 }  // namespace
 
-absl::Status RunClusterWorker(const ClusterWorkerOptions& options, const std::atomic<bool>& stop) {
+absl::Status RunClusterWorker(const ClusterWorkerOptions& options, MetricsRegistry& registry,
+                              const std::atomic<bool>& stop) {
   if (options.coordinator.empty()) return absl::InvalidArgumentError("--coordinator is required");
-  MetricsRegistry registry;
   ASSIGN_OR_RETURN(Metrics metrics, MakeMetrics(registry));
-  std::unique_ptr<MetricsExposer> exposer;
   v1::MemberInfo self;
-  if (options.metrics_port >= 0) {
-    ASSIGN_OR_RETURN(
-        exposer, MetricsExposer::Start(absl::StrCat("0.0.0.0:", options.metrics_port), registry));
-    self.set_metrics_address(absl::StrCat("127.0.0.1:", exposer->port()));
-    LOG(INFO) << "metrics on :" << exposer->port();
-  }
+  self.set_metrics_address(options.metrics_address);
   ASSIGN_OR_RETURN(std::unique_ptr<PeerGroup> peers, PeerGroup::Create());
   ASSIGN_OR_RETURN(std::unique_ptr<StoreClient> client, StoreClient::Create());
   self.set_role(v1::MEMBER_ROLE_WORKER);

@@ -20,20 +20,23 @@
 #include <string>
 
 #include "absl/status/status.h"
+#include "common/metrics.h"
 
 namespace pith::runtime {
 
 struct ClusterWorkerOptions {
-  std::string coordinator;   // host:port
-  std::string listen;        // advertised gRPC address (host:port)
-  int metrics_port = -1;     // Prometheus /metrics; -1 disables, 0 picks one
-  uint64_t cache_bytes = 0;  // expert cache budget (advertised; 0: unlimited)
-  int threads = 0;           // CPU backend threads; 0 = one per core
-  std::string loss_log;      // "<step> <loss> <ce>" per committed step (rank 0 only)
+  std::string coordinator;      // host:port
+  std::string listen;           // advertised gRPC address (host:port)
+  std::string metrics_address;  // advertised /metrics address, if any
+  uint64_t cache_bytes = 0;     // expert cache budget (advertised; 0: unlimited)
+  int threads = 0;              // CPU backend threads; 0 = one per core
+  std::string loss_log;         // "<step> <loss> <ce>" per committed step (rank 0 only)
 };
 
-// Runs until `stop` becomes true (checked between steps and while idle).
-absl::Status RunClusterWorker(const ClusterWorkerOptions& options, const std::atomic<bool>& stop);
+// Runs until `stop` becomes true (checked between steps and while idle). The worker's
+// metrics go into `metrics` (which the caller exposes).
+absl::Status RunClusterWorker(const ClusterWorkerOptions& options, MetricsRegistry& metrics,
+                              const std::atomic<bool>& stop);
 
 }  // namespace pith::runtime
 
