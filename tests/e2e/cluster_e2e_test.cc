@@ -3,8 +3,8 @@
 // per-step losses agree within 1e-4 relative and the final weights (CheckpointJob) match —
 // also when a worker (a spare takes its place) or a store (R = 2) is killed mid-job.
 #include <chrono>
-#include <cstdlib>
 #include <cmath>
+#include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <iostream>
