@@ -2,11 +2,14 @@
 
 #include <unistd.h>
 
+#include <algorithm>
+#include <cmath>
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <functional>
 #include <map>
+#include <random>
 
 #include "absl/status/status.h"
 #include "absl/strings/ascii.h"
@@ -41,6 +44,9 @@ constexpr char kUsage[] =
     "  eval --spec SPEC.json --checkpoint FILE --tokens FILE [--batches N]\n"
     "                              mean loss of a checkpoint on token data (held-out\n"
     "                              data: rows as DESIGN §3 orders them, batch s = 0..N-1)\n"
+    "  sample --checkpoint FILE --spec SPEC.json --prompt TEXT [--tokens N]\n"
+    "         [--temperature T] [--seed S]\n"
+    "                              generate text from a checkpoint (byte-level vocab)\n"
     "  version                     print the Pith version\n"
     "\n"
     "job commands (coordinator from --coordinator HOST:PORT, else $PITH_COORDINATOR, else\n"
@@ -332,6 +338,70 @@ absl::Status Eval(const Args& args, std::ostream& out) {
   return absl::OkStatus();
 }
 
+// Generates text from a checkpoint, byte by byte: the prompt, then up to --tokens bytes
+// sampled at --temperature (0: the most likely byte), the context the last seq_len bytes.
+absl::Status Sample(const Args& args, std::ostream& out) {
+  std::map<std::string, std::string> flags = {{"--spec", ""},           {"--checkpoint", ""},
+                                              {"--prompt", ""},         {"--tokens", "200"},
+                                              {"--temperature", "0.8"}, {"--seed", "1"}};
+  for (size_t i = 0; i < args.size(); ++i) {
+    auto it = flags.find(args[i]);
+    if (it == flags.end()) return UsageError("sample: unknown argument " + args[i]);
+    if (i + 1 == args.size()) return UsageError(args[i] + " needs a value");
+    it->second = args[++i];
+  }
+  for (const char* required : {"--spec", "--checkpoint", "--prompt"}) {
+    if (flags[required].empty()) return UsageError(absl::StrCat("sample needs ", required));
+  }
+  int tokens = 0;
+  double temperature = 0;
+  uint64_t seed = 0;
+  if (!absl::SimpleAtoi(flags["--tokens"], &tokens) || tokens < 0 || tokens > 100000) {
+    return UsageError("--tokens wants a number in [0, 100000], got " + flags["--tokens"]);
+  }
+  if (!absl::SimpleAtod(flags["--temperature"], &temperature) || temperature < 0) {
+    return UsageError("--temperature wants a number >= 0, got " + flags["--temperature"]);
+  }
+  if (!absl::SimpleAtoi(flags["--seed"], &seed)) {
+    return UsageError("--seed wants a number, got " + flags["--seed"]);
+  }
+  ASSIGN_OR_RETURN(v1::JobSpec spec, LoadJobSpec(flags["--spec"]));
+  const model::ModelShape shape = model::ModelShape::FromSpec(spec.model());
+  if (shape.vocab != 256) {
+    return absl::InvalidArgumentError(
+        "sample: the model's vocabulary is not bytes (vocab_size 256)");
+  }
+  compute::CpuBackend backend(0);
+  ASSIGN_OR_RETURN(std::unique_ptr<model::MoeGpt> m, model::MoeGpt::Create(&backend, shape, 1));
+  ASSIGN_OR_RETURN(SafetensorsFile file, SafetensorsFile::Read(flags["--checkpoint"]));
+  RETURN_IF_ERROR(model::LoadWeights(backend, m->layout(), file, m->params()));
+  const int T = shape.seq, V = shape.vocab;
+  std::string text = flags["--prompt"];
+  std::vector<int32_t> window(T, ' ');
+  std::vector<float> logits(int64_t{T} * V);
+  std::mt19937_64 rng(seed);
+  for (int n = 0; n < tokens; ++n) {
+    // The last T bytes at the start of the window; later positions cannot affect them.
+    const size_t from = text.size() > static_cast<size_t>(T) ? text.size() - T : 0;
+    const int used = static_cast<int>(text.size() - from);
+    for (int i = 0; i < T; ++i) {
+      window[i] = i < used ? static_cast<uint8_t>(text[from + i]) : ' ';
+    }
+    RETURN_IF_ERROR(m->Logits(window.data(), logits.data()));
+    const float* row = logits.data() + int64_t{used - 1} * V;
+    int next = static_cast<int>(std::max_element(row, row + V) - row);
+    if (temperature > 0) {
+      std::vector<double> p(V);
+      const double top = row[next];
+      for (int v = 0; v < V; ++v) p[v] = std::exp((row[v] - top) / temperature);
+      next = std::discrete_distribution<int>(p.begin(), p.end())(rng);
+    }
+    text.push_back(static_cast<char>(next));
+  }
+  out << text << "\n";
+  return absl::OkStatus();
+}
+
 absl::Status Version(const Args& args, std::ostream& out) {
   out << "Pith " << kPithVersion << "\n";
   return absl::OkStatus();
@@ -384,6 +454,7 @@ int RunCli(const std::vector<std::string>& raw_args, std::ostream& out, std::ost
       {"cancel", Cancel},
       {"checkpoint", Checkpoint},
       {"cluster", Cluster},
+      {"sample", Sample},
   };
   if (args.empty() || args[0] == "help" || args[0] == "--help" || args[0] == "-h") {
     (args.empty() ? err : out) << kUsage;

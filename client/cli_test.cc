@@ -119,7 +119,7 @@ TEST(CliTest, UsageErrors) {
   EXPECT_THAT(RunPith({"version"}).out, StartsWith("Pith "));
 }
 
-TEST(CliTest, EvalReportsTheLossOfAnInitAndRefusesBadInput) {
+TEST(CliTest, EvalAndSampleUseACheckpointAndRefuseBadInput) {
   const std::string spec = WriteTemp("eval_spec.json", R"({"name": "tiny",
     "model": {"vocab_size": 256, "seq_len": 8, "d_model": 16, "n_layer": 1, "n_head": 2,
               "n_expert": 4, "top_k": 2, "d_ff": 32},
@@ -147,6 +147,19 @@ TEST(CliTest, EvalReportsTheLossOfAnInitAndRefusesBadInput) {
       {"eval", "--spec", spec, "--checkpoint", weights, "--tokens", tokens, "--batches", "2"});
   ASSERT_EQ(r.code, 0) << r.err;
   EXPECT_THAT(r.out, HasSubstr("eval rows=4 tokens=32 ce=5.5451774"));  // ln 256
+
+  // Sampling from it: equal logits everywhere, so temperature 0 picks byte 0 each time.
+  r = RunPith({"sample", "--spec", spec, "--checkpoint", weights, "--prompt", "abc", "--tokens",
+               "5", "--temperature", "0"});
+  ASSERT_EQ(r.code, 0) << r.err;
+  EXPECT_EQ(r.out, std::string("abc") + std::string(5, '\0') + "\n");
+  r = RunPith({"sample", "--spec", spec, "--checkpoint", weights, "--prompt", "abc",
+               "--temperature", "-1"});
+  EXPECT_EQ(r.code, 1);
+  EXPECT_THAT(r.err, HasSubstr("--temperature"));
+  r = RunPith({"sample", "--spec", spec, "--prompt", "abc"});
+  EXPECT_EQ(r.code, 1);
+  EXPECT_THAT(r.err, HasSubstr("--checkpoint"));
 
   r = RunPith({"eval", "--spec", spec});
   EXPECT_EQ(r.code, 1);

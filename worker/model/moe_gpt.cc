@@ -326,6 +326,22 @@ absl::StatusOr<StepLoss> MoeGpt::ForwardBackward(const int32_t* inputs, const in
   return loss;
 }
 
+absl::Status MoeGpt::Logits(const int32_t* inputs, float* logits) {
+  const ModelShape& s = shape();
+  const int N = batch_ * s.seq;
+  for (int i = 0; i < N; ++i) {
+    if (inputs[i] < 0 || inputs[i] >= s.vocab) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("token id out of range [0, ", s.vocab, ") at position ", i));
+    }
+  }
+  Backend& b = *backend_;
+  RETURN_IF_ERROR(b.CopyToDevice(inputs_dev_, inputs, sizeof(int32_t) * N));
+  RETURN_IF_ERROR(Forward(inputs_dev_));
+  RETURN_IF_ERROR(b.Synchronize());
+  return b.CopyToHost(logits, logits_, sizeof(float) * int64_t{N} * s.vocab);
+}
+
 absl::Status MoeGpt::CopyRouterProbs(int layer, float* out) const {
   const int64_t n = int64_t{batch_} * shape().seq * shape().experts;
   return backend_->CopyToHost(out, layer_[layer].probs, sizeof(float) * n);

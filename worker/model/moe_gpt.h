@@ -70,6 +70,10 @@ class MoeGpt {
   absl::StatusOr<StepLoss> ForwardBackward(const int32_t* inputs, const int32_t* targets,
                                            int64_t global_rows);
 
+  // Forward only, for inference: `inputs` [batch, T] token ids; copies the logits of
+  // every position to `logits` [batch, T, V] (host). INVALID_ARGUMENT for a bad token id.
+  absl::Status Logits(const int32_t* inputs, float* logits);
+
   // Whether the expert kept at least one token in the last ForwardBackward, on any worker
   // (an expert that did not gets no gradient and no update that step).
   bool ExpertUsed(int layer, int expert) const;
