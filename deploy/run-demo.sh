@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # The README main command. Installs what is missing, builds Pith, starts a local cluster
-# on loopback (1 coordinator, 2 expert stores, 2 workers, each with gRPC and Prometheus
-# /metrics), prepares an English text corpus, submits the demo job (deploy/demo/spec.json,
-# DESIGN §3) and watches it train through the cluster — experts fetched from the stores
-# into worker caches far smaller than the experts and their optimizer state — then prints
-# the loss at start and end, tokens/s and cache hit rate, exports a checkpoint, scores it
-# on held-out text, and stops the cluster cleanly.
+# on loopback with `pith up` (1 coordinator, 2 expert stores, 2 workers, each with gRPC and
+# Prometheus /metrics), prepares an English text corpus, submits the demo job
+# (deploy/demo/spec.json, DESIGN §3) and watches it train through the cluster — experts
+# fetched from the stores into worker caches far smaller than the experts and their
+# optimizer state — then prints the loss at start and end, tokens/s and cache hit rate,
+# exports a checkpoint, scores it on held-out text, prints a sample, and stops the
+# cluster with `pith down`.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -15,34 +16,16 @@ cmake -S . -B "$BUILD_DIR" -DCMAKE_BUILD_TYPE=Release >/dev/null
 cmake --build "$BUILD_DIR" -j"$(nproc)" --target pith-coordinator pith-store pith-worker pith
 
 source deploy/proc-lib.sh
-BIN=$BUILD_DIR
 PITH="$BUILD_DIR/client/pith"
-start_proc coordinator "$BIN/server/coordinator/pith-coordinator" --listen=127.0.0.1:0 \
-  --metrics_port=0 --data_dir="$E2E_TMP/coordinator"
-wait_ready coordinator
-export PITH_COORDINATOR=127.0.0.1:$GRPC_PORT_coordinator
-for n in 0 1; do
-  start_proc store$n "$BIN/server/store/pith-store" --listen=127.0.0.1:0 --metrics_port=0 \
-    --data_dir="$E2E_TMP/store$n" --ram_bytes=268435456 --coordinator="$PITH_COORDINATOR"
-  wait_ready store$n
-done
+# `pith up` starts the processes detached, each with its own ports, data dir and log under
+# $PITH_HOME; every other pith command finds the cluster there.
+export PITH_HOME=$E2E_TMP/cluster
+cleanup_cluster() { [[ -f $PITH_HOME/pids ]] && "$PITH" down >/dev/null 2>&1 || true; }
+trap 'cleanup_cluster; cleanup' EXIT
 # Each worker caches 1 MiB of expert weights: the job's experts hold 4.3 MB of weights and
 # 17 MB with their master copy and AdamW moments, all in the stores.
-for n in 0 1; do
-  start_proc worker$n "$BIN/worker/pith-worker" --coordinator="$PITH_COORDINATOR" \
-    --metrics_port=0 --cache_bytes=1048576
-  wait_ready worker$n
-done
-
 echo
-echo "Pith local cluster:"
-printf '  %-12s %-22s %s\n' process grpc metrics
-for name in coordinator store0 store1 worker0 worker1; do
-  grpc=$(eval "echo \$GRPC_PORT_$name")
-  metrics=$(eval "echo \$METRICS_PORT_$name")
-  [[ $grpc == 0 ]] && grpc="-" || grpc="127.0.0.1:$grpc"
-  printf '  %-12s %-22s %s\n' "$name" "$grpc" "http://127.0.0.1:$metrics/metrics"
-done
+"$PITH" up --stores 2 --workers 2 --cache_bytes 1048576
 "$PITH" cluster | sed 's/^/  /'
 
 echo
@@ -67,7 +50,7 @@ echo "  submitted job $job"
 
 echo
 for name in coordinator store0 store1 worker0 worker1; do
-  metrics=$(eval "echo \$METRICS_PORT_$name")
+  metrics=$(grep -m1 -o 'metrics_port=[0-9]*' "$PITH_HOME/$name.log" | cut -d= -f2)
   curl -sf "http://127.0.0.1:$metrics/metrics" >"$E2E_TMP/$name.metrics" ||
     fail "$name does not serve /metrics"
 done
@@ -82,7 +65,11 @@ echo
 "$PITH" checkpoint "$job" --out "$E2E_TMP/demo.safetensors" | sed 's/^/  /'
 "$PITH" eval --spec "$E2E_TMP/spec.json" --checkpoint "$E2E_TMP/demo.safetensors" \
   --tokens "$E2E_TMP/heldout.bin" --batches 4 | sed 's/^/  held-out /'
+echo
+echo "A sample from the checkpoint (prompt \"Q: What\"):"
+"$PITH" sample --spec "$E2E_TMP/spec.json" --checkpoint "$E2E_TMP/demo.safetensors" \
+  --prompt "Q: What" --tokens 200 --temperature 0.7 | sed 's/^/  | /'
 
 echo
-for name in worker1 worker0 store1 store0 coordinator; do stop_proc "$name"; done
-echo "Cluster stopped cleanly (SIGTERM, exit 0)."
+"$PITH" down | sed 's/^/  /'
+echo "Cluster stopped cleanly (SIGTERM)."
