@@ -1,0 +1,70 @@
+#!/usr/bin/env bash
+# The `pith` CLI against a real local cluster: up, submit (text and --output json),
+# watch, status, checkpoint, sample, cancel, cluster, down; and bad input — an unknown job,
+# an invalid spec (the bad field named), an unreachable coordinator (one line, exit 1,
+# within the deadline).
+set -euo pipefail
+PITH=$1
+source "$(dirname "$0")/../../deploy/proc-lib.sh"
+export PITH_HOME=$E2E_TMP/home
+trap '"$PITH" down >/dev/null 2>&1 || true; cleanup' EXIT
+
+expect_one_line() {  # WANT CMD...: exit 1, one stderr line containing WANT
+  local want=$1 rc=0
+  shift
+  "$@" >"$E2E_TMP/out" 2>"$E2E_TMP/err" || rc=$?
+  [[ $rc == 1 ]] || fail "$* exited $rc, want 1"
+  [[ $(wc -l <"$E2E_TMP/err") == 1 ]] || fail "$* printed not one line: $(cat "$E2E_TMP/err")"
+  grep -q -- "$want" "$E2E_TMP/err" || fail "$* error lacks '$want': $(cat "$E2E_TMP/err")"
+  echo "  ok: $(cat "$E2E_TMP/err")"
+}
+
+"$PITH" up --stores 2 --workers 2 --cache_bytes 4096 || fail "pith up"
+for i in $(seq 300); do echo "line $i: experts come from the stores when they are needed."; done \
+  >"$E2E_TMP/text.txt"
+"$PITH" data prepare --out "$E2E_TMP/tokens.bin" "$E2E_TMP/text.txt" >/dev/null
+spec() {  # NAME STEPS
+  cat <<JSON
+{"name": "$1", "model": {"vocab_size": 256, "seq_len": 8, "d_model": 16, "n_layer": 1,
+ "n_head": 2, "n_expert": 4, "top_k": 2, "d_ff": 32},
+ "train": {"data_path": "$E2E_TMP/tokens.bin", "batch": 4, "steps": $2, "lr": 0.01},
+ "cluster": {"workers": 2, "store_replicas": 2}}
+JSON
+}
+spec tiny 15 >"$E2E_TMP/tiny.json"
+spec long 1000000 >"$E2E_TMP/long.json"
+
+job=$("$PITH" submit "$E2E_TMP/tiny.json")
+[[ -n $job ]] || fail "submit printed no job id"
+"$PITH" watch "$job" >"$E2E_TMP/watch.txt" || fail "watch: $(tail -3 "$E2E_TMP/watch.txt")"
+grep -q "succeeded at step 15" "$E2E_TMP/watch.txt" || fail "watch summary: $(tail -2 "$E2E_TMP/watch.txt")"
+grep -q "step 15/15" "$E2E_TMP/watch.txt" || fail "no progress line for the last step"
+"$PITH" status "$job" --output json | grep -q '"state":"JOB_STATE_SUCCEEDED"' ||
+  fail "status --output json: $("$PITH" status "$job" --output json)"
+"$PITH" checkpoint "$job" --out "$E2E_TMP/tiny.safetensors" >/dev/null || fail "checkpoint"
+"$PITH" safetensors inspect "$E2E_TMP/tiny.safetensors" >/dev/null || fail "checkpoint unreadable"
+"$PITH" sample --spec "$E2E_TMP/tiny.json" --checkpoint "$E2E_TMP/tiny.safetensors" \
+  --prompt "line" --tokens 10 >/dev/null || fail "sample"
+echo "  ok: trained, watched, checkpointed and sampled $job"
+
+long=$("$PITH" --output json submit "$E2E_TMP/long.json" | sed 's/.*"job_id": "\([^"]*\)".*/\1/')
+[[ -n $long ]] || fail "submit --output json"
+for _ in $(seq 100); do
+  "$PITH" status "$long" | grep -q running && break
+  sleep 0.1
+done
+"$PITH" cancel "$long" >/dev/null || fail "cancel"
+"$PITH" status "$long" | grep -q cancelled || fail "not cancelled: $("$PITH" status "$long")"
+"$PITH" cluster --output json | grep -q '"workers"' || fail "cluster --output json"
+echo "  ok: cancelled $long"
+
+expect_one_line "no job nope" "$PITH" status nope
+sed 's/"n_head": 2/"n_head": 3/' "$E2E_TMP/tiny.json" >"$E2E_TMP/bad.json"
+expect_one_line "model.n_head" "$PITH" submit "$E2E_TMP/bad.json"
+start=$(date +%s)
+expect_one_line "127.0.0.1:1" "$PITH" --coordinator 127.0.0.1:1 status
+(($(date +%s) - start <= 10)) || fail "the unreachable coordinator took over 10 s"
+
+"$PITH" down >/dev/null || fail "pith down"
+[[ ! -f $PITH_HOME/pids ]] || fail "down left the cluster recorded"
+echo "PASS"
