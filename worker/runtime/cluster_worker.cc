@@ -199,10 +199,12 @@ class JobRun {
     }
     // The expert cache: --cache_bytes of slots (all owned experts when 0), two at least.
     const size_t slot_bytes = shape_.expert_floats() * sizeof(float);
+    // The job's budget (cluster.cache_bytes) when it sets one, else this worker's.
+    const uint64_t budget = spec.cluster().cache_bytes() > 0
+                                ? static_cast<uint64_t>(spec.cluster().cache_bytes())
+                                : options_.cache_bytes;
     int slots = static_cast<int>(owned_.size()) + 1;
-    if (options_.cache_bytes > 0) {
-      slots = std::min<int64_t>(slots, static_cast<int64_t>(options_.cache_bytes / slot_bytes));
-    }
+    if (budget > 0) slots = std::min<int64_t>(slots, static_cast<int64_t>(budget / slot_bytes));
     slots = std::max(slots, 2);
     ASSIGN_OR_RETURN(std::unique_ptr<ucx::MemoryRegion> slot_memory,
                      client_->AllocateBuffer(slot_bytes * slots));
