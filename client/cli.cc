@@ -27,6 +27,7 @@
 #include "absl/strings/str_join.h"
 #include "absl/strings/strip.h"
 #include "client/client.h"
+#include "common/file.h"
 #include "common/job_spec.h"
 #include "common/safetensors.h"
 #include "common/status.h"
@@ -64,6 +65,8 @@ constexpr char kUsage[] =
     "  cancel JOB                  cancel a job\n"
     "  checkpoint JOB --out FILE   export the job's last committed weights (safetensors)\n"
     "  cluster                     members, their leases and tiers, moves in flight\n"
+    "  experts JOB [--svg FILE]    per-layer expert heat; --svg draws a layer x expert\n"
+    "                              heat map with replica counts\n"
     "\n"
     "local cluster (processes on this machine, data and logs under DIR, default\n"
     "$PITH_HOME or ~/.pith/local; the job commands then find it without flags):\n"
@@ -423,6 +426,95 @@ absl::Status Checkpoint(const Args& args, std::ostream& out) {
   return absl::OkStatus();
 }
 
+absl::Status Experts(const Args& args, std::ostream& out) {
+  std::string svg;
+  if (args.size() == 3 && args[1] == "--svg") {
+    svg = args[2];
+  } else if (args.size() != 1) {
+    return UsageError(
+        "experts takes a job and optionally --svg FILE: pith experts JOB [--svg FILE]");
+  }
+  ASSIGN_OR_RETURN(std::unique_ptr<Client> client, Connect());
+  ASSIGN_OR_RETURN(v1::ExpertHeatResponse heat, client->ExpertHeat(args[0]));
+  if (g_globals.json) {
+    out << Json(heat) << "\n";
+  } else {
+    int layers = 0, experts = 0;
+    for (const auto& e : heat.experts()) {
+      layers = std::max(layers, e.expert().layer() + 1);
+      experts = std::max(experts, e.expert().expert() + 1);
+    }
+    out << absl::StrFormat("job %s, heat after step %d, placement epoch %d\n", heat.job_id(),
+                           heat.step(), heat.placement_epoch());
+    for (int l = 0; l < layers; ++l) {
+      double total = 0, top = 0;
+      int hottest = -1;
+      std::string row;
+      for (const auto& e : heat.experts()) {
+        if (e.expert().layer() != l) continue;
+        total += e.heat();
+        if (e.heat() > top) top = e.heat(), hottest = e.expert().expert();
+        row += absl::StrFormat(" %6.0f", e.heat());
+      }
+      out << absl::StrFormat("layer %2d: hottest expert %d (%.0f%% of the layer's heat)\n        ",
+                             l, hottest, total > 0 ? 100 * top / total : 0.0)
+          << row << "\n";
+    }
+    for (const auto& p : heat.pairs()) {
+      out << absl::StrFormat("co-activated: layer %d experts %d+%d (%.0f)\n", p.layer(),
+                             p.expert_a(), p.expert_b(), p.weight());
+    }
+  }
+  if (!svg.empty()) {
+    // A layer x expert grid, darker = hotter (per layer), each cell labelled with its
+    // compute and store replica counts.
+    int layers = 0, experts = 0;
+    for (const auto& e : heat.experts()) {
+      layers = std::max(layers, e.expert().layer() + 1);
+      experts = std::max(experts, e.expert().expert() + 1);
+    }
+    std::vector<double> layer_max(layers, 0);
+    for (const auto& e : heat.experts()) {
+      layer_max[e.expert().layer()] = std::max(layer_max[e.expert().layer()], e.heat());
+    }
+    const int cell = 36, left = 70, top = 40;
+    std::ostringstream doc;
+    doc << absl::StrFormat(
+        "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"%d\" height=\"%d\" "
+        "font-family=\"sans-serif\" font-size=\"10\">\n",
+        left + experts * cell + 10, top + layers * cell + 30);
+    doc << absl::StrFormat(
+        "<text x=\"%d\" y=\"20\" font-size=\"13\">%s: expert heat after step "
+        "%d (label: compute/store replicas)</text>\n",
+        left, heat.job_id(), heat.step());
+    for (int l = 0; l < layers; ++l) {
+      doc << absl::StrFormat("<text x=\"5\" y=\"%d\">layer %d</text>\n", top + l * cell + 22, l);
+    }
+    for (int x = 0; x < experts; ++x) {
+      doc << absl::StrFormat("<text x=\"%d\" y=\"%d\">e%d</text>\n", left + x * cell + 10,
+                             top + layers * cell + 15, x);
+    }
+    for (const auto& e : heat.experts()) {
+      const int l = e.expert().layer(), x = e.expert().expert();
+      const double t = layer_max[l] > 0 ? e.heat() / layer_max[l] : 0;
+      const int shade = static_cast<int>(255 - 200 * t);
+      doc << absl::StrFormat(
+          "<rect x=\"%d\" y=\"%d\" width=\"%d\" height=\"%d\" fill=\"rgb(255,%d,%d)\" "
+          "stroke=\"#888\"><title>layer %d expert %d: heat %.1f</title></rect>\n",
+          left + x * cell, top + l * cell, cell, cell, shade, shade, l, x, e.heat());
+      doc << absl::StrFormat("<text x=\"%d\" y=\"%d\">%d/%d</text>\n", left + x * cell + 8,
+                             top + l * cell + 22, e.compute_replicas(), e.store_replicas());
+    }
+    doc << "</svg>\n";
+    const std::string text = doc.str();
+    RETURN_IF_ERROR(WriteFileAtomically(svg, [&](int fd) {
+      return WriteAll(fd, {reinterpret_cast<const uint8_t*>(text.data()), text.size()}, svg);
+    }));
+    if (!g_globals.json) out << "wrote " << svg << "\n";
+  }
+  return absl::OkStatus();
+}
+
 absl::Status Cluster(const Args& args, std::ostream& out) {
   if (!args.empty()) return UsageError("cluster takes no arguments");
   ASSIGN_OR_RETURN(std::unique_ptr<Client> client, Connect());
@@ -665,6 +757,7 @@ int RunCli(const std::vector<std::string>& raw_args, std::ostream& out, std::ost
       {"cluster", Cluster},
       {"sample", Sample},
       {"up", Up},
+      {"experts", Experts},
       {"down", Down},
   };
   if (args.empty() || args[0] == "help" || args[0] == "--help" || args[0] == "-h") {

@@ -1,6 +1,7 @@
 #include "server/coordinator/job_service.h"
 
 #include <algorithm>
+#include <map>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -122,6 +123,21 @@ grpc::Status JobServiceImpl::ExpertHeat(grpc::ServerContext*, const v1::ExpertHe
   if (!heat.ok()) return ToGrpcStatus(heat.status());
   *reply = *std::move(heat);
   reply->set_placement_epoch(job->placement_epoch());
+  if (scheduler_ != nullptr) {
+    absl::StatusOr<v1::PlacementTable> placement = scheduler_->GetPlacement(request->job_id());
+    if (placement.ok()) {
+      std::map<std::pair<int, int>, const v1::ExpertPlacement*> by_expert;
+      for (const v1::ExpertPlacement& e : placement->experts()) {
+        by_expert[{e.layer(), e.expert()}] = &e;
+      }
+      for (v1::ExpertHeatEntry& entry : *reply->mutable_experts()) {
+        auto it = by_expert.find({entry.expert().layer(), entry.expert().expert()});
+        if (it == by_expert.end()) continue;
+        entry.set_compute_replicas(it->second->owners_size());
+        entry.set_store_replicas(it->second->store_ids_size());
+      }
+    }
+  }
   return grpc::Status::OK;
 }
 

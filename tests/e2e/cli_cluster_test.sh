@@ -45,7 +45,10 @@ grep -q "step 15/15" "$E2E_TMP/watch.txt" || fail "no progress line for the last
 "$PITH" safetensors inspect "$E2E_TMP/tiny.safetensors" >/dev/null || fail "checkpoint unreadable"
 "$PITH" sample --spec "$E2E_TMP/tiny.json" --checkpoint "$E2E_TMP/tiny.safetensors" \
   --prompt "line" --tokens 10 >/dev/null || fail "sample"
-echo "  ok: trained, watched, checkpointed and sampled $job"
+"$PITH" experts "$job" --svg "$E2E_TMP/heat.svg" >"$E2E_TMP/experts.txt" || fail "experts"
+grep -q "layer  0: hottest expert" "$E2E_TMP/experts.txt" || fail "experts: $(cat "$E2E_TMP/experts.txt")"
+grep -q "<svg" "$E2E_TMP/heat.svg" && grep -q "layer 0" "$E2E_TMP/heat.svg" || fail "no heat map svg"
+echo "  ok: trained, watched, checkpointed, sampled and drew the experts of $job"
 
 long=$("$PITH" --output json submit "$E2E_TMP/long.json" | sed 's/.*"job_id": "\([^"]*\)".*/\1/')
 [[ -n $long ]] || fail "submit --output json"
