@@ -20,6 +20,7 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/ascii.h"
+#include "absl/strings/cord.h"
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
@@ -76,7 +77,13 @@ constexpr char kUsage[] =
 using Args = std::vector<std::string>;
 using Command = std::function<absl::Status(const Args&, std::ostream&)>;
 
-absl::Status UsageError(const std::string& what) { return absl::InvalidArgumentError(what); }
+// A command used wrongly (exit 2), as opposed to one that failed (exit 1).
+constexpr char kUsagePayload[] = "pith/usage";
+absl::Status UsageError(const std::string& what) {
+  absl::Status s = absl::InvalidArgumentError(what);
+  s.SetPayload(kUsagePayload, absl::Cord("1"));
+  return s;
+}
 
 // Flags every job command understands, taken out of the arguments by RunCli.
 struct Globals {
@@ -771,7 +778,7 @@ int RunCli(const std::vector<std::string>& raw_args, std::ostream& out, std::ost
     absl::Status status = it->second(Args(args.begin() + words, args.end()), out);
     if (status.ok()) return 0;
     err << "pith: " << status.message() << "\n";
-    return 1;
+    return status.GetPayload(kUsagePayload).has_value() ? 2 : 1;
   }
   err << "pith: unknown command \"" << absl::StrJoin(args, " ") << "\" (try pith help)\n";
   return 2;

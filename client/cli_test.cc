@@ -100,7 +100,7 @@ TEST(CliTest, DataPrepareWritesByteTokens) {
   EXPECT_EQ(r.code, 1);
   ExpectOneErrorLine(r);
   r = RunPith({"data", "prepare", text});
-  EXPECT_EQ(r.code, 1);
+  EXPECT_EQ(r.code, 2);  // used wrongly
   EXPECT_THAT(r.err, HasSubstr("--out"));
 }
 
@@ -110,7 +110,7 @@ TEST(CliTest, UsageErrors) {
   EXPECT_EQ(r.code, 2);
   ExpectOneErrorLine(r);
   r = RunPith({"spec", "check"});
-  EXPECT_EQ(r.code, 1);
+  EXPECT_EQ(r.code, 2);  // used wrongly
   ExpectOneErrorLine(r);
   r = RunPith({"spec", "check", "/nonexistent.json"});
   EXPECT_EQ(r.code, 1);
@@ -155,14 +155,14 @@ TEST(CliTest, EvalAndSampleUseACheckpointAndRefuseBadInput) {
   EXPECT_EQ(r.out, std::string("abc") + std::string(5, '\0') + "\n");
   r = RunPith({"sample", "--spec", spec, "--checkpoint", weights, "--prompt", "abc",
                "--temperature", "-1"});
-  EXPECT_EQ(r.code, 1);
+  EXPECT_EQ(r.code, 2);
   EXPECT_THAT(r.err, HasSubstr("--temperature"));
   r = RunPith({"sample", "--spec", spec, "--prompt", "abc"});
-  EXPECT_EQ(r.code, 1);
+  EXPECT_EQ(r.code, 2);
   EXPECT_THAT(r.err, HasSubstr("--checkpoint"));
 
   r = RunPith({"eval", "--spec", spec});
-  EXPECT_EQ(r.code, 1);
+  EXPECT_EQ(r.code, 2);
   EXPECT_THAT(r.err, HasSubstr("--checkpoint"));
   ExpectOneErrorLine(r);
   r = RunPith({"eval", "--spec", spec, "--checkpoint", tokens, "--tokens", tokens});
@@ -170,7 +170,7 @@ TEST(CliTest, EvalAndSampleUseACheckpointAndRefuseBadInput) {
   ExpectOneErrorLine(r);
   r = RunPith(
       {"eval", "--spec", spec, "--checkpoint", weights, "--tokens", tokens, "--batches", "zero"});
-  EXPECT_EQ(r.code, 1);
+  EXPECT_EQ(r.code, 2);
   EXPECT_THAT(r.err, HasSubstr("--batches"));
 }
 
