@@ -94,9 +94,18 @@ struct MetricsExposer::Impl {
     timeval timeout{2, 0};
     ::setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &timeout, sizeof(timeout));
     ::setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &timeout, sizeof(timeout));
+    // One overall deadline per request, and the stop pipe watched meanwhile: a slow or
+    // silent client cannot hold the thread (or shutdown) up.
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(2);
     std::string request;
     char buf[2048];
     while (request.find("\r\n\r\n") == std::string::npos && request.size() < 16384) {
+      const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
+                            deadline - std::chrono::steady_clock::now())
+                            .count();
+      if (left <= 0) break;
+      pollfd fds[2] = {{fd, POLLIN, 0}, {wake[0], POLLIN, 0}};
+      if (::poll(fds, 2, static_cast<int>(left)) <= 0 || fds[1].revents != 0) break;
       const ssize_t n = ::read(fd, buf, sizeof(buf));
       if (n <= 0) break;
       request.append(buf, static_cast<size_t>(n));
@@ -155,7 +164,8 @@ absl::StatusOr<std::unique_ptr<MetricsExposer>> MetricsExposer::Start(
   addr.sin_port = htons(static_cast<uint16_t>(port));
   auto impl = std::make_unique<Impl>();
   impl->registry = &registry;
-  impl->listen_fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  // Non-blocking: a connection reset between poll and accept must not block the thread.
+  impl->listen_fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
   const int one = 1;
   if (impl->listen_fd < 0 ||
       ::setsockopt(impl->listen_fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one)) != 0 ||

@@ -41,6 +41,7 @@ class GrpcStoreControl final : public StoreControl {
     std::vector<store::StoreClient::FetchItem> items(reads.size());
     for (size_t i = 0; i < reads.size(); ++i) {
       items[i].key = reads[i].key;
+      items[i].version = reads[i].version;
       items[i].buffer = reads[i].buffer;
       items[i].capacity = reads[i].capacity;
     }
@@ -648,7 +649,13 @@ absl::StatusOr<v1::StepStatus> Scheduler::ReportStepWritten(const v1::StepWritte
       if (pos == workers.begin()) run.rank0 = r;
       if (run.written.size() == static_cast<size_t>(workers.size())) {
         run.record.set_committing_step(r.step());
-        RETURN_IF_ERROR(PersistLocked(run));  // the decision is durable before any store hears it
+        // The decision is durable before any store hears of it; if it cannot be made
+        // durable, it is not made.
+        if (absl::Status persisted = PersistLocked(run); !persisted.ok()) {
+          run.record.set_committing_step(-1);
+          run.written.erase(r.worker_id());
+          return persisted;
+        }
         commit = true;
       }
     }
@@ -678,8 +685,9 @@ void Scheduler::Commit(const std::string& job_id, int64_t step) {
   {
     absl::MutexLock lock(&mu_);
     auto it = runs_.find(job_id);
-    if (it == runs_.end() || it->second.committing || it->second.record.committing_step() != step) {
-      return;
+    if (it == runs_.end() || it->second.committing || it->second.holds > 0 ||
+        it->second.record.committing_step() != step) {
+      return;  // a held commit is finished by Tick once the checkpoint is done
     }
     it->second.committing = true;
   }
@@ -1115,6 +1123,7 @@ absl::StatusOr<v1::CheckpointJobResponse> Scheduler::Checkpoint(
       }
       StoreControl::Read read;
       read.key = key;
+      read.version = it->second.version;
       read.buffer = host.data() + offset;
       read.capacity = static_cast<size_t>(floats) * sizeof(float);
       reads[it->second.store].push_back(std::move(read));
@@ -1122,6 +1131,11 @@ absl::StatusOr<v1::CheckpointJobResponse> Scheduler::Checkpoint(
     for (auto& [store, batch] : reads) {
       RETURN_IF_ERROR(stores_->Fetch(alive.stores.at(store), batch));
       for (const StoreControl::Read& r : batch) {
+        if (r.info.version() != r.version) {
+          return absl::AbortedError(
+              absl::StrCat("a blob of layer ", r.key.layer(),
+                           " changed version during the checkpoint; try again"));
+        }
         if (r.info.size_bytes() != r.capacity) {
           return absl::DataLossError(absl::StrCat("blob of layer ", r.key.layer(), " (",
                                                   r.key.tensor(), ") has ", r.info.size_bytes(),

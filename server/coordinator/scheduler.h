@@ -65,6 +65,7 @@ class StoreControl {
   // One blob to read into `buffer`; `info` is filled in.
   struct Read {
     v1::BlobKey key;
+    int64_t version = -1;  // -1: the committed one
     void* buffer = nullptr;
     size_t capacity = 0;
     v1::BlobInfo info;

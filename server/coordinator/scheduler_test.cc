@@ -79,6 +79,7 @@ class FakeStores final : public StoreControl {
       float* out = static_cast<float*>(r.buffer);
       for (size_t i = 0; i < r.capacity / sizeof(float); ++i) out[i] = value;
       *r.info.mutable_key() = r.key;
+      r.info.set_version(r.version < 0 ? 0 : r.version);
       r.info.set_size_bytes(r.capacity);
     }
     return absl::OkStatus();

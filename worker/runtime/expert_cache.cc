@@ -117,6 +117,11 @@ absl::StatusOr<float*> ExpertCache::Acquire(Expert expert) {
       s = Slot{};
       return status;
     }
+    if (s.stale) {  // invalidated meanwhile: fetch the new version
+      index_.erase(expert);
+      s = Slot{};
+      continue;
+    }
     s.valid = true;
     ++stats_.misses;
     stats_.bytes_fetched += slot_bytes_;
@@ -156,7 +161,11 @@ void ExpertCache::Invalidate(Expert expert) {
   auto it = index_.find(expert);
   if (it == index_.end()) return;
   Slot& s = slots_[it->second];
-  if (s.pins > 0 || s.fetching) return;
+  if (s.fetching) {
+    s.stale = true;  // the fetch may have read the old version: dropped when it lands
+    return;
+  }
+  if (s.pins > 0) return;
   index_.erase(it);
   s = Slot{};
   ++clock_;
@@ -204,10 +213,16 @@ void ExpertCache::Prefetch() {
     mu_.Lock();
     s.fetching = false;
     ++clock_;
-    if (!status.ok()) {
+    if (!status.ok() || s.stale) {
       index_.erase(expert);
       s = Slot{};
-      continue;  // the consumer fetches it itself and sees the error
+      if (!status.ok()) {
+        // The consumer fetches it itself and sees the error; back off meanwhile.
+        const uint64_t seen = clock_;
+        auto changed = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return stop_ || clock_ != seen; };
+        mu_.AwaitWithTimeout(absl::Condition(&changed), absl::Milliseconds(100));
+      }
+      continue;
     }
     s.valid = true;
     s.prefetched = true;

@@ -71,6 +71,7 @@ class ExpertCache {
     bool prefetched = false;  // filled by the prefetcher, not acquired since
     int pins = 0;
     uint64_t last_use = 0;
+    bool stale = false;  // invalidated while a fetch was filling it: discard the result
   };
   ExpertCache() = default;
   // A slot to reuse: free, or the least recently used unpinned one not scheduled soon.

@@ -46,6 +46,11 @@ absl::Status PeerGroup::Join(int rank, const std::vector<std::string>& addresses
     return absl::InvalidArgumentError(
         absl::StrCat("rank ", rank, " outside a group of ", addresses.size()));
   }
+  {
+    // Reset before connecting: a peer that fails while we connect must stay failed.
+    absl::MutexLock lock(&mu_);
+    failed_.assign(addresses.size(), false);
+  }
   absl::Status status;
   worker_->RunSync([&] {
     for (ucp_ep_h ep : endpoints_) {
@@ -72,7 +77,6 @@ absl::Status PeerGroup::Join(int rank, const std::vector<std::string>& addresses
     absl::MutexLock lock(&mu_);
     rank_ = rank;
     world_ = static_cast<int>(addresses.size());
-    failed_.assign(addresses.size(), false);
   }
   SetAttempt(attempt);
   return absl::OkStatus();
