@@ -50,12 +50,12 @@ constexpr char kUsage[] =
     "  safetensors inspect FILE    validate a safetensors file; list its tensors\n"
     "  data prepare --out FILE [--vocab 256] TEXT...\n"
     "                              turn text files into a token file (byte-level)\n"
-    "  eval --spec SPEC.json --checkpoint FILE --tokens FILE [--batches N]\n"
+    "  eval --checkpoint FILE --tokens FILE [--batches N] [--spec SPEC.json]\n"
     "                              mean loss of a checkpoint on token data (held-out\n"
     "                              data: rows as DESIGN §3 orders them, batch s = 0..N-1)\n"
-    "  sample --checkpoint FILE --spec SPEC.json --prompt TEXT [--tokens N]\n"
-    "         [--temperature T] [--seed S]\n"
-    "                              generate text from a checkpoint (byte-level vocab)\n"
+    "  sample --checkpoint FILE --prompt TEXT [--tokens N] [--temperature T] [--seed S]\n"
+    "         [--spec SPEC.json]   generate text from a checkpoint (byte-level vocab)\n"
+    "                              (--spec: for files that do not record their job's spec)\n"
     "  version                     print the Pith version\n"
     "\n"
     "job commands (coordinator from --coordinator HOST:PORT, else $PITH_COORDINATOR, else\n"
@@ -603,6 +603,24 @@ absl::Status DataPrepare(const Args& args, std::ostream& out) {
   return absl::OkStatus();
 }
 
+// The spec of a checkpoint: --spec when given, else the one a job export records in the
+// file's metadata.
+absl::StatusOr<v1::JobSpec> SpecOf(const std::string& spec_flag, const SafetensorsFile& file,
+                                   const std::string& path) {
+  if (!spec_flag.empty()) return LoadJobSpec(spec_flag);
+  auto it = file.metadata().find(model::kSpecMetadataKey);
+  if (it == file.metadata().end()) {
+    return UsageError(absl::StrCat(path, " records no job spec: give --spec SPEC.json"));
+  }
+  v1::JobSpec spec;
+  if (!google::protobuf::util::JsonStringToMessage(it->second, &spec).ok()) {
+    return absl::DataLossError(absl::StrCat(path, ": unreadable job spec in its metadata"));
+  }
+  ApplyJobSpecDefaults(&spec);
+  RETURN_IF_ERROR(ValidateJobSpec(spec));
+  return spec;
+}
+
 // Evaluates a weights file: the mean cross-entropy (and total loss) over `batches` global
 // batches of the token file, computed by the same model code training uses.
 absl::Status Eval(const Args& args, std::ostream& out) {
@@ -614,19 +632,19 @@ absl::Status Eval(const Args& args, std::ostream& out) {
     if (i + 1 == args.size()) return UsageError(args[i] + " needs a value");
     it->second = args[++i];
   }
-  for (const char* required : {"--spec", "--checkpoint", "--tokens"}) {
+  for (const char* required : {"--checkpoint", "--tokens"}) {
     if (flags[required].empty()) return UsageError(absl::StrCat("eval needs ", required));
   }
   int batches = 0;
   if (!absl::SimpleAtoi(flags["--batches"], &batches) || batches < 1) {
     return UsageError("--batches wants a number >= 1, got " + flags["--batches"]);
   }
-  ASSIGN_OR_RETURN(v1::JobSpec spec, LoadJobSpec(flags["--spec"]));
+  ASSIGN_OR_RETURN(SafetensorsFile file, SafetensorsFile::Read(flags["--checkpoint"]));
+  ASSIGN_OR_RETURN(v1::JobSpec spec, SpecOf(flags["--spec"], file, flags["--checkpoint"]));
   const model::ModelShape shape = model::ModelShape::FromSpec(spec.model());
   const int B = spec.train().batch(), T = shape.seq;
   compute::CpuBackend backend(0);
   ASSIGN_OR_RETURN(std::unique_ptr<model::MoeGpt> m, model::MoeGpt::Create(&backend, shape, B));
-  ASSIGN_OR_RETURN(SafetensorsFile file, SafetensorsFile::Read(flags["--checkpoint"]));
   RETURN_IF_ERROR(model::LoadWeights(backend, m->layout(), file, m->params()));
   ASSIGN_OR_RETURN(data::TokenDataset tokens,
                    data::TokenDataset::Open(flags["--tokens"], shape.vocab));
@@ -658,7 +676,7 @@ absl::Status Sample(const Args& args, std::ostream& out) {
     if (i + 1 == args.size()) return UsageError(args[i] + " needs a value");
     it->second = args[++i];
   }
-  for (const char* required : {"--spec", "--checkpoint", "--prompt"}) {
+  for (const char* required : {"--checkpoint", "--prompt"}) {
     if (flags[required].empty()) return UsageError(absl::StrCat("sample needs ", required));
   }
   int tokens = 0;
@@ -673,7 +691,8 @@ absl::Status Sample(const Args& args, std::ostream& out) {
   if (!absl::SimpleAtoi(flags["--seed"], &seed)) {
     return UsageError("--seed wants a number, got " + flags["--seed"]);
   }
-  ASSIGN_OR_RETURN(v1::JobSpec spec, LoadJobSpec(flags["--spec"]));
+  ASSIGN_OR_RETURN(SafetensorsFile file, SafetensorsFile::Read(flags["--checkpoint"]));
+  ASSIGN_OR_RETURN(v1::JobSpec spec, SpecOf(flags["--spec"], file, flags["--checkpoint"]));
   const model::ModelShape shape = model::ModelShape::FromSpec(spec.model());
   if (shape.vocab != 256) {
     return absl::InvalidArgumentError(
@@ -681,7 +700,6 @@ absl::Status Sample(const Args& args, std::ostream& out) {
   }
   compute::CpuBackend backend(0);
   ASSIGN_OR_RETURN(std::unique_ptr<model::MoeGpt> m, model::MoeGpt::Create(&backend, shape, 1));
-  ASSIGN_OR_RETURN(SafetensorsFile file, SafetensorsFile::Read(flags["--checkpoint"]));
   RETURN_IF_ERROR(model::LoadWeights(backend, m->layout(), file, m->params()));
   const int T = shape.seq, V = shape.vocab;
   std::string text = flags["--prompt"];

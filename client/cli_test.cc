@@ -157,6 +157,9 @@ TEST(CliTest, EvalAndSampleUseACheckpointAndRefuseBadInput) {
                "--temperature", "-1"});
   EXPECT_EQ(r.code, 2);
   EXPECT_THAT(r.err, HasSubstr("--temperature"));
+  r = RunPith({"sample", "--checkpoint", weights, "--prompt", "abc"});  // no spec anywhere
+  EXPECT_EQ(r.code, 2);
+  EXPECT_THAT(r.err, HasSubstr("records no job spec"));
   r = RunPith({"sample", "--spec", spec, "--prompt", "abc"});
   EXPECT_EQ(r.code, 2);
   EXPECT_THAT(r.err, HasSubstr("--checkpoint"));

@@ -67,8 +67,8 @@ echo
   --tokens "$E2E_TMP/heldout.bin" --batches 4 | sed 's/^/  held-out /'
 echo
 echo "A sample from the checkpoint (prompt \"Q: What\"):"
-"$PITH" sample --spec "$E2E_TMP/spec.json" --checkpoint "$E2E_TMP/demo.safetensors" \
-  --prompt "Q: What" --tokens 200 --temperature 0.7 | sed 's/^/  | /'
+"$PITH" sample --checkpoint "$E2E_TMP/demo.safetensors" --prompt "Q: What" --tokens 200 \
+  --temperature 0.7 | sed 's/^/  | /'
 
 echo
 "$PITH" down | sed 's/^/  /'

@@ -11,6 +11,7 @@
 #include "common/grpc_util.h"
 #include "common/status.h"
 #include "glog/logging.h"
+#include "google/protobuf/util/json_util.h"
 #include "grpcpp/grpcpp.h"
 #include "pith/v1/store.grpc.pb.h"
 #include "server/store/store_client.h"
@@ -1151,7 +1152,12 @@ absl::StatusOr<v1::CheckpointJobResponse> Scheduler::Checkpoint(
     }
     const std::string path =
         absl::StrCat(request.output_dir(), "/", job.job_id(), ".step", step, ".safetensors");
-    RETURN_IF_ERROR(model::SaveHostWeights(layout, host.data(), path));
+    std::string spec_json;
+    google::protobuf::util::JsonPrintOptions json_options;
+    json_options.preserve_proto_field_names = true;
+    (void)google::protobuf::util::MessageToJsonString(job.spec(), &spec_json, json_options);
+    RETURN_IF_ERROR(
+        model::SaveHostWeights(layout, host.data(), path, {{model::kSpecMetadataKey, spec_json}}));
     v1::CheckpointJobResponse response;
     response.set_step(step);
     response.set_weights_path(path);

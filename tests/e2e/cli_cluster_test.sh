@@ -43,8 +43,11 @@ grep -q "step 15/15" "$E2E_TMP/watch.txt" || fail "no progress line for the last
   fail "status --output json: $("$PITH" status "$job" --output json)"
 "$PITH" checkpoint "$job" --out "$E2E_TMP/tiny.safetensors" >/dev/null || fail "checkpoint"
 "$PITH" safetensors inspect "$E2E_TMP/tiny.safetensors" >/dev/null || fail "checkpoint unreadable"
-"$PITH" sample --spec "$E2E_TMP/tiny.json" --checkpoint "$E2E_TMP/tiny.safetensors" \
-  --prompt "line" --tokens 10 >/dev/null || fail "sample"
+# The export records its job's spec: sample and eval need nothing else.
+"$PITH" sample --checkpoint "$E2E_TMP/tiny.safetensors" --prompt "line" --tokens 10 >/dev/null ||
+  fail "sample"
+"$PITH" eval --checkpoint "$E2E_TMP/tiny.safetensors" --tokens "$E2E_TMP/tokens.bin" \
+  --batches 2 | grep -q "eval rows=8" || fail "eval"
 "$PITH" experts "$job" --svg "$E2E_TMP/heat.svg" >"$E2E_TMP/experts.txt" || fail "experts"
 grep -q "layer  0: hottest expert" "$E2E_TMP/experts.txt" || fail "experts: $(cat "$E2E_TMP/experts.txt")"
 grep -q "<svg" "$E2E_TMP/heat.svg" && grep -q "layer 0" "$E2E_TMP/heat.svg" || fail "no heat map svg"

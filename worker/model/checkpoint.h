@@ -8,6 +8,7 @@
 #define PITH_WORKER_MODEL_CHECKPOINT_H_
 
 #include <cstdint>
+#include <map>
 #include <string>
 
 #include "absl/status/status.h"
@@ -23,8 +24,11 @@ namespace pith::model {
 absl::Status SaveWeights(compute::Backend& backend, const ParamLayout& layout, const float* arena,
                          const std::string& path);
 
-// The same from host memory (a whole arena of layout.total_floats() floats).
-absl::Status SaveHostWeights(const ParamLayout& layout, const float* host, const std::string& path);
+// The same from host memory (a whole arena of layout.total_floats() floats), with
+// `metadata` in `__metadata__` (a job's export records its spec under kSpecMetadataKey).
+inline constexpr char kSpecMetadataKey[] = "pith.job_spec";
+absl::Status SaveHostWeights(const ParamLayout& layout, const float* host, const std::string& path,
+                             const std::map<std::string, std::string>& metadata = {});
 
 // Loads a weights file into `arena`. Every tensor of the layout must be there with its
 // exact shape and dtype F32, and nothing else; errors name the tensor.
