@@ -1,0 +1,144 @@
+// pith::Client against an in-process coordinator (job registry, scheduler and JobService
+// on an ephemeral port): every call, their errors, the watch stream, and an unreachable
+// coordinator reported within the deadline.
+#include "client/client.h"
+
+#include <filesystem>
+#include <thread>
+
+#include "common/grpc_util.h"
+#include "common/job_spec_testing.h"
+#include "gmock/gmock.h"
+#include "google/protobuf/util/json_util.h"
+#include "gtest/gtest.h"
+#include "server/coordinator/coordinator_service.h"
+#include "server/coordinator/job_service.h"
+
+namespace pith {
+namespace {
+
+using ::testing::HasSubstr;
+
+class NoStores final : public coordinator::StoreControl {
+ public:
+  absl::Status CommitStep(const v1::MemberInfo&, const std::string&, int64_t) override {
+    return absl::OkStatus();
+  }
+  absl::Status AbortStep(const v1::MemberInfo&, const std::string&, int64_t) override {
+    return absl::OkStatus();
+  }
+  absl::StatusOr<std::vector<v1::BlobInfo>> ListGroup(const v1::MemberInfo&, const std::string&,
+                                                      int, int) override {
+    return std::vector<v1::BlobInfo>();
+  }
+  absl::StatusOr<std::vector<v1::BlobInfo>> Pull(const v1::MemberInfo&, const v1::MemberInfo&,
+                                                 const std::vector<v1::BlobKey>&,
+                                                 uint64_t) override {
+    return std::vector<v1::BlobInfo>();
+  }
+  absl::Status Fetch(const v1::MemberInfo&, std::vector<Read>&) override {
+    return absl::UnavailableError("no stores in this test");
+  }
+};
+
+class ClientTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    dir_ = ::testing::TempDir() + "/client_" + std::to_string(getpid());
+    std::filesystem::remove_all(dir_);
+    jobs_ = *coordinator::JobRegistry::Open(dir_);
+    scheduler_ = std::make_unique<coordinator::Scheduler>(jobs_.get(), &members_, &heat_, &stores_);
+    service_ = std::make_unique<coordinator::JobServiceImpl>(jobs_.get(), &members_, &heat_,
+                                                             scheduler_.get());
+    auto server =
+        GrpcServer::Start({.listen_address = "127.0.0.1:0", .services = {service_.get()}});
+    ASSERT_TRUE(server.ok()) << server.status();
+    server_ = std::move(*server);
+    auto client = Client::Connect("127.0.0.1:" + std::to_string(server_->port()));
+    ASSERT_TRUE(client.ok()) << client.status();
+    client_ = std::move(*client);
+  }
+  void TearDown() override {
+    client_.reset();
+    server_.reset();
+    service_.reset();
+    scheduler_.reset();
+    jobs_.reset();
+    std::filesystem::remove_all(dir_);
+  }
+  v1::JobSpec Spec() {
+    v1::JobSpec spec;
+    EXPECT_TRUE(
+        google::protobuf::util::JsonStringToMessage(testing::kDesignExampleSpecJson, &spec).ok());
+    return spec;
+  }
+
+  std::string dir_;
+  coordinator::Membership members_{absl::Seconds(3)};
+  coordinator::HeatRegistry heat_;
+  NoStores stores_;
+  std::unique_ptr<coordinator::JobRegistry> jobs_;
+  std::unique_ptr<coordinator::Scheduler> scheduler_;
+  std::unique_ptr<coordinator::JobServiceImpl> service_;
+  std::unique_ptr<GrpcServer> server_;
+  std::unique_ptr<Client> client_;
+};
+
+TEST_F(ClientTest, SubmitGetListCancelAndWatch) {
+  auto job = client_->Submit(Spec());
+  ASSERT_TRUE(job.ok()) << job.status();
+  EXPECT_EQ(job->state(), v1::JOB_STATE_PENDING);
+  auto got = client_->Get(job->job_id());
+  ASSERT_TRUE(got.ok());
+  EXPECT_EQ(got->spec().name(), "demo");
+  auto all = client_->List();
+  ASSERT_TRUE(all.ok());
+  EXPECT_EQ(all->size(), 1u);
+
+  // Watch sees the pending job, then its cancellation, and returns.
+  std::vector<v1::JobState> seen;
+  std::thread cancel([&] {
+    absl::SleepFor(absl::Milliseconds(200));
+    EXPECT_TRUE(client_->Cancel(job->job_id(), "enough").ok());
+  });
+  ASSERT_TRUE(client_
+                  ->Watch(job->job_id(),
+                          [&](const v1::JobEvent& e) {
+                            seen.push_back(e.state());
+                            return true;
+                          })
+                  .ok());
+  cancel.join();
+  ASSERT_GE(seen.size(), 2u);
+  EXPECT_EQ(seen.front(), v1::JOB_STATE_PENDING);
+  EXPECT_EQ(seen.back(), v1::JOB_STATE_CANCELLED);
+  EXPECT_EQ(client_->Cancel(job->job_id()).status().code(), absl::StatusCode::kFailedPrecondition);
+
+  auto cluster = client_->ClusterStatus();
+  ASSERT_TRUE(cluster.ok());
+  EXPECT_EQ(cluster->stores_size(), 0);
+}
+
+TEST_F(ClientTest, ErrorsAreTheCoordinatorsNamedAndClear) {
+  v1::JobSpec bad = Spec();
+  bad.mutable_model()->set_n_head(3);
+  auto r = client_->Submit(bad);
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(r.status().message()), HasSubstr("model.n_head"));
+  EXPECT_EQ(client_->Get("nope").status().code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(client_->ExpertHeat("nope").status().code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(client_->Checkpoint("nope", dir_).status().code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(client_->Watch("nope", [](const v1::JobEvent&) { return true; }).code(),
+            absl::StatusCode::kNotFound);
+}
+
+TEST(ClientConnectTest, AnUnreachableCoordinatorIsUnavailableWithinTheDeadline) {
+  const absl::Time start = absl::Now();
+  auto client = Client::Connect("127.0.0.1:1", absl::Milliseconds(500));
+  EXPECT_EQ(client.status().code(), absl::StatusCode::kUnavailable);
+  EXPECT_THAT(std::string(client.status().message()), HasSubstr("127.0.0.1:1"));
+  EXPECT_LT(absl::Now() - start, absl::Seconds(5));
+}
+
+}  // namespace
+}  // namespace pith
