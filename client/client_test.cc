@@ -13,33 +13,12 @@
 #include "gtest/gtest.h"
 #include "server/coordinator/coordinator_service.h"
 #include "server/coordinator/job_service.h"
+#include "server/coordinator/store_control_testing.h"
 
 namespace pith {
 namespace {
 
 using ::testing::HasSubstr;
-
-class NoStores final : public coordinator::StoreControl {
- public:
-  absl::Status CommitStep(const v1::MemberInfo&, const std::string&, int64_t) override {
-    return absl::OkStatus();
-  }
-  absl::Status AbortStep(const v1::MemberInfo&, const std::string&, int64_t) override {
-    return absl::OkStatus();
-  }
-  absl::StatusOr<std::vector<v1::BlobInfo>> ListGroup(const v1::MemberInfo&, const std::string&,
-                                                      int, int) override {
-    return std::vector<v1::BlobInfo>();
-  }
-  absl::StatusOr<std::vector<v1::BlobInfo>> Pull(const v1::MemberInfo&, const v1::MemberInfo&,
-                                                 const std::vector<v1::BlobKey>&,
-                                                 uint64_t) override {
-    return std::vector<v1::BlobInfo>();
-  }
-  absl::Status Fetch(const v1::MemberInfo&, std::vector<Read>&) override {
-    return absl::UnavailableError("no stores in this test");
-  }
-};
 
 class ClientTest : public ::testing::Test {
  protected:
@@ -76,7 +55,7 @@ class ClientTest : public ::testing::Test {
   std::string dir_;
   coordinator::Membership members_{absl::Seconds(3)};
   coordinator::HeatRegistry heat_;
-  NoStores stores_;
+  coordinator::testing::NoStores stores_;
   std::unique_ptr<coordinator::JobRegistry> jobs_;
   std::unique_ptr<coordinator::Scheduler> scheduler_;
   std::unique_ptr<coordinator::JobServiceImpl> service_;

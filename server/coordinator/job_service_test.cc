@@ -13,6 +13,7 @@
 #include "google/protobuf/util/json_util.h"
 #include "gtest/gtest.h"
 #include "server/coordinator/coordinator_service.h"
+#include "server/coordinator/store_control_testing.h"
 
 namespace pith::coordinator {
 namespace {
@@ -24,29 +25,6 @@ v1::JobSpec SpecFrom(const std::string& json) {
   EXPECT_TRUE(google::protobuf::util::JsonStringToMessage(json, &spec).ok()) << json;
   return spec;
 }
-
-// The job API does not reach stores in these tests.
-class NoStores final : public StoreControl {
- public:
-  absl::Status CommitStep(const v1::MemberInfo&, const std::string&, int64_t) override {
-    return absl::OkStatus();
-  }
-  absl::Status AbortStep(const v1::MemberInfo&, const std::string&, int64_t) override {
-    return absl::OkStatus();
-  }
-  absl::StatusOr<std::vector<v1::BlobInfo>> ListGroup(const v1::MemberInfo&, const std::string&,
-                                                      int, int) override {
-    return std::vector<v1::BlobInfo>();
-  }
-  absl::StatusOr<std::vector<v1::BlobInfo>> Pull(const v1::MemberInfo&, const v1::MemberInfo&,
-                                                 const std::vector<v1::BlobKey>&,
-                                                 uint64_t) override {
-    return std::vector<v1::BlobInfo>();
-  }
-  absl::Status Fetch(const v1::MemberInfo&, std::vector<Read>&) override {
-    return absl::UnavailableError("no stores in this test");
-  }
-};
 
 class JobServiceTest : public ::testing::Test {
  protected:
@@ -95,7 +73,7 @@ class JobServiceTest : public ::testing::Test {
   Membership members_{absl::Seconds(3), [this] { return now_; }};
   HeatRegistry heat_;
   std::unique_ptr<JobServiceImpl> service_;
-  NoStores stores_;
+  testing::NoStores stores_;
   std::unique_ptr<Scheduler> scheduler_;
   std::unique_ptr<CoordinatorServiceImpl> members_service_;
   std::unique_ptr<v1::CoordinatorService::Stub> members_stub_;

@@ -194,6 +194,36 @@ class TraceRouter {
   double floor_;
 };
 
+// Plans from `heat` (timed), and measures the plan, the no-heat plan and round-robin on
+// tokens from `routers` and on the expert loads `counts_fn()` returns (called after the
+// sends are measured).
+template <typename Router, typename CountsFn>
+SimResult Evaluate(const SimOptions& o, const HeatMap& heat, std::vector<Router>& routers,
+                   int eval_tokens, CountsFn counts_fn) {
+  SimResult r;
+  ComputePlanOptions options;
+  options.workers = o.workers;
+  options.max_replicas = o.max_replicas > 0 ? o.max_replicas : o.workers;
+  const auto start = std::chrono::steady_clock::now();
+  const ComputePlan plan = PlanCompute(heat, options);
+  r.replan_ms =
+      std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
+  ComputePlanOptions plain = options;
+  plain.max_replicas = 1;
+  plain.affinity = false;
+  const ComputePlan no_heat = PlanCompute(heat, plain);
+  const ComputePlan rr = RoundRobinPlan(heat.layers(), heat.experts(), o.workers);
+  r.cross_worker_sends_per_token = SendsPerToken(plan, routers, o.workers, eval_tokens, o.seed + 1);
+  r.rr_cross_worker_sends_per_token =
+      SendsPerToken(rr, routers, o.workers, eval_tokens, o.seed + 1);
+  const std::vector<std::vector<double>> counts = counts_fn();
+  r.max_over_mean_load = MaxOverMeanLoad(plan, counts, o.workers);
+  r.max_over_mean_load_no_heat = MaxOverMeanLoad(no_heat, counts, o.workers);
+  r.moved_blobs_on_store_join =
+      StoreJoinShare(heat.layers(), heat.experts(), o.stores, o.store_replicas);
+  return r;
+}
+
 absl::StatusOr<SimResult> RunTrace(const SimOptions& o) {
   std::ifstream in(o.trace_path);
   if (!in) return absl::NotFoundError(absl::StrCat("cannot read trace ", o.trace_path));
@@ -254,26 +284,7 @@ absl::StatusOr<SimResult> RunTrace(const SimOptions& o) {
   std::vector<TraceRouter> routers;
   for (int l = 0; l < layers; ++l) routers.emplace_back(counts[l], pairs[l], top_k);
 
-  SimResult r;
-  ComputePlanOptions options;
-  options.workers = o.workers;
-  options.max_replicas = o.max_replicas > 0 ? o.max_replicas : o.workers;
-  const auto start = std::chrono::steady_clock::now();
-  const ComputePlan plan = PlanCompute(heat, options);
-  r.replan_ms =
-      std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
-  ComputePlanOptions plain = options;
-  plain.max_replicas = 1;
-  plain.affinity = false;
-  const ComputePlan no_heat = PlanCompute(heat, plain);
-  const ComputePlan rr = RoundRobinPlan(layers, experts, o.workers);
-  const int eval = std::min(o.eval_tokens, 2048);
-  r.cross_worker_sends_per_token = SendsPerToken(plan, routers, o.workers, eval, o.seed + 1);
-  r.rr_cross_worker_sends_per_token = SendsPerToken(rr, routers, o.workers, eval, o.seed + 1);
-  r.max_over_mean_load = MaxOverMeanLoad(plan, counts, o.workers);
-  r.max_over_mean_load_no_heat = MaxOverMeanLoad(no_heat, counts, o.workers);
-  r.moved_blobs_on_store_join = StoreJoinShare(layers, experts, o.stores, o.store_replicas);
-  return r;
+  return Evaluate(o, heat, routers, std::min(o.eval_tokens, 2048), [&] { return counts; });
 }
 
 }  // namespace
@@ -330,38 +341,18 @@ absl::StatusOr<SimResult> RunSimulation(const SimOptions& o) {
     heat.EndStep();
   }
 
-  SimResult r;
-  ComputePlanOptions options;
-  options.workers = o.workers;
-  options.max_replicas = o.max_replicas > 0 ? o.max_replicas : o.workers;
-  const auto start = std::chrono::steady_clock::now();
-  const ComputePlan plan = PlanCompute(heat, options);
-  r.replan_ms =
-      std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
-
-  ComputePlanOptions plain = options;
-  plain.max_replicas = 1;
-  plain.affinity = false;
-  const ComputePlan no_heat = PlanCompute(heat, plain);
-  const ComputePlan rr = RoundRobinPlan(o.layers, o.experts, o.workers);
-
-  r.cross_worker_sends_per_token =
-      SendsPerToken(plan, routers, o.workers, o.eval_tokens, o.seed + 1);
-  r.rr_cross_worker_sends_per_token =
-      SendsPerToken(rr, routers, o.workers, o.eval_tokens, o.seed + 1);
-  // Loads from a large sample of fresh routing, computed exactly rather than sampled.
-  std::vector<std::vector<double>> counts(o.layers, std::vector<double>(o.experts, 0));
-  for (int l = 0; l < o.layers; ++l) {
-    for (int t = 0; t < 4 * o.eval_tokens; ++t) {
-      routers[l].Route(rng, &chosen);
-      for (int e : chosen) counts[l][e] += 1;
+  // Loads from a large sample of fresh routing (drawn after the sends are measured),
+  // computed exactly rather than sampled.
+  return Evaluate(o, heat, routers, o.eval_tokens, [&] {
+    std::vector<std::vector<double>> counts(o.layers, std::vector<double>(o.experts, 0));
+    for (int l = 0; l < o.layers; ++l) {
+      for (int t = 0; t < 4 * o.eval_tokens; ++t) {
+        routers[l].Route(rng, &chosen);
+        for (int e : chosen) counts[l][e] += 1;
+      }
     }
-  }
-  r.max_over_mean_load = MaxOverMeanLoad(plan, counts, o.workers);
-  r.max_over_mean_load_no_heat = MaxOverMeanLoad(no_heat, counts, o.workers);
-
-  r.moved_blobs_on_store_join = StoreJoinShare(o.layers, o.experts, o.stores, o.store_replicas);
-  return r;
+    return counts;
+  });
 }
 
 }  // namespace pith::coordinator

@@ -4,6 +4,7 @@
 #include <chrono>
 
 #include "absl/strings/str_cat.h"
+#include "common/status.h"
 
 namespace pith::runtime {
 
@@ -99,35 +100,37 @@ absl::StatusOr<float*> ExpertCache::Acquire(Expert expert) {
       mu_.AwaitWithTimeout(absl::Condition(&changed), absl::Milliseconds(10));
       continue;
     }
-    Slot& s = slots_[victim];
-    if (s.valid) index_.erase(s.expert);
-    s = Slot{expert, false, true, false, 1, ++clock_};
-    index_[expert] = victim;
-    float* data = SlotData(victim);
-    mu_.Unlock();
-    const auto start = std::chrono::steady_clock::now();
-    absl::Status status = fetch_(expert, data, slot_bytes_, memory_->handle());
-    const double seconds =
-        std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-    mu_.Lock();
-    s.fetching = false;
-    ++clock_;
-    if (!status.ok()) {
-      index_.erase(expert);
-      s = Slot{};
-      return status;
-    }
-    if (s.stale) {  // invalidated meanwhile: fetch the new version
-      index_.erase(expert);
-      s = Slot{};
-      continue;
-    }
-    s.valid = true;
+    ASSIGN_OR_RETURN(const bool filled, FillLocked(victim, expert, /*pins=*/1));
+    if (!filled) continue;  // invalidated meanwhile: fetch the new version
     ++stats_.misses;
-    stats_.bytes_fetched += slot_bytes_;
-    stats_.seconds_fetching += seconds;
-    return data;
+    return SlotData(victim);
   }
+}
+
+absl::StatusOr<bool> ExpertCache::FillLocked(int victim, Expert expert, int pins) {
+  Slot& s = slots_[victim];
+  if (s.valid) index_.erase(s.expert);
+  s = Slot{expert, false, true, false, pins, ++clock_};
+  index_[expert] = victim;
+  float* data = SlotData(victim);
+  mu_.Unlock();
+  const auto start = std::chrono::steady_clock::now();
+  absl::Status status = fetch_(expert, data, slot_bytes_, memory_->handle());
+  const double seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  mu_.Lock();
+  s.fetching = false;
+  ++clock_;
+  if (!status.ok() || s.stale) {
+    index_.erase(expert);
+    s = Slot{};
+    if (!status.ok()) return status;
+    return false;
+  }
+  s.valid = true;
+  stats_.bytes_fetched += slot_bytes_;
+  stats_.seconds_fetching += seconds;
+  return true;
 }
 
 void ExpertCache::Release(Expert expert) {
@@ -200,34 +203,15 @@ void ExpertCache::Prefetch() {
       continue;
     }
     const Expert expert = schedule_[target];
-    Slot& s = slots_[victim];
-    if (s.valid) index_.erase(s.expert);
-    s = Slot{expert, false, true, false, 0, ++clock_};
-    index_[expert] = victim;
-    float* data = SlotData(victim);
-    mu_.Unlock();
-    const auto start = std::chrono::steady_clock::now();
-    absl::Status status = fetch_(expert, data, slot_bytes_, memory_->handle());
-    const double seconds =
-        std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-    mu_.Lock();
-    s.fetching = false;
-    ++clock_;
-    if (!status.ok() || s.stale) {
-      index_.erase(expert);
-      s = Slot{};
-      if (!status.ok()) {
-        // The consumer fetches it itself and sees the error; back off meanwhile.
-        const uint64_t seen = clock_;
-        auto changed = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return stop_ || clock_ != seen; };
-        mu_.AwaitWithTimeout(absl::Condition(&changed), absl::Milliseconds(100));
-      }
+    absl::StatusOr<bool> filled = FillLocked(victim, expert, /*pins=*/0);
+    if (!filled.ok()) {
+      // The consumer fetches it itself and sees the error; back off meanwhile.
+      const uint64_t seen = clock_;
+      auto changed = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return stop_ || clock_ != seen; };
+      mu_.AwaitWithTimeout(absl::Condition(&changed), absl::Milliseconds(100));
       continue;
     }
-    s.valid = true;
-    s.prefetched = true;
-    stats_.bytes_fetched += slot_bytes_;
-    stats_.seconds_fetching += seconds;
+    if (*filled) slots_[victim].prefetched = true;
   }
 }
 

@@ -77,6 +77,11 @@ class ExpertCache {
   // A slot to reuse: free, or the least recently used unpinned one not scheduled soon.
   int VictimLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void Prefetch();
+  // Fills slot `victim` with `expert` (pinned `pins` times), fetching without mu_ held:
+  // true when it holds the expert, false when it was invalidated meanwhile (the slot is
+  // free again), the fetch's error otherwise (the slot is free again). Requires mu_.
+  absl::StatusOr<bool> FillLocked(int victim, Expert expert, int pins)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   float* SlotData(int i) const {
     return reinterpret_cast<float*>(memory_->data() + static_cast<size_t>(i) * slot_bytes_);
   }

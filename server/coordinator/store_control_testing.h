@@ -1,0 +1,37 @@
+// For tests: a StoreControl for coordinators that reach no stores. Commits and aborts
+// succeed, listings and pulls are empty, reads are UNAVAILABLE.
+#ifndef PITH_SERVER_COORDINATOR_STORE_CONTROL_TESTING_H_
+#define PITH_SERVER_COORDINATOR_STORE_CONTROL_TESTING_H_
+
+#include <string>
+#include <vector>
+
+#include "server/coordinator/scheduler.h"
+
+namespace pith::coordinator::testing {
+
+class NoStores final : public StoreControl {
+ public:
+  absl::Status CommitStep(const v1::MemberInfo&, const std::string&, int64_t) override {
+    return absl::OkStatus();
+  }
+  absl::Status AbortStep(const v1::MemberInfo&, const std::string&, int64_t) override {
+    return absl::OkStatus();
+  }
+  absl::StatusOr<std::vector<v1::BlobInfo>> ListGroup(const v1::MemberInfo&, const std::string&,
+                                                      int, int) override {
+    return std::vector<v1::BlobInfo>();
+  }
+  absl::StatusOr<std::vector<v1::BlobInfo>> Pull(const v1::MemberInfo&, const v1::MemberInfo&,
+                                                 const std::vector<v1::BlobKey>&,
+                                                 uint64_t) override {
+    return std::vector<v1::BlobInfo>();
+  }
+  absl::Status Fetch(const v1::MemberInfo&, std::vector<Read>&) override {
+    return absl::UnavailableError("no stores in this test");
+  }
+};
+
+}  // namespace pith::coordinator::testing
+
+#endif  // PITH_SERVER_COORDINATOR_STORE_CONTROL_TESTING_H_
