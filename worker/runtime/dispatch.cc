@@ -51,6 +51,14 @@ std::pair<int64_t, int64_t> Dispatch::Part(int layer, int expert, int64_t n, int
   return {0, 0};
 }
 
+bool Dispatch::HasRows(int layer, int expert, const int64_t* offsets) const {
+  if (offsets[expert + 1] > offsets[expert]) return true;
+  for (int q = 0; q < peers_->world(); ++q) {
+    if (q != peers_->rank() && inbound_[layer][q].counts[expert] > 0) return true;
+  }
+  return false;
+}
+
 uint64_t Dispatch::Tag(int layer, int phase) const {
   return (static_cast<uint64_t>(step_) << 32) | (static_cast<uint64_t>(layer) << 8) |
          static_cast<uint64_t>(phase);
@@ -162,12 +170,7 @@ absl::Status Dispatch::Forward(int layer, float* y, float* hpre, float* h, const
   }
   // Each owned expert once, over this worker's rows and then each peer's.
   for (int e = 0; e < E; ++e) {
-    if (!Computes(layer, e)) continue;
-    bool any = offsets[e + 1] > offsets[e];
-    for (int q = 0; q < peers_->world(); ++q) {
-      if (q != me) any |= inbound_[layer][q].counts[e] > 0;
-    }
-    if (!any) continue;
+    if (!Computes(layer, e) || !HasRows(layer, e, offsets)) continue;
     ASSIGN_OR_RETURN(const compute::ExpertWeights w, Weights(layer, e));
     const absl::Span<const compute::ExpertWeights> one_expert(&w, 1);
     if (const int64_t o = offsets[e], n = offsets[e + 1] - offsets[e]; n > 0) {
@@ -222,12 +225,7 @@ absl::Status Dispatch::Backward(int layer, float* dxperm, float* dh, const float
   }
   const auto grads = model_->expert_grads(layer);
   for (int e = 0; e < E; ++e) {
-    if (!Computes(layer, e)) continue;
-    bool any = offsets[e + 1] > offsets[e];
-    for (int q = 0; q < peers_->world(); ++q) {
-      if (q != me) any |= inbound_[layer][q].counts[e] > 0;
-    }
-    if (!any) continue;
+    if (!Computes(layer, e) || !HasRows(layer, e, offsets)) continue;
     ASSIGN_OR_RETURN(const compute::ExpertWeights w, Weights(layer, e));
     const absl::Span<const compute::ExpertWeights> one_expert(&w, 1);
     // The expert's gradient accumulates over this worker's rows, then each peer's in rank

@@ -63,6 +63,8 @@ class Dispatch final : public model::ExpertParallel {
     std::vector<int64_t> offsets;  // E + 1, prefix sums of counts
     std::vector<float> x, hpre, h, out, dy, dx, dh;
   };
+  // Whether expert e of `layer` has rows here or from a peer in this step.
+  bool HasRows(int layer, int expert, const int64_t* offsets) const;
   // The weights of an owned expert for compute, and their release.
   absl::StatusOr<compute::ExpertWeights> Weights(int layer, int expert);
   void Done(int layer, int expert);
