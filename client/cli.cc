@@ -235,11 +235,15 @@ absl::Status Up(const Args& args, std::ostream& out) {
       lines.push_back(absl::StrFormat("  %-12s 127.0.0.1:%-12d http://127.0.0.1:%d/metrics", name,
                                       st.first, st.second));
     }
+    // The workers share this host's cores (a worker's compute threads spin while waiting).
+    const int threads =
+        std::max(1, static_cast<int>(std::thread::hardware_concurrency()) / workers);
     for (int n = 0; n < workers; ++n) {
       const std::string name = absl::StrCat("worker", n);
       ASSIGN_OR_RETURN(
           auto w, launch(name, {FindBinary("pith-worker", "worker"), "--coordinator=" + address,
-                                "--metrics_port=0", absl::StrCat("--cache_bytes=", cache_bytes)}));
+                                "--metrics_port=0", absl::StrCat("--cache_bytes=", cache_bytes),
+                                absl::StrCat("--threads=", threads)}));
       lines.push_back(
           absl::StrFormat("  %-12s %-22s http://127.0.0.1:%d/metrics", name, "-", w.second));
     }

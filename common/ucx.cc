@@ -19,7 +19,8 @@ namespace {
 // Completion context of one send or receive.
 struct OpContext {
   Worker::Done done;
-  std::string header;  // kept alive until the send completes
+  std::string header;        // kept alive until the send completes
+  int* in_flight = nullptr;  // the worker's count of pending requests, when pending
 };
 
 }  // namespace
@@ -141,10 +142,12 @@ ucs_status_t Worker::OnAm(void* arg, const void* header, size_t header_length, v
 }
 
 void Worker::Loop() {
-  // NOTE: after activity the loop spins for a short while before sleeping on the event
-  // fd: rendezvous transfers take several hops, and a sleep/wake per hop would halve the
-  // bandwidth. Idle workers still sleep, so an idle process costs no CPU.
-  constexpr auto kSpin = std::chrono::microseconds(300);
+  // NOTE: while a send or receive of this worker is pending the loop spins (for up to
+  // kSpin without progress) before sleeping on the event fd: rendezvous transfers take
+  // several hops, and a sleep/wake per hop would halve the bandwidth. With nothing pending
+  // it sleeps at once: a process waiting for a peer's message costs no CPU, which matters
+  // when workers and stores share a host's cores with compute.
+  constexpr auto kSpin = std::chrono::microseconds(30);
   auto last_active = std::chrono::steady_clock::now();
   while (!stop_) {
     bool active = false;
@@ -166,7 +169,7 @@ void Worker::Loop() {
       last_active = std::chrono::steady_clock::now();
       continue;
     }
-    if (std::chrono::steady_clock::now() - last_active < kSpin) continue;
+    if (in_flight_ > 0 && std::chrono::steady_clock::now() - last_active < kSpin) continue;
     if (ucp_worker_arm(worker_) == UCS_ERR_BUSY) continue;
     pollfd fds[2] = {{ucx_fd_, POLLIN, 0}, {wake_fd_, POLLIN, 0}};
     ::poll(fds, 2, 100);
@@ -277,12 +280,14 @@ void Worker::Close(ucp_ep_h ep) {
 void Worker::OnSendDone(void* request, ucs_status_t status, void* user_data) {
   std::unique_ptr<OpContext> ctx(static_cast<OpContext*>(user_data));
   ucp_request_free(request);
+  --*ctx->in_flight;
   ctx->done(FromUcs(status, "send"));
 }
 
 void Worker::OnRecvDone(void* request, ucs_status_t status, size_t, void* user_data) {
   std::unique_ptr<OpContext> ctx(static_cast<OpContext*>(user_data));
   ucp_request_free(request);
+  --*ctx->in_flight;
   ctx->done(FromUcs(status, "receive"));
 }
 
@@ -302,6 +307,8 @@ void Worker::Send(ucp_ep_h ep, uint16_t id, std::string header, const void* data
   ucs_status_ptr_t r =
       ucp_am_send_nbx(ep, id, ctx->header.data(), ctx->header.size(), data, size, &p);
   if (UCS_PTR_IS_PTR(r)) {
+    ctx->in_flight = &in_flight_;
+    ++in_flight_;
     ctx.release();  // OnSendDone owns it now
     return;
   }
@@ -327,7 +334,9 @@ void Worker::ReceiveData(AmMessage& m, void* buffer, ucp_mem_h memh, Done done) 
   void* desc = std::exchange(m.rndv_desc, nullptr);  // UCX owns it from here on
   ucs_status_ptr_t r = ucp_am_recv_data_nbx(worker_, desc, buffer, m.length, &p);
   if (UCS_PTR_IS_PTR(r)) {
-    ctx.release();
+    ctx->in_flight = &in_flight_;
+    ++in_flight_;
+    ctx.release();  // OnRecvDone owns it now
     return;
   }
   ctx->done(FromUcs(UCS_PTR_STATUS(r), "receive"));

@@ -23,7 +23,7 @@ int64_t RowGrain(int channels) { return std::max<int64_t>(1, 16384 / std::max(1,
 
 }  // namespace
 
-CpuBackend::CpuBackend(int threads) : pool_(threads) {}
+CpuBackend::CpuBackend(int threads) : pool_(threads) { openblas_set_num_threads(pool_.size()); }
 
 CpuBackend::~CpuBackend() = default;
 

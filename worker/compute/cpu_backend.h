@@ -19,7 +19,10 @@ namespace pith::compute {
 
 class CpuBackend final : public Backend {
  public:
-  // `threads` for the backend's own loops (0 = one per core). OpenBLAS keeps its own.
+  // `threads` for the backend's loops and OpenBLAS's (0 = one per core). OpenBLAS's count
+  // is process-wide: the last backend constructed sets it. Several workers sharing a
+  // host should split its cores (threads = cores / workers): OpenBLAS threads wait for
+  // work by spinning, and oversubscribed spinners starve the process that has work.
   explicit CpuBackend(int threads = 0);
   ~CpuBackend() override;
 
