@@ -2,6 +2,7 @@
 
 #include <fcntl.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstring>
@@ -218,8 +219,11 @@ class JobRun {
                               return Fetch(expert_stores_.at(x), items);
                             }));
     dispatch_->SetCache(cache_.get());
-    m_scratch_.resize(shape_.expert_floats());
-    v_scratch_.resize(shape_.expert_floats());
+    // Experts updated together: bounded by a few MB of moment scratch and by the cache
+    // (a batch pins its experts' slots; the rest stay free for the prefetcher).
+    update_batch_ = static_cast<size_t>(std::clamp(slots / 2, 1, 8));
+    moments_scratch_.resize(update_batch_ * 2 * shape_.expert_floats());
+    counts_.resize(update_batch_);
     ASSIGN_OR_RETURN(dataset_, data::TokenDataset::Open(spec.train().data_path(), shape_.vocab));
     inputs_.resize(rows_.size() * shape_.seq);
     targets_.resize(rows_.size() * shape_.seq);
@@ -527,53 +531,82 @@ class JobRun {
 
   // AdamW on each owned expert that got tokens, exactly as AdamWOptimizer::Apply does it:
   // the weights in its cache slot, the moments and count of the committed step from the
-  // stores; the new versions go straight back.
+  // stores; the new versions go straight back. Experts go in batches of update_batch_: one
+  // fetch per store group for the batch's moments, one flush for its writes (one round
+  // trip each per batch, not per expert).
   absl::Status UpdateExperts(int64_t s, double grad_norm) {
+    std::vector<ExpertCache::Expert> used;
+    for (const ExpertCache::Expert& x : updated_) {
+      if (model_->ExpertUsed(x.first, x.second)) used.push_back(x);
+    }
+    for (size_t b = 0; b < used.size(); b += update_batch_) {
+      const size_t n = std::min(used.size() - b, update_batch_);
+      RETURN_IF_ERROR(UpdateBatch(s, grad_norm, absl::MakeConstSpan(used).subspan(b, n)));
+    }
+    return absl::OkStatus();
+  }
+
+  absl::Status UpdateBatch(int64_t s, double grad_norm,
+                           absl::Span<const ExpertCache::Expert> batch) {
     const model::OptimizerConfig& c = optimizer_->config();
     const model::ParamLayout& layout = model_->layout();
     const float lr = static_cast<float>(model::LearningRate(c, s - 1));
     const double coef = c.grad_clip > 0 ? c.grad_clip / (grad_norm + 1e-6) : 1.0;
-    const size_t bytes = shape_.expert_floats() * sizeof(float);
-    for (const ExpertCache::Expert& x : updated_) {
-      const auto [l, e] = x;
-      if (!model_->ExpertUsed(l, e)) continue;
-      ASSIGN_OR_RETURN(float* w, cache_->Acquire(x));
-      absl::Status status = [&]() -> absl::Status {
-        const std::vector<std::string>& stores = expert_stores_.at(x);
-        int64_t count = 0;
-        std::vector<StoreClient::FetchItem> items = {
-            Item(Key(l, e, "", v1::BLOB_KIND_ADAM_M), m_scratch_.data(), bytes),
-            Item(Key(l, e, "", v1::BLOB_KIND_ADAM_V), v_scratch_.data(), bytes),
-            Item(Key(l, e, "", v1::BLOB_KIND_STATE), &count, sizeof(count))};
-        RETURN_IF_ERROR(Fetch(stores, items));
+    const int64_t floats = shape_.expert_floats();
+    const size_t bytes = floats * sizeof(float);
+    std::vector<float*> w(batch.size(), nullptr);
+    size_t pinned = 0;
+    absl::Status status = [&]() -> absl::Status {
+      for (; pinned < batch.size(); ++pinned) {
+        ASSIGN_OR_RETURN(w[pinned], cache_->Acquire(batch[pinned]));
+      }
+      // The batch's moments and counts, one fetch per distinct store group.
+      std::map<std::vector<std::string>, std::vector<StoreClient::FetchItem>> fetches;
+      for (size_t i = 0; i < batch.size(); ++i) {
+        const auto [l, e] = batch[i];
+        auto& items = fetches[expert_stores_.at(batch[i])];
+        items.push_back(Item(Key(l, e, "", v1::BLOB_KIND_ADAM_M), MScratch(i), bytes));
+        items.push_back(Item(Key(l, e, "", v1::BLOB_KIND_ADAM_V), VScratch(i), bytes));
+        items.push_back(Item(Key(l, e, "", v1::BLOB_KIND_STATE), &counts_[i], sizeof(int64_t)));
+      }
+      for (auto& [stores, items] : fetches) RETURN_IF_ERROR(Fetch(stores, items));
+      for (size_t i = 0; i < batch.size(); ++i) {
+        const auto [l, e] = batch[i];
         const int64_t base = layout.ExpertOffset(l, e);
         float* g = model_->grads() + base;
-        ++count;
+        const int64_t count = ++counts_[i];
         const int first = layout.ExpertTensorIndex(l, e);
-        for (int i = 0; i < 4; ++i) {
-          const model::ParamTensor& t = layout.tensors()[first + i];
+        for (int t_index = 0; t_index < 4; ++t_index) {
+          const model::ParamTensor& t = layout.tensors()[first + t_index];
           const int64_t o = t.offset - base;
           if (coef < 1.0) backend_.Scale(g + o, static_cast<float>(coef), t.numel);
-          backend_.AdamW(w + o, g + o, m_scratch_.data() + o, v_scratch_.data() + o, t.numel, lr,
+          backend_.AdamW(w[i] + o, g + o, MScratch(i) + o, VScratch(i) + o, t.numel, lr,
                          static_cast<float>(c.beta1), static_cast<float>(c.beta2),
                          static_cast<float>(c.eps),
                          t.decay ? static_cast<float>(c.weight_decay) : 0.0f, count);
         }
-        RETURN_IF_ERROR(backend_.Synchronize());
-        RETURN_IF_ERROR(Put(stores, Key(l, e, "", v1::BLOB_KIND_WEIGHTS), s, w, bytes));
-        RETURN_IF_ERROR(Put(stores, Key(l, e, "", v1::BLOB_KIND_MASTER), s, w, bytes));
+      }
+      RETURN_IF_ERROR(backend_.Synchronize());
+      for (size_t i = 0; i < batch.size(); ++i) {
+        const auto [l, e] = batch[i];
+        const std::vector<std::string>& stores = expert_stores_.at(batch[i]);
+        RETURN_IF_ERROR(Put(stores, Key(l, e, "", v1::BLOB_KIND_WEIGHTS), s, w[i], bytes));
+        RETURN_IF_ERROR(Put(stores, Key(l, e, "", v1::BLOB_KIND_MASTER), s, w[i], bytes));
+        RETURN_IF_ERROR(Put(stores, Key(l, e, "", v1::BLOB_KIND_ADAM_M), s, MScratch(i), bytes));
+        RETURN_IF_ERROR(Put(stores, Key(l, e, "", v1::BLOB_KIND_ADAM_V), s, VScratch(i), bytes));
         RETURN_IF_ERROR(
-            Put(stores, Key(l, e, "", v1::BLOB_KIND_ADAM_M), s, m_scratch_.data(), bytes));
-        RETURN_IF_ERROR(
-            Put(stores, Key(l, e, "", v1::BLOB_KIND_ADAM_V), s, v_scratch_.data(), bytes));
-        RETURN_IF_ERROR(Put(stores, Key(l, e, "", v1::BLOB_KIND_STATE), s, &count, sizeof(count)));
-        return Flush();  // before the slot, the scratch buffers and `count` are reused
-      }();
-      cache_->Release(x);
-      RETURN_IF_ERROR(status);
-    }
-    return absl::OkStatus();
+            Put(stores, Key(l, e, "", v1::BLOB_KIND_STATE), s, &counts_[i], sizeof(int64_t)));
+      }
+      return Flush();  // before the slots, the scratch buffers and the counts are reused
+    }();
+    puts_.clear();  // a failed batch sends nothing more
+    primary_put_.clear();
+    for (size_t i = 0; i < pinned; ++i) cache_->Release(batch[i]);
+    return status;
   }
+
+  float* MScratch(size_t i) { return moments_scratch_.data() + 2 * i * shape_.expert_floats(); }
+  float* VScratch(size_t i) { return MScratch(i) + shape_.expert_floats(); }
 
   absl::Status Report(int64_t s, const model::StepLoss& loss, uint64_t tokens) {
     v1::StepWrittenRequest r;
@@ -752,7 +785,9 @@ class JobRun {
   std::vector<std::vector<int>> primary_;     // [layer][expert] -> primary owner's rank
   std::vector<std::vector<ExpertOwners>> owners_;
   std::unique_ptr<ExpertCache> cache_;
-  std::vector<float> m_scratch_, v_scratch_;
+  size_t update_batch_ = 1;
+  std::vector<float> moments_scratch_;  // adam_m, adam_v of each expert of an update batch
+  std::vector<int64_t> counts_;         // AdamW step counts of an update batch
   uint64_t step_hits_ = 0, step_misses_ = 0;
   std::vector<StoreClient::PutItem> puts_;  // queued by Put, sent by Flush
   std::vector<bool> primary_put_;           // the item goes to its group's first store
