@@ -12,6 +12,7 @@
 
 #include "common/job_spec_testing.h"
 #include "common/safetensors.h"
+#include "gmock/gmock.h"
 #include "google/protobuf/util/json_util.h"
 #include "gtest/gtest.h"
 #include "worker/model/param_layout.h"
@@ -231,8 +232,8 @@ TEST_F(SchedulerTest, AStepCommitsOnEveryStoreOnceEveryWorkerReported) {
   auto last = Report(job.job_id(), w1, 0);
   ASSERT_TRUE(last.ok());
   EXPECT_EQ(last->committed_step(), 0);
-  EXPECT_EQ(stores_.commits, (std::vector<std::string>{s0 + ":" + job.job_id() + ":0",
-                                                       s1 + ":" + job.job_id() + ":0"}));
+  EXPECT_THAT(stores_.commits, ::testing::UnorderedElementsAre(s0 + ":" + job.job_id() + ":0",
+                                                               s1 + ":" + job.job_id() + ":0"));
   EXPECT_EQ(Job(job.job_id()).committed_step(), 0);
 
   // Bad reports: a step that is not in flight, a worker not in the job, a finished step.
