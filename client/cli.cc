@@ -27,6 +27,8 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/strip.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
 #include "client/client.h"
 #include "common/file.h"
 #include "common/job_spec.h"
@@ -65,7 +67,11 @@ constexpr char kUsage[] =
     "  watch JOB                   follow a job: step, loss, tokens/s, cache hit rate, ETA\n"
     "  cancel JOB                  cancel a job\n"
     "  checkpoint JOB --out FILE   export the job's last committed weights (safetensors)\n"
-    "  cluster                     members, their leases and tiers, moves in flight\n"
+    "  cluster                     members, their leases and tiers, moves in flight,\n"
+    "                              replica deficit, drains\n"
+    "  cluster drain STORE [--no-wait] [--timeout SECONDS]\n"
+    "                              move every blob off a store while jobs run; waits\n"
+    "                              (showing progress) until the store can be stopped\n"
     "  experts JOB [--svg FILE]    per-layer expert heat; --svg draws a layer x expert\n"
     "                              heat map with replica counts\n"
     "\n"
@@ -526,8 +532,81 @@ absl::Status Experts(const Args& args, std::ostream& out) {
   return absl::OkStatus();
 }
 
+absl::Status ClusterDrain(const Args& args, std::ostream& out) {
+  std::string store;
+  bool wait = true;
+  double timeout_s = 600;
+  for (size_t i = 0; i < args.size(); ++i) {
+    if (args[i] == "--no-wait") {
+      wait = false;
+    } else if (args[i] == "--timeout") {
+      if (i + 1 == args.size() || !absl::SimpleAtod(args[i + 1], &timeout_s) || timeout_s <= 0) {
+        return UsageError("--timeout wants a number of seconds > 0");
+      }
+      ++i;
+    } else if (absl::StartsWith(args[i], "--")) {
+      return UsageError("cluster drain: unknown flag " + args[i]);
+    } else if (store.empty()) {
+      store = args[i];
+    } else {
+      return UsageError("cluster drain takes one store: pith cluster drain STORE");
+    }
+  }
+  if (store.empty()) return UsageError("cluster drain takes one store: pith cluster drain STORE");
+  ASSIGN_OR_RETURN(std::unique_ptr<Client> client, Connect());
+  ASSIGN_OR_RETURN(v1::DrainStoreResponse started, client->DrainStore(store));
+  if (!g_globals.json) {
+    out << absl::StrFormat("draining %s: %d expert groups, %d blobs (%.1f MB) to move\n", store,
+                           started.groups_to_move(), started.blobs_to_move(),
+                           started.bytes_to_move() / 1e6);
+  }
+  const absl::Time deadline = absl::Now() + absl::Seconds(timeout_s);
+  std::string last;
+  while (true) {
+    ASSIGN_OR_RETURN(v1::ClusterStatusResponse c, client->ClusterStatus());
+    const v1::StoreDrain* drain = nullptr;
+    for (const v1::StoreDrain& d : c.drains()) {
+      if (d.store_id() == store) drain = &d;
+    }
+    if (drain == nullptr) {
+      return absl::UnavailableError(absl::StrCat(
+          "store ", store, " left the cluster while draining; blobs it held are re-replicated ",
+          "from their other copies (see pith cluster)"));
+    }
+    if (!wait || drain->can_stop()) {
+      if (g_globals.json) {
+        out << Json(*drain) << "\n";
+      } else if (drain->can_stop()) {
+        out << store << " is drained: nothing is placed on it any more; its process can be "
+            << "stopped now\n";
+      } else {
+        out << "the drain goes on; pith cluster shows its progress and when " << store
+            << " can be stopped\n";
+      }
+      return absl::OkStatus();
+    }
+    int moving = 0;
+    for (const v1::BlobMove& m : c.moves()) {
+      moving += m.from_store_id() == store || m.to_store_id() == store;
+    }
+    const std::string line =
+        absl::StrFormat("  %s: %d of %d groups still placed on it, %d copies in flight", store,
+                        drain->groups_left(), drain->groups_total(), moving);
+    if (line != last && !g_globals.json) out << line << "\n" << std::flush;
+    last = line;
+    if (absl::Now() > deadline) {
+      return absl::DeadlineExceededError(
+          absl::StrCat("store ", store, " is still draining after ", timeout_s, " s (",
+                       drain->groups_left(), " groups left; pith cluster shows the progress)"));
+    }
+    absl::SleepFor(absl::Milliseconds(250));
+  }
+}
+
 absl::Status Cluster(const Args& args, std::ostream& out) {
-  if (!args.empty()) return UsageError("cluster takes no arguments");
+  if (!args.empty() && args[0] == "drain")
+    return ClusterDrain(Args(args.begin() + 1, args.end()), out);
+  if (!args.empty()) return UsageError("cluster takes no arguments (or: cluster drain STORE)");
   ASSIGN_OR_RETURN(std::unique_ptr<Client> client, Connect());
   ASSIGN_OR_RETURN(v1::ClusterStatusResponse c, client->ClusterStatus());
   if (g_globals.json) {
@@ -555,6 +634,17 @@ absl::Status Cluster(const Args& args, std::ostream& out) {
   out << absl::StrFormat("moves in flight %d, blobs moved %d (%.1f MB), replica deficit %d\n",
                          c.moves_size(), c.blobs_moved(), c.bytes_moved() / 1e6,
                          c.replica_deficit());
+  for (const v1::BlobMove& m : c.moves()) {
+    const std::string group =
+        m.key().layer() < 0 ? std::string("dense")
+                            : absl::StrCat("layer ", m.key().layer(), " expert ", m.key().expert());
+    out << absl::StrFormat("  move %s %s: %s -> %s (%s)\n", m.key().job_id(), group,
+                           m.from_store_id(), m.to_store_id(), m.reason());
+  }
+  for (const v1::StoreDrain& d : c.drains()) {
+    out << absl::StrFormat("drain %s: %d of %d groups left%s\n", d.store_id(), d.groups_left(),
+                           d.groups_total(), d.can_stop() ? ", drained: it can be stopped" : "");
+  }
   return absl::OkStatus();
 }
 

@@ -13,7 +13,8 @@ namespace pith {
 absl::StatusOr<std::unique_ptr<Client>> Client::Connect(const std::string& address,
                                                         absl::Duration timeout) {
   ASSIGN_OR_RETURN(std::shared_ptr<grpc::Channel> channel, Dial(address, timeout));
-  return std::unique_ptr<Client>(new Client(address, v1::JobService::NewStub(channel)));
+  return std::unique_ptr<Client>(new Client(address, v1::JobService::NewStub(channel),
+                                            v1::CoordinatorService::NewStub(channel)));
 }
 
 absl::Status Client::Call(absl::Duration deadline,
@@ -111,6 +112,17 @@ absl::StatusOr<v1::ClusterStatusResponse> Client::ClusterStatus() {
   v1::ClusterStatusResponse resp;
   RETURN_IF_ERROR(Call(absl::Seconds(10), [&](grpc::ClientContext* c) {
     return stub_->ClusterStatus(c, v1::ClusterStatusRequest(), &resp);
+  }));
+  return resp;
+}
+
+absl::StatusOr<v1::DrainStoreResponse> Client::DrainStore(const std::string& store_id) {
+  v1::DrainStoreRequest req;
+  req.set_store_id(store_id);
+  v1::DrainStoreResponse resp;
+  // Sizing the drain lists the store's groups: allow it time.
+  RETURN_IF_ERROR(Call(absl::Seconds(60), [&](grpc::ClientContext* c) {
+    return coordinator_->DrainStore(c, req, &resp);
   }));
   return resp;
 }

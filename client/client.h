@@ -14,6 +14,7 @@
 
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
+#include "pith/v1/coordinator.grpc.pb.h"
 #include "pith/v1/job.grpc.pb.h"
 
 namespace pith {
@@ -38,18 +39,24 @@ class Client {
                                                        const std::string& output_dir);
   absl::StatusOr<v1::ClusterStatusResponse> ClusterStatus();
   absl::StatusOr<v1::ExpertHeatResponse> ExpertHeat(const std::string& job_id, int layer = -1);
+  // Starts draining a store (ClusterStatus shows the progress and when it can be stopped).
+  absl::StatusOr<v1::DrainStoreResponse> DrainStore(const std::string& store_id);
 
   const std::string& address() const { return address_; }
 
  private:
-  Client(std::string address, std::unique_ptr<v1::JobService::Stub> stub)
-      : address_(std::move(address)), stub_(std::move(stub)) {}
+  Client(std::string address, std::unique_ptr<v1::JobService::Stub> stub,
+         std::unique_ptr<v1::CoordinatorService::Stub> coordinator)
+      : address_(std::move(address)),
+        stub_(std::move(stub)),
+        coordinator_(std::move(coordinator)) {}
   // Runs `call` with a fresh context and `deadline`, retrying on UNAVAILABLE.
   absl::Status Call(absl::Duration deadline,
                     const std::function<grpc::Status(grpc::ClientContext*)>& call);
 
   const std::string address_;
   std::unique_ptr<v1::JobService::Stub> stub_;
+  std::unique_ptr<v1::CoordinatorService::Stub> coordinator_;
 };
 
 }  // namespace pith

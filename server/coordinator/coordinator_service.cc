@@ -94,4 +94,13 @@ grpc::Status CoordinatorServiceImpl::WaitStep(grpc::ServerContext* context,
   return grpc::Status::OK;
 }
 
+grpc::Status CoordinatorServiceImpl::DrainStore(grpc::ServerContext*,
+                                                const v1::DrainStoreRequest* request,
+                                                v1::DrainStoreResponse* reply) {
+  absl::StatusOr<v1::DrainStoreResponse> s = scheduler_->Drain(request->store_id());
+  if (!s.ok()) return ToGrpcStatus(s.status());
+  *reply = *std::move(s);
+  return grpc::Status::OK;
+}
+
 }  // namespace pith::coordinator

@@ -1,6 +1,6 @@
 // CoordinatorServiceImpl: the member-facing gRPC adapter — registration, heartbeats and
 // leases, clean departure, heat reports, assignments, placement and the step-commit
-// protocol (the Scheduler). DrainStore answers UNIMPLEMENTED until store draining lands.
+// protocol and store draining (the Scheduler).
 //
 // Thread safety: handlers run concurrently; Membership, JobRegistry, HeatRegistry and
 // Scheduler are thread-safe.
@@ -38,6 +38,8 @@ class CoordinatorServiceImpl final : public v1::CoordinatorService::Service {
   // Waits at most until the call's deadline, and never longer than 30 s.
   grpc::Status WaitStep(grpc::ServerContext* context, const v1::WaitStepRequest* request,
                         v1::StepStatus* reply) override;
+  grpc::Status DrainStore(grpc::ServerContext* context, const v1::DrainStoreRequest* request,
+                          v1::DrainStoreResponse* reply) override;
 
  private:
   Membership* members_;

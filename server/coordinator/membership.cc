@@ -23,7 +23,8 @@ absl::StatusOr<std::string> Membership::Register(v1::MemberInfo member) {
     } while (members_.count(id));
     member.set_member_id(id);
   }
-  member.set_state(v1::MEMBER_STATE_ALIVE);
+  auto drain = drains_.find(member.member_id());
+  member.set_state(drain != drains_.end() ? drain->second : v1::MEMBER_STATE_ALIVE);
   member.set_lease_expires_unix_ms(absl::ToUnixMillis(clock_() + lease_));
   const std::string id = member.member_id();
   members_[id] = std::move(member);
@@ -50,7 +51,40 @@ absl::Status Membership::Deregister(const std::string& member_id) {
   if (members_.erase(member_id) == 0) {
     return absl::NotFoundError(absl::StrCat("unknown member ", member_id));
   }
+  drains_.erase(member_id);
   return absl::OkStatus();
+}
+
+absl::Status Membership::Drain(const std::string& store_id) {
+  absl::MutexLock lock(&mu_);
+  auto it = members_.find(store_id);
+  if (it == members_.end()) return absl::NotFoundError(absl::StrCat("unknown store ", store_id));
+  v1::MemberInfo& m = it->second;
+  if (m.role() != v1::MEMBER_ROLE_STORE) {
+    return absl::FailedPreconditionError(absl::StrCat(store_id, " is not a store"));
+  }
+  if (m.state() == v1::MEMBER_STATE_DEAD) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("store ", store_id, " is dead: its blobs are re-replicated already"));
+  }
+  if (m.state() == v1::MEMBER_STATE_ALIVE) {
+    m.set_state(v1::MEMBER_STATE_DRAINING);
+    drains_[store_id] = v1::MEMBER_STATE_DRAINING;
+  }
+  return absl::OkStatus();
+}
+
+void Membership::MarkDrained(const std::string& store_id) {
+  absl::MutexLock lock(&mu_);
+  auto it = members_.find(store_id);
+  if (it == members_.end() || it->second.state() != v1::MEMBER_STATE_DRAINING) return;
+  it->second.set_state(v1::MEMBER_STATE_DRAINED);
+  drains_[store_id] = v1::MEMBER_STATE_DRAINED;
+}
+
+void Membership::RestoreDrains(const std::vector<std::string>& store_ids) {
+  absl::MutexLock lock(&mu_);
+  for (const std::string& id : store_ids) drains_.emplace(id, v1::MEMBER_STATE_DRAINING);
 }
 
 std::vector<std::string> Membership::ExpireLeases() {

@@ -33,8 +33,16 @@ class Membership {
   // Renews the lease and takes fresh figures from `status`. NOT_FOUND for an unknown or
   // dead member: it must register again.
   absl::Status Heartbeat(const std::string& member_id, const v1::MemberInfo& status);
-  // Removes a member that leaves cleanly.
+  // Removes a member that leaves cleanly (a drained store that stops is forgotten).
   absl::Status Deregister(const std::string& member_id);
+  // Marks a live store as draining: it takes no new placement, and keeps the state across
+  // re-registration. NOT_FOUND for an unknown member, FAILED_PRECONDITION for a worker or a
+  // dead store. Draining a draining or drained store changes nothing.
+  absl::Status Drain(const std::string& store_id);
+  // A draining store that holds nothing any more: its process can be stopped.
+  void MarkDrained(const std::string& store_id);
+  // Stores to treat as draining when they register (drains recorded before a restart).
+  void RestoreDrains(const std::vector<std::string>& store_ids);
   // Marks members whose lease ran out as dead; returns their ids.
   std::vector<std::string> ExpireLeases();
 
@@ -47,6 +55,7 @@ class Membership {
   mutable absl::Mutex mu_;
   std::map<std::string, v1::MemberInfo> members_ ABSL_GUARDED_BY(mu_);
   std::map<v1::MemberRole, int> next_ ABSL_GUARDED_BY(mu_);
+  std::map<std::string, v1::MemberState> drains_ ABSL_GUARDED_BY(mu_);  // DRAINING or DRAINED
 };
 
 }  // namespace pith::coordinator

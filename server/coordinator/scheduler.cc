@@ -3,11 +3,13 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <cstring>
 #include <filesystem>
 #include <optional>
 #include <thread>
 #include <tuple>
 
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "common/grpc_util.h"
 #include "common/status.h"
@@ -24,6 +26,7 @@ namespace {
 
 constexpr char kRunPrefix[] = "run/";
 constexpr char kHeatPrefix[] = "heat/";
+constexpr char kDrainPrefix[] = "drain/";
 
 int64_t NowMs() { return absl::ToUnixMillis(absl::Now()); }
 
@@ -145,11 +148,22 @@ class GrpcStoreControl final : public StoreControl {
 };
 
 struct Alive {
-  std::map<std::string, v1::MemberInfo> stores, workers;  // live members by id
-  std::set<std::string> known;                            // every id, dead ones included
+  // Live members by id; the stores include draining and drained ones, which still serve
+  // what they hold.
+  std::map<std::string, v1::MemberInfo> stores, workers;
+  std::set<std::string> known;     // every id, dead ones included
+  std::set<std::string> draining;  // live stores draining or drained: no new placement
   std::vector<std::string> store_ids() const {
     std::vector<std::string> ids;
     for (const auto& [id, m] : stores) ids.push_back(id);
+    return ids;
+  }
+  // The stores new copies may go to.
+  std::vector<std::string> placeable_ids() const {
+    std::vector<std::string> ids;
+    for (const auto& [id, m] : stores) {
+      if (!draining.count(id)) ids.push_back(id);
+    }
     return ids;
   }
   std::vector<v1::MemberInfo> store_list() const {
@@ -164,8 +178,12 @@ Alive Snapshot(Membership& members) {
   for (v1::MemberRole role : {v1::MEMBER_ROLE_STORE, v1::MEMBER_ROLE_WORKER}) {
     for (v1::MemberInfo& m : members.Members(role)) {
       a.known.insert(m.member_id());
-      if (m.state() != v1::MEMBER_STATE_ALIVE) continue;
-      (role == v1::MEMBER_ROLE_STORE ? a.stores : a.workers)[m.member_id()] = std::move(m);
+      const bool store = role == v1::MEMBER_ROLE_STORE;
+      const bool draining =
+          m.state() == v1::MEMBER_STATE_DRAINING || m.state() == v1::MEMBER_STATE_DRAINED;
+      if (m.state() != v1::MEMBER_STATE_ALIVE && !(store && draining)) continue;
+      if (draining) a.draining.insert(m.member_id());
+      (store ? a.stores : a.workers)[m.member_id()] = std::move(m);
     }
   }
   return a;
@@ -243,6 +261,7 @@ v1::PlacementTable BuildPlacement(const v1::Job& job, const std::vector<std::str
     auto it = before.find({layer, layer < 0 ? 0 : expert});
     if (it != before.end() && it->second->store_ids_size() > 0) {
       *e->mutable_store_ids() = it->second->store_ids();
+      *e->mutable_joining_store_ids() = it->second->joining_store_ids();
     } else {
       for (std::string& id :
            RendezvousStores(GroupName(job.job_id(), layer, expert), stores, replicas)) {
@@ -308,7 +327,17 @@ void Scheduler::Start(absl::Duration period) {
 absl::Status Scheduler::Recover() {
   ASSIGN_OR_RETURN(auto records, jobs_->Records(kRunPrefix));
   ASSIGN_OR_RETURN(auto heats, jobs_->Records(kHeatPrefix));
+  ASSIGN_OR_RETURN(auto drains, jobs_->Records(kDrainPrefix));
   absl::MutexLock lock(&mu_);
+  std::vector<std::string> draining;
+  for (const auto& [key, value] : drains) {
+    const std::string id = key.substr(std::strlen(kDrainPrefix));
+    uint64_t groups = 0;
+    if (!absl::SimpleAtoi(value, &groups)) groups = 0;
+    drain_groups_[id] = groups;
+    draining.push_back(id);
+  }
+  members_->RestoreDrains(draining);
   for (const auto& [key, bytes] : records) {
     Run run;
     if (!run.record.ParseFromString(bytes)) {
@@ -367,9 +396,10 @@ ComputePlan Scheduler::PlanLocked(const v1::Job& job, int workers) {
 }
 
 void Scheduler::ReplaceLocked(Run& run, const v1::Job& job,
+                              const std::vector<std::string>& live_stores,
                               const std::vector<std::string>& stores) {
   v1::PlacementTable previous = run.record.placement();
-  const std::set<std::string> live(stores.begin(), stores.end());
+  const std::set<std::string> live(live_stores.begin(), live_stores.end());
   std::string lost;
   for (v1::ExpertPlacement& e : *previous.mutable_experts()) {
     const bool had = e.store_ids_size() > 0;
@@ -377,6 +407,10 @@ void Scheduler::ReplaceLocked(Run& run, const v1::Job& job,
     ids->erase(std::remove_if(ids->begin(), ids->end(),
                               [&](const std::string& id) { return !live.count(id); }),
                ids->end());
+    auto* joining = e.mutable_joining_store_ids();
+    joining->erase(std::remove_if(joining->begin(), joining->end(),
+                                  [&](const std::string& id) { return !live.count(id); }),
+                   joining->end());
     if (had && ids->empty() && run.committed >= 0 && lost.empty()) {
       lost = e.layer() < 0 ? "the dense tensors"
                            : absl::StrCat("layer ", e.layer(), " expert ", e.expert());
@@ -451,9 +485,11 @@ void Scheduler::Tick() {
       }
       bool stores_lost = false;
       for (const v1::ExpertPlacement& e : run.record.placement().experts()) {
-        for (const std::string& s : e.store_ids()) {
-          stores_lost |= gone(s, true);
-          back &= live_stores.count(s) > 0;
+        for (const auto* ids : {&e.store_ids(), &e.joining_store_ids()}) {
+          for (const std::string& s : *ids) {
+            stores_lost |= gone(s, true);
+            back &= live_stores.count(s) > 0;
+          }
         }
       }
       if (run.recovering) {
@@ -483,9 +519,18 @@ void Scheduler::Tick() {
       }
       run.record.clear_workers();
       for (const std::string& w : kept) run.record.add_workers(w);
-      ReplaceLocked(run, *job, alive.store_ids());
+      ReplaceLocked(run, *job, alive.store_ids(), alive.placeable_ids());
       absl::Status s = PersistLocked(run);
       if (!s.ok()) LOG(ERROR) << s;
+    }
+
+    // Draining stores that hold nothing any more can be stopped.
+    for (const std::string& id : alive.draining) {
+      if (alive.stores.at(id).state() == v1::MEMBER_STATE_DRAINING &&
+          GroupsOnLocked(id, /*with_moves=*/true) == 0) {
+        members_->MarkDrained(id);
+        LOG(INFO) << "store " << id << " is drained: nothing is placed on it; it can be stopped";
+      }
     }
 
     // Pending jobs, oldest first, while there are idle workers and a store.
@@ -507,7 +552,7 @@ void Scheduler::Tick() {
       run.record.set_assignment_version(NextVersion(0));
       run.record.set_committing_step(-1);
       *run.record.mutable_placement() =
-          BuildPlacement(job, idle, alive.store_ids(), PlanLocked(job, want), nullptr,
+          BuildPlacement(job, idle, alive.placeable_ids(), PlanLocked(job, want), nullptr,
                          job.placement_epoch() + 1, run.committed + 1);
       absl::Status s = PersistLocked(run);
       if (!s.ok()) {
@@ -878,26 +923,54 @@ void Scheduler::UpdateMetricsLocked(const v1::Job& job, const Run& run) {
 
 bool Scheduler::ApplyCopiesLocked(Run& run, const v1::Job& job) {
   const Alive alive = Snapshot(*members_);
-  const std::vector<std::string> live = alive.store_ids();
+  const std::vector<std::string> live = alive.placeable_ids();
   std::map<std::pair<int, int>, v1::ExpertPlacement*> entries;
   for (v1::ExpertPlacement& e : *run.record.mutable_placement()->mutable_experts()) {
     entries[GroupOf(e.layer(), e.expert())] = &e;
   }
   bool changed = false;
+  // A joining store whose copy is complete is a reader from now on: it got every version
+  // written since it joined, and the pull brought the committed one from before.
   for (const Run::Copy& copy : run.copied) {
     auto it = entries.find(copy.group);
-    if (it == entries.end() || !alive.stores.count(copy.target)) continue;
-    auto written = run.last_written.find(copy.group);
-    if (written != run.last_written.end() && written->second > copy.start_step) {
-      continue;  // written since the copy began: stale, copied again later
-    }
+    if (it == entries.end()) continue;
+    auto* joining = it->second->mutable_joining_store_ids();
+    auto pos = std::find(joining->begin(), joining->end(), copy.target);
+    if (pos == joining->end()) continue;
+    joining->erase(pos);
     auto* ids = it->second->mutable_store_ids();
-    if (std::find(ids->begin(), ids->end(), copy.target) == ids->end()) {
+    if (alive.stores.count(copy.target) &&
+        std::find(ids->begin(), ids->end(), copy.target) == ids->end()) {
       *ids->Add() = copy.target;
-      changed = true;
     }
+    changed = true;
   }
   run.copied.clear();
+  // Stores a group is short of join it: writers include them from the next step on.
+  for (const auto& [group, target] : run.join_requests) {
+    auto it = entries.find(group);
+    if (it == entries.end() || !alive.stores.count(target) || alive.draining.count(target)) {
+      continue;
+    }
+    const auto& ids = it->second->store_ids();
+    const auto& joining = it->second->joining_store_ids();
+    if (std::find(ids.begin(), ids.end(), target) != ids.end() ||
+        std::find(joining.begin(), joining.end(), target) != joining.end()) {
+      continue;
+    }
+    *it->second->add_joining_store_ids() = target;
+    changed = true;
+  }
+  run.join_requests.clear();
+  // Joining stores that died leave.
+  for (auto& [group, e] : entries) {
+    auto* joining = e->mutable_joining_store_ids();
+    const int before = joining->size();
+    joining->erase(std::remove_if(joining->begin(), joining->end(),
+                                  [&](const std::string& id) { return !alive.stores.count(id); }),
+                   joining->end());
+    changed |= joining->size() != before;
+  }
   // Surplus copies (a store joined and took over a share, a store is draining, an expert
   // cooled down) leave once every desired store holds the group.
   std::optional<HeatMap> heat = heat_->Snapshot(job.job_id());
@@ -924,7 +997,7 @@ int Scheduler::ReplicateOnce() {
     int64_t start_step;
   };
   const Alive alive = Snapshot(*members_);
-  const std::vector<std::string> live = alive.store_ids();
+  const std::vector<std::string> live = alive.placeable_ids();
   std::vector<Task> tasks;
   {
     absl::MutexLock lock(&mu_);
@@ -935,36 +1008,55 @@ int Scheduler::ReplicateOnce() {
       std::optional<HeatMap> heat = heat_->Snapshot(job_id);
       const std::vector<double> means = heat ? LayerMeans(*heat) : std::vector<double>();
       for (const v1::ExpertPlacement& e : run.record.placement().experts()) {
-        if (static_cast<int>(tasks.size()) >= options_.max_pulls) break;
         const std::pair<int, int> group = GroupOf(e.layer(), e.expert());
-        if (run.copying.count(group)) continue;
         std::vector<std::string> holders;
         for (const std::string& id : e.store_ids()) {
           if (alive.stores.count(id)) holders.push_back(id);
         }
         if (holders.empty()) continue;  // nothing to copy from
-        std::set<std::string> have(e.store_ids().begin(), e.store_ids().end());
-        for (const Run::Copy& c : run.copied) {
-          if (c.group == group) have.insert(c.target);
+        // A store the group is short of joins it at the next step boundary.
+        if (!run.join_requests.count(group)) {
+          std::set<std::string> have(e.store_ids().begin(), e.store_ids().end());
+          have.insert(e.joining_store_ids().begin(), e.joining_store_ids().end());
+          for (const std::string& d :
+               DesiredStores(*job, e.layer(), e.expert(), live, heat ? &*heat : nullptr, means)) {
+            if (have.count(d)) continue;
+            run.join_requests[group] = d;
+            break;  // one new copy of a group at a time
+          }
         }
-        for (const std::string& d :
-             DesiredStores(*job, e.layer(), e.expert(), live, heat ? &*heat : nullptr, means)) {
-          if (have.count(d)) continue;
-          tasks.push_back({job_id, e.layer(), e.expert(), alive.stores.at(holders.front()),
-                           alive.stores.at(d), run.committed});
+        // A store that joined gets the committed copy.
+        if (run.copying.count(group) || static_cast<int>(tasks.size()) >= options_.max_pulls) {
+          continue;
+        }
+        for (const std::string& target : e.joining_store_ids()) {
+          if (!alive.stores.count(target)) continue;
+          bool done = false;
+          for (const Run::Copy& c : run.copied) done |= c.group == group && c.target == target;
+          if (done) continue;
+          // A drain's copies read from the draining store, so the others keep serving.
+          std::string source = holders.front();
+          for (const std::string& id : holders) {
+            if (alive.draining.count(id)) source = id;
+          }
+          tasks.push_back({job_id, e.layer(), e.expert(), alive.stores.at(source),
+                           alive.stores.at(target), run.committed});
           run.copying.insert(group);
+          bool drain = false;
+          for (const std::string& id : holders) drain |= alive.draining.count(id) > 0;
           v1::BlobMove move;
           move.mutable_key()->set_job_id(job_id);
           move.mutable_key()->set_layer(e.layer());
           move.mutable_key()->set_expert(e.expert());
-          move.set_from_store_id(holders.front());
-          move.set_to_store_id(d);
+          move.set_from_store_id(source);
+          move.set_to_store_id(target);
           move.set_reason(static_cast<int>(holders.size()) <
                                   std::max(1, job->spec().cluster().store_replicas())
                               ? "replicate"
-                              : "rebalance");
+                          : drain ? "drain"
+                                  : "rebalance");
           moves_.push_back(std::move(move));
-          break;  // one new copy of a group at a time
+          break;
         }
       }
     }
@@ -1025,6 +1117,79 @@ int Scheduler::ReplicateOnce() {
   return done.load();
 }
 
+uint64_t Scheduler::GroupsOnLocked(const std::string& store, bool with_moves) const {
+  uint64_t groups = 0;
+  for (const auto& [job_id, run] : runs_) {
+    for (const v1::ExpertPlacement& e : run.record.placement().experts()) {
+      groups += std::count(e.store_ids().begin(), e.store_ids().end(), store) +
+                std::count(e.joining_store_ids().begin(), e.joining_store_ids().end(), store);
+    }
+  }
+  if (!with_moves) return groups;
+  for (const v1::BlobMove& m : moves_) {
+    groups += m.from_store_id() == store || m.to_store_id() == store;
+  }
+  return groups;
+}
+
+absl::StatusOr<v1::DrainStoreResponse> Scheduler::Drain(const std::string& store_id) {
+  if (store_id.empty()) return absl::InvalidArgumentError("store_id is required");
+  const Alive alive = Snapshot(*members_);
+  if (!alive.known.count(store_id)) {
+    return absl::NotFoundError(absl::StrCat("unknown store ", store_id));
+  }
+  struct Group {
+    std::string job_id;
+    int layer, expert;
+  };
+  std::vector<Group> groups;
+  {
+    absl::MutexLock lock(&mu_);
+    // The others must be able to hold every running job's copies.
+    std::vector<std::string> others = alive.placeable_ids();
+    others.erase(std::remove(others.begin(), others.end(), store_id), others.end());
+    for (const auto& [job_id, run] : runs_) {
+      absl::StatusOr<v1::Job> job = jobs_->Get(job_id);
+      if (!job.ok()) continue;
+      const int want = std::max(1, job->spec().cluster().store_replicas());
+      if (!alive.draining.count(store_id) && static_cast<int>(others.size()) < want) {
+        return absl::FailedPreconditionError(absl::StrCat(
+            "draining ", store_id, " would leave ", others.size(), " store(s) for job ", job_id,
+            ", which keeps ", want, " copies of every blob; add a store first"));
+      }
+      for (const v1::ExpertPlacement& e : run.record.placement().experts()) {
+        if (std::count(e.store_ids().begin(), e.store_ids().end(), store_id)) {
+          groups.push_back({job_id, e.layer(), e.expert()});
+        }
+      }
+    }
+  }
+  RETURN_IF_ERROR(members_->Drain(store_id));
+  {
+    absl::MutexLock lock(&mu_);
+    if (!drain_groups_.count(store_id)) {
+      drain_groups_[store_id] = groups.size();
+      RETURN_IF_ERROR(
+          jobs_->PutRecord(absl::StrCat(kDrainPrefix, store_id), absl::StrCat(groups.size())));
+    }
+  }
+  LOG(INFO) << "draining store " << store_id << ": " << groups.size() << " groups to move";
+  v1::DrainStoreResponse out;
+  out.set_groups_to_move(groups.size());
+  auto store = alive.stores.find(store_id);
+  if (store == alive.stores.end()) return out;
+  for (const Group& g : groups) {
+    absl::StatusOr<std::vector<v1::BlobInfo>> blobs =
+        stores_->ListGroup(store->second, g.job_id, g.layer, g.expert);
+    if (!blobs.ok()) continue;  // the figures are an estimate; the drain goes on
+    for (const v1::BlobInfo& b : *blobs) {
+      out.set_blobs_to_move(out.blobs_to_move() + 1);
+      out.set_bytes_to_move(out.bytes_to_move() + b.size_bytes());
+    }
+  }
+  return out;
+}
+
 void Scheduler::ReplicationStatus(v1::ClusterStatusResponse* out) {
   const Alive alive = Snapshot(*members_);
   absl::MutexLock lock(&mu_);
@@ -1045,6 +1210,15 @@ void Scheduler::ReplicationStatus(v1::ClusterStatusResponse* out) {
   }
   out->set_replica_deficit(deficit);
   if (replica_deficit_ != nullptr) replica_deficit_->Set(static_cast<double>(deficit));
+  for (const auto& [id, total] : drain_groups_) {
+    if (!alive.known.count(id)) continue;  // stopped and gone
+    v1::StoreDrain* d = out->add_drains();
+    d->set_store_id(id);
+    d->set_groups_total(total);
+    d->set_groups_left(GroupsOnLocked(id, /*with_moves=*/false));
+    d->set_can_stop(alive.stores.count(id) && alive.draining.count(id) &&
+                    alive.stores.at(id).state() == v1::MEMBER_STATE_DRAINED);
+  }
 }
 
 absl::StatusOr<v1::CheckpointJobResponse> Scheduler::Checkpoint(

@@ -133,16 +133,25 @@ class Scheduler {
   // before the initial weights are committed or when a blob is on no live store.
   absl::StatusOr<v1::CheckpointJobResponse> Checkpoint(const v1::CheckpointJobRequest& request);
 
-  // Replication: starts store-to-store copies for every group short of its desired
-  // stores (the spec's replica count over the live stores by rendezvous hashing, more
-  // for hot experts), up to max_pulls at once, and waits for them. A finished copy joins
-  // the placement at the next step commit, unless the group was written since the copy
-  // began (then it is copied again); a group's surplus copies leave the placement once
-  // its desired stores all hold it. Returns the copies made.
+  // Replication: a group short of its desired stores (the spec's replica count over the
+  // live, not draining stores by rendezvous hashing, more for hot experts) gets one of
+  // them as a joining store at the next step boundary: from then on writers send it every
+  // new version, and the replicator pulls the group's committed copy to it store to store
+  // (up to max_pulls at once; this call waits for them). A joining store whose pull is
+  // done becomes a reader at the following boundary; a group's surplus copies leave the
+  // placement once its desired stores all hold it. Returns the copies made.
   int ReplicateOnce();
-  // Moves in flight, blobs and bytes moved so far, and the replica deficit (copies
-  // missing to reach every group's replica count), into `out`.
+  // Moves in flight, blobs and bytes moved so far, the replica deficit (copies missing
+  // to reach every group's replica count) and the drains' progress, into `out`.
   void ReplicationStatus(v1::ClusterStatusResponse* out);
+
+  // Starts draining a store (durably): it takes no new copies, every group placed on it
+  // is copied to the store rendezvous hashing now picks and then leaves it (at a step
+  // boundary, as any surplus copy), so no group ever has fewer copies than before. Once
+  // nothing is placed on it, Tick marks it DRAINED: its process can be stopped. Returns
+  // what will move. NOT_FOUND for an unknown store; FAILED_PRECONDITION for a dead one,
+  // or when the other stores could not hold a running job's replica count.
+  absl::StatusOr<v1::DrainStoreResponse> Drain(const std::string& store_id);
 
  private:
   struct Run {
@@ -156,7 +165,9 @@ class Scheduler {
     // Loaded after a restart and waiting for its members to register again (or for the
     // grace period to end); assignments and reports wait too.
     bool recovering = false;
-    // Replication: the last step that wrote each group, copies in progress and done.
+    // Replication: stores to join groups at the next step boundary, the last step that
+    // wrote each group, copies (pulls to joining stores) in progress and done.
+    std::map<std::pair<int, int>, std::string> join_requests;
     std::map<std::pair<int, int>, int64_t> last_written;
     std::set<std::pair<int, int>> copying;
     struct Copy {
@@ -185,15 +196,20 @@ class Scheduler {
   // Voids the attempt in flight: queues store aborts, bumps the assignment version.
   void AbortLocked(Run& run, const std::string& reason, std::vector<StoreCall>* aborts)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Re-plans compute owners (and the store copies that are gone) under a new epoch.
-  void ReplaceLocked(Run& run, const v1::Job& job, const std::vector<std::string>& stores)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Re-plans compute owners under a new epoch: store copies not on `live_stores` are
+  // gone; a group left with none is placed on `stores` (those taking new copies).
+  void ReplaceLocked(Run& run, const v1::Job& job, const std::vector<std::string>& live_stores,
+                     const std::vector<std::string>& stores) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   ComputePlan PlanLocked(const v1::Job& job, int workers) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Commits `step` of `job_id` on every live store, then advances the job.
   void Commit(const std::string& job_id, int64_t step);
   void FinishCommitLocked(const std::string& job_id, Run& run) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void RunStoreAborts(const std::vector<StoreCall>& aborts);
   void UpdateMetricsLocked(const v1::Job& job, const Run& run) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Groups of running jobs placed on `store` (reading or joining), and with `with_moves`
+  // the copies in flight from or to it.
+  uint64_t GroupsOnLocked(const std::string& store, bool with_moves) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // At a step boundary: finished copies join the placement, surplus copies leave it.
   // Returns whether the placement changed.
   bool ApplyCopiesLocked(Run& run, const v1::Job& job) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -210,7 +226,8 @@ class Scheduler {
   std::map<std::string, Run> runs_ ABSL_GUARDED_BY(mu_);                // by job id: running jobs
   std::map<std::string, std::string> worker_job_ ABSL_GUARDED_BY(mu_);  // worker -> job
 
-  std::vector<v1::BlobMove> moves_ ABSL_GUARDED_BY(mu_);  // copies in flight
+  std::vector<v1::BlobMove> moves_ ABSL_GUARDED_BY(mu_);               // copies in flight
+  std::map<std::string, uint64_t> drain_groups_ ABSL_GUARDED_BY(mu_);  // store -> groups at start
   uint64_t blobs_moved_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t bytes_moved_ ABSL_GUARDED_BY(mu_) = 0;
 

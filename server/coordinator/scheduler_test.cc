@@ -494,10 +494,14 @@ TEST_F(SchedulerTest, ALostStoreIsReReplicatedToTheReplicaCount) {
   EXPECT_GT(status.replica_deficit(), 0u);
   while (scheduler_->ReplicateOnce() > 0) {
   }
+  EXPECT_TRUE(stores_.pulls.empty());  // s2 joins the groups at the next boundary first
+  CommitStep(job.job_id(), 1, {w0});
+  while (scheduler_->ReplicateOnce() > 0) {
+  }
   EXPECT_FALSE(stores_.pulls.empty());
-  CommitStep(job.job_id(), 1, {w0});  // the copies join the placement at the boundary
+  CommitStep(job.job_id(), 2, {w0});  // the complete copies are read from now on
   const v1::PlacementTable p = *scheduler_->GetPlacement(job.job_id());
-  EXPECT_EQ(p.effective_step(), 2);
+  EXPECT_EQ(p.effective_step(), 3);
   for (const auto& [group, ids] : Copies(p)) {
     EXPECT_EQ(std::set<std::string>(ids.begin(), ids.end()), (std::set<std::string>{s0, s2}))
         << group.first << "/" << group.second;
@@ -508,29 +512,47 @@ TEST_F(SchedulerTest, ALostStoreIsReReplicatedToTheReplicaCount) {
   EXPECT_EQ(after.blobs_moved(), stores_.pulls.size());
 }
 
-TEST_F(SchedulerTest, ACopyOfAGroupWrittenMeanwhileIsNotInstalled) {
+TEST_F(SchedulerTest, AJoiningStoreGetsTheWritesFirstAndIsReadOnlyOnceComplete) {
   const v1::Job job = Submit(1, 300, /*replicas=*/2);
   const std::string s0 = Join(v1::MEMBER_ROLE_STORE);
   const std::string w0 = Join(v1::MEMBER_ROLE_WORKER);
   scheduler_->Tick();
   CommitStep(job.job_id(), 0, {w0});
   const std::string s1 = Join(v1::MEMBER_ROLE_STORE);  // every group wants a second copy
-  ASSERT_GT(scheduler_->ReplicateOnce(), 0);
-  // Step 1 writes the dense group: its copy (begun at step 0) is stale.
+  EXPECT_EQ(scheduler_->ReplicateOnce(), 0);           // nothing is pulled yet
+  CommitStep(job.job_id(), 1, {w0});
+  // From step 2 on, writers send every group to s1 too; readers still use s0 alone.
+  const v1::PlacementTable joined = *scheduler_->GetPlacement(job.job_id());
+  EXPECT_EQ(joined.effective_step(), 2);
+  for (const v1::ExpertPlacement& e : joined.experts()) {
+    EXPECT_EQ(std::vector<std::string>(e.store_ids().begin(), e.store_ids().end()),
+              std::vector<std::string>{s0});
+    EXPECT_EQ(std::vector<std::string>(e.joining_store_ids().begin(), e.joining_store_ids().end()),
+              std::vector<std::string>{s1});
+  }
+  const absl::StatusOr<v1::Assignment> assignment = scheduler_->GetAssignment(w0);
+  ASSERT_TRUE(assignment.ok()) << assignment.status();
+  EXPECT_EQ(assignment->placement().experts(0).joining_store_ids_size(), 1);
+  // The pulls run while step 2 writes (the dense group, here): the copies stay good, since
+  // s1 gets the writes too.
+  int pulled = 0;
+  for (int n; (n = scheduler_->ReplicateOnce()) > 0;) pulled += n;
+  EXPECT_EQ(pulled, static_cast<int>(joined.experts_size()));
   v1::StepWrittenRequest r;
   r.set_job_id(job.job_id());
   r.set_worker_id(w0);
-  r.set_step(1);
+  r.set_step(2);
   r.set_ok(true);
   r.set_assignment_version(scheduler_->AssignmentVersion(w0));
   r.add_written()->mutable_key()->set_layer(-1);
   ASSERT_TRUE(scheduler_->ReportStepWritten(r).ok());
-  const auto copies = Copies(*scheduler_->GetPlacement(job.job_id()));
-  EXPECT_EQ(copies.at({-1, 0}), std::vector<std::string>{s0});
-  int copied = 0;
-  for (const auto& [group, ids] : copies) copied += ids.size() == 2;
-  EXPECT_GT(copied, 0);  // the groups step 1 did not write got their copy
-  (void)s1;
+  const absl::StatusOr<v1::PlacementTable> read = scheduler_->GetPlacement(job.job_id());
+  ASSERT_TRUE(read.ok()) << read.status();
+  for (const v1::ExpertPlacement& e : read->experts()) {
+    EXPECT_EQ(std::set<std::string>(e.store_ids().begin(), e.store_ids().end()),
+              (std::set<std::string>{s0, s1}));
+    EXPECT_EQ(e.joining_store_ids_size(), 0);
+  }
 }
 
 TEST_F(SchedulerTest, AJoiningStoreTakesOnlyItsShare) {
@@ -541,9 +563,11 @@ TEST_F(SchedulerTest, AJoiningStoreTakesOnlyItsShare) {
   CommitStep(job.job_id(), 0, {w0});
   const auto before = Copies(*scheduler_->GetPlacement(job.job_id()));
   stores.push_back(Join(v1::MEMBER_ROLE_STORE));
-  while (scheduler_->ReplicateOnce() > 0) {
+  for (int64_t step = 1; step <= 2; ++step) {  // join, then read
+    while (scheduler_->ReplicateOnce() > 0) {
+    }
+    CommitStep(job.job_id(), step, {w0});
   }
-  CommitStep(job.job_id(), 1, {w0});
   const auto after = Copies(*scheduler_->GetPlacement(job.job_id()));
   int moved = 0, total = 0;
   for (const auto& [group, ids] : after) {
@@ -636,6 +660,65 @@ TEST(BuildPlacementTest, KeepsExistingCopiesAndPlacesNewGroupsByRendezvous) {
   for (int i = 0; i < first.experts_size(); ++i) {
     EXPECT_EQ(second.experts(i).store_ids(0), first.experts(i).store_ids(0));
     EXPECT_EQ(second.experts(i).store_ids(1), first.experts(i).store_ids(1));
+  }
+}
+
+TEST_F(SchedulerTest, ADrainedStoreHoldsNothingAndEveryGroupKeepsItsCopies) {
+  const v1::Job job = Submit(1, 300, /*replicas=*/2);
+  const std::string s0 = Join(v1::MEMBER_ROLE_STORE), s1 = Join(v1::MEMBER_ROLE_STORE);
+  const std::string w0 = Join(v1::MEMBER_ROLE_WORKER);
+  scheduler_->Tick();
+  CommitStep(job.job_id(), 0, {w0});
+  // Two stores for two copies: draining one would lose the replica count.
+  auto refused = scheduler_->Drain(s0);
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kFailedPrecondition) << refused.status();
+  EXPECT_EQ(scheduler_->Drain("store-9").status().code(), absl::StatusCode::kNotFound);
+  const std::string s2 = Join(v1::MEMBER_ROLE_STORE);
+  auto drain = scheduler_->Drain(s0);
+  ASSERT_TRUE(drain.ok()) << drain.status();
+  const int groups = Copies(*scheduler_->GetPlacement(job.job_id())).size();
+  EXPECT_EQ(drain->groups_to_move(), static_cast<uint64_t>(groups));  // s0 held all of them
+  EXPECT_TRUE(scheduler_->Drain(s0).ok());                            // again: no change
+  int64_t step = 1;
+  for (; step < 10; ++step) {
+    while (scheduler_->ReplicateOnce() > 0) {
+    }
+    CommitStep(job.job_id(), step, {w0});
+    for (const auto& [group, ids] : Copies(*scheduler_->GetPlacement(job.job_id()))) {
+      ASSERT_GE(ids.size(), 2u) << "a group lost a copy during the drain";
+    }
+    bool on_s0 = false;
+    for (const auto& [group, ids] : Copies(*scheduler_->GetPlacement(job.job_id()))) {
+      on_s0 |= std::count(ids.begin(), ids.end(), s0) > 0;
+    }
+    if (!on_s0) break;
+  }
+  ASSERT_LT(step, 10) << "the drain did not finish";
+  for (const auto& [group, ids] : Copies(*scheduler_->GetPlacement(job.job_id()))) {
+    EXPECT_EQ(std::set<std::string>(ids.begin(), ids.end()), (std::set<std::string>{s1, s2}));
+  }
+  scheduler_->Tick();
+  v1::ClusterStatusResponse status;
+  scheduler_->ReplicationStatus(&status);
+  ASSERT_EQ(status.drains_size(), 1);
+  EXPECT_EQ(status.drains(0).store_id(), s0);
+  EXPECT_EQ(status.drains(0).groups_total(), static_cast<uint64_t>(groups));
+  EXPECT_EQ(status.drains(0).groups_left(), 0u);
+  EXPECT_TRUE(status.drains(0).can_stop());
+  EXPECT_EQ(status.replica_deficit(), 0u);
+  for (const v1::MemberInfo& m : members_->Members(v1::MEMBER_ROLE_STORE)) {
+    EXPECT_EQ(m.state(), m.member_id() == s0 ? v1::MEMBER_STATE_DRAINED : v1::MEMBER_STATE_ALIVE);
+  }
+  // The drain is durable: after a restart the store registers as draining, and holding
+  // nothing, is drained again.
+  Open();
+  Join(v1::MEMBER_ROLE_STORE, s0);
+  for (const v1::MemberInfo& m : members_->Members(v1::MEMBER_ROLE_STORE)) {
+    EXPECT_EQ(m.state(), v1::MEMBER_STATE_DRAINING);
+  }
+  scheduler_->Tick();
+  for (const v1::MemberInfo& m : members_->Members(v1::MEMBER_ROLE_STORE)) {
+    EXPECT_EQ(m.state(), v1::MEMBER_STATE_DRAINED);
   }
 }
 

@@ -275,6 +275,9 @@ absl::StatusOr<v1::BlobInfo> BlobStore::InstallCommitted(const v1::BlobKey& key,
   Blob& blob = blobs_[encoded];
   if (blob.versions.empty() && blob.committed < 0) blob.key = key;
   if (blob.committed > version) {
+    ColdBatch drop;  // the bytes just written: no version of this blob uses them
+    drop.delete_data.push_back({encoded, version});
+    (void)cold_->Apply(drop, /*sync=*/false);
     return absl::FailedPreconditionError(absl::StrCat(BlobKeyDebugString(key), ": version ",
                                                       blob.committed, " is already committed"));
   }

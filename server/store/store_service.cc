@@ -198,6 +198,9 @@ grpc::Status StoreServiceImpl::PullBlobs(grpc::ServerContext* context,
     if (!s.ok()) return ToGrpcStatus(Annotate(s, BlobKeyDebugString(key)));
     absl::StatusOr<v1::BlobInfo> info = store_->InstallCommitted(
         key, item.info.version(), {(*buffer)->data(), item.info.size_bytes()});
+    // A newer version committed here meanwhile (this store is joining the blob's group and
+    // receives its writes): nothing to copy.
+    if (absl::IsFailedPrecondition(info.status())) continue;
     if (!info.ok()) return ToGrpcStatus(info.status());
     if (info->crc32c() != item.info.crc32c()) {
       return ToGrpcStatus(absl::DataLossError(

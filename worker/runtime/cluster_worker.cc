@@ -165,6 +165,9 @@ class JobRun {
     for (const v1::ExpertPlacement& e : a_.placement().experts()) {
       if (e.layer() < 0) {
         dense_stores_.assign(e.store_ids().begin(), e.store_ids().end());
+        dense_write_stores_ = dense_stores_;
+        dense_write_stores_.insert(dense_write_stores_.end(), e.joining_store_ids().begin(),
+                                   e.joining_store_ids().end());
         continue;
       }
       if (e.layer() >= shape_.layers || e.expert() >= shape_.experts || e.owners_size() == 0) {
@@ -178,7 +181,11 @@ class JobRun {
         }
         owners[e.layer()][e.expert()].push_back({o.rank(), o.token_share()});
       }
-      expert_stores_[{e.layer(), e.expert()}].assign(e.store_ids().begin(), e.store_ids().end());
+      std::vector<std::string>& read = expert_stores_[{e.layer(), e.expert()}];
+      read.assign(e.store_ids().begin(), e.store_ids().end());
+      std::vector<std::string>& write = expert_write_stores_[{e.layer(), e.expert()}];
+      write = read;
+      write.insert(write.end(), e.joining_store_ids().begin(), e.joining_store_ids().end());
     }
     for (const auto& layer : primary_) {
       for (int o : layer) {
@@ -354,14 +361,14 @@ class JobRun {
         if (t.layer >= 0) continue;
         const size_t bytes = t.numel * sizeof(float);
         const int64_t o = version == 0 ? 0 : t.offset;
-        RETURN_IF_ERROR(Put(dense_stores_, Key(-1, 0, t.name, v1::BLOB_KIND_WEIGHTS), version,
+        RETURN_IF_ERROR(Put(dense_write_stores_, Key(-1, 0, t.name, v1::BLOB_KIND_WEIGHTS), version,
                             p + t.offset, bytes));
-        RETURN_IF_ERROR(Put(dense_stores_, Key(-1, 0, t.name, v1::BLOB_KIND_MASTER), version,
+        RETURN_IF_ERROR(Put(dense_write_stores_, Key(-1, 0, t.name, v1::BLOB_KIND_MASTER), version,
                             p + t.offset, bytes));
-        RETURN_IF_ERROR(
-            Put(dense_stores_, Key(-1, 0, t.name, v1::BLOB_KIND_ADAM_M), version, m + o, bytes));
-        RETURN_IF_ERROR(
-            Put(dense_stores_, Key(-1, 0, t.name, v1::BLOB_KIND_ADAM_V), version, v + o, bytes));
+        RETURN_IF_ERROR(Put(dense_write_stores_, Key(-1, 0, t.name, v1::BLOB_KIND_ADAM_M), version,
+                            m + o, bytes));
+        RETURN_IF_ERROR(Put(dense_write_stores_, Key(-1, 0, t.name, v1::BLOB_KIND_ADAM_V), version,
+                            v + o, bytes));
       }
     }
     if (!all_experts) return Flush();  // training steps write experts as they update
@@ -369,7 +376,7 @@ class JobRun {
     for (int l = 0; l < shape_.layers; ++l) {
       for (int e = 0; e < shape_.experts; ++e) {
         if (!Owns(l, e)) continue;
-        const std::vector<std::string>& stores = expert_stores_.at({l, e});
+        const std::vector<std::string>& stores = expert_write_stores_.at({l, e});
         const int64_t off = layout.ExpertOffset(l, e);
         const int64_t o = version == 0 ? 0 : off;
         RETURN_IF_ERROR(Put(stores, Key(l, e, "", v1::BLOB_KIND_WEIGHTS), version, p + off, bytes));
@@ -384,8 +391,8 @@ class JobRun {
     for (int l = 0; l < shape_.layers; ++l) {
       for (int e = 0; e < shape_.experts; ++e) {
         if (!Owns(l, e)) continue;
-        RETURN_IF_ERROR(Put(expert_stores_.at({l, e}), Key(l, e, "", v1::BLOB_KIND_STATE), version,
-                            &counts_scratch_[next++], sizeof(int64_t)));
+        RETURN_IF_ERROR(Put(expert_write_stores_.at({l, e}), Key(l, e, "", v1::BLOB_KIND_STATE),
+                            version, &counts_scratch_[next++], sizeof(int64_t)));
       }
     }
     absl::Status flushed = Flush();
@@ -589,7 +596,7 @@ class JobRun {
       RETURN_IF_ERROR(backend_.Synchronize());
       for (size_t i = 0; i < batch.size(); ++i) {
         const auto [l, e] = batch[i];
-        const std::vector<std::string>& stores = expert_stores_.at(batch[i]);
+        const std::vector<std::string>& stores = expert_write_stores_.at(batch[i]);
         RETURN_IF_ERROR(Put(stores, Key(l, e, "", v1::BLOB_KIND_WEIGHTS), s, w[i], bytes));
         RETURN_IF_ERROR(Put(stores, Key(l, e, "", v1::BLOB_KIND_MASTER), s, w[i], bytes));
         RETURN_IF_ERROR(Put(stores, Key(l, e, "", v1::BLOB_KIND_ADAM_M), s, MScratch(i), bytes));
@@ -772,8 +779,10 @@ class JobRun {
   std::optional<data::TokenDataset> dataset_;
   std::vector<int32_t> inputs_, targets_;
   std::vector<float> zeros_;
-  std::vector<std::string> dense_stores_;
-  std::map<std::pair<int, int>, std::vector<std::string>> expert_stores_;
+  // Each group's stores: those read from (complete copies, primary first), and those
+  // written to (the same, then the stores joining the group).
+  std::vector<std::string> dense_stores_, dense_write_stores_;
+  std::map<std::pair<int, int>, std::vector<std::string>> expert_stores_, expert_write_stores_;
   std::map<std::string, int> store_peer_;
   google::protobuf::RepeatedPtrField<v1::BlobInfo> written_;
   model::StepLoss last_loss_;
