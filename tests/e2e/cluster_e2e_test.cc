@@ -1,10 +1,14 @@
 // Distributed training on real processes (1 coordinator, 2 stores, 2 workers on loopback)
 // against `pith-worker --standalone` on the same spec, init and data: a dropless job's
 // per-step losses agree within 1e-4 relative and the final weights (CheckpointJob) match —
-// also when a worker (a spare takes its place) or a store (R = 2) is killed mid-job.
+// also when a worker (a spare takes its place) or a store (R = 2) is killed mid-job, and
+// when stores are added, drained (pith cluster drain) and killed while the job trains.
+#include <sys/wait.h>
+
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <cstdio>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
@@ -29,13 +33,11 @@ namespace {
 
 using pith::testing::ChildProcess;
 
-constexpr int kSteps = 20;
-
-std::string SpecJson(const std::string& data, const std::string& replication) {
+std::string SpecJson(const std::string& data, int steps, const std::string& replication) {
   return R"({"name": "cluster", "model": {"vocab_size": 256, "seq_len": 16, "d_model": 32,
   "n_layer": 2, "n_head": 2, "n_expert": 4, "top_k": 2, "d_ff": 64, "capacity_factor": 4.0,
   "aux_loss_coef": 0.01, "z_loss_coef": 0.001}, "train": {"data_path": ")" +
-         data + R"(", "batch": 8, "steps": )" + std::to_string(kSteps) +
+         data + R"(", "batch": 8, "steps": )" + std::to_string(steps) +
          R"(, "lr": 0.003, "warmup": 5, "seed": 1337}, "cluster": {"workers": 2,
   "store_replicas": 2)" +
          replication + "}}";
@@ -56,7 +58,29 @@ struct Failure {
   int kill_store_after_step = -1;   // kill -9 one store once this step is committed
   uint64_t cache_bytes = 0;         // the workers' --cache_bytes (0: every expert resident)
   bool hot_replicas = false;        // re-plan every 5 steps with up to 2 compute owners
+  // Scale the store mid-job: add a 3rd and a 4th store, drain and stop one of the first
+  // two (pith cluster drain), then kill -9 the other; the job needs enough steps for it.
+  bool scale_stores = false;
+  int steps = 20;
+  // Largest final weight difference to the single process (float sums in other orders
+  // drift apart over long runs; runs of the cluster itself are compared bit for bit).
+  double weight_tolerance = 1e-4;
 };
+
+// Runs the pith CLI against the coordinator at `address`; returns its exit code, its
+// output in `out`.
+int RunCli(const std::string& address, const std::string& args, std::string* out) {
+  const std::string command =
+      std::string(PITH_CLI_BINARY) + " --coordinator " + address + " " + args + " 2>&1";
+  FILE* pipe = popen(command.c_str(), "r");
+  if (pipe == nullptr) return -1;
+  out->clear();
+  char buffer[4096];
+  size_t n;
+  while ((n = fread(buffer, 1, sizeof(buffer), pipe)) > 0) out->append(buffer, n);
+  const int status = pclose(pipe);
+  return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+}
 
 struct Outcome {
   std::map<int, std::string> loss_lines;  // step -> its line in the loss log
@@ -66,6 +90,7 @@ struct Outcome {
 
 // Trains the spec alone and on a cluster (with `failure` injected); compares.
 void TrainAndCompare(const std::string& name, Failure failure, Outcome* outcome = nullptr) {
+  const int kSteps = failure.steps;
   const std::string dir =
       ::testing::TempDir() + "/cluster_e2e_" + name + "_" + std::to_string(getpid());
   std::filesystem::remove_all(dir);
@@ -79,7 +104,7 @@ void TrainAndCompare(const std::string& name, Failure failure, Outcome* outcome 
   }
   const std::string spec_path = dir + "/spec.json";
   std::ofstream(spec_path) << SpecJson(
-      dir + "/tokens.bin",
+      dir + "/tokens.bin", kSteps,
       failure.hot_replicas ? R"(, "replication": {"max_compute_replicas": 2, "replan_every": 5})"
                            : "");
 
@@ -100,15 +125,17 @@ void TrainAndCompare(const std::string& name, Failure failure, Outcome* outcome 
   ASSERT_TRUE(coordinator->WaitReady()) << coordinator->Log();
   const std::string address = "127.0.0.1:" + std::to_string(coordinator->grpc_port);
   std::vector<std::unique_ptr<ChildProcess>> stores, workers;
-  for (int n = 0; n < 2; ++n) {
+  auto start_store = [&] {
+    const std::string n = std::to_string(stores.size());
     stores.push_back(std::make_unique<ChildProcess>(
         PITH_STORE_BINARY,
         std::vector<std::string>{"--listen=127.0.0.1:0", "--metrics_port=-1",
-                                 "--data_dir=" + dir + "/store" + std::to_string(n),
-                                 "--ram_bytes=67108864", "--coordinator=" + address},
-        dir + "/store" + std::to_string(n) + ".log"));
-    ASSERT_TRUE(stores.back()->WaitReady()) << stores.back()->Log();
-  }
+                                 "--data_dir=" + dir + "/store" + n, "--ram_bytes=67108864",
+                                 "--coordinator=" + address},
+        dir + "/store" + n + ".log"));
+    return stores.back()->WaitReady();
+  };
+  for (int n = 0; n < 2; ++n) ASSERT_TRUE(start_store()) << stores.back()->Log();
   // Two workers train; with a worker failure a third waits as the spare.
   const int worker_count = failure.kill_worker_after_step >= 0 ? 3 : 2;
   for (int n = 0; n < worker_count; ++n) {
@@ -142,6 +169,31 @@ void TrainAndCompare(const std::string& name, Failure failure, Outcome* outcome 
   int most_owners = 0;  // of any expert, seen in the placement after the first re-plan
   auto coordinator_stub = v1::CoordinatorService::NewStub(
       grpc::CreateChannel(address, grpc::InsecureChannelCredentials()));
+  // Store scaling: 0 start, 1 stores added, 2 they hold copies (and pith cluster --output
+  // json showed moves), 3 store 0 drained and stopped, 4 store 1 killed, 5 every group has
+  // its replica count again.
+  int scale_phase = 0;
+  bool json_showed_moves = false;
+  std::string scale_log;
+  auto store_id = [&](int n) {  // a store process's member id, by its gRPC port
+    grpc::ClientContext ctx;
+    v1::ClusterStatusResponse c;
+    if (!stub->ClusterStatus(&ctx, v1::ClusterStatusRequest(), &c).ok()) return std::string();
+    for (const auto& m : c.stores()) {
+      if (m.grpc_address() == "127.0.0.1:" + std::to_string(stores[n]->grpc_port)) {
+        return m.member_id();
+      }
+    }
+    return std::string();
+  };
+  auto placement = [&] {
+    grpc::ClientContext ctx;
+    v1::GetPlacementRequest req;
+    req.set_job_id(job_id);
+    v1::PlacementTable table;
+    (void)coordinator_stub->GetPlacement(&ctx, req, &table);
+    return table;
+  };
   const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(240);
   while (std::chrono::steady_clock::now() < deadline) {
     grpc::ClientContext ctx;
@@ -161,7 +213,67 @@ void TrainAndCompare(const std::string& name, Failure failure, Outcome* outcome 
       preq.set_job_id(job_id);
       v1::PlacementTable table;
       if (coordinator_stub->GetPlacement(&pctx, preq, &table).ok()) {
+        const v1::PlacementTable table = placement();
         for (const auto& e : table.experts()) most_owners = std::max(most_owners, e.owners_size());
+      }
+    }
+    if (failure.scale_stores && scale_phase == 0 && job.committed_step() >= 3) {
+      ASSERT_TRUE(start_store()) << stores.back()->Log();
+      ASSERT_TRUE(start_store()) << stores.back()->Log();
+      scale_phase = 1;
+    }
+    if (scale_phase == 1) {
+      std::string json;
+      ASSERT_EQ(RunCli(address, "--output json cluster", &json), 0) << json;
+      json_showed_moves |= json.find("\"moves\"") != std::string::npos;
+      const std::string a = store_id(2), b = store_id(3);
+      bool a_reads = false, b_reads = false;
+      const v1::PlacementTable table = placement();
+      for (const auto& e : table.experts()) {
+        for (const std::string& id : e.store_ids()) {
+          a_reads |= id == a;
+          b_reads |= id == b;
+        }
+      }
+      if (a_reads && b_reads && json_showed_moves) {
+        scale_log +=
+            "stores 2 and 3 hold copies at step " + std::to_string(job.committed_step()) + "\n";
+        scale_phase = 2;
+      }
+    }
+    if (scale_phase == 2) {
+      const std::string id = store_id(0);
+      std::string out;
+      ASSERT_EQ(RunCli(address, "cluster drain " + id + " --timeout 120", &out), 0) << out;
+      EXPECT_NE(out.find("can be stopped now"), std::string::npos) << out;
+      const v1::PlacementTable table = placement();
+      for (const auto& e : table.experts()) {
+        for (const std::string& s : e.store_ids()) ASSERT_NE(s, id) << "drained, yet placed";
+      }
+      scale_log += out;
+      EXPECT_EQ(stores[0]->Terminate(), 0) << stores[0]->Log();
+      scale_log +=
+          "store 0 drained and stopped at step " + std::to_string(job.committed_step()) + "\n";
+      scale_phase = 3;
+    }
+    if (scale_phase == 3) {
+      stores[1]->Kill();
+      store_killed = true;
+      scale_phase = 4;
+    }
+    if (scale_phase == 4) {
+      grpc::ClientContext ctx;
+      v1::ClusterStatusResponse c;
+      ASSERT_TRUE(stub->ClusterStatus(&ctx, v1::ClusterStatusRequest(), &c).ok());
+      bool dead = false;
+      for (const auto& m : c.stores()) dead |= m.state() == v1::MEMBER_STATE_DEAD;
+      bool full = true;
+      const v1::PlacementTable table = placement();
+      for (const auto& e : table.experts()) full &= e.store_ids_size() == 2;
+      if (dead && full && c.replica_deficit() == 0 && c.moves_size() == 0) {
+        scale_log += "replica count restored at step " + std::to_string(job.committed_step()) +
+                     " (" + std::to_string(c.blobs_moved()) + " blobs moved in all)\n";
+        scale_phase = 5;
       }
     }
     if (!store_killed && failure.kill_store_after_step >= 0 &&
@@ -176,7 +288,11 @@ void TrainAndCompare(const std::string& name, Failure failure, Outcome* outcome 
   ASSERT_EQ(job.state(), v1::JOB_STATE_SUCCEEDED) << job.ShortDebugString() << "\n" << logs;
   EXPECT_EQ(job.committed_step(), kSteps);
   EXPECT_EQ(worker_killed, failure.kill_worker_after_step >= 0);
-  EXPECT_EQ(store_killed, failure.kill_store_after_step >= 0);
+  EXPECT_EQ(store_killed, failure.kill_store_after_step >= 0 || failure.scale_stores);
+  if (failure.scale_stores) {
+    EXPECT_EQ(scale_phase, 5) << "the job ended before the scaling sequence did:\n" << scale_log;
+    std::cout << name << ":\n" << scale_log;
+  }
   if (failure.hot_replicas) {
     EXPECT_EQ(most_owners, 2) << "no expert has a second owner";
   }
@@ -249,7 +365,7 @@ void TrainAndCompare(const std::string& name, Failure failure, Outcome* outcome 
       max_diff = std::max(max_diff, static_cast<double>(std::abs(p[i] - q[i])));
     }
   }
-  EXPECT_LT(max_diff, 1e-4) << "largest weight difference";
+  EXPECT_LT(max_diff, failure.weight_tolerance) << "largest weight difference";
   std::cout << name << ": largest final weight difference " << max_diff << "\n";
   if (outcome != nullptr) {
     outcome->cache_hit_rate = job.cache_hit_rate();
@@ -278,6 +394,26 @@ void TrainAndCompare(const std::string& name, Failure failure, Outcome* outcome 
 
 TEST(ClusterE2eTest, TwoWorkersTrainAsOneProcessDoes) { TrainAndCompare("plain", {}); }
 
+// Two cluster runs gave the same losses and the same final weights, bit for bit.
+void ExpectSameBits(const Outcome& x, const Outcome& y) {
+  EXPECT_EQ(x.loss_lines, y.loss_lines);
+  // Every tensor's bytes (the files' metadata records each run's own data path).
+  auto bytes_of = [](const std::string& s) {
+    return *Buffer::CopyOf({reinterpret_cast<const uint8_t*>(s.data()), s.size()});
+  };
+  auto a = SafetensorsFile::Parse(bytes_of(x.weights));
+  auto b = SafetensorsFile::Parse(bytes_of(y.weights));
+  ASSERT_TRUE(a.ok() && b.ok());
+  ASSERT_EQ(a->entries().size(), b->entries().size());
+  for (const auto& entry : a->entries()) {
+    auto p = a->Get(entry.name);
+    auto q = b->Get(entry.name);
+    ASSERT_TRUE(p.ok() && q.ok()) << entry.name;
+    EXPECT_TRUE(std::equal(p->bytes.begin(), p->bytes.end(), q->bytes.begin(), q->bytes.end()))
+        << entry.name << " differs in some bit";
+  }
+}
+
 TEST(ClusterE2eTest, ACacheOfAQuarterOfTheExpertsChangesNothing) {
   // 8 experts of (2*32*64 + 64 + 32) floats: a quarter of their bytes is 2 cache slots, for
   // the 4 experts each worker owns.
@@ -285,22 +421,7 @@ TEST(ClusterE2eTest, ACacheOfAQuarterOfTheExpertsChangesNothing) {
   Outcome resident, cached;
   TrainAndCompare("resident", {}, &resident);
   TrainAndCompare("cache_quarter", {.cache_bytes = quarter}, &cached);
-  EXPECT_EQ(cached.loss_lines, resident.loss_lines);
-  // Every tensor's bytes (the files' metadata records each run's own data path).
-  auto bytes_of = [](const std::string& s) {
-    return *Buffer::CopyOf({reinterpret_cast<const uint8_t*>(s.data()), s.size()});
-  };
-  auto a = SafetensorsFile::Parse(bytes_of(resident.weights));
-  auto b = SafetensorsFile::Parse(bytes_of(cached.weights));
-  ASSERT_TRUE(a.ok() && b.ok());
-  ASSERT_EQ(a->entries().size(), b->entries().size());
-  for (const auto& entry : a->entries()) {
-    auto x = a->Get(entry.name);
-    auto y = b->Get(entry.name);
-    ASSERT_TRUE(x.ok() && y.ok()) << entry.name;
-    EXPECT_TRUE(std::equal(x->bytes.begin(), x->bytes.end(), y->bytes.begin(), y->bytes.end()))
-        << entry.name << " differs in some bit";
-  }
+  ExpectSameBits(resident, cached);
   // And the small cache really was small: it missed in every step.
   EXPECT_DOUBLE_EQ(resident.cache_hit_rate, 1.0);
   EXPECT_LT(cached.cache_hit_rate, 0.9);
@@ -314,6 +435,19 @@ TEST(ClusterE2eTest, HotExpertsGetSecondOwnersAndTheMathHolds) {
 
 TEST(ClusterE2eTest, AWorkerKilledMidJobIsReplacedAndNothingCommittedIsLost) {
   TrainAndCompare("worker_kill", {.kill_worker_after_step = 6});
+}
+
+// Adding capacity, draining a store and losing one mid-job: the final weights are those of
+// an uninterrupted run, bit for bit, and every group ends with its replica count.
+TEST(ClusterE2eTest, StoresAddedDrainedAndKilledMidJobChangeNothing) {
+  Failure f;
+  f.steps = 200;
+  f.weight_tolerance = 1e-2;  // vs one process, after 200 steps on a tiny corpus
+  Outcome uninterrupted, scaled;
+  TrainAndCompare("steady", f, &uninterrupted);
+  f.scale_stores = true;
+  TrainAndCompare("scale", f, &scaled);
+  ExpectSameBits(uninterrupted, scaled);
 }
 
 TEST(ClusterE2eTest, AStoreKilledMidJobLeavesItsReplicaToCarryOn) {
