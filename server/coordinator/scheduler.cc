@@ -232,6 +232,31 @@ std::vector<std::string> DesiredStores(const v1::Job& job, int layer, int expert
   return RendezvousStores(GroupName(job.job_id(), layer, expert), live, want);
 }
 
+// The compute owners of `placement` as a plan, when every owner is still the worker of its
+// rank in `workers` (and every expert has owners); nullopt otherwise.
+std::optional<ComputePlan> KeptPlan(const v1::PlacementTable& placement,
+                                    const std::vector<std::string>& workers,
+                                    const v1::ModelConfig& m) {
+  ComputePlan plan(m.n_layer(), std::vector<Owners>(m.n_expert()));
+  for (const v1::ExpertPlacement& e : placement.experts()) {
+    if (e.layer() < 0) continue;
+    if (e.layer() >= m.n_layer() || e.expert() >= m.n_expert()) return std::nullopt;
+    for (const v1::ComputeOwner& o : e.owners()) {
+      if (o.rank() < 0 || o.rank() >= static_cast<int>(workers.size()) ||
+          workers[o.rank()] != o.worker_id()) {
+        return std::nullopt;
+      }
+      plan[e.layer()][e.expert()].push_back({o.rank(), o.token_share()});
+    }
+  }
+  for (const auto& layer : plan) {
+    for (const Owners& owners : layer) {
+      if (owners.empty()) return std::nullopt;
+    }
+  }
+  return plan;
+}
+
 }  // namespace
 
 std::unique_ptr<StoreControl> NewGrpcStoreControl(absl::Duration timeout) {
@@ -428,7 +453,11 @@ void Scheduler::ReplaceLocked(Run& run, const v1::Job& job,
     return;  // the next Tick releases the run
   }
   std::vector<std::string> workers(run.record.workers().begin(), run.record.workers().end());
-  const ComputePlan plan = PlanLocked(job, static_cast<int>(workers.size()));
+  // The same workers keep their experts (only stores changed): no cache moves, and the
+  // job's math stays that of an undisturbed run. Otherwise the compute is re-planned.
+  std::optional<ComputePlan> kept = KeptPlan(previous, workers, job.spec().model());
+  const ComputePlan plan =
+      kept ? *std::move(kept) : PlanLocked(job, static_cast<int>(workers.size()));
   *run.record.mutable_placement() = BuildPlacement(job, workers, stores, plan, &previous,
                                                    previous.epoch() + 1, step_in_flight(run));
   const int64_t epoch = run.record.placement().epoch();

@@ -224,8 +224,8 @@ void TrainAndCompare(const std::string& name, Failure failure, Outcome* outcome 
     }
     if (scale_phase == 1) {
       std::string json;
-      ASSERT_EQ(RunCli(address, "--output json cluster", &json), 0) << json;
-      json_showed_moves |= json.find("\"moves\"") != std::string::npos;
+      ASSERT_EQ(RunCli(address, "cluster --output json", &json), 0) << json;
+      json_showed_moves |= json.find("\"moves\"") != std::string::npos;  // copies in flight
       const std::string a = store_id(2), b = store_id(3);
       bool a_reads = false, b_reads = false;
       const v1::PlacementTable table = placement();
