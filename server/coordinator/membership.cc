@@ -20,7 +20,7 @@ absl::StatusOr<std::string> Membership::Register(v1::MemberInfo member) {
     std::string id;
     do {
       id = absl::StrCat(prefix, next_[member.role()]++);
-    } while (members_.count(id));
+    } while (members_.count(id) || drains_.count(id));  // a drained store's id stays its own
     member.set_member_id(id);
   }
   auto drain = drains_.find(member.member_id());
@@ -80,6 +80,11 @@ void Membership::MarkDrained(const std::string& store_id) {
   if (it == members_.end() || it->second.state() != v1::MEMBER_STATE_DRAINING) return;
   it->second.set_state(v1::MEMBER_STATE_DRAINED);
   drains_[store_id] = v1::MEMBER_STATE_DRAINED;
+}
+
+void Membership::ForgetDrain(const std::string& store_id) {
+  absl::MutexLock lock(&mu_);
+  drains_.erase(store_id);
 }
 
 void Membership::RestoreDrains(const std::vector<std::string>& store_ids) {

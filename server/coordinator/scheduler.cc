@@ -553,6 +553,18 @@ void Scheduler::Tick() {
       if (!s.ok()) LOG(ERROR) << s;
     }
 
+    // A drained store that left cleanly (deregistered, and not back after a restart's
+    // grace period): its drain is over, and its id may be given out again.
+    for (auto it = drain_groups_.begin(); it != drain_groups_.end();) {
+      if (alive.known.count(it->first) || !gone(it->first, true) ||
+          GroupsOnLocked(it->first, /*with_moves=*/true) > 0) {
+        ++it;
+        continue;
+      }
+      (void)jobs_->DeleteRecord(absl::StrCat(kDrainPrefix, it->first));
+      members_->ForgetDrain(it->first);
+      it = drain_groups_.erase(it);
+    }
     // Draining stores that hold nothing any more can be stopped.
     for (const std::string& id : alive.draining) {
       if (alive.stores.at(id).state() == v1::MEMBER_STATE_DRAINING &&
