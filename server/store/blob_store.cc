@@ -422,26 +422,34 @@ absl::StatusOr<BlobStore::CommitResult> BlobStore::CommitStep(const std::string&
   if (job_id.empty() || step < 0)
     return absl::InvalidArgumentError("job_id and step >= 0 required");
   const std::string prefix = JobKeyPrefix(job_id);
-  std::lock_guard<std::mutex> lock(mu_);
-  auto job_it = job_steps_.find(job_id);
-  if (job_it != job_steps_.end() && job_it->second >= step) {
-    return CommitResult{job_it->second, 0};  // already committed: idempotent
-  }
+  std::lock_guard<std::mutex> commit_lock(commit_mu_);
   ColdBatch batch;
   uint64_t committed = 0;
-  // First the metadata batch (nothing in memory changes until it is durable).
-  for (auto it = blobs_.lower_bound(prefix);
-       it != blobs_.end() && absl::StartsWith(it->first, prefix); ++it) {
-    Blob& blob = it->second;
-    auto v = blob.versions.find(step);
-    if (v == blob.versions.end()) continue;
-    batch.set_records.push_back({it->first, {v->second.version, v->second.size, v->second.crc}});
-    ++committed;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto job_it = job_steps_.find(job_id);
+    if (job_it != job_steps_.end() && job_it->second >= step) {
+      return CommitResult{job_it->second, 0};  // already committed: idempotent
+    }
+    // First the metadata batch (nothing in memory changes until it is durable).
+    for (auto it = blobs_.lower_bound(prefix);
+         it != blobs_.end() && absl::StartsWith(it->first, prefix); ++it) {
+      Blob& blob = it->second;
+      auto v = blob.versions.find(step);
+      if (v == blob.versions.end()) continue;
+      batch.set_records.push_back({it->first, {v->second.version, v->second.size, v->second.crc}});
+      ++committed;
+    }
+    batch.set_job_steps[job_id] = step;
   }
-  batch.set_job_steps[job_id] = step;
+  // NOTE: the sync (the step's bytes to disk) runs without mu_: gets (of the committed
+  // versions, or of this step's by version) go on meanwhile. The step's pending versions
+  // cannot go away under it: the coordinator never aborts a step it is committing, and a
+  // copy installed meanwhile carries the same bytes.
   RETURN_IF_ERROR(cold_->Apply(batch, /*sync=*/true));
 
   // Then free what the commit replaced, and any stale pending version below it.
+  std::lock_guard<std::mutex> lock(mu_);
   ColdBatch cleanup;
   for (auto it = blobs_.lower_bound(prefix);
        it != blobs_.end() && absl::StartsWith(it->first, prefix); ++it) {

@@ -204,6 +204,9 @@ class BlobStore {
   std::mutex alloc_mu_;       // after mu_ in the lock order
   BuddyAllocator allocator_;  // guarded by alloc_mu_
 
+  // Serializes CommitStep calls, which sync to disk without holding mu_ (reads and
+  // writes of other steps go on meanwhile); before mu_ in the lock order.
+  std::mutex commit_mu_;
   std::mutex mu_;
   absl::btree_map<std::string, Blob> blobs_;        // by encoded key; guarded by mu_
   std::list<std::pair<std::string, int64_t>> lru_;  // RAM-resident, most recent first

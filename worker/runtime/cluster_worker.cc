@@ -123,15 +123,27 @@ class JobRun {
         s = LoadCommitted();
       }
     }
+    // NOTE: step s + 1's compute runs while step s commits (the stores sync it to disk):
+    // it needs nothing step s's commit decides. Its writes wait for the commit; if step s
+    // is aborted instead, or the assignment changes, the compute is thrown away.
     while (s.ok() && !stop) {
+      const bool more = step < a_.spec().train().steps();
+      absl::Status computed = absl::OkStatus();
       if (reported) {
+        if (more) {
+          pending_step_ = step;
+          computed = Compute(step + 1);
+        }
         absl::StatusOr<bool> go_on = Finish(step);
+        pending_step_ = -1;
         if (!go_on.ok()) return go_on.status();  // the coordinator is unreachable: start over
         if (!*go_on) return absl::OkStatus();
+      } else if (more) {
+        computed = Compute(step + 1);
       }
-      if (step >= a_.spec().train().steps()) return absl::OkStatus();
+      if (!more) return absl::OkStatus();
       ++step;
-      s = TrainStep(step);
+      s = computed.ok() ? Write(step) : computed;
       reported = true;
     }
     if (!s.ok()) {
@@ -223,7 +235,7 @@ class JobRun {
                               std::vector<StoreClient::FetchItem> items = {Item(
                                   Key(x.first, x.second, "", v1::BLOB_KIND_WEIGHTS), dst, bytes)};
                               items[0].memh = memh;
-                              return Fetch(expert_stores_.at(x), items);
+                              return FetchNewest(expert_stores_.at(x), items);
                             }));
     dispatch_->SetCache(cache_.get());
     // Experts updated together: bounded by a few MB of moment scratch and by the cache
@@ -323,6 +335,31 @@ class JobRun {
       return absl::OkStatus();
     }
     return last;
+  }
+
+  // Reads the newest versions of `items`: while a step is pending (written, its commit not
+  // yet known) its version where it wrote one, the committed version where it did not.
+  absl::Status FetchNewest(const std::vector<std::string>& stores,
+                           std::vector<StoreClient::FetchItem>& items) {
+    const int64_t pending = pending_step_.load();
+    if (pending < 0) return Fetch(stores, items);
+    for (StoreClient::FetchItem& item : items) item.version = pending;
+    absl::Status s = Fetch(stores, items);
+    if (s.ok()) return s;
+    std::vector<size_t> absent;
+    for (size_t i = 0; i < items.size(); ++i) {
+      if (items[i].status.ok()) continue;
+      if (!absl::IsNotFound(items[i].status)) return s;
+      absent.push_back(i);
+    }
+    std::vector<StoreClient::FetchItem> committed;
+    for (size_t i : absent) {
+      committed.push_back(items[i]);
+      committed.back().version = -1;
+    }
+    RETURN_IF_ERROR(Fetch(stores, committed));
+    for (size_t j = 0; j < absent.size(); ++j) items[absent[j]] = std::move(committed[j]);
+    return absl::OkStatus();
   }
 
   StoreClient::FetchItem Item(const v1::BlobKey& key, void* buffer, size_t bytes) {
@@ -427,14 +464,23 @@ class JobRun {
             Item(Key(-1, 0, t.name, v1::BLOB_KIND_ADAM_V), optimizer_->v() + t.offset, bytes));
       }
     }
-    return Fetch(dense_stores_, items);
+    return FetchNewest(dense_stores_, items);
   }
 
-  // One training step s >= 1 (data step s - 1): forward/backward with the experts
-  // dispatched, dense gradients summed, the global grad norm, the updates written.
-  absl::Status TrainStep(int64_t s) {
+  // The first half of training step s >= 1 (data step s - 1): forward/backward with the
+  // experts dispatched, replica gradients reduced, dense gradients summed, the global grad
+  // norm. It reads only what this worker holds and what every worker has written for step
+  // s - 1 (the barrier below), committed or not, so it runs while step s - 1 commits.
+  absl::Status Compute(int64_t s) {
     current_step_ = s;
-    const auto start = std::chrono::steady_clock::now();
+    step_start_ = std::chrono::steady_clock::now();
+    if (pending_step_.load() >= 0) {
+      // Every worker's writes of the step before are in the stores (this worker reads the
+      // ones it needs from there: rank 0's dense tensors, a primary's replica experts).
+      double one = 1;
+      RETURN_IF_ERROR(
+          peers_->AllReduceSum(&one, 1, (static_cast<uint64_t>(s) << 32) | (1ull << 28)));
+    }
     if (dense_version_ != s - 1) {  // rank 0 updated the dense tensors of the last step
       RETURN_IF_ERROR(FetchDense(/*with_moments=*/false));
       dense_version_ = s - 1;
@@ -449,15 +495,13 @@ class JobRun {
     for (auto it = owned_.rbegin(); it != owned_.rend(); ++it) order.push_back(*it);
     order.insert(order.end(), updated_.begin(), updated_.end());
     cache_->SetSchedule(std::move(order));
-    const ExpertCache::Stats before = cache_->stats();
+    cache_before_ = cache_->stats();
     const int T = shape_.seq;
     const int64_t B = a_.spec().train().batch();
     for (size_t j = 0; j < rows_.size(); ++j) {
       dataset_->Row((s - 1) * B + rows_[j], T, inputs_.data() + j * T, targets_.data() + j * T);
     }
-    ASSIGN_OR_RETURN(model::StepLoss loss,
-                     model_->ForwardBackward(inputs_.data(), targets_.data(), B));
-    ReportHeat(s);
+    ASSIGN_OR_RETURN(computed_loss_, model_->ForwardBackward(inputs_.data(), targets_.data(), B));
     RETURN_IF_ERROR(ReduceReplicaGradients(s));
     const uint64_t tag = (static_cast<uint64_t>(s) << 32) | (1ull << 30);
     RETURN_IF_ERROR(peers_->AllReduceSum(model_->grads(), model_->layout().dense_floats(), tag));
@@ -468,31 +512,41 @@ class JobRun {
     };
     double sum_sq = optimizer_->LocalSumOfSquares(model_->grads(), has_grad);
     RETURN_IF_ERROR(peers_->AllReduceSum(&sum_sq, 1, tag | 1));
-    const double norm = std::sqrt(sum_sq);
-    // Dense tensors (rank 0) through the optimizer; experts one at a time below, with
-    // their moments fetched from the stores.
+    grad_norm_ = std::sqrt(sum_sq);
+    return absl::OkStatus();
+  }
+
+  // The second half of step s, once step s - 1 is committed: the updates written (dense
+  // tensors by rank 0; experts by their primary, with moments from the stores), heat and
+  // the step reported.
+  absl::Status Write(int64_t s) {
+    ReportHeat(s);
+    const int rank = a_.rank();
+    const int T = shape_.seq;
+    // Dense tensors (rank 0) through the optimizer; experts in batches below, with their
+    // moments fetched from the stores.
     const model::HasGrad dense_here = [&](const model::ParamTensor& t) {
       return t.layer < 0 && rank == 0;
     };
-    lr_ = optimizer_->Apply(model_->params(), model_->grads(), s - 1, dense_here, norm).lr;
+    lr_ = optimizer_->Apply(model_->params(), model_->grads(), s - 1, dense_here, grad_norm_).lr;
     written_.Clear();
     RETURN_IF_ERROR(WriteOwned(s, /*all_experts=*/false));
-    RETURN_IF_ERROR(UpdateExperts(s, norm));
+    RETURN_IF_ERROR(UpdateExperts(s, grad_norm_));
     if (!puts_.empty()) return absl::InternalError("writes queued and never sent");
     const ExpertCache::Stats after = cache_->stats();
-    step_hits_ = after.hits - before.hits;
-    step_misses_ = after.misses - before.misses;
+    step_hits_ = after.hits - cache_before_.hits;
+    step_misses_ = after.misses - cache_before_.misses;
     metrics_->hits->Increment(static_cast<double>(step_hits_));
     metrics_->misses->Increment(static_cast<double>(step_misses_));
     metrics_->prefetch_hits->Increment(
-        static_cast<double>(after.prefetch_hits - before.prefetch_hits));
+        static_cast<double>(after.prefetch_hits - cache_before_.prefetch_hits));
     metrics_->resident->Set(static_cast<double>(after.resident_bytes));
     if (rank == 0) dense_version_ = s;
     metrics_->tokens->Increment(static_cast<double>(rows_.size() * T));
     metrics_->rows_sent->Increment(static_cast<double>(dispatch_->rows_sent()));
     metrics_->step_seconds->Observe(
-        std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
-    return Report(s, loss, rows_.size() * T);
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - step_start_).count());
+    return Report(s, computed_loss_, rows_.size() * T);
   }
 
   // Experts computed by several workers (hot ones): their gradients are summed at the
@@ -788,6 +842,14 @@ class JobRun {
   model::StepLoss last_loss_;
   double lr_ = 0;
   int64_t dense_version_ = -1;  // the step whose dense weights are in params
+  // The step written and reported but not known to be committed while the next one
+  // computes (-1: none): reads then ask for its versions first (FetchNewest).
+  std::atomic<int64_t> pending_step_{-1};
+  // Between Compute and Write of a step.
+  std::chrono::steady_clock::time_point step_start_;
+  ExpertCache::Stats cache_before_;
+  model::StepLoss computed_loss_;
+  double grad_norm_ = 0;
   std::atomic<int64_t> current_step_{0};
   std::vector<ExpertCache::Expert> owned_;    // computed here, in (layer, expert) order
   std::vector<ExpertCache::Expert> updated_;  // primary here: updated here
