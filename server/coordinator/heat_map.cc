@@ -3,6 +3,7 @@
 #include <algorithm>
 
 #include "absl/strings/str_cat.h"
+#include "common/status.h"
 
 namespace pith::coordinator {
 
@@ -14,6 +15,19 @@ HeatMap::HeatMap(int layers, int experts, double decay)
       pairs_(layers) {}
 
 absl::Status HeatMap::Add(const v1::LayerRouting& r) {
+  RETURN_IF_ERROR(Check(r));
+  for (int e = 0; e < experts_; ++e) heat_[Index(r.layer(), e)] += r.tokens_per_expert(e);
+  auto& pairs = pairs_[r.layer()];
+  for (int i = 0, idx = 0; i < experts_ && r.coactivation_size() > 0; ++i) {
+    for (int j = i + 1; j < experts_; ++j, ++idx) {
+      if (r.coactivation(idx) != 0)
+        pairs[PairKey(i, j)] += static_cast<double>(r.coactivation(idx));
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status HeatMap::Check(const v1::LayerRouting& r) const {
   if (r.layer() < 0 || r.layer() >= layers_) {
     return absl::InvalidArgumentError(absl::StrCat("routing.layer ", r.layer(), " out of range"));
   }
@@ -25,14 +39,6 @@ absl::Status HeatMap::Add(const v1::LayerRouting& r) {
   if (r.coactivation_size() != 0 && r.coactivation_size() != packed) {
     return absl::InvalidArgumentError(absl::StrCat(
         "routing.coactivation has ", r.coactivation_size(), " entries, want 0 or ", packed));
-  }
-  for (int e = 0; e < experts_; ++e) heat_[Index(r.layer(), e)] += r.tokens_per_expert(e);
-  auto& pairs = pairs_[r.layer()];
-  for (int i = 0, idx = 0; i < experts_ && r.coactivation_size() > 0; ++i) {
-    for (int j = i + 1; j < experts_; ++j, ++idx) {
-      if (r.coactivation(idx) != 0)
-        pairs[PairKey(i, j)] += static_cast<double>(r.coactivation(idx));
-    }
   }
   return absl::OkStatus();
 }

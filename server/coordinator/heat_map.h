@@ -23,6 +23,8 @@ class HeatMap {
   // Adds one worker's routing of one step (several reports may come per step).
   // INVALID_ARGUMENT for a layer or sizes that do not match the model.
   absl::Status Add(const v1::LayerRouting& routing);
+  // Whether Add would take `routing` (the same errors, nothing changes).
+  absl::Status Check(const v1::LayerRouting& routing) const;
   // Ends a step: decays everything by `decay` before the next step's reports.
   void EndStep();
   // Restoring a saved map: sets one expert's heat, or one pair's weight (a != b).

@@ -10,6 +10,7 @@
 namespace pith::coordinator {
 
 absl::Status HeatRegistry::Report(const v1::Job& job, const v1::HeatReport& report) {
+  if (report.worker_id().empty()) return absl::InvalidArgumentError("worker_id is required");
   absl::MutexLock lock(&mu_);
   JobHeat& heat = jobs_[job.job_id()];
   if (!heat.map) {
@@ -21,13 +22,18 @@ absl::Status HeatRegistry::Report(const v1::Job& job, const v1::HeatReport& repo
     return absl::FailedPreconditionError(
         absl::StrCat("heat report for step ", report.step(), " after step ", heat.step));
   }
+  for (const v1::LayerRouting& routing : report.layers()) {
+    RETURN_IF_ERROR(heat.map->Check(routing));
+  }
   if (report.step() > heat.step) {
+    for (const auto& [worker, r] : heat.reports) {
+      for (const v1::LayerRouting& routing : r.layers()) (void)heat.map->Add(routing);
+    }
+    heat.reports.clear();
     if (heat.step >= 0) heat.map->EndStep();
     heat.step = report.step();
   }
-  for (const v1::LayerRouting& routing : report.layers()) {
-    RETURN_IF_ERROR(heat.map->Add(routing));
-  }
+  heat.reports[report.worker_id()] = report;
   if (!trace_dir_.empty()) {
     std::string line;
     google::protobuf::util::JsonPrintOptions compact;
@@ -47,7 +53,7 @@ absl::StatusOr<v1::ExpertHeatResponse> HeatRegistry::Heat(const std::string& job
   if (it == jobs_.end()) {
     return absl::NotFoundError(absl::StrCat("no heat reported for job ", job_id, " yet"));
   }
-  const HeatMap& map = *it->second.map;
+  const HeatMap map = Current(it->second);
   if (layer < -1 || layer >= map.layers()) {
     return absl::InvalidArgumentError(absl::StrCat("layer ", layer, " out of range"));
   }
@@ -78,7 +84,21 @@ std::optional<HeatMap> HeatRegistry::Snapshot(const std::string& job_id) const {
   absl::MutexLock lock(&mu_);
   auto it = jobs_.find(job_id);
   if (it == jobs_.end()) return std::nullopt;
-  return *it->second.map;
+  return Current(it->second);
+}
+
+HeatMap HeatRegistry::Current(const JobHeat& heat) {
+  HeatMap map = *heat.map;
+  for (const auto& [worker, r] : heat.reports) {
+    for (const v1::LayerRouting& routing : r.layers()) (void)map.Add(routing);
+  }
+  return map;
+}
+
+void HeatRegistry::DropStep(const std::string& job_id) {
+  absl::MutexLock lock(&mu_);
+  auto it = jobs_.find(job_id);
+  if (it != jobs_.end()) it->second.reports.clear();
 }
 
 std::string HeatRegistry::Save(const std::string& job_id) const {
@@ -116,6 +136,7 @@ absl::Status HeatRegistry::Restore(const v1::Job& job, const std::string& saved)
   JobHeat& heat = jobs_[job.job_id()];
   heat.map = std::move(map);
   heat.step = all.step();
+  heat.reports.clear();
   return absl::OkStatus();
 }
 

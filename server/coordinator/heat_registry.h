@@ -1,6 +1,9 @@
 // HeatRegistry: one HeatMap per job, fed by the workers' ReportHeat calls and read by
 // ExpertHeat and the placement policy. A report for a newer step first decays the map
-// (heat = decay * heat + tokens), so a step's reports from several workers add up.
+// (heat = decay * heat + tokens), so a step's reports from several workers add up. The
+// step's reports are kept by worker until the next step's: a worker reporting a step again
+// (its attempt was aborted and redone) replaces its report, and DropStep forgets them all,
+// so heat counts each committed step once.
 //
 // Thread safety: all methods are thread-safe.
 #ifndef PITH_SERVER_COORDINATOR_HEAT_REGISTRY_H_
@@ -46,12 +49,17 @@ class HeatRegistry {
   absl::Status Restore(const v1::Job& job, const std::string& saved);
   // Forgets a job's map.
   void Drop(const std::string& job_id);
+  // Forgets the reports of the job's latest step (its attempt was aborted).
+  void DropStep(const std::string& job_id);
 
  private:
   struct JobHeat {
-    std::unique_ptr<HeatMap> map;
+    std::unique_ptr<HeatMap> map;  // every step before `step`
     int64_t step = -1;
+    std::map<std::string, v1::HeatReport> reports;  // of `step`, by worker
   };
+  // The map with the latest step's reports added.
+  static HeatMap Current(const JobHeat& heat);
   mutable absl::Mutex mu_;
   std::map<std::string, JobHeat> jobs_ ABSL_GUARDED_BY(mu_);
   std::string trace_dir_ ABSL_GUARDED_BY(mu_);

@@ -46,6 +46,33 @@ v1::HeatReport Report(int step, std::mt19937& rng) {
   return r;
 }
 
+// A step redone after an abort counts once: a worker's second report of a step replaces
+// its first, and DropStep forgets a voided attempt's reports.
+TEST(HeatRegistryTest, ARedoneStepCountsOnce) {
+  std::mt19937 rng(5);
+  const v1::HeatReport step1 = Report(1, rng), step2 = Report(2, rng);
+  HeatRegistry once, twice, dropped;
+  ASSERT_TRUE(once.Report(MakeJob(), step1).ok());
+  ASSERT_TRUE(once.Report(MakeJob(), step2).ok());
+  ASSERT_TRUE(twice.Report(MakeJob(), step1).ok());
+  ASSERT_TRUE(twice.Report(MakeJob(), step1).ok());  // the step, redone
+  ASSERT_TRUE(twice.Report(MakeJob(), step2).ok());
+  v1::HeatReport other = step1;  // a worker that died before the abort
+  other.set_worker_id("worker-9");
+  ASSERT_TRUE(dropped.Report(MakeJob(), other).ok());
+  dropped.DropStep("trace-1");
+  ASSERT_TRUE(dropped.Report(MakeJob(), step1).ok());
+  ASSERT_TRUE(dropped.Report(MakeJob(), step2).ok());
+  const auto a = once.Heat("trace-1", -1, -1);
+  ASSERT_TRUE(a.ok());
+  for (HeatRegistry* h : {&twice, &dropped}) {
+    const auto b = h->Heat("trace-1", -1, -1);
+    ASSERT_TRUE(b.ok());
+    EXPECT_EQ(a->SerializeAsString(), b->SerializeAsString());
+  }
+  EXPECT_GT(a->experts(0).heat(), step2.layers(0).tokens_per_expert(0));  // step 1 decayed in
+}
+
 TEST(HeatRegistryTest, SaveRestoreRoundTrips) {
   HeatRegistry heat;
   std::mt19937 rng(3);

@@ -255,9 +255,11 @@ TEST_F(JobServiceTest, MembersRegisterHeartbeatAndExpire) {
 TEST_F(JobServiceTest, HeatReportsShowInExpertHeat) {
   auto job = Submit(SpecFrom(kSpec));  // 4 layers x 16 experts, heat decay 0.9
   ASSERT_TRUE(job.ok());
-  auto report = [&](int64_t step, int expert, uint64_t tokens, bool pair) {
+  auto report = [&](int64_t step, int expert, uint64_t tokens, bool pair,
+                    const std::string& worker = "worker-0") {
     v1::HeatReport r;
     r.set_job_id(job->job_id());
+    r.set_worker_id(worker);
     r.set_step(step);
     v1::LayerRouting* l = r.add_layers();
     l->set_layer(2);
@@ -271,8 +273,8 @@ TEST_F(JobServiceTest, HeatReportsShowInExpertHeat) {
     return FromGrpcStatus(members_stub_->ReportHeat(&ctx, r, &resp));
   };
   ASSERT_TRUE(report(1, 3, 100, true).ok());
-  ASSERT_TRUE(report(1, 3, 20, false).ok());  // a second worker, same step: adds up
-  ASSERT_TRUE(report(2, 9, 10, false).ok());  // next step: decay first
+  ASSERT_TRUE(report(1, 3, 20, false, "worker-1").ok());  // a second worker: adds up
+  ASSERT_TRUE(report(2, 9, 10, false).ok());              // next step: decay first
   grpc::ClientContext ctx;
   v1::ExpertHeatRequest req;
   req.set_job_id(job->job_id());

@@ -51,8 +51,7 @@ absl::Status Membership::Deregister(const std::string& member_id) {
   if (members_.erase(member_id) == 0) {
     return absl::NotFoundError(absl::StrCat("unknown member ", member_id));
   }
-  drains_.erase(member_id);
-  return absl::OkStatus();
+  return absl::OkStatus();  // a drain is forgotten by the scheduler once it is over
 }
 
 absl::Status Membership::Drain(const std::string& store_id) {

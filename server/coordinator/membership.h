@@ -33,7 +33,7 @@ class Membership {
   // Renews the lease and takes fresh figures from `status`. NOT_FOUND for an unknown or
   // dead member: it must register again.
   absl::Status Heartbeat(const std::string& member_id, const v1::MemberInfo& status);
-  // Removes a member that leaves cleanly (a drained store that stops is forgotten).
+  // Removes a member that leaves cleanly (its drain, if any, lasts until ForgetDrain).
   absl::Status Deregister(const std::string& member_id);
   // Marks a live store as draining: it takes no new placement, and keeps the state across
   // re-registration. NOT_FOUND for an unknown member, FAILED_PRECONDITION for a worker or a

@@ -401,6 +401,7 @@ void Scheduler::AbortLocked(Run& run, const std::string& reason, std::vector<Sto
   run.tokens = run.cache_hits = run.cache_misses = 0;
   run.rank0.Clear();
   run.abort_reason = reason;
+  heat_->DropStep(run.record.job_id());  // the redone step reports its heat again
   run.record.set_assignment_version(NextVersion(run.record.assignment_version()));
   if (steps_aborted_ != nullptr) steps_aborted_->Increment();
   LOG(INFO) << "job " << run.record.job_id() << ": step " << step_in_flight(run)
@@ -808,8 +809,15 @@ void Scheduler::Commit(const std::string& job_id, int64_t step) {
     }
     for (std::thread& t : committers) t.join();
   }
-  for (const absl::Status& s : results) {
-    if (!s.ok()) {
+  std::set<std::string> committed_on;
+  {
+    size_t i = 0;
+    for (const auto& [id, store] : alive.stores) {
+      const absl::Status& s = results[i++];
+      if (s.ok()) {
+        committed_on.insert(id);
+        continue;
+      }
       LOG(WARNING) << "commit of step " << step << " of job " << job_id << ": " << s;
       all = false;  // retried by Tick until the store answers or is declared dead
     }
@@ -818,6 +826,7 @@ void Scheduler::Commit(const std::string& job_id, int64_t step) {
   auto it = runs_.find(job_id);
   if (it == runs_.end()) return;
   it->second.committing = false;
+  it->second.committed_on = std::move(committed_on);
   if (all) FinishCommitLocked(job_id, it->second);
 }
 
@@ -970,14 +979,35 @@ bool Scheduler::ApplyCopiesLocked(Run& run, const v1::Job& job) {
     entries[GroupOf(e.layer(), e.expert())] = &e;
   }
   bool changed = false;
+  // A joining store must have committed every step since it joined; one that missed this
+  // commit (it died, or did not answer) leaves, and joins again from scratch.
+  for (auto& [group, e] : entries) {
+    auto* joining = e->mutable_joining_store_ids();
+    const int before = joining->size();
+    joining->erase(std::remove_if(joining->begin(), joining->end(),
+                                  [&](const std::string& id) {
+                                    if (run.committed_on.count(id)) return false;
+                                    run.joined_at.erase({group, id});
+                                    return true;
+                                  }),
+                   joining->end());
+    changed |= joining->size() != before;
+  }
+  run.committed_on.clear();
   // A joining store whose copy is complete is a reader from now on: it got every version
-  // written since it joined, and the pull brought the committed one from before.
+  // written since it joined, and the pull (begun after it joined) brought the committed
+  // one from before.
   for (const Run::Copy& copy : run.copied) {
     auto it = entries.find(copy.group);
     if (it == entries.end()) continue;
     auto* joining = it->second->mutable_joining_store_ids();
     auto pos = std::find(joining->begin(), joining->end(), copy.target);
-    if (pos == joining->end()) continue;
+    auto joined = run.joined_at.find({copy.group, copy.target});
+    if (pos == joining->end() || joined == run.joined_at.end() ||
+        copy.start_step < joined->second) {
+      continue;
+    }
+    run.joined_at.erase(joined);
     joining->erase(pos);
     auto* ids = it->second->mutable_store_ids();
     if (alive.stores.count(copy.target) &&
@@ -1000,27 +1030,21 @@ bool Scheduler::ApplyCopiesLocked(Run& run, const v1::Job& job) {
       continue;
     }
     *it->second->add_joining_store_ids() = target;
+    run.joined_at[{group, target}] = run.committed;
     changed = true;
   }
   run.join_requests.clear();
-  // Joining stores that died leave.
-  for (auto& [group, e] : entries) {
-    auto* joining = e->mutable_joining_store_ids();
-    const int before = joining->size();
-    joining->erase(std::remove_if(joining->begin(), joining->end(),
-                                  [&](const std::string& id) { return !alive.stores.count(id); }),
-                   joining->end());
-    changed |= joining->size() != before;
-  }
   // Surplus copies (a store joined and took over a share, a store is draining, an expert
-  // cooled down) leave once every desired store holds the group.
+  // cooled down) leave once every desired store holds the group — and never below the
+  // replica count (too few stores take new copies: the draining ones keep theirs).
   std::optional<HeatMap> heat = heat_->Snapshot(job.job_id());
   const std::vector<double> means = heat ? LayerMeans(*heat) : std::vector<double>();
+  const size_t replicas = std::max(1, job.spec().cluster().store_replicas());
   for (auto& [group, e] : entries) {
     const std::vector<std::string> desired =
         DesiredStores(job, e->layer(), e->expert(), live, heat ? &*heat : nullptr, means);
     const std::set<std::string> held(e->store_ids().begin(), e->store_ids().end());
-    bool complete = !desired.empty();
+    bool complete = desired.size() >= replicas;
     for (const std::string& d : desired) complete &= held.count(d) > 0;
     if (!complete || held.size() == desired.size()) continue;
     e->clear_store_ids();
@@ -1175,6 +1199,7 @@ uint64_t Scheduler::GroupsOnLocked(const std::string& store, bool with_moves) co
 
 absl::StatusOr<v1::DrainStoreResponse> Scheduler::Drain(const std::string& store_id) {
   if (store_id.empty()) return absl::InvalidArgumentError("store_id is required");
+  absl::MutexLock drain_lock(&drain_mu_);  // one drain's capacity check at a time
   const Alive alive = Snapshot(*members_);
   if (!alive.known.count(store_id)) {
     return absl::NotFoundError(absl::StrCat("unknown store ", store_id));
@@ -1209,9 +1234,9 @@ absl::StatusOr<v1::DrainStoreResponse> Scheduler::Drain(const std::string& store
   {
     absl::MutexLock lock(&mu_);
     if (!drain_groups_.count(store_id)) {
-      drain_groups_[store_id] = groups.size();
       RETURN_IF_ERROR(
           jobs_->PutRecord(absl::StrCat(kDrainPrefix, store_id), absl::StrCat(groups.size())));
+      drain_groups_[store_id] = groups.size();
     }
   }
   LOG(INFO) << "draining store " << store_id << ": " << groups.size() << " groups to move";

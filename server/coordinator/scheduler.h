@@ -168,6 +168,10 @@ class Scheduler {
     // Replication: stores to join groups at the next step boundary, the last step that
     // wrote each group, copies (pulls to joining stores) in progress and done.
     std::map<std::pair<int, int>, std::string> join_requests;
+    // Joining stores: the committed step when each joined its group (a copy pulled before
+    // that does not count), and the stores that committed the step being finished.
+    std::map<std::pair<std::pair<int, int>, std::string>, int64_t> joined_at;
+    std::set<std::string> committed_on;
     std::map<std::pair<int, int>, int64_t> last_written;
     std::set<std::pair<int, int>> copying;
     struct Copy {
@@ -228,6 +232,7 @@ class Scheduler {
 
   std::vector<v1::BlobMove> moves_ ABSL_GUARDED_BY(mu_);               // copies in flight
   std::map<std::string, uint64_t> drain_groups_ ABSL_GUARDED_BY(mu_);  // store -> groups at start
+  absl::Mutex drain_mu_ ABSL_ACQUIRED_BEFORE(mu_);                     // serializes Drain
   uint64_t blobs_moved_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t bytes_moved_ ABSL_GUARDED_BY(mu_) = 0;
 

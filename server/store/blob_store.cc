@@ -2,6 +2,7 @@
 
 #include <bit>
 #include <cstring>
+#include <set>
 #include <utility>
 
 #include "absl/strings/match.h"
@@ -270,28 +271,36 @@ absl::StatusOr<v1::BlobInfo> BlobStore::InstallCommitted(const v1::BlobKey& key,
   }
   const std::string encoded = EncodeBlobKey(key);
   const uint32_t crc = Crc32c(bytes.data(), bytes.size());
-  RETURN_IF_ERROR(cold_->PutData(encoded, version, bytes));
+  // No commit, abort or delete changes the blob's committed version meanwhile.
+  std::lock_guard<std::mutex> commit_lock(commit_mu_);
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = blobs_.find(encoded);
+    if (it != blobs_.end() && it->second.committed > version) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          BlobKeyDebugString(key), ": version ", it->second.committed, " is already committed"));
+    }
+  }
+  // The bytes and their record in one synced batch (through the WAL: no flush needed),
+  // without mu_: reads and puts go on meanwhile.
+  ColdBatch batch;
+  batch.put_data.push_back({encoded, version, bytes});
+  batch.set_records.push_back({encoded, {version, bytes.size(), crc}});
+  batch.records_need_flush = false;
+  RETURN_IF_ERROR(cold_->Apply(batch, /*sync=*/true));
   std::lock_guard<std::mutex> lock(mu_);
   Blob& blob = blobs_[encoded];
   if (blob.versions.empty() && blob.committed < 0) blob.key = key;
-  if (blob.committed > version) {
-    ColdBatch drop;  // the bytes just written: no version of this blob uses them
-    drop.delete_data.push_back({encoded, version});
-    (void)cold_->Apply(drop, /*sync=*/false);
-    return absl::FailedPreconditionError(absl::StrCat(BlobKeyDebugString(key), ": version ",
-                                                      blob.committed, " is already committed"));
-  }
-  ColdBatch batch;
-  batch.set_records.push_back({encoded, {version, bytes.size(), crc}});
+  ColdBatch cleanup;  // the version this one replaces
   if (blob.committed >= 0 && blob.committed != version) {
-    EraseVersionLocked(encoded, blob, blob.committed, &batch);
+    EraseVersionLocked(encoded, blob, blob.committed, &cleanup);
   }
   if (auto old = blob.versions.find(version); old != blob.versions.end()) {
     DropRamLocked(encoded, old->second);
     cold_bytes_ -= old->second.size;
     blob.versions.erase(old);
   }
-  RETURN_IF_ERROR(cold_->Apply(batch, /*sync=*/true));
+  if (!cleanup.delete_data.empty()) (void)cold_->Apply(cleanup, /*sync=*/false);
   Version& v = blob.versions[version];
   v.version = version;
   v.size = bytes.size();
@@ -449,12 +458,14 @@ absl::StatusOr<BlobStore::CommitResult> BlobStore::CommitStep(const std::string&
   RETURN_IF_ERROR(cold_->Apply(batch, /*sync=*/true));
 
   // Then free what the commit replaced, and any stale pending version below it.
+  std::set<std::string> recorded;
+  for (const auto& r : batch.set_records) recorded.insert(r.key);
   std::lock_guard<std::mutex> lock(mu_);
   ColdBatch cleanup;
   for (auto it = blobs_.lower_bound(prefix);
        it != blobs_.end() && absl::StartsWith(it->first, prefix); ++it) {
     Blob& blob = it->second;
-    if (blob.versions.count(step)) blob.committed = step;
+    if (blob.versions.count(step) && recorded.count(it->first)) blob.committed = step;
     std::vector<int64_t> drop;
     for (const auto& [version, unused] : blob.versions) {
       if (version < blob.committed || (version <= step && version != blob.committed)) {
@@ -472,6 +483,7 @@ absl::StatusOr<BlobStore::CommitResult> BlobStore::CommitStep(const std::string&
 absl::StatusOr<uint64_t> BlobStore::AbortStep(const std::string& job_id, int64_t step) {
   if (job_id.empty()) return absl::InvalidArgumentError("job_id is required");
   const std::string prefix = JobKeyPrefix(job_id);
+  std::lock_guard<std::mutex> commit_lock(commit_mu_);  // not inside a commit's sync
   std::lock_guard<std::mutex> lock(mu_);
   ColdBatch batch;
   uint64_t discarded = 0;
@@ -495,6 +507,7 @@ absl::StatusOr<uint64_t> BlobStore::AbortStep(const std::string& job_id, int64_t
 absl::StatusOr<uint64_t> BlobStore::DeleteBlob(const v1::BlobKey& key) {
   RETURN_IF_ERROR(ValidateBlobKey(key));
   const std::string encoded = EncodeBlobKey(key);
+  std::lock_guard<std::mutex> commit_lock(commit_mu_);  // not inside a commit's sync
   std::lock_guard<std::mutex> lock(mu_);
   auto it = blobs_.find(encoded);
   if (it == blobs_.end())
@@ -515,6 +528,7 @@ absl::StatusOr<uint64_t> BlobStore::DeleteBlob(const v1::BlobKey& key) {
 absl::StatusOr<std::pair<uint64_t, uint64_t>> BlobStore::DeleteJob(const std::string& job_id) {
   if (job_id.empty()) return absl::InvalidArgumentError("job_id is required");
   const std::string prefix = JobKeyPrefix(job_id);
+  std::lock_guard<std::mutex> commit_lock(commit_mu_);  // not inside a commit's sync
   std::lock_guard<std::mutex> lock(mu_);
   ColdBatch batch;
   uint64_t blobs = 0, bytes = 0;

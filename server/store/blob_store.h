@@ -204,8 +204,10 @@ class BlobStore {
   std::mutex alloc_mu_;       // after mu_ in the lock order
   BuddyAllocator allocator_;  // guarded by alloc_mu_
 
-  // Serializes CommitStep calls, which sync to disk without holding mu_ (reads and
-  // writes of other steps go on meanwhile); before mu_ in the lock order.
+  // Held by whatever changes committed versions or their records (CommitStep,
+  // InstallCommitted, AbortStep, DeleteBlob, DeleteJob): commits and installs sync to disk
+  // without mu_ (reads and puts go on meanwhile) and nothing else changes a record under
+  // them. Before mu_ in the lock order.
   std::mutex commit_mu_;
   std::mutex mu_;
   absl::btree_map<std::string, Blob> blobs_;        // by encoded key; guarded by mu_

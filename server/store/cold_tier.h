@@ -39,6 +39,16 @@ struct ColdBatch {
     std::string key;
     int64_t version;
   };
+  struct PutData {
+    std::string key;
+    int64_t version;
+    absl::Span<const uint8_t> bytes;
+  };
+  // Bytes written with the batch, atomically and (RocksDB) through the WAL.
+  std::vector<PutData> put_data;
+  // Whether set_records may name bytes written by PutData: a synced batch then makes them
+  // durable first. False when the records name only put_data bytes.
+  bool records_need_flush = true;
   std::vector<SetRecord> set_records;
   std::vector<std::string> delete_records;
   std::vector<DataRef> delete_data;

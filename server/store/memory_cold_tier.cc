@@ -37,6 +37,10 @@ absl::StatusOr<ColdRead> MemoryColdTier::ReadPinned(absl::string_view key, int64
 
 absl::Status MemoryColdTier::Apply(const ColdBatch& batch, bool sync) {
   std::lock_guard<std::mutex> lock(mu_);
+  for (const auto& p : batch.put_data) {
+    live_.data[{p.key, p.version}] =
+        std::string(reinterpret_cast<const char*>(p.bytes.data()), p.bytes.size());
+  }
   ColdContents& m = live_.meta;
   for (const auto& r : batch.set_records) m.records[r.key] = r.record;
   for (const auto& k : batch.delete_records) m.records.erase(k);

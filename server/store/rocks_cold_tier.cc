@@ -11,6 +11,7 @@
 // ones, which a crashed step gives up anyway.
 #include <atomic>
 #include <cstring>
+#include <mutex>
 
 #include "absl/strings/str_cat.h"
 #include "common/status.h"
@@ -111,6 +112,10 @@ class RocksColdTier final : public ColdTier {
 
   absl::Status Apply(const ColdBatch& batch, bool sync) override {
     rocksdb::WriteBatch wb;
+    for (const auto& p : batch.put_data) {
+      wb.Put(DataKey(p.key, p.version),
+             rocksdb::Slice(reinterpret_cast<const char*>(p.bytes.data()), p.bytes.size()));
+    }
     for (const auto& r : batch.set_records) wb.Put(RecordKey(r.key), EncodeRecord(r.record));
     for (const auto& k : batch.delete_records) wb.Delete(RecordKey(k));
     for (const auto& d : batch.delete_data) wb.Delete(DataKey(d.key, d.version));
@@ -118,7 +123,11 @@ class RocksColdTier final : public ColdTier {
       wb.Put(JobKey(job), rocksdb::Slice(reinterpret_cast<const char*>(&step), 8));
     }
     for (const auto& job : batch.delete_job_steps) wb.Delete(JobKey(job));
-    if (sync && unflushed_.exchange(false)) {
+    // Synced batches one at a time: one that finds nothing to flush must not overtake
+    // another's flush still in progress.
+    std::unique_lock<std::mutex> sync_lock(sync_mu_, std::defer_lock);
+    if (sync) sync_lock.lock();
+    if (sync && batch.records_need_flush && unflushed_.exchange(false)) {
       rocksdb::FlushOptions flush;
       flush.wait = true;
       flush.allow_write_stall = true;
@@ -196,7 +205,8 @@ class RocksColdTier final : public ColdTier {
 
  private:
   std::unique_ptr<rocksdb::DB> db_;
-  std::atomic<bool> unflushed_{false};  // PutData wrote since the last flush
+  std::mutex sync_mu_;                  // held by synced Applies
+  std::atomic<bool> unflushed_{false};  // PutData wrote since the last waited-for flush
 };
 
 }  // namespace

@@ -14,6 +14,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/synchronization/mutex.h"
 #include "client/member_agent.h"
 #include "common/file.h"
 #include "common/grpc_util.h"
@@ -131,11 +132,11 @@ class JobRun {
       absl::Status computed = absl::OkStatus();
       if (reported) {
         if (more) {
-          pending_step_ = step;
+          SetPending(step);
           computed = Compute(step + 1);
         }
         absl::StatusOr<bool> go_on = Finish(step);
-        pending_step_ = -1;
+        ClearPending();
         if (!go_on.ok()) return go_on.status();  // the coordinator is unreachable: start over
         if (!*go_on) return absl::OkStatus();
       } else if (more) {
@@ -338,28 +339,42 @@ class JobRun {
   }
 
   // Reads the newest versions of `items`: while a step is pending (written, its commit not
-  // yet known) its version where it wrote one, the committed version where it did not.
+  // yet known), its version of the groups it wrote (the dense tensors, the experts that
+  // got tokens: a missing one is an error), the committed version of the others.
   absl::Status FetchNewest(const std::vector<std::string>& stores,
                            std::vector<StoreClient::FetchItem>& items) {
-    const int64_t pending = pending_step_.load();
-    if (pending < 0) return Fetch(stores, items);
-    for (StoreClient::FetchItem& item : items) item.version = pending;
-    absl::Status s = Fetch(stores, items);
-    if (s.ok()) return s;
-    std::vector<size_t> absent;
-    for (size_t i = 0; i < items.size(); ++i) {
-      if (items[i].status.ok()) continue;
-      if (!absl::IsNotFound(items[i].status)) return s;
-      absent.push_back(i);
+    {
+      absl::MutexLock lock(&pending_mu_);
+      for (StoreClient::FetchItem& item : items) {
+        const v1::BlobKey& k = item.key;
+        const bool written =
+            pending_step_ >= 0 &&
+            (k.layer() < 0 || pending_written_[k.layer() * shape_.experts + k.expert()]);
+        item.version = written ? pending_step_ : -1;
+      }
     }
-    std::vector<StoreClient::FetchItem> committed;
-    for (size_t i : absent) {
-      committed.push_back(items[i]);
-      committed.back().version = -1;
+    return Fetch(stores, items);
+  }
+
+  // Step s is written and reported; the next step's reads ask for its versions.
+  void SetPending(int64_t s) {
+    absl::MutexLock lock(&pending_mu_);
+    pending_step_ = s;
+    pending_written_.assign(shape_.layers * shape_.experts, s == 0);
+    if (s == 0) return;  // step 0 wrote every expert
+    for (int l = 0; l < shape_.layers; ++l) {
+      for (int e = 0; e < shape_.experts; ++e) {
+        pending_written_[l * shape_.experts + e] = model_->ExpertUsed(l, e);
+      }
     }
-    RETURN_IF_ERROR(Fetch(stores, committed));
-    for (size_t j = 0; j < absent.size(); ++j) items[absent[j]] = std::move(committed[j]);
-    return absl::OkStatus();
+  }
+  void ClearPending() {
+    absl::MutexLock lock(&pending_mu_);
+    pending_step_ = -1;
+  }
+  bool Pending() {
+    absl::MutexLock lock(&pending_mu_);
+    return pending_step_ >= 0;
   }
 
   StoreClient::FetchItem Item(const v1::BlobKey& key, void* buffer, size_t bytes) {
@@ -474,7 +489,7 @@ class JobRun {
   absl::Status Compute(int64_t s) {
     current_step_ = s;
     step_start_ = std::chrono::steady_clock::now();
-    if (pending_step_.load() >= 0) {
+    if (Pending()) {
       // Every worker's writes of the step before are in the stores (this worker reads the
       // ones it needs from there: rank 0's dense tensors, a primary's replica experts).
       double one = 1;
@@ -843,8 +858,11 @@ class JobRun {
   double lr_ = 0;
   int64_t dense_version_ = -1;  // the step whose dense weights are in params
   // The step written and reported but not known to be committed while the next one
-  // computes (-1: none): reads then ask for its versions first (FetchNewest).
-  std::atomic<int64_t> pending_step_{-1};
+  // computes (-1: none), and which experts it wrote: reads then ask for its versions
+  // (FetchNewest, also on the cache's prefetch thread).
+  absl::Mutex pending_mu_;
+  int64_t pending_step_ ABSL_GUARDED_BY(pending_mu_) = -1;
+  std::vector<bool> pending_written_ ABSL_GUARDED_BY(pending_mu_);  // layer * E + expert
   // Between Compute and Write of a step.
   std::chrono::steady_clock::time_point step_start_;
   ExpertCache::Stats cache_before_;
