@@ -95,6 +95,7 @@ class JobRun {
          v1::CoordinatorService::Stub* coordinator, const ClusterWorkerOptions& options,
          Metrics* metrics)
       : a_(a),
+        job_id_(a.job_id()),
         me_(std::move(me)),
         peers_(peers),
         client_(client),
@@ -108,11 +109,17 @@ class JobRun {
     if (watcher_.joinable()) watcher_.join();
   }
 
+  void StartWatcher() {
+    if (watcher_.joinable()) watcher_.join();  // it returned after abandoning an attempt
+    watching_ = true;
+    watcher_ = std::thread([this] { WatchForAbort(); });
+  }
+
   // Trains until the job ends or the assignment changes (OK: fetch it again), or a
   // failure (reported to the coordinator, which aborts the step).
   absl::Status Run(const std::atomic<bool>& stop) {
     absl::Status s = Setup();
-    if (s.ok()) watcher_ = std::thread([this] { WatchForAbort(); });
+    if (s.ok()) StartWatcher();
     int64_t step = a_.committed_step();  // the last committed step
     bool reported = false;               // step `step` is written and reported, not committed
     if (s.ok()) {
@@ -135,10 +142,18 @@ class JobRun {
           SetPending(step);
           computed = Compute(step + 1);
         }
-        absl::StatusOr<bool> go_on = Finish(step);
+        absl::StatusOr<Settled> settled = Finish(step);
         ClearPending();
-        if (!go_on.ok()) return go_on.status();  // the coordinator is unreachable: start over
-        if (!*go_on) return absl::OkStatus();
+        if (!settled.ok()) return settled.status();  // the coordinator is unreachable: start over
+        if (*settled == Settled::kStop) return absl::OkStatus();
+        if (*settled == Settled::kReassigned) {
+          // A new placement from the next step: adopted in place when only the placement
+          // changed (the model, optimizer, dataset and cache stay), else start over. The
+          // step computed under the old one is computed again.
+          absl::StatusOr<bool> adopted = Adopt();
+          if (!adopted.ok() || !*adopted) return absl::OkStatus();
+          if (more) computed = Compute(step + 1);
+        }
       } else if (more) {
         computed = Compute(step + 1);
       }
@@ -172,6 +187,49 @@ class JobRun {
     std::vector<std::string> addresses;
     for (const v1::MemberInfo& p : a_.peers()) addresses.push_back(p.ucx_address());
     RETURN_IF_ERROR(peers_->Join(a_.rank(), addresses, a_.assignment_version()));
+    version_ = a_.assignment_version();
+    RETURN_IF_ERROR(ApplyPlacement());
+    // The expert cache: --cache_bytes of slots (all owned experts when 0), two at least.
+    const size_t slot_bytes = shape_.expert_floats() * sizeof(float);
+    // The job's budget (cluster.cache_bytes) when it sets one, else this worker's.
+    const uint64_t budget = spec.cluster().cache_bytes() > 0
+                                ? static_cast<uint64_t>(spec.cluster().cache_bytes())
+                                : options_.cache_bytes;
+    int slots = static_cast<int>(owned_.size()) + 1;
+    if (budget > 0) slots = std::min<int64_t>(slots, static_cast<int64_t>(budget / slot_bytes));
+    slots = std::max(slots, 2);
+    ASSIGN_OR_RETURN(std::unique_ptr<ucx::MemoryRegion> slot_memory,
+                     client_->AllocateBuffer(slot_bytes * slots));
+    ASSIGN_OR_RETURN(
+        cache_,
+        ExpertCache::Create(std::move(slot_memory), slot_bytes, slots,
+                            [this](ExpertCache::Expert x, void* dst, size_t bytes, ucp_mem_h memh) {
+                              std::vector<StoreClient::FetchItem> items = {Item(
+                                  Key(x.first, x.second, "", v1::BLOB_KIND_WEIGHTS), dst, bytes)};
+                              items[0].memh = memh;
+                              return FetchNewest(expert_stores_.at(x), items);
+                            }));
+    dispatch_->SetCache(cache_.get());
+    // Experts updated together: bounded by a few MB of moment scratch and by the cache
+    // (a batch pins its experts' slots; the rest stay free for the prefetcher).
+    update_batch_ = static_cast<size_t>(std::clamp(slots / 2, 1, 8));
+    moments_scratch_.resize(update_batch_ * 2 * shape_.expert_floats());
+    counts_.resize(update_batch_);
+    ASSIGN_OR_RETURN(dataset_, data::TokenDataset::Open(spec.train().data_path(), shape_.vocab));
+    inputs_.resize(rows_.size() * shape_.seq);
+    targets_.resize(rows_.size() * shape_.seq);
+    zeros_.assign(std::max<int64_t>(shape_.expert_floats(), LargestDense()), 0.0f);
+    LOG(INFO) << "job " << a_.job_id() << ": rank " << a_.rank() << " of " << W << ", "
+              << rows_.size() << " rows per step, " << owned_.size() << " experts computed ("
+              << updated_.size() << " updated), " << slots << " cache slots, placement epoch "
+              << a_.placement().epoch();
+    return absl::OkStatus();
+  }
+
+  // Takes this assignment's placement: compute owners, the dispatch over them, the experts
+  // computed and updated here, every group's stores (connected).
+  absl::Status ApplyPlacement() {
+    const int W = a_.world();
     std::vector<std::vector<ExpertOwners>> owners(shape_.layers,
                                                   std::vector<ExpertOwners>(shape_.experts));
     primary_.assign(shape_.layers, std::vector<int>(shape_.experts, -1));
@@ -208,6 +266,9 @@ class JobRun {
     owners_ = owners;
     dispatch_ = std::make_unique<Dispatch>(&backend_, model_.get(), peers_, std::move(owners));
     model_->SetExpertParallel(dispatch_.get());
+    if (cache_ != nullptr) dispatch_->SetCache(cache_.get());
+    owned_.clear();
+    updated_.clear();
     for (int l = 0; l < shape_.layers; ++l) {
       for (int e = 0; e < shape_.experts; ++e) {
         if (dispatch_->Computes(l, e)) owned_.push_back({l, e});
@@ -215,44 +276,47 @@ class JobRun {
       }
     }
     for (const v1::MemberInfo& s : a_.stores()) {
+      if (store_peer_.count(s.member_id())) continue;
       ASSIGN_OR_RETURN(int peer, client_->Connect(s.ucx_address()));
       store_peer_[s.member_id()] = peer;
     }
-    // The expert cache: --cache_bytes of slots (all owned experts when 0), two at least.
-    const size_t slot_bytes = shape_.expert_floats() * sizeof(float);
-    // The job's budget (cluster.cache_bytes) when it sets one, else this worker's.
-    const uint64_t budget = spec.cluster().cache_bytes() > 0
-                                ? static_cast<uint64_t>(spec.cluster().cache_bytes())
-                                : options_.cache_bytes;
-    int slots = static_cast<int>(owned_.size()) + 1;
-    if (budget > 0) slots = std::min<int64_t>(slots, static_cast<int64_t>(budget / slot_bytes));
-    slots = std::max(slots, 2);
-    ASSIGN_OR_RETURN(std::unique_ptr<ucx::MemoryRegion> slot_memory,
-                     client_->AllocateBuffer(slot_bytes * slots));
-    ASSIGN_OR_RETURN(
-        cache_,
-        ExpertCache::Create(std::move(slot_memory), slot_bytes, slots,
-                            [this](ExpertCache::Expert x, void* dst, size_t bytes, ucp_mem_h memh) {
-                              std::vector<StoreClient::FetchItem> items = {Item(
-                                  Key(x.first, x.second, "", v1::BLOB_KIND_WEIGHTS), dst, bytes)};
-                              items[0].memh = memh;
-                              return FetchNewest(expert_stores_.at(x), items);
-                            }));
-    dispatch_->SetCache(cache_.get());
-    // Experts updated together: bounded by a few MB of moment scratch and by the cache
-    // (a batch pins its experts' slots; the rest stay free for the prefetcher).
-    update_batch_ = static_cast<size_t>(std::clamp(slots / 2, 1, 8));
-    moments_scratch_.resize(update_batch_ * 2 * shape_.expert_floats());
-    counts_.resize(update_batch_);
-    ASSIGN_OR_RETURN(dataset_, data::TokenDataset::Open(spec.train().data_path(), shape_.vocab));
-    inputs_.resize(rows_.size() * shape_.seq);
-    targets_.resize(rows_.size() * shape_.seq);
-    zeros_.assign(std::max<int64_t>(shape_.expert_floats(), LargestDense()), 0.0f);
-    LOG(INFO) << "job " << a_.job_id() << ": rank " << a_.rank() << " of " << W << ", "
-              << rows_.size() << " rows per step, " << owned_.size() << " experts computed ("
-              << updated_.size() << " updated), " << slots << " cache slots, placement epoch "
-              << a_.placement().epoch();
     return absl::OkStatus();
+  }
+
+  // After a commit under a new assignment: takes it in place when it is the same job, the
+  // same workers and ranks and the same spec (only the placement changed), keeping the
+  // model, optimizer, dataset and cache; false when it is not (the caller starts over).
+  absl::StatusOr<bool> Adopt() {
+    v1::GetAssignmentRequest req;
+    req.set_worker_id(me_);
+    v1::Assignment next;
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
+    RETURN_IF_ERROR(FromGrpcStatus(coordinator_->GetAssignment(&ctx, req, &next)));
+    bool same = next.job_id() == a_.job_id() && next.world() == a_.world() &&
+                next.rank() == a_.rank() && next.peers_size() == a_.peers_size() &&
+                next.spec().SerializeAsString() == a_.spec().SerializeAsString();
+    for (int i = 0; same && i < next.peers_size(); ++i) {
+      same = next.peers(i).member_id() == a_.peers(i).member_id() &&
+             next.peers(i).ucx_address() == a_.peers(i).ucx_address();
+    }
+    if (!same) return false;
+    // A cached expert is current only if this worker made its last update (it was its
+    // primary); the others may have moved on.
+    for (int l = 0; l < shape_.layers; ++l) {
+      for (int e = 0; e < shape_.experts; ++e) {
+        if (primary_[l][e] != a_.rank()) cache_->Invalidate({l, e});
+      }
+    }
+    a_ = std::move(next);
+    peers_->SetAttempt(a_.assignment_version());
+    version_ = a_.assignment_version();
+    RETURN_IF_ERROR(ApplyPlacement());
+    if (!watching_) StartWatcher();
+    LOG(INFO) << "job " << a_.job_id() << ": placement epoch " << a_.placement().epoch()
+              << " adopted in place (" << owned_.size() << " experts computed, " << updated_.size()
+              << " updated)";
+    return true;
   }
 
   int64_t LargestDense() const {
@@ -762,18 +826,20 @@ class JobRun {
   void WatchForAbort() {
     while (!done_) {
       v1::WaitStepRequest req;
-      req.set_job_id(a_.job_id());
+      req.set_job_id(job_id_);
       req.set_step(current_step_.load());
-      req.set_assignment_version(a_.assignment_version());
+      const int64_t version = version_.load();
+      req.set_assignment_version(version);
       v1::StepStatus st;
       grpc::ClientContext ctx;
       ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::milliseconds(500));
       const grpc::Status rpc = coordinator_->WaitStep(&ctx, req, &st);
       if (rpc.ok() && st.committed_step() < req.step() &&
-          (st.aborted() || st.assignment_version() != a_.assignment_version())) {
-        LOG(INFO) << "step " << req.step() << " of job " << a_.job_id()
+          (st.aborted() || st.assignment_version() != version)) {
+        LOG(INFO) << "step " << req.step() << " of job " << job_id_
                   << " was aborted: " << st.abort_reason();
         peers_->Abandon();
+        watching_ = false;
         return;
       }
       if (rpc.ok() && st.committed_step() >= req.step()) {
@@ -787,8 +853,10 @@ class JobRun {
     }
   }
 
-  // Waits for step s to settle. true: committed, go on; false: re-fetch the assignment.
-  absl::StatusOr<bool> Finish(int64_t s) {
+  enum class Settled { kCommitted, kReassigned, kStop };
+  // Waits for step s to settle: committed (under this assignment, or with a new one from
+  // the next step: kReassigned), or aborted / the job ended (kStop: start over).
+  absl::StatusOr<Settled> Finish(int64_t s) {
     while (true) {
       v1::WaitStepRequest req;
       req.set_job_id(a_.job_id());
@@ -802,13 +870,14 @@ class JobRun {
       RETURN_IF_ERROR(rpc);
       if (st.committed_step() >= s) {
         OnCommitted(s);
-        if (st.job_ended()) return false;
+        if (st.job_ended()) return Settled::kStop;
         // A new placement epoch (or worker set) from the next step: re-fetch.
-        return st.assignment_version() == a_.assignment_version();
+        return st.assignment_version() == a_.assignment_version() ? Settled::kCommitted
+                                                                  : Settled::kReassigned;
       }
       if (st.aborted() || st.job_ended()) {
         LOG(INFO) << "step " << s << " of job " << a_.job_id() << " aborted: " << st.abort_reason();
-        return false;
+        return Settled::kStop;
       }
     }
   }
@@ -832,7 +901,8 @@ class JobRun {
     }
   }
 
-  const v1::Assignment a_;
+  v1::Assignment a_;          // training thread only (Adopt replaces it)
+  const std::string job_id_;  // a_.job_id(), for the watcher
   const std::string me_;
   PeerGroup* peers_;
   StoreClient* client_;
@@ -883,6 +953,8 @@ class JobRun {
   std::vector<int64_t> counts_scratch_;
   std::atomic<bool> done_{false};
   std::thread watcher_;
+  std::atomic<bool> watching_{false};  // the watcher runs (it stops on an abort)
+  std::atomic<int64_t> version_{0};    // a_.assignment_version(), for the watcher
 };
 
 }  // namespace
