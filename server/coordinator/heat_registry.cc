@@ -95,10 +95,10 @@ HeatMap HeatRegistry::Current(const JobHeat& heat) {
   return map;
 }
 
-void HeatRegistry::DropStep(const std::string& job_id) {
+void HeatRegistry::DropStep(const std::string& job_id, int64_t step) {
   absl::MutexLock lock(&mu_);
   auto it = jobs_.find(job_id);
-  if (it != jobs_.end()) it->second.reports.clear();
+  if (it != jobs_.end() && it->second.step == step) it->second.reports.clear();
 }
 
 std::string HeatRegistry::Save(const std::string& job_id) const {

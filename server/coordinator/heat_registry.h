@@ -49,8 +49,8 @@ class HeatRegistry {
   absl::Status Restore(const v1::Job& job, const std::string& saved);
   // Forgets a job's map.
   void Drop(const std::string& job_id);
-  // Forgets the reports of the job's latest step (its attempt was aborted).
-  void DropStep(const std::string& job_id);
+  // Forgets the reports of `step` if it is the job's latest (its attempt was aborted).
+  void DropStep(const std::string& job_id, int64_t step);
 
  private:
   struct JobHeat {

@@ -60,7 +60,8 @@ TEST(HeatRegistryTest, ARedoneStepCountsOnce) {
   v1::HeatReport other = step1;  // a worker that died before the abort
   other.set_worker_id("worker-9");
   ASSERT_TRUE(dropped.Report(MakeJob(), other).ok());
-  dropped.DropStep("trace-1");
+  dropped.DropStep("trace-1", 2);  // not the latest step: nothing goes
+  dropped.DropStep("trace-1", 1);
   ASSERT_TRUE(dropped.Report(MakeJob(), step1).ok());
   ASSERT_TRUE(dropped.Report(MakeJob(), step2).ok());
   const auto a = once.Heat("trace-1", -1, -1);

@@ -373,6 +373,13 @@ absl::Status Scheduler::Recover() {
       RETURN_IF_ERROR(jobs_->DeleteRecord(key));
       continue;
     }
+    // Joining stores count from here: a copy pulled from now on completes them.
+    run.committed = job->committed_step();
+    for (const v1::ExpertPlacement& e : run.record.placement().experts()) {
+      for (const std::string& id : e.joining_store_ids()) {
+        run.joined_at[{GroupOf(e.layer(), e.expert()), id}] = run.committed;
+      }
+    }
     if (auto h = heats.find(absl::StrCat(kHeatPrefix, job->job_id())); h != heats.end()) {
       absl::Status s = heat_->Restore(*job, h->second);
       if (!s.ok()) LOG(WARNING) << s;  // heat is advisory: start afresh
@@ -401,7 +408,8 @@ void Scheduler::AbortLocked(Run& run, const std::string& reason, std::vector<Sto
   run.tokens = run.cache_hits = run.cache_misses = 0;
   run.rank0.Clear();
   run.abort_reason = reason;
-  heat_->DropStep(run.record.job_id());  // the redone step reports its heat again
+  // The redone step reports its heat again.
+  heat_->DropStep(run.record.job_id(), step_in_flight(run));
   run.record.set_assignment_version(NextVersion(run.record.assignment_version()));
   if (steps_aborted_ != nullptr) steps_aborted_->Increment();
   LOG(INFO) << "job " << run.record.job_id() << ": step " << step_in_flight(run)
@@ -1230,14 +1238,24 @@ absl::StatusOr<v1::DrainStoreResponse> Scheduler::Drain(const std::string& store
       }
     }
   }
-  RETURN_IF_ERROR(members_->Drain(store_id));
+  // Durable first, then in force; undone if the store cannot be drained after all.
+  bool recorded = false;
   {
     absl::MutexLock lock(&mu_);
     if (!drain_groups_.count(store_id)) {
       RETURN_IF_ERROR(
           jobs_->PutRecord(absl::StrCat(kDrainPrefix, store_id), absl::StrCat(groups.size())));
       drain_groups_[store_id] = groups.size();
+      recorded = true;
     }
+  }
+  if (absl::Status s = members_->Drain(store_id); !s.ok()) {
+    if (recorded) {
+      absl::MutexLock lock(&mu_);
+      (void)jobs_->DeleteRecord(absl::StrCat(kDrainPrefix, store_id));
+      drain_groups_.erase(store_id);
+    }
+    return s;
   }
   LOG(INFO) << "draining store " << store_id << ": " << groups.size() << " groups to move";
   v1::DrainStoreResponse out;

@@ -109,17 +109,11 @@ class JobRun {
     if (watcher_.joinable()) watcher_.join();
   }
 
-  void StartWatcher() {
-    if (watcher_.joinable()) watcher_.join();  // it returned after abandoning an attempt
-    watching_ = true;
-    watcher_ = std::thread([this] { WatchForAbort(); });
-  }
-
   // Trains until the job ends or the assignment changes (OK: fetch it again), or a
   // failure (reported to the coordinator, which aborts the step).
   absl::Status Run(const std::atomic<bool>& stop) {
     absl::Status s = Setup();
-    if (s.ok()) StartWatcher();
+    if (s.ok()) watcher_ = std::thread([this] { WatchForAbort(); });
     int64_t step = a_.committed_step();  // the last committed step
     bool reported = false;               // step `step` is written and reported, not committed
     if (s.ok()) {
@@ -189,15 +183,9 @@ class JobRun {
     RETURN_IF_ERROR(peers_->Join(a_.rank(), addresses, a_.assignment_version()));
     version_ = a_.assignment_version();
     RETURN_IF_ERROR(ApplyPlacement());
-    // The expert cache: --cache_bytes of slots (all owned experts when 0), two at least.
+    // The expert cache, in registered memory.
     const size_t slot_bytes = shape_.expert_floats() * sizeof(float);
-    // The job's budget (cluster.cache_bytes) when it sets one, else this worker's.
-    const uint64_t budget = spec.cluster().cache_bytes() > 0
-                                ? static_cast<uint64_t>(spec.cluster().cache_bytes())
-                                : options_.cache_bytes;
-    int slots = static_cast<int>(owned_.size()) + 1;
-    if (budget > 0) slots = std::min<int64_t>(slots, static_cast<int64_t>(budget / slot_bytes));
-    slots = std::max(slots, 2);
+    const int slots = CacheSlots(static_cast<int>(owned_.size()));
     ASSIGN_OR_RETURN(std::unique_ptr<ucx::MemoryRegion> slot_memory,
                      client_->AllocateBuffer(slot_bytes * slots));
     ASSIGN_OR_RETURN(
@@ -207,7 +195,7 @@ class JobRun {
                               std::vector<StoreClient::FetchItem> items = {Item(
                                   Key(x.first, x.second, "", v1::BLOB_KIND_WEIGHTS), dst, bytes)};
                               items[0].memh = memh;
-                              return FetchNewest(expert_stores_.at(x), items);
+                              return FetchNewest(ReadStores(x), items);
                             }));
     dispatch_->SetCache(cache_.get());
     // Experts updated together: bounded by a few MB of moment scratch and by the cache
@@ -252,6 +240,7 @@ class JobRun {
         }
         owners[e.layer()][e.expert()].push_back({o.rank(), o.token_share()});
       }
+      absl::MutexLock lock(&stores_mu_);  // the cache's prefetch thread reads them
       std::vector<std::string>& read = expert_stores_[{e.layer(), e.expert()}];
       read.assign(e.store_ids().begin(), e.store_ids().end());
       std::vector<std::string>& write = expert_write_stores_[{e.layer(), e.expert()}];
@@ -276,8 +265,12 @@ class JobRun {
       }
     }
     for (const v1::MemberInfo& s : a_.stores()) {
-      if (store_peer_.count(s.member_id())) continue;
+      {
+        absl::MutexLock lock(&stores_mu_);
+        if (store_peer_.count(s.member_id())) continue;
+      }
       ASSIGN_OR_RETURN(int peer, client_->Connect(s.ucx_address()));
+      absl::MutexLock lock(&stores_mu_);
       store_peer_[s.member_id()] = peer;
     }
     return absl::OkStatus();
@@ -301,6 +294,9 @@ class JobRun {
              next.peers(i).ucx_address() == a_.peers(i).ucx_address();
     }
     if (!same) return false;
+    // The cache keeps its slots: a worker that would want more (it computes more experts
+    // now, and its budget allows) starts over instead.
+    if (!CacheFits(next)) return false;
     // A cached expert is current only if this worker made its last update (it was its
     // primary); the others may have moved on.
     for (int l = 0; l < shape_.layers; ++l) {
@@ -312,11 +308,33 @@ class JobRun {
     peers_->SetAttempt(a_.assignment_version());
     version_ = a_.assignment_version();
     RETURN_IF_ERROR(ApplyPlacement());
-    if (!watching_) StartWatcher();
     LOG(INFO) << "job " << a_.job_id() << ": placement epoch " << a_.placement().epoch()
               << " adopted in place (" << owned_.size() << " experts computed, " << updated_.size()
               << " updated)";
     return true;
+  }
+
+  // Whether the cache has the slots Setup would give `next`'s placement (or more).
+  bool CacheFits(const v1::Assignment& next) const {
+    int owned = 0;
+    for (const v1::ExpertPlacement& e : next.placement().experts()) {
+      for (const v1::ComputeOwner& o : e.owners())
+        owned += e.layer() >= 0 && o.rank() == next.rank();
+    }
+    return CacheSlots(owned) <= cache_->slots();
+  }
+
+  // Cache slots for `owned` experts: --cache_bytes of them (all owned experts, plus one,
+  // when 0), two at least.
+  int CacheSlots(int owned) const {
+    const size_t slot_bytes = shape_.expert_floats() * sizeof(float);
+    // The job's budget (cluster.cache_bytes) when it sets one, else this worker's.
+    const uint64_t budget = a_.spec().cluster().cache_bytes() > 0
+                                ? static_cast<uint64_t>(a_.spec().cluster().cache_bytes())
+                                : options_.cache_bytes;
+    int slots = owned + 1;
+    if (budget > 0) slots = std::min<int64_t>(slots, static_cast<int64_t>(budget / slot_bytes));
+    return std::max(slots, 2);
   }
 
   int64_t LargestDense() const {
@@ -332,7 +350,7 @@ class JobRun {
 
   v1::BlobKey Key(int layer, int expert, const std::string& tensor, v1::BlobKind kind) const {
     v1::BlobKey k;
-    k.set_job_id(a_.job_id());
+    k.set_job_id(job_id_);  // also on the cache's prefetch thread, while Adopt replaces a_
     k.set_layer(layer);
     k.set_kind(kind);
     if (layer < 0) {
@@ -349,12 +367,12 @@ class JobRun {
                    const void* data, size_t bytes) {
     if (stores.empty()) return absl::FailedPreconditionError("a group has no store");
     for (const std::string& id : stores) {
-      auto peer = store_peer_.find(id);
-      if (peer == store_peer_.end()) {
+      const int peer = StorePeer(id);
+      if (peer < 0) {
         return absl::UnavailableError(absl::StrCat("store ", id, " is not in the assignment"));
       }
       StoreClient::PutItem item;
-      item.peer = peer->second;
+      item.peer = peer;
       item.key = key;
       item.version = version;
       item.data = data;
@@ -377,15 +395,27 @@ class JobRun {
     return s;
   }
 
+  // The peer id of a connected store, -1 if none.
+  int StorePeer(const std::string& id) {
+    absl::MutexLock lock(&stores_mu_);
+    auto it = store_peer_.find(id);
+    return it == store_peer_.end() ? -1 : it->second;
+  }
+  // An expert's stores to read from (a copy: a new placement may replace them).
+  std::vector<std::string> ReadStores(ExpertCache::Expert x) {
+    absl::MutexLock lock(&stores_mu_);
+    return expert_stores_.at(x);
+  }
+
   // Reads the committed versions of `items` from the first store of `stores` that answers.
   absl::Status Fetch(const std::vector<std::string>& stores,
                      std::vector<StoreClient::FetchItem>& items) {
     absl::Status last = absl::FailedPreconditionError("a group has no store");
     for (const std::string& id : stores) {
-      auto peer = store_peer_.find(id);
-      if (peer == store_peer_.end()) continue;
+      const int peer = StorePeer(id);
+      if (peer < 0) continue;
       const auto start = std::chrono::steady_clock::now();
-      last = client_->Fetch(peer->second, absl::MakeSpan(items), kStoreTimeout);
+      last = client_->Fetch(peer, absl::MakeSpan(items), kStoreTimeout);
       if (!last.ok()) continue;
       metrics_->fetch_seconds->Observe(
           std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
@@ -838,9 +868,13 @@ class JobRun {
           (st.aborted() || st.assignment_version() != version)) {
         LOG(INFO) << "step " << req.step() << " of job " << job_id_
                   << " was aborted: " << st.abort_reason();
-        peers_->Abandon();
-        watching_ = false;
-        return;
+        // Only the attempt it watched (an adopted placement's is already newer); then it
+        // waits for the next assignment, adopted in place, or the end of this run.
+        peers_->AbandonAttempt(static_cast<uint64_t>(version));
+        while (!done_ && version_.load() == version) {
+          std::this_thread::sleep_for(std::chrono::milliseconds(20));
+        }
+        continue;
       }
       if (rpc.ok() && st.committed_step() >= req.step()) {
         // Settled: wait for the next step to start.
@@ -919,10 +953,13 @@ class JobRun {
   std::vector<int32_t> inputs_, targets_;
   std::vector<float> zeros_;
   // Each group's stores: those read from (complete copies, primary first), and those
-  // written to (the same, then the stores joining the group).
+  // written to (the same, then the stores joining the group). Written by the training
+  // thread under stores_mu_ (ApplyPlacement); other threads read them under it (ReadStores).
   std::vector<std::string> dense_stores_, dense_write_stores_;
   std::map<std::pair<int, int>, std::vector<std::string>> expert_stores_, expert_write_stores_;
-  std::map<std::string, int> store_peer_;
+  // Written by the training thread, read by the cache's prefetch thread too.
+  absl::Mutex stores_mu_;
+  std::map<std::string, int> store_peer_ ABSL_GUARDED_BY(stores_mu_);
   google::protobuf::RepeatedPtrField<v1::BlobInfo> written_;
   model::StepLoss last_loss_;
   double lr_ = 0;
@@ -953,8 +990,7 @@ class JobRun {
   std::vector<int64_t> counts_scratch_;
   std::atomic<bool> done_{false};
   std::thread watcher_;
-  std::atomic<bool> watching_{false};  // the watcher runs (it stops on an abort)
-  std::atomic<int64_t> version_{0};    // a_.assignment_version(), for the watcher
+  std::atomic<int64_t> version_{0};  // a_.assignment_version(), for the watcher
 };
 
 }  // namespace

@@ -94,6 +94,11 @@ void PeerGroup::Abandon() {
   abandoned_ = true;
 }
 
+void PeerGroup::AbandonAttempt(uint64_t attempt) {
+  absl::MutexLock lock(&mu_);
+  if (attempt_ == attempt) abandoned_ = true;
+}
+
 absl::Status PeerGroup::Send(int peer, uint64_t tag, std::string bytes) {
   uint64_t attempt;
   {
