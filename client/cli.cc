@@ -179,18 +179,26 @@ absl::StatusOr<std::pair<int, int>> WaitReady(const std::string& name, pid_t pid
   return absl::DeadlineExceededError(absl::StrCat(name, " did not start within 20 s; see ", log));
 }
 
+// Takes "--flag value" pairs into `flags`, whose keys are the command's flags (with their
+// defaults); a usage error names an unknown flag or one without a value.
+absl::Status ParseFlags(const std::string& command, const Args& args,
+                        std::map<std::string, std::string>& flags) {
+  for (size_t i = 0; i < args.size(); ++i) {
+    auto it = flags.find(args[i]);
+    if (it == flags.end()) return UsageError(command + ": unknown argument " + args[i]);
+    if (i + 1 == args.size()) return UsageError(args[i] + " needs a value");
+    it->second = args[++i];
+  }
+  return absl::OkStatus();
+}
+
 absl::Status Up(const Args& args, std::ostream& out) {
   std::map<std::string, std::string> flags = {{"--stores", "2"},
                                               {"--workers", "2"},
                                               {"--cache_bytes", "0"},
                                               {"--ram_bytes", "268435456"},
                                               {"--dir", DefaultDir()}};
-  for (size_t i = 0; i < args.size(); ++i) {
-    auto it = flags.find(args[i]);
-    if (it == flags.end()) return UsageError("up: unknown argument " + args[i]);
-    if (i + 1 == args.size()) return UsageError(args[i] + " needs a value");
-    it->second = args[++i];
-  }
+  RETURN_IF_ERROR(ParseFlags("up", args, flags));
   int stores = 0, workers = 0;
   uint64_t cache_bytes = 0, ram_bytes = 0;
   if (!absl::SimpleAtoi(flags["--stores"], &stores) || stores < 1 ||
@@ -720,12 +728,7 @@ absl::StatusOr<v1::JobSpec> SpecOf(const std::string& spec_flag, const Safetenso
 absl::Status Eval(const Args& args, std::ostream& out) {
   std::map<std::string, std::string> flags = {
       {"--spec", ""}, {"--checkpoint", ""}, {"--tokens", ""}, {"--batches", "4"}};
-  for (size_t i = 0; i < args.size(); ++i) {
-    auto it = flags.find(args[i]);
-    if (it == flags.end()) return UsageError("eval: unknown argument " + args[i]);
-    if (i + 1 == args.size()) return UsageError(args[i] + " needs a value");
-    it->second = args[++i];
-  }
+  RETURN_IF_ERROR(ParseFlags("eval", args, flags));
   for (const char* required : {"--checkpoint", "--tokens"}) {
     if (flags[required].empty()) return UsageError(absl::StrCat("eval needs ", required));
   }
@@ -764,12 +767,7 @@ absl::Status Sample(const Args& args, std::ostream& out) {
   std::map<std::string, std::string> flags = {{"--spec", ""},           {"--checkpoint", ""},
                                               {"--prompt", ""},         {"--tokens", "200"},
                                               {"--temperature", "0.8"}, {"--seed", "1"}};
-  for (size_t i = 0; i < args.size(); ++i) {
-    auto it = flags.find(args[i]);
-    if (it == flags.end()) return UsageError("sample: unknown argument " + args[i]);
-    if (i + 1 == args.size()) return UsageError(args[i] + " needs a value");
-    it->second = args[++i];
-  }
+  RETURN_IF_ERROR(ParseFlags("sample", args, flags));
   for (const char* required : {"--checkpoint", "--prompt"}) {
     if (flags[required].empty()) return UsageError(absl::StrCat("sample needs ", required));
   }
