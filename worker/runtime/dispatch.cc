@@ -191,15 +191,21 @@ absl::Status Dispatch::Forward(int layer, float* y, float* hpre, float* h, const
     Done(layer, e);
     RETURN_IF_ERROR(synced);
   }
+  return ReturnResults(layer, kForwardOut, &Inbound::out, C, offsets, y);
+}
+
+absl::Status Dispatch::ReturnResults(int layer, int phase, std::vector<float> Inbound::*results,
+                                     int64_t width, const int64_t* offsets, float* out) {
+  const int me = peers_->rank();
   for (int q = 0; q < peers_->world(); ++q) {
     if (q == me) continue;
-    const Inbound& in = inbound_[layer][q];
+    const std::vector<float>& rows = inbound_[layer][q].*results;
     RETURN_IF_ERROR(peers_->Send(
-        q, Tag(layer, kForwardOut),
-        std::string(reinterpret_cast<const char*>(in.out.data()), in.out.size() * sizeof(float))));
+        q, Tag(layer, phase),
+        std::string(reinterpret_cast<const char*>(rows.data()), rows.size() * sizeof(float))));
   }
   for (int p = 0; p < peers_->world(); ++p) {
-    if (p != me) RETURN_IF_ERROR(ScatterReturned(layer, kForwardOut, p, C, offsets, y));
+    if (p != me) RETURN_IF_ERROR(ScatterReturned(layer, phase, p, width, offsets, out));
   }
   return absl::OkStatus();
 }
@@ -249,17 +255,7 @@ absl::Status Dispatch::Backward(int layer, float* dxperm, float* dh, const float
     Done(layer, e);
     RETURN_IF_ERROR(synced);
   }
-  for (int q = 0; q < peers_->world(); ++q) {
-    if (q == me) continue;
-    const Inbound& in = inbound_[layer][q];
-    RETURN_IF_ERROR(peers_->Send(
-        q, Tag(layer, kBackwardDx),
-        std::string(reinterpret_cast<const char*>(in.dx.data()), in.dx.size() * sizeof(float))));
-  }
-  for (int p = 0; p < peers_->world(); ++p) {
-    if (p != me) RETURN_IF_ERROR(ScatterReturned(layer, kBackwardDx, p, C, offsets, dxperm));
-  }
-  return absl::OkStatus();
+  return ReturnResults(layer, kBackwardDx, &Inbound::dx, C, offsets, dxperm);
 }
 
 absl::Status Dispatch::AllReduce(double* values, size_t n) {

@@ -81,6 +81,10 @@ class Dispatch final : public model::ExpertParallel {
   // Receives the rows `peer` returns for the buckets it owns, into `out` ([A, width]).
   absl::Status ScatterReturned(int layer, int phase, int peer, int64_t width,
                                const int64_t* offsets, float* out);
+  // Sends each peer its rows of `results` (what this worker computed for it) under
+  // `phase`, then scatters what every peer returns under `phase` into `out`.
+  absl::Status ReturnResults(int layer, int phase, std::vector<float> Inbound::*results,
+                             int64_t width, const int64_t* offsets, float* out);
 
   compute::Backend* backend_;
   model::MoeGpt* model_;
