@@ -26,9 +26,7 @@ absl::Status HeatRegistry::Report(const v1::Job& job, const v1::HeatReport& repo
     RETURN_IF_ERROR(heat.map->Check(routing));
   }
   if (report.step() > heat.step) {
-    for (const auto& [worker, r] : heat.reports) {
-      for (const v1::LayerRouting& routing : r.layers()) (void)heat.map->Add(routing);
-    }
+    AddReports(heat, *heat.map);
     heat.reports.clear();
     if (heat.step >= 0) heat.map->EndStep();
     heat.step = report.step();
@@ -89,10 +87,15 @@ std::optional<HeatMap> HeatRegistry::Snapshot(const std::string& job_id) const {
 
 HeatMap HeatRegistry::Current(const JobHeat& heat) {
   HeatMap map = *heat.map;
+  AddReports(heat, map);
+  return map;
+}
+
+void HeatRegistry::AddReports(const JobHeat& heat, HeatMap& map) {
+  // Checked when they came in.
   for (const auto& [worker, r] : heat.reports) {
     for (const v1::LayerRouting& routing : r.layers()) (void)map.Add(routing);
   }
-  return map;
 }
 
 void HeatRegistry::DropStep(const std::string& job_id, int64_t step) {

@@ -60,6 +60,8 @@ class HeatRegistry {
   };
   // The map with the latest step's reports added.
   static HeatMap Current(const JobHeat& heat);
+  // Adds the latest step's reports to `map`.
+  static void AddReports(const JobHeat& heat, HeatMap& map);
   mutable absl::Mutex mu_;
   std::map<std::string, JobHeat> jobs_ ABSL_GUARDED_BY(mu_);
   std::string trace_dir_ ABSL_GUARDED_BY(mu_);

@@ -737,9 +737,6 @@ absl::StatusOr<v1::StepStatus> Scheduler::ReportStepWritten(const v1::StepWritte
       absl::Status s = PersistLocked(run);
       if (!s.ok()) LOG(ERROR) << s;
     } else if (run.written.insert(r.worker_id()).second) {
-      for (const v1::BlobInfo& b : r.written()) {
-        run.last_written[GroupOf(b.key().layer(), b.key().expert())] = r.step();
-      }
       run.tokens += r.tokens();
       run.cache_hits += r.cache_hits();
       run.cache_misses += r.cache_misses();
@@ -1115,8 +1112,7 @@ int Scheduler::ReplicateOnce() {
           tasks.push_back({job_id, e.layer(), e.expert(), alive.stores.at(source),
                            alive.stores.at(target), run.committed});
           run.copying.insert(group);
-          bool drain = false;
-          for (const std::string& id : holders) drain |= alive.draining.count(id) > 0;
+          const bool drain = alive.draining.count(source) > 0;  // a draining holder if any
           v1::BlobMove move;
           move.mutable_key()->set_job_id(job_id);
           move.mutable_key()->set_layer(e.layer());

@@ -165,14 +165,13 @@ class Scheduler {
     // Loaded after a restart and waiting for its members to register again (or for the
     // grace period to end); assignments and reports wait too.
     bool recovering = false;
-    // Replication: stores to join groups at the next step boundary, the last step that
-    // wrote each group, copies (pulls to joining stores) in progress and done.
+    // Replication: stores to join groups at the next step boundary, copies (pulls to
+    // joining stores) in progress and done.
     std::map<std::pair<int, int>, std::string> join_requests;
     // Joining stores: the committed step when each joined its group (a copy pulled before
     // that does not count), and the stores that committed the step being finished.
     std::map<std::pair<std::pair<int, int>, std::string>, int64_t> joined_at;
     std::set<std::string> committed_on;
-    std::map<std::pair<int, int>, int64_t> last_written;
     std::set<std::pair<int, int>> copying;
     struct Copy {
       std::pair<int, int> group;
