@@ -166,11 +166,6 @@ struct Alive {
     }
     return ids;
   }
-  std::vector<v1::MemberInfo> store_list() const {
-    std::vector<v1::MemberInfo> out;
-    for (const auto& [id, m] : stores) out.push_back(m);
-    return out;
-  }
 };
 
 Alive Snapshot(Membership& members) {

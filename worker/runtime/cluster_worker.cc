@@ -39,9 +39,6 @@ namespace {
 
 using store::StoreClient;
 
-constexpr v1::BlobKind kStateKinds[] = {v1::BLOB_KIND_WEIGHTS, v1::BLOB_KIND_MASTER,
-                                        v1::BLOB_KIND_ADAM_M, v1::BLOB_KIND_ADAM_V};
-
 // A store that does not answer within this is taken for dead (its lease then runs out).
 constexpr absl::Duration kStoreTimeout = absl::Seconds(10);
 
