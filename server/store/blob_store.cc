@@ -281,12 +281,11 @@ absl::StatusOr<v1::BlobInfo> BlobStore::InstallCommitted(const v1::BlobKey& key,
           BlobKeyDebugString(key), ": version ", it->second.committed, " is already committed"));
     }
   }
-  // The bytes and their record in one synced batch (through the WAL: no flush needed),
-  // without mu_: reads and puts go on meanwhile.
+  // The bytes and their record in one synced batch, without mu_: reads and puts go on
+  // meanwhile.
   ColdBatch batch;
   batch.put_data.push_back({encoded, version, bytes});
   batch.set_records.push_back({encoded, {version, bytes.size(), crc}});
-  batch.records_need_flush = false;
   RETURN_IF_ERROR(cold_->Apply(batch, /*sync=*/true));
   std::lock_guard<std::mutex> lock(mu_);
   Blob& blob = blobs_[encoded];
@@ -350,6 +349,10 @@ absl::StatusOr<BlobRef> BlobStore::Get(const v1::BlobKey& key, int64_t version) 
         return absl::DataLossError(absl::StrCat(BlobKeyDebugString(key), ": cold copy has ",
                                                 read.size, " bytes, want ", v.size));
       }
+      if (Crc32c(read.data, read.size) != v.crc) {
+        return absl::DataLossError(
+            absl::StrCat(BlobKeyDebugString(key), ": cold copy fails its checksum"));
+      }
       BlobRef ref;
       ref.cold_pin_ = std::move(read.pin);
       ref.data_ = read.data;
@@ -362,6 +365,10 @@ absl::StatusOr<BlobRef> BlobStore::Get(const v1::BlobKey& key, int64_t version) 
       ASSIGN_OR_RETURN(block, AllocateLocked(std::max<uint64_t>(v.size, 1)));
     }
     RETURN_IF_ERROR(cold_->ReadData(encoded, v.version, {arena_ + block->offset(), v.size}));
+    if (Crc32c(arena_ + block->offset(), v.size) != v.crc) {
+      return absl::DataLossError(
+          absl::StrCat(BlobKeyDebugString(key), ": cold copy fails its checksum"));
+    }
     v.ram = std::move(block);
     lru_.emplace_front(encoded, v.version);
     v.lru = lru_.begin();

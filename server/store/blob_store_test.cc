@@ -11,6 +11,7 @@
 #include "common/buffer.h"
 #include "common/crc32c.h"
 #include "gtest/gtest.h"
+#include "rocksdb/db.h"
 #include "server/store/blob_key.h"
 
 namespace pith::store {
@@ -348,6 +349,127 @@ TEST(RocksColdTierTest, SurvivesReopenAndCheckpoints) {
               absl::StatusCode::kDataLoss);
     EXPECT_EQ((*tier)->ReadData("k1", 4, absl::MakeSpan(out)).code(), absl::StatusCode::kNotFound);
   }
+}
+
+int LogFiles(const std::string& dir) {
+  int n = 0;
+  for (const auto& e : std::filesystem::directory_iterator(dir + "/blobs"))
+    n += e.is_regular_file();
+  return n;
+}
+
+// What a commit does: name the versions, then drop the ones they replace.
+void Commit(ColdTier& tier, const std::vector<std::string>& keys, int64_t version, uint64_t size) {
+  ColdBatch commit;
+  for (const auto& k : keys) commit.set_records.push_back({k, {version, size, 0}});
+  ASSERT_TRUE(tier.Apply(commit, true).ok());
+  ColdBatch cleanup;
+  for (const auto& k : keys) cleanup.delete_data.push_back({k, version - 1});
+  ASSERT_TRUE(tier.Apply(cleanup, false).ok());
+}
+
+TEST(RocksColdTierTest, LogFilesGoWithTheirVersionsAndUnnamedVersionsDoNotSurviveReopen) {
+  const std::string dir = testing::TempDir() + "/rocks_tier_log";
+  std::filesystem::remove_all(dir);
+  const std::vector<std::string> keys = {"a", "b", "c", "d"};
+  {
+    auto tier = OpenRocksColdTier(dir, /*log_file_bytes=*/16 << 10);
+    ASSERT_TRUE(tier.ok()) << tier.status();
+    for (int64_t step = 1; step <= 20; ++step) {
+      for (size_t i = 0; i < keys.size(); ++i) {
+        ASSERT_TRUE((*tier)->PutData(keys[i], step, Bytes(6000, step * 10 + i)).ok());
+      }
+      Commit(**tier, keys, step, 6000);
+      // Two steps of 24 KB in 16 KB files: old files go, so only a few stay.
+      EXPECT_LE(LogFiles(dir), 4) << "step " << step;
+    }
+    // Written but never named by a synced batch: gone after a restart.
+    ASSERT_TRUE((*tier)->PutData("a", 21, Bytes(6000, 99)).ok());
+  }
+  auto tier = OpenRocksColdTier(dir, 16 << 10);
+  ASSERT_TRUE(tier.ok()) << tier.status();
+  auto contents = (*tier)->Load();
+  ASSERT_TRUE(contents.ok());
+  ASSERT_EQ(contents->data.size(), keys.size());
+  for (const auto& d : contents->data) EXPECT_EQ(d.version, 20) << d.key;
+  for (size_t i = 0; i < keys.size(); ++i) {
+    std::vector<uint8_t> got(6000);
+    ASSERT_TRUE((*tier)->ReadData(keys[i], 20, absl::MakeSpan(got)).ok());
+    EXPECT_EQ(got, Bytes(6000, 200 + i));
+    auto pinned = (*tier)->ReadPinned(keys[i], 20);
+    ASSERT_TRUE(pinned.ok());
+    EXPECT_EQ(std::vector<uint8_t>(pinned->data, pinned->data + pinned->size),
+              Bytes(6000, 200 + i));
+  }
+  std::vector<uint8_t> out(6000);
+  EXPECT_EQ((*tier)->ReadData("a", 21, absl::MakeSpan(out)).code(), absl::StatusCode::kNotFound);
+}
+
+TEST(RocksColdTierTest, AVersionNeverReplacedMovesOutOfAFileThatEmptied) {
+  const std::string dir = testing::TempDir() + "/rocks_tier_forward";
+  std::filesystem::remove_all(dir);
+  auto tier = OpenRocksColdTier(dir, /*log_file_bytes=*/16 << 10);
+  ASSERT_TRUE(tier.ok()) << tier.status();
+  // "cold" is written once, beside "hot" versions that are replaced every step.
+  ASSERT_TRUE((*tier)->PutData("cold", 1, Bytes(2000, 7)).ok());
+  ASSERT_TRUE((*tier)->PutData("hot", 1, Bytes(15000, 1)).ok());
+  ColdBatch first;
+  first.set_records.push_back({"cold", {1, 2000, 0}});
+  first.set_records.push_back({"hot", {1, 15000, 0}});
+  ASSERT_TRUE((*tier)->Apply(first, true).ok());
+  for (int64_t step = 2; step <= 40; ++step) {
+    ASSERT_TRUE((*tier)->PutData("hot", step, Bytes(15000, step)).ok());
+    Commit(**tier, {"hot"}, step, 15000);
+  }
+  // The first file held 2 KB of "cold" among 17 KB; it is gone, "cold" lives on.
+  EXPECT_FALSE(std::filesystem::exists(dir + "/blobs/00000001.log"));
+  EXPECT_LE(LogFiles(dir), 3);
+  tier->reset();
+  tier = OpenRocksColdTier(dir, 16 << 10);
+  ASSERT_TRUE(tier.ok()) << tier.status();
+  std::vector<uint8_t> out(2000);
+  ASSERT_TRUE((*tier)->ReadData("cold", 1, absl::MakeSpan(out)).ok());
+  EXPECT_EQ(out, Bytes(2000, 7));
+}
+
+TEST(RocksColdTierTest, ReadsAndDropsBlobsStoredInsideRocksDbByEarlierStores) {
+  const std::string dir = testing::TempDir() + "/rocks_tier_legacy";
+  std::filesystem::remove_all(dir);
+  const auto data = Bytes(3000, 3);
+  {  // what a store wrote before the log: bytes under 'D' + key + version
+    rocksdb::Options options;
+    options.create_if_missing = true;
+    rocksdb::DB* raw = nullptr;
+    ASSERT_TRUE(rocksdb::DB::Open(options, dir, &raw).ok());
+    std::unique_ptr<rocksdb::DB> db(raw);
+    std::string key = "Dold";
+    for (int shift = 56; shift >= 0; shift -= 8) key.push_back(shift == 0 ? 5 : 0);
+    ASSERT_TRUE(db->Put(rocksdb::WriteOptions(), key,
+                        rocksdb::Slice(reinterpret_cast<const char*>(data.data()), data.size()))
+                    .ok());
+  }
+  auto tier = OpenRocksColdTier(dir);
+  ASSERT_TRUE(tier.ok()) << tier.status();
+  auto contents = (*tier)->Load();
+  ASSERT_TRUE(contents.ok());
+  ASSERT_EQ(contents->data.size(), 1u);
+  EXPECT_EQ(contents->data[0].key, "old");
+  EXPECT_EQ(contents->data[0].version, 5);
+  std::vector<uint8_t> out(3000);
+  ASSERT_TRUE((*tier)->ReadData("old", 5, absl::MakeSpan(out)).ok());
+  EXPECT_EQ(out, data);
+  {  // (a pin must not outlive its tier)
+    auto pinned = (*tier)->ReadPinned("old", 5);
+    ASSERT_TRUE(pinned.ok());
+    EXPECT_EQ(std::vector<uint8_t>(pinned->data, pinned->data + pinned->size), data);
+  }
+  ColdBatch drop;
+  drop.delete_data.push_back({"old", 5});
+  ASSERT_TRUE((*tier)->Apply(drop, true).ok());
+  tier->reset();
+  tier = OpenRocksColdTier(dir);
+  ASSERT_TRUE(tier.ok()) << tier.status();
+  EXPECT_TRUE((*tier)->Load()->data.empty());
 }
 
 }  // namespace

@@ -44,11 +44,8 @@ struct ColdBatch {
     int64_t version;
     absl::Span<const uint8_t> bytes;
   };
-  // Bytes written with the batch, atomically and (RocksDB) through the WAL.
+  // Bytes written with the batch (before its records, so a record never names missing bytes).
   std::vector<PutData> put_data;
-  // Whether set_records may name bytes written by PutData: a synced batch then makes them
-  // durable first. False when the records name only put_data bytes.
-  bool records_need_flush = true;
   std::vector<SetRecord> set_records;
   std::vector<std::string> delete_records;
   std::vector<DataRef> delete_data;
@@ -93,8 +90,11 @@ class ColdTier {
   virtual uint64_t BackgroundJobs() { return 0; }
 };
 
-// Opens (creating if needed) a RocksDB tier in `dir` with the WAL on.
-absl::StatusOr<std::unique_ptr<ColdTier>> OpenRocksColdTier(const std::string& dir);
+// Opens (creating if needed) a RocksDB tier in `dir` with the WAL on; blob bytes go to
+// append-only log files under `dir`/blobs, RocksDB holds where they are.
+// `log_file_bytes`: a new log file is started past this size.
+absl::StatusOr<std::unique_ptr<ColdTier>> OpenRocksColdTier(const std::string& dir,
+                                                            uint64_t log_file_bytes = 64ull << 20);
 
 // An in-memory tier. Crash() forgets every write made since the last synced Apply, as a
 // power cut would.
