@@ -2,8 +2,13 @@
 // demotion and promotion under a small budget, pinning, bad input.
 #include "server/store/blob_store.h"
 
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
 #include <cstring>
 #include <filesystem>
+#include <functional>
 #include <memory>
 #include <random>
 #include <vector>
@@ -405,31 +410,79 @@ TEST(RocksColdTierTest, LogFilesGoWithTheirVersionsAndUnnamedVersionsDoNotSurviv
   EXPECT_EQ((*tier)->ReadData("a", 21, absl::MakeSpan(out)).code(), absl::StatusCode::kNotFound);
 }
 
-TEST(RocksColdTierTest, AVersionNeverReplacedMovesOutOfAFileThatEmptied) {
+// Runs `body` in a child process that then dies by SIGKILL, as `kill -9` would do it.
+void RunAndKill(const std::function<void()>& body) {
+  const pid_t pid = fork();
+  ASSERT_GE(pid, 0);
+  if (pid == 0) {
+    body();
+    kill(getpid(), SIGKILL);
+  }
+  int status = 0;
+  ASSERT_EQ(waitpid(pid, &status, 0), pid);
+  ASSERT_TRUE(WIFSIGNALED(status) && WTERMSIG(status) == SIGKILL) << "child failed: " << status;
+}
+
+TEST(RocksColdTierTest, AVersionNeverReplacedMovesOutOfAFileThatEmptiedAndSurvivesKill) {
   const std::string dir = testing::TempDir() + "/rocks_tier_forward";
   std::filesystem::remove_all(dir);
-  auto tier = OpenRocksColdTier(dir, /*log_file_bytes=*/16 << 10);
-  ASSERT_TRUE(tier.ok()) << tier.status();
-  // "cold" is written once, beside "hot" versions that are replaced every step.
-  ASSERT_TRUE((*tier)->PutData("cold", 1, Bytes(2000, 7)).ok());
-  ASSERT_TRUE((*tier)->PutData("hot", 1, Bytes(15000, 1)).ok());
-  ColdBatch first;
-  first.set_records.push_back({"cold", {1, 2000, 0}});
-  first.set_records.push_back({"hot", {1, 15000, 0}});
-  ASSERT_TRUE((*tier)->Apply(first, true).ok());
-  for (int64_t step = 2; step <= 40; ++step) {
-    ASSERT_TRUE((*tier)->PutData("hot", step, Bytes(15000, step)).ok());
-    Commit(**tier, {"hot"}, step, 15000);
-  }
-  // The first file held 2 KB of "cold" among 17 KB; it is gone, "cold" lives on.
+  RunAndKill([&] {
+    auto tier = OpenRocksColdTier(dir, /*log_file_bytes=*/16 << 10);
+    if (!tier.ok()) _exit(1);
+    // "cold" is written once, beside "hot" versions that are replaced every step.
+    if (!(*tier)->PutData("cold", 1, Bytes(2000, 7)).ok()) _exit(2);
+    if (!(*tier)->PutData("hot", 1, Bytes(15000, 1)).ok()) _exit(3);
+    ColdBatch first;
+    first.set_records.push_back({"cold", {1, 2000, 0}});
+    first.set_records.push_back({"hot", {1, 15000, 0}});
+    if (!(*tier)->Apply(first, true).ok()) _exit(4);
+    for (int64_t step = 2; step <= 40; ++step) {
+      if (!(*tier)->PutData("hot", step, Bytes(15000, step)).ok()) _exit(5);
+      Commit(**tier, {"hot"}, step, 15000);
+    }
+    // The first file held 2 KB of "cold" among 17 KB; it is gone, "cold" lives on.
+    if (std::filesystem::exists(dir + "/blobs/00000001.log")) _exit(6);
+    if (LogFiles(dir) > 3) _exit(7);
+    (void)(*tier)->PutData("hot", 41, Bytes(15000, 41));  // never committed
+  });
   EXPECT_FALSE(std::filesystem::exists(dir + "/blobs/00000001.log"));
-  EXPECT_LE(LogFiles(dir), 3);
-  tier->reset();
-  tier = OpenRocksColdTier(dir, 16 << 10);
+  auto tier = OpenRocksColdTier(dir, 16 << 10);
   ASSERT_TRUE(tier.ok()) << tier.status();
-  std::vector<uint8_t> out(2000);
-  ASSERT_TRUE((*tier)->ReadData("cold", 1, absl::MakeSpan(out)).ok());
-  EXPECT_EQ(out, Bytes(2000, 7));
+  auto contents = (*tier)->Load();
+  ASSERT_TRUE(contents.ok());
+  EXPECT_EQ(contents->records.at("hot").version, 40);
+  ASSERT_EQ(contents->data.size(), 2u);
+  std::vector<uint8_t> cold(2000), hot(15000);
+  ASSERT_TRUE((*tier)->ReadData("cold", 1, absl::MakeSpan(cold)).ok());
+  EXPECT_EQ(cold, Bytes(2000, 7));
+  ASSERT_TRUE((*tier)->ReadData("hot", 40, absl::MakeSpan(hot)).ok());
+  EXPECT_EQ(hot, Bytes(15000, 40));
+  EXPECT_EQ((*tier)->ReadData("hot", 41, absl::MakeSpan(hot)).code(), absl::StatusCode::kNotFound);
+}
+
+TEST(RocksColdTierTest, ASecondWriteOfACommittedVersionKeepsItsBytes) {
+  const std::string dir = testing::TempDir() + "/rocks_tier_rewrite";
+  std::filesystem::remove_all(dir);
+  auto tier = OpenRocksColdTier(dir);
+  ASSERT_TRUE(tier.ok()) << tier.status();
+  ASSERT_TRUE((*tier)->PutData("k", 3, Bytes(100, 1)).ok());
+  ColdBatch b;
+  b.set_records.push_back({"k", {3, 100, 0}});
+  ASSERT_TRUE((*tier)->Apply(b, true).ok());
+  ASSERT_TRUE((*tier)->PutData("k", 3, Bytes(100, 2)).ok());  // a stale retry
+  std::vector<uint8_t> out(100);
+  ASSERT_TRUE((*tier)->ReadData("k", 3, absl::MakeSpan(out)).ok());
+  EXPECT_EQ(out, Bytes(100, 1));
+  ASSERT_TRUE((*tier)->PutData("z", 1, {}).ok());  // an empty blob keeps its (empty) file
+  ColdBatch z;
+  z.set_records.push_back({"z", {1, 0, 0}});
+  ASSERT_TRUE((*tier)->Apply(z, true).ok());
+  tier->reset();
+  tier = OpenRocksColdTier(dir);
+  ASSERT_TRUE(tier.ok()) << tier.status();
+  ASSERT_TRUE((*tier)->ReadData("k", 3, absl::MakeSpan(out)).ok());
+  EXPECT_EQ(out, Bytes(100, 1));
+  EXPECT_TRUE((*tier)->ReadData("z", 1, {}).ok());
 }
 
 TEST(RocksColdTierTest, ReadsAndDropsBlobsStoredInsideRocksDbByEarlierStores) {

@@ -40,6 +40,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "common/status.h"
+#include "glog/logging.h"
 #include "rocksdb/db.h"
 #include "rocksdb/table.h"
 #include "rocksdb/utilities/checkpoint.h"
@@ -187,8 +188,9 @@ class RocksColdTier final : public ColdTier {
   RocksColdTier(std::unique_ptr<rocksdb::DB> db, std::string log_dir, uint64_t log_file_bytes)
       : db_(std::move(db)), log_dir_(std::move(log_dir)), log_file_bytes_(log_file_bytes) {}
 
-  // Opens the log files, indexes every location and legacy data entry, and drops what
-  // points nowhere and files nothing points into.
+  // Opens the log files and indexes every location and legacy data entry. A location
+  // whose bytes are missing is dropped unless a record names it (then: DATA_LOSS); files
+  // nothing points into are deleted.
   absl::Status Recover() {
     std::error_code ec;
     std::filesystem::create_directories(log_dir_, ec);
@@ -237,8 +239,14 @@ class RocksColdTier final : public ColdTier {
       l.persisted = true;
       auto f = files_.find(l.file);
       if (f == files_.end() || l.offset + l.size > f->second->end) {
-        // Its file went away after the version was dropped, before the drop was synced.
-        dangling.Delete(it->key());
+        std::string record;
+        if (db_->Get(rocksdb::ReadOptions(), RecordKey(key), &record).ok() && record.size() == 20 &&
+            std::memcmp(record.data(), &version, 8) == 0) {
+          return absl::DataLossError(absl::StrCat("committed version ", version,
+                                                  " of a blob names log file ", l.file,
+                                                  " bytes it does not have"));
+        }
+        dangling.Delete(it->key());  // a dropped version: nothing names it
         continue;
       }
       f->second->live += l.size;
@@ -252,10 +260,11 @@ class RocksColdTier final : public ColdTier {
       RETURN_IF_ERROR(ToStatus(db_->Write(sync, &dangling), "write batch"));
     }
     for (auto f = files_.begin(); f != files_.end();) {
-      if (f->second->live == 0) {
+      if (f->second->entries.empty()) {
         if (::unlink(f->second->path.c_str()) != 0) return Errno("unlink", f->second->path);
         f = files_.erase(f);
       } else {
+        f->second->closed_at = 0;
         ++f;
       }
     }
@@ -268,31 +277,24 @@ class RocksColdTier final : public ColdTier {
     uint64_t offset = 0;
     {
       std::lock_guard<std::mutex> lock(mu_);
+      RETURN_IF_ERROR(failed_);
       ASSIGN_OR_RETURN(file, OpenFileLocked());
       offset = file->end;
       file->end += bytes.size();
       ++file->writers;
     }
-    absl::Status written = PwriteAll(file->fd, bytes.data(), bytes.size(), offset, file->path);
+    const absl::Status written =
+        PwriteAll(file->fd, bytes.data(), bytes.size(), offset, file->path);
     uint64_t writeback_from = 0, writeback_to = 0;
-    bool replaced_persisted = false;
-    Location location{file->number, offset, bytes.size(), false};
     {
       std::lock_guard<std::mutex> lock(mu_);
-      --file->writers;
       file->dirty = true;
-      if (!written.ok()) {  // the reserved bytes stay dead space
-        MaybeEmptyLocked(*file);
-        return written;
+      if (written.ok()) {
+        IndexLocked({std::string(key), version}, Location{file->number, offset, bytes.size()},
+                    *file);
       }
-      auto [it, inserted] = index_.try_emplace({std::string(key), version}, location);
-      if (!inserted) {  // the same version written again (never a committed one)
-        replaced_persisted = it->second.persisted;
-        ReleaseLocked(it->first, it->second);
-        it->second = location;
-      }
-      file->live += bytes.size();
-      file->entries.insert(it->first);
+      --file->writers;
+      MaybeEmptyLocked(*file);  // the bytes may be dead space only
       if (file->end - file->writeback_from >= kWritebackBytes) {
         writeback_from = file->writeback_from;
         writeback_to = file->writeback_from = file->end;
@@ -304,14 +306,7 @@ class RocksColdTier final : public ColdTier {
                               static_cast<off_t>(writeback_to - writeback_from),
                               SYNC_FILE_RANGE_WRITE);
     }
-    if (replaced_persisted) {
-      // RocksDB still names the old bytes: name the new ones before those can go.
-      std::lock_guard<std::mutex> apply_lock(apply_mu_);
-      rocksdb::WriteBatch wb;
-      if (!MarkPersisted(key, version, location, &wb)) return absl::OkStatus();
-      return ToStatus(db_->Write(rocksdb::WriteOptions(), &wb), "write batch");
-    }
-    return absl::OkStatus();
+    return written;
   }
 
   absl::Status ReadData(absl::string_view key, int64_t version, absl::Span<uint8_t> out) override {
@@ -356,18 +351,13 @@ class RocksColdTier final : public ColdTier {
     // delete of it, and a synced one must not overtake another's sync still running.
     std::lock_guard<std::mutex> apply_lock(apply_mu_);
     rocksdb::WriteBatch wb;
-    std::vector<std::shared_ptr<LogFile>> to_sync;
-    std::vector<std::shared_ptr<LogFile>> to_delete;
-    std::vector<std::pair<IndexKey, Location>> marked;
-    bool sync_dir = false;
     {
       std::lock_guard<std::mutex> lock(mu_);
+      RETURN_IF_ERROR(failed_);
       for (const auto& r : batch.set_records) {
         wb.Put(RecordKey(r.key), EncodeRecord(r.record));
         auto it = index_.find({r.key, r.record.version});
-        if (it != index_.end() && MarkPersistedLocked(it->first, it->second, &wb)) {
-          marked.emplace_back(it->first, it->second);
-        }
+        if (it != index_.end()) NameLocked(it->first, it->second, &wb);
       }
       for (const auto& k : batch.delete_records) wb.Delete(RecordKey(k));
       for (const auto& d : batch.delete_data) {
@@ -384,42 +374,13 @@ class RocksColdTier final : public ColdTier {
         wb.Put(JobKey(job), rocksdb::Slice(reinterpret_cast<const char*>(&step), 8));
       }
       for (const auto& job : batch.delete_job_steps) wb.Delete(JobKey(job));
-      if (sync) {
-        for (auto& [number, file] : files_) {
-          if (file->dirty) to_sync.push_back(file);
-          file->dirty = false;
-        }
-        sync_dir = std::exchange(dir_dirty_, false);
-        // Files emptied before this batch: its synced write covers their drops.
-        to_delete.swap(empty_files_);
-      }
     }
-    absl::Status synced = SyncFiles(to_sync, sync_dir);
-    if (synced.ok()) {
-      rocksdb::WriteOptions options;
-      options.sync = sync;
-      synced = ToStatus(db_->Write(options, &wb), "write batch");
+    RETURN_IF_ERROR(WriteNamed(&wb, sync));
+    if (sync) {
+      // Best effort: the batch is durable whatever happens here.
+      if (absl::Status s = CopyForward(); !s.ok()) LOG(WARNING) << "cold tier: " << s;
     }
-    if (!synced.ok()) {
-      std::lock_guard<std::mutex> lock(mu_);
-      for (const auto& [key, l] : marked) {
-        auto it = index_.find(key);
-        if (it != index_.end() && it->second.file == l.file && it->second.offset == l.offset) {
-          it->second.persisted = false;
-        }
-      }
-      for (auto& file : to_sync) file->dirty = true;
-      dir_dirty_ = dir_dirty_ || sync_dir;
-      empty_files_.insert(empty_files_.end(), to_delete.begin(), to_delete.end());
-      return synced;
-    }
-    if (!sync) return absl::OkStatus();
-    for (auto& file : to_delete) (void)::unlink(file->path.c_str());
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      ++syncs_;
-    }
-    return CopyForward();
+    return absl::OkStatus();
   }
 
   absl::StatusOr<ColdContents> Load() override {
@@ -451,7 +412,7 @@ class RocksColdTier final : public ColdTier {
     rocksdb::Status s = rocksdb::Checkpoint::Create(db_.get(), &raw);
     if (!s.ok()) return ToStatus(s, "checkpoint");
     std::unique_ptr<rocksdb::Checkpoint> checkpoint(raw);
-    // The logs first: what the checkpoint's entries name is in them by then.
+    // The logs first (every location on disk names bytes already synced), then the tree.
     std::vector<std::string> paths;
     {
       std::lock_guard<std::mutex> lock(mu_);
@@ -460,18 +421,26 @@ class RocksColdTier final : public ColdTier {
     const std::string staging = dir + ".blobs";
     std::error_code ec;
     std::filesystem::remove_all(staging, ec);
-    std::filesystem::create_directories(staging, ec);
+    if (!std::filesystem::create_directories(staging, ec) || ec) {
+      return absl::InternalError(absl::StrCat("create ", staging, ": ", ec.message()));
+    }
     for (const std::string& path : paths) {
       const std::string to = staging + "/" + std::filesystem::path(path).filename().string();
       if (::link(path.c_str(), to.c_str()) != 0) {
         std::filesystem::copy_file(path, to, ec);
         if (ec) return absl::InternalError(absl::StrCat("copy ", path, ": ", ec.message()));
+        const int fd = ::open(to.c_str(), O_RDONLY | O_CLOEXEC);
+        if (fd < 0) return Errno("open", to);
+        const int rc = ::fdatasync(fd);
+        ::close(fd);
+        if (rc != 0) return Errno("sync", to);
       }
     }
+    RETURN_IF_ERROR(FsyncDir(staging));
     RETURN_IF_ERROR(ToStatus(checkpoint->CreateCheckpoint(dir), "checkpoint"));
     std::filesystem::rename(staging, dir + "/blobs", ec);
     if (ec) return absl::InternalError(absl::StrCat("checkpoint logs: ", ec.message()));
-    return absl::OkStatus();
+    return FsyncDir(dir);
   }
 
   uint64_t BackgroundJobs() override {
@@ -511,6 +480,20 @@ class RocksColdTier final : public ColdTier {
     return current_;
   }
 
+  // Indexes freshly written bytes of (key, version) in `file` (whose writers count
+  // includes the caller). A committed version's bytes never change: a second write of
+  // one (a stale retry, or a copy of what the store has) leaves dead space only.
+  void IndexLocked(const IndexKey& key, const Location& l, LogFile& file) {
+    auto [it, inserted] = index_.try_emplace(key, l);
+    if (!inserted) {
+      if (it->second.persisted) return;
+      ReleaseLocked(it->first, it->second);
+      it->second = l;
+    }
+    file.live += l.size;
+    file.entries.insert(it->first);
+  }
+
   // Takes a version's bytes out of its file's accounting.
   void ReleaseLocked(const IndexKey& key, const Location& l) {
     if (l.file == kLegacyFile) return;
@@ -531,24 +514,60 @@ class RocksColdTier final : public ColdTier {
     files_.erase(f);
   }
 
-  // Adds the location to `wb` unless RocksDB has it already; true if it did.
-  bool MarkPersistedLocked(const IndexKey& key, Location& l, rocksdb::WriteBatch* wb) {
-    if (l.persisted) return false;
+  // Adds the location to `wb` unless RocksDB has it already.
+  void NameLocked(const IndexKey& key, Location& l, rocksdb::WriteBatch* wb) {
+    if (l.persisted) return;
     wb->Put(LocationKey(key.first, key.second), EncodeLocation(l));
     l.persisted = true;
-    return true;
   }
 
-  // Under apply_mu_: adds the location of (key, version) to `wb` if it is still `l`.
-  bool MarkPersisted(absl::string_view key, int64_t version, const Location& l,
-                     rocksdb::WriteBatch* wb) {
-    std::lock_guard<std::mutex> lock(mu_);
-    auto it = index_.find({std::string(key), version});
-    if (it == index_.end() || it->second.file != l.file || it->second.offset != l.offset) {
-      return false;
+  // Under apply_mu_: writes `wb`, with the locations of versions copied forward. A synced
+  // write first fdatasyncs the logs (so no location reaches the disk before its bytes),
+  // then deletes the files emptied before it. A failed sync or write stops the tier: what
+  // the kernel or RocksDB holds is then unknown, and a restart recovers from the disk.
+  absl::Status WriteNamed(rocksdb::WriteBatch* wb, bool sync) {
+    std::vector<std::shared_ptr<LogFile>> to_sync, to_delete;
+    bool sync_dir = false;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      RETURN_IF_ERROR(failed_);
+      for (const IndexKey& key : moved_) {
+        auto it = index_.find(key);
+        if (it != index_.end()) NameLocked(it->first, it->second, wb);
+      }
+      moved_.clear();
+      if (sync) {
+        for (auto& [number, file] : files_) {
+          if (file->dirty) to_sync.push_back(file);
+          file->dirty = false;
+        }
+        sync_dir = std::exchange(dir_dirty_, false);
+        to_delete.swap(empty_files_);  // emptied before this write, which covers their drops
+      }
     }
-    MarkPersistedLocked(it->first, it->second, wb);
-    return true;
+    absl::Status s;
+    for (const auto& file : to_sync) {
+      if (::fdatasync(file->fd) != 0) {
+        s = Errno("sync", file->path);
+        break;
+      }
+    }
+    if (s.ok() && sync_dir) s = FsyncDir(log_dir_);
+    if (s.ok()) {
+      rocksdb::WriteOptions options;
+      options.sync = sync;
+      s = ToStatus(db_->Write(options, wb), "write batch");
+    }
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!s.ok()) {
+      failed_ = absl::Status(s.code(), absl::StrCat("cold tier stopped after: ", s.message()));
+      LOG(ERROR) << failed_;
+      return failed_;
+    }
+    if (!sync) return absl::OkStatus();
+    ++syncs_;
+    for (auto& file : to_delete) (void)::unlink(file->path.c_str());
+    return absl::OkStatus();
   }
 
   absl::StatusOr<bool> Find(absl::string_view key, int64_t version, std::shared_ptr<LogFile>* file,
@@ -562,8 +581,9 @@ class RocksColdTier final : public ColdTier {
     *l = it->second;
     if (l->file == kLegacyFile) return true;
     auto f = files_.find(l->file);
-    if (f == files_.end())
+    if (f == files_.end()) {
       return absl::DataLossError(absl::StrCat("log file ", l->file, " is gone"));
+    }
     *file = f->second;
     return false;
   }
@@ -593,15 +613,8 @@ class RocksColdTier final : public ColdTier {
     return ColdRead{reinterpret_cast<const uint8_t*>(value.data()), value.size(), pin};
   }
 
-  absl::Status SyncFiles(const std::vector<std::shared_ptr<LogFile>>& files, bool sync_dir) {
-    for (const auto& file : files) {
-      if (::fdatasync(file->fd) != 0) return Errno("sync", file->path);
-    }
-    return sync_dir ? FsyncDir(log_dir_) : absl::OkStatus();
-  }
-
-  // Under apply_mu_: copies the live versions of one mostly-dead closed file into the
-  // open one, names the copies durably, and lets the file go.
+  // Under apply_mu_: copies the live versions of one mostly-dead file, closed for a while,
+  // into the open one and names the copies durably; the file goes with that write.
   absl::Status CopyForward() {
     std::shared_ptr<LogFile> victim;
     std::vector<std::pair<IndexKey, Location>> moving;
@@ -618,80 +631,69 @@ class RocksColdTier final : public ColdTier {
       }
       if (victim == nullptr) return absl::OkStatus();
       for (const IndexKey& key : victim->entries) moving.emplace_back(key, index_.at(key));
+      ++victim->writers;  // stays while its bytes are read
     }
     std::vector<uint8_t> buffer;
+    absl::Status s;
     for (auto& [key, from] : moving) {
       buffer.resize(from.size);
-      RETURN_IF_ERROR(PreadAll(victim->fd, buffer.data(), from.size, from.offset, victim->path));
+      s = PreadAll(victim->fd, buffer.data(), from.size, from.offset, victim->path);
+      if (!s.ok()) break;
       std::shared_ptr<LogFile> file;
       uint64_t offset;
       {
         std::lock_guard<std::mutex> lock(mu_);
-        ASSIGN_OR_RETURN(file, OpenFileLocked());
+        absl::StatusOr<std::shared_ptr<LogFile>> opened = OpenFileLocked();
+        if (!opened.ok()) {
+          s = opened.status();
+          break;
+        }
+        file = *std::move(opened);
         offset = file->end;
         file->end += from.size;
         ++file->writers;
       }
-      const absl::Status written =
-          PwriteAll(file->fd, buffer.data(), from.size, offset, file->path);
+      s = PwriteAll(file->fd, buffer.data(), from.size, offset, file->path);
       std::lock_guard<std::mutex> lock(mu_);
-      --file->writers;
       file->dirty = true;
-      if (!written.ok()) {
-        MaybeEmptyLocked(*file);
-        return written;
-      }
       auto it = index_.find(key);
-      if (it == index_.end() || it->second.file != from.file || it->second.offset != from.offset) {
-        continue;  // dropped or written again meanwhile: the copy is dead space
-      }
-      const bool persisted = it->second.persisted;
-      ReleaseLocked(it->first, it->second);
-      it->second = Location{file->number, offset, from.size, false};
-      file->live += from.size;
-      file->entries.insert(it->first);
-      // A version RocksDB names must be named at its new place before the old goes.
-      if (persisted) pending_moves_.push_back(it->first);
+      if (s.ok() && it != index_.end() && it->second.file == from.file &&
+          it->second.offset == from.offset) {
+        const bool persisted = it->second.persisted;
+        ReleaseLocked(it->first, it->second);
+        it->second = Location{file->number, offset, from.size, false};
+        file->live += from.size;
+        file->entries.insert(it->first);
+        // RocksDB names the old place: the new one is named before the old file goes.
+        if (persisted) moved_.push_back(it->first);
+      }  // else dropped or written again meanwhile: the copy is dead space
+      --file->writers;
+      MaybeEmptyLocked(*file);
+      if (!s.ok()) break;
     }
-    rocksdb::WriteBatch wb;
-    std::vector<std::shared_ptr<LogFile>> to_sync;
-    bool sync_dir;
-    std::vector<std::shared_ptr<LogFile>> to_delete;
     {
       std::lock_guard<std::mutex> lock(mu_);
-      for (const IndexKey& key : pending_moves_) {
-        auto it = index_.find(key);
-        if (it != index_.end()) MarkPersistedLocked(it->first, it->second, &wb);
-      }
-      pending_moves_.clear();
-      for (auto& [number, file] : files_) {
-        if (file->dirty) to_sync.push_back(file);
-        file->dirty = false;
-      }
-      sync_dir = std::exchange(dir_dirty_, false);
-      to_delete.swap(empty_files_);
+      --victim->writers;
+      MaybeEmptyLocked(*victim);
     }
-    RETURN_IF_ERROR(SyncFiles(to_sync, sync_dir));
-    rocksdb::WriteOptions options;
-    options.sync = true;
-    RETURN_IF_ERROR(ToStatus(db_->Write(options, &wb), "write batch"));
-    for (auto& file : to_delete) (void)::unlink(file->path.c_str());
-    return absl::OkStatus();
+    RETURN_IF_ERROR(s);
+    rocksdb::WriteBatch wb;
+    return WriteNamed(&wb, /*sync=*/true);
   }
 
   const std::unique_ptr<rocksdb::DB> db_;
   const std::string log_dir_;
   const uint64_t log_file_bytes_;
-  std::mutex apply_mu_;  // held by Apply, Checkpoint and a rewrite of a persisted location
-  std::mutex mu_;        // guards what follows; never held across file or RocksDB I/O
-                         // (except creating a log file)
+  std::mutex apply_mu_;  // held by Apply and Checkpoint: one RocksDB batch at a time
+  std::mutex mu_;        // guards what follows; held across no I/O but a log file's creation
+  absl::Status failed_;  // set once a sync or batch write fails: the tier refuses all else
   std::map<IndexKey, Location> index_;
   std::map<uint64_t, std::shared_ptr<LogFile>> files_;  // by number; emptied ones leave
   std::shared_ptr<LogFile> current_;                    // where new bytes go
   std::vector<std::shared_ptr<LogFile>> empty_files_;   // to delete after the next sync
-  std::vector<IndexKey> pending_moves_;                 // copied forward, to name durably
+  std::vector<IndexKey> moved_;  // copied forward while RocksDB names the old place
   uint64_t next_file_ = 1;
-  uint64_t syncs_ = 0;      // synced Applies so far
+  uint64_t syncs_ = 0;      // synced writes so far
   bool dir_dirty_ = false;  // a log file was created since the last directory sync
 };
 
