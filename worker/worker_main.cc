@@ -111,6 +111,7 @@ absl::Status Run() {
 }  // namespace
 
 int main(int argc, char** argv) {
+  pith::compute::ReexecWithBetterBlasCore(argv);
   pith::InitProcess(argc, argv,
                     "runs Pith training steps.\n"
                     "Usage: pith-worker --coordinator=HOST:PORT [--metrics_port=PORT "

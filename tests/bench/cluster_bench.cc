@@ -6,9 +6,10 @@
 //   compactness (expert weights + master + moments) / one worker's cache bytes, and the
 //               step time ratio at that setting
 //   pytorch     tokens/s of the cluster / tokens/s of tests/golden/moe_gpt_reference.py
-//               training the same spec in one process (when /usr/bin/python3 has torch)
-// Step times are the coordinator's per-step wall times (commit to commit), averaged over
-// the steps after the first three.
+//               training the same spec in one process (when /usr/bin/python3 has torch),
+//               with the OpenBLAS kernels pith-worker picks (BetterBlasCore)
+// Step times are the coordinator's per-step wall times (commit to commit) and PyTorch's
+// own per-step times, each averaged over the steps after the first three (no start-up).
 // Usage: cluster_bench [--steps=N] [--repo=DIR]
 #include <chrono>
 #include <cstdio>
@@ -16,6 +17,7 @@
 #include <filesystem>
 #include <fstream>
 #include <memory>
+#include <optional>
 #include <sstream>
 #include <string>
 #include <thread>
@@ -25,6 +27,7 @@
 #include "google/protobuf/util/json_util.h"
 #include "grpcpp/grpcpp.h"
 #include "pith/v1/job.grpc.pb.h"
+#include "worker/compute/cpu_backend.h"
 
 namespace {
 
@@ -140,14 +143,25 @@ double PytorchTokensPerSecond(const std::string& dir) {
                    dir + "/init.log");
     if (w.Wait(60) != 0) return 0;
   }
+  // The kernels pith-worker runs with (it re-executes itself with them), so both sides
+  // multiply with the same sgemm.
+  const std::optional<std::string> core = pith::compute::BetterBlasCore();
   const std::string command =
-      "/usr/bin/python3 " + g_repo + "/tests/golden/moe_gpt_reference.py --spec " + spec +
-      " --init " + init + " --loss_log " + dir + "/torch.log > " + dir + "/torch.out 2>&1";
-  const auto start = std::chrono::steady_clock::now();
+      (core ? "OPENBLAS_CORETYPE=" + *core + " " : std::string()) + "/usr/bin/python3 " + g_repo +
+      "/tests/golden/moe_gpt_reference.py --spec " + spec + " --init " + init + " --loss_log " +
+      dir + "/torch.log --step_times " + dir + "/torch_times.txt > " + dir + "/torch.out 2>&1";
   if (std::system(command.c_str()) != 0) return 0;
-  const double seconds =
-      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-  return g_steps * 16.0 * 64.0 / seconds;
+  std::ifstream times(dir + "/torch_times.txt");
+  int step;
+  double seconds, total = 0;
+  int counted = 0;
+  while (times >> step >> seconds) {
+    if (step <= 3) continue;
+    total += seconds;
+    ++counted;
+  }
+  if (counted == 0) return 0;
+  return counted * 16.0 * 64.0 / total;
 }
 
 }  // namespace

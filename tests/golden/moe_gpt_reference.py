@@ -15,6 +15,7 @@ import math
 import os
 import struct
 import sys
+import time
 
 import torch
 import torch.nn.functional as F
@@ -271,6 +272,7 @@ def main():
     ap.add_argument("--tokens")
     ap.add_argument("--steps", type=int)
     ap.add_argument("--loss_log")
+    ap.add_argument("--step_times", help="with --loss_log: write '<step> <seconds>' per step here")
     ap.add_argument("--eval", type=int, metavar="BATCHES",
                     help="with --spec/--init/--tokens: print the mean loss of the weights over "
                          "this many global batches instead of training")
@@ -295,9 +297,20 @@ def main():
             print(f"eval rows={args.eval * B} tokens={args.eval * B * T} "
                   f"ce={ce_sum / args.eval:.9g} loss={loss_sum / args.eval:.9g}")
             return
+        times = open(args.step_times, "w") if args.step_times else None
+        last = [time.perf_counter()]
+
+        def on_step(s, lo, c, a, zz):
+            log.write(f"{s + 1} {lo:.9g} {c:.9g}\n")
+            if times:
+                now = time.perf_counter()
+                times.write(f"{s + 1} {now - last[0]:.6f}\n")
+                last[0] = now
+
         with open(args.loss_log, "w") as log:
-            train(spec, weights, tokens, steps,
-                  lambda s, lo, c, a, zz: log.write(f"{s + 1} {lo:.9g} {c:.9g}\n"))
+            train(spec, weights, tokens, steps, on_step)
+        if times:
+            times.close()
         return
     if not args.out_dir:
         ap.error("give an output folder, or --spec/--init/--loss_log")

@@ -2,6 +2,7 @@
 #include "worker/compute/cpu_backend.h"
 
 #include <cblas.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <bit>
@@ -22,6 +23,36 @@ constexpr float kLayerNormEps = 1e-5f;
 int64_t RowGrain(int channels) { return std::max<int64_t>(1, 16384 / std::max(1, channels)); }
 
 }  // namespace
+
+std::optional<std::string> BetterBlasCore() {
+  const std::string picked = openblas_get_corename();
+  // The pre-AVX2 cores OpenBLAS falls back to.
+  for (const char* old : {"Prescott", "Core2", "Penryn", "Dunnington", "Nehalem", "Atom",
+                          "Sandybridge", "Katmai", "Coppermine", "Northwood", "Banias"}) {
+    if (picked != old) continue;
+    if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+        __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq")) {
+      return "SkylakeX";
+    }
+    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return "Haswell";
+    return std::nullopt;
+  }
+  return std::nullopt;
+}
+
+void ReexecWithBetterBlasCore(char** argv) {
+  if (std::getenv("OPENBLAS_CORETYPE") != nullptr) return;
+  const std::optional<std::string> core = BetterBlasCore();
+  if (!core) return;
+  // The program's own path, not /proc/self/exe: the process keeps its name.
+  char path[4096];
+  const ssize_t n = ::readlink("/proc/self/exe", path, sizeof(path) - 1);
+  if (n <= 0) return;
+  path[n] = '\0';
+  ::setenv("OPENBLAS_CORETYPE", core->c_str(), 1);
+  ::execv(path, argv);
+  ::unsetenv("OPENBLAS_CORETYPE");  // the exec failed: go on with the kernels we have
+}
 
 CpuBackend::CpuBackend(int threads) : pool_(threads) { openblas_set_num_threads(pool_.size()); }
 

@@ -10,12 +10,26 @@
 #define PITH_WORKER_COMPUTE_CPU_BACKEND_H_
 
 #include <memory>
+#include <optional>
+#include <string>
 #include <vector>
 
 #include "worker/compute/backend.h"
 #include "worker/compute/thread_pool.h"
 
 namespace pith::compute {
+
+// OpenBLAS picks its kernels by CPU model, and on a model it does not know (virtual
+// machines report generic ones) it falls back to Prescott's SSE3 kernels: sgemm 2-4x
+// slower than the AVX2 or AVX-512 ones the CPU runs. Returns the OPENBLAS_CORETYPE to
+// name when this process's OpenBLAS made such a fallback pick ("SkylakeX", "Haswell"),
+// else nullopt.
+std::optional<std::string> BetterBlasCore();
+
+// If BetterBlasCore() names one and OPENBLAS_CORETYPE is unset, sets it and re-executes
+// this program with `argv` (OpenBLAS reads it only as it loads); returns if it does not.
+// Call first thing in main, before any thread starts.
+void ReexecWithBetterBlasCore(char** argv);
 
 class CpuBackend final : public Backend {
  public:
