@@ -1,6 +1,7 @@
 #include "server/store/store_client.h"
 
 #include <cstring>
+#include <map>
 
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/notification.h"
@@ -213,6 +214,9 @@ absl::Status StoreClient::Fetch(int peer, absl::Span<FetchItem> items, absl::Dur
 absl::Status StoreClient::PutMany(absl::Span<PutItem> items, absl::Duration timeout) {
   std::vector<std::shared_ptr<Pending>> pendings;
   std::vector<std::pair<uint64_t, std::string>> headers;
+  // One checksum per buffer: a blob goes to each store of its group, and a buffer can
+  // hold two kinds (fp32 weights are their own master copy).
+  std::map<std::pair<const void*, size_t>, uint32_t> crcs;
   for (PutItem& item : items) {
     auto pending = std::make_shared<Pending>();
     pending->peer = item.peer;
@@ -222,7 +226,9 @@ absl::Status StoreClient::PutMany(absl::Span<PutItem> items, absl::Duration time
     *request.mutable_key() = item.key;
     request.set_version(item.version);
     request.set_size(item.size);
-    request.set_crc32c(Crc32c(item.data, item.size));
+    auto [crc, fresh] = crcs.try_emplace({item.data, item.size}, 0);
+    if (fresh) crc->second = Crc32c(item.data, item.size);
+    request.set_crc32c(crc->second);
     headers.emplace_back(request.request_id(), request.SerializeAsString());
     pendings.push_back(std::move(pending));
   }
