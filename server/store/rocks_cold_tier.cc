@@ -50,7 +50,7 @@
 namespace pith::store {
 namespace {
 
-constexpr uint64_t kWritebackBytes = 8ull << 20;  // start writeback every this many bytes
+constexpr uint64_t kWritebackBytes = 256ull << 10;  // start writeback every this many bytes
 constexpr uint64_t kLegacyFile = 0;               // bytes held in RocksDB ('D')
 constexpr uint64_t kCopyForwardAge = 16;          // synced Applies a file stays closed first
 
