@@ -225,8 +225,11 @@ absl::StatusOr<v1::BlobInfo> BlobStore::FinishPut(PutReservation r,
   }
   const std::string encoded = EncodeBlobKey(r.key_);
   // The bytes go to the cold tier before the version exists anywhere, so every version a
-  // reader can see survives a crash once its step commits.
-  RETURN_IF_ERROR(cold_->PutData(encoded, r.version_, {r.data_, r.size_}));
+  // reader can see survives a crash once its step commits. fp32 weights are their own
+  // master copy: bytes equal to the other kind's of the same version are stored once.
+  if (!LinkToSibling(r, encoded, crc)) {
+    RETURN_IF_ERROR(cold_->PutData(encoded, r.version_, {r.data_, r.size_}));
+  }
   std::lock_guard<std::mutex> lock(mu_);
   Blob& blob = blobs_[encoded];
   if (blob.versions.empty() && blob.committed < 0) blob.key = r.key_;
@@ -253,6 +256,30 @@ absl::StatusOr<v1::BlobInfo> BlobStore::FinishPut(PutReservation r,
   if (metrics_) metrics_->puts->Increment();
   UpdateGaugesLocked();
   return InfoLocked(blob, v);
+}
+
+bool BlobStore::LinkToSibling(const PutReservation& r, const std::string& encoded, uint32_t crc) {
+  const v1::BlobKind kind = r.key_.kind();
+  if (kind != v1::BLOB_KIND_WEIGHTS && kind != v1::BLOB_KIND_MASTER) return false;
+  v1::BlobKey sibling_key = r.key_;
+  sibling_key.set_kind(kind == v1::BLOB_KIND_WEIGHTS ? v1::BLOB_KIND_MASTER
+                                                     : v1::BLOB_KIND_WEIGHTS);
+  const std::string sibling = EncodeBlobKey(sibling_key);
+  std::shared_ptr<RamBlock> block;  // pins the sibling's bytes for the comparison
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = blobs_.find(sibling);
+    if (it == blobs_.end()) return false;
+    auto v = it->second.versions.find(r.version_);
+    if (v == it->second.versions.end() || v->second.size != r.size_ || v->second.crc != crc) {
+      return false;
+    }
+    block = v->second.ram;
+  }
+  if (block == nullptr || std::memcmp(arena_ + block->offset(), r.data_, r.size_) != 0) {
+    return false;
+  }
+  return cold_->LinkData(encoded, r.version_, sibling, r.version_).ok();
 }
 
 absl::StatusOr<v1::BlobInfo> BlobStore::Put(const v1::BlobKey& key, int64_t version,

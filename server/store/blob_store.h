@@ -195,6 +195,9 @@ class BlobStore {
   // Drops one version from RAM and the cold tier bookkeeping. Requires mu_.
   void EraseVersionLocked(const std::string& key, Blob& blob, int64_t version, ColdBatch* batch);
   void UpdateGaugesLocked();
+  // Stores the bytes of `r` by sharing those of the same version of its other kind
+  // (weights <-> master) when they are equal; false when they are not (or not there).
+  bool LinkToSibling(const PutReservation& r, const std::string& encoded, uint32_t crc);
 
   const BlobStoreOptions options_;
   const std::unique_ptr<ColdTier> cold_;

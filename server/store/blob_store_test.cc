@@ -77,6 +77,10 @@ class BlobStoreTest : public ::testing::Test {
     absl::Status PutData(absl::string_view k, int64_t v, absl::Span<const uint8_t> b) override {
       return t_->PutData(k, v, b);
     }
+    absl::Status LinkData(absl::string_view k, int64_t v, absl::string_view sk,
+                          int64_t sv) override {
+      return t_->LinkData(k, v, sk, sv);
+    }
     absl::Status ReadData(absl::string_view k, int64_t v, absl::Span<uint8_t> o) override {
       return t_->ReadData(k, v, o);
     }
@@ -483,6 +487,83 @@ TEST(RocksColdTierTest, ASecondWriteOfACommittedVersionKeepsItsBytes) {
   ASSERT_TRUE((*tier)->ReadData("k", 3, absl::MakeSpan(out)).ok());
   EXPECT_EQ(out, Bytes(100, 1));
   EXPECT_TRUE((*tier)->ReadData("z", 1, {}).ok());
+}
+
+uint64_t LogBytes(const std::string& dir) {
+  uint64_t n = 0;
+  for (const auto& e : std::filesystem::directory_iterator(dir + "/blobs")) n += e.file_size();
+  return n;
+}
+
+TEST(RocksColdTierTest, WeightsAndAnEqualMasterAreStoredOnce) {
+  const std::string dir = testing::TempDir() + "/rocks_tier_link";
+  std::filesystem::remove_all(dir);
+  Buffer arena = *Buffer::Allocate(4 << 20);
+  BlobStoreOptions options;
+  options.ram_bytes = 4 << 20;
+  options.max_blob_bytes = 1 << 20;
+  const auto w1 = Bytes(50000, 1), m1 = Bytes(50000, 2), w2 = Bytes(50000, 3),
+             master2 = Bytes(50000, 4);
+  const auto weights = Expert(0, 1, v1::BLOB_KIND_WEIGHTS),
+             master = Expert(0, 1, v1::BLOB_KIND_MASTER),
+             moment = Expert(0, 1, v1::BLOB_KIND_ADAM_M);
+  {
+    auto store = BlobStore::Open(options, *OpenRocksColdTier(dir), arena.data());
+    ASSERT_TRUE(store.ok()) << store.status();
+    ASSERT_TRUE((*store)->Put(weights, 1, w1).ok());
+    ASSERT_TRUE((*store)->Put(master, 1, w1).ok());  // fp32: the same bytes
+    ASSERT_TRUE((*store)->Put(moment, 1, m1).ok());
+    ASSERT_TRUE((*store)->CommitStep("job-1", 1).ok());
+    EXPECT_EQ(LogBytes(dir), 2 * 50000u);  // weights and master share theirs
+    // Step 2 replaces the weights only: master's version 1 keeps the shared bytes.
+    ASSERT_TRUE((*store)->Put(weights, 2, w2).ok());
+    ASSERT_TRUE((*store)->CommitStep("job-1", 2).ok());
+    // Step 3: a master different from the weights is stored apart; an aborted pair that
+    // shared bytes takes nothing with it.
+    ASSERT_TRUE((*store)->Put(master, 3, master2).ok());
+    ASSERT_TRUE((*store)->CommitStep("job-1", 3).ok());
+    ASSERT_TRUE((*store)->Put(weights, 4, m1).ok());
+    ASSERT_TRUE((*store)->Put(master, 4, m1).ok());
+    ASSERT_TRUE((*store)->AbortStep("job-1", 4).ok());
+  }
+  auto store = BlobStore::Open(options, *OpenRocksColdTier(dir), arena.data());
+  ASSERT_TRUE(store.ok()) << store.status();
+  auto read = [&](const v1::BlobKey& k) {
+    auto ref = (*store)->Get(k);
+    EXPECT_TRUE(ref.ok()) << ref.status();
+    return ref.ok() ? std::vector<uint8_t>(ref->data(), ref->data() + ref->size())
+                    : std::vector<uint8_t>();
+  };
+  EXPECT_EQ(read(weights), w2);
+  EXPECT_EQ(read(master), master2);
+  EXPECT_EQ(read(moment), m1);
+}
+
+TEST(RocksColdTierTest, ASharedVersionOutlivesTheOneItWasLinkedTo) {
+  const std::string dir = testing::TempDir() + "/rocks_tier_link2";
+  std::filesystem::remove_all(dir);
+  Buffer arena = *Buffer::Allocate(4 << 20);
+  BlobStoreOptions options;
+  options.ram_bytes = 4 << 20;
+  options.max_blob_bytes = 1 << 20;
+  const auto w1 = Bytes(50000, 1), w2 = Bytes(50000, 3);
+  const auto weights = Expert(0, 1, v1::BLOB_KIND_WEIGHTS),
+             master = Expert(0, 1, v1::BLOB_KIND_MASTER);
+  {
+    auto store = BlobStore::Open(options, *OpenRocksColdTier(dir), arena.data());
+    ASSERT_TRUE(store.ok()) << store.status();
+    ASSERT_TRUE((*store)->Put(weights, 1, w1).ok());
+    ASSERT_TRUE((*store)->Put(master, 1, w1).ok());
+    ASSERT_TRUE((*store)->CommitStep("job-1", 1).ok());
+    ASSERT_TRUE((*store)->Put(weights, 2, w2).ok());  // master stays at version 1
+    ASSERT_TRUE((*store)->CommitStep("job-1", 2).ok());
+  }
+  auto store = BlobStore::Open(options, *OpenRocksColdTier(dir), arena.data());
+  ASSERT_TRUE(store.ok()) << store.status();
+  auto ref = (*store)->Get(master);
+  ASSERT_TRUE(ref.ok()) << ref.status();
+  EXPECT_EQ(ref->version(), 1);
+  EXPECT_EQ(std::vector<uint8_t>(ref->data(), ref->data() + ref->size()), w1);
 }
 
 TEST(RocksColdTierTest, ReadsAndDropsBlobsStoredInsideRocksDbByEarlierStores) {

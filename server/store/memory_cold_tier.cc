@@ -14,6 +14,15 @@ absl::Status MemoryColdTier::PutData(absl::string_view key, int64_t version,
   return absl::OkStatus();
 }
 
+absl::Status MemoryColdTier::LinkData(absl::string_view key, int64_t version,
+                                      absl::string_view source_key, int64_t source_version) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = live_.data.find({std::string(source_key), source_version});
+  if (it == live_.data.end()) return absl::NotFoundError("no such blob version to share");
+  live_.data[{std::string(key), version}] = it->second;  // a copy: the tier is for tests
+  return absl::OkStatus();
+}
+
 absl::Status MemoryColdTier::ReadData(absl::string_view key, int64_t version,
                                       absl::Span<uint8_t> out) {
   std::lock_guard<std::mutex> lock(mu_);

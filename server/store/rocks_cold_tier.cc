@@ -51,8 +51,8 @@ namespace pith::store {
 namespace {
 
 constexpr uint64_t kWritebackBytes = 256ull << 10;  // start writeback every this many bytes
-constexpr uint64_t kLegacyFile = 0;               // bytes held in RocksDB ('D')
-constexpr uint64_t kCopyForwardAge = 16;          // synced Applies a file stays closed first
+constexpr uint64_t kLegacyFile = 0;                 // bytes held in RocksDB ('D')
+constexpr uint64_t kCopyForwardAge = 16;            // synced Applies a file stays closed first
 
 std::string VersionedKey(char space, absl::string_view key, int64_t version) {
   std::string out(1, space);
@@ -307,6 +307,22 @@ class RocksColdTier final : public ColdTier {
                               SYNC_FILE_RANGE_WRITE);
     }
     return written;
+  }
+
+  // Another location entry for the same bytes: the file stays while either is indexed.
+  absl::Status LinkData(absl::string_view key, int64_t version, absl::string_view source_key,
+                        int64_t source_version) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    RETURN_IF_ERROR(failed_);
+    auto src = index_.find({std::string(source_key), source_version});
+    if (src == index_.end() || src->second.file == kLegacyFile) {
+      return absl::NotFoundError("no such blob version in a log file to share");
+    }
+    auto f = files_.find(src->second.file);
+    if (f == files_.end()) return absl::NotFoundError("the log file is gone");
+    IndexLocked({std::string(key), version},
+                Location{src->second.file, src->second.offset, src->second.size}, *f->second);
+    return absl::OkStatus();
   }
 
   absl::Status ReadData(absl::string_view key, int64_t version, absl::Span<uint8_t> out) override {
