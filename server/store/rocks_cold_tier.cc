@@ -25,6 +25,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstring>
 #include <filesystem>
@@ -110,7 +111,10 @@ absl::Status Errno(absl::string_view what, const std::string& path) {
 // One append-only file of blob bytes. Owns its descriptor; mappings of it outlive it.
 struct LogFile {
   LogFile(uint64_t n, std::string p, int f) : number(n), path(std::move(p)), fd(f) {}
-  ~LogFile() { ::close(fd); }
+  ~LogFile() {
+    if (map != nullptr) ::munmap(map, map_length);
+    ::close(fd);
+  }
   LogFile(const LogFile&) = delete;
   LogFile& operator=(const LogFile&) = delete;
 
@@ -125,6 +129,11 @@ struct LogFile {
   uint64_t writeback_from = 0;  // first byte no writeback was started for
   uint64_t closed_at = 0;       // the tier's synced-Apply count when it stopped taking bytes
   std::set<std::pair<std::string, int64_t>> entries;  // indexed versions in it
+  // A read-only mapping of the file's first map_length bytes (its capacity, past the
+  // bytes written so far: only written ranges are ever touched), made on the first read.
+  std::once_flag map_once;
+  void* map = nullptr;
+  uint64_t map_length = 0;
 };
 
 // Where one version's bytes are.
@@ -343,13 +352,26 @@ class RocksColdTier final : public ColdTier {
     return absl::OkStatus();
   }
 
-  // Maps the bytes (the page cache, no copy); the mapping outlives the file's deletion.
+  // The bytes in place through the file's mapping (the page cache, no copy); the pin
+  // keeps the file, and its mapping, after the file is deleted.
   absl::StatusOr<ColdRead> ReadPinned(absl::string_view key, int64_t version) override {
     std::shared_ptr<LogFile> file;
     Location l;
     ASSIGN_OR_RETURN(bool legacy, Find(key, version, &file, &l));
     if (legacy) return ReadLegacy(key, version);
     if (l.size == 0) return ColdRead{nullptr, 0, nullptr};
+    std::call_once(file->map_once, [&] {
+      const uint64_t length = std::max(log_file_bytes_, l.offset + l.size);
+      void* mapped = ::mmap(nullptr, length, PROT_READ, MAP_SHARED, file->fd, 0);
+      if (mapped == MAP_FAILED) return;  // each read maps its own range instead
+      file->map = mapped;
+      file->map_length = length;
+    });
+    if (file->map != nullptr && l.offset + l.size <= file->map_length) {
+      const uint8_t* data = static_cast<const uint8_t*>(file->map) + l.offset;
+      return ColdRead{data, l.size, std::move(file)};
+    }
+    // Past the capacity (one blob larger than the rest of the file): its own mapping.
     static const uint64_t page = static_cast<uint64_t>(::sysconf(_SC_PAGESIZE));
     const uint64_t start = l.offset / page * page;
     const uint64_t length = l.offset + l.size - start;
