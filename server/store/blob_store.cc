@@ -279,7 +279,7 @@ bool BlobStore::LinkToSibling(const PutReservation& r, const std::string& encode
   if (block == nullptr || std::memcmp(arena_ + block->offset(), r.data_, r.size_) != 0) {
     return false;
   }
-  return cold_->LinkData(encoded, r.version_, sibling, r.version_).ok();
+  return cold_->LinkData(encoded, r.version_, sibling, r.version_, r.size_).ok();
 }
 
 absl::StatusOr<v1::BlobInfo> BlobStore::Put(const v1::BlobKey& key, int64_t version,

@@ -77,9 +77,9 @@ class BlobStoreTest : public ::testing::Test {
     absl::Status PutData(absl::string_view k, int64_t v, absl::Span<const uint8_t> b) override {
       return t_->PutData(k, v, b);
     }
-    absl::Status LinkData(absl::string_view k, int64_t v, absl::string_view sk,
-                          int64_t sv) override {
-      return t_->LinkData(k, v, sk, sv);
+    absl::Status LinkData(absl::string_view k, int64_t v, absl::string_view sk, int64_t sv,
+                          uint64_t n) override {
+      return t_->LinkData(k, v, sk, sv, n);
     }
     absl::Status ReadData(absl::string_view k, int64_t v, absl::Span<uint8_t> o) override {
       return t_->ReadData(k, v, o);
@@ -420,6 +420,7 @@ void RunAndKill(const std::function<void()>& body) {
   ASSERT_GE(pid, 0);
   if (pid == 0) {
     body();
+    if (::testing::Test::HasFailure()) _exit(9);  // an assertion in the child failed
     kill(getpid(), SIGKILL);
   }
   int status = 0;

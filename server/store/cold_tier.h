@@ -74,10 +74,12 @@ class ColdTier {
   // Stores the bytes of (key, version); durable at the next synced Apply at the latest.
   virtual absl::Status PutData(absl::string_view key, int64_t version,
                                absl::Span<const uint8_t> bytes) = 0;
-  // Makes (key, version) share the stored bytes of (source_key, source_version), durable as
-  // PutData's. NOT_FOUND when the tier cannot (write the bytes with PutData instead).
+  // Makes (key, version) share the stored bytes of (source_key, source_version), `size`
+  // bytes, durable as PutData's. NOT_FOUND when the tier cannot (no such version of that
+  // size: write the bytes with PutData instead).
   virtual absl::Status LinkData(absl::string_view key, int64_t version,
-                                absl::string_view source_key, int64_t source_version) = 0;
+                                absl::string_view source_key, int64_t source_version,
+                                uint64_t size) = 0;
   // Reads exactly out.size() bytes of (key, version). NOT_FOUND if absent, DATA_LOSS if the
   // stored size differs.
   virtual absl::Status ReadData(absl::string_view key, int64_t version,
@@ -107,7 +109,7 @@ class MemoryColdTier final : public ColdTier {
   absl::Status PutData(absl::string_view key, int64_t version,
                        absl::Span<const uint8_t> bytes) override;
   absl::Status LinkData(absl::string_view key, int64_t version, absl::string_view source_key,
-                        int64_t source_version) override;
+                        int64_t source_version, uint64_t size) override;
   absl::Status ReadData(absl::string_view key, int64_t version, absl::Span<uint8_t> out) override;
   absl::StatusOr<ColdRead> ReadPinned(absl::string_view key, int64_t version) override;
   absl::Status Apply(const ColdBatch& batch, bool sync) override;

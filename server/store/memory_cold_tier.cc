@@ -15,10 +15,13 @@ absl::Status MemoryColdTier::PutData(absl::string_view key, int64_t version,
 }
 
 absl::Status MemoryColdTier::LinkData(absl::string_view key, int64_t version,
-                                      absl::string_view source_key, int64_t source_version) {
+                                      absl::string_view source_key, int64_t source_version,
+                                      uint64_t size) {
   std::lock_guard<std::mutex> lock(mu_);
   auto it = live_.data.find({std::string(source_key), source_version});
-  if (it == live_.data.end()) return absl::NotFoundError("no such blob version to share");
+  if (it == live_.data.end() || it->second.size() != size) {
+    return absl::NotFoundError("no such blob version to share");
+  }
   live_.data[{std::string(key), version}] = it->second;  // a copy: the tier is for tests
   return absl::OkStatus();
 }

@@ -141,7 +141,8 @@ struct Location {
   uint64_t file = kLegacyFile;
   uint64_t offset = 0;
   uint64_t size = 0;
-  bool persisted = false;  // its 'L' (or 'D') entry is in RocksDB
+  bool persisted = false;  // its 'L' (or 'D') entry is in RocksDB (a record named it)
+  bool moved = false;      // persisted, but RocksDB's entry names its place before a copy
 };
 
 std::string EncodeLocation(const Location& l) {
@@ -320,11 +321,11 @@ class RocksColdTier final : public ColdTier {
 
   // Another location entry for the same bytes: the file stays while either is indexed.
   absl::Status LinkData(absl::string_view key, int64_t version, absl::string_view source_key,
-                        int64_t source_version) override {
+                        int64_t source_version, uint64_t size) override {
     std::lock_guard<std::mutex> lock(mu_);
     RETURN_IF_ERROR(failed_);
     auto src = index_.find({std::string(source_key), source_version});
-    if (src == index_.end() || src->second.file == kLegacyFile) {
+    if (src == index_.end() || src->second.file == kLegacyFile || src->second.size != size) {
       return absl::NotFoundError("no such blob version in a log file to share");
     }
     auto f = files_.find(src->second.file);
@@ -444,7 +445,9 @@ class RocksColdTier final : public ColdTier {
     return out;
   }
 
-  absl::Status Checkpoint(const std::string& dir) override {
+  absl::Status Checkpoint(const std::string& dir_in) override {
+    std::string dir = dir_in;
+    while (dir.size() > 1 && dir.back() == '/') dir.pop_back();
     std::lock_guard<std::mutex> apply_lock(apply_mu_);  // no file is deleted meanwhile
     rocksdb::Checkpoint* raw = nullptr;
     rocksdb::Status s = rocksdb::Checkpoint::Create(db_.get(), &raw);
@@ -462,6 +465,17 @@ class RocksColdTier final : public ColdTier {
     if (!std::filesystem::create_directories(staging, ec) || ec) {
       return absl::InternalError(absl::StrCat("create ", staging, ": ", ec.message()));
     }
+    absl::Status done = LinkAndCheckpoint(*checkpoint, paths, staging, dir);
+    if (!done.ok()) std::filesystem::remove_all(staging, ec);  // its links pin deleted logs
+    return done;
+  }
+
+  // Checkpoint's second half: the logs into `staging`, the tree into `dir`, then the logs
+  // into `dir`/blobs.
+  absl::Status LinkAndCheckpoint(rocksdb::Checkpoint& checkpoint,
+                                 const std::vector<std::string>& paths, const std::string& staging,
+                                 const std::string& dir) {
+    std::error_code ec;
     for (const std::string& path : paths) {
       const std::string to = staging + "/" + std::filesystem::path(path).filename().string();
       if (::link(path.c_str(), to.c_str()) != 0) {
@@ -475,7 +489,7 @@ class RocksColdTier final : public ColdTier {
       }
     }
     RETURN_IF_ERROR(FsyncDir(staging));
-    RETURN_IF_ERROR(ToStatus(checkpoint->CreateCheckpoint(dir), "checkpoint"));
+    RETURN_IF_ERROR(ToStatus(checkpoint.CreateCheckpoint(dir), "checkpoint"));
     std::filesystem::rename(staging, dir + "/blobs", ec);
     if (ec) return absl::InternalError(absl::StrCat("checkpoint logs: ", ec.message()));
     return FsyncDir(dir);
@@ -554,9 +568,10 @@ class RocksColdTier final : public ColdTier {
 
   // Adds the location to `wb` unless RocksDB has it already.
   void NameLocked(const IndexKey& key, Location& l, rocksdb::WriteBatch* wb) {
-    if (l.persisted) return;
+    if (l.persisted && !l.moved) return;
     wb->Put(LocationKey(key.first, key.second), EncodeLocation(l));
     l.persisted = true;
+    l.moved = false;
   }
 
   // Under apply_mu_: writes `wb`, with the locations of versions copied forward. A synced
@@ -569,11 +584,12 @@ class RocksColdTier final : public ColdTier {
     {
       std::lock_guard<std::mutex> lock(mu_);
       RETURN_IF_ERROR(failed_);
-      for (const IndexKey& key : moved_) {
+      // Only a synced write names copies: their bytes are synced first.
+      for (const IndexKey& key : sync ? moved_ : std::vector<IndexKey>{}) {
         auto it = index_.find(key);
         if (it != index_.end()) NameLocked(it->first, it->second, wb);
       }
-      moved_.clear();
+      if (sync) moved_.clear();
       if (sync) {
         for (auto& [number, file] : files_) {
           if (file->dirty) to_sync.push_back(file);
@@ -699,10 +715,11 @@ class RocksColdTier final : public ColdTier {
           it->second.offset == from.offset) {
         const bool persisted = it->second.persisted;
         ReleaseLocked(it->first, it->second);
-        it->second = Location{file->number, offset, from.size, false};
+        // Still committed (its bytes never change); RocksDB names the old place until the
+        // next synced write names the new one, before the old file can go.
+        it->second = Location{file->number, offset, from.size, persisted, persisted};
         file->live += from.size;
         file->entries.insert(it->first);
-        // RocksDB names the old place: the new one is named before the old file goes.
         if (persisted) moved_.push_back(it->first);
       }  // else dropped or written again meanwhile: the copy is dead space
       --file->writers;
