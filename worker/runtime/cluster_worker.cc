@@ -178,6 +178,7 @@ class JobRun {
     std::vector<std::string> addresses;
     for (const v1::MemberInfo& p : a_.peers()) addresses.push_back(p.ucx_address());
     RETURN_IF_ERROR(peers_->Join(a_.rank(), addresses, a_.assignment_version()));
+    DealDense();
     version_ = a_.assignment_version();
     RETURN_IF_ERROR(ApplyPlacement());
     // The expert cache, in registered memory.
@@ -476,8 +477,8 @@ class JobRun {
     return item;
   }
 
-  // Step 0: every worker builds the same initial weights; rank 0 writes the dense
-  // tensors, each owner its experts, with zero moments and counts.
+  // Step 0: every worker builds the same initial weights and writes its share of the
+  // dense tensors and the experts it owns, with zero moments and counts.
   absl::Status WriteInitial() {
     const std::string& init = a_.spec().train().init_path();
     if (!init.empty()) {
@@ -492,16 +493,16 @@ class JobRun {
     return Report(0, model::StepLoss(), 0);
   }
 
-  // Writes version `version` of what this worker updates: the dense tensors (rank 0) and
-  // its experts (all of them, or those that got tokens).
+  // Writes version `version` of what this worker updates: its share of the dense tensors
+  // and its experts (all of them, or those that got tokens).
   absl::Status WriteOwned(int64_t version, bool all_experts) {
     const model::ParamLayout& layout = model_->layout();
     const float* p = model_->params();
     const float* m = version == 0 ? zeros_.data() : optimizer_->m();
     const float* v = version == 0 ? zeros_.data() : optimizer_->v();
-    if (a_.rank() == 0) {
+    {
       for (const model::ParamTensor& t : layout.tensors()) {
-        if (t.layer >= 0) continue;
+        if (!DenseHere(t)) continue;
         const size_t bytes = t.numel * sizeof(float);
         const int64_t o = version == 0 ? 0 : t.offset;
         RETURN_IF_ERROR(Put(dense_write_stores_, Key(-1, 0, t.name, v1::BLOB_KIND_WEIGHTS), version,
@@ -544,10 +545,10 @@ class JobRun {
   }
 
   // Rebuilds this worker's state from the committed step in the stores: the dense
-  // tensors (rank 0 also their moments); experts come through the cache when needed.
+  // tensors (the moments of its share too); experts come through the cache when needed.
   absl::Status LoadCommitted() {
     const model::ParamLayout& layout = model_->layout();
-    RETURN_IF_ERROR(FetchDense(/*with_moments=*/a_.rank() == 0));
+    RETURN_IF_ERROR(FetchDense(/*all=*/true));
     dense_version_ = a_.committed_step();
     std::vector<int64_t>& counts = optimizer_->update_counts();
     for (size_t i = 0; i < layout.tensors().size(); ++i) {
@@ -556,21 +557,43 @@ class JobRun {
     return absl::OkStatus();
   }
 
-  absl::Status FetchDense(bool with_moments) {
+  // Reads the dense tensors the other workers update (`all`: every one, and the moments of
+  // this worker's share).
+  absl::Status FetchDense(bool all) {
     std::vector<StoreClient::FetchItem> items;
     for (const model::ParamTensor& t : model_->layout().tensors()) {
-      if (t.layer >= 0) continue;
+      if (t.layer >= 0 || (!all && DenseHere(t))) continue;
       const size_t bytes = t.numel * sizeof(float);
       items.push_back(
           Item(Key(-1, 0, t.name, v1::BLOB_KIND_WEIGHTS), model_->params() + t.offset, bytes));
-      if (with_moments) {
+      if (all && DenseHere(t)) {
         items.push_back(
             Item(Key(-1, 0, t.name, v1::BLOB_KIND_ADAM_M), optimizer_->m() + t.offset, bytes));
         items.push_back(
             Item(Key(-1, 0, t.name, v1::BLOB_KIND_ADAM_V), optimizer_->v() + t.offset, bytes));
       }
     }
+    if (items.empty()) return absl::OkStatus();
     return FetchNewest(dense_stores_, items);
+  }
+
+  // Whether this worker updates dense tensor `t`: each is updated once, by one worker;
+  // they are dealt out in layout order to the worker with the fewest bytes so far, so the
+  // updates (and their writes) take about as long on every worker.
+  bool DenseHere(const model::ParamTensor& t) const {
+    if (t.layer >= 0) return false;
+    auto it = dense_rank_.find(t.offset);
+    return it != dense_rank_.end() && it->second == a_.rank();
+  }
+  void DealDense() {
+    dense_rank_.clear();
+    std::vector<int64_t> load(a_.world(), 0);
+    for (const model::ParamTensor& t : model_->layout().tensors()) {
+      if (t.layer >= 0) continue;
+      const int r = static_cast<int>(std::min_element(load.begin(), load.end()) - load.begin());
+      dense_rank_[t.offset] = r;
+      load[r] += t.numel;
+    }
   }
 
   // The first half of training step s >= 1 (data step s - 1): forward/backward with the
@@ -582,13 +605,13 @@ class JobRun {
     step_start_ = std::chrono::steady_clock::now();
     if (Pending()) {
       // Every worker's writes of the step before are in the stores (this worker reads the
-      // ones it needs from there: rank 0's dense tensors, a primary's replica experts).
+      // ones it needs from there: the others' dense tensors, a primary's replica experts).
       double one = 1;
       RETURN_IF_ERROR(
           peers_->AllReduceSum(&one, 1, (static_cast<uint64_t>(s) << 32) | (1ull << 28)));
     }
-    if (dense_version_ != s - 1) {  // rank 0 updated the dense tensors of the last step
-      RETURN_IF_ERROR(FetchDense(/*with_moments=*/false));
+    if (dense_version_ != s - 1) {  // the others updated their dense tensors last step
+      RETURN_IF_ERROR(FetchDense(/*all=*/false));
       dense_version_ = s - 1;
     }
     dispatch_->SetStep(s);
@@ -611,9 +634,8 @@ class JobRun {
     RETURN_IF_ERROR(ReduceReplicaGradients(s));
     const uint64_t tag = (static_cast<uint64_t>(s) << 32) | (1ull << 30);
     RETURN_IF_ERROR(peers_->AllReduceSum(model_->grads(), model_->layout().dense_floats(), tag));
-    const int rank = a_.rank();
     const model::HasGrad has_grad = [&](const model::ParamTensor& t) {
-      return t.layer < 0 ? rank == 0
+      return t.layer < 0 ? DenseHere(t)
                          : Owns(t.layer, t.expert) && model_->ExpertUsed(t.layer, t.expert);
     };
     double sum_sq = optimizer_->LocalSumOfSquares(model_->grads(), has_grad);
@@ -622,18 +644,15 @@ class JobRun {
     return absl::OkStatus();
   }
 
-  // The second half of step s, once step s - 1 is committed: the updates written (dense
-  // tensors by rank 0; experts by their primary, with moments from the stores), heat and
-  // the step reported.
+  // The second half of step s, once step s - 1 is committed: the updates written (this
+  // worker's share of the dense tensors; experts by their primary, with moments from the
+  // stores), heat and the step reported.
   absl::Status Write(int64_t s) {
     ReportHeat(s);
-    const int rank = a_.rank();
     const int T = shape_.seq;
-    // Dense tensors (rank 0) through the optimizer; experts in batches below, with their
-    // moments fetched from the stores.
-    const model::HasGrad dense_here = [&](const model::ParamTensor& t) {
-      return t.layer < 0 && rank == 0;
-    };
+    // Dense tensors through the optimizer; experts in batches below, with their moments
+    // fetched from the stores.
+    const model::HasGrad dense_here = [&](const model::ParamTensor& t) { return DenseHere(t); };
     lr_ = optimizer_->Apply(model_->params(), model_->grads(), s - 1, dense_here, grad_norm_).lr;
     written_.Clear();
     RETURN_IF_ERROR(WriteOwned(s, /*all_experts=*/false));
@@ -647,7 +666,7 @@ class JobRun {
     metrics_->prefetch_hits->Increment(
         static_cast<double>(after.prefetch_hits - cache_before_.prefetch_hits));
     metrics_->resident->Set(static_cast<double>(after.resident_bytes));
-    if (rank == 0) dense_version_ = s;
+    if (a_.world() == 1) dense_version_ = s;  // it updated every dense tensor
     metrics_->tokens->Increment(static_cast<double>(rows_.size() * T));
     metrics_->rows_sent->Increment(static_cast<double>(dispatch_->rows_sent()));
     metrics_->step_seconds->Observe(
@@ -960,7 +979,8 @@ class JobRun {
   google::protobuf::RepeatedPtrField<v1::BlobInfo> written_;
   model::StepLoss last_loss_;
   double lr_ = 0;
-  int64_t dense_version_ = -1;  // the step whose dense weights are in params
+  int64_t dense_version_ = -1;         // the step whose dense weights are in params
+  std::map<int64_t, int> dense_rank_;  // dense tensor (by offset) -> the rank updating it
   // The step written and reported but not known to be committed while the next one
   // computes (-1: none), and which experts it wrote: reads then ask for its versions
   // (FetchNewest, also on the cache's prefetch thread).
