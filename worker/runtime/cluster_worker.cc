@@ -655,6 +655,7 @@ class JobRun {
     // fetched from the stores.
     const model::HasGrad dense_here = [&](const model::ParamTensor& t) { return DenseHere(t); };
     lr_ = optimizer_->Apply(model_->params(), model_->grads(), s - 1, dense_here, grad_norm_).lr;
+    RETURN_IF_ERROR(backend_.Synchronize());  // the dense puts read what it wrote
     written_.Clear();
     RETURN_IF_ERROR(WriteOwned(s, /*all_experts=*/false));
     RETURN_IF_ERROR(UpdateExperts(s, grad_norm_));

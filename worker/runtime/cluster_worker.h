@@ -2,10 +2,10 @@
 // its assignment (rank, world, expert ownership, placement) and trains the job's steps
 // with its peers (DESIGN §6): its rows of each global batch (i % W == rank), experts run
 // by their owners through Dispatch, dense gradients all-reduced, the global grad norm
-// summed, then the updates — rank 0 the dense tensors, each owner its experts that got
-// tokens — written to the stores as the step's new versions (weights, master, AdamW
-// moments and, for experts, the update count), reported, and committed by the
-// coordinator. Step 0 writes the initial weights.
+// summed, then the updates — each dense tensor by the worker it is dealt to, each owner
+// its experts that got tokens — written to the stores as the step's new versions (weights, master,
+// AdamW moments and, for experts, the update count), reported, and committed by the coordinator.
+// Step 0 writes the initial weights.
 //
 // Stateless: everything it holds is rebuilt from the stores after an abort or a new
 // assignment (weights, moments, counts of the committed step). The loss it logs is the
