@@ -45,6 +45,7 @@ absl::Status RunCluster() {
     return absl::InvalidArgumentError(
         absl::StrCat("--backend=", absl::GetFlag(FLAGS_backend), ": only cpu is built in so far"));
   }
+  LOG(INFO) << "OpenBLAS kernels: " << pith::compute::BlasCoreName();
   pith::runtime::ClusterWorkerOptions options;
   options.coordinator = absl::GetFlag(FLAGS_coordinator);
   options.listen = absl::GetFlag(FLAGS_listen);
@@ -104,7 +105,8 @@ absl::Status Run() {
   ASSIGN_OR_RETURN(pith::trainer::StandaloneResult result,
                    pith::trainer::RunStandalone(options, backend));
   LOG(INFO) << "trained " << result.steps << " steps, final loss " << result.final_loss << ", "
-            << static_cast<int64_t>(result.tokens_per_second) << " tokens/s";
+            << static_cast<int64_t>(result.tokens_per_second) << " tokens/s (OpenBLAS "
+            << pith::compute::BlasCoreName() << " kernels)";
   return absl::OkStatus();
 }
 

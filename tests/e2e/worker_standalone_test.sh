@@ -20,6 +20,14 @@ JSON
 "$WORKER" --standalone --spec=spec.json --export_init=init.safetensors --loss_log=a.txt \
   --save=final.safetensors 2>train.log || fail "training failed: $(tail -3 train.log)"
 [[ $(wc -l <a.txt) == 40 ]] || fail "loss log has $(wc -l <a.txt) lines, want 40"
+# On an AVX2 CPU the worker never runs OpenBLAS's SSE3 fallback kernels (it re-executes
+# itself with OPENBLAS_CORETYPE when OpenBLAS does not recognise the CPU model).
+if grep -qw avx2 /proc/cpuinfo && grep -qw fma /proc/cpuinfo; then
+  core=$(sed -n 's/.*(OpenBLAS \(.*\) kernels).*/\1/p' train.log)
+  [[ -n $core && $core != Prescott && $core != Core2 && $core != Nehalem && $core != Sandybridge ]] ||
+    fail "OpenBLAS kernels on an AVX2 CPU: '${core}'"
+  echo "  OpenBLAS kernels: $core"
+fi
 first=$(head -5 a.txt | awk '{s += $2} END {print s / NR}')
 last=$(tail -5 a.txt | awk '{s += $2} END {print s / NR}')
 awk -v f="$first" -v l="$last" 'BEGIN {exit !(l < f - 0.5)}' || fail "loss did not fall: $first -> $last"

@@ -40,6 +40,8 @@ std::optional<std::string> BetterBlasCore() {
   return std::nullopt;
 }
 
+std::string BlasCoreName() { return openblas_get_corename(); }
+
 void ReexecWithBetterBlasCore(char** argv) {
   if (std::getenv("OPENBLAS_CORETYPE") != nullptr) return;
   const std::optional<std::string> core = BetterBlasCore();

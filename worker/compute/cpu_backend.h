@@ -26,6 +26,9 @@ namespace pith::compute {
 // else nullopt.
 std::optional<std::string> BetterBlasCore();
 
+// The kernels this process's OpenBLAS runs ("SkylakeX", "Haswell", "Prescott", ...).
+std::string BlasCoreName();
+
 // If BetterBlasCore() names one and OPENBLAS_CORETYPE is unset, sets it and re-executes
 // this program with `argv` (OpenBLAS reads it only as it loads); returns if it does not.
 // Call first thing in main, before any thread starts.
