@@ -198,7 +198,7 @@ absl::Status MoeGpt::Forward(const int32_t* tokens) {
     const int64_t* offsets = host_[l].offsets.data();
     b.Permute(a.xperm, a.ln2, a.bucket_token, offsets[E], C);
     if (parallel_ != nullptr) {
-      RETURN_IF_ERROR(parallel_->Forward(l, a.y, a.hpre, a.h, a.xperm, offsets));
+      RETURN_IF_ERROR(parallel_->Forward(l, a.y, a.hpre, a.h, a.xperm, offsets, a.bucket_token));
     } else {
       b.ExpertForward(a.y, a.hpre, a.h, a.xperm, offsets, expert_weights(l), C, F);
     }

@@ -33,8 +33,10 @@ class ExpertParallel {
   virtual ~ExpertParallel() = default;
   // y rows of every expert bucket of `layer` (bucket e: rows offsets[e]..offsets[e+1] of
   // xperm [A, C]); hpre and h [A, F] hold the activations of the rows computed here.
+  // bucket_token[i]: the token (row of this worker's batch) whose copy xperm row i is
+  // (host memory on the CPU backend).
   virtual absl::Status Forward(int layer, float* y, float* hpre, float* h, const float* xperm,
-                               const int64_t* offsets) = 0;
+                               const int64_t* offsets, const int32_t* bucket_token) = 0;
   // dxperm rows from dy; the gradients of the experts computed here accumulate into the
   // model's gradient arena. dh is scratch [A, F].
   virtual absl::Status Backward(int layer, float* dxperm, float* dh, const float* dy,

@@ -73,8 +73,10 @@ absl::StatusOr<Metrics> MakeMetrics(MetricsRegistry& r) {
                                                 MetricsRegistry::LatencyBuckets()));
   ASSIGN_OR_RETURN(m.put_bytes,
                    r.Counter("pith_worker_put_bytes_total", "Bytes written to stores"));
-  ASSIGN_OR_RETURN(m.rows_sent, r.Counter("pith_worker_dispatch_rows_sent_total",
-                                          "Token rows sent to other workers' experts"));
+  ASSIGN_OR_RETURN(
+      m.rows_sent,
+      r.Counter("pith_worker_dispatch_rows_sent_total",
+                "Token rows sent to other workers for their experts (a token once per worker)"));
   ASSIGN_OR_RETURN(m.prefetch_hits,
                    r.Counter("pith_worker_expert_cache_prefetch_hits_total",
                              "Expert weights the prefetcher had fetched before they were needed"));

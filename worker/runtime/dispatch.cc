@@ -11,7 +11,7 @@ namespace pith::runtime {
 namespace {
 
 enum Phase : int {
-  kForwardRows = 1,  // sender's rows of the owner's buckets
+  kForwardRows = 1,  // sender's token rows for the owner's buckets (each token once)
   kForwardOut = 2,   // owner's expert outputs for them
   kBackwardDy = 3,   // sender's output gradients of those rows
   kBackwardDx = 4,   // owner's input gradients for them
@@ -65,7 +65,7 @@ uint64_t Dispatch::Tag(int layer, int phase) const {
 }
 
 absl::Status Dispatch::SendBuckets(int layer, int phase, const float* rows, int64_t width,
-                                   const int64_t* offsets) {
+                                   const int64_t* offsets, const int32_t* tokens) {
   const int E = model_->shape().experts;
   for (int p = 0; p < peers_->world(); ++p) {
     if (p == peers_->rank()) continue;
@@ -74,6 +74,42 @@ absl::Status Dispatch::SendBuckets(int layer, int phase, const float* rows, int6
     for (int e = 0; e < E; ++e) {
       std::tie(begins[e], counts[e]) = Part(layer, e, offsets[e + 1] - offsets[e], p);
       total += counts[e];
+    }
+    if (tokens != nullptr) {
+      // [E counts][total int32: the distinct row of each bucket row][distinct rows], a
+      // token's row once however many of the peer's experts it goes to.
+      std::vector<int32_t> index;
+      std::vector<int64_t> distinct;  // bucket rows, first of each token
+      index.reserve(total);
+      for (int e = 0; e < E; ++e) {
+        for (int64_t i = offsets[e] + begins[e]; i < offsets[e] + begins[e] + counts[e]; ++i) {
+          const int32_t t = tokens[i];
+          if (t < 0) return absl::InternalError("dispatch: a bucket row without a token");
+          if (static_cast<size_t>(t) >= slot_of_token_.size()) slot_of_token_.resize(t + 1, -1);
+          if (slot_of_token_[t] < 0) {
+            slot_of_token_[t] = static_cast<int32_t>(distinct.size());
+            distinct.push_back(i);
+          }
+          index.push_back(slot_of_token_[t]);
+        }
+      }
+      for (int64_t i : distinct) slot_of_token_[tokens[i]] = -1;
+      std::string bytes(
+          E * sizeof(int64_t) + total * sizeof(int32_t) + distinct.size() * width * sizeof(float),
+          '\0');
+      char* out = bytes.data();
+      std::memcpy(out, counts.data(), E * sizeof(int64_t));
+      out += E * sizeof(int64_t);
+      std::memcpy(out, index.data(), total * sizeof(int32_t));
+      out += total * sizeof(int32_t);
+      for (int64_t i : distinct) {
+        std::memcpy(out, rows + i * width, width * sizeof(float));
+        out += width * sizeof(float);
+      }
+      rows_sent_ += static_cast<int64_t>(distinct.size());
+      assignments_sent_ += total;
+      RETURN_IF_ERROR(peers_->Send(p, Tag(layer, phase), std::move(bytes)));
+      continue;
     }
     std::string bytes(E * sizeof(int64_t) + total * width * sizeof(float), '\0');
     std::memcpy(bytes.data(), counts.data(), E * sizeof(int64_t));
@@ -84,14 +120,14 @@ absl::Status Dispatch::SendBuckets(int layer, int phase, const float* rows, int6
       std::memcpy(out, rows + (offsets[e] + begins[e]) * width, n);
       out += n;
     }
-    if (phase == kForwardRows) rows_sent_ += total;
+
     RETURN_IF_ERROR(peers_->Send(p, Tag(layer, phase), std::move(bytes)));
   }
   return absl::OkStatus();
 }
 
 absl::Status Dispatch::ReceiveBuckets(int layer, int phase, int peer, int64_t width, Inbound& in,
-                                      std::vector<float>& rows) {
+                                      std::vector<float>& rows, bool deduplicated) {
   const int E = model_->shape().experts;
   ASSIGN_OR_RETURN(std::string bytes, peers_->Receive(peer, Tag(layer, phase)));
   if (bytes.size() < E * sizeof(int64_t)) {
@@ -107,6 +143,27 @@ absl::Status Dispatch::ReceiveBuckets(int layer, int phase, int peer, int64_t wi
                                               " does not own"));
     }
     total += in.counts[e];
+  }
+  if (deduplicated) {
+    const size_t head = E * sizeof(int64_t) + total * sizeof(int32_t);
+    const size_t row_bytes = width * sizeof(float);
+    if (bytes.size() < head || (bytes.size() - head) % row_bytes != 0) {
+      return absl::DataLossError(absl::StrCat("dispatch: message from peer ", peer, " has ",
+                                              bytes.size(), " bytes for ", total, " rows"));
+    }
+    const int64_t n_distinct = static_cast<int64_t>((bytes.size() - head) / row_bytes);
+    std::vector<int32_t> index(total);
+    std::memcpy(index.data(), bytes.data() + E * sizeof(int64_t), total * sizeof(int32_t));
+    const float* distinct = reinterpret_cast<const float*>(bytes.data() + head);
+    rows.resize(total * width);
+    for (int64_t r = 0; r < total; ++r) {
+      if (index[r] < 0 || index[r] >= n_distinct) {
+        return absl::DataLossError(
+            absl::StrCat("dispatch: peer ", peer, " sent a row index out of range"));
+      }
+      std::memcpy(rows.data() + r * width, distinct + int64_t{index[r]} * width, row_bytes);
+    }
+    return absl::OkStatus();
   }
   if (bytes.size() != E * sizeof(int64_t) + total * width * sizeof(float)) {
     return absl::DataLossError(absl::StrCat("dispatch: message from peer ", peer, " has ",
@@ -149,17 +206,17 @@ void Dispatch::Done(int layer, int expert) {
 }
 
 absl::Status Dispatch::Forward(int layer, float* y, float* hpre, float* h, const float* xperm,
-                               const int64_t* offsets) {
+                               const int64_t* offsets, const int32_t* bucket_token) {
   const model::ModelShape& s = model_->shape();
   const int E = s.experts, C = s.channels, F = s.hidden;
   const int me = peers_->rank();
-  if (layer == 0) rows_sent_ = rows_received_ = 0;
-  RETURN_IF_ERROR(SendBuckets(layer, kForwardRows, xperm, C, offsets));
+  if (layer == 0) rows_sent_ = assignments_sent_ = rows_received_ = 0;
+  RETURN_IF_ERROR(SendBuckets(layer, kForwardRows, xperm, C, offsets, bucket_token));
   // The rows peers sent, in rank order.
   for (int q = 0; q < peers_->world(); ++q) {
     if (q == me) continue;
     Inbound& in = inbound_[layer][q];
-    RETURN_IF_ERROR(ReceiveBuckets(layer, kForwardRows, q, C, in, in.x));
+    RETURN_IF_ERROR(ReceiveBuckets(layer, kForwardRows, q, C, in, in.x, /*deduplicated=*/true));
     in.offsets.assign(E + 1, 0);
     for (int e = 0; e < E; ++e) in.offsets[e + 1] = in.offsets[e] + in.counts[e];
     const int64_t rows = in.offsets[E];

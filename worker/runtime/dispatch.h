@@ -1,7 +1,8 @@
 // Dispatch: expert parallelism over a PeerGroup (DESIGN §6, steps 2-4) on the CPU
 // backend. At each MoE layer a worker sends every other worker the rows of the expert
 // buckets that worker owns — point to point, and only where there is something to send
-// (a peer with no rows gets a bucket-count header alone) — computes the buckets it owns
+// (a peer with no rows gets a bucket-count header alone), each token's row once per peer
+// however many of its top-k experts the peer computes — computes the buckets it owns
 // itself for its own rows and for those it received, returns the outputs, and scatters
 // the outputs it gets back into place. Backward mirrors it: the owner of an expert gets
 // the gradient rows, accumulates the expert's gradient (so expert gradients never cross
@@ -46,12 +47,15 @@ class Dispatch final : public model::ExpertParallel {
   }
   // Whether this worker computes expert e of layer l.
   bool Computes(int layer, int expert) const;
-  // Rows this worker sent to and received from peers in the last step (for metrics).
+  // Token rows this worker sent to peers in the last step's forward passes (a token once
+  // per peer, however many of its experts the peer computes), the expert rows they stood
+  // for, and the expert rows received (for metrics).
   int64_t rows_sent() const { return rows_sent_; }
+  int64_t assignments_sent() const { return assignments_sent_; }
   int64_t rows_received() const { return rows_received_; }
 
   absl::Status Forward(int layer, float* y, float* hpre, float* h, const float* xperm,
-                       const int64_t* offsets) override;
+                       const int64_t* offsets, const int32_t* bucket_token) override;
   absl::Status Backward(int layer, float* dxperm, float* dh, const float* dy, const float* xperm,
                         const float* hpre, const float* h, const int64_t* offsets) override;
   absl::Status AllReduce(double* values, size_t n) override;
@@ -72,12 +76,15 @@ class Dispatch final : public model::ExpertParallel {
   // The rows [begin, begin + count) of this worker's bucket of (layer, expert) (n rows) that
   // go to `rank`.
   std::pair<int64_t, int64_t> Part(int layer, int expert, int64_t n, int rank) const;
-  // Sends each peer the rows of `rows` ([A, width]) in the buckets it owns.
+  // Sends each peer the rows of `rows` ([A, width]) in the buckets it owns. With
+  // `tokens` (the token of each row), each token's row goes once, with an index per
+  // bucket row.
   absl::Status SendBuckets(int layer, int phase, const float* rows, int64_t width,
-                           const int64_t* offsets);
-  // Receives what `peer` sent under `phase` into `in` (counts, then rows of `width`).
+                           const int64_t* offsets, const int32_t* tokens = nullptr);
+  // Receives what `peer` sent under `phase` into `in` (counts, then rows of `width`;
+  // `deduplicated`: indices, then the distinct rows they name).
   absl::Status ReceiveBuckets(int layer, int phase, int peer, int64_t width, Inbound& in,
-                              std::vector<float>& rows);
+                              std::vector<float>& rows, bool deduplicated = false);
   // Receives the rows `peer` returns for the buckets it owns, into `out` ([A, width]).
   absl::Status ScatterReturned(int layer, int phase, int peer, int64_t width,
                                const int64_t* offsets, float* out);
@@ -91,7 +98,8 @@ class Dispatch final : public model::ExpertParallel {
   PeerGroup* peers_;
   std::vector<std::vector<ExpertOwners>> owners_;
   int64_t step_ = 0;
-  int64_t rows_sent_ = 0, rows_received_ = 0;
+  int64_t rows_sent_ = 0, assignments_sent_ = 0, rows_received_ = 0;
+  std::vector<int32_t> slot_of_token_;         // SendBuckets scratch: token -> its row in a message
   std::vector<std::vector<Inbound>> inbound_;  // [layer][peer]
   ExpertCache* cache_ = nullptr;
   uint64_t reduce_seq_ = 0;

@@ -35,6 +35,7 @@ struct Result {
   model::StepLoss loss;
   std::vector<float> grads;  // summed over the workers
   std::vector<bool> used;
+  int64_t rows_sent = 0, assignments_sent = 0;  // over the workers' forward passes
 };
 
 constexpr int kRows = 6;
@@ -87,6 +88,7 @@ Result Parallel(const model::ModelShape& s, int W = 2, bool replicated = false) 
   std::vector<model::StepLoss> losses(W);
   std::vector<std::vector<float>> grads(W);
   std::vector<absl::Status> status(W);
+  std::vector<std::pair<int64_t, int64_t>> sent(W);
   Result r;
   std::vector<std::thread> threads;
   for (int rank = 0; rank < W; ++rank) {
@@ -111,6 +113,7 @@ Result Parallel(const model::ModelShape& s, int W = 2, bool replicated = false) 
       status[rank] = loss.status();
       if (!loss.ok()) return;
       losses[rank] = *loss;
+      sent[rank] = {dispatch.rows_sent(), dispatch.assignments_sent()};
       grads[rank].assign((*m)->grads(), (*m)->grads() + (*m)->layout().total_floats());
       if (rank == 0) {
         for (int l = 0; l < s.layers; ++l) {
@@ -126,6 +129,10 @@ Result Parallel(const model::ModelShape& s, int W = 2, bool replicated = false) 
   }
   r.loss = losses[0];
   r.grads = grads[0];
+  for (const auto& [rows, assignments] : sent) {
+    r.rows_sent += rows;
+    r.assignments_sent += assignments;
+  }
   for (int rank = 1; rank < W; ++rank) {
     for (size_t i = 0; i < r.grads.size(); ++i) r.grads[i] += grads[rank][i];
   }
@@ -154,6 +161,9 @@ TEST(DispatchTest, TwoWorkersComputeWhatOneModelComputes) {
   const model::ModelShape s = Shape();
   const Result alone = Alone(s);
   const Result parallel = Parallel(s);
+  // A token both of whose experts a peer computes went to it once.
+  EXPECT_GT(parallel.rows_sent, 0);
+  EXPECT_LT(parallel.rows_sent, parallel.assignments_sent);
   EXPECT_NEAR(parallel.loss.loss, alone.loss.loss, 1e-6 * std::abs(alone.loss.loss));
   EXPECT_NEAR(parallel.loss.ce, alone.loss.ce, 1e-6 * std::abs(alone.loss.ce));
   EXPECT_NEAR(parallel.loss.aux, alone.loss.aux, 1e-6 * std::abs(alone.loss.aux));
