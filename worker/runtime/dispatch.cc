@@ -84,7 +84,10 @@ absl::Status Dispatch::SendBuckets(int layer, int phase, const float* rows, int6
       for (int e = 0; e < E; ++e) {
         for (int64_t i = offsets[e] + begins[e]; i < offsets[e] + begins[e] + counts[e]; ++i) {
           const int32_t t = tokens[i];
-          if (t < 0) return absl::InternalError("dispatch: a bucket row without a token");
+          if (t < 0) {
+            for (int64_t d : distinct) slot_of_token_[tokens[d]] = -1;
+            return absl::InternalError("dispatch: a bucket row without a token");
+          }
           if (static_cast<size_t>(t) >= slot_of_token_.size()) slot_of_token_.resize(t + 1, -1);
           if (slot_of_token_[t] < 0) {
             slot_of_token_[t] = static_cast<int32_t>(distinct.size());
@@ -100,7 +103,7 @@ absl::Status Dispatch::SendBuckets(int layer, int phase, const float* rows, int6
       char* out = bytes.data();
       std::memcpy(out, counts.data(), E * sizeof(int64_t));
       out += E * sizeof(int64_t);
-      std::memcpy(out, index.data(), total * sizeof(int32_t));
+      if (total > 0) std::memcpy(out, index.data(), total * sizeof(int32_t));
       out += total * sizeof(int32_t);
       for (int64_t i : distinct) {
         std::memcpy(out, rows + i * width, width * sizeof(float));
@@ -135,12 +138,22 @@ absl::Status Dispatch::ReceiveBuckets(int layer, int phase, int peer, int64_t wi
   }
   in.counts.assign(E, 0);
   std::memcpy(in.counts.data(), bytes.data(), E * sizeof(int64_t));
+  // No more rows than the message can describe (an index, or a row, each): no overflow,
+  // no allocation beyond what the bytes justify.
+  const int64_t most =
+      static_cast<int64_t>((bytes.size() - E * sizeof(int64_t)) /
+                           (deduplicated ? sizeof(int32_t) : width * sizeof(float)));
   int64_t total = 0;
   for (int e = 0; e < E; ++e) {
     if (in.counts[e] < 0 || (in.counts[e] > 0 && !Computes(layer, e))) {
       return absl::DataLossError(absl::StrCat("dispatch: peer ", peer, " sent rows of expert ", e,
                                               " of layer ", layer, " that rank ", peers_->rank(),
                                               " does not own"));
+    }
+    if (in.counts[e] > most - total) {
+      in.counts.assign(E, 0);
+      return absl::DataLossError(
+          absl::StrCat("dispatch: message from peer ", peer, " is short for its row counts"));
     }
     total += in.counts[e];
   }
@@ -152,8 +165,14 @@ absl::Status Dispatch::ReceiveBuckets(int layer, int phase, int peer, int64_t wi
                                               bytes.size(), " bytes for ", total, " rows"));
     }
     const int64_t n_distinct = static_cast<int64_t>((bytes.size() - head) / row_bytes);
+    if (n_distinct > total) {
+      return absl::DataLossError(
+          absl::StrCat("dispatch: peer ", peer, " sent more token rows than it indexes"));
+    }
     std::vector<int32_t> index(total);
-    std::memcpy(index.data(), bytes.data() + E * sizeof(int64_t), total * sizeof(int32_t));
+    if (total > 0) {
+      std::memcpy(index.data(), bytes.data() + E * sizeof(int64_t), total * sizeof(int32_t));
+    }
     const float* distinct = reinterpret_cast<const float*>(bytes.data() + head);
     rows.resize(total * width);
     for (int64_t r = 0; r < total; ++r) {
@@ -170,7 +189,9 @@ absl::Status Dispatch::ReceiveBuckets(int layer, int phase, int peer, int64_t wi
                                             bytes.size(), " bytes for ", total, " rows"));
   }
   rows.resize(total * width);
-  std::memcpy(rows.data(), bytes.data() + E * sizeof(int64_t), total * width * sizeof(float));
+  if (total > 0) {
+    std::memcpy(rows.data(), bytes.data() + E * sizeof(int64_t), total * width * sizeof(float));
+  }
   return absl::OkStatus();
 }
 
