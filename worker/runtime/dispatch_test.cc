@@ -4,6 +4,7 @@
 #include "worker/runtime/dispatch.h"
 
 #include <cmath>
+#include <limits>
 #include <random>
 #include <thread>
 #include <vector>
@@ -180,6 +181,54 @@ TEST(DispatchTest, TwoWorkersComputeWhatOneModelComputes) {
   const Result again = Parallel(s);
   EXPECT_EQ(again.loss.loss, parallel.loss.loss);
   EXPECT_EQ(again.grads, parallel.grads);
+}
+
+// A peer's forward message that is short, overflowing or out of range is DATA_LOSS for
+// the step, never a crash or a read past the message.
+TEST(DispatchTest, ACorruptPeerMessageIsDataLoss) {
+  const model::ModelShape s = Shape();
+  const int E = s.experts;
+  struct Case {
+    const char* what;
+    std::string bytes;
+  };
+  auto counts = [&](std::vector<int64_t> c) {
+    c.resize(E, 0);
+    return std::string(reinterpret_cast<const char*>(c.data()), E * sizeof(int64_t));
+  };
+  const int64_t huge = std::numeric_limits<int64_t>::max();
+  // Rank 0 computes experts 0 and 3 of layer 0 (Owners(false)).
+  std::vector<Case> cases = {
+      {"short", std::string(3, '\0')},
+      {"overflowing counts", counts({huge, 0, 0, huge}) + std::string(8, '\0')},
+      {"a count past the bytes", counts({1 << 20, 0, 0, 0}) + std::string(16, '\0')},
+      {"an index out of range",
+       counts({1, 0, 0, 0}) + std::string("\x05\0\0\0", 4) + std::string(16 * 4, '\0')},
+      {"rows nothing indexes",
+       counts({1, 0, 0, 0}) + std::string(4, '\0') + std::string(2 * 16 * 4, '\0')},
+      {"an expert it does not compute", counts({0, 1, 0, 0}) + std::string(4 + 16 * 4, '\0')},
+  };
+  for (const Case& c : cases) {
+    std::vector<std::unique_ptr<PeerGroup>> peers;
+    std::vector<std::string> addresses;
+    for (int r = 0; r < 2; ++r) {
+      peers.push_back(*PeerGroup::Create());
+      addresses.push_back(peers.back()->address());
+    }
+    for (int r = 0; r < 2; ++r) ASSERT_TRUE(peers[r]->Join(r, addresses, 1).ok());
+    // Rank 1's layer-0 forward rows, as a broken peer sends them (step 1, phase 1).
+    ASSERT_TRUE(peers[1]->Send(0, (uint64_t{1} << 32) | 1, c.bytes).ok());
+    compute::CpuBackend backend(1);
+    auto m = model::MoeGpt::Create(&backend, s, kRows / 2);
+    ASSERT_TRUE(m.ok());
+    ASSERT_TRUE((*m)->InitWeights(7).ok());
+    Dispatch dispatch(&backend, m->get(), peers[0].get(), Owners(false));
+    dispatch.SetStep(1);
+    (*m)->SetExpertParallel(&dispatch);
+    const auto in = Tokens(s, 1), tgt = Tokens(s, 2);
+    auto loss = (*m)->ForwardBackward(in.data(), tgt.data(), kRows);
+    EXPECT_EQ(loss.status().code(), absl::StatusCode::kDataLoss) << c.what << ": " << loss.status();
+  }
 }
 
 }  // namespace
