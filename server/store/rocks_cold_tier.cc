@@ -5,16 +5,19 @@
 //   'M' + blob key                      -> committed record (version, size, crc)
 //   'J' + job id                        -> committed step
 // The bytes go once, by a buffered pwrite, into append-only log files under <dir>/blobs
-// (writeback starts in the background every few MB); the LSM tree holds only small
-// entries, through the WAL. Keeping ~70 MB of new versions a step inside the tree cost a
+// (writeback starts in the background every 256 KB); the LSM tree holds only small
+// entries, through the WAL. Two versions can name the same bytes (LinkData: fp32 weights
+// and their master copy). Keeping ~70 MB of new versions a step inside the tree cost a
 // memtable copy, a table file and compactions: four times the CPU and 2.4 times the disk
 // writes of one log append (measured; the store shares the cores with the workers).
 //
 // Durability: a synced Apply first fdatasyncs the logs written since the last one, then
 // writes itself through the WAL, synced. A version's location is written with the record
-// that makes it committed (or at once if it replaces one already on disk), so a location
-// never reaches the disk before its bytes. A crash loses only versions no synced batch has
-// named: uncommitted ones, which a crashed step gives up anyway.
+// that makes it committed (or, copied forward, renamed by the next synced Apply), so a
+// location never reaches the disk before its bytes; a committed version's bytes never
+// change. A crash loses only versions no synced batch has named: uncommitted ones, which
+// a crashed step gives up anyway. A failed sync or batch write stops the tier (every later
+// call fails) until a restart recovers from what the disk holds.
 //
 // Space: a log file is deleted once none of its versions is indexed, after the synced
 // write that dropped the last one. A closed file whose live bytes fall under a quarter of
