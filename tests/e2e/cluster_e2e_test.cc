@@ -295,6 +295,8 @@ void TrainAndCompare(const std::string& name, Failure failure, Outcome* outcome 
   }
   if (failure.hot_replicas) {
     EXPECT_EQ(most_owners, 2) << "no expert has a second owner";
+    // Placements change at step boundaries only: no step was aborted for it.
+    EXPECT_EQ(logs.find("aborted"), std::string::npos) << logs;
   }
 
   const auto alone = Losses(dir + "/alone.log");
