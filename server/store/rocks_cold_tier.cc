@@ -286,28 +286,16 @@ class RocksColdTier final : public ColdTier {
 
   absl::Status PutData(absl::string_view key, int64_t version,
                        absl::Span<const uint8_t> bytes) override {
-    std::shared_ptr<LogFile> file;
-    uint64_t offset = 0;
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      RETURN_IF_ERROR(failed_);
-      ASSIGN_OR_RETURN(file, OpenFileLocked());
-      offset = file->end;
-      file->end += bytes.size();
-      ++file->writers;
-    }
-    const absl::Status written =
-        PwriteAll(file->fd, bytes.data(), bytes.size(), offset, file->path);
+    ASSIGN_OR_RETURN(Appended a, Append(bytes.data(), bytes.size()));
+    const std::shared_ptr<LogFile>& file = a.file;
     uint64_t writeback_from = 0, writeback_to = 0;
     {
       std::lock_guard<std::mutex> lock(mu_);
-      file->dirty = true;
-      if (written.ok()) {
-        IndexLocked({std::string(key), version}, Location{file->number, offset, bytes.size()},
+      if (a.written.ok()) {
+        IndexLocked({std::string(key), version}, Location{file->number, a.offset, bytes.size()},
                     *file);
       }
-      --file->writers;
-      MaybeEmptyLocked(*file);  // the bytes may be dead space only
+      EndAppendLocked(*file);
       if (file->end - file->writeback_from >= kWritebackBytes) {
         writeback_from = file->writeback_from;
         writeback_to = file->writeback_from = file->end;
@@ -319,7 +307,7 @@ class RocksColdTier final : public ColdTier {
                               static_cast<off_t>(writeback_to - writeback_from),
                               SYNC_FILE_RANGE_WRITE);
     }
-    return written;
+    return a.written;
   }
 
   // Another location entry for the same bytes: the file stays while either is indexed.
@@ -517,6 +505,34 @@ class RocksColdTier final : public ColdTier {
     return absl::string_view(k.data() + 1, k.size() - 1);
   }
 
+  // Bytes written at the end of the open log file: the range is reserved under mu_ and
+  // written without it; the file counts the caller as a writer until EndAppendLocked.
+  struct Appended {
+    std::shared_ptr<LogFile> file;
+    uint64_t offset = 0;
+    absl::Status written;  // on failure the range is dead space
+  };
+  absl::StatusOr<Appended> Append(const uint8_t* data, uint64_t size) {
+    Appended a;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      RETURN_IF_ERROR(failed_);
+      ASSIGN_OR_RETURN(a.file, OpenFileLocked());
+      a.offset = a.file->end;
+      a.file->end += size;
+      ++a.file->writers;
+    }
+    a.written = PwriteAll(a.file->fd, data, size, a.offset, a.file->path);
+    return a;
+  }
+  // After Append, once its bytes are indexed (or not): the file is dirty and may now be
+  // empty.
+  void EndAppendLocked(LogFile& file) {
+    file.dirty = true;
+    --file.writers;
+    MaybeEmptyLocked(file);
+  }
+
   // The file new bytes go to: the last one, or a new one once it is full.
   absl::StatusOr<std::shared_ptr<LogFile>> OpenFileLocked() {
     if (current_ != nullptr && current_->end < log_file_bytes_) return current_;
@@ -696,23 +712,15 @@ class RocksColdTier final : public ColdTier {
       buffer.resize(from.size);
       s = PreadAll(victim->fd, buffer.data(), from.size, from.offset, victim->path);
       if (!s.ok()) break;
-      std::shared_ptr<LogFile> file;
-      uint64_t offset;
-      {
-        std::lock_guard<std::mutex> lock(mu_);
-        absl::StatusOr<std::shared_ptr<LogFile>> opened = OpenFileLocked();
-        if (!opened.ok()) {
-          s = opened.status();
-          break;
-        }
-        file = *std::move(opened);
-        offset = file->end;
-        file->end += from.size;
-        ++file->writers;
+      absl::StatusOr<Appended> a = Append(buffer.data(), from.size);
+      if (!a.ok()) {
+        s = a.status();
+        break;
       }
-      s = PwriteAll(file->fd, buffer.data(), from.size, offset, file->path);
+      const std::shared_ptr<LogFile>& file = a->file;
+      const uint64_t offset = a->offset;
+      s = a->written;
       std::lock_guard<std::mutex> lock(mu_);
-      file->dirty = true;
       auto it = index_.find(key);
       if (s.ok() && it != index_.end() && it->second.file == from.file &&
           it->second.offset == from.offset) {
@@ -725,8 +733,7 @@ class RocksColdTier final : public ColdTier {
         file->entries.insert(it->first);
         if (persisted) moved_.push_back(it->first);
       }  // else dropped or written again meanwhile: the copy is dead space
-      --file->writers;
-      MaybeEmptyLocked(*file);
+      EndAppendLocked(*file);
       if (!s.ok()) break;
     }
     {
