@@ -496,13 +496,19 @@ uint64_t LogBytes(const std::string& dir) {
   return n;
 }
 
+// A store of 4 MiB of RAM for blobs of up to 1 MiB.
+BlobStoreOptions SmallStoreOptions() {
+  BlobStoreOptions options;
+  options.ram_bytes = 4 << 20;
+  options.max_blob_bytes = 1 << 20;
+  return options;
+}
+
 TEST(RocksColdTierTest, WeightsAndAnEqualMasterAreStoredOnce) {
   const std::string dir = testing::TempDir() + "/rocks_tier_link";
   std::filesystem::remove_all(dir);
   Buffer arena = *Buffer::Allocate(4 << 20);
-  BlobStoreOptions options;
-  options.ram_bytes = 4 << 20;
-  options.max_blob_bytes = 1 << 20;
+  const BlobStoreOptions options = SmallStoreOptions();
   const auto w1 = Bytes(50000, 1), m1 = Bytes(50000, 2), w2 = Bytes(50000, 3),
              master2 = Bytes(50000, 4);
   const auto weights = Expert(0, 1, v1::BLOB_KIND_WEIGHTS),
@@ -544,9 +550,7 @@ TEST(RocksColdTierTest, ASharedVersionOutlivesTheOneItWasLinkedTo) {
   const std::string dir = testing::TempDir() + "/rocks_tier_link2";
   std::filesystem::remove_all(dir);
   Buffer arena = *Buffer::Allocate(4 << 20);
-  BlobStoreOptions options;
-  options.ram_bytes = 4 << 20;
-  options.max_blob_bytes = 1 << 20;
+  const BlobStoreOptions options = SmallStoreOptions();
   const auto w1 = Bytes(50000, 1), w2 = Bytes(50000, 3);
   const auto weights = Expert(0, 1, v1::BLOB_KIND_WEIGHTS),
              master = Expert(0, 1, v1::BLOB_KIND_MASTER);

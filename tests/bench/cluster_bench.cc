@@ -34,6 +34,7 @@ namespace {
 using pith::testing::ChildProcess;
 
 int g_steps = 30;
+constexpr int kWarmupSteps = 3;  // steps timed by neither side (start-up, first fetches)
 std::string g_repo = PITH_SOURCE_DIR;
 
 // L4 d128 E16 k2 f256 T64 B16: the demo model.
@@ -109,7 +110,7 @@ bool RunCluster(const std::string& dir, uint64_t cache_bytes, Measured* m) {
   int counted = 0;
   int64_t last_step = -1;
   while (stream->Read(&event)) {
-    if (event.step() > 3 && event.step() != last_step && event.step_seconds() > 0) {
+    if (event.step() > kWarmupSteps && event.step() != last_step && event.step_seconds() > 0) {
       seconds += event.step_seconds();
       tokens += event.tokens_per_second() * event.step_seconds();
       ++counted;
@@ -156,7 +157,7 @@ double PytorchTokensPerSecond(const std::string& dir) {
   double seconds, total = 0;
   int counted = 0;
   while (times >> step >> seconds) {
-    if (step <= 3) continue;
+    if (step <= kWarmupSteps) continue;
     total += seconds;
     ++counted;
   }
