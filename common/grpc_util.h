@@ -8,6 +8,7 @@
 
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -20,6 +21,14 @@ namespace pith {
 // absl::Status <-> grpc::Status, keeping code and message. Only RPC adapters call these.
 grpc::Status ToGrpcStatus(const absl::Status& status);
 absl::Status FromGrpcStatus(const grpc::Status& status);
+
+// A handler's answer: `result` moved into `*reply`, or its error.
+template <typename T>
+grpc::Status ToGrpcReply(absl::StatusOr<T> result, T* reply) {
+  if (!result.ok()) return ToGrpcStatus(result.status());
+  *reply = *std::move(result);
+  return grpc::Status::OK;
+}
 
 // Message size limit of Pith's control plane. Bulk tensors travel over UCX, not gRPC.
 inline constexpr int kDefaultMaxMessageBytes = 64 << 20;

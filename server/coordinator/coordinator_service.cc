@@ -46,10 +46,7 @@ grpc::Status CoordinatorServiceImpl::ReportHeat(grpc::ServerContext*, const v1::
 grpc::Status CoordinatorServiceImpl::GetAssignment(grpc::ServerContext*,
                                                    const v1::GetAssignmentRequest* request,
                                                    v1::Assignment* reply) {
-  absl::StatusOr<v1::Assignment> a = scheduler_->GetAssignment(request->worker_id());
-  if (!a.ok()) return ToGrpcStatus(a.status());
-  *reply = *std::move(a);
-  return grpc::Status::OK;
+  return ToGrpcReply(scheduler_->GetAssignment(request->worker_id()), reply);
 }
 
 grpc::Status CoordinatorServiceImpl::GetPlacement(grpc::ServerContext*,
@@ -88,19 +85,13 @@ grpc::Status CoordinatorServiceImpl::WaitStep(grpc::ServerContext* context,
   const absl::Time deadline = absl::FromChrono(context->deadline());
   if (deadline < absl::Now() + timeout)
     timeout = std::max(deadline - absl::Now(), absl::ZeroDuration());
-  absl::StatusOr<v1::StepStatus> s = scheduler_->WaitStep(*request, timeout);
-  if (!s.ok()) return ToGrpcStatus(s.status());
-  *reply = *std::move(s);
-  return grpc::Status::OK;
+  return ToGrpcReply(scheduler_->WaitStep(*request, timeout), reply);
 }
 
 grpc::Status CoordinatorServiceImpl::DrainStore(grpc::ServerContext*,
                                                 const v1::DrainStoreRequest* request,
                                                 v1::DrainStoreResponse* reply) {
-  absl::StatusOr<v1::DrainStoreResponse> s = scheduler_->Drain(request->store_id());
-  if (!s.ok()) return ToGrpcStatus(s.status());
-  *reply = *std::move(s);
-  return grpc::Status::OK;
+  return ToGrpcReply(scheduler_->Drain(request->store_id()), reply);
 }
 
 }  // namespace pith::coordinator

@@ -51,10 +51,7 @@ grpc::Status JobServiceImpl::SubmitJob(grpc::ServerContext*, const v1::SubmitJob
 
 grpc::Status JobServiceImpl::GetJob(grpc::ServerContext*, const v1::GetJobRequest* request,
                                     v1::Job* reply) {
-  absl::StatusOr<v1::Job> job = jobs_->Get(request->job_id());
-  if (!job.ok()) return ToGrpcStatus(job.status());
-  *reply = *std::move(job);
-  return grpc::Status::OK;
+  return ToGrpcReply(jobs_->Get(request->job_id()), reply);
 }
 
 grpc::Status JobServiceImpl::ListJobs(grpc::ServerContext*, const v1::ListJobsRequest* request,
@@ -86,10 +83,7 @@ grpc::Status JobServiceImpl::WatchJob(grpc::ServerContext* context,
 
 grpc::Status JobServiceImpl::CancelJob(grpc::ServerContext*, const v1::CancelJobRequest* request,
                                        v1::Job* reply) {
-  absl::StatusOr<v1::Job> job = jobs_->Cancel(request->job_id(), request->reason());
-  if (!job.ok()) return ToGrpcStatus(job.status());
-  *reply = *std::move(job);
-  return grpc::Status::OK;
+  return ToGrpcReply(jobs_->Cancel(request->job_id(), request->reason()), reply);
 }
 
 grpc::Status JobServiceImpl::CheckpointJob(grpc::ServerContext*,
@@ -98,10 +92,7 @@ grpc::Status JobServiceImpl::CheckpointJob(grpc::ServerContext*,
   if (scheduler_ == nullptr) {
     return ToGrpcStatus(absl::UnavailableError("this coordinator reaches no stores"));
   }
-  absl::StatusOr<v1::CheckpointJobResponse> r = scheduler_->Checkpoint(*request);
-  if (!r.ok()) return ToGrpcStatus(r.status());
-  *reply = *std::move(r);
-  return grpc::Status::OK;
+  return ToGrpcReply(scheduler_->Checkpoint(*request), reply);
 }
 
 grpc::Status JobServiceImpl::ClusterStatus(grpc::ServerContext*, const v1::ClusterStatusRequest*,
