@@ -154,11 +154,16 @@ TEST_F(GoldenTest, TenStepsOfLossesAndFinalWeights) {
     EXPECT_NEAR(loss->loss, want[s], 2e-5 * want[s]) << "step " << s + 1;
     (*optimizer)->Step(model_->params(), model_->grads(), s, has_grad);
   }
+  // NOTE: AdamW divides by sqrt(v), so an element whose gradient hovers near zero turns the
+  // last-bit differences of another sgemm kernel (AVX-512 accumulates in a different order
+  // than AVX2 or SSE3) into a visible share of one step: the weights get 1% of one step's
+  // largest move (lr), a wrong update moves them by about lr.
+  const double weight_atol = 1e-2 * spec_.train().lr();
   auto final_weights = SafetensorsFile::Read(Golden("golden_final.safetensors"));
   ASSERT_TRUE(final_weights.ok());
   for (const ParamTensor& t : model_->layout().tensors()) {
     ExpectClose(t.name.c_str(), model_->params() + t.offset,
-                final_weights->Get(t.name)->data<float>(), t.numel, 1e-3, 2e-5);
+                final_weights->Get(t.name)->data<float>(), t.numel, 1e-3, weight_atol);
   }
 }
 
