@@ -18,6 +18,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
+#include "absl/time/time.h"
 #include "absl/types/span.h"
 
 namespace pith::store {
@@ -87,7 +88,9 @@ class ColdTier {
   // Reads (key, version) without copying where the tier can (RocksDB: the page cache,
   // through its mapping). NOT_FOUND if absent.
   virtual absl::StatusOr<ColdRead> ReadPinned(absl::string_view key, int64_t version) = 0;
-  // Applies `batch` atomically; with `sync` it and every earlier write are durable on return.
+  // Applies `batch` atomically. On return it survives the process's death; with `sync` it
+  // and every earlier write are also on disk on return, or (RocksColdTier with a sync
+  // interval) by the end of the interval.
   virtual absl::Status Apply(const ColdBatch& batch, bool sync) = 0;
   virtual absl::StatusOr<ColdContents> Load() = 0;
   // A consistent copy of the whole tier in `dir` (UNIMPLEMENTED where there is no disk).
@@ -96,9 +99,20 @@ class ColdTier {
   virtual uint64_t BackgroundJobs() { return 0; }
 };
 
+struct RocksColdTierOptions {
+  // A new log file is started past this size.
+  uint64_t log_file_bytes = 64ull << 20;
+  // Zero: every synced Apply is on disk before it returns. Otherwise synced Applies are
+  // on disk within this interval (one group sync for all of them, in the background); a
+  // machine that stops meanwhile may lose them, and the tier then refuses to open
+  // (DATA_LOSS) rather than serve their bytes. A process crash loses nothing either way.
+  absl::Duration sync_interval = absl::ZeroDuration();
+};
+
 // Opens (creating if needed) a RocksDB tier in `dir` with the WAL on; blob bytes go to
 // append-only log files under `dir`/blobs, RocksDB holds where they are.
-// `log_file_bytes`: a new log file is started past this size.
+absl::StatusOr<std::unique_ptr<ColdTier>> OpenRocksColdTier(const std::string& dir,
+                                                            const RocksColdTierOptions& options);
 absl::StatusOr<std::unique_ptr<ColdTier>> OpenRocksColdTier(const std::string& dir,
                                                             uint64_t log_file_bytes = 64ull << 20);
 

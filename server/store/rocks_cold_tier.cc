@@ -11,38 +11,56 @@
 // memtable copy, a table file and compactions: four times the CPU and 2.4 times the disk
 // writes of one log append (measured; the store shares the cores with the workers).
 //
-// Durability: a synced Apply first fdatasyncs the logs written since the last one, then
-// writes itself through the WAL, synced. A version's location is written with the record
-// that makes it committed (or, copied forward, renamed by the next synced Apply), so a
-// location never reaches the disk before its bytes; a committed version's bytes never
-// change. A crash loses only versions no synced batch has named: uncommitted ones, which
-// a crashed step gives up anyway. A failed sync or batch write stops the tier (every later
-// call fails) until a restart recovers from what the disk holds.
+// Durability: every batch goes through the WAL before Apply returns, and every log byte
+// is in the kernel's page cache before the batch that names it: a process crash (kill -9)
+// loses nothing a batch named. A sync point fdatasyncs the logs written since the last
+// one, then writes a marker (which log bytes are on disk) through the WAL, synced. With a
+// zero sync interval every synced Apply is a sync point before it returns; otherwise a
+// group sync runs in the background within the interval of a synced Apply (one fdatasync
+// of a step's bytes costs about what the step's compute does on a VM's disk, and a version
+// replaced before the next sync point never goes to disk at all: its file is gone by then).
+// A machine that stops between sync points may lose the bytes of committed versions whose
+// records reached the disk: the restart checks every committed version past the marker
+// against its CRC and refuses to start (DATA_LOSS, one line saying what to do) rather
+// than serve them. A version's location is written with the record that makes it
+// committed (or, copied forward, renamed by the next sync point); a committed version's
+// bytes never change. Log files are deleted only after a sync point covers the batch
+// that emptied them; the unsynced bytes of a version dropped before then are punched out
+// of its file (nothing names them), so the sync point does not write them either. A failed sync or
+// batch write stops the tier (every later call fails) until a restart recovers from what the disk
+// holds.
 //
 // Space: a log file is deleted once none of its versions is indexed, after the synced
 // write that dropped the last one. A closed file whose live bytes fall under a quarter of
 // it has them copied forward into the open one (at most one file per synced Apply), so a
 // version that is never replaced pins no more than its own bytes for long.
 #include <fcntl.h>
+#include <linux/falloc.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cerrno>
+#include <chrono>
+#include <condition_variable>
 #include <cstring>
 #include <filesystem>
 #include <map>
 #include <memory>
 #include <mutex>
 #include <set>
+#include <thread>
 #include <utility>
 #include <vector>
 
+#include "absl/strings/escaping.h"
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "common/crc32c.h"
 #include "common/status.h"
 #include "glog/logging.h"
 #include "rocksdb/db.h"
@@ -74,6 +92,8 @@ std::string LocationKey(absl::string_view key, int64_t version) {
 }
 std::string RecordKey(absl::string_view key) { return absl::StrCat("M", key); }
 std::string JobKey(absl::string_view job) { return absl::StrCat("J", job); }
+// The sync marker: (log file number, bytes of it on disk) pairs, 16 bytes each.
+constexpr char kSyncedKey[] = "S";
 
 // Splits a versioned key's rest (after the space byte) into blob key and version.
 bool SplitVersioned(absl::string_view rest, std::string* key, int64_t* version) {
@@ -125,12 +145,16 @@ struct LogFile {
   const std::string path;
   const int fd;
   // Guarded by the tier's mu_:
-  uint64_t end = 0;             // bytes reserved (written or being written)
-  uint64_t live = 0;            // bytes of indexed versions
-  int writers = 0;              // reservations still being written
-  bool dirty = false;           // written since the last fdatasync
-  uint64_t writeback_from = 0;  // first byte no writeback was started for
-  uint64_t closed_at = 0;       // the tier's synced-Apply count when it stopped taking bytes
+  uint64_t end = 0;                 // bytes reserved (written or being written)
+  uint64_t live = 0;                // bytes of indexed versions
+  int writers = 0;                  // reservations still being written
+  std::multiset<uint64_t> writing;  // their offsets
+  bool dirty = false;               // written since the last fdatasync
+  uint64_t synced = 0;              // bytes known to be on disk (the last sync marker's)
+  std::map<uint64_t, int> refs;     // offset -> indexed versions there (LinkData shares bytes)
+  std::atomic<int> pins{0};         // reads of its bytes in progress (also without mu_)
+  uint64_t writeback_from = 0;      // first byte no writeback was started for
+  uint64_t closed_at = 0;           // the tier's synced-Apply count when it stopped taking bytes
   std::set<std::pair<std::string, int64_t>> entries;  // indexed versions in it
   // A read-only mapping of the file's first map_length bytes (its capacity, past the
   // bytes written so far: only written ranges are ever touched), made on the first read.
@@ -198,8 +222,33 @@ absl::Status FsyncDir(const std::string& dir) {
 
 class RocksColdTier final : public ColdTier {
  public:
-  RocksColdTier(std::unique_ptr<rocksdb::DB> db, std::string log_dir, uint64_t log_file_bytes)
-      : db_(std::move(db)), log_dir_(std::move(log_dir)), log_file_bytes_(log_file_bytes) {}
+  RocksColdTier(std::unique_ptr<rocksdb::DB> db, std::string log_dir,
+                const RocksColdTierOptions& options)
+      : db_(std::move(db)),
+        log_dir_(std::move(log_dir)),
+        log_file_bytes_(options.log_file_bytes),
+        sync_interval_(absl::ToChronoMilliseconds(options.sync_interval)) {}
+
+  // A clean stop leaves nothing to check at the next start: one last sync point.
+  ~RocksColdTier() override {
+    if (syncer_.joinable()) {
+      {
+        std::lock_guard<std::mutex> lock(sync_mu_);
+        stop_syncer_ = true;
+      }
+      sync_cv_.notify_all();
+      syncer_.join();
+    }
+    if (!recovered_) return;  // what the disk holds stays as it was found
+    std::lock_guard<std::mutex> apply_lock(apply_mu_);
+    rocksdb::WriteBatch wb;
+    if (absl::Status s = SyncPointLocked(&wb); !s.ok()) LOG(WARNING) << "cold tier: " << s;
+  }
+
+  // Starts the group sync thread (a nonzero sync interval).
+  void StartSyncer() {
+    if (sync_interval_.count() > 0) syncer_ = std::thread([this] { SyncLoop(); });
+  }
 
   // Opens the log files and indexes every location and legacy data entry. A location
   // whose bytes are missing is dropped unless a record names it (then: DATA_LOSS); files
@@ -227,6 +276,23 @@ class RocksColdTier final : public ColdTier {
     }
     if (ec) return absl::InternalError(absl::StrCat("list ", log_dir_, ": ", ec.message()));
 
+    // What the last sync point found on disk. No marker: the store was written by a
+    // build that synced every commit, so all of it is.
+    std::string marker;
+    const rocksdb::Status got = db_->Get(rocksdb::ReadOptions(), kSyncedKey, &marker);
+    if (!got.ok() && !got.IsNotFound()) return ToStatus(got, "get");
+    const bool check_unsynced = got.ok();
+    if (marker.size() % 16 != 0) return absl::DataLossError("rocksdb: bad sync marker");
+    for (size_t i = 0; i < marker.size(); i += 16) {
+      uint64_t number, bytes;
+      std::memcpy(&number, marker.data() + i, 8);
+      std::memcpy(&bytes, marker.data() + i + 8, 8);
+      if (auto f = files_.find(number); f != files_.end()) f->second->synced = bytes;
+    }
+    if (!check_unsynced) {
+      for (auto& [number, file] : files_) file->synced = file->end;
+    }
+
     rocksdb::WriteBatch dangling;
     rocksdb::ReadOptions options;
     options.fill_cache = false;
@@ -251,19 +317,26 @@ class RocksColdTier final : public ColdTier {
       std::memcpy(&l.size, it->value().data() + 16, 8);
       l.persisted = true;
       auto f = files_.find(l.file);
+      std::string record;
+      const bool committed = db_->Get(rocksdb::ReadOptions(), RecordKey(key), &record).ok() &&
+                             record.size() == 20 && std::memcmp(record.data(), &version, 8) == 0;
       if (f == files_.end() || l.offset + l.size > f->second->end) {
-        std::string record;
-        if (db_->Get(rocksdb::ReadOptions(), RecordKey(key), &record).ok() && record.size() == 20 &&
-            std::memcmp(record.data(), &version, 8) == 0) {
-          return absl::DataLossError(absl::StrCat("committed version ", version,
-                                                  " of a blob names log file ", l.file,
-                                                  " bytes it does not have"));
+        if (committed) {
+          return absl::DataLossError(absl::StrCat("committed version ", version, " of blob ",
+                                                  absl::CHexEscape(key), " names log file ", l.file,
+                                                  " bytes it does not have", LostSyncAdvice()));
         }
         dangling.Delete(it->key());  // a dropped version: nothing names it
         continue;
       }
+      if (committed && l.offset + l.size > f->second->synced) {
+        // Past the last sync point: in the page cache after a process crash, maybe not
+        // on disk after the machine stopped.
+        RETURN_IF_ERROR(VerifyUnsynced(*f->second, l, key, version, record));
+      }
       f->second->live += l.size;
       f->second->entries.insert({key, version});
+      ++f->second->refs[l.offset];
       index_[{key, version}] = l;
     }
     if (!it->status().ok()) return ToStatus(it->status(), "scan");
@@ -278,9 +351,15 @@ class RocksColdTier final : public ColdTier {
         f = files_.erase(f);
       } else {
         f->second->closed_at = 0;
+        f->second->dirty = true;  // what a crashed process left in the page cache
         ++f;
       }
     }
+    // Everything found is on disk before the store takes new writes.
+    std::lock_guard<std::mutex> apply_lock(apply_mu_);
+    rocksdb::WriteBatch wb;
+    RETURN_IF_ERROR(SyncPointLocked(&wb));
+    recovered_ = true;
     return absl::OkStatus();
   }
 
@@ -295,8 +374,10 @@ class RocksColdTier final : public ColdTier {
         IndexLocked({std::string(key), version}, Location{file->number, a.offset, bytes.size()},
                     *file);
       }
-      EndAppendLocked(*file);
-      if (file->end - file->writeback_from >= kWritebackBytes) {
+      EndAppendLocked(*file, a.offset);
+      // Only when every commit syncs: otherwise most versions are replaced, and their
+      // files deleted, before a sync point would write them.
+      if (sync_interval_.count() == 0 && file->end - file->writeback_from >= kWritebackBytes) {
         writeback_from = file->writeback_from;
         writeback_to = file->writeback_from = file->end;
       }
@@ -329,7 +410,8 @@ class RocksColdTier final : public ColdTier {
   absl::Status ReadData(absl::string_view key, int64_t version, absl::Span<uint8_t> out) override {
     std::shared_ptr<LogFile> file;
     Location l;
-    ASSIGN_OR_RETURN(bool legacy, Find(key, version, &file, &l));
+    std::shared_ptr<void> pin;
+    ASSIGN_OR_RETURN(bool legacy, Find(key, version, &file, &l, &pin));
     if (l.size != out.size()) {
       return absl::DataLossError(
           absl::StrCat("cold tier blob has ", l.size, " bytes, want ", out.size()));
@@ -349,7 +431,8 @@ class RocksColdTier final : public ColdTier {
   absl::StatusOr<ColdRead> ReadPinned(absl::string_view key, int64_t version) override {
     std::shared_ptr<LogFile> file;
     Location l;
-    ASSIGN_OR_RETURN(bool legacy, Find(key, version, &file, &l));
+    std::shared_ptr<void> pin;
+    ASSIGN_OR_RETURN(bool legacy, Find(key, version, &file, &l, &pin));
     if (legacy) return ReadLegacy(key, version);
     if (l.size == 0) return ColdRead{nullptr, 0, nullptr};
     std::call_once(file->map_once, [&] {
@@ -361,7 +444,7 @@ class RocksColdTier final : public ColdTier {
     });
     if (file->map != nullptr && l.offset + l.size <= file->map_length) {
       const uint8_t* data = static_cast<const uint8_t*>(file->map) + l.offset;
-      return ColdRead{data, l.size, std::move(file)};
+      return ColdRead{data, l.size, std::move(pin)};  // it keeps the file too
     }
     // Past the capacity (one blob larger than the rest of the file): its own mapping.
     static const uint64_t page = static_cast<uint64_t>(::sysconf(_SC_PAGESIZE));
@@ -370,9 +453,9 @@ class RocksColdTier final : public ColdTier {
     void* mapped =
         ::mmap(nullptr, length, PROT_READ, MAP_SHARED, file->fd, static_cast<off_t>(start));
     if (mapped == MAP_FAILED) return Errno("map", file->path);
-    std::shared_ptr<void> pin(mapped, [length](void* p) { ::munmap(p, length); });
+    std::shared_ptr<void> mapping(mapped, [length, pin](void* p) { ::munmap(p, length); });
     return ColdRead{static_cast<const uint8_t*>(mapped) + (l.offset - start), l.size,
-                    std::move(pin)};
+                    std::move(mapping)};
   }
 
   absl::Status Apply(const ColdBatch& batch, bool sync) override {
@@ -381,6 +464,7 @@ class RocksColdTier final : public ColdTier {
     // delete of it, and a synced one must not overtake another's sync still running.
     std::lock_guard<std::mutex> apply_lock(apply_mu_);
     rocksdb::WriteBatch wb;
+    std::vector<Punch> punches;
     {
       std::lock_guard<std::mutex> lock(mu_);
       RETURN_IF_ERROR(failed_);
@@ -397,7 +481,7 @@ class RocksColdTier final : public ColdTier {
           wb.Delete(it->second.file == kLegacyFile ? DataKey(d.key, d.version)
                                                    : LocationKey(d.key, d.version));
         }
-        ReleaseLocked(it->first, it->second);
+        ReleaseLocked(it->first, it->second, &punches);
         index_.erase(it);
       }
       for (const auto& [job, step] : batch.set_job_steps) {
@@ -406,7 +490,8 @@ class RocksColdTier final : public ColdTier {
       for (const auto& job : batch.delete_job_steps) wb.Delete(JobKey(job));
     }
     RETURN_IF_ERROR(WriteNamed(&wb, sync));
-    if (sync) {
+    PunchDead(punches);
+    if (sync && sync_interval_.count() == 0) {
       // Best effort: the batch is durable whatever happens here.
       if (absl::Status s = CopyForward(); !s.ok()) LOG(WARNING) << "cold tier: " << s;
     }
@@ -440,6 +525,10 @@ class RocksColdTier final : public ColdTier {
     std::string dir = dir_in;
     while (dir.size() > 1 && dir.back() == '/') dir.pop_back();
     std::lock_guard<std::mutex> apply_lock(apply_mu_);  // no file is deleted meanwhile
+    {
+      rocksdb::WriteBatch wb;  // every log byte the tree names is on disk
+      RETURN_IF_ERROR(SyncPointLocked(&wb));
+    }
     rocksdb::Checkpoint* raw = nullptr;
     rocksdb::Status s = rocksdb::Checkpoint::Create(db_.get(), &raw);
     if (!s.ok()) return ToStatus(s, "checkpoint");
@@ -521,15 +610,17 @@ class RocksColdTier final : public ColdTier {
       a.offset = a.file->end;
       a.file->end += size;
       ++a.file->writers;
+      a.file->writing.insert(a.offset);
     }
     a.written = PwriteAll(a.file->fd, data, size, a.offset, a.file->path);
     return a;
   }
   // After Append, once its bytes are indexed (or not): the file is dirty and may now be
   // empty.
-  void EndAppendLocked(LogFile& file) {
+  void EndAppendLocked(LogFile& file, uint64_t offset) {
     file.dirty = true;
     --file.writers;
+    file.writing.erase(file.writing.find(offset));
     MaybeEmptyLocked(file);
   }
 
@@ -563,17 +654,42 @@ class RocksColdTier final : public ColdTier {
     }
     file.live += l.size;
     file.entries.insert(it->first);
+    ++file.refs[l.offset];
   }
 
-  // Takes a version's bytes out of its file's accounting.
-  void ReleaseLocked(const IndexKey& key, const Location& l) {
+  // Bytes of a file nothing names any more, not yet on disk.
+  struct Punch {
+    std::shared_ptr<LogFile> file;
+    uint64_t from = 0, to = 0;
+  };
+  // Takes a version's bytes out of its file's accounting; with `punches`, queues the
+  // unsynced part of bytes no other version shares and no read is using.
+  void ReleaseLocked(const IndexKey& key, const Location& l,
+                     std::vector<Punch>* punches = nullptr) {
     if (l.file == kLegacyFile) return;
     auto f = files_.find(l.file);
     if (f == files_.end()) return;
     LogFile& file = *f->second;
     file.live -= l.size;
     file.entries.erase(key);
+    auto ref = file.refs.find(l.offset);
+    if (ref != file.refs.end() && --ref->second == 0) {
+      file.refs.erase(ref);
+      if (punches != nullptr && l.offset + l.size > file.synced && file.pins.load() == 0) {
+        punches->push_back({f->second, std::max(l.offset, file.synced), l.offset + l.size});
+      }
+    }
     MaybeEmptyLocked(file);
+  }
+
+  // After the batch that dropped them is written: a file that stays keeps no dirty pages
+  // of them for the next sync point to write. Best effort (a file system without holes
+  // writes them).
+  static void PunchDead(const std::vector<Punch>& punches) {
+    for (const Punch& p : punches) {
+      (void)::fallocate(p.file->fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE,
+                        static_cast<off_t>(p.from), static_cast<off_t>(p.to - p.from));
+    }
   }
 
   // A closed file nothing points into is deleted after the next synced write.
@@ -593,58 +709,159 @@ class RocksColdTier final : public ColdTier {
     l.moved = false;
   }
 
-  // Under apply_mu_: writes `wb`, with the locations of versions copied forward. A synced
-  // write first fdatasyncs the logs (so no location reaches the disk before its bytes),
-  // then deletes the files emptied before it. A failed sync or write stops the tier: what
-  // the kernel or RocksDB holds is then unknown, and a restart recovers from the disk.
+  // Under apply_mu_: writes `wb`. A synced write is a sync point when the sync interval is
+  // zero; otherwise it is written like any other (the process may die, the kernel keeps
+  // it) and the group sync covers it within the interval.
   absl::Status WriteNamed(rocksdb::WriteBatch* wb, bool sync) {
-    std::vector<std::shared_ptr<LogFile>> to_sync, to_delete;
-    bool sync_dir = false;
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      RETURN_IF_ERROR(failed_);
-      // Only a synced write names copies: their bytes are synced first.
-      for (const IndexKey& key : sync ? moved_ : std::vector<IndexKey>{}) {
-        auto it = index_.find(key);
-        if (it != index_.end()) NameLocked(it->first, it->second, wb);
+    if (sync && sync_interval_.count() == 0) return SyncPointLocked(wb);
+    RETURN_IF_ERROR(WriteLocked(wb, /*sync=*/false));
+    if (sync) {
+      {
+        std::lock_guard<std::mutex> lock(sync_mu_);
+        sync_due_ = true;
       }
-      if (sync) moved_.clear();
-      if (sync) {
-        for (auto& [number, file] : files_) {
-          if (file->dirty) to_sync.push_back(file);
-          file->dirty = false;
-        }
-        sync_dir = std::exchange(dir_dirty_, false);
-        to_delete.swap(empty_files_);  // emptied before this write, which covers their drops
-      }
+      sync_cv_.notify_all();
     }
-    absl::Status s;
-    for (const auto& file : to_sync) {
-      if (::fdatasync(file->fd) != 0) {
-        s = Errno("sync", file->path);
-        break;
-      }
-    }
-    if (s.ok() && sync_dir) s = FsyncDir(log_dir_);
-    if (s.ok()) {
-      rocksdb::WriteOptions options;
-      options.sync = sync;
-      s = ToStatus(db_->Write(options, wb), "write batch");
-    }
-    std::lock_guard<std::mutex> lock(mu_);
-    if (!s.ok()) {
-      failed_ = absl::Status(s.code(), absl::StrCat("cold tier stopped after: ", s.message()));
-      LOG(ERROR) << failed_;
-      return failed_;
-    }
-    if (!sync) return absl::OkStatus();
-    ++syncs_;
-    for (auto& file : to_delete) (void)::unlink(file->path.c_str());
     return absl::OkStatus();
   }
 
+  // Writes `wb` through the WAL. A failed write stops the tier: what RocksDB holds is then
+  // unknown, and a restart recovers from the disk.
+  absl::Status WriteLocked(rocksdb::WriteBatch* wb, bool sync) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      RETURN_IF_ERROR(failed_);
+    }
+    rocksdb::WriteOptions options;
+    options.sync = sync;
+    return Stop(ToStatus(db_->Write(options, wb), "write batch"));
+  }
+
+  // Once `s` failed, every later call fails with it.
+  absl::Status Stop(absl::Status s) {
+    if (s.ok()) return s;
+    std::lock_guard<std::mutex> lock(mu_);
+    if (failed_.ok()) {
+      failed_ = absl::Status(s.code(), absl::StrCat("cold tier stopped after: ", s.message()));
+      LOG(ERROR) << failed_;
+    }
+    return failed_;
+  }
+
+  // What a sync point covers: the logs written before it, the copies made before it, the
+  // files emptied before it.
+  struct SyncPoint {
+    std::vector<std::pair<std::shared_ptr<LogFile>, uint64_t>> files;  // to sync, safe bytes
+    std::vector<IndexKey> moved;
+    std::vector<std::shared_ptr<LogFile>> to_delete;
+    bool sync_dir = false;
+  };
+  // Under apply_mu_ (no batch is half applied).
+  SyncPoint TakeSyncPointLocked() {
+    SyncPoint p;
+    std::lock_guard<std::mutex> lock(mu_);
+    for (auto& [number, file] : files_) {
+      if (!file->dirty) continue;
+      // Bytes still being written are not covered; everything before them is.
+      p.files.emplace_back(file, file->writing.empty() ? file->end : *file->writing.begin());
+      file->dirty = !file->writing.empty();
+    }
+    p.moved.swap(moved_);
+    p.to_delete.swap(empty_files_);
+    p.sync_dir = std::exchange(dir_dirty_, false);
+    return p;
+  }
+  // The fdatasyncs, with or without apply_mu_.
+  absl::Status SyncFiles(const SyncPoint& p) {
+    for (const auto& [file, bytes] : p.files) {
+      if (::fdatasync(file->fd) != 0) return Stop(Errno("sync", file->path));
+    }
+    if (p.sync_dir) return Stop(FsyncDir(log_dir_));
+    return absl::OkStatus();
+  }
+  // Under apply_mu_, after SyncFiles(p): names p's copies, writes the marker with `wb`
+  // through the WAL, synced (so every earlier batch is on disk too), then deletes p's
+  // emptied files.
+  absl::Status FinishSyncPointLocked(SyncPoint& p, rocksdb::WriteBatch* wb) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      for (const auto& [file, bytes] : p.files) file->synced = std::max(file->synced, bytes);
+      for (const IndexKey& key : p.moved) {
+        auto it = index_.find(key);
+        if (it != index_.end()) NameLocked(it->first, it->second, wb);
+      }
+      std::string marker;
+      for (const auto& [number, file] : files_) {
+        marker.append(reinterpret_cast<const char*>(&number), 8);
+        marker.append(reinterpret_cast<const char*>(&file->synced), 8);
+      }
+      wb->Put(kSyncedKey, marker);
+    }
+    RETURN_IF_ERROR(WriteLocked(wb, /*sync=*/true));
+    std::lock_guard<std::mutex> lock(mu_);
+    ++syncs_;
+    for (auto& file : p.to_delete) (void)::unlink(file->path.c_str());
+    return absl::OkStatus();
+  }
+  // A whole sync point under apply_mu_.
+  absl::Status SyncPointLocked(rocksdb::WriteBatch* wb) {
+    SyncPoint p = TakeSyncPointLocked();
+    absl::Status s = SyncFiles(p);
+    if (!s.ok()) return s;
+    return FinishSyncPointLocked(p, wb);
+  }
+
+  // The group sync: every sync interval in which a synced Apply came, one sync point
+  // (with the copy-forward), its fdatasyncs outside apply_mu_ so commits go on meanwhile.
+  void SyncLoop() {
+    std::unique_lock<std::mutex> lock(sync_mu_);
+    auto last = std::chrono::steady_clock::now();
+    while (!stop_syncer_) {
+      sync_cv_.wait(lock, [&] { return stop_syncer_ || sync_due_; });
+      sync_cv_.wait_until(lock, last + sync_interval_, [&] { return stop_syncer_; });
+      if (stop_syncer_) break;
+      sync_due_ = false;
+      lock.unlock();
+      SyncPoint p;
+      {
+        std::lock_guard<std::mutex> apply_lock(apply_mu_);
+        if (absl::Status c = CopyForward(); !c.ok()) LOG(WARNING) << "cold tier: " << c;
+        p = TakeSyncPointLocked();
+      }
+      absl::Status s = SyncFiles(p);
+      if (s.ok()) {
+        std::lock_guard<std::mutex> apply_lock(apply_mu_);
+        rocksdb::WriteBatch wb;
+        s = FinishSyncPointLocked(p, &wb);
+      }
+      if (!s.ok()) LOG(ERROR) << "cold tier group sync: " << s;
+      lock.lock();
+      last = std::chrono::steady_clock::now();
+    }
+  }
+
+  // At start: a committed version past the last sync point must have its bytes.
+  absl::Status VerifyUnsynced(LogFile& file, const Location& l, const std::string& key,
+                              int64_t version, const std::string& record) {
+    uint32_t crc;
+    std::memcpy(&crc, record.data() + 16, 4);
+    std::vector<uint8_t> bytes(l.size);
+    RETURN_IF_ERROR(PreadAll(file.fd, bytes.data(), l.size, l.offset, file.path));
+    if (Crc32c(bytes.data(), bytes.size()) == crc) return absl::OkStatus();
+    return absl::DataLossError(absl::StrCat("committed version ", version, " of blob ",
+                                            absl::CHexEscape(key), " in log file ", file.number,
+                                            " fails its checksum", LostSyncAdvice()));
+  }
+  static std::string LostSyncAdvice() {
+    return ": the machine stopped before the store's last sync point reached the disk "
+           "(--sync_interval_ms); start this store with an empty --data_dir and the "
+           "coordinator copies its groups back from their replicas";
+  }
+
+  // Where (key, version) is; true when its bytes are in RocksDB. `pin` holds off punches
+  // of the file's bytes while the caller reads them.
   absl::StatusOr<bool> Find(absl::string_view key, int64_t version, std::shared_ptr<LogFile>* file,
-                            Location* l) {
+                            Location* l, std::shared_ptr<void>* pin) {
     std::lock_guard<std::mutex> lock(mu_);
     auto it = index_.find({std::string(key), version});
     if (it == index_.end()) {
@@ -658,6 +875,9 @@ class RocksColdTier final : public ColdTier {
       return absl::DataLossError(absl::StrCat("log file ", l->file, " is gone"));
     }
     *file = f->second;
+    ++f->second->pins;
+    LogFile* raw = f->second.get();
+    *pin = std::shared_ptr<void>(raw, [keep = f->second](void*) { --keep->pins; });
     return false;
   }
 
@@ -733,7 +953,7 @@ class RocksColdTier final : public ColdTier {
         file->entries.insert(it->first);
         if (persisted) moved_.push_back(it->first);
       }  // else dropped or written again meanwhile: the copy is dead space
-      EndAppendLocked(*file);
+      EndAppendLocked(*file, offset);
       if (!s.ok()) break;
     }
     {
@@ -742,8 +962,9 @@ class RocksColdTier final : public ColdTier {
       MaybeEmptyLocked(*victim);
     }
     RETURN_IF_ERROR(s);
+    if (sync_interval_.count() > 0) return absl::OkStatus();  // the group sync names them
     rocksdb::WriteBatch wb;
-    return WriteNamed(&wb, /*sync=*/true);
+    return SyncPointLocked(&wb);
   }
 
   const std::unique_ptr<rocksdb::DB> db_;
@@ -758,14 +979,29 @@ class RocksColdTier final : public ColdTier {
   std::vector<std::shared_ptr<LogFile>> empty_files_;   // to delete after the next sync
   std::vector<IndexKey> moved_;  // copied forward while RocksDB names the old place
   uint64_t next_file_ = 1;
-  uint64_t syncs_ = 0;      // synced writes so far
+  uint64_t syncs_ = 0;      // sync points so far
   bool dir_dirty_ = false;  // a log file was created since the last directory sync
+  bool recovered_ = false;  // Recover succeeded
+  // The group sync (a nonzero interval).
+  const std::chrono::milliseconds sync_interval_;
+  std::mutex sync_mu_;
+  std::condition_variable sync_cv_;
+  bool sync_due_ = false;     // guarded by sync_mu_: a synced Apply since the last sync point
+  bool stop_syncer_ = false;  // guarded by sync_mu_
+  std::thread syncer_;
 };
 
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<ColdTier>> OpenRocksColdTier(const std::string& dir,
                                                             uint64_t log_file_bytes) {
+  RocksColdTierOptions options;
+  options.log_file_bytes = log_file_bytes;
+  return OpenRocksColdTier(dir, options);
+}
+
+absl::StatusOr<std::unique_ptr<ColdTier>> OpenRocksColdTier(const std::string& dir,
+                                                            const RocksColdTierOptions& tier) {
   rocksdb::Options options;
   options.create_if_missing = true;
   options.compression = rocksdb::kNoCompression;
@@ -782,10 +1018,11 @@ absl::StatusOr<std::unique_ptr<ColdTier>> OpenRocksColdTier(const std::string& d
   rocksdb::DB* raw = nullptr;
   rocksdb::Status s = rocksdb::DB::Open(options, dir, &raw);
   if (!s.ok()) return ToStatus(s, absl::StrCat("open ", dir));
-  auto tier = std::make_unique<RocksColdTier>(std::unique_ptr<rocksdb::DB>(raw), dir + "/blobs",
-                                              log_file_bytes);
-  RETURN_IF_ERROR(tier->Recover());
-  return std::unique_ptr<ColdTier>(std::move(tier));
+  auto cold =
+      std::make_unique<RocksColdTier>(std::unique_ptr<rocksdb::DB>(raw), dir + "/blobs", tier);
+  RETURN_IF_ERROR(cold->Recover());
+  cold->StartSyncer();
+  return std::unique_ptr<ColdTier>(std::move(cold));
 }
 
 }  // namespace pith::store

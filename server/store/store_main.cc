@@ -22,6 +22,11 @@ ABSL_FLAG(uint64_t, admission_window, 4096,
           "when it fits in free RAM or was read more recently than the blob it would evict; "
           "0 promotes on every read");
 ABSL_FLAG(int, max_message_bytes, 64 << 20, "Largest gRPC message, in bytes");
+ABSL_FLAG(int, sync_interval_ms, 1000,
+          "A committed step survives kill -9 of any process at once; it is on disk within "
+          "this many ms (one background sync for every step in the interval: a step replaced "
+          "by the next one before then never costs a disk write). 0: on disk before the "
+          "commit returns, at one fdatasync of the step's bytes per step");
 ABSL_FLAG(std::string, coordinator, "",
           "Coordinator address (host:port): register there and keep the lease alive");
 
@@ -44,6 +49,10 @@ absl::Status Run(pith::ShutdownSignals& signals) {
   options.max_message_bytes = absl::GetFlag(FLAGS_max_message_bytes);
   options.admission_window = absl::GetFlag(FLAGS_admission_window);
   options.coordinator = absl::GetFlag(FLAGS_coordinator);
+  if (absl::GetFlag(FLAGS_sync_interval_ms) < 0) {
+    return absl::InvalidArgumentError("--sync_interval_ms must be >= 0");
+  }
+  options.sync_interval = absl::Milliseconds(absl::GetFlag(FLAGS_sync_interval_ms));
   options.metrics_port = exposer ? exposer->port() : -1;
   ASSIGN_OR_RETURN(auto server, pith::store::StoreServer::Start(options, &metrics));
   LOG(INFO) << "pith-store ready: grpc_port=" << server->grpc_port()

@@ -26,7 +26,8 @@ absl::StatusOr<std::unique_ptr<StoreServer>> StoreServer::Start(const StoreServe
   // The RAM tier lives in UCX-registered memory: blobs leave from it and arrive in it
   // with no copy on this side.
   ASSIGN_OR_RETURN(s->arena_, s->worker_->Allocate(options.ram_bytes));
-  ASSIGN_OR_RETURN(std::unique_ptr<ColdTier> cold, OpenRocksColdTier(options.data_dir));
+  ASSIGN_OR_RETURN(std::unique_ptr<ColdTier> cold,
+                   OpenRocksColdTier(options.data_dir, {.sync_interval = options.sync_interval}));
   BlobStoreOptions store_options;
   store_options.ram_bytes = options.ram_bytes;
   store_options.max_blob_bytes = options.max_blob_bytes;

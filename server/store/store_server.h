@@ -25,7 +25,8 @@ struct StoreServerOptions {
   std::string data_dir;                        // RocksDB directory (created if missing)
   uint64_t ram_bytes = 1ull << 30;
   uint64_t max_blob_bytes = 64ull << 20;
-  uint64_t admission_window = 4096;  // see BlobStoreOptions
+  uint64_t admission_window = 4096;                     // see BlobStoreOptions
+  absl::Duration sync_interval = absl::ZeroDuration();  // see RocksColdTierOptions
   int max_message_bytes = kDefaultMaxMessageBytes;
   std::string coordinator;  // optional: register with this coordinator and heartbeat
   int metrics_port = -1;    // advertised to the coordinator
