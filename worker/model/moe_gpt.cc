@@ -276,7 +276,15 @@ absl::StatusOr<StepLoss> MoeGpt::ForwardBackward(const int32_t* inputs, const in
   Backend& b = *backend_;
   RETURN_IF_ERROR(b.CopyToDevice(inputs_dev_, inputs, sizeof(int32_t) * N));
   RETURN_IF_ERROR(b.CopyToDevice(targets_dev_, targets, sizeof(int32_t) * N));
-  b.Zero(grads(), sizeof(float) * layout_.total_floats());
+  // The dense gradients and those of the experts computed here; the others stay unread.
+  b.Zero(grads(), sizeof(float) * layout_.dense_floats());
+  for (int l = 0; l < s.layers; ++l) {
+    for (int e = 0; e < E; ++e) {
+      if (parallel_ == nullptr || parallel_->Computes(l, e)) {
+        b.Zero(grads() + layout_.ExpertOffset(l, e), sizeof(float) * s.expert_floats());
+      }
+    }
+  }
 
   RETURN_IF_ERROR(Forward(inputs_dev_));
 

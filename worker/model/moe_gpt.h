@@ -44,6 +44,9 @@ class ExpertParallel {
                                 const int64_t* offsets) = 0;
   // Sums `values` over the job's workers; every worker gets the same bits.
   virtual absl::Status AllReduce(double* values, size_t n) = 0;
+  // Whether this worker computes (layer, expert): only those experts' gradients are
+  // written here, and zeroed before a step.
+  virtual bool Computes(int layer, int expert) const { return true; }
 };
 
 class MoeGpt {

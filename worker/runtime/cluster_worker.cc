@@ -201,8 +201,7 @@ class JobRun {
     // Experts updated together: bounded by a few MB of moment scratch and by the cache
     // (a batch pins its experts' slots; the rest stay free for the prefetcher).
     update_batch_ = static_cast<size_t>(std::clamp(slots / 2, 1, 8));
-    moments_scratch_.resize(update_batch_ * 2 * shape_.expert_floats());
-    counts_.resize(update_batch_);
+    SetUpMoments();
     ASSIGN_OR_RETURN(dataset_, data::TokenDataset::Open(spec.train().data_path(), shape_.vocab));
     inputs_.resize(rows_.size() * shape_.seq);
     targets_.resize(rows_.size() * shape_.seq);
@@ -308,6 +307,7 @@ class JobRun {
     peers_->SetAttempt(a_.assignment_version());
     version_ = a_.assignment_version();
     RETURN_IF_ERROR(ApplyPlacement());
+    SetUpMoments();  // the experts updated here changed: their moments come from the stores
     LOG(INFO) << "job " << a_.job_id() << ": placement epoch " << a_.placement().epoch()
               << " adopted in place (" << owned_.size() << " experts computed, " << updated_.size()
               << " updated)";
@@ -328,13 +328,39 @@ class JobRun {
   // when 0), two at least.
   int CacheSlots(int owned) const {
     const size_t slot_bytes = shape_.expert_floats() * sizeof(float);
-    // The job's budget (cluster.cache_bytes) when it sets one, else this worker's.
-    const uint64_t budget = a_.spec().cluster().cache_bytes() > 0
-                                ? static_cast<uint64_t>(a_.spec().cluster().cache_bytes())
-                                : options_.cache_bytes;
+    const uint64_t budget = CacheBudget();
     int slots = owned + 1;
     if (budget > 0) slots = std::min<int64_t>(slots, static_cast<int64_t>(budget / slot_bytes));
     return std::max(slots, 2);
+  }
+
+  // Moment buffers for the experts this worker updates: one per expert, kept across steps
+  // (fetched from the stores only when not current here) when the budget holds them
+  // beside the cache's slots, else scratch for one update batch, fetched every time.
+  void SetUpMoments() {
+    const size_t slot_bytes = shape_.expert_floats() * sizeof(float);
+    const uint64_t budget = CacheBudget();
+    const uint64_t want = slot_bytes * (owned_.size() + 1 + 2 * updated_.size());
+    const bool resident = budget == 0 || budget >= want;
+    const size_t buffers = resident ? updated_.size() : update_batch_;
+    moments_.assign(buffers * 2 * shape_.expert_floats(), 0.0f);
+    counts_.assign(buffers, 0);
+    moment_current_.assign(buffers, false);
+    moment_index_.clear();
+    if (resident) {
+      for (size_t i = 0; i < updated_.size(); ++i) moment_index_[updated_[i]] = i;
+    }
+    LOG_IF(INFO, resident && !updated_.empty())
+        << "job " << a_.job_id() << ": the moments of the " << updated_.size()
+        << " experts updated here stay resident between steps";
+  }
+
+  // The job's cache budget (cluster.cache_bytes) when it sets one, else this worker's; 0:
+  // none.
+  uint64_t CacheBudget() const {
+    return a_.spec().cluster().cache_bytes() > 0
+               ? static_cast<uint64_t>(a_.spec().cluster().cache_bytes())
+               : options_.cache_bytes;
   }
 
   int64_t LargestDense() const {
@@ -745,32 +771,44 @@ class JobRun {
     const int64_t floats = shape_.expert_floats();
     const size_t bytes = floats * sizeof(float);
     std::vector<float*> w(batch.size(), nullptr);
+    std::vector<size_t> buffer(batch.size());  // each expert's moment buffer
+    for (size_t i = 0; i < batch.size(); ++i) {
+      auto it = moment_index_.find(batch[i]);
+      buffer[i] = it == moment_index_.end() ? i : it->second;
+    }
     size_t pinned = 0;
     absl::Status status = [&]() -> absl::Status {
       for (; pinned < batch.size(); ++pinned) {
         ASSIGN_OR_RETURN(w[pinned], cache_->Acquire(batch[pinned]));
       }
-      // The batch's moments and counts, one fetch per distinct store group.
+      // The moments and counts not current here, one fetch per distinct store group.
       std::map<std::vector<std::string>, std::vector<StoreClient::FetchItem>> fetches;
       for (size_t i = 0; i < batch.size(); ++i) {
+        const size_t b = buffer[i];
+        if (moment_current_[b]) continue;
         const auto [l, e] = batch[i];
         auto& items = fetches[expert_stores_.at(batch[i])];
-        items.push_back(Item(Key(l, e, "", v1::BLOB_KIND_ADAM_M), MScratch(i), bytes));
-        items.push_back(Item(Key(l, e, "", v1::BLOB_KIND_ADAM_V), VScratch(i), bytes));
-        items.push_back(Item(Key(l, e, "", v1::BLOB_KIND_STATE), &counts_[i], sizeof(int64_t)));
+        items.push_back(Item(Key(l, e, "", v1::BLOB_KIND_ADAM_M), M(b), bytes));
+        items.push_back(Item(Key(l, e, "", v1::BLOB_KIND_ADAM_V), V(b), bytes));
+        items.push_back(Item(Key(l, e, "", v1::BLOB_KIND_STATE), &counts_[b], sizeof(int64_t)));
       }
       for (auto& [stores, items] : fetches) RETURN_IF_ERROR(Fetch(stores, items));
       for (size_t i = 0; i < batch.size(); ++i) {
         const auto [l, e] = batch[i];
+        const size_t b = buffer[i];
         const int64_t base = layout.ExpertOffset(l, e);
         float* g = model_->grads() + base;
-        const int64_t count = ++counts_[i];
+        // NOTE: from here the buffer holds this step's moments, current here only once
+        // the step commits; a step that does not commit ends this JobRun (Run returns),
+        // and the buffers with it.
+        moment_current_[b] = !moment_index_.empty();
+        const int64_t count = ++counts_[b];
         const int first = layout.ExpertTensorIndex(l, e);
         for (int t_index = 0; t_index < 4; ++t_index) {
           const model::ParamTensor& t = layout.tensors()[first + t_index];
           const int64_t o = t.offset - base;
           if (coef < 1.0) backend_.Scale(g + o, static_cast<float>(coef), t.numel);
-          backend_.AdamW(w[i] + o, g + o, MScratch(i) + o, VScratch(i) + o, t.numel, lr,
+          backend_.AdamW(w[i] + o, g + o, M(b) + o, V(b) + o, t.numel, lr,
                          static_cast<float>(c.beta1), static_cast<float>(c.beta2),
                          static_cast<float>(c.eps),
                          t.decay ? static_cast<float>(c.weight_decay) : 0.0f, count);
@@ -779,24 +817,26 @@ class JobRun {
       RETURN_IF_ERROR(backend_.Synchronize());
       for (size_t i = 0; i < batch.size(); ++i) {
         const auto [l, e] = batch[i];
+        const size_t b = buffer[i];
         const std::vector<std::string>& stores = expert_write_stores_.at(batch[i]);
         RETURN_IF_ERROR(Put(stores, Key(l, e, "", v1::BLOB_KIND_WEIGHTS), s, w[i], bytes));
         RETURN_IF_ERROR(Put(stores, Key(l, e, "", v1::BLOB_KIND_MASTER), s, w[i], bytes));
-        RETURN_IF_ERROR(Put(stores, Key(l, e, "", v1::BLOB_KIND_ADAM_M), s, MScratch(i), bytes));
-        RETURN_IF_ERROR(Put(stores, Key(l, e, "", v1::BLOB_KIND_ADAM_V), s, VScratch(i), bytes));
+        RETURN_IF_ERROR(Put(stores, Key(l, e, "", v1::BLOB_KIND_ADAM_M), s, M(b), bytes));
+        RETURN_IF_ERROR(Put(stores, Key(l, e, "", v1::BLOB_KIND_ADAM_V), s, V(b), bytes));
         RETURN_IF_ERROR(
-            Put(stores, Key(l, e, "", v1::BLOB_KIND_STATE), s, &counts_[i], sizeof(int64_t)));
+            Put(stores, Key(l, e, "", v1::BLOB_KIND_STATE), s, &counts_[b], sizeof(int64_t)));
       }
       return Flush();  // before the slots, the scratch buffers and the counts are reused
     }();
     puts_.clear();  // a failed batch sends nothing more
     primary_put_.clear();
+    if (!status.ok()) moment_current_.assign(moment_current_.size(), false);
     for (size_t i = 0; i < pinned; ++i) cache_->Release(batch[i]);
     return status;
   }
 
-  float* MScratch(size_t i) { return moments_scratch_.data() + 2 * i * shape_.expert_floats(); }
-  float* VScratch(size_t i) { return MScratch(i) + shape_.expert_floats(); }
+  float* M(size_t buffer) { return moments_.data() + 2 * buffer * shape_.expert_floats(); }
+  float* V(size_t buffer) { return M(buffer) + shape_.expert_floats(); }
 
   absl::Status Report(int64_t s, const model::StepLoss& loss, uint64_t tokens) {
     v1::StepWrittenRequest r;
@@ -1003,8 +1043,12 @@ class JobRun {
   std::vector<std::vector<ExpertOwners>> owners_;
   std::unique_ptr<ExpertCache> cache_;
   size_t update_batch_ = 1;
-  std::vector<float> moments_scratch_;  // adam_m, adam_v of each expert of an update batch
-  std::vector<int64_t> counts_;         // AdamW step counts of an update batch
+  // Moment buffers (SetUpMoments): adam_m, adam_v and the AdamW count of an expert each,
+  // one per updated expert (moment_index_) or one per expert of an update batch.
+  std::vector<float> moments_;
+  std::vector<int64_t> counts_;
+  std::vector<bool> moment_current_;  // the buffer holds the expert's newest moments
+  std::map<ExpertCache::Expert, size_t> moment_index_;  // empty: scratch
   uint64_t step_hits_ = 0, step_misses_ = 0;
   std::vector<StoreClient::PutItem> puts_;  // queued by Put, sent by Flush
   std::vector<bool> primary_put_;           // the item goes to its group's first store

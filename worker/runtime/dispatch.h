@@ -46,7 +46,7 @@ class Dispatch final : public model::ExpertParallel {
     reduce_seq_ = 0;
   }
   // Whether this worker computes expert e of layer l.
-  bool Computes(int layer, int expert) const;
+  bool Computes(int layer, int expert) const override;
   // Token rows this worker sent to peers in the last step's forward passes (a token once
   // per peer, however many of its experts the peer computes), the expert rows they stood
   // for, and the expert rows received (for metrics).
