@@ -153,6 +153,7 @@ class Worker {
 
   std::mutex mu_;
   std::vector<std::function<void()>> posted_;  // guarded by mu_
+  std::atomic<bool> has_posted_{false};        // posted_ may be non-empty
 
   struct EndpointState {
     Worker* worker;
