@@ -6,6 +6,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstring>
+#include <future>
 #include <map>
 #include <memory>
 #include <optional>
@@ -342,7 +343,7 @@ class JobRun {
     const uint64_t budget = CacheBudget();
     const uint64_t want = slot_bytes * (owned_.size() + 1 + 2 * updated_.size());
     const bool resident = budget == 0 || budget >= want;
-    const size_t buffers = resident ? updated_.size() : update_batch_;
+    const size_t buffers = resident ? updated_.size() : 2 * update_batch_;
     moments_.assign(buffers * 2 * shape_.expert_floats(), 0.0f);
     counts_.assign(buffers, 0);
     moment_current_.assign(buffers, false);
@@ -755,15 +756,68 @@ class JobRun {
     for (const ExpertCache::Expert& x : updated_) {
       if (model_->ExpertUsed(x.first, x.second)) used.push_back(x);
     }
+    std::vector<absl::Span<const ExpertCache::Expert>> batches;
+    std::vector<std::vector<size_t>> buffers;  // each expert's moment buffer, per batch
     for (size_t b = 0; b < used.size(); b += update_batch_) {
-      const size_t n = std::min(used.size() - b, update_batch_);
-      RETURN_IF_ERROR(UpdateBatch(s, grad_norm, absl::MakeConstSpan(used).subspan(b, n)));
+      batches.push_back(
+          absl::MakeConstSpan(used).subspan(b, std::min(used.size() - b, update_batch_)));
+      std::vector<size_t>& buffer = buffers.emplace_back();
+      for (size_t i = 0; i < batches.back().size(); ++i) {
+        auto it = moment_index_.find(batches.back()[i]);
+        // Scratch: two batches' buffers, alternating.
+        buffer.push_back(it != moment_index_.end() ? it->second
+                                                   : (batches.size() - 1) % 2 * update_batch_ + i);
+      }
+    }
+    if (batches.empty()) return absl::OkStatus();
+    // NOTE: with scratch buffers the next batch's moments are fetched (on another thread,
+    // into the other half) while this batch is updated and written; resident ones are
+    // current after the first step.
+    const bool overlap = moment_index_.empty();
+    absl::Status fetched = FetchMoments(batches[0], buffers[0]);
+    for (size_t k = 0; k < batches.size(); ++k) {
+      RETURN_IF_ERROR(fetched);
+      std::future<absl::Status> next;
+      if (k + 1 < batches.size()) {
+        if (overlap) {
+          next = std::async(std::launch::async,
+                            [&, k] { return FetchMoments(batches[k + 1], buffers[k + 1]); });
+        }
+      }
+      absl::Status updated = UpdateBatch(s, grad_norm, batches[k], buffers[k]);
+      if (next.valid()) {
+        fetched = next.get();
+      } else if (k + 1 < batches.size() && updated.ok()) {
+        fetched = FetchMoments(batches[k + 1], buffers[k + 1]);
+      }
+      RETURN_IF_ERROR(updated);
     }
     return absl::OkStatus();
   }
 
-  absl::Status UpdateBatch(int64_t s, double grad_norm,
-                           absl::Span<const ExpertCache::Expert> batch) {
+  // Fetches the moments and counts of `batch` not current here into their buffers, one
+  // fetch per distinct store group. Also on a helper thread (UpdateExperts): it touches
+  // only its buffers.
+  absl::Status FetchMoments(absl::Span<const ExpertCache::Expert> batch,
+                            const std::vector<size_t>& buffer) {
+    const size_t bytes = shape_.expert_floats() * sizeof(float);
+    std::map<std::vector<std::string>, std::vector<StoreClient::FetchItem>> fetches;
+    for (size_t i = 0; i < batch.size(); ++i) {
+      const size_t b = buffer[i];
+      if (!moment_index_.empty() && moment_current_[b]) continue;
+      const auto [l, e] = batch[i];
+      auto& items = fetches[expert_stores_.at(batch[i])];
+      items.push_back(Item(Key(l, e, "", v1::BLOB_KIND_ADAM_M), M(b), bytes));
+      items.push_back(Item(Key(l, e, "", v1::BLOB_KIND_ADAM_V), V(b), bytes));
+      items.push_back(Item(Key(l, e, "", v1::BLOB_KIND_STATE), &counts_[b], sizeof(int64_t)));
+    }
+    for (auto& [stores, items] : fetches) RETURN_IF_ERROR(Fetch(stores, items));
+    return absl::OkStatus();
+  }
+
+  // AdamW on `batch` (its moments in `buffer`, fetched), then its writes.
+  absl::Status UpdateBatch(int64_t s, double grad_norm, absl::Span<const ExpertCache::Expert> batch,
+                           const std::vector<size_t>& buffer) {
     const model::OptimizerConfig& c = optimizer_->config();
     const model::ParamLayout& layout = model_->layout();
     const float lr = static_cast<float>(model::LearningRate(c, s - 1));
@@ -771,28 +825,11 @@ class JobRun {
     const int64_t floats = shape_.expert_floats();
     const size_t bytes = floats * sizeof(float);
     std::vector<float*> w(batch.size(), nullptr);
-    std::vector<size_t> buffer(batch.size());  // each expert's moment buffer
-    for (size_t i = 0; i < batch.size(); ++i) {
-      auto it = moment_index_.find(batch[i]);
-      buffer[i] = it == moment_index_.end() ? i : it->second;
-    }
     size_t pinned = 0;
     absl::Status status = [&]() -> absl::Status {
       for (; pinned < batch.size(); ++pinned) {
         ASSIGN_OR_RETURN(w[pinned], cache_->Acquire(batch[pinned]));
       }
-      // The moments and counts not current here, one fetch per distinct store group.
-      std::map<std::vector<std::string>, std::vector<StoreClient::FetchItem>> fetches;
-      for (size_t i = 0; i < batch.size(); ++i) {
-        const size_t b = buffer[i];
-        if (moment_current_[b]) continue;
-        const auto [l, e] = batch[i];
-        auto& items = fetches[expert_stores_.at(batch[i])];
-        items.push_back(Item(Key(l, e, "", v1::BLOB_KIND_ADAM_M), M(b), bytes));
-        items.push_back(Item(Key(l, e, "", v1::BLOB_KIND_ADAM_V), V(b), bytes));
-        items.push_back(Item(Key(l, e, "", v1::BLOB_KIND_STATE), &counts_[b], sizeof(int64_t)));
-      }
-      for (auto& [stores, items] : fetches) RETURN_IF_ERROR(Fetch(stores, items));
       for (size_t i = 0; i < batch.size(); ++i) {
         const auto [l, e] = batch[i];
         const size_t b = buffer[i];
@@ -801,7 +838,7 @@ class JobRun {
         // NOTE: from here the buffer holds this step's moments, current here only once
         // the step commits; a step that does not commit ends this JobRun (Run returns),
         // and the buffers with it.
-        moment_current_[b] = !moment_index_.empty();
+        if (!moment_index_.empty()) moment_current_[b] = true;
         const int64_t count = ++counts_[b];
         const int first = layout.ExpertTensorIndex(l, e);
         for (int t_index = 0; t_index < 4; ++t_index) {
@@ -830,7 +867,9 @@ class JobRun {
     }();
     puts_.clear();  // a failed batch sends nothing more
     primary_put_.clear();
-    if (!status.ok()) moment_current_.assign(moment_current_.size(), false);
+    if (!status.ok() && !moment_index_.empty()) {
+      moment_current_.assign(moment_current_.size(), false);
+    }
     for (size_t i = 0; i < pinned; ++i) cache_->Release(batch[i]);
     return status;
   }
