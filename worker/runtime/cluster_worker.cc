@@ -337,7 +337,8 @@ class JobRun {
 
   // Moment buffers for the experts this worker updates: one per expert, kept across steps
   // (fetched from the stores only when not current here) when the budget holds them
-  // beside the cache's slots, else scratch for one update batch, fetched every time.
+  // beside the cache's slots, else scratch for two update batches (one fetched while the
+  // other is updated), fetched every time.
   void SetUpMoments() {
     const size_t slot_bytes = shape_.expert_floats() * sizeof(float);
     const uint64_t budget = CacheBudget();
