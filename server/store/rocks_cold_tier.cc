@@ -50,6 +50,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <set>
 #include <thread>
 #include <utility>
@@ -112,6 +113,16 @@ std::string EncodeRecord(const BlobRecord& r) {
   std::memcpy(out.data() + 8, &r.size, 8);
   std::memcpy(out.data() + 16, &r.crc, 4);
   return out;
+}
+
+// A record's 20 bytes; nullopt when they are not 20.
+std::optional<BlobRecord> DecodeRecord(absl::string_view in) {
+  if (in.size() != 20) return std::nullopt;
+  BlobRecord r;
+  std::memcpy(&r.version, in.data(), 8);
+  std::memcpy(&r.size, in.data() + 8, 8);
+  std::memcpy(&r.crc, in.data() + 16, 4);
+  return r;
 }
 
 absl::Status ToStatus(const rocksdb::Status& s, absl::string_view what) {
@@ -245,9 +256,12 @@ class RocksColdTier final : public ColdTier {
     if (absl::Status s = SyncPointLocked(&wb); !s.ok()) LOG(WARNING) << "cold tier: " << s;
   }
 
+  // A zero sync interval: every synced Apply is a sync point before it returns.
+  bool EveryCommitSynced() const { return sync_interval_.count() == 0; }
+
   // Starts the group sync thread (a nonzero sync interval).
   void StartSyncer() {
-    if (sync_interval_.count() > 0) syncer_ = std::thread([this] { SyncLoop(); });
+    if (!EveryCommitSynced()) syncer_ = std::thread([this] { SyncLoop(); });
   }
 
   // Opens the log files and indexes every location and legacy data entry. A location
@@ -317,11 +331,17 @@ class RocksColdTier final : public ColdTier {
       std::memcpy(&l.size, it->value().data() + 16, 8);
       l.persisted = true;
       auto f = files_.find(l.file);
-      std::string record;
-      const bool committed = db_->Get(rocksdb::ReadOptions(), RecordKey(key), &record).ok() &&
-                             record.size() == 20 && std::memcmp(record.data(), &version, 8) == 0;
+      // The record naming this version as committed, if one does (looked up only where
+      // the bytes are missing or past the last sync point).
+      const auto committed = [&]() -> std::optional<BlobRecord> {
+        std::string value;
+        if (!db_->Get(rocksdb::ReadOptions(), RecordKey(key), &value).ok()) return std::nullopt;
+        std::optional<BlobRecord> r = DecodeRecord(value);
+        if (!r || r->version != version) return std::nullopt;
+        return r;
+      };
       if (f == files_.end() || l.offset + l.size > f->second->end) {
-        if (committed) {
+        if (committed()) {
           return absl::DataLossError(absl::StrCat("committed version ", version, " of blob ",
                                                   absl::CHexEscape(key), " names log file ", l.file,
                                                   " bytes it does not have", LostSyncAdvice()));
@@ -329,10 +349,12 @@ class RocksColdTier final : public ColdTier {
         dangling.Delete(it->key());  // a dropped version: nothing names it
         continue;
       }
-      if (committed && l.offset + l.size > f->second->synced) {
+      if (l.offset + l.size > f->second->synced) {
         // Past the last sync point: in the page cache after a process crash, maybe not
         // on disk after the machine stopped.
-        RETURN_IF_ERROR(VerifyUnsynced(*f->second, l, key, version, record));
+        if (std::optional<BlobRecord> r = committed()) {
+          RETURN_IF_ERROR(VerifyUnsynced(*f->second, l, key, *r));
+        }
       }
       f->second->live += l.size;
       f->second->entries.insert({key, version});
@@ -377,7 +399,7 @@ class RocksColdTier final : public ColdTier {
       EndAppendLocked(*file, a.offset);
       // Only when every commit syncs: otherwise most versions are replaced, and their
       // files deleted, before a sync point would write them.
-      if (sync_interval_.count() == 0 && file->end - file->writeback_from >= kWritebackBytes) {
+      if (EveryCommitSynced() && file->end - file->writeback_from >= kWritebackBytes) {
         writeback_from = file->writeback_from;
         writeback_to = file->writeback_from = file->end;
       }
@@ -491,7 +513,7 @@ class RocksColdTier final : public ColdTier {
     }
     RETURN_IF_ERROR(WriteNamed(&wb, sync));
     PunchDead(punches);
-    if (sync && sync_interval_.count() == 0) {
+    if (sync && EveryCommitSynced()) {
       // Best effort: the batch is durable whatever happens here.
       if (absl::Status s = CopyForward(); !s.ok()) LOG(WARNING) << "cold tier: " << s;
     }
@@ -508,12 +530,10 @@ class RocksColdTier final : public ColdTier {
       out.job_steps[std::string(Rest(it->key()))] = step;
     }
     for (it->Seek("M"); it->Valid() && it->key()[0] == 'M'; it->Next()) {
-      if (it->value().size() != 20) return absl::DataLossError("rocksdb: bad blob record");
-      BlobRecord r;
-      std::memcpy(&r.version, it->value().data(), 8);
-      std::memcpy(&r.size, it->value().data() + 8, 8);
-      std::memcpy(&r.crc, it->value().data() + 16, 4);
-      out.records[std::string(Rest(it->key()))] = r;
+      std::optional<BlobRecord> r =
+          DecodeRecord(absl::string_view(it->value().data(), it->value().size()));
+      if (!r) return absl::DataLossError("rocksdb: bad blob record");
+      out.records[std::string(Rest(it->key()))] = *r;
     }
     if (!it->status().ok()) return ToStatus(it->status(), "scan");
     std::lock_guard<std::mutex> lock(mu_);
@@ -713,7 +733,7 @@ class RocksColdTier final : public ColdTier {
   // zero; otherwise it is written like any other (the process may die, the kernel keeps
   // it) and the group sync covers it within the interval.
   absl::Status WriteNamed(rocksdb::WriteBatch* wb, bool sync) {
-    if (sync && sync_interval_.count() == 0) return SyncPointLocked(wb);
+    if (sync && EveryCommitSynced()) return SyncPointLocked(wb);
     RETURN_IF_ERROR(WriteLocked(wb, /*sync=*/false));
     if (sync) {
       {
@@ -764,7 +784,7 @@ class RocksColdTier final : public ColdTier {
       if (!file->dirty) continue;
       // Bytes still being written are not covered; everything before them is.
       p.files.emplace_back(file, file->writing.empty() ? file->end : *file->writing.begin());
-      file->dirty = !file->writing.empty();
+      file->dirty = false;  // writes still in flight set it again when they end
     }
     p.moved.swap(moved_);
     p.to_delete.swap(empty_files_);
@@ -842,13 +862,11 @@ class RocksColdTier final : public ColdTier {
 
   // At start: a committed version past the last sync point must have its bytes.
   absl::Status VerifyUnsynced(LogFile& file, const Location& l, const std::string& key,
-                              int64_t version, const std::string& record) {
-    uint32_t crc;
-    std::memcpy(&crc, record.data() + 16, 4);
+                              const BlobRecord& record) {
     std::vector<uint8_t> bytes(l.size);
     RETURN_IF_ERROR(PreadAll(file.fd, bytes.data(), l.size, l.offset, file.path));
-    if (Crc32c(bytes.data(), bytes.size()) == crc) return absl::OkStatus();
-    return absl::DataLossError(absl::StrCat("committed version ", version, " of blob ",
+    if (Crc32c(bytes.data(), bytes.size()) == record.crc) return absl::OkStatus();
+    return absl::DataLossError(absl::StrCat("committed version ", record.version, " of blob ",
                                             absl::CHexEscape(key), " in log file ", file.number,
                                             " fails its checksum", LostSyncAdvice()));
   }
@@ -962,7 +980,7 @@ class RocksColdTier final : public ColdTier {
       MaybeEmptyLocked(*victim);
     }
     RETURN_IF_ERROR(s);
-    if (sync_interval_.count() > 0) return absl::OkStatus();  // the group sync names them
+    if (!EveryCommitSynced()) return absl::OkStatus();  // the group sync names them
     rocksdb::WriteBatch wb;
     return SyncPointLocked(&wb);
   }
