@@ -23,6 +23,7 @@ namespace pith::store {
 namespace {
 
 constexpr uint64_t kBlob = 20000;  // bytes per version: several 4 KiB blocks
+const std::vector<std::string> kKeys = {"a", "b", "c"};
 
 std::vector<uint8_t> Bytes(size_t n, uint32_t seed) {
   std::vector<uint8_t> v(n);
@@ -74,6 +75,19 @@ void RunAndKill(const std::function<void()>& body) {
   ASSERT_TRUE(WIFSIGNALED(status) && WTERMSIG(status) == SIGKILL) << "child failed: " << status;
 }
 
+// A store's tier in `dir` that commits steps 1..`steps`, waits `linger`, and is killed.
+void CommitStepsAndKill(const std::string& dir, absl::Duration interval, int64_t steps,
+                        absl::Duration linger = absl::ZeroDuration()) {
+  std::filesystem::remove_all(dir);
+  RunAndKill([&] {
+    auto tier = OpenRocksColdTier(dir, Interval(interval));
+    if (!tier.ok()) _exit(1);
+    for (int64_t step = 1; step <= steps; ++step) Step(**tier, kKeys, step);
+    std::this_thread::sleep_for(absl::ToChronoMilliseconds(linger));
+    Die();
+  });
+}
+
 std::vector<std::string> LogFiles(const std::string& dir) {
   std::vector<std::string> out;
   for (const auto& e : std::filesystem::directory_iterator(dir + "/blobs")) {
@@ -106,17 +120,9 @@ void ExpectStep(ColdTier& tier, const std::vector<std::string>& keys, int64_t st
   }
 }
 
-const std::vector<std::string> kKeys = {"a", "b", "c"};
-
 TEST(RocksColdTierSyncTest, CommitsSurviveKillBeforeAnySyncPoint) {
   const std::string dir = testing::TempDir() + "/rocks_sync_kill";
-  std::filesystem::remove_all(dir);
-  RunAndKill([&] {
-    auto tier = OpenRocksColdTier(dir, Interval(absl::Hours(1)));  // no sync point comes
-    if (!tier.ok()) _exit(1);
-    for (int64_t step = 1; step <= 8; ++step) Step(**tier, kKeys, step);
-    Die();
-  });
+  CommitStepsAndKill(dir, absl::Hours(1), 8);  // no sync point comes
   auto tier = OpenRocksColdTier(dir, Interval(absl::Hours(1)));
   ASSERT_TRUE(tier.ok()) << tier.status();
   ExpectStep(**tier, kKeys, 8);
@@ -124,13 +130,7 @@ TEST(RocksColdTierSyncTest, CommitsSurviveKillBeforeAnySyncPoint) {
 
 TEST(RocksColdTierSyncTest, AStopBeforeTheSyncPointIsRefusedNotServed) {
   const std::string dir = testing::TempDir() + "/rocks_sync_lost";
-  std::filesystem::remove_all(dir);
-  RunAndKill([&] {
-    auto tier = OpenRocksColdTier(dir, Interval(absl::Hours(1)));
-    if (!tier.ok()) _exit(1);
-    for (int64_t step = 1; step <= 3; ++step) Step(**tier, kKeys, step);
-    Die();
-  });
+  CommitStepsAndKill(dir, absl::Hours(1), 3);
   // The records reached the disk, the log bytes did not: the restart says so.
   ZeroLogFiles(dir);
   auto tier = OpenRocksColdTier(dir, Interval(absl::Hours(1)));
@@ -145,14 +145,8 @@ TEST(RocksColdTierSyncTest, AStopBeforeTheSyncPointIsRefusedNotServed) {
 
 TEST(RocksColdTierSyncTest, ASyncPointCoversEveryCommitBeforeIt) {
   const std::string dir = testing::TempDir() + "/rocks_sync_point";
-  std::filesystem::remove_all(dir);
-  RunAndKill([&] {
-    auto tier = OpenRocksColdTier(dir, Interval(absl::Milliseconds(20)));
-    if (!tier.ok()) _exit(1);
-    for (int64_t step = 1; step <= 4; ++step) Step(**tier, kKeys, step);
-    std::this_thread::sleep_for(std::chrono::milliseconds(500));  // the group sync ran
-    Die();
-  });
+  // The group sync runs within the half second.
+  CommitStepsAndKill(dir, absl::Milliseconds(20), 4, absl::Milliseconds(500));
   // Every committed byte was on disk before the kill, as the marker says: nothing to
   // check at the start (the zeros are then the cold reads' CRC checks' to find).
   ZeroLogFiles(dir);
@@ -184,13 +178,7 @@ TEST(RocksColdTierSyncTest, AVersionDroppedBeforeTheSyncPointLeavesNoBytesToWrit
 
 TEST(RocksColdTierSyncTest, EveryCommitSyncedWithAZeroInterval) {
   const std::string dir = testing::TempDir() + "/rocks_sync_zero";
-  std::filesystem::remove_all(dir);
-  RunAndKill([&] {
-    auto tier = OpenRocksColdTier(dir, Interval(absl::ZeroDuration()));
-    if (!tier.ok()) _exit(1);
-    for (int64_t step = 1; step <= 3; ++step) Step(**tier, kKeys, step);
-    Die();
-  });
+  CommitStepsAndKill(dir, absl::ZeroDuration(), 3);
   ZeroLogFiles(dir);  // on disk at each commit: nothing left to check
   EXPECT_TRUE(OpenRocksColdTier(dir, Interval(absl::ZeroDuration())).ok());
 }

@@ -779,11 +779,9 @@ class JobRun {
     for (size_t k = 0; k < batches.size(); ++k) {
       RETURN_IF_ERROR(fetched);
       std::future<absl::Status> next;
-      if (k + 1 < batches.size()) {
-        if (overlap) {
-          next = std::async(std::launch::async,
-                            [&, k] { return FetchMoments(batches[k + 1], buffers[k + 1]); });
-        }
+      if (overlap && k + 1 < batches.size()) {
+        next = std::async(std::launch::async,
+                          [&, k] { return FetchMoments(batches[k + 1], buffers[k + 1]); });
       }
       absl::Status updated = UpdateBatch(s, grad_norm, batches[k], buffers[k]);
       if (next.valid()) {
