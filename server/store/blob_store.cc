@@ -231,31 +231,74 @@ absl::StatusOr<v1::BlobInfo> BlobStore::FinishPut(PutReservation r,
     RETURN_IF_ERROR(cold_->PutData(encoded, r.version_, {r.data_, r.size_}));
   }
   std::lock_guard<std::mutex> lock(mu_);
+  return AddPendingLocked(r.key_, encoded, r.version_, r.size_, crc, std::move(r.block_));
+}
+
+absl::StatusOr<v1::BlobInfo> BlobStore::AddPendingLocked(const v1::BlobKey& key,
+                                                         const std::string& encoded,
+                                                         int64_t version, uint64_t size,
+                                                         uint32_t crc,
+                                                         std::shared_ptr<RamBlock> ram) {
   Blob& blob = blobs_[encoded];
-  if (blob.versions.empty() && blob.committed < 0) blob.key = r.key_;
-  if (blob.committed >= r.version_) {
-    return absl::FailedPreconditionError(absl::StrCat(BlobKeyDebugString(r.key_), ": version ",
-                                                      r.version_, " was committed meanwhile"));
+  if (blob.versions.empty() && blob.committed < 0) blob.key = key;
+  if (blob.committed >= version) {
+    return absl::FailedPreconditionError(
+        absl::StrCat(BlobKeyDebugString(key), ": version ", version, " was committed meanwhile"));
   }
-  auto existing = blob.versions.find(r.version_);
+  auto existing = blob.versions.find(version);
   if (existing != blob.versions.end()) {  // a retried write of the same step replaces it
     cold_bytes_ -= existing->second.size;
     DropRamLocked(encoded, existing->second);
     blob.versions.erase(existing);
   }
-  Version& v = blob.versions[r.version_];
-  v.version = r.version_;
-  v.size = r.size_;
+  Version& v = blob.versions[version];
+  v.version = version;
+  v.size = size;
   v.crc = crc;
-  v.ram = std::move(r.block_);
   v.last_use = ++clock_;
-  lru_.emplace_front(encoded, r.version_);
-  v.lru = lru_.begin();
-  cold_bytes_ += r.size_;
+  if (ram != nullptr) {
+    v.ram = std::move(ram);
+    lru_.emplace_front(encoded, version);
+    v.lru = lru_.begin();
+  }
+  cold_bytes_ += size;
   ++puts_;
   if (metrics_) metrics_->puts->Increment();
   UpdateGaugesLocked();
   return InfoLocked(blob, v);
+}
+
+absl::StatusOr<v1::BlobInfo> BlobStore::PutSibling(const v1::BlobKey& key, int64_t version,
+                                                   uint64_t size, uint32_t crc) {
+  RETURN_IF_ERROR(ValidateBlobKey(key));
+  if (key.kind() != v1::BLOB_KIND_WEIGHTS && key.kind() != v1::BLOB_KIND_MASTER) {
+    return absl::InvalidArgumentError("only weights and master have a sibling kind");
+  }
+  v1::BlobKey sibling_key = key;
+  sibling_key.set_kind(key.kind() == v1::BLOB_KIND_WEIGHTS ? v1::BLOB_KIND_MASTER
+                                                           : v1::BLOB_KIND_WEIGHTS);
+  const std::string encoded = EncodeBlobKey(key), sibling = EncodeBlobKey(sibling_key);
+  const auto missing = [&] {
+    return absl::FailedPreconditionError(absl::StrCat("no version ", version, " of ",
+                                                      BlobKeyDebugString(sibling_key), " with ",
+                                                      size, " bytes and that checksum"));
+  };
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = blobs_.find(sibling);
+    if (it == blobs_.end()) return missing();
+    auto v = it->second.versions.find(version);
+    if (v == it->second.versions.end() || v->second.size != size || v->second.crc != crc) {
+      return missing();
+    }
+  }
+  // The sibling's bytes stay in the cold tier while either version is there.
+  if (absl::Status linked = cold_->LinkData(encoded, version, sibling, version, size);
+      !linked.ok()) {
+    return absl::IsNotFound(linked) ? missing() : linked;
+  }
+  std::lock_guard<std::mutex> lock(mu_);
+  return AddPendingLocked(key, encoded, version, size, crc, nullptr);
 }
 
 bool BlobStore::LinkToSibling(const PutReservation& r, const std::string& encoded, uint32_t crc) {

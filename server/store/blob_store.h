@@ -124,6 +124,13 @@ class BlobStore {
   // version. `expected_crc`, when given, must match (DATA_LOSS otherwise).
   absl::StatusOr<v1::BlobInfo> FinishPut(PutReservation reservation,
                                          std::optional<uint32_t> expected_crc = std::nullopt);
+  // Records (key, version) as a pending version with the bytes of the same version of the
+  // sibling kind (weights <-> master), which must be on this store with `size` bytes and
+  // checksum `crc`: shared in the cold tier, not copied (reads come from there).
+  // FAILED_PRECONDITION when there is no such sibling version, or `version` is not newer
+  // than the committed one.
+  absl::StatusOr<v1::BlobInfo> PutSibling(const v1::BlobKey& key, int64_t version, uint64_t size,
+                                          uint32_t crc);
   // BeginPut + copy + FinishPut.
   absl::StatusOr<v1::BlobInfo> Put(const v1::BlobKey& key, int64_t version,
                                    absl::Span<const uint8_t> bytes);
@@ -198,6 +205,11 @@ class BlobStore {
   // Stores the bytes of `r` by sharing those of the same version of its other kind
   // (weights <-> master) when they are equal; false when they are not (or not there).
   bool LinkToSibling(const PutReservation& r, const std::string& encoded, uint32_t crc);
+  // Records a pending version of (key, version) whose bytes are in the cold tier, and in
+  // `ram` when not null.
+  absl::StatusOr<v1::BlobInfo> AddPendingLocked(const v1::BlobKey& key, const std::string& encoded,
+                                                int64_t version, uint64_t size, uint32_t crc,
+                                                std::shared_ptr<RamBlock> ram);
 
   const BlobStoreOptions options_;
   const std::unique_ptr<ColdTier> cold_;

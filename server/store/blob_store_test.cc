@@ -546,6 +546,49 @@ TEST(RocksColdTierTest, WeightsAndAnEqualMasterAreStoredOnce) {
   EXPECT_EQ(read(moment), m1);
 }
 
+TEST(RocksColdTierTest, AMasterPutAsItsWeightsSiblingSharesTheirBytesAndSurvivesRestart) {
+  const std::string dir = testing::TempDir() + "/rocks_tier_sibling";
+  std::filesystem::remove_all(dir);
+  Buffer arena = *Buffer::Allocate(4 << 20);
+  const BlobStoreOptions options = SmallStoreOptions();
+  const auto w1 = Bytes(50000, 1);
+  const uint32_t crc = Crc32c(w1.data(), w1.size());
+  const auto weights = Expert(0, 1, v1::BLOB_KIND_WEIGHTS),
+             master = Expert(0, 1, v1::BLOB_KIND_MASTER),
+             moment = Expert(0, 1, v1::BLOB_KIND_ADAM_M);
+  {
+    auto store = BlobStore::Open(options, *OpenRocksColdTier(dir), arena.data());
+    ASSERT_TRUE(store.ok()) << store.status();
+    // No weights version 1 yet, then the wrong size or checksum, or no sibling kind.
+    EXPECT_EQ((*store)->PutSibling(master, 1, w1.size(), crc).status().code(),
+              absl::StatusCode::kFailedPrecondition);
+    ASSERT_TRUE((*store)->Put(weights, 1, w1).ok());
+    EXPECT_EQ((*store)->PutSibling(master, 1, w1.size() - 1, crc).status().code(),
+              absl::StatusCode::kFailedPrecondition);
+    EXPECT_EQ((*store)->PutSibling(master, 1, w1.size(), crc + 1).status().code(),
+              absl::StatusCode::kFailedPrecondition);
+    EXPECT_EQ((*store)->PutSibling(moment, 1, w1.size(), crc).status().code(),
+              absl::StatusCode::kInvalidArgument);
+    auto info = (*store)->PutSibling(master, 1, w1.size(), crc);
+    ASSERT_TRUE(info.ok()) << info.status();
+    EXPECT_EQ(info->crc32c(), crc);
+    EXPECT_EQ(info->size_bytes(), w1.size());
+    ASSERT_TRUE((*store)->CommitStep("job-1", 1).ok());
+    EXPECT_EQ(LogBytes(dir), 50000u);  // written once
+    auto ref = (*store)->Get(master);
+    ASSERT_TRUE(ref.ok()) << ref.status();
+    EXPECT_EQ(std::vector<uint8_t>(ref->data(), ref->data() + ref->size()), w1);
+    // A version already committed is not written again.
+    EXPECT_EQ((*store)->PutSibling(master, 1, w1.size(), crc).status().code(),
+              absl::StatusCode::kFailedPrecondition);
+  }
+  auto store = BlobStore::Open(options, *OpenRocksColdTier(dir), arena.data());
+  ASSERT_TRUE(store.ok()) << store.status();
+  auto ref = (*store)->Get(master);
+  ASSERT_TRUE(ref.ok()) << ref.status();
+  EXPECT_EQ(std::vector<uint8_t>(ref->data(), ref->data() + ref->size()), w1);
+}
+
 TEST(RocksColdTierTest, ASharedVersionOutlivesTheOneItWasLinkedTo) {
   const std::string dir = testing::TempDir() + "/rocks_tier_link2";
   std::filesystem::remove_all(dir);

@@ -109,12 +109,28 @@ void DataPlane::OnPut(ucx::AmMessage& m) {
           ErrorReply(0, 0, absl::InvalidArgumentError("malformed put request")), BlobRef());
     return;
   }
-  if (request.size() != m.length) {
+  const uint64_t payload = request.same_as_kind() != v1::BLOB_KIND_UNSPECIFIED ? 0 : request.size();
+  if (payload != m.length) {
     Reply(m.reply_ep, v1::UCX_MESSAGE_PUT_REPLY,
           ErrorReply(request.request_id(), 0,
                      absl::InvalidArgumentError(
-                         absl::StrCat("put says ", request.size(), " bytes, carries ", m.length))),
+                         absl::StrCat("put says ", payload, " bytes, carries ", m.length))),
           BlobRef());
+    return;
+  }
+  if (request.same_as_kind() != v1::BLOB_KIND_UNSPECIFIED) {
+    // No payload: the bytes are the sibling version's, already here.
+    absl::StatusOr<v1::BlobInfo> info =
+        request.key().kind() == request.same_as_kind()
+            ? absl::InvalidArgumentError("a put cannot be the same as its own kind")
+            : store_->PutSibling(request.key(), request.version(), request.size(),
+                                 request.crc32c());
+    v1::UcxBlobReply reply = ErrorReply(request.request_id(), 0, info.status());
+    if (info.ok()) {
+      *reply.mutable_info() = *info;
+      if (put_seconds_) put_seconds_->Observe(SecondsSince(start));
+    }
+    Reply(m.reply_ep, v1::UCX_MESSAGE_PUT_REPLY, reply, BlobRef());
     return;
   }
   absl::StatusOr<PutReservation> reservation =

@@ -1,7 +1,9 @@
 #include "server/store/store_client.h"
 
+#include <algorithm>
 #include <cstring>
 #include <map>
+#include <tuple>
 
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/notification.h"
@@ -211,13 +213,77 @@ absl::Status StoreClient::Fetch(int peer, absl::Span<FetchItem> items, absl::Dur
                request.SerializeAsString(), nullptr, 0, nullptr, timeout);
 }
 
+namespace {
+
+// Whether `item` carries the same bytes as `source`, the same version of the other one of
+// weights and master of the same expert or tensor, to the same store.
+bool SameAsSibling(const StoreClient::PutItem& item, const StoreClient::PutItem& source) {
+  const v1::BlobKind a = item.key.kind(), b = source.key.kind();
+  if (!((a == v1::BLOB_KIND_MASTER && b == v1::BLOB_KIND_WEIGHTS) ||
+        (a == v1::BLOB_KIND_WEIGHTS && b == v1::BLOB_KIND_MASTER))) {
+    return false;
+  }
+  if (item.peer != source.peer || item.data != source.data || item.size != source.size ||
+      item.version != source.version) {
+    return false;
+  }
+  v1::BlobKey k = item.key;
+  k.set_kind(b);
+  return k.SerializeAsString() == source.key.SerializeAsString();
+}
+
+}  // namespace
+
 absl::Status StoreClient::PutMany(absl::Span<PutItem> items, absl::Duration timeout) {
+  // NOTE: an item whose bytes another item of the call sends to the same store as the
+  // sibling kind (fp32 weights are their own master copy) goes in a second round, once
+  // that one is written, as a reference to it: no payload, no second checksum there.
+  std::vector<int> source(items.size(), -1);
+  {
+    std::map<std::tuple<int, const void*, size_t, int64_t>, std::vector<size_t>> by_bytes;
+    for (size_t i = 0; i < items.size(); ++i) {
+      auto& same = by_bytes[{items[i].peer, items[i].data, items[i].size, items[i].version}];
+      for (size_t j : same) {
+        if (source[j] < 0 && SameAsSibling(items[i], items[j])) {
+          source[i] = static_cast<int>(j);
+          break;
+        }
+      }
+      same.push_back(i);
+    }
+  }
+  const absl::Time deadline = absl::Now() + timeout;
+  std::vector<size_t> first_round, second_round;
+  for (size_t i = 0; i < items.size(); ++i)
+    (source[i] < 0 ? first_round : second_round).push_back(i);
+  absl::Status first = PutRound(items, first_round, source, deadline);
+  for (size_t i : second_round) {
+    if (!items[source[i]].status.ok()) items[i].status = items[source[i]].status;
+  }
+  second_round.erase(std::remove_if(second_round.begin(), second_round.end(),
+                                    [&](size_t i) { return !items[source[i]].status.ok(); }),
+                     second_round.end());
+  absl::Status second = PutRound(items, second_round, source, deadline);
+  return first.ok() ? second : first;
+}
+
+absl::Status StoreClient::PutRound(absl::Span<PutItem> items, const std::vector<size_t>& round,
+                                   const std::vector<int>& source, absl::Time deadline) {
+  if (round.empty()) return absl::OkStatus();
   std::vector<std::shared_ptr<Pending>> pendings;
   std::vector<std::pair<uint64_t, std::string>> headers;
   // One checksum per buffer: a blob goes to each store of its group, and a buffer can
   // hold two kinds (fp32 weights are their own master copy).
   std::map<std::pair<const void*, size_t>, uint32_t> crcs;
-  for (PutItem& item : items) {
+  struct Outgoing {
+    int peer;
+    const void* data;
+    size_t size;
+    ucp_mem_h memh;
+  };
+  std::vector<Outgoing> out;
+  for (size_t i : round) {
+    PutItem& item = items[i];
     auto pending = std::make_shared<Pending>();
     pending->peer = item.peer;
     pending->remaining = 1;
@@ -226,20 +292,20 @@ absl::Status StoreClient::PutMany(absl::Span<PutItem> items, absl::Duration time
     *request.mutable_key() = item.key;
     request.set_version(item.version);
     request.set_size(item.size);
-    auto [crc, fresh] = crcs.try_emplace({item.data, item.size}, 0);
-    if (fresh) crc->second = Crc32c(item.data, item.size);
-    request.set_crc32c(crc->second);
+    const bool reference = source[i] >= 0;
+    if (reference) {
+      request.set_same_as_kind(items[source[i]].key.kind());
+      request.set_crc32c(items[source[i]].info.crc32c());
+    } else {
+      auto [crc, fresh] = crcs.try_emplace({item.data, item.size}, 0);
+      if (fresh) crc->second = Crc32c(item.data, item.size);
+      request.set_crc32c(crc->second);
+    }
     headers.emplace_back(request.request_id(), request.SerializeAsString());
     pendings.push_back(std::move(pending));
+    out.push_back({item.peer, reference ? nullptr : item.data, reference ? 0 : item.size,
+                   reference ? nullptr : item.memh});
   }
-  struct Outgoing {
-    int peer;
-    const void* data;
-    size_t size;
-    ucp_mem_h memh;
-  };
-  std::vector<Outgoing> out;
-  for (const PutItem& item : items) out.push_back({item.peer, item.data, item.size, item.memh});
   worker_->Post([this, out = std::move(out), pendings, headers = std::move(headers)]() mutable {
     for (size_t i = 0; i < out.size(); ++i) {
       const Outgoing& item = out[i];
@@ -261,13 +327,13 @@ absl::Status StoreClient::PutMany(absl::Span<PutItem> items, absl::Duration time
                     });
     }
   });
-  const absl::Time deadline = absl::Now() + timeout;
   absl::Status first;
-  for (size_t i = 0; i < items.size(); ++i) {
+  for (size_t k = 0; k < round.size(); ++k) {
+    PutItem& item = items[round[k]];
     absl::Status st =
-        Wait(items[i].peer, pendings[i], std::max(deadline - absl::Now(), absl::ZeroDuration()));
-    items[i].status = st;
-    if (st.ok()) items[i].info = pendings[i]->put_info;
+        Wait(item.peer, pendings[k], std::max(deadline - absl::Now(), absl::ZeroDuration()));
+    item.status = st;
+    if (st.ok()) item.info = pendings[k]->put_info;
     if (first.ok() && !st.ok()) first = st;
   }
   return first;

@@ -62,7 +62,9 @@ class StoreClient {
     v1::BlobInfo info;
   };
   // Writes every item, all in flight at once (to one store or several); returns when all
-  // are answered: OK when all are, else the first error, each item's status set.
+  // are answered: OK when all are, else the first error, each item's status set. An item
+  // with the same buffer, version and store as another's of the sibling kind (weights and
+  // master of one expert or tensor) is sent after it, as a reference (no payload).
   absl::Status PutMany(absl::Span<PutItem> items, absl::Duration timeout = absl::Seconds(30));
 
   // Writes (key, version) from `data`; returns what the store recorded.
@@ -74,6 +76,10 @@ class StoreClient {
   struct Pending;
   StoreClient() = default;
   void OnReply(ucx::AmMessage& message, bool is_get);
+  // Sends items[round] (those with source[i] >= 0 as references to items[source[i]],
+  // written before) and waits for them.
+  absl::Status PutRound(absl::Span<PutItem> items, const std::vector<size_t>& round,
+                        const std::vector<int>& source, absl::Time deadline);
   // Sends request `id` (on the progress thread) and waits for its replies.
   absl::Status Issue(int peer, uint64_t id, const std::shared_ptr<Pending>& pending,
                      uint16_t message, std::string header, const void* data, size_t size,

@@ -172,6 +172,45 @@ TEST_F(StoreE2eTest, ManyPutsInFlightAtOnceLandWhereTheyBelong) {
   for (int i = 0; i < 60; ++i) EXPECT_EQ(got[i], data[i]) << i;
 }
 
+TEST_F(StoreE2eTest, AMasterFromTheWeightsBufferGoesAsAReferenceToThem) {
+  StartStore();
+  constexpr size_t kSize = 30000;
+  std::vector<std::vector<uint8_t>> data;
+  for (int e = 0; e < 11; ++e) data.push_back(Bytes(kSize, e + 1));
+  const std::vector<uint8_t> copy = data[10];  // equal bytes, another buffer: sent
+  std::vector<StoreClient::PutItem> items;
+  auto add = [&](int e, v1::BlobKind kind, const std::vector<uint8_t>& bytes) {
+    StoreClient::PutItem item;
+    item.peer = peer_;
+    item.key = Key(0, e, kind);
+    item.version = 0;
+    item.data = bytes.data();
+    item.size = bytes.size();
+    items.push_back(item);
+  };
+  for (int e = 0; e < 10; ++e) {  // either kind first
+    add(e, e % 2 ? v1::BLOB_KIND_MASTER : v1::BLOB_KIND_WEIGHTS, data[e]);
+    add(e, e % 2 ? v1::BLOB_KIND_WEIGHTS : v1::BLOB_KIND_MASTER, data[e]);
+  }
+  add(10, v1::BLOB_KIND_WEIGHTS, data[10]);
+  add(10, v1::BLOB_KIND_MASTER, copy);
+  ASSERT_TRUE(client_->PutMany(absl::MakeSpan(items)).ok());
+  for (const auto& item : items) {
+    ASSERT_TRUE(item.status.ok()) << item.status;
+    EXPECT_EQ(item.info.size_bytes(), kSize);
+  }
+  // RAM holds the 11 weights and the one master that was sent; the ten references share
+  // their weights' bytes on disk.
+  const uint64_t ram = Stats().ram_bytes();
+  EXPECT_GE(ram, 12 * kSize);
+  EXPECT_LT(ram, 16 * kSize);
+  ASSERT_TRUE(Commit(0).ok());
+  std::vector<v1::BlobKey> masters;
+  for (int e = 0; e < 11; ++e) masters.push_back(Key(0, e, v1::BLOB_KIND_MASTER));
+  auto got = FetchAll(masters, 64 << 10);
+  for (int e = 0; e < 11; ++e) EXPECT_EQ(got[e], data[e]) << e;
+}
+
 TEST_F(StoreE2eTest, PutGetCommitAbortAndBatchedGet) {
   StartStore();
   const std::vector<size_t> sizes = {100, 64 << 10, 1 << 20, 3 << 20};
