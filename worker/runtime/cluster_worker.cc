@@ -105,6 +105,7 @@ class JobRun {
         backend_(options.threads) {}
 
   ~JobRun() {
+    if (writes_.valid()) writes_.wait();
     done_ = true;
     if (watcher_.joinable()) watcher_.join();
   }
@@ -412,15 +413,43 @@ class JobRun {
   }
 
   absl::Status Flush() {
-    absl::Status s = client_->PutMany(absl::MakeSpan(puts_), kStoreTimeout);
-    for (size_t i = 0; i < puts_.size(); ++i) {
-      if (!puts_[i].status.ok()) continue;
-      if (primary_put_[i]) *written_.Add() = puts_[i].info;
-      metrics_->put_bytes->Increment(static_cast<double>(puts_[i].size));
-    }
+    absl::Status s = FlushItems(puts_, primary_put_);
     puts_.clear();
     primary_put_.clear();
     return s;
+  }
+  // Sends `puts` (primary[i]: to its group's first store, reported as written).
+  absl::Status FlushItems(std::vector<StoreClient::PutItem>& puts,
+                          const std::vector<bool>& primary) {
+    absl::Status s = client_->PutMany(absl::MakeSpan(puts), kStoreTimeout);
+    for (size_t i = 0; i < puts.size(); ++i) {
+      if (!puts[i].status.ok()) continue;
+      if (primary[i]) *written_.Add() = puts[i].info;
+      metrics_->put_bytes->Increment(static_cast<double>(puts[i].size));
+    }
+    return s;
+  }
+
+  // Whether step s's expert writes may go on while the next step computes: every expert
+  // updated here has its own moment buffer (nothing is reused before the writes end; its
+  // cache slot stays pinned until then), and no worker reads another's update of an
+  // expert from the stores (none has two owners).
+  bool OverlapWrites() const {
+    if (moment_index_.empty()) return false;
+    for (const auto& layer : owners_) {
+      for (const ExpertOwners& o : layer) {
+        if (o.size() > 1) return false;
+      }
+    }
+    return true;
+  }
+  // Waits for the writes and the report of the step written last, if they went on in the
+  // background; a failure is reported to the coordinator (which aborts the step).
+  absl::Status JoinWrites(int64_t s) {
+    if (!writes_.valid()) return absl::OkStatus();
+    absl::Status st = writes_.get();
+    if (!st.ok()) ReportFailure(s, st);
+    return st;
   }
 
   // The peer id of a connected store, -1 if none.
@@ -687,9 +716,20 @@ class JobRun {
     lr_ = optimizer_->Apply(model_->params(), model_->grads(), s - 1, dense_here, grad_norm_).lr;
     RETURN_IF_ERROR(backend_.Synchronize());  // the dense puts read what it wrote
     written_.Clear();
+    const bool overlap = OverlapWrites();
     RETURN_IF_ERROR(WriteOwned(s, /*all_experts=*/false));
-    RETURN_IF_ERROR(UpdateExperts(s, grad_norm_));
-    if (!puts_.empty()) RETURN_IF_ERROR(Flush());  // no expert got tokens here
+    // The dense writes are in the stores before the next step's barrier: the other workers
+    // read them after it.
+    if (overlap && !puts_.empty()) RETURN_IF_ERROR(Flush());
+    absl::Status updated = UpdateExperts(s, grad_norm_, overlap);
+    if (!updated.ok()) {
+      puts_.clear();
+      primary_put_.clear();
+      for (const ExpertCache::Expert& x : held_) cache_->Release(x);
+      held_.clear();
+      return updated;
+    }
+    if (!overlap && !puts_.empty()) RETURN_IF_ERROR(Flush());  // no expert got tokens here
     const ExpertCache::Stats after = cache_->stats();
     step_hits_ = after.hits - cache_before_.hits;
     step_misses_ = after.misses - cache_before_.misses;
@@ -703,7 +743,23 @@ class JobRun {
     metrics_->rows_sent->Increment(static_cast<double>(dispatch_->rows_sent()));
     metrics_->step_seconds->Observe(
         std::chrono::duration<double>(std::chrono::steady_clock::now() - step_start_).count());
-    return Report(s, computed_loss_, rows_.size() * T);
+    if (!overlap) return Report(s, computed_loss_, rows_.size() * T);
+    // NOTE: the experts' writes, then the report, go on while the next step computes (it
+    // reads the slots they send from, writes neither them nor the moment buffers); Finish
+    // waits for them before the step can settle.
+    writes_ =
+        std::async(std::launch::async, [this, s, loss = computed_loss_, tokens = rows_.size() * T,
+                                        puts = std::move(puts_), primary = std::move(primary_put_),
+                                        held = std::move(held_)]() mutable {
+          absl::Status st = FlushItems(puts, primary);
+          for (const ExpertCache::Expert& x : held) cache_->Release(x);
+          if (!st.ok()) return st;
+          return Report(s, loss, tokens);
+        });
+    puts_.clear();
+    primary_put_.clear();
+    held_.clear();
+    return absl::OkStatus();
   }
 
   // Experts computed by several workers (hot ones): their gradients are summed at the
@@ -752,7 +808,8 @@ class JobRun {
   // stores; the new versions go straight back. Experts go in batches of update_batch_: one
   // fetch per store group for the batch's moments, one flush for its writes (one round
   // trip each per batch, not per expert).
-  absl::Status UpdateExperts(int64_t s, double grad_norm) {
+  // `hold`: the writes stay queued in puts_ and the slots pinned (held_), for the caller.
+  absl::Status UpdateExperts(int64_t s, double grad_norm, bool hold) {
     std::vector<ExpertCache::Expert> used;
     for (const ExpertCache::Expert& x : updated_) {
       if (model_->ExpertUsed(x.first, x.second)) used.push_back(x);
@@ -783,7 +840,7 @@ class JobRun {
         next = std::async(std::launch::async,
                           [&, k] { return FetchMoments(batches[k + 1], buffers[k + 1]); });
       }
-      absl::Status updated = UpdateBatch(s, grad_norm, batches[k], buffers[k]);
+      absl::Status updated = UpdateBatch(s, grad_norm, batches[k], buffers[k], hold);
       if (next.valid()) {
         fetched = next.get();
       } else if (k + 1 < batches.size() && updated.ok()) {
@@ -816,7 +873,7 @@ class JobRun {
 
   // AdamW on `batch` (its moments in `buffer`, fetched), then its writes.
   absl::Status UpdateBatch(int64_t s, double grad_norm, absl::Span<const ExpertCache::Expert> batch,
-                           const std::vector<size_t>& buffer) {
+                           const std::vector<size_t>& buffer, bool hold) {
     const model::OptimizerConfig& c = optimizer_->config();
     const model::ParamLayout& layout = model_->layout();
     const float lr = static_cast<float>(model::LearningRate(c, s - 1));
@@ -862,8 +919,13 @@ class JobRun {
         RETURN_IF_ERROR(
             Put(stores, Key(l, e, "", v1::BLOB_KIND_STATE), s, &counts_[b], sizeof(int64_t)));
       }
+      if (hold) return absl::OkStatus();
       return Flush();  // before the slots, the scratch buffers and the counts are reused
     }();
+    if (hold && status.ok()) {
+      held_.insert(held_.end(), batch.begin(), batch.end());
+      return status;
+    }
     puts_.clear();  // a failed batch sends nothing more
     primary_put_.clear();
     if (!status.ok() && !moment_index_.empty()) {
@@ -989,6 +1051,7 @@ class JobRun {
   // Waits for step s to settle: committed (under this assignment, or with a new one from
   // the next step: kReassigned), or aborted / the job ended (kStop: start over).
   absl::StatusOr<Settled> Finish(int64_t s) {
+    RETURN_IF_ERROR(JoinWrites(s));
     while (true) {
       v1::WaitStepRequest req;
       req.set_job_id(a_.job_id());
@@ -1091,9 +1154,13 @@ class JobRun {
   std::vector<StoreClient::PutItem> puts_;  // queued by Put, sent by Flush
   std::vector<bool> primary_put_;           // the item goes to its group's first store
   std::vector<int64_t> counts_scratch_;
+  std::vector<ExpertCache::Expert> held_;  // slots pinned for queued writes (UpdateExperts)
   std::atomic<bool> done_{false};
   std::thread watcher_;
   std::atomic<int64_t> version_{0};  // a_.assignment_version(), for the watcher
+  // The writes and report of the step written last, going on while the next one computes
+  // (Write), waited for by Finish and the destructor; last, so it ends first.
+  std::future<absl::Status> writes_;
 };
 
 }  // namespace
