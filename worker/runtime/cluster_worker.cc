@@ -346,6 +346,7 @@ class JobRun {
     const uint64_t want = slot_bytes * (owned_.size() + 1 + 2 * updated_.size());
     const bool resident = budget == 0 || budget >= want;
     const size_t buffers = resident ? updated_.size() : 2 * update_batch_;
+    staging_.assign(resident ? 0 : update_batch_ * shape_.expert_floats(), 0.0f);
     moments_.assign(buffers * 2 * shape_.expert_floats(), 0.0f);
     counts_.assign(buffers, 0);
     moment_current_.assign(buffers, false);
@@ -430,18 +431,20 @@ class JobRun {
     return s;
   }
 
-  // Whether step s's expert writes may go on while the next step computes: every expert
-  // updated here has its own moment buffer (nothing is reused before the writes end; its
-  // cache slot stays pinned until then), and no worker reads another's update of an
-  // expert from the stores (none has two owners).
-  bool OverlapWrites() const {
-    if (moment_index_.empty()) return false;
+  // Which of step s's expert writes go on while the next step computes. None when a
+  // worker reads another's update of an expert from the stores (an expert has two
+  // owners). All when every expert updated here has its own moment buffer (nothing is
+  // reused before the writes end; its cache slot stays pinned until then). Else the last
+  // update batch's: its moments stay in their scratch half until the next step's updates,
+  // its weights are copied out of their slots (staging_), which go back to the cache.
+  enum class Overlap { kNone, kAll, kLast };
+  Overlap OverlapWrites() const {
     for (const auto& layer : owners_) {
       for (const ExpertOwners& o : layer) {
-        if (o.size() > 1) return false;
+        if (o.size() > 1) return Overlap::kNone;
       }
     }
-    return true;
+    return moment_index_.empty() ? Overlap::kLast : Overlap::kAll;
   }
   // Waits for the writes and the report of the step written last, if they went on in the
   // background; a failure is reported to the coordinator (which aborts the step).
@@ -716,11 +719,11 @@ class JobRun {
     lr_ = optimizer_->Apply(model_->params(), model_->grads(), s - 1, dense_here, grad_norm_).lr;
     RETURN_IF_ERROR(backend_.Synchronize());  // the dense puts read what it wrote
     written_.Clear();
-    const bool overlap = OverlapWrites();
+    const Overlap overlap = OverlapWrites();
     RETURN_IF_ERROR(WriteOwned(s, /*all_experts=*/false));
     // The dense writes are in the stores before the next step's barrier: the other workers
     // read them after it.
-    if (overlap && !puts_.empty()) RETURN_IF_ERROR(Flush());
+    if (overlap != Overlap::kNone && !puts_.empty()) RETURN_IF_ERROR(Flush());
     absl::Status updated = UpdateExperts(s, grad_norm_, overlap);
     if (!updated.ok()) {
       puts_.clear();
@@ -729,7 +732,7 @@ class JobRun {
       held_.clear();
       return updated;
     }
-    if (!overlap && !puts_.empty()) RETURN_IF_ERROR(Flush());  // no expert got tokens here
+    if (overlap == Overlap::kNone && !puts_.empty()) RETURN_IF_ERROR(Flush());
     const ExpertCache::Stats after = cache_->stats();
     step_hits_ = after.hits - cache_before_.hits;
     step_misses_ = after.misses - cache_before_.misses;
@@ -743,7 +746,7 @@ class JobRun {
     metrics_->rows_sent->Increment(static_cast<double>(dispatch_->rows_sent()));
     metrics_->step_seconds->Observe(
         std::chrono::duration<double>(std::chrono::steady_clock::now() - step_start_).count());
-    if (!overlap) return Report(s, computed_loss_, rows_.size() * T);
+    if (puts_.empty()) return Report(s, computed_loss_, rows_.size() * T);
     // NOTE: the experts' writes, then the report, go on while the next step computes (it
     // reads the slots they send from, writes neither them nor the moment buffers); Finish
     // waits for them before the step can settle.
@@ -808,8 +811,9 @@ class JobRun {
   // stores; the new versions go straight back. Experts go in batches of update_batch_: one
   // fetch per store group for the batch's moments, one flush for its writes (one round
   // trip each per batch, not per expert).
-  // `hold`: the writes stay queued in puts_ and the slots pinned (held_), for the caller.
-  absl::Status UpdateExperts(int64_t s, double grad_norm, bool hold) {
+  // With `overlap`, the writes it covers (OverlapWrites) stay queued in puts_ (and the
+  // slots they send from pinned, held_), for the caller.
+  absl::Status UpdateExperts(int64_t s, double grad_norm, Overlap overlap) {
     std::vector<ExpertCache::Expert> used;
     for (const ExpertCache::Expert& x : updated_) {
       if (model_->ExpertUsed(x.first, x.second)) used.push_back(x);
@@ -831,16 +835,19 @@ class JobRun {
     // NOTE: with scratch buffers the next batch's moments are fetched (on another thread,
     // into the other half) while this batch is updated and written; resident ones are
     // current after the first step.
-    const bool overlap = moment_index_.empty();
+    const bool fetch_ahead = moment_index_.empty();
     absl::Status fetched = FetchMoments(batches[0], buffers[0]);
     for (size_t k = 0; k < batches.size(); ++k) {
       RETURN_IF_ERROR(fetched);
       std::future<absl::Status> next;
-      if (overlap && k + 1 < batches.size()) {
+      if (fetch_ahead && k + 1 < batches.size()) {
         next = std::async(std::launch::async,
                           [&, k] { return FetchMoments(batches[k + 1], buffers[k + 1]); });
       }
-      absl::Status updated = UpdateBatch(s, grad_norm, batches[k], buffers[k], hold);
+      const bool last = k + 1 == batches.size();
+      const bool hold = overlap == Overlap::kAll || (overlap == Overlap::kLast && last);
+      absl::Status updated = UpdateBatch(s, grad_norm, batches[k], buffers[k], hold,
+                                         /*stage=*/hold && overlap == Overlap::kLast);
       if (next.valid()) {
         fetched = next.get();
       } else if (k + 1 < batches.size() && updated.ok()) {
@@ -871,9 +878,11 @@ class JobRun {
     return absl::OkStatus();
   }
 
-  // AdamW on `batch` (its moments in `buffer`, fetched), then its writes.
+  // AdamW on `batch` (its moments in `buffer`, fetched), then its writes: sent, or with
+  // `hold` left queued, from the slots (pinned, held_) or, with `stage`, from copies of
+  // them in staging_ (the slots are released).
   absl::Status UpdateBatch(int64_t s, double grad_norm, absl::Span<const ExpertCache::Expert> batch,
-                           const std::vector<size_t>& buffer, bool hold) {
+                           const std::vector<size_t>& buffer, bool hold, bool stage) {
     const model::OptimizerConfig& c = optimizer_->config();
     const model::ParamLayout& layout = model_->layout();
     const float lr = static_cast<float>(model::LearningRate(c, s - 1));
@@ -911,9 +920,15 @@ class JobRun {
       for (size_t i = 0; i < batch.size(); ++i) {
         const auto [l, e] = batch[i];
         const size_t b = buffer[i];
+        const float* weights = w[i];
+        if (stage) {
+          float* copy = staging_.data() + i * floats;
+          std::memcpy(copy, w[i], bytes);
+          weights = copy;
+        }
         const std::vector<std::string>& stores = expert_write_stores_.at(batch[i]);
-        RETURN_IF_ERROR(Put(stores, Key(l, e, "", v1::BLOB_KIND_WEIGHTS), s, w[i], bytes));
-        RETURN_IF_ERROR(Put(stores, Key(l, e, "", v1::BLOB_KIND_MASTER), s, w[i], bytes));
+        RETURN_IF_ERROR(Put(stores, Key(l, e, "", v1::BLOB_KIND_WEIGHTS), s, weights, bytes));
+        RETURN_IF_ERROR(Put(stores, Key(l, e, "", v1::BLOB_KIND_MASTER), s, weights, bytes));
         RETURN_IF_ERROR(Put(stores, Key(l, e, "", v1::BLOB_KIND_ADAM_M), s, M(b), bytes));
         RETURN_IF_ERROR(Put(stores, Key(l, e, "", v1::BLOB_KIND_ADAM_V), s, V(b), bytes));
         RETURN_IF_ERROR(
@@ -922,12 +937,14 @@ class JobRun {
       if (hold) return absl::OkStatus();
       return Flush();  // before the slots, the scratch buffers and the counts are reused
     }();
-    if (hold && status.ok()) {
+    if (hold && status.ok() && !stage) {
       held_.insert(held_.end(), batch.begin(), batch.end());
       return status;
     }
-    puts_.clear();  // a failed batch sends nothing more
-    primary_put_.clear();
+    if (!status.ok()) {
+      puts_.clear();  // a failed batch sends nothing more
+      primary_put_.clear();
+    }
     if (!status.ok() && !moment_index_.empty()) {
       moment_current_.assign(moment_current_.size(), false);
     }
@@ -1149,6 +1166,7 @@ class JobRun {
   std::vector<float> moments_;
   std::vector<int64_t> counts_;
   std::vector<bool> moment_current_;  // the buffer holds the expert's newest moments
+  std::vector<float> staging_;        // weights of the last update batch, written in the background
   std::map<ExpertCache::Expert, size_t> moment_index_;  // empty: scratch
   uint64_t step_hits_ = 0, step_misses_ = 0;
   std::vector<StoreClient::PutItem> puts_;  // queued by Put, sent by Flush
