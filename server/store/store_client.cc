@@ -1,6 +1,5 @@
 #include "server/store/store_client.h"
 
-#include <algorithm>
 #include <cstring>
 #include <map>
 #include <tuple>
@@ -215,16 +214,12 @@ absl::Status StoreClient::Fetch(int peer, absl::Span<FetchItem> items, absl::Dur
 
 namespace {
 
-// Whether `item` carries the same bytes as `source`, the same version of the other one of
-// weights and master of the same expert or tensor, to the same store.
-bool SameAsSibling(const StoreClient::PutItem& item, const StoreClient::PutItem& source) {
+// Whether `item` is the other one of weights and master of the expert or tensor `source`
+// is (the caller has matched their store, bytes and version).
+bool SiblingKinds(const StoreClient::PutItem& item, const StoreClient::PutItem& source) {
   const v1::BlobKind a = item.key.kind(), b = source.key.kind();
   if (!((a == v1::BLOB_KIND_MASTER && b == v1::BLOB_KIND_WEIGHTS) ||
         (a == v1::BLOB_KIND_WEIGHTS && b == v1::BLOB_KIND_MASTER))) {
-    return false;
-  }
-  if (item.peer != source.peer || item.data != source.data || item.size != source.size ||
-      item.version != source.version) {
     return false;
   }
   v1::BlobKey k = item.key;
@@ -244,7 +239,7 @@ absl::Status StoreClient::PutMany(absl::Span<PutItem> items, absl::Duration time
     for (size_t i = 0; i < items.size(); ++i) {
       auto& same = by_bytes[{items[i].peer, items[i].data, items[i].size, items[i].version}];
       for (size_t j : same) {
-        if (source[j] < 0 && SameAsSibling(items[i], items[j])) {
+        if (source[j] < 0 && SiblingKinds(items[i], items[j])) {
           source[i] = static_cast<int>(j);
           break;
         }
@@ -254,15 +249,18 @@ absl::Status StoreClient::PutMany(absl::Span<PutItem> items, absl::Duration time
   }
   const absl::Time deadline = absl::Now() + timeout;
   std::vector<size_t> first_round, second_round;
-  for (size_t i = 0; i < items.size(); ++i)
-    (source[i] < 0 ? first_round : second_round).push_back(i);
-  absl::Status first = PutRound(items, first_round, source, deadline);
-  for (size_t i : second_round) {
-    if (!items[source[i]].status.ok()) items[i].status = items[source[i]].status;
+  for (size_t i = 0; i < items.size(); ++i) {
+    if (source[i] < 0) first_round.push_back(i);
   }
-  second_round.erase(std::remove_if(second_round.begin(), second_round.end(),
-                                    [&](size_t i) { return !items[source[i]].status.ok(); }),
-                     second_round.end());
+  absl::Status first = PutRound(items, first_round, source, deadline);
+  for (size_t i = 0; i < items.size(); ++i) {
+    if (source[i] < 0) continue;
+    if (items[source[i]].status.ok()) {
+      second_round.push_back(i);
+    } else {
+      items[i].status = items[source[i]].status;  // nothing to refer to
+    }
+  }
   absl::Status second = PutRound(items, second_round, source, deadline);
   return first.ok() ? second : first;
 }
