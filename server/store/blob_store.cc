@@ -268,19 +268,31 @@ absl::StatusOr<v1::BlobInfo> BlobStore::AddPendingLocked(const v1::BlobKey& key,
   return InfoLocked(blob, v);
 }
 
+namespace {
+
+// The same expert or tensor's other one of weights and master; nullopt for other kinds.
+std::optional<v1::BlobKey> SiblingKey(const v1::BlobKey& key) {
+  if (key.kind() != v1::BLOB_KIND_WEIGHTS && key.kind() != v1::BLOB_KIND_MASTER) {
+    return std::nullopt;
+  }
+  v1::BlobKey sibling = key;
+  sibling.set_kind(key.kind() == v1::BLOB_KIND_WEIGHTS ? v1::BLOB_KIND_MASTER
+                                                       : v1::BLOB_KIND_WEIGHTS);
+  return sibling;
+}
+
+}  // namespace
+
 absl::StatusOr<v1::BlobInfo> BlobStore::PutSibling(const v1::BlobKey& key, int64_t version,
                                                    uint64_t size, uint32_t crc) {
   RETURN_IF_ERROR(ValidateBlobKey(key));
-  if (key.kind() != v1::BLOB_KIND_WEIGHTS && key.kind() != v1::BLOB_KIND_MASTER) {
+  const std::optional<v1::BlobKey> sibling_key = SiblingKey(key);
+  if (!sibling_key)
     return absl::InvalidArgumentError("only weights and master have a sibling kind");
-  }
-  v1::BlobKey sibling_key = key;
-  sibling_key.set_kind(key.kind() == v1::BLOB_KIND_WEIGHTS ? v1::BLOB_KIND_MASTER
-                                                           : v1::BLOB_KIND_WEIGHTS);
-  const std::string encoded = EncodeBlobKey(key), sibling = EncodeBlobKey(sibling_key);
+  const std::string encoded = EncodeBlobKey(key), sibling = EncodeBlobKey(*sibling_key);
   const auto missing = [&] {
     return absl::FailedPreconditionError(absl::StrCat("no version ", version, " of ",
-                                                      BlobKeyDebugString(sibling_key), " with ",
+                                                      BlobKeyDebugString(*sibling_key), " with ",
                                                       size, " bytes and that checksum"));
   };
   {
@@ -302,12 +314,9 @@ absl::StatusOr<v1::BlobInfo> BlobStore::PutSibling(const v1::BlobKey& key, int64
 }
 
 bool BlobStore::LinkToSibling(const PutReservation& r, const std::string& encoded, uint32_t crc) {
-  const v1::BlobKind kind = r.key_.kind();
-  if (kind != v1::BLOB_KIND_WEIGHTS && kind != v1::BLOB_KIND_MASTER) return false;
-  v1::BlobKey sibling_key = r.key_;
-  sibling_key.set_kind(kind == v1::BLOB_KIND_WEIGHTS ? v1::BLOB_KIND_MASTER
-                                                     : v1::BLOB_KIND_WEIGHTS);
-  const std::string sibling = EncodeBlobKey(sibling_key);
+  const std::optional<v1::BlobKey> sibling_key = SiblingKey(r.key_);
+  if (!sibling_key) return false;
+  const std::string sibling = EncodeBlobKey(*sibling_key);
   std::shared_ptr<RamBlock> block;  // pins the sibling's bytes for the comparison
   {
     std::lock_guard<std::mutex> lock(mu_);
