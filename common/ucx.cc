@@ -178,9 +178,10 @@ void Worker::Loop() {
     }
     if (ucp_worker_arm(worker_) == UCS_ERR_BUSY) continue;
     pollfd fds[2] = {{ucx_fd_, POLLIN, 0}, {wake_fd_, POLLIN, 0}};
-    ::poll(fds, 2, 100);
-    uint64_t drained;
-    while (::read(wake_fd_, &drained, sizeof(drained)) > 0) {
+    // One read takes the whole count of an eventfd (and only when it has one).
+    if (::poll(fds, 2, 100) > 0 && (fds[1].revents & POLLIN) != 0) {
+      uint64_t drained;
+      (void)::read(wake_fd_, &drained, sizeof(drained));
     }
   }
 }

@@ -1,5 +1,6 @@
 #include "server/store/store_client.h"
 
+#include <atomic>
 #include <cstring>
 #include <map>
 #include <tuple>
@@ -9,6 +10,15 @@
 #include "common/crc32c.h"
 
 namespace pith::store {
+
+// Requests waited for together: one wake-up for all of them, not one each.
+struct StoreClient::Round {
+  explicit Round(size_t n) : remaining(n) {
+    if (n == 0) all_done.Notify();
+  }
+  std::atomic<size_t> remaining;
+  absl::Notification all_done;
+};
 
 // One outstanding fetch or put. Touched on the progress thread only, but for `done`.
 struct StoreClient::Pending {
@@ -20,12 +30,16 @@ struct StoreClient::Pending {
   absl::Status status;
   bool finished = false;
   absl::Notification done;
+  std::shared_ptr<Round> round;  // null: waited for alone
 
   // Ends the request (once; later calls do nothing).
   void Complete() {
     if (finished) return;
     finished = true;
     done.Notify();
+    if (round != nullptr && round->remaining.fetch_sub(1, std::memory_order_acq_rel) == 1) {
+      round->all_done.Notify();
+    }
   }
   // One item (or the put) is done.
   void ItemDone() {
@@ -280,11 +294,13 @@ absl::Status StoreClient::PutRound(absl::Span<PutItem> items, const std::vector<
     ucp_mem_h memh;
   };
   std::vector<Outgoing> out;
+  auto all = std::make_shared<Round>(round.size());
   for (size_t i : round) {
     PutItem& item = items[i];
     auto pending = std::make_shared<Pending>();
     pending->peer = item.peer;
     pending->remaining = 1;
+    pending->round = all;
     v1::UcxPutRequest request;
     request.set_request_id(next_request_++);
     *request.mutable_key() = item.key;
@@ -325,6 +341,9 @@ absl::Status StoreClient::PutRound(absl::Span<PutItem> items, const std::vector<
                     });
     }
   });
+  // One wait for the whole round; then each (done, or timed out from here).
+  (void)all->all_done.WaitForNotificationWithTimeout(
+      std::max(deadline - absl::Now(), absl::ZeroDuration()));
   absl::Status first;
   for (size_t k = 0; k < round.size(); ++k) {
     PutItem& item = items[round[k]];

@@ -74,6 +74,7 @@ class StoreClient {
 
  private:
   struct Pending;
+  struct Round;
   StoreClient() = default;
   void OnReply(ucx::AmMessage& message, bool is_get);
   // Sends items[round] (those with source[i] >= 0 as references to items[source[i]],

@@ -439,12 +439,18 @@ class JobRun {
   // its weights are copied out of their slots (staging_), which go back to the cache.
   enum class Overlap { kNone, kAll, kLast };
   Overlap OverlapWrites() const {
+    if (SharedExperts()) return Overlap::kNone;
+    return moment_index_.empty() ? Overlap::kLast : Overlap::kAll;
+  }
+  // Whether an expert has several owners (computed by a worker that reads its primary's
+  // update from the stores).
+  bool SharedExperts() const {
     for (const auto& layer : owners_) {
       for (const ExpertOwners& o : layer) {
-        if (o.size() > 1) return Overlap::kNone;
+        if (o.size() > 1) return true;
       }
     }
-    return moment_index_.empty() ? Overlap::kLast : Overlap::kAll;
+    return false;
   }
   // Waits for the writes and the report of the step written last, if they went on in the
   // background; a failure is reported to the coordinator (which aborts the step).
@@ -551,7 +557,6 @@ class JobRun {
     }
     written_.Clear();
     RETURN_IF_ERROR(WriteOwned(0, /*all_experts=*/true));
-    dense_version_ = 0;  // every worker built the same initial weights
     return Report(0, model::StepLoss(), 0);
   }
 
@@ -608,11 +613,10 @@ class JobRun {
   }
 
   // Rebuilds this worker's state from the committed step in the stores: the dense
-  // tensors (the moments of its share too); experts come through the cache when needed.
+  // tensors and their moments; experts come through the cache when needed.
   absl::Status LoadCommitted() {
     const model::ParamLayout& layout = model_->layout();
-    RETURN_IF_ERROR(FetchDense(/*all=*/true));
-    dense_version_ = a_.committed_step();
+    RETURN_IF_ERROR(FetchDense());
     std::vector<int64_t>& counts = optimizer_->update_counts();
     for (size_t i = 0; i < layout.tensors().size(); ++i) {
       if (layout.tensors()[i].layer < 0) counts[i] = a_.committed_step();
@@ -620,29 +624,27 @@ class JobRun {
     return absl::OkStatus();
   }
 
-  // Reads the dense tensors the other workers update (`all`: every one, and the moments of
-  // this worker's share).
-  absl::Status FetchDense(bool all) {
+  // Reads every dense tensor and its moments, committed.
+  absl::Status FetchDense() {
     std::vector<StoreClient::FetchItem> items;
     for (const model::ParamTensor& t : model_->layout().tensors()) {
-      if (t.layer >= 0 || (!all && DenseHere(t))) continue;
+      if (t.layer >= 0) continue;
       const size_t bytes = t.numel * sizeof(float);
       items.push_back(
           Item(Key(-1, 0, t.name, v1::BLOB_KIND_WEIGHTS), model_->params() + t.offset, bytes));
-      if (all && DenseHere(t)) {
-        items.push_back(
-            Item(Key(-1, 0, t.name, v1::BLOB_KIND_ADAM_M), optimizer_->m() + t.offset, bytes));
-        items.push_back(
-            Item(Key(-1, 0, t.name, v1::BLOB_KIND_ADAM_V), optimizer_->v() + t.offset, bytes));
-      }
+      items.push_back(
+          Item(Key(-1, 0, t.name, v1::BLOB_KIND_ADAM_M), optimizer_->m() + t.offset, bytes));
+      items.push_back(
+          Item(Key(-1, 0, t.name, v1::BLOB_KIND_ADAM_V), optimizer_->v() + t.offset, bytes));
     }
-    if (items.empty()) return absl::OkStatus();
-    return FetchNewest(dense_stores_, items);
+    return Fetch(dense_stores_, items);
   }
 
-  // Whether this worker updates dense tensor `t`: each is updated once, by one worker;
-  // they are dealt out in layout order to the worker with the fewest bytes so far, so the
-  // updates (and their writes) take about as long on every worker.
+  // Whether this worker writes dense tensor `t` (and counts its gradient in the norm):
+  // every worker applies AdamW to every dense tensor (the same all-reduced gradients, the
+  // same bits), and each tensor is written by one of them; they are dealt out in layout
+  // order to the worker with the fewest bytes so far, so the writes take about as long on
+  // every worker.
   bool DenseHere(const model::ParamTensor& t) const {
     if (t.layer >= 0) return false;
     auto it = dense_rank_.find(t.offset);
@@ -661,21 +663,18 @@ class JobRun {
 
   // The first half of training step s >= 1 (data step s - 1): forward/backward with the
   // experts dispatched, replica gradients reduced, dense gradients summed, the global grad
-  // norm. It reads only what this worker holds and what every worker has written for step
-  // s - 1 (the barrier below), committed or not, so it runs while step s - 1 commits.
+  // norm. It reads only what this worker holds (the dense tensors are updated alike on
+  // every worker) and, with replica experts, what their primaries wrote for step s - 1
+  // (the barrier below), committed or not, so it runs while step s - 1 commits.
   absl::Status Compute(int64_t s) {
     current_step_ = s;
     step_start_ = std::chrono::steady_clock::now();
-    if (Pending()) {
-      // Every worker's writes of the step before are in the stores (this worker reads the
-      // ones it needs from there: the others' dense tensors, a primary's replica experts).
+    if (Pending() && SharedExperts()) {
+      // Every worker's writes of the step before are in the stores: this worker reads its
+      // replica experts' updates from there (their primaries wrote them).
       double one = 1;
       RETURN_IF_ERROR(
           peers_->AllReduceSum(&one, 1, (static_cast<uint64_t>(s) << 32) | (1ull << 28)));
-    }
-    if (dense_version_ != s - 1) {  // the others updated their dense tensors last step
-      RETURN_IF_ERROR(FetchDense(/*all=*/false));
-      dense_version_ = s - 1;
     }
     dispatch_->SetStep(s);
     // The owner's compute order: forward through the layers, backward, then the updates.
@@ -707,23 +706,21 @@ class JobRun {
     return absl::OkStatus();
   }
 
-  // The second half of step s, once step s - 1 is committed: the updates written (this
-  // worker's share of the dense tensors; experts by their primary, with moments from the
-  // stores), heat and the step reported.
+  // The second half of step s, once step s - 1 is committed: the updates applied and
+  // written (every dense tensor applied here, this worker's share of them written; experts
+  // by their primary, with moments from the stores), heat and the step reported.
   absl::Status Write(int64_t s) {
     ReportHeat(s);
     const int T = shape_.seq;
-    // Dense tensors through the optimizer; experts in batches below, with their moments
+    // Every dense tensor through the optimizer (the same bits on every worker: the same
+    // all-reduced gradients and norm); experts in batches below, with their moments
     // fetched from the stores.
-    const model::HasGrad dense_here = [&](const model::ParamTensor& t) { return DenseHere(t); };
-    lr_ = optimizer_->Apply(model_->params(), model_->grads(), s - 1, dense_here, grad_norm_).lr;
+    const model::HasGrad dense = [](const model::ParamTensor& t) { return t.layer < 0; };
+    lr_ = optimizer_->Apply(model_->params(), model_->grads(), s - 1, dense, grad_norm_).lr;
     RETURN_IF_ERROR(backend_.Synchronize());  // the dense puts read what it wrote
     written_.Clear();
     const Overlap overlap = OverlapWrites();
     RETURN_IF_ERROR(WriteOwned(s, /*all_experts=*/false));
-    // The dense writes are in the stores before the next step's barrier: the other workers
-    // read them after it.
-    if (overlap != Overlap::kNone && !puts_.empty()) RETURN_IF_ERROR(Flush());
     absl::Status updated = UpdateExperts(s, grad_norm_, overlap);
     if (!updated.ok()) {
       puts_.clear();
@@ -741,7 +738,6 @@ class JobRun {
     metrics_->prefetch_hits->Increment(
         static_cast<double>(after.prefetch_hits - cache_before_.prefetch_hits));
     metrics_->resident->Set(static_cast<double>(after.resident_bytes));
-    if (a_.world() == 1) dense_version_ = s;  // it updated every dense tensor
     metrics_->tokens->Increment(static_cast<double>(rows_.size() * T));
     metrics_->rows_sent->Increment(static_cast<double>(dispatch_->rows_sent()));
     metrics_->step_seconds->Observe(
@@ -1141,8 +1137,7 @@ class JobRun {
   google::protobuf::RepeatedPtrField<v1::BlobInfo> written_;
   model::StepLoss last_loss_;
   double lr_ = 0;
-  int64_t dense_version_ = -1;         // the step whose dense weights are in params
-  std::map<int64_t, int> dense_rank_;  // dense tensor (by offset) -> the rank updating it
+  std::map<int64_t, int> dense_rank_;  // dense tensor (by offset) -> the rank writing it
   // The step written and reported but not known to be committed while the next one
   // computes (-1: none), and which experts it wrote: reads then ask for its versions
   // (FetchNewest, also on the cache's prefetch thread).
