@@ -1,8 +1,10 @@
 #include "common/ucx.h"
 
 #include <poll.h>
+#include <sched.h>
 #include <sys/eventfd.h>
 #include <sys/mman.h>
+#include <sys/syscall.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -15,6 +17,27 @@
 
 namespace pith::ucx {
 namespace {
+
+// NOTE: the progress thread runs briefly and often, and every message waits for it: it
+// asks the scheduler for a short time slice (EEVDF, Linux 6.12+: an earlier deadline, so
+// its wake-up preempts a compute thread instead of queueing behind it). Unprivileged; older
+// kernels ignore the request for normal threads. Measured on the 2-core cluster_bench:
+// message post delay 0.34 -> 0.15 ms on average, cluster tokens/s +3%.
+void RequestShortSlice() {
+  struct SchedAttr {  // struct sched_attr (linux/sched/types.h), not in glibc 2.36
+    uint32_t size;
+    uint32_t sched_policy;
+    uint64_t sched_flags;
+    int32_t sched_nice;
+    uint32_t sched_priority;
+    uint64_t sched_runtime, sched_deadline, sched_period;
+    uint32_t sched_util_min, sched_util_max;
+  } attr{};
+  attr.size = sizeof(attr);
+  attr.sched_policy = SCHED_OTHER;
+  attr.sched_runtime = 100'000;  // ns: the shortest slice the kernel takes
+  (void)::syscall(SYS_sched_setattr, 0, &attr, 0);
+}
 
 // Completion context of one send or receive.
 struct OpContext {
@@ -114,7 +137,10 @@ void Worker::SetHandler(uint16_t id, Handler handler) {
 }
 
 absl::Status Worker::Start() {
-  thread_ = std::thread([this] { Loop(); });
+  thread_ = std::thread([this] {
+    RequestShortSlice();
+    Loop();
+  });
   return absl::OkStatus();
 }
 
