@@ -71,5 +71,18 @@ echo "A sample from the checkpoint (prompt \"Q: What\"):"
   --temperature 0.7 | sed 's/^/  | /'
 
 echo
-"$PITH" down | sed 's/^/  /'
+"$PITH" down | sed -e 's/ (data and logs kept there)//' -e 's/^/  /'
 echo "Cluster stopped cleanly (SIGTERM)."
+
+# What the run leaves (the temporary folder goes): the checkpoint, the spec, the held-out
+# tokens and every process's log, so the checkpoint can be checked independently.
+OUT=${PITH_DEMO_OUT:-demo-out}
+rm -rf "$OUT" && mkdir -p "$OUT/logs"
+cp "$E2E_TMP/demo.safetensors" "$E2E_TMP/heldout.bin" "$OUT/"
+sed "s|\"data_path\": \"[^\"]*\"|\"data_path\": \"tokens.bin\"|" "$E2E_TMP/spec.json" >"$OUT/spec.json"
+find "$PITH_HOME" -maxdepth 1 -name '*.log' -exec cp {} "$OUT/logs/" \;
+echo
+echo "Kept in $OUT/: demo.safetensors, spec.json, heldout.bin, logs/. The same held-out loss"
+echo "from an independent PyTorch implementation (with /usr/bin/python3 and python3-torch):"
+echo "  /usr/bin/python3 tests/golden/moe_gpt_reference.py --spec $OUT/spec.json \\"
+echo "    --init $OUT/demo.safetensors --tokens $OUT/heldout.bin --eval 4"
