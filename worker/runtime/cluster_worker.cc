@@ -498,9 +498,9 @@ class JobRun {
     return last;
   }
 
-  // Reads the newest versions of `items`: while a step is pending (written, its commit not
-  // yet known), its version of the groups it wrote (the dense tensors, the experts that
-  // got tokens: a missing one is an error), the committed version of the others.
+  // Reads the newest versions of expert `items`: while a step is pending (written, its
+  // commit not yet known), its version of the experts it wrote (those that got tokens: a
+  // missing one is an error), the committed version of the others.
   absl::Status FetchNewest(const std::vector<std::string>& stores,
                            std::vector<StoreClient::FetchItem>& items) {
     {
@@ -508,8 +508,7 @@ class JobRun {
       for (StoreClient::FetchItem& item : items) {
         const v1::BlobKey& k = item.key;
         const bool written =
-            pending_step_ >= 0 &&
-            (k.layer() < 0 || pending_written_[k.layer() * shape_.experts + k.expert()]);
+            pending_step_ >= 0 && pending_written_[k.layer() * shape_.experts + k.expert()];
         item.version = written ? pending_step_ : -1;
       }
     }
