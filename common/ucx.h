@@ -97,7 +97,8 @@ class Worker {
   // The packed worker address peers connect to.
   const std::string& address() const { return address_; }
 
-  // Thread-safe: allocates and registers `size` bytes, or registers caller memory.
+  // Thread-safe: allocates (every page faulted in: RESOURCE_EXHAUSTED when the host has
+  // not that much memory) and registers `size` bytes, or registers caller memory.
   absl::StatusOr<std::unique_ptr<MemoryRegion>> Allocate(size_t size);
   absl::StatusOr<std::unique_ptr<MemoryRegion>> Register(void* data, size_t size);
 
