@@ -214,6 +214,7 @@ void Worker::Loop() {
   auto last_active = std::chrono::steady_clock::now();
   bool spin = !CpuContended(last_active);
   uint32_t idle_spins = 0;
+  int busy_idle = 0;
   while (!stop_) {
     bool active = false;
     while (ucp_worker_progress(worker_) != 0) active = true;
@@ -234,6 +235,7 @@ void Worker::Loop() {
       last_active = std::chrono::steady_clock::now();
       spin = !CpuContended(last_active);
       idle_spins = 0;
+      busy_idle = 0;
       continue;
     }
     // The clock is read every few idle spins only: it costs more than a spin.
@@ -241,8 +243,21 @@ void Worker::Loop() {
         (++idle_spins % 16 != 0 || std::chrono::steady_clock::now() - last_active < kSpin)) {
       continue;
     }
-    if (ucp_worker_arm(worker_) == UCS_ERR_BUSY) continue;
     pollfd fds[2] = {{ucx_fd_, POLLIN, 0}, {wake_fd_, POLLIN, 0}};
+    // BUSY: UCX has work to progress that no event will announce (a rendezvous waiting for
+    // the peer, sends queued behind a full FIFO). Arming again at once made a loop of
+    // failing eventfd reads (~400k syscalls/s per worker on the 2-core cluster_bench, ~5%
+    // of the step's CPU); after a second BUSY with no progress between, the loop naps
+    // 20 us instead (the spin above has had its turn), and the peer gets the core.
+    if (ucp_worker_arm(worker_) == UCS_ERR_BUSY) {
+      if (++busy_idle < 2) continue;  // the first: progress may have work at once
+      timespec nap{0, 20'000};
+      if (::ppoll(&fds[1], 1, &nap, nullptr) > 0) {  // or until work is posted
+        uint64_t drained;
+        (void)::read(wake_fd_, &drained, sizeof(drained));
+      }
+      continue;
+    }
     // One read takes the whole count of an eventfd (and only when it has one).
     if (::poll(fds, 2, 100) > 0 && (fds[1].revents & POLLIN) != 0) {
       uint64_t drained;

@@ -446,8 +446,11 @@ TEST(ClusterE2eTest, AWorkerKilledMidJobIsReplacedAndNothingCommittedIsLost) {
 // an uninterrupted run, bit for bit, and every group ends with its replica count.
 TEST(ClusterE2eTest, StoresAddedDrainedAndKilledMidJobChangeNothing) {
   Failure f;
-  f.steps = 200;
-  f.weight_tolerance = 1e-2;  // vs one process, after 200 steps on a tiny corpus
+  // Long enough that the sequence (copies to the new stores, a drain, a kill, the lease
+  // expiry and re-replication) ends well before the job: ~100 steps to the kill, then a few
+  // seconds.
+  f.steps = 400;
+  f.weight_tolerance = 1e-2;  // vs one process, after 400 steps on a tiny corpus
   Outcome uninterrupted, scaled;
   TrainAndCompare("steady", f, &uninterrupted);
   f.scale_stores = true;
