@@ -10,6 +10,9 @@
 //               with the OpenBLAS kernels pith-worker picks (BetterBlasCore)
 // Step times are the coordinator's per-step wall times (commit to commit) and PyTorch's
 // own per-step times, each averaged over the steps after the first three (no start-up).
+// Each side runs twice, in the order PyTorch, resident, 25%, 25%, resident, PyTorch: every
+// ratio compares two means centred on the same moment, so a drift of the machine's speed
+// during the run (this VM has slow and fast spells) cancels instead of favouring a side.
 // Usage: cluster_bench [--steps=N] [--repo=DIR]
 #include <chrono>
 #include <cstdio>
@@ -52,12 +55,16 @@ constexpr int64_t kExperts = 4 * 16;
 constexpr int64_t kExpertBytes = kExpertFloats * kExperts * 4;
 
 struct Measured {
-  double step_seconds = 0;       // mean over steps > 3
-  double tokens_per_second = 0;  // over the same steps
-  double cache_hit_rate = 0;     // of the last step
+  double seconds = 0;         // summed over the timed steps (> 3) of every run
+  double tokens = 0;          // trained in them
+  int steps = 0;              // how many
+  double cache_hit_rate = 0;  // of the last step of the last run
+  double step_seconds() const { return seconds / steps; }
+  double tokens_per_second() const { return tokens / seconds; }
 };
 
-// Runs the job on a fresh cluster whose workers have `cache_bytes`; nullopt-like on failure.
+// Runs the job on a fresh cluster whose workers have `cache_bytes`, adding its timed steps
+// to `m`; false on failure.
 bool RunCluster(const std::string& dir, uint64_t cache_bytes, Measured* m) {
   std::filesystem::remove_all(dir + "/cluster");
   std::filesystem::create_directories(dir + "/cluster");
@@ -126,15 +133,17 @@ bool RunCluster(const std::string& dir, uint64_t cache_bytes, Measured* m) {
     std::fprintf(stderr, "the job did not succeed: %s\n", event.ShortDebugString().c_str());
     return false;
   }
-  m->step_seconds = seconds / counted;
-  m->tokens_per_second = tokens / seconds;
+  m->seconds += seconds;
+  m->tokens += tokens;
+  m->steps += counted;
   for (auto& p : procs) p->Terminate();
   coordinator.Terminate();
   return true;
 }
 
-// tokens/s of the PyTorch reference training the same spec in one process; 0 without torch.
-double PytorchTokensPerSecond(const std::string& dir) {
+// Runs the PyTorch reference training the same spec in one process, adding its timed
+// steps to `m`; false without torch.
+bool RunPytorch(const std::string& dir, Measured* m) {
   const std::string spec = dir + "/spec.json";
   std::ofstream(spec) << Spec(dir + "/tokens.bin", g_steps);
   const std::string init = dir + "/init.safetensors";
@@ -142,7 +151,7 @@ double PytorchTokensPerSecond(const std::string& dir) {
     ChildProcess w(PITH_WORKER_BINARY,
                    {"--standalone", "--spec=" + spec, "--steps=0", "--export_init=" + init},
                    dir + "/init.log");
-    if (w.Wait(60) != 0) return 0;
+    if (w.Wait(60) != 0) return false;
   }
   // The kernels pith-worker runs with (it re-executes itself with them), so both sides
   // multiply with the same sgemm.
@@ -151,7 +160,7 @@ double PytorchTokensPerSecond(const std::string& dir) {
       (core ? "OPENBLAS_CORETYPE=" + *core + " " : std::string()) + "/usr/bin/python3 " + g_repo +
       "/tests/golden/moe_gpt_reference.py --spec " + spec + " --init " + init + " --loss_log " +
       dir + "/torch.log --step_times " + dir + "/torch_times.txt > " + dir + "/torch.out 2>&1";
-  if (std::system(command.c_str()) != 0) return 0;
+  if (std::system(command.c_str()) != 0) return false;
   std::ifstream times(dir + "/torch_times.txt");
   int step;
   double seconds, total = 0;
@@ -161,8 +170,11 @@ double PytorchTokensPerSecond(const std::string& dir) {
     total += seconds;
     ++counted;
   }
-  if (counted == 0) return 0;
-  return counted * 16.0 * 64.0 / total;
+  if (counted == 0) return false;
+  m->seconds += total;
+  m->tokens += counted * 16.0 * 64.0;
+  m->steps += counted;
+  return true;
 }
 
 }  // namespace
@@ -189,26 +201,33 @@ int main(int argc, char** argv) {
            << "line " << i << " of the benchmark corpus.\n";
     }
   }
-  Measured resident, cached;
+  Measured resident, cached, torch;
   const uint64_t quarter = kExpertBytes / 4;
-  if (!RunCluster(dir, 0, &resident) || !RunCluster(dir, quarter, &cached)) {
+  const bool have_torch = RunPytorch(dir, &torch);
+  if (!RunCluster(dir, 0, &resident) || !RunCluster(dir, quarter, &cached) ||
+      !RunCluster(dir, quarter, &cached) || !RunCluster(dir, 0, &resident)) {
     std::fprintf(stderr, "cluster_bench: a cluster run failed; logs under %s\n", dir.c_str());
+    return 1;
+  }
+  if (have_torch && !RunPytorch(dir, &torch)) {
+    std::fprintf(stderr, "cluster_bench: the second PyTorch run failed; see %s\n", dir.c_str());
     return 1;
   }
   std::printf(
       "prefetch step_seconds_resident=%.4f step_seconds_cache25=%.4f ratio=%.3f "
       "(cache hit rate %.2f vs %.2f)\n",
-      resident.step_seconds, cached.step_seconds, cached.step_seconds / resident.step_seconds,
-      cached.cache_hit_rate, resident.cache_hit_rate);
+      resident.step_seconds(), cached.step_seconds(),
+      cached.step_seconds() / resident.step_seconds(), cached.cache_hit_rate,
+      resident.cache_hit_rate);
   std::printf(
       "compactness expert_state_bytes=%lld worker_cache_bytes=%llu ratio=%.1f "
       "step_time_ratio=%.3f\n",
       static_cast<long long>(4 * kExpertBytes), static_cast<unsigned long long>(quarter),
-      4.0 * kExpertBytes / quarter, cached.step_seconds / resident.step_seconds);
-  const double torch = PytorchTokensPerSecond(dir);
-  if (torch > 0) {
+      4.0 * kExpertBytes / quarter, cached.step_seconds() / resident.step_seconds());
+  if (have_torch) {
     std::printf("pytorch cluster_tokens_per_s=%.0f pytorch_tokens_per_s=%.0f ratio=%.3f\n",
-                resident.tokens_per_second, torch, resident.tokens_per_second / torch);
+                resident.tokens_per_second(), torch.tokens_per_second(),
+                resident.tokens_per_second() / torch.tokens_per_second());
   } else {
     std::printf("pytorch skipped: /usr/bin/python3 with torch is not available\n");
   }
