@@ -207,8 +207,8 @@ void Worker::Loop() {
   // several hops, and a sleep/wake per hop would halve the bandwidth (store_fetch_bench,
   // 64 KiB: 9.1 GB/s spinning, 6.4 sleeping). But only while the host's CPUs are not
   // contended: where tasks wait for a core (workers and stores sharing a host's cores with
-  // compute), a spin takes the core from the process whose answer it waits for; on the
-  // 2-core cluster_bench spinning cost 7% of the step's CPU and 6% of its wall time. With
+  // compute), a spin takes the core from the process whose answer it waits for; a 2-worker
+  // demo job on 2 cores spent 7% more CPU and 6% more wall time a step spinning. With
   // nothing pending it sleeps at once: a process waiting for a peer's message costs no CPU.
   constexpr auto kSpin = std::chrono::microseconds(30);
   auto last_active = std::chrono::steady_clock::now();
@@ -246,8 +246,8 @@ void Worker::Loop() {
     pollfd fds[2] = {{ucx_fd_, POLLIN, 0}, {wake_fd_, POLLIN, 0}};
     // BUSY: UCX has work to progress that no event will announce (a rendezvous waiting for
     // the peer, sends queued behind a full FIFO). Arming again at once made a loop of
-    // failing eventfd reads (~400k syscalls/s per worker on the 2-core cluster_bench, ~5%
-    // of the step's CPU); after a second BUSY with no progress between, the loop naps
+    // failing eventfd reads (~400k syscalls/s per worker on the 2-core cluster_bench, ~9%
+    // of a demo job's CPU a step); after a second BUSY with no progress between, the loop naps
     // 20 us instead (the spin above has had its turn), and the peer gets the core.
     if (ucp_worker_arm(worker_) == UCS_ERR_BUSY) {
       if (++busy_idle < 2) continue;  // the first: progress may have work at once
