@@ -53,7 +53,8 @@ bool CpuContended(std::chrono::steady_clock::time_point now) {
   static std::atomic<bool> contended{false};
   static std::atomic<uint64_t> stalled_us{0};
   static const int fd = ::open("/proc/pressure/cpu", O_RDONLY | O_CLOEXEC);  // kept open
-  const int64_t t = now.time_since_epoch().count();  // steady_clock counts nanoseconds
+  const int64_t t =
+      std::chrono::duration_cast<std::chrono::nanoseconds>(now.time_since_epoch()).count();
   int64_t last = checked_ns.load(std::memory_order_relaxed);
   if (fd < 0 || t - last < kWindowNs ||
       !checked_ns.compare_exchange_strong(last, t, std::memory_order_relaxed)) {
@@ -307,7 +308,7 @@ absl::StatusOr<std::unique_ptr<MemoryRegion>> Worker::Map(void* data, size_t siz
       new MemoryRegion(context_, memh, static_cast<uint8_t*>(data), size, mapped_bytes));
 }
 
-absl::StatusOr<std::unique_ptr<MemoryRegion>> Worker::Allocate(size_t size) {
+absl::StatusOr<std::unique_ptr<MemoryRegion>> Worker::Allocate(size_t size, bool fault_in) {
   // Our own mapping, in 2 MiB pages where the kernel allows: shared-memory transports pin
   // and copy page by page, so huge pages make large transfers markedly faster.
   constexpr size_t kHugePage = 2 << 20;
@@ -321,7 +322,7 @@ absl::StatusOr<std::unique_ptr<MemoryRegion>> Worker::Allocate(size_t size) {
   // zero whole huge pages, which would otherwise land on the data path, inside the first
   // transfers into each region (a store's arena fills over its first hundreds of puts).
   // A host without that much memory says so here (ENOMEM), not with an OOM kill later.
-  if (::madvise(p, bytes, MADV_POPULATE_WRITE) != 0) {
+  if (fault_in && ::madvise(p, bytes, MADV_POPULATE_WRITE) != 0) {
     const int error = errno;
     if (error != EINVAL) {  // EINVAL: a kernel before 5.14, without MADV_POPULATE_WRITE
       ::munmap(p, bytes);

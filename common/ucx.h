@@ -97,9 +97,10 @@ class Worker {
   // The packed worker address peers connect to.
   const std::string& address() const { return address_; }
 
-  // Thread-safe: allocates (every page faulted in: RESOURCE_EXHAUSTED when the host has
-  // not that much memory) and registers `size` bytes, or registers caller memory.
-  absl::StatusOr<std::unique_ptr<MemoryRegion>> Allocate(size_t size);
+  // Thread-safe: allocates and registers `size` bytes, or registers caller memory. With
+  // `fault_in` every page is faulted in now (RESOURCE_EXHAUSTED when the host has not that
+  // much memory): for long-lived regions that will be used whole (a RAM tier, a cache).
+  absl::StatusOr<std::unique_ptr<MemoryRegion>> Allocate(size_t size, bool fault_in = true);
   absl::StatusOr<std::unique_ptr<MemoryRegion>> Register(void* data, size_t size);
 
   // Thread-safe: runs `fn` on the progress thread soon.

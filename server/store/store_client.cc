@@ -98,8 +98,9 @@ absl::StatusOr<int> StoreClient::Connect(const std::string& ucx_address) {
   return result;
 }
 
-absl::StatusOr<std::unique_ptr<ucx::MemoryRegion>> StoreClient::AllocateBuffer(size_t bytes) {
-  return worker_->Allocate(bytes);
+absl::StatusOr<std::unique_ptr<ucx::MemoryRegion>> StoreClient::AllocateBuffer(size_t bytes,
+                                                                               bool fault_in) {
+  return worker_->Allocate(bytes, fault_in);
 }
 
 void StoreClient::FailPeer(int peer, const absl::Status& status) {

@@ -31,8 +31,9 @@ class StoreClient {
   // StoreService.GetUcxAddress). Returns a peer id for the calls below.
   absl::StatusOr<int> Connect(const std::string& ucx_address);
 
-  // Registered memory for fetch targets and put sources.
-  absl::StatusOr<std::unique_ptr<ucx::MemoryRegion>> AllocateBuffer(size_t bytes);
+  // Registered memory for fetch targets and put sources (see ucx::Worker::Allocate).
+  absl::StatusOr<std::unique_ptr<ucx::MemoryRegion>> AllocateBuffer(size_t bytes,
+                                                                    bool fault_in = true);
 
   struct FetchItem {
     v1::BlobKey key;

@@ -183,7 +183,8 @@ grpc::Status StoreServiceImpl::PullBlobs(grpc::ServerContext* context,
   absl::StatusOr<int> peer = (*client)->Connect(request->source_ucx_address());
   if (!peer.ok()) return ToGrpcStatus(peer.status());
   absl::StatusOr<std::unique_ptr<ucx::MemoryRegion>> buffer =
-      (*client)->AllocateBuffer(store_->options().max_blob_bytes);
+      // Room for the largest blob, of which a pull mostly touches far less.
+      (*client)->AllocateBuffer(store_->options().max_blob_bytes, /*fault_in=*/false);
   if (!buffer.ok()) return ToGrpcStatus(buffer.status());
   const auto start = std::chrono::steady_clock::now();
   uint64_t moved = 0;
