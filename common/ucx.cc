@@ -216,6 +216,11 @@ void Worker::Loop() {
   bool spin = !CpuContended(last_active);
   uint32_t idle_spins = 0;
   int busy_idle = 0;
+  // One read takes the whole count of the wake eventfd (called only when it has one).
+  const auto drain_wake = [this] {
+    uint64_t drained;
+    (void)::read(wake_fd_, &drained, sizeof(drained));
+  };
   while (!stop_) {
     bool active = false;
     while (ucp_worker_progress(worker_) != 0) active = true;
@@ -253,17 +258,10 @@ void Worker::Loop() {
     if (ucp_worker_arm(worker_) == UCS_ERR_BUSY) {
       if (++busy_idle < 2) continue;  // the first: progress may have work at once
       timespec nap{0, 20'000};
-      if (::ppoll(&fds[1], 1, &nap, nullptr) > 0) {  // or until work is posted
-        uint64_t drained;
-        (void)::read(wake_fd_, &drained, sizeof(drained));
-      }
+      if (::ppoll(&fds[1], 1, &nap, nullptr) > 0) drain_wake();  // or until work is posted
       continue;
     }
-    // One read takes the whole count of an eventfd (and only when it has one).
-    if (::poll(fds, 2, 100) > 0 && (fds[1].revents & POLLIN) != 0) {
-      uint64_t drained;
-      (void)::read(wake_fd_, &drained, sizeof(drained));
-    }
+    if (::poll(fds, 2, 100) > 0 && (fds[1].revents & POLLIN) != 0) drain_wake();
   }
 }
 
