@@ -359,19 +359,17 @@ void CpuBackend::AdamW(float* param, const float* grad, float* m, float* v, int6
                        float beta1, float beta2, float eps, float weight_decay, int64_t step) {
   const double bc1 = 1.0 - std::pow(double{beta1}, static_cast<double>(step));
   const double bc2 = 1.0 - std::pow(double{beta2}, static_cast<double>(step));
-  const float step_size = static_cast<float>(lr / bc1);
-  const float bc2_sqrt = static_cast<float>(std::sqrt(bc2));
-  const float decay = 1.0f - lr * weight_decay;
-  pool_.ParallelFor(n, 16384, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) {
-      float p = param[i] * decay;
-      const float g = grad[i];
-      m[i] = beta1 * m[i] + (1.0f - beta1) * g;
-      v[i] = beta2 * v[i] + (1.0f - beta2) * g * g;
-      p -= step_size * m[i] / (std::sqrt(v[i]) / bc2_sqrt + eps);
-      param[i] = p;
-    }
-  });
+  AdamWConstants k;
+  k.beta1 = beta1;
+  k.one_minus_beta1 = 1.0f - beta1;
+  k.beta2 = beta2;
+  k.one_minus_beta2 = 1.0f - beta2;
+  k.step_size = static_cast<float>(lr / bc1);
+  k.bc2_sqrt = static_cast<float>(std::sqrt(bc2));
+  k.eps = eps;
+  k.decay = 1.0f - lr * weight_decay;
+  pool_.ParallelFor(
+      n, 16384, [&](int64_t begin, int64_t end) { AdamWRange(param, grad, m, v, begin, end, k); });
 }
 
 }  // namespace pith::compute

@@ -9,6 +9,8 @@ namespace pith::compute {
 namespace avx2 {
 void GeluRange(float* out, const float* x, int64_t begin, int64_t end);
 void GeluBackwardRange(float* dx, const float* x, const float* dout, int64_t begin, int64_t end);
+void AdamWRange(float* param, const float* grad, float* m, float* v, int64_t begin, int64_t end,
+                const AdamWConstants& k);
 }  // namespace avx2
 
 namespace {
@@ -33,6 +35,15 @@ void GeluBackwardRange(float* dx, const float* x, const float* dout, int64_t beg
     avx2::GeluBackwardRange(dx, x, dout, begin, end);
   } else {
     baseline::GeluBackwardRange(dx, x, dout, begin, end);
+  }
+}
+
+void AdamWRange(float* param, const float* grad, float* m, float* v, int64_t begin, int64_t end,
+                const AdamWConstants& k) {
+  if (HasAvx2()) {
+    avx2::AdamWRange(param, grad, m, v, begin, end, k);
+  } else {
+    baseline::AdamWRange(param, grad, m, v, begin, end, k);
   }
 }
 
