@@ -250,17 +250,27 @@ class RocksColdTier final : public ColdTier {
       sync_cv_.notify_all();
       syncer_.join();
     }
-    if (!recovered_) return;  // what the disk holds stays as it was found
-    std::lock_guard<std::mutex> apply_lock(apply_mu_);
-    rocksdb::WriteBatch wb;
-    if (absl::Status s = SyncPointLocked(&wb); !s.ok()) LOG(WARNING) << "cold tier: " << s;
+    if (recovered_) {  // else what the disk holds stays as it was found
+      std::lock_guard<std::mutex> apply_lock(apply_mu_);
+      rocksdb::WriteBatch wb;
+      if (absl::Status s = SyncPointLocked(&wb); !s.ok()) LOG(WARNING) << "cold tier: " << s;
+    }
+    if (disposer_.joinable()) {
+      {
+        std::lock_guard<std::mutex> lock(dispose_mu_);
+        stop_disposer_ = true;
+      }
+      dispose_cv_.notify_all();
+      disposer_.join();  // after it has punched and closed what it was given
+    }
   }
 
   // A zero sync interval: every synced Apply is a sync point before it returns.
   bool EveryCommitSynced() const { return sync_interval_.count() == 0; }
 
-  // Starts the group sync thread (a nonzero sync interval).
-  void StartSyncer() {
+  // Starts the disposer and the group sync thread (a nonzero sync interval).
+  void StartThreads() {
+    disposer_ = std::thread([this] { DisposeLoop(); });
     if (!EveryCommitSynced()) syncer_ = std::thread([this] { SyncLoop(); });
   }
 
@@ -512,7 +522,7 @@ class RocksColdTier final : public ColdTier {
       for (const auto& job : batch.delete_job_steps) wb.Delete(JobKey(job));
     }
     RETURN_IF_ERROR(WriteNamed(&wb, sync));
-    PunchDead(punches);
+    Dispose(std::move(punches), {});
     if (sync && EveryCommitSynced()) {
       // Best effort: the batch is durable whatever happens here.
       if (absl::Status s = CopyForward(); !s.ok()) LOG(WARNING) << "cold tier: " << s;
@@ -704,11 +714,43 @@ class RocksColdTier final : public ColdTier {
 
   // After the batch that dropped them is written: a file that stays keeps no dirty pages
   // of them for the next sync point to write. Best effort (a file system without holes
-  // writes them).
+  // writes them). A punch that runs after a sync point covered its bytes is harmless: that
+  // sync point made the batch that dropped them durable too.
   static void PunchDead(const std::vector<Punch>& punches) {
     for (const Punch& p : punches) {
       (void)::fallocate(p.file->fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE,
                         static_cast<off_t>(p.from), static_cast<off_t>(p.to - p.from));
+    }
+  }
+
+  // Hands punches and log files (deleted ones close when their last reference goes) to
+  // the disposer thread. On a file system mounted with `discard`, freeing blocks waits
+  // for the device (ext4 discards them before the punch or the close of a deleted file
+  // returns: tens of ms a file), and neither a commit (under apply_mu_) nor the group
+  // sync waits with it.
+  void Dispose(std::vector<Punch> punches, std::vector<std::shared_ptr<LogFile>> files) {
+    if (punches.empty() && files.empty()) return;
+    {
+      std::lock_guard<std::mutex> lock(dispose_mu_);
+      for (Punch& p : punches) dispose_punches_.push_back(std::move(p));
+      for (auto& f : files) dispose_files_.push_back(std::move(f));
+    }
+    dispose_cv_.notify_one();
+  }
+  void DisposeLoop() {
+    std::unique_lock<std::mutex> lock(dispose_mu_);
+    while (true) {
+      dispose_cv_.wait(lock, [&] {
+        return stop_disposer_ || !dispose_punches_.empty() || !dispose_files_.empty();
+      });
+      if (dispose_punches_.empty() && dispose_files_.empty()) return;  // stopped, all done
+      std::vector<Punch> punches = std::exchange(dispose_punches_, {});
+      std::vector<std::shared_ptr<LogFile>> files = std::exchange(dispose_files_, {});
+      lock.unlock();
+      PunchDead(punches);
+      punches.clear();  // the last references close their files here
+      files.clear();
+      lock.lock();
     }
   }
 
@@ -776,6 +818,13 @@ class RocksColdTier final : public ColdTier {
     std::vector<std::shared_ptr<LogFile>> to_delete;
     bool sync_dir = false;
   };
+  // Gives every log file of `p` to the disposer.
+  void Dispose(SyncPoint& p) {
+    std::vector<std::shared_ptr<LogFile>> files = std::move(p.to_delete);
+    for (auto& synced : p.files) files.push_back(std::move(synced.first));
+    p = SyncPoint();
+    Dispose({}, std::move(files));
+  }
   // Under apply_mu_ (no batch is half applied).
   SyncPoint TakeSyncPointLocked() {
     SyncPoint p;
@@ -827,8 +876,9 @@ class RocksColdTier final : public ColdTier {
   absl::Status SyncPointLocked(rocksdb::WriteBatch* wb) {
     SyncPoint p = TakeSyncPointLocked();
     absl::Status s = SyncFiles(p);
-    if (!s.ok()) return s;
-    return FinishSyncPointLocked(p, wb);
+    if (s.ok()) s = FinishSyncPointLocked(p, wb);
+    Dispose(p);
+    return s;
   }
 
   // The group sync: every sync interval in which a synced Apply came, one sync point
@@ -855,6 +905,7 @@ class RocksColdTier final : public ColdTier {
         s = FinishSyncPointLocked(p, &wb);
       }
       if (!s.ok()) LOG(ERROR) << "cold tier group sync: " << s;
+      Dispose(p);
       lock.lock();
       last = std::chrono::steady_clock::now();
     }
@@ -1007,6 +1058,13 @@ class RocksColdTier final : public ColdTier {
   bool sync_due_ = false;     // guarded by sync_mu_: a synced Apply since the last sync point
   bool stop_syncer_ = false;  // guarded by sync_mu_
   std::thread syncer_;
+  // The disposer (Dispose).
+  std::mutex dispose_mu_;
+  std::condition_variable dispose_cv_;
+  std::vector<Punch> dispose_punches_;                   // guarded by dispose_mu_
+  std::vector<std::shared_ptr<LogFile>> dispose_files_;  // guarded by dispose_mu_
+  bool stop_disposer_ = false;                           // guarded by dispose_mu_
+  std::thread disposer_;
 };
 
 }  // namespace
@@ -1039,7 +1097,7 @@ absl::StatusOr<std::unique_ptr<ColdTier>> OpenRocksColdTier(const std::string& d
   auto cold =
       std::make_unique<RocksColdTier>(std::unique_ptr<rocksdb::DB>(raw), dir + "/blobs", tier);
   RETURN_IF_ERROR(cold->Recover());
-  cold->StartSyncer();
+  cold->StartThreads();
   return std::unique_ptr<ColdTier>(std::move(cold));
 }
 
