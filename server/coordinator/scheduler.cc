@@ -5,6 +5,7 @@
 #include <chrono>
 #include <cstring>
 #include <filesystem>
+#include <map>
 #include <optional>
 #include <thread>
 #include <tuple>
@@ -23,6 +24,10 @@
 
 namespace pith::coordinator {
 namespace {
+
+// The least relative cut of the lockstep load (LockstepLoad) for which a re-plan moves
+// experts between workers.
+constexpr double kReplanGain = 0.1;
 
 constexpr char kRunPrefix[] = "run/";
 constexpr char kHeatPrefix[] = "heat/";
@@ -182,6 +187,24 @@ Alive Snapshot(Membership& members) {
     }
   }
   return a;
+}
+
+// What a placement's compute ownership costs under `heat`: each layer's experts run in
+// lockstep across the workers, so per layer the heat on its busiest worker (an expert's
+// heat split by token share), summed over the layers.
+double LockstepLoad(const v1::PlacementTable& t, const HeatMap& heat) {
+  std::map<std::pair<int, std::string>, double> load;  // (layer, worker)
+  for (const v1::ExpertPlacement& e : t.experts()) {
+    if (e.layer() < 0 || e.layer() >= heat.layers() || e.expert() >= heat.experts()) continue;
+    for (const v1::ComputeOwner& o : e.owners()) {
+      load[{e.layer(), o.worker_id()}] += heat.heat(e.layer(), e.expert()) * o.token_share();
+    }
+  }
+  std::vector<double> busiest(heat.layers(), 0.0);
+  for (const auto& [at, l] : load) busiest[at.first] = std::max(busiest[at.first], l);
+  double sum = 0;
+  for (double b : busiest) sum += b;
+  return sum;
 }
 
 bool SameOwners(const v1::PlacementTable& a, const v1::PlacementTable& b) {
@@ -891,7 +914,13 @@ void Scheduler::FinishCommitLocked(const std::string& job_id, Run& run) {
     v1::PlacementTable next =
         BuildPlacement(*job, workers, stores, PlanLocked(*job, static_cast<int>(workers.size())),
                        &run.record.placement(), before.epoch(), step + 1);
-    if (!SameOwners(next, run.record.placement())) {
+    // A new compute plan must pay for itself: moving experts costs the step computed
+    // meanwhile (done again under the new plan) and their state fetched by the new owners,
+    // so it is taken only when it cuts the lockstep load by kReplanGain.
+    const std::optional<HeatMap> heat = heat_->Snapshot(job_id);
+    if (!SameOwners(next, run.record.placement()) &&
+        (!heat || LockstepLoad(next, *heat) <
+                      (1 - kReplanGain) * LockstepLoad(run.record.placement(), *heat))) {
       *run.record.mutable_placement() = std::move(next);
       changed = true;
     }
