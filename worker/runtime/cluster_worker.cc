@@ -42,6 +42,10 @@ using store::StoreClient;
 
 // A store that does not answer within this is taken for dead (its lease then runs out).
 constexpr absl::Duration kStoreTimeout = absl::Seconds(10);
+// Most scratch moment segments (a small cache budget): batch k of a step's updates uses
+// segment k % ring_, so that batch k + 1's moments are fetched while batch k is updated
+// and the writes of the batches before it go on.
+constexpr int kMaxRing = 3;
 
 struct Metrics {
   prometheus::Counter* tokens = nullptr;
@@ -190,19 +194,17 @@ class JobRun {
     const int slots = CacheSlots(static_cast<int>(owned_.size()));
     ASSIGN_OR_RETURN(std::unique_ptr<ucx::MemoryRegion> slot_memory,
                      client_->AllocateBuffer(slot_bytes * slots));
-    ASSIGN_OR_RETURN(
-        cache_,
-        ExpertCache::Create(std::move(slot_memory), slot_bytes, slots,
-                            [this](ExpertCache::Expert x, void* dst, size_t bytes, ucp_mem_h memh) {
-                              std::vector<StoreClient::FetchItem> items = {Item(
-                                  Key(x.first, x.second, "", v1::BLOB_KIND_WEIGHTS), dst, bytes)};
-                              items[0].memh = memh;
-                              return FetchNewest(ReadStores(x), items);
-                            }));
+    ASSIGN_OR_RETURN(cache_,
+                     ExpertCache::Create(
+                         std::move(slot_memory), slot_bytes, slots,
+                         [this](ExpertCache::Expert x, void* dst, size_t bytes, ucp_mem_h memh) {
+                           std::vector<StoreClient::FetchItem> items = {
+                               Item(Key(x.first, x.second, "", v1::BLOB_KIND_WEIGHTS), dst, bytes)};
+                           items[0].memh = memh;
+                           return FetchNewest(ReadStores(x), items);
+                         },
+                         /*pinned_wait=*/kStoreTimeout));
     dispatch_->SetCache(cache_.get());
-    // Experts updated together: bounded by a few MB of moment scratch and by the cache
-    // (a batch pins its experts' slots; the rest stay free for the prefetcher).
-    update_batch_ = static_cast<size_t>(std::clamp(slots / 2, 1, 8));
     SetUpMoments();
     ASSIGN_OR_RETURN(dataset_, data::TokenDataset::Open(spec.train().data_path(), shape_.vocab));
     inputs_.resize(rows_.size() * shape_.seq);
@@ -338,15 +340,22 @@ class JobRun {
 
   // Moment buffers for the experts this worker updates: one per expert, kept across steps
   // (fetched from the stores only when not current here) when the budget holds them
-  // beside the cache's slots, else scratch for two update batches (one fetched while the
-  // other is updated), fetched every time.
+  // beside the cache's slots, else ring_ segments of scratch, each for one update batch,
+  // fetched every time. A batch pins its experts' slots (the rest stay free for the
+  // prefetcher): half the slots (at most 8 experts) with resident moments; with scratch,
+  // a batch's slots stay pinned until its writes land, so the ring_ batches in flight pin
+  // about half the slots: an eighth of them a batch (1 to 4 experts), 2 or 3 segments (an
+  // Acquire that finds every slot pinned waits for a write to land).
   void SetUpMoments() {
     const size_t slot_bytes = shape_.expert_floats() * sizeof(float);
     const uint64_t budget = CacheBudget();
     const uint64_t want = slot_bytes * (owned_.size() + 1 + 2 * updated_.size());
     const bool resident = budget == 0 || budget >= want;
-    const size_t buffers = resident ? updated_.size() : 2 * update_batch_;
-    staging_.assign(resident ? 0 : update_batch_ * shape_.expert_floats(), 0.0f);
+    const int slots = cache_->slots();
+    const int batch = resident ? std::clamp(slots / 2, 1, 8) : std::clamp(slots / 8, 1, 4);
+    update_batch_ = static_cast<size_t>(batch);
+    ring_ = resident ? 1 : static_cast<size_t>(std::clamp(slots / 2 / batch, 2, kMaxRing));
+    const size_t buffers = resident ? updated_.size() : ring_ * update_batch_;
     moments_.assign(buffers * 2 * shape_.expert_floats(), 0.0f);
     counts_.assign(buffers, 0);
     moment_current_.assign(buffers, false);
@@ -423,6 +432,7 @@ class JobRun {
   absl::Status FlushItems(std::vector<StoreClient::PutItem>& puts,
                           const std::vector<bool>& primary) {
     absl::Status s = client_->PutMany(absl::MakeSpan(puts), kStoreTimeout);
+    absl::MutexLock lock(&written_mu_);
     for (size_t i = 0; i < puts.size(); ++i) {
       if (!puts[i].status.ok()) continue;
       if (primary[i]) *written_.Add() = puts[i].info;
@@ -431,16 +441,19 @@ class JobRun {
     return s;
   }
 
-  // Which of step s's expert writes go on while the next step computes. None when a
-  // worker reads another's update of an expert from the stores (an expert has two
-  // owners). All when every expert updated here has its own moment buffer (nothing is
-  // reused before the writes end; its cache slot stays pinned until then). Else the last
-  // update batch's: its moments stay in their scratch half until the next step's updates,
-  // its weights are copied out of their slots (staging_), which go back to the cache.
-  enum class Overlap { kNone, kAll, kLast };
+  // How step s's expert writes overlap the work after them. kNone: they end before Write
+  // returns, when a worker reads another's update of an expert from the stores (an
+  // expert has two owners). kAll: they go on while the next step computes, when every
+  // expert updated here has its own moment buffer (nothing is reused before the writes
+  // end; the cache slots they send from stay pinned until then). kBatches (scratch
+  // moments): each update batch's writes start as soon as it is updated, from its slots
+  // (pinned until they land: a read of the expert meanwhile is a hit) and its scratch
+  // segment (reused once they have landed), and go on while the next batches are updated
+  // and the next step computes.
+  enum class Overlap { kNone, kAll, kBatches };
   Overlap OverlapWrites() const {
     if (SharedExperts()) return Overlap::kNone;
-    return moment_index_.empty() ? Overlap::kLast : Overlap::kAll;
+    return moment_index_.empty() ? Overlap::kBatches : Overlap::kAll;
   }
   // Whether an expert has several owners (computed by a worker that reads its primary's
   // update from the stores).
@@ -452,6 +465,23 @@ class JobRun {
     }
     return false;
   }
+  // Sends what puts_ holds (the writes of `batch`, whose slots are pinned, and whatever
+  // was queued before them) on a thread of its own, then releases the batch's slots.
+  std::shared_future<absl::Status> LaunchFlush(absl::Span<const ExpertCache::Expert> batch) {
+    std::shared_future<absl::Status> f =
+        std::async(std::launch::async, [this, puts = std::move(puts_),
+                                        primary = std::move(primary_put_),
+                                        held = std::vector<ExpertCache::Expert>(
+                                            batch.begin(), batch.end())]() mutable {
+          absl::Status st = FlushItems(puts, primary);
+          for (const ExpertCache::Expert& x : held) cache_->Release(x);
+          return st;
+        }).share();
+    puts_.clear();
+    primary_put_.clear();
+    return f;
+  }
+
   // Waits for the writes and the report of the step written last, if they went on in the
   // background; a failure is reported to the coordinator (which aborts the step).
   absl::Status JoinWrites(int64_t s) {
@@ -554,7 +584,10 @@ class JobRun {
     } else {
       RETURN_IF_ERROR(model_->InitWeights(a_.spec().train().seed()));
     }
-    written_.Clear();
+    {
+      absl::MutexLock lock(&written_mu_);
+      written_.Clear();
+    }
     RETURN_IF_ERROR(WriteOwned(0, /*all_experts=*/true));
     return Report(0, model::StepLoss(), 0);
   }
@@ -717,7 +750,10 @@ class JobRun {
     const model::HasGrad dense = [](const model::ParamTensor& t) { return t.layer < 0; };
     lr_ = optimizer_->Apply(model_->params(), model_->grads(), s - 1, dense, grad_norm_).lr;
     RETURN_IF_ERROR(backend_.Synchronize());  // the dense puts read what it wrote
-    written_.Clear();
+    {
+      absl::MutexLock lock(&written_mu_);  // the step's writes have all ended (Finish)
+      written_.Clear();
+    }
     const Overlap overlap = OverlapWrites();
     RETURN_IF_ERROR(WriteOwned(s, /*all_experts=*/false));
     absl::Status updated = UpdateExperts(s, grad_norm_, overlap);
@@ -726,6 +762,7 @@ class JobRun {
       primary_put_.clear();
       for (const ExpertCache::Expert& x : held_) cache_->Release(x);
       held_.clear();
+      flushes_.clear();  // ended: UpdateExperts waits for them on a failure
       return updated;
     }
     if (overlap == Overlap::kNone && !puts_.empty()) RETURN_IF_ERROR(Flush());
@@ -741,22 +778,24 @@ class JobRun {
     metrics_->rows_sent->Increment(static_cast<double>(dispatch_->rows_sent()));
     metrics_->step_seconds->Observe(
         std::chrono::duration<double>(std::chrono::steady_clock::now() - step_start_).count());
-    if (puts_.empty()) return Report(s, computed_loss_, rows_.size() * T);
+    if (puts_.empty() && flushes_.empty()) return Report(s, computed_loss_, rows_.size() * T);
     // NOTE: the experts' writes, then the report, go on while the next step computes (it
     // reads the slots they send from, writes neither them nor the moment buffers); Finish
     // waits for them before the step can settle.
-    writes_ =
-        std::async(std::launch::async, [this, s, loss = computed_loss_, tokens = rows_.size() * T,
-                                        puts = std::move(puts_), primary = std::move(primary_put_),
-                                        held = std::move(held_)]() mutable {
-          absl::Status st = FlushItems(puts, primary);
+    writes_ = std::async(
+        std::launch::async, [this, s, loss = computed_loss_, tokens = rows_.size() * T,
+                             puts = std::move(puts_), primary = std::move(primary_put_),
+                             held = std::move(held_), flushes = std::move(flushes_)]() mutable {
+          absl::Status st = puts.empty() ? absl::OkStatus() : FlushItems(puts, primary);
           for (const ExpertCache::Expert& x : held) cache_->Release(x);
+          for (const std::shared_future<absl::Status>& f : flushes) st.Update(f.get());
           if (!st.ok()) return st;
           return Report(s, loss, tokens);
         });
     puts_.clear();
     primary_put_.clear();
     held_.clear();
+    flushes_.clear();
     return absl::OkStatus();
   }
 
@@ -806,8 +845,9 @@ class JobRun {
   // stores; the new versions go straight back. Experts go in batches of update_batch_: one
   // fetch per store group for the batch's moments, one flush for its writes (one round
   // trip each per batch, not per expert).
-  // With `overlap`, the writes it covers (OverlapWrites) stay queued in puts_ (and the
-  // slots they send from pinned, held_), for the caller.
+  // With kAll, its writes stay queued in puts_ (the slots they send from pinned, held_);
+  // with kBatches, each batch's writes are sent in the background (flushes_); the caller
+  // waits for either.
   absl::Status UpdateExperts(int64_t s, double grad_norm, Overlap overlap) {
     std::vector<ExpertCache::Expert> used;
     for (const ExpertCache::Expert& x : updated_) {
@@ -821,35 +861,50 @@ class JobRun {
       std::vector<size_t>& buffer = buffers.emplace_back();
       for (size_t i = 0; i < batches.back().size(); ++i) {
         auto it = moment_index_.find(batches.back()[i]);
-        // Scratch: two batches' buffers, alternating.
-        buffer.push_back(it != moment_index_.end() ? it->second
-                                                   : (batches.size() - 1) % 2 * update_batch_ + i);
+        // Scratch: batch k's in segment k % ring_.
+        buffer.push_back(it != moment_index_.end()
+                             ? it->second
+                             : (batches.size() - 1) % ring_ * update_batch_ + i);
       }
     }
     if (batches.empty()) return absl::OkStatus();
     // NOTE: with scratch buffers the next batch's moments are fetched (on another thread,
-    // into the other half) while this batch is updated and written; resident ones are
-    // current after the first step.
-    const bool fetch_ahead = moment_index_.empty();
+    // into its segment) while this batch is updated; resident ones are current after the
+    // first step.
+    const bool scratch = moment_index_.empty();
+    const bool batched = overlap == Overlap::kBatches;
+    std::vector<std::shared_future<absl::Status>> flushes;
+    // On a failure: nothing may still be sending from (or fetching into) the buffers.
+    const auto fail = [&](absl::Status why) {
+      for (const std::shared_future<absl::Status>& f : flushes) f.wait();
+      return why;
+    };
     absl::Status fetched = FetchMoments(batches[0], buffers[0]);
     for (size_t k = 0; k < batches.size(); ++k) {
-      RETURN_IF_ERROR(fetched);
+      if (!fetched.ok()) return fail(fetched);
       std::future<absl::Status> next;
-      if (fetch_ahead && k + 1 < batches.size()) {
+      if (scratch && k + 1 < batches.size()) {
+        // Batch k + 1's segment was batch k + 1 - ring_'s: its writes must have ended.
+        absl::Status reusable = absl::OkStatus();
+        if (batched && k + 1 >= ring_) reusable = flushes[k + 1 - ring_].get();
+        if (!reusable.ok()) return fail(reusable);
         next = std::async(std::launch::async,
                           [&, k] { return FetchMoments(batches[k + 1], buffers[k + 1]); });
       }
-      const bool last = k + 1 == batches.size();
-      const bool hold = overlap == Overlap::kAll || (overlap == Overlap::kLast && last);
-      absl::Status updated = UpdateBatch(s, grad_norm, batches[k], buffers[k], hold,
-                                         /*stage=*/hold && overlap == Overlap::kLast);
+      absl::Status updated = UpdateBatch(s, grad_norm, batches[k], buffers[k],
+                                         /*hold=*/overlap != Overlap::kNone);
+      if (updated.ok() && batched) {
+        held_.resize(held_.size() - batches[k].size());  // the flush releases them
+        flushes.push_back(LaunchFlush(batches[k]));
+      }
       if (next.valid()) {
         fetched = next.get();
       } else if (k + 1 < batches.size() && updated.ok()) {
         fetched = FetchMoments(batches[k + 1], buffers[k + 1]);
       }
-      RETURN_IF_ERROR(updated);
+      if (!updated.ok()) return fail(updated);
     }
+    flushes_ = std::move(flushes);
     return absl::OkStatus();
   }
 
@@ -873,11 +928,11 @@ class JobRun {
     return absl::OkStatus();
   }
 
-  // AdamW on `batch` (its moments in `buffer`, fetched), then its writes: sent, or with
-  // `hold` left queued, from the slots (pinned, held_) or, with `stage`, from copies of
-  // them in staging_ (the slots are released).
+  // AdamW on `batch` (its moments in `buffer`, fetched), then its writes from its slots:
+  // sent (the slots released), or with `hold` left queued in puts_ (the slots pinned and
+  // appended to held_).
   absl::Status UpdateBatch(int64_t s, double grad_norm, absl::Span<const ExpertCache::Expert> batch,
-                           const std::vector<size_t>& buffer, bool hold, bool stage) {
+                           const std::vector<size_t>& buffer, bool hold) {
     const model::OptimizerConfig& c = optimizer_->config();
     const model::ParamLayout& layout = model_->layout();
     const float lr = static_cast<float>(model::LearningRate(c, s - 1));
@@ -916,11 +971,6 @@ class JobRun {
         const auto [l, e] = batch[i];
         const size_t b = buffer[i];
         const float* weights = w[i];
-        if (stage) {
-          float* copy = staging_.data() + i * floats;
-          std::memcpy(copy, w[i], bytes);
-          weights = copy;
-        }
         const std::vector<std::string>& stores = expert_write_stores_.at(batch[i]);
         RETURN_IF_ERROR(Put(stores, Key(l, e, "", v1::BLOB_KIND_WEIGHTS), s, weights, bytes));
         RETURN_IF_ERROR(Put(stores, Key(l, e, "", v1::BLOB_KIND_MASTER), s, weights, bytes));
@@ -932,7 +982,7 @@ class JobRun {
       if (hold) return absl::OkStatus();
       return Flush();  // before the slots, the scratch buffers and the counts are reused
     }();
-    if (hold && status.ok() && !stage) {
+    if (hold && status.ok()) {
       held_.insert(held_.end(), batch.begin(), batch.end());
       return status;
     }
@@ -958,7 +1008,10 @@ class JobRun {
     r.set_placement_epoch(a_.placement().epoch());
     r.set_assignment_version(a_.assignment_version());
     r.set_ok(true);
-    *r.mutable_written() = written_;
+    {
+      absl::MutexLock lock(&written_mu_);
+      *r.mutable_written() = written_;
+    }
     r.set_loss(loss.loss);
     r.set_ce(loss.ce);
     r.set_lr(lr_);
@@ -1133,7 +1186,9 @@ class JobRun {
   // Written by the training thread, read by the cache's prefetch thread too.
   absl::Mutex stores_mu_;
   std::map<std::string, int> store_peer_ ABSL_GUARDED_BY(stores_mu_);
-  google::protobuf::RepeatedPtrField<v1::BlobInfo> written_;
+  // What the primary stores recorded for this step's writes (flushes add to it).
+  absl::Mutex written_mu_;
+  google::protobuf::RepeatedPtrField<v1::BlobInfo> written_ ABSL_GUARDED_BY(written_mu_);
   model::StepLoss last_loss_;
   double lr_ = 0;
   std::map<int64_t, int> dense_rank_;  // dense tensor (by offset) -> the rank writing it
@@ -1155,18 +1210,19 @@ class JobRun {
   std::vector<std::vector<ExpertOwners>> owners_;
   std::unique_ptr<ExpertCache> cache_;
   size_t update_batch_ = 1;
+  size_t ring_ = 1;  // scratch moment segments (SetUpMoments)
   // Moment buffers (SetUpMoments): adam_m, adam_v and the AdamW count of an expert each,
   // one per updated expert (moment_index_) or one per expert of an update batch.
   std::vector<float> moments_;
   std::vector<int64_t> counts_;
   std::vector<bool> moment_current_;  // the buffer holds the expert's newest moments
-  std::vector<float> staging_;        // weights of the last update batch, written in the background
   std::map<ExpertCache::Expert, size_t> moment_index_;  // empty: scratch
   uint64_t step_hits_ = 0, step_misses_ = 0;
   std::vector<StoreClient::PutItem> puts_;  // queued by Put, sent by Flush
   std::vector<bool> primary_put_;           // the item goes to its group's first store
   std::vector<int64_t> counts_scratch_;
   std::vector<ExpertCache::Expert> held_;  // slots pinned for queued writes (UpdateExperts)
+  std::vector<std::shared_future<absl::Status>> flushes_;  // kBatches batches' writes (Write)
   std::atomic<bool> done_{false};
   std::thread watcher_;
   std::atomic<int64_t> version_{0};  // a_.assignment_version(), for the watcher

@@ -9,7 +9,8 @@
 namespace pith::runtime {
 
 absl::StatusOr<std::unique_ptr<ExpertCache>> ExpertCache::Create(
-    std::unique_ptr<ucx::MemoryRegion> memory, size_t slot_bytes, int slots, FetchFn fetch) {
+    std::unique_ptr<ucx::MemoryRegion> memory, size_t slot_bytes, int slots, FetchFn fetch,
+    absl::Duration pinned_wait) {
   if (slots < 2 || slot_bytes == 0) {
     return absl::InvalidArgumentError(
         absl::StrCat("the expert cache needs 2 slots at least, got ", slots));
@@ -21,6 +22,7 @@ absl::StatusOr<std::unique_ptr<ExpertCache>> ExpertCache::Create(
   c->memory_ = std::move(memory);
   c->slot_bytes_ = slot_bytes;
   c->fetch_ = std::move(fetch);
+  c->pinned_wait_ = pinned_wait;
   {
     absl::MutexLock lock(&c->mu_);
     c->slots_.resize(slots);
@@ -91,13 +93,17 @@ absl::StatusOr<float*> ExpertCache::Acquire(Expert expert) {
     if (victim < 0) {
       bool fetching = false;
       for (const Slot& s : slots_) fetching |= s.fetching;
-      if (!fetching) {
+      const uint64_t seen = clock_;
+      auto changed = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return clock_ != seen; };
+      if (fetching) {
+        mu_.AwaitWithTimeout(absl::Condition(&changed), absl::Milliseconds(10));
+        continue;
+      }
+      // Every slot is pinned: wait for a Release (a write sending from its slot).
+      if (!mu_.AwaitWithTimeout(absl::Condition(&changed), pinned_wait_)) {
         return absl::ResourceExhaustedError(
             absl::StrCat("every one of the ", slots_.size(), " expert cache slots is in use"));
       }
-      const uint64_t seen = clock_;
-      auto changed = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return clock_ != seen; };
-      mu_.AwaitWithTimeout(absl::Condition(&changed), absl::Milliseconds(10));
       continue;
     }
     ASSIGN_OR_RETURN(const bool filled, FillLocked(victim, expert, /*pins=*/1));

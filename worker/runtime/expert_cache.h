@@ -24,6 +24,7 @@
 
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
 #include "common/ucx.h"
 
 namespace pith::runtime {
@@ -42,16 +43,19 @@ class ExpertCache {
   };
 
   // `slots` slots of `slot_bytes` in `memory` (registered, slots * slot_bytes bytes, not
-  // owned... kept alive by the cache). At least 2 slots.
+  // owned... kept alive by the cache). At least 2 slots. An Acquire that finds every slot
+  // pinned waits up to `pinned_wait` for a Release (pins held by other threads: writes
+  // sending from their slots) before it fails.
   static absl::StatusOr<std::unique_ptr<ExpertCache>> Create(
-      std::unique_ptr<ucx::MemoryRegion> memory, size_t slot_bytes, int slots, FetchFn fetch);
+      std::unique_ptr<ucx::MemoryRegion> memory, size_t slot_bytes, int slots, FetchFn fetch,
+      absl::Duration pinned_wait = absl::ZeroDuration());
   ~ExpertCache();  // stops the prefetcher
 
   int slots() const { return static_cast<int>(slots_.size()); }
   size_t slot_bytes() const { return slot_bytes_; }
 
   // The weights of `expert`, fetched on a miss (waiting for a prefetch in flight); pinned
-  // until Release. RESOURCE_EXHAUSTED when every slot is pinned.
+  // until Release. RESOURCE_EXHAUSTED when every slot stays pinned for the pinned wait.
   absl::StatusOr<float*> Acquire(Expert expert);
   void Release(Expert expert);
 
@@ -89,6 +93,7 @@ class ExpertCache {
   std::unique_ptr<ucx::MemoryRegion> memory_;
   size_t slot_bytes_ = 0;
   FetchFn fetch_;
+  absl::Duration pinned_wait_;
 
   absl::Mutex mu_;
   std::vector<Slot> slots_ ABSL_GUARDED_BY(mu_);
