@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
 # Installs exactly the Debian packages Pith needs to build, test and run.
 # Idempotent: when every package is already installed it only runs dpkg-query and exits.
+# --reference also installs PyTorch (python3-torch, for /usr/bin/python3), which the demo
+# and cluster_bench use to check Pith against tests/golden/moe_gpt_reference.py; the
+# tests never need it.
 set -euo pipefail
 
 PACKAGES=(
@@ -21,6 +24,13 @@ PACKAGES=(
   # the demo's English text corpus
   fortunes
 )
+
+if [[ ${1:-} == --reference ]]; then
+  PACKAGES+=(python3-torch)
+elif [[ $# -gt 0 ]]; then
+  echo "usage: deploy/install-deps.sh [--reference]" >&2
+  exit 2
+fi
 
 missing=()
 for p in "${PACKAGES[@]}"; do

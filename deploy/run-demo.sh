@@ -5,12 +5,13 @@
 # (deploy/demo/spec.json, DESIGN §3) and watches it train through the cluster — experts
 # fetched from the stores into worker caches far smaller than the experts and their
 # optimizer state — then prints the loss at start and end, tokens/s and cache hit rate,
-# exports a checkpoint, scores it on held-out text, prints a sample, and stops the
-# cluster with `pith down`.
+# exports a checkpoint, scores it on held-out text, prints a sample, stops the cluster
+# with `pith down`, and scores the same checkpoint with the independent PyTorch
+# implementation (tests/golden/moe_gpt_reference.py): the two held-out losses must agree.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-deploy/install-deps.sh
+deploy/install-deps.sh --reference
 BUILD_DIR=${PITH_BUILD_DIR:-build}
 cmake -S . -B "$BUILD_DIR" -DCMAKE_BUILD_TYPE=Release >/dev/null
 cmake --build "$BUILD_DIR" -j"$(nproc)" --target pith-coordinator pith-store pith-worker pith
@@ -63,8 +64,9 @@ grep -h -E '^pith_coordinator_steps_committed_total' "$E2E_TMP/coordinator.metri
 
 echo
 "$PITH" checkpoint "$job" --out "$E2E_TMP/demo.safetensors" | sed 's/^/  /'
-"$PITH" eval --spec "$E2E_TMP/spec.json" --checkpoint "$E2E_TMP/demo.safetensors" \
-  --tokens "$E2E_TMP/heldout.bin" --batches 4 | sed 's/^/  held-out /'
+pith_eval=$("$PITH" eval --spec "$E2E_TMP/spec.json" --checkpoint "$E2E_TMP/demo.safetensors" \
+  --tokens "$E2E_TMP/heldout.bin" --batches 4)
+echo "  held-out $pith_eval"
 echo
 echo "A sample from the checkpoint (prompt \"Q: What\"):"
 "$PITH" sample --checkpoint "$E2E_TMP/demo.safetensors" --prompt "Q: What" --tokens 200 \
@@ -82,7 +84,22 @@ cp "$E2E_TMP/demo.safetensors" "$E2E_TMP/heldout.bin" "$OUT/"
 sed "s|\"data_path\": \"[^\"]*\"|\"data_path\": \"tokens.bin\"|" "$E2E_TMP/spec.json" >"$OUT/spec.json"
 find "$PITH_HOME" -maxdepth 1 -name '*.log' -exec cp {} "$OUT/logs/" \;
 echo
-echo "Kept in $OUT/: demo.safetensors, spec.json, heldout.bin, logs/. The same held-out loss"
-echo "from an independent PyTorch implementation (with /usr/bin/python3 and python3-torch):"
+echo "The same checkpoint scored by the independent PyTorch implementation"
+echo "(tests/golden/moe_gpt_reference.py, /usr/bin/python3 with python3-torch):"
+torch_eval=$(/usr/bin/python3 tests/golden/moe_gpt_reference.py --spec "$OUT/spec.json" \
+  --init "$OUT/demo.safetensors" --tokens "$OUT/heldout.bin" --eval 4 | grep '^eval ') ||
+  fail "the PyTorch reference could not score the checkpoint"
+echo "  pith    $pith_eval"
+echo "  pytorch $torch_eval"
+# Both print "eval rows=R tokens=N ce=X loss=Y": the losses agree to float precision.
+read -r pith_ce pith_loss < <(sed -E 's/.*ce=([^ ]+) loss=([^ ]+).*/\1 \2/' <<<"$pith_eval")
+read -r torch_ce torch_loss < <(sed -E 's/.*ce=([^ ]+) loss=([^ ]+).*/\1 \2/' <<<"$torch_eval")
+awk -v a="$pith_ce" -v b="$torch_ce" -v c="$pith_loss" -v d="$torch_loss" 'BEGIN {
+  r1 = (a - b) / b; r2 = (c - d) / d; if (r1 < 0) r1 = -r1; if (r2 < 0) r2 = -r2;
+  printf "  relative difference: ce %.1e, loss %.1e\n", r1, r2; exit !(r1 < 1e-5 && r2 < 1e-5) }' ||
+  fail "Pith and PyTorch disagree on the checkpoint's held-out loss"
+
+echo
+echo "Kept in $OUT/: demo.safetensors, spec.json, heldout.bin, logs/ (rerun the check with"
 echo "  /usr/bin/python3 tests/golden/moe_gpt_reference.py --spec $OUT/spec.json \\"
-echo "    --init $OUT/demo.safetensors --tokens $OUT/heldout.bin --eval 4"
+echo "    --init $OUT/demo.safetensors --tokens $OUT/heldout.bin --eval 4)"

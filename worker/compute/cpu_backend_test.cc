@@ -3,6 +3,7 @@
 #include "worker/compute/cpu_backend.h"
 
 #include <cmath>
+#include <cstring>
 #include <functional>
 #include <numeric>
 #include <random>
@@ -219,6 +220,39 @@ TEST_F(CpuBackendTest, AdamWMatchesTheFormula) {
   EXPECT_NEAR(backend_.SumOfSquares(big.data(), big.size()), 25000.0, 1e-6);
   backend_.Scale(big.data(), 2.0f, big.size());
   EXPECT_EQ(big[99999], 1.0f);
+}
+
+// The vectorized update rounds once per operation, in the order written, like this scalar
+// loop (this file is built for the baseline ISA: no fused multiply-add): the same bits
+// whichever build of the kernel runs.
+TEST_F(CpuBackendTest, AdamWGivesTheScalarLoopsBits) {
+  const int64_t n = 100003;  // a tail past every vector width
+  std::mt19937 rng(7);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  Vec p(n), g(n), m(n), v(n);
+  for (int64_t i = 0; i < n; ++i) {
+    p[i] = normal(rng);
+    g[i] = 0.01f * normal(rng);
+    m[i] = 0.001f * normal(rng);
+    v[i] = 1e-5f * std::abs(normal(rng));
+  }
+  const float lr = 3e-3f, b1 = 0.9f, b2 = 0.95f, eps = 1e-8f, wd = 0.1f;
+  const int64_t step = 17;
+  Vec want_p = p, want_m = m, want_v = v;
+  const float step_size = static_cast<float>(lr / (1.0 - std::pow(double{b1}, double{step})));
+  const float bc2_sqrt = static_cast<float>(std::sqrt(1.0 - std::pow(double{b2}, double{step})));
+  const float decay = 1.0f - lr * wd;
+  for (int64_t i = 0; i < n; ++i) {
+    float x = want_p[i] * decay;
+    want_m[i] = b1 * want_m[i] + (1.0f - b1) * g[i];
+    want_v[i] = b2 * want_v[i] + (1.0f - b2) * g[i] * g[i];
+    x -= step_size * want_m[i] / (std::sqrt(want_v[i]) / bc2_sqrt + eps);
+    want_p[i] = x;
+  }
+  backend_.AdamW(p.data(), g.data(), m.data(), v.data(), n, lr, b1, b2, eps, wd, step);
+  EXPECT_EQ(std::memcmp(p.data(), want_p.data(), n * sizeof(float)), 0);
+  EXPECT_EQ(std::memcmp(m.data(), want_m.data(), n * sizeof(float)), 0);
+  EXPECT_EQ(std::memcmp(v.data(), want_v.data(), n * sizeof(float)), 0);
 }
 
 // Routing of N tokens over E experts; owns every buffer.
