@@ -904,6 +904,12 @@ class JobRun {
       }
       if (!updated.ok()) return fail(updated);
     }
+    // The next step computes while the last batches' writes go on: they may pin at most
+    // half of the slots meanwhile (at least one batch), the rest wait here.
+    const size_t in_flight = std::max<size_t>(1, cache_->slots() / 2 / update_batch_);
+    for (size_t k = 0; k + in_flight < flushes.size(); ++k) {
+      if (absl::Status landed = flushes[k].get(); !landed.ok()) return fail(landed);
+    }
     flushes_ = std::move(flushes);
     return absl::OkStatus();
   }
