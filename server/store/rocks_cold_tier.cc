@@ -26,9 +26,10 @@
 // committed (or, copied forward, renamed by the next sync point); a committed version's
 // bytes never change. Log files are deleted only after a sync point covers the batch
 // that emptied them; the unsynced bytes of a version dropped before then are punched out
-// of its file (nothing names them), so the sync point does not write them either. A failed sync or
-// batch write stops the tier (every later call fails) until a restart recovers from what the disk
-// holds.
+// of its file (nothing names them), so the sync point does not write them either. The
+// punches and the closing of deleted log files run on a disposer thread: on a file system
+// mounted with `discard` both wait for the device. A failed sync or batch write stops the
+// tier (every later call fails) until a restart recovers from what the disk holds.
 //
 // Space: a log file is deleted once none of its versions is indexed, after the synced
 // write that dropped the last one. A closed file whose live bytes fall under a quarter of
