@@ -65,6 +65,7 @@ absl::StatusOr<float*> ExpertCache::Acquire(Expert expert) {
       break;
     }
   }
+  absl::Time pinned_since = absl::InfiniteFuture();  // when every slot was found pinned
   while (true) {
     auto it = index_.find(expert);
     if (it != index_.end()) {
@@ -99,8 +100,10 @@ absl::StatusOr<float*> ExpertCache::Acquire(Expert expert) {
         mu_.AwaitWithTimeout(absl::Condition(&changed), absl::Milliseconds(10));
         continue;
       }
-      // Every slot is pinned: wait for a Release (a write sending from its slot).
-      if (!mu_.AwaitWithTimeout(absl::Condition(&changed), pinned_wait_)) {
+      // Every slot is pinned: wait for a Release (a write sending from its slot), until
+      // the pinned wait has passed since the slots were first found all pinned.
+      if (pinned_since == absl::InfiniteFuture()) pinned_since = absl::Now();
+      if (!mu_.AwaitWithDeadline(absl::Condition(&changed), pinned_since + pinned_wait_)) {
         return absl::ResourceExhaustedError(
             absl::StrCat("every one of the ", slots_.size(), " expert cache slots is in use"));
       }
