@@ -434,11 +434,10 @@ void Scheduler::AbortLocked(Run& run, const std::string& reason, std::vector<Sto
             << " aborted: " << reason;
 }
 
-ComputePlan Scheduler::PlanLocked(const v1::Job& job, int workers) {
+ComputePlan Scheduler::PlanLocked(const v1::Job& job, int workers, std::optional<HeatMap> map) {
   if (workers == 0) return {};
   const v1::ModelConfig& m = job.spec().model();
   const v1::ReplicationConfig& r = job.spec().cluster().replication();
-  std::optional<HeatMap> map = heat_->Snapshot(job.job_id());
   if (!map) map.emplace(m.n_layer(), m.n_expert(), r.heat_decay());
   ComputePlanOptions options;
   options.workers = workers;
@@ -484,7 +483,8 @@ void Scheduler::ReplaceLocked(Run& run, const v1::Job& job,
   // job's math stays that of an undisturbed run. Otherwise the compute is re-planned.
   std::optional<ComputePlan> kept = KeptPlan(previous, workers, job.spec().model());
   const ComputePlan plan =
-      kept ? *std::move(kept) : PlanLocked(job, static_cast<int>(workers.size()));
+      kept ? *std::move(kept)
+           : PlanLocked(job, static_cast<int>(workers.size()), heat_->Snapshot(job.job_id()));
   *run.record.mutable_placement() = BuildPlacement(job, workers, stores, plan, &previous,
                                                    previous.epoch() + 1, step_in_flight(run));
   const int64_t epoch = run.record.placement().epoch();
@@ -619,9 +619,9 @@ void Scheduler::Tick() {
       for (const std::string& w : idle) run.record.add_workers(w);
       run.record.set_assignment_version(NextVersion(0));
       run.record.set_committing_step(-1);
-      *run.record.mutable_placement() =
-          BuildPlacement(job, idle, alive.placeable_ids(), PlanLocked(job, want), nullptr,
-                         job.placement_epoch() + 1, run.committed + 1);
+      *run.record.mutable_placement() = BuildPlacement(
+          job, idle, alive.placeable_ids(), PlanLocked(job, want, heat_->Snapshot(job.job_id())),
+          nullptr, job.placement_epoch() + 1, run.committed + 1);
       absl::Status s = PersistLocked(run);
       if (!s.ok()) {
         LOG(ERROR) << s;
@@ -911,13 +911,14 @@ void Scheduler::FinishCommitLocked(const std::string& job_id, Run& run) {
     if (!s.ok()) LOG(WARNING) << s;
     std::vector<std::string> workers(run.record.workers().begin(), run.record.workers().end());
     std::vector<std::string> stores;  // unchanged: every group keeps its copies
-    v1::PlacementTable next =
-        BuildPlacement(*job, workers, stores, PlanLocked(*job, static_cast<int>(workers.size())),
-                       &run.record.placement(), before.epoch(), step + 1);
+    const std::optional<HeatMap> heat = heat_->Snapshot(job_id);
+    v1::PlacementTable next = BuildPlacement(
+        *job, workers, stores, PlanLocked(*job, static_cast<int>(workers.size()), heat),
+        &run.record.placement(), before.epoch(), step + 1);
     // A new compute plan must pay for itself: moving experts costs the step computed
     // meanwhile (done again under the new plan) and their state fetched by the new owners,
-    // so it is taken only when it cuts the lockstep load by kReplanGain.
-    const std::optional<HeatMap> heat = heat_->Snapshot(job_id);
+    // so it is taken only when it cuts the lockstep load (under the heat it was planned
+    // from) by kReplanGain.
     if (!SameOwners(next, run.record.placement()) &&
         (!heat || LockstepLoad(next, *heat) <
                       (1 - kReplanGain) * LockstepLoad(run.record.placement(), *heat))) {

@@ -22,6 +22,7 @@
 #include <atomic>
 #include <map>
 #include <memory>
+#include <optional>
 #include <set>
 #include <string>
 #include <thread>
@@ -203,7 +204,10 @@ class Scheduler {
   // gone; a group left with none is placed on `stores` (those taking new copies).
   void ReplaceLocked(Run& run, const v1::Job& job, const std::vector<std::string>& live_stores,
                      const std::vector<std::string>& stores) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  ComputePlan PlanLocked(const v1::Job& job, int workers) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Compute ownership for `workers` from `heat` (the job's heat snapshot; none yet: every
+  // expert average).
+  ComputePlan PlanLocked(const v1::Job& job, int workers, std::optional<HeatMap> heat)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Commits `step` of `job_id` on every live store, then advances the job.
   void Commit(const std::string& job_id, int64_t step);
   void FinishCommitLocked(const std::string& job_id, Run& run) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
