@@ -276,8 +276,11 @@ absl::StatusOr<StepLoss> MoeGpt::ForwardBackward(const int32_t* inputs, const in
   Backend& b = *backend_;
   RETURN_IF_ERROR(b.CopyToDevice(inputs_dev_, inputs, sizeof(int32_t) * N));
   RETURN_IF_ERROR(b.CopyToDevice(targets_dev_, targets, sizeof(int32_t) * N));
-  // The dense gradients and those of the experts computed here; the others stay unread.
+  // The dense gradients, and after the forward those of the experts computed here (the
+  // others stay unread).
   b.Zero(grads(), sizeof(float) * layout_.dense_floats());
+  RETURN_IF_ERROR(Forward(inputs_dev_));
+  if (parallel_ != nullptr) RETURN_IF_ERROR(parallel_->BeforeBackward());
   for (int l = 0; l < s.layers; ++l) {
     for (int e = 0; e < E; ++e) {
       if (parallel_ == nullptr || parallel_->Computes(l, e)) {
@@ -285,8 +288,6 @@ absl::StatusOr<StepLoss> MoeGpt::ForwardBackward(const int32_t* inputs, const in
       }
     }
   }
-
-  RETURN_IF_ERROR(Forward(inputs_dev_));
 
   // Routing statistics of the whole global batch (DESIGN §3: f_e and P_e are global):
   // this worker's, summed across the workers when there are several.

@@ -45,8 +45,11 @@ class ExpertParallel {
   // Sums `values` over the job's workers; every worker gets the same bits.
   virtual absl::Status AllReduce(double* values, size_t n) = 0;
   // Whether this worker computes (layer, expert): only those experts' gradients are
-  // written here, and zeroed before a step.
+  // written here, and zeroed before a step's backward.
   virtual bool Computes(int layer, int expert) const { return true; }
+  // Called after the forward, before any expert gradient is zeroed or written: the
+  // previous step's optimizer update may still be reading them (it overlaps the forward).
+  virtual absl::Status BeforeBackward() { return absl::OkStatus(); }
 };
 
 class MoeGpt {

@@ -357,12 +357,15 @@ class JobRun {
     ring_ = resident ? 1 : static_cast<size_t>(std::clamp(slots / 2 / batch, 2, kMaxRing));
     const size_t buffers = resident ? updated_.size() : ring_ * update_batch_;
     moments_.assign(buffers * 2 * shape_.expert_floats(), 0.0f);
-    counts_.assign(buffers, 0);
-    moment_current_.assign(buffers, false);
+    moment_current_.assign(buffers, 0);
     moment_index_.clear();
     if (resident) {
       for (size_t i = 0; i < updated_.size(); ++i) moment_index_[updated_[i]] = i;
     }
+    counts_.assign(updated_.size(), 0);
+    count_current_.assign(updated_.size(), 0);
+    count_index_.clear();
+    for (size_t i = 0; i < updated_.size(); ++i) count_index_[updated_[i]] = i;
     LOG_IF(INFO, resident && !updated_.empty())
         << "job " << a_.job_id() << ": the moments of the " << updated_.size()
         << " experts updated here stay resident between steps";
@@ -441,15 +444,14 @@ class JobRun {
     return s;
   }
 
-  // How step s's expert writes overlap the work after them. kNone: they end before Write
-  // returns, when a worker reads another's update of an expert from the stores (an
-  // expert has two owners). kAll: they go on while the next step computes, when every
-  // expert updated here has its own moment buffer (nothing is reused before the writes
-  // end; the cache slots they send from stay pinned until then). kBatches (scratch
-  // moments): each update batch's writes start as soon as it is updated, from its slots
-  // (pinned until they land: a read of the expert meanwhile is a hit) and its scratch
-  // segment (reused once they have landed), and go on while the next batches are updated
-  // and the next step computes.
+  // How step s's expert updates and writes overlap the work after them. kNone: they end
+  // before Write returns, when a worker reads another's update of an expert from the
+  // stores (an expert has two owners). Otherwise they go on while the next step computes
+  // (Write): kAll when every expert updated here has its own moment buffer (the writes
+  // go once all are updated, from slots pinned until then); kBatches (scratch moments):
+  // each update batch's writes start as soon as it is updated, from its slots (pinned
+  // until they land: a read of the expert meanwhile is a hit) and its scratch segment
+  // (refilled once they have landed).
   enum class Overlap { kNone, kAll, kBatches };
   Overlap OverlapWrites() const {
     if (SharedExperts()) return Overlap::kNone;
@@ -466,15 +468,19 @@ class JobRun {
     return false;
   }
   // Sends what puts_ holds (the writes of `batch`, whose slots are pinned, and whatever
-  // was queued before them) on a thread of its own, then releases the batch's slots.
-  std::shared_future<absl::Status> LaunchFlush(absl::Span<const ExpertCache::Expert> batch) {
+  // was queued before them) on a thread of its own, then releases the batch's slots and
+  // sets `landed`.
+  std::shared_future<absl::Status> LaunchFlush(absl::Span<const ExpertCache::Expert> batch,
+                                               std::promise<absl::Status> landed) {
     std::shared_future<absl::Status> f =
         std::async(std::launch::async, [this, puts = std::move(puts_),
                                         primary = std::move(primary_put_),
-                                        held = std::vector<ExpertCache::Expert>(
-                                            batch.begin(), batch.end())]() mutable {
+                                        held = std::vector<ExpertCache::Expert>(batch.begin(),
+                                                                                batch.end()),
+                                        landed = std::move(landed)]() mutable {
           absl::Status st = FlushItems(puts, primary);
           for (const ExpertCache::Expert& x : held) cache_->Release(x);
+          landed.set_value(st);
           return st;
         }).share();
     puts_.clear();
@@ -530,16 +536,21 @@ class JobRun {
 
   // Reads the newest versions of expert `items`: while a step is pending (written, its
   // commit not yet known), its version of the experts it wrote (those that got tokens: a
-  // missing one is an error), the committed version of the others.
+  // missing one is an error) unless their update is still to be applied here (the update
+  // reads the committed version), the committed version of the others.
   absl::Status FetchNewest(const std::vector<std::string>& stores,
                            std::vector<StoreClient::FetchItem>& items) {
+    std::vector<bool> updating;
+    for (const StoreClient::FetchItem& item : items) {
+      updating.push_back(cache_->Updating({item.key.layer(), item.key.expert()}));
+    }
     {
       absl::MutexLock lock(&pending_mu_);
-      for (StoreClient::FetchItem& item : items) {
-        const v1::BlobKey& k = item.key;
-        const bool written =
-            pending_step_ >= 0 && pending_written_[k.layer() * shape_.experts + k.expert()];
-        item.version = written ? pending_step_ : -1;
+      for (size_t i = 0; i < items.size(); ++i) {
+        const v1::BlobKey& k = items[i].key;
+        const bool written = pending_step_ >= 0 && !updating[i] &&
+                             pending_written_[k.layer() * shape_.experts + k.expert()];
+        items[i].version = written ? pending_step_ : -1;
       }
     }
     return Fetch(stores, items);
@@ -740,7 +751,8 @@ class JobRun {
 
   // The second half of step s, once step s - 1 is committed: the updates applied and
   // written (every dense tensor applied here, this worker's share of them written; experts
-  // by their primary, with moments from the stores), heat and the step reported.
+  // by their primary, with moments from the stores), heat and the step reported. The
+  // experts' part goes on while the next step computes, unless OverlapWrites is kNone.
   absl::Status Write(int64_t s) {
     ReportHeat(s);
     const int T = shape_.seq;
@@ -756,47 +768,82 @@ class JobRun {
     }
     const Overlap overlap = OverlapWrites();
     RETURN_IF_ERROR(WriteOwned(s, /*all_experts=*/false));
-    absl::Status updated = UpdateExperts(s, grad_norm_, overlap);
-    if (!updated.ok()) {
-      puts_.clear();
-      primary_put_.clear();
-      for (const ExpertCache::Expert& x : held_) cache_->Release(x);
-      held_.clear();
-      flushes_.clear();  // ended: UpdateExperts waits for them on a failure
-      return updated;
+    metrics_->tokens->Increment(static_cast<double>(rows_.size() * T));
+    metrics_->rows_sent->Increment(static_cast<double>(dispatch_->rows_sent()));
+    // The experts this step updates: its routing, read before the next step's forward.
+    std::vector<ExpertCache::Expert> used;
+    for (const ExpertCache::Expert& x : updated_) {
+      if (model_->ExpertUsed(x.first, x.second)) used.push_back(x);
     }
-    if (overlap == Overlap::kNone && !puts_.empty()) RETURN_IF_ERROR(Flush());
+    const StepTail tail{s, computed_loss_, rows_.size() * T, cache_before_, step_start_};
+    if (overlap == Overlap::kNone) {
+      absl::Status updated = UpdateExperts(s, grad_norm_, overlap, used);
+      if (updated.ok() && !puts_.empty()) updated = Flush();
+      if (!updated.ok()) {
+        DropWrites();
+        return updated;
+      }
+      ObserveStep(tail);
+      return Report(s, computed_loss_, tail.tokens);
+    }
+    // NOTE: the expert updates, their writes, then the report go on while the next step
+    // computes: its reads of an expert wait in the cache until the update has been
+    // applied there (BeginUpdates), its backward until they all have (they read the
+    // gradients the backward overwrites). They use what the next step's compute does not
+    // touch (the moment buffers, puts_, held_, flushes_, update_backend_); Finish waits
+    // for them before the step can settle. A fetch of an updated expert asks for this
+    // step's version (pending from here; a slot is pinned until its writes land).
+    cache_->BeginUpdates(used);
+    SetPending(s);
+    writes_ = std::async(std::launch::async,
+                         [this, overlap, used = std::move(used), grad_norm = grad_norm_, tail]() {
+                           absl::Status st = UpdateExperts(tail.step, grad_norm, overlap, used);
+                           cache_->EndUpdates(st);
+                           if (st.ok() && !puts_.empty()) st = Flush();
+                           for (const ExpertCache::Expert& x : held_) cache_->Release(x);
+                           held_.clear();
+                           for (const std::shared_future<absl::Status>& f : flushes_)
+                             st.Update(f.get());
+                           flushes_.clear();
+                           if (!st.ok()) {
+                             DropWrites();
+                             return st;
+                           }
+                           ObserveStep(tail);
+                           return Report(tail.step, tail.loss, tail.tokens);
+                         });
+    return absl::OkStatus();
+  }
+
+  // What a step's report and metrics need once its updates end (captured as Write
+  // starts them: the next step's compute replaces the members).
+  struct StepTail {
+    int64_t step = 0;
+    model::StepLoss loss;
+    uint64_t tokens = 0;
+    ExpertCache::Stats cache_before;
+    std::chrono::steady_clock::time_point start;
+  };
+  // The cache's figures for the step (hits and misses go in its report too) and its time.
+  void ObserveStep(const StepTail& tail) {
     const ExpertCache::Stats after = cache_->stats();
-    step_hits_ = after.hits - cache_before_.hits;
-    step_misses_ = after.misses - cache_before_.misses;
+    step_hits_ = after.hits - tail.cache_before.hits;
+    step_misses_ = after.misses - tail.cache_before.misses;
     metrics_->hits->Increment(static_cast<double>(step_hits_));
     metrics_->misses->Increment(static_cast<double>(step_misses_));
     metrics_->prefetch_hits->Increment(
-        static_cast<double>(after.prefetch_hits - cache_before_.prefetch_hits));
+        static_cast<double>(after.prefetch_hits - tail.cache_before.prefetch_hits));
     metrics_->resident->Set(static_cast<double>(after.resident_bytes));
-    metrics_->tokens->Increment(static_cast<double>(rows_.size() * T));
-    metrics_->rows_sent->Increment(static_cast<double>(dispatch_->rows_sent()));
     metrics_->step_seconds->Observe(
-        std::chrono::duration<double>(std::chrono::steady_clock::now() - step_start_).count());
-    if (puts_.empty() && flushes_.empty()) return Report(s, computed_loss_, rows_.size() * T);
-    // NOTE: the experts' writes, then the report, go on while the next step computes (it
-    // reads the slots they send from, writes neither them nor the moment buffers); Finish
-    // waits for them before the step can settle.
-    writes_ = std::async(
-        std::launch::async, [this, s, loss = computed_loss_, tokens = rows_.size() * T,
-                             puts = std::move(puts_), primary = std::move(primary_put_),
-                             held = std::move(held_), flushes = std::move(flushes_)]() mutable {
-          absl::Status st = puts.empty() ? absl::OkStatus() : FlushItems(puts, primary);
-          for (const ExpertCache::Expert& x : held) cache_->Release(x);
-          for (const std::shared_future<absl::Status>& f : flushes) st.Update(f.get());
-          if (!st.ok()) return st;
-          return Report(s, loss, tokens);
-        });
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - tail.start).count());
+  }
+  // After a failed update: nothing more is sent; the pins of held writes are dropped.
+  void DropWrites() {
     puts_.clear();
     primary_put_.clear();
+    for (const ExpertCache::Expert& x : held_) cache_->Release(x);
     held_.clear();
-    flushes_.clear();
-    return absl::OkStatus();
+    flushes_.clear();  // ended: UpdateExperts waits for them on a failure
   }
 
   // Experts computed by several workers (hot ones): their gradients are summed at the
@@ -840,19 +887,17 @@ class JobRun {
     return absl::OkStatus();
   }
 
-  // AdamW on each owned expert that got tokens, exactly as AdamWOptimizer::Apply does it:
-  // the weights in its cache slot, the moments and count of the committed step from the
-  // stores; the new versions go straight back. Experts go in batches of update_batch_: one
-  // fetch per store group for the batch's moments, one flush for its writes (one round
-  // trip each per batch, not per expert).
+  // AdamW on each expert of `used` (updated here, got tokens), exactly as
+  // AdamWOptimizer::Apply does it: the weights in its cache slot, the moments and count of
+  // the committed step from the stores; the new versions go straight back. Experts go in
+  // batches of update_batch_: one fetch per store group for the batch's moments, one flush
+  // for its writes (one round trip each per batch, not per expert). Each expert is marked
+  // Updated in the cache once applied.
   // With kAll, its writes stay queued in puts_ (the slots they send from pinned, held_);
   // with kBatches, each batch's writes are sent in the background (flushes_); the caller
   // waits for either.
-  absl::Status UpdateExperts(int64_t s, double grad_norm, Overlap overlap) {
-    std::vector<ExpertCache::Expert> used;
-    for (const ExpertCache::Expert& x : updated_) {
-      if (model_->ExpertUsed(x.first, x.second)) used.push_back(x);
-    }
+  absl::Status UpdateExperts(int64_t s, double grad_norm, Overlap overlap,
+                             const std::vector<ExpertCache::Expert>& used) {
     std::vector<absl::Span<const ExpertCache::Expert>> batches;
     std::vector<std::vector<size_t>> buffers;  // each expert's moment buffer, per batch
     for (size_t b = 0; b < used.size(); b += update_batch_) {
@@ -868,77 +913,102 @@ class JobRun {
       }
     }
     if (batches.empty()) return absl::OkStatus();
-    // NOTE: with scratch buffers the next batch's moments are fetched (on another thread,
-    // into its segment) while this batch is updated; resident ones are current after the
-    // first step.
-    const bool scratch = moment_index_.empty();
+    const size_t n = batches.size();
     const bool batched = overlap == Overlap::kBatches;
-    std::vector<std::shared_future<absl::Status>> flushes;
-    // On a failure: nothing may still be sending from (or fetching into) the buffers.
-    const auto fail = [&](absl::Status why) {
-      for (const std::shared_future<absl::Status>& f : flushes) f.wait();
-      return why;
-    };
-    absl::Status fetched = FetchMoments(batches[0], buffers[0]);
-    for (size_t k = 0; k < batches.size(); ++k) {
-      if (!fetched.ok()) return fail(fetched);
-      std::future<absl::Status> next;
-      if (scratch && k + 1 < batches.size()) {
-        // Batch k + 1's segment was batch k + 1 - ring_'s: its writes must have ended.
-        absl::Status reusable = absl::OkStatus();
-        if (batched && k + 1 >= ring_) reusable = flushes[k + 1 - ring_].get();
-        if (!reusable.ok()) return fail(reusable);
-        next = std::async(std::launch::async,
-                          [&, k] { return FetchMoments(batches[k + 1], buffers[k + 1]); });
-      }
-      absl::Status updated = UpdateBatch(s, grad_norm, batches[k], buffers[k],
-                                         /*hold=*/overlap != Overlap::kNone);
-      if (updated.ok() && batched) {
-        held_.resize(held_.size() - batches[k].size());  // the flush releases them
-        flushes.push_back(LaunchFlush(batches[k]));
-      }
-      if (next.valid()) {
-        fetched = next.get();
-      } else if (k + 1 < batches.size() && updated.ok()) {
-        fetched = FetchMoments(batches[k + 1], buffers[k + 1]);
-      }
-      if (!updated.ok()) return fail(updated);
+    // Scratch: batch k's segment is batch k - ring_'s, free once that one's writes have
+    // landed (kBatches; its flush says so) or it is updated and written (kNone).
+    const bool reuse = moment_index_.empty();
+    std::vector<std::promise<absl::Status>> freed(n), fetched(n);
+    std::vector<std::shared_future<absl::Status>> segment_free;
+    std::vector<std::future<absl::Status>> moments_in;
+    for (size_t k = 0; k < n; ++k) {
+      segment_free.push_back(freed[k].get_future().share());
+      moments_in.push_back(fetched[k].get_future());
     }
-    // The next step computes while the last batches' writes go on: they may pin at most
-    // half of the slots meanwhile (at least one batch), the rest wait here.
-    const size_t in_flight = std::max<size_t>(1, cache_->slots() / 2 / update_batch_);
-    for (size_t k = 0; k + in_flight < flushes.size(); ++k) {
-      if (absl::Status landed = flushes[k].get(); !landed.ok()) return fail(landed);
+    // NOTE: a fetcher fills the segments ahead of the updates, each as soon as it is free:
+    // batch j once batch j - ring_'s is, together with every later batch whose segment is
+    // free by then (one round trip for them all). Resident moments are current after the
+    // first step: nothing to fetch.
+    std::thread fetcher([&] {
+      const auto is_free = [&](size_t j) {
+        return !reuse || j < ring_ ||
+               (segment_free[j - ring_].wait_for(std::chrono::seconds(0)) ==
+                    std::future_status::ready &&
+                segment_free[j - ring_].get().ok());
+      };
+      for (size_t j = 0; j < n;) {
+        absl::Status st = reuse && j >= ring_ ? segment_free[j - ring_].get() : absl::OkStatus();
+        size_t end = j + 1;
+        if (st.ok()) {
+          while (end < n && is_free(end)) ++end;
+          std::vector<size_t> buffer;
+          for (size_t m = j; m < end; ++m) {
+            buffer.insert(buffer.end(), buffers[m].begin(), buffers[m].end());
+          }
+          const size_t first = j * update_batch_;
+          st = FetchMoments(absl::MakeConstSpan(used).subspan(first, buffer.size()), buffer);
+        }
+        for (size_t m = j; m < (st.ok() ? end : n); ++m) fetched[m].set_value(st);
+        if (!st.ok()) return;
+        j = end;
+      }
+    });
+    std::vector<std::shared_future<absl::Status>> flushes;
+    absl::Status status;
+    size_t k = 0;
+    for (; k < n; ++k) {
+      status = moments_in[k].get();
+      if (status.ok()) status = UpdateBatch(s, grad_norm, batches[k], buffers[k], overlap);
+      if (!status.ok()) break;
+      if (batched) {
+        held_.resize(held_.size() - batches[k].size());  // the flush releases them
+        flushes.push_back(LaunchFlush(batches[k], std::move(freed[k])));
+      } else {
+        freed[k].set_value(absl::OkStatus());
+      }
+    }
+    // On a failure the fetcher stops at the segments never freed; nothing may still be
+    // fetching into the buffers or sending from them when this returns.
+    for (size_t m = k; m < n; ++m) freed[m].set_value(status);
+    fetcher.join();
+    if (!status.ok()) {
+      for (const std::shared_future<absl::Status>& f : flushes) f.wait();
+      return status;
     }
     flushes_ = std::move(flushes);
     return absl::OkStatus();
   }
 
   // Fetches the moments and counts of `batch` not current here into their buffers, one
-  // fetch per distinct store group. Also on a helper thread (UpdateExperts): it touches
+  // fetch per distinct store group. On the fetcher thread (UpdateExperts): it touches
   // only its buffers.
   absl::Status FetchMoments(absl::Span<const ExpertCache::Expert> batch,
                             const std::vector<size_t>& buffer) {
     const size_t bytes = shape_.expert_floats() * sizeof(float);
     std::map<std::vector<std::string>, std::vector<StoreClient::FetchItem>> fetches;
     for (size_t i = 0; i < batch.size(); ++i) {
-      const size_t b = buffer[i];
-      if (!moment_index_.empty() && moment_current_[b]) continue;
+      const size_t b = buffer[i], c = count_index_.at(batch[i]);
       const auto [l, e] = batch[i];
-      auto& items = fetches[expert_stores_.at(batch[i])];
-      items.push_back(Item(Key(l, e, "", v1::BLOB_KIND_ADAM_M), M(b), bytes));
-      items.push_back(Item(Key(l, e, "", v1::BLOB_KIND_ADAM_V), V(b), bytes));
-      items.push_back(Item(Key(l, e, "", v1::BLOB_KIND_STATE), &counts_[b], sizeof(int64_t)));
+      if (moment_index_.empty() || !moment_current_[b]) {
+        auto& items = fetches[expert_stores_.at(batch[i])];
+        items.push_back(Item(Key(l, e, "", v1::BLOB_KIND_ADAM_M), M(b), bytes));
+        items.push_back(Item(Key(l, e, "", v1::BLOB_KIND_ADAM_V), V(b), bytes));
+      }
+      if (!count_current_[c]) {
+        fetches[expert_stores_.at(batch[i])].push_back(
+            Item(Key(l, e, "", v1::BLOB_KIND_STATE), &counts_[c], sizeof(int64_t)));
+      }
     }
     for (auto& [stores, items] : fetches) RETURN_IF_ERROR(Fetch(stores, items));
     return absl::OkStatus();
   }
 
   // AdamW on `batch` (its moments in `buffer`, fetched), then its writes from its slots:
-  // sent (the slots released), or with `hold` left queued in puts_ (the slots pinned and
+  // sent (the slots released) with kNone, else left queued in puts_ (the slots pinned and
   // appended to held_).
   absl::Status UpdateBatch(int64_t s, double grad_norm, absl::Span<const ExpertCache::Expert> batch,
-                           const std::vector<size_t>& buffer, bool hold) {
+                           const std::vector<size_t>& buffer, Overlap overlap) {
+    const bool hold = overlap != Overlap::kNone;
     const model::OptimizerConfig& c = optimizer_->config();
     const model::ParamLayout& layout = model_->layout();
     const float lr = static_cast<float>(model::LearningRate(c, s - 1));
@@ -949,7 +1019,10 @@ class JobRun {
     size_t pinned = 0;
     absl::Status status = [&]() -> absl::Status {
       for (; pinned < batch.size(); ++pinned) {
-        ASSIGN_OR_RETURN(w[pinned], cache_->Acquire(batch[pinned]));
+        // Pipelined (the next step computing meanwhile): the update's own read, which
+        // leaves the schedule to the compute.
+        ASSIGN_OR_RETURN(w[pinned], hold ? cache_->AcquireForUpdate(batch[pinned])
+                                         : cache_->Acquire(batch[pinned]));
       }
       for (size_t i = 0; i < batch.size(); ++i) {
         const auto [l, e] = batch[i];
@@ -959,20 +1032,23 @@ class JobRun {
         // NOTE: from here the buffer holds this step's moments, current here only once
         // the step commits; a step that does not commit ends this JobRun (Run returns),
         // and the buffers with it.
-        if (!moment_index_.empty()) moment_current_[b] = true;
-        const int64_t count = ++counts_[b];
+        if (!moment_index_.empty()) moment_current_[b] = 1;
+        const size_t n = count_index_.at(batch[i]);
+        count_current_[n] = 1;
+        const int64_t count = ++counts_[n];
         const int first = layout.ExpertTensorIndex(l, e);
         for (int t_index = 0; t_index < 4; ++t_index) {
           const model::ParamTensor& t = layout.tensors()[first + t_index];
           const int64_t o = t.offset - base;
-          if (coef < 1.0) backend_.Scale(g + o, static_cast<float>(coef), t.numel);
-          backend_.AdamW(w[i] + o, g + o, M(b) + o, V(b) + o, t.numel, lr,
-                         static_cast<float>(c.beta1), static_cast<float>(c.beta2),
-                         static_cast<float>(c.eps),
-                         t.decay ? static_cast<float>(c.weight_decay) : 0.0f, count);
+          if (coef < 1.0) update_backend_.Scale(g + o, static_cast<float>(coef), t.numel);
+          update_backend_.AdamW(w[i] + o, g + o, M(b) + o, V(b) + o, t.numel, lr,
+                                static_cast<float>(c.beta1), static_cast<float>(c.beta2),
+                                static_cast<float>(c.eps),
+                                t.decay ? static_cast<float>(c.weight_decay) : 0.0f, count);
         }
       }
-      RETURN_IF_ERROR(backend_.Synchronize());
+      RETURN_IF_ERROR(update_backend_.Synchronize());
+      for (const ExpertCache::Expert& x : batch) cache_->Updated(x);
       for (size_t i = 0; i < batch.size(); ++i) {
         const auto [l, e] = batch[i];
         const size_t b = buffer[i];
@@ -982,8 +1058,8 @@ class JobRun {
         RETURN_IF_ERROR(Put(stores, Key(l, e, "", v1::BLOB_KIND_MASTER), s, weights, bytes));
         RETURN_IF_ERROR(Put(stores, Key(l, e, "", v1::BLOB_KIND_ADAM_M), s, M(b), bytes));
         RETURN_IF_ERROR(Put(stores, Key(l, e, "", v1::BLOB_KIND_ADAM_V), s, V(b), bytes));
-        RETURN_IF_ERROR(
-            Put(stores, Key(l, e, "", v1::BLOB_KIND_STATE), s, &counts_[b], sizeof(int64_t)));
+        RETURN_IF_ERROR(Put(stores, Key(l, e, "", v1::BLOB_KIND_STATE), s,
+                            &counts_[count_index_.at(batch[i])], sizeof(int64_t)));
       }
       if (hold) return absl::OkStatus();
       return Flush();  // before the slots, the scratch buffers and the counts are reused
@@ -996,8 +1072,9 @@ class JobRun {
       puts_.clear();  // a failed batch sends nothing more
       primary_put_.clear();
     }
-    if (!status.ok() && !moment_index_.empty()) {
-      moment_current_.assign(moment_current_.size(), false);
+    if (!status.ok()) {
+      moment_current_.assign(moment_current_.size(), 0);
+      count_current_.assign(count_current_.size(), 0);
     }
     for (size_t i = 0; i < pinned; ++i) cache_->Release(batch[i]);
     return status;
@@ -1175,6 +1252,10 @@ class JobRun {
   v1::CoordinatorService::Stub* coordinator_;
   const ClusterWorkerOptions& options_;
   Metrics* metrics_;
+  // The expert updates' element-wise loops (on the update thread, while backend_ computes
+  // the next step); constructed first: a CpuBackend sets OpenBLAS's thread count, which
+  // must be backend_'s.
+  compute::CpuBackend update_backend_{1};
   compute::CpuBackend backend_;
   model::ModelShape shape_;
   std::vector<int> rows_;
@@ -1217,12 +1298,18 @@ class JobRun {
   std::unique_ptr<ExpertCache> cache_;
   size_t update_batch_ = 1;
   size_t ring_ = 1;  // scratch moment segments (SetUpMoments)
-  // Moment buffers (SetUpMoments): adam_m, adam_v and the AdamW count of an expert each,
-  // one per updated expert (moment_index_) or one per expert of an update batch.
+  // Moment buffers (SetUpMoments): adam_m and adam_v of an expert each, one per updated
+  // expert (moment_index_) or one per expert of an update batch. The fetcher reads the
+  // flags of a batch's buffers while the update thread sets another batch's: bytes, not
+  // bits.
   std::vector<float> moments_;
-  std::vector<int64_t> counts_;
-  std::vector<bool> moment_current_;  // the buffer holds the expert's newest moments
+  std::vector<uint8_t> moment_current_;  // the buffer holds the expert's newest moments
   std::map<ExpertCache::Expert, size_t> moment_index_;  // empty: scratch
+  // The AdamW count of each expert updated here (count_index_), fetched only while not
+  // current here (this worker did not make its last update): 8 bytes an expert.
+  std::vector<int64_t> counts_;
+  std::vector<uint8_t> count_current_;
+  std::map<ExpertCache::Expert, size_t> count_index_;
   uint64_t step_hits_ = 0, step_misses_ = 0;
   std::vector<StoreClient::PutItem> puts_;  // queued by Put, sent by Flush
   std::vector<bool> primary_put_;           // the item goes to its group's first store

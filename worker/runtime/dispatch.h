@@ -47,6 +47,10 @@ class Dispatch final : public model::ExpertParallel {
   }
   // Whether this worker computes expert e of layer l.
   bool Computes(int layer, int expert) const override;
+  // Waits for the cache's updates in flight (the previous step's, pipelined).
+  absl::Status BeforeBackward() override {
+    return cache_ != nullptr ? cache_->AwaitUpdates() : absl::OkStatus();
+  }
   // Token rows this worker sent to peers in the last step's forward passes (a token once
   // per peer, however many of its experts the peer computes), the expert rows they stood
   // for, and the expert rows received (for metrics).

@@ -58,12 +58,29 @@ int ExpertCache::VictimLocked() {
 
 absl::StatusOr<float*> ExpertCache::Acquire(Expert expert) {
   absl::MutexLock lock(&mu_);
-  // The consumer's position in the schedule: just past this expert's next occurrence.
-  for (size_t i = cursor_; i < schedule_.size(); ++i) {
-    if (schedule_[i] == expert) {
-      cursor_ = i + 1;
-      break;
+  return AcquireLocked(expert, /*consumer=*/true);
+}
+
+absl::StatusOr<float*> ExpertCache::AcquireForUpdate(Expert expert) {
+  absl::MutexLock lock(&mu_);
+  return AcquireLocked(expert, /*consumer=*/false);
+}
+
+absl::StatusOr<float*> ExpertCache::AcquireLocked(Expert expert, bool consumer) {
+  if (consumer) {
+    // The consumer's position in the schedule: just past this expert's next occurrence.
+    for (size_t i = cursor_; i < schedule_.size(); ++i) {
+      if (schedule_[i] == expert) {
+        cursor_ = i + 1;
+        break;
+      }
     }
+    // Its update first (the prefetcher may fetch it meanwhile: the bytes the update reads).
+    auto updated = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+      return !updating_.count(expert) || !updates_failed_.ok();
+    };
+    mu_.Await(absl::Condition(&updated));
+    if (updating_.count(expert)) return updates_failed_;
   }
   absl::Time pinned_since = absl::InfiniteFuture();  // when every slot was found pinned
   while (true) {
@@ -149,6 +166,39 @@ void ExpertCache::Release(Expert expert) {
   Slot& s = slots_[it->second];
   if (s.pins > 0) --s.pins;
   ++clock_;
+}
+
+void ExpertCache::BeginUpdates(absl::Span<const Expert> experts) {
+  absl::MutexLock lock(&mu_);
+  updating_.clear();
+  updating_.insert(experts.begin(), experts.end());
+  updates_failed_ = absl::OkStatus();
+}
+
+void ExpertCache::Updated(Expert expert) {
+  absl::MutexLock lock(&mu_);
+  updating_.erase(expert);
+}
+
+void ExpertCache::EndUpdates(const absl::Status& status) {
+  absl::MutexLock lock(&mu_);
+  if (updating_.empty()) return;
+  // Experts left over stay unreadable: their slots hold weights the update never reached.
+  updates_failed_ = status.ok() ? absl::InternalError("an expert update ended unapplied") : status;
+}
+
+bool ExpertCache::Updating(Expert expert) {
+  absl::MutexLock lock(&mu_);
+  return updating_.count(expert) > 0;
+}
+
+absl::Status ExpertCache::AwaitUpdates() {
+  absl::MutexLock lock(&mu_);
+  auto done = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    return updating_.empty() || !updates_failed_.ok();
+  };
+  mu_.Await(absl::Condition(&done));
+  return updating_.empty() ? absl::OkStatus() : updates_failed_;
 }
 
 void ExpertCache::SetSchedule(std::vector<Expert> order) {

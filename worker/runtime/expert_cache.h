@@ -18,6 +18,7 @@
 #include <functional>
 #include <map>
 #include <memory>
+#include <set>
 #include <thread>
 #include <utility>
 #include <vector>
@@ -25,6 +26,7 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+#include "absl/types/span.h"
 #include "common/ucx.h"
 
 namespace pith::runtime {
@@ -56,8 +58,25 @@ class ExpertCache {
 
   // The weights of `expert`, fetched on a miss (waiting for a prefetch in flight); pinned
   // until Release. RESOURCE_EXHAUSTED when every slot stays pinned for the pinned wait.
+  // While an update of `expert` is in flight (BeginUpdates), waits for it first.
   absl::StatusOr<float*> Acquire(Expert expert);
   void Release(Expert expert);
+
+  // Updates applied in place on another thread while compute goes on (the owner's
+  // optimizer step of the step before): from BeginUpdates until Updated(x), Acquire(x)
+  // waits, so compute never reads weights the update has not reached; AcquireForUpdate(x)
+  // does not wait (it is the update's own read), and neither moves the schedule's cursor
+  // nor waits for anything but a slot. A fetch of such an expert (the prefetcher may make
+  // one) must read the version the update starts from (Updating tells the fetch function).
+  void BeginUpdates(absl::Span<const Expert> experts);
+  absl::StatusOr<float*> AcquireForUpdate(Expert expert);
+  void Updated(Expert expert);
+  // Ends the updates: with an error, the experts not updated stay unreadable (Acquire and
+  // AwaitUpdates return `status`) until the next BeginUpdates.
+  void EndUpdates(const absl::Status& status);
+  bool Updating(Expert expert);
+  // Waits until every update begun has been applied (OK) or the updates failed.
+  absl::Status AwaitUpdates();
 
   // The order experts will be acquired in this step; the prefetcher works through it.
   void SetSchedule(std::vector<Expert> order);
@@ -86,6 +105,9 @@ class ExpertCache {
   // free again), the fetch's error otherwise (the slot is free again). Requires mu_.
   absl::StatusOr<bool> FillLocked(int victim, Expert expert, int pins)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Acquire's body; `consumer`: the compute's acquire (moves the cursor).
+  absl::StatusOr<float*> AcquireLocked(Expert expert, bool consumer)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   float* SlotData(int i) const {
     return reinterpret_cast<float*>(memory_->data() + static_cast<size_t>(i) * slot_bytes_);
   }
@@ -101,6 +123,8 @@ class ExpertCache {
   std::vector<Expert> schedule_ ABSL_GUARDED_BY(mu_);
   size_t cursor_ ABSL_GUARDED_BY(mu_) = 0;  // next schedule entry the consumer acquires
   uint64_t clock_ ABSL_GUARDED_BY(mu_) = 0;
+  std::set<Expert> updating_ ABSL_GUARDED_BY(mu_);  // updates in flight (BeginUpdates)
+  absl::Status updates_failed_ ABSL_GUARDED_BY(mu_);
   Stats stats_ ABSL_GUARDED_BY(mu_);
   bool stop_ ABSL_GUARDED_BY(mu_) = false;
   std::thread prefetcher_;

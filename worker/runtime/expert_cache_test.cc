@@ -1,9 +1,11 @@
-// ExpertCache: hits and LRU reuse, pinning, every slot pinned, fetch errors, and the
-// prefetcher fetching ahead of a consumer that follows the schedule.
+// ExpertCache: hits and LRU reuse, pinning, every slot pinned, fetch errors, the
+// prefetcher fetching ahead of a consumer that follows the schedule, and compute waiting
+// for updates in flight.
 #include "worker/runtime/expert_cache.h"
 
 #include <atomic>
 #include <thread>
+#include <vector>
 
 #include "gtest/gtest.h"
 
@@ -94,4 +96,67 @@ TEST_F(ExpertCacheTest, ThePrefetcherFetchesAheadOfTheSchedule) {
 }
 
 }  // namespace
+TEST_F(ExpertCacheTest, ComputeWaitsForAnUpdateInFlight) {
+  Open(4);
+  const std::vector<ExpertCache::Expert> updating = {{0, 1}, {0, 2}};
+  cache_->BeginUpdates(updating);
+  EXPECT_TRUE(cache_->Updating({0, 1}));
+  EXPECT_FALSE(cache_->Updating({0, 3}));
+  EXPECT_EQ(Read({0, 3}), 3.0f);  // not being updated: no wait
+  std::atomic<bool> read{false};
+  float seen = -1;
+  std::thread compute([&] {
+    auto w = cache_->Acquire({0, 1});
+    ASSERT_TRUE(w.ok()) << w.status();
+    seen = (*w)[0];
+    read = true;
+    cache_->Release({0, 1});
+  });
+  // The update's own read does not wait; it changes the weights in place.
+  auto w = cache_->AcquireForUpdate({0, 1});
+  ASSERT_TRUE(w.ok()) << w.status();
+  absl::SleepFor(absl::Milliseconds(50));
+  EXPECT_FALSE(read.load());  // compute still waits for the update
+  (*w)[0] = 42.0f;
+  cache_->Updated({0, 1});
+  compute.join();
+  EXPECT_EQ(seen, 42.0f);  // it read the updated weights, not the fetched ones
+  cache_->Release({0, 1});
+  // The backward waits for every update.
+  std::atomic<bool> awaited{false};
+  std::thread backward([&] {
+    EXPECT_TRUE(cache_->AwaitUpdates().ok());
+    awaited = true;
+  });
+  absl::SleepFor(absl::Milliseconds(50));
+  EXPECT_FALSE(awaited.load());
+  cache_->Updated({0, 2});
+  backward.join();
+  cache_->EndUpdates(absl::OkStatus());
+  EXPECT_TRUE(cache_->AwaitUpdates().ok());
+}
+
+TEST_F(ExpertCacheTest, AFailedUpdateLeavesItsExpertsUnreadable) {
+  Open(4);
+  const std::vector<ExpertCache::Expert> updating = {{0, 1}, {0, 2}};
+  cache_->BeginUpdates(updating);
+  std::thread compute([&] {
+    EXPECT_EQ(cache_->Acquire({0, 2}).status().code(), absl::StatusCode::kUnavailable);
+  });
+  cache_->Updated({0, 1});
+  EXPECT_EQ(Read({0, 1}), 1.0f);
+  cache_->EndUpdates(absl::UnavailableError("a store went away"));
+  compute.join();
+  EXPECT_EQ(cache_->AwaitUpdates().code(), absl::StatusCode::kUnavailable);
+  EXPECT_EQ(cache_->Acquire({0, 2}).status().code(), absl::StatusCode::kUnavailable);
+  // An update that ends "OK" with experts left over is a bug, not a silent stale read.
+  cache_->BeginUpdates(updating);
+  cache_->Updated({0, 1});
+  cache_->EndUpdates(absl::OkStatus());
+  EXPECT_EQ(cache_->Acquire({0, 2}).status().code(), absl::StatusCode::kInternal);
+  // The next step's updates start clean.
+  cache_->BeginUpdates({});
+  EXPECT_EQ(Read({0, 2}), 2.0f);
+}
+
 }  // namespace pith::runtime
