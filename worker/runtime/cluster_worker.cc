@@ -194,18 +194,20 @@ class JobRun {
     const int slots = CacheSlots(static_cast<int>(owned_.size()));
     ASSIGN_OR_RETURN(std::unique_ptr<ucx::MemoryRegion> slot_memory,
                      client_->AllocateBuffer(slot_bytes * slots));
-    ASSIGN_OR_RETURN(cache_,
-                     ExpertCache::Create(
-                         std::move(slot_memory), slot_bytes, slots,
-                         [this](ExpertCache::Expert x, void* dst, size_t bytes, ucp_mem_h memh) {
-                           std::vector<StoreClient::FetchItem> items = {
-                               Item(Key(x.first, x.second, "", v1::BLOB_KIND_WEIGHTS), dst, bytes)};
-                           items[0].memh = memh;
-                           return FetchNewest(ReadStores(x), items);
-                         },
-                         /*pinned_wait=*/kStoreTimeout));
+    slots_ = {slot_memory->data(), slot_bytes * slots, slot_memory->handle()};
+    ASSIGN_OR_RETURN(
+        cache_,
+        ExpertCache::Create(
+            std::move(slot_memory), slot_bytes, slots,
+            [this](ExpertCache::Expert x, void* dst, size_t bytes, ucp_mem_h memh, bool updating) {
+              std::vector<StoreClient::FetchItem> items = {
+                  Item(Key(x.first, x.second, "", v1::BLOB_KIND_WEIGHTS), dst, bytes)};
+              items[0].memh = memh;
+              return FetchNewest(ReadStores(x), items, updating);
+            },
+            /*pinned_wait=*/kStoreTimeout));
     dispatch_->SetCache(cache_.get());
-    SetUpMoments();
+    RETURN_IF_ERROR(SetUpMoments());
     ASSIGN_OR_RETURN(dataset_, data::TokenDataset::Open(spec.train().data_path(), shape_.vocab));
     inputs_.resize(rows_.size() * shape_.seq);
     targets_.resize(rows_.size() * shape_.seq);
@@ -311,7 +313,8 @@ class JobRun {
     peers_->SetAttempt(a_.assignment_version());
     version_ = a_.assignment_version();
     RETURN_IF_ERROR(ApplyPlacement());
-    SetUpMoments();  // the experts updated here changed: their moments come from the stores
+    // The experts updated here changed: their moments come from the stores.
+    RETURN_IF_ERROR(SetUpMoments());
     LOG(INFO) << "job " << a_.job_id() << ": placement epoch " << a_.placement().epoch()
               << " adopted in place (" << owned_.size() << " experts computed, " << updated_.size()
               << " updated)";
@@ -346,7 +349,7 @@ class JobRun {
   // a batch's slots stay pinned until its writes land, so the ring_ batches in flight pin
   // about half the slots: an eighth of them a batch (1 to 4 experts), 2 or 3 segments (an
   // Acquire that finds every slot pinned waits for a write to land).
-  void SetUpMoments() {
+  absl::Status SetUpMoments() {
     const size_t slot_bytes = shape_.expert_floats() * sizeof(float);
     const uint64_t budget = CacheBudget();
     const uint64_t want = slot_bytes * (owned_.size() + 1 + 2 * updated_.size());
@@ -356,7 +359,11 @@ class JobRun {
     update_batch_ = static_cast<size_t>(batch);
     ring_ = resident ? 1 : static_cast<size_t>(std::clamp(slots / 2 / batch, 2, kMaxRing));
     const size_t buffers = resident ? updated_.size() : ring_ * update_batch_;
-    moments_.assign(buffers * 2 * shape_.expert_floats(), 0.0f);
+    // Registered memory (huge pages where the kernel allows), as the cache's slots: the
+    // moments go to and from the stores straight from it.
+    moment_memory_.reset();
+    ASSIGN_OR_RETURN(moment_memory_,
+                     client_->AllocateBuffer(std::max<size_t>(1, buffers * 2 * slot_bytes)));
     moment_current_.assign(buffers, 0);
     moment_index_.clear();
     if (resident) {
@@ -369,6 +376,7 @@ class JobRun {
     LOG_IF(INFO, resident && !updated_.empty())
         << "job " << a_.job_id() << ": the moments of the " << updated_.size()
         << " experts updated here stay resident between steps";
+    return absl::OkStatus();
   }
 
   // The job's cache budget (cluster.cache_bytes) when it sets one, else this worker's; 0:
@@ -419,10 +427,24 @@ class JobRun {
       item.version = version;
       item.data = data;
       item.size = bytes;
+      item.memh = Registration(data, bytes);
       puts_.push_back(std::move(item));
       primary_put_.push_back(id == stores.front());
     }
     return absl::OkStatus();
+  }
+
+  // The registration of registered memory holding [data, data + bytes): a cache slot or
+  // a moment buffer; null for the rest (UCX registers or copies it itself).
+  ucp_mem_h Registration(const void* data, size_t bytes) const {
+    const auto* p = static_cast<const uint8_t*>(data);
+    for (const Registered& r :
+         {slots_, Registered{moment_memory_ ? moment_memory_->data() : nullptr,
+                             moment_memory_ ? moment_memory_->size() : 0,
+                             moment_memory_ ? moment_memory_->handle() : nullptr}}) {
+      if (r.data != nullptr && p >= r.data && p + bytes <= r.data + r.bytes) return r.memh;
+    }
+    return nullptr;
   }
 
   absl::Status Flush() {
@@ -536,21 +558,17 @@ class JobRun {
 
   // Reads the newest versions of expert `items`: while a step is pending (written, its
   // commit not yet known), its version of the experts it wrote (those that got tokens: a
-  // missing one is an error) unless their update is still to be applied here (the update
-  // reads the committed version), the committed version of the others.
+  // missing one is an error), the committed version of the others; with `updating` (their
+  // update is still to be applied here) the committed version, which the update reads.
   absl::Status FetchNewest(const std::vector<std::string>& stores,
-                           std::vector<StoreClient::FetchItem>& items) {
-    std::vector<bool> updating;
-    for (const StoreClient::FetchItem& item : items) {
-      updating.push_back(cache_->Updating({item.key.layer(), item.key.expert()}));
-    }
+                           std::vector<StoreClient::FetchItem>& items, bool updating) {
     {
       absl::MutexLock lock(&pending_mu_);
-      for (size_t i = 0; i < items.size(); ++i) {
-        const v1::BlobKey& k = items[i].key;
-        const bool written = pending_step_ >= 0 && !updating[i] &&
+      for (StoreClient::FetchItem& item : items) {
+        const v1::BlobKey& k = item.key;
+        const bool written = pending_step_ >= 0 && !updating &&
                              pending_written_[k.layer() * shape_.experts + k.expert()];
-        items[i].version = written ? pending_step_ : -1;
+        item.version = written ? pending_step_ : -1;
       }
     }
     return Fetch(stores, items);
@@ -729,7 +747,6 @@ class JobRun {
     for (auto it = owned_.rbegin(); it != owned_.rend(); ++it) order.push_back(*it);
     order.insert(order.end(), updated_.begin(), updated_.end());
     cache_->SetSchedule(std::move(order));
-    cache_before_ = cache_->stats();
     const int T = shape_.seq;
     const int64_t B = a_.spec().train().batch();
     for (size_t j = 0; j < rows_.size(); ++j) {
@@ -775,7 +792,7 @@ class JobRun {
     for (const ExpertCache::Expert& x : updated_) {
       if (model_->ExpertUsed(x.first, x.second)) used.push_back(x);
     }
-    const StepTail tail{s, computed_loss_, rows_.size() * T, cache_before_, step_start_};
+    const StepTail tail{s, computed_loss_, rows_.size() * T, step_start_};
     if (overlap == Overlap::kNone) {
       absl::Status updated = UpdateExperts(s, grad_norm_, overlap, used);
       if (updated.ok() && !puts_.empty()) updated = Flush();
@@ -790,9 +807,12 @@ class JobRun {
     // computes: its reads of an expert wait in the cache until the update has been
     // applied there (BeginUpdates), its backward until they all have (they read the
     // gradients the backward overwrites). They use what the next step's compute does not
-    // touch (the moment buffers, puts_, held_, flushes_, update_backend_); Finish waits
-    // for them before the step can settle. A fetch of an updated expert asks for this
-    // step's version (pending from here; a slot is pinned until its writes land).
+    // touch (the moment buffers and counts with their flags, puts_, held_, flushes_,
+    // written_, observed_, step_hits_ and step_misses_, update_backend_) and read what it
+    // does not change (the stores of each group, lr_; Report sets last_loss_); Finish
+    // waits for them before the step can settle, and before anything replaces those. A
+    // fetch of an updated expert asks for this step's version (pending from here; a slot
+    // is pinned until its writes land).
     cache_->BeginUpdates(used);
     SetPending(s);
     writes_ = std::async(std::launch::async,
@@ -821,18 +841,20 @@ class JobRun {
     int64_t step = 0;
     model::StepLoss loss;
     uint64_t tokens = 0;
-    ExpertCache::Stats cache_before;
     std::chrono::steady_clock::time_point start;
   };
-  // The cache's figures for the step (hits and misses go in its report too) and its time.
+  // The cache's figures since the last step's (its hits and misses go in its report too;
+  // with pipelined updates a step's span overlaps the next one's, so each is counted
+  // once, from the end of one step's updates to the end of the next's) and its time.
   void ObserveStep(const StepTail& tail) {
-    const ExpertCache::Stats after = cache_->stats();
-    step_hits_ = after.hits - tail.cache_before.hits;
-    step_misses_ = after.misses - tail.cache_before.misses;
+    const ExpertCache::Stats before = observed_;
+    const ExpertCache::Stats after = observed_ = cache_->stats();
+    step_hits_ = after.hits - before.hits;
+    step_misses_ = after.misses - before.misses;
     metrics_->hits->Increment(static_cast<double>(step_hits_));
     metrics_->misses->Increment(static_cast<double>(step_misses_));
     metrics_->prefetch_hits->Increment(
-        static_cast<double>(after.prefetch_hits - tail.cache_before.prefetch_hits));
+        static_cast<double>(after.prefetch_hits - before.prefetch_hits));
     metrics_->resident->Set(static_cast<double>(after.resident_bytes));
     metrics_->step_seconds->Observe(
         std::chrono::duration<double>(std::chrono::steady_clock::now() - tail.start).count());
@@ -888,8 +910,9 @@ class JobRun {
   }
 
   // AdamW on each expert of `used` (updated here, got tokens), exactly as
-  // AdamWOptimizer::Apply does it: the weights in its cache slot, the moments and count of
-  // the committed step from the stores; the new versions go straight back. Experts go in
+  // AdamWOptimizer::Apply does it: the weights in its cache slot, the moments of the
+  // committed step from the stores (or resident), the count kept here (fetched when not
+  // current); the new versions go straight back. Experts go in
   // batches of update_batch_: one fetch per store group for the batch's moments, one flush
   // for its writes (one round trip each per batch, not per expert). Each expert is marked
   // Updated in the cache once applied.
@@ -973,6 +996,10 @@ class JobRun {
     fetcher.join();
     if (!status.ok()) {
       for (const std::shared_future<absl::Status>& f : flushes) f.wait();
+      // Nothing here is current any more (a step that does not commit ends this JobRun
+      // anyway).
+      moment_current_.assign(moment_current_.size(), 0);
+      count_current_.assign(count_current_.size(), 0);
       return status;
     }
     flushes_ = std::move(flushes);
@@ -992,7 +1019,9 @@ class JobRun {
       if (moment_index_.empty() || !moment_current_[b]) {
         auto& items = fetches[expert_stores_.at(batch[i])];
         items.push_back(Item(Key(l, e, "", v1::BLOB_KIND_ADAM_M), M(b), bytes));
+        items.back().memh = moment_memory_->handle();
         items.push_back(Item(Key(l, e, "", v1::BLOB_KIND_ADAM_V), V(b), bytes));
+        items.back().memh = moment_memory_->handle();
       }
       if (!count_current_[c]) {
         fetches[expert_stores_.at(batch[i])].push_back(
@@ -1009,6 +1038,8 @@ class JobRun {
   absl::Status UpdateBatch(int64_t s, double grad_norm, absl::Span<const ExpertCache::Expert> batch,
                            const std::vector<size_t>& buffer, Overlap overlap) {
     const bool hold = overlap != Overlap::kNone;
+    // Pipelined, the update has a backend of its own (backend_ computes the next step).
+    compute::CpuBackend& backend = hold ? update_backend_ : backend_;
     const model::OptimizerConfig& c = optimizer_->config();
     const model::ParamLayout& layout = model_->layout();
     const float lr = static_cast<float>(model::LearningRate(c, s - 1));
@@ -1040,14 +1071,14 @@ class JobRun {
         for (int t_index = 0; t_index < 4; ++t_index) {
           const model::ParamTensor& t = layout.tensors()[first + t_index];
           const int64_t o = t.offset - base;
-          if (coef < 1.0) update_backend_.Scale(g + o, static_cast<float>(coef), t.numel);
-          update_backend_.AdamW(w[i] + o, g + o, M(b) + o, V(b) + o, t.numel, lr,
-                                static_cast<float>(c.beta1), static_cast<float>(c.beta2),
-                                static_cast<float>(c.eps),
-                                t.decay ? static_cast<float>(c.weight_decay) : 0.0f, count);
+          if (coef < 1.0) backend.Scale(g + o, static_cast<float>(coef), t.numel);
+          backend.AdamW(w[i] + o, g + o, M(b) + o, V(b) + o, t.numel, lr,
+                        static_cast<float>(c.beta1), static_cast<float>(c.beta2),
+                        static_cast<float>(c.eps),
+                        t.decay ? static_cast<float>(c.weight_decay) : 0.0f, count);
         }
       }
-      RETURN_IF_ERROR(update_backend_.Synchronize());
+      RETURN_IF_ERROR(backend.Synchronize());
       for (const ExpertCache::Expert& x : batch) cache_->Updated(x);
       for (size_t i = 0; i < batch.size(); ++i) {
         const auto [l, e] = batch[i];
@@ -1072,15 +1103,13 @@ class JobRun {
       puts_.clear();  // a failed batch sends nothing more
       primary_put_.clear();
     }
-    if (!status.ok()) {
-      moment_current_.assign(moment_current_.size(), 0);
-      count_current_.assign(count_current_.size(), 0);
-    }
     for (size_t i = 0; i < pinned; ++i) cache_->Release(batch[i]);
     return status;
   }
 
-  float* M(size_t buffer) { return moments_.data() + 2 * buffer * shape_.expert_floats(); }
+  float* M(size_t buffer) {
+    return reinterpret_cast<float*>(moment_memory_->data()) + 2 * buffer * shape_.expert_floats();
+  }
   float* V(size_t buffer) { return M(buffer) + shape_.expert_floats(); }
 
   absl::Status Report(int64_t s, const model::StepLoss& loss, uint64_t tokens) {
@@ -1267,7 +1296,9 @@ class JobRun {
   std::vector<float> zeros_;
   // Each group's stores: those read from (complete copies, primary first), and those
   // written to (the same, then the stores joining the group). Written by the training
-  // thread under stores_mu_ (ApplyPlacement); other threads read them under it (ReadStores).
+  // thread under stores_mu_ (ApplyPlacement); the cache's prefetch thread reads them under
+  // it (ReadStores); a step's update threads read them without it, as ApplyPlacement runs
+  // only once they have ended (Finish).
   std::vector<std::string> dense_stores_, dense_write_stores_;
   std::map<std::pair<int, int>, std::vector<std::string>> expert_stores_, expert_write_stores_;
   // Written by the training thread, read by the cache's prefetch thread too.
@@ -1287,7 +1318,7 @@ class JobRun {
   std::vector<bool> pending_written_ ABSL_GUARDED_BY(pending_mu_);  // layer * E + expert
   // Between Compute and Write of a step.
   std::chrono::steady_clock::time_point step_start_;
-  ExpertCache::Stats cache_before_;
+  ExpertCache::Stats observed_;  // the cache's stats at the last ObserveStep
   model::StepLoss computed_loss_;
   double grad_norm_ = 0;
   std::atomic<int64_t> current_step_{0};
@@ -1300,9 +1331,16 @@ class JobRun {
   size_t ring_ = 1;  // scratch moment segments (SetUpMoments)
   // Moment buffers (SetUpMoments): adam_m and adam_v of an expert each, one per updated
   // expert (moment_index_) or one per expert of an update batch. The fetcher reads the
-  // flags of a batch's buffers while the update thread sets another batch's: bytes, not
-  // bits.
-  std::vector<float> moments_;
+  // current flags (these and the counts') of some experts while the update thread sets
+  // others': bytes, not bits.
+  std::unique_ptr<ucx::MemoryRegion> moment_memory_;
+  // The cache slots' memory (owned by cache_), for Registration.
+  struct Registered {
+    const uint8_t* data = nullptr;
+    size_t bytes = 0;
+    ucp_mem_h memh = nullptr;
+  };
+  Registered slots_;
   std::vector<uint8_t> moment_current_;  // the buffer holds the expert's newest moments
   std::map<ExpertCache::Expert, size_t> moment_index_;  // empty: scratch
   // The AdamW count of each expert updated here (count_index_), fetched only while not

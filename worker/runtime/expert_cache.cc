@@ -139,9 +139,10 @@ absl::StatusOr<bool> ExpertCache::FillLocked(int victim, Expert expert, int pins
   s = Slot{expert, false, true, false, pins, ++clock_};
   index_[expert] = victim;
   float* data = SlotData(victim);
+  const bool updating = updating_.count(expert) > 0;
   mu_.Unlock();
   const auto start = std::chrono::steady_clock::now();
-  absl::Status status = fetch_(expert, data, slot_bytes_, memory_->handle());
+  absl::Status status = fetch_(expert, data, slot_bytes_, memory_->handle(), updating);
   const double seconds =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   mu_.Lock();
@@ -173,6 +174,11 @@ void ExpertCache::BeginUpdates(absl::Span<const Expert> experts) {
   updating_.clear();
   updating_.insert(experts.begin(), experts.end());
   updates_failed_ = absl::OkStatus();
+  // A fetch in flight may have asked for a newer version than the update starts from.
+  for (const Expert& x : experts) {
+    auto it = index_.find(x);
+    if (it != index_.end() && slots_[it->second].fetching) slots_[it->second].stale = true;
+  }
 }
 
 void ExpertCache::Updated(Expert expert) {

@@ -34,8 +34,11 @@ namespace pith::runtime {
 class ExpertCache {
  public:
   using Expert = std::pair<int, int>;  // (layer, expert)
-  // Fills `dst` (slot_bytes) with the committed weights of an expert, from the stores.
-  using FetchFn = std::function<absl::Status(Expert, void* dst, size_t bytes, ucp_mem_h memh)>;
+  // Fills `dst` (slot_bytes) with the weights of an expert from the stores: the newest
+  // version, or with `updating` (an update of it is in flight, BeginUpdates) the one the
+  // update starts from.
+  using FetchFn =
+      std::function<absl::Status(Expert, void* dst, size_t bytes, ucp_mem_h memh, bool updating)>;
 
   struct Stats {
     uint64_t hits = 0, misses = 0, prefetch_hits = 0;
@@ -65,9 +68,11 @@ class ExpertCache {
   // Updates applied in place on another thread while compute goes on (the owner's
   // optimizer step of the step before): from BeginUpdates until Updated(x), Acquire(x)
   // waits, so compute never reads weights the update has not reached; AcquireForUpdate(x)
-  // does not wait (it is the update's own read), and neither moves the schedule's cursor
-  // nor waits for anything but a slot. A fetch of such an expert (the prefetcher may make
-  // one) must read the version the update starts from (Updating tells the fetch function).
+  // does not (it is the update's own read: it waits only for a slot, or for a fetch of x
+  // in flight) and leaves the schedule's cursor alone. A fetch of such an expert (the
+  // prefetcher may make one) reads the version the update starts from (the fetch
+  // function is told); one in flight as BeginUpdates is called is thrown away. One set of
+  // updates at a time: BeginUpdates replaces the last set, which must have ended.
   void BeginUpdates(absl::Span<const Expert> experts);
   absl::StatusOr<float*> AcquireForUpdate(Expert expert);
   void Updated(Expert expert);

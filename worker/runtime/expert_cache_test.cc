@@ -24,16 +24,19 @@ class ExpertCacheTest : public ::testing::Test {
   void Open(int slots, absl::Duration fetch_time = absl::ZeroDuration()) {
     auto memory = worker_->Allocate(kSlotBytes * slots);
     ASSERT_TRUE(memory.ok());
-    auto cache = ExpertCache::Create(
-        std::move(*memory), kSlotBytes, slots,
-        [this, fetch_time](ExpertCache::Expert x, void* dst, size_t bytes, ucp_mem_h) {
-          ++fetches_;
-          absl::SleepFor(fetch_time);
-          if (x.first < 0) return absl::NotFoundError("no such expert");
-          float* f = static_cast<float*>(dst);
-          for (size_t i = 0; i < bytes / sizeof(float); ++i) f[i] = x.first * 100.0f + x.second;
-          return absl::OkStatus();
-        });
+    auto cache = ExpertCache::Create(std::move(*memory), kSlotBytes, slots,
+                                     [this, fetch_time](ExpertCache::Expert x, void* dst,
+                                                        size_t bytes, ucp_mem_h, bool updating) {
+                                       ++fetches_;
+                                       if (updating) ++updating_fetches_;
+                                       absl::SleepFor(fetch_time);
+                                       if (x.first < 0)
+                                         return absl::NotFoundError("no such expert");
+                                       float* f = static_cast<float*>(dst);
+                                       for (size_t i = 0; i < bytes / sizeof(float); ++i)
+                                         f[i] = x.first * 100.0f + x.second;
+                                       return absl::OkStatus();
+                                     });
     ASSERT_TRUE(cache.ok()) << cache.status();
     cache_ = std::move(*cache);
   }
@@ -48,6 +51,7 @@ class ExpertCacheTest : public ::testing::Test {
   std::unique_ptr<ucx::Worker> worker_;
   std::unique_ptr<ExpertCache> cache_;
   std::atomic<int> fetches_{0};
+  std::atomic<int> updating_fetches_{0};  // fetches told an update is in flight
 };
 
 TEST_F(ExpertCacheTest, HitsMissesAndLeastRecentlyUsedReuse) {
@@ -95,7 +99,6 @@ TEST_F(ExpertCacheTest, ThePrefetcherFetchesAheadOfTheSchedule) {
   EXPECT_EQ(s.hits + s.misses, 8u);
 }
 
-}  // namespace
 TEST_F(ExpertCacheTest, ComputeWaitsForAnUpdateInFlight) {
   Open(4);
   const std::vector<ExpertCache::Expert> updating = {{0, 1}, {0, 2}};
@@ -159,4 +162,27 @@ TEST_F(ExpertCacheTest, AFailedUpdateLeavesItsExpertsUnreadable) {
   EXPECT_EQ(Read({0, 2}), 2.0f);
 }
 
+TEST_F(ExpertCacheTest, AFetchInFlightWhenUpdatesBeginIsFetchedAgain) {
+  Open(4, absl::Milliseconds(100));
+  // The update's read starts before its updates are begun: it may have asked the stores
+  // for a newer version than the update starts from, so its bytes are thrown away.
+  std::thread update([&] {
+    auto w = cache_->AcquireForUpdate({0, 1});
+    ASSERT_TRUE(w.ok()) << w.status();
+    EXPECT_EQ((*w)[0], 1.0f);
+    cache_->Release({0, 1});
+  });
+  absl::SleepFor(absl::Milliseconds(30));
+  const std::vector<ExpertCache::Expert> updating = {{0, 1}};
+  cache_->BeginUpdates(updating);
+  update.join();
+  EXPECT_EQ(fetches_.load(), 2);
+  EXPECT_EQ(updating_fetches_.load(), 1);  // the second one, told the update is in flight
+  cache_->Updated({0, 1});
+  cache_->EndUpdates(absl::OkStatus());
+  EXPECT_EQ(Read({0, 1}), 1.0f);  // resident: no third fetch
+  EXPECT_EQ(fetches_.load(), 2);
+}
+
+}  // namespace
 }  // namespace pith::runtime
