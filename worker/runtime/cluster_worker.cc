@@ -43,7 +43,7 @@ using store::StoreClient;
 // A store that does not answer within this is taken for dead (its lease then runs out).
 constexpr absl::Duration kStoreTimeout = absl::Seconds(10);
 // Most scratch moment segments (a small cache budget): batch k of a step's updates uses
-// segment k % ring_, so that batch k + 1's moments are fetched while batch k is updated
+// segment k % ring_, so that later batches' moments are fetched while batch k is updated
 // and the writes of the batches before it go on.
 constexpr int kMaxRing = 3;
 
@@ -364,6 +364,8 @@ class JobRun {
     moment_memory_.reset();
     ASSIGN_OR_RETURN(moment_memory_,
                      client_->AllocateBuffer(std::max<size_t>(1, buffers * 2 * slot_bytes)));
+    moments_registered_ = {moment_memory_->data(), moment_memory_->size(),
+                           moment_memory_->handle()};
     moment_current_.assign(buffers, 0);
     moment_index_.clear();
     if (resident) {
@@ -438,10 +440,7 @@ class JobRun {
   // a moment buffer; null for the rest (UCX registers or copies it itself).
   ucp_mem_h Registration(const void* data, size_t bytes) const {
     const auto* p = static_cast<const uint8_t*>(data);
-    for (const Registered& r :
-         {slots_, Registered{moment_memory_ ? moment_memory_->data() : nullptr,
-                             moment_memory_ ? moment_memory_->size() : 0,
-                             moment_memory_ ? moment_memory_->handle() : nullptr}}) {
+    for (const Registered& r : {slots_, moments_registered_}) {
       if (r.data != nullptr && p >= r.data && p + bytes <= r.data + r.bytes) return r.memh;
     }
     return nullptr;
@@ -1334,13 +1333,14 @@ class JobRun {
   // current flags (these and the counts') of some experts while the update thread sets
   // others': bytes, not bits.
   std::unique_ptr<ucx::MemoryRegion> moment_memory_;
-  // The cache slots' memory (owned by cache_), for Registration.
+  // The cache slots' memory (owned by cache_) and the moments', for Registration.
   struct Registered {
     const uint8_t* data = nullptr;
     size_t bytes = 0;
     ucp_mem_h memh = nullptr;
   };
   Registered slots_;
+  Registered moments_registered_;        // moment_memory_'s
   std::vector<uint8_t> moment_current_;  // the buffer holds the expert's newest moments
   std::map<ExpertCache::Expert, size_t> moment_index_;  // empty: scratch
   // The AdamW count of each expert updated here (count_index_), fetched only while not

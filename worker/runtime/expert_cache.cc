@@ -193,11 +193,6 @@ void ExpertCache::EndUpdates(const absl::Status& status) {
   updates_failed_ = status.ok() ? absl::InternalError("an expert update ended unapplied") : status;
 }
 
-bool ExpertCache::Updating(Expert expert) {
-  absl::MutexLock lock(&mu_);
-  return updating_.count(expert) > 0;
-}
-
 absl::Status ExpertCache::AwaitUpdates() {
   absl::MutexLock lock(&mu_);
   auto done = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {

@@ -79,7 +79,6 @@ class ExpertCache {
   // Ends the updates: with an error, the experts not updated stay unreadable (Acquire and
   // AwaitUpdates return `status`) until the next BeginUpdates.
   void EndUpdates(const absl::Status& status);
-  bool Updating(Expert expert);
   // Waits until every update begun has been applied (OK) or the updates failed.
   absl::Status AwaitUpdates();
 
