@@ -244,7 +244,8 @@ bool SiblingKinds(const StoreClient::PutItem& item, const StoreClient::PutItem& 
 
 }  // namespace
 
-absl::Status StoreClient::PutMany(absl::Span<PutItem> items, absl::Duration timeout) {
+absl::Status StoreClient::PutMany(absl::Span<PutItem> items, absl::Duration timeout,
+                                  const std::function<void(const absl::Status&)>& buffers_free) {
   // NOTE: an item whose bytes another item of the call sends to the same store as the
   // sibling kind (fp32 weights are their own master copy) goes in a second round, once
   // that one is written, as a reference to it: no payload, no second checksum there.
@@ -268,6 +269,7 @@ absl::Status StoreClient::PutMany(absl::Span<PutItem> items, absl::Duration time
     if (source[i] < 0) first_round.push_back(i);
   }
   absl::Status first = PutRound(items, first_round, source, deadline);
+  if (buffers_free) buffers_free(first);  // the references carry no payload
   for (size_t i = 0; i < items.size(); ++i) {
     if (source[i] < 0) continue;
     if (items[source[i]].status.ok()) {

@@ -9,6 +9,7 @@
 
 #include <atomic>
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <string>
@@ -55,7 +56,7 @@ class StoreClient {
     int peer = -1;
     v1::BlobKey key;
     int64_t version = 0;
-    const void* data = nullptr;  // valid until PutMany returns
+    const void* data = nullptr;  // valid until PutMany returns (or calls buffers_free)
     size_t size = 0;
     ucp_mem_h memh = nullptr;
     // Filled in:
@@ -66,7 +67,11 @@ class StoreClient {
   // are answered: OK when all are, else the first error, each item's status set. An item
   // with the same buffer, version and store as another's of the sibling kind (weights and
   // master of one expert or tensor) is sent after it, as a reference (no payload).
-  absl::Status PutMany(absl::Span<PutItem> items, absl::Duration timeout = absl::Seconds(30));
+  // `buffers_free`, if set, is called (on the calling thread) as soon as no item's buffer
+  // is read any more: once the payloads are answered, before the references go; with
+  // their status.
+  absl::Status PutMany(absl::Span<PutItem> items, absl::Duration timeout = absl::Seconds(30),
+                       const std::function<void(const absl::Status&)>& buffers_free = nullptr);
 
   // Writes (key, version) from `data`; returns what the store recorded.
   absl::StatusOr<v1::BlobInfo> Put(int peer, const v1::BlobKey& key, int64_t version,

@@ -13,8 +13,9 @@
 // Each side runs twice, in the order PyTorch, resident, 25%, 25%, resident, PyTorch: every
 // ratio compares two means centred on the same moment, so a drift of the machine's speed
 // during the run (this VM has slow and fast spells) cancels instead of favouring a side.
-// Usage: cluster_bench [--steps=N] [--repo=DIR]
+// Usage: cluster_bench [--steps=N] [--repo=DIR] [--verbose]
 #include <chrono>
+#include <cmath>
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
@@ -37,6 +38,7 @@ namespace {
 using pith::testing::ChildProcess;
 
 int g_steps = 30;
+bool g_verbose = false;          // --verbose: every run's per-step times on stderr
 constexpr int kWarmupSteps = 3;  // steps timed by neither side (start-up, first fetches)
 std::string g_repo = PITH_SOURCE_DIR;
 
@@ -116,8 +118,10 @@ bool RunCluster(const std::string& dir, uint64_t cache_bytes, Measured* m) {
   double seconds = 0, tokens = 0;
   int counted = 0;
   int64_t last_step = -1;
+  std::string times;
   while (stream->Read(&event)) {
     if (event.step() > kWarmupSteps && event.step() != last_step && event.step_seconds() > 0) {
+      if (g_verbose) times += " " + std::to_string(std::lround(1000 * event.step_seconds()));
       seconds += event.step_seconds();
       tokens += event.tokens_per_second() * event.step_seconds();
       ++counted;
@@ -132,6 +136,11 @@ bool RunCluster(const std::string& dir, uint64_t cache_bytes, Measured* m) {
   if (event.state() != pith::v1::JOB_STATE_SUCCEEDED || counted == 0) {
     std::fprintf(stderr, "the job did not succeed: %s\n", event.ShortDebugString().c_str());
     return false;
+  }
+  if (g_verbose) {
+    std::fprintf(stderr, "cache_bytes=%llu mean %.1f ms, steps (ms):%s\n",
+                 static_cast<unsigned long long>(cache_bytes), 1000 * seconds / counted,
+                 times.c_str());
   }
   m->seconds += seconds;
   m->tokens += tokens;
@@ -183,10 +192,12 @@ int main(int argc, char** argv) {
   for (int i = 1; i < argc; ++i) {
     if (std::strncmp(argv[i], "--steps=", 8) == 0) {
       g_steps = std::atoi(argv[i] + 8);
+    } else if (std::strcmp(argv[i], "--verbose") == 0) {
+      g_verbose = true;
     } else if (std::strncmp(argv[i], "--repo=", 7) == 0) {
       g_repo = argv[i] + 7;
     } else {
-      std::fprintf(stderr, "usage: cluster_bench [--steps=N] [--repo=DIR]\n");
+      std::fprintf(stderr, "usage: cluster_bench [--steps=N] [--repo=DIR] [--verbose]\n");
       return 2;
     }
   }

@@ -6,6 +6,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstring>
+#include <functional>
 #include <future>
 #include <map>
 #include <memory>
@@ -34,6 +35,7 @@
 #include "worker/runtime/dispatch.h"
 #include "worker/runtime/expert_cache.h"
 #include "worker/runtime/peer_group.h"
+#include "worker/runtime/task_threads.h"
 
 namespace pith::runtime {
 namespace {
@@ -195,17 +197,12 @@ class JobRun {
     ASSIGN_OR_RETURN(std::unique_ptr<ucx::MemoryRegion> slot_memory,
                      client_->AllocateBuffer(slot_bytes * slots));
     slots_ = {slot_memory->data(), slot_bytes * slots, slot_memory->handle()};
-    ASSIGN_OR_RETURN(
-        cache_,
-        ExpertCache::Create(
-            std::move(slot_memory), slot_bytes, slots,
-            [this](ExpertCache::Expert x, void* dst, size_t bytes, ucp_mem_h memh, bool updating) {
-              std::vector<StoreClient::FetchItem> items = {
-                  Item(Key(x.first, x.second, "", v1::BLOB_KIND_WEIGHTS), dst, bytes)};
-              items[0].memh = memh;
-              return FetchNewest(ReadStores(x), items, updating);
-            },
-            /*pinned_wait=*/kStoreTimeout));
+    ASSIGN_OR_RETURN(cache_,
+                     ExpertCache::Create(
+                         std::move(slot_memory), slot_bytes, slots,
+                         [this](absl::Span<ExpertCache::FetchRequest> requests, size_t bytes,
+                                ucp_mem_h memh) { return FetchWeights(requests, bytes, memh); },
+                         /*pinned_wait=*/kStoreTimeout));
     dispatch_->SetCache(cache_.get());
     RETURN_IF_ERROR(SetUpMoments());
     ASSIGN_OR_RETURN(dataset_, data::TokenDataset::Open(spec.train().data_path(), shape_.vocab));
@@ -453,9 +450,10 @@ class JobRun {
     return s;
   }
   // Sends `puts` (primary[i]: to its group's first store, reported as written).
-  absl::Status FlushItems(std::vector<StoreClient::PutItem>& puts,
-                          const std::vector<bool>& primary) {
-    absl::Status s = client_->PutMany(absl::MakeSpan(puts), kStoreTimeout);
+  // `buffers_free` as PutMany's.
+  absl::Status FlushItems(std::vector<StoreClient::PutItem>& puts, const std::vector<bool>& primary,
+                          const std::function<void(const absl::Status&)>& buffers_free = nullptr) {
+    absl::Status s = client_->PutMany(absl::MakeSpan(puts), kStoreTimeout, buffers_free);
     absl::MutexLock lock(&written_mu_);
     for (size_t i = 0; i < puts.size(); ++i) {
       if (!puts[i].status.ok()) continue;
@@ -489,21 +487,22 @@ class JobRun {
     return false;
   }
   // Sends what puts_ holds (the writes of `batch`, whose slots are pinned, and whatever
-  // was queued before them) on a thread of its own, then releases the batch's slots and
-  // sets `landed`.
+  // was queued before them) on a thread of its own; releases the batch's slots and sets
+  // `landed` as soon as the payloads have landed (the master copies, references to the
+  // weights, go after that).
   std::shared_future<absl::Status> LaunchFlush(absl::Span<const ExpertCache::Expert> batch,
                                                std::promise<absl::Status> landed) {
     std::shared_future<absl::Status> f =
-        std::async(std::launch::async, [this, puts = std::move(puts_),
-                                        primary = std::move(primary_put_),
-                                        held = std::vector<ExpertCache::Expert>(batch.begin(),
-                                                                                batch.end()),
-                                        landed = std::move(landed)]() mutable {
-          absl::Status st = FlushItems(puts, primary);
-          for (const ExpertCache::Expert& x : held) cache_->Release(x);
-          landed.set_value(st);
-          return st;
-        }).share();
+        tasks_
+            .Async([this, puts = std::move(puts_), primary = std::move(primary_put_),
+                    held = std::vector<ExpertCache::Expert>(batch.begin(), batch.end()),
+                    landed = std::move(landed)]() mutable {
+              return FlushItems(puts, primary, [&](const absl::Status& sent) {
+                for (const ExpertCache::Expert& x : held) cache_->Release(x);
+                landed.set_value(sent);
+              });
+            })
+            .share();
     puts_.clear();
     primary_put_.clear();
     return f;
@@ -557,20 +556,48 @@ class JobRun {
 
   // Reads the newest versions of expert `items`: while a step is pending (written, its
   // commit not yet known), its version of the experts it wrote (those that got tokens: a
-  // missing one is an error), the committed version of the others; with `updating` (their
-  // update is still to be applied here) the committed version, which the update reads.
+  // missing one is an error), the committed version of the others; with `updating[i]`
+  // (item i's update is still to be applied here) the committed version, which the update
+  // reads.
   absl::Status FetchNewest(const std::vector<std::string>& stores,
-                           std::vector<StoreClient::FetchItem>& items, bool updating) {
+                           std::vector<StoreClient::FetchItem>& items,
+                           const std::vector<bool>& updating) {
     {
       absl::MutexLock lock(&pending_mu_);
-      for (StoreClient::FetchItem& item : items) {
+      for (size_t i = 0; i < items.size(); ++i) {
+        StoreClient::FetchItem& item = items[i];
         const v1::BlobKey& k = item.key;
-        const bool written = pending_step_ >= 0 && !updating &&
+        const bool written = pending_step_ >= 0 && !updating[i] &&
                              pending_written_[k.layer() * shape_.experts + k.expert()];
         item.version = written ? pending_step_ : -1;
       }
     }
     return Fetch(stores, items);
+  }
+
+  // The cache's fetch function: one FetchNewest per store group of the requests.
+  absl::Status FetchWeights(absl::Span<ExpertCache::FetchRequest> requests, size_t bytes,
+                            ucp_mem_h memh) {
+    std::map<std::vector<std::string>, std::vector<size_t>> groups;
+    for (size_t i = 0; i < requests.size(); ++i)
+      groups[ReadStores(requests[i].expert)].push_back(i);
+    absl::Status first;
+    for (const auto& [stores, members] : groups) {
+      std::vector<StoreClient::FetchItem> items;
+      std::vector<bool> updating;
+      for (size_t i : members) {
+        const auto [l, e] = requests[i].expert;
+        items.push_back(Item(Key(l, e, "", v1::BLOB_KIND_WEIGHTS), requests[i].dst, bytes));
+        items.back().memh = memh;
+        updating.push_back(requests[i].updating);
+      }
+      const absl::Status st = FetchNewest(stores, items, updating);
+      for (size_t k = 0; k < members.size(); ++k) {
+        requests[members[k]].status = st.ok() ? items[k].status : st;
+      }
+      first.Update(st);
+    }
+    return first;
   }
 
   // Step s is written and reported; the next step's reads ask for its versions.
@@ -814,23 +841,21 @@ class JobRun {
     // is pinned until its writes land).
     cache_->BeginUpdates(used);
     SetPending(s);
-    writes_ = std::async(std::launch::async,
-                         [this, overlap, used = std::move(used), grad_norm = grad_norm_, tail]() {
-                           absl::Status st = UpdateExperts(tail.step, grad_norm, overlap, used);
-                           cache_->EndUpdates(st);
-                           if (st.ok() && !puts_.empty()) st = Flush();
-                           for (const ExpertCache::Expert& x : held_) cache_->Release(x);
-                           held_.clear();
-                           for (const std::shared_future<absl::Status>& f : flushes_)
-                             st.Update(f.get());
-                           flushes_.clear();
-                           if (!st.ok()) {
-                             DropWrites();
-                             return st;
-                           }
-                           ObserveStep(tail);
-                           return Report(tail.step, tail.loss, tail.tokens);
-                         });
+    writes_ = tasks_.Async([this, overlap, used = std::move(used), grad_norm = grad_norm_, tail]() {
+      absl::Status st = UpdateExperts(tail.step, grad_norm, overlap, used);
+      cache_->EndUpdates(st);
+      if (st.ok() && !puts_.empty()) st = Flush();
+      for (const ExpertCache::Expert& x : held_) cache_->Release(x);
+      held_.clear();
+      for (const std::shared_future<absl::Status>& f : flushes_) st.Update(f.get());
+      flushes_.clear();
+      if (!st.ok()) {
+        DropWrites();
+        return st;
+      }
+      ObserveStep(tail);
+      return Report(tail.step, tail.loss, tail.tokens);
+    });
     return absl::OkStatus();
   }
 
@@ -951,7 +976,7 @@ class JobRun {
     // batch j once batch j - ring_'s is, together with every later batch whose segment is
     // free by then (one round trip for them all). Resident moments are current after the
     // first step: nothing to fetch.
-    std::thread fetcher([&] {
+    std::future<void> fetcher = tasks_.Async([&] {
       const auto is_free = [&](size_t j) {
         return !reuse || j < ring_ ||
                (segment_free[j - ring_].wait_for(std::chrono::seconds(0)) ==
@@ -992,7 +1017,7 @@ class JobRun {
     // On a failure the fetcher stops at the segments never freed; nothing may still be
     // fetching into the buffers or sending from them when this returns.
     for (size_t m = k; m < n; ++m) freed[m].set_value(status);
-    fetcher.join();
+    fetcher.wait();
     if (!status.ok()) {
       for (const std::shared_future<absl::Status>& f : flushes) f.wait();
       // Nothing here is current any more (a step that does not commit ends this JobRun
@@ -1360,6 +1385,9 @@ class JobRun {
   // The writes and report of the step written last, going on while the next one computes
   // (Write), waited for by Finish and the destructor; last, so it ends first.
   std::future<absl::Status> writes_;
+  // The threads writes_, the fetcher and the flushes run on; last: its destructor waits
+  // for them before anything they use goes.
+  TaskThreads tasks_;
 };
 
 }  // namespace

@@ -133,31 +133,65 @@ absl::StatusOr<float*> ExpertCache::AcquireLocked(Expert expert, bool consumer) 
   }
 }
 
-absl::StatusOr<bool> ExpertCache::FillLocked(int victim, Expert expert, int pins) {
+void ExpertCache::ClaimLocked(int victim, Expert expert, int pins) {
   Slot& s = slots_[victim];
   if (s.valid) index_.erase(s.expert);
   s = Slot{expert, false, true, false, pins, ++clock_};
   index_[expert] = victim;
-  float* data = SlotData(victim);
-  const bool updating = updating_.count(expert) > 0;
-  mu_.Unlock();
-  const auto start = std::chrono::steady_clock::now();
-  absl::Status status = fetch_(expert, data, slot_bytes_, memory_->handle(), updating);
-  const double seconds =
-      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-  mu_.Lock();
+}
+
+bool ExpertCache::LandLocked(int victim, Expert expert, const absl::Status& status) {
+  Slot& s = slots_[victim];
   s.fetching = false;
   ++clock_;
   if (!status.ok() || s.stale) {
     index_.erase(expert);
     s = Slot{};
-    if (!status.ok()) return status;
     return false;
   }
   s.valid = true;
   stats_.bytes_fetched += slot_bytes_;
-  stats_.seconds_fetching += seconds;
   return true;
+}
+
+absl::StatusOr<bool> ExpertCache::FillLocked(int victim, Expert expert, int pins) {
+  ClaimLocked(victim, expert, pins);
+  FetchRequest request{expert, SlotData(victim), updating_.count(expert) > 0, absl::OkStatus()};
+  mu_.Unlock();
+  const auto start = std::chrono::steady_clock::now();
+  const absl::Status status = fetch_(absl::MakeSpan(&request, 1), slot_bytes_, memory_->handle());
+  const double seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  mu_.Lock();
+  stats_.seconds_fetching += seconds;
+  if (!LandLocked(victim, expert, status)) {
+    if (!status.ok()) return status;
+    return false;
+  }
+  return true;
+}
+
+absl::Status ExpertCache::FillManyLocked(const std::vector<int>& victims) {
+  std::vector<FetchRequest> requests;
+  for (int v : victims) {
+    const Expert x = slots_[v].expert;
+    requests.push_back({x, SlotData(v), updating_.count(x) > 0, absl::OkStatus()});
+  }
+  mu_.Unlock();
+  const auto start = std::chrono::steady_clock::now();
+  const absl::Status status = fetch_(absl::MakeSpan(requests), slot_bytes_, memory_->handle());
+  const double seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  mu_.Lock();
+  stats_.seconds_fetching += seconds;
+  // An error no request carries fails them all.
+  bool carried = status.ok();
+  for (const FetchRequest& r : requests) carried |= !r.status.ok();
+  for (size_t i = 0; i < victims.size(); ++i) {
+    const absl::Status& st = carried ? requests[i].status : status;
+    if (LandLocked(victims[i], requests[i].expert, st)) slots_[victims[i]].prefetched = true;
+  }
+  return status;
 }
 
 void ExpertCache::Release(Expert expert) {
@@ -245,33 +279,30 @@ ExpertCache::Stats ExpertCache::stats() {
 void ExpertCache::Prefetch() {
   absl::MutexLock lock(&mu_);
   while (!stop_) {
-    // The next scheduled expert within reach (a slot's worth ahead of the consumer) that
-    // is not resident yet.
-    int target = -1;
+    // The next scheduled experts within reach (a slot's worth ahead of the consumer) that
+    // are not resident yet, as many as there are slots to reuse (kPrefetchBatch at most),
+    // each slot claimed as it is chosen.
+    std::vector<int> victims;
     const size_t reach = std::min(schedule_.size(), cursor_ + slots_.size() - 1);
-    for (size_t i = cursor_; i < reach; ++i) {
-      if (!index_.count(schedule_[i])) {
-        target = static_cast<int>(i);
-        break;
-      }
+    for (size_t i = cursor_; i < reach && victims.size() < kPrefetchBatch; ++i) {
+      if (index_.count(schedule_[i])) continue;
+      const int victim = VictimLocked();
+      if (victim < 0) break;
+      ClaimLocked(victim, schedule_[i], /*pins=*/0);
+      victims.push_back(victim);
     }
-    const int victim = target >= 0 ? VictimLocked() : -1;
-    if (target < 0 || victim < 0) {
+    if (victims.empty()) {
       const uint64_t seen = clock_;
       auto changed = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return stop_ || clock_ != seen; };
       mu_.AwaitWithTimeout(absl::Condition(&changed), absl::Milliseconds(50));
       continue;
     }
-    const Expert expert = schedule_[target];
-    absl::StatusOr<bool> filled = FillLocked(victim, expert, /*pins=*/0);
-    if (!filled.ok()) {
-      // The consumer fetches it itself and sees the error; back off meanwhile.
+    if (!FillManyLocked(victims).ok()) {
+      // The consumer fetches them itself and sees the error; back off meanwhile.
       const uint64_t seen = clock_;
       auto changed = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return stop_ || clock_ != seen; };
       mu_.AwaitWithTimeout(absl::Condition(&changed), absl::Milliseconds(100));
-      continue;
     }
-    if (*filled) slots_[victim].prefetched = true;
   }
 }
 

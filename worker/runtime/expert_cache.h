@@ -10,7 +10,7 @@
 // the math.
 //
 // Thread safety: all methods are thread-safe; the fetch function runs on the caller's or
-// the prefetcher's thread.
+// the prefetcher's thread. The prefetcher fetches up to kPrefetchBatch experts at a time.
 #ifndef PITH_WORKER_RUNTIME_EXPERT_CACHE_H_
 #define PITH_WORKER_RUNTIME_EXPERT_CACHE_H_
 
@@ -34,11 +34,20 @@ namespace pith::runtime {
 class ExpertCache {
  public:
   using Expert = std::pair<int, int>;  // (layer, expert)
-  // Fills `dst` (slot_bytes) with the weights of an expert from the stores: the newest
-  // version, or with `updating` (an update of it is in flight, BeginUpdates) the one the
-  // update starts from.
+  static constexpr int kPrefetchBatch = 4;
+  // One expert for the fetch function: fill `dst` (slot_bytes, in the cache's registered
+  // memory) with its weights from the stores: the newest version, or with `updating` (an
+  // update of it is in flight, BeginUpdates) the one the update starts from.
+  struct FetchRequest {
+    Expert expert;
+    void* dst = nullptr;
+    bool updating = false;
+    absl::Status status;  // set by the fetch function
+  };
+  // Fetches every request (the prefetcher asks for several at once: one round trip per
+  // store group, not per expert), setting each one's status; returns the first error.
   using FetchFn =
-      std::function<absl::Status(Expert, void* dst, size_t bytes, ucp_mem_h memh, bool updating)>;
+      std::function<absl::Status(absl::Span<FetchRequest> requests, size_t bytes, ucp_mem_h memh)>;
 
   struct Stats {
     uint64_t hits = 0, misses = 0, prefetch_hits = 0;
@@ -108,6 +117,16 @@ class ExpertCache {
   // true when it holds the expert, false when it was invalidated meanwhile (the slot is
   // free again), the fetch's error otherwise (the slot is free again). Requires mu_.
   absl::StatusOr<bool> FillLocked(int victim, Expert expert, int pins)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The prefetcher's: fills the slots of `victims` (claimed by ClaimLocked) with their
+  // experts in one fetch, unpinned; returns the fetch's status.
+  absl::Status FillManyLocked(const std::vector<int>& victims) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Marks slot `victim` as being filled with `expert`.
+  void ClaimLocked(int victim, Expert expert, int pins) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Ends the fill of slot `victim` (claimed for `expert`) with `status`: true when it holds
+  // the expert, false when it was invalidated meanwhile or the fetch failed (the slot is
+  // free again).
+  bool LandLocked(int victim, Expert expert, const absl::Status& status)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Acquire's body; `consumer`: the compute's acquire (moves the cursor).
   absl::StatusOr<float*> AcquireLocked(Expert expert, bool consumer)

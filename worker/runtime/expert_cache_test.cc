@@ -3,6 +3,7 @@
 // for updates in flight.
 #include "worker/runtime/expert_cache.h"
 
+#include <algorithm>
 #include <atomic>
 #include <thread>
 #include <vector>
@@ -24,19 +25,28 @@ class ExpertCacheTest : public ::testing::Test {
   void Open(int slots, absl::Duration fetch_time = absl::ZeroDuration()) {
     auto memory = worker_->Allocate(kSlotBytes * slots);
     ASSERT_TRUE(memory.ok());
-    auto cache = ExpertCache::Create(std::move(*memory), kSlotBytes, slots,
-                                     [this, fetch_time](ExpertCache::Expert x, void* dst,
-                                                        size_t bytes, ucp_mem_h, bool updating) {
-                                       ++fetches_;
-                                       if (updating) ++updating_fetches_;
-                                       absl::SleepFor(fetch_time);
-                                       if (x.first < 0)
-                                         return absl::NotFoundError("no such expert");
-                                       float* f = static_cast<float*>(dst);
-                                       for (size_t i = 0; i < bytes / sizeof(float); ++i)
-                                         f[i] = x.first * 100.0f + x.second;
-                                       return absl::OkStatus();
-                                     });
+    auto cache = ExpertCache::Create(
+        std::move(*memory), kSlotBytes, slots,
+        [this, fetch_time](absl::Span<ExpertCache::FetchRequest> requests, size_t bytes,
+                           ucp_mem_h) {
+          ++calls_;
+          largest_call_ = std::max<int>(largest_call_, static_cast<int>(requests.size()));
+          absl::SleepFor(fetch_time);
+          absl::Status first;
+          for (ExpertCache::FetchRequest& r : requests) {
+            ++fetches_;
+            if (r.updating) ++updating_fetches_;
+            if (r.expert.first < 0) {
+              r.status = absl::NotFoundError("no such expert");
+              first.Update(r.status);
+              continue;
+            }
+            float* f = static_cast<float*>(r.dst);
+            for (size_t i = 0; i < bytes / sizeof(float); ++i)
+              f[i] = r.expert.first * 100.0f + r.expert.second;
+          }
+          return first;
+        });
     ASSERT_TRUE(cache.ok()) << cache.status();
     cache_ = std::move(*cache);
   }
@@ -50,7 +60,9 @@ class ExpertCacheTest : public ::testing::Test {
 
   std::unique_ptr<ucx::Worker> worker_;
   std::unique_ptr<ExpertCache> cache_;
-  std::atomic<int> fetches_{0};
+  std::atomic<int> fetches_{0};           // experts fetched
+  std::atomic<int> calls_{0};             // fetch calls (the prefetcher's take several)
+  std::atomic<int> largest_call_{0};      // experts in the largest call
   std::atomic<int> updating_fetches_{0};  // fetches told an update is in flight
 };
 
@@ -83,6 +95,41 @@ TEST_F(ExpertCacheTest, PinnedSlotsAreNeverReused) {
   EXPECT_EQ(Read({0, 2}), 2.0f);  // took (0, 0)'s slot
   EXPECT_EQ((*b)[0], 1.0f);       // (0, 1) stayed put
   cache_->Release({0, 1});
+}
+
+TEST_F(ExpertCacheTest, ThePrefetcherFetchesSeveralExpertsPerCall) {
+  // Eight slots, a schedule of 16 experts read slowly: the prefetcher fills the free slots
+  // several at a time, never more than kPrefetchBatch per call.
+  Open(8, absl::Milliseconds(5));
+  std::vector<ExpertCache::Expert> order;
+  for (int e = 0; e < 16; ++e) order.push_back({1, e});
+  cache_->SetSchedule(order);
+  absl::SleepFor(absl::Milliseconds(100));  // the first slots fill before compute starts
+  for (const auto& x : order) {
+    EXPECT_EQ(Read(x), 100.0f + x.second);
+    absl::SleepFor(absl::Milliseconds(5));
+  }
+  EXPECT_EQ(fetches_.load(), 16);
+  EXPECT_LT(calls_.load(), 16);
+  EXPECT_GT(largest_call_.load(), 1);
+  EXPECT_LE(largest_call_.load(), ExpertCache::kPrefetchBatch);
+}
+
+TEST_F(ExpertCacheTest, OneFailedExpertOfAPrefetchLeavesTheOthers) {
+  // The prefetcher asks for a missing expert together with good ones: the good ones land,
+  // the missing one is an error for the consumer that reads it.
+  Open(4, absl::Milliseconds(5));
+  cache_->SetSchedule({{0, 1}, {-1, 0}, {0, 2}, {0, 3}});
+  absl::SleepFor(absl::Milliseconds(100));
+  EXPECT_EQ(Read({0, 1}), 1.0f);
+  EXPECT_EQ(cache_->Acquire({-1, 0}).status().code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(Read({0, 2}), 2.0f);
+  EXPECT_EQ(Read({0, 3}), 3.0f);
+  // The good ones were all prefetched: every read of them a hit.
+  const ExpertCache::Stats st = cache_->stats();
+  EXPECT_EQ(st.hits, 3u);
+  EXPECT_EQ(st.prefetch_hits, 3u);
+  EXPECT_GT(largest_call_.load(), 1);
 }
 
 TEST_F(ExpertCacheTest, ThePrefetcherFetchesAheadOfTheSchedule) {
