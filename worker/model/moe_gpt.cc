@@ -307,6 +307,7 @@ absl::StatusOr<StepLoss> MoeGpt::ForwardBackward(const int32_t* inputs, const in
   }
   if (parallel_ != nullptr) {
     RETURN_IF_ERROR(parallel_->AllReduce(global_stats_.data(), global_stats_.size()));
+    parallel_->RoutingKnown();
   }
   StepLoss loss;
   double local[2] = {0, 0};  // cross-entropy and z-loss sums of this worker's tokens

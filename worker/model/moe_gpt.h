@@ -50,6 +50,9 @@ class ExpertParallel {
   // Called after the forward, before any expert gradient is zeroed or written: the
   // previous step's optimizer update may still be reading them (it overlaps the forward).
   virtual absl::Status BeforeBackward() { return absl::OkStatus(); }
+  // Called once the step's global routing is known (ExpertUsed answers for this step),
+  // before the backward.
+  virtual void RoutingKnown() {}
 };
 
 class MoeGpt {

@@ -10,6 +10,7 @@
 #include <future>
 #include <map>
 #include <memory>
+#include <numeric>
 #include <optional>
 #include <thread>
 #include <vector>
@@ -258,6 +259,7 @@ class JobRun {
     dispatch_ = std::make_unique<Dispatch>(&backend_, model_.get(), peers_, std::move(owners));
     model_->SetExpertParallel(dispatch_.get());
     if (cache_ != nullptr) dispatch_->SetCache(cache_.get());
+    dispatch_->SetRoutingKnown([this] { StartEarlyMoments(); });
     owned_.clear();
     updated_.clear();
     for (int l = 0; l < shape_.layers; ++l) {
@@ -282,6 +284,7 @@ class JobRun {
   // same workers and ranks and the same spec (only the placement changed), keeping the
   // model, optimizer, dataset and cache; false when it is not (the caller starts over).
   absl::StatusOr<bool> Adopt() {
+    DropEarlyMoments();  // it reads the stores of the placement this replaces
     v1::GetAssignmentRequest req;
     req.set_worker_id(me_);
     v1::Assignment next;
@@ -347,6 +350,8 @@ class JobRun {
   // about half the slots: an eighth of them a batch (1 to 4 experts), 2 or 3 segments (an
   // Acquire that finds every slot pinned waits for a write to land).
   absl::Status SetUpMoments() {
+    DropEarlyMoments();
+    segments_free_ = {};
     const size_t slot_bytes = shape_.expert_floats() * sizeof(float);
     const uint64_t budget = CacheBudget();
     const uint64_t want = slot_bytes * (owned_.size() + 1 + 2 * updated_.size());
@@ -764,14 +769,19 @@ class JobRun {
           peers_->AllReduceSum(&one, 1, (static_cast<uint64_t>(s) << 32) | (1ull << 28)));
     }
     dispatch_->SetStep(s);
-    // The owner's compute order: forward through the layers, backward, then the updates.
+    // The owner's compute order, for the prefetcher: the forward through the layers, of
+    // the experts expected to get tokens (those that got some last step; every one before
+    // the first), then the backward, then the updates (RoutingKnown: only those that did).
     // Experts this worker computes but does not update were updated by their primary.
     for (const ExpertCache::Expert& x : owned_) {
       if (!Owns(x.first, x.second)) cache_->Invalidate(x);
     }
-    std::vector<ExpertCache::Expert> order(owned_.begin(), owned_.end());
-    for (auto it = owned_.rbegin(); it != owned_.rend(); ++it) order.push_back(*it);
-    order.insert(order.end(), updated_.begin(), updated_.end());
+    std::vector<ExpertCache::Expert> order;
+    for (const ExpertCache::Expert& x : owned_) {
+      if (last_used_.empty() || last_used_[x.first * shape_.experts + x.second]) order.push_back(x);
+    }
+    const std::vector<ExpertCache::Expert> forward = order;
+    order.insert(order.end(), forward.rbegin(), forward.rend());
     cache_->SetSchedule(std::move(order));
     const int T = shape_.seq;
     const int64_t B = a_.spec().train().batch();
@@ -814,10 +824,7 @@ class JobRun {
     metrics_->tokens->Increment(static_cast<double>(rows_.size() * T));
     metrics_->rows_sent->Increment(static_cast<double>(dispatch_->rows_sent()));
     // The experts this step updates: its routing, read before the next step's forward.
-    std::vector<ExpertCache::Expert> used;
-    for (const ExpertCache::Expert& x : updated_) {
-      if (model_->ExpertUsed(x.first, x.second)) used.push_back(x);
-    }
+    std::vector<ExpertCache::Expert> used = UsedExperts();
     const StepTail tail{s, computed_loss_, rows_.size() * T, step_start_};
     if (overlap == Overlap::kNone) {
       absl::Status updated = UpdateExperts(s, grad_norm_, overlap, used);
@@ -841,22 +848,94 @@ class JobRun {
     // is pinned until its writes land).
     cache_->BeginUpdates(used);
     SetPending(s);
-    writes_ = tasks_.Async([this, overlap, used = std::move(used), grad_norm = grad_norm_, tail]() {
-      absl::Status st = UpdateExperts(tail.step, grad_norm, overlap, used);
-      cache_->EndUpdates(st);
-      if (st.ok() && !puts_.empty()) st = Flush();
-      for (const ExpertCache::Expert& x : held_) cache_->Release(x);
-      held_.clear();
-      for (const std::shared_future<absl::Status>& f : flushes_) st.Update(f.get());
-      flushes_.clear();
-      if (!st.ok()) {
-        DropWrites();
-        return st;
-      }
-      ObserveStep(tail);
-      return Report(tail.step, tail.loss, tail.tokens);
-    });
+    std::promise<absl::Status> segments_free;
+    segments_free_ = segments_free.get_future().share();
+    writes_ =
+        tasks_.Async([this, overlap, used = std::move(used), grad_norm = grad_norm_, tail,
+                      segments_free = std::move(segments_free), early = std::move(early_moments_),
+                      early_used = std::move(early_used_)]() mutable {
+          absl::Status st =
+              UpdateExperts(tail.step, grad_norm, overlap, used, std::move(early), early_used);
+          cache_->EndUpdates(st);
+          // The scratch segments are free once every batch's payloads have landed: the next
+          // step's backward fetches into them (StartEarlyMoments).
+          absl::Status free = st;
+          for (const std::shared_future<absl::Status>& f : landed_) free.Update(f.get());
+          landed_.clear();
+          segments_free.set_value(free);
+          if (st.ok() && !puts_.empty()) st = Flush();
+          for (const ExpertCache::Expert& x : held_) cache_->Release(x);
+          held_.clear();
+          for (const std::shared_future<absl::Status>& f : flushes_) st.Update(f.get());
+          flushes_.clear();
+          if (!st.ok()) {
+            DropWrites();
+            return st;
+          }
+          ObserveStep(tail);
+          return Report(tail.step, tail.loss, tail.tokens);
+        });
     return absl::OkStatus();
+  }
+
+  // The experts this step updates: those updated here that got tokens (its routing).
+  std::vector<ExpertCache::Expert> UsedExperts() const {
+    std::vector<ExpertCache::Expert> used;
+    for (const ExpertCache::Expert& x : updated_) {
+      if (model_->ExpertUsed(x.first, x.second)) used.push_back(x);
+    }
+    return used;
+  }
+
+  // Once step s's routing is known, in its backward (the training thread): with scratch
+  // moments (kBatches), fetches the moments and counts of its first ring_ update batches
+  // into their segments as soon as step s - 1's payloads have landed there, at the
+  // versions the update will read: step s - 1's for the experts it wrote (pending, or
+  // committed by then), the committed one for the others. The update starts from them
+  // instead of waiting a round trip (UpdateExperts).
+  void StartEarlyMoments() {
+    DropEarlyMoments();
+    // The rest of the step's schedule: the backward of the experts computed here that got
+    // tokens, then the updates; and the forward's guess for the next step.
+    last_used_.assign(shape_.layers * shape_.experts, 0);
+    std::vector<ExpertCache::Expert> order;
+    for (auto it = owned_.rbegin(); it != owned_.rend(); ++it) {
+      if (!model_->ExpertUsed(it->first, it->second)) continue;
+      last_used_[it->first * shape_.experts + it->second] = 1;
+      order.push_back(*it);
+    }
+    const std::vector<ExpertCache::Expert> updates = UsedExperts();
+    order.insert(order.end(), updates.begin(), updates.end());
+    cache_->SetSchedule(std::move(order));
+    if (OverlapWrites() != Overlap::kBatches) return;
+    std::vector<ExpertCache::Expert> used = UsedExperts();
+    const size_t count = std::min(used.size(), ring_ * update_batch_);
+    if (count == 0) return;
+    std::vector<int64_t> versions(count, -1);
+    {
+      absl::MutexLock lock(&pending_mu_);
+      for (size_t i = 0; i < count; ++i) {
+        const auto [l, e] = used[i];
+        if (pending_step_ >= 0 && pending_written_[l * shape_.experts + e]) {
+          versions[i] = pending_step_;
+        }
+      }
+    }
+    std::vector<size_t> buffer(count);  // batch k in segment k
+    std::iota(buffer.begin(), buffer.end(), 0);
+    std::vector<ExpertCache::Expert> early(used.begin(), used.begin() + count);
+    early_used_ = std::move(used);
+    early_moments_ = tasks_.Async([this, early = std::move(early), buffer = std::move(buffer),
+                                   versions = std::move(versions), free = segments_free_]() {
+      if (free.valid()) RETURN_IF_ERROR(free.get());
+      return FetchMoments(early, buffer, &versions);
+    });
+  }
+  // Waits for an early fetch that will not be used.
+  void DropEarlyMoments() {
+    if (early_moments_.valid()) early_moments_.wait();
+    early_moments_ = {};
+    early_used_.clear();
   }
 
   // What a step's report and metrics need once its updates end (captured as Write
@@ -942,9 +1021,12 @@ class JobRun {
   // Updated in the cache once applied.
   // With kAll, its writes stay queued in puts_ (the slots they send from pinned, held_);
   // with kBatches, each batch's writes are sent in the background (flushes_); the caller
-  // waits for either.
+  // waits for either. `early_moments`: the early fetch of the first batches' moments
+  // (StartEarlyMoments) for `early_used`, used when that is `used`; waited for anyway.
   absl::Status UpdateExperts(int64_t s, double grad_norm, Overlap overlap,
-                             const std::vector<ExpertCache::Expert>& used) {
+                             const std::vector<ExpertCache::Expert>& used,
+                             std::future<absl::Status> early_moments = {},
+                             const std::vector<ExpertCache::Expert>& early_used = {}) {
     std::vector<absl::Span<const ExpertCache::Expert>> batches;
     std::vector<std::vector<size_t>> buffers;  // each expert's moment buffer, per batch
     for (size_t b = 0; b < used.size(); b += update_batch_) {
@@ -965,6 +1047,13 @@ class JobRun {
     // Scratch: batch k's segment is batch k - ring_'s, free once that one's writes have
     // landed (kBatches; its flush says so) or it is updated and written (kNone).
     const bool reuse = moment_index_.empty();
+    // Batches whose moments the backward fetched (StartEarlyMoments), if it fetched them
+    // for these experts; whatever it did, it has ended before the buffers are touched.
+    size_t early = 0;
+    if (early_moments.valid()) {
+      const absl::Status got = early_moments.get();
+      if (got.ok() && batched && reuse && early_used == used) early = std::min(n, ring_);
+    }
     std::vector<std::promise<absl::Status>> freed(n), fetched(n);
     std::vector<std::shared_future<absl::Status>> segment_free;
     std::vector<std::future<absl::Status>> moments_in;
@@ -983,7 +1072,8 @@ class JobRun {
                     std::future_status::ready &&
                 segment_free[j - ring_].get().ok());
       };
-      for (size_t j = 0; j < n;) {
+      for (size_t m = 0; m < early; ++m) fetched[m].set_value(absl::OkStatus());
+      for (size_t j = early; j < n;) {
         absl::Status st = reuse && j >= ring_ ? segment_free[j - ring_].get() : absl::OkStatus();
         size_t end = j + 1;
         if (st.ok()) {
@@ -1018,6 +1108,7 @@ class JobRun {
     // fetching into the buffers or sending from them when this returns.
     for (size_t m = k; m < n; ++m) freed[m].set_value(status);
     fetcher.wait();
+    landed_ = segment_free;
     if (!status.ok()) {
       for (const std::shared_future<absl::Status>& f : flushes) f.wait();
       // Nothing here is current any more (a step that does not commit ends this JobRun
@@ -1031,28 +1122,32 @@ class JobRun {
   }
 
   // Fetches the moments and counts of `batch` not current here into their buffers, one
-  // fetch per distinct store group. On the fetcher thread (UpdateExperts): it touches
-  // only its buffers.
+  // fetch per distinct store group, at `versions` (one per expert; null: the committed
+  // ones). On the fetcher thread (UpdateExperts) or the early fetch's (StartEarlyMoments):
+  // it touches only its buffers.
   absl::Status FetchMoments(absl::Span<const ExpertCache::Expert> batch,
-                            const std::vector<size_t>& buffer) {
+                            const std::vector<size_t>& buffer,
+                            const std::vector<int64_t>* versions = nullptr) {
     const size_t bytes = shape_.expert_floats() * sizeof(float);
     std::map<std::vector<std::string>, std::vector<StoreClient::FetchItem>> fetches;
     for (size_t i = 0; i < batch.size(); ++i) {
       const size_t b = buffer[i], c = count_index_.at(batch[i]);
       const auto [l, e] = batch[i];
+      std::vector<StoreClient::FetchItem>& items = fetches[expert_stores_.at(batch[i])];
+      const auto add = [&](v1::BlobKind kind, void* dst, size_t size, ucp_mem_h memh) {
+        items.push_back(Item(Key(l, e, "", kind), dst, size));
+        items.back().memh = memh;
+        if (versions != nullptr) items.back().version = (*versions)[i];
+      };
       if (moment_index_.empty() || !moment_current_[b]) {
-        auto& items = fetches[expert_stores_.at(batch[i])];
-        items.push_back(Item(Key(l, e, "", v1::BLOB_KIND_ADAM_M), M(b), bytes));
-        items.back().memh = moment_memory_->handle();
-        items.push_back(Item(Key(l, e, "", v1::BLOB_KIND_ADAM_V), V(b), bytes));
-        items.back().memh = moment_memory_->handle();
+        add(v1::BLOB_KIND_ADAM_M, M(b), bytes, moment_memory_->handle());
+        add(v1::BLOB_KIND_ADAM_V, V(b), bytes, moment_memory_->handle());
       }
-      if (!count_current_[c]) {
-        fetches[expert_stores_.at(batch[i])].push_back(
-            Item(Key(l, e, "", v1::BLOB_KIND_STATE), &counts_[c], sizeof(int64_t)));
-      }
+      if (!count_current_[c]) add(v1::BLOB_KIND_STATE, &counts_[c], sizeof(int64_t), nullptr);
     }
-    for (auto& [stores, items] : fetches) RETURN_IF_ERROR(Fetch(stores, items));
+    for (auto& [stores, items] : fetches) {
+      if (!items.empty()) RETURN_IF_ERROR(Fetch(stores, items));
+    }
     return absl::OkStatus();
   }
 
@@ -1379,6 +1474,19 @@ class JobRun {
   std::vector<int64_t> counts_scratch_;
   std::vector<ExpertCache::Expert> held_;  // slots pinned for queued writes (UpdateExperts)
   std::vector<std::shared_future<absl::Status>> flushes_;  // kBatches batches' writes (Write)
+  // Each update batch's payloads landed (its scratch segment free): the update thread's,
+  // from UpdateExperts to the end of its writes task.
+  std::vector<std::shared_future<absl::Status>> landed_;
+  // The training thread's: every scratch segment is free again (the last written step's
+  // payloads have all landed; its writes task sets it), and the early fetch of the next
+  // step's first batches' moments (StartEarlyMoments) with the experts that step updates,
+  // handed to its writes task (Write).
+  std::shared_future<absl::Status> segments_free_;
+  // [layer * E + expert]: the expert got tokens in the last step computed (RoutingKnown);
+  // empty before the first. The training thread's.
+  std::vector<uint8_t> last_used_;
+  std::future<absl::Status> early_moments_;
+  std::vector<ExpertCache::Expert> early_used_;
   std::atomic<bool> done_{false};
   std::thread watcher_;
   std::atomic<int64_t> version_{0};  // a_.assignment_version(), for the watcher

@@ -16,6 +16,7 @@
 #define PITH_WORKER_RUNTIME_DISPATCH_H_
 
 #include <cstdint>
+#include <functional>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -50,6 +51,11 @@ class Dispatch final : public model::ExpertParallel {
   // Waits for the cache's updates in flight (the previous step's, pipelined).
   absl::Status BeforeBackward() override {
     return cache_ != nullptr ? cache_->AwaitUpdates() : absl::OkStatus();
+  }
+  // Calls `hook` (on the training thread) once each step's routing is known.
+  void SetRoutingKnown(std::function<void()> hook) { routing_known_ = std::move(hook); }
+  void RoutingKnown() override {
+    if (routing_known_) routing_known_();
   }
   // Token rows this worker sent to peers in the last step's forward passes (a token once
   // per peer, however many of its experts the peer computes), the expert rows they stood
@@ -106,6 +112,7 @@ class Dispatch final : public model::ExpertParallel {
   std::vector<int32_t> slot_of_token_;         // SendBuckets scratch: token -> its row in a message
   std::vector<std::vector<Inbound>> inbound_;  // [layer][peer]
   ExpertCache* cache_ = nullptr;
+  std::function<void()> routing_known_;
   uint64_t reduce_seq_ = 0;
 };
 
