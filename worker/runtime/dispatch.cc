@@ -3,6 +3,7 @@
 #include <cmath>
 #include <cstring>
 #include <tuple>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "common/status.h"
@@ -246,9 +247,16 @@ absl::Status Dispatch::Forward(int layer, float* y, float* hpre, float* h, const
     in.h.resize(rows * F);
     in.out.resize(rows * C);
   }
-  // Each owned expert once, over this worker's rows and then each peer's.
+  // Each owned expert once, over this worker's rows and then each peer's; the cache is
+  // told which first (its prefetcher fetches those the last step's routing did not
+  // predict).
+  std::vector<ExpertCache::Expert> computed;
   for (int e = 0; e < E; ++e) {
-    if (!Computes(layer, e) || !HasRows(layer, e, offsets)) continue;
+    if (Computes(layer, e) && HasRows(layer, e, offsets)) computed.push_back({layer, e});
+  }
+  if (cache_ != nullptr) cache_->Expect(computed);
+  for (const ExpertCache::Expert& x : computed) {
+    const int e = x.second;
     ASSIGN_OR_RETURN(const compute::ExpertWeights w, Weights(layer, e));
     const absl::Span<const compute::ExpertWeights> one_expert(&w, 1);
     if (const int64_t o = offsets[e], n = offsets[e + 1] - offsets[e]; n > 0) {

@@ -236,6 +236,13 @@ absl::Status ExpertCache::AwaitUpdates() {
   return updating_.empty() ? absl::OkStatus() : updates_failed_;
 }
 
+void ExpertCache::Expect(absl::Span<const Expert> experts) {
+  absl::MutexLock lock(&mu_);
+  schedule_.insert(schedule_.begin() + static_cast<std::ptrdiff_t>(cursor_), experts.begin(),
+                   experts.end());
+  ++clock_;
+}
+
 void ExpertCache::SetSchedule(std::vector<Expert> order) {
   absl::MutexLock lock(&mu_);
   schedule_ = std::move(order);

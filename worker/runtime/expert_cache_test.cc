@@ -132,6 +132,23 @@ TEST_F(ExpertCacheTest, OneFailedExpertOfAPrefetchLeavesTheOthers) {
   EXPECT_GT(largest_call_.load(), 1);
 }
 
+TEST_F(ExpertCacheTest, ExpectedExpertsAreFetchedFirst) {
+  // The schedule guessed wrong (last step's routing); the layer's routing says which
+  // experts come now: the prefetcher fetches them at once, in one call.
+  Open(4, absl::Milliseconds(5));
+  cache_->SetSchedule({{2, 0}, {2, 1}});
+  absl::SleepFor(absl::Milliseconds(50));
+  const int calls = calls_.load();
+  const std::vector<ExpertCache::Expert> now = {{2, 5}, {2, 6}, {2, 7}};
+  cache_->Expect(now);
+  absl::SleepFor(absl::Milliseconds(50));
+  EXPECT_EQ(calls_.load(), calls + 1);
+  for (const auto& x : now) EXPECT_EQ(Read(x), 200.0f + x.second);
+  const ExpertCache::Stats st = cache_->stats();
+  EXPECT_EQ(st.prefetch_hits, 3u);
+  EXPECT_EQ(st.misses, 0u);
+}
+
 TEST_F(ExpertCacheTest, ThePrefetcherFetchesAheadOfTheSchedule) {
   Open(3, absl::Milliseconds(20));
   std::vector<ExpertCache::Expert> order;
