@@ -48,7 +48,7 @@ constexpr absl::Duration kStoreTimeout = absl::Seconds(10);
 // Most scratch moment segments (a small cache budget): batch k of a step's updates uses
 // segment k % ring_, so that later batches' moments are fetched while batch k is updated
 // and the writes of the batches before it go on.
-constexpr int kMaxRing = 3;
+constexpr int kMaxRing = 4;
 
 struct Metrics {
   prometheus::Counter* tokens = nullptr;
@@ -347,8 +347,9 @@ class JobRun {
   // fetched every time. A batch pins its experts' slots (the rest stay free for the
   // prefetcher): half the slots (at most 8 experts) with resident moments; with scratch,
   // a batch's slots stay pinned until its writes land, so the ring_ batches in flight pin
-  // about half the slots: an eighth of them a batch (1 to 4 experts), 2 or 3 segments (an
-  // Acquire that finds every slot pinned waits for a write to land).
+  // about half the slots: an eighth of them a batch (1 to 4 experts), 2 to 4 segments (an
+  // Acquire that finds every slot pinned waits for a write to land). The scratch then
+  // holds at most as many blobs as the cache has slots.
   absl::Status SetUpMoments() {
     DropEarlyMoments();
     segments_free_ = {};
