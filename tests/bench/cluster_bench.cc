@@ -10,10 +10,13 @@
 //               with the OpenBLAS kernels pith-worker picks (BetterBlasCore)
 // Step times are the coordinator's per-step wall times (commit to commit) and PyTorch's
 // own per-step times, each averaged over the steps after the first three (no start-up).
-// Each side runs twice, in the order PyTorch, resident, 25%, 25%, resident, PyTorch: every
-// ratio compares two means centred on the same moment, so a drift of the machine's speed
-// during the run (this VM has slow and fast spells) cancels instead of favouring a side.
-// Usage: cluster_bench [--steps=N] [--repo=DIR] [--verbose]
+// The cluster sides run in rounds of a pair, resident then 25% and 25% then resident in
+// turn (--rounds, even, 4 by default), between two PyTorch runs: every ratio compares means
+// centred on the same moment, so a drift of the machine's speed during the run cancels
+// instead of favouring a side, and the slow and fast spells of this VM (tens of percent,
+// seconds long) fall on both sides about alike.
+// Usage: cluster_bench [--steps=N] [--rounds=N] [--repo=DIR] [--verbose]
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -38,6 +41,7 @@ namespace {
 using pith::testing::ChildProcess;
 
 int g_steps = 30;
+int g_rounds = 4;
 bool g_verbose = false;          // --verbose: every run's per-step times on stderr
 constexpr int kWarmupSteps = 3;  // steps timed by neither side (start-up, first fetches)
 std::string g_repo = PITH_SOURCE_DIR;
@@ -192,12 +196,15 @@ int main(int argc, char** argv) {
   for (int i = 1; i < argc; ++i) {
     if (std::strncmp(argv[i], "--steps=", 8) == 0) {
       g_steps = std::atoi(argv[i] + 8);
+    } else if (std::strncmp(argv[i], "--rounds=", 9) == 0) {
+      g_rounds = std::max(2, std::atoi(argv[i] + 9) + std::atoi(argv[i] + 9) % 2);  // even
     } else if (std::strcmp(argv[i], "--verbose") == 0) {
       g_verbose = true;
     } else if (std::strncmp(argv[i], "--repo=", 7) == 0) {
       g_repo = argv[i] + 7;
     } else {
-      std::fprintf(stderr, "usage: cluster_bench [--steps=N] [--repo=DIR] [--verbose]\n");
+      std::fprintf(stderr,
+                   "usage: cluster_bench [--steps=N] [--rounds=N] [--repo=DIR] [--verbose]\n");
       return 2;
     }
   }
@@ -215,10 +222,13 @@ int main(int argc, char** argv) {
   Measured resident, cached, torch;
   const uint64_t quarter = kExpertBytes / 4;
   const bool have_torch = RunPytorch(dir, &torch);
-  if (!RunCluster(dir, 0, &resident) || !RunCluster(dir, quarter, &cached) ||
-      !RunCluster(dir, quarter, &cached) || !RunCluster(dir, 0, &resident)) {
-    std::fprintf(stderr, "cluster_bench: a cluster run failed; logs under %s\n", dir.c_str());
-    return 1;
+  for (int round = 0; round < g_rounds; ++round) {
+    const bool resident_first = round % 2 == 0;
+    if (!RunCluster(dir, resident_first ? 0 : quarter, resident_first ? &resident : &cached) ||
+        !RunCluster(dir, resident_first ? quarter : 0, resident_first ? &cached : &resident)) {
+      std::fprintf(stderr, "cluster_bench: a cluster run failed; logs under %s\n", dir.c_str());
+      return 1;
+    }
   }
   if (have_torch && !RunPytorch(dir, &torch)) {
     std::fprintf(stderr, "cluster_bench: the second PyTorch run failed; see %s\n", dir.c_str());

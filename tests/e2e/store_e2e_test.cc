@@ -194,7 +194,19 @@ TEST_F(StoreE2eTest, AMasterFromTheWeightsBufferGoesAsAReferenceToThem) {
   }
   add(10, v1::BLOB_KIND_WEIGHTS, data[10]);
   add(10, v1::BLOB_KIND_MASTER, copy);
-  ASSERT_TRUE(client_->PutMany(absl::MakeSpan(items)).ok());
+  // The buffers are free once the payloads are answered, before the references go.
+  int freed = 0, answered_then = 0;
+  ASSERT_TRUE(client_
+                  ->PutMany(absl::MakeSpan(items), absl::Seconds(30),
+                            [&](const absl::Status& st) {
+                              EXPECT_TRUE(st.ok()) << st;
+                              ++freed;
+                              for (const auto& item : items)
+                                answered_then += item.info.size_bytes() > 0;
+                            })
+                  .ok());
+  EXPECT_EQ(freed, 1);
+  EXPECT_EQ(answered_then, 12);  // 11 weights and the master sent from its own buffer
   for (const auto& item : items) {
     ASSERT_TRUE(item.status.ok()) << item.status;
     EXPECT_EQ(item.info.size_bytes(), kSize);

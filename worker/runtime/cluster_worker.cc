@@ -347,9 +347,11 @@ class JobRun {
   // fetched every time. A batch pins its experts' slots (the rest stay free for the
   // prefetcher): half the slots (at most 8 experts) with resident moments; with scratch,
   // a batch's slots stay pinned until its writes land, so the ring_ batches in flight pin
-  // about half the slots: an eighth of them a batch (1 to 4 experts), 2 to 4 segments (an
-  // Acquire that finds every slot pinned waits for a write to land). The scratch then
-  // holds at most as many blobs as the cache has slots.
+  // about half the slots: an eighth of them a batch (1 to 4 experts), 2 to 4 segments (a
+  // segment is free once its moments land, the slots once the weights do, so when the
+  // weights lag, more batches may pin theirs for a while; an Acquire that finds every slot
+  // pinned waits for a write to land). The scratch then holds at most as many blobs as
+  // the cache has slots.
   absl::Status SetUpMoments() {
     DropEarlyMoments();
     segments_free_ = {};
@@ -499,9 +501,9 @@ class JobRun {
   // go after that). The future: every write answered.
   std::shared_future<absl::Status> LaunchFlush(absl::Span<const ExpertCache::Expert> batch,
                                                std::promise<absl::Status> landed) {
-    // NOTE: the moments go as a flush of their own, sent first: the stores take them
-    // before the weights, so the segment (what the next fetch of moments waits for) is
-    // free about twice as soon as when it waited for everything.
+    // NOTE: the moments go as a flush of their own, started first: the segment (what the
+    // next fetch of moments waits for) is free once they have landed, without waiting for
+    // the weights and counts too (measured: 12.5 -> 10 ms a batch on the 2-core bench).
     std::vector<StoreClient::PutItem> moments, rest;
     std::vector<bool> moments_primary, rest_primary;
     for (size_t i = 0; i < puts_.size(); ++i) {
@@ -618,7 +620,10 @@ class JobRun {
       }
       const absl::Status st = FetchNewest(stores, items, updating);
       for (size_t k = 0; k < members.size(); ++k) {
-        requests[members[k]].status = st.ok() ? items[k].status : st;
+        // An item the last store read answered whole is good even if another was not.
+        const StoreClient::FetchItem& item = items[k];
+        const bool good = st.ok() || (item.status.ok() && item.info.size_bytes() == bytes);
+        requests[members[k]].status = good ? absl::OkStatus() : item.status.ok() ? st : item.status;
       }
       first.Update(st);
     }
@@ -1061,7 +1066,6 @@ class JobRun {
                              : (batches.size() - 1) % ring_ * update_batch_ + i);
       }
     }
-    if (batches.empty()) return absl::OkStatus();
     const size_t n = batches.size();
     const bool batched = overlap == Overlap::kBatches;
     // Scratch: batch k's segment is batch k - ring_'s, free once that one's writes have
@@ -1074,6 +1078,7 @@ class JobRun {
       const absl::Status got = early_moments.get();
       if (got.ok() && batched && reuse && early_used == used) early = std::min(n, ring_);
     }
+    if (batches.empty()) return absl::OkStatus();
     std::vector<std::promise<absl::Status>> freed(n), fetched(n);
     std::vector<std::shared_future<absl::Status>> segment_free;
     std::vector<std::future<absl::Status>> moments_in;
@@ -1128,7 +1133,7 @@ class JobRun {
     // fetching into the buffers or sending from them when this returns.
     for (size_t m = k; m < n; ++m) freed[m].set_value(status);
     fetcher.wait();
-    landed_ = segment_free;
+    if (batched) landed_ = segment_free;
     if (!status.ok()) {
       for (const std::shared_future<absl::Status>& f : flushes) f.wait();
       // Nothing here is current any more (a step that does not commit ends this JobRun

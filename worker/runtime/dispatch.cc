@@ -254,7 +254,7 @@ absl::Status Dispatch::Forward(int layer, float* y, float* hpre, float* h, const
   for (int e = 0; e < E; ++e) {
     if (Computes(layer, e) && HasRows(layer, e, offsets)) computed.push_back({layer, e});
   }
-  if (cache_ != nullptr) cache_->Expect(computed);
+  if (cache_ != nullptr) cache_->Expect(layer, computed);
   for (const ExpertCache::Expert& x : computed) {
     const int e = x.second;
     ASSIGN_OR_RETURN(const compute::ExpertWeights w, Weights(layer, e));

@@ -236,10 +236,17 @@ absl::Status ExpertCache::AwaitUpdates() {
   return updating_.empty() ? absl::OkStatus() : updates_failed_;
 }
 
-void ExpertCache::Expect(absl::Span<const Expert> experts) {
+void ExpertCache::Expect(int layer, absl::Span<const Expert> experts) {
   absl::MutexLock lock(&mu_);
-  schedule_.insert(schedule_.begin() + static_cast<std::ptrdiff_t>(cursor_), experts.begin(),
-                   experts.end());
+  size_t end = cursor_;
+  for (int last = -1;
+       end < schedule_.size() && schedule_[end].first <= layer && schedule_[end].first >= last;
+       ++end) {
+    last = schedule_[end].first;
+  }
+  const auto at = schedule_.begin() + static_cast<std::ptrdiff_t>(cursor_);
+  schedule_.insert(schedule_.erase(at, schedule_.begin() + static_cast<std::ptrdiff_t>(end)),
+                   experts.begin(), experts.end());
   ++clock_;
 }
 

@@ -93,10 +93,12 @@ class ExpertCache {
 
   // The order experts will be acquired in this step; the prefetcher works through it.
   void SetSchedule(std::vector<Expert> order);
-  // Experts about to be acquired, in this order (a layer's routing, known just before its
-  // experts compute): they go into the schedule at the consumer's position, so the
-  // prefetcher fetches those not resident first and keeps them until they are acquired.
-  void Expect(absl::Span<const Expert> experts);
+  // The experts of `layer` about to be acquired, in this order (its routing, known just
+  // before its experts compute, in the forward): they replace the schedule's guesses for
+  // the layers up to `layer` still ahead of the consumer (the forward's run of entries in
+  // layer order there), so the prefetcher fetches those not resident first, keeps them
+  // until they are acquired, and looks past them to the next layer's.
+  void Expect(int layer, absl::Span<const Expert> experts);
   // Drops every unpinned entry (after an aborted step its updates are void).
   void Clear();
   // Drops one entry if it is not pinned (another worker updated the expert).

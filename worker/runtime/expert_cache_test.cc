@@ -140,13 +140,34 @@ TEST_F(ExpertCacheTest, ExpectedExpertsAreFetchedFirst) {
   absl::SleepFor(absl::Milliseconds(50));
   const int calls = calls_.load();
   const std::vector<ExpertCache::Expert> now = {{2, 5}, {2, 6}, {2, 7}};
-  cache_->Expect(now);
+  cache_->Expect(2, now);
   absl::SleepFor(absl::Milliseconds(50));
   EXPECT_EQ(calls_.load(), calls + 1);
   for (const auto& x : now) EXPECT_EQ(Read(x), 200.0f + x.second);
   const ExpertCache::Stats st = cache_->stats();
   EXPECT_EQ(st.prefetch_hits, 3u);
   EXPECT_EQ(st.misses, 0u);
+}
+
+TEST_F(ExpertCacheTest, ExpectReplacesTheLayersGuesses) {
+  // Guesses for two layers fill three of the four slots; each layer's routing then
+  // replaces its guesses: the prefetcher fetches the routed experts, never the stale guesses again.
+  Open(4, absl::Milliseconds(5));
+  cache_->SetSchedule({{0, 0}, {0, 1}, {1, 0}, {1, 1}});
+  absl::SleepFor(absl::Milliseconds(60));
+  EXPECT_EQ(fetches_.load(), 3);  // a slot's worth ahead, less one
+  const std::vector<ExpertCache::Expert> layer0 = {{0, 2}, {0, 3}}, layer1 = {{1, 2}, {1, 3}};
+  cache_->Expect(0, layer0);
+  absl::SleepFor(absl::Milliseconds(60));
+  for (const auto& x : layer0) EXPECT_EQ(Read(x), static_cast<float>(x.second));
+  cache_->Expect(1, layer1);
+  absl::SleepFor(absl::Milliseconds(60));
+  for (const auto& x : layer1) EXPECT_EQ(Read(x), 100.0f + x.second);
+  absl::SleepFor(absl::Milliseconds(60));
+  EXPECT_EQ(fetches_.load(), 7);  // 3 guesses, 4 routed; no guess fetched again
+  const ExpertCache::Stats st = cache_->stats();
+  EXPECT_EQ(st.misses, 0u);
+  EXPECT_EQ(st.prefetch_hits, 4u);
 }
 
 TEST_F(ExpertCacheTest, ThePrefetcherFetchesAheadOfTheSchedule) {

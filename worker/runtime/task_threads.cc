@@ -3,13 +3,16 @@
 namespace pith::runtime {
 
 TaskThreads::~TaskThreads() {
-  std::vector<std::thread> threads;
-  {
-    absl::MutexLock lock(&mu_);
-    stop_ = true;  // the threads end once the queue is empty
-    threads.swap(threads_);
+  while (true) {  // a last task may still start a thread for one it submits
+    std::vector<std::thread> threads;
+    {
+      absl::MutexLock lock(&mu_);
+      stop_ = true;  // the threads end once the queue is empty
+      threads.swap(threads_);
+    }
+    if (threads.empty()) return;
+    for (std::thread& t : threads) t.join();
   }
-  for (std::thread& t : threads) t.join();
 }
 
 void TaskThreads::Run(std::function<void()> task) {

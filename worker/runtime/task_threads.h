@@ -5,7 +5,9 @@
 // time (a dozen a step).
 //
 // Thread safety: Run and Async may be called from any thread, tasks included; not
-// concurrently with the destructor, which waits for every task submitted to end.
+// concurrently with the destructor except from tasks: it waits for every task submitted
+// to end, those submitted by tasks while it waits too.
+
 #ifndef PITH_WORKER_RUNTIME_TASK_THREADS_H_
 #define PITH_WORKER_RUNTIME_TASK_THREADS_H_
 
