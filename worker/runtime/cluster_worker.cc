@@ -259,7 +259,7 @@ class JobRun {
     dispatch_ = std::make_unique<Dispatch>(&backend_, model_.get(), peers_, std::move(owners));
     model_->SetExpertParallel(dispatch_.get());
     if (cache_ != nullptr) dispatch_->SetCache(cache_.get());
-    dispatch_->SetRoutingKnown([this] { StartEarlyMoments(); });
+    dispatch_->SetRoutingKnown([this] { OnRoutingKnown(); });
     owned_.clear();
     updated_.clear();
     for (int l = 0; l < shape_.layers; ++l) {
@@ -796,7 +796,7 @@ class JobRun {
     dispatch_->SetStep(s);
     // The owner's compute order, for the prefetcher: the forward through the layers, of
     // the experts expected to get tokens (those that got some last step; every one before
-    // the first), then the backward, then the updates (RoutingKnown: only those that did).
+    // the first), then the backward, then the updates (OnRoutingKnown: only those that did).
     // Experts this worker computes but does not update were updated by their primary.
     for (const ExpertCache::Expert& x : owned_) {
       if (!Owns(x.first, x.second)) cache_->Invalidate(x);
@@ -912,16 +912,11 @@ class JobRun {
     return used;
   }
 
-  // Once step s's routing is known, in its backward (the training thread): with scratch
-  // moments (kBatches), fetches the moments and counts of its first ring_ update batches
-  // into their segments as soon as step s - 1's payloads have landed there, at the
-  // versions the update will read: step s - 1's for the experts it wrote (pending, or
-  // committed by then), the committed one for the others. The update starts from them
-  // instead of waiting a round trip (UpdateExperts).
-  void StartEarlyMoments() {
-    DropEarlyMoments();
-    // The rest of the step's schedule: the backward of the experts computed here that got
-    // tokens, then the updates; and the forward's guess for the next step.
+  // Once step s's routing is known, before its backward (the training thread): the rest
+  // of the cache's schedule, the backward of the experts computed here that got tokens,
+  // then the updates (and the next step's forward guess, last_used_); the early fetch of
+  // the updates' first moments.
+  void OnRoutingKnown() {
     last_used_.assign(shape_.layers * shape_.experts, 0);
     std::vector<ExpertCache::Expert> order;
     for (auto it = owned_.rbegin(); it != owned_.rend(); ++it) {
@@ -932,6 +927,16 @@ class JobRun {
     const std::vector<ExpertCache::Expert> updates = UsedExperts();
     order.insert(order.end(), updates.begin(), updates.end());
     cache_->SetSchedule(std::move(order));
+    StartEarlyMoments();
+  }
+
+  // In step s's backward: with scratch moments (kBatches), fetches the moments and counts
+  // of its first ring_ update batches into their segments as soon as step s - 1's
+  // payloads have landed there, at the versions the update will read: step s - 1's for
+  // the experts it wrote (pending, or committed by then), the committed one for the
+  // others. The update starts from them instead of waiting a round trip (UpdateExperts).
+  void StartEarlyMoments() {
+    DropEarlyMoments();
     if (OverlapWrites() != Overlap::kBatches) return;
     std::vector<ExpertCache::Expert> used = UsedExperts();
     const size_t count = std::min(used.size(), ring_ * update_batch_);
@@ -1507,7 +1512,7 @@ class JobRun {
   // step's first batches' moments (StartEarlyMoments) with the experts that step updates,
   // handed to its writes task (Write).
   std::shared_future<absl::Status> segments_free_;
-  // [layer * E + expert]: the expert got tokens in the last step computed (RoutingKnown);
+  // [layer * E + expert]: the expert got tokens in the last step computed (OnRoutingKnown);
   // empty before the first. The training thread's.
   std::vector<uint8_t> last_used_;
   std::future<absl::Status> early_moments_;
