@@ -924,21 +924,21 @@ class JobRun {
       last_used_[it->first * shape_.experts + it->second] = 1;
       order.push_back(*it);
     }
-    const std::vector<ExpertCache::Expert> updates = UsedExperts();
+    std::vector<ExpertCache::Expert> updates = UsedExperts();
     order.insert(order.end(), updates.begin(), updates.end());
     cache_->SetSchedule(std::move(order));
-    StartEarlyMoments();
+    StartEarlyMoments(std::move(updates));
   }
 
   // In step s's backward: with scratch moments (kBatches), fetches the moments and counts
-  // of its first ring_ update batches into their segments as soon as step s - 1's
-  // payloads have landed there, at the versions the update will read: step s - 1's for
-  // the experts it wrote (pending, or committed by then), the committed one for the
-  // others. The update starts from them instead of waiting a round trip (UpdateExperts).
-  void StartEarlyMoments() {
+  // of the first ring_ update batches of `used` (the experts it updates) into their
+  // segments as soon as step s - 1's payloads have landed there, at the versions the
+  // update will read: step s - 1's for the experts it wrote (pending, or committed by
+  // then), the committed one for the others. The update starts from them instead of
+  // waiting a round trip (UpdateExperts).
+  void StartEarlyMoments(std::vector<ExpertCache::Expert> used) {
     DropEarlyMoments();
     if (OverlapWrites() != Overlap::kBatches) return;
-    std::vector<ExpertCache::Expert> used = UsedExperts();
     const size_t count = std::min(used.size(), ring_ * update_batch_);
     if (count == 0) return;
     std::vector<int64_t> versions(count, -1);
@@ -1163,8 +1163,8 @@ class JobRun {
     for (size_t i = 0; i < batch.size(); ++i) {
       const size_t b = buffer[i], c = count_index_.at(batch[i]);
       const auto [l, e] = batch[i];
-      std::vector<StoreClient::FetchItem>& items = fetches[expert_stores_.at(batch[i])];
       const auto add = [&](v1::BlobKind kind, void* dst, size_t size, ucp_mem_h memh) {
+        std::vector<StoreClient::FetchItem>& items = fetches[expert_stores_.at(batch[i])];
         items.push_back(Item(Key(l, e, "", kind), dst, size));
         items.back().memh = memh;
         if (versions != nullptr) items.back().version = (*versions)[i];
@@ -1175,9 +1175,7 @@ class JobRun {
       }
       if (!count_current_[c]) add(v1::BLOB_KIND_STATE, &counts_[c], sizeof(int64_t), nullptr);
     }
-    for (auto& [stores, items] : fetches) {
-      if (!items.empty()) RETURN_IF_ERROR(Fetch(stores, items));
-    }
+    for (auto& [stores, items] : fetches) RETURN_IF_ERROR(Fetch(stores, items));
     return absl::OkStatus();
   }
 

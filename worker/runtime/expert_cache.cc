@@ -156,22 +156,15 @@ bool ExpertCache::LandLocked(int victim, Expert expert, const absl::Status& stat
 
 absl::StatusOr<bool> ExpertCache::FillLocked(int victim, Expert expert, int pins) {
   ClaimLocked(victim, expert, pins);
-  FetchRequest request{expert, SlotData(victim), updating_.count(expert) > 0, absl::OkStatus()};
-  mu_.Unlock();
-  const auto start = std::chrono::steady_clock::now();
-  const absl::Status status = fetch_(absl::MakeSpan(&request, 1), slot_bytes_, memory_->handle());
-  const double seconds =
-      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-  mu_.Lock();
-  stats_.seconds_fetching += seconds;
-  if (!LandLocked(victim, expert, status)) {
-    if (!status.ok()) return status;
-    return false;
-  }
-  return true;
+  std::vector<bool> landed;
+  const absl::Status status = FetchClaimedLocked({victim}, &landed);
+  if (landed[0]) return true;
+  if (!status.ok()) return status;
+  return false;
 }
 
-absl::Status ExpertCache::FillManyLocked(const std::vector<int>& victims) {
+absl::Status ExpertCache::FetchClaimedLocked(const std::vector<int>& victims,
+                                             std::vector<bool>* landed) {
   std::vector<FetchRequest> requests;
   for (int v : victims) {
     const Expert x = slots_[v].expert;
@@ -187,9 +180,10 @@ absl::Status ExpertCache::FillManyLocked(const std::vector<int>& victims) {
   // An error no request carries fails them all.
   bool carried = status.ok();
   for (const FetchRequest& r : requests) carried |= !r.status.ok();
+  landed->clear();
   for (size_t i = 0; i < victims.size(); ++i) {
-    const absl::Status& st = carried ? requests[i].status : status;
-    if (LandLocked(victims[i], requests[i].expert, st)) slots_[victims[i]].prefetched = true;
+    landed->push_back(
+        LandLocked(victims[i], requests[i].expert, carried ? requests[i].status : status));
   }
   return status;
 }
@@ -311,7 +305,12 @@ void ExpertCache::Prefetch() {
       mu_.AwaitWithTimeout(absl::Condition(&changed), absl::Milliseconds(50));
       continue;
     }
-    if (!FillManyLocked(victims).ok()) {
+    std::vector<bool> landed;
+    const absl::Status fetched = FetchClaimedLocked(victims, &landed);
+    for (size_t i = 0; i < victims.size(); ++i) {
+      if (landed[i]) slots_[victims[i]].prefetched = true;
+    }
+    if (!fetched.ok()) {
       // The consumer fetches them itself and sees the error; back off meanwhile.
       const uint64_t seen = clock_;
       auto changed = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return stop_ || clock_ != seen; };

@@ -124,9 +124,11 @@ class ExpertCache {
   // free again), the fetch's error otherwise (the slot is free again). Requires mu_.
   absl::StatusOr<bool> FillLocked(int victim, Expert expert, int pins)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // The prefetcher's: fills the slots of `victims` (claimed by ClaimLocked) with their
-  // experts in one fetch, unpinned; returns the fetch's status.
-  absl::Status FillManyLocked(const std::vector<int>& victims) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Fills the slots of `victims` (claimed by ClaimLocked) with their experts in one fetch,
+  // without mu_ held, and lands each (landed[i]: slot victims[i] holds its expert);
+  // returns the fetch's status.
+  absl::Status FetchClaimedLocked(const std::vector<int>& victims, std::vector<bool>* landed)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Marks slot `victim` as being filled with `expert`.
   void ClaimLocked(int victim, Expert expert, int pins) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Ends the fill of slot `victim` (claimed for `expert`) with `status`: true when it holds
