@@ -6,6 +6,8 @@
 #include <system_error>
 
 #include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
 #include "common/status.h"
 #include "glog/logging.h"
 #include "server/store/store_service.h"
@@ -75,16 +77,38 @@ absl::StatusOr<std::unique_ptr<StoreServer>> StoreServer::Start(const StoreServe
 }
 
 StoreServer::~StoreServer() {
+  // Each phase is timed: a stop that takes long says where (a clean stop ends with the
+  // cold tier's last sync point, which waits for the disk).
+  absl::Time mark = absl::Now();
+  std::string phases;
+  auto lap = [&](const char* phase) {
+    const absl::Time now = absl::Now();
+    const std::string took = absl::FormatDuration(absl::Trunc(now - mark, absl::Milliseconds(1)));
+    // A slow phase is logged as it ends: were a later one to hang, this one is on record.
+    LOG_IF(INFO, now - mark > absl::Seconds(1))
+        << "stopping the store: " << phase << " took " << took;
+    absl::StrAppend(&phases, phases.empty() ? "" : ", ", phase, " ", took);
+    mark = now;
+  };
+  const absl::Time start = mark;
   agent_.reset();  // leave the cluster first
+  lap("deregister");
   if (grpc_) grpc_->Shutdown();
+  lap("gRPC");
   // No more data-plane traffic: in-flight sends are cancelled and release their pins.
   if (worker_) worker_->Stop();
+  lap("data plane");
   grpc_.reset();
   service_.reset();
   data_plane_.reset();
-  store_.reset();  // returns every RAM block
+  store_.reset();  // returns every RAM block; the cold tier's last sync point
+  lap("store close");
   arena_.reset();  // unregisters the arena while the UCX context lives
   worker_.reset();
+  lap("UCX");
+  LOG(INFO) << "store stopped in "
+            << absl::FormatDuration(absl::Trunc(absl::Now() - start, absl::Milliseconds(1))) << " ("
+            << phases << ")";
 }
 
 }  // namespace pith::store

@@ -98,8 +98,9 @@ class ChildProcess {
     return -1;
   }
 
-  // SIGTERM; returns the exit status (or -1 on timeout, after which it is killed).
-  int Terminate(double seconds = 10) {
+  // SIGTERM; returns the exit status (or -1 on timeout, after which it is killed). A clean
+  // stop may wait for the disk (a store's last sync point) while other tests load it.
+  int Terminate(double seconds = 30) {
     if (pid_ <= 0) return -1;
     ::kill(pid_, SIGTERM);
     const auto deadline = std::chrono::steady_clock::now() + std::chrono::duration<double>(seconds);
