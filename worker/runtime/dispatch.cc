@@ -216,11 +216,19 @@ absl::Status Dispatch::ScatterReturned(int layer, int phase, int peer, int64_t w
   return absl::OkStatus();
 }
 
-absl::StatusOr<compute::ExpertWeights> Dispatch::Weights(int layer, int expert) {
-  if (cache_ == nullptr) return model_->expert_weights(layer)[expert];
-  ASSIGN_OR_RETURN(float* w, cache_->Acquire({layer, expert}));
+absl::StatusOr<std::pair<int, compute::ExpertWeights>> Dispatch::NextWeights(
+    std::vector<ExpertCache::Expert>& experts) {
+  if (cache_ == nullptr) {
+    const auto [layer, e] = experts.front();
+    experts.erase(experts.begin());
+    return std::make_pair(e, model_->expert_weights(layer)[e]);
+  }
+  ASSIGN_OR_RETURN(const auto taken, cache_->AcquireAny(experts));
+  const auto [pick, w] = taken;
+  const int e = experts[pick].second;
+  experts.erase(experts.begin() + static_cast<std::ptrdiff_t>(pick));
   const int64_t C = model_->shape().channels, F = model_->shape().hidden;
-  return compute::ExpertWeights{w, w + C * F, w + C * F + F, w + 2 * C * F + F};
+  return std::make_pair(e, compute::ExpertWeights{w, w + C * F, w + C * F + F, w + 2 * C * F + F});
 }
 
 void Dispatch::Done(int layer, int expert) {
@@ -255,9 +263,9 @@ absl::Status Dispatch::Forward(int layer, float* y, float* hpre, float* h, const
     if (Computes(layer, e) && HasRows(layer, e, offsets)) computed.push_back({layer, e});
   }
   if (cache_ != nullptr) cache_->Expect(layer, computed);
-  for (const ExpertCache::Expert& x : computed) {
-    const int e = x.second;
-    ASSIGN_OR_RETURN(const compute::ExpertWeights w, Weights(layer, e));
+  while (!computed.empty()) {
+    ASSIGN_OR_RETURN(const auto next, NextWeights(computed));
+    const auto [e, w] = next;
     const absl::Span<const compute::ExpertWeights> one_expert(&w, 1);
     if (const int64_t o = offsets[e], n = offsets[e + 1] - offsets[e]; n > 0) {
       const int64_t bucket[2] = {0, n};
@@ -316,9 +324,13 @@ absl::Status Dispatch::Backward(int layer, float* dxperm, float* dh, const float
     in.dx.resize(in.offsets[E] * C);
   }
   const auto grads = model_->expert_grads(layer);
-  for (int e = 0; e < E; ++e) {
-    if (!Computes(layer, e) || !HasRows(layer, e, offsets)) continue;
-    ASSIGN_OR_RETURN(const compute::ExpertWeights w, Weights(layer, e));
+  std::vector<ExpertCache::Expert> computed;
+  for (int e = E - 1; e >= 0; --e) {  // the backward's order, as the cache's schedule
+    if (Computes(layer, e) && HasRows(layer, e, offsets)) computed.push_back({layer, e});
+  }
+  while (!computed.empty()) {
+    ASSIGN_OR_RETURN(const auto next, NextWeights(computed));
+    const auto [e, w] = next;
     const absl::Span<const compute::ExpertWeights> one_expert(&w, 1);
     // The expert's gradient accumulates over this worker's rows, then each peer's in rank
     // order: the same order on every run.

@@ -79,8 +79,13 @@ class Dispatch final : public model::ExpertParallel {
   };
   // Whether expert e of `layer` has rows here or from a peer in this step.
   bool HasRows(int layer, int expert, const int64_t* offsets) const;
-  // The weights of an owned expert for compute, and their release.
-  absl::StatusOr<compute::ExpertWeights> Weights(int layer, int expert);
+  // Takes one of `experts` (one layer's, in the cache's schedule order) off the list and
+  // returns it with its weights, pinned: the first ready in the cache (each expert's
+  // compute touches only its own rows and gradients, so the order does not change the
+  // math), the first without a cache.
+  absl::StatusOr<std::pair<int, compute::ExpertWeights>> NextWeights(
+      std::vector<ExpertCache::Expert>& experts);
+  // Releases an owned expert's weights after its compute.
   void Done(int layer, int expert);
   uint64_t Tag(int layer, int phase) const;
   // The rows [begin, begin + count) of this worker's bucket of (layer, expert) (n rows) that

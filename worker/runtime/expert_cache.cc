@@ -58,16 +58,69 @@ int ExpertCache::VictimLocked() {
 
 absl::StatusOr<float*> ExpertCache::Acquire(Expert expert) {
   absl::MutexLock lock(&mu_);
-  return AcquireLocked(expert, /*consumer=*/true);
+  return AcquireLocked(expert, /*consumer=*/true, /*move_cursor=*/true);
 }
 
 absl::StatusOr<float*> ExpertCache::AcquireForUpdate(Expert expert) {
   absl::MutexLock lock(&mu_);
-  return AcquireLocked(expert, /*consumer=*/false);
+  return AcquireLocked(expert, /*consumer=*/false, /*move_cursor=*/false);
 }
 
-absl::StatusOr<float*> ExpertCache::AcquireLocked(Expert expert, bool consumer) {
-  if (consumer) {
+bool ExpertCache::ReadyLocked(Expert expert) const {
+  if (updating_.count(expert) && updates_failed_.ok()) return false;
+  auto it = index_.find(expert);
+  return it != index_.end() && slots_[it->second].valid && !slots_[it->second].fetching;
+}
+
+absl::StatusOr<std::pair<size_t, float*>> ExpertCache::AcquireAny(
+    absl::Span<const Expert> experts) {
+  if (experts.empty()) return absl::InvalidArgumentError("AcquireAny of no experts");
+  absl::MutexLock lock(&mu_);
+  // On their way: being fetched, or resident and waiting for their update.
+  auto on_the_way = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    for (const Expert& x : experts) {
+      auto it = index_.find(x);
+      if (it != index_.end() && (slots_[it->second].fetching || slots_[it->second].valid)) {
+        return true;
+      }
+    }
+    return false;
+  };
+  auto ready = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    for (size_t i = 0; i < experts.size(); ++i) {
+      if (ReadyLocked(experts[i])) return i;
+    }
+    return experts.size();
+  };
+  size_t pick = ready();
+  if (pick == experts.size() && on_the_way()) {
+    auto changed = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+      return stop_ || ready() < experts.size() || !on_the_way();
+    };
+    mu_.Await(absl::Condition(&changed));
+    pick = ready();
+  }
+  if (pick == experts.size()) pick = 0;  // none coming: fetch the first here
+  // The others stay ahead of the consumer: the one taken leaves the schedule where it is,
+  // and the cursor moves past it only when it is the next entry.
+  const Expert x = experts[pick];
+  bool move_cursor = false;
+  const size_t end = std::min(schedule_.size(), cursor_ + experts.size());
+  for (size_t i = cursor_; i < end; ++i) {
+    if (schedule_[i] != x) continue;
+    if (i == cursor_) {
+      move_cursor = true;
+    } else {
+      schedule_.erase(schedule_.begin() + static_cast<std::ptrdiff_t>(i));
+    }
+    break;
+  }
+  ASSIGN_OR_RETURN(float* w, AcquireLocked(x, /*consumer=*/true, move_cursor));
+  return std::make_pair(pick, w);
+}
+
+absl::StatusOr<float*> ExpertCache::AcquireLocked(Expert expert, bool consumer, bool move_cursor) {
+  if (move_cursor) {
     // The consumer's position in the schedule: just past this expert's next occurrence.
     for (size_t i = cursor_; i < schedule_.size(); ++i) {
       if (schedule_[i] == expert) {
@@ -75,6 +128,8 @@ absl::StatusOr<float*> ExpertCache::AcquireLocked(Expert expert, bool consumer) 
         break;
       }
     }
+  }
+  if (consumer) {
     // Its update first (the prefetcher may fetch it meanwhile: the bytes the update reads).
     auto updated = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
       return !updating_.count(expert) || !updates_failed_.ok();

@@ -72,6 +72,13 @@ class ExpertCache {
   // until Release. RESOURCE_EXHAUSTED when every slot stays pinned for the pinned wait.
   // While an update of `expert` is in flight (BeginUpdates), waits for it first.
   absl::StatusOr<float*> Acquire(Expert expert);
+  // One of `experts` (a layer's, whose compute order does not change the math), pinned:
+  // the first that is ready (resident and not waiting for its update), else, while some
+  // are on their way (fetching or updating), the first to get there, else the first,
+  // fetched here. Returns its index in `experts` and its weights. The others stay ahead
+  // of the consumer in the schedule: `experts` must be the consumer's next entries there
+  // (as Expect leaves them) or not in it at all.
+  absl::StatusOr<std::pair<size_t, float*>> AcquireAny(absl::Span<const Expert> experts);
   void Release(Expert expert);
 
   // Updates applied in place on another thread while compute goes on (the owner's
@@ -136,9 +143,13 @@ class ExpertCache {
   // free again).
   bool LandLocked(int victim, Expert expert, const absl::Status& status)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Acquire's body; `consumer`: the compute's acquire (moves the cursor).
-  absl::StatusOr<float*> AcquireLocked(Expert expert, bool consumer)
+  // Acquire's body; `consumer`: the compute's acquire (waits for the expert's update);
+  // `move_cursor`: the consumer's position moves just past the expert's next entry.
+  absl::StatusOr<float*> AcquireLocked(Expert expert, bool consumer, bool move_cursor)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Whether `expert` can be acquired with no wait: resident, not being filled, and its
+  // update (if any) applied (or the updates failed: the acquire returns their error).
+  bool ReadyLocked(Expert expert) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   float* SlotData(int i) const {
     return reinterpret_cast<float*>(memory_->data() + static_cast<size_t>(i) * slot_bytes_);
   }

@@ -1,6 +1,6 @@
 // ExpertCache: hits and LRU reuse, pinning, every slot pinned, fetch errors, the
-// prefetcher fetching ahead of a consumer that follows the schedule, and compute waiting
-// for updates in flight.
+// prefetcher fetching ahead of a consumer that follows the schedule, a layer's experts
+// taken in the order they are ready, and compute waiting for updates in flight.
 #include "worker/runtime/expert_cache.h"
 
 #include <algorithm>
@@ -182,6 +182,65 @@ TEST_F(ExpertCacheTest, ThePrefetcherFetchesAheadOfTheSchedule) {
   const ExpertCache::Stats s = cache_->stats();
   EXPECT_GE(s.prefetch_hits, 5u) << "hits " << s.hits << " misses " << s.misses;
   EXPECT_EQ(s.hits + s.misses, 8u);
+}
+
+TEST_F(ExpertCacheTest, AcquireAnyTakesAResidentExpertBeforeOneOnItsWay) {
+  // A layer's experts: the second and fourth are resident, the first is being fetched
+  // (slowly); compute takes the resident ones first and the first last.
+  Open(4, absl::Milliseconds(80));
+  EXPECT_EQ(Read({1, 1}), 101.0f);
+  EXPECT_EQ(Read({1, 3}), 103.0f);
+  const int fetched = fetches_.load();
+  std::vector<ExpertCache::Expert> layer = {{1, 0}, {1, 1}, {1, 3}};
+  cache_->SetSchedule(layer);
+  absl::SleepFor(absl::Milliseconds(20));  // the prefetcher is on (1, 0) now
+  std::vector<int> order;
+  while (!layer.empty()) {
+    auto got = cache_->AcquireAny(layer);
+    ASSERT_TRUE(got.ok()) << got.status();
+    const auto [i, w] = *got;
+    const ExpertCache::Expert x = layer[i];
+    EXPECT_EQ(w[0], 100.0f + x.second);
+    order.push_back(x.second);
+    cache_->Release(x);
+    layer.erase(layer.begin() + static_cast<std::ptrdiff_t>(i));
+  }
+  EXPECT_EQ(order, (std::vector<int>{1, 3, 0}));
+  EXPECT_EQ(fetches_.load(), fetched + 1);  // (1, 0), once
+  const ExpertCache::Stats st = cache_->stats();
+  EXPECT_EQ(st.hits + st.misses, 5u);
+}
+
+TEST_F(ExpertCacheTest, AcquireAnyTakesAnUpdatedExpertFirstAndFetchesWhenNothingComes) {
+  Open(4);
+  // Nothing resident, nothing on its way: the first, fetched here.
+  std::vector<ExpertCache::Expert> layer = {{0, 0}, {0, 1}};
+  auto first = cache_->AcquireAny(layer);
+  ASSERT_TRUE(first.ok()) << first.status();
+  EXPECT_EQ(first->first, 0u);
+  cache_->Release({0, 0});
+  EXPECT_EQ(Read({0, 1}), 1.0f);
+  // Both resident, the first waits for its update: the second is taken, then the first
+  // once updated.
+  cache_->BeginUpdates({{0, 0}});
+  auto second = cache_->AcquireAny(layer);
+  ASSERT_TRUE(second.ok()) << second.status();
+  EXPECT_EQ(second->first, 1u);
+  cache_->Release({0, 1});
+  std::thread update([&] {
+    absl::SleepFor(absl::Milliseconds(30));
+    auto w = cache_->AcquireForUpdate({0, 0});
+    ASSERT_TRUE(w.ok()) << w.status();
+    (*w)[0] = 7.0f;
+    cache_->Release({0, 0});
+    cache_->Updated({0, 0});
+  });
+  auto third = cache_->AcquireAny(absl::MakeConstSpan(layer).subspan(0, 1));
+  ASSERT_TRUE(third.ok()) << third.status();
+  EXPECT_EQ(third->second[0], 7.0f);  // after its update
+  cache_->Release({0, 0});
+  update.join();
+  cache_->EndUpdates(absl::OkStatus());
 }
 
 TEST_F(ExpertCacheTest, ComputeWaitsForAnUpdateInFlight) {
