@@ -11,10 +11,11 @@
 // Step times are the coordinator's per-step wall times (commit to commit) and PyTorch's
 // own per-step times, each averaged over the steps after the first three (no start-up).
 // The cluster sides run in rounds of a pair, resident then 25% and 25% then resident in
-// turn (--rounds, even, 4 by default), between two PyTorch runs: every ratio compares means
+// turn (--rounds, even, 8 by default), between two PyTorch runs: every ratio compares means
 // centred on the same moment, so a drift of the machine's speed during the run cancels
 // instead of favouring a side, and the slow and fast spells of this VM (tens of percent,
-// seconds long) fall on both sides about alike.
+// seconds long) fall on both sides about alike. With 4 rounds one slow spell on one side
+// moved the prefetch ratio by +-0.07 between runs of the same build; 8 halve the spread.
 // Usage: cluster_bench [--steps=N] [--rounds=N] [--repo=DIR] [--verbose]
 #include <algorithm>
 #include <chrono>
@@ -41,7 +42,7 @@ namespace {
 using pith::testing::ChildProcess;
 
 int g_steps = 30;
-int g_rounds = 4;
+int g_rounds = 8;
 bool g_verbose = false;          // --verbose: every run's per-step times on stderr
 constexpr int kWarmupSteps = 3;  // steps timed by neither side (start-up, first fetches)
 std::string g_repo = PITH_SOURCE_DIR;
