@@ -76,6 +76,16 @@ absl::StatusOr<std::pair<size_t, float*>> ExpertCache::AcquireAny(
     absl::Span<const Expert> experts) {
   if (experts.empty()) return absl::InvalidArgumentError("AcquireAny of no experts");
   absl::MutexLock lock(&mu_);
+  // The layer's run of entries at the cursor holds these experts and no others: one
+  // scheduled but not computed here would hold the cursor back from the next layer.
+  const int layer = experts.front().first;
+  for (size_t i = cursor_; i < schedule_.size() && schedule_[i].first == layer;) {
+    if (std::find(experts.begin(), experts.end(), schedule_[i]) == experts.end()) {
+      schedule_.erase(schedule_.begin() + static_cast<std::ptrdiff_t>(i));
+    } else {
+      ++i;
+    }
+  }
   // On their way: being fetched, or resident and waiting for their update.
   auto on_the_way = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     for (const Expert& x : experts) {
@@ -95,7 +105,7 @@ absl::StatusOr<std::pair<size_t, float*>> ExpertCache::AcquireAny(
   size_t pick = ready();
   if (pick == experts.size() && on_the_way()) {
     auto changed = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-      return stop_ || ready() < experts.size() || !on_the_way();
+      return ready() < experts.size() || !on_the_way();
     };
     mu_.Await(absl::Condition(&changed));
     pick = ready();

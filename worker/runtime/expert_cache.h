@@ -72,12 +72,13 @@ class ExpertCache {
   // until Release. RESOURCE_EXHAUSTED when every slot stays pinned for the pinned wait.
   // While an update of `expert` is in flight (BeginUpdates), waits for it first.
   absl::StatusOr<float*> Acquire(Expert expert);
-  // One of `experts` (a layer's, whose compute order does not change the math), pinned:
-  // the first that is ready (resident and not waiting for its update), else, while some
-  // are on their way (fetching or updating), the first to get there, else the first,
-  // fetched here. Returns its index in `experts` and its weights. The others stay ahead
-  // of the consumer in the schedule: `experts` must be the consumer's next entries there
-  // (as Expect leaves them) or not in it at all.
+  // The consumer's (compute thread's) take of one of `experts` (one layer's, whose compute
+  // order does not change the math), pinned: the first that is ready (resident and not
+  // waiting for its update), else, while some are on their way (being fetched, or
+  // resident and waiting for their update), the first to get there, else the first,
+  // fetched here. Returns its index in `experts` and its weights. The schedule's entries
+  // of that layer at the consumer's position that are not in `experts` (no rows here this
+  // step) are dropped; the others stay ahead of the consumer until taken.
   absl::StatusOr<std::pair<size_t, float*>> AcquireAny(absl::Span<const Expert> experts);
   void Release(Expert expert);
 
