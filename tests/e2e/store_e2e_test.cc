@@ -3,6 +3,7 @@
 #include <atomic>
 #include <cstring>
 #include <filesystem>
+#include <future>
 #include <memory>
 #include <numeric>
 #include <random>
@@ -330,6 +331,45 @@ TEST_F(StoreE2eTest, KillDashNineMidStepLosesNoCommittedVersion) {
     EXPECT_EQ(Stat(Key(1, e), kSteps).status().code(), absl::StatusCode::kNotFound);
   }
   EXPECT_EQ(Stats().pending_blobs(), 0u);
+}
+
+TEST_F(StoreE2eTest, AStoreDeadBeforeTheConnectionFailsFetchesWithinTheirDeadline) {
+  // A worker joining after a store died may still find it in a placement and connect to
+  // its address: every fetch from it fails by its deadline (or at once), and the client
+  // closes.
+  StartStore();
+  grpc::ClientContext ctx;
+  v1::UcxAddress address;
+  ASSERT_TRUE(stub_->GetUcxAddress(&ctx, v1::GetUcxAddressRequest(), &address).ok());
+  store_->Kill();
+  std::promise<void> finished;
+  std::future<void> done = finished.get_future();
+  std::thread joiner([&] {
+    auto client = StoreClient::Create();
+    ASSERT_TRUE(client.ok()) << client.status();
+    auto region = (*client)->AllocateBuffer(1 << 20);
+    ASSERT_TRUE(region.ok()) << region.status();
+    for (int attempt = 0; attempt < 2; ++attempt) {
+      auto peer = (*client)->Connect(address.worker_address());
+      if (!peer.ok()) continue;  // refused at once: as good
+      StoreClient::FetchItem item;
+      item.key = Key(1, 0);
+      item.buffer = (*region)->data();
+      item.capacity = (*region)->size();
+      item.memh = (*region)->handle();
+      const auto start = std::chrono::steady_clock::now();
+      EXPECT_FALSE((*client)->Fetch(*peer, absl::MakeSpan(&item, 1), absl::Seconds(2)).ok());
+      EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(10));
+    }
+    region->reset();
+    client->reset();
+    finished.set_value();
+  });
+  if (done.wait_for(std::chrono::seconds(60)) != std::future_status::ready) {
+    ADD_FAILURE() << "fetching from a dead store hung";
+    std::_Exit(1);  // the thread is stuck in UCX: nothing can join it
+  }
+  joiner.join();
 }
 
 TEST_F(StoreE2eTest, BadInputOnBothPlanesAndTheStoreKeepsServing) {
