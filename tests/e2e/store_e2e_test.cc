@@ -1,6 +1,7 @@
 // A real pith-store process over UCX loopback: put, get, commit, abort, batched get, a RAM
 // budget far below the data, kill -9 mid-step and restart, and bad input on both planes.
 #include <atomic>
+#include <csignal>
 #include <cstring>
 #include <filesystem>
 #include <future>
@@ -370,6 +371,43 @@ TEST_F(StoreE2eTest, AStoreDeadBeforeTheConnectionFailsFetchesWithinTheirDeadlin
     std::_Exit(1);  // the thread is stuck in UCX: nothing can join it
   }
   joiner.join();
+}
+
+TEST_F(StoreE2eTest, AStoreThatStopsAnsweringFailsFetchesByTheirDeadline) {
+  // The store freezes (SIGSTOP) with a fetch in flight, then dies: the fetch fails by its
+  // deadline, the endpoint is dropped without waiting for the peer, later fetches fail at
+  // once, and the client closes.
+  StartStore();
+  ASSERT_TRUE(PutBytes(Key(1, 0), 0, Bytes(200 << 10, 1)).ok());
+  ASSERT_TRUE(Commit(0).ok());
+  FetchAll({Key(1, 0)}, 200 << 10);  // connected, wired up
+  ::kill(store_->pid(), SIGSTOP);
+  std::promise<void> finished;
+  std::future<void> done = finished.get_future();
+  std::thread fetcher([&] {
+    auto region = client_->AllocateBuffer(1 << 20);
+    ASSERT_TRUE(region.ok()) << region.status();
+    for (int attempt = 0; attempt < 2; ++attempt) {
+      StoreClient::FetchItem item;
+      item.key = Key(1, 0);
+      item.buffer = (*region)->data();
+      item.capacity = (*region)->size();
+      item.memh = (*region)->handle();
+      const auto start = std::chrono::steady_clock::now();
+      EXPECT_FALSE(client_->Fetch(peer_, absl::MakeSpan(&item, 1), absl::Seconds(2)).ok());
+      EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(10));
+    }
+    region->reset();
+    client_.reset();
+    finished.set_value();
+  });
+  if (done.wait_for(std::chrono::seconds(60)) != std::future_status::ready) {
+    ADD_FAILURE() << "fetching from a frozen store hung";
+    store_->Kill();
+    std::_Exit(1);  // the thread is stuck in UCX: nothing can join it
+  }
+  fetcher.join();
+  store_->Kill();
 }
 
 TEST_F(StoreE2eTest, BadInputOnBothPlanesAndTheStoreKeepsServing) {
