@@ -77,12 +77,17 @@ absl::StatusOr<std::pair<size_t, float*>> ExpertCache::AcquireAny(
   if (experts.empty()) return absl::InvalidArgumentError("AcquireAny of no experts");
   absl::MutexLock lock(&mu_);
   // The layer's run of entries at the cursor holds these experts and no others: one
-  // scheduled but not computed here would hold the cursor back from the next layer.
+  // scheduled but not computed here would hold the cursor back from the next layer. The
+  // run ends where the layer does, or once it holds them all (the updates' entries may
+  // follow the backward's first layer: they stay).
   const int layer = experts.front().first;
-  for (size_t i = cursor_; i < schedule_.size() && schedule_[i].first == layer;) {
+  size_t kept = 0;
+  for (size_t i = cursor_;
+       i < schedule_.size() && schedule_[i].first == layer && kept < experts.size();) {
     if (std::find(experts.begin(), experts.end(), schedule_[i]) == experts.end()) {
       schedule_.erase(schedule_.begin() + static_cast<std::ptrdiff_t>(i));
     } else {
+      ++kept;
       ++i;
     }
   }

@@ -266,6 +266,30 @@ TEST_F(ExpertCacheTest, AcquireAnyDropsTheLayersEntriesNotComputedHere) {
   EXPECT_EQ(cache_->stats().prefetch_hits, before.prefetch_hits + 1);
 }
 
+TEST_F(ExpertCacheTest, AcquireAnyLeavesTheUpdatesEntriesAfterTheBackward) {
+  // The backward's last layer, (0, 3) and (0, 1), is followed by the updates' entries of
+  // the same layer, (0, 2) among them (updated here, no rows here this step): taking the
+  // backward's two leaves them, so the prefetcher fetches (0, 2) for its update.
+  Open(3, absl::Milliseconds(10));
+  EXPECT_EQ(Read({0, 3}), 3.0f);
+  EXPECT_EQ(Read({0, 1}), 1.0f);
+  cache_->SetSchedule({{0, 3}, {0, 1}, {0, 2}, {0, 3}});
+  std::vector<ExpertCache::Expert> layer = {{0, 3}, {0, 1}};
+  while (!layer.empty()) {
+    auto got = cache_->AcquireAny(layer);
+    ASSERT_TRUE(got.ok()) << got.status();
+    cache_->Release(layer[got->first]);
+    layer.erase(layer.begin() + static_cast<std::ptrdiff_t>(got->first));
+  }
+  absl::SleepFor(absl::Milliseconds(100));
+  const ExpertCache::Stats before = cache_->stats();
+  auto w = cache_->AcquireForUpdate({0, 2});
+  ASSERT_TRUE(w.ok()) << w.status();
+  EXPECT_EQ((*w)[0], 2.0f);
+  cache_->Release({0, 2});
+  EXPECT_EQ(cache_->stats().prefetch_hits, before.prefetch_hits + 1);
+}
+
 TEST_F(ExpertCacheTest, ComputeWaitsForAnUpdateInFlight) {
   Open(4);
   const std::vector<ExpertCache::Expert> updating = {{0, 1}, {0, 2}};
