@@ -4,6 +4,7 @@
 #include <csignal>
 #include <cstring>
 #include <filesystem>
+#include <functional>
 #include <future>
 #include <memory>
 #include <numeric>
@@ -334,6 +335,38 @@ TEST_F(StoreE2eTest, KillDashNineMidStepLosesNoCommittedVersion) {
   EXPECT_EQ(Stats().pending_blobs(), 0u);
 }
 
+// Fetches blob (1, 0) from `peer` into `region` with a 2 s deadline: it must fail, and
+// within 10 s.
+void ExpectFetchFailsByItsDeadline(StoreClient& client, int peer, ucx::MemoryRegion& region) {
+  StoreClient::FetchItem item;
+  item.key = Key(1, 0);
+  item.buffer = region.data();
+  item.capacity = region.size();
+  item.memh = region.handle();
+  const auto start = std::chrono::steady_clock::now();
+  EXPECT_FALSE(client.Fetch(peer, absl::MakeSpan(&item, 1), absl::Seconds(2)).ok());
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(10));
+}
+
+// Runs `body` on a thread of its own; if it has not ended within 60 s (stuck in UCX:
+// nothing can join it), reports `what`, runs `before_exit` and ends the process.
+void RunOrExit(
+    const std::function<void()>& body, const std::string& what,
+    const std::function<void()>& before_exit = [] {}) {
+  std::promise<void> finished;
+  std::future<void> done = finished.get_future();
+  std::thread runner([&] {
+    body();
+    finished.set_value();
+  });
+  if (done.wait_for(std::chrono::seconds(60)) != std::future_status::ready) {
+    ADD_FAILURE() << what << " hung";
+    before_exit();
+    std::_Exit(1);
+  }
+  runner.join();
+}
+
 TEST_F(StoreE2eTest, AStoreDeadBeforeTheConnectionFailsFetchesWithinTheirDeadline) {
   // A worker joining after a store died may still find it in a placement and connect to
   // its address: every fetch from it fails by its deadline (or at once), and the client
@@ -343,34 +376,21 @@ TEST_F(StoreE2eTest, AStoreDeadBeforeTheConnectionFailsFetchesWithinTheirDeadlin
   v1::UcxAddress address;
   ASSERT_TRUE(stub_->GetUcxAddress(&ctx, v1::GetUcxAddressRequest(), &address).ok());
   store_->Kill();
-  std::promise<void> finished;
-  std::future<void> done = finished.get_future();
-  std::thread joiner([&] {
-    auto client = StoreClient::Create();
-    ASSERT_TRUE(client.ok()) << client.status();
-    auto region = (*client)->AllocateBuffer(1 << 20);
-    ASSERT_TRUE(region.ok()) << region.status();
-    for (int attempt = 0; attempt < 2; ++attempt) {
-      auto peer = (*client)->Connect(address.worker_address());
-      if (!peer.ok()) continue;  // refused at once: as good
-      StoreClient::FetchItem item;
-      item.key = Key(1, 0);
-      item.buffer = (*region)->data();
-      item.capacity = (*region)->size();
-      item.memh = (*region)->handle();
-      const auto start = std::chrono::steady_clock::now();
-      EXPECT_FALSE((*client)->Fetch(*peer, absl::MakeSpan(&item, 1), absl::Seconds(2)).ok());
-      EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(10));
-    }
-    region->reset();
-    client->reset();
-    finished.set_value();
-  });
-  if (done.wait_for(std::chrono::seconds(60)) != std::future_status::ready) {
-    ADD_FAILURE() << "fetching from a dead store hung";
-    std::_Exit(1);  // the thread is stuck in UCX: nothing can join it
-  }
-  joiner.join();
+  RunOrExit(
+      [&] {
+        auto client = StoreClient::Create();
+        ASSERT_TRUE(client.ok()) << client.status();
+        auto region = (*client)->AllocateBuffer(1 << 20);
+        ASSERT_TRUE(region.ok()) << region.status();
+        for (int attempt = 0; attempt < 2; ++attempt) {
+          auto peer = (*client)->Connect(address.worker_address());
+          if (!peer.ok()) continue;  // refused at once: as good
+          ExpectFetchFailsByItsDeadline(**client, *peer, **region);
+        }
+        region->reset();
+        client->reset();
+      },
+      "fetching from a dead store");
 }
 
 TEST_F(StoreE2eTest, AStoreThatStopsAnsweringFailsFetchesByTheirDeadline) {
@@ -382,31 +402,17 @@ TEST_F(StoreE2eTest, AStoreThatStopsAnsweringFailsFetchesByTheirDeadline) {
   ASSERT_TRUE(Commit(0).ok());
   FetchAll({Key(1, 0)}, 200 << 10);  // connected, wired up
   ::kill(store_->pid(), SIGSTOP);
-  std::promise<void> finished;
-  std::future<void> done = finished.get_future();
-  std::thread fetcher([&] {
-    auto region = client_->AllocateBuffer(1 << 20);
-    ASSERT_TRUE(region.ok()) << region.status();
-    for (int attempt = 0; attempt < 2; ++attempt) {
-      StoreClient::FetchItem item;
-      item.key = Key(1, 0);
-      item.buffer = (*region)->data();
-      item.capacity = (*region)->size();
-      item.memh = (*region)->handle();
-      const auto start = std::chrono::steady_clock::now();
-      EXPECT_FALSE(client_->Fetch(peer_, absl::MakeSpan(&item, 1), absl::Seconds(2)).ok());
-      EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(10));
-    }
-    region->reset();
-    client_.reset();
-    finished.set_value();
-  });
-  if (done.wait_for(std::chrono::seconds(60)) != std::future_status::ready) {
-    ADD_FAILURE() << "fetching from a frozen store hung";
-    store_->Kill();
-    std::_Exit(1);  // the thread is stuck in UCX: nothing can join it
-  }
-  fetcher.join();
+  RunOrExit(
+      [&] {
+        auto region = client_->AllocateBuffer(1 << 20);
+        ASSERT_TRUE(region.ok()) << region.status();
+        for (int attempt = 0; attempt < 2; ++attempt) {
+          ExpectFetchFailsByItsDeadline(*client_, peer_, **region);
+        }
+        region->reset();
+        client_.reset();
+      },
+      "fetching from a frozen store", [&] { store_->Kill(); });
   store_->Kill();
 }
 

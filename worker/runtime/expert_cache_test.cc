@@ -57,6 +57,23 @@ class ExpertCacheTest : public ::testing::Test {
     cache_->Release(x);
     return v;
   }
+  // Takes every one of `layer`'s experts with AcquireAny, as compute does (each checked to
+  // hold its own weights, then released); returns their expert numbers in the order taken.
+  std::vector<int> TakeLayer(std::vector<ExpertCache::Expert> layer) {
+    std::vector<int> order;
+    while (!layer.empty()) {
+      auto got = cache_->AcquireAny(layer);
+      EXPECT_TRUE(got.ok()) << got.status();
+      if (!got.ok()) break;
+      const auto [i, w] = *got;
+      const ExpertCache::Expert x = layer[i];
+      EXPECT_EQ(w[0], x.first * 100.0f + x.second);
+      order.push_back(x.second);
+      cache_->Release(x);
+      layer.erase(layer.begin() + static_cast<std::ptrdiff_t>(i));
+    }
+    return order;
+  }
 
   std::unique_ptr<ucx::Worker> worker_;
   std::unique_ptr<ExpertCache> cache_;
@@ -194,18 +211,7 @@ TEST_F(ExpertCacheTest, AcquireAnyTakesAResidentExpertBeforeOneOnItsWay) {
   std::vector<ExpertCache::Expert> layer = {{1, 0}, {1, 1}, {1, 3}};
   cache_->SetSchedule(layer);
   absl::SleepFor(absl::Milliseconds(20));  // the prefetcher is on (1, 0) now
-  std::vector<int> order;
-  while (!layer.empty()) {
-    auto got = cache_->AcquireAny(layer);
-    ASSERT_TRUE(got.ok()) << got.status();
-    const auto [i, w] = *got;
-    const ExpertCache::Expert x = layer[i];
-    EXPECT_EQ(w[0], 100.0f + x.second);
-    order.push_back(x.second);
-    cache_->Release(x);
-    layer.erase(layer.begin() + static_cast<std::ptrdiff_t>(i));
-  }
-  EXPECT_EQ(order, (std::vector<int>{1, 3, 0}));
+  EXPECT_EQ(TakeLayer(layer), (std::vector<int>{1, 3, 0}));
   EXPECT_EQ(fetches_.load(), fetched + 1);  // (1, 0), once
   const ExpertCache::Stats st = cache_->stats();
   EXPECT_EQ(st.hits + st.misses, 5u);
@@ -253,13 +259,7 @@ TEST_F(ExpertCacheTest, AcquireAnyDropsTheLayersEntriesNotComputedHere) {
   EXPECT_EQ(Read({1, 1}), 101.0f);
   EXPECT_EQ(Read({1, 5}), 105.0f);
   cache_->SetSchedule({{1, 5}, {1, 3}, {1, 1}, {0, 2}});
-  std::vector<ExpertCache::Expert> layer = {{1, 5}, {1, 1}};
-  while (!layer.empty()) {
-    auto got = cache_->AcquireAny(layer);
-    ASSERT_TRUE(got.ok()) << got.status();
-    cache_->Release(layer[got->first]);
-    layer.erase(layer.begin() + static_cast<std::ptrdiff_t>(got->first));
-  }
+  TakeLayer({{1, 5}, {1, 1}});
   absl::SleepFor(absl::Milliseconds(100));
   const ExpertCache::Stats before = cache_->stats();
   EXPECT_EQ(Read({0, 2}), 2.0f);
@@ -274,13 +274,7 @@ TEST_F(ExpertCacheTest, AcquireAnyLeavesTheUpdatesEntriesAfterTheBackward) {
   EXPECT_EQ(Read({0, 3}), 3.0f);
   EXPECT_EQ(Read({0, 1}), 1.0f);
   cache_->SetSchedule({{0, 3}, {0, 1}, {0, 2}, {0, 3}});
-  std::vector<ExpertCache::Expert> layer = {{0, 3}, {0, 1}};
-  while (!layer.empty()) {
-    auto got = cache_->AcquireAny(layer);
-    ASSERT_TRUE(got.ok()) << got.status();
-    cache_->Release(layer[got->first]);
-    layer.erase(layer.begin() + static_cast<std::ptrdiff_t>(got->first));
-  }
+  TakeLayer({{0, 3}, {0, 1}});
   absl::SleepFor(absl::Milliseconds(100));
   const ExpertCache::Stats before = cache_->stats();
   auto w = cache_->AcquireForUpdate({0, 2});
