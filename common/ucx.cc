@@ -77,9 +77,43 @@ bool CpuContended(std::chrono::steady_clock::time_point now) {
 // Completion context of one send or receive.
 struct OpContext {
   Worker::Done done;
-  std::string header;        // kept alive until the send completes
-  int* in_flight = nullptr;  // the worker's count of pending requests, when pending
+  std::string header;           // kept alive until the send completes
+  int* in_flight = nullptr;     // the worker's count of pending requests
+  bool* called_back = nullptr;  // set while the operation is being issued (see Issue)
 };
+
+// Issues one ucp operation: `start(ctx)` makes the call with `ctx` as its user data. UCX
+// completes it in one of three ways: at once (a status, no callback), later (a request,
+// then the callback), or, on some error paths (a receive from a peer that just failed),
+// by running the callback before the call returns, a request pointer or not. In every case
+// `done` runs exactly once and the context is freed once. The callback must call
+// FinishOp.
+template <typename Start>
+void Issue(std::unique_ptr<OpContext> ctx, int& in_flight, absl::string_view what, Start start) {
+  bool called_back = false;
+  ctx->in_flight = &in_flight;
+  ctx->called_back = &called_back;
+  ++in_flight;
+  OpContext* raw = ctx.release();  // the callback frees it, if it runs
+  const ucs_status_ptr_t r = start(raw);
+  if (called_back) return;
+  if (UCS_PTR_IS_PTR(r)) {
+    raw->called_back = nullptr;  // the callback runs later
+    return;
+  }
+  std::unique_ptr<OpContext> own(raw);
+  --in_flight;
+  own->done(FromUcs(UCS_PTR_STATUS(r), what));
+}
+
+// The callbacks' side of Issue: frees the request and the context, then runs `done`.
+void FinishOp(void* request, ucs_status_t status, void* user_data, absl::string_view what) {
+  std::unique_ptr<OpContext> ctx(static_cast<OpContext*>(user_data));
+  ucp_request_free(request);
+  if (ctx->called_back != nullptr) *ctx->called_back = true;
+  --*ctx->in_flight;
+  ctx->done(FromUcs(status, what));
+}
 
 }  // namespace
 
@@ -151,6 +185,7 @@ void Worker::Stop() {
       while (!endpoints_.empty()) Close(endpoints_.begin()->first);
       for (AmMessage& m : arrived_) Release(m);
       arrived_.clear();
+      failed_endpoints_.clear();
     });
     stop_ = true;
     Post([] {});
@@ -231,13 +266,15 @@ void Worker::Loop() {
       if (it != handlers_.end()) it->second(m);
       Release(m);  // whatever the handler did not take
     }
+    const bool failures = !failed_endpoints_.empty();
+    RunEndpointErrors();
     std::vector<std::function<void()>> posted;
     if (has_posted_.exchange(false, std::memory_order_acquire)) {  // no lock per spin
       std::lock_guard<std::mutex> lock(mu_);
       posted.swap(posted_);
     }
     for (auto& fn : posted) fn();
-    if (active || !posted.empty() || !arrived_.empty()) {
+    if (active || failures || !posted.empty() || !arrived_.empty()) {
       last_active = std::chrono::steady_clock::now();
       spin = !CpuContended(last_active);
       idle_spins = 0;
@@ -337,19 +374,41 @@ absl::StatusOr<std::unique_ptr<MemoryRegion>> Worker::Register(void* data, size_
 }
 
 void Worker::OnEndpointError(void* arg, ucp_ep_h ep, ucs_status_t status) {
+  // Inside ucp_worker_progress, where the handler could not close the endpoint (closing
+  // progresses the worker): the loop runs it after progress returns.
   auto* state = static_cast<EndpointState*>(arg);
-  if (state->on_error) state->on_error(FromUcs(status, "peer failed"));
+  state->worker->failed_endpoints_.push_back({ep, state->id, status});
+}
+
+void Worker::RunEndpointErrors() {
+  while (!failed_endpoints_.empty()) {
+    const FailedEndpoint f = failed_endpoints_.front();
+    failed_endpoints_.pop_front();
+    auto it = endpoints_.find(f.ep);
+    if (it == endpoints_.end() || it->second->id != f.id) continue;  // closed meanwhile
+    // A copy: the handler may close the endpoint, which destroys its state.
+    const std::function<void(absl::Status)> on_error = it->second->on_error;
+    if (on_error) on_error(FromUcs(f.status, "peer failed"));
+  }
 }
 
 absl::StatusOr<ucp_ep_h> Worker::Connect(const std::string& address,
                                          std::function<void(absl::Status)> on_error) {
-  auto state = std::make_unique<EndpointState>(EndpointState{this, std::move(on_error)});
+  auto state =
+      std::make_unique<EndpointState>(EndpointState{this, ++endpoint_ids_, std::move(on_error)});
   ucp_ep_params_t p{};
   // NOTE: peer-failure handling (UCP_ERR_HANDLING_MODE_PEER) would make UCX drop every
-  // transport that cannot detect a dead peer — shared memory and CMA among them — and
-  // run everything over TCP at a third of the bandwidth. Pith detects dead peers with
-  // request deadlines and coordinator leases instead; the error handler still reports
-  // what UCX does notice.
+  // transport that cannot detect a dead peer — CMA among them, even with shared memory's
+  // error handling on — and move rendezvous payloads through the shared-memory FIFO instead:
+  // store_fetch_bench, 1 MiB fetches, 30 GB/s -> 5 GB/s. Pith detects dead peers with
+  // request deadlines and coordinator leases instead; the error handler still reports what
+  // UCX does notice.
+  // UCX frees an endpoint it made for an incoming connection when the peer fails, and a
+  // message the dead peer sent before, still queued, then names freed memory (the endpoint
+  // ids on the wire are addresses in this mode): a server must own the endpoints its
+  // clients' messages arrive on (an endpoint opened back to a peer becomes the one its
+  // connection uses) and keep them open while the peer may still have messages on the way
+  // (see store/data_plane.h).
   p.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE |
                  UCP_EP_PARAM_FIELD_ERR_HANDLER;
   p.address = reinterpret_cast<const ucp_address_t*>(address.data());
@@ -378,41 +437,29 @@ void Worker::Close(ucp_ep_h ep) {
 }
 
 void Worker::OnSendDone(void* request, ucs_status_t status, void* user_data) {
-  std::unique_ptr<OpContext> ctx(static_cast<OpContext*>(user_data));
-  ucp_request_free(request);
-  --*ctx->in_flight;
-  ctx->done(FromUcs(status, "send"));
+  FinishOp(request, status, user_data, "send");
 }
 
 void Worker::OnRecvDone(void* request, ucs_status_t status, size_t, void* user_data) {
-  std::unique_ptr<OpContext> ctx(static_cast<OpContext*>(user_data));
-  ucp_request_free(request);
-  --*ctx->in_flight;
-  ctx->done(FromUcs(status, "receive"));
+  FinishOp(request, status, user_data, "receive");
 }
 
 void Worker::Send(ucp_ep_h ep, uint16_t id, std::string header, const void* data, size_t size,
                   ucp_mem_h memh, bool want_reply, Done done) {
   auto ctx = std::make_unique<OpContext>(OpContext{std::move(done), std::move(header)});
-  ucp_request_param_t p{};
-  p.op_attr_mask =
-      UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_FLAGS;
-  p.cb.send = &Worker::OnSendDone;
-  p.user_data = ctx.get();
-  p.flags = want_reply ? UCP_AM_SEND_FLAG_REPLY : 0;
-  if (memh != nullptr) {
-    p.op_attr_mask |= UCP_OP_ATTR_FIELD_MEMH;
-    p.memh = memh;
-  }
-  ucs_status_ptr_t r =
-      ucp_am_send_nbx(ep, id, ctx->header.data(), ctx->header.size(), data, size, &p);
-  if (UCS_PTR_IS_PTR(r)) {
-    ctx->in_flight = &in_flight_;
-    ++in_flight_;
-    ctx.release();  // OnSendDone owns it now
-    return;
-  }
-  ctx->done(FromUcs(UCS_PTR_STATUS(r), "send"));
+  Issue(std::move(ctx), in_flight_, "send", [&](OpContext* c) {
+    ucp_request_param_t p{};
+    p.op_attr_mask =
+        UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_FLAGS;
+    p.cb.send = &Worker::OnSendDone;
+    p.user_data = c;
+    p.flags = want_reply ? UCP_AM_SEND_FLAG_REPLY : 0;
+    if (memh != nullptr) {
+      p.op_attr_mask |= UCP_OP_ATTR_FIELD_MEMH;
+      p.memh = memh;
+    }
+    return ucp_am_send_nbx(ep, id, c->header.data(), c->header.size(), data, size, &p);
+  });
 }
 
 void Worker::ReceiveData(AmMessage& m, void* buffer, ucp_mem_h memh, Done done) {
@@ -423,23 +470,18 @@ void Worker::ReceiveData(AmMessage& m, void* buffer, ucp_mem_h memh, Done done) 
     return;
   }
   auto ctx = std::make_unique<OpContext>(OpContext{std::move(done), {}});
-  ucp_request_param_t p{};
-  p.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
-  p.cb.recv_am = &Worker::OnRecvDone;
-  p.user_data = ctx.get();
-  if (memh != nullptr) {
-    p.op_attr_mask |= UCP_OP_ATTR_FIELD_MEMH;
-    p.memh = memh;
-  }
   void* desc = std::exchange(m.rndv_desc, nullptr);  // UCX owns it from here on
-  ucs_status_ptr_t r = ucp_am_recv_data_nbx(worker_, desc, buffer, m.length, &p);
-  if (UCS_PTR_IS_PTR(r)) {
-    ctx->in_flight = &in_flight_;
-    ++in_flight_;
-    ctx.release();  // OnRecvDone owns it now
-    return;
-  }
-  ctx->done(FromUcs(UCS_PTR_STATUS(r), "receive"));
+  Issue(std::move(ctx), in_flight_, "receive", [&](OpContext* c) {
+    ucp_request_param_t p{};
+    p.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
+    p.cb.recv_am = &Worker::OnRecvDone;
+    p.user_data = c;
+    if (memh != nullptr) {
+      p.op_attr_mask |= UCP_OP_ATTR_FIELD_MEMH;
+      p.memh = memh;
+    }
+    return ucp_am_recv_data_nbx(worker_, desc, buffer, m.length, &p);
+  });
 }
 
 void Worker::Release(AmMessage& m) {

@@ -110,11 +110,13 @@ class Worker {
   bool OnProgressThread() const { return std::this_thread::get_id() == thread_.get_id(); }
 
   // --- progress thread only ----------------------------------------------------------
-  // An endpoint to the worker at `address`; `on_error` runs (on the progress thread) when
-  // the peer fails. Outstanding operations on it then complete with an error.
+  // An endpoint to the worker at `address`; `on_error` runs (on the progress thread, outside
+  // UCX's progress: it may Close the endpoint) when the peer fails. Outstanding operations
+  // on it then complete with an error.
   absl::StatusOr<ucp_ep_h> Connect(const std::string& address,
                                    std::function<void(absl::Status)> on_error);
-  // Closes an endpoint (forcefully: outstanding operations are cancelled).
+  // Closes an endpoint (forcefully: outstanding operations are cancelled). Progresses the
+  // worker until the close completes: not from a send or receive completion.
   void Close(ucp_ep_h ep);
   // Sends active message `id` with `header` and `size` bytes of payload from `data` (which
   // must stay valid until `done` runs; memh, when given, is its registration). With
@@ -159,9 +161,18 @@ class Worker {
 
   struct EndpointState {
     Worker* worker;
+    uint64_t id;  // tells a closed endpoint's failure from a later one's at the same address
     std::function<void(absl::Status)> on_error;
   };
   std::map<ucp_ep_h, std::unique_ptr<EndpointState>> endpoints_;  // progress thread only
+  uint64_t endpoint_ids_ = 0;                                     // progress thread only
+  struct FailedEndpoint {
+    ucp_ep_h ep;
+    uint64_t id;
+    ucs_status_t status;
+  };
+  std::deque<FailedEndpoint> failed_endpoints_;  // progress thread only
+  void RunEndpointErrors();
 };
 
 }  // namespace pith::ucx

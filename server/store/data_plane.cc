@@ -48,13 +48,60 @@ absl::StatusOr<std::unique_ptr<DataPlane>> DataPlane::Create(ucx::Worker* worker
                                                   "Data-plane requests answered with an error"));
   }
   DataPlane* self = d.get();
+  worker->SetHandler(v1::UCX_MESSAGE_HELLO, [self](ucx::AmMessage& m) { self->OnHello(m); });
   worker->SetHandler(v1::UCX_MESSAGE_GET_REQUEST, [self](ucx::AmMessage& m) { self->OnGet(m); });
   worker->SetHandler(v1::UCX_MESSAGE_PUT_REQUEST, [self](ucx::AmMessage& m) { self->OnPut(m); });
   return d;
 }
 
-void DataPlane::Reply(ucp_ep_h ep, uint16_t id, const v1::UcxBlobReply& reply, BlobRef payload) {
+void DataPlane::OnHello(ucx::AmMessage& m) {
+  v1::UcxHello hello;
+  if (!hello.ParseFromString(m.header) || hello.client_id() == 0 ||
+      hello.worker_address().empty()) {
+    LOG(WARNING) << "ignored a malformed UCX hello";
+    if (errors_) errors_->Increment();
+    return;
+  }
+  const uint64_t client = hello.client_id();
+  // A client that connects again (its last endpoint failed or timed out) says hello again.
+  RetireClient(client);
+  absl::StatusOr<ucp_ep_h> ep =
+      worker_->Connect(hello.worker_address(), [this, client](absl::Status status) {
+        VLOG(1) << "client " << client << " failed: " << status;
+        RetireClient(client);
+      });
+  if (!ep.ok()) {
+    LOG(WARNING) << "cannot answer client " << client << ": " << ep.status();
+    if (errors_) errors_->Increment();
+    return;
+  }
+  clients_[client] = *ep;
+}
+
+void DataPlane::RetireClient(uint64_t client) {
+  auto it = clients_.find(client);
+  if (it == clients_.end()) return;
+  retired_.push_back(it->second);
+  clients_.erase(it);
+}
+
+void DataPlane::Reply(uint64_t client, ucp_ep_h via, uint16_t id, const v1::UcxBlobReply& reply,
+                      BlobRef payload) {
   if (reply.code() != 0 && errors_) errors_->Increment();
+  ucp_ep_h ep = nullptr;
+  if (auto it = clients_.find(client); it != clients_.end()) {
+    ep = it->second;
+  } else {
+    for (const auto& entry : clients_) {
+      if (entry.second == via) ep = via;
+    }
+  }
+  if (ep == nullptr) {
+    VLOG(1) << "no endpoint to client " << client << ": reply to request " << reply.request_id()
+            << " dropped";
+    if (reply.code() == 0 && errors_) errors_->Increment();
+    return;
+  }
   const void* data = payload.data();
   const size_t size = payload.size();
   // The BlobRef rides in the completion: the blob stays pinned until UCX has sent it.
@@ -67,9 +114,8 @@ void DataPlane::Reply(ucp_ep_h ep, uint16_t id, const v1::UcxBlobReply& reply, B
 
 void DataPlane::OnGet(ucx::AmMessage& m) {
   v1::UcxGetRequest request;
-  if (m.reply_ep == nullptr) return;  // nobody to answer
   if (!request.ParseFromString(m.header)) {
-    Reply(m.reply_ep, v1::UCX_MESSAGE_GET_REPLY,
+    Reply(0, m.reply_ep, v1::UCX_MESSAGE_GET_REPLY,
           ErrorReply(0, 0, absl::InvalidArgumentError("malformed fetch request")), BlobRef());
     return;
   }
@@ -82,7 +128,7 @@ void DataPlane::OnGet(ucx::AmMessage& m) {
           absl::StrCat("blob has ", ref->size(), " bytes, the buffer ", item.capacity()));
     }
     if (!ref.ok()) {
-      Reply(m.reply_ep, v1::UCX_MESSAGE_GET_REPLY,
+      Reply(request.client_id(), m.reply_ep, v1::UCX_MESSAGE_GET_REPLY,
             ErrorReply(request.request_id(), i, ref.status()), BlobRef());
       continue;
     }
@@ -95,7 +141,7 @@ void DataPlane::OnGet(ucx::AmMessage& m) {
     info->set_size_bytes(ref->size());
     info->set_crc32c(ref->crc());
     info->set_committed(item.version() < 0);
-    Reply(m.reply_ep, v1::UCX_MESSAGE_GET_REPLY, reply, *ref);
+    Reply(request.client_id(), m.reply_ep, v1::UCX_MESSAGE_GET_REPLY, reply, *ref);
     if (get_seconds_) get_seconds_->Observe(SecondsSince(start));
   }
 }
@@ -103,15 +149,14 @@ void DataPlane::OnGet(ucx::AmMessage& m) {
 void DataPlane::OnPut(ucx::AmMessage& m) {
   const auto start = std::chrono::steady_clock::now();
   v1::UcxPutRequest request;
-  if (m.reply_ep == nullptr) return;
   if (!request.ParseFromString(m.header)) {
-    Reply(m.reply_ep, v1::UCX_MESSAGE_PUT_REPLY,
+    Reply(0, m.reply_ep, v1::UCX_MESSAGE_PUT_REPLY,
           ErrorReply(0, 0, absl::InvalidArgumentError("malformed put request")), BlobRef());
     return;
   }
   const uint64_t payload = request.same_as_kind() != v1::BLOB_KIND_UNSPECIFIED ? 0 : request.size();
   if (payload != m.length) {
-    Reply(m.reply_ep, v1::UCX_MESSAGE_PUT_REPLY,
+    Reply(request.client_id(), m.reply_ep, v1::UCX_MESSAGE_PUT_REPLY,
           ErrorReply(request.request_id(), 0,
                      absl::InvalidArgumentError(
                          absl::StrCat("put says ", payload, " bytes, carries ", m.length))),
@@ -130,21 +175,21 @@ void DataPlane::OnPut(ucx::AmMessage& m) {
       *reply.mutable_info() = *info;
       if (put_seconds_) put_seconds_->Observe(SecondsSince(start));
     }
-    Reply(m.reply_ep, v1::UCX_MESSAGE_PUT_REPLY, reply, BlobRef());
+    Reply(request.client_id(), m.reply_ep, v1::UCX_MESSAGE_PUT_REPLY, reply, BlobRef());
     return;
   }
   absl::StatusOr<PutReservation> reservation =
       store_->BeginPut(request.key(), request.version(), request.size());
   if (!reservation.ok()) {
-    Reply(m.reply_ep, v1::UCX_MESSAGE_PUT_REPLY,
+    Reply(request.client_id(), m.reply_ep, v1::UCX_MESSAGE_PUT_REPLY,
           ErrorReply(request.request_id(), 0, reservation.status()), BlobRef());
     return;  // the payload is released by the worker
   }
-  ucp_ep_h reply_ep = m.reply_ep;
+  ucp_ep_h via = m.reply_ep;  // compared only (see Reply)
   uint8_t* target = reservation->data();
   worker_->ReceiveData(
       m, target, memh_,
-      [this, reply_ep, request, reservation = std::move(*reservation),
+      [this, via, request, reservation = std::move(*reservation),
        start](absl::Status status) mutable {
         absl::StatusOr<v1::BlobInfo> info =
             status.ok() ? store_->FinishPut(std::move(reservation), request.crc32c())
@@ -155,7 +200,7 @@ void DataPlane::OnPut(ucx::AmMessage& m) {
           if (bytes_received_) bytes_received_->Increment(static_cast<double>(request.size()));
           if (put_seconds_) put_seconds_->Observe(SecondsSince(start));
         }
-        Reply(reply_ep, v1::UCX_MESSAGE_PUT_REPLY, reply, BlobRef());
+        Reply(request.client_id(), via, v1::UCX_MESSAGE_PUT_REPLY, reply, BlobRef());
       });
 }
 

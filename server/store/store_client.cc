@@ -3,6 +3,7 @@
 #include <atomic>
 #include <cstring>
 #include <map>
+#include <random>
 #include <tuple>
 
 #include "absl/strings/str_cat.h"
@@ -52,6 +53,10 @@ struct StoreClient::Pending {
 
 absl::StatusOr<std::unique_ptr<StoreClient>> StoreClient::Create() {
   std::unique_ptr<StoreClient> c(new StoreClient());
+  std::random_device random;
+  while (c->client_id_ == 0) {
+    c->client_id_ = (static_cast<uint64_t>(random()) << 32) ^ random();
+  }
   auto worker = ucx::Worker::Create();
   if (!worker.ok()) return worker.status();
   c->worker_ = std::move(*worker);
@@ -91,6 +96,12 @@ absl::StatusOr<int> StoreClient::Connect(const std::string& ucx_address) {
       result = ep.status();
       return;
     }
+    // First on the endpoint, so the store knows where to answer before any request.
+    v1::UcxHello hello;
+    hello.set_client_id(client_id_);
+    hello.set_worker_address(worker_->address());
+    worker_->Send(*ep, v1::UCX_MESSAGE_HELLO, hello.SerializeAsString(), nullptr, 0, nullptr, false,
+                  [](absl::Status) {});  // a lost hello shows as the requests' timeouts
     peers_[peer] = *ep;
     peer_by_address_[ucx_address] = peer;
     result = peer;
@@ -216,6 +227,7 @@ absl::Status StoreClient::Fetch(int peer, absl::Span<FetchItem> items, absl::Dur
   pending->remaining = items.size();
   v1::UcxGetRequest request;
   request.set_request_id(next_request_++);
+  request.set_client_id(client_id_);
   for (FetchItem& item : items) {
     item.status = absl::OkStatus();
     v1::UcxGetItem* g = request.add_items();
@@ -306,6 +318,7 @@ absl::Status StoreClient::PutRound(absl::Span<PutItem> items, const std::vector<
     pending->round = all;
     v1::UcxPutRequest request;
     request.set_request_id(next_request_++);
+    request.set_client_id(client_id_);
     *request.mutable_key() = item.key;
     request.set_version(item.version);
     request.set_size(item.size);
@@ -367,6 +380,7 @@ absl::StatusOr<v1::BlobInfo> StoreClient::Put(int peer, const v1::BlobKey& key, 
   pending->remaining = 1;
   v1::UcxPutRequest request;
   request.set_request_id(next_request_++);
+  request.set_client_id(client_id_);
   *request.mutable_key() = key;
   request.set_version(version);
   request.set_size(size);

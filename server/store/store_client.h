@@ -96,6 +96,7 @@ class StoreClient {
 
   std::unique_ptr<ucx::Worker> worker_;
   std::atomic<uint64_t> next_request_{1};
+  uint64_t client_id_ = 0;  // UcxHello.client_id: random, set once
   // Progress thread only:
   std::map<int, ucp_ep_h> peers_;
   std::map<std::string, int> peer_by_address_;

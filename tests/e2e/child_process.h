@@ -81,6 +81,21 @@ class ChildProcess {
     pid_ = -1;
   }
 
+  // The exit status Running() saw (128 + signal for a signal), or -1.
+  int exit_status() const { return exit_status_; }
+
+  // Whether the process is still running (false once it has exited, been killed or reaped).
+  bool Running() {
+    if (pid_ <= 0) return false;
+    int status;
+    if (waitpid(pid_, &status, WNOHANG) == pid_) {
+      exit_status_ = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+      pid_ = -1;
+      return false;
+    }
+    return true;
+  }
+
   // Waits for the process to exit by itself; returns its exit status (or -1 on timeout,
   // after which it is killed).
   int Wait(double seconds) {
@@ -132,6 +147,7 @@ class ChildProcess {
  private:
   std::string log_path_;
   pid_t pid_ = -1;
+  int exit_status_ = -1;  // set by Running() when it reaps the process
 };
 
 }  // namespace pith::testing

@@ -2,6 +2,7 @@
 // budget far below the data, kill -9 mid-step and restart, and bad input on both planes.
 #include <atomic>
 #include <csignal>
+#include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <functional>
@@ -335,6 +336,39 @@ TEST_F(StoreE2eTest, KillDashNineMidStepLosesNoCommittedVersion) {
   EXPECT_EQ(Stats().pending_blobs(), 0u);
 }
 
+// Clients killed (kill -9) with many large writes half-sent, one after another: the store
+// outlives every one (a dead peer's rendezvous requests still arriving must not reach a
+// freed endpoint) and serves the next client. PITH_FLOOD_KILLS sets the number of kills.
+TEST_F(StoreE2eTest, ClientsKilledWithWritesInFlightLeaveTheStoreServing) {
+  StartStore(/*ram_bytes=*/64 << 20, /*max_blob=*/1 << 20);
+  const char* env = std::getenv("PITH_FLOOD_KILLS");
+  const int kills = env ? std::atoi(env) : 16;
+  std::mt19937 rng(7);
+  for (int k = 0; k < kills; ++k) {
+    const std::string log = dir_ + "/flood." + std::to_string(k) + ".log";
+    ChildProcess flood(
+        PITH_PUT_FLOOD_BINARY,
+        {"127.0.0.1:" + std::to_string(store_->grpc_port), std::to_string(1 << 20), "16"}, log);
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(30);
+    while (flood.Log().find("flooding") == std::string::npos) {
+      ASSERT_TRUE(flood.Running()) << "the flood client died: " << flood.Log();
+      ASSERT_LT(std::chrono::steady_clock::now(), deadline) << "the flood never started";
+      std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    }
+    std::this_thread::sleep_for(std::chrono::microseconds(rng() % 50000));
+    flood.Kill();
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));  // the store sees the reset
+    ASSERT_TRUE(store_->Running())
+        << "after kill " << k << " the store exited with status " << store_->exit_status() << ":\n"
+        << store_->Log();
+  }
+  const std::vector<uint8_t> data = Bytes(300 << 10, 5);
+  ASSERT_TRUE(PutBytes(Key(1, 0), 0, data).ok());
+  ASSERT_TRUE(Commit(0).ok());
+  EXPECT_EQ(FetchAll({Key(1, 0)}, 300 << 10)[0], data);
+  EXPECT_TRUE(store_->Running()) << store_->Log();
+}
+
 // Fetches blob (1, 0) from `peer` into `region` with a 2 s deadline: it must fail, and
 // within 10 s.
 void ExpectFetchFailsByItsDeadline(StoreClient& client, int peer, ucx::MemoryRegion& region) {
@@ -455,7 +489,8 @@ TEST_F(StoreE2eTest, BadInputOnBothPlanesAndTheStoreKeepsServing) {
     EXPECT_EQ(FromGrpcStatus(stub_->ListBlobs(&ctx, req, &resp)).code(),
               absl::StatusCode::kInvalidArgument);
   }
-  // A raw UCX peer sending garbage gets INVALID_ARGUMENT back.
+  // A raw UCX peer that says hello and then sends garbage gets INVALID_ARGUMENT back; one
+  // that never said hello is not answered, and the store goes on serving.
   {
     auto raw = ucx::Worker::Create();
     ASSERT_TRUE(raw.ok());
@@ -469,12 +504,25 @@ TEST_F(StoreE2eTest, BadInputOnBothPlanesAndTheStoreKeepsServing) {
     grpc::ClientContext ctx;
     v1::UcxAddress address;
     ASSERT_TRUE(stub_->GetUcxAddress(&ctx, v1::GetUcxAddressRequest(), &address).ok());
+    ucp_ep_h ep = nullptr;
     (*raw)->RunSync([&] {
-      auto ep = (*raw)->Connect(address.worker_address(), nullptr);
-      ASSERT_TRUE(ep.ok());
-      (*raw)->Send(*ep, v1::UCX_MESSAGE_GET_REQUEST, std::string("\xff\xff\xff garbage"), nullptr,
-                   0, nullptr, true, [](absl::Status) {});
+      auto connected = (*raw)->Connect(address.worker_address(), nullptr);
+      ASSERT_TRUE(connected.ok());
+      ep = *connected;
     });
+    ASSERT_NE(ep, nullptr);
+    const auto send = [&](uint16_t id, std::string header) {
+      (*raw)->RunSync([&] {
+        (*raw)->Send(ep, id, std::move(header), nullptr, 0, nullptr, true, [](absl::Status) {});
+      });
+    };
+    send(v1::UCX_MESSAGE_GET_REQUEST, "\xff\xff\xff garbage");
+    EXPECT_FALSE(got_reply.WaitForNotificationWithTimeout(absl::Seconds(1)));
+    v1::UcxHello hello;
+    hello.set_client_id(77);
+    hello.set_worker_address((*raw)->address());
+    send(v1::UCX_MESSAGE_HELLO, hello.SerializeAsString());
+    send(v1::UCX_MESSAGE_GET_REQUEST, "\xff\xff\xff garbage");
     ASSERT_TRUE(got_reply.WaitForNotificationWithTimeout(absl::Seconds(10)));
     EXPECT_EQ(reply.code(), static_cast<int>(absl::StatusCode::kInvalidArgument));
   }

@@ -1,0 +1,84 @@
+// store_put_flood: a store client that keeps many large writes in flight to one pith-store
+// until it is killed. store_e2e_test kills it with `kill -9` at random points to check that
+// a store outlives clients that die with writes (rendezvous payloads) half-sent.
+//
+// Usage: store_put_flood <store grpc host:port> <blob bytes> <writes in flight>
+// Logs "flooding" once the first batch is answered, then one line per 100 batches.
+#include <cstdio>
+#include <cstdlib>
+#include <string>
+#include <vector>
+
+#include "common/grpc_util.h"
+#include "grpcpp/grpcpp.h"
+#include "pith/v1/store.grpc.pb.h"
+#include "server/store/store_client.h"
+
+namespace pith::store {
+namespace {
+
+int Run(const std::string& target, size_t blob_bytes, int in_flight) {
+  auto stub =
+      v1::StoreService::NewStub(grpc::CreateChannel(target, grpc::InsecureChannelCredentials()));
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
+  v1::UcxAddress address;
+  absl::Status s = FromGrpcStatus(stub->GetUcxAddress(&ctx, v1::GetUcxAddressRequest(), &address));
+  if (!s.ok()) {
+    std::fprintf(stderr, "store_put_flood: %s\n", s.ToString().c_str());
+    return 1;
+  }
+  auto client = StoreClient::Create();
+  if (!client.ok()) {
+    std::fprintf(stderr, "store_put_flood: %s\n", client.status().ToString().c_str());
+    return 1;
+  }
+  auto peer = (*client)->Connect(address.worker_address());
+  if (!peer.ok()) {
+    std::fprintf(stderr, "store_put_flood: %s\n", peer.status().ToString().c_str());
+    return 1;
+  }
+  auto region = (*client)->AllocateBuffer(blob_bytes * in_flight);
+  if (!region.ok()) {
+    std::fprintf(stderr, "store_put_flood: %s\n", region.status().ToString().c_str());
+    return 1;
+  }
+  for (size_t i = 0; i < (*region)->size(); ++i) (*region)->data()[i] = static_cast<uint8_t>(i);
+  std::vector<StoreClient::PutItem> items(in_flight);
+  for (int batch = 0;; ++batch) {
+    for (int i = 0; i < in_flight; ++i) {
+      StoreClient::PutItem& item = items[i];
+      item = StoreClient::PutItem();
+      item.peer = *peer;
+      item.key.set_job_id("flood");
+      item.key.set_layer(0);
+      item.key.set_expert(i);
+      item.key.set_kind(v1::BLOB_KIND_WEIGHTS);
+      item.version = 1;  // a rewrite of a pending version replaces it: the store stays small
+      item.data = (*region)->data() + i * blob_bytes;
+      item.size = blob_bytes;
+      item.memh = (*region)->handle();
+    }
+    s = (*client)->PutMany(absl::MakeSpan(items), absl::Seconds(30));
+    if (!s.ok()) {
+      std::fprintf(stderr, "store_put_flood: batch %d: %s\n", batch, s.ToString().c_str());
+      return 1;
+    }
+    if (batch % 100 == 0) {
+      std::printf(batch == 0 ? "flooding\n" : "batch %d\n", batch);
+      std::fflush(stdout);
+    }
+  }
+}
+
+}  // namespace
+}  // namespace pith::store
+
+int main(int argc, char** argv) {
+  if (argc != 4) {
+    std::fprintf(stderr,
+                 "usage: store_put_flood <store grpc host:port> <blob bytes> <in flight>\n");
+    return 2;
+  }
+  return pith::store::Run(argv[1], std::strtoull(argv[2], nullptr, 10), std::atoi(argv[3]));
+}
