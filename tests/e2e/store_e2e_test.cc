@@ -5,6 +5,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
+#include <fstream>
 #include <functional>
 #include <future>
 #include <memory>
@@ -369,6 +370,21 @@ TEST_F(StoreE2eTest, ClientsKilledWithWritesInFlightLeaveTheStoreServing) {
   EXPECT_TRUE(store_->Running()) << store_->Log();
 }
 
+// Stops `pid` (SIGSTOP) and waits until it is stopped: a signal is delivered after kill()
+// returns, and a request sent meanwhile could still be answered.
+void Freeze(pid_t pid) {
+  ::kill(pid, SIGSTOP);
+  for (int i = 0; i < 1000; ++i) {
+    std::ifstream stat("/proc/" + std::to_string(pid) + "/stat");
+    std::string line;
+    std::getline(stat, line);
+    const size_t paren = line.rfind(')');
+    if (paren != std::string::npos && paren + 2 < line.size() && line[paren + 2] == 'T') return;
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  ADD_FAILURE() << "process " << pid << " did not stop";
+}
+
 // Fetches blob (1, 0) from `peer` into `region` with a 2 s deadline: it must fail, and
 // within 10 s.
 void ExpectFetchFailsByItsDeadline(StoreClient& client, int peer, ucx::MemoryRegion& region) {
@@ -435,7 +451,7 @@ TEST_F(StoreE2eTest, AStoreThatStopsAnsweringFailsFetchesByTheirDeadline) {
   ASSERT_TRUE(PutBytes(Key(1, 0), 0, Bytes(200 << 10, 1)).ok());
   ASSERT_TRUE(Commit(0).ok());
   FetchAll({Key(1, 0)}, 200 << 10);  // connected, wired up
-  ::kill(store_->pid(), SIGSTOP);
+  Freeze(store_->pid());
   RunOrExit(
       [&] {
         auto region = client_->AllocateBuffer(1 << 20);
@@ -448,6 +464,37 @@ TEST_F(StoreE2eTest, AStoreThatStopsAnsweringFailsFetchesByTheirDeadline) {
       },
       "fetching from a frozen store", [&] { store_->Kill(); });
   store_->Kill();
+}
+
+TEST_F(StoreE2eTest, AStoreThatAnswersAfterTheDeadlineLeavesTheClientServing) {
+  // The store freezes with fetches in flight and wakes after their deadline: its late
+  // answers (rendezvous sends naming the client's endpoint of the timed-out connection)
+  // land nowhere, and the client fetches again over a new connection.
+  StartStore();
+  const std::vector<uint8_t> data = Bytes(200 << 10, 1);
+  ASSERT_TRUE(PutBytes(Key(1, 0), 0, data).ok());
+  ASSERT_TRUE(Commit(0).ok());
+  grpc::ClientContext ctx;
+  v1::UcxAddress address;
+  ASSERT_TRUE(stub_->GetUcxAddress(&ctx, v1::GetUcxAddressRequest(), &address).ok());
+  auto region = client_->AllocateBuffer(1 << 20);
+  ASSERT_TRUE(region.ok()) << region.status();
+  for (int round = 0; round < 3; ++round) {
+    EXPECT_EQ(FetchAll({Key(1, 0)}, 200 << 10)[0], data);
+    Freeze(store_->pid());
+    std::memset((*region)->data(), 0xab, (*region)->size());
+    ExpectFetchFailsByItsDeadline(*client_, peer_, **region);
+    ::kill(store_->pid(), SIGCONT);
+    std::this_thread::sleep_for(std::chrono::milliseconds(500));  // the late answers
+    // Nothing landed in the buffer after the fetch gave up.
+    EXPECT_EQ((*region)->data()[0], 0xab);
+    EXPECT_EQ((*region)->data()[(200 << 10) - 1], 0xab);
+    auto peer = client_->Connect(address.worker_address());
+    ASSERT_TRUE(peer.ok()) << peer.status();
+    peer_ = *peer;
+  }
+  EXPECT_EQ(FetchAll({Key(1, 0)}, 200 << 10)[0], data);
+  EXPECT_TRUE(store_->Running()) << store_->Log();
 }
 
 TEST_F(StoreE2eTest, BadInputOnBothPlanesAndTheStoreKeepsServing) {
