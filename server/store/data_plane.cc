@@ -65,8 +65,12 @@ void DataPlane::OnHello(ucx::AmMessage& m) {
   const uint64_t client = hello.client_id();
   // A client that connects again (its last endpoint failed or timed out) says hello again.
   RetireClient(client);
+  const uint64_t connection = ++connections_;
   absl::StatusOr<ucp_ep_h> ep =
-      worker_->Connect(hello.worker_address(), [this, client](absl::Status status) {
+      worker_->Connect(hello.worker_address(), [this, client, connection](absl::Status status) {
+        auto it = clients_.find(client);
+        // The failure of an earlier connection does not retire the current one.
+        if (it == clients_.end() || it->second.connection != connection) return;
         VLOG(1) << "client " << client << " failed: " << status;
         RetireClient(client);
       });
@@ -75,13 +79,13 @@ void DataPlane::OnHello(ucx::AmMessage& m) {
     if (errors_) errors_->Increment();
     return;
   }
-  clients_[client] = *ep;
+  clients_[client] = Client{*ep, connection};
 }
 
 void DataPlane::RetireClient(uint64_t client) {
   auto it = clients_.find(client);
   if (it == clients_.end()) return;
-  retired_.push_back(it->second);
+  retired_.push_back(it->second.ep);
   clients_.erase(it);
 }
 
@@ -90,10 +94,10 @@ void DataPlane::Reply(uint64_t client, ucp_ep_h via, uint16_t id, const v1::UcxB
   if (reply.code() != 0 && errors_) errors_->Increment();
   ucp_ep_h ep = nullptr;
   if (auto it = clients_.find(client); it != clients_.end()) {
-    ep = it->second;
+    ep = it->second.ep;
   } else {
     for (const auto& entry : clients_) {
-      if (entry.second == via) ep = via;
+      if (entry.second.ep == via) ep = via;
     }
   }
   if (ep == nullptr) {

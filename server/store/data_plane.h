@@ -54,8 +54,13 @@ class DataPlane {
   ucx::Worker* worker_;
   BlobStore* store_;
   ucp_mem_h memh_;
-  std::map<uint64_t, ucp_ep_h> clients_;  // by UcxHello.client_id
-  std::vector<ucp_ep_h> retired_;         // failed or replaced; the worker closes them
+  struct Client {
+    ucp_ep_h ep;
+    uint64_t connection;  // numbers the store's connections: tells an old one's failure
+  };
+  std::map<uint64_t, Client> clients_;  // by UcxHello.client_id
+  uint64_t connections_ = 0;
+  std::vector<ucp_ep_h> retired_;  // failed or replaced; the worker closes them
   prometheus::Counter* bytes_sent_ = nullptr;
   prometheus::Counter* bytes_received_ = nullptr;
   prometheus::Histogram* get_seconds_ = nullptr;

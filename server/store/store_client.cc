@@ -30,6 +30,7 @@ struct StoreClient::Pending {
   v1::BlobInfo put_info;  // put
   absl::Status status;
   bool finished = false;
+  int receiving = 0;  // payloads being received into the caller's buffers
   absl::Notification done;
   std::shared_ptr<Round> round;  // null: waited for alone
 
@@ -116,19 +117,31 @@ absl::StatusOr<std::unique_ptr<ucx::MemoryRegion>> StoreClient::AllocateBuffer(s
 
 void StoreClient::FailPeer(int peer, const absl::Status& status) {
   // Progress thread. Every request to that store fails; the endpoint goes.
+  bool receiving = false;
   for (auto it = pending_.begin(); it != pending_.end();) {
     if (it->second->peer != peer) {
       ++it;
       continue;
     }
     std::shared_ptr<Pending> p = it->second;
+    receiving |= p->receiving > 0;
     it = pending_.erase(it);
     p->Fail(absl::UnavailableError(absl::StrCat("store connection lost: ", status.message())));
     p->Complete();
   }
   auto ep = peers_.find(peer);
   if (ep == peers_.end()) return;
-  worker_->Close(ep->second);
+  // A store that failed, or one still writing a payload into a caller's buffer, is closed
+  // (which cancels those receives). One that merely has not answered in time is retired:
+  // left open, unused, so its late answers arrive on an endpoint that still exists and are
+  // dropped (the endpoint ids on the wire are its address: closing it under a live peer
+  // leaves that peer's next message naming freed memory). Retired ones close with the
+  // client.
+  if (receiving || !absl::IsDeadlineExceeded(status)) {
+    worker_->Close(ep->second);
+  } else {
+    retired_.push_back(ep->second);
+  }
   for (auto a = peer_by_address_.begin(); a != peer_by_address_.end(); ++a) {
     if (a->second == peer) {
       peer_by_address_.erase(a);
@@ -172,7 +185,9 @@ void StoreClient::OnReply(ucx::AmMessage& m, bool is_get) {
     return;  // the worker releases the payload
   }
   item.info = reply.info();
+  ++p->receiving;
   worker_->ReceiveData(m, item.buffer, item.memh, [p, &item, item_done](absl::Status s) {
+    --p->receiving;
     if (p->finished) return;  // the request already failed; the buffers are not ours
     if (!s.ok()) {
       item.status = s;
@@ -208,7 +223,7 @@ absl::Status StoreClient::Issue(int peer, uint64_t id, const std::shared_ptr<Pen
 absl::Status StoreClient::Wait(int peer, const std::shared_ptr<Pending>& pending,
                                absl::Duration timeout) {
   if (pending->done.WaitForNotificationWithTimeout(timeout)) return pending->status;
-  // Give up: close the endpoint so that no late payload lands in the caller's buffers.
+  // Give up: no late payload may land in the caller's buffers (see FailPeer).
   worker_->RunSync([&] {
     if (!pending->done.HasBeenNotified()) {
       FailPeer(peer, absl::DeadlineExceededError("timed out"));

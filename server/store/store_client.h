@@ -101,6 +101,7 @@ class StoreClient {
   std::map<int, ucp_ep_h> peers_;
   std::map<std::string, int> peer_by_address_;
   std::map<uint64_t, std::shared_ptr<Pending>> pending_;
+  std::vector<ucp_ep_h> retired_;  // timed out, left open (see FailPeer); closed at the end
   int next_peer_ = 1;
 };
 
