@@ -79,7 +79,8 @@ class StoreE2eTest : public ::testing::Test {
     grpc::ClientContext ctx;
     v1::UcxAddress address;
     ASSERT_TRUE(stub_->GetUcxAddress(&ctx, v1::GetUcxAddressRequest(), &address).ok());
-    auto peer = client_->Connect(address.worker_address());
+    ucx_address_ = address.worker_address();
+    auto peer = client_->Connect(ucx_address_);
     ASSERT_TRUE(peer.ok()) << peer.status();
     peer_ = *peer;
   }
@@ -145,6 +146,7 @@ class StoreE2eTest : public ::testing::Test {
   std::shared_ptr<grpc::Channel> channel_;
   std::unique_ptr<v1::StoreService::Stub> stub_;
   int peer_ = -1;
+  std::string ucx_address_;  // the store's, from GetUcxAddress
   int starts_ = 0;
 };
 
@@ -422,9 +424,6 @@ TEST_F(StoreE2eTest, AStoreDeadBeforeTheConnectionFailsFetchesWithinTheirDeadlin
   // its address: every fetch from it fails by its deadline (or at once), and the client
   // closes.
   StartStore();
-  grpc::ClientContext ctx;
-  v1::UcxAddress address;
-  ASSERT_TRUE(stub_->GetUcxAddress(&ctx, v1::GetUcxAddressRequest(), &address).ok());
   store_->Kill();
   RunOrExit(
       [&] {
@@ -433,7 +432,7 @@ TEST_F(StoreE2eTest, AStoreDeadBeforeTheConnectionFailsFetchesWithinTheirDeadlin
         auto region = (*client)->AllocateBuffer(1 << 20);
         ASSERT_TRUE(region.ok()) << region.status();
         for (int attempt = 0; attempt < 2; ++attempt) {
-          auto peer = (*client)->Connect(address.worker_address());
+          auto peer = (*client)->Connect(ucx_address_);
           if (!peer.ok()) continue;  // refused at once: as good
           ExpectFetchFailsByItsDeadline(**client, *peer, **region);
         }
@@ -475,9 +474,6 @@ TEST_F(StoreE2eTest, AStoreThatAnswersAfterTheDeadlineLeavesTheClientServing) {
   const std::vector<uint8_t> data = Bytes(200 << 10, 1);
   ASSERT_TRUE(PutBytes(Key(1, 0), 0, data).ok());
   ASSERT_TRUE(Commit(0).ok());
-  grpc::ClientContext ctx;
-  v1::UcxAddress address;
-  ASSERT_TRUE(stub_->GetUcxAddress(&ctx, v1::GetUcxAddressRequest(), &address).ok());
   auto region = client_->AllocateBuffer(1 << 20);
   ASSERT_TRUE(region.ok()) << region.status();
   for (int round = 0; round < 3; ++round) {
@@ -490,7 +486,7 @@ TEST_F(StoreE2eTest, AStoreThatAnswersAfterTheDeadlineLeavesTheClientServing) {
     // Nothing landed in the buffer after the fetch gave up.
     EXPECT_EQ((*region)->data()[0], 0xab);
     EXPECT_EQ((*region)->data()[(200 << 10) - 1], 0xab);
-    auto peer = client_->Connect(address.worker_address());
+    auto peer = client_->Connect(ucx_address_);
     ASSERT_TRUE(peer.ok()) << peer.status();
     peer_ = *peer;
   }
@@ -549,12 +545,9 @@ TEST_F(StoreE2eTest, BadInputOnBothPlanesAndTheStoreKeepsServing) {
       got_reply.Notify();
     });
     ASSERT_TRUE((*raw)->Start().ok());
-    grpc::ClientContext ctx;
-    v1::UcxAddress address;
-    ASSERT_TRUE(stub_->GetUcxAddress(&ctx, v1::GetUcxAddressRequest(), &address).ok());
     ucp_ep_h ep = nullptr;
     (*raw)->RunSync([&] {
-      auto connected = (*raw)->Connect(address.worker_address(), nullptr);
+      auto connected = (*raw)->Connect(ucx_address_, nullptr);
       ASSERT_TRUE(connected.ok());
       ep = *connected;
     });

@@ -17,6 +17,11 @@
 namespace pith::store {
 namespace {
 
+int Fail(const absl::Status& status) {
+  std::fprintf(stderr, "store_put_flood: %s\n", status.ToString().c_str());
+  return 1;
+}
+
 int Run(const std::string& target, size_t blob_bytes, int in_flight) {
   auto stub =
       v1::StoreService::NewStub(grpc::CreateChannel(target, grpc::InsecureChannelCredentials()));
@@ -24,46 +29,30 @@ int Run(const std::string& target, size_t blob_bytes, int in_flight) {
   ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
   v1::UcxAddress address;
   absl::Status s = FromGrpcStatus(stub->GetUcxAddress(&ctx, v1::GetUcxAddressRequest(), &address));
-  if (!s.ok()) {
-    std::fprintf(stderr, "store_put_flood: %s\n", s.ToString().c_str());
-    return 1;
-  }
+  if (!s.ok()) return Fail(s);
   auto client = StoreClient::Create();
-  if (!client.ok()) {
-    std::fprintf(stderr, "store_put_flood: %s\n", client.status().ToString().c_str());
-    return 1;
-  }
+  if (!client.ok()) return Fail(client.status());
   auto peer = (*client)->Connect(address.worker_address());
-  if (!peer.ok()) {
-    std::fprintf(stderr, "store_put_flood: %s\n", peer.status().ToString().c_str());
-    return 1;
-  }
+  if (!peer.ok()) return Fail(peer.status());
   auto region = (*client)->AllocateBuffer(blob_bytes * in_flight);
-  if (!region.ok()) {
-    std::fprintf(stderr, "store_put_flood: %s\n", region.status().ToString().c_str());
-    return 1;
-  }
+  if (!region.ok()) return Fail(region.status());
   for (size_t i = 0; i < (*region)->size(); ++i) (*region)->data()[i] = static_cast<uint8_t>(i);
   std::vector<StoreClient::PutItem> items(in_flight);
+  for (int i = 0; i < in_flight; ++i) {
+    StoreClient::PutItem& item = items[i];
+    item.peer = *peer;
+    item.key.set_job_id("flood");
+    item.key.set_layer(0);
+    item.key.set_expert(i);
+    item.key.set_kind(v1::BLOB_KIND_WEIGHTS);
+    item.version = 1;  // a rewrite of a pending version replaces it: the store stays small
+    item.data = (*region)->data() + i * blob_bytes;
+    item.size = blob_bytes;
+    item.memh = (*region)->handle();
+  }
   for (int batch = 0;; ++batch) {
-    for (int i = 0; i < in_flight; ++i) {
-      StoreClient::PutItem& item = items[i];
-      item = StoreClient::PutItem();
-      item.peer = *peer;
-      item.key.set_job_id("flood");
-      item.key.set_layer(0);
-      item.key.set_expert(i);
-      item.key.set_kind(v1::BLOB_KIND_WEIGHTS);
-      item.version = 1;  // a rewrite of a pending version replaces it: the store stays small
-      item.data = (*region)->data() + i * blob_bytes;
-      item.size = blob_bytes;
-      item.memh = (*region)->handle();
-    }
     s = (*client)->PutMany(absl::MakeSpan(items), absl::Seconds(30));
-    if (!s.ok()) {
-      std::fprintf(stderr, "store_put_flood: batch %d: %s\n", batch, s.ToString().c_str());
-      return 1;
-    }
+    if (!s.ok()) return Fail(s);
     if (batch % 100 == 0) {
       std::printf(batch == 0 ? "flooding\n" : "batch %d\n", batch);
       std::fflush(stdout);
