@@ -19,8 +19,7 @@
 #include "grpcpp/grpcpp.h"
 #include "pith/v1/store.grpc.pb.h"
 #include "server/store/store_client.h"
-#include "worker/model/checkpoint.h"
-#include "worker/model/param_layout.h"
+#include "common/param_layout.h"
 
 namespace pith::coordinator {
 namespace {

@@ -15,7 +15,7 @@
 #include "gmock/gmock.h"
 #include "google/protobuf/util/json_util.h"
 #include "gtest/gtest.h"
-#include "worker/model/param_layout.h"
+#include "common/param_layout.h"
 
 namespace pith::coordinator {
 namespace {

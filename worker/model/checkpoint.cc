@@ -70,15 +70,6 @@ absl::Status SaveWeights(compute::Backend& backend, const ParamLayout& layout, c
   return SaveHostWeights(layout, host.data(), path);
 }
 
-absl::Status SaveHostWeights(const ParamLayout& layout, const float* host, const std::string& path,
-                             const std::map<std::string, std::string>& metadata) {
-  SafetensorsWriter writer;
-  for (const auto& [key, value] : metadata) writer.SetMetadata(key, value);
-  for (const ParamTensor& t : layout.tensors())
-    RETURN_IF_ERROR(writer.Add(t.name, ViewOf(host, t)));
-  return writer.Write(path);
-}
-
 absl::Status LoadWeights(compute::Backend& backend, const ParamLayout& layout,
                          const SafetensorsFile& file, float* arena) {
   std::vector<float> host(layout.total_floats());

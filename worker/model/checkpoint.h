@@ -16,7 +16,7 @@
 #include "common/safetensors.h"
 #include "worker/compute/backend.h"
 #include "worker/model/optimizer.h"
-#include "worker/model/param_layout.h"
+#include "common/param_layout.h"
 
 namespace pith::model {
 
@@ -24,11 +24,7 @@ namespace pith::model {
 absl::Status SaveWeights(compute::Backend& backend, const ParamLayout& layout, const float* arena,
                          const std::string& path);
 
-// The same from host memory (a whole arena of layout.total_floats() floats), with
-// `metadata` in `__metadata__` (a job's export records its spec under kSpecMetadataKey).
-inline constexpr char kSpecMetadataKey[] = "pith.job_spec";
-absl::Status SaveHostWeights(const ParamLayout& layout, const float* host, const std::string& path,
-                             const std::map<std::string, std::string>& metadata = {});
+// The same from host memory: SaveHostWeights in common/param_layout.h.
 
 // Loads a weights file into `arena`. Every tensor of the layout must be there with its
 // exact shape and dtype F32, and nothing else; errors name the tensor.

@@ -12,7 +12,7 @@
 
 #include "absl/status/statusor.h"
 #include "worker/compute/backend.h"
-#include "worker/model/param_layout.h"
+#include "common/param_layout.h"
 
 namespace pith::model {
 

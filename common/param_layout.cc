@@ -1,8 +1,10 @@
-#include "worker/model/param_layout.h"
+#include "common/param_layout.h"
 
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "common/safetensors.h"
+#include "common/status.h"
 
 namespace pith::model {
 
@@ -77,6 +79,19 @@ int ParamLayout::Find(const std::string& name) const {
     if (tensors_[i].name == name) return static_cast<int>(i);
   }
   return -1;
+}
+
+absl::Status SaveHostWeights(const ParamLayout& layout, const float* host, const std::string& path,
+                             const std::map<std::string, std::string>& metadata) {
+  SafetensorsWriter writer;
+  for (const auto& [key, value] : metadata) writer.SetMetadata(key, value);
+  for (const ParamTensor& t : layout.tensors()) {
+    RETURN_IF_ERROR(writer.Add(t.name, TensorView{DType::kF32,
+                                                  t.shape,
+                                                  {reinterpret_cast<const uint8_t*>(host + t.offset),
+                                                   static_cast<size_t>(t.numel) * sizeof(float)}}));
+  }
+  return writer.Write(path);
 }
 
 }  // namespace pith::model

@@ -1,16 +1,19 @@
 // ParamLayout: where every moe-gpt parameter lives in one flat fp32 arena, with the
-// DESIGN §3 tensor names. Dense tensors come first; then, per layer and expert, one
+// DESIGN §3 tensor names. This is the checkpoint contract the coordinator, the stores, the
+// CLI and the worker share, so it lives in common/ and links no compute code. Dense tensors come first; then, per layer and expert, one
 // contiguous blob [w1 | b1 | w2 | b2] (DESIGN §4: one expert kind = one blob). Gradients
 // and the AdamW moments use the same layout.
 //
 // Thread safety: immutable after construction.
-#ifndef PITH_WORKER_MODEL_PARAM_LAYOUT_H_
-#define PITH_WORKER_MODEL_PARAM_LAYOUT_H_
+#ifndef PITH_COMMON_PARAM_LAYOUT_H_
+#define PITH_COMMON_PARAM_LAYOUT_H_
 
 #include <cstdint>
+#include <map>
 #include <string>
 #include <vector>
 
+#include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "pith/v1/spec.pb.h"
 
@@ -90,6 +93,14 @@ class ParamLayout {
   int64_t wte_ = 0, wpe_ = 0, lnf_w_ = 0, lnf_b_ = 0;
 };
 
+// A job's exported weights file records its spec (JSON) under this __metadata__ key.
+inline constexpr char kSpecMetadataKey[] = "pith.job_spec";
+
+// Writes a whole host arena of layout.total_floats() floats as a DESIGN §3 weights file
+// (every tensor by name, fp32, [in, out]) with `metadata` in `__metadata__`.
+absl::Status SaveHostWeights(const ParamLayout& layout, const float* host, const std::string& path,
+                             const std::map<std::string, std::string>& metadata = {});
+
 }  // namespace pith::model
 
-#endif  // PITH_WORKER_MODEL_PARAM_LAYOUT_H_
+#endif  // PITH_COMMON_PARAM_LAYOUT_H_
