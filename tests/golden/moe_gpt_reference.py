@@ -1,5 +1,5 @@
 #!/usr/bin/python3
-"""An independent PyTorch implementation of Pith's moe-gpt (../shared/DESIGN.md §3).
+"""An independent PyTorch implementation of Pith's moe-gpt (docs/DESIGN.md §3).
 
 It writes the golden files Pith's C++ tests compare against at run time (they never need
 PyTorch). Run with Debian's python3-torch:
