@@ -16,7 +16,6 @@
 #include "common/buffer.h"
 #include "common/crc32c.h"
 #include "gtest/gtest.h"
-#include "rocksdb/db.h"
 #include "server/store/blob_key.h"
 
 namespace pith::store {
@@ -612,46 +611,6 @@ TEST(RocksColdTierTest, ASharedVersionOutlivesTheOneItWasLinkedTo) {
   ASSERT_TRUE(ref.ok()) << ref.status();
   EXPECT_EQ(ref->version(), 1);
   EXPECT_EQ(std::vector<uint8_t>(ref->data(), ref->data() + ref->size()), w1);
-}
-
-TEST(RocksColdTierTest, ReadsAndDropsBlobsStoredInsideRocksDbByEarlierStores) {
-  const std::string dir = testing::TempDir() + "/rocks_tier_legacy";
-  std::filesystem::remove_all(dir);
-  const auto data = Bytes(3000, 3);
-  {  // what a store wrote before the log: bytes under 'D' + key + version
-    rocksdb::Options options;
-    options.create_if_missing = true;
-    rocksdb::DB* raw = nullptr;
-    ASSERT_TRUE(rocksdb::DB::Open(options, dir, &raw).ok());
-    std::unique_ptr<rocksdb::DB> db(raw);
-    std::string key = "Dold";
-    for (int shift = 56; shift >= 0; shift -= 8) key.push_back(shift == 0 ? 5 : 0);
-    ASSERT_TRUE(db->Put(rocksdb::WriteOptions(), key,
-                        rocksdb::Slice(reinterpret_cast<const char*>(data.data()), data.size()))
-                    .ok());
-  }
-  auto tier = OpenRocksColdTier(dir);
-  ASSERT_TRUE(tier.ok()) << tier.status();
-  auto contents = (*tier)->Load();
-  ASSERT_TRUE(contents.ok());
-  ASSERT_EQ(contents->data.size(), 1u);
-  EXPECT_EQ(contents->data[0].key, "old");
-  EXPECT_EQ(contents->data[0].version, 5);
-  std::vector<uint8_t> out(3000);
-  ASSERT_TRUE((*tier)->ReadData("old", 5, absl::MakeSpan(out)).ok());
-  EXPECT_EQ(out, data);
-  {  // (a pin must not outlive its tier)
-    auto pinned = (*tier)->ReadPinned("old", 5);
-    ASSERT_TRUE(pinned.ok());
-    EXPECT_EQ(std::vector<uint8_t>(pinned->data, pinned->data + pinned->size), data);
-  }
-  ColdBatch drop;
-  drop.delete_data.push_back({"old", 5});
-  ASSERT_TRUE((*tier)->Apply(drop, true).ok());
-  tier->reset();
-  tier = OpenRocksColdTier(dir);
-  ASSERT_TRUE(tier.ok()) << tier.status();
-  EXPECT_TRUE((*tier)->Load()->data.empty());
 }
 
 }  // namespace

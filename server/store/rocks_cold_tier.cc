@@ -1,7 +1,6 @@
 // The RocksDB cold tier, with its blob bytes kept beside the LSM tree (key-value
 // separation, as RocksDB's own BlobDB does for large values). Key space (one column family):
 //   'L' + blob key + big-endian version -> where its bytes are (log file, offset, size)
-//   'D' + blob key + big-endian version -> blob bytes (stores written before the log)
 //   'M' + blob key                      -> committed record (version, size, crc)
 //   'J' + job id                        -> committed step
 // The bytes go once, by a buffered pwrite, into append-only log files under <dir>/blobs
@@ -75,7 +74,6 @@ namespace pith::store {
 namespace {
 
 constexpr uint64_t kWritebackBytes = 256ull << 10;  // start writeback every this many bytes
-constexpr uint64_t kLegacyFile = 0;                 // bytes held in RocksDB ('D')
 constexpr uint64_t kCopyForwardAge = 16;            // synced Applies a file stays closed first
 
 std::string VersionedKey(char space, absl::string_view key, int64_t version) {
@@ -85,9 +83,6 @@ std::string VersionedKey(char space, absl::string_view key, int64_t version) {
     out.push_back(static_cast<char>((static_cast<uint64_t>(version) >> shift) & 0xff));
   }
   return out;
-}
-std::string DataKey(absl::string_view key, int64_t version) {
-  return VersionedKey('D', key, version);
 }
 std::string LocationKey(absl::string_view key, int64_t version) {
   return VersionedKey('L', key, version);
@@ -177,10 +172,10 @@ struct LogFile {
 
 // Where one version's bytes are.
 struct Location {
-  uint64_t file = kLegacyFile;
+  uint64_t file = 0;
   uint64_t offset = 0;
   uint64_t size = 0;
-  bool persisted = false;  // its 'L' (or 'D') entry is in RocksDB (a record named it)
+  bool persisted = false;  // its 'L' entry is in RocksDB (a record named it)
   bool moved = false;      // persisted, but RocksDB's entry names its place before a copy
 };
 
@@ -275,7 +270,7 @@ class RocksColdTier final : public ColdTier {
     if (!EveryCommitSynced()) syncer_ = std::thread([this] { SyncLoop(); });
   }
 
-  // Opens the log files and indexes every location and legacy data entry. A location
+  // Opens the log files and indexes every location. A location
   // whose bytes are missing is dropped unless a record names it (then: DATA_LOSS); files
   // nothing points into are deleted.
   absl::Status Recover() {
@@ -286,7 +281,7 @@ class RocksColdTier final : public ColdTier {
       const std::string name = entry.path().filename().string();
       uint64_t number = 0;
       if (!absl::EndsWith(name, ".log") ||
-          !absl::SimpleAtoi(name.substr(0, name.size() - 4), &number) || number == kLegacyFile) {
+          !absl::SimpleAtoi(name.substr(0, name.size() - 4), &number) || number == 0) {
         continue;
       }
       const std::string path = entry.path().string();
@@ -322,14 +317,6 @@ class RocksColdTier final : public ColdTier {
     rocksdb::ReadOptions options;
     options.fill_cache = false;
     std::unique_ptr<rocksdb::Iterator> it(db_->NewIterator(options));
-    for (it->Seek("D"); it->Valid() && it->key()[0] == 'D'; it->Next()) {
-      std::string key;
-      int64_t version;
-      if (!SplitVersioned(Rest(it->key()), &key, &version)) {
-        return absl::DataLossError("rocksdb: short data key");
-      }
-      index_[{key, version}] = Location{kLegacyFile, 0, it->value().size(), true};
-    }
     for (it->Seek("L"); it->Valid() && it->key()[0] == 'L'; it->Next()) {
       std::string key;
       int64_t version;
@@ -430,7 +417,7 @@ class RocksColdTier final : public ColdTier {
     std::lock_guard<std::mutex> lock(mu_);
     RETURN_IF_ERROR(failed_);
     auto src = index_.find({std::string(source_key), source_version});
-    if (src == index_.end() || src->second.file == kLegacyFile || src->second.size != size) {
+    if (src == index_.end() || src->second.size != size) {
       return absl::NotFoundError("no such blob version in a log file to share");
     }
     auto f = files_.find(src->second.file);
@@ -444,19 +431,12 @@ class RocksColdTier final : public ColdTier {
     std::shared_ptr<LogFile> file;
     Location l;
     std::shared_ptr<void> pin;
-    ASSIGN_OR_RETURN(bool legacy, Find(key, version, &file, &l, &pin));
+    RETURN_IF_ERROR(Find(key, version, &file, &l, &pin));
     if (l.size != out.size()) {
       return absl::DataLossError(
           absl::StrCat("cold tier blob has ", l.size, " bytes, want ", out.size()));
     }
-    if (!legacy) return PreadAll(file->fd, out.data(), out.size(), l.offset, file->path);
-    ASSIGN_OR_RETURN(ColdRead read, ReadLegacy(key, version));
-    if (read.size != out.size()) {
-      return absl::DataLossError(
-          absl::StrCat("rocksdb blob has ", read.size, " bytes, want ", out.size()));
-    }
-    std::memcpy(out.data(), read.data, out.size());
-    return absl::OkStatus();
+    return PreadAll(file->fd, out.data(), out.size(), l.offset, file->path);
   }
 
   // The bytes in place through the file's mapping (the page cache, no copy); the pin
@@ -465,8 +445,7 @@ class RocksColdTier final : public ColdTier {
     std::shared_ptr<LogFile> file;
     Location l;
     std::shared_ptr<void> pin;
-    ASSIGN_OR_RETURN(bool legacy, Find(key, version, &file, &l, &pin));
-    if (legacy) return ReadLegacy(key, version);
+    RETURN_IF_ERROR(Find(key, version, &file, &l, &pin));
     if (l.size == 0) return ColdRead{nullptr, 0, nullptr};
     std::call_once(file->map_once, [&] {
       const uint64_t length = std::max(log_file_bytes_, l.offset + l.size);
@@ -510,10 +489,7 @@ class RocksColdTier final : public ColdTier {
       for (const auto& d : batch.delete_data) {
         auto it = index_.find({d.key, d.version});
         if (it == index_.end()) continue;
-        if (it->second.persisted) {
-          wb.Delete(it->second.file == kLegacyFile ? DataKey(d.key, d.version)
-                                                   : LocationKey(d.key, d.version));
-        }
+        if (it->second.persisted) wb.Delete(LocationKey(d.key, d.version));
         ReleaseLocked(it->first, it->second, &punches);
         index_.erase(it);
       }
@@ -697,7 +673,6 @@ class RocksColdTier final : public ColdTier {
   // unsynced part of bytes no other version shares and no read is using.
   void ReleaseLocked(const IndexKey& key, const Location& l,
                      std::vector<Punch>* punches = nullptr) {
-    if (l.file == kLegacyFile) return;
     auto f = files_.find(l.file);
     if (f == files_.end()) return;
     LogFile& file = *f->second;
@@ -928,10 +903,10 @@ class RocksColdTier final : public ColdTier {
            "coordinator copies its groups back from their replicas";
   }
 
-  // Where (key, version) is; true when its bytes are in RocksDB. `pin` holds off punches
-  // of the file's bytes while the caller reads them.
-  absl::StatusOr<bool> Find(absl::string_view key, int64_t version, std::shared_ptr<LogFile>* file,
-                            Location* l, std::shared_ptr<void>* pin) {
+  // Where (key, version) is. `pin` holds off punches of the file's bytes while the caller
+  // reads them.
+  absl::Status Find(absl::string_view key, int64_t version, std::shared_ptr<LogFile>* file,
+                    Location* l, std::shared_ptr<void>* pin) {
     std::lock_guard<std::mutex> lock(mu_);
     auto it = index_.find({std::string(key), version});
     if (it == index_.end()) {
@@ -939,7 +914,6 @@ class RocksColdTier final : public ColdTier {
           absl::StrCat("cold tier has no version ", version, " of the blob"));
     }
     *l = it->second;
-    if (l->file == kLegacyFile) return true;
     auto f = files_.find(l->file);
     if (f == files_.end()) {
       return absl::DataLossError(absl::StrCat("log file ", l->file, " is gone"));
@@ -948,32 +922,7 @@ class RocksColdTier final : public ColdTier {
     ++f->second->pins;
     LogFile* raw = f->second.get();
     *pin = std::shared_ptr<void>(raw, [keep = f->second](void*) { --keep->pins; });
-    return false;
-  }
-
-  // Bytes written before the log, in RocksDB: read in place through an iterator (whose
-  // value points into the mapped block as long as the iterator lives).
-  absl::StatusOr<ColdRead> ReadLegacy(absl::string_view key, int64_t version) {
-    const std::string data_key = DataKey(key, version);
-    struct Pin {  // the bound outlives the iterator that points at it
-      std::string upper_key;
-      rocksdb::Slice upper;
-      std::unique_ptr<rocksdb::Iterator> it;
-    };
-    auto pin = std::make_shared<Pin>();
-    pin->upper_key = DataKey(key, static_cast<int64_t>(static_cast<uint64_t>(version) + 1));
-    pin->upper = rocksdb::Slice(pin->upper_key);
-    rocksdb::ReadOptions options;
-    options.fill_cache = false;
-    options.iterate_upper_bound = &pin->upper;
-    pin->it.reset(db_->NewIterator(options));
-    pin->it->Seek(data_key);
-    if (!pin->it->Valid() || pin->it->key() != rocksdb::Slice(data_key)) {
-      if (!pin->it->status().ok()) return ToStatus(pin->it->status(), "get");
-      return absl::NotFoundError(absl::StrCat("rocksdb has no version ", version, " of the blob"));
-    }
-    const rocksdb::Slice value = pin->it->value();
-    return ColdRead{reinterpret_cast<const uint8_t*>(value.data()), value.size(), pin};
+    return absl::OkStatus();
   }
 
   // Under apply_mu_: copies the live versions of one mostly-dead file, closed for a while,
@@ -1083,7 +1032,7 @@ absl::StatusOr<std::unique_ptr<ColdTier>> OpenRocksColdTier(const std::string& d
   options.create_if_missing = true;
   options.compression = rocksdb::kNoCompression;
   options.IncreaseParallelism(2);
-  // Only small entries live in the tree (and blobs of stores written before the log).
+  // Only small entries live in the tree.
   options.write_buffer_size = 32 << 20;
   options.allow_mmap_reads = true;
   rocksdb::BlockBasedTableOptions table;
