@@ -54,7 +54,7 @@ BlobStore::BlobStore(const BlobStoreOptions& options, std::unique_ptr<ColdTier> 
 BlobStore::~BlobStore() {
   // Blocks still referenced by BlobRefs must not outlive the store; the owner joins its
   // transports first. Drop the index's references here.
-  std::lock_guard<std::mutex> lock(mu_);
+  absl::MutexLock lock(&mu_);
   blobs_.clear();
   lru_.clear();
 }
@@ -80,7 +80,7 @@ absl::StatusOr<std::unique_ptr<BlobStore>> BlobStore::Open(const BlobStoreOption
 
 absl::Status BlobStore::Recover() {
   ASSIGN_OR_RETURN(ColdContents contents, cold_->Load());
-  std::lock_guard<std::mutex> lock(mu_);
+  absl::MutexLock lock(&mu_);
   ColdBatch discard;
   for (const auto& [key, record] : contents.records) {
     ASSIGN_OR_RETURN(v1::BlobKey decoded, DecodeBlobKey(key));
@@ -105,14 +105,14 @@ absl::Status BlobStore::Recover() {
 }
 
 void BlobStore::ReleaseBlock(uint64_t offset) {
-  std::lock_guard<std::mutex> lock(alloc_mu_);
+  absl::MutexLock lock(&alloc_mu_);
   allocator_.Free(offset);
 }
 
 absl::StatusOr<std::shared_ptr<RamBlock>> BlobStore::AllocateLocked(uint64_t size) {
   while (true) {
     {
-      std::lock_guard<std::mutex> lock(alloc_mu_);
+      absl::MutexLock lock(&alloc_mu_);
       if (std::optional<uint64_t> offset = allocator_.Allocate(size)) {
         return std::make_shared<RamBlock>(this, *offset, size);
       }
@@ -144,7 +144,7 @@ void BlobStore::DropRamLocked(const std::string& key, Version& v) {
 }
 
 std::shared_ptr<RamBlock> BlobStore::TryAllocateLocked(uint64_t size) {
-  std::lock_guard<std::mutex> lock(alloc_mu_);
+  absl::MutexLock lock(&alloc_mu_);
   if (std::optional<uint64_t> offset = allocator_.Allocate(size)) {
     return std::make_shared<RamBlock>(this, *offset, size);
   }
@@ -184,7 +184,7 @@ void BlobStore::UpdateGaugesLocked() {
   if (!metrics_) return;
   uint64_t ram;
   {
-    std::lock_guard<std::mutex> lock(alloc_mu_);
+    absl::MutexLock lock(&alloc_mu_);
     ram = allocator_.used();
   }
   metrics_->ram_bytes->Set(static_cast<double>(ram));
@@ -200,7 +200,7 @@ absl::StatusOr<PutReservation> BlobStore::BeginPut(const v1::BlobKey& key, int64
   }
   if (version < 0) return absl::InvalidArgumentError("version must be >= 0");
   const std::string encoded = EncodeBlobKey(key);
-  std::lock_guard<std::mutex> lock(mu_);
+  absl::MutexLock lock(&mu_);
   auto it = blobs_.find(encoded);
   if (it != blobs_.end() && it->second.committed >= version) {
     return absl::FailedPreconditionError(
@@ -230,7 +230,7 @@ absl::StatusOr<v1::BlobInfo> BlobStore::FinishPut(PutReservation r,
   if (!LinkToSibling(r, encoded, crc)) {
     RETURN_IF_ERROR(cold_->PutData(encoded, r.version_, {r.data_, r.size_}));
   }
-  std::lock_guard<std::mutex> lock(mu_);
+  absl::MutexLock lock(&mu_);
   return AddPendingLocked(r.key_, encoded, r.version_, r.size_, crc, std::move(r.block_));
 }
 
@@ -296,7 +296,7 @@ absl::StatusOr<v1::BlobInfo> BlobStore::PutSibling(const v1::BlobKey& key, int64
                                                       size, " bytes and that checksum"));
   };
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    absl::MutexLock lock(&mu_);
     auto it = blobs_.find(sibling);
     if (it == blobs_.end()) return missing();
     auto v = it->second.versions.find(version);
@@ -309,7 +309,7 @@ absl::StatusOr<v1::BlobInfo> BlobStore::PutSibling(const v1::BlobKey& key, int64
       !linked.ok()) {
     return absl::IsNotFound(linked) ? missing() : linked;
   }
-  std::lock_guard<std::mutex> lock(mu_);
+  absl::MutexLock lock(&mu_);
   return AddPendingLocked(key, encoded, version, size, crc, nullptr);
 }
 
@@ -319,7 +319,7 @@ bool BlobStore::LinkToSibling(const PutReservation& r, const std::string& encode
   const std::string sibling = EncodeBlobKey(*sibling_key);
   std::shared_ptr<RamBlock> block;  // pins the sibling's bytes for the comparison
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    absl::MutexLock lock(&mu_);
     auto it = blobs_.find(sibling);
     if (it == blobs_.end()) return false;
     auto v = it->second.versions.find(r.version_);
@@ -351,9 +351,9 @@ absl::StatusOr<v1::BlobInfo> BlobStore::InstallCommitted(const v1::BlobKey& key,
   const std::string encoded = EncodeBlobKey(key);
   const uint32_t crc = Crc32c(bytes.data(), bytes.size());
   // No commit, abort or delete changes the blob's committed version meanwhile.
-  std::lock_guard<std::mutex> commit_lock(commit_mu_);
+  absl::MutexLock commit_lock(&commit_mu_);
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    absl::MutexLock lock(&mu_);
     auto it = blobs_.find(encoded);
     if (it != blobs_.end() && it->second.committed > version) {
       return absl::FailedPreconditionError(absl::StrCat(
@@ -366,7 +366,7 @@ absl::StatusOr<v1::BlobInfo> BlobStore::InstallCommitted(const v1::BlobKey& key,
   batch.put_data.push_back({encoded, version, bytes});
   batch.set_records.push_back({encoded, {version, bytes.size(), crc}});
   RETURN_IF_ERROR(cold_->Apply(batch, /*sync=*/true));
-  std::lock_guard<std::mutex> lock(mu_);
+  absl::MutexLock lock(&mu_);
   Blob& blob = blobs_[encoded];
   if (blob.versions.empty() && blob.committed < 0) blob.key = key;
   ColdBatch cleanup;  // the version this one replaces
@@ -392,7 +392,7 @@ absl::StatusOr<v1::BlobInfo> BlobStore::InstallCommitted(const v1::BlobKey& key,
 absl::StatusOr<BlobRef> BlobStore::Get(const v1::BlobKey& key, int64_t version) {
   RETURN_IF_ERROR(ValidateBlobKey(key));
   const std::string encoded = EncodeBlobKey(key);
-  std::lock_guard<std::mutex> lock(mu_);
+  absl::MutexLock lock(&mu_);
   auto it = blobs_.find(encoded);
   if (it == blobs_.end() || (version < 0 && it->second.committed < 0)) {
     return absl::NotFoundError(absl::StrCat("no blob ", BlobKeyDebugString(key)));
@@ -466,7 +466,7 @@ absl::StatusOr<BlobRef> BlobStore::Get(const v1::BlobKey& key, int64_t version) 
 
 absl::StatusOr<v1::BlobInfo> BlobStore::Stat(const v1::BlobKey& key, int64_t version) {
   RETURN_IF_ERROR(ValidateBlobKey(key));
-  std::lock_guard<std::mutex> lock(mu_);
+  absl::MutexLock lock(&mu_);
   auto it = blobs_.find(EncodeBlobKey(key));
   if (it == blobs_.end())
     return absl::NotFoundError(absl::StrCat("no blob ", BlobKeyDebugString(key)));
@@ -488,7 +488,7 @@ absl::StatusOr<std::vector<v1::BlobInfo>> BlobStore::List(const std::string& job
   }
   std::vector<v1::BlobInfo> out;
   next->clear();
-  std::lock_guard<std::mutex> lock(mu_);
+  absl::MutexLock lock(&mu_);
   auto it = after.empty() ? blobs_.lower_bound(prefix) : blobs_.upper_bound(after);
   for (; it != blobs_.end() && absl::StartsWith(it->first, prefix); ++it) {
     const Blob& blob = it->second;
@@ -517,11 +517,11 @@ absl::StatusOr<BlobStore::CommitResult> BlobStore::CommitStep(const std::string&
   if (job_id.empty() || step < 0)
     return absl::InvalidArgumentError("job_id and step >= 0 required");
   const std::string prefix = JobKeyPrefix(job_id);
-  std::lock_guard<std::mutex> commit_lock(commit_mu_);
+  absl::MutexLock commit_lock(&commit_mu_);
   ColdBatch batch;
   uint64_t committed = 0;
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    absl::MutexLock lock(&mu_);
     auto job_it = job_steps_.find(job_id);
     if (job_it != job_steps_.end() && job_it->second >= step) {
       return CommitResult{job_it->second, 0};  // already committed: idempotent
@@ -546,7 +546,7 @@ absl::StatusOr<BlobStore::CommitResult> BlobStore::CommitStep(const std::string&
   // Then free what the commit replaced, and any stale pending version below it.
   std::set<std::string> recorded;
   for (const auto& r : batch.set_records) recorded.insert(r.key);
-  std::lock_guard<std::mutex> lock(mu_);
+  absl::MutexLock lock(&mu_);
   ColdBatch cleanup;
   for (auto it = blobs_.lower_bound(prefix);
        it != blobs_.end() && absl::StartsWith(it->first, prefix); ++it) {
@@ -569,8 +569,8 @@ absl::StatusOr<BlobStore::CommitResult> BlobStore::CommitStep(const std::string&
 absl::StatusOr<uint64_t> BlobStore::AbortStep(const std::string& job_id, int64_t step) {
   if (job_id.empty()) return absl::InvalidArgumentError("job_id is required");
   const std::string prefix = JobKeyPrefix(job_id);
-  std::lock_guard<std::mutex> commit_lock(commit_mu_);  // not inside a commit's sync
-  std::lock_guard<std::mutex> lock(mu_);
+  absl::MutexLock commit_lock(&commit_mu_);  // not inside a commit's sync
+  absl::MutexLock lock(&mu_);
   ColdBatch batch;
   uint64_t discarded = 0;
   for (auto it = blobs_.lower_bound(prefix);
@@ -593,8 +593,8 @@ absl::StatusOr<uint64_t> BlobStore::AbortStep(const std::string& job_id, int64_t
 absl::StatusOr<uint64_t> BlobStore::DeleteBlob(const v1::BlobKey& key) {
   RETURN_IF_ERROR(ValidateBlobKey(key));
   const std::string encoded = EncodeBlobKey(key);
-  std::lock_guard<std::mutex> commit_lock(commit_mu_);  // not inside a commit's sync
-  std::lock_guard<std::mutex> lock(mu_);
+  absl::MutexLock commit_lock(&commit_mu_);  // not inside a commit's sync
+  absl::MutexLock lock(&mu_);
   auto it = blobs_.find(encoded);
   if (it == blobs_.end())
     return absl::NotFoundError(absl::StrCat("no blob ", BlobKeyDebugString(key)));
@@ -614,8 +614,8 @@ absl::StatusOr<uint64_t> BlobStore::DeleteBlob(const v1::BlobKey& key) {
 absl::StatusOr<std::pair<uint64_t, uint64_t>> BlobStore::DeleteJob(const std::string& job_id) {
   if (job_id.empty()) return absl::InvalidArgumentError("job_id is required");
   const std::string prefix = JobKeyPrefix(job_id);
-  std::lock_guard<std::mutex> commit_lock(commit_mu_);  // not inside a commit's sync
-  std::lock_guard<std::mutex> lock(mu_);
+  absl::MutexLock commit_lock(&commit_mu_);  // not inside a commit's sync
+  absl::MutexLock lock(&mu_);
   ColdBatch batch;
   uint64_t blobs = 0, bytes = 0;
   for (auto it = blobs_.lower_bound(prefix);
@@ -636,16 +636,16 @@ absl::StatusOr<std::pair<uint64_t, uint64_t>> BlobStore::DeleteJob(const std::st
 }
 
 int64_t BlobStore::CommittedStep(const std::string& job_id) {
-  std::lock_guard<std::mutex> lock(mu_);
+  absl::MutexLock lock(&mu_);
   auto it = job_steps_.find(job_id);
   return it == job_steps_.end() ? -1 : it->second;
 }
 
 v1::StoreStats BlobStore::Stats() {
   v1::StoreStats s;
-  std::lock_guard<std::mutex> lock(mu_);
+  absl::MutexLock lock(&mu_);
   {
-    std::lock_guard<std::mutex> alloc_lock(alloc_mu_);
+    absl::MutexLock alloc_lock(&alloc_mu_);
     s.set_ram_bytes(allocator_.used());
     s.set_ram_capacity_bytes(allocator_.capacity());
   }

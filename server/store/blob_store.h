@@ -16,13 +16,14 @@
 #include <list>
 #include <map>
 #include <memory>
-#include <mutex>
 #include <optional>
 #include <string>
 #include <vector>
 
+#include "absl/base/thread_annotations.h"
 #include "absl/container/btree_map.h"
 #include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
 #include "absl/types/span.h"
 #include "common/metrics.h"
 #include "pith/v1/common.pb.h"
@@ -189,48 +190,58 @@ class BlobStore {
   BlobStore(const BlobStoreOptions& options, std::unique_ptr<ColdTier> cold, uint8_t* arena);
   absl::Status Recover();
   // A RAM block of `size` bytes, demoting unpinned LRU blobs as needed. Requires mu_.
-  absl::StatusOr<std::shared_ptr<RamBlock>> AllocateLocked(uint64_t size);
+  absl::StatusOr<std::shared_ptr<RamBlock>> AllocateLocked(uint64_t size)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // A RAM block from free space only (null when there is none). Requires mu_.
-  std::shared_ptr<RamBlock> TryAllocateLocked(uint64_t size);
+  std::shared_ptr<RamBlock> TryAllocateLocked(uint64_t size) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Whether a blob last used at `use` (clock_) was used after the blob a promotion would
   // evict first. Requires mu_.
-  bool MoreRecentThanVictimLocked(uint64_t use);
-  void DropRamLocked(const std::string& key, Version& v);
-  void TouchLocked(const std::string& key, Version& v);
-  void ReleaseBlock(uint64_t offset);
-  v1::BlobInfo InfoLocked(const Blob& blob, const Version& v) const;
+  bool MoreRecentThanVictimLocked(uint64_t use) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void DropRamLocked(const std::string& key, Version& v) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void TouchLocked(const std::string& key, Version& v) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void ReleaseBlock(uint64_t offset) ABSL_LOCKS_EXCLUDED(alloc_mu_);
+  v1::BlobInfo InfoLocked(const Blob& blob, const Version& v) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Drops one version from RAM and the cold tier bookkeeping. Requires mu_.
-  void EraseVersionLocked(const std::string& key, Blob& blob, int64_t version, ColdBatch* batch);
-  void UpdateGaugesLocked();
+  void EraseVersionLocked(const std::string& key, Blob& blob, int64_t version, ColdBatch* batch)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void UpdateGaugesLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Stores the bytes of `r` by sharing those of the same version of its other kind
   // (weights <-> master) when they are equal; false when they are not (or not there).
-  bool LinkToSibling(const PutReservation& r, const std::string& encoded, uint32_t crc);
+  bool LinkToSibling(const PutReservation& r, const std::string& encoded, uint32_t crc)
+      ABSL_LOCKS_EXCLUDED(mu_);
   // Records a pending version of (key, version) whose bytes are in the cold tier, and in
   // `ram` when not null.
   absl::StatusOr<v1::BlobInfo> AddPendingLocked(const v1::BlobKey& key, const std::string& encoded,
                                                 int64_t version, uint64_t size, uint32_t crc,
-                                                std::shared_ptr<RamBlock> ram);
+                                                std::shared_ptr<RamBlock> ram)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   const BlobStoreOptions options_;
   const std::unique_ptr<ColdTier> cold_;
   uint8_t* const arena_;
   std::unique_ptr<Metrics> metrics_;
 
-  std::mutex alloc_mu_;       // after mu_ in the lock order
-  BuddyAllocator allocator_;  // guarded by alloc_mu_
+  absl::Mutex alloc_mu_;  // after mu_ in the lock order
+  BuddyAllocator allocator_ ABSL_GUARDED_BY(alloc_mu_);
 
   // Held by whatever changes committed versions or their records (CommitStep,
   // InstallCommitted, AbortStep, DeleteBlob, DeleteJob): commits and installs sync to disk
   // without mu_ (reads and puts go on meanwhile) and nothing else changes a record under
   // them. Before mu_ in the lock order.
-  std::mutex commit_mu_;
-  std::mutex mu_;
-  absl::btree_map<std::string, Blob> blobs_;        // by encoded key; guarded by mu_
-  std::list<std::pair<std::string, int64_t>> lru_;  // RAM-resident, most recent first
-  std::map<std::string, int64_t> job_steps_;
-  uint64_t clock_ = 0;  // ticks on every read and write (admission)
-  uint64_t cold_bytes_ = 0;
-  uint64_t ram_gets_ = 0, cold_gets_ = 0, puts_ = 0, promotions_ = 0, demotions_ = 0;
+  absl::Mutex commit_mu_;
+  absl::Mutex mu_;
+  absl::btree_map<std::string, Blob> blobs_ ABSL_GUARDED_BY(mu_);  // by encoded key
+  // RAM-resident, most recent first.
+  std::list<std::pair<std::string, int64_t>> lru_ ABSL_GUARDED_BY(mu_);
+  std::map<std::string, int64_t> job_steps_ ABSL_GUARDED_BY(mu_);
+  uint64_t clock_ ABSL_GUARDED_BY(mu_) = 0;  // ticks on every read and write (admission)
+  uint64_t cold_bytes_ ABSL_GUARDED_BY(mu_) = 0;
+  uint64_t ram_gets_ ABSL_GUARDED_BY(mu_) = 0;
+  uint64_t cold_gets_ ABSL_GUARDED_BY(mu_) = 0;
+  uint64_t puts_ ABSL_GUARDED_BY(mu_) = 0;
+  uint64_t promotions_ ABSL_GUARDED_BY(mu_) = 0;
+  uint64_t demotions_ ABSL_GUARDED_BY(mu_) = 0;
 };
 
 }  // namespace pith::store

@@ -11,13 +11,14 @@
 #include <cstdint>
 #include <map>
 #include <memory>
-#include <mutex>
 #include <string>
 #include <vector>
 
+#include "absl/base/thread_annotations.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
+#include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "absl/types/span.h"
 
@@ -138,8 +139,9 @@ class MemoryColdTier final : public ColdTier {
     std::map<std::pair<std::string, int64_t>, std::string> data;
     ColdContents meta;
   };
-  std::mutex mu_;
-  State live_, durable_;
+  absl::Mutex mu_;
+  State live_ ABSL_GUARDED_BY(mu_);
+  State durable_ ABSL_GUARDED_BY(mu_);
 };
 
 }  // namespace pith::store

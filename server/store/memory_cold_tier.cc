@@ -8,7 +8,7 @@ namespace pith::store {
 
 absl::Status MemoryColdTier::PutData(absl::string_view key, int64_t version,
                                      absl::Span<const uint8_t> bytes) {
-  std::lock_guard<std::mutex> lock(mu_);
+  absl::MutexLock lock(&mu_);
   live_.data[{std::string(key), version}] =
       std::string(reinterpret_cast<const char*>(bytes.data()), bytes.size());
   return absl::OkStatus();
@@ -17,7 +17,7 @@ absl::Status MemoryColdTier::PutData(absl::string_view key, int64_t version,
 absl::Status MemoryColdTier::LinkData(absl::string_view key, int64_t version,
                                       absl::string_view source_key, int64_t source_version,
                                       uint64_t size) {
-  std::lock_guard<std::mutex> lock(mu_);
+  absl::MutexLock lock(&mu_);
   auto it = live_.data.find({std::string(source_key), source_version});
   if (it == live_.data.end() || it->second.size() != size) {
     return absl::NotFoundError("no such blob version to share");
@@ -28,7 +28,7 @@ absl::Status MemoryColdTier::LinkData(absl::string_view key, int64_t version,
 
 absl::Status MemoryColdTier::ReadData(absl::string_view key, int64_t version,
                                       absl::Span<uint8_t> out) {
-  std::lock_guard<std::mutex> lock(mu_);
+  absl::MutexLock lock(&mu_);
   auto it = live_.data.find({std::string(key), version});
   if (it == live_.data.end()) return absl::NotFoundError("no such blob version in the cold tier");
   if (it->second.size() != out.size()) {
@@ -40,7 +40,7 @@ absl::Status MemoryColdTier::ReadData(absl::string_view key, int64_t version,
 }
 
 absl::StatusOr<ColdRead> MemoryColdTier::ReadPinned(absl::string_view key, int64_t version) {
-  std::lock_guard<std::mutex> lock(mu_);
+  absl::MutexLock lock(&mu_);
   auto it = live_.data.find({std::string(key), version});
   if (it == live_.data.end()) return absl::NotFoundError("no such blob version in the cold tier");
   auto copy = std::make_shared<std::string>(it->second);
@@ -48,7 +48,7 @@ absl::StatusOr<ColdRead> MemoryColdTier::ReadPinned(absl::string_view key, int64
 }
 
 absl::Status MemoryColdTier::Apply(const ColdBatch& batch, bool sync) {
-  std::lock_guard<std::mutex> lock(mu_);
+  absl::MutexLock lock(&mu_);
   for (const auto& p : batch.put_data) {
     live_.data[{p.key, p.version}] =
         std::string(reinterpret_cast<const char*>(p.bytes.data()), p.bytes.size());
@@ -64,7 +64,7 @@ absl::Status MemoryColdTier::Apply(const ColdBatch& batch, bool sync) {
 }
 
 absl::StatusOr<ColdContents> MemoryColdTier::Load() {
-  std::lock_guard<std::mutex> lock(mu_);
+  absl::MutexLock lock(&mu_);
   ColdContents out = live_.meta;
   out.data.clear();
   for (const auto& [k, v] : live_.data) out.data.push_back({k.first, k.second});
@@ -72,7 +72,7 @@ absl::StatusOr<ColdContents> MemoryColdTier::Load() {
 }
 
 void MemoryColdTier::Crash() {
-  std::lock_guard<std::mutex> lock(mu_);
+  absl::MutexLock lock(&mu_);
   live_ = durable_;
 }
 

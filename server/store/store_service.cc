@@ -165,7 +165,7 @@ grpc::Status StoreServiceImpl::Checkpoint(grpc::ServerContext*,
 }
 
 absl::StatusOr<StoreClient*> StoreServiceImpl::PeerClient() {
-  std::lock_guard<std::mutex> lock(mu_);
+  absl::MutexLock lock(&mu_);
   if (!peers_) {
     ASSIGN_OR_RETURN(peers_, StoreClient::Create());
   }

@@ -7,9 +7,10 @@
 #define PITH_SERVER_STORE_STORE_SERVICE_H_
 
 #include <memory>
-#include <mutex>
 #include <string>
 
+#include "absl/base/thread_annotations.h"
+#include "absl/synchronization/mutex.h"
 #include "pith/v1/store.grpc.pb.h"
 #include "server/store/blob_store.h"
 #include "server/store/store_client.h"
@@ -47,8 +48,8 @@ class StoreServiceImpl final : public v1::StoreService::Service {
 
   BlobStore* store_;
   std::string ucx_address_;
-  std::mutex mu_;
-  std::unique_ptr<StoreClient> peers_;  // guarded by mu_; created on first pull
+  absl::Mutex mu_;
+  std::unique_ptr<StoreClient> peers_ ABSL_GUARDED_BY(mu_);  // created on first pull
 };
 
 }  // namespace pith::store
