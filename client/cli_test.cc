@@ -6,11 +6,10 @@
 #include "absl/strings/str_split.h"
 #include "common/file.h"
 #include "common/job_spec.h"
+#include "common/param_layout.h"
 #include "common/safetensors.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
-#include "worker/compute/cpu_backend.h"
-#include "worker/model/moe_gpt.h"
 
 namespace pith {
 namespace {
@@ -126,23 +125,10 @@ TEST(CliTest, EvalAndSampleUseACheckpointAndRefuseBadInput) {
     "train": {"data_path": "tokens.bin", "batch": 2, "steps": 1, "lr": 0.003}})");
   const std::string tokens = WriteTemp("eval_tokens.bin", std::string(500, 'a'));
   // Weights: every tensor of the model, zero (every logit equal: ce = ln 256).
-  SafetensorsWriter writer;
-  std::vector<std::vector<float>> keep;
-  compute::CpuBackend backend(1);
-  auto m =
-      model::MoeGpt::Create(&backend, model::ModelShape::FromSpec(LoadJobSpec(spec)->model()), 2);
-  ASSERT_TRUE(m.ok());
-  for (const model::ParamTensor& t : (*m)->layout().tensors()) {
-    keep.emplace_back(t.numel, 0.0f);
-    ASSERT_TRUE(writer
-                    .Add(t.name, TensorView{DType::kF32,
-                                            t.shape,
-                                            {reinterpret_cast<const uint8_t*>(keep.back().data()),
-                                             keep.back().size() * sizeof(float)}})
-                    .ok());
-  }
+  const model::ParamLayout layout(model::ModelShape::FromSpec(LoadJobSpec(spec)->model()));
+  std::vector<float> zeros(layout.total_floats(), 0.0f);
   const std::string weights = testing::TempDir() + "/eval_zero.safetensors";
-  ASSERT_TRUE(writer.Write(weights).ok());
+  ASSERT_TRUE(model::SaveHostWeights(layout, zeros.data(), weights).ok());
   Result r = RunPith(
       {"eval", "--spec", spec, "--checkpoint", weights, "--tokens", tokens, "--batches", "2"});
   ASSERT_EQ(r.code, 0) << r.err;

@@ -7,16 +7,6 @@
 
 namespace pith {
 
-grpc::Status ToGrpcStatus(const absl::Status& status) {
-  if (status.ok()) return grpc::Status::OK;
-  return grpc::Status(static_cast<grpc::StatusCode>(status.code()), std::string(status.message()));
-}
-
-absl::Status FromGrpcStatus(const grpc::Status& status) {
-  if (status.ok()) return absl::OkStatus();
-  return absl::Status(static_cast<absl::StatusCode>(status.error_code()), status.error_message());
-}
-
 GrpcServer::GrpcServer(std::unique_ptr<grpc::Server> server, int port)
     : server_(std::move(server)), port_(port) {}
 

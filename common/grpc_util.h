@@ -1,5 +1,5 @@
-// gRPC glue: Status conversion at the RPC boundary, and a server with a bound port that
-// shuts down on destruction.
+// gRPC glue: a server with a bound port that shuts down on destruction (the Status
+// conversion at the RPC boundary is in grpc_status.h, included here).
 //
 // Thread safety: a GrpcServer is started, shut down and destroyed by its owner's thread;
 // the services it serves run on gRPC's threads. Shutdown is idempotent.
@@ -14,24 +14,10 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
+#include "common/grpc_status.h"
 #include "grpcpp/grpcpp.h"
 
 namespace pith {
-
-// absl::Status <-> grpc::Status, keeping code and message. Only RPC adapters call these.
-grpc::Status ToGrpcStatus(const absl::Status& status);
-absl::Status FromGrpcStatus(const grpc::Status& status);
-
-// A handler's answer: `result` moved into `*reply`, or its error.
-template <typename T>
-grpc::Status ToGrpcReply(absl::StatusOr<T> result, T* reply) {
-  if (!result.ok()) return ToGrpcStatus(result.status());
-  *reply = *std::move(result);
-  return grpc::Status::OK;
-}
-
-// Message size limit of Pith's control plane. Bulk tensors travel over UCX, not gRPC.
-inline constexpr int kDefaultMaxMessageBytes = 64 << 20;
 
 struct GrpcServerOptions {
   // "host:port"; port 0 picks an ephemeral port.

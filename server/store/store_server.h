@@ -11,10 +11,10 @@
 #include <string>
 
 #include "absl/status/statusor.h"
-#include "client/member_agent.h"
 #include "common/grpc_util.h"
 #include "common/metrics.h"
 #include "common/ucx.h"
+#include "server/coordinator/member_agent.h"
 #include "server/store/blob_store.h"
 #include "server/store/data_plane.h"
 

@@ -13,10 +13,10 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "common/param_layout.h"
 #include "common/safetensors.h"
 #include "worker/compute/backend.h"
 #include "worker/model/optimizer.h"
-#include "common/param_layout.h"
 
 namespace pith::model {
 

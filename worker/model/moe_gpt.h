@@ -11,8 +11,8 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
-#include "worker/compute/backend.h"
 #include "common/param_layout.h"
+#include "worker/compute/backend.h"
 
 namespace pith::model {
 

@@ -11,9 +11,9 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "common/param_layout.h"
 #include "pith/v1/spec.pb.h"
 #include "worker/compute/backend.h"
-#include "common/param_layout.h"
 
 namespace pith::model {
 

@@ -1,8 +1,8 @@
-#include "client/member_agent.h"
+#include "server/coordinator/member_agent.h"
 
 #include "absl/strings/str_cat.h"
 #include "client/connection.h"
-#include "common/grpc_util.h"
+#include "common/grpc_status.h"
 #include "common/status.h"
 #include "glog/logging.h"
 

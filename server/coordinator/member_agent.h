@@ -3,10 +3,13 @@
 // thread with fresh figures, and registers again (keeping its id) when the coordinator
 // has forgotten it, e.g. after a restart.
 //
+// It lives beside the coordinator's CoordinatorService, the one service it talks to (DESIGN
+// §5, membership and leases).
+//
 // Thread safety: the status callback runs on the agent's thread; the accessors are
 // thread-safe.
-#ifndef PITH_CLIENT_MEMBER_AGENT_H_
-#define PITH_CLIENT_MEMBER_AGENT_H_
+#ifndef PITH_SERVER_COORDINATOR_MEMBER_AGENT_H_
+#define PITH_SERVER_COORDINATOR_MEMBER_AGENT_H_
 
 #include <functional>
 #include <memory>
@@ -53,4 +56,4 @@ class MemberAgent {
 
 }  // namespace pith
 
-#endif  // PITH_CLIENT_MEMBER_AGENT_H_
+#endif  // PITH_SERVER_COORDINATOR_MEMBER_AGENT_H_

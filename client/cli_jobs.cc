@@ -1,0 +1,364 @@
+// The job commands of `pith` (submit, status, watch, cancel, checkpoint, experts,
+// cluster): each a few calls of the SDK (client.h) and their printing.
+#include <unistd.h>
+
+#include <algorithm>
+#include <filesystem>
+#include <sstream>
+
+#include "absl/strings/ascii.h"
+#include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/strip.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
+#include "client/cli_commands.h"
+#include "common/file.h"
+#include "common/job_spec.h"
+#include "common/status.h"
+
+namespace pith::cli {
+
+namespace {
+
+std::string StateName(v1::JobState s) {
+  std::string name = v1::JobState_Name(s);
+  return absl::AsciiStrToLower(absl::StripPrefix(name, "JOB_STATE_"));
+}
+
+std::string JobLine(const v1::Job& j) {
+  return absl::StrFormat("%-24s %-10s step %d/%d  loss %.4f  %.0f tokens/s  cache hit %.2f%s",
+                         j.job_id(), StateName(j.state()), std::max<int64_t>(0, j.committed_step()),
+                         j.spec().train().steps(), j.last_loss(), j.tokens_per_second(),
+                         j.cache_hit_rate(),
+                         j.failure_reason().empty() ? "" : "  (" + j.failure_reason() + ")");
+}
+
+}  // namespace
+
+absl::Status Submit(const CliContext& ctx, const Args& args, std::ostream& out) {
+  if (args.size() != 1) return UsageError("submit takes one spec file: pith submit SPEC.json");
+  ASSIGN_OR_RETURN(v1::JobSpec spec, LoadJobSpec(args[0]));
+  ASSIGN_OR_RETURN(std::unique_ptr<Client> client, Connect(ctx));
+  ASSIGN_OR_RETURN(v1::Job job, client->Submit(spec));
+  if (ctx.json) {
+    out << "{\"job_id\": \"" << job.job_id() << "\"}\n";
+  } else {
+    out << job.job_id() << "\n";
+  }
+  return absl::OkStatus();
+}
+
+absl::Status Status(const CliContext& ctx, const Args& args, std::ostream& out) {
+  if (args.size() > 1) return UsageError("status takes at most one job id");
+  ASSIGN_OR_RETURN(std::unique_ptr<Client> client, Connect(ctx));
+  if (args.size() == 1) {
+    ASSIGN_OR_RETURN(v1::Job job, client->Get(args[0]));
+    out << (ctx.json ? Json(job) : JobLine(job)) << "\n";
+    return absl::OkStatus();
+  }
+  ASSIGN_OR_RETURN(std::vector<v1::Job> jobs, client->List());
+  if (ctx.json) {
+    v1::ListJobsResponse all;
+    for (v1::Job& j : jobs) *all.add_jobs() = std::move(j);
+    out << Json(all) << "\n";
+    return absl::OkStatus();
+  }
+  if (jobs.empty()) out << "no jobs\n";
+  for (const v1::Job& j : jobs) out << JobLine(j) << "\n";
+  return absl::OkStatus();
+}
+
+absl::Status Watch(const CliContext& ctx, const Args& args, std::ostream& out) {
+  if (args.size() != 1) return UsageError("watch takes one job id: pith watch JOB");
+  ASSIGN_OR_RETURN(std::unique_ptr<Client> client, Connect(ctx));
+  ASSIGN_OR_RETURN(v1::Job job, client->Get(args[0]));
+  const int64_t steps = job.spec().train().steps();
+  double first_loss = -1, last_loss = 0, tokens_per_second = 0, hit_rate = 0;
+  int64_t last_step = -2;
+  v1::JobEvent last;
+  RETURN_IF_ERROR(client->Watch(args[0], [&](const v1::JobEvent& e) {
+    last = e;
+    if (e.step() == last_step && e.state() == v1::JOB_STATE_RUNNING) return true;
+    last_step = e.step();
+    if (e.step() >= 1) {
+      if (first_loss < 0) first_loss = e.loss();
+      last_loss = e.loss();
+      tokens_per_second = e.tokens_per_second();
+      hit_rate = e.cache_hit_rate();
+    }
+    if (ctx.json) {
+      out << Json(e) << "\n";
+    } else if (e.step() >= 1) {
+      const double eta = e.step_seconds() * static_cast<double>(steps - e.step());
+      const int width = 30,
+                filled = static_cast<int>(width * e.step() / std::max<int64_t>(1, steps));
+      out << absl::StrFormat(
+          "[%s%s] step %d/%d  loss %.4f  %.0f tokens/s  cache hit %.2f  ETA %.0fs\n",
+          std::string(filled, '#'), std::string(width - filled, '.'), e.step(), steps, e.loss(),
+          e.tokens_per_second(), e.cache_hit_rate(), eta);
+    } else {
+      out << "job " << e.job_id() << ": " << StateName(e.state())
+          << (e.step() == 0 ? " (initial weights written)" : " (waiting for workers)") << "\n";
+    }
+    out.flush();
+    return true;
+  }));
+  if (!ctx.json) {
+    out << absl::StrFormat(
+        "job %s %s at step %d: loss %.4f -> %.4f, %.0f tokens/s, cache hit %.2f%s\n", last.job_id(),
+        StateName(last.state()), last.step(), first_loss, last_loss, tokens_per_second, hit_rate,
+        last.message().empty() ? "" : " (" + last.message() + ")");
+  }
+  if (last.state() != v1::JOB_STATE_SUCCEEDED) {
+    return absl::AbortedError(absl::StrCat("job ", args[0], " ended ", StateName(last.state()),
+                                           last.message().empty() ? "" : ": " + last.message()));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status Cancel(const CliContext& ctx, const Args& args, std::ostream& out) {
+  if (args.size() != 1) return UsageError("cancel takes one job id: pith cancel JOB");
+  ASSIGN_OR_RETURN(std::unique_ptr<Client> client, Connect(ctx));
+  ASSIGN_OR_RETURN(v1::Job job, client->Cancel(args[0], "cancelled with pith cancel"));
+  out << (ctx.json ? Json(job) : JobLine(job)) << "\n";
+  return absl::OkStatus();
+}
+
+absl::Status Checkpoint(const CliContext& ctx, const Args& args, std::ostream& out) {
+  if (args.size() != 3 || args[1] != "--out") {
+    return UsageError("checkpoint takes a job and a file: pith checkpoint JOB --out FILE");
+  }
+  const std::filesystem::path target = std::filesystem::absolute(args[2]);
+  ASSIGN_OR_RETURN(std::unique_ptr<Client> client, Connect(ctx));
+  // The coordinator writes under a folder on its host (this one, for a local cluster);
+  // the file is then moved to the name asked for.
+  const std::filesystem::path staging =
+      target.parent_path() / (".pith-checkpoint-" + std::to_string(::getpid()));
+  ASSIGN_OR_RETURN(v1::CheckpointJobResponse r, client->Checkpoint(args[0], staging.string()));
+  std::error_code ec;
+  std::filesystem::rename(r.weights_path(), target, ec);
+  std::filesystem::remove_all(staging);
+  if (ec)
+    return absl::InternalError(absl::StrCat("cannot write ", target.string(), ": ", ec.message()));
+  if (ctx.json) {
+    out << absl::StrFormat("{\"path\": \"%s\", \"step\": %d, \"bytes\": %d}\n", target.string(),
+                           r.step(), r.bytes());
+  } else {
+    out << "wrote " << target.string() << " (step " << r.step() << ", " << r.bytes() << " bytes)\n";
+  }
+  return absl::OkStatus();
+}
+
+absl::Status Experts(const CliContext& ctx, const Args& args, std::ostream& out) {
+  std::string svg;
+  if (args.size() == 3 && args[1] == "--svg") {
+    svg = args[2];
+  } else if (args.size() != 1) {
+    return UsageError(
+        "experts takes a job and optionally --svg FILE: pith experts JOB [--svg FILE]");
+  }
+  ASSIGN_OR_RETURN(std::unique_ptr<Client> client, Connect(ctx));
+  ASSIGN_OR_RETURN(v1::ExpertHeatResponse heat, client->ExpertHeat(args[0]));
+  if (ctx.json) {
+    out << Json(heat) << "\n";
+  } else {
+    int layers = 0, experts = 0;
+    for (const auto& e : heat.experts()) {
+      layers = std::max(layers, e.expert().layer() + 1);
+      experts = std::max(experts, e.expert().expert() + 1);
+    }
+    out << absl::StrFormat("job %s, heat after step %d, placement epoch %d\n", heat.job_id(),
+                           heat.step(), heat.placement_epoch());
+    for (int l = 0; l < layers; ++l) {
+      double total = 0, top = 0;
+      int hottest = -1;
+      std::string row;
+      for (const auto& e : heat.experts()) {
+        if (e.expert().layer() != l) continue;
+        total += e.heat();
+        if (e.heat() > top) top = e.heat(), hottest = e.expert().expert();
+        row += absl::StrFormat(" %6.0f", e.heat());
+      }
+      out << absl::StrFormat("layer %2d: hottest expert %d (%.0f%% of the layer's heat)\n        ",
+                             l, hottest, total > 0 ? 100 * top / total : 0.0)
+          << row << "\n";
+    }
+    for (const auto& p : heat.pairs()) {
+      out << absl::StrFormat("co-activated: layer %d experts %d+%d (%.0f)\n", p.layer(),
+                             p.expert_a(), p.expert_b(), p.weight());
+    }
+  }
+  if (!svg.empty()) {
+    // A layer x expert grid, darker = hotter (per layer), each cell labelled with its
+    // compute and store replica counts.
+    int layers = 0, experts = 0;
+    for (const auto& e : heat.experts()) {
+      layers = std::max(layers, e.expert().layer() + 1);
+      experts = std::max(experts, e.expert().expert() + 1);
+    }
+    std::vector<double> layer_max(layers, 0);
+    for (const auto& e : heat.experts()) {
+      layer_max[e.expert().layer()] = std::max(layer_max[e.expert().layer()], e.heat());
+    }
+    const int cell = 36, left = 70, top = 40;
+    std::ostringstream doc;
+    doc << absl::StrFormat(
+        "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"%d\" height=\"%d\" "
+        "font-family=\"sans-serif\" font-size=\"10\">\n",
+        left + experts * cell + 10, top + layers * cell + 30);
+    doc << absl::StrFormat(
+        "<text x=\"%d\" y=\"20\" font-size=\"13\">%s: expert heat after step "
+        "%d (label: compute/store replicas)</text>\n",
+        left, heat.job_id(), heat.step());
+    for (int l = 0; l < layers; ++l) {
+      doc << absl::StrFormat("<text x=\"5\" y=\"%d\">layer %d</text>\n", top + l * cell + 22, l);
+    }
+    for (int x = 0; x < experts; ++x) {
+      doc << absl::StrFormat("<text x=\"%d\" y=\"%d\">e%d</text>\n", left + x * cell + 10,
+                             top + layers * cell + 15, x);
+    }
+    for (const auto& e : heat.experts()) {
+      const int l = e.expert().layer(), x = e.expert().expert();
+      const double t = layer_max[l] > 0 ? e.heat() / layer_max[l] : 0;
+      const int shade = static_cast<int>(255 - 200 * t);
+      doc << absl::StrFormat(
+          "<rect x=\"%d\" y=\"%d\" width=\"%d\" height=\"%d\" fill=\"rgb(255,%d,%d)\" "
+          "stroke=\"#888\"><title>layer %d expert %d: heat %.1f</title></rect>\n",
+          left + x * cell, top + l * cell, cell, cell, shade, shade, l, x, e.heat());
+      doc << absl::StrFormat("<text x=\"%d\" y=\"%d\">%d/%d</text>\n", left + x * cell + 8,
+                             top + l * cell + 22, e.compute_replicas(), e.store_replicas());
+    }
+    doc << "</svg>\n";
+    const std::string text = doc.str();
+    RETURN_IF_ERROR(WriteFileAtomically(svg, [&](int fd) {
+      return WriteAll(fd, {reinterpret_cast<const uint8_t*>(text.data()), text.size()}, svg);
+    }));
+    if (!ctx.json) out << "wrote " << svg << "\n";
+  }
+  return absl::OkStatus();
+}
+
+namespace {
+
+absl::Status ClusterDrain(const CliContext& ctx, const Args& args, std::ostream& out) {
+  std::string store;
+  bool wait = true;
+  double timeout_s = 600;
+  for (size_t i = 0; i < args.size(); ++i) {
+    if (args[i] == "--no-wait") {
+      wait = false;
+    } else if (args[i] == "--timeout") {
+      if (i + 1 == args.size() || !absl::SimpleAtod(args[i + 1], &timeout_s) || timeout_s <= 0) {
+        return UsageError("--timeout wants a number of seconds > 0");
+      }
+      ++i;
+    } else if (absl::StartsWith(args[i], "--")) {
+      return UsageError("cluster drain: unknown flag " + args[i]);
+    } else if (store.empty()) {
+      store = args[i];
+    } else {
+      return UsageError("cluster drain takes one store: pith cluster drain STORE");
+    }
+  }
+  if (store.empty()) return UsageError("cluster drain takes one store: pith cluster drain STORE");
+  ASSIGN_OR_RETURN(std::unique_ptr<Client> client, Connect(ctx));
+  ASSIGN_OR_RETURN(v1::DrainStoreResponse started, client->DrainStore(store));
+  if (!ctx.json) {
+    out << absl::StrFormat("draining %s: %d expert groups, %d blobs (%.1f MB) to move\n", store,
+                           started.groups_to_move(), started.blobs_to_move(),
+                           started.bytes_to_move() / 1e6);
+  }
+  const absl::Time deadline = absl::Now() + absl::Seconds(timeout_s);
+  std::string last;
+  while (true) {
+    ASSIGN_OR_RETURN(v1::ClusterStatusResponse c, client->ClusterStatus());
+    const v1::StoreDrain* drain = nullptr;
+    for (const v1::StoreDrain& d : c.drains()) {
+      if (d.store_id() == store) drain = &d;
+    }
+    if (drain == nullptr) {
+      return absl::UnavailableError(absl::StrCat(
+          "store ", store, " left the cluster while draining; blobs it held are re-replicated ",
+          "from their other copies (see pith cluster)"));
+    }
+    if (!wait || drain->can_stop()) {
+      if (ctx.json) {
+        out << Json(*drain) << "\n";
+      } else if (drain->can_stop()) {
+        out << store << " is drained: nothing is placed on it any more; its process can be "
+            << "stopped now\n";
+      } else {
+        out << "the drain goes on; pith cluster shows its progress and when " << store
+            << " can be stopped\n";
+      }
+      return absl::OkStatus();
+    }
+    int moving = 0;
+    for (const v1::BlobMove& m : c.moves()) {
+      moving += m.from_store_id() == store || m.to_store_id() == store;
+    }
+    const std::string line =
+        absl::StrFormat("  %s: %d of %d groups still placed on it, %d copies in flight", store,
+                        drain->groups_left(), drain->groups_total(), moving);
+    if (line != last && !ctx.json) out << line << "\n" << std::flush;
+    last = line;
+    if (absl::Now() > deadline) {
+      return absl::DeadlineExceededError(
+          absl::StrCat("store ", store, " is still draining after ", timeout_s, " s (",
+                       drain->groups_left(), " groups left; pith cluster shows the progress)"));
+    }
+    absl::SleepFor(absl::Milliseconds(250));
+  }
+}
+
+}  // namespace
+
+absl::Status Cluster(const CliContext& ctx, const Args& args, std::ostream& out) {
+  if (!args.empty() && args[0] == "drain")
+    return ClusterDrain(ctx, Args(args.begin() + 1, args.end()), out);
+  if (!args.empty()) return UsageError("cluster takes no arguments (or: cluster drain STORE)");
+  ASSIGN_OR_RETURN(std::unique_ptr<Client> client, Connect(ctx));
+  ASSIGN_OR_RETURN(v1::ClusterStatusResponse c, client->ClusterStatus());
+  if (ctx.json) {
+    out << Json(c) << "\n";
+    return absl::OkStatus();
+  }
+  const int64_t now = absl::ToUnixMillis(absl::Now());
+  auto member = [&](const v1::MemberInfo& m) {
+    const std::string state =
+        absl::AsciiStrToLower(absl::StripPrefix(v1::MemberState_Name(m.state()), "MEMBER_STATE_"));
+    out << absl::StrFormat("  %-10s %-6s %-21s lease %5.1fs", m.member_id(), state,
+                           m.grpc_address(), (m.lease_expires_unix_ms() - now) / 1e3);
+    if (m.role() == v1::MEMBER_ROLE_STORE) {
+      out << absl::StrFormat("  ram %.1f MB / %.1f MB  rocksdb %.1f MB", m.ram_bytes() / 1e6,
+                             m.capacity_bytes() / 1e6, m.rocksdb_bytes() / 1e6);
+    } else if (!m.job_id().empty()) {
+      out << "  job " << m.job_id();
+    }
+    out << "\n";
+  };
+  out << "stores:\n";
+  for (const auto& m : c.stores()) member(m);
+  out << "workers:\n";
+  for (const auto& m : c.workers()) member(m);
+  out << absl::StrFormat("moves in flight %d, blobs moved %d (%.1f MB), replica deficit %d\n",
+                         c.moves_size(), c.blobs_moved(), c.bytes_moved() / 1e6,
+                         c.replica_deficit());
+  for (const v1::BlobMove& m : c.moves()) {
+    const std::string group =
+        m.key().layer() < 0 ? std::string("dense")
+                            : absl::StrCat("layer ", m.key().layer(), " expert ", m.key().expert());
+    out << absl::StrFormat("  move %s %s: %s -> %s (%s)\n", m.key().job_id(), group,
+                           m.from_store_id(), m.to_store_id(), m.reason());
+  }
+  for (const v1::StoreDrain& d : c.drains()) {
+    out << absl::StrFormat("drain %s: %d of %d groups left%s\n", d.store_id(), d.groups_left(),
+                           d.groups_total(), d.can_stop() ? ", drained: it can be stopped" : "");
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace pith::cli

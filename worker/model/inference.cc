@@ -1,0 +1,81 @@
+#include "worker/model/inference.h"
+
+#include <algorithm>
+#include <cmath>
+#include <memory>
+#include <random>
+#include <vector>
+
+#include "common/param_layout.h"
+#include "common/status.h"
+#include "worker/compute/cpu_backend.h"
+#include "worker/data/token_dataset.h"
+#include "worker/model/checkpoint.h"
+#include "worker/model/moe_gpt.h"
+
+namespace pith::model {
+
+absl::StatusOr<EvalResult> Evaluate(const SafetensorsFile& weights, const v1::JobSpec& spec,
+                                    const std::string& tokens_path, int batches) {
+  const ModelShape shape = ModelShape::FromSpec(spec.model());
+  const int B = spec.train().batch(), T = shape.seq;
+  compute::CpuBackend backend(0);
+  ASSIGN_OR_RETURN(std::unique_ptr<MoeGpt> m, MoeGpt::Create(&backend, shape, B));
+  RETURN_IF_ERROR(LoadWeights(backend, m->layout(), weights, m->params()));
+  ASSIGN_OR_RETURN(data::TokenDataset tokens, data::TokenDataset::Open(tokens_path, shape.vocab));
+  std::vector<int32_t> inputs(int64_t{B} * T), targets(int64_t{B} * T);
+  EvalResult result;
+  for (int s = 0; s < batches; ++s) {
+    for (int i = 0; i < B; ++i) {
+      tokens.Row(int64_t{s} * B + i, T, inputs.data() + int64_t{i} * T,
+                 targets.data() + int64_t{i} * T);
+    }
+    ASSIGN_OR_RETURN(StepLoss l, m->ForwardBackward(inputs.data(), targets.data(), B));
+    result.ce += l.ce;
+    result.loss += l.loss;
+  }
+  result.rows = int64_t{batches} * B;
+  result.tokens = result.rows * T;
+  result.ce /= batches;
+  result.loss /= batches;
+  return result;
+}
+
+absl::StatusOr<std::string> Sample(const SafetensorsFile& weights, const v1::JobSpec& spec,
+                                   const std::string& prompt, const SampleOptions& options) {
+  const ModelShape shape = ModelShape::FromSpec(spec.model());
+  if (shape.vocab != 256) {
+    return absl::InvalidArgumentError(
+        "sample: the model's vocabulary is not bytes (vocab_size 256)");
+  }
+  if (prompt.empty()) return absl::InvalidArgumentError("sample: the prompt is empty");
+  compute::CpuBackend backend(0);
+  ASSIGN_OR_RETURN(std::unique_ptr<MoeGpt> m, MoeGpt::Create(&backend, shape, 1));
+  RETURN_IF_ERROR(LoadWeights(backend, m->layout(), weights, m->params()));
+  const int T = shape.seq, V = shape.vocab;
+  std::string text = prompt;
+  std::vector<int32_t> window(T, ' ');
+  std::vector<float> logits(int64_t{T} * V);
+  std::mt19937_64 rng(options.seed);
+  for (int n = 0; n < options.tokens; ++n) {
+    // The last T bytes at the start of the window; later positions cannot affect them.
+    const size_t from = text.size() > static_cast<size_t>(T) ? text.size() - T : 0;
+    const int used = static_cast<int>(text.size() - from);
+    for (int i = 0; i < T; ++i) {
+      window[i] = i < used ? static_cast<uint8_t>(text[from + i]) : ' ';
+    }
+    RETURN_IF_ERROR(m->Logits(window.data(), logits.data()));
+    const float* row = logits.data() + int64_t{used - 1} * V;
+    int next = static_cast<int>(std::max_element(row, row + V) - row);
+    if (options.temperature > 0) {
+      std::vector<double> p(V);
+      const double top = row[next];
+      for (int v = 0; v < V; ++v) p[v] = std::exp((row[v] - top) / options.temperature);
+      next = std::discrete_distribution<int>(p.begin(), p.end())(rng);
+    }
+    text.push_back(static_cast<char>(next));
+  }
+  return text;
+}
+
+}  // namespace pith::model
