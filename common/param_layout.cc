@@ -3,6 +3,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "common/checkpoint_names.h"
 #include "common/safetensors.h"
 #include "common/status.h"
 
@@ -65,7 +66,7 @@ ParamLayout::ParamLayout(const ModelShape& s) : shape_(s) {
   first_expert_tensor_ = static_cast<int>(tensors_.size());
   for (int l = 0; l < s.layers; ++l) {
     for (int e = 0; e < s.experts; ++e) {
-      const std::string p = absl::StrCat("h.", l, ".moe.e", e, ".");
+      const std::string p = ExpertTensorPrefix(l, e) + ".";
       Add(p + "w1", {C, s.hidden}, true, l, e);
       Add(p + "b1", {s.hidden}, false, l, e);
       Add(p + "w2", {s.hidden, C}, true, l, e);
@@ -86,10 +87,11 @@ absl::Status SaveHostWeights(const ParamLayout& layout, const float* host, const
   SafetensorsWriter writer;
   for (const auto& [key, value] : metadata) writer.SetMetadata(key, value);
   for (const ParamTensor& t : layout.tensors()) {
-    RETURN_IF_ERROR(writer.Add(t.name, TensorView{DType::kF32,
-                                                  t.shape,
-                                                  {reinterpret_cast<const uint8_t*>(host + t.offset),
-                                                   static_cast<size_t>(t.numel) * sizeof(float)}}));
+    RETURN_IF_ERROR(
+        writer.Add(t.name, TensorView{DType::kF32,
+                                      t.shape,
+                                      {reinterpret_cast<const uint8_t*>(host + t.offset),
+                                       static_cast<size_t>(t.numel) * sizeof(float)}}));
   }
   return writer.Write(path);
 }

@@ -1,8 +1,9 @@
 // ParamLayout: where every moe-gpt parameter lives in one flat fp32 arena, with the
 // DESIGN §3 tensor names. This is the checkpoint contract the coordinator, the stores, the
-// CLI and the worker share, so it lives in common/ and links no compute code. Dense tensors come first; then, per layer and expert, one
-// contiguous blob [w1 | b1 | w2 | b2] (DESIGN §4: one expert kind = one blob). Gradients
-// and the AdamW moments use the same layout.
+// CLI and the worker share, so it lives in common/ and links no compute code (the names
+// of export files and blobs are in checkpoint_names.h). Dense tensors come first; then,
+// per layer and expert, one contiguous blob [w1 | b1 | w2 | b2] (DESIGN §4: one expert
+// kind = one blob). Gradients and the AdamW moments use the same layout.
 //
 // Thread safety: immutable after construction.
 #ifndef PITH_COMMON_PARAM_LAYOUT_H_

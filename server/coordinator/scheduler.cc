@@ -12,6 +12,7 @@
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "common/checkpoint_names.h"
 #include "common/grpc_util.h"
 #include "common/status.h"
 #include "glog/logging.h"
@@ -1442,7 +1443,7 @@ absl::StatusOr<v1::CheckpointJobResponse> Scheduler::Checkpoint(
           absl::StrCat("cannot create ", request.output_dir(), ": ", ec.message()));
     }
     const std::string path =
-        absl::StrCat(request.output_dir(), "/", job.job_id(), ".step", step, ".safetensors");
+        absl::StrCat(request.output_dir(), "/", model::CheckpointFileName(job.job_id(), step));
     std::string spec_json;
     google::protobuf::util::JsonPrintOptions json_options;
     json_options.preserve_proto_field_names = true;

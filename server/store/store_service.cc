@@ -6,35 +6,13 @@
 
 #include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
+#include "common/checkpoint_names.h"
 #include "common/grpc_util.h"
 #include "common/safetensors.h"
 #include "common/status.h"
 #include "server/store/blob_key.h"
 
 namespace pith::store {
-namespace {
-
-// The name a blob takes in a safetensors export: the DESIGN tensor name for dense blobs,
-// h.{l}.moe.e{e} for an expert's contiguous blob; optimizer kinds get DESIGN's prefixes.
-std::string ExportName(const v1::BlobKey& key) {
-  const std::string name =
-      key.layer() == -1 ? key.tensor() : absl::StrCat("h.", key.layer(), ".moe.e", key.expert());
-  switch (key.kind()) {
-    case v1::BLOB_KIND_MASTER:
-      return "master." + name;
-    case v1::BLOB_KIND_ADAM_M:
-      return "m." + name;
-    case v1::BLOB_KIND_ADAM_V:
-      return "v." + name;
-    case v1::BLOB_KIND_STATE:
-      return "state." + name;
-    default:
-      return name;
-  }
-}
-
-}  // namespace
-
 grpc::Status StoreServiceImpl::GetUcxAddress(grpc::ServerContext*, const v1::GetUcxAddressRequest*,
                                              v1::UcxAddress* reply) {
   reply->set_worker_address(ucx_address_);
@@ -146,7 +124,7 @@ grpc::Status StoreServiceImpl::Checkpoint(grpc::ServerContext*,
         TensorView view{f32 ? DType::kF32 : DType::kU8,
                         {static_cast<int64_t>(ref->size() / (f32 ? 4 : 1))},
                         {ref->data(), ref->size()}};
-        absl::Status s = writer.Add(ExportName(info.key()), view);
+        absl::Status s = writer.Add(model::ExportTensorName(info.key()), view);
         if (!s.ok()) return ToGrpcStatus(s);
         bytes += ref->size();
         refs.push_back(*std::move(ref));

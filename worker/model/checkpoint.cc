@@ -6,6 +6,7 @@
 #include "absl/container/flat_hash_set.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "common/checkpoint_names.h"
 #include "common/status.h"
 
 namespace pith::model {
@@ -17,6 +18,10 @@ absl::StatusOr<std::vector<float>> ToHost(compute::Backend& backend, const Param
   RETURN_IF_ERROR(backend.CopyToHost(host.data(), arena, host.size() * sizeof(float)));
   return host;
 }
+
+// The optimizer file's tensor prefixes, the AdamW moments' names in every export.
+std::string MomentM() { return std::string(KindPrefix(v1::BLOB_KIND_ADAM_M)); }
+std::string MomentV() { return std::string(KindPrefix(v1::BLOB_KIND_ADAM_V)); }
 
 TensorView ViewOf(const float* host, const ParamTensor& t) {
   return TensorView{DType::kF32,
@@ -85,8 +90,8 @@ absl::Status SaveOptimizer(compute::Backend& backend, const ParamLayout& layout,
   SafetensorsWriter writer;
   const std::vector<ParamTensor>& tensors = layout.tensors();
   for (size_t i = 0; i < tensors.size(); ++i) {
-    RETURN_IF_ERROR(writer.Add("m." + tensors[i].name, ViewOf(m, tensors[i])));
-    RETURN_IF_ERROR(writer.Add("v." + tensors[i].name, ViewOf(v, tensors[i])));
+    RETURN_IF_ERROR(writer.Add(MomentM() + tensors[i].name, ViewOf(m, tensors[i])));
+    RETURN_IF_ERROR(writer.Add(MomentV() + tensors[i].name, ViewOf(v, tensors[i])));
     writer.SetMetadata("count." + tensors[i].name, absl::StrCat(optimizer.update_counts()[i]));
   }
   writer.SetMetadata(std::string(kSafetensorsStepKey), absl::StrCat(step));
@@ -96,9 +101,9 @@ absl::Status SaveOptimizer(compute::Backend& backend, const ParamLayout& layout,
 absl::StatusOr<int64_t> LoadOptimizer(compute::Backend& backend, const ParamLayout& layout,
                                       const SafetensorsFile& file, AdamWOptimizer& optimizer) {
   std::vector<float> m(layout.total_floats()), v(layout.total_floats());
-  RETURN_IF_ERROR(ReadTensors(layout, file, "m.", &m));
-  RETURN_IF_ERROR(ReadTensors(layout, file, "v.", &v));
-  RETURN_IF_ERROR(CheckNoExtraTensors(layout, file, {"m.", "v."}));
+  RETURN_IF_ERROR(ReadTensors(layout, file, MomentM(), &m));
+  RETURN_IF_ERROR(ReadTensors(layout, file, MomentV(), &v));
+  RETURN_IF_ERROR(CheckNoExtraTensors(layout, file, {MomentM(), MomentV()}));
   auto step_it = file.metadata().find(std::string(kSafetensorsStepKey));
   int64_t step = 0;
   if (step_it == file.metadata().end() || !absl::SimpleAtoi(step_it->second, &step) || step < 0) {
