@@ -8,10 +8,11 @@
 // keeps the index (which version is where) and writes the marker.
 //
 // Thread safety: thread-safe. Its mutex guards every file's accounting and is held across
-// no I/O but a file's creation; it comes after the tier's locks in the lock order, and
-// the log never calls out while holding it (CopyForward's relocate runs without it). The
-// disposer has its own lock. Once a write to the disk fails the log is stopped: it takes
-// no more bytes, and the tier refuses everything else (Stopped()).
+// no I/O but a file's creation (and recovery's, before any other call); it comes after the
+// tier's locks in the lock order, and the log never calls out while holding it
+// (CopyForward's relocate runs without it). The disposer has its own lock. Once a write to
+// the disk fails the log is stopped: it takes no more bytes, and the tier refuses
+// everything else (Stopped()).
 #ifndef PITH_SERVER_STORE_BLOB_LOG_H_
 #define PITH_SERVER_STORE_BLOB_LOG_H_
 
