@@ -11,6 +11,9 @@ cd "$(dirname "$0")/.."
 
 deploy/install-deps.sh
 
+# Paths relative to the checkout in ccache's keys: another clone of the same tree reuses
+# this machine's cached objects.
+export CCACHE_BASEDIR=${CCACHE_BASEDIR:-$PWD}
 BUILD_DIR=${PITH_BUILD_DIR:-build}
 JOBS=${PITH_JOBS:-$(nproc)}
 cmake -S . -B "$BUILD_DIR" -DCMAKE_BUILD_TYPE=Release -DPITH_WERROR=ON >/dev/null
