@@ -7,6 +7,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/status.h"
+#include "worker/runtime/peer_channels.h"
 
 namespace pith::runtime {
 namespace {
@@ -61,8 +62,7 @@ bool Dispatch::HasRows(int layer, int expert, const int64_t* offsets) const {
 }
 
 uint64_t Dispatch::Tag(int layer, int phase) const {
-  return (static_cast<uint64_t>(step_) << 32) | (static_cast<uint64_t>(layer) << 8) |
-         static_cast<uint64_t>(phase);
+  return channels::DispatchExchange(step_, layer, phase);
 }
 
 absl::Status Dispatch::SendBuckets(int layer, int phase, const float* rows, int64_t width,
@@ -357,9 +357,7 @@ absl::Status Dispatch::Backward(int layer, float* dxperm, float* dh, const float
 }
 
 absl::Status Dispatch::AllReduce(double* values, size_t n) {
-  const uint64_t tag =
-      (static_cast<uint64_t>(step_) << 32) | (1ull << 31) | (reduce_seq_++ & 0xffff);
-  return peers_->AllReduceSum(values, n, tag);
+  return peers_->AllReduceSum(values, n, channels::DispatchReduce(step_, reduce_seq_++));
 }
 
 }  // namespace pith::runtime

@@ -8,8 +8,9 @@
 // the gradient rows, accumulates the expert's gradient (so expert gradients never cross
 // workers) and returns the input gradients.
 //
-// Every message of a step is tagged with (step, layer, phase); peers are always handled in
-// rank order, so gradients accumulate in the same order on every run (bit-identical).
+// Every message of a step is tagged with (step, layer, phase) (peer_channels.h); peers are
+// always handled in rank order, so gradients accumulate in the same order on every run
+// (bit-identical).
 //
 // Thread safety: one thread (the training loop) at a time.
 #ifndef PITH_WORKER_RUNTIME_DISPATCH_H_
