@@ -23,6 +23,7 @@ absl::StatusOr<std::unique_ptr<ExpertCache>> ExpertCache::Create(
   c->slot_bytes_ = slot_bytes;
   c->fetch_ = std::move(fetch);
   c->pinned_wait_ = pinned_wait;
+  c->slot_count_ = slots;
   {
     absl::MutexLock lock(&c->mu_);
     c->slots_.resize(slots);

@@ -65,7 +65,7 @@ class ExpertCache {
       absl::Duration pinned_wait = absl::ZeroDuration());
   ~ExpertCache();  // stops the prefetcher
 
-  int slots() const { return static_cast<int>(slots_.size()); }
+  int slots() const { return slot_count_; }
   size_t slot_bytes() const { return slot_bytes_; }
 
   // The weights of `expert`, fetched on a miss (waiting for a prefetch in flight); pinned
@@ -157,6 +157,7 @@ class ExpertCache {
 
   std::unique_ptr<ucx::MemoryRegion> memory_;
   size_t slot_bytes_ = 0;
+  int slot_count_ = 0;  // slots_.size(), fixed at Create: read without mu_
   FetchFn fetch_;
   absl::Duration pinned_wait_;
 
