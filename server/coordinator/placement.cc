@@ -51,121 +51,149 @@ ComputePlan RoundRobinPlan(int layers, int experts, int workers) {
   return plan;
 }
 
+namespace {
+
+// One entry per expert: each of its replicas carries `load`.
+struct Shard {
+  int expert;
+  double load;
+};
+
+// Each expert's strongest partners, in tokens that chose both.
+using Partners = std::vector<std::vector<std::pair<int, double>>>;
+
+// Layer `l`'s experts as shards, largest first, with their replica counts: hot experts
+// get several owners, each taking an equal share of its tokens. Sets `mean`, the mean
+// load of a worker.
+std::vector<Shard> LayerShards(const HeatMap& heat, int l, int W, const ComputePlanOptions& options,
+                               std::vector<int>& replicas, double& mean) {
+  const int E = heat.experts();
+  std::vector<double> h(E);
+  double total = 0;
+  for (int e = 0; e < E; ++e) total += (h[e] = heat.heat(l, e));
+  if (total <= 0) {  // nothing reported yet: every expert counts the same
+    std::fill(h.begin(), h.end(), 1.0);
+    total = E;
+  }
+  mean = total / W;
+  std::vector<Shard> shards;
+  replicas.assign(E, 1);
+  shards.reserve(E);
+  for (int e = 0; e < E; ++e) {
+    replicas[e] =
+        std::clamp(static_cast<int>(std::ceil(h[e] / (mean * options.replica_load) - 1e-9)), 1,
+                   std::min(options.max_replicas, W));
+    shards.push_back({e, h[e] / replicas[e]});
+  }
+  // Largest first onto the least loaded worker (LPT), but onto a worker that already
+  // holds experts co-activated with this one when that stays within the slack.
+  std::stable_sort(shards.begin(), shards.end(),
+                   [](const Shard& a, const Shard& b) { return a.load > b.load; });
+  return shards;
+}
+
+// The partners of layer `l`'s experts (none without affinity).
+Partners LayerPartners(const HeatMap& heat, int l, const std::vector<int>& replicas,
+                       bool affinity) {
+  Partners partners(heat.experts());
+  const bool any_single = std::count(replicas.begin(), replicas.end(), 1) > 1;
+  if (!affinity || !any_single) return partners;
+  // Only single-owner experts look for partners, among single-owner partners: a
+  // replicated expert is local almost everywhere already.
+  heat.ForEachPair(l, [&](int a, int b, double weight) {
+    if (replicas[a] > 1 || replicas[b] > 1) return;
+    partners[a].push_back({b, weight});
+    partners[b].push_back({a, weight});
+  });
+  constexpr size_t kPartners = 16;
+  for (auto& p : partners) {
+    auto stronger = [](const auto& x, const auto& y) {
+      return x.second != y.second ? x.second > y.second : x.first < y.first;
+    };
+    if (p.size() > kPartners) {
+      std::nth_element(p.begin(), p.begin() + kPartners, p.end(), stronger);
+      p.resize(kPartners);
+    }
+    std::sort(p.begin(), p.end(), stronger);
+  }
+  return partners;
+}
+
+// Places one layer's shards on W workers (E experts), up to `cap` per worker where
+// affinity decides: a replicated expert takes the r lightest workers at once; a
+// single-owner one looks for its partners first.
+void AssignShards(const std::vector<Shard>& shards, const std::vector<int>& replicas,
+                  const Partners& partners, int W, int E, double cap, std::vector<Owners>& plan) {
+  std::vector<double> load(W, 0.0);
+  std::vector<std::vector<int>> workers_of(E);  // workers holding each expert so far
+  std::vector<char> held(static_cast<size_t>(W) * E, 0);
+  std::vector<double> together(W, 0.0);
+  std::vector<int> touched;
+  auto holds = [&](int w, int e) { return held[static_cast<size_t>(w) * E + e] != 0; };
+  std::vector<int> order(W);
+  for (size_t i = 0; i < shards.size();) {
+    const int expert = shards[i].expert;
+    const int r = replicas[expert];
+    const double shard_load = shards[i].load;
+    if (r > 1) {
+      std::iota(order.begin(), order.end(), 0);
+      std::nth_element(order.begin(), order.begin() + (r - 1), order.end(), [&](int a, int b) {
+        return load[a] != load[b] ? load[a] < load[b] : a < b;
+      });
+      plan[expert].reserve(r);
+      for (int j = 0; j < r; ++j) {
+        const int w = order[j];
+        workers_of[expert].push_back(w);
+        held[static_cast<size_t>(w) * E + expert] = 1;
+        load[w] += shard_load;
+        plan[expert].push_back({w, 1.0 / r});
+      }
+      ++i;
+      continue;
+    }
+    int best = static_cast<int>(std::min_element(load.begin(), load.end()) - load.begin());
+    // A worker that holds co-activated experts wins whenever it stays within the slack:
+    // the most shared tokens first, the lighter load on ties. The cap bounds what
+    // affinity may cost in balance.
+    double best_together = 0;
+    for (const auto& [partner, weight] : partners[expert]) {
+      for (int w : workers_of[partner]) {
+        if (together[w] == 0) touched.push_back(w);
+        together[w] += weight / workers_of[partner].size();
+      }
+    }
+    for (int w : touched) {
+      const bool better =
+          together[w] > best_together ||
+          (together[w] == best_together && best_together > 0 && load[w] < load[best]);
+      if (better && load[w] + shard_load <= cap && !holds(w, expert)) {
+        best = w;
+        best_together = together[w];
+      }
+      together[w] = 0;
+    }
+    touched.clear();
+    workers_of[expert].push_back(best);
+    held[static_cast<size_t>(best) * E + expert] = 1;
+    load[best] += shard_load;
+    plan[expert].push_back({best, 1.0});
+    ++i;
+  }
+}
+
+}  // namespace
+
 ComputePlan PlanCompute(const HeatMap& heat, const ComputePlanOptions& options) {
   const int W = std::max(1, options.workers);
   const int E = heat.experts();
   ComputePlan plan(heat.layers(), std::vector<Owners>(E));
+  std::vector<int> replicas;
   for (int l = 0; l < heat.layers(); ++l) {
-    std::vector<double> h(E);
-    double total = 0;
-    for (int e = 0; e < E; ++e) total += (h[e] = heat.heat(l, e));
-    if (total <= 0) {  // nothing reported yet: every expert counts the same
-      std::fill(h.begin(), h.end(), 1.0);
-      total = E;
-    }
-    const double mean = total / W;
-    // Hot experts get several owners, each taking an equal share of its tokens.
-    // One entry per expert: each of its replicas carries `load`.
-    struct Shard {
-      int expert;
-      double load;
-    };
-    std::vector<Shard> shards;
-    std::vector<int> replicas(E, 1);
-    shards.reserve(E);
-    for (int e = 0; e < E; ++e) {
-      replicas[e] =
-          std::clamp(static_cast<int>(std::ceil(h[e] / (mean * options.replica_load) - 1e-9)), 1,
-                     std::min(options.max_replicas, W));
-      shards.push_back({e, h[e] / replicas[e]});
-    }
-    // Largest first onto the least loaded worker (LPT), but onto a worker that already
-    // holds experts co-activated with this one when that stays within the slack.
-    std::stable_sort(shards.begin(), shards.end(),
-                     [](const Shard& a, const Shard& b) { return a.load > b.load; });
-    // Each expert's strongest partners, in tokens that chose both.
-    std::vector<std::vector<std::pair<int, double>>> partners(E);
-    const bool any_single = std::count(replicas.begin(), replicas.end(), 1) > 1;
-    if (options.affinity && any_single) {
-      // Only single-owner experts look for partners, among single-owner partners: a
-      // replicated expert is local almost everywhere already.
-      heat.ForEachPair(l, [&](int a, int b, double weight) {
-        if (replicas[a] > 1 || replicas[b] > 1) return;
-        partners[a].push_back({b, weight});
-        partners[b].push_back({a, weight});
-      });
-      constexpr size_t kPartners = 16;
-      for (auto& p : partners) {
-        auto stronger = [](const auto& x, const auto& y) {
-          return x.second != y.second ? x.second > y.second : x.first < y.first;
-        };
-        if (p.size() > kPartners) {
-          std::nth_element(p.begin(), p.begin() + kPartners, p.end(), stronger);
-          p.resize(kPartners);
-        }
-        std::sort(p.begin(), p.end(), stronger);
-      }
-    }
-    std::vector<double> load(W, 0.0);
-    std::vector<std::vector<int>> workers_of(E);  // workers holding each expert so far
-    std::vector<char> held(static_cast<size_t>(W) * E, 0);
-    const double cap = mean * (1.0 + options.slack);
-    std::vector<double> together(W, 0.0);
-    std::vector<int> touched;
-    auto holds = [&](int w, int e) { return held[static_cast<size_t>(w) * E + e] != 0; };
-    std::vector<int> order(W);
-    // A replicated expert takes the r lightest workers at once; a single-owner one looks
-    // for its partners first.
-    for (size_t i = 0; i < shards.size();) {
-      const int expert = shards[i].expert;
-      const int r = replicas[expert];
-      const double shard_load = shards[i].load;
-      if (r > 1) {
-        std::iota(order.begin(), order.end(), 0);
-        std::nth_element(order.begin(), order.begin() + (r - 1), order.end(), [&](int a, int b) {
-          return load[a] != load[b] ? load[a] < load[b] : a < b;
-        });
-        plan[l][expert].reserve(r);
-        for (int j = 0; j < r; ++j) {
-          const int w = order[j];
-          workers_of[expert].push_back(w);
-          held[static_cast<size_t>(w) * E + expert] = 1;
-          load[w] += shard_load;
-          plan[l][expert].push_back({w, 1.0 / r});
-        }
-        ++i;
-        continue;
-      }
-      int best = static_cast<int>(std::min_element(load.begin(), load.end()) - load.begin());
-      // A worker that holds co-activated experts wins whenever it stays within the slack:
-      // the most shared tokens first, the lighter load on ties. The cap bounds what
-      // affinity may cost in balance.
-      double best_together = 0;
-      for (const auto& [partner, weight] : partners[expert]) {
-        for (int w : workers_of[partner]) {
-          if (together[w] == 0) touched.push_back(w);
-          together[w] += weight / workers_of[partner].size();
-        }
-      }
-      for (int w : touched) {
-        const bool better =
-            together[w] > best_together ||
-            (together[w] == best_together && best_together > 0 && load[w] < load[best]);
-        if (better && load[w] + shard_load <= cap && !holds(w, expert)) {
-          best = w;
-          best_together = together[w];
-        }
-        together[w] = 0;
-      }
-      touched.clear();
-      workers_of[expert].push_back(best);
-      held[static_cast<size_t>(best) * E + expert] = 1;
-      load[best] += shard_load;
-      plan[l][expert].push_back({best, 1.0});
-      ++i;
-    }
+    double mean = 0;
+    const std::vector<Shard> shards = LayerShards(heat, l, W, options, replicas, mean);
+    const Partners partners = LayerPartners(heat, l, replicas, options.affinity);
+    AssignShards(shards, replicas, partners, W, E, mean * (1.0 + options.slack), plan[l]);
   }
   return plan;
 }
-
 }  // namespace pith::coordinator
