@@ -12,6 +12,7 @@
 #include "pith/v1/coordinator.grpc.pb.h"
 #include "pith/v1/job.grpc.pb.h"
 #include "server/coordinator/coordinator_service.h"
+#include "server/coordinator/grpc_store_control.h"
 #include "server/coordinator/job_registry.h"
 #include "server/coordinator/job_service.h"
 #include "server/coordinator/scheduler.h"

@@ -55,7 +55,7 @@ absl::StatusOr<std::unique_ptr<JobRegistry>> JobRegistry::Open(const std::string
   RETURN_IF_ERROR(FromRocks(it->status(), "scan"));
   std::string next;
   if (r->db_->Get(rocksdb::ReadOptions(), kNextIdKey, &next).ok()) {
-    absl::SimpleAtoi(next, &r->next_id_);
+    (void)absl::SimpleAtoi(next, &r->next_id_);
   }
   return r;
 }

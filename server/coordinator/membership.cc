@@ -113,4 +113,20 @@ std::vector<v1::MemberInfo> Membership::Members(v1::MemberRole role) const {
   return out;
 }
 
+Alive Snapshot(const Membership& members) {
+  Alive a;
+  for (v1::MemberRole role : {v1::MEMBER_ROLE_STORE, v1::MEMBER_ROLE_WORKER}) {
+    for (v1::MemberInfo& m : members.Members(role)) {
+      a.known.insert(m.member_id());
+      const bool store = role == v1::MEMBER_ROLE_STORE;
+      const bool draining =
+          m.state() == v1::MEMBER_STATE_DRAINING || m.state() == v1::MEMBER_STATE_DRAINED;
+      if (m.state() != v1::MEMBER_STATE_ALIVE && !(store && draining)) continue;
+      if (draining) a.draining.insert(m.member_id());
+      (store ? a.stores : a.workers)[m.member_id()] = std::move(m);
+    }
+  }
+  return a;
+}
+
 }  // namespace pith::coordinator

@@ -1,7 +1,8 @@
 // Membership: the stores and workers the coordinator knows, with leases. A member
 // registers, heartbeats at least every lease/3, and is marked dead when its lease runs
 // out. After a coordinator restart members are unknown until they register again (their
-// heartbeat is answered with `reregister`).
+// heartbeat is answered with `reregister`). Time comes from a Clock, the seam the
+// scheduler shares, so lease expiry and grace periods are tested by advancing a fake one.
 //
 // Thread safety: all methods are thread-safe.
 #ifndef PITH_SERVER_COORDINATOR_MEMBERSHIP_H_
@@ -9,6 +10,7 @@
 
 #include <functional>
 #include <map>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -59,6 +61,32 @@ class Membership {
   std::map<v1::MemberRole, int> next_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, v1::MemberState> drains_ ABSL_GUARDED_BY(mu_);  // DRAINING or DRAINED
 };
+
+// The members alive at one moment: every decision of a scheduler pass is made on one
+// snapshot, so that a member dying meanwhile is seen by the next pass, not half of this one.
+struct Alive {
+  // Live members by id; the stores include draining and drained ones, which still serve
+  // what they hold.
+  std::map<std::string, v1::MemberInfo> stores, workers;
+  std::set<std::string> known;     // every id, dead ones included
+  std::set<std::string> draining;  // live stores draining or drained: no new placement
+  std::vector<std::string> store_ids() const {
+    std::vector<std::string> ids;
+    for (const auto& [id, m] : stores) ids.push_back(id);
+    return ids;
+  }
+  // The stores new copies may go to.
+  std::vector<std::string> placeable_ids() const {
+    std::vector<std::string> ids;
+    for (const auto& [id, m] : stores) {
+      if (!draining.count(id)) ids.push_back(id);
+    }
+    return ids;
+  }
+};
+
+// The live members of `members` now.
+Alive Snapshot(const Membership& members);
 
 }  // namespace pith::coordinator
 

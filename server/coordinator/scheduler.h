@@ -14,20 +14,33 @@
 // step. After a coordinator restart, every running job's assignment version is bumped
 // (in-flight attempts are void) and an interrupted commit is finished first.
 //
-// Thread safety: all methods are thread-safe. Calls into stores are made without the
-// scheduler's lock held. Lock order: Scheduler::mu_, then JobRegistry/Membership/HeatRegistry.
+// The class is defined over several files, one part each: scheduler.cc (start, recovery,
+// aborts, metrics), scheduling.cc (the tick's steps, assignments, repair of dead members),
+// step_commit.cc (the step-commit protocol), scheduler_replication.cc (replication and
+// drain, whose state is a Replication, replication.h) and checkpoint_export.cc. Placement
+// math is in placement_table.h and placement.h, the stores' seam in store_control.h.
+//
+// Time comes from SchedulerOptions::clock (absl::Now, or the membership's fake clock in
+// tests), so lease grace periods and step timing are tested without sleeping.
+//
+// Thread safety: all public methods are thread-safe; Start runs Tick and ReplicateOnce on
+// threads of their own, and the coordinator's RPC threads call the rest. One mutex, mu_,
+// guards the runs, the worker map and the replication state. Calls into stores are made
+// without it held. Lock order: drain_mu_, then mu_, then JobRegistry/Membership/
+// HeatRegistry (each of which locks only itself).
 #ifndef PITH_SERVER_COORDINATOR_SCHEDULER_H_
 #define PITH_SERVER_COORDINATOR_SCHEDULER_H_
 
-#include <atomic>
+#include <cstdint>
 #include <map>
-#include <memory>
 #include <optional>
 #include <set>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
+#include "absl/base/thread_annotations.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/synchronization/notification.h"
@@ -38,55 +51,11 @@
 #include "server/coordinator/heat_registry.h"
 #include "server/coordinator/job_registry.h"
 #include "server/coordinator/membership.h"
-#include "server/coordinator/placement.h"
+#include "server/coordinator/placement_table.h"
+#include "server/coordinator/replication.h"
+#include "server/coordinator/store_control.h"
 
 namespace pith::coordinator {
-
-// The coordinator's calls into stores; a seam so the scheduler's logic can be tested
-// without store processes. Implementations are thread-safe.
-class StoreControl {
- public:
-  virtual ~StoreControl() = default;
-  // Makes the job's pending versions of `step` current on `store` (idempotent).
-  virtual absl::Status CommitStep(const v1::MemberInfo& store, const std::string& job_id,
-                                  int64_t step) = 0;
-  // Drops the job's pending versions of `step` on `store`.
-  virtual absl::Status AbortStep(const v1::MemberInfo& store, const std::string& job_id,
-                                 int64_t step) = 0;
-  // The committed blobs of one group on `store` (layer -1: every dense tensor).
-  virtual absl::StatusOr<std::vector<v1::BlobInfo>> ListGroup(const v1::MemberInfo& store,
-                                                              const std::string& job_id, int layer,
-                                                              int expert) = 0;
-  // Has `target` copy `keys` (their committed versions) from `source`, store to store
-  // over UCX, at most `max_bytes_per_second`. Returns what `target` installed.
-  virtual absl::StatusOr<std::vector<v1::BlobInfo>> Pull(const v1::MemberInfo& target,
-                                                         const v1::MemberInfo& source,
-                                                         const std::vector<v1::BlobKey>& keys,
-                                                         uint64_t max_bytes_per_second) = 0;
-  // One blob to read into `buffer`; `info` is filled in.
-  struct Read {
-    v1::BlobKey key;
-    int64_t version = -1;  // -1: the committed one
-    void* buffer = nullptr;
-    size_t capacity = 0;
-    v1::BlobInfo info;
-  };
-  // Reads the committed versions of `reads` from `store` (one batched UCX fetch).
-  virtual absl::Status Fetch(const v1::MemberInfo& store, std::vector<Read>& reads) = 0;
-};
-
-// StoreControl over the stores' gRPC StoreService, each call bounded by `timeout`.
-std::unique_ptr<StoreControl> NewGrpcStoreControl(absl::Duration timeout);
-
-// The placement of a job over `workers` (member ids by rank) and `stores`: every expert
-// group keeps the store copies `previous` lists, new groups get RendezvousStores over
-// `stores` with the spec's replica count; compute owners come from `plan`. The dense
-// tensors are one group (layer -1, empty tensor name): every dense blob of the job lives
-// on its stores.
-v1::PlacementTable BuildPlacement(const v1::Job& job, const std::vector<std::string>& workers,
-                                  const std::vector<std::string>& stores, const ComputePlan& plan,
-                                  const v1::PlacementTable* previous, int64_t epoch,
-                                  int64_t effective_step);
 
 struct SchedulerOptions {
   // Store-to-store copies (re-replication, hot-expert replicas, rebalancing) are throttled
@@ -94,6 +63,9 @@ struct SchedulerOptions {
   uint64_t replication_bytes_per_second = 256ull << 20;
   // Groups copied concurrently at most (one pull each).
   int max_pulls = 4;
+  // The scheduler's time (the grace period after a restart, assignment versions, job
+  // timestamps, step timing): the same seam as the membership's leases.
+  Membership::Clock clock = [] { return absl::Now(); };
 };
 
 class Scheduler {
@@ -105,46 +77,47 @@ class Scheduler {
 
   // Loads the durable schedule after a (re)start: every running job's assignment
   // version is bumped and its heat restored. Call once, before Start.
-  absl::Status Recover();
+  absl::Status Recover() ABSL_LOCKS_EXCLUDED(mu_);
   // Runs Tick every `period` on its own thread, and the replicator on another, until
   // destruction.
   void Start(absl::Duration period);
   // One pass: expires leases, reacts to dead members and ended jobs, finishes pending
   // commits, schedules pending jobs.
-  void Tick();
+  void Tick() ABSL_LOCKS_EXCLUDED(mu_);
 
   // A worker's assignment (an idle worker gets an empty job_id). NOT_FOUND for an
   // unknown or dead worker.
-  absl::StatusOr<v1::Assignment> GetAssignment(const std::string& worker_id);
+  absl::StatusOr<v1::Assignment> GetAssignment(const std::string& worker_id)
+      ABSL_LOCKS_EXCLUDED(mu_);
   // The assignment version of the worker's job (0 when idle), for heartbeats.
-  int64_t AssignmentVersion(const std::string& worker_id);
+  int64_t AssignmentVersion(const std::string& worker_id) ABSL_LOCKS_EXCLUDED(mu_);
   // A running job's placement. NOT_FOUND for a job that is not running.
-  absl::StatusOr<v1::PlacementTable> GetPlacement(const std::string& job_id);
+  absl::StatusOr<v1::PlacementTable> GetPlacement(const std::string& job_id)
+      ABSL_LOCKS_EXCLUDED(mu_);
   // A worker's report that it wrote (or failed to write) a step's versions.
   // FAILED_PRECONDITION for a job that is not running, a worker not in it, or a step
   // that is not the one in flight; ABORTED for an attempt that was aborted meanwhile.
-  absl::StatusOr<v1::StepStatus> ReportStepWritten(const v1::StepWrittenRequest& report);
+  absl::StatusOr<v1::StepStatus> ReportStepWritten(const v1::StepWrittenRequest& report)
+      ABSL_LOCKS_EXCLUDED(mu_);
   // Waits until the step commits, its attempt is aborted, or `timeout` passes.
   absl::StatusOr<v1::StepStatus> WaitStep(const v1::WaitStepRequest& request,
-                                          absl::Duration timeout);
+                                          absl::Duration timeout) ABSL_LOCKS_EXCLUDED(mu_);
 
   // Exports a job's last committed step as a safetensors weights file (DESIGN §3 names)
   // in request.output_dir, reading every blob from a store that holds it. A running
   // job's commits are held meanwhile, so the file is one step. FAILED_PRECONDITION
   // before the initial weights are committed or when a blob is on no live store.
-  absl::StatusOr<v1::CheckpointJobResponse> Checkpoint(const v1::CheckpointJobRequest& request);
+  absl::StatusOr<v1::CheckpointJobResponse> Checkpoint(const v1::CheckpointJobRequest& request)
+      ABSL_LOCKS_EXCLUDED(mu_);
 
-  // Replication: a group short of its desired stores (the spec's replica count over the
-  // live, not draining stores by rendezvous hashing, more for hot experts) gets one of
-  // them as a joining store at the next step boundary: from then on writers send it every
-  // new version, and the replicator pulls the group's committed copy to it store to store
-  // (up to max_pulls at once; this call waits for them). A joining store whose pull is
-  // done becomes a reader at the following boundary; a group's surplus copies leave the
-  // placement once its desired stores all hold it. Returns the copies made.
-  int ReplicateOnce();
+  // Replication (replication.h): groups short of their desired stores get joining stores
+  // at the next step boundary, and the committed copies of joining stores are pulled
+  // store to store (up to max_pulls at once; this call waits for them). Returns the
+  // copies made.
+  int ReplicateOnce() ABSL_LOCKS_EXCLUDED(mu_);
   // Moves in flight, blobs and bytes moved so far, the replica deficit (copies missing
   // to reach every group's replica count) and the drains' progress, into `out`.
-  void ReplicationStatus(v1::ClusterStatusResponse* out);
+  void ReplicationStatus(v1::ClusterStatusResponse* out) ABSL_LOCKS_EXCLUDED(mu_);
 
   // Starts draining a store (durably): it takes no new copies, every group placed on it
   // is copied to the store rendezvous hashing now picks and then leaves it (at a step
@@ -152,9 +125,15 @@ class Scheduler {
   // nothing is placed on it, Tick marks it DRAINED: its process can be stopped. Returns
   // what will move. NOT_FOUND for an unknown store; FAILED_PRECONDITION for a dead one,
   // or when the other stores could not hold a running job's replica count.
-  absl::StatusOr<v1::DrainStoreResponse> Drain(const std::string& store_id);
+  absl::StatusOr<v1::DrainStoreResponse> Drain(const std::string& store_id)
+      ABSL_LOCKS_EXCLUDED(drain_mu_, mu_);
 
  private:
+  // Keys of the scheduler's durable records in the job registry.
+  static constexpr char kRunPrefix[] = "run/";      // + job id: the job's JobRun
+  static constexpr char kHeatPrefix[] = "heat/";    // + job id: its heat, at re-plan boundaries
+  static constexpr char kDrainPrefix[] = "drain/";  // + store id: groups on it at drain start
+
   struct Run {
     v1::JobRun record;              // durable
     int64_t committed = -1;         // the job's committed step
@@ -166,21 +145,8 @@ class Scheduler {
     // Loaded after a restart and waiting for its members to register again (or for the
     // grace period to end); assignments and reports wait too.
     bool recovering = false;
-    // Replication: stores to join groups at the next step boundary, copies (pulls to
-    // joining stores) in progress and done.
-    std::map<std::pair<int, int>, std::string> join_requests;
-    // Joining stores: the committed step when each joined its group (a copy pulled before
-    // that does not count), and the stores that committed the step being finished.
-    std::map<std::pair<std::pair<int, int>, std::string>, int64_t> joined_at;
-    std::set<std::string> committed_on;
-    std::set<std::pair<int, int>> copying;
-    struct Copy {
-      std::pair<int, int> group;
-      std::string target;
-      int64_t start_step;  // committed step when the copy began
-    };
-    std::vector<Copy> copied;
-    int holds = 0;  // checkpoints reading the job: commits wait
+    JobCopies copies;  // replication: joins and copies of the job's groups
+    int holds = 0;     // checkpoints reading the job: commits wait
     std::string abort_reason;
   };
   struct StoreCall {
@@ -188,38 +154,74 @@ class Scheduler {
     std::string job_id;
     int64_t step;
   };
+  // Store calls a pass decided under mu_, made once it is released.
+  struct StoreWork {
+    std::vector<StoreCall> aborts;
+    std::vector<std::pair<std::string, int64_t>> commits;  // (job, step) to finish
+  };
 
+  // scheduler.cc: time, persistence, aborts, metrics.
+  int64_t NowMs() const;
+  // Assignment versions only ever grow, across jobs and coordinator restarts alike, so a
+  // worker can tell any change by inequality.
+  int64_t NextVersion(int64_t previous) const;
   int64_t step_in_flight(const Run& run) const { return run.committed + 1; }
-  // Whether a member that is not alive is gone for good: known dead, or still unknown
-  // once members had time to register again after a restart (3 leases).
-  bool Gone(const std::set<std::string>& alive, const std::set<std::string>& known,
-            const std::string& id) const;
-  v1::StepStatus StatusLocked(const std::string& job_id, const Run& run, int64_t step)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::Status PersistLocked(const Run& run) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Voids the attempt in flight: queues store aborts, bumps the assignment version.
   void AbortLocked(Run& run, const std::string& reason, std::vector<StoreCall>* aborts)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void RunStoreAborts(const std::vector<StoreCall>& aborts) ABSL_LOCKS_EXCLUDED(mu_);
+  void UpdateMetricsLocked(const v1::Job& job, const Run& run) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
+  // scheduling.cc: the tick's steps and the repair of a job's assignment.
+  // Whether a member that is not alive is gone for good: known dead, or still unknown
+  // once members had time to register again after a restart (3 leases).
+  bool Gone(const Alive& alive, const std::string& id, bool store) const;
+  // Every running job: ended ones are released, decided commits queued, and the
+  // assignments of jobs that lost (or can gain) members repaired.
+  void ReviewRunsLocked(const Alive& alive, StoreWork* work) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // A job that ended (cancelled, failed): drops its attempt in flight, frees its workers.
+  void ReleaseRunLocked(const std::string& job_id, Run& run, std::vector<StoreCall>* aborts)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Replaces the job's dead workers and stores (and adds idle workers it lacks); a job
+  // back from a restart with all its members only has its attempt in flight voided.
+  void RepairRunLocked(const std::string& job_id, Run& run, const v1::Job& job, const Alive& alive,
+                       std::vector<StoreCall>* aborts) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Re-plans compute owners under a new epoch: store copies not on `live_stores` are
   // gone; a group left with none is placed on `stores` (those taking new copies).
   void ReplaceLocked(Run& run, const v1::Job& job, const std::vector<std::string>& live_stores,
                      const std::vector<std::string>& stores) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Compute ownership for `workers` from `heat` (the job's heat snapshot; none yet: every
-  // expert average).
-  ComputePlan PlanLocked(const v1::Job& job, int workers, std::optional<HeatMap> heat)
+  // Pending jobs, oldest first, get idle workers while there are enough and a store.
+  void SchedulePendingLocked(const Alive& alive) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  std::vector<std::string> IdleWorkersLocked(const Alive& alive) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
+  // step_commit.cc: the step-commit protocol.
+  v1::StepStatus StatusLocked(const std::string& job_id, const Run& run, int64_t step) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Commits `step` of `job_id` on every live store, then advances the job.
-  void Commit(const std::string& job_id, int64_t step);
+  void Commit(const std::string& job_id, int64_t step) ABSL_LOCKS_EXCLUDED(mu_);
   void FinishCommitLocked(const std::string& job_id, Run& run) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  void RunStoreAborts(const std::vector<StoreCall>& aborts);
-  void UpdateMetricsLocked(const v1::Job& job, const Run& run) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // After a commit of `step` (not the last): copies join or leave the placement, and at
+  // a re-plan boundary the compute plan may change; a new placement applies from the
+  // next step under a new epoch.
+  void AdvancePlacementLocked(const std::string& job_id, Run& run, const v1::Job& job, int64_t step)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // A checkpoint holds the job's commits (after any in progress); false when the job is
+  // not running.
+  bool HoldCommits(const std::string& job_id) ABSL_LOCKS_EXCLUDED(mu_);
+  void ReleaseCommits(const std::string& job_id) ABSL_LOCKS_EXCLUDED(mu_);
+
+  // scheduler_replication.cc: the drains' part of the tick.
   // Groups of running jobs placed on `store` (reading or joining), and with `with_moves`
   // the copies in flight from or to it.
   uint64_t GroupsOnLocked(const std::string& store, bool with_moves) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // At a step boundary: finished copies join the placement, surplus copies leave it.
-  // Returns whether the placement changed.
-  bool ApplyCopiesLocked(Run& run, const v1::Job& job) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // A drained store that left cleanly (deregistered, and not back after a restart's grace
+  // period): its drain is over, and its id may be given out again.
+  void ForgetLeftDrainsLocked(const Alive& alive) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Draining stores that hold nothing any more can be stopped.
+  void MarkDrainedStoresLocked(const Alive& alive) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   JobRegistry* const jobs_;
   Membership* const members_;
@@ -232,19 +234,11 @@ class Scheduler {
   absl::Mutex mu_;
   std::map<std::string, Run> runs_ ABSL_GUARDED_BY(mu_);                // by job id: running jobs
   std::map<std::string, std::string> worker_job_ ABSL_GUARDED_BY(mu_);  // worker -> job
-
-  std::vector<v1::BlobMove> moves_ ABSL_GUARDED_BY(mu_);               // copies in flight
-  std::map<std::string, uint64_t> drain_groups_ ABSL_GUARDED_BY(mu_);  // store -> groups at start
-  absl::Mutex drain_mu_ ABSL_ACQUIRED_BEFORE(mu_);                     // serializes Drain
-  uint64_t blobs_moved_ ABSL_GUARDED_BY(mu_) = 0;
-  uint64_t bytes_moved_ ABSL_GUARDED_BY(mu_) = 0;
+  Replication replication_ ABSL_GUARDED_BY(mu_);    // copies in flight, drains, bytes moved
+  absl::Mutex drain_mu_ ABSL_ACQUIRED_BEFORE(mu_);  // serializes Drain
 
   prometheus::Counter* steps_committed_ = nullptr;
   prometheus::Counter* steps_aborted_ = nullptr;
-  prometheus::Counter* blobs_moved_total_ = nullptr;
-  prometheus::Counter* bytes_moved_total_ = nullptr;
-  prometheus::Gauge* moves_in_flight_ = nullptr;
-  prometheus::Gauge* replica_deficit_ = nullptr;
 
   absl::Notification stop_;
   std::thread loop_, replicator_;

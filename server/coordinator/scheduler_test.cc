@@ -1,6 +1,7 @@
-// The scheduler's logic with an in-memory seam for the stores and a fake clock for
-// leases: scheduling, the step-commit protocol, aborts, lease expiry and reassignment,
-// store loss, job end, cancellation, and a restart in the middle of a commit.
+// The scheduler's logic with an in-memory seam for the stores and one fake clock for the
+// membership's leases and the scheduler's time: scheduling, the step-commit protocol,
+// step timing, aborts, lease expiry and reassignment, a restart's grace period, store
+// loss, job end, cancellation, and a restart in the middle of a commit.
 #include "server/coordinator/scheduler.h"
 
 #include <filesystem>
@@ -11,11 +12,11 @@
 #include <thread>
 
 #include "common/job_spec_testing.h"
+#include "common/param_layout.h"
 #include "common/safetensors.h"
 #include "gmock/gmock.h"
 #include "google/protobuf/util/json_util.h"
 #include "gtest/gtest.h"
-#include "common/param_layout.h"
 
 namespace pith::coordinator {
 namespace {
@@ -110,7 +111,10 @@ class SchedulerTest : public ::testing::Test {
     auto jobs = JobRegistry::Open(dir_);
     ASSERT_TRUE(jobs.ok()) << jobs.status();
     jobs_ = std::move(*jobs);
-    scheduler_ = std::make_unique<Scheduler>(jobs_.get(), members_.get(), heat_.get(), &stores_);
+    SchedulerOptions options;
+    options.clock = [this] { return now_; };  // the membership's fake clock
+    scheduler_ = std::make_unique<Scheduler>(jobs_.get(), members_.get(), heat_.get(), &stores_,
+                                             nullptr, options);
     ASSERT_TRUE(scheduler_->Recover().ok());
   }
 
@@ -247,6 +251,7 @@ TEST_F(SchedulerTest, AStepCommitsOnEveryStoreOnceEveryWorkerReported) {
   EXPECT_EQ(old->committed_step(), 0);
 
   // A training step: rank 0's loss becomes the job's, throughput and cache figures add up.
+  now_ += absl::Seconds(1);
   const std::string rank0 = scheduler_->GetAssignment(w0)->rank() == 0 ? w0 : w1;
   const std::string rank1 = rank0 == w0 ? w1 : w0;
   ASSERT_TRUE(Report(job.job_id(), rank1, 1, true, 9.0).ok());
@@ -435,6 +440,56 @@ TEST_F(SchedulerTest, ARestartMidCommitFinishesTheCommitAndKeepsTheSchedule) {
   EXPECT_GT(a->assignment_version(), version);  // old attempts are void
   EXPECT_EQ(a->placement().epoch(), epoch);
   CommitStep(job.job_id(), 2, {w0, w1});
+}
+
+TEST_F(SchedulerTest, StepTimesAndTimestampsComeFromTheClock) {
+  const v1::Job job = Submit(2);
+  Join(v1::MEMBER_ROLE_STORE);
+  const std::string w0 = Join(v1::MEMBER_ROLE_WORKER), w1 = Join(v1::MEMBER_ROLE_WORKER);
+  scheduler_->Tick();
+  EXPECT_EQ(Job(job.job_id()).started_unix_ms(), absl::ToUnixMillis(now_));
+  CommitStep(job.job_id(), 0, {w0, w1});
+  now_ += absl::Seconds(2);
+  CommitStep(job.job_id(), 1, {w0, w1});
+  const v1::Job j = Job(job.job_id());
+  EXPECT_DOUBLE_EQ(j.step_seconds(), 2.0);
+  EXPECT_DOUBLE_EQ(j.tokens_per_second(), 2 * 512 / 2.0);  // two workers' tokens in 2 s
+}
+
+TEST_F(SchedulerTest, ARestartWaitsThreeLeasesForAMissingWorkerThenReplacesIt) {
+  const v1::Job job = Submit(2);
+  const std::string s0 = Join(v1::MEMBER_ROLE_STORE);
+  const std::string w0 = Join(v1::MEMBER_ROLE_WORKER), w1 = Join(v1::MEMBER_ROLE_WORKER);
+  scheduler_->Tick();
+  CommitStep(job.job_id(), 0, {w0, w1});
+
+  Open();  // the coordinator restarts; w1 never registers again, a spare does
+  Join(v1::MEMBER_ROLE_STORE, s0);
+  Join(v1::MEMBER_ROLE_WORKER, w0);
+  // A new id: an empty one would be given w1's, as the restarted membership numbers anew.
+  const std::string spare = Join(v1::MEMBER_ROLE_WORKER, "worker-new");
+  // Leases are 3 s: w1 may still come back until 3 leases (9 s) have passed.
+  for (int seconds = 2; seconds <= 8; seconds += 2) {
+    now_ += absl::Seconds(2);
+    for (const std::string& id : {s0, w0, spare}) ASSERT_TRUE(members_->Heartbeat(id, {}).ok());
+    scheduler_->Tick();
+    EXPECT_EQ(scheduler_->GetAssignment(w0).status().code(), absl::StatusCode::kUnavailable)
+        << "after " << seconds << " s";
+    EXPECT_TRUE(scheduler_->GetAssignment(spare)->job_id().empty());
+  }
+  now_ += absl::Seconds(2);  // 10 s: the grace period is over, w1 is gone
+  for (const std::string& id : {s0, w0, spare}) ASSERT_TRUE(members_->Heartbeat(id, {}).ok());
+  scheduler_->Tick();
+  auto a = scheduler_->GetAssignment(spare);
+  ASSERT_TRUE(a.ok()) << a.status();
+  EXPECT_EQ(a->job_id(), job.job_id());
+  EXPECT_EQ(a->world(), 2);
+  EXPECT_EQ(a->committed_step(), 0);
+  EXPECT_TRUE(scheduler_->GetAssignment(w0).ok());
+  for (const v1::ExpertPlacement& e : a->placement().experts()) {
+    for (const v1::ComputeOwner& o : e.owners()) EXPECT_NE(o.worker_id(), w1);
+  }
+  CommitStep(job.job_id(), 1, {w0, spare});
 }
 
 TEST_F(SchedulerTest, HeatSurvivesARestart) {
@@ -633,34 +688,6 @@ TEST_F(SchedulerTest, ACheckpointIsTheCommittedWeightsUnderTheirDesignNames) {
   EXPECT_EQ(scheduler_->Checkpoint(request).status().code(), absl::StatusCode::kFailedPrecondition);
   request.set_include_optimizer(true);
   EXPECT_EQ(scheduler_->Checkpoint(request).status().code(), absl::StatusCode::kUnimplemented);
-}
-
-TEST(BuildPlacementTest, KeepsExistingCopiesAndPlacesNewGroupsByRendezvous) {
-  v1::Job job;
-  job.set_job_id("j");
-  job.mutable_spec()->mutable_model()->set_n_layer(2);
-  job.mutable_spec()->mutable_model()->set_n_expert(4);
-  job.mutable_spec()->mutable_cluster()->set_store_replicas(2);
-  const ComputePlan plan = RoundRobinPlan(2, 4, 2);
-  const v1::PlacementTable first =
-      BuildPlacement(job, {"w0", "w1"}, {"s0", "s1", "s2"}, plan, nullptr, 1, 0);
-  ASSERT_EQ(first.experts_size(), 9);
-  for (const v1::ExpertPlacement& e : first.experts()) {
-    EXPECT_EQ(e.store_ids_size(), 2);
-    EXPECT_EQ(
-        std::vector<std::string>(e.store_ids().begin(), e.store_ids().end()),
-        RendezvousStores(e.layer() < 0 ? "j/dense" : absl::StrCat("j/", e.layer(), "/", e.expert()),
-                         std::vector<std::string>{"s0", "s1", "s2"}, 2));
-  }
-  // A new store does not pull existing groups onto itself: readers only see complete copies.
-  const v1::PlacementTable second =
-      BuildPlacement(job, {"w0", "w1"}, {"s0", "s1", "s2", "s3"}, plan, &first, 2, 5);
-  EXPECT_EQ(second.epoch(), 2);
-  EXPECT_EQ(second.effective_step(), 5);
-  for (int i = 0; i < first.experts_size(); ++i) {
-    EXPECT_EQ(second.experts(i).store_ids(0), first.experts(i).store_ids(0));
-    EXPECT_EQ(second.experts(i).store_ids(1), first.experts(i).store_ids(1));
-  }
 }
 
 TEST_F(SchedulerTest, ADrainedStoreHoldsNothingAndEveryGroupKeepsItsCopies) {

@@ -1,12 +1,12 @@
 // For tests: a StoreControl for coordinators that reach no stores. Commits and aborts
-// succeed, listings and pulls are empty, reads are UNAVAILABLE.
+// succeed, listings and pulls are empty, reads are UNAVAILABLE. Stateless: thread-safe.
 #ifndef PITH_SERVER_COORDINATOR_STORE_CONTROL_TESTING_H_
 #define PITH_SERVER_COORDINATOR_STORE_CONTROL_TESTING_H_
 
 #include <string>
 #include <vector>
 
-#include "server/coordinator/scheduler.h"
+#include "server/coordinator/store_control.h"
 
 namespace pith::coordinator::testing {
 

@@ -1,0 +1,255 @@
+// The scheduler's tick, step by step (DESIGN §5): ended jobs release their workers,
+// jobs that lost members get new ones and a repaired placement, drains progress, pending
+// jobs are scheduled; and the workers' view of it, their assignments. See scheduler.h.
+#include <algorithm>
+
+#include "absl/strings/str_cat.h"
+#include "common/status.h"
+#include "glog/logging.h"
+#include "server/coordinator/scheduler.h"
+
+namespace pith::coordinator {
+
+bool Scheduler::Gone(const Alive& alive, const std::string& id, bool store) const {
+  if ((store ? alive.stores : alive.workers).count(id)) return false;
+  return alive.known.count(id) > 0 || options_.clock() > started_ + 3 * members_->lease();
+}
+
+void Scheduler::Tick() {
+  members_->ExpireLeases();
+  const Alive alive = Snapshot(*members_);
+  StoreWork work;
+  {
+    absl::MutexLock lock(&mu_);
+    ReviewRunsLocked(alive, &work);
+    ForgetLeftDrainsLocked(alive);
+    MarkDrainedStoresLocked(alive);
+    SchedulePendingLocked(alive);
+  }
+  RunStoreAborts(work.aborts);
+  for (const auto& [job_id, step] : work.commits) Commit(job_id, step);
+}
+
+void Scheduler::ReviewRunsLocked(const Alive& alive, StoreWork* work) {
+  for (auto it = runs_.begin(); it != runs_.end();) {
+    const std::string job_id = it->first;
+    Run& run = it->second;
+    absl::StatusOr<v1::Job> job = jobs_->Get(job_id);
+    if (!job.ok() || IsFinal(job->state())) {
+      ReleaseRunLocked(job_id, run, &work->aborts);
+      it = runs_.erase(it);
+      continue;
+    }
+    ++it;
+    if (run.record.committing_step() >= 0) {
+      // The decision is made: finish it before anything else changes.
+      if (!run.committing) work->commits.emplace_back(job_id, run.record.committing_step());
+      continue;
+    }
+    RepairRunLocked(job_id, run, *job, alive, &work->aborts);
+  }
+}
+
+void Scheduler::ReleaseRunLocked(const std::string& job_id, Run& run,
+                                 std::vector<StoreCall>* aborts) {
+  // Cancelled or failed: drop the attempt in flight and free the workers.
+  if (run.record.committing_step() < 0) AbortLocked(run, "job ended", aborts);
+  for (const std::string& w : run.record.workers()) worker_job_.erase(w);
+  (void)jobs_->DeleteRecord(absl::StrCat(kRunPrefix, job_id));
+}
+
+void Scheduler::RepairRunLocked(const std::string& job_id, Run& run, const v1::Job& job,
+                                const Alive& alive, std::vector<StoreCall>* aborts) {
+  std::vector<std::string> kept, lost;
+  bool back = true;  // every member of the job is alive
+  for (const std::string& w : run.record.workers()) {
+    (Gone(alive, w, /*store=*/false) ? lost : kept).push_back(w);
+    back &= alive.workers.count(w) > 0;
+  }
+  bool stores_lost = false;
+  for (const v1::ExpertPlacement& e : run.record.placement().experts()) {
+    for (const auto* ids : {&e.store_ids(), &e.joining_store_ids()}) {
+      for (const std::string& s : *ids) {
+        stores_lost |= Gone(alive, s, /*store=*/true);
+        back &= alive.stores.count(s) > 0;
+      }
+    }
+  }
+  if (run.recovering) {
+    if (!back && lost.empty() && !stores_lost) return;  // still in the grace period
+    run.recovering = false;
+    if (back) {
+      AbortLocked(run, "the coordinator restarted", aborts);
+      absl::Status s = PersistLocked(run);
+      if (!s.ok()) LOG(ERROR) << s;
+      return;
+    }
+  }
+  const int want = std::max(1, job.spec().cluster().workers());
+  const std::vector<std::string> idle = IdleWorkersLocked(alive);
+  const bool grow = static_cast<int>(kept.size()) < want && !idle.empty();
+  if (lost.empty() && !stores_lost && !grow) return;
+  std::string reason = lost.empty() ? (stores_lost ? "a store died" : "a worker joined")
+                                    : absl::StrCat("worker ", lost.front(), " died");
+  AbortLocked(run, reason, aborts);
+  for (const std::string& w : lost) worker_job_.erase(w);
+  for (size_t i = 0; static_cast<int>(kept.size()) < want && i < idle.size(); ++i) {
+    kept.push_back(idle[i]);
+    worker_job_[idle[i]] = job_id;
+  }
+  run.record.clear_workers();
+  for (const std::string& w : kept) run.record.add_workers(w);
+  ReplaceLocked(run, job, alive.store_ids(), alive.placeable_ids());
+  absl::Status s = PersistLocked(run);
+  if (!s.ok()) LOG(ERROR) << s;
+}
+
+void Scheduler::ReplaceLocked(Run& run, const v1::Job& job,
+                              const std::vector<std::string>& live_stores,
+                              const std::vector<std::string>& stores) {
+  v1::PlacementTable previous = run.record.placement();
+  const std::set<std::string> live(live_stores.begin(), live_stores.end());
+  std::string lost;
+  for (v1::ExpertPlacement& e : *previous.mutable_experts()) {
+    const bool had = e.store_ids_size() > 0;
+    auto* ids = e.mutable_store_ids();
+    ids->erase(std::remove_if(ids->begin(), ids->end(),
+                              [&](const std::string& id) { return !live.count(id); }),
+               ids->end());
+    auto* joining = e.mutable_joining_store_ids();
+    joining->erase(std::remove_if(joining->begin(), joining->end(),
+                                  [&](const std::string& id) { return !live.count(id); }),
+                   joining->end());
+    if (had && ids->empty() && run.committed >= 0 && lost.empty()) {
+      lost = e.layer() < 0 ? "the dense tensors"
+                           : absl::StrCat("layer ", e.layer(), " expert ", e.expert());
+    }
+  }
+  if (!lost.empty()) {
+    const std::string reason = absl::StrCat("every store copy of ", lost, " was lost");
+    LOG(ERROR) << "job " << job.job_id() << ": " << reason;
+    (void)jobs_->Update(job.job_id(), [&](v1::Job& j) {
+      j.set_state(v1::JOB_STATE_FAILED);
+      j.set_failure_reason(reason);
+      j.set_finished_unix_ms(NowMs());
+      return absl::OkStatus();
+    });
+    return;  // the next Tick releases the run
+  }
+  std::vector<std::string> workers(run.record.workers().begin(), run.record.workers().end());
+  // The same workers keep their experts (only stores changed): no cache moves, and the
+  // job's math stays that of an undisturbed run. Otherwise the compute is re-planned.
+  std::optional<ComputePlan> kept = KeptPlan(previous, workers, job.spec().model());
+  const ComputePlan plan =
+      kept ? *std::move(kept)
+           : PlanJobCompute(job, static_cast<int>(workers.size()), heat_->Snapshot(job.job_id()));
+  *run.record.mutable_placement() = BuildPlacement(job, workers, stores, plan, &previous,
+                                                   previous.epoch() + 1, step_in_flight(run));
+  const int64_t epoch = run.record.placement().epoch();
+  (void)jobs_->Update(job.job_id(), [&](v1::Job& j) {
+    j.set_placement_epoch(epoch);
+    j.set_workers(static_cast<int>(workers.size()));
+    return absl::OkStatus();
+  });
+  UpdateMetricsLocked(job, run);
+}
+
+void Scheduler::SchedulePendingLocked(const Alive& alive) {
+  std::vector<v1::Job> waiting = jobs_->List({v1::JOB_STATE_PENDING, v1::JOB_STATE_RUNNING}, 0);
+  std::reverse(waiting.begin(), waiting.end());
+  for (const v1::Job& job : waiting) {
+    if (runs_.count(job.job_id()) || alive.stores.empty()) continue;
+    std::vector<std::string> idle = IdleWorkersLocked(alive);
+    const int want = std::max(1, job.spec().cluster().workers());
+    if (static_cast<int>(idle.size()) < want) break;  // first come, first served
+    idle.resize(want);
+    Run run;
+    run.committed = job.committed_step();
+    run.record.set_job_id(job.job_id());
+    for (const std::string& w : idle) run.record.add_workers(w);
+    run.record.set_assignment_version(NextVersion(0));
+    run.record.set_committing_step(-1);
+    *run.record.mutable_placement() = BuildPlacement(
+        job, idle, alive.placeable_ids(), PlanJobCompute(job, want, heat_->Snapshot(job.job_id())),
+        nullptr, job.placement_epoch() + 1, run.committed + 1);
+    absl::Status s = PersistLocked(run);
+    if (!s.ok()) {
+      LOG(ERROR) << s;
+      continue;
+    }
+    const int64_t epoch = run.record.placement().epoch();
+    (void)jobs_->Update(job.job_id(), [&](v1::Job& j) {
+      j.set_state(v1::JOB_STATE_RUNNING);
+      if (j.started_unix_ms() == 0) j.set_started_unix_ms(NowMs());
+      j.set_placement_epoch(epoch);
+      j.set_workers(want);
+      return absl::OkStatus();
+    });
+    for (const std::string& w : idle) worker_job_[w] = job.job_id();
+    LOG(INFO) << "job " << job.job_id() << " scheduled on " << want << " worker(s)";
+    UpdateMetricsLocked(job, run);
+    runs_[job.job_id()] = std::move(run);
+  }
+}
+
+std::vector<std::string> Scheduler::IdleWorkersLocked(const Alive& alive) const {
+  std::vector<std::string> idle;
+  for (const auto& [id, m] : alive.workers) {
+    if (!worker_job_.count(id)) idle.push_back(id);
+  }
+  return idle;
+}
+
+absl::StatusOr<v1::Assignment> Scheduler::GetAssignment(const std::string& worker_id) {
+  const Alive alive = Snapshot(*members_);
+  if (!alive.workers.count(worker_id)) {
+    return absl::NotFoundError(absl::StrCat("unknown worker ", worker_id, ": register again"));
+  }
+  absl::MutexLock lock(&mu_);
+  v1::Assignment a;
+  auto w = worker_job_.find(worker_id);
+  if (w == worker_job_.end()) return a;  // idle
+  const Run& run = runs_.at(w->second);
+  if (run.recovering) {
+    return absl::UnavailableError(absl::StrCat("job ", w->second,
+                                               " is waiting for its members after a coordinator "
+                                               "restart; retry"));
+  }
+  ASSIGN_OR_RETURN(v1::Job job, jobs_->Get(w->second));
+  a.set_assignment_version(run.record.assignment_version());
+  a.set_job_id(job.job_id());
+  *a.mutable_spec() = job.spec();
+  a.set_world(run.record.workers_size());
+  for (int rank = 0; rank < run.record.workers_size(); ++rank) {
+    const std::string& id = run.record.workers(rank);
+    if (id == worker_id) a.set_rank(rank);
+    auto peer = alive.workers.find(id);
+    v1::MemberInfo* p = a.add_peers();
+    if (peer != alive.workers.end()) {
+      *p = peer->second;
+    } else {
+      p->set_member_id(id);
+    }
+  }
+  for (const auto& [id, store] : alive.stores) *a.add_stores() = store;
+  *a.mutable_placement() = run.record.placement();
+  a.set_committed_step(run.committed);
+  return a;
+}
+
+int64_t Scheduler::AssignmentVersion(const std::string& worker_id) {
+  absl::MutexLock lock(&mu_);
+  auto w = worker_job_.find(worker_id);
+  if (w == worker_job_.end()) return 0;
+  return runs_.at(w->second).record.assignment_version();
+}
+
+absl::StatusOr<v1::PlacementTable> Scheduler::GetPlacement(const std::string& job_id) {
+  absl::MutexLock lock(&mu_);
+  auto it = runs_.find(job_id);
+  if (it == runs_.end())
+    return absl::NotFoundError(absl::StrCat("job ", job_id, " is not running"));
+  return it->second.record.placement();
+}
+
+}  // namespace pith::coordinator

@@ -1,0 +1,306 @@
+// The step-commit protocol (DESIGN §5, §6): workers report a step written, the last
+// report decides the commit (durably), every live store commits it, and the job advances:
+// its figures, its end, its placement for the next step. See scheduler.h.
+#include <algorithm>
+#include <set>
+#include <thread>
+
+#include "absl/strings/str_cat.h"
+#include "common/status.h"
+#include "glog/logging.h"
+#include "server/coordinator/scheduler.h"
+
+namespace pith::coordinator {
+
+v1::StepStatus Scheduler::StatusLocked(const std::string& job_id, const Run& run,
+                                       int64_t step) const {
+  v1::StepStatus s;
+  s.set_job_id(job_id);
+  s.set_step(step);
+  s.set_committed_step(run.committed);
+  s.set_assignment_version(run.record.assignment_version());
+  s.set_placement_epoch(run.record.placement().epoch());
+  return s;
+}
+
+absl::StatusOr<v1::StepStatus> Scheduler::ReportStepWritten(const v1::StepWrittenRequest& r) {
+  std::vector<StoreCall> aborts;
+  bool commit = false;
+  {
+    absl::MutexLock lock(&mu_);
+    auto it = runs_.find(r.job_id());
+    if (it == runs_.end()) {
+      return absl::FailedPreconditionError(absl::StrCat("job ", r.job_id(), " is not running"));
+    }
+    Run& run = it->second;
+    if (run.recovering) {
+      return absl::UnavailableError(
+          absl::StrCat("job ", r.job_id(), " is waiting for its members after a restart; retry"));
+    }
+    const auto& workers = run.record.workers();
+    const auto pos = std::find(workers.begin(), workers.end(), r.worker_id());
+    if (pos == workers.end()) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("worker ", r.worker_id(), " is not training job ", r.job_id()));
+    }
+    if (r.step() <= run.committed) return StatusLocked(r.job_id(), run, r.step());
+    if (r.assignment_version() != run.record.assignment_version()) {
+      return absl::AbortedError(absl::StrCat("step ", r.step(), " of job ", r.job_id(),
+                                             " was aborted (", run.abort_reason,
+                                             "); fetch the new assignment"));
+    }
+    if (r.step() != step_in_flight(run)) {
+      return absl::FailedPreconditionError(absl::StrCat("job ", r.job_id(), " is at step ",
+                                                        step_in_flight(run), ", not ", r.step()));
+    }
+    if (run.record.committing_step() >= 0) return StatusLocked(r.job_id(), run, r.step());
+    if (!r.ok()) {
+      AbortLocked(run,
+                  absl::StrCat("worker ", r.worker_id(), ": ",
+                               r.failure().empty() ? "step failed" : r.failure()),
+                  &aborts);
+      absl::Status s = PersistLocked(run);
+      if (!s.ok()) LOG(ERROR) << s;
+    } else if (run.written.insert(r.worker_id()).second) {
+      run.tokens += r.tokens();
+      run.cache_hits += r.cache_hits();
+      run.cache_misses += r.cache_misses();
+      if (pos == workers.begin()) run.rank0 = r;
+      if (run.written.size() == static_cast<size_t>(workers.size())) {
+        run.record.set_committing_step(r.step());
+        // The decision is durable before any store hears of it; if it cannot be made
+        // durable, it is not made.
+        if (absl::Status persisted = PersistLocked(run); !persisted.ok()) {
+          run.record.set_committing_step(-1);
+          run.written.erase(r.worker_id());
+          return persisted;
+        }
+        commit = true;
+      }
+    }
+  }
+  RunStoreAborts(aborts);
+  if (commit) Commit(r.job_id(), r.step());
+  absl::MutexLock lock(&mu_);
+  auto it = runs_.find(r.job_id());
+  v1::StepStatus status;
+  if (it != runs_.end()) {
+    status = StatusLocked(r.job_id(), it->second, r.step());
+  } else {
+    status.set_job_id(r.job_id());
+    status.set_step(r.step());
+    status.set_committed_step(r.step());
+    status.set_job_ended(true);
+  }
+  if (!r.ok()) {
+    status.set_aborted(true);
+    status.set_abort_reason(it != runs_.end() ? it->second.abort_reason : r.failure());
+  }
+  return status;
+}
+
+void Scheduler::Commit(const std::string& job_id, int64_t step) {
+  const Alive alive = Snapshot(*members_);
+  {
+    absl::MutexLock lock(&mu_);
+    auto it = runs_.find(job_id);
+    if (it == runs_.end() || it->second.committing || it->second.holds > 0 ||
+        it->second.record.committing_step() != step) {
+      return;  // a held commit is finished by Tick once the checkpoint is done
+    }
+    it->second.committing = true;
+  }
+  // Every store of the placement must commit; one that is not alive yet (after a restart)
+  // holds the commit back until it registers again or is declared gone.
+  bool all = true;
+  {
+    absl::MutexLock lock(&mu_);
+    auto it = runs_.find(job_id);
+    if (it != runs_.end()) {
+      for (const v1::ExpertPlacement& e : it->second.record.placement().experts()) {
+        for (const std::string& id : e.store_ids()) {
+          if (!alive.stores.count(id) && !Gone(alive, id, /*store=*/true)) all = false;
+        }
+      }
+    }
+  }
+  // The stores commit side by side: each syncs the step's bytes to its disk.
+  std::vector<absl::Status> results(alive.stores.size());
+  {
+    std::vector<std::thread> committers;
+    size_t i = 0;
+    for (const auto& [id, store] : alive.stores) {
+      committers.emplace_back([this, &results, i, store = &store, &job_id, step] {
+        results[i] = stores_->CommitStep(*store, job_id, step);
+      });
+      ++i;
+    }
+    for (std::thread& t : committers) t.join();
+  }
+  std::set<std::string> committed_on;
+  {
+    size_t i = 0;
+    for (const auto& [id, store] : alive.stores) {
+      const absl::Status& s = results[i++];
+      if (s.ok()) {
+        committed_on.insert(id);
+        continue;
+      }
+      LOG(WARNING) << "commit of step " << step << " of job " << job_id << ": " << s;
+      all = false;  // retried by Tick until the store answers or is declared dead
+    }
+  }
+  absl::MutexLock lock(&mu_);
+  auto it = runs_.find(job_id);
+  if (it == runs_.end()) return;
+  it->second.committing = false;
+  it->second.copies.committed_on = std::move(committed_on);
+  if (all) FinishCommitLocked(job_id, it->second);
+}
+
+void Scheduler::FinishCommitLocked(const std::string& job_id, Run& run) {
+  const int64_t step = run.record.committing_step();
+  const absl::Time now_time = options_.clock();
+  const int64_t now = absl::ToUnixMillis(now_time);
+  double seconds = 0;
+  if (run.last_commit != absl::InfinitePast()) {
+    seconds = absl::ToDoubleSeconds(now_time - run.last_commit);
+  } else if (run.record.last_commit_unix_ms() > 0) {  // the previous commit was before a restart
+    seconds = (now - run.record.last_commit_unix_ms()) / 1e3;
+  }
+  bool ended = false;
+  absl::StatusOr<v1::Job> job = jobs_->Update(job_id, [&](v1::Job& j) {
+    j.set_committed_step(step);
+    if (step >= 1) {
+      j.set_last_loss(run.rank0.loss());
+      j.set_last_ce(run.rank0.ce());
+      j.set_last_lr(run.rank0.lr());
+      j.set_step_seconds(seconds);
+      j.set_tokens_per_second(seconds > 0 ? run.tokens / seconds : 0.0);
+      const uint64_t lookups = run.cache_hits + run.cache_misses;
+      j.set_cache_hit_rate(lookups > 0 ? static_cast<double>(run.cache_hits) / lookups : 0.0);
+    }
+    if (!IsFinal(j.state()) && step >= j.spec().train().steps()) {
+      j.set_state(v1::JOB_STATE_SUCCEEDED);
+      j.set_finished_unix_ms(now);
+    }
+    ended = IsFinal(j.state());
+    return absl::OkStatus();
+  });
+  if (!job.ok()) {
+    LOG(ERROR) << "job " << job_id << ": " << job.status();
+    return;
+  }
+  run.committed = step;
+  run.record.set_committing_step(-1);
+  run.record.set_last_commit_unix_ms(now);
+  run.last_commit = now_time;
+  run.written.clear();
+  run.tokens = run.cache_hits = run.cache_misses = 0;
+  run.rank0.Clear();
+  run.abort_reason.clear();
+  if (steps_committed_ != nullptr) steps_committed_->Increment();
+  if (ended) {
+    for (const std::string& w : run.record.workers()) worker_job_.erase(w);
+    (void)jobs_->DeleteRecord(absl::StrCat(kRunPrefix, job_id));
+    (void)jobs_->PutRecord(absl::StrCat(kHeatPrefix, job_id), heat_->Save(job_id));
+    runs_.erase(job_id);
+    return;
+  }
+  AdvancePlacementLocked(job_id, run, *job, step);
+}
+
+void Scheduler::AdvancePlacementLocked(const std::string& job_id, Run& run, const v1::Job& job,
+                                       int64_t step) {
+  const v1::PlacementTable before = run.record.placement();
+  bool changed =
+      Replication::ApplyCopies(job, run.committed, Snapshot(*members_), heat_->Snapshot(job_id),
+                               run.copies, *run.record.mutable_placement());
+  const int every = std::max(1, job.spec().cluster().replication().replan_every());
+  if (step >= 1 && step % every == 0) {
+    // Heat is durable at each re-plan boundary; a new placement applies from the next step.
+    absl::Status s = jobs_->PutRecord(absl::StrCat(kHeatPrefix, job_id), heat_->Save(job_id));
+    if (!s.ok()) LOG(WARNING) << s;
+    std::vector<std::string> workers(run.record.workers().begin(), run.record.workers().end());
+    std::vector<std::string> stores;  // unchanged: every group keeps its copies
+    const std::optional<HeatMap> heat = heat_->Snapshot(job_id);
+    v1::PlacementTable next = BuildPlacement(
+        job, workers, stores, PlanJobCompute(job, static_cast<int>(workers.size()), heat),
+        &run.record.placement(), before.epoch(), step + 1);
+    if (ReplanPays(run.record.placement(), next, heat)) {
+      *run.record.mutable_placement() = std::move(next);
+      changed = true;
+    }
+  }
+  if (changed) {
+    run.record.mutable_placement()->set_epoch(before.epoch() + 1);
+    run.record.mutable_placement()->set_effective_step(step + 1);
+    run.record.set_assignment_version(NextVersion(run.record.assignment_version()));
+    const int64_t epoch = run.record.placement().epoch();
+    (void)jobs_->Update(job_id, [&](v1::Job& j) {
+      j.set_placement_epoch(epoch);
+      return absl::OkStatus();
+    });
+    LOG(INFO) << "job " << job_id << ": placement epoch " << epoch << " from step " << step + 1;
+  }
+  if (changed || (step >= 1 && step % every == 0)) UpdateMetricsLocked(job, run);
+  absl::Status s = PersistLocked(run);
+  if (!s.ok()) LOG(ERROR) << s;
+}
+
+absl::StatusOr<v1::StepStatus> Scheduler::WaitStep(const v1::WaitStepRequest& request,
+                                                   absl::Duration timeout) {
+  absl::MutexLock lock(&mu_);
+  auto settled = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    auto it = runs_.find(request.job_id());
+    if (it == runs_.end()) return true;
+    return it->second.committed >= request.step() ||
+           it->second.record.assignment_version() != request.assignment_version();
+  };
+  mu_.AwaitWithTimeout(absl::Condition(&settled), timeout);
+  auto it = runs_.find(request.job_id());
+  if (it == runs_.end()) {
+    ASSIGN_OR_RETURN(v1::Job job, jobs_->Get(request.job_id()));
+    v1::StepStatus s;
+    s.set_job_id(job.job_id());
+    s.set_step(request.step());
+    s.set_committed_step(job.committed_step());
+    s.set_job_ended(IsFinal(job.state()));
+    if (!s.job_ended() && job.committed_step() < request.step()) {
+      s.set_aborted(true);
+      s.set_abort_reason("the job is waiting for workers");
+    }
+    return s;
+  }
+  v1::StepStatus s = StatusLocked(request.job_id(), it->second, request.step());
+  if (it->second.committed < request.step() &&
+      it->second.record.assignment_version() != request.assignment_version()) {
+    s.set_aborted(true);
+    s.set_abort_reason(it->second.abort_reason.empty() ? "the assignment changed"
+                                                       : it->second.abort_reason);
+  }
+  return s;
+}
+
+bool Scheduler::HoldCommits(const std::string& job_id) {
+  absl::MutexLock lock(&mu_);
+  auto it = runs_.find(job_id);
+  if (it == runs_.end()) return false;
+  auto idle = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    auto r = runs_.find(job_id);
+    return r == runs_.end() || !r->second.committing;
+  };
+  mu_.Await(absl::Condition(&idle));
+  it = runs_.find(job_id);
+  if (it == runs_.end()) return false;
+  ++it->second.holds;
+  return true;
+}
+
+void Scheduler::ReleaseCommits(const std::string& job_id) {
+  absl::MutexLock lock(&mu_);
+  auto it = runs_.find(job_id);
+  if (it != runs_.end()) --it->second.holds;
+}
+
+}  // namespace pith::coordinator

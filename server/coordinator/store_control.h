@@ -1,0 +1,54 @@
+// StoreControl: the coordinator's calls into stores (DESIGN §4, §5), a seam so the
+// scheduler's logic can be tested without store processes. grpc_store_control.h is the
+// real one; store_control_testing.h is a fake for tests that reach no stores.
+//
+// Thread safety: implementations are thread-safe; the scheduler calls them from its tick,
+// commit, replication and checkpoint threads at once, never with its own lock held.
+#ifndef PITH_SERVER_COORDINATOR_STORE_CONTROL_H_
+#define PITH_SERVER_COORDINATOR_STORE_CONTROL_H_
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "pith/v1/common.pb.h"
+
+namespace pith::coordinator {
+
+class StoreControl {
+ public:
+  virtual ~StoreControl() = default;
+  // Makes the job's pending versions of `step` current on `store` (idempotent).
+  virtual absl::Status CommitStep(const v1::MemberInfo& store, const std::string& job_id,
+                                  int64_t step) = 0;
+  // Drops the job's pending versions of `step` on `store`.
+  virtual absl::Status AbortStep(const v1::MemberInfo& store, const std::string& job_id,
+                                 int64_t step) = 0;
+  // The committed blobs of one group on `store` (layer -1: every dense tensor).
+  virtual absl::StatusOr<std::vector<v1::BlobInfo>> ListGroup(const v1::MemberInfo& store,
+                                                              const std::string& job_id, int layer,
+                                                              int expert) = 0;
+  // Has `target` copy `keys` (their committed versions) from `source`, store to store
+  // over UCX, at most `max_bytes_per_second`. Returns what `target` installed.
+  virtual absl::StatusOr<std::vector<v1::BlobInfo>> Pull(const v1::MemberInfo& target,
+                                                         const v1::MemberInfo& source,
+                                                         const std::vector<v1::BlobKey>& keys,
+                                                         uint64_t max_bytes_per_second) = 0;
+  // One blob to read into `buffer`; `info` is filled in.
+  struct Read {
+    v1::BlobKey key;
+    int64_t version = -1;  // -1: the committed one
+    void* buffer = nullptr;
+    size_t capacity = 0;
+    v1::BlobInfo info;
+  };
+  // Reads the committed versions of `reads` from `store` (one batched UCX fetch).
+  virtual absl::Status Fetch(const v1::MemberInfo& store, std::vector<Read>& reads) = 0;
+};
+
+}  // namespace pith::coordinator
+
+#endif  // PITH_SERVER_COORDINATOR_STORE_CONTROL_H_
