@@ -26,6 +26,10 @@
 
 namespace pith::runtime {
 
+// How long a step waits for a peer's message before it gives up on the step (the abort
+// watch usually ends the wait sooner: AbandonAttempt).
+inline constexpr absl::Duration kPeerReceiveTimeout = absl::Seconds(120);
+
 class PeerGroup {
  public:
   static absl::StatusOr<std::unique_ptr<PeerGroup>> Create();
@@ -52,7 +56,7 @@ class PeerGroup {
   // The message `peer` sent under `tag` in this attempt. DEADLINE_EXCEEDED after
   // `timeout`; UNAVAILABLE when the peer failed or the attempt changed meanwhile.
   absl::StatusOr<std::string> Receive(int peer, uint64_t tag,
-                                      absl::Duration timeout = absl::Seconds(120));
+                                      absl::Duration timeout = kPeerReceiveTimeout);
 
   // Sums `values` across the group (tag: unique within the attempt). Deterministic.
   absl::Status AllReduceSum(double* values, size_t n, uint64_t tag);

@@ -1,0 +1,121 @@
+#include "worker/runtime/coordinator_link.h"
+
+#include <chrono>
+#include <utility>
+
+#include "common/grpc_util.h"
+#include "glog/logging.h"
+#include "grpcpp/grpcpp.h"
+
+namespace pith::runtime {
+namespace {
+
+void SetDeadline(grpc::ClientContext& ctx, absl::Duration deadline) {
+  ctx.set_deadline(std::chrono::system_clock::now() + absl::ToChronoMilliseconds(deadline));
+}
+
+}  // namespace
+
+absl::StatusOr<v1::Assignment> CoordinatorLink::GetAssignment(absl::Duration deadline) {
+  v1::GetAssignmentRequest req;
+  req.set_worker_id(worker_id_);
+  v1::Assignment a;
+  grpc::ClientContext ctx;
+  SetDeadline(ctx, deadline);
+  absl::Status s = FromGrpcStatus(stub_->GetAssignment(&ctx, req, &a));
+  if (!s.ok()) return s;
+  return a;
+}
+
+absl::Status CoordinatorLink::ReportStepWritten(v1::StepWrittenRequest request) {
+  request.set_worker_id(worker_id_);
+  grpc::ClientContext ctx;
+  SetDeadline(ctx, kReportStepDeadline);
+  v1::StepWrittenResponse resp;
+  return FromGrpcStatus(stub_->ReportStepWritten(&ctx, request, &resp));
+}
+
+void CoordinatorLink::ReportFailure(const std::string& job_id, int64_t assignment_version,
+                                    int64_t step, const absl::Status& why) {
+  v1::StepWrittenRequest r;
+  r.set_job_id(job_id);
+  r.set_worker_id(worker_id_);
+  r.set_step(step);
+  r.set_assignment_version(assignment_version);
+  r.set_ok(false);
+  r.set_failure(std::string(why.message()));
+  grpc::ClientContext ctx;
+  SetDeadline(ctx, kReportFailureDeadline);
+  v1::StepWrittenResponse resp;
+  (void)stub_->ReportStepWritten(&ctx, r, &resp);
+}
+
+void CoordinatorLink::ReportHeat(const v1::HeatReport& report) {
+  grpc::ClientContext ctx;
+  SetDeadline(ctx, kHeatReportDeadline);
+  v1::HeatReportResponse resp;
+  grpc::Status st = stub_->ReportHeat(&ctx, report, &resp);
+  if (!st.ok()) VLOG(1) << "heat report: " << st.error_message();
+}
+
+absl::StatusOr<v1::StepStatus> CoordinatorLink::WaitStep(const v1::WaitStepRequest& request,
+                                                         absl::Duration deadline) {
+  v1::StepStatus st;
+  absl::Status s = FromGrpcStatus(WaitStepRaw(request, deadline, &st));
+  if (!s.ok()) return s;
+  return st;
+}
+
+grpc::Status CoordinatorLink::WaitStepRaw(const v1::WaitStepRequest& request,
+                                          absl::Duration deadline, v1::StepStatus* status) {
+  grpc::ClientContext ctx;
+  SetDeadline(ctx, deadline);
+  return stub_->WaitStep(&ctx, request, status);
+}
+
+AbortWatch::AbortWatch(CoordinatorLink* link, std::string job_id, int64_t step, int64_t version,
+                       std::function<void(uint64_t version)> abandon)
+    : link_(link),
+      job_id_(std::move(job_id)),
+      abandon_(std::move(abandon)),
+      step_(step),
+      version_(version),
+      thread_([this] { Watch(); }) {}
+
+AbortWatch::~AbortWatch() {
+  done_ = true;
+  thread_.join();
+}
+
+void AbortWatch::Watch() {
+  const auto pause = [](absl::Duration d) {
+    std::this_thread::sleep_for(absl::ToChronoMilliseconds(d));
+  };
+  while (!done_) {
+    v1::WaitStepRequest req;
+    req.set_job_id(job_id_);
+    req.set_step(step_.load());
+    const int64_t version = version_.load();
+    req.set_assignment_version(version);
+    v1::StepStatus st;
+    const grpc::Status rpc = link_->WaitStepRaw(req, kAbortPollDeadline, &st);
+    if (rpc.ok() && st.committed_step() < req.step() &&
+        (st.aborted() || st.assignment_version() != version)) {
+      LOG(INFO) << "step " << req.step() << " of job " << job_id_
+                << " was aborted: " << st.abort_reason();
+      // Only the attempt it watched (an adopted placement's is already newer); then it
+      // waits for the next assignment, adopted in place, or the end of this run.
+      abandon_(static_cast<uint64_t>(version));
+      while (!done_ && version_.load() == version) pause(kAbortWatchIdle);
+      continue;
+    }
+    if (rpc.ok() && st.committed_step() >= req.step()) {
+      // Settled: wait for the next step to start.
+      while (!done_ && step_.load() == req.step()) pause(kAbortWatchIdle);
+    } else if (!rpc.ok() && rpc.error_code() != grpc::StatusCode::DEADLINE_EXCEEDED) {
+      pause(kAbortWatchRetry);
+    }
+  }
+}
+
+}  // namespace pith::runtime

@@ -1,0 +1,105 @@
+// The worker's link to the coordinator (DESIGN §5, §6): every RPC a worker makes, each
+// bounded by a named deadline, and the abort watch of a job run.
+//
+// Thread safety: CoordinatorLink's methods may be called from any thread (a gRPC stub
+// is thread-safe; the link holds nothing else that changes). AbortWatch runs one thread
+// of its own from construction to destruction; SetStep and SetVersion may be called from
+// any thread (atomics).
+#ifndef PITH_WORKER_RUNTIME_COORDINATOR_LINK_H_
+#define PITH_WORKER_RUNTIME_COORDINATOR_LINK_H_
+
+#include <atomic>
+#include <cstdint>
+#include <functional>
+#include <string>
+#include <thread>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "pith/v1/coordinator.grpc.pb.h"
+
+namespace pith::runtime {
+
+// GetAssignment while idle: the intake loop polls again after kAssignmentRetry.
+inline constexpr absl::Duration kIdleAssignmentDeadline = absl::Seconds(5);
+// GetAssignment after a commit under a new assignment version (adopted in place).
+inline constexpr absl::Duration kAdoptAssignmentDeadline = absl::Seconds(10);
+// ReportStepWritten of a written step (the coordinator may be busy committing others).
+inline constexpr absl::Duration kReportStepDeadline = absl::Seconds(60);
+// ReportStepWritten of a failure (best effort: the step aborts anyway once leases lapse).
+inline constexpr absl::Duration kReportFailureDeadline = absl::Seconds(10);
+// ReportHeat (best effort: a lost report only delays a placement).
+inline constexpr absl::Duration kHeatReportDeadline = absl::Seconds(5);
+// WaitStep while a step settles. NOTE: longer than the coordinator's own cap on a wait
+// (30 s: CoordinatorServiceImpl::WaitStep in server/coordinator/coordinator_service.cc),
+// so the coordinator answers with the step's status before the call's deadline passes;
+// the worker then asks again. Keep it above that cap if either changes.
+inline constexpr absl::Duration kSettleWaitDeadline = absl::Seconds(35);
+// The abort watch's WaitStep: short, so that it sees a new step or version promptly.
+inline constexpr absl::Duration kAbortPollDeadline = absl::Milliseconds(500);
+// The abort watch's wait for the step or version it watches to move on.
+inline constexpr absl::Duration kAbortWatchIdle = absl::Milliseconds(20);
+// The abort watch's pause after a failed WaitStep (other than its deadline).
+inline constexpr absl::Duration kAbortWatchRetry = absl::Milliseconds(100);
+// The intake loop's pause after no assignment or a failed job run.
+inline constexpr absl::Duration kAssignmentRetry = absl::Milliseconds(200);
+
+class CoordinatorLink {
+ public:
+  CoordinatorLink(v1::CoordinatorService::Stub* stub, std::string worker_id)
+      : stub_(stub), worker_id_(std::move(worker_id)) {}
+
+  const std::string& worker_id() const { return worker_id_; }
+
+  // This worker's assignment (an empty job id: none).
+  absl::StatusOr<v1::Assignment> GetAssignment(absl::Duration deadline);
+  // Step `request.step()` is written (request's worker id is set here).
+  absl::Status ReportStepWritten(v1::StepWrittenRequest request);
+  // Step `step` failed here with `why`; best effort.
+  void ReportFailure(const std::string& job_id, int64_t assignment_version, int64_t step,
+                     const absl::Status& why);
+  // Best effort.
+  void ReportHeat(const v1::HeatReport& report);
+  // The step's status, waiting up to `deadline` (and the coordinator's cap) for it to
+  // settle.
+  absl::StatusOr<v1::StepStatus> WaitStep(const v1::WaitStepRequest& request,
+                                          absl::Duration deadline);
+  // As WaitStep, with gRPC's status (the abort watch tells its deadline from failures).
+  grpc::Status WaitStepRaw(const v1::WaitStepRequest& request, absl::Duration deadline,
+                           v1::StepStatus* status);
+
+ private:
+  v1::CoordinatorService::Stub* stub_;
+  const std::string worker_id_;
+};
+
+// While a step runs, asks the coordinator whether its attempt was aborted (a peer or
+// store died): then `abandon(version)` ends every wait on a peer at once instead of
+// timing out.
+class AbortWatch {
+ public:
+  AbortWatch(CoordinatorLink* link, std::string job_id, int64_t step, int64_t version,
+             std::function<void(uint64_t version)> abandon);
+  ~AbortWatch();  // stops and joins the thread
+  AbortWatch(const AbortWatch&) = delete;
+  AbortWatch& operator=(const AbortWatch&) = delete;
+
+  void SetStep(int64_t step) { step_ = step; }
+  void SetVersion(int64_t version) { version_ = version; }
+
+ private:
+  void Watch();
+
+  CoordinatorLink* const link_;
+  const std::string job_id_;
+  const std::function<void(uint64_t)> abandon_;
+  std::atomic<int64_t> step_;
+  std::atomic<int64_t> version_;
+  std::atomic<bool> done_{false};
+  std::thread thread_;  // last: it reads the members above
+};
+
+}  // namespace pith::runtime
+
+#endif  // PITH_WORKER_RUNTIME_COORDINATOR_LINK_H_

@@ -1,0 +1,55 @@
+#include "worker/runtime/step_loop.h"
+
+namespace pith::runtime {
+
+absl::Status RunSteps(StepDriver& driver, int64_t committed_step, int64_t steps,
+                      const std::atomic<bool>& stop) {
+  int64_t step = committed_step;  // the last committed step
+  bool reported = false;          // step `step` is written and reported, not committed
+  absl::Status s;
+  if (step < 0) {
+    step = 0;
+    s = driver.WriteInitial();
+    reported = true;
+  } else {
+    s = driver.LoadCommitted();
+  }
+  // NOTE: step s + 1's compute runs while step s commits (the stores sync it to disk):
+  // it needs nothing step s's commit decides. Its writes wait for the commit; if step s
+  // is aborted instead, or the assignment changes, the compute is thrown away.
+  while (s.ok() && !stop) {
+    const bool more = step < steps;
+    absl::Status computed = absl::OkStatus();
+    if (reported) {
+      if (more) {
+        driver.SetPending(step);
+        computed = driver.Compute(step + 1);
+      }
+      absl::StatusOr<Settled> settled = driver.Finish(step);
+      driver.ClearPending();
+      if (!settled.ok()) return settled.status();  // the coordinator is unreachable: start over
+      if (*settled == Settled::kStop) return absl::OkStatus();
+      if (*settled == Settled::kReassigned) {
+        // A new placement from the next step: adopted in place when only the placement
+        // changed (the model, optimizer, dataset and cache stay), else start over. The
+        // step computed under the old one is computed again.
+        absl::StatusOr<bool> adopted = driver.Adopt();
+        if (!adopted.ok() || !*adopted) return absl::OkStatus();
+        if (more) computed = driver.Compute(step + 1);
+      }
+    } else if (more) {
+      computed = driver.Compute(step + 1);
+    }
+    if (!more) return absl::OkStatus();
+    ++step;
+    s = computed.ok() ? driver.Write(step) : computed;
+    reported = true;
+  }
+  if (!s.ok()) {
+    driver.ReportFailure(step, s);
+    return s;
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace pith::runtime

@@ -1,0 +1,37 @@
+#include "worker/runtime/worker_metrics.h"
+
+#include "common/status.h"
+
+namespace pith::runtime {
+
+absl::StatusOr<WorkerMetrics> MakeWorkerMetrics(MetricsRegistry& r) {
+  WorkerMetrics m;
+  ASSIGN_OR_RETURN(m.tokens, r.Counter("pith_worker_tokens_total", "Tokens trained on"));
+  ASSIGN_OR_RETURN(m.step_seconds, r.Histogram("pith_worker_step_seconds", "Wall time of a step",
+                                               MetricsRegistry::LatencyBuckets()));
+  ASSIGN_OR_RETURN(m.hits, r.Counter("pith_worker_expert_cache_hits_total",
+                                     "Expert weights found resident when a step needed them"));
+  ASSIGN_OR_RETURN(m.misses, r.Counter("pith_worker_expert_cache_misses_total",
+                                       "Expert weights fetched from a store when needed"));
+  ASSIGN_OR_RETURN(m.fetch_bytes,
+                   r.Counter("pith_worker_fetch_bytes_total", "Bytes fetched from stores"));
+  ASSIGN_OR_RETURN(m.fetch_seconds, r.Histogram("pith_worker_fetch_seconds",
+                                                "Time of one batched fetch from a store",
+                                                MetricsRegistry::LatencyBuckets()));
+  ASSIGN_OR_RETURN(m.put_bytes,
+                   r.Counter("pith_worker_put_bytes_total", "Bytes written to stores"));
+  ASSIGN_OR_RETURN(
+      m.rows_sent,
+      r.Counter("pith_worker_dispatch_rows_sent_total",
+                "Token rows sent to other workers for their experts (a token once per worker)"));
+  ASSIGN_OR_RETURN(m.prefetch_hits,
+                   r.Counter("pith_worker_expert_cache_prefetch_hits_total",
+                             "Expert weights the prefetcher had fetched before they were needed"));
+  ASSIGN_OR_RETURN(m.resident, r.Gauge("pith_worker_expert_cache_resident_bytes",
+                                       "Bytes of expert weights resident in the cache"));
+  ASSIGN_OR_RETURN(m.step, r.Gauge("pith_job_step", "Last step this worker saw committed"));
+  ASSIGN_OR_RETURN(m.loss, r.Gauge("pith_job_loss", "Loss of the last committed step"));
+  return m;
+}
+
+}  // namespace pith::runtime

@@ -1,0 +1,32 @@
+// The worker's metrics (DESIGN §7), made once per process and shared by its job runs.
+//
+// Thread safety: the prometheus metrics are thread-safe; the struct is not modified after
+// MakeWorkerMetrics.
+#ifndef PITH_WORKER_RUNTIME_WORKER_METRICS_H_
+#define PITH_WORKER_RUNTIME_WORKER_METRICS_H_
+
+#include "absl/status/statusor.h"
+#include "common/metrics.h"
+
+namespace pith::runtime {
+
+struct WorkerMetrics {
+  prometheus::Counter* tokens = nullptr;
+  prometheus::Histogram* step_seconds = nullptr;
+  prometheus::Counter* hits = nullptr;
+  prometheus::Counter* misses = nullptr;
+  prometheus::Counter* fetch_bytes = nullptr;
+  prometheus::Histogram* fetch_seconds = nullptr;
+  prometheus::Counter* put_bytes = nullptr;
+  prometheus::Counter* rows_sent = nullptr;
+  prometheus::Counter* prefetch_hits = nullptr;
+  prometheus::Gauge* resident = nullptr;
+  prometheus::Gauge* step = nullptr;
+  prometheus::Gauge* loss = nullptr;
+};
+
+absl::StatusOr<WorkerMetrics> MakeWorkerMetrics(MetricsRegistry& registry);
+
+}  // namespace pith::runtime
+
+#endif  // PITH_WORKER_RUNTIME_WORKER_METRICS_H_
