@@ -297,33 +297,8 @@ bool Eventually(Fn fn, double seconds = 15) {
   return false;
 }
 
-TEST(CoordinatorE2eTest, StepsCommitOnRealStoresThroughWorkerDeathAndCoordinatorKill) {
-  const std::string dir = ::testing::TempDir() + "/steps_e2e_" + std::to_string(getpid());
-  std::filesystem::remove_all(dir);
-  std::filesystem::create_directories(dir);
-  auto coordinator = StartCoordinator(dir, 1);
-  const std::string address = "127.0.0.1:" + std::to_string(coordinator->grpc_port);
-  std::vector<std::unique_ptr<pith::testing::ChildProcess>> stores;
-  std::vector<std::unique_ptr<v1::StoreService::Stub>> store_stubs;
-  for (int n = 0; n < 2; ++n) {
-    stores.push_back(std::make_unique<pith::testing::ChildProcess>(
-        PITH_STORE_BINARY,
-        std::vector<std::string>{"--listen=127.0.0.1:0", "--metrics_port=-1",
-                                 "--data_dir=" + dir + "/store" + std::to_string(n),
-                                 "--ram_bytes=67108864", "--max_blob_bytes=1048576",
-                                 "--coordinator=" + address},
-        dir + "/store" + std::to_string(n) + ".log"));
-    ASSERT_TRUE(stores.back()->WaitReady()) << stores.back()->Log();
-    store_stubs.push_back(v1::StoreService::NewStub(
-        grpc::CreateChannel("127.0.0.1:" + std::to_string(stores.back()->grpc_port),
-                            grpc::InsecureChannelCredentials())));
-  }
-  auto stub = Stub(coordinator->grpc_port);
-  ASSERT_TRUE(
-      WaitFor(*stub, [](const v1::ClusterStatusResponse& c) { return c.stores_size() == 2; }));
-  auto a = std::make_unique<MemberWorker>(address);
-  auto b = std::make_unique<MemberWorker>(address);
-
+// The job of the steps test: a small MoE model, 2 workers, 2 store copies, 3 steps.
+v1::SubmitJobRequest StepsJob() {
   v1::SubmitJobRequest submit;
   v1::JobSpec* spec = submit.mutable_spec();
   spec->set_name("steps");
@@ -342,13 +317,78 @@ TEST(CoordinatorE2eTest, StepsCommitOnRealStoresThroughWorkerDeathAndCoordinator
   spec->mutable_train()->set_lr(0.003);
   spec->mutable_cluster()->set_workers(2);
   spec->mutable_cluster()->set_store_replicas(2);
-  std::string job_id;
-  {
-    grpc::ClientContext ctx;
-    v1::SubmitJobResponse resp;
-    ASSERT_TRUE(stub->SubmitJob(&ctx, submit, &resp).ok());
-    job_id = resp.job().job_id();
+  return submit;
+}
+
+// A store's view of one weights blob of `job_id`: its committed version, or -1.
+int64_t CommittedVersion(v1::StoreService::Stub& store, const std::string& job_id, int layer,
+                         int expert) {
+  grpc::ClientContext ctx;
+  v1::StatBlobRequest req;
+  req.mutable_key()->set_job_id(job_id);
+  req.mutable_key()->set_layer(layer);
+  req.mutable_key()->set_expert(expert);
+  req.mutable_key()->set_kind(v1::BLOB_KIND_WEIGHTS);
+  if (layer < 0) req.mutable_key()->set_tensor("wte");
+  req.set_version(-1);
+  v1::BlobInfo info;
+  return store.StatBlob(&ctx, req, &info).ok() ? info.version() : -1;
+}
+
+// The worker's assignment to a job, once its version is above `newer_than`.
+v1::Assignment AssignmentOf(MemberWorker& w, int64_t newer_than = 0) {
+  absl::StatusOr<v1::Assignment> got;
+  EXPECT_TRUE(Eventually([&] {
+    got = w.Assignment();
+    return got.ok() && !got->job_id().empty() && got->assignment_version() > newer_than;
+  })) << (got.ok() ? got->DebugString() : got.status().ToString());
+  return *got;
+}
+
+// Starts `n` stores in `dir` that register with the coordinator at `address`, and a stub
+// to each.
+void StartStores(const std::string& dir, const std::string& address, int n,
+                 std::vector<std::unique_ptr<pith::testing::ChildProcess>>* stores,
+                 std::vector<std::unique_ptr<v1::StoreService::Stub>>* stubs) {
+  for (int i = 0; i < n; ++i) {
+    stores->push_back(std::make_unique<pith::testing::ChildProcess>(
+        PITH_STORE_BINARY,
+        std::vector<std::string>{"--listen=127.0.0.1:0", "--metrics_port=-1",
+                                 "--data_dir=" + dir + "/store" + std::to_string(i),
+                                 "--ram_bytes=67108864", "--max_blob_bytes=1048576",
+                                 "--coordinator=" + address},
+        dir + "/store" + std::to_string(i) + ".log"));
+    ASSERT_TRUE(stores->back()->WaitReady()) << stores->back()->Log();
+    stubs->push_back(v1::StoreService::NewStub(
+        grpc::CreateChannel("127.0.0.1:" + std::to_string(stores->back()->grpc_port),
+                            grpc::InsecureChannelCredentials())));
   }
+}
+
+void Submit(v1::JobService::Stub& stub, const v1::SubmitJobRequest& submit, std::string* job_id) {
+  grpc::ClientContext ctx;
+  v1::SubmitJobResponse resp;
+  ASSERT_TRUE(stub.SubmitJob(&ctx, submit, &resp).ok());
+  *job_id = resp.job().job_id();
+}
+
+TEST(CoordinatorE2eTest, StepsCommitOnRealStoresThroughWorkerDeathAndCoordinatorKill) {
+  const std::string dir = ::testing::TempDir() + "/steps_e2e_" + std::to_string(getpid());
+  std::filesystem::remove_all(dir);
+  std::filesystem::create_directories(dir);
+  auto coordinator = StartCoordinator(dir, 1);
+  const std::string address = "127.0.0.1:" + std::to_string(coordinator->grpc_port);
+  std::vector<std::unique_ptr<pith::testing::ChildProcess>> stores;
+  std::vector<std::unique_ptr<v1::StoreService::Stub>> store_stubs;
+  ASSERT_NO_FATAL_FAILURE(StartStores(dir, address, 2, &stores, &store_stubs));
+  auto stub = Stub(coordinator->grpc_port);
+  ASSERT_TRUE(
+      WaitFor(*stub, [](const v1::ClusterStatusResponse& c) { return c.stores_size() == 2; }));
+  auto a = std::make_unique<MemberWorker>(address);
+  auto b = std::make_unique<MemberWorker>(address);
+
+  std::string job_id;
+  ASSERT_NO_FATAL_FAILURE(Submit(*stub, StepsJob(), &job_id));
   auto job = [&] {
     grpc::ClientContext ctx;
     v1::GetJobRequest get;
@@ -357,26 +397,8 @@ TEST(CoordinatorE2eTest, StepsCommitOnRealStoresThroughWorkerDeathAndCoordinator
     EXPECT_TRUE(stub->GetJob(&ctx, get, &j).ok());
     return j;
   };
-  // Every store's view of one blob (layer 0, expert e): its committed version, or -1.
-  auto committed_version = [&](int store, int layer, int expert) -> int64_t {
-    grpc::ClientContext ctx;
-    v1::StatBlobRequest req;
-    req.mutable_key()->set_job_id(job_id);
-    req.mutable_key()->set_layer(layer);
-    req.mutable_key()->set_expert(expert);
-    req.mutable_key()->set_kind(v1::BLOB_KIND_WEIGHTS);
-    if (layer < 0) req.mutable_key()->set_tensor("wte");
-    req.set_version(-1);
-    v1::BlobInfo info;
-    return store_stubs[store]->StatBlob(&ctx, req, &info).ok() ? info.version() : -1;
-  };
-  auto assignment = [&](MemberWorker& w, int64_t newer_than = 0) {
-    absl::StatusOr<v1::Assignment> got;
-    EXPECT_TRUE(Eventually([&] {
-      got = w.Assignment();
-      return got.ok() && !got->job_id().empty() && got->assignment_version() > newer_than;
-    })) << (got.ok() ? got->DebugString() : got.status().ToString());
-    return *got;
+  auto committed_version = [&](int store, int layer, int expert) {
+    return CommittedVersion(*store_stubs[store], job_id, layer, expert);
   };
   auto run_step = [&](std::vector<std::pair<MemberWorker*, v1::Assignment>> ws, int64_t step) {
     for (auto& [w, as] : ws) {
@@ -392,7 +414,7 @@ TEST(CoordinatorE2eTest, StepsCommitOnRealStoresThroughWorkerDeathAndCoordinator
 
   // Step 0, the initial weights: both workers write, the stores commit.
   ASSERT_TRUE(Eventually([&] { return job().state() == v1::JOB_STATE_RUNNING; }));
-  v1::Assignment aa = assignment(*a), ab = assignment(*b);
+  v1::Assignment aa = AssignmentOf(*a), ab = AssignmentOf(*b);
   EXPECT_EQ(aa.world(), 2);
   run_step({{a.get(), aa}, {b.get(), ab}}, 0);
   for (int s = 0; s < 2; ++s) {
@@ -408,8 +430,8 @@ TEST(CoordinatorE2eTest, StepsCommitOnRealStoresThroughWorkerDeathAndCoordinator
   ASSERT_TRUE(a->Report(aa, 1).ok());
   ASSERT_TRUE(b->WriteStep(ab, 1).ok());
   b->Stop();
-  v1::Assignment as = assignment(*spare);
-  aa = assignment(*a, aa.assignment_version());
+  v1::Assignment as = AssignmentOf(*spare);
+  aa = AssignmentOf(*a, aa.assignment_version());
   EXPECT_EQ(as.committed_step(), 0);
   EXPECT_EQ(aa.placement().epoch(), 2);
   EXPECT_EQ(b->Report(ab, 1).status().code(), absl::StatusCode::kFailedPrecondition);
@@ -430,8 +452,8 @@ TEST(CoordinatorE2eTest, StepsCommitOnRealStoresThroughWorkerDeathAndCoordinator
   coordinator = StartCoordinator(dir, 2, address);
   stub = Stub(coordinator->grpc_port);
   const int64_t before = aa.assignment_version();
-  aa = assignment(*a, before);
-  as = assignment(*spare, before);
+  aa = AssignmentOf(*a, before);
+  as = AssignmentOf(*spare, before);
   EXPECT_EQ(aa.committed_step(), 1);
   run_step({{a.get(), aa}, {spare.get(), as}}, 2);
 
