@@ -182,11 +182,14 @@ class ClusterRun {
         worker_killed_ = true;
       }
       if (failure_.hot_replicas && most_owners_ == 0 && job_.committed_step() >= 6) {
-        for (const auto& e : Placement().experts()) {
+        const v1::PlacementTable table = Placement();
+        for (const auto& e : table.experts()) {
           most_owners_ = std::max(most_owners_, e.owners_size());
         }
       }
-      if (failure_.scale_stores) ASSERT_NO_FATAL_FAILURE(ScaleStores());
+      if (failure_.scale_stores) {
+        ASSERT_NO_FATAL_FAILURE(ScaleStores());
+      }
       if (!store_killed_ && failure_.kill_store_after_step >= 0 &&
           job_.committed_step() >= failure_.kill_store_after_step) {
         stores_[1]->Kill();
@@ -307,12 +310,18 @@ class ClusterRun {
   void Stop() {
     if (::testing::Test::HasFatalFailure()) return;
     for (auto& w : workers_) {
-      if (w->pid() > 0) EXPECT_EQ(w->Terminate(), 0) << w->Log();
+      if (w->pid() > 0) {
+        EXPECT_EQ(w->Terminate(), 0) << w->Log();
+      }
     }
     for (auto& s : stores_) {
-      if (s->pid() > 0) EXPECT_EQ(s->Terminate(), 0) << s->Log();
+      if (s->pid() > 0) {
+        EXPECT_EQ(s->Terminate(), 0) << s->Log();
+      }
     }
-    if (coordinator_ != nullptr) EXPECT_EQ(coordinator_->Terminate(), 0) << coordinator_->Log();
+    if (coordinator_ != nullptr) {
+      EXPECT_EQ(coordinator_->Terminate(), 0) << coordinator_->Log();
+    }
     if (std::getenv("PITH_KEEP_TEST_DIR") == nullptr) std::filesystem::remove_all(dir_);
   }
 
@@ -381,7 +390,8 @@ class ClusterRun {
         std::string out;
         ASSERT_EQ(RunCli(address_, "cluster drain " + id + " --timeout 120", &out), 0) << out;
         EXPECT_NE(out.find("can be stopped now"), std::string::npos) << out;
-        for (const auto& e : Placement().experts()) {
+        const v1::PlacementTable table = Placement();
+        for (const auto& e : table.experts()) {
           for (const std::string& s : e.store_ids()) ASSERT_NE(s, id) << "drained, yet placed";
         }
         scale_log_ += out;
@@ -412,7 +422,8 @@ class ClusterRun {
                           json.find("\"blobs_moved\"") != std::string::npos;
     const std::string a = StoreId(2), b = StoreId(3);
     bool a_reads = false, b_reads = false;
-    for (const auto& e : Placement().experts()) {
+    const v1::PlacementTable table = Placement();
+    for (const auto& e : table.experts()) {
       for (const std::string& id : e.store_ids()) {
         a_reads |= id == a;
         b_reads |= id == b;
@@ -428,7 +439,8 @@ class ClusterRun {
     bool dead = false;
     for (const auto& m : c.stores()) dead |= m.state() == v1::MEMBER_STATE_DEAD;
     bool full = true;
-    for (const auto& e : Placement().experts()) full &= e.store_ids_size() == 2;
+    const v1::PlacementTable table = Placement();
+    for (const auto& e : table.experts()) full &= e.store_ids_size() == 2;
     if (dead && full && c.replica_deficit() == 0 && c.moves_size() == 0) {
       scale_log_ += "replica count restored" + at_step + " (" + std::to_string(c.blobs_moved()) +
                     " blobs moved in all)\n";
