@@ -8,36 +8,14 @@
 
 namespace pith::coordinator {
 
-Replication::Replication(MetricsRegistry* metrics) {
-  if (metrics == nullptr) return;
-  blobs_moved_total_ =
-      *metrics->Counter("pith_coordinator_blobs_moved_total", "Blobs copied store to store");
-  bytes_moved_total_ =
-      *metrics->Counter("pith_coordinator_moved_bytes_total", "Bytes copied store to store");
-  moves_in_flight_ = *metrics->Gauge("pith_coordinator_moves_in_flight",
-                                     "Store-to-store group copies in progress");
-  replica_deficit_ =
-      *metrics->Gauge("pith_coordinator_replica_deficit",
-                      "Store copies missing to give every group its configured replica count");
-}
+namespace {
 
-bool Replication::ApplyCopies(const v1::Job& job, int64_t committed, const Alive& alive,
-                              const std::optional<HeatMap>& heat, JobCopies& copies,
-                              v1::PlacementTable& placement) {
-  Entries entries;
-  for (v1::ExpertPlacement& e : *placement.mutable_experts()) {
-    entries[GroupOf(e.layer(), e.expert())] = &e;
-  }
-  bool changed = DropMissedJoins(copies, entries);
-  changed |= PromoteFinishedCopies(alive, copies, entries);
-  changed |= AddRequestedJoins(committed, alive, copies, entries);
-  changed |= DropSurplusCopies(job, alive, heat, entries);
-  return changed;
-}
+// The steps of Replication::ApplyCopies, in order, over the job's groups.
+using Entries = std::map<JobCopies::Group, v1::ExpertPlacement*>;
 
 // A joining store must have committed every step since it joined; one that missed this
 // commit (it died, or did not answer) leaves, and joins again from scratch.
-bool Replication::DropMissedJoins(JobCopies& copies, Entries& entries) {
+bool DropMissedJoins(JobCopies& copies, Entries& entries) {
   bool changed = false;
   for (auto& [key, e] : entries) {
     const JobCopies::Group group = key;  // a lambda cannot capture a structured binding
@@ -59,7 +37,7 @@ bool Replication::DropMissedJoins(JobCopies& copies, Entries& entries) {
 // A joining store whose copy is complete is a reader from now on: it got every version
 // written since it joined, and the pull (begun after it joined) brought the committed
 // one from before.
-bool Replication::PromoteFinishedCopies(const Alive& alive, JobCopies& copies, Entries& entries) {
+bool PromoteFinishedCopies(const Alive& alive, JobCopies& copies, Entries& entries) {
   bool changed = false;
   for (const JobCopies::Copy& copy : copies.copied) {
     auto it = entries.find(copy.group);
@@ -85,8 +63,7 @@ bool Replication::PromoteFinishedCopies(const Alive& alive, JobCopies& copies, E
 }
 
 // Stores a group is short of join it: writers include them from the next step on.
-bool Replication::AddRequestedJoins(int64_t committed, const Alive& alive, JobCopies& copies,
-                                    Entries& entries) {
+bool AddRequestedJoins(int64_t committed, const Alive& alive, JobCopies& copies, Entries& entries) {
   bool changed = false;
   for (const auto& [group, target] : copies.join_requests) {
     auto it = entries.find(group);
@@ -110,8 +87,8 @@ bool Replication::AddRequestedJoins(int64_t committed, const Alive& alive, JobCo
 // Surplus copies (a store joined and took over a share, a store is draining, an expert
 // cooled down) leave once every desired store holds the group — and never below the
 // replica count (too few stores take new copies: the draining ones keep theirs).
-bool Replication::DropSurplusCopies(const v1::Job& job, const Alive& alive,
-                                    const std::optional<HeatMap>& heat, Entries& entries) {
+bool DropSurplusCopies(const v1::Job& job, const Alive& alive, const std::optional<HeatMap>& heat,
+                       Entries& entries) {
   const std::vector<std::string> live = alive.placeable_ids();
   const std::vector<double> means = heat ? LayerMeans(*heat) : std::vector<double>();
   const size_t replicas = std::max(1, job.spec().cluster().store_replicas());
@@ -127,6 +104,35 @@ bool Replication::DropSurplusCopies(const v1::Job& job, const Alive& alive,
     for (const std::string& d : desired) e->add_store_ids(d);
     changed = true;
   }
+  return changed;
+}
+
+}  // namespace
+
+Replication::Replication(MetricsRegistry* metrics) {
+  if (metrics == nullptr) return;
+  blobs_moved_total_ =
+      *metrics->Counter("pith_coordinator_blobs_moved_total", "Blobs copied store to store");
+  bytes_moved_total_ =
+      *metrics->Counter("pith_coordinator_moved_bytes_total", "Bytes copied store to store");
+  moves_in_flight_ = *metrics->Gauge("pith_coordinator_moves_in_flight",
+                                     "Store-to-store group copies in progress");
+  replica_deficit_ =
+      *metrics->Gauge("pith_coordinator_replica_deficit",
+                      "Store copies missing to give every group its configured replica count");
+}
+
+bool Replication::ApplyCopies(const v1::Job& job, int64_t committed, const Alive& alive,
+                              const std::optional<HeatMap>& heat, JobCopies& copies,
+                              v1::PlacementTable& placement) {
+  Entries entries;
+  for (v1::ExpertPlacement& e : *placement.mutable_experts()) {
+    entries[GroupOf(e.layer(), e.expert())] = &e;
+  }
+  bool changed = DropMissedJoins(copies, entries);
+  changed |= PromoteFinishedCopies(alive, copies, entries);
+  changed |= AddRequestedJoins(committed, alive, copies, entries);
+  changed |= DropSurplusCopies(job, alive, heat, entries);
   return changed;
 }
 

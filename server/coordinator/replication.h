@@ -111,14 +111,6 @@ class Replication {
   void Report(uint64_t deficit, v1::ClusterStatusResponse* out) const;
 
  private:
-  // The steps of ApplyCopies, in order, over the job's groups by (layer, expert).
-  using Entries = std::map<JobCopies::Group, v1::ExpertPlacement*>;
-  static bool DropMissedJoins(JobCopies& copies, Entries& entries);
-  static bool PromoteFinishedCopies(const Alive& alive, JobCopies& copies, Entries& entries);
-  static bool AddRequestedJoins(int64_t committed, const Alive& alive, JobCopies& copies,
-                                Entries& entries);
-  static bool DropSurplusCopies(const v1::Job& job, const Alive& alive,
-                                const std::optional<HeatMap>& heat, Entries& entries);
   void SetMovesGauge();
 
   std::vector<v1::BlobMove> moves_;         // copies in flight
