@@ -4,6 +4,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/grpc_util.h"
+#include "common/step_protocol.h"
 
 namespace pith::coordinator {
 
@@ -81,7 +82,7 @@ grpc::Status CoordinatorServiceImpl::WaitStep(grpc::ServerContext* context,
   if (request->job_id().empty() || request->step() < 0) {
     return ToGrpcStatus(absl::InvalidArgumentError("job_id and step >= 0 are required"));
   }
-  absl::Duration timeout = absl::Seconds(30);
+  absl::Duration timeout = kWaitStepServerCap;
   const absl::Time deadline = absl::FromChrono(context->deadline());
   if (deadline < absl::Now() + timeout)
     timeout = std::max(deadline - absl::Now(), absl::ZeroDuration());

@@ -17,6 +17,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
+#include "common/step_protocol.h"
 #include "pith/v1/coordinator.grpc.pb.h"
 
 namespace pith::runtime {
@@ -31,11 +32,9 @@ inline constexpr absl::Duration kReportStepDeadline = absl::Seconds(60);
 inline constexpr absl::Duration kReportFailureDeadline = absl::Seconds(10);
 // ReportHeat (best effort: a lost report only delays a placement).
 inline constexpr absl::Duration kHeatReportDeadline = absl::Seconds(5);
-// WaitStep while a step settles. NOTE: longer than the coordinator's own cap on a wait
-// (30 s: CoordinatorServiceImpl::WaitStep in server/coordinator/coordinator_service.cc),
-// so the coordinator answers with the step's status before the call's deadline passes;
-// the worker then asks again. Keep it above that cap if either changes.
-inline constexpr absl::Duration kSettleWaitDeadline = absl::Seconds(35);
+// WaitStep while a step settles: above the coordinator's cap on one wait (both in
+// common/step_protocol.h, where a static_assert keeps them in that order).
+inline constexpr absl::Duration kSettleWaitDeadline = kWaitStepSettleDeadline;
 // The abort watch's WaitStep: short, so that it sees a new step or version promptly.
 inline constexpr absl::Duration kAbortPollDeadline = absl::Milliseconds(500);
 // The abort watch's wait for the step or version it watches to move on.

@@ -1,0 +1,26 @@
+// Limits of the step protocol (DESIGN §5.5) that the coordinator and the workers must
+// agree on; both sides include this header, so the dependency between them is compiled in
+// rather than remembered.
+//
+// Thread safety: constants only.
+#ifndef PITH_COMMON_STEP_PROTOCOL_H_
+#define PITH_COMMON_STEP_PROTOCOL_H_
+
+#include "absl/time/time.h"
+
+namespace pith {
+
+// The longest a coordinator holds one WaitStep call before answering with the step's
+// current status (a caller with a shorter deadline is answered by its deadline).
+inline constexpr absl::Duration kWaitStepServerCap = absl::Seconds(30);
+
+// The deadline a worker gives a WaitStep while its step settles. NOTE: it must stay above
+// kWaitStepServerCap, so that the coordinator answers (with the status) before the call
+// times out; the worker then asks again.
+inline constexpr absl::Duration kWaitStepSettleDeadline = absl::Seconds(35);
+static_assert(kWaitStepSettleDeadline > kWaitStepServerCap,
+              "a settling worker's WaitStep must outlast the coordinator's cap");
+
+}  // namespace pith
+
+#endif  // PITH_COMMON_STEP_PROTOCOL_H_
