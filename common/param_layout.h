@@ -18,6 +18,8 @@
 #include "absl/status/statusor.h"
 #include "pith/v1/spec.pb.h"
 
+// NOTE: the namespace stays the model's (model::ParamLayout): this is the model's contract;
+// it lives in common/ only so that code without the compute engine can link it.
 namespace pith::model {
 
 // The model hyper-parameters of DESIGN §3, checked.

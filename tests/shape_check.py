@@ -1,7 +1,9 @@
 #!/usr/bin/env python3
-"""Pith's shape rules, checked on every C++/CUDA source the repository tracks:
+"""Pith's shape rules, checked on every C++/CUDA source in the checkout (tracked, or
+untracked and not ignored):
 
-  * no non-test source file over 800 lines (tests: *_test.cc, *_testing.h, tests/);
+  * no non-test source file over 800 lines (tests: *_test.cc, *_testing.h, *_fuzz.cc,
+    tests/);
   * no function over 100 lines, counted from the first line of its signature to its
     closing brace (test bodies included: a test that long is a test of too much).
 

@@ -19,17 +19,19 @@ command -v "$CLANG" >/dev/null || { echo "thread_safety_check: $CLANG not found"
 [[ -f "$BUILD_DIR/compile_commands.json" ]] ||
   { echo "thread_safety_check: no $BUILD_DIR/compile_commands.json (configure first)" >&2; exit 1; }
 
-# One line per Pith C++ source: "<file>\t<flags>" with the compiler, -o and -c removed and
-# the gcc-only flags dropped. Generated protobuf code and CUDA are not Pith's to annotate.
+# One line per Pith C++ source: "<file>\t<flags>\t<dir>" with the compiler, -o, -c,
+# -Werror and sanitizer flags removed (the check adds its own -Werror). Generated protobuf
+# code (under the build folder) and CUDA are not Pith's to annotate.
 LIST=$(mktemp)
 trap 'rm -f "$LIST"' EXIT
-python3 - "$BUILD_DIR/compile_commands.json" "$ROOT" "$FILTER" >"$LIST" <<'EOF'
+python3 - "$BUILD_DIR/compile_commands.json" "$ROOT" "$FILTER" "$(cd "$BUILD_DIR" && pwd)" >"$LIST" <<'EOF'
 import json, re, shlex, sys
 db, root, pattern = json.load(open(sys.argv[1])), sys.argv[2], re.compile(sys.argv[3])
+build = sys.argv[4] + "/"
 seen = set()
 for entry in db:
     f = entry["file"]
-    if not f.startswith(root + "/") or "/build" in f[len(root):] or not f.endswith(".cc"):
+    if not f.startswith(root + "/") or f.startswith(build) or not f.endswith(".cc"):
         continue
     rel = f[len(root) + 1:]
     if rel in seen or not pattern.search(rel):

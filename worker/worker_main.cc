@@ -35,7 +35,8 @@ ABSL_FLAG(std::string, loss_log, "",
           "appends each committed step)");
 ABSL_FLAG(std::string, save, "", "Write the final weights here (safetensors)");
 ABSL_FLAG(std::string, save_optimizer, "", "Write the final optimizer state here (safetensors)");
-ABSL_FLAG(std::string, backend, "cpu", "Compute backend: cpu (cuda arrives with its issue)");
+ABSL_FLAG(std::string, backend, "cpu",
+          "Compute backend: cpu, or auto (cpu until a GPU backend is built in)");
 ABSL_FLAG(int, threads, 0, "Threads of the CPU backend's own loops; 0 = one per core");
 
 namespace {

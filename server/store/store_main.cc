@@ -14,7 +14,8 @@
 
 ABSL_FLAG(std::string, listen, "127.0.0.1:7100", "gRPC listen address (host:port)");
 ABSL_FLAG(int, metrics_port, 9101, "Prometheus /metrics port; -1 disables it, 0 picks one");
-ABSL_FLAG(std::string, data_dir, "", "RocksDB directory of the durable tier (required)");
+ABSL_FLAG(std::string, data_dir, "",
+          "Directory of the durable tier: blob log + RocksDB index (required)");
 ABSL_FLAG(uint64_t, ram_bytes, 1ull << 30, "RAM-tier budget in bytes (UCX-registered memory)");
 ABSL_FLAG(uint64_t, max_blob_bytes, 64ull << 20, "Largest blob accepted, in bytes");
 ABSL_FLAG(uint64_t, admission_window, 4096,

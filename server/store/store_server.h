@@ -22,7 +22,7 @@ namespace pith::store {
 
 struct StoreServerOptions {
   std::string listen_address = "127.0.0.1:0";  // gRPC
-  std::string data_dir;                        // RocksDB directory (created if missing)
+  std::string data_dir;                        // blob log + RocksDB index (created if missing)
   uint64_t ram_bytes = 1ull << 30;
   uint64_t max_blob_bytes = 64ull << 20;
   uint64_t admission_window = 4096;                     // see BlobStoreOptions
