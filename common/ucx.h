@@ -21,6 +21,7 @@
 #include <mutex>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -60,6 +61,22 @@ class MemoryRegion {
 // (small messages) or still at the sender (rendezvous): then the handler calls
 // Worker::ReceiveData to land it in its own memory, or Worker::Release to refuse it.
 struct AmMessage {
+  AmMessage() = default;
+  // Moving hands the payload over: the moved-from message holds none (nothing to release).
+  AmMessage(AmMessage&& other) noexcept { *this = std::move(other); }
+  AmMessage& operator=(AmMessage&& other) noexcept {
+    id = other.id;
+    header = std::move(other.header);
+    reply_ep = other.reply_ep;
+    length = other.length;
+    rndv_desc = std::exchange(other.rndv_desc, nullptr);
+    persistent = std::exchange(other.persistent, nullptr);
+    eager_copy = std::move(other.eager_copy);
+    return *this;
+  }
+  AmMessage(const AmMessage&) = delete;
+  AmMessage& operator=(const AmMessage&) = delete;
+
   uint16_t id = 0;
   std::string header;
   ucp_ep_h reply_ep = nullptr;

@@ -48,8 +48,15 @@ BlobStore::BlobStore(const BlobStoreOptions& options, std::unique_ptr<ColdTier> 
     : options_(options),
       cold_(std::move(cold)),
       arena_(arena),
-      allocator_(options.ram_bytes, options.min_block_bytes,
-                 std::bit_ceil(std::max(options.max_blob_bytes, options.min_block_bytes))) {}
+      allocator_(options.ram_bytes, options.min_block_bytes, LargestBlock(options)) {}
+
+uint64_t BlobStore::LargestBlock(const BlobStoreOptions& options) {
+  // A block as large as the biggest blob, but no larger than the RAM tier: a tier smaller
+  // than --max_blob_bytes still holds blobs that fit it.
+  const uint64_t want = std::bit_ceil(std::max(options.max_blob_bytes, options.min_block_bytes));
+  const uint64_t ram = std::bit_floor(std::max(options.ram_bytes, options.min_block_bytes));
+  return std::max(std::min(want, ram), options.min_block_bytes);
+}
 
 BlobStore::~BlobStore() {
   // Blocks still referenced by BlobRefs must not outlive the store; the owner joins its
@@ -63,12 +70,12 @@ absl::StatusOr<std::unique_ptr<BlobStore>> BlobStore::Open(const BlobStoreOption
                                                            std::unique_ptr<ColdTier> cold,
                                                            uint8_t* arena,
                                                            MetricsRegistry* metrics) {
-  const uint64_t max_block =
-      std::bit_ceil(std::max(options.max_blob_bytes, options.min_block_bytes));
-  if (options.ram_bytes < max_block) {
+  // A tier smaller than --max_blob_bytes is fine: a blob larger than the tier is refused
+  // when it comes (BeginPut).
+  if (options.ram_bytes < options.min_block_bytes) {
     return absl::InvalidArgumentError(absl::StrCat("--ram_bytes ", options.ram_bytes,
-                                                   " is below one block of the largest blob (",
-                                                   max_block, " bytes)"));
+                                                   " is below one block (", options.min_block_bytes,
+                                                   " bytes)"));
   }
   std::unique_ptr<BlobStore> store(new BlobStore(options, std::move(cold), arena));
   if (metrics != nullptr) {
@@ -131,10 +138,29 @@ absl::StatusOr<std::shared_ptr<RamBlock>> BlobStore::AllocateLocked(uint64_t siz
       break;
     }
     if (!demoted) {
-      return absl::ResourceExhaustedError(absl::StrCat(
-          "RAM tier: no room for ", size, " bytes (every resident blob is being read)"));
+      return absl::UnavailableError(
+          absl::StrCat("RAM tier: no room for ", size, " bytes now: ", RamHoldersLocked()));
     }
   }
+}
+
+std::string BlobStore::RamHoldersLocked() {
+  uint64_t resident = 0, read = 0;
+  for (const auto& [key, version] : lru_) {
+    const Version& v = blobs_.at(key).versions.at(version);
+    resident += v.ram->size();
+    if (v.ram.use_count() > 1) read += v.ram->size();
+  }
+  uint64_t used;
+  {
+    absl::MutexLock lock(&alloc_mu_);
+    used = allocator_.used();
+  }
+  // What is allocated but not resident: blocks of puts being received, and of versions
+  // dropped from RAM while a reader still sends them.
+  return absl::StrCat(options_.ram_bytes, " bytes in all, ", read, " in blobs being read, ",
+                      used - resident, " in puts being received (or sends of dropped blobs), ",
+                      options_.ram_bytes - used, " free in pieces too small");
 }
 
 void BlobStore::DropRamLocked(const std::string& key, Version& v) {
@@ -206,6 +232,10 @@ absl::StatusOr<PutReservation> BlobStore::BeginPut(const v1::BlobKey& key, int64
     return absl::FailedPreconditionError(
         absl::StrCat(BlobKeyDebugString(key), ": version ", version,
                      " is not newer than the committed version ", it->second.committed));
+  }
+  if (std::bit_ceil(std::max(size, options_.min_block_bytes)) > LargestBlock(options_)) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "blob of ", size, " bytes does not fit the RAM tier of ", options_.ram_bytes, " bytes"));
   }
   PutReservation r;
   ASSIGN_OR_RETURN(r.block_, AllocateLocked(std::max<uint64_t>(size, 1)));
@@ -422,6 +452,13 @@ absl::StatusOr<BlobRef> BlobStore::Get(const v1::BlobKey& key, int64_t version) 
       if (seen) block = TryAllocateLocked(std::max<uint64_t>(v.size, 1));
       promote = seen && (block != nullptr || MoreRecentThanVictimLocked(previous_use));
     }
+    if (promote && block == nullptr) {
+      // No room now (every resident blob is being read or received): served in place.
+      absl::StatusOr<std::shared_ptr<RamBlock>> room =
+          AllocateLocked(std::max<uint64_t>(v.size, 1));
+      if (room.ok()) block = *std::move(room);
+      promote = block != nullptr;
+    }
     if (!promote) {
       ASSIGN_OR_RETURN(ColdRead read, cold_->ReadPinned(encoded, v.version));
       if (read.size != v.size) {
@@ -439,9 +476,6 @@ absl::StatusOr<BlobRef> BlobStore::Get(const v1::BlobKey& key, int64_t version) 
       ref.version_ = v.version;
       ref.crc_ = v.crc;
       return ref;
-    }
-    if (block == nullptr) {
-      ASSIGN_OR_RETURN(block, AllocateLocked(std::max<uint64_t>(v.size, 1)));
     }
     RETURN_IF_ERROR(cold_->ReadData(encoded, v.version, {arena_ + block->offset(), v.size}));
     if (Crc32c(arena_ + block->offset(), v.size) != v.crc) {

@@ -118,8 +118,11 @@ class BlobStore {
   ~BlobStore();
 
   // Reserves RAM for (key, version) of `size` bytes. INVALID_ARGUMENT for a bad key,
-  // RESOURCE_EXHAUSTED over max_blob_bytes or when RAM is full of pinned blobs,
-  // FAILED_PRECONDITION when `version` is not newer than the committed one.
+  // RESOURCE_EXHAUSTED over max_blob_bytes or larger than the RAM tier can ever hold,
+  // UNAVAILABLE while every RAM block is held by reads and receives in flight (it frees
+  // as they end: the caller waits and asks again), FAILED_PRECONDITION when `version` is
+  // not newer than the committed one. Resident versions, pending or committed, are always
+  // in the cold tier too: they are demoted (least recently used first) to make room.
   absl::StatusOr<PutReservation> BeginPut(const v1::BlobKey& key, int64_t version, uint64_t size);
   // Checksums the received bytes, stores them in the cold tier and records the pending
   // version. `expected_crc`, when given, must match (DATA_LOSS otherwise).
@@ -189,9 +192,14 @@ class BlobStore {
 
   BlobStore(const BlobStoreOptions& options, std::unique_ptr<ColdTier> cold, uint8_t* arena);
   absl::Status Recover();
-  // A RAM block of `size` bytes, demoting unpinned LRU blobs as needed. Requires mu_.
+  // The RAM tier's largest block: the biggest blob it can hold.
+  static uint64_t LargestBlock(const BlobStoreOptions& options);
+  // A RAM block of `size` bytes, demoting unpinned LRU blobs as needed; UNAVAILABLE
+  // (saying what holds the RAM) when every block is held. Requires mu_.
   absl::StatusOr<std::shared_ptr<RamBlock>> AllocateLocked(uint64_t size)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Where the RAM tier's bytes are: read, received, free. Requires mu_.
+  std::string RamHoldersLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // A RAM block from free space only (null when there is none). Requires mu_.
   std::shared_ptr<RamBlock> TryAllocateLocked(uint64_t size) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Whether a blob last used at `use` (clock_) was used after the blob a promotion would

@@ -268,8 +268,14 @@ TEST_F(BlobStoreTest, PinnedBlobsStayWhileRead) {
   auto pinned = store_->Get(Expert(0, 0));
   auto pinned2 = store_->Get(Expert(0, 2));
   ASSERT_TRUE(pinned.ok() && pinned2.ok());
-  // Both blocks are pinned: a third blob cannot come in.
-  EXPECT_EQ(store_->Get(Expert(0, 1)).status().code(), absl::StatusCode::kResourceExhausted);
+  // Both blocks are pinned: a third blob cannot come in, and is read in place instead.
+  {
+    auto in_place = store_->Get(Expert(0, 1));
+    ASSERT_TRUE(in_place.ok()) << in_place.status();
+    EXPECT_FALSE(in_place->in_ram());
+    EXPECT_EQ(std::vector<uint8_t>(in_place->data(), in_place->data() + in_place->size()),
+              Bytes(600 << 10, 2));
+  }
   EXPECT_EQ(std::vector<uint8_t>(pinned->data(), pinned->data() + pinned->size()),
             Bytes(600 << 10, 1));
   *pinned = BlobRef();  // unpin
@@ -281,6 +287,47 @@ TEST_F(BlobStoreTest, PinnedBlobsStayWhileRead) {
   ASSERT_TRUE(store_->Put(Expert(0, 1), 1, Bytes(100, 3)).ok());
   ASSERT_TRUE(store_->CommitStep("job-1", 1).ok());
   EXPECT_EQ(std::vector<uint8_t>(old->data(), old->data() + old->size()), Bytes(600 << 10, 2));
+}
+
+// A step that writes many times the RAM tier: each put's bytes are in the cold tier when
+// it lands, so its RAM copy makes room for the next; the step commits and reads back.
+TEST_F(BlobStoreTest, PendingVersionsBeyondRamGoToTheColdTierAndCommit) {
+  Open(1 << 20);  // 1 MiB of RAM for 2 versions of 32 blobs of 100 KiB (6.4 MiB)
+  for (int step = 0; step < 2; ++step) {
+    for (int e = 0; e < 32; ++e) {
+      ASSERT_TRUE(store_->Put(Expert(0, e), step, Bytes(100 << 10, e + 100 * step)).ok()) << e;
+    }
+    auto committed = store_->CommitStep("job-1", step);
+    ASSERT_TRUE(committed.ok()) << committed.status();
+    EXPECT_EQ(committed->blobs_committed, 32u);
+  }
+  for (int e = 0; e < 32; ++e) EXPECT_EQ(Read(Expert(0, e)), Bytes(100 << 10, e + 100)) << e;
+  EXPECT_LE(store_->Stats().ram_bytes(), 1u << 20);
+}
+
+// Receives in flight hold RAM until they land: a put that finds no room is told to wait
+// (UNAVAILABLE, naming what holds the RAM), and gets room once one lands.
+TEST_F(BlobStoreTest, PutsWaitWhileReceivesHoldTheRam) {
+  Open(1 << 20);
+  auto a = store_->BeginPut(Expert(0, 0), 0, 600 << 10);
+  ASSERT_TRUE(a.ok()) << a.status();
+  auto b = store_->BeginPut(Expert(0, 1), 0, 100 << 10);
+  EXPECT_EQ(b.status().code(), absl::StatusCode::kUnavailable);
+  EXPECT_NE(b.status().message().find("in puts being received"), std::string::npos) << b.status();
+  std::memset(a->data(), 1, a->size());
+  ASSERT_TRUE(store_->FinishPut(std::move(*a)).ok());
+  // The landed version is in the cold tier: it is demoted for the next put.
+  auto c = store_->BeginPut(Expert(0, 1), 0, 700 << 10);
+  ASSERT_TRUE(c.ok()) << c.status();
+  std::memset(c->data(), 2, c->size());
+  ASSERT_TRUE(store_->FinishPut(std::move(*c)).ok());
+  ASSERT_TRUE(store_->CommitStep("job-1", 0).ok());
+  EXPECT_EQ(Read(Expert(0, 0)), std::vector<uint8_t>(600 << 10, 1));
+  // A blob the RAM tier could never hold is refused outright, not told to wait.
+  Open(256 << 10);
+  EXPECT_EQ(store_->BeginPut(Expert(0, 2), 0, 300 << 10).status().code(),
+            absl::StatusCode::kResourceExhausted);
+  EXPECT_TRUE(store_->Put(Expert(0, 2), 0, Bytes(200 << 10, 3)).ok());
 }
 
 TEST_F(BlobStoreTest, BadInput) {

@@ -48,6 +48,13 @@ absl::StatusOr<std::unique_ptr<DataPlane>> DataPlane::Create(ucx::Worker* worker
                                                   "Data-plane requests answered with an error"));
   }
   DataPlane* self = d.get();
+  d->ticker_ = std::thread([self] {
+    while (!self->stop_ticker_.WaitForNotificationWithTimeout(absl::Milliseconds(2))) {
+      if (self->has_waiting_.load(std::memory_order_acquire)) {
+        self->worker_->Post([self] { self->RetryWaiting(); });
+      }
+    }
+  });
   worker->SetHandler(v1::UCX_MESSAGE_HELLO, [self](ucx::AmMessage& m) { self->OnHello(m); });
   worker->SetHandler(v1::UCX_MESSAGE_GET_REQUEST, [self](ucx::AmMessage& m) { self->OnGet(m); });
   worker->SetHandler(v1::UCX_MESSAGE_PUT_REQUEST, [self](ucx::AmMessage& m) { self->OnPut(m); });
@@ -182,12 +189,30 @@ void DataPlane::OnPut(ucx::AmMessage& m) {
     Reply(request.client_id(), m.reply_ep, v1::UCX_MESSAGE_PUT_REPLY, reply, BlobRef());
     return;
   }
+  if (!waiting_.empty() || !TryPut(m, request, start)) {
+    waiting_.push_back({std::move(m), std::move(request), start});
+    has_waiting_.store(true, std::memory_order_release);
+  }
+}
+
+bool DataPlane::TryPut(ucx::AmMessage& m, const v1::UcxPutRequest& request,
+                       std::chrono::steady_clock::time_point start) {
   absl::StatusOr<PutReservation> reservation =
       store_->BeginPut(request.key(), request.version(), request.size());
+  if (absl::IsUnavailable(reservation.status()) &&
+      std::chrono::steady_clock::now() - start < absl::ToChronoNanoseconds(kPutWaitLimit)) {
+    return false;
+  }
   if (!reservation.ok()) {
+    absl::Status why = reservation.status();
+    if (absl::IsUnavailable(why)) {
+      why = absl::ResourceExhaustedError(absl::StrCat(
+          "waited ", absl::FormatDuration(kPutWaitLimit), " for RAM: ", why.message()));
+    }
     Reply(request.client_id(), m.reply_ep, v1::UCX_MESSAGE_PUT_REPLY,
-          ErrorReply(request.request_id(), 0, reservation.status()), BlobRef());
-    return;  // the payload is released by the worker
+          ErrorReply(request.request_id(), 0, why), BlobRef());
+    worker_->Release(m);
+    return true;
   }
   ucp_ep_h via = m.reply_ep;  // compared only (see Reply)
   uint8_t* target = reservation->data();
@@ -205,7 +230,37 @@ void DataPlane::OnPut(ucx::AmMessage& m) {
           if (put_seconds_) put_seconds_->Observe(SecondsSince(start));
         }
         Reply(request.client_id(), via, v1::UCX_MESSAGE_PUT_REPLY, reply, BlobRef());
+        // Its block is a demotable version now (or free): room for a waiting put.
+        RetryWaiting();
       });
+  return true;
+}
+
+void DataPlane::RetryWaiting() {
+  // A put whose payload was eager lands inside TryPut and asks again from there: the loop
+  // below goes on instead.
+  if (retrying_) return;
+  retrying_ = true;
+  while (!waiting_.empty()) {
+    WaitingPut w = std::move(waiting_.front());
+    waiting_.pop_front();
+    if (!TryPut(w.message, w.request, w.start)) {
+      waiting_.push_front(std::move(w));
+      break;
+    }
+  }
+  retrying_ = false;
+  has_waiting_.store(!waiting_.empty(), std::memory_order_release);
+}
+
+DataPlane::~DataPlane() {
+  stop_ticker_.Notify();
+  if (ticker_.joinable()) ticker_.join();
+  // The worker has stopped (its thread is gone): the waiting payloads go back to UCX here.
+  worker_->RunSync([this] {
+    for (WaitingPut& w : waiting_) worker_->Release(w.message);
+    waiting_.clear();
+  });
 }
 
 }  // namespace pith::store

@@ -11,25 +11,43 @@
 // its late messages are dropped) and is only retired, closed when the store stops. One
 // endpoint per client connection the store ever had: a few per worker restart.
 //
-// Thread safety: construction and destruction from the owner's thread; everything else
-// runs on the UCX progress thread.
+// A put the RAM tier cannot take now (every block held by receives and reads in flight)
+// waits, its payload left at the client (rendezvous) or in UCX's buffer, and later puts
+// queue behind it: the store's RAM bounds what it receives at once, however much a step
+// writes; each put's bytes go to the cold tier as it lands, so its RAM copy can be
+// demoted for the next. Waiting puts are retried as puts land and every few
+// milliseconds; one that waits kPutWaitLimit is refused with what holds the RAM.
+//
+// Thread safety: construction and destruction from the owner's thread, after the UCX
+// worker has stopped; everything else runs on the UCX progress thread, but for the retry
+// ticker, which only posts there.
 #ifndef PITH_SERVER_STORE_DATA_PLANE_H_
 #define PITH_SERVER_STORE_DATA_PLANE_H_
 
+#include <atomic>
+#include <chrono>
+#include <deque>
 #include <map>
 #include <memory>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "absl/synchronization/notification.h"
+#include "absl/time/time.h"
 #include "common/metrics.h"
 #include "common/ucx.h"
 #include "server/store/blob_store.h"
 
 namespace pith::store {
 
+// How long a put waits for RAM before it is refused.
+inline constexpr absl::Duration kPutWaitLimit = absl::Seconds(20);
+
 class DataPlane {
  public:
+  ~DataPlane();
   // Serves `store`, whose arena is `arena` (registered with `worker`). Installs the
   // handlers on `worker` (before its Start()). Fails only if its metrics cannot be
   // registered.
@@ -43,6 +61,11 @@ class DataPlane {
   void OnHello(ucx::AmMessage& message);
   void OnGet(ucx::AmMessage& message);
   void OnPut(ucx::AmMessage& message);
+  // Reserves RAM for a put and receives it; false (nothing done) when it must wait.
+  bool TryPut(ucx::AmMessage& message, const v1::UcxPutRequest& request,
+              std::chrono::steady_clock::time_point start);
+  // Starts the waiting puts that fit now, in order; refuses those waiting too long.
+  void RetryWaiting();
   // Answers client `client`; a request too malformed to name its client is answered when
   // `via` (the message's reply_ep, compared, never used) is an endpoint the store opened.
   // Dropped (and counted as an error) when the client is gone or unknown.
@@ -61,6 +84,17 @@ class DataPlane {
   std::map<uint64_t, Client> clients_;  // by UcxHello.client_id
   uint64_t connections_ = 0;
   std::vector<ucp_ep_h> retired_;  // failed or replaced; the worker closes them
+  struct WaitingPut {
+    ucx::AmMessage message;
+    v1::UcxPutRequest request;
+    std::chrono::steady_clock::time_point start;
+  };
+  std::deque<WaitingPut> waiting_;
+  bool retrying_ = false;  // RetryWaiting is running (it is not re-entered)
+  // The ticker: posts RetryWaiting every few milliseconds while waiting_ is not empty.
+  std::atomic<bool> has_waiting_{false};
+  absl::Notification stop_ticker_;
+  std::thread ticker_;
   prometheus::Counter* bytes_sent_ = nullptr;
   prometheus::Counter* bytes_received_ = nullptr;
   prometheus::Histogram* get_seconds_ = nullptr;

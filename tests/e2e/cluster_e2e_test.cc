@@ -54,10 +54,11 @@ std::map<int, double> Losses(const std::string& path) {
 }
 
 struct Failure {
-  int kill_worker_after_step = -1;  // kill -9 one worker once this step is committed
-  int kill_store_after_step = -1;   // kill -9 one store once this step is committed
-  uint64_t cache_bytes = 0;         // the workers' --cache_bytes (0: every expert resident)
-  bool hot_replicas = false;        // re-plan every 5 steps with up to 2 compute owners
+  int kill_worker_after_step = -1;      // kill -9 one worker once this step is committed
+  int kill_store_after_step = -1;       // kill -9 one store once this step is committed
+  uint64_t cache_bytes = 0;             // the workers' --cache_bytes (0: every expert resident)
+  uint64_t store_ram_bytes = 64 << 20;  // the stores' --ram_bytes
+  bool hot_replicas = false;            // re-plan every 5 steps with up to 2 compute owners
   // Scale the store mid-job: add a 3rd and a 4th store, drain and stop one of the first
   // two (pith cluster drain), then kill -9 the other; the job needs enough steps for it.
   bool scale_stores = false;
@@ -90,6 +91,7 @@ struct Outcome {
   std::map<int, std::string> loss_lines;  // step -> its line in the loss log
   std::string weights;                    // the exported checkpoint's bytes
   double cache_hit_rate = 0;              // of the last step, across the workers
+  uint64_t store_cold_bytes = 0;          // the most any store held in its RocksDB tier
 };
 
 // One comparison run: the spec trained alone and on a cluster of real processes with
@@ -296,6 +298,15 @@ class ClusterRun {
     std::cout << name_ << ": largest final weight difference " << max_diff << "\n";
     if (outcome == nullptr) return;
     outcome->cache_hit_rate = job_.cache_hit_rate();
+    {
+      grpc::ClientContext ctx;
+      v1::ClusterStatusResponse c;
+      ASSERT_TRUE(stub_->ClusterStatus(&ctx, v1::ClusterStatusRequest(), &c).ok());
+      for (const auto& m : c.stores()) {
+        outcome->store_cold_bytes =
+            std::max<uint64_t>(outcome->store_cold_bytes, m.rocksdb_bytes());
+      }
+    }
     std::ifstream log(dir_ + "/cluster.log");
     std::string line;
     while (std::getline(log, line)) outcome->loss_lines[std::stoi(line)] = line;
@@ -332,9 +343,9 @@ class ClusterRun {
     const std::string n = std::to_string(stores_.size());
     stores_.push_back(std::make_unique<ChildProcess>(
         PITH_STORE_BINARY,
-        std::vector<std::string>{"--listen=127.0.0.1:0", "--metrics_port=-1",
-                                 "--data_dir=" + dir_ + "/store" + n, "--ram_bytes=67108864",
-                                 "--coordinator=" + address_},
+        std::vector<std::string>{
+            "--listen=127.0.0.1:0", "--metrics_port=-1", "--data_dir=" + dir_ + "/store" + n,
+            "--ram_bytes=" + std::to_string(failure_.store_ram_bytes), "--coordinator=" + address_},
         dir_ + "/store" + n + ".log"));
     return stores_.back()->WaitReady();
   }
@@ -517,6 +528,21 @@ TEST(ClusterE2eTest, ACacheOfAQuarterOfTheExpertsChangesNothing) {
   EXPECT_LT(cached.cache_hit_rate, 0.9);
   std::cout << "cache hit rate of the last step: everything resident " << resident.cache_hit_rate
             << ", a quarter " << cached.cache_hit_rate << "\n";
+}
+
+// Stores whose RAM tiers hold a fraction of the model: every step's writes go to RocksDB
+// as they land and commit from there, reads come from it; the weights are those of stores
+// that hold everything in RAM, bit for bit.
+TEST(ClusterE2eTest, StoreRamTiersFarBelowTheModelChangeNothing) {
+  constexpr uint64_t kSmallRam = 128 << 10;
+  Outcome roomy, small;
+  TrainAndCompare("ram_roomy", {}, &roomy);
+  TrainAndCompare("ram_small", {.store_ram_bytes = kSmallRam}, &small);
+  ExpectSameBits(roomy, small);
+  // Each store (R = 2: both hold everything) holds well over 4x its RAM tier.
+  EXPECT_GT(small.store_cold_bytes, 4 * kSmallRam);
+  std::cout << "a store's RocksDB tier holds " << small.store_cold_bytes << " bytes behind "
+            << kSmallRam << " of RAM\n";
 }
 
 TEST(ClusterE2eTest, HotExpertsGetSecondOwnersAndTheMathHolds) {
