@@ -90,6 +90,37 @@ absl::Status WriteAll(int fd, absl::Span<const uint8_t> bytes, const std::string
   return absl::OkStatus();
 }
 
+absl::Status PwriteAll(int fd, absl::Span<const uint8_t> bytes, uint64_t offset,
+                       const std::string& path_for_errors) {
+  size_t done = 0;
+  while (done < bytes.size()) {
+    ssize_t n =
+        ::pwrite(fd, bytes.data() + done, bytes.size() - done, static_cast<off_t>(offset + done));
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      return ErrnoError(errno, "cannot write", path_for_errors);
+    }
+    done += static_cast<size_t>(n);
+  }
+  return absl::OkStatus();
+}
+
+absl::Status PreadAll(int fd, absl::Span<uint8_t> bytes, uint64_t offset,
+                      const std::string& path_for_errors) {
+  size_t done = 0;
+  while (done < bytes.size()) {
+    ssize_t n =
+        ::pread(fd, bytes.data() + done, bytes.size() - done, static_cast<off_t>(offset + done));
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0) return ErrnoError(errno, "cannot read", path_for_errors);
+    if (n == 0) {
+      return absl::DataLossError(absl::StrCat(path_for_errors, ": ends at ", offset + done));
+    }
+    done += static_cast<size_t>(n);
+  }
+  return absl::OkStatus();
+}
+
 absl::Status WriteFileAtomically(const std::string& path,
                                  const std::function<absl::Status(int fd)>& fill) {
   const std::string tmp = absl::StrCat(path, ".tmp.", ::getpid());

@@ -41,6 +41,13 @@ absl::StatusOr<Buffer> ReadFile(const std::string& path);
 // Writes all of `bytes` to `fd`, retrying short writes.
 absl::Status WriteAll(int fd, absl::Span<const uint8_t> bytes, const std::string& path_for_errors);
 
+// Writes all of `bytes` at `offset` of `fd` / reads `bytes.size()` bytes from there
+// (DATA_LOSS at the end of the file), retrying short transfers.
+absl::Status PwriteAll(int fd, absl::Span<const uint8_t> bytes, uint64_t offset,
+                       const std::string& path_for_errors);
+absl::Status PreadAll(int fd, absl::Span<uint8_t> bytes, uint64_t offset,
+                      const std::string& path_for_errors);
+
 // Creates `path` atomically: `fill` writes the content to a temporary file beside it,
 // which is fsynced and renamed over `path`. On any error `path` is left as it was.
 absl::Status WriteFileAtomically(const std::string& path,

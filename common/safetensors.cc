@@ -324,4 +324,24 @@ absl::Status SafetensorsWriter::Write(const std::string& path) const {
   });
 }
 
+absl::Status SafetensorsWriter::WriteWith(const std::string& path, const Fill& fill) const {
+  std::vector<const std::pair<const std::string, TensorView>*> order;
+  const std::string header = BuildHeader(&order);
+  std::map<std::string, uint64_t> offsets;
+  uint64_t offset = 8 + header.size();
+  for (const auto* entry : order) {
+    offsets[entry->first] = offset;
+    offset += entry->second.bytes.size();
+  }
+  return WriteFileAtomically(path, [&](int fd) -> absl::Status {
+    uint8_t len[8];
+    const uint64_t n = header.size();
+    std::memcpy(len, &n, 8);
+    RETURN_IF_ERROR(WriteAll(fd, len, path));
+    RETURN_IF_ERROR(
+        WriteAll(fd, {reinterpret_cast<const uint8_t*>(header.data()), header.size()}, path));
+    return fill(fd, offsets);
+  });
+}
+
 }  // namespace pith

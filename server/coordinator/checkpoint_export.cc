@@ -2,7 +2,6 @@
 
 #include <filesystem>
 #include <map>
-#include <set>
 #include <string>
 #include <system_error>
 #include <tuple>
@@ -11,7 +10,9 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/checkpoint_names.h"
+#include "common/file.h"
 #include "common/param_layout.h"
+#include "common/safetensors.h"
 #include "common/status.h"
 #include "glog/logging.h"
 #include "google/protobuf/util/json_util.h"
@@ -51,40 +52,50 @@ std::map<WeightsKey, Best> NewestCopies(StoreControl& stores, const Alive& alive
   return best;
 }
 
-// One read per weights blob into its place in `host`, batched by the store to read from.
-absl::StatusOr<std::map<std::string, std::vector<StoreControl::Read>>> PlanReads(
-    const model::ParamLayout& layout, const v1::Job& job, const std::map<WeightsKey, Best>& best,
-    std::vector<float>& host) {
-  std::map<std::string, std::vector<StoreControl::Read>> reads;  // by store
-  std::set<std::pair<int, int>> experts;
+// One weights blob of the checkpoint: where to read it, and the tensors it holds (a
+// dense tensor, or an expert's four) at their offsets in it.
+struct BlobPlan {
+  v1::BlobKey key;
+  Best from;
+  int64_t floats = 0;
+  std::vector<const model::ParamTensor*> tensors;
+  int64_t base = 0;  // the layout offset of its first float
+};
+
+// Every weights blob of the model, in layout order, with the live store to read it from.
+absl::StatusOr<std::vector<BlobPlan>> PlanBlobs(const model::ParamLayout& layout,
+                                                const v1::Job& job,
+                                                const std::map<WeightsKey, Best>& best) {
+  std::vector<BlobPlan> plans;
   for (const model::ParamTensor& t : layout.tensors()) {
-    v1::BlobKey key;
-    key.set_job_id(job.job_id());
-    key.set_kind(v1::BLOB_KIND_WEIGHTS);
-    int64_t offset = t.offset, floats = t.numel;
-    if (t.layer < 0) {
-      key.set_layer(-1);
-      key.set_tensor(t.name);
+    const bool expert = t.layer >= 0;
+    if (expert && !plans.empty() && plans.back().key.layer() == t.layer &&
+        plans.back().key.expert() == t.expert) {
+      plans.back().tensors.push_back(&t);  // one blob per expert
+      continue;
+    }
+    BlobPlan p;
+    p.key.set_job_id(job.job_id());
+    p.key.set_kind(v1::BLOB_KIND_WEIGHTS);
+    p.key.set_layer(expert ? t.layer : -1);
+    if (expert) {
+      p.key.set_expert(t.expert);
     } else {
-      if (!experts.insert({t.layer, t.expert}).second) continue;  // one blob per expert
-      key.set_layer(t.layer);
-      key.set_expert(t.expert);
-      floats = layout.shape().expert_floats();
+      p.key.set_tensor(t.name);
     }
-    auto it = best.find(std::make_tuple(key.layer(), key.expert(), key.tensor()));
+    p.floats = expert ? layout.shape().expert_floats() : t.numel;
+    p.base = t.offset;
+    p.tensors.push_back(&t);
+    auto it = best.find(std::make_tuple(p.key.layer(), p.key.expert(), p.key.tensor()));
     if (it == best.end()) {
-      return absl::FailedPreconditionError(absl::StrCat(
-          "job ", job.job_id(), ": no live store holds the weights of ",
-          t.layer < 0 ? t.name : absl::StrCat("layer ", t.layer, " expert ", t.expert)));
+      return absl::FailedPreconditionError(
+          absl::StrCat("job ", job.job_id(), ": no live store holds the weights of ",
+                       expert ? absl::StrCat("layer ", t.layer, " expert ", t.expert) : t.name));
     }
-    StoreControl::Read read;
-    read.key = key;
-    read.version = it->second.version;
-    read.buffer = host.data() + offset;
-    read.capacity = static_cast<size_t>(floats) * sizeof(float);
-    reads[it->second.store].push_back(std::move(read));
+    p.from = it->second;
+    plans.push_back(std::move(p));
   }
-  return reads;
+  return plans;
 }
 
 // Runs the reads, each batch from its store; every blob must be the version and size
@@ -109,30 +120,47 @@ absl::Status FetchReads(StoreControl& stores, const Alive& alive,
   return absl::OkStatus();
 }
 
-// Writes `host` (step `step` of `job`) as the safetensors file, the spec in its metadata.
-absl::StatusOr<v1::CheckpointJobResponse> WriteWeights(const model::ParamLayout& layout,
-                                                       const std::vector<float>& host,
-                                                       const v1::Job& job, int64_t step,
-                                                       const std::string& output_dir) {
-  std::error_code ec;
-  std::filesystem::create_directories(output_dir, ec);
-  if (ec) {
-    return absl::PermissionDeniedError(
-        absl::StrCat("cannot create ", output_dir, ": ", ec.message()));
+// Reads `plans` a window of at most kExportWindowBytes at a time and writes each tensor at
+// its offset in the file: the coordinator holds one window of the model, however large.
+absl::Status StreamBlobs(StoreControl& stores, const Alive& alive,
+                         const std::vector<BlobPlan>& plans, int fd,
+                         const std::map<std::string, uint64_t>& offsets, const std::string& path) {
+  constexpr int64_t kExportWindowBytes = 64 << 20;
+  std::vector<float> window;
+  for (size_t begin = 0; begin < plans.size();) {
+    size_t end = begin;
+    int64_t floats = 0;
+    while (end < plans.size() &&
+           (end == begin ||
+            (floats + plans[end].floats) * int64_t{sizeof(float)} <= kExportWindowBytes)) {
+      floats += plans[end++].floats;
+    }
+    window.resize(floats);
+    std::map<std::string, std::vector<StoreControl::Read>> reads;  // by store
+    int64_t at = 0;
+    for (size_t i = begin; i < end; ++i) {
+      StoreControl::Read read;
+      read.key = plans[i].key;
+      read.version = plans[i].from.version;
+      read.buffer = window.data() + at;
+      read.capacity = static_cast<size_t>(plans[i].floats) * sizeof(float);
+      reads[plans[i].from.store].push_back(std::move(read));
+      at += plans[i].floats;
+    }
+    RETURN_IF_ERROR(FetchReads(stores, alive, reads));
+    at = 0;
+    for (size_t i = begin; i < end; ++i) {
+      for (const model::ParamTensor* t : plans[i].tensors) {
+        const float* data = window.data() + at + (t->offset - plans[i].base);
+        RETURN_IF_ERROR(PwriteAll(
+            fd, {reinterpret_cast<const uint8_t*>(data), static_cast<size_t>(t->numel) * 4},
+            offsets.at(t->name), path));
+      }
+      at += plans[i].floats;
+    }
+    begin = end;
   }
-  const std::string path =
-      absl::StrCat(output_dir, "/", model::CheckpointFileName(job.job_id(), step));
-  std::string spec_json;
-  google::protobuf::util::JsonPrintOptions json_options;
-  json_options.preserve_proto_field_names = true;
-  (void)google::protobuf::util::MessageToJsonString(job.spec(), &spec_json, json_options);
-  RETURN_IF_ERROR(
-      model::SaveHostWeights(layout, host.data(), path, {{model::kSpecMetadataKey, spec_json}}));
-  v1::CheckpointJobResponse response;
-  response.set_step(step);
-  response.set_weights_path(path);
-  response.set_bytes(std::filesystem::file_size(path, ec));
-  return response;
+  return absl::OkStatus();
 }
 
 }  // namespace
@@ -146,11 +174,35 @@ absl::StatusOr<v1::CheckpointJobResponse> ExportCheckpoint(StoreControl& stores,
         absl::StrCat("job ", job.job_id(), " has no committed step yet"));
   }
   const model::ParamLayout layout(model::ModelShape::FromSpec(job.spec().model()));
-  const std::map<WeightsKey, Best> best = NewestCopies(stores, alive, job, step);
-  std::vector<float> host(layout.total_floats());
-  ASSIGN_OR_RETURN(auto reads, PlanReads(layout, job, best, host));
-  RETURN_IF_ERROR(FetchReads(stores, alive, reads));
-  return WriteWeights(layout, host, job, step, output_dir);
+  ASSIGN_OR_RETURN(const std::vector<BlobPlan> plans,
+                   PlanBlobs(layout, job, NewestCopies(stores, alive, job, step)));
+  std::error_code ec;
+  std::filesystem::create_directories(output_dir, ec);
+  if (ec) {
+    return absl::PermissionDeniedError(
+        absl::StrCat("cannot create ", output_dir, ": ", ec.message()));
+  }
+  const std::string path =
+      absl::StrCat(output_dir, "/", model::CheckpointFileName(job.job_id(), step));
+  std::string spec_json;
+  google::protobuf::util::JsonPrintOptions json_options;
+  json_options.preserve_proto_field_names = true;
+  (void)google::protobuf::util::MessageToJsonString(job.spec(), &spec_json, json_options);
+  SafetensorsWriter writer;
+  writer.SetMetadata(model::kSpecMetadataKey, spec_json);
+  for (const model::ParamTensor& t : layout.tensors()) {
+    // The bytes come later (WriteWith): a span of their size.
+    RETURN_IF_ERROR(writer.Add(
+        t.name, TensorView{DType::kF32, t.shape, {nullptr, static_cast<size_t>(t.numel) * 4}}));
+  }
+  RETURN_IF_ERROR(writer.WriteWith(path, [&](int fd, const std::map<std::string, uint64_t>& at) {
+    return StreamBlobs(stores, alive, plans, fd, at, path);
+  }));
+  v1::CheckpointJobResponse response;
+  response.set_step(step);
+  response.set_weights_path(path);
+  response.set_bytes(std::filesystem::file_size(path, ec));
+  return response;
 }
 
 absl::StatusOr<v1::CheckpointJobResponse> Scheduler::Checkpoint(
