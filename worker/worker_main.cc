@@ -24,7 +24,15 @@
 ABSL_FLAG(std::string, coordinator, "", "Join the cluster of this coordinator (host:port)");
 ABSL_FLAG(std::string, listen, "127.0.0.1:0", "Address this worker advertises (host:port)");
 ABSL_FLAG(int, metrics_port, -1, "Prometheus /metrics port; -1 disables it, 0 picks one");
-ABSL_FLAG(uint64_t, cache_bytes, 0, "Expert cache budget in bytes (0: unlimited)");
+ABSL_FLAG(uint64_t, cache_bytes, 0,
+          "Expert cache budget in bytes (0: unlimited); a gradient pool as large and the "
+          "update scratch come beside it. Ignored with --memory_bytes");
+ABSL_FLAG(uint64_t, memory_bytes, 0,
+          "Memory for a job's model state here: dense state, activations, expert cache, "
+          "gradient pool and update scratch (0: no bound; a job that does not fit fails)");
+ABSL_FLAG(std::string, scratch_dir, "",
+          "Directory for the gradients that wait beyond the gradient pool (an unlinked file; "
+          "default $TMPDIR or /tmp)");
 ABSL_FLAG(bool, standalone, false, "Train the job of --spec alone, in this process");
 ABSL_FLAG(std::string, spec, "", "Job spec (JSON) for --standalone");
 ABSL_FLAG(std::string, init, "", "Start from these weights (safetensors)");
@@ -63,6 +71,12 @@ absl::Status RunCluster() {
   }
   RETURN_IF_ERROR(pith::RegisterProcessMetrics(metrics, "worker"));
   options.cache_bytes = absl::GetFlag(FLAGS_cache_bytes);
+  options.memory_bytes = absl::GetFlag(FLAGS_memory_bytes);
+  options.scratch_dir = absl::GetFlag(FLAGS_scratch_dir);
+  if (options.scratch_dir.empty()) {
+    const char* tmp = std::getenv("TMPDIR");
+    options.scratch_dir = tmp != nullptr && *tmp != '\0' ? tmp : "/tmp";
+  }
   options.threads = absl::GetFlag(FLAGS_threads);
   options.loss_log = absl::GetFlag(FLAGS_loss_log);
   pith::ShutdownSignals signals;  // SIGTERM and SIGINT end the loop below cleanly
@@ -118,7 +132,7 @@ int main(int argc, char** argv) {
   pith::InitProcess(argc, argv,
                     "runs Pith training steps.\n"
                     "Usage: pith-worker --coordinator=HOST:PORT [--metrics_port=PORT "
-                    "--cache_bytes=N]\n"
+                    "--memory_bytes=N --cache_bytes=N --scratch_dir=DIR]\n"
                     "       pith-worker --standalone --spec=SPEC.json [--init=FILE] "
                     "[--export_init=FILE] [--steps=N] [--loss_log=FILE] [--save=FILE]");
   return pith::ExitStatus("pith-worker", Run());

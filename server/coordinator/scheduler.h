@@ -94,9 +94,10 @@ class Scheduler {
   // A running job's placement. NOT_FOUND for a job that is not running.
   absl::StatusOr<v1::PlacementTable> GetPlacement(const std::string& job_id)
       ABSL_LOCKS_EXCLUDED(mu_);
-  // A worker's report that it wrote (or failed to write) a step's versions.
-  // FAILED_PRECONDITION for a job that is not running, a worker not in it, or a step
-  // that is not the one in flight; ABORTED for an attempt that was aborted meanwhile.
+  // A worker's report that it wrote (or failed to write) a step's versions; a fatal
+  // failure fails the job (FailJob). FAILED_PRECONDITION for a job that is not running, a
+  // worker not in it, or a step that is not the one in flight; ABORTED for an attempt
+  // that was aborted meanwhile.
   absl::StatusOr<v1::StepStatus> ReportStepWritten(const v1::StepWrittenRequest& report)
       ABSL_LOCKS_EXCLUDED(mu_);
   // Waits until the step commits, its attempt is aborted, or `timeout` passes.
@@ -160,6 +161,10 @@ class Scheduler {
     std::vector<std::pair<std::string, int64_t>> commits;  // (job, step) to finish
   };
 
+  // A worker's fatal failure: the job fails with it (the next Tick releases its
+  // run). In step_commit.cc.
+  absl::StatusOr<v1::StepStatus> FailJob(const v1::StepWrittenRequest& report)
+      ABSL_LOCKS_EXCLUDED(mu_);
   // scheduler.cc: time, persistence, aborts, metrics.
   int64_t NowMs() const;
   // Assignment versions only ever grow, across jobs and coordinator restarts alike, so a

@@ -24,6 +24,7 @@ v1::StepStatus Scheduler::StatusLocked(const std::string& job_id, const Run& run
 }
 
 absl::StatusOr<v1::StepStatus> Scheduler::ReportStepWritten(const v1::StepWrittenRequest& r) {
+  if (!r.ok() && r.fatal()) return FailJob(r);
   std::vector<StoreCall> aborts;
   bool commit = false;
   {
@@ -96,6 +97,41 @@ absl::StatusOr<v1::StepStatus> Scheduler::ReportStepWritten(const v1::StepWritte
     status.set_aborted(true);
     status.set_abort_reason(it != runs_.end() ? it->second.abort_reason : r.failure());
   }
+  return status;
+}
+
+absl::StatusOr<v1::StepStatus> Scheduler::FailJob(const v1::StepWrittenRequest& r) {
+  {
+    absl::MutexLock lock(&mu_);
+    auto it = runs_.find(r.job_id());
+    const auto& workers = it != runs_.end() ? it->second.record.workers()
+                                            : google::protobuf::RepeatedPtrField<std::string>();
+    if (std::find(workers.begin(), workers.end(), r.worker_id()) == workers.end()) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("worker ", r.worker_id(), " is not training job ", r.job_id()));
+    }
+  }
+  const std::string reason = absl::StrCat("worker ", r.worker_id(), ": ", r.failure());
+  LOG(ERROR) << "job " << r.job_id() << " failed: " << reason;
+  RETURN_IF_ERROR(jobs_
+                      ->Update(r.job_id(),
+                               [&](v1::Job& j) -> absl::Status {
+                                 if (j.state() == v1::JOB_STATE_SUCCEEDED ||
+                                     j.state() == v1::JOB_STATE_FAILED) {
+                                   return absl::OkStatus();
+                                 }
+                                 j.set_state(v1::JOB_STATE_FAILED);
+                                 j.set_failure_reason(reason);
+                                 j.set_finished_unix_ms(NowMs());
+                                 return absl::OkStatus();
+                               })
+                      .status());
+  v1::StepStatus status;  // the next Tick releases the run
+  status.set_job_id(r.job_id());
+  status.set_step(r.step());
+  status.set_aborted(true);
+  status.set_abort_reason(reason);
+  status.set_job_ended(true);
   return status;
 }
 

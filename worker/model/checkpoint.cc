@@ -1,6 +1,7 @@
 #include "worker/model/checkpoint.h"
 
 #include <cstring>
+#include <functional>
 #include <vector>
 
 #include "absl/container/flat_hash_set.h"
@@ -33,10 +34,13 @@ TensorView ViewOf(const std::vector<float>& host, const ParamTensor& t) {
   return ViewOf(host.data(), t);
 }
 
-// Copies the tensors named prefix + <layout name> from `file` into a host arena.
+// Copies the tensors named prefix + <layout name> from `file` into a host arena (every
+// tensor at its offset), or those `want` picks into `host` at their offset less `base`.
 absl::Status ReadTensors(const ParamLayout& layout, const SafetensorsFile& file,
-                         const std::string& prefix, std::vector<float>* host) {
+                         const std::string& prefix, float* host, int64_t base = 0,
+                         const std::function<bool(const ParamTensor&)>& want = nullptr) {
   for (const ParamTensor& t : layout.tensors()) {
+    if (want && !want(t)) continue;
     const std::string name = prefix + t.name;
     absl::StatusOr<TensorView> v = file.Get(name);
     if (!v.ok()) return absl::InvalidArgumentError(absl::StrCat("missing tensor \"", name, "\""));
@@ -45,7 +49,7 @@ absl::Status ReadTensors(const ParamLayout& layout, const SafetensorsFile& file,
           absl::StrCat("tensor \"", name, "\" is ", DTypeName(v->dtype), " ", ShapeString(v->shape),
                        ", the model needs F32 ", ShapeString(t.shape)));
     }
-    std::memcpy(host->data() + t.offset, v->bytes.data(), v->bytes.size());
+    std::memcpy(host + (t.offset - base), v->bytes.data(), v->bytes.size());
   }
   return absl::OkStatus();
 }
@@ -78,9 +82,30 @@ absl::Status SaveWeights(compute::Backend& backend, const ParamLayout& layout, c
 absl::Status LoadWeights(compute::Backend& backend, const ParamLayout& layout,
                          const SafetensorsFile& file, float* arena) {
   std::vector<float> host(layout.total_floats());
-  RETURN_IF_ERROR(ReadTensors(layout, file, "", &host));
+  RETURN_IF_ERROR(ReadTensors(layout, file, "", host.data()));
   RETURN_IF_ERROR(CheckNoExtraTensors(layout, file, {""}));
   return backend.CopyToDevice(arena, host.data(), host.size() * sizeof(float));
+}
+
+absl::Status LoadDenseWeights(compute::Backend& backend, const ParamLayout& layout,
+                              const SafetensorsFile& file, float* arena) {
+  // Every tensor must be there (the experts' are read later, one at a time).
+  for (const ParamTensor& t : layout.tensors()) {
+    if (!file.Get(t.name).ok()) {
+      return absl::InvalidArgumentError(absl::StrCat("missing tensor \"", t.name, "\""));
+    }
+  }
+  RETURN_IF_ERROR(CheckNoExtraTensors(layout, file, {""}));
+  std::vector<float> host(layout.dense_floats());
+  RETURN_IF_ERROR(ReadTensors(layout, file, "", host.data(), 0,
+                              [](const ParamTensor& t) { return t.layer < 0; }));
+  return backend.CopyToDevice(arena, host.data(), host.size() * sizeof(float));
+}
+
+absl::Status ReadExpertWeights(const ParamLayout& layout, const SafetensorsFile& file, int layer,
+                               int expert, float* out) {
+  return ReadTensors(layout, file, "", out, layout.ExpertOffset(layer, expert),
+                     [&](const ParamTensor& t) { return t.layer == layer && t.expert == expert; });
 }
 
 absl::Status SaveOptimizer(compute::Backend& backend, const ParamLayout& layout,
@@ -101,8 +126,8 @@ absl::Status SaveOptimizer(compute::Backend& backend, const ParamLayout& layout,
 absl::StatusOr<int64_t> LoadOptimizer(compute::Backend& backend, const ParamLayout& layout,
                                       const SafetensorsFile& file, AdamWOptimizer& optimizer) {
   std::vector<float> m(layout.total_floats()), v(layout.total_floats());
-  RETURN_IF_ERROR(ReadTensors(layout, file, MomentM(), &m));
-  RETURN_IF_ERROR(ReadTensors(layout, file, MomentV(), &v));
+  RETURN_IF_ERROR(ReadTensors(layout, file, MomentM(), m.data()));
+  RETURN_IF_ERROR(ReadTensors(layout, file, MomentV(), v.data()));
   RETURN_IF_ERROR(CheckNoExtraTensors(layout, file, {MomentM(), MomentV()}));
   auto step_it = file.metadata().find(std::string(kSafetensorsStepKey));
   int64_t step = 0;

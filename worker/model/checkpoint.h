@@ -31,6 +31,15 @@ absl::Status SaveWeights(compute::Backend& backend, const ParamLayout& layout, c
 absl::Status LoadWeights(compute::Backend& backend, const ParamLayout& layout,
                          const SafetensorsFile& file, float* arena);
 
+// For a model with external experts: checks that a weights file holds exactly the
+// layout's tensors and loads the dense ones into `arena` (dense_floats).
+absl::Status LoadDenseWeights(compute::Backend& backend, const ParamLayout& layout,
+                              const SafetensorsFile& file, float* arena);
+// Copies the four tensors of expert (layer, expert) from a weights file into `out`
+// (expert_floats, host memory, w1 b1 w2 b2).
+absl::Status ReadExpertWeights(const ParamLayout& layout, const SafetensorsFile& file, int layer,
+                               int expert, float* out);
+
 // Writes the optimizer state after `step` steps.
 absl::Status SaveOptimizer(compute::Backend& backend, const ParamLayout& layout,
                            const AdamWOptimizer& optimizer, int64_t step, const std::string& path);

@@ -1,11 +1,10 @@
 #include "worker/model/moe_gpt.h"
 
-#include <cmath>
-#include <random>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
 #include "common/status.h"
+#include "worker/model/param_init.h"
 
 namespace pith::model {
 namespace {
@@ -42,17 +41,17 @@ class Carver {
 
 }  // namespace
 
-MoeGpt::MoeGpt(Backend* backend, const ModelShape& shape, int batch)
-    : backend_(backend), layout_(shape), batch_(batch) {
+MoeGpt::MoeGpt(Backend* backend, const ModelShape& shape, int batch, Experts experts)
+    : backend_(backend), layout_(shape), batch_(batch), experts_(experts) {
   router_.top_k = shape.top_k;
   router_.capacity_factor = shape.capacity_factor;
   router_.renormalize = shape.renormalize_topk;
 }
 
 absl::StatusOr<std::unique_ptr<MoeGpt>> MoeGpt::Create(Backend* backend, const ModelShape& shape,
-                                                       int batch) {
+                                                       int batch, Experts experts) {
   if (batch < 1) return absl::InvalidArgumentError("model batch must be >= 1");
-  std::unique_ptr<MoeGpt> model(new MoeGpt(backend, shape, batch));
+  std::unique_ptr<MoeGpt> model(new MoeGpt(backend, shape, batch, experts));
   RETURN_IF_ERROR(model->AllocateBuffers());
   return model;
 }
@@ -61,7 +60,7 @@ absl::Status MoeGpt::AllocateBuffers() {
   const ModelShape& s = shape();
   const int64_t N = int64_t{batch_} * s.seq, C = s.channels, E = s.experts, k = s.top_k;
   const int64_t F = s.hidden, V = s.vocab, A = N * k;
-  const int64_t param_bytes = layout_.total_floats() * int64_t{sizeof(float)};
+  const int64_t param_bytes = arena_floats() * int64_t{sizeof(float)};
   ASSIGN_OR_RETURN(params_, backend_->Allocate(param_bytes));
   ASSIGN_OR_RETURN(grads_, backend_->Allocate(param_bytes));
 
@@ -129,6 +128,7 @@ absl::Status MoeGpt::AllocateBuffers() {
   }
   host_losses_.assign(N, 0);
 
+  if (!local_experts()) return absl::OkStatus();
   for (int l = 0; l < s.layers; ++l) {
     for (int e = 0; e < s.experts; ++e) {
       const int64_t o = layout_.ExpertOffset(l, e);
@@ -141,28 +141,21 @@ absl::Status MoeGpt::AllocateBuffers() {
   return absl::OkStatus();
 }
 
+int64_t MoeGpt::arena_floats() const {
+  return local_experts() ? layout_.total_floats() : layout_.dense_floats();
+}
+
+int64_t MoeGpt::activation_bytes() const {
+  return static_cast<int64_t>(acts_.bytes() + scratch_.bytes() + tokens_.bytes());
+}
+
 absl::Status MoeGpt::InitWeights(uint64_t seed) {
-  const ModelShape& s = shape();
-  std::vector<float> host(layout_.total_floats(), 0.0f);
-  std::mt19937_64 rng(seed);
-  // Box-Muller on 53-bit uniforms: the same numbers on every platform for a seed.
-  auto normal = [&rng]() {
-    const double u1 = (static_cast<double>(rng() >> 11) + 1.0) * 0x1.0p-53;
-    const double u2 = static_cast<double>(rng() >> 11) * 0x1.0p-53;
-    return std::sqrt(-2.0 * std::log(u1)) * std::cos(2.0 * M_PI * u2);
-  };
-  const double residual_scale = 1.0 / std::sqrt(2.0 * s.layers);
-  for (const ParamTensor& t : layout_.tensors()) {
-    float* p = host.data() + t.offset;
-    const bool is_ln_weight =
-        t.name.ends_with("ln1.w") || t.name.ends_with("ln2.w") || t.name == "ln_f.w";
-    if (is_ln_weight) {
-      std::fill(p, p + t.numel, 1.0f);
-    } else if (t.shape.size() == 2) {
-      const bool residual_out = t.name.ends_with("attn.o.w") || t.name.ends_with(".w2");
-      const double stddev = 0.02 * (residual_out ? residual_scale : 1.0);
-      for (int64_t i = 0; i < t.numel; ++i) p[i] = static_cast<float>(normal() * stddev);
-    }  // biases and LayerNorm betas stay 0
+  std::vector<float> host(arena_floats(), 0.0f);
+  ParamInit init(layout_, seed);
+  const std::vector<ParamTensor>& tensors = layout_.tensors();
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    if (tensors[i].offset >= arena_floats()) break;  // experts held elsewhere
+    init.Fill(static_cast<int>(i), host.data() + tensors[i].offset);
   }
   return backend_->CopyToDevice(params(), host.data(), host.size() * sizeof(float));
 }
@@ -177,6 +170,9 @@ compute::RoutingBuffers MoeGpt::Routing(int l) {
 absl::Status MoeGpt::Forward(const int32_t* tokens) {
   const ModelShape& s = shape();
   const int N = batch_ * s.seq, C = s.channels, E = s.experts, F = s.hidden;
+  if (parallel_ == nullptr && !local_experts()) {
+    return absl::FailedPreconditionError("a model with external experts needs an ExpertParallel");
+  }
   Backend& b = *backend_;
   const float* p = params();
   b.Embedding(residual_[0], tokens, p + layout_.wte(), p + layout_.wpe(), batch_, s.seq, C);
@@ -281,7 +277,7 @@ absl::StatusOr<StepLoss> MoeGpt::ForwardBackward(const int32_t* inputs, const in
   b.Zero(grads(), sizeof(float) * layout_.dense_floats());
   RETURN_IF_ERROR(Forward(inputs_dev_));
   if (parallel_ != nullptr) RETURN_IF_ERROR(parallel_->BeforeBackward());
-  for (int l = 0; l < s.layers; ++l) {
+  for (int l = 0; l < s.layers && local_experts(); ++l) {
     for (int e = 0; e < E; ++e) {
       if (parallel_ == nullptr || parallel_->Computes(l, e)) {
         b.Zero(grads() + layout_.ExpertOffset(l, e), sizeof(float) * s.expert_floats());

@@ -55,23 +55,35 @@ class ExpertParallel {
   virtual void RoutingKnown() {}
 };
 
+// Where a model's expert parameters live. kLocal: in its own arenas, beside the dense
+// ones (training alone, inference). kExternal: elsewhere (a cluster worker's cache slots
+// and gradient pool): the model holds the dense tensors only, and an ExpertParallel
+// computes every expert.
+enum class Experts { kLocal, kExternal };
+
 class MoeGpt {
  public:
   // A model for `batch` rows of `shape.seq` tokens per step.
   static absl::StatusOr<std::unique_ptr<MoeGpt>> Create(compute::Backend* backend,
-                                                        const ModelShape& shape, int batch);
+                                                        const ModelShape& shape, int batch,
+                                                        Experts experts = Experts::kLocal);
 
   const ParamLayout& layout() const { return layout_; }
   const ModelShape& shape() const { return layout_.shape(); }
   int batch() const { return batch_; }
   compute::Backend* backend() const { return backend_; }
 
-  // The parameter and gradient arenas (device memory, ParamLayout offsets).
+  // The parameter and gradient arenas (device memory, ParamLayout offsets): every tensor
+  // with local experts, the dense ones (the first dense_floats) with external experts.
   float* params() const { return params_.f32(); }
   float* grads() const { return grads_.f32(); }
+  bool local_experts() const { return experts_ == Experts::kLocal; }
+  // Floats in each of the two arenas.
+  int64_t arena_floats() const;
+  // Bytes of activations and backward scratch (what a step needs besides the arenas).
+  int64_t activation_bytes() const;
 
-  // Seeded init of DESIGN §3: normal(0, 0.02); attn.o.w and the experts' w2 scaled by
-  // 1/sqrt(2L); biases and LayerNorm betas 0, LayerNorm gammas 1.
+  // Seeded init of DESIGN §3 (ParamInit) of the tensors held here.
   absl::Status InitWeights(uint64_t seed);
 
   // Zeroes the gradients, runs forward and backward over inputs/targets [batch, T] (host
@@ -92,12 +104,15 @@ class MoeGpt {
   // Runs the experts through `parallel` (not owned; null: here) from the next step on.
   void SetExpertParallel(ExpertParallel* parallel) { parallel_ = parallel; }
 
-  // Expert weights and gradients of one layer, for an ExpertParallel that computes here.
+  // Expert weights and gradients of one layer, for an ExpertParallel that computes here
+  // (local experts only: empty spans otherwise).
   absl::Span<const compute::ExpertWeights> expert_weights(int layer) const {
+    if (expert_weights_.empty()) return {};
     return {expert_weights_.data() + int64_t{layer} * shape().experts,
             static_cast<size_t>(shape().experts)};
   }
   absl::Span<const compute::ExpertGrads> expert_grads(int layer) const {
+    if (expert_grads_.empty()) return {};
     return {expert_grads_.data() + int64_t{layer} * shape().experts,
             static_cast<size_t>(shape().experts)};
   }
@@ -125,7 +140,7 @@ class MoeGpt {
     std::vector<float> lse;
   };
 
-  MoeGpt(compute::Backend* backend, const ModelShape& shape, int batch);
+  MoeGpt(compute::Backend* backend, const ModelShape& shape, int batch, Experts experts);
   absl::Status AllocateBuffers();
   compute::RoutingBuffers Routing(int l);
   absl::Status Forward(const int32_t* tokens);
@@ -134,6 +149,7 @@ class MoeGpt {
   compute::Backend* backend_;
   ParamLayout layout_;
   int batch_;
+  Experts experts_;
   compute::RouterConfig router_;
 
   compute::DeviceBuffer params_, grads_, acts_, scratch_, tokens_;

@@ -30,9 +30,11 @@ double LearningRate(const OptimizerConfig& c, int64_t step) {
 }
 
 absl::StatusOr<std::unique_ptr<AdamWOptimizer>> AdamWOptimizer::Create(
-    compute::Backend* backend, const ParamLayout& layout, const OptimizerConfig& config) {
-  std::unique_ptr<AdamWOptimizer> opt(new AdamWOptimizer(backend, layout, config));
-  const int64_t bytes = layout.total_floats() * int64_t{sizeof(float)};
+    compute::Backend* backend, const ParamLayout& layout, const OptimizerConfig& config,
+    bool dense_only) {
+  std::unique_ptr<AdamWOptimizer> opt(new AdamWOptimizer(backend, layout, config, dense_only));
+  const int64_t floats = dense_only ? layout.dense_floats() : layout.total_floats();
+  const int64_t bytes = floats * int64_t{sizeof(float)};
   ASSIGN_OR_RETURN(opt->m_, backend->Allocate(bytes));
   ASSIGN_OR_RETURN(opt->v_, backend->Allocate(bytes));
   opt->counts_.assign(layout.tensors().size(), 0);
@@ -47,7 +49,7 @@ OptimizerStep AdamWOptimizer::Step(float* params, float* grads, int64_t step,
 double AdamWOptimizer::LocalSumOfSquares(const float* grads, const HasGrad& has_grad) {
   double sum_sq = 0;
   for (const ParamTensor& t : layout_.tensors()) {
-    if (has_grad(t)) sum_sq += backend_->SumOfSquares(grads + t.offset, t.numel);
+    if (Updates(t, has_grad)) sum_sq += backend_->SumOfSquares(grads + t.offset, t.numel);
   }
   return sum_sq;
 }
@@ -63,13 +65,15 @@ OptimizerStep AdamWOptimizer::Apply(float* params, float* grads, int64_t step,
     const double coef = config_.grad_clip / (out.grad_norm + 1e-6);
     if (coef < 1.0) {
       for (const ParamTensor& t : tensors) {
-        if (has_grad(t)) backend_->Scale(grads + t.offset, static_cast<float>(coef), t.numel);
+        if (Updates(t, has_grad)) {
+          backend_->Scale(grads + t.offset, static_cast<float>(coef), t.numel);
+        }
       }
     }
   }
   for (size_t i = 0; i < tensors.size(); ++i) {
     const ParamTensor& t = tensors[i];
-    if (!has_grad(t)) continue;
+    if (!Updates(t, has_grad)) continue;
     backend_->AdamW(params + t.offset, grads + t.offset, m() + t.offset, v() + t.offset, t.numel,
                     static_cast<float>(out.lr), static_cast<float>(config_.beta1),
                     static_cast<float>(config_.beta2), static_cast<float>(config_.eps),

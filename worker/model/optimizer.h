@@ -45,9 +45,13 @@ struct OptimizerStep {
 
 class AdamWOptimizer {
  public:
+  // Moments for every tensor of `layout`, or with `dense_only` for the dense ones (the
+  // first dense_floats; a cluster worker's experts are updated by its ExpertUpdater, their
+  // moments in the stores): expert tensors are then never read, whatever has_grad says.
   static absl::StatusOr<std::unique_ptr<AdamWOptimizer>> Create(compute::Backend* backend,
                                                                 const ParamLayout& layout,
-                                                                const OptimizerConfig& config);
+                                                                const OptimizerConfig& config,
+                                                                bool dense_only = false);
 
   // Clips the gradients of the tensors with a gradient by their global norm, then applies
   // AdamW to them with the learning rate of `step` (from 0) and advances their counts.
@@ -69,12 +73,17 @@ class AdamWOptimizer {
 
  private:
   AdamWOptimizer(compute::Backend* backend, const ParamLayout& layout,
-                 const OptimizerConfig& config)
-      : backend_(backend), layout_(layout), config_(config) {}
+                 const OptimizerConfig& config, bool dense_only)
+      : backend_(backend), layout_(layout), config_(config), dense_only_(dense_only) {}
+  // Whether tensor t has a gradient here this step and moments in this optimizer.
+  bool Updates(const ParamTensor& t, const HasGrad& has_grad) const {
+    return (!dense_only_ || t.layer < 0) && has_grad(t);
+  }
 
   compute::Backend* backend_;
   const ParamLayout& layout_;
   OptimizerConfig config_;
+  bool dense_only_;
   compute::DeviceBuffer m_, v_;
   std::vector<int64_t> counts_;
 };

@@ -27,11 +27,15 @@
 #include "worker/model/checkpoint.h"
 #include "worker/model/moe_gpt.h"
 #include "worker/model/optimizer.h"
+#include "worker/model/param_init.h"
 #include "worker/runtime/coordinator_link.h"
 #include "worker/runtime/dispatch.h"
 #include "worker/runtime/expert_cache.h"
+#include "worker/runtime/expert_gradients.h"
 #include "worker/runtime/expert_updater.h"
+#include "worker/runtime/grad_pool.h"
 #include "worker/runtime/heat_report.h"
+#include "worker/runtime/memory_plan.h"
 #include "worker/runtime/peer_channels.h"
 #include "worker/runtime/peer_group.h"
 #include "worker/runtime/step_loop.h"
@@ -72,7 +76,9 @@ class JobRun : public StepDriver {
   absl::Status Run(const std::atomic<bool>& stop) {
     absl::Status s = Setup();
     if (!s.ok()) {
-      ReportFailure(a_.committed_step(), s);
+      // The step it could not set up for: the one after the committed one.
+      link_->ReportFailure(job_id_, a_.assignment_version(), a_.committed_step() + 1, s,
+                           /*fatal=*/!fits_);
       return s;
     }
     watch_ = std::make_unique<AbortWatch>(
@@ -91,20 +97,33 @@ class JobRun : public StepDriver {
       return absl::FailedPreconditionError(
           absl::StrCat("global batch ", B, " has no rows for rank ", a_.rank(), " of ", W));
     }
+    // The dense tensors only: the experts live in the cache, the gradient pool and the
+    // stores (memory_plan.h).
     ASSIGN_OR_RETURN(model_,
-                     model::MoeGpt::Create(&backend_, shape_, static_cast<int>(rows_.size())));
+                     model::MoeGpt::Create(&backend_, shape_, static_cast<int>(rows_.size()),
+                                           model::Experts::kExternal));
     ASSIGN_OR_RETURN(optimizer_,
                      model::AdamWOptimizer::Create(&backend_, model_->layout(),
-                                                   model::OptimizerConfig::FromSpec(spec.train())));
+                                                   model::OptimizerConfig::FromSpec(spec.train()),
+                                                   /*dense_only=*/true));
     std::vector<std::string> addresses;
     for (const v1::MemberInfo& p : a_.peers()) addresses.push_back(p.ucx_address());
     RETURN_IF_ERROR(peers_->Join(a_.rank(), addresses, a_.assignment_version()));
     DealDense();
     store_io_ = std::make_unique<StoreIo>(client_, metrics_, job_id_, shape_.experts);
     RETURN_IF_ERROR(ApplyPlacement());
+    absl::StatusOr<MemoryPlan> plan =
+        PlanMemory(MemoryNeeds(static_cast<int>(owned_.size()), static_cast<int>(updated_.size())));
+    fits_ = plan.ok();
+    RETURN_IF_ERROR(plan.status());
+    plan_ = *plan;
+    ReportMemory();
+    ASSIGN_OR_RETURN(
+        grads_, GradPool::Create(shape_.expert_floats(), plan_.grad_buffers, options_.scratch_dir));
+    dispatch_->SetGradPool(grads_.get());
     // The expert cache, in registered memory.
     const size_t slot_bytes = shape_.expert_floats() * sizeof(float);
-    const int slots = CacheSlots(static_cast<int>(owned_.size()));
+    const int slots = plan_.cache_slots;
     ASSIGN_OR_RETURN(std::unique_ptr<ucx::MemoryRegion> slot_memory,
                      client_->AllocateBuffer(slot_bytes * slots));
     store_io_->SetRegion(Region::kSlots, slot_memory->data(), slot_bytes * slots,
@@ -119,15 +138,16 @@ class JobRun : public StepDriver {
     dispatch_->SetCache(cache_.get());
     updater_ = std::make_unique<ExpertUpdater>(
         ExpertUpdater::Deps{job_id_, store_io_.get(), cache_.get(), &model_->layout(),
-                            &optimizer_->config(), model_->grads(), &backend_, &update_backend_});
-    RETURN_IF_ERROR(updater_->SetUp(updated_, owned_.size(), CacheBudget()));
+                            &optimizer_->config(), grads_.get(), &backend_, &update_backend_});
+    RETURN_IF_ERROR(updater_->SetUp(updated_, plan_.moments));
     ASSIGN_OR_RETURN(dataset_, data::TokenDataset::Open(spec.train().data_path(), shape_.vocab));
     inputs_.resize(rows_.size() * shape_.seq);
     targets_.resize(rows_.size() * shape_.seq);
     zeros_.assign(std::max<int64_t>(shape_.expert_floats(), LargestDense()), 0.0f);
     LOG(INFO) << "job " << a_.job_id() << ": rank " << a_.rank() << " of " << W << ", "
               << rows_.size() << " rows per step, " << owned_.size() << " experts computed ("
-              << updated_.size() << " updated), " << slots << " cache slots, placement epoch "
+              << updated_.size() << " updated), " << slots << " cache slots, " << plan_.grad_buffers
+              << " gradient buffers, " << plan_.total() << " bytes planned, placement epoch "
               << a_.placement().epoch();
     return absl::OkStatus();
   }
@@ -162,6 +182,7 @@ class JobRun : public StepDriver {
     dispatch_ = std::make_unique<Dispatch>(&backend_, model_.get(), peers_, std::move(owners));
     model_->SetExpertParallel(dispatch_.get());
     if (cache_ != nullptr) dispatch_->SetCache(cache_.get());
+    if (grads_ != nullptr) dispatch_->SetGradPool(grads_.get());
     dispatch_->SetRoutingKnown([this] { OnRoutingKnown(); });
     owned_.clear();
     updated_.clear();
@@ -188,9 +209,13 @@ class JobRun : public StepDriver {
              next.peers(i).ucx_address() == a_.peers(i).ucx_address();
     }
     if (!same) return false;
-    // The cache keeps its slots: a worker that would want more (it computes more experts
-    // now, and its budget allows) starts over instead.
-    if (!CacheFits(next)) return false;
+    // The cache and the gradient pool keep their buffers: a worker that would want more
+    // (it computes more experts now, and its budget allows) starts over instead.
+    absl::StatusOr<MemoryPlan> plan = PlanFor(next);
+    if (!plan.ok() || plan->cache_slots > cache_->slots() ||
+        plan->grad_buffers > grads_->buffers()) {
+      return false;
+    }
     // A cached expert is current only if this worker made its last update (it was its
     // primary); the others may have moved on.
     for (int l = 0; l < shape_.layers; ++l) {
@@ -203,39 +228,44 @@ class JobRun : public StepDriver {
     watch_->SetVersion(a_.assignment_version());
     RETURN_IF_ERROR(ApplyPlacement());
     // The experts updated here changed: their moments come from the stores.
-    RETURN_IF_ERROR(updater_->SetUp(updated_, owned_.size(), CacheBudget()));
+    plan_.moments = plan->moments;
+    RETURN_IF_ERROR(updater_->SetUp(updated_, plan_.moments));
     LOG(INFO) << "job " << a_.job_id() << ": placement epoch " << a_.placement().epoch()
               << " adopted in place (" << owned_.size() << " experts computed, " << updated_.size()
               << " updated)";
     return true;
   }
 
-  // Whether the cache has the slots Setup would give `next`'s placement (or more).
-  bool CacheFits(const v1::Assignment& next) const {
-    int owned = 0;
+  // What this job needs here with `owned` experts computed and `updated` updated.
+  MemoryInput MemoryNeeds(int owned, int updated) const {
+    MemoryInput in;
+    in.memory_bytes = options_.memory_bytes;
+    in.cache_bytes = a_.spec().cluster().cache_bytes() > 0
+                         ? static_cast<uint64_t>(a_.spec().cluster().cache_bytes())
+                         : options_.cache_bytes;
+    in.dense_bytes = 4 * model_->layout().dense_floats() * sizeof(float);
+    in.activation_bytes = static_cast<uint64_t>(model_->activation_bytes());
+    in.expert_bytes = shape_.expert_floats() * sizeof(float);
+    in.owned = owned;
+    in.updated = updated;
+    return in;
+  }
+  // The plan for `next`'s placement.
+  absl::StatusOr<MemoryPlan> PlanFor(const v1::Assignment& next) const {
+    int owned = 0, updated = 0;
     for (const v1::ExpertPlacement& e : next.placement().experts()) {
-      for (const v1::ComputeOwner& o : e.owners())
-        owned += e.layer() >= 0 && o.rank() == next.rank();
+      if (e.layer() < 0) continue;
+      for (const v1::ComputeOwner& o : e.owners()) owned += o.rank() == next.rank();
+      updated += e.owners_size() > 0 && e.owners(0).rank() == next.rank();
     }
-    return CacheSlots(owned) <= cache_->slots();
+    return PlanMemory(MemoryNeeds(owned, updated));
   }
-
-  // Cache slots for `owned` experts: --cache_bytes of them (all owned experts, plus one,
-  // when 0), two at least.
-  int CacheSlots(int owned) const {
-    const size_t slot_bytes = shape_.expert_floats() * sizeof(float);
-    const uint64_t budget = CacheBudget();
-    int slots = owned + 1;
-    if (budget > 0) slots = std::min<int64_t>(slots, static_cast<int64_t>(budget / slot_bytes));
-    return std::max(slots, 2);
-  }
-
-  // The job's cache budget (cluster.cache_bytes) when it sets one, else this worker's; 0:
-  // none.
-  uint64_t CacheBudget() const {
-    return a_.spec().cluster().cache_bytes() > 0
-               ? static_cast<uint64_t>(a_.spec().cluster().cache_bytes())
-               : options_.cache_bytes;
+  void ReportMemory() const {
+    metrics_->memory_dense->Set(static_cast<double>(plan_.dense_bytes));
+    metrics_->memory_activations->Set(static_cast<double>(plan_.activation_bytes));
+    metrics_->memory_cache->Set(static_cast<double>(plan_.cache_bytes));
+    metrics_->memory_gradients->Set(static_cast<double>(plan_.gradient_bytes));
+    metrics_->memory_moments->Set(static_cast<double>(plan_.moment_bytes));
   }
 
   int64_t LargestDense() const {
@@ -288,19 +318,55 @@ class JobRun : public StepDriver {
   }
   void ClearPending() override { store_io_->ClearPending(); }
 
-  // Step 0: every worker builds the same initial weights and writes its share of the
-  // dense tensors and the experts it owns, with zero moments and counts.
+  // Step 0: every worker builds the same initial weights (ParamInit's stream, or the
+  // init file) and writes its share of the dense tensors and the experts it owns, with
+  // zero moments and counts.
   absl::Status WriteInitial() override {
     const std::string& init = a_.spec().train().init_path();
+    std::optional<SafetensorsFile> file;
     if (!init.empty()) {
-      ASSIGN_OR_RETURN(SafetensorsFile file, SafetensorsFile::Read(init));
-      RETURN_IF_ERROR(model::LoadWeights(backend_, model_->layout(), file, model_->params()));
+      ASSIGN_OR_RETURN(file, SafetensorsFile::Read(init));
+      RETURN_IF_ERROR(model::LoadDenseWeights(backend_, model_->layout(), *file, model_->params()));
     } else {
       RETURN_IF_ERROR(model_->InitWeights(a_.spec().train().seed()));
     }
     store_io_->ClearWritten();
-    RETURN_IF_ERROR(WriteOwned(0, /*all_experts=*/true));
+    RETURN_IF_ERROR(WriteDense(0));
+    RETURN_IF_ERROR(WriteInitialExperts(file ? &*file : nullptr));
     return Report(0, model::StepLoss(), 0);
+  }
+
+  // Step 0's experts owned here, made and written a few at a time (with the dense writes
+  // queued before them): a worker never holds more than kInitialBatch of them.
+  absl::Status WriteInitialExperts(const SafetensorsFile* file) {
+    constexpr int kInitialBatch = 8;
+    const model::ParamLayout& layout = model_->layout();
+    model::ParamInit init(layout, a_.spec().train().seed());
+    const int64_t floats = shape_.expert_floats();
+    std::vector<float> weights(kInitialBatch * floats);
+    static constexpr int64_t kZeroCount = 0;
+    int queued = 0;
+    for (int l = 0; l < shape_.layers; ++l) {
+      for (int e = 0; e < shape_.experts; ++e) {
+        if (!Owns(l, e)) continue;
+        float* w = weights.data() + queued * floats;
+        if (file != nullptr) {
+          RETURN_IF_ERROR(model::ReadExpertWeights(layout, *file, l, e, w));
+        } else {
+          init.FillExpert(l, e, w);
+        }
+        const std::vector<std::string> stores = store_io_->WriteStores({l, e});
+        RETURN_IF_ERROR(PutParams(stores, l, e, "", 0, w, zeros_.data(), zeros_.data(),
+                                  floats * sizeof(float)));
+        RETURN_IF_ERROR(store_io_->Put(stores, Key(l, e, "", v1::BLOB_KIND_STATE), 0, &kZeroCount,
+                                       sizeof(int64_t), puts_));
+        if (++queued == kInitialBatch) {
+          RETURN_IF_ERROR(store_io_->Flush(puts_));
+          queued = 0;
+        }
+      }
+    }
+    return store_io_->Flush(puts_);
   }
 
   // Queues one blob's four versions (weights, master, moments) for `stores`.
@@ -316,46 +382,20 @@ class JobRun : public StepDriver {
     return absl::OkStatus();
   }
 
-  // Writes version `version` of what this worker updates: its share of the dense tensors
-  // and its experts (all of them, or those that got tokens).
-  absl::Status WriteOwned(int64_t version, bool all_experts) {
-    const model::ParamLayout& layout = model_->layout();
+  // Queues version `version` of this worker's share of the dense tensors (their moments
+  // zero at step 0); they go with the next flush (the experts' first).
+  absl::Status WriteDense(int64_t version) {
     const float* p = model_->params();
     const float* m = version == 0 ? zeros_.data() : optimizer_->m();
     const float* v = version == 0 ? zeros_.data() : optimizer_->v();
     const std::vector<std::string> dense_stores = store_io_->WriteStores(kDenseGroup);
-    for (const model::ParamTensor& t : layout.tensors()) {
+    for (const model::ParamTensor& t : model_->layout().tensors()) {
       if (!DenseHere(t)) continue;
       const int64_t o = version == 0 ? 0 : t.offset;
       RETURN_IF_ERROR(PutParams(dense_stores, -1, 0, t.name, version, p + t.offset, m + o, v + o,
                                 t.numel * sizeof(float)));
     }
-    // Training steps write experts as they update them; their first flush sends these too.
-    if (!all_experts) return absl::OkStatus();
-    const size_t bytes = shape_.expert_floats() * sizeof(float);
-    for (int l = 0; l < shape_.layers; ++l) {
-      for (int e = 0; e < shape_.experts; ++e) {
-        if (!Owns(l, e)) continue;
-        const int64_t off = layout.ExpertOffset(l, e);
-        const int64_t o = version == 0 ? 0 : off;
-        RETURN_IF_ERROR(PutParams(store_io_->WriteStores({l, e}), l, e, "", version, p + off, m + o,
-                                  v + o, bytes));
-        counts_scratch_.push_back(optimizer_->update_counts()[layout.ExpertTensorIndex(l, e)]);
-      }
-    }
-    // The counts' addresses are stable once they are all in place.
-    size_t next = 0;
-    for (int l = 0; l < shape_.layers; ++l) {
-      for (int e = 0; e < shape_.experts; ++e) {
-        if (!Owns(l, e)) continue;
-        RETURN_IF_ERROR(store_io_->Put(store_io_->WriteStores({l, e}),
-                                       Key(l, e, "", v1::BLOB_KIND_STATE), version,
-                                       &counts_scratch_[next++], sizeof(int64_t), puts_));
-      }
-    }
-    absl::Status flushed = store_io_->Flush(puts_);
-    counts_scratch_.clear();
-    return flushed;
+    return absl::OkStatus();
   }
 
   // Rebuilds this worker's state from the committed step in the stores: the dense
@@ -442,14 +482,18 @@ class JobRun : public StepDriver {
       dataset_->Row((s - 1) * B + rows_[j], T, inputs_.data() + j * T, targets_.data() + j * T);
     }
     ASSIGN_OR_RETURN(computed_loss_, model_->ForwardBackward(inputs_.data(), targets_.data(), B));
-    RETURN_IF_ERROR(ReduceReplicaGradients(s));
+    const ExpertGradients gradients{
+        grads_.get(), &model_->layout(), &owners_,
+        &primary_,    a_.rank(),         [this](int l, int e) {
+                                      return model_->ExpertUsed(l, e); }};
+    RETURN_IF_ERROR(gradients.ReduceReplicas(*peers_, s, owned_));
     RETURN_IF_ERROR(peers_->AllReduceSum(model_->grads(), model_->layout().dense_floats(),
                                          channels::DenseGradients(s)));
-    const model::HasGrad has_grad = [&](const model::ParamTensor& t) {
-      return t.layer < 0 ? DenseHere(t)
-                         : Owns(t.layer, t.expert) && model_->ExpertUsed(t.layer, t.expert);
-    };
-    double sum_sq = optimizer_->LocalSumOfSquares(model_->grads(), has_grad);
+    // The dense tensors dealt here, then the experts updated here that got tokens, in
+    // layout order.
+    const double dense_sq = optimizer_->LocalSumOfSquares(
+        model_->grads(), [&](const model::ParamTensor& t) { return DenseHere(t); });
+    ASSIGN_OR_RETURN(double sum_sq, gradients.AddSumOfSquares(backend_, dense_sq, updated_));
     RETURN_IF_ERROR(peers_->AllReduceSum(&sum_sq, 1, channels::GradNorm(s)));
     grad_norm_ = std::sqrt(sum_sq);
     return absl::OkStatus();
@@ -471,7 +515,7 @@ class JobRun : public StepDriver {
     RETURN_IF_ERROR(backend_.Synchronize());  // the dense puts read what it wrote
     store_io_->ClearWritten();                // the step's writes have all ended (Finish)
     const Overlap overlap = OverlapWrites();
-    RETURN_IF_ERROR(WriteOwned(s, /*all_experts=*/false));
+    RETURN_IF_ERROR(WriteDense(s));
     metrics_->tokens->Increment(static_cast<double>(rows_.size() * T));
     metrics_->rows_sent->Increment(static_cast<double>(dispatch_->rows_sent()));
     // The experts this step updates: its routing, read before the next step's forward.
@@ -545,49 +589,12 @@ class JobRun : public StepDriver {
     metrics_->misses->Increment(static_cast<double>(step_misses_));
     metrics_->prefetch_hits->Increment(
         static_cast<double>(after.prefetch_hits - before.prefetch_hits));
+    const uint64_t spills = grads_->stats().spills;
+    metrics_->gradient_spills->Increment(static_cast<double>(spills - observed_spills_));
+    observed_spills_ = spills;
     metrics_->resident->Set(static_cast<double>(after.resident_bytes));
     metrics_->step_seconds->Observe(
         std::chrono::duration<double>(std::chrono::steady_clock::now() - tail.start).count());
-  }
-
-  // Experts computed by several workers (hot ones): their gradients are summed at the
-  // primary owner, in rank order (the same bits every run); the others' copies are zeroed.
-  absl::Status ReduceReplicaGradients(int64_t s) {
-    const int64_t floats = shape_.expert_floats();
-    std::vector<float> sum(floats);
-    for (const Expert& x : owned_) {
-      const auto [l, e] = x;
-      const ExpertOwners& owners = owners_[l][e];
-      if (owners.size() < 2 || !model_->ExpertUsed(l, e)) continue;
-      float* g = model_->grads() + model_->layout().ExpertOffset(l, e);
-      const uint64_t tag = channels::ReplicaGradient(s, l * shape_.experts + e);
-      const int primary = primary_[l][e];
-      if (primary != a_.rank()) {
-        RETURN_IF_ERROR(peers_->Send(
-            primary, tag, std::string(reinterpret_cast<const char*>(g), floats * sizeof(float))));
-        std::fill(g, g + floats, 0.0f);
-        continue;
-      }
-      std::vector<int> ranks;
-      for (const auto& [rank, share] : owners) ranks.push_back(rank);
-      std::sort(ranks.begin(), ranks.end());
-      std::fill(sum.begin(), sum.end(), 0.0f);
-      for (int rank : ranks) {
-        const float* part = g;
-        std::string got;
-        if (rank != a_.rank()) {
-          ASSIGN_OR_RETURN(got, peers_->Receive(rank, tag));
-          if (got.size() != floats * sizeof(float)) {
-            return absl::DataLossError(
-                absl::StrCat("replica gradient from rank ", rank, " has ", got.size(), " bytes"));
-          }
-          part = reinterpret_cast<const float*>(got.data());
-        }
-        for (int64_t i = 0; i < floats; ++i) sum[i] += part[i];
-      }
-      std::copy(sum.begin(), sum.end(), g);
-    }
-    return absl::OkStatus();
   }
 
   absl::Status Report(int64_t s, const model::StepLoss& loss, uint64_t tokens) {
@@ -698,7 +705,8 @@ class JobRun : public StepDriver {
   // does not touch these); Finish waits for them before anything else does.
   model::StepLoss last_loss_;
   double lr_ = 0;
-  ExpertCache::Stats observed_;  // the cache's stats at the last ObserveStep
+  ExpertCache::Stats observed_;   // the cache's stats at the last ObserveStep
+  uint64_t observed_spills_ = 0;  // the gradient pool's, likewise
   uint64_t step_hits_ = 0, step_misses_ = 0;
   std::map<int64_t, int> dense_rank_;  // dense tensor (by offset) -> the rank writing it
   // Between Compute and Write of a step.
@@ -710,12 +718,15 @@ class JobRun : public StepDriver {
   std::vector<std::vector<int>> primary_;  // [layer][expert] -> primary owner's rank
   std::vector<std::vector<ExpertOwners>> owners_;
   PutQueue puts_;  // this step's writes queued here, handed to the updater (Write)
-  std::vector<int64_t> counts_scratch_;
   // [layer * E + expert]: the expert got tokens in the last step computed (OnRoutingKnown);
   // empty before the first.
   std::vector<uint8_t> last_used_;
+  MemoryPlan plan_;   // Setup's (Adopt changes its moments)
+  bool fits_ = true;  // false: the job does not fit the memory budget (a fatal failure)
   // Thread-safe parts, in the order they must be destroyed in reverse: the cache's
-  // prefetch thread and the updater's threads use the store I/O, the updater the cache.
+  // prefetch thread and the updater's threads use the store I/O, the updater the cache
+  // and the gradient pool.
+  std::unique_ptr<GradPool> grads_;
   std::unique_ptr<StoreIo> store_io_;
   std::unique_ptr<ExpertCache> cache_;
   std::unique_ptr<ExpertUpdater> updater_;
@@ -738,7 +749,7 @@ absl::Status RunClusterWorker(const ClusterWorkerOptions& options, MetricsRegist
   self.set_role(v1::MEMBER_ROLE_WORKER);
   self.set_grpc_address(options.listen);
   self.set_ucx_address(peers->address());
-  self.set_capacity_bytes(options.cache_bytes);
+  self.set_capacity_bytes(options.memory_bytes > 0 ? options.memory_bytes : options.cache_bytes);
   self.set_backend(v1::BACKEND_CPU);
   ASSIGN_OR_RETURN(std::unique_ptr<MemberAgent> agent,
                    MemberAgent::Start(options.coordinator, self, [](v1::MemberInfo*) {}));

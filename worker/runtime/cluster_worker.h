@@ -29,6 +29,8 @@ struct ClusterWorkerOptions {
   std::string listen;           // advertised gRPC address (host:port)
   std::string metrics_address;  // advertised /metrics address, if any
   uint64_t cache_bytes = 0;     // expert cache budget (advertised; 0: unlimited)
+  uint64_t memory_bytes = 0;    // the job's whole memory here (memory_plan.h; 0: none)
+  std::string scratch_dir;      // where gradients beyond the pool wait (GradPool)
   int threads = 0;              // CPU backend threads; 0 = one per core
   std::string loss_log;         // "<step> <loss> <ce>" per committed step (rank 0 only)
 };

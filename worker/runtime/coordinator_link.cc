@@ -36,7 +36,7 @@ absl::Status CoordinatorLink::ReportStepWritten(v1::StepWrittenRequest request) 
 }
 
 void CoordinatorLink::ReportFailure(const std::string& job_id, int64_t assignment_version,
-                                    int64_t step, const absl::Status& why) {
+                                    int64_t step, const absl::Status& why, bool fatal) {
   v1::StepWrittenRequest r;
   r.set_job_id(job_id);
   r.set_worker_id(worker_id_);
@@ -44,6 +44,7 @@ void CoordinatorLink::ReportFailure(const std::string& job_id, int64_t assignmen
   r.set_assignment_version(assignment_version);
   r.set_ok(false);
   r.set_failure(std::string(why.message()));
+  r.set_fatal(fatal);
   grpc::ClientContext ctx;
   SetDeadline(ctx, kReportFailureDeadline);
   v1::StepWrittenResponse resp;

@@ -56,8 +56,9 @@ class CoordinatorLink {
   // Step `request.step()` is written (request's worker id is set here).
   absl::Status ReportStepWritten(v1::StepWrittenRequest request);
   // Step `step` failed here with `why`; best effort.
+  // `fatal`: no retry can fix it; the coordinator fails the job.
   void ReportFailure(const std::string& job_id, int64_t assignment_version, int64_t step,
-                     const absl::Status& why);
+                     const absl::Status& why, bool fatal = false);
   // Best effort.
   void ReportHeat(const v1::HeatReport& report);
   // The step's status, waiting up to `deadline` (and the coordinator's cap) for it to

@@ -220,6 +220,9 @@ absl::StatusOr<std::pair<int, compute::ExpertWeights>> Dispatch::NextWeights(
     std::vector<ExpertCache::Expert>& experts) {
   if (cache_ == nullptr) {
     const auto [layer, e] = experts.front();
+    if (model_->expert_weights(layer).empty()) {
+      return absl::FailedPreconditionError("dispatch: no expert cache and no local experts");
+    }
     experts.erase(experts.begin());
     return std::make_pair(e, model_->expert_weights(layer)[e]);
   }
@@ -233,6 +236,29 @@ absl::StatusOr<std::pair<int, compute::ExpertWeights>> Dispatch::NextWeights(
 
 void Dispatch::Done(int layer, int expert) {
   if (cache_ != nullptr) cache_->Release({layer, expert});
+}
+
+absl::Status Dispatch::BeforeBackward() {
+  if (cache_ != nullptr) RETURN_IF_ERROR(cache_->AwaitUpdates());
+  if (grad_pool_ != nullptr) grad_pool_->Reset();
+  return absl::OkStatus();
+}
+
+absl::StatusOr<compute::ExpertGrads> Dispatch::GradsOf(int layer, int expert) {
+  if (grad_pool_ == nullptr) {
+    const auto grads = model_->expert_grads(layer);
+    if (grads.empty()) {
+      return absl::FailedPreconditionError("dispatch: no gradient pool and no local experts");
+    }
+    return grads[expert];
+  }
+  ASSIGN_OR_RETURN(float* g, grad_pool_->Open({layer, expert}));
+  const int64_t C = model_->shape().channels, F = model_->shape().hidden;
+  return compute::ExpertGrads{g, g + C * F, g + C * F + F, g + 2 * C * F + F};
+}
+
+void Dispatch::GradsDone(int layer, int expert) {
+  if (grad_pool_ != nullptr) grad_pool_->Close({layer, expert});
 }
 
 absl::Status Dispatch::Forward(int layer, float* y, float* hpre, float* h, const float* xperm,
@@ -323,7 +349,6 @@ absl::Status Dispatch::Backward(int layer, float* dxperm, float* dh, const float
     in.dh.resize(in.offsets[E] * F);
     in.dx.resize(in.offsets[E] * C);
   }
-  const auto grads = model_->expert_grads(layer);
   std::vector<ExpertCache::Expert> computed;
   for (int e = E - 1; e >= 0; --e) {  // the backward's order, as the cache's schedule
     if (Computes(layer, e) && HasRows(layer, e, offsets)) computed.push_back({layer, e});
@@ -332,12 +357,18 @@ absl::Status Dispatch::Backward(int layer, float* dxperm, float* dh, const float
     ASSIGN_OR_RETURN(const auto next, NextWeights(computed));
     const auto [e, w] = next;
     const absl::Span<const compute::ExpertWeights> one_expert(&w, 1);
+    absl::StatusOr<compute::ExpertGrads> opened = GradsOf(layer, e);
+    if (!opened.ok()) {
+      Done(layer, e);
+      return opened.status();
+    }
+    const absl::Span<const compute::ExpertGrads> grads(&*opened, 1);
     // The expert's gradient accumulates over this worker's rows, then each peer's in rank
     // order: the same order on every run.
     if (const int64_t o = offsets[e], n = offsets[e + 1] - offsets[e]; n > 0) {
       const int64_t bucket[2] = {0, n};
-      backend_->ExpertBackward(dxperm + o * C, dh + o * F, grads.subspan(e, 1), dy + o * C,
-                               xperm + o * C, hpre + o * F, h + o * F, bucket, one_expert, C, F);
+      backend_->ExpertBackward(dxperm + o * C, dh + o * F, grads, dy + o * C, xperm + o * C,
+                               hpre + o * F, h + o * F, bucket, one_expert, C, F);
     }
     for (int q = 0; q < peers_->world(); ++q) {
       if (q == me) continue;
@@ -345,11 +376,12 @@ absl::Status Dispatch::Backward(int layer, float* dxperm, float* dh, const float
       const int64_t o = in.offsets[e], n = in.counts[e];
       if (n == 0) continue;
       const int64_t bucket[2] = {0, n};
-      backend_->ExpertBackward(in.dx.data() + o * C, in.dh.data() + o * F, grads.subspan(e, 1),
+      backend_->ExpertBackward(in.dx.data() + o * C, in.dh.data() + o * F, grads,
                                in.dy.data() + o * C, in.x.data() + o * C, in.hpre.data() + o * F,
                                in.h.data() + o * F, bucket, one_expert, C, F);
     }
     absl::Status synced = backend_->Synchronize();
+    GradsDone(layer, e);
     Done(layer, e);
     RETURN_IF_ERROR(synced);
   }

@@ -24,6 +24,7 @@
 #include "worker/compute/backend.h"
 #include "worker/model/moe_gpt.h"
 #include "worker/runtime/expert_cache.h"
+#include "worker/runtime/grad_pool.h"
 #include "worker/runtime/peer_group.h"
 
 namespace pith::runtime {
@@ -42,6 +43,9 @@ class Dispatch final : public model::ExpertParallel {
   // Takes the owned experts' weights from `cache` (not owned) instead of the model's
   // arena; null: the arena.
   void SetCache(ExpertCache* cache) { cache_ = cache; }
+  // Accumulates the owned experts' gradients in `pool` (not owned; reset before each
+  // backward) instead of the model's arena; null: the arena.
+  void SetGradPool(GradPool* pool) { grad_pool_ = pool; }
   // Tags the messages of the coming step.
   void SetStep(int64_t step) {
     step_ = step;
@@ -49,10 +53,9 @@ class Dispatch final : public model::ExpertParallel {
   }
   // Whether this worker computes expert e of layer l.
   bool Computes(int layer, int expert) const override;
-  // Waits for the cache's updates in flight (the previous step's, pipelined).
-  absl::Status BeforeBackward() override {
-    return cache_ != nullptr ? cache_->AwaitUpdates() : absl::OkStatus();
-  }
+  // Waits for the cache's updates in flight (the previous step's, pipelined: they have
+  // read their gradients), then empties the gradient pool for this step's.
+  absl::Status BeforeBackward() override;
   // Calls `hook` (on the training thread) once each step's routing is known.
   void SetRoutingKnown(std::function<void()> hook) { routing_known_ = std::move(hook); }
   void RoutingKnown() override {
@@ -88,6 +91,10 @@ class Dispatch final : public model::ExpertParallel {
       std::vector<ExpertCache::Expert>& experts);
   // Releases an owned expert's weights after its compute.
   void Done(int layer, int expert);
+  // Where expert e of `layer`'s gradient accumulates: its pool buffer (opened; closed by
+  // GradsDone) or the model's arena.
+  absl::StatusOr<compute::ExpertGrads> GradsOf(int layer, int expert);
+  void GradsDone(int layer, int expert);
   uint64_t Tag(int layer, int phase) const;
   // The rows [begin, begin + count) of this worker's bucket of (layer, expert) (n rows) that
   // go to `rank`.
@@ -118,6 +125,7 @@ class Dispatch final : public model::ExpertParallel {
   std::vector<int32_t> slot_of_token_;         // SendBuckets scratch: token -> its row in a message
   std::vector<std::vector<Inbound>> inbound_;  // [layer][peer]
   ExpertCache* cache_ = nullptr;
+  GradPool* grad_pool_ = nullptr;
   std::function<void()> routing_known_;
   uint64_t reduce_seq_ = 0;
 };

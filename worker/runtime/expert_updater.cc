@@ -25,18 +25,14 @@ ExpertUpdater::~ExpertUpdater() { DropEarlyMoments(); }
 // weights lag, more batches may pin theirs for a while; an Acquire that finds every slot
 // pinned waits for a write to land). The scratch then holds at most as many blobs as
 // the cache has slots.
-absl::Status ExpertUpdater::SetUp(const std::vector<Expert>& updated, size_t owned,
-                                  uint64_t budget) {
+absl::Status ExpertUpdater::SetUp(const std::vector<Expert>& updated, const MomentPlan& plan) {
   DropEarlyMoments();
   segments_free_ = {};
   const size_t slot_bytes = floats() * sizeof(float);
-  const uint64_t want = slot_bytes * (owned + 1 + 2 * updated.size());
-  const bool resident = budget == 0 || budget >= want;
-  const int slots = d_.cache->slots();
-  const int batch = resident ? std::clamp(slots / 2, 1, 8) : std::clamp(slots / 8, 1, 4);
-  update_batch_ = static_cast<size_t>(batch);
-  ring_ = resident ? 1 : static_cast<size_t>(std::clamp(slots / 2 / batch, 2, kMaxRing));
-  const size_t buffers = resident ? updated.size() : ring_ * update_batch_;
+  const bool resident = plan.resident;
+  update_batch_ = static_cast<size_t>(plan.batch);
+  ring_ = static_cast<size_t>(std::clamp(plan.ring, 1, kMaxRing));
+  const size_t buffers = static_cast<size_t>(plan.Buffers(static_cast<int64_t>(updated.size())));
   // Registered memory (huge pages where the kernel allows), as the cache's slots: the
   // moments go to and from the stores straight from it.
   moment_memory_.reset();
@@ -311,7 +307,8 @@ absl::Status ExpertUpdater::ApplyBatch(int64_t s, double grad_norm, absl::Span<c
     const auto [l, e] = batch[i];
     const size_t b = buffer[i];
     const int64_t base = layout.ExpertOffset(l, e);
-    float* g = d_.grads + base;
+    // Held while applied (one at a time: the pool may have fewer buffers than a batch).
+    ASSIGN_OR_RETURN(float* g, d_.grads->Acquire(batch[i], /*zeros_if_absent=*/true));
     // NOTE: from here the buffer holds this step's moments, current here only once the
     // step commits; a step that does not commit ends the job run (JobRun::Run returns),
     // and the buffers with it.
@@ -328,8 +325,11 @@ absl::Status ExpertUpdater::ApplyBatch(int64_t s, double grad_norm, absl::Span<c
                     static_cast<float>(c.beta2), static_cast<float>(c.eps),
                     t.decay ? static_cast<float>(c.weight_decay) : 0.0f, count);
     }
+    absl::Status synced = backend.Synchronize();
+    d_.grads->Release(batch[i]);
+    RETURN_IF_ERROR(synced);
   }
-  return backend.Synchronize();
+  return absl::OkStatus();
 }
 
 // AdamW on `batch` (its moments in `buffer`, fetched), then its writes from its slots:

@@ -30,6 +30,8 @@
 #include "worker/compute/cpu_backend.h"
 #include "worker/model/optimizer.h"
 #include "worker/runtime/expert_cache.h"
+#include "worker/runtime/grad_pool.h"
+#include "worker/runtime/memory_plan.h"
 #include "worker/runtime/store_io.h"
 #include "worker/runtime/task_threads.h"
 
@@ -74,7 +76,7 @@ class ExpertUpdater {
     ExpertCache* cache = nullptr;
     const model::ParamLayout* layout = nullptr;
     const model::OptimizerConfig* config = nullptr;
-    float* grads = nullptr;                         // the model's gradient arena
+    GradPool* grads = nullptr;                      // the experts' gradients of the step
     compute::CpuBackend* backend = nullptr;         // the training thread's (UpdateNow)
     compute::CpuBackend* update_backend = nullptr;  // a launched update's
   };
@@ -83,9 +85,9 @@ class ExpertUpdater {
   ExpertUpdater(const ExpertUpdater&) = delete;
   ExpertUpdater& operator=(const ExpertUpdater&) = delete;
 
-  // Moment buffers for `updated` (the experts updated here) with `owned` experts
-  // computed here and a cache budget of `budget` bytes (0: none).
-  absl::Status SetUp(const std::vector<Expert>& updated, size_t owned, uint64_t budget);
+  // Moment buffers for `updated` (the experts updated here), resident or a scratch ring
+  // as `plan` says (PlanMemory).
+  absl::Status SetUp(const std::vector<Expert>& updated, const MomentPlan& plan);
   // `shared`: an expert has several owners.
   Overlap OverlapWrites(bool shared) const;
 

@@ -154,7 +154,19 @@ class ExpertUpdaterTest : public ::testing::TestWithParam<Mode> {
       params_[i] = 0.01f * static_cast<float>(i % 37) - 0.1f;
       grads_[i] = 0.02f * static_cast<float>(i % 11) - 0.1f;
     }
-    original_grads_ = grads_;  // the update clips grads_ in place
+    original_grads_ = grads_;
+    // The experts' gradients in a pool of 3 buffers (fewer than the experts: some spill),
+    // as a backward leaves them.
+    auto pool = GradPool::Create(floats_, 3, ::testing::TempDir());
+    ASSERT_TRUE(pool.ok()) << pool.status();
+    grad_pool_ = std::move(*pool);
+    for (const Expert& x : all_) {
+      auto g = grad_pool_->Open(x);
+      ASSERT_TRUE(g.ok()) << g.status();
+      const float* from = grads_.data() + layout_.ExpertOffset(x.first, x.second);
+      std::copy(from, from + floats_, *g);
+      grad_pool_->Close(x);
+    }
     // The committed step: weights, moments and counts of every expert.
     for (const Expert& x : all_) {
       const auto [l, e] = x;
@@ -185,7 +197,7 @@ class ExpertUpdaterTest : public ::testing::TestWithParam<Mode> {
     ASSERT_TRUE(cache.ok());
     cache_ = std::move(*cache);
     updater_ = std::make_unique<ExpertUpdater>(
-        ExpertUpdater::Deps{"job", io_.get(), cache_.get(), &layout_, &config_, grads_.data(),
+        ExpertUpdater::Deps{"job", io_.get(), cache_.get(), &layout_, &config_, grad_pool_.get(),
                             &backend_, &update_backend_});
   }
   void TearDown() override {
@@ -250,6 +262,7 @@ class ExpertUpdaterTest : public ::testing::TestWithParam<Mode> {
   model::OptimizerConfig config_;
   int64_t floats_ = 0;
   std::vector<float> params_, grads_, original_grads_;
+  std::unique_ptr<GradPool> grad_pool_;
   const std::vector<Expert> all_ = {{0, 0}, {0, 1}, {1, 0}, {1, 1}};
   compute::CpuBackend update_backend_{1};
   compute::CpuBackend backend_{1};
@@ -261,7 +274,7 @@ class ExpertUpdaterTest : public ::testing::TestWithParam<Mode> {
 
 TEST_P(ExpertUpdaterTest, UpdatesAsTheOptimizerDoesAndWritesEveryBlob) {
   const Mode mode = GetParam();
-  ASSERT_TRUE(updater_->SetUp(all_, all_.size(), mode.budget).ok());
+  ASSERT_TRUE(updater_->SetUp(all_, PlanMoments(kSlots, mode.budget == 0)).ok());
   ASSERT_EQ(updater_->OverlapWrites(mode.shared), mode.want);
   const std::vector<Expert> used = {{0, 1}, {1, 0}, {1, 1}};
   const int64_t s = 1;
@@ -302,7 +315,7 @@ INSTANTIATE_TEST_SUITE_P(Overlaps, ExpertUpdaterTest,
                                            Mode{1, true, false, ExpertUpdater::Overlap::kNone}));
 
 TEST_F(ExpertUpdaterTest, AFailedFetchEndsTheHandleWithItsErrorAndWritesNothing) {
-  ASSERT_TRUE(updater_->SetUp(all_, all_.size(), /*budget=*/1).ok());
+  ASSERT_TRUE(updater_->SetUp(all_, PlanMoments(kSlots, /*resident=*/false)).ok());
   io_->FailFetches(v1::BLOB_KIND_ADAM_V);
   const std::vector<Expert> used = {{0, 0}, {1, 1}};
   cache_->BeginUpdates(used);

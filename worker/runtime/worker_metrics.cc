@@ -1,5 +1,8 @@
 #include "worker/runtime/worker_metrics.h"
 
+#include <string>
+#include <utility>
+
 #include "common/status.h"
 
 namespace pith::runtime {
@@ -31,6 +34,18 @@ absl::StatusOr<WorkerMetrics> MakeWorkerMetrics(MetricsRegistry& r) {
                                        "Bytes of expert weights resident in the cache"));
   ASSIGN_OR_RETURN(m.step, r.Gauge("pith_job_step", "Last step this worker saw committed"));
   ASSIGN_OR_RETURN(m.loss, r.Gauge("pith_job_loss", "Loss of the last committed step"));
+  const std::string memory_help =
+      "Memory the current job's plan gives each kind: dense state, activations, expert cache, "
+      "gradient pool, AdamW moment buffers";
+  for (const auto& [kind, gauge] :
+       {std::pair{"dense", &m.memory_dense}, std::pair{"activations", &m.memory_activations},
+        std::pair{"cache", &m.memory_cache}, std::pair{"gradients", &m.memory_gradients},
+        std::pair{"moments", &m.memory_moments}}) {
+    ASSIGN_OR_RETURN(*gauge, r.Gauge("pith_worker_memory_bytes", memory_help, {{"kind", kind}}));
+  }
+  ASSIGN_OR_RETURN(m.gradient_spills,
+                   r.Counter("pith_worker_gradient_spills_total",
+                             "Expert gradients written to the scratch file to free a buffer"));
   return m;
 }
 

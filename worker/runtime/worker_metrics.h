@@ -23,6 +23,14 @@ struct WorkerMetrics {
   prometheus::Gauge* resident = nullptr;
   prometheus::Gauge* step = nullptr;
   prometheus::Gauge* loss = nullptr;
+  // pith_worker_memory_bytes{kind}: what the job's memory plan gives each kind.
+  prometheus::Gauge* memory_dense = nullptr;
+  prometheus::Gauge* memory_activations = nullptr;
+  prometheus::Gauge* memory_cache = nullptr;
+  prometheus::Gauge* memory_gradients = nullptr;
+  prometheus::Gauge* memory_moments = nullptr;
+  // The gradient pool's spills to its scratch file.
+  prometheus::Counter* gradient_spills = nullptr;
 };
 
 absl::StatusOr<WorkerMetrics> MakeWorkerMetrics(MetricsRegistry& registry);

@@ -1,0 +1,75 @@
+// PlanMemory: a budget bounds the pools whatever the number of experts; a budget too small
+// for the dense state says what does not fit; no budget keeps everything resident.
+#include "worker/runtime/memory_plan.h"
+
+#include "gtest/gtest.h"
+
+namespace pith::runtime {
+namespace {
+
+MemoryInput Input(int owned) {
+  MemoryInput in;
+  in.dense_bytes = 4 << 20;
+  in.activation_bytes = 2 << 20;
+  in.expert_bytes = 64 << 10;
+  in.owned = owned;
+  in.updated = owned;
+  return in;
+}
+
+TEST(MemoryPlanTest, ABudgetHoldsWhateverTheExperts) {
+  for (int owned : {16, 1024, 65536}) {
+    MemoryInput in = Input(owned);
+    in.memory_bytes = 16 << 20;
+    auto plan = PlanMemory(in);
+    ASSERT_TRUE(plan.ok()) << plan.status();
+    EXPECT_LE(plan->total(), in.memory_bytes) << owned;
+    EXPECT_GE(plan->cache_slots, 2);
+    EXPECT_GE(plan->grad_buffers, 2);
+    if (owned >= 1024) {
+      EXPECT_FALSE(plan->moments.resident);
+      EXPECT_GT(plan->total(), in.memory_bytes * 9 / 10) << "the budget is used";
+    }
+  }
+}
+
+TEST(MemoryPlanTest, ALargeBudgetKeepsEverythingResident) {
+  MemoryInput in = Input(16);
+  in.memory_bytes = 1ull << 30;
+  auto plan = PlanMemory(in);
+  ASSERT_TRUE(plan.ok());
+  EXPECT_EQ(plan->cache_slots, 17);
+  EXPECT_EQ(plan->grad_buffers, 17);
+  EXPECT_TRUE(plan->moments.resident);
+  EXPECT_EQ(plan->moment_bytes, 2u * 16 * (64 << 10));
+}
+
+TEST(MemoryPlanTest, NoBudgetOrACacheBudget) {
+  MemoryInput in = Input(100);
+  auto none = PlanMemory(in);
+  ASSERT_TRUE(none.ok());
+  EXPECT_EQ(none->cache_slots, 101);
+  EXPECT_TRUE(none->moments.resident);
+  in.cache_bytes = 10 * (64 << 10);
+  auto cache = PlanMemory(in);
+  ASSERT_TRUE(cache.ok());
+  EXPECT_EQ(cache->cache_slots, 10);
+  EXPECT_EQ(cache->grad_buffers, 10);
+  EXPECT_FALSE(cache->moments.resident);
+  EXPECT_EQ(cache->moments.batch, 1);
+  EXPECT_EQ(cache->moments.ring, 4);
+}
+
+TEST(MemoryPlanTest, ABudgetBelowTheDenseStateSaysWhy) {
+  MemoryInput in = Input(16);
+  in.memory_bytes = 5 << 20;
+  auto plan = PlanMemory(in);
+  ASSERT_EQ(plan.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_NE(plan.status().message().find("--memory_bytes=5242880"), std::string::npos)
+      << plan.status();
+  EXPECT_NE(plan.status().message().find("dense state (4194304 bytes"), std::string::npos)
+      << plan.status();
+}
+
+}  // namespace
+}  // namespace pith::runtime
