@@ -234,6 +234,28 @@ absl::Status StoreClient::Wait(int peer, const std::shared_ptr<Pending>& pending
 }
 
 absl::Status StoreClient::Fetch(int peer, absl::Span<FetchItem> items, absl::Duration timeout) {
+  // A request travels as one UCX message header: past the transport's segment (8 KiB over
+  // shared memory) UCX would send it by rendezvous, whose first message cannot carry it,
+  // and abort the process. A large fetch goes as several requests, one after another.
+  const absl::Time deadline = absl::Now() + timeout;
+  absl::Status first = absl::OkStatus();
+  size_t begin = 0;
+  while (begin < items.size()) {
+    size_t end = begin, bytes = 0;
+    while (end < items.size()) {
+      const size_t item = items[end].key.ByteSizeLong() + kItemOverheadBytes;
+      if (end > begin && bytes + item > kMaxRequestBytes) break;
+      bytes += item;
+      ++end;
+    }
+    first.Update(FetchOnce(peer, items.subspan(begin, end - begin),
+                           std::max(deadline - absl::Now(), absl::ZeroDuration())));
+    begin = end;
+  }
+  return first;
+}
+
+absl::Status StoreClient::FetchOnce(int peer, absl::Span<FetchItem> items, absl::Duration timeout) {
   if (items.empty()) return absl::OkStatus();
   auto pending = std::make_shared<Pending>();
   pending->peer = peer;

@@ -46,7 +46,8 @@ class StoreClient {
     absl::Status status;
     v1::BlobInfo info;
   };
-  // Fetches every item in one request. OK when all items are; otherwise the first error,
+  // Fetches every item (in one request, or several when their keys would not fit one
+  // UCX message header). OK when all items are; otherwise the first error,
   // with each item's own status set. DEADLINE_EXCEEDED after `timeout` (the endpoint is
   // then closed so that nothing is written into the buffers after return).
   absl::Status Fetch(int peer, absl::Span<FetchItem> items,
@@ -88,6 +89,10 @@ class StoreClient {
   absl::Status PutRound(absl::Span<PutItem> items, const std::vector<size_t>& round,
                         const std::vector<int>& source, absl::Time deadline);
   // Sends request `id` (on the progress thread) and waits for its replies.
+  // Fetch's one request (of at most kMaxRequestBytes of header).
+  absl::Status FetchOnce(int peer, absl::Span<FetchItem> items, absl::Duration timeout);
+  static constexpr size_t kMaxRequestBytes = 4096;
+  static constexpr size_t kItemOverheadBytes = 32;  // an item's version, capacity, framing
   absl::Status Issue(int peer, uint64_t id, const std::shared_ptr<Pending>& pending,
                      uint16_t message, std::string header, const void* data, size_t size,
                      ucp_mem_h memh, absl::Duration timeout);
