@@ -64,7 +64,8 @@ constexpr char kUsage[] =
     "\n"
     "local cluster (processes on this machine, data and logs under DIR, default\n"
     "$PITH_HOME or ~/.pith/local; the job commands then find it without flags):\n"
-    "  up [--stores N] [--workers N] [--cache_bytes B] [--ram_bytes B] [--dir DIR]\n"
+    "  up [--stores N] [--workers N] [--memory_bytes B] [--cache_bytes B] [--ram_bytes B]\n"
+    "     [--dir DIR]\n"
     "  down [--dir DIR]\n";
 
 using Command = std::function<absl::Status(const CliContext&, const Args&, std::ostream&)>;

@@ -87,17 +87,19 @@ absl::Status Up(const CliContext& ctx, const Args& args, std::ostream& out) {
   std::map<std::string, std::string> flags = {{"--stores", "2"},
                                               {"--workers", "2"},
                                               {"--cache_bytes", "0"},
+                                              {"--memory_bytes", "0"},
                                               {"--ram_bytes", "268435456"},
                                               {"--dir", DefaultDir()}};
   RETURN_IF_ERROR(ParseFlags("up", args, flags));
   int stores = 0, workers = 0;
-  uint64_t cache_bytes = 0, ram_bytes = 0;
+  uint64_t cache_bytes = 0, memory_bytes = 0, ram_bytes = 0;
   if (!absl::SimpleAtoi(flags["--stores"], &stores) || stores < 1 ||
       !absl::SimpleAtoi(flags["--workers"], &workers) || workers < 1 ||
       !absl::SimpleAtoi(flags["--cache_bytes"], &cache_bytes) ||
+      !absl::SimpleAtoi(flags["--memory_bytes"], &memory_bytes) ||
       !absl::SimpleAtoi(flags["--ram_bytes"], &ram_bytes) || ram_bytes == 0) {
     return UsageError(
-        "up: --stores and --workers want numbers >= 1, --cache_bytes and "
+        "up: --stores and --workers want numbers >= 1, --cache_bytes, --memory_bytes and "
         "--ram_bytes byte counts");
   }
   const std::string dir = flags["--dir"];
@@ -148,6 +150,7 @@ absl::Status Up(const CliContext& ctx, const Args& args, std::ostream& out) {
       ASSIGN_OR_RETURN(
           auto w, launch(name, {FindBinary("pith-worker", "worker"), "--coordinator=" + address,
                                 "--metrics_port=0", absl::StrCat("--cache_bytes=", cache_bytes),
+                                absl::StrCat("--memory_bytes=", memory_bytes),
                                 absl::StrCat("--threads=", threads)}));
       lines.push_back(
           absl::StrFormat("  %-12s %-22s http://127.0.0.1:%d/metrics", name, "-", w.second));

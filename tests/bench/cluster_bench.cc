@@ -3,8 +3,12 @@
 // measured against anchors from the same run:
 //   prefetch    step time with a worker cache of 25% of the expert bytes / step time with
 //               every owned expert resident
-//   compactness (expert weights + master + moments) / one worker's cache bytes, and the
-//               step time ratio at that setting
+//   compactness (expert weights + master + moments) / a worker's peak RSS (VmHWM, read
+//               from /proc as the job ends), with the step time ratio against the same
+//               job with every expert resident: for the demo model at the 25% cache, and
+//               for a wide model (L2 d64 f128, --wide_experts a layer: 2,048 by default,
+//               1.09 GB of expert state) whose workers have --memory_bytes=16 MiB (the
+//               state is 64x that) and whose stores' RAM tiers (64 MiB) hold a 16th of it
 //   pytorch     tokens/s of the cluster / tokens/s of tests/golden/moe_gpt_reference.py
 //               training the same spec in one process (when /usr/bin/python3 has torch),
 //               with the OpenBLAS kernels pith-worker picks (BetterBlasCore)
@@ -16,7 +20,8 @@
 // instead of favouring a side, and the slow and fast spells of this VM (tens of percent,
 // seconds long) fall on both sides about alike. With 4 rounds one slow spell on one side
 // moved the prefetch ratio by +-0.07 between runs of the same build; 8 halve the spread.
-// Usage: cluster_bench [--steps=N] [--rounds=N] [--repo=DIR] [--verbose]
+// Usage: cluster_bench [--steps=N] [--rounds=N] [--wide_steps=N] [--wide_experts=N]
+//                      [--repo=DIR] [--verbose]
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -43,6 +48,8 @@ using pith::testing::ChildProcess;
 
 int g_steps = 30;
 int g_rounds = 8;
+int g_wide_steps = 12;
+int g_wide_experts = 2048;
 bool g_verbose = false;          // --verbose: every run's per-step times on stderr
 constexpr int kWarmupSteps = 3;  // steps timed by neither side (start-up, first fetches)
 std::string g_repo = PITH_SOURCE_DIR;
@@ -61,18 +68,50 @@ constexpr int64_t kExpertFloats = 2 * 128 * 256 + 256 + 128;
 constexpr int64_t kExperts = 4 * 16;
 constexpr int64_t kExpertBytes = kExpertFloats * kExperts * 4;
 
+// L2 d64 k2 f128 T32 B8 with --wide_experts a layer: experts far beyond a worker's memory.
+std::string WideSpec(const std::string& data, int steps) {
+  return R"({"name": "wide", "model": {"vocab_size": 256, "seq_len": 32, "d_model": 64,
+  "n_layer": 2, "n_head": 4, "n_expert": )" +
+         std::to_string(g_wide_experts) + R"(, "top_k": 2, "d_ff": 128, "capacity_factor": 2.0,
+  "aux_loss_coef": 0.01, "z_loss_coef": 0.001}, "train": {"data_path": ")" +
+         data + R"(", "batch": 8, "steps": )" + std::to_string(steps) +
+         R"(, "lr": 0.003, "warmup": 2, "grad_clip": 1.0, "seed": 7}, "cluster": {"workers": 2,
+  "store_replicas": 2}})";
+}
+int64_t WideExpertBytes() { return (2 * 64 * 128 + 128 + 64) * int64_t{2} * g_wide_experts * 4; }
+constexpr uint64_t kWideWorkerMemory = 16 << 20;
+constexpr uint64_t kWideStoreRam = 64 << 20;
+
+// One cluster run's setup: the job and the flags its workers and stores get.
+struct Setup {
+  std::string spec;
+  std::string worker_flag;  // e.g. --cache_bytes=N
+  uint64_t store_ram = 256 << 20;
+};
+
+// A process's peak resident set (VmHWM), in bytes; 0 when it cannot be read.
+uint64_t PeakRss(pid_t pid) {
+  std::ifstream status("/proc/" + std::to_string(pid) + "/status");
+  std::string line;
+  while (std::getline(status, line)) {
+    if (line.rfind("VmHWM:", 0) == 0) return std::stoull(line.substr(6)) * 1024;
+  }
+  return 0;
+}
+
 struct Measured {
   double seconds = 0;         // summed over the timed steps (> 3) of every run
   double tokens = 0;          // trained in them
   int steps = 0;              // how many
   double cache_hit_rate = 0;  // of the last step of the last run
+  uint64_t peak_rss = 0;      // the most any worker of any run held
   double step_seconds() const { return seconds / steps; }
   double tokens_per_second() const { return tokens / seconds; }
 };
 
-// Runs the job on a fresh cluster whose workers have `cache_bytes`, adding its timed steps
+// Runs `setup`'s job on a fresh cluster, adding its timed steps and its workers' peak RSS
 // to `m`; false on failure.
-bool RunCluster(const std::string& dir, uint64_t cache_bytes, Measured* m) {
+bool RunCluster(const std::string& dir, const Setup& setup, Measured* m) {
   std::filesystem::remove_all(dir + "/cluster");
   std::filesystem::create_directories(dir + "/cluster");
   const std::string d = dir + "/cluster";
@@ -87,23 +126,22 @@ bool RunCluster(const std::string& dir, uint64_t cache_bytes, Measured* m) {
         PITH_STORE_BINARY,
         std::vector<std::string>{"--listen=127.0.0.1:0", "--metrics_port=-1",
                                  "--data_dir=" + d + "/s" + std::to_string(n),
-                                 "--ram_bytes=268435456", "--coordinator=" + address},
+                                 "--ram_bytes=" + std::to_string(setup.store_ram),
+                                 "--coordinator=" + address},
         d + "/store" + std::to_string(n) + ".log"));
     if (!procs.back()->WaitReady()) return false;
   }
   for (int n = 0; n < 2; ++n) {
     procs.push_back(std::make_unique<ChildProcess>(
         PITH_WORKER_BINARY,
-        std::vector<std::string>{"--coordinator=" + address, "--threads=1",
-                                 "--cache_bytes=" + std::to_string(cache_bytes)},
+        std::vector<std::string>{"--coordinator=" + address, "--threads=1", setup.worker_flag,
+                                 "--scratch_dir=" + d},
         d + "/worker" + std::to_string(n) + ".log"));
   }
   auto stub = pith::v1::JobService::NewStub(
       grpc::CreateChannel(address, grpc::InsecureChannelCredentials()));
   pith::v1::SubmitJobRequest submit;
-  if (!google::protobuf::util::JsonStringToMessage(Spec(dir + "/tokens.bin", g_steps),
-                                                   submit.mutable_spec())
-           .ok()) {
+  if (!google::protobuf::util::JsonStringToMessage(setup.spec, submit.mutable_spec()).ok()) {
     return false;
   }
   std::string job_id;
@@ -142,16 +180,33 @@ bool RunCluster(const std::string& dir, uint64_t cache_bytes, Measured* m) {
     std::fprintf(stderr, "the job did not succeed: %s\n", event.ShortDebugString().c_str());
     return false;
   }
+  uint64_t rss = 0;
+  for (size_t n = 2; n < procs.size(); ++n) rss = std::max(rss, PeakRss(procs[n]->pid()));
   if (g_verbose) {
-    std::fprintf(stderr, "cache_bytes=%llu mean %.1f ms, steps (ms):%s\n",
-                 static_cast<unsigned long long>(cache_bytes), 1000 * seconds / counted,
-                 times.c_str());
+    std::fprintf(stderr, "%s mean %.1f ms, peak worker RSS %.1f MB, steps (ms):%s\n",
+                 setup.worker_flag.c_str(), 1000 * seconds / counted, rss / 1e6, times.c_str());
   }
   m->seconds += seconds;
   m->tokens += tokens;
   m->steps += counted;
+  m->peak_rss = std::max(m->peak_rss, rss);
   for (auto& p : procs) p->Terminate();
   coordinator.Terminate();
+  return true;
+}
+
+// `rounds` pairs of runs of `a` and `b`, a first in even rounds and b first in odd ones
+// (so a drift of the machine's speed falls on both sides alike); false on failure.
+bool Alternate(const std::string& dir, const Setup& a, const Setup& b, int rounds, Measured* ma,
+               Measured* mb) {
+  for (int round = 0; round < rounds; ++round) {
+    const bool a_first = round % 2 == 0;
+    if (!RunCluster(dir, a_first ? a : b, a_first ? ma : mb) ||
+        !RunCluster(dir, a_first ? b : a, a_first ? mb : ma)) {
+      std::fprintf(stderr, "cluster_bench: a cluster run failed; logs under %s\n", dir.c_str());
+      return false;
+    }
+  }
   return true;
 }
 
@@ -199,13 +254,18 @@ int main(int argc, char** argv) {
       g_steps = std::atoi(argv[i] + 8);
     } else if (std::strncmp(argv[i], "--rounds=", 9) == 0) {
       g_rounds = std::max(2, std::atoi(argv[i] + 9) + std::atoi(argv[i] + 9) % 2);  // even
+    } else if (std::strncmp(argv[i], "--wide_experts=", 15) == 0) {
+      g_wide_experts = std::max(1, std::atoi(argv[i] + 15));
+    } else if (std::strncmp(argv[i], "--wide_steps=", 13) == 0) {
+      g_wide_steps = std::atoi(argv[i] + 13);
     } else if (std::strcmp(argv[i], "--verbose") == 0) {
       g_verbose = true;
     } else if (std::strncmp(argv[i], "--repo=", 7) == 0) {
       g_repo = argv[i] + 7;
     } else {
       std::fprintf(stderr,
-                   "usage: cluster_bench [--steps=N] [--rounds=N] [--repo=DIR] [--verbose]\n");
+                   "usage: cluster_bench [--steps=N] [--rounds=N] [--wide_steps=N] "
+                   "[--wide_experts=N] [--repo=DIR] [--verbose]\n");
       return 2;
     }
   }
@@ -220,19 +280,22 @@ int main(int argc, char** argv) {
            << "line " << i << " of the benchmark corpus.\n";
     }
   }
-  Measured resident, cached, torch;
+  Measured resident, cached, torch, wide_resident, wide_bounded;
   const uint64_t quarter = kExpertBytes / 4;
+  const std::string spec = Spec(dir + "/tokens.bin", g_steps);
+  const Setup all{spec, "--cache_bytes=0"};
+  const Setup part{spec, "--cache_bytes=" + std::to_string(quarter)};
   const bool have_torch = RunPytorch(dir, &torch);
-  for (int round = 0; round < g_rounds; ++round) {
-    const bool resident_first = round % 2 == 0;
-    if (!RunCluster(dir, resident_first ? 0 : quarter, resident_first ? &resident : &cached) ||
-        !RunCluster(dir, resident_first ? quarter : 0, resident_first ? &cached : &resident)) {
-      std::fprintf(stderr, "cluster_bench: a cluster run failed; logs under %s\n", dir.c_str());
-      return 1;
-    }
-  }
+  if (!Alternate(dir, all, part, g_rounds, &resident, &cached)) return 1;
   if (have_torch && !RunPytorch(dir, &torch)) {
     std::fprintf(stderr, "cluster_bench: the second PyTorch run failed; see %s\n", dir.c_str());
+    return 1;
+  }
+  const std::string wide = WideSpec(dir + "/tokens.bin", g_wide_steps);
+  const Setup wide_all{wide, "--memory_bytes=0", kWideStoreRam};
+  const Setup wide_part{wide, "--memory_bytes=" + std::to_string(kWideWorkerMemory), kWideStoreRam};
+  if (g_wide_steps > kWarmupSteps &&
+      !Alternate(dir, wide_all, wide_part, 2, &wide_resident, &wide_bounded)) {
     return 1;
   }
   std::printf(
@@ -242,10 +305,25 @@ int main(int argc, char** argv) {
       cached.step_seconds() / resident.step_seconds(), cached.cache_hit_rate,
       resident.cache_hit_rate);
   std::printf(
-      "compactness expert_state_bytes=%lld worker_cache_bytes=%llu ratio=%.1f "
-      "step_time_ratio=%.3f\n",
-      static_cast<long long>(4 * kExpertBytes), static_cast<unsigned long long>(quarter),
-      4.0 * kExpertBytes / quarter, cached.step_seconds() / resident.step_seconds());
+      "compactness model=demo expert_state_bytes=%lld worker_peak_rss_bytes=%llu ratio=%.2f "
+      "step_time_ratio=%.3f (cache 25%%)\n",
+      static_cast<long long>(4 * kExpertBytes), static_cast<unsigned long long>(cached.peak_rss),
+      4.0 * kExpertBytes / static_cast<double>(cached.peak_rss),
+      cached.step_seconds() / resident.step_seconds());
+  if (wide_bounded.steps > 0) {
+    std::printf(
+        "compactness model=wide expert_state_bytes=%lld worker_peak_rss_bytes=%llu ratio=%.2f "
+        "step_seconds_resident=%.4f step_seconds_bounded=%.4f step_time_ratio=%.3f "
+        "(--memory_bytes=%llu; resident workers peaked at %llu bytes; store RAM tiers %llu)\n",
+        static_cast<long long>(4 * WideExpertBytes()),
+        static_cast<unsigned long long>(wide_bounded.peak_rss),
+        4.0 * WideExpertBytes() / static_cast<double>(wide_bounded.peak_rss),
+        wide_resident.step_seconds(), wide_bounded.step_seconds(),
+        wide_bounded.step_seconds() / wide_resident.step_seconds(),
+        static_cast<unsigned long long>(kWideWorkerMemory),
+        static_cast<unsigned long long>(wide_resident.peak_rss),
+        static_cast<unsigned long long>(kWideStoreRam));
+  }
   if (have_torch) {
     std::printf("pytorch cluster_tokens_per_s=%.0f pytorch_tokens_per_s=%.0f ratio=%.3f\n",
                 resident.tokens_per_second(), torch.tokens_per_second(),
