@@ -137,23 +137,10 @@ void AppendJsonString(std::string* out, absl::string_view s) {
 
 }  // namespace
 
-absl::StatusOr<SafetensorsFile> SafetensorsFile::Parse(Buffer file) {
-  if (file.size() < 8) {
-    return Invalid(absl::StrCat("file of ", file.size(), " bytes has no 8-byte header length"));
-  }
-  uint64_t header_len;
-  std::memcpy(&header_len, file.data(), 8);
-  if (header_len > kMaxSafetensorsHeaderBytes) {
-    return Invalid(absl::StrCat("header length ", header_len, " exceeds the limit of ",
-                                kMaxSafetensorsHeaderBytes, " bytes"));
-  }
-  if (header_len > file.size() - 8) {
-    return Invalid(absl::StrCat("header length ", header_len, " exceeds the ", file.size() - 8,
-                                " bytes after the length field"));
-  }
-  const absl::string_view header(reinterpret_cast<const char*>(file.data()) + 8, header_len);
+absl::Status ParseSafetensorsHeader(absl::string_view header, uint64_t data_size,
+                                    std::vector<SafetensorsEntry>* entries,
+                                    std::map<std::string, std::string>* metadata) {
   if (header.empty() || header[0] != '{') return Invalid("header is not a JSON object");
-
   Struct root;
   google::protobuf::util::JsonParseOptions options;
   auto parsed = google::protobuf::util::JsonStringToMessage(
@@ -161,24 +148,23 @@ absl::StatusOr<SafetensorsFile> SafetensorsFile::Parse(Buffer file) {
   if (!parsed.ok()) {
     return Invalid(absl::StrCat("header is not valid JSON: ", std::string(parsed.message())));
   }
-
-  SafetensorsFile result;
+  entries->clear();
+  metadata->clear();
   for (const auto& [name, value] : root.fields()) {
     if (name == "__metadata__") {
-      RETURN_IF_ERROR(ParseMetadata(value, &result.metadata_));
+      RETURN_IF_ERROR(ParseMetadata(value, metadata));
       continue;
     }
     if (name.empty()) return Invalid("a tensor has an empty name");
     ASSIGN_OR_RETURN(SafetensorsEntry entry, ParseEntry(name, value));
-    result.entries_.push_back(std::move(entry));
+    entries->push_back(std::move(entry));
   }
 
   // The data must be exactly covered by the tensors: no overlap, no gap, nothing past
   // the end and nothing left over.
-  const uint64_t data_size = file.size() - 8 - header_len;
   std::vector<const SafetensorsEntry*> by_offset;
-  by_offset.reserve(result.entries_.size());
-  for (const SafetensorsEntry& e : result.entries_) by_offset.push_back(&e);
+  by_offset.reserve(entries->size());
+  for (const SafetensorsEntry& e : *entries) by_offset.push_back(&e);
   std::sort(by_offset.begin(), by_offset.end(), [](const auto* a, const auto* b) {
     return std::tie(a->begin, a->end, a->name) < std::tie(b->begin, b->end, b->name);
   });
@@ -204,9 +190,37 @@ absl::StatusOr<SafetensorsFile> SafetensorsFile::Parse(Buffer file) {
   if (covered != data_size) {
     return Invalid(absl::StrCat(data_size - covered, " trailing bytes after the last tensor"));
   }
-
-  std::sort(result.entries_.begin(), result.entries_.end(),
+  std::sort(entries->begin(), entries->end(),
             [](const auto& a, const auto& b) { return a.name < b.name; });
+  return absl::OkStatus();
+}
+
+absl::StatusOr<uint64_t> SafetensorsHeaderLength(absl::Span<const uint8_t> first8,
+                                                 uint64_t file_size) {
+  if (file_size < 8 || first8.size() < 8) {
+    return Invalid(absl::StrCat("file of ", file_size, " bytes has no 8-byte header length"));
+  }
+  uint64_t header_len;
+  std::memcpy(&header_len, first8.data(), 8);
+  if (header_len > kMaxSafetensorsHeaderBytes) {
+    return Invalid(absl::StrCat("header length ", header_len, " exceeds the limit of ",
+                                kMaxSafetensorsHeaderBytes, " bytes"));
+  }
+  if (header_len > file_size - 8) {
+    return Invalid(absl::StrCat("header length ", header_len, " exceeds the ", file_size - 8,
+                                " bytes after the length field"));
+  }
+  return header_len;
+}
+
+absl::StatusOr<SafetensorsFile> SafetensorsFile::Parse(Buffer file) {
+  ASSIGN_OR_RETURN(
+      const uint64_t header_len,
+      SafetensorsHeaderLength({file.data(), std::min<size_t>(file.size(), 8)}, file.size()));
+  const absl::string_view header(reinterpret_cast<const char*>(file.data()) + 8, header_len);
+  SafetensorsFile result;
+  RETURN_IF_ERROR(ParseSafetensorsHeader(header, file.size() - 8 - header_len, &result.entries_,
+                                         &result.metadata_));
   result.data_offset_ = 8 + header_len;
   result.file_ = std::move(file);
   return result;

@@ -41,6 +41,16 @@ struct SafetensorsEntry {
   uint64_t end = 0;
 };
 
+// The header length of a file of `file_size` bytes from its first 8 bytes, checked
+// against the limit and the file's size.
+absl::StatusOr<uint64_t> SafetensorsHeaderLength(absl::Span<const uint8_t> first8,
+                                                 uint64_t file_size);
+// Parses and validates a JSON header whose data section has `data_size` bytes: every
+// entry (sorted by name) and the metadata.
+absl::Status ParseSafetensorsHeader(absl::string_view header, uint64_t data_size,
+                                    std::vector<SafetensorsEntry>* entries,
+                                    std::map<std::string, std::string>* metadata);
+
 // A parsed, validated safetensors file held in memory.
 class SafetensorsFile {
  public:

@@ -3,9 +3,13 @@
 #include <unistd.h>
 
 #include <cstring>
+#include <map>
 #include <string>
+#include <vector>
 
 #include "common/file.h"
+#include "common/safetensors_reader.h"
+#include "common/status.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 
@@ -193,6 +197,62 @@ TEST(SafetensorsTest, ReadNamesTheFile) {
   absl::Status s = SafetensorsFile::Read(path).status();
   EXPECT_THAT(std::string(s.message()), HasSubstr(path));
   EXPECT_EQ(SafetensorsFile::Read(path + ".missing").status().code(), absl::StatusCode::kNotFound);
+}
+
+// The reader gives what the in-memory file gives, tensor by tensor, and a streamed write
+// (WriteWith) the same file as Write.
+TEST(SafetensorsTest, ReaderAndStreamedWriteMatchTheWholeFile) {
+  Tensor a = *Tensor::Zeros(DType::kF32, {3, 5});
+  for (int i = 0; i < 15; ++i) a.data<float>()[i] = 0.25f * i;
+  Tensor b = *Tensor::Zeros(DType::kF32, {7});
+  for (int i = 0; i < 7; ++i) b.data<float>()[i] = -1.0f * i;
+  SafetensorsWriter writer;
+  ASSERT_TRUE(writer.Add("a", a.view()).ok());
+  ASSERT_TRUE(writer.Add("b", b.view()).ok());
+  writer.SetMetadata("k", "v");
+  const std::string path = testing::TempDir() + "/reader.safetensors";
+  ASSERT_TRUE(writer.Write(path).ok());
+
+  SafetensorsWriter streamed;
+  ASSERT_TRUE(streamed.Add("a", TensorView{DType::kF32, {3, 5}, {nullptr, 60}}).ok());
+  ASSERT_TRUE(streamed.Add("b", TensorView{DType::kF32, {7}, {nullptr, 28}}).ok());
+  streamed.SetMetadata("k", "v");
+  const std::string streamed_path = testing::TempDir() + "/streamed.safetensors";
+  ASSERT_TRUE(streamed
+                  .WriteWith(streamed_path,
+                             [&](int fd, const std::map<std::string, uint64_t>& at) {
+                               RETURN_IF_ERROR(PwriteAll(fd, b.bytes(), at.at("b"), "streamed"));
+                               return PwriteAll(fd, a.bytes(), at.at("a"), "streamed");
+                             })
+                  .ok());
+  EXPECT_EQ(ReadFile(path)->size(), ReadFile(streamed_path)->size());
+  EXPECT_EQ(
+      std::memcmp(ReadFile(path)->data(), ReadFile(streamed_path)->data(), ReadFile(path)->size()),
+      0);
+
+  absl::StatusOr<SafetensorsReader> reader = SafetensorsReader::Open(path);
+  ASSERT_TRUE(reader.ok()) << reader.status();
+  EXPECT_EQ(reader->entries().size(), 2u);
+  EXPECT_EQ(reader->metadata().at("k"), "v");
+  std::vector<uint8_t> got(60);
+  ASSERT_TRUE(reader->Read("a", absl::MakeSpan(got)).ok());
+  EXPECT_EQ(std::memcmp(got.data(), a.bytes().data(), 60), 0);
+  EXPECT_EQ((*reader->Find("b"))->shape, std::vector<int64_t>({7}));
+  EXPECT_EQ(reader->Read("a", absl::MakeSpan(got).subspan(1)).code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(reader->Find("c").status().code(), absl::StatusCode::kNotFound);
+
+  // Its header checks are the in-memory file's.
+  const std::string bad = testing::TempDir() + "/bad_header.safetensors";
+  const std::string raw = RawFile(R"({"a":{"dtype":"F32","shape":[4],"data_offsets":[0,16]}})", 10);
+  ASSERT_TRUE(
+      WriteFileAtomically(bad, [&](int fd) {
+        return WriteAll(fd, {reinterpret_cast<const uint8_t*>(raw.data()), raw.size()}, bad);
+      }).ok());
+  absl::Status truncated = SafetensorsReader::Open(bad).status();
+  EXPECT_EQ(truncated.code(), absl::StatusCode::kDataLoss);
+  EXPECT_THAT(std::string(truncated.message()), HasSubstr(bad));
+  EXPECT_EQ(SafetensorsReader::Open(bad + ".missing").status().code(), absl::StatusCode::kNotFound);
 }
 
 }  // namespace

@@ -58,6 +58,7 @@ struct Failure {
   int kill_store_after_step = -1;       // kill -9 one store once this step is committed
   uint64_t cache_bytes = 0;             // the workers' --cache_bytes (0: every expert resident)
   uint64_t store_ram_bytes = 64 << 20;  // the stores' --ram_bytes
+  bool init_from_file = false;          // train.init_path: the seeded init, exported
   bool hot_replicas = false;            // re-plan every 5 steps with up to 2 compute owners
   // Scale the store mid-job: add a 3rd and a 4th store, drain and stop one of the first
   // two (pith cluster drain), then kill -9 the other; the job needs enough steps for it.
@@ -114,10 +115,23 @@ class ClusterRun {
              << " of the tiny corpus.\n";
       }
     }
-    std::ofstream(spec_path()) << SpecJson(
+    std::string spec = SpecJson(
         dir_ + "/tokens.bin", failure_.steps,
         failure_.hot_replicas ? R"(, "replication": {"max_compute_replicas": 2, "replan_every": 5})"
                               : "");
+    std::ofstream(spec_path()) << spec;
+    if (failure_.init_from_file) {
+      // The seeded init, exported by one process, is where both sides start from.
+      ChildProcess init(PITH_WORKER_BINARY,
+                        {"--standalone", "--spec=" + spec_path(), "--steps=0",
+                         "--export_init=" + dir_ + "/init.safetensors"},
+                        dir_ + "/init.out");
+      ASSERT_EQ(init.Wait(60), 0) << init.Log();
+      const std::string seed = R"("seed": 1337)";
+      spec.replace(spec.find(seed), seed.size(),
+                   seed + R"(, "init_path": ")" + dir_ + "/init.safetensors\"");
+      std::ofstream(spec_path()) << spec;
+    }
   }
 
   // The reference: one process.
@@ -478,7 +492,7 @@ class ClusterRun {
 // Trains the spec alone and on a cluster (with `failure` injected); compares.
 void TrainAndCompare(const std::string& name, Failure failure, Outcome* outcome = nullptr) {
   ClusterRun run(name, failure);
-  run.Prepare();
+  ASSERT_NO_FATAL_FAILURE(run.Prepare());
   ASSERT_NO_FATAL_FAILURE(run.TrainAlone());
   // Processes started are stopped however the phases below end.
   struct StopAtExit {
@@ -543,6 +557,11 @@ TEST(ClusterE2eTest, StoreRamTiersFarBelowTheModelChangeNothing) {
   EXPECT_GT(small.store_cold_bytes, 4 * kSmallRam);
   std::cout << "a store's RocksDB tier holds " << small.store_cold_bytes << " bytes behind "
             << kSmallRam << " of RAM\n";
+}
+
+// Workers read the init file an expert at a time (never whole): the same training.
+TEST(ClusterE2eTest, AJobStartedFromAnInitFileTrainsAsOneProcessDoes) {
+  TrainAndCompare("init_file", {.init_from_file = true});
 }
 
 TEST(ClusterE2eTest, HotExpertsGetSecondOwnersAndTheMathHolds) {

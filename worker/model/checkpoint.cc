@@ -1,7 +1,6 @@
 #include "worker/model/checkpoint.h"
 
 #include <cstring>
-#include <functional>
 #include <vector>
 
 #include "absl/container/flat_hash_set.h"
@@ -34,13 +33,10 @@ TensorView ViewOf(const std::vector<float>& host, const ParamTensor& t) {
   return ViewOf(host.data(), t);
 }
 
-// Copies the tensors named prefix + <layout name> from `file` into a host arena (every
-// tensor at its offset), or those `want` picks into `host` at their offset less `base`.
+// Copies the tensors named prefix + <layout name> from `file` into a host arena.
 absl::Status ReadTensors(const ParamLayout& layout, const SafetensorsFile& file,
-                         const std::string& prefix, float* host, int64_t base = 0,
-                         const std::function<bool(const ParamTensor&)>& want = nullptr) {
+                         const std::string& prefix, float* host) {
   for (const ParamTensor& t : layout.tensors()) {
-    if (want && !want(t)) continue;
     const std::string name = prefix + t.name;
     absl::StatusOr<TensorView> v = file.Get(name);
     if (!v.ok()) return absl::InvalidArgumentError(absl::StrCat("missing tensor \"", name, "\""));
@@ -49,20 +45,21 @@ absl::Status ReadTensors(const ParamLayout& layout, const SafetensorsFile& file,
           absl::StrCat("tensor \"", name, "\" is ", DTypeName(v->dtype), " ", ShapeString(v->shape),
                        ", the model needs F32 ", ShapeString(t.shape)));
     }
-    std::memcpy(host + (t.offset - base), v->bytes.data(), v->bytes.size());
+    std::memcpy(host + t.offset, v->bytes.data(), v->bytes.size());
   }
   return absl::OkStatus();
 }
 
 // After ReadTensors found every expected tensor: fails on the first one the model lacks.
-absl::Status CheckNoExtraTensors(const ParamLayout& layout, const SafetensorsFile& file,
+absl::Status CheckNoExtraTensors(const ParamLayout& layout,
+                                 const std::vector<SafetensorsEntry>& entries,
                                  const std::vector<std::string>& prefixes) {
-  if (file.entries().size() == layout.tensors().size() * prefixes.size()) return absl::OkStatus();
+  if (entries.size() == layout.tensors().size() * prefixes.size()) return absl::OkStatus();
   absl::flat_hash_set<std::string> known;
   for (const std::string& prefix : prefixes) {
     for (const ParamTensor& t : layout.tensors()) known.insert(prefix + t.name);
   }
-  for (const SafetensorsEntry& e : file.entries()) {
+  for (const SafetensorsEntry& e : entries) {
     if (!known.contains(e.name)) {
       return absl::InvalidArgumentError(
           absl::StrCat("tensor \"", e.name, "\" is not part of this model"));
@@ -83,29 +80,43 @@ absl::Status LoadWeights(compute::Backend& backend, const ParamLayout& layout,
                          const SafetensorsFile& file, float* arena) {
   std::vector<float> host(layout.total_floats());
   RETURN_IF_ERROR(ReadTensors(layout, file, "", host.data()));
-  RETURN_IF_ERROR(CheckNoExtraTensors(layout, file, {""}));
+  RETURN_IF_ERROR(CheckNoExtraTensors(layout, file.entries(), {""}));
   return backend.CopyToDevice(arena, host.data(), host.size() * sizeof(float));
 }
 
 absl::Status LoadDenseWeights(compute::Backend& backend, const ParamLayout& layout,
-                              const SafetensorsFile& file, float* arena) {
-  // Every tensor must be there (the experts' are read later, one at a time).
+                              const SafetensorsReader& file, float* arena) {
+  // Every tensor must be there, as the model shapes it (the experts' are read later, one
+  // expert at a time).
   for (const ParamTensor& t : layout.tensors()) {
-    if (!file.Get(t.name).ok()) {
-      return absl::InvalidArgumentError(absl::StrCat("missing tensor \"", t.name, "\""));
+    absl::StatusOr<const SafetensorsEntry*> e = file.Find(t.name);
+    if (!e.ok()) return absl::InvalidArgumentError(absl::StrCat("missing tensor \"", t.name, "\""));
+    if ((*e)->dtype != DType::kF32 || (*e)->shape != t.shape) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("tensor \"", t.name, "\" is ", DTypeName((*e)->dtype), " ",
+                       ShapeString((*e)->shape), ", the model needs F32 ", ShapeString(t.shape)));
     }
   }
-  RETURN_IF_ERROR(CheckNoExtraTensors(layout, file, {""}));
+  RETURN_IF_ERROR(CheckNoExtraTensors(layout, file.entries(), {""}));
   std::vector<float> host(layout.dense_floats());
-  RETURN_IF_ERROR(ReadTensors(layout, file, "", host.data(), 0,
-                              [](const ParamTensor& t) { return t.layer < 0; }));
+  for (const ParamTensor& t : layout.tensors()) {
+    if (t.layer >= 0) continue;
+    RETURN_IF_ERROR(file.Read(t.name, {reinterpret_cast<uint8_t*>(host.data() + t.offset),
+                                       static_cast<size_t>(t.numel) * sizeof(float)}));
+  }
   return backend.CopyToDevice(arena, host.data(), host.size() * sizeof(float));
 }
 
-absl::Status ReadExpertWeights(const ParamLayout& layout, const SafetensorsFile& file, int layer,
+absl::Status ReadExpertWeights(const ParamLayout& layout, const SafetensorsReader& file, int layer,
                                int expert, float* out) {
-  return ReadTensors(layout, file, "", out, layout.ExpertOffset(layer, expert),
-                     [&](const ParamTensor& t) { return t.layer == layer && t.expert == expert; });
+  const int64_t base = layout.ExpertOffset(layer, expert);
+  const int first = layout.ExpertTensorIndex(layer, expert);
+  for (int i = first; i < first + 4; ++i) {
+    const ParamTensor& t = layout.tensors()[i];
+    RETURN_IF_ERROR(file.Read(t.name, {reinterpret_cast<uint8_t*>(out + (t.offset - base)),
+                                       static_cast<size_t>(t.numel) * sizeof(float)}));
+  }
+  return absl::OkStatus();
 }
 
 absl::Status SaveOptimizer(compute::Backend& backend, const ParamLayout& layout,
@@ -128,7 +139,7 @@ absl::StatusOr<int64_t> LoadOptimizer(compute::Backend& backend, const ParamLayo
   std::vector<float> m(layout.total_floats()), v(layout.total_floats());
   RETURN_IF_ERROR(ReadTensors(layout, file, MomentM(), m.data()));
   RETURN_IF_ERROR(ReadTensors(layout, file, MomentV(), v.data()));
-  RETURN_IF_ERROR(CheckNoExtraTensors(layout, file, {MomentM(), MomentV()}));
+  RETURN_IF_ERROR(CheckNoExtraTensors(layout, file.entries(), {MomentM(), MomentV()}));
   auto step_it = file.metadata().find(std::string(kSafetensorsStepKey));
   int64_t step = 0;
   if (step_it == file.metadata().end() || !absl::SimpleAtoi(step_it->second, &step) || step < 0) {

@@ -15,6 +15,7 @@
 #include "absl/status/statusor.h"
 #include "common/param_layout.h"
 #include "common/safetensors.h"
+#include "common/safetensors_reader.h"
 #include "worker/compute/backend.h"
 #include "worker/model/optimizer.h"
 
@@ -31,13 +32,13 @@ absl::Status SaveWeights(compute::Backend& backend, const ParamLayout& layout, c
 absl::Status LoadWeights(compute::Backend& backend, const ParamLayout& layout,
                          const SafetensorsFile& file, float* arena);
 
-// For a model with external experts: checks that a weights file holds exactly the
-// layout's tensors and loads the dense ones into `arena` (dense_floats).
+// For a model with external experts, from a file read tensor by tensor: checks that it
+// holds exactly the layout's tensors and loads the dense ones into `arena` (dense_floats).
 absl::Status LoadDenseWeights(compute::Backend& backend, const ParamLayout& layout,
-                              const SafetensorsFile& file, float* arena);
-// Copies the four tensors of expert (layer, expert) from a weights file into `out`
-// (expert_floats, host memory, w1 b1 w2 b2).
-absl::Status ReadExpertWeights(const ParamLayout& layout, const SafetensorsFile& file, int layer,
+                              const SafetensorsReader& file, float* arena);
+// Reads the four tensors of expert (layer, expert) from a weights file LoadDenseWeights
+// checked into `out` (expert_floats, host memory, w1 b1 w2 b2).
+absl::Status ReadExpertWeights(const ParamLayout& layout, const SafetensorsReader& file, int layer,
                                int expert, float* out);
 
 // Writes the optimizer state after `step` steps.

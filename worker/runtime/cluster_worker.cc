@@ -15,7 +15,7 @@
 #include "absl/strings/str_format.h"
 #include "common/file.h"
 #include "common/metrics.h"
-#include "common/safetensors.h"
+#include "common/safetensors_reader.h"
 #include "common/status.h"
 #include "glog/logging.h"
 #include "grpcpp/grpcpp.h"
@@ -323,9 +323,9 @@ class JobRun : public StepDriver {
   // zero moments and counts.
   absl::Status WriteInitial() override {
     const std::string& init = a_.spec().train().init_path();
-    std::optional<SafetensorsFile> file;
+    std::optional<SafetensorsReader> file;  // read an expert at a time, never whole
     if (!init.empty()) {
-      ASSIGN_OR_RETURN(file, SafetensorsFile::Read(init));
+      ASSIGN_OR_RETURN(file, SafetensorsReader::Open(init));
       RETURN_IF_ERROR(model::LoadDenseWeights(backend_, model_->layout(), *file, model_->params()));
     } else {
       RETURN_IF_ERROR(model_->InitWeights(a_.spec().train().seed()));
@@ -338,7 +338,7 @@ class JobRun : public StepDriver {
 
   // Step 0's experts owned here, made and written a few at a time (with the dense writes
   // queued before them): a worker never holds more than kInitialBatch of them.
-  absl::Status WriteInitialExperts(const SafetensorsFile* file) {
+  absl::Status WriteInitialExperts(const SafetensorsReader* file) {
     constexpr int kInitialBatch = 8;
     const model::ParamLayout& layout = model_->layout();
     model::ParamInit init(layout, a_.spec().train().seed());
