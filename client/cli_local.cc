@@ -84,12 +84,9 @@ absl::StatusOr<std::pair<int, int>> WaitReady(const std::string& name, pid_t pid
 }  // namespace
 
 absl::Status Up(const CliContext& ctx, const Args& args, std::ostream& out) {
-  std::map<std::string, std::string> flags = {{"--stores", "2"},
-                                              {"--workers", "2"},
-                                              {"--cache_bytes", "0"},
-                                              {"--memory_bytes", "0"},
-                                              {"--ram_bytes", "268435456"},
-                                              {"--dir", DefaultDir()}};
+  std::map<std::string, std::string> flags = {
+      {"--stores", "2"},       {"--workers", "2"},           {"--cache_bytes", "0"},
+      {"--memory_bytes", "0"}, {"--ram_bytes", "268435456"}, {"--dir", DefaultDir()}};
   RETURN_IF_ERROR(ParseFlags("up", args, flags));
   int stores = 0, workers = 0;
   uint64_t cache_bytes = 0, memory_bytes = 0, ram_bytes = 0;
