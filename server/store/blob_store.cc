@@ -117,6 +117,11 @@ void BlobStore::ReleaseBlock(uint64_t offset) {
 }
 
 absl::StatusOr<std::shared_ptr<RamBlock>> BlobStore::AllocateLocked(uint64_t size) {
+  if (std::bit_ceil(std::max(size, options_.min_block_bytes)) > LargestBlock(options_)) {
+    // No demotion can make room (a replica installed from a store with a larger tier).
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "blob of ", size, " bytes does not fit the RAM tier of ", options_.ram_bytes, " bytes"));
+  }
   while (true) {
     {
       absl::MutexLock lock(&alloc_mu_);
@@ -232,10 +237,6 @@ absl::StatusOr<PutReservation> BlobStore::BeginPut(const v1::BlobKey& key, int64
     return absl::FailedPreconditionError(
         absl::StrCat(BlobKeyDebugString(key), ": version ", version,
                      " is not newer than the committed version ", it->second.committed));
-  }
-  if (std::bit_ceil(std::max(size, options_.min_block_bytes)) > LargestBlock(options_)) {
-    return absl::ResourceExhaustedError(absl::StrCat(
-        "blob of ", size, " bytes does not fit the RAM tier of ", options_.ram_bytes, " bytes"));
   }
   PutReservation r;
   ASSIGN_OR_RETURN(r.block_, AllocateLocked(std::max<uint64_t>(size, 1)));

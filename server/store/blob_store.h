@@ -118,7 +118,8 @@ class BlobStore {
   ~BlobStore();
 
   // Reserves RAM for (key, version) of `size` bytes. INVALID_ARGUMENT for a bad key,
-  // RESOURCE_EXHAUSTED over max_blob_bytes or larger than the RAM tier can ever hold,
+  // RESOURCE_EXHAUSTED over max_blob_bytes or larger than the RAM tier's largest block
+  // (the largest power of two not above ram_bytes),
   // UNAVAILABLE while every RAM block is held by reads and receives in flight (it frees
   // as they end: the caller waits and asks again), FAILED_PRECONDITION when `version` is
   // not newer than the committed one. Resident versions, pending or committed, are always
@@ -195,7 +196,8 @@ class BlobStore {
   // The RAM tier's largest block: the biggest blob it can hold.
   static uint64_t LargestBlock(const BlobStoreOptions& options);
   // A RAM block of `size` bytes, demoting unpinned LRU blobs as needed; UNAVAILABLE
-  // (saying what holds the RAM) when every block is held. Requires mu_.
+  // (saying what holds the RAM) when every block is held, RESOURCE_EXHAUSTED at once for
+  // a blob larger than the largest block. Requires mu_.
   absl::StatusOr<std::shared_ptr<RamBlock>> AllocateLocked(uint64_t size)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Where the RAM tier's bytes are: read, received, free. Requires mu_.

@@ -189,6 +189,7 @@ void DataPlane::OnPut(ucx::AmMessage& m) {
     Reply(request.client_id(), m.reply_ep, v1::UCX_MESSAGE_PUT_REPLY, reply, BlobRef());
     return;
   }
+  if (stopping_) return;  // the worker releases the payload
   if (!waiting_.empty() || !TryPut(m, request, start)) {
     waiting_.push_back({std::move(m), std::move(request), start});
     has_waiting_.store(true, std::memory_order_release);
@@ -239,7 +240,7 @@ bool DataPlane::TryPut(ucx::AmMessage& m, const v1::UcxPutRequest& request,
 void DataPlane::RetryWaiting() {
   // A put whose payload was eager lands inside TryPut and asks again from there: the loop
   // below goes on instead.
-  if (retrying_) return;
+  if (retrying_ || stopping_) return;
   retrying_ = true;
   while (!waiting_.empty()) {
     WaitingPut w = std::move(waiting_.front());
@@ -253,14 +254,18 @@ void DataPlane::RetryWaiting() {
   has_waiting_.store(!waiting_.empty(), std::memory_order_release);
 }
 
-DataPlane::~DataPlane() {
-  stop_ticker_.Notify();
+void DataPlane::Shutdown() {
+  if (!stop_ticker_.HasBeenNotified()) stop_ticker_.Notify();
   if (ticker_.joinable()) ticker_.join();
-  // The worker has stopped (its thread is gone): the waiting payloads go back to UCX here.
+  // On the progress thread while it runs (inline once it has stopped).
   worker_->RunSync([this] {
+    stopping_ = true;
     for (WaitingPut& w : waiting_) worker_->Release(w.message);
     waiting_.clear();
+    has_waiting_.store(false, std::memory_order_release);
   });
 }
+
+DataPlane::~DataPlane() { Shutdown(); }
 
 }  // namespace pith::store

@@ -18,9 +18,9 @@
 // demoted for the next. Waiting puts are retried as puts land and every few
 // milliseconds; one that waits kPutWaitLimit is refused with what holds the RAM.
 //
-// Thread safety: construction and destruction from the owner's thread, after the UCX
-// worker has stopped; everything else runs on the UCX progress thread, but for the retry
-// ticker, which only posts there.
+// Thread safety: construction, Shutdown and destruction from the owner's thread (Shutdown
+// before the UCX worker stops); everything else runs on the UCX progress thread, but for
+// the retry ticker, which only posts there.
 #ifndef PITH_SERVER_STORE_DATA_PLANE_H_
 #define PITH_SERVER_STORE_DATA_PLANE_H_
 
@@ -47,7 +47,12 @@ inline constexpr absl::Duration kPutWaitLimit = absl::Seconds(20);
 
 class DataPlane {
  public:
+  // Shutdown(), if it has not run.
   ~DataPlane();
+  // Before the UCX worker stops (its endpoints close): no waiting put is started or
+  // retried any more, and their payloads go back to UCX while their endpoints are open.
+  // From the owner's thread; idempotent.
+  void Shutdown();
   // Serves `store`, whose arena is `arena` (registered with `worker`). Installs the
   // handlers on `worker` (before its Start()). Fails only if its metrics cannot be
   // registered.
@@ -91,6 +96,7 @@ class DataPlane {
   };
   std::deque<WaitingPut> waiting_;
   bool retrying_ = false;  // RetryWaiting is running (it is not re-entered)
+  bool stopping_ = false;  // Shutdown ran: puts are refused, none is retried
   // The ticker: posts RetryWaiting every few milliseconds while waiting_ is not empty.
   std::atomic<bool> has_waiting_{false};
   absl::Notification stop_ticker_;

@@ -248,8 +248,14 @@ absl::Status StoreClient::Fetch(int peer, absl::Span<FetchItem> items, absl::Dur
       bytes += item;
       ++end;
     }
-    first.Update(FetchOnce(peer, items.subspan(begin, end - begin),
-                           std::max(deadline - absl::Now(), absl::ZeroDuration())));
+    if (absl::Now() >= deadline) {  // an earlier part took the time: the rest fail
+      for (size_t i = begin; i < items.size(); ++i) {
+        items[i].status = absl::DeadlineExceededError("not fetched: the deadline passed");
+      }
+      first.Update(items[begin].status);
+      break;
+    }
+    first.Update(FetchOnce(peer, items.subspan(begin, end - begin), deadline - absl::Now()));
     begin = end;
   }
   return first;

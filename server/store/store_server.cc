@@ -95,7 +95,9 @@ StoreServer::~StoreServer() {
   lap("deregister");
   if (grpc_) grpc_->Shutdown();
   lap("gRPC");
-  // No more data-plane traffic: in-flight sends are cancelled and release their pins.
+  // No more data-plane traffic: waiting puts are dropped while their endpoints are open,
+  // then in-flight sends are cancelled and release their pins.
+  if (data_plane_) data_plane_->Shutdown();
   if (worker_) worker_->Stop();
   lap("data plane");
   grpc_.reset();
