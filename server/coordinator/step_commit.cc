@@ -110,6 +110,11 @@ absl::StatusOr<v1::StepStatus> Scheduler::FailJob(const v1::StepWrittenRequest& 
       return absl::FailedPreconditionError(
           absl::StrCat("worker ", r.worker_id(), " is not training job ", r.job_id()));
     }
+    // A report about an older assignment (a placement since replaced) fails nothing.
+    if (r.assignment_version() != it->second.record.assignment_version()) {
+      return absl::AbortedError(
+          absl::StrCat("job ", r.job_id(), " has a newer assignment; fetch it"));
+    }
   }
   const std::string reason = absl::StrCat("worker ", r.worker_id(), ": ", r.failure());
   LOG(ERROR) << "job " << r.job_id() << " failed: " << reason;

@@ -97,6 +97,15 @@ class JobRun : public StepDriver {
       return absl::FailedPreconditionError(
           absl::StrCat("global batch ", B, " has no rows for rank ", a_.rank(), " of ", W));
     }
+    // The dense state alone must fit before anything is allocated (PlanMemory checks
+    // the rest once the model's activations are known).
+    if (const uint64_t dense = 4 * sizeof(float) * model::ParamLayout(shape_).dense_floats();
+        options_.memory_bytes > 0 && dense > options_.memory_bytes) {
+      fits_ = false;
+      return absl::FailedPreconditionError(absl::StrCat(
+          "the job does not fit this worker's --memory_bytes=", options_.memory_bytes,
+          ": its dense state alone (parameters, gradients and moments) is ", dense, " bytes"));
+    }
     // The dense tensors only: the experts live in the cache, the gradient pool and the
     // stores (memory_plan.h).
     ASSIGN_OR_RETURN(model_,
@@ -216,6 +225,11 @@ class JobRun : public StepDriver {
         plan->grad_buffers > grads_->buffers()) {
       return false;
     }
+    // Kept pools and the new moment buffers must fit the budget too.
+    const uint64_t expert_bytes = shape_.expert_floats() * sizeof(float);
+    const uint64_t kept = plan->dense_bytes + plan->activation_bytes + plan->moment_bytes +
+                          expert_bytes * (cache_->slots() + grads_->buffers());
+    if (options_.memory_bytes > 0 && kept > options_.memory_bytes) return false;
     // A cached expert is current only if this worker made its last update (it was its
     // primary); the others may have moved on.
     for (int l = 0; l < shape_.layers; ++l) {
@@ -229,6 +243,8 @@ class JobRun : public StepDriver {
     RETURN_IF_ERROR(ApplyPlacement());
     // The experts updated here changed: their moments come from the stores.
     plan_.moments = plan->moments;
+    plan_.moment_bytes = plan->moment_bytes;
+    ReportMemory();
     RETURN_IF_ERROR(updater_->SetUp(updated_, plan_.moments));
     LOG(INFO) << "job " << a_.job_id() << ": placement epoch " << a_.placement().epoch()
               << " adopted in place (" << owned_.size() << " experts computed, " << updated_.size()

@@ -19,10 +19,11 @@ absl::Status ExpertGradients::ReduceReplicas(PeerGroup& peers, int64_t step,
     const auto [l, e] = x;
     const ExpertOwners& who = (*owners)[l][e];
     if (who.size() < 2 || !used(l, e)) continue;
-    ASSIGN_OR_RETURN(float* g, grads->Acquire(x, /*zeros_if_absent=*/true));
-    absl::Cleanup release = [this, x = x] { grads->Release(x); };
-    const uint64_t tag = channels::ReplicaGradient(step, l * shape.experts + e);
+    ASSIGN_OR_RETURN(float* g, grads->Acquire(x, GradPool::Use::kUpdate));
     const int to = (*primary)[l][e];
+    // A copy sent to the primary is done with here.
+    absl::Cleanup release = [this, x = x, sent = to != rank] { grads->Release(x, sent); };
+    const uint64_t tag = channels::ReplicaGradient(step, l * shape.experts + e);
     if (to != rank) {
       RETURN_IF_ERROR(peers.Send(
           to, tag, std::string(reinterpret_cast<const char*>(g), floats * sizeof(float))));

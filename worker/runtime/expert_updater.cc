@@ -308,7 +308,7 @@ absl::Status ExpertUpdater::ApplyBatch(int64_t s, double grad_norm, absl::Span<c
     const size_t b = buffer[i];
     const int64_t base = layout.ExpertOffset(l, e);
     // Held while applied (one at a time: the pool may have fewer buffers than a batch).
-    ASSIGN_OR_RETURN(float* g, d_.grads->Acquire(batch[i], /*zeros_if_absent=*/true));
+    ASSIGN_OR_RETURN(float* g, d_.grads->Acquire(batch[i], GradPool::Use::kUpdate));
     // NOTE: from here the buffer holds this step's moments, current here only once the
     // step commits; a step that does not commit ends the job run (JobRun::Run returns),
     // and the buffers with it.
@@ -326,7 +326,7 @@ absl::Status ExpertUpdater::ApplyBatch(int64_t s, double grad_norm, absl::Span<c
                     t.decay ? static_cast<float>(c.weight_decay) : 0.0f, count);
     }
     absl::Status synced = backend.Synchronize();
-    d_.grads->Release(batch[i]);
+    d_.grads->Release(batch[i], /*drop=*/true);  // applied: done with
     RETURN_IF_ERROR(synced);
   }
   return absl::OkStatus();

@@ -1,6 +1,8 @@
 #include "worker/runtime/grad_pool.h"
 
 #include <fcntl.h>
+#include <linux/magic.h>
+#include <sys/vfs.h>
 #include <unistd.h>
 
 #include <cerrno>
@@ -64,21 +66,33 @@ absl::Status GradPool::OpenFileLocked() {
                                                       dir, ": ", std::strerror(errno)));
   }
   file_ = UniqueFd(fd);
+  struct statfs fs;
+  if (::fstatfs(fd, &fs) == 0 && fs.f_type == TMPFS_MAGIC) {
+    LOG(WARNING) << "the gradient scratch file is on tmpfs (" << dir
+                 << "): spilled gradients stay in memory; point --scratch_dir at a disk";
+  }
   return absl::OkStatus();
 }
 
 absl::Status GradPool::SpillLocked(int slot) {
-  RETURN_IF_ERROR(OpenFileLocked());
   const Expert x = buffers_[slot].owner;
+  if (buffers_[slot].dropped) {  // done with: nothing to keep
+    grads_.erase(x);
+    buffers_[slot] = Slot();
+    return absl::OkStatus();
+  }
   Grad& g = grads_.at(x);
-  auto [it, added] = file_index_.emplace(x, static_cast<int64_t>(file_index_.size()));
-  g.file_index = it->second;
-  const size_t bytes = static_cast<size_t>(floats_) * sizeof(float);
-  RETURN_IF_ERROR(PwriteAll(file_.get(), {reinterpret_cast<const uint8_t*>(Data(slot)), bytes},
-                            static_cast<uint64_t>(g.file_index) * bytes, kScratchName));
+  if (buffers_[slot].dirty || g.file_index < 0) {
+    RETURN_IF_ERROR(OpenFileLocked());
+    auto [it, added] = file_index_.emplace(x, static_cast<int64_t>(file_index_.size()));
+    g.file_index = it->second;
+    const size_t bytes = static_cast<size_t>(floats_) * sizeof(float);
+    RETURN_IF_ERROR(PwriteAll(file_.get(), {reinterpret_cast<const uint8_t*>(Data(slot)), bytes},
+                              static_cast<uint64_t>(g.file_index) * bytes, kScratchName));
+    ++stats_.spills;
+  }
   g.slot = -1;
   buffers_[slot] = Slot();
-  ++stats_.spills;
   return absl::OkStatus();
 }
 
@@ -117,10 +131,10 @@ absl::StatusOr<float*> GradPool::OpenLocked(Expert x) {
 
 void GradPool::Close(Expert x) { Release(x); }
 
-absl::StatusOr<float*> GradPool::Acquire(Expert x, bool zeros_if_absent) {
+absl::StatusOr<float*> GradPool::Acquire(Expert x, Use use) {
   absl::MutexLock lock(&mu_);
   auto it = grads_.find(x);
-  if (it == grads_.end() && zeros_if_absent) return OpenLocked(x);
+  if (it == grads_.end() && use == Use::kUpdate) return OpenLocked(x);
   if (it == grads_.end()) {
     return absl::NotFoundError(
         absl::StrCat("no gradient of layer ", x.first, " expert ", x.second, " this step"));
@@ -130,21 +144,28 @@ absl::StatusOr<float*> GradPool::Acquire(Expert x, bool zeros_if_absent) {
     const size_t bytes = static_cast<size_t>(floats_) * sizeof(float);
     RETURN_IF_ERROR(PreadAll(file_.get(), {reinterpret_cast<uint8_t*>(Data(slot)), bytes},
                              static_cast<uint64_t>(it->second.file_index) * bytes, kScratchName));
-    buffers_[slot] = Slot{x, true, 0, ++clock_};
+    buffers_[slot] = Slot{x, true, 0, ++clock_, /*dirty=*/false};
     it->second.slot = slot;
     ++stats_.loads;
   }
-  ++buffers_[it->second.slot].holds;
+  Slot& held = buffers_[it->second.slot];
+  ++held.holds;
+  held.dirty |= use == Use::kUpdate;
   return Data(it->second.slot);
 }
 
-void GradPool::Release(Expert x) {
+void GradPool::Release(Expert x, bool drop) {
   absl::MutexLock lock(&mu_);
   auto it = grads_.find(x);
   if (it == grads_.end() || it->second.slot < 0) return;
   Slot& s = buffers_[it->second.slot];
   if (s.holds > 0) --s.holds;
   s.last_use = ++clock_;
+  s.dropped |= drop;
+  if (s.dropped && s.holds == 0) {
+    grads_.erase(it);
+    s = Slot();
+  }
 }
 
 bool GradPool::Has(Expert x) const {

@@ -2,11 +2,12 @@
 // buffers (DESIGN §6, memory). The backward opens an expert's buffer (zeroed), accumulates
 // its gradient over every row, and closes it; the gradient then waits for the replica
 // reduce, the global gradient norm and the expert's update, in its buffer or, once the
-// backward needs that buffer for a later expert, in an unlinked scratch file (written
-// once and read once a step: the page cache, then the disk). The norm clips every
-// gradient, so none can be applied before the backward ends: what bounds a worker's
-// memory is that the waiting ones need not be in it. Buffers are reused least recently
-// used first.
+// backward needs that buffer for a later expert, in an unlinked scratch file (the page
+// cache, then the disk; written again only when changed since, never once applied). The
+// norm clips every gradient, so none can be applied before the backward ends: what
+// bounds a worker's memory is that the waiting ones need not be in it. Buffers are
+// reused least recently used first. A scratch directory on tmpfs keeps the file in
+// memory (a warning says so).
 //
 // Thread safety: thread-safe. One step's gradients at a time: Reset starts the next, once
 // none is held.
@@ -46,12 +47,16 @@ class GradPool {
   // already or every buffer is held.
   absl::StatusOr<float*> Open(Expert x) ABSL_LOCKS_EXCLUDED(mu_);
   void Close(Expert x) ABSL_LOCKS_EXCLUDED(mu_);
+  // What an Acquire does with the gradient. kRead: reads it (NOT_FOUND when x has none
+  // this step). kUpdate: may change it; a zeroed one when x has none (an expert that got
+  // no rows here, whose gradient is then a replica sum or zero).
+  enum class Use { kRead, kUpdate };
   // x's gradient, held until Release(x): read back from the scratch file when it was
-  // spilled. When x has no gradient this step: NOT_FOUND, or with `zeros_if_absent` a
-  // zeroed one (an expert that got no rows here, whose gradient is then a replica sum or
-  // zero).
-  absl::StatusOr<float*> Acquire(Expert x, bool zeros_if_absent = false) ABSL_LOCKS_EXCLUDED(mu_);
-  void Release(Expert x) ABSL_LOCKS_EXCLUDED(mu_);
+  // spilled.
+  absl::StatusOr<float*> Acquire(Expert x, Use use = Use::kRead) ABSL_LOCKS_EXCLUDED(mu_);
+  // With `drop`, the gradient is done with (sent, or applied): its buffer is free once
+  // nobody holds it, and it is never written to the scratch file again.
+  void Release(Expert x, bool drop = false) ABSL_LOCKS_EXCLUDED(mu_);
   bool Has(Expert x) const ABSL_LOCKS_EXCLUDED(mu_);
 
   int buffers() const { return buffer_count_; }
@@ -70,6 +75,8 @@ class GradPool {
     bool used = false;
     int holds = 0;          // Open (until Close) and Acquire (until Release)
     uint64_t last_use = 0;  // clock_ at the last Close or Release
+    bool dirty = true;      // differs from the scratch file's copy (or there is none)
+    bool dropped = false;   // Release(drop): free once unheld
   };
   struct Grad {
     int slot = -1;            // its buffer, or -1 when it is in the scratch file only
