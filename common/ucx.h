@@ -2,7 +2,7 @@
 // endpoints, memory registrations, and active messages with rendezvous payloads received
 // straight into caller memory. Nothing here assumes a transport: UCX picks shared memory,
 // TCP or RDMA by itself; Pith only uses active messages, which are fast on all of them
-// (one-sided RMA is emulated over TCP; see TOOLCHAIN.md).
+// (one-sided RMA is only emulated over TCP, and slowly).
 //
 // Threading: every ucp call happens on the worker's progress thread. Handlers and
 // completion callbacks run there; other threads hand work over with Post() or RunSync().

@@ -6,7 +6,7 @@ this machine, and compared with Pith's CPU backend measured in the same run.
 
 Same shapes, fwd + bwd, dropless top-2 with renormalized gates and the aux/z losses.
 Threads: torch's own pool at 1 (its default here) while its OpenBLAS uses the machine's
-cores, as TOOLCHAIN.md describes; forcing torch to 2 threads oversubscribes and is slower.
+cores; forcing torch to 2 threads oversubscribes and is slower.
 Prints ms/iter for both and the speed-up of Pith over PyTorch.
 """
 import json
