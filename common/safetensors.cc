@@ -324,16 +324,10 @@ std::string SafetensorsWriter::Serialize() const {
 }
 
 absl::Status SafetensorsWriter::Write(const std::string& path) const {
-  std::vector<const std::pair<const std::string, TensorView>*> order;
-  const std::string header = BuildHeader(&order);
-  return WriteFileAtomically(path, [&](int fd) -> absl::Status {
-    uint8_t len[8];
-    const uint64_t n = header.size();
-    std::memcpy(len, &n, 8);
-    RETURN_IF_ERROR(WriteAll(fd, len, path));
-    RETURN_IF_ERROR(
-        WriteAll(fd, {reinterpret_cast<const uint8_t*>(header.data()), header.size()}, path));
-    for (const auto* entry : order) RETURN_IF_ERROR(WriteAll(fd, entry->second.bytes, path));
+  return WriteWith(path, [&](int fd, const std::map<std::string, uint64_t>& offsets) {
+    for (const auto& [name, tensor] : tensors_) {
+      RETURN_IF_ERROR(PwriteAll(fd, tensor.bytes, offsets.at(name), path));
+    }
     return absl::OkStatus();
   });
 }

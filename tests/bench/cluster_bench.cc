@@ -89,16 +89,6 @@ struct Setup {
   uint64_t store_ram = 256 << 20;
 };
 
-// A process's peak resident set (VmHWM), in bytes; 0 when it cannot be read.
-uint64_t PeakRss(pid_t pid) {
-  std::ifstream status("/proc/" + std::to_string(pid) + "/status");
-  std::string line;
-  while (std::getline(status, line)) {
-    if (line.rfind("VmHWM:", 0) == 0) return std::stoull(line.substr(6)) * 1024;
-  }
-  return 0;
-}
-
 struct Measured {
   double seconds = 0;         // summed over the timed steps (> 3) of every run
   double tokens = 0;          // trained in them
@@ -181,7 +171,7 @@ bool RunCluster(const std::string& dir, const Setup& setup, Measured* m) {
     return false;
   }
   uint64_t rss = 0;
-  for (size_t n = 2; n < procs.size(); ++n) rss = std::max(rss, PeakRss(procs[n]->pid()));
+  for (size_t n = 2; n < procs.size(); ++n) rss = std::max(rss, procs[n]->PeakRss());
   if (g_verbose) {
     std::fprintf(stderr, "%s mean %.1f ms, peak worker RSS %.1f MB, steps (ms):%s\n",
                  setup.worker_flag.c_str(), 1000 * seconds / counted, rss / 1e6, times.c_str());

@@ -10,6 +10,7 @@
 #include <unistd.h>
 
 #include <chrono>
+#include <cstdint>
 #include <fstream>
 #include <regex>
 #include <sstream>
@@ -42,6 +43,16 @@ class ChildProcess {
   ChildProcess& operator=(const ChildProcess&) = delete;
 
   pid_t pid() const { return pid_; }
+
+  // The process's peak resident set (VmHWM in /proc), in bytes; 0 once it has ended.
+  uint64_t PeakRss() const {
+    std::ifstream status("/proc/" + std::to_string(pid_) + "/status");
+    std::string line;
+    while (pid_ > 0 && std::getline(status, line)) {
+      if (line.rfind("VmHWM:", 0) == 0) return std::stoull(line.substr(6)) * 1024;
+    }
+    return 0;
+  }
 
   // Waits (up to `seconds`) for the ready line; false if the process died or never said it.
   bool WaitReady(double seconds = 20) {

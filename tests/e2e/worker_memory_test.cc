@@ -29,16 +29,6 @@ using pith::testing::ChildProcess;
 constexpr uint64_t kWorkerMemory = 24ull << 20;
 constexpr uint64_t kStoreRam = 64ull << 20;
 
-// A process's peak resident set (VmHWM), in bytes; 0 when it cannot be read.
-uint64_t PeakRss(pid_t pid) {
-  std::ifstream status("/proc/" + std::to_string(pid) + "/status");
-  std::string line;
-  while (std::getline(status, line)) {
-    if (line.rfind("VmHWM:", 0) == 0) return std::stoull(line.substr(6)) * 1024;
-  }
-  return 0;
-}
-
 std::string Spec(const std::string& data, int experts, int steps) {
   return R"({"name": "memory", "model": {"vocab_size": 256, "seq_len": 32, "d_model": 64,
   "n_layer": 2, "n_head": 4, "n_expert": )" +
@@ -117,7 +107,7 @@ class MemoryRun {
       v1::GetJobRequest get;
       get.set_job_id(submitted.job().job_id());
       if (!stub_->GetJob(&ctx, get, &job).ok()) break;
-      for (auto& w : workers_) peak_rss_ = std::max(peak_rss_, PeakRss(w->pid()));
+      for (auto& w : workers_) peak_rss_ = std::max(peak_rss_, w->PeakRss());
       if (job.state() == v1::JOB_STATE_SUCCEEDED || job.state() == v1::JOB_STATE_FAILED) break;
       std::this_thread::sleep_for(std::chrono::milliseconds(100));
     }
