@@ -7,10 +7,14 @@
 namespace pith::runtime {
 namespace {
 
-// Experts' worth of memory the pools take for a cache of `slots` slots (scratch moments).
+// The gradient pool beside a bounded cache of `slots` slots.
+int GradBuffers(int slots) { return std::max(2, slots / 2); }
+
+// Experts' worth of memory the pools take for a cache of `slots` slots (scratch moments:
+// two buffers, m and v, per expert of each ring segment).
 int64_t PoolUnits(int slots) {
   const MomentPlan m = PlanMoments(slots, /*resident=*/false);
-  return slots + std::max(2, slots / 2) + 2 * m.Buffers(0);
+  return slots + GradBuffers(slots) + 2 * int64_t{m.ring} * m.batch;
 }
 
 MemoryPlan Finish(const MemoryInput& in, MemoryPlan p) {
@@ -73,7 +77,7 @@ absl::StatusOr<MemoryPlan> PlanMemory(const MemoryInput& in) {
   int slots = 2;
   while (slots < all_slots && PoolUnits(slots + 1) <= units) ++slots;
   p.cache_slots = slots;
-  p.grad_buffers = std::max(2, slots / 2);
+  p.grad_buffers = GradBuffers(slots);
   p.moments = PlanMoments(slots, false);
   return Finish(in, p);
 }
