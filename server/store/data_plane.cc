@@ -94,6 +94,17 @@ void DataPlane::RetireClient(uint64_t client) {
   if (it == clients_.end()) return;
   retired_.push_back(it->second.ep);
   clients_.erase(it);
+  // Its waiting puts will never be answered: receiving them would only hold RAM for a
+  // sender that is gone.
+  for (auto w = waiting_.begin(); w != waiting_.end();) {
+    if (w->request.client_id() != client) {
+      ++w;
+      continue;
+    }
+    worker_->Release(w->message);
+    w = waiting_.erase(w);
+  }
+  has_waiting_.store(!waiting_.empty(), std::memory_order_release);
 }
 
 void DataPlane::Reply(uint64_t client, ucp_ep_h via, uint16_t id, const v1::UcxBlobReply& reply,
@@ -245,6 +256,10 @@ void DataPlane::RetryWaiting() {
   while (!waiting_.empty()) {
     WaitingPut w = std::move(waiting_.front());
     waiting_.pop_front();
+    if (!clients_.contains(w.request.client_id())) {  // gone, or never said hello
+      worker_->Release(w.message);
+      continue;
+    }
     if (!TryPut(w.message, w.request, w.start)) {
       waiting_.push_front(std::move(w));
       break;
