@@ -335,8 +335,9 @@ absl::Status Cluster(const CliContext& ctx, const Args& args, std::ostream& out)
     if (m.role() == v1::MEMBER_ROLE_STORE) {
       out << absl::StrFormat("  ram %.1f MB / %.1f MB  rocksdb %.1f MB", m.ram_bytes() / 1e6,
                              m.capacity_bytes() / 1e6, m.rocksdb_bytes() / 1e6);
-    } else if (!m.job_id().empty()) {
-      out << "  job " << m.job_id();
+    } else {
+      out << "  " << (m.backend() == v1::BACKEND_CUDA ? "cuda" : "cpu");
+      if (!m.job_id().empty()) out << "  job " << m.job_id();
     }
     out << "\n";
   };

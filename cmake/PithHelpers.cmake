@@ -1,4 +1,5 @@
 # pith_add_test(foo_test.cc DEPS lib... [LABELS ...] [TIMEOUT s])
+# LABELS gpu marks a test that needs a CUDA device (reported as skipped without one).
 # Builds the test beside its code into an executable named after the file and registers
 # it with CTest. Every unit test in Pith goes through this one helper.
 function(pith_add_test source)
@@ -15,6 +16,10 @@ function(pith_add_test source)
     set(ARG_LABELS unit)
   endif()
   set_tests_properties(${name} PROPERTIES TIMEOUT ${ARG_TIMEOUT} LABELS "${ARG_LABELS}")
+  if("gpu" IN_LIST ARG_LABELS)
+    # Without a device every GPU test skips itself; CTest then reports it as skipped.
+    set_tests_properties(${name} PROPERTIES SKIP_REGULAR_EXPRESSION "\\[  SKIPPED \\]")
+  endif()
 endfunction()
 
 # pith_add_library(name SOURCES ... DEPS ... [PUBLIC_DEPS ...])

@@ -8,10 +8,6 @@ std::string CheckpointFileName(absl::string_view job_id, int64_t step) {
   return absl::StrCat(job_id, ".step", step, ".safetensors");
 }
 
-std::string ExpertTensorPrefix(int layer, int expert) {
-  return absl::StrCat("h.", layer, ".moe.e", expert);
-}
-
 absl::string_view KindPrefix(v1::BlobKind kind) {
   switch (kind) {
     case v1::BLOB_KIND_MASTER:

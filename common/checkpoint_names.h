@@ -11,16 +11,13 @@
 #include <string>
 
 #include "absl/strings/string_view.h"
+#include "common/param_layout.h"  // ExpertTensorPrefix
 #include "pith/v1/common.pb.h"
 
 namespace pith::model {
 
 // "<job>.step<N>.safetensors": the weights file a job export of committed step N writes.
 std::string CheckpointFileName(absl::string_view job_id, int64_t step);
-
-// "h.<layer>.moe.e<expert>": an expert's contiguous blob, and the prefix of its tensors
-// ("h.<layer>.moe.e<expert>.w1", ...).
-std::string ExpertTensorPrefix(int layer, int expert);
 
 // What the tensors of a blob kind are prefixed with in a safetensors file: "" for
 // weights, "master.", "m." and "v." (AdamW moments), "state.".

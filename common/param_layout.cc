@@ -3,27 +3,11 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
-#include "common/checkpoint_names.h"
-#include "common/safetensors.h"
-#include "common/status.h"
 
 namespace pith::model {
 
-ModelShape ModelShape::FromSpec(const v1::ModelConfig& m) {
-  ModelShape s;
-  s.vocab = m.vocab_size();
-  s.seq = m.seq_len();
-  s.channels = m.d_model();
-  s.layers = m.n_layer();
-  s.heads = m.n_head();
-  s.experts = m.n_expert();
-  s.top_k = m.top_k();
-  s.hidden = m.d_ff();
-  s.capacity_factor = m.capacity_factor();
-  s.aux_loss_coef = m.aux_loss_coef();
-  s.z_loss_coef = m.z_loss_coef();
-  s.renormalize_topk = m.renormalize_topk();
-  return s;
+std::string ExpertTensorPrefix(int layer, int expert) {
+  return absl::StrCat("h.", layer, ".moe.e", expert);
 }
 
 int64_t ParamLayout::Add(std::string name, std::vector<int64_t> shape, bool decay, int layer,
@@ -80,20 +64,6 @@ int ParamLayout::Find(const std::string& name) const {
     if (tensors_[i].name == name) return static_cast<int>(i);
   }
   return -1;
-}
-
-absl::Status SaveHostWeights(const ParamLayout& layout, const float* host, const std::string& path,
-                             const std::map<std::string, std::string>& metadata) {
-  SafetensorsWriter writer;
-  for (const auto& [key, value] : metadata) writer.SetMetadata(key, value);
-  for (const ParamTensor& t : layout.tensors()) {
-    RETURN_IF_ERROR(
-        writer.Add(t.name, TensorView{DType::kF32,
-                                      t.shape,
-                                      {reinterpret_cast<const uint8_t*>(host + t.offset),
-                                       static_cast<size_t>(t.numel) * sizeof(float)}}));
-  }
-  return writer.Write(path);
 }
 
 }  // namespace pith::model

@@ -16,10 +16,13 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
-#include "pith/v1/spec.pb.h"
 
 // NOTE: the namespace stays the model's (model::ParamLayout): this is the model's contract;
 // it lives in common/ only so that code without the compute engine can link it.
+namespace pith::v1 {
+class ModelConfig;
+}  // namespace pith::v1
+
 namespace pith::model {
 
 // The model hyper-parameters of DESIGN §3, checked.
@@ -37,7 +40,8 @@ struct ModelShape {
   double z_loss_coef = 0;
   bool renormalize_topk = true;
 
-  // From a validated spec's model config.
+  // From a validated spec's model config (param_layout_io.cc: the only part that needs
+  // the protos).
   static ModelShape FromSpec(const v1::ModelConfig& model);
   // Floats in one expert blob.
   int64_t expert_floats() const { return int64_t{channels} * hidden * 2 + hidden + channels; }
@@ -52,6 +56,10 @@ struct ParamTensor {
   int layer = -1;      // for expert tensors; -1 for dense ones
   int expert = -1;
 };
+
+// "h.<layer>.moe.e<expert>": an expert's contiguous blob, and the prefix of its tensors
+// ("h.<layer>.moe.e<expert>.w1", ...). The checkpoint names (checkpoint_names.h) build on it.
+std::string ExpertTensorPrefix(int layer, int expert);
 
 class ParamLayout {
  public:

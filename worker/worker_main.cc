@@ -17,6 +17,7 @@
 #include "common/process.h"
 #include "common/status.h"
 #include "glog/logging.h"
+#include "worker/backend/backend_select.h"
 #include "worker/compute/cpu_backend.h"
 #include "worker/runtime/cluster_worker.h"
 #include "worker/trainer/standalone.h"
@@ -43,16 +44,26 @@ ABSL_FLAG(std::string, loss_log, "",
           "appends each committed step)");
 ABSL_FLAG(std::string, save, "", "Write the final weights here (safetensors)");
 ABSL_FLAG(std::string, save_optimizer, "", "Write the final optimizer state here (safetensors)");
-ABSL_FLAG(std::string, backend, "cpu",
-          "Compute backend: cpu, or auto (cpu until a GPU backend is built in)");
+ABSL_FLAG(std::string, backend, "auto",
+          "Compute backend: cpu, cuda, or auto (cuda when this build and host have it, else "
+          "cpu). A cluster worker runs on cpu so far");
+ABSL_FLAG(int, device, 0, "CUDA device ordinal for --backend=cuda|auto");
 ABSL_FLAG(int, threads, 0, "Threads of the CPU backend's own loops; 0 = one per core");
 
 namespace {
 
 absl::Status RunCluster() {
-  if (absl::GetFlag(FLAGS_backend) != "cpu" && absl::GetFlag(FLAGS_backend) != "auto") {
+  const std::string backend = absl::GetFlag(FLAGS_backend);
+  if (backend == "cuda") {
+    // The cluster runtime keeps expert cache slots, gradients and dispatch buffers in host
+    // memory; training on a GPU in a cluster needs the device expert cache first.
+    return absl::UnimplementedError(
+        "--backend=cuda: a cluster worker trains on the CPU backend so far (use "
+        "--standalone for CUDA training)");
+  }
+  if (backend != "cpu" && backend != "auto") {
     return absl::InvalidArgumentError(
-        absl::StrCat("--backend=", absl::GetFlag(FLAGS_backend), ": only cpu is built in so far"));
+        absl::StrCat("--backend=", backend, ": expected cpu, cuda or auto"));
   }
   LOG(INFO) << "OpenBLAS kernels: " << pith::compute::BlasCoreName();
   pith::runtime::ClusterWorkerOptions options;
@@ -103,10 +114,6 @@ absl::Status Run() {
     return absl::InvalidArgumentError("give --coordinator=HOST:PORT or --standalone");
   }
   if (absl::GetFlag(FLAGS_spec).empty()) return absl::InvalidArgumentError("--spec is required");
-  if (absl::GetFlag(FLAGS_backend) != "cpu") {
-    return absl::InvalidArgumentError(
-        absl::StrCat("--backend=", absl::GetFlag(FLAGS_backend), ": only cpu is built in so far"));
-  }
   if (absl::GetFlag(FLAGS_steps) < -1) return absl::InvalidArgumentError("--steps must be >= 0");
   pith::trainer::StandaloneOptions options;
   ASSIGN_OR_RETURN(options.spec, pith::LoadJobSpec(absl::GetFlag(FLAGS_spec)));
@@ -116,12 +123,17 @@ absl::Status Run() {
   options.loss_log_path = absl::GetFlag(FLAGS_loss_log);
   options.save_path = absl::GetFlag(FLAGS_save);
   options.save_optimizer_path = absl::GetFlag(FLAGS_save_optimizer);
-  pith::compute::CpuBackend backend(absl::GetFlag(FLAGS_threads));
+  std::string description;
+  ASSIGN_OR_RETURN(
+      std::unique_ptr<pith::compute::Backend> backend,
+      pith::compute::MakeBackend(
+          {absl::GetFlag(FLAGS_backend), absl::GetFlag(FLAGS_device), absl::GetFlag(FLAGS_threads)},
+          &description));
   ASSIGN_OR_RETURN(pith::trainer::StandaloneResult result,
-                   pith::trainer::RunStandalone(options, backend));
+                   pith::trainer::RunStandalone(options, *backend));
   LOG(INFO) << "trained " << result.steps << " steps, final loss " << result.final_loss << ", "
-            << static_cast<int64_t>(result.tokens_per_second) << " tokens/s (OpenBLAS "
-            << pith::compute::BlasCoreName() << " kernels)";
+            << static_cast<int64_t>(result.tokens_per_second) << " tokens/s (" << description
+            << ")";
   return absl::OkStatus();
 }
 
@@ -129,11 +141,13 @@ absl::Status Run() {
 
 int main(int argc, char** argv) {
   pith::compute::ReexecWithBetterBlasCore(argv);
-  pith::InitProcess(argc, argv,
-                    "runs Pith training steps.\n"
-                    "Usage: pith-worker --coordinator=HOST:PORT [--metrics_port=PORT "
-                    "--memory_bytes=N --cache_bytes=N --scratch_dir=DIR]\n"
-                    "       pith-worker --standalone --spec=SPEC.json [--init=FILE] "
-                    "[--export_init=FILE] [--steps=N] [--loss_log=FILE] [--save=FILE]");
+  pith::InitProcess(
+      argc, argv,
+      "runs Pith training steps.\n"
+      "Usage: pith-worker --coordinator=HOST:PORT [--metrics_port=PORT "
+      "--memory_bytes=N --cache_bytes=N --scratch_dir=DIR]\n"
+      "       pith-worker --standalone --spec=SPEC.json [--backend=auto|cpu|cuda --device=N] "
+      "[--init=FILE] "
+      "[--export_init=FILE] [--steps=N] [--loss_log=FILE] [--save=FILE]");
   return pith::ExitStatus("pith-worker", Run());
 }

@@ -198,7 +198,10 @@ class Scheduler {
                      const std::vector<std::string>& stores) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Pending jobs, oldest first, get idle workers while there are enough and a store.
   void SchedulePendingLocked(const Alive& alive) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  std::vector<std::string> IdleWorkersLocked(const Alive& alive) const
+  // Idle workers of one compute backend (a job never mixes backends): that of `job_workers`
+  // when it has any, else the backend with the most idle workers (CUDA on a tie).
+  std::vector<std::string> IdleWorkersLocked(const Alive& alive,
+                                             const std::vector<std::string>& job_workers) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   // step_commit.cc: the step-commit protocol.

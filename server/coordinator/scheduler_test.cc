@@ -118,10 +118,12 @@ class SchedulerTest : public ::testing::Test {
     ASSERT_TRUE(scheduler_->Recover().ok());
   }
 
-  std::string Join(v1::MemberRole role, const std::string& id = "") {
+  std::string Join(v1::MemberRole role, const std::string& id = "",
+                   v1::Backend backend = v1::BACKEND_CPU) {
     v1::MemberInfo m;
     m.set_member_id(id);
     m.set_role(role);
+    m.set_backend(backend);
     m.set_grpc_address("127.0.0.1:1");
     auto got = members_->Register(m);
     EXPECT_TRUE(got.ok()) << got.status();
@@ -218,6 +220,21 @@ TEST_F(SchedulerTest, AJobWaitsForItsWorkersThenGetsRanksAndAPlacement) {
   EXPECT_EQ(owned[1], 32);
   (void)s0;
   (void)s1;
+}
+
+TEST_F(SchedulerTest, AJobNeverMixesBackends) {
+  const v1::Job job = Submit(2);
+  Join(v1::MEMBER_ROLE_STORE);
+  const std::string cpu = Join(v1::MEMBER_ROLE_WORKER, "", v1::BACKEND_CPU);
+  const std::string gpu0 = Join(v1::MEMBER_ROLE_WORKER, "", v1::BACKEND_CUDA);
+  scheduler_->Tick();
+  EXPECT_EQ(Job(job.job_id()).state(), v1::JOB_STATE_PENDING);  // two workers, two backends
+  const std::string gpu1 = Join(v1::MEMBER_ROLE_WORKER, "", v1::BACKEND_CUDA);
+  scheduler_->Tick();
+  EXPECT_EQ(Job(job.job_id()).state(), v1::JOB_STATE_RUNNING);
+  EXPECT_EQ(scheduler_->GetAssignment(cpu)->job_id(), "");
+  EXPECT_EQ(scheduler_->GetAssignment(gpu0)->job_id(), job.job_id());
+  EXPECT_EQ(scheduler_->GetAssignment(gpu1)->job_id(), job.job_id());
 }
 
 TEST_F(SchedulerTest, AStepCommitsOnEveryStoreOnceEveryWorkerReported) {

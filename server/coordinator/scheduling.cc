@@ -2,6 +2,7 @@
 // jobs that lost members get new ones and a repaired placement, drains progress, pending
 // jobs are scheduled; and the workers' view of it, their assignments. See scheduler.h.
 #include <algorithm>
+#include <map>
 
 #include "absl/strings/str_cat.h"
 #include "common/status.h"
@@ -86,7 +87,7 @@ void Scheduler::RepairRunLocked(const std::string& job_id, Run& run, const v1::J
     }
   }
   const int want = std::max(1, job.spec().cluster().workers());
-  const std::vector<std::string> idle = IdleWorkersLocked(alive);
+  const std::vector<std::string> idle = IdleWorkersLocked(alive, kept);
   const bool grow = static_cast<int>(kept.size()) < want && !idle.empty();
   if (lost.empty() && !stores_lost && !grow) return;
   std::string reason = lost.empty() ? (stores_lost ? "a store died" : "a worker joined")
@@ -159,7 +160,7 @@ void Scheduler::SchedulePendingLocked(const Alive& alive) {
   std::reverse(waiting.begin(), waiting.end());
   for (const v1::Job& job : waiting) {
     if (runs_.count(job.job_id()) || alive.stores.empty()) continue;
-    std::vector<std::string> idle = IdleWorkersLocked(alive);
+    std::vector<std::string> idle = IdleWorkersLocked(alive, {});
     const int want = std::max(1, job.spec().cluster().workers());
     if (static_cast<int>(idle.size()) < want) break;  // first come, first served
     idle.resize(want);
@@ -192,12 +193,21 @@ void Scheduler::SchedulePendingLocked(const Alive& alive) {
   }
 }
 
-std::vector<std::string> Scheduler::IdleWorkersLocked(const Alive& alive) const {
-  std::vector<std::string> idle;
+std::vector<std::string> Scheduler::IdleWorkersLocked(
+    const Alive& alive, const std::vector<std::string>& job_workers) const {
+  std::map<v1::Backend, std::vector<std::string>> idle;
   for (const auto& [id, m] : alive.workers) {
-    if (!worker_job_.count(id)) idle.push_back(id);
+    if (!worker_job_.count(id)) idle[m.backend()].push_back(id);
   }
-  return idle;
+  for (const std::string& w : job_workers) {
+    auto it = alive.workers.find(w);
+    if (it != alive.workers.end()) return idle[it->second.backend()];
+  }
+  const std::vector<std::string>* best = nullptr;
+  for (const auto& [backend, ids] : idle) {  // ascending: CUDA last, so it wins ties
+    if (best == nullptr || ids.size() >= best->size()) best = &ids;
+  }
+  return best != nullptr ? *best : std::vector<std::string>{};
 }
 
 absl::StatusOr<v1::Assignment> Scheduler::GetAssignment(const std::string& worker_id) {

@@ -139,7 +139,7 @@ class ClusterRun {
     ChildProcess alone(
         PITH_WORKER_BINARY,
         {"--standalone", "--spec=" + spec_path(), "--loss_log=" + dir_ + "/alone.log",
-         "--save=" + dir_ + "/alone.safetensors", "--threads=1"},
+         "--save=" + dir_ + "/alone.safetensors", "--threads=1", "--backend=cpu"},
         dir_ + "/alone.out");
     ASSERT_EQ(alone.Wait(120), 0) << alone.Log();
   }

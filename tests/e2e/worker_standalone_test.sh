@@ -23,7 +23,7 @@ JSON
 # On an AVX2 CPU the worker never runs OpenBLAS's SSE3 fallback kernels (it re-executes
 # itself with OPENBLAS_CORETYPE when OpenBLAS does not recognise the CPU model).
 if grep -qw avx2 /proc/cpuinfo && grep -qw fma /proc/cpuinfo; then
-  core=$(sed -n 's/.*(OpenBLAS \(.*\) kernels).*/\1/p' train.log)
+  core=$(sed -n 's/.*trained.*OpenBLAS \([^ ]*\) kernels.*/\1/p' train.log)
   [[ -n $core && $core != Prescott && $core != Core2 && $core != Nehalem && $core != Sandybridge ]] ||
     fail "OpenBLAS kernels on an AVX2 CPU: '${core}'"
   echo "  OpenBLAS kernels: $core"
@@ -50,6 +50,10 @@ expect_one_line() {
 sed 's/"tokens.bin"/"missing.bin"/' spec.json >missing.json
 expect_one_line "missing.bin" "$WORKER" --standalone --spec=missing.json
 sed 's/"n_head": 4/"n_head": 3/' spec.json >heads.json
+expect_one_line "expected cpu, cuda or auto" "$WORKER" --standalone --spec=spec.json --backend=tpu
+if ! command -v nvidia-smi >/dev/null; then  # no GPU: --backend=cuda says why, in one line
+  expect_one_line "cuda" "$WORKER" --standalone --spec=spec.json --backend=cuda --steps=1
+fi
 expect_one_line "model.n_head" "$WORKER" --standalone --spec=heads.json
 sed 's/"top_k": 2/"top_k": 9/' spec.json >topk.json
 expect_one_line "model.top_k" "$WORKER" --standalone --spec=topk.json

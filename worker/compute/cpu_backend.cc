@@ -1,7 +1,6 @@
 // CpuBackend: memory, dense ops and the loss. The MoE ops live in cpu_backend_moe.cc.
 #include "worker/compute/cpu_backend.h"
 
-#include <cblas.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -12,6 +11,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/buffer.h"
+#include "worker/compute/blas.h"
 #include "worker/compute/cpu_kernels.h"
 
 namespace pith::compute {
@@ -357,17 +357,7 @@ void CpuBackend::Scale(float* x, float s, int64_t n) {
 
 void CpuBackend::AdamW(float* param, const float* grad, float* m, float* v, int64_t n, float lr,
                        float beta1, float beta2, float eps, float weight_decay, int64_t step) {
-  const double bc1 = 1.0 - std::pow(double{beta1}, static_cast<double>(step));
-  const double bc2 = 1.0 - std::pow(double{beta2}, static_cast<double>(step));
-  AdamWConstants k;
-  k.beta1 = beta1;
-  k.one_minus_beta1 = 1.0f - beta1;
-  k.beta2 = beta2;
-  k.one_minus_beta2 = 1.0f - beta2;
-  k.step_size = static_cast<float>(lr / bc1);
-  k.bc2_sqrt = static_cast<float>(std::sqrt(bc2));
-  k.eps = eps;
-  k.decay = 1.0f - lr * weight_decay;
+  const AdamWConstants k = MakeAdamWConstants(lr, beta1, beta2, eps, weight_decay, step);
   pool_.ParallelFor(
       n, 16384, [&](int64_t begin, int64_t end) { AdamWRange(param, grad, m, v, begin, end, k); });
 }

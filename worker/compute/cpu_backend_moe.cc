@@ -1,10 +1,9 @@
 // CpuBackend: routing, token permutation, the grouped expert FFN and the router backward.
-#include <cblas.h>
-
 #include <algorithm>
 #include <cmath>
 #include <cstring>
 
+#include "worker/compute/blas.h"
 #include "worker/compute/cpu_backend.h"
 #include "worker/compute/cpu_kernels.h"
 

@@ -3,9 +3,10 @@
 #ifndef PITH_WORKER_COMPUTE_CPU_KERNELS_H_
 #define PITH_WORKER_COMPUTE_CPU_KERNELS_H_
 
-#include <cblas.h>
-
 #include <cstdint>
+
+#include "worker/compute/adamw.h"
+#include "worker/compute/blas.h"
 
 namespace pith::compute {
 
@@ -28,14 +29,6 @@ void GeluRange(float* out, const float* x, int64_t begin, int64_t end);
 // dx[i] = dout[i] * gelu_tanh'(x[i]) for i in [begin, end); dx may alias dout.
 void GeluBackwardRange(float* dx, const float* x, const float* dout, int64_t begin, int64_t end);
 
-// AdamW's per-step constants (CpuBackend::AdamW derives them from the hyperparameters).
-struct AdamWConstants {
-  float beta1, one_minus_beta1, beta2, one_minus_beta2;
-  float step_size;  // lr / (1 - beta1^t)
-  float bc2_sqrt;   // sqrt(1 - beta2^t)
-  float eps;
-  float decay;  // 1 - lr * weight_decay
-};
 // One AdamW update of elements [begin, end): m, v, then the decayed parameter. The four
 // arrays must not overlap.
 void AdamWRange(float* param, const float* grad, float* m, float* v, int64_t begin, int64_t end,

@@ -7,20 +7,6 @@
 
 namespace pith::model {
 
-OptimizerConfig OptimizerConfig::FromSpec(const v1::TrainConfig& t) {
-  OptimizerConfig c;
-  c.lr = t.lr();
-  c.warmup = t.warmup();
-  c.steps = t.steps();
-  c.min_lr_ratio = t.min_lr_ratio();
-  c.weight_decay = t.weight_decay();
-  c.grad_clip = t.grad_clip();
-  c.beta1 = t.beta1();
-  c.beta2 = t.beta2();
-  c.eps = t.eps();
-  return c;
-}
-
 double LearningRate(const OptimizerConfig& c, int64_t step) {
   if (step < c.warmup) return c.lr * static_cast<double>(step + 1) / static_cast<double>(c.warmup);
   const double q = static_cast<double>(step - c.warmup) /

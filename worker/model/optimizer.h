@@ -12,8 +12,11 @@
 
 #include "absl/status/statusor.h"
 #include "common/param_layout.h"
-#include "pith/v1/spec.pb.h"
 #include "worker/compute/backend.h"
+
+namespace pith::v1 {
+class TrainConfig;
+}  // namespace pith::v1
 
 namespace pith::model {
 

@@ -1,0 +1,56 @@
+#!/usr/bin/env bash
+# Every GPU test and benchmark of Pith, on a machine with an NVIDIA GPU, in one command:
+# builds the GPU-only tree (cmake -DPITH_GPU_ONLY=ON: the compute engine, the model, the
+# CUDA backend, their tests and gpu_bench; Abseil and GoogleTest from .gpu-deps/, which
+# tests/gpu/vendor.sh fills), runs the CTest label `gpu`, then gpu_bench, and prints a
+# summary. Logs go to $OUT when it is set (the device tool brings them back), else to
+# build-gpu/out. Exit status: 0 only when every test passed and the benchmark ran.
+#
+#   tests/gpu/vendor.sh                 # once, where Debian's archive is reachable
+#   tests/gpu/run.sh                    # on the GPU machine, from the repository root
+set -uo pipefail
+root=$(cd "$(dirname "$0")/../.." && pwd)
+cd "$root"
+build=${PITH_GPU_BUILD:-build-gpu}
+out=${OUT:-$build/out}
+mkdir -p "$out"
+start=$(date +%s)
+
+if [[ ! -f .gpu-deps/abseil-cpp/CMakeLists.txt || ! -f .gpu-deps/googletest/CMakeLists.txt ]]; then
+  echo "run.sh: .gpu-deps/ is missing: run tests/gpu/vendor.sh first (and carry .gpu-deps)" >&2
+  exit 2
+fi
+nvidia-smi --query-gpu=name,driver_version,memory.total,compute_cap --format=csv,noheader \
+  | tee "$out/gpu.txt" || echo "run.sh: nvidia-smi failed" >&2
+arch=${PITH_CUDA_ARCH:-$(nvidia-smi --query-gpu=compute_cap --format=csv,noheader 2>/dev/null \
+  | head -1 | tr -d '. ')}
+arch=${arch:-90}
+nvcc=$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)
+generator=()
+command -v ninja >/dev/null && generator=(-G Ninja)
+
+echo "== build (sm_$arch, $(nproc) cores)"
+if ! cmake -S . -B "$build" "${generator[@]}" -DPITH_GPU_ONLY=ON -DCMAKE_BUILD_TYPE=Release \
+      -DCMAKE_CUDA_ARCHITECTURES="$arch" -DCMAKE_CUDA_COMPILER="$nvcc" >"$out/configure.log" 2>&1 ||
+   ! cmake --build "$build" -j "$(nproc)" >"$out/build.log" 2>&1; then
+  tail -40 "$out/configure.log" "$out/build.log" 2>/dev/null
+  echo "SUMMARY: build failed after $(($(date +%s) - start)) s"
+  exit 1
+fi
+built=$(date +%s)
+
+echo "== tests (ctest -L gpu)"
+ctest --test-dir "$build" -L gpu --output-on-failure --timeout 300 2>&1 | tee "$out/ctest.log"
+tests_rc=${PIPESTATUS[0]}
+tested=$(date +%s)
+
+echo "== gpu_bench"
+"$build/gpu_bench" 2>&1 | tee "$out/bench.log"
+bench_rc=${PIPESTATUS[0]}
+end=$(date +%s)
+
+echo "SUMMARY: build $((built - start)) s, tests $((tested - built)) s (rc $tests_rc), bench" \
+     "$((end - tested)) s (rc $bench_rc), total $((end - start)) s"
+grep -E "tests passed|tests failed" "$out/ctest.log" | sed 's/^/SUMMARY: /'
+grep -E "^expert_ffn" "$out/bench.log" | sed 's/^/SUMMARY: /'
+[[ $tests_rc == 0 && $bench_rc == 0 ]]

@@ -1,0 +1,40 @@
+// Backend selection: the flag values, and what each gives on this machine.
+#include "worker/backend/backend_select.h"
+
+#include "gtest/gtest.h"
+
+namespace pith::compute {
+namespace {
+
+TEST(BackendSelectTest, CpuAndBadValues) {
+  std::string description;
+  absl::StatusOr<std::unique_ptr<Backend>> cpu = MakeBackend({"cpu", 0, 1}, &description);
+  ASSERT_TRUE(cpu.ok()) << cpu.status();
+  EXPECT_EQ((*cpu)->name(), "cpu");
+  EXPECT_EQ(description.rfind("cpu: ", 0), 0u) << description;
+  EXPECT_EQ(MakeBackend({"tpu", 0, 1}).status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(MakeBackend({"cpu", -1, 1}).status().code(), absl::StatusCode::kInvalidArgument);
+}
+
+TEST(BackendSelectTest, CudaIsExplicitAndAutoFallsBack) {
+  absl::StatusOr<std::unique_ptr<Backend>> cuda = MakeBackend({"cuda", 0, 1});
+  absl::StatusOr<std::unique_ptr<Backend>> any = MakeBackend({"auto", 0, 1});
+  ASSERT_TRUE(any.ok()) << any.status();
+  if (!CudaBuiltIn()) {
+    EXPECT_EQ(cuda.status().code(), absl::StatusCode::kFailedPrecondition);
+    EXPECT_EQ((*any)->name(), "cpu");
+    return;
+  }
+  if (cuda.ok()) {
+    EXPECT_EQ((*cuda)->name(), "cuda");
+    EXPECT_EQ((*any)->name(), "cuda");
+  } else {
+    EXPECT_EQ(cuda.status().code(), absl::StatusCode::kUnavailable) << cuda.status();
+    EXPECT_EQ((*any)->name(), "cpu");
+  }
+  // A device this host does not have.
+  EXPECT_EQ(MakeBackend({"cuda", 4096, 1}).status().code(), absl::StatusCode::kUnavailable);
+}
+
+}  // namespace
+}  // namespace pith::compute

@@ -1,0 +1,168 @@
+// CudaBackend: the fp32 NVIDIA GPU implementation of compute::Backend. Every op is issued
+// on the backend's one CUDA stream, in call order: cuBLAS for the matrix products (the
+// expert GEMMs as one grouped call over the non-empty buckets: cublasSgemmGroupedBatched),
+// kernels for the rest (worker/cuda/cuda_kernels.cuh). Exact fp32: cuBLAS runs without
+// TF32, so results match the CPU backend's to float rounding.
+//
+// Errors: the Backend's ops return nothing, so the first CUDA or cuBLAS failure is kept,
+// named by its op ("cuda backend: Gemm: CUBLAS_STATUS_INVALID_VALUE"), every later op is
+// skipped, and Synchronize() (and the copies, which synchronize) return it. A fault that
+// happens on the device (an illegal address) is only seen at the next synchronizing
+// call, and is named by it. A failed backend stays failed: the worker makes a new one.
+//
+// Host results: Route writes the bucket layout (offsets, routed, prob_sum) to host
+// memory, so it waits for the stream; SumOfSquares too. Everything else is asynchronous.
+//
+// Thread safety: as Backend (one thread at a time). The backend binds its device to the
+// calling thread on every entry point that launches work.
+#ifndef PITH_WORKER_CUDA_CUDA_BACKEND_H_
+#define PITH_WORKER_CUDA_CUDA_BACKEND_H_
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "worker/compute/backend.h"
+
+// The CUDA handle types, declared so that this header needs no CUDA include.
+struct CUstream_st;
+struct cublasContext;
+
+namespace pith::cuda {
+
+class CudaBackend final : public compute::Backend {
+ public:
+  // A backend on device `ordinal`. UNAVAILABLE without a driver or such a device.
+  static absl::StatusOr<std::unique_ptr<CudaBackend>> Create(int ordinal);
+  ~CudaBackend() override;
+  CudaBackend(const CudaBackend&) = delete;
+  CudaBackend& operator=(const CudaBackend&) = delete;
+
+  absl::string_view name() const override { return "cuda"; }
+  int device() const { return device_; }
+  // The device's name and memory, for logs ("NVIDIA H200, 139 GiB").
+  const std::string& description() const { return description_; }
+  // The first failure so far (OK when none).
+  const absl::Status& status() const { return error_; }
+
+  absl::StatusOr<compute::DeviceBuffer> Allocate(size_t bytes) override;
+  absl::Status CopyToDevice(void* dst, const void* src, size_t bytes) override;
+  absl::Status CopyToHost(void* dst, const void* src, size_t bytes) override;
+  void Zero(void* dst, size_t bytes) override;
+  absl::Status Synchronize() override;
+
+  void Gemm(bool trans_a, bool trans_b, int m, int n, int k, float alpha, const float* a, int lda,
+            const float* b, int ldb, float beta, float* c, int ldc) override;
+  void AddBias(float* out, const float* bias, int m, int n) override;
+  void BiasGrad(float* dbias, const float* dout, int m, int n) override;
+  void Add(float* out, const float* a, const float* b, int64_t n) override;
+  void Embedding(float* out, const int32_t* tokens, const float* wte, const float* wpe, int batch,
+                 int seq, int channels) override;
+  void EmbeddingBackward(float* dwte, float* dwpe, const float* dout, const int32_t* tokens,
+                         int batch, int seq, int channels) override;
+  void LayerNorm(float* out, float* mean, float* rstd, const float* x, const float* w,
+                 const float* b, int n, int channels) override;
+  void LayerNormBackward(float* dx, float* dw, float* db, const float* dout, const float* x,
+                         const float* w, const float* mean, const float* rstd, int n,
+                         int channels) override;
+  void Attention(float* out, float* att, const float* qkv, int batch, int seq, int channels,
+                 int heads) override;
+  void AttentionBackward(float* dqkv, const float* dout, const float* qkv, const float* att,
+                         int batch, int seq, int channels, int heads) override;
+  void Gelu(float* out, const float* x, int64_t n) override;
+  void GeluBackward(float* dx, const float* x, const float* dout, int64_t n) override;
+  void CrossEntropyForwardBackward(float* logits, float* losses, const int32_t* targets, int n,
+                                   int vocab, float scale) override;
+
+  double SumOfSquares(const float* x, int64_t n) override;
+  void Scale(float* x, float s, int64_t n) override;
+  void AdamW(float* param, const float* grad, float* m, float* v, int64_t n, float lr, float beta1,
+             float beta2, float eps, float weight_decay, int64_t step) override;
+
+  void Route(const float* logits, int n, int experts, const compute::RouterConfig& config,
+             const compute::RoutingBuffers& out) override;
+  void Permute(float* bucket, const float* x, const int32_t* bucket_token, int64_t rows,
+               int channels) override;
+  void PermuteBackward(float* dx, const float* dbucket, const int32_t* row, int n, int top_k,
+                       int channels) override;
+  void Combine(float* out, const float* y, const int32_t* row, const float* gate, int n, int top_k,
+               int channels) override;
+  void CombineBackward(float* dy, float* dgate, const float* dout, const float* y,
+                       const int32_t* row, const float* gate, int n, int top_k,
+                       int channels) override;
+  void ExpertForward(float* y, float* hpre, float* h, const float* x, const int64_t* offsets,
+                     absl::Span<const compute::ExpertWeights> experts, int channels,
+                     int hidden) override;
+  void ExpertBackward(float* dx, float* dh, absl::Span<const compute::ExpertGrads> grads,
+                      const float* dy, const float* x, const float* hpre, const float* h,
+                      const int64_t* offsets, absl::Span<const compute::ExpertWeights> experts,
+                      int channels, int hidden) override;
+  void RouteBackward(float* dlogits, const float* dgate, const compute::RoutingBuffers& routing,
+                     int n, int experts, const compute::RouterConfig& config,
+                     const compute::RouterLossGrad& loss) override;
+
+ protected:
+  void Free(void* ptr, size_t bytes) override;
+
+ private:
+  // One matrix product of a grouped GEMM, row-major as in Gemm (alpha 1).
+  struct GemmProblem {
+    bool trans_a, trans_b;
+    int m, n, k;
+    const float* a;
+    int lda;
+    const float* b;
+    int ldb;
+    float beta;
+    float* c;
+    int ldc;
+  };
+  // Per-bucket segment tables for the expert kernels: one entry per non-empty bucket.
+  struct Segments {
+    int count = 0;
+    int64_t* offsets = nullptr;    // device [count + 1]: the rows of segment i
+    const float** bias = nullptr;  // device [count]
+    float** bias_grad = nullptr;   // device [count]
+  };
+
+  CudaBackend(int device, CUstream_st* stream, cublasContext* blas, std::string description);
+
+  // Whether to go on: false once an op failed (the op is then skipped). Binds the device.
+  bool Ready();
+  // Keeps the first failure, named by `op`; returns whether `ok`.
+  bool Fail(const char* op, const std::string& what);
+  bool CheckCuda(int err, const char* op);
+  bool CheckBlas(int status, const char* op);
+  // After a kernel launch: whether it launched.
+  bool CheckLaunch(const char* op);
+
+  void GroupedGemm(const std::vector<GemmProblem>& problems, const char* op);
+  // Device scratch of at least `bytes` per use, reused across calls (it grows after
+  // waiting for the stream). Ops on the stream are ordered, so a slot is free again once
+  // the next op that uses it is issued.
+  enum ScratchSlot { kPointers, kSumOfSquares, kAttention, kSegments, kRouting, kScratchSlots };
+  void* Scratch(ScratchSlot slot, size_t bytes);
+  // Uploads the non-empty buckets' row ranges (and bias pointers) for the expert kernels.
+  Segments UploadSegments(const int64_t* offsets, int experts, const float* const* bias,
+                          float* const* bias_grad);
+
+  int device_;
+  CUstream_st* stream_;
+  cublasContext* blas_;
+  std::string description_;
+  absl::Status error_;
+  struct ScratchBuffer {
+    void* ptr = nullptr;
+    size_t bytes = 0;
+  };
+  ScratchBuffer scratch_[kScratchSlots];
+  std::vector<int32_t> host_ints_;  // routing's host-side layout pass
+  std::vector<float> host_floats_;
+};
+
+}  // namespace pith::cuda
+
+#endif  // PITH_WORKER_CUDA_CUDA_BACKEND_H_

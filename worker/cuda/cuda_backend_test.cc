@@ -1,0 +1,379 @@
+// Every CudaBackend op against the CPU backend on the same inputs: fp32 results within
+// 1e-5 of the reference (relative to the reference's own scale: the two sum in different
+// orders), integer routing outputs equal. Skipped without a CUDA device.
+#include "worker/cuda/cuda_backend.h"
+
+#include <array>
+#include <cmath>
+#include <cstring>
+#include <random>
+#include <vector>
+
+#include "gtest/gtest.h"
+#include "worker/compute/cpu_backend.h"
+
+namespace pith::cuda {
+namespace {
+
+using compute::CpuBackend;
+using compute::DeviceBuffer;
+using Vec = std::vector<float>;
+using Ints = std::vector<int32_t>;
+
+constexpr double kRelative = 1e-5;
+
+Vec Random(size_t n, uint32_t seed, float scale = 1.0f) {
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> d(0.0f, scale);
+  Vec v(n);
+  for (float& x : v) x = d(rng);
+  return v;
+}
+
+// |got - want| <= 1e-5 * (|want| + rms(want)) for every element.
+void ExpectClose(const char* what, const Vec& got, const Vec& want, double rel = kRelative) {
+  ASSERT_EQ(got.size(), want.size()) << what;
+  double rms = 0;
+  for (float w : want) rms += double{w} * w;
+  rms = std::sqrt(rms / std::max<size_t>(1, want.size()));
+  int bad = 0;
+  for (size_t i = 0; i < want.size() && bad < 5; ++i) {
+    const double tol = rel * (std::fabs(want[i]) + rms) + 1e-30;
+    if (std::fabs(double{got[i]} - want[i]) > tol) {
+      ADD_FAILURE() << what << "[" << i << "]: cuda " << got[i] << " cpu " << want[i];
+      ++bad;
+    }
+  }
+}
+
+class CudaBackendTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    absl::StatusOr<std::unique_ptr<CudaBackend>> gpu = CudaBackend::Create(0);
+    if (!gpu.ok()) GTEST_SKIP() << "no CUDA device here: " << gpu.status();
+    gpu_ = std::move(*gpu);
+  }
+
+  // A device copy of `host`, kept alive by the fixture.
+  template <typename T>
+  T* Up(const std::vector<T>& host) {
+    absl::StatusOr<DeviceBuffer> buf = gpu_->Allocate(std::max<size_t>(1, host.size()) * sizeof(T));
+    EXPECT_TRUE(buf.ok()) << buf.status();
+    EXPECT_TRUE(gpu_->CopyToDevice(buf->data(), host.data(), host.size() * sizeof(T)).ok());
+    buffers_.push_back(std::move(*buf));
+    return static_cast<T*>(buffers_.back().data());
+  }
+  template <typename T>
+  std::vector<T> Down(const T* dev, size_t n) {
+    std::vector<T> host(n);
+    absl::Status st = gpu_->CopyToHost(host.data(), dev, n * sizeof(T));
+    EXPECT_TRUE(st.ok()) << st;
+    return host;
+  }
+
+  CpuBackend cpu_{1};
+  std::unique_ptr<CudaBackend> gpu_;
+  std::vector<DeviceBuffer> buffers_;
+};
+
+TEST_F(CudaBackendTest, GemmEveryTransposeAlphaBetaAndEmptyK) {
+  const int m = 37, n = 29, k = 53;
+  for (int ta = 0; ta < 2; ++ta) {
+    for (int tb = 0; tb < 2; ++tb) {
+      const Vec a = Random(m * k, 1 + ta), b = Random(k * n, 3 + tb);
+      Vec c = Random(m * n, 5);
+      const int lda = ta ? m : k, ldb = tb ? k : n;
+      float* dc = Up(c);
+      gpu_->Gemm(ta, tb, m, n, k, 0.5f, Up(a), lda, Up(b), ldb, 0.25f, dc, n);
+      cpu_.Gemm(ta, tb, m, n, k, 0.5f, a.data(), lda, b.data(), ldb, 0.25f, c.data(), n);
+      ExpectClose("gemm", Down(dc, c.size()), c);
+    }
+  }
+  // Padded leading dimensions: a [m, k] block of a wider matrix, c inside a wider one.
+  {
+    const int lda = k + 5, ldb = n + 3, ldc = n + 7;
+    const Vec a = Random(m * lda, 7), b = Random(k * ldb, 8);
+    Vec c = Random(m * ldc, 9);
+    float* dc = Up(c);
+    gpu_->Gemm(false, false, m, n, k, 1.0f, Up(a), lda, Up(b), ldb, 1.0f, dc, ldc);
+    cpu_.Gemm(false, false, m, n, k, 1.0f, a.data(), lda, b.data(), ldb, 1.0f, c.data(), ldc);
+    ExpectClose("gemm padded", Down(dc, c.size()), c);
+  }
+  Vec c = Random(m * n, 6);
+  float* dc = Up(c);
+  gpu_->Gemm(false, false, m, n, 0, 1.0f, nullptr, 1, nullptr, n, 0.0f, dc, n);
+  EXPECT_EQ(Down(dc, c.size()), Vec(c.size(), 0.0f));
+}
+
+TEST_F(CudaBackendTest, BiasAddScaleAndSumOfSquares) {
+  const int m = 300, n = 70;
+  Vec out = Random(m * n, 1), bias = Random(n, 2), dbias = Random(n, 3);
+  const Vec dout = Random(m * n, 4), other = Random(m * n, 5);
+  float *dout_dev = Up(out), *dbias_dev = Up(dbias), *sum_dev = Up(out);
+  gpu_->AddBias(dout_dev, Up(bias), m, n);
+  gpu_->BiasGrad(dbias_dev, Up(dout), m, n);
+  gpu_->Add(sum_dev, sum_dev, Up(other), int64_t{m} * n);
+  gpu_->Scale(sum_dev, 0.5f, int64_t{m} * n);
+  Vec sum = out;
+  cpu_.AddBias(out.data(), bias.data(), m, n);
+  cpu_.BiasGrad(dbias.data(), dout.data(), m, n);
+  cpu_.Add(sum.data(), sum.data(), other.data(), int64_t{m} * n);
+  cpu_.Scale(sum.data(), 0.5f, int64_t{m} * n);
+  ExpectClose("add_bias", Down(dout_dev, out.size()), out);
+  ExpectClose("bias_grad", Down(dbias_dev, n), dbias);
+  ExpectClose("add_scale", Down(sum_dev, sum.size()), sum);
+  const Vec big = Random(1 << 20, 9);
+  EXPECT_NEAR(gpu_->SumOfSquares(Up(big), big.size()), cpu_.SumOfSquares(big.data(), big.size()),
+              1e-9 * cpu_.SumOfSquares(big.data(), big.size()));
+  EXPECT_TRUE(gpu_->Synchronize().ok());
+}
+
+TEST_F(CudaBackendTest, EmbeddingAndBackward) {
+  const int B = 3, T = 7, C = 40, V = 11;
+  Ints tokens(B * T);
+  for (int i = 0; i < B * T; ++i) tokens[i] = (i * 5) % V;  // repeats on purpose
+  const Vec wte = Random(V * C, 1), wpe = Random(T * C, 2), dout = Random(B * T * C, 3);
+  Vec out(B * T * C), dwte = Random(V * C, 4), dwpe = Random(T * C, 5);
+  int32_t* tok = Up(tokens);
+  float *out_dev = Up(out), *dwte_dev = Up(dwte), *dwpe_dev = Up(dwpe);
+  gpu_->Embedding(out_dev, tok, Up(wte), Up(wpe), B, T, C);
+  gpu_->EmbeddingBackward(dwte_dev, dwpe_dev, Up(dout), tok, B, T, C);
+  cpu_.Embedding(out.data(), tokens.data(), wte.data(), wpe.data(), B, T, C);
+  cpu_.EmbeddingBackward(dwte.data(), dwpe.data(), dout.data(), tokens.data(), B, T, C);
+  ExpectClose("embedding", Down(out_dev, out.size()), out);
+  ExpectClose("dwte", Down(dwte_dev, dwte.size()), dwte);
+  ExpectClose("dwpe", Down(dwpe_dev, dwpe.size()), dwpe);
+}
+
+TEST_F(CudaBackendTest, LayerNormAndBackward) {
+  for (int C : {24, 96, 1000}) {
+    const int N = 67;
+    const Vec x = Random(N * C, 1, 3.0f), w = Random(C, 2), b = Random(C, 3);
+    const Vec dout = Random(N * C, 4);
+    Vec out(N * C), mean(N), rstd(N), dx = Random(N * C, 5), dw = Random(C, 6), db = Random(C, 7);
+    float *out_dev = Up(out), *mean_dev = Up(mean), *rstd_dev = Up(rstd);
+    float *dx_dev = Up(dx), *dw_dev = Up(dw), *db_dev = Up(db);
+    const float *x_dev = Up(x), *w_dev = Up(w);
+    gpu_->LayerNorm(out_dev, mean_dev, rstd_dev, x_dev, w_dev, Up(b), N, C);
+    gpu_->LayerNormBackward(dx_dev, dw_dev, db_dev, Up(dout), x_dev, w_dev, mean_dev, rstd_dev, N,
+                            C);
+    cpu_.LayerNorm(out.data(), mean.data(), rstd.data(), x.data(), w.data(), b.data(), N, C);
+    cpu_.LayerNormBackward(dx.data(), dw.data(), db.data(), dout.data(), x.data(), w.data(),
+                           mean.data(), rstd.data(), N, C);
+    ExpectClose("layernorm", Down(out_dev, out.size()), out);
+    ExpectClose("mean", Down(mean_dev, N), mean);
+    ExpectClose("rstd", Down(rstd_dev, N), rstd);
+    ExpectClose("ln dx", Down(dx_dev, dx.size()), dx);
+    ExpectClose("ln dw", Down(dw_dev, C), dw);
+    ExpectClose("ln db", Down(db_dev, C), db);
+  }
+}
+
+TEST_F(CudaBackendTest, CausalAttentionAndBackward) {
+  const int B = 2, T = 45, C = 48, H = 4;
+  const Vec qkv = Random(B * T * 3 * C, 1), dout = Random(B * T * C, 2);
+  Vec out(B * T * C), att(B * H * T * T), dqkv(B * T * 3 * C);
+  float *out_dev = Up(out), *att_dev = Up(att), *dqkv_dev = Up(dqkv);
+  const float* qkv_dev = Up(qkv);
+  gpu_->Attention(out_dev, att_dev, qkv_dev, B, T, C, H);
+  gpu_->AttentionBackward(dqkv_dev, Up(dout), qkv_dev, att_dev, B, T, C, H);
+  cpu_.Attention(out.data(), att.data(), qkv.data(), B, T, C, H);
+  cpu_.AttentionBackward(dqkv.data(), dout.data(), qkv.data(), att.data(), B, T, C, H);
+  ExpectClose("attention", Down(out_dev, out.size()), out);
+  const Vec att_gpu = Down(att_dev, att.size());
+  ExpectClose("att", att_gpu, att);
+  int nonzero_above = 0;  // the causal mask: exact zeros above the diagonal
+  for (int bh = 0; bh < B * H; ++bh) {
+    for (int t = 0; t < T; ++t) {
+      for (int j = t + 1; j < T; ++j)
+        nonzero_above += att_gpu[(int64_t{bh} * T + t) * T + j] != 0.0f;
+    }
+  }
+  EXPECT_EQ(nonzero_above, 0);
+  ExpectClose("dqkv", Down(dqkv_dev, dqkv.size()), dqkv);
+}
+
+TEST_F(CudaBackendTest, GeluAndCrossEntropy) {
+  const int64_t n = 5000;
+  const Vec x = Random(n, 1, 3.0f), dout = Random(n, 2);
+  Vec out(n), dx(n);
+  float *out_dev = Up(out), *dx_dev = Up(dx);
+  const float* x_dev = Up(x);
+  gpu_->Gelu(out_dev, x_dev, n);
+  gpu_->GeluBackward(dx_dev, x_dev, Up(dout), n);
+  cpu_.Gelu(out.data(), x.data(), n);
+  cpu_.GeluBackward(dx.data(), x.data(), dout.data(), n);
+  ExpectClose("gelu", Down(out_dev, n), out);
+  ExpectClose("gelu dx", Down(dx_dev, n), dx);
+
+  const int N = 33, V = 3001;
+  Vec logits = Random(N * V, 3, 4.0f), losses(N);
+  Ints targets(N);
+  for (int i = 0; i < N; ++i) targets[i] = (i * 97) % V;
+  float *logits_dev = Up(logits), *losses_dev = Up(losses);
+  gpu_->CrossEntropyForwardBackward(logits_dev, losses_dev, Up(targets), N, V, 0.125f);
+  cpu_.CrossEntropyForwardBackward(logits.data(), losses.data(), targets.data(), N, V, 0.125f);
+  ExpectClose("ce losses", Down(losses_dev, N), losses);
+  ExpectClose("ce dlogits", Down(logits_dev, logits.size()), logits);
+}
+
+TEST_F(CudaBackendTest, AdamW) {
+  const int64_t n = 100003;
+  Vec p = Random(n, 1), m = Random(n, 2, 0.1f), v = Random(n, 3, 0.1f);
+  for (float& x : v) x = std::fabs(x);
+  const Vec g = Random(n, 4);
+  float *p_dev = Up(p), *m_dev = Up(m), *v_dev = Up(v);
+  gpu_->AdamW(p_dev, Up(g), m_dev, v_dev, n, 3e-3f, 0.9f, 0.95f, 1e-8f, 0.1f, 7);
+  cpu_.AdamW(p.data(), g.data(), m.data(), v.data(), n, 3e-3f, 0.9f, 0.95f, 1e-8f, 0.1f, 7);
+  ExpectClose("adamw p", Down(p_dev, n), p);
+  ExpectClose("adamw m", Down(m_dev, n), m);
+  ExpectClose("adamw v", Down(v_dev, n), v);
+}
+
+// Routes N tokens on both backends; the integer outputs must agree exactly.
+struct Routed {
+  Vec probs, lse, gate;
+  Ints expert, row, bucket_token;
+  std::vector<int64_t> offsets, routed;
+  std::vector<double> prob_sum;
+  compute::RoutingBuffers Buffers() {
+    return {probs.data(),        lse.data(),     expert.data(), gate.data(),    row.data(),
+            bucket_token.data(), offsets.data(), routed.data(), prob_sum.data()};
+  }
+};
+
+Routed MakeRouted(int N, int E, int k) {
+  Routed r;
+  r.probs.assign(N * E, 0);
+  r.lse.assign(N, 0);
+  r.gate.assign(N * k, 0);
+  r.expert.assign(N * k, 0);
+  r.row.assign(N * k, 0);
+  r.bucket_token.assign(N * k, 0);
+  r.offsets.assign(E + 1, 0);
+  r.routed.assign(E, 0);
+  r.prob_sum.assign(E, 0);
+  return r;
+}
+
+TEST_F(CudaBackendTest, MoeBlockForwardAndBackward) {
+  struct Case {
+    int experts, top_k;
+    double capacity;
+    bool renormalize;
+  };
+  // E = 64: lanes of the routing warp scan several experts each.
+  for (const Case& c : {Case{8, 2, 1.0, true}, Case{8, 2, 0.0, false}, Case{5, 5, 0.0, true},
+                        Case{16, 1, 0.5, true}, Case{64, 4, 1.25, true}}) {
+    SCOPED_TRACE(testing::Message()
+                 << "E=" << c.experts << " k=" << c.top_k << " capacity=" << c.capacity);
+    const int N = 96, C = 40, F = 56, E = c.experts, k = c.top_k;
+    compute::RouterConfig config{k, c.capacity, c.renormalize};
+    // Skewed logits leave some experts with empty buckets.
+    Vec logits = Random(N * E, 1, 2.0f);
+    for (int t = 0; t < N; ++t) logits[t * E] += 3.0f;
+    Routed want = MakeRouted(N, E, k), got = MakeRouted(N, E, k);
+    cpu_.Route(logits.data(), N, E, config, want.Buffers());
+    compute::RoutingBuffers dev = got.Buffers();
+    dev.probs = Up(got.probs);
+    dev.lse = Up(got.lse);
+    dev.expert = Up(got.expert);
+    dev.gate = Up(got.gate);
+    dev.row = Up(got.row);
+    dev.bucket_token = Up(got.bucket_token);
+    gpu_->Route(Up(logits), N, E, config, dev);
+    ASSERT_TRUE(gpu_->Synchronize().ok()) << gpu_->status();
+    ExpectClose("probs", Down(dev.probs, N * E), want.probs);
+    ExpectClose("lse", Down(dev.lse, N), want.lse);
+    ExpectClose("gate", Down(dev.gate, N * k), want.gate);
+    EXPECT_EQ(Down(dev.expert, N * k), want.expert);
+    EXPECT_EQ(Down(dev.row, N * k), want.row);
+    EXPECT_EQ(got.offsets, want.offsets);
+    EXPECT_EQ(got.routed, want.routed);
+    const int64_t A = want.offsets[E];
+    EXPECT_EQ(Down(dev.bucket_token, A),
+              Ints(want.bucket_token.begin(), want.bucket_token.begin() + A));
+    for (int e = 0; e < E; ++e) EXPECT_NEAR(got.prob_sum[e], want.prob_sum[e], 1e-9 * N);
+
+    // Permute, the experts, combine; then every backward.
+    const Vec x = Random(N * C, 2), weights = Random(E * (2 * C * F + F + C), 3, 0.2f);
+    Vec grads = Random(weights.size(), 4, 0.1f);
+    const float* w_dev = Up(weights);
+    float* g_dev = Up(grads);
+    std::vector<compute::ExpertWeights> w_cpu, w_gpu;
+    std::vector<compute::ExpertGrads> g_cpu, g_gpu;
+    for (int e = 0; e < E; ++e) {
+      const int64_t o = int64_t{e} * (2 * C * F + F + C);
+      auto at = [&](auto* base) {
+        return std::array{base + o, base + o + C * F, base + o + C * F + F,
+                          base + o + 2 * C * F + F};
+      };
+      const auto pc = at(weights.data()), pg = at(w_dev);
+      const auto gc = at(grads.data()), gg = at(g_dev);
+      w_cpu.push_back({pc[0], pc[1], pc[2], pc[3]});
+      w_gpu.push_back({pg[0], pg[1], pg[2], pg[3]});
+      g_cpu.push_back({gc[0], gc[1], gc[2], gc[3]});
+      g_gpu.push_back({gg[0], gg[1], gg[2], gg[3]});
+    }
+    Vec xperm(A * C), y(A * C), hpre(A * F), h(A * F), out(N * C);
+    float *xperm_dev = Up(xperm), *y_dev = Up(y), *hpre_dev = Up(hpre), *h_dev = Up(h);
+    float* out_dev = Up(out);
+    gpu_->Permute(xperm_dev, Up(x), dev.bucket_token, A, C);
+    gpu_->ExpertForward(y_dev, hpre_dev, h_dev, xperm_dev, got.offsets.data(), w_gpu, C, F);
+    gpu_->Combine(out_dev, y_dev, dev.row, dev.gate, N, k, C);
+    cpu_.Permute(xperm.data(), x.data(), want.bucket_token.data(), A, C);
+    cpu_.ExpertForward(y.data(), hpre.data(), h.data(), xperm.data(), want.offsets.data(), w_cpu, C,
+                       F);
+    cpu_.Combine(out.data(), y.data(), want.row.data(), want.gate.data(), N, k, C);
+    ExpectClose("xperm", Down(xperm_dev, xperm.size()), xperm);
+    ExpectClose("hpre", Down(hpre_dev, hpre.size()), hpre);
+    ExpectClose("expert y", Down(y_dev, y.size()), y);
+    ExpectClose("combine", Down(out_dev, out.size()), out);
+
+    const Vec dout = Random(N * C, 5);
+    Vec dy(A * C), dgate(N * k), dh(A * F), dxperm(A * C), dx = Random(N * C, 6), dlogits(N * E);
+    float *dy_dev = Up(dy), *dgate_dev = Up(dgate), *dh_dev = Up(dh), *dxperm_dev = Up(dxperm);
+    float *dx_dev = Up(dx), *dlogits_dev = Up(dlogits);
+    std::vector<double> global_f(E);
+    for (int e = 0; e < E; ++e) global_f[e] = double(want.routed[e]) / (double(N) * k);
+    compute::RouterLossGrad loss{0.01, 0.001, N, global_f.data()};
+    gpu_->CombineBackward(dy_dev, dgate_dev, Up(dout), y_dev, dev.row, dev.gate, N, k, C);
+    gpu_->ExpertBackward(dxperm_dev, dh_dev, g_gpu, dy_dev, xperm_dev, hpre_dev, h_dev,
+                         got.offsets.data(), w_gpu, C, F);
+    gpu_->PermuteBackward(dx_dev, dxperm_dev, dev.row, N, k, C);
+    gpu_->RouteBackward(dlogits_dev, dgate_dev, dev, N, E, config, loss);
+    cpu_.CombineBackward(dy.data(), dgate.data(), dout.data(), y.data(), want.row.data(),
+                         want.gate.data(), N, k, C);
+    cpu_.ExpertBackward(dxperm.data(), dh.data(), g_cpu, dy.data(), xperm.data(), hpre.data(),
+                        h.data(), want.offsets.data(), w_cpu, C, F);
+    cpu_.PermuteBackward(dx.data(), dxperm.data(), want.row.data(), N, k, C);
+    cpu_.RouteBackward(dlogits.data(), dgate.data(), want.Buffers(), N, E, config, loss);
+    ExpectClose("dy", Down(dy_dev, dy.size()), dy);
+    ExpectClose("dgate", Down(dgate_dev, dgate.size()), dgate);
+    ExpectClose("dxperm", Down(dxperm_dev, dxperm.size()), dxperm);
+    ExpectClose("expert grads", Down(g_dev, grads.size()), grads);
+    ExpectClose("dx", Down(dx_dev, dx.size()), dx);
+    ExpectClose("dlogits", Down(dlogits_dev, dlogits.size()), dlogits);
+  }
+}
+
+TEST_F(CudaBackendTest, ErrorsNameTheirOpAndStick) {
+  Vec a(16, 1.0f);
+  float* d = Up(a);
+  gpu_->Gemm(false, false, 4, 4, 4, 1.0f, d, /*lda=*/1, d, 4, 0.0f, d, 4);  // lda < k
+  const absl::Status st = gpu_->Synchronize();
+  EXPECT_EQ(st.code(), absl::StatusCode::kInternal);
+  EXPECT_NE(st.message().find("Gemm"), absl::string_view::npos) << st;
+  gpu_->Add(d, d, d, 16);  // skipped: the backend stays failed
+  EXPECT_EQ(gpu_->CopyToHost(a.data(), d, 4).code(), absl::StatusCode::kInternal);
+  EXPECT_EQ(gpu_->Allocate(size_t{1} << 62).status().code(), absl::StatusCode::kInternal);
+}
+
+TEST_F(CudaBackendTest, AllocationBeyondTheDeviceIsResourceExhausted) {
+  absl::StatusOr<DeviceBuffer> huge = gpu_->Allocate(size_t{1} << 50);
+  EXPECT_EQ(huge.status().code(), absl::StatusCode::kResourceExhausted) << huge.status();
+  EXPECT_TRUE(gpu_->Synchronize().ok());  // not sticky
+}
+
+}  // namespace
+}  // namespace pith::cuda
