@@ -17,7 +17,12 @@ find_package(Threads REQUIRED)
 set(ABSL_PROPAGATE_CXX_STD ON)
 set(ABSL_BUILD_TESTING OFF)
 set(BUILD_TESTING OFF)
+# This Abseil (Debian 12's, 20220623) predates GCC 13, which no longer brings <cstdint>
+# in through other headers; force it in for Abseil's own sources.
+set(pith_saved_cxx_flags "${CMAKE_CXX_FLAGS}")
+string(APPEND CMAKE_CXX_FLAGS " -include cstdint")
 add_subdirectory("${PITH_GPU_DEPS}/abseil-cpp" "${CMAKE_BINARY_DIR}/abseil" EXCLUDE_FROM_ALL SYSTEM)
+set(CMAKE_CXX_FLAGS "${pith_saved_cxx_flags}")
 set(INSTALL_GTEST OFF)
 set(BUILD_GMOCK ON)
 add_subdirectory("${PITH_GPU_DEPS}/googletest" "${CMAKE_BINARY_DIR}/googletest" EXCLUDE_FROM_ALL

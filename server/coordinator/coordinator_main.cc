@@ -2,9 +2,11 @@
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
+#include <map>
 #include <string>
 
 #include "absl/flags/flag.h"
+#include "absl/strings/str_cat.h"
 #include "common/metrics.h"
 #include "common/process.h"
 #include "common/server_process.h"
@@ -73,6 +75,19 @@ int main(int argc, char** argv) {
       pith::coordinator::JobRegistry::Open(absl::GetFlag(FLAGS_data_dir));
   if (!jobs.ok()) return pith::ExitStatus("pith-coordinator", jobs.status());
   pith::coordinator::Membership members(absl::Milliseconds(absl::GetFlag(FLAGS_lease_ms)));
+  // Member identities (a store's data dir -> its id), durable beside the jobs.
+  const std::string kIdentityPrefix = "identity/";
+  absl::StatusOr<std::map<std::string, std::string>> identities = (*jobs)->Records(kIdentityPrefix);
+  if (!identities.ok()) return pith::ExitStatus("pith-coordinator", identities.status());
+  std::map<std::string, std::string> id_to_identity;
+  for (const auto& [key, identity] : *identities) {
+    id_to_identity[key.substr(kIdentityPrefix.size())] = identity;
+  }
+  members.RestoreIdentities(
+      id_to_identity, [registry = jobs->get(), kIdentityPrefix](const std::string& id,
+                                                                const std::string& identity) {
+        return registry->PutRecord(absl::StrCat(kIdentityPrefix, id), identity);
+      });
   pith::coordinator::HeatRegistry heat;
   heat.RecordTo(absl::GetFlag(FLAGS_heat_trace_dir));
   pith::MetricsRegistry metrics;

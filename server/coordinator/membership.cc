@@ -1,6 +1,7 @@
 #include "server/coordinator/membership.h"
 
 #include "absl/strings/str_cat.h"
+#include "common/status.h"
 
 namespace pith::coordinator {
 
@@ -15,19 +16,66 @@ absl::StatusOr<std::string> Membership::Register(v1::MemberInfo member) {
     return absl::InvalidArgumentError("member.grpc_address is required");
   }
   absl::MutexLock lock(&mu_);
-  if (member.member_id().empty()) {
-    const char* prefix = member.role() == v1::MEMBER_ROLE_STORE ? "store-" : "worker-";
-    std::string id;
-    do {
-      id = absl::StrCat(prefix, next_[member.role()]++);
-    } while (members_.count(id) || drains_.count(id));  // a drained store's id stays its own
+  if (!member.identity().empty()) {
+    ASSIGN_OR_RETURN(std::string id, IdForIdentityLocked(member));
     member.set_member_id(id);
+  } else if (member.member_id().empty()) {
+    member.set_member_id(NewIdLocked(member.role()));
+  } else if (identity_of_id_.count(member.member_id())) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        member.member_id(), " belongs to a member with an identity; this one has none"));
   }
   auto drain = drains_.find(member.member_id());
   member.set_state(drain != drains_.end() ? drain->second : v1::MEMBER_STATE_ALIVE);
   member.set_lease_expires_unix_ms(absl::ToUnixMillis(clock_() + lease_));
   const std::string id = member.member_id();
   members_[id] = std::move(member);
+  return id;
+}
+
+std::string Membership::NewIdLocked(v1::MemberRole role) {
+  const char* prefix = role == v1::MEMBER_ROLE_STORE ? "store-" : "worker-";
+  std::string id;
+  do {
+    id = absl::StrCat(prefix, next_[role]++);
+    // A drained store's id stays its own, and an identity's id stays its identity's.
+  } while (members_.count(id) || drains_.count(id) || identity_of_id_.count(id));
+  return id;
+}
+
+void Membership::RestoreIdentities(const std::map<std::string, std::string>& ids,
+                                   PersistIdentity persist) {
+  absl::MutexLock lock(&mu_);
+  for (const auto& [id, identity] : ids) {
+    identity_of_id_[id] = identity;
+    id_of_identity_[identity] = id;
+  }
+  persist_ = std::move(persist);
+}
+
+absl::StatusOr<std::string> Membership::IdForIdentityLocked(const v1::MemberInfo& member) {
+  const std::string& identity = member.identity();
+  const std::string& claimed = member.member_id();
+  auto known = id_of_identity_.find(identity);
+  if (known != id_of_identity_.end()) {
+    if (!claimed.empty() && claimed != known->second) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("this data dir is ", known->second, "'s, not ", claimed));
+    }
+    return known->second;
+  }
+  auto owner = identity_of_id_.find(claimed);
+  if (!claimed.empty() && owner != identity_of_id_.end()) {
+    return absl::FailedPreconditionError(absl::StrCat(claimed,
+                                                      " belongs to another data dir (identity ",
+                                                      owner->second, ", not ", identity, ")"));
+  }
+  const std::string id = claimed.empty() ? NewIdLocked(member.role()) : claimed;
+  if (persist_) {
+    RETURN_IF_ERROR(persist_(id, identity));
+  }
+  identity_of_id_[id] = identity;
+  id_of_identity_[identity] = id;
   return id;
 }
 

@@ -29,8 +29,16 @@ class Membership {
 
   absl::Duration lease() const { return lease_; }
 
-  // Registers `member` (role and grpc_address required; INVALID_ARGUMENT otherwise). An
-  // empty member_id gets a new one; a known or previous id is kept.
+  // Where member identities are kept durably: called with (id, identity) when an
+  // identity is first seen, before Register answers; an error fails the registration.
+  using PersistIdentity = std::function<absl::Status(const std::string&, const std::string&)>;
+  // The identities recorded before a restart (id -> identity) and where to record new ones.
+  void RestoreIdentities(const std::map<std::string, std::string>& ids, PersistIdentity persist);
+
+  // Registers `member` (role and grpc_address required; INVALID_ARGUMENT otherwise). A
+  // member with an identity gets the id mapped to it (FAILED_PRECONDITION when it claims
+  // another, or an id that belongs to another identity); otherwise an empty member_id gets
+  // a new one (never one an identity holds) and a known or previous id is kept.
   absl::StatusOr<std::string> Register(v1::MemberInfo member);
   // Renews the lease and takes fresh figures from `status`. NOT_FOUND for an unknown or
   // dead member: it must register again.
@@ -60,6 +68,13 @@ class Membership {
   std::map<std::string, v1::MemberInfo> members_ ABSL_GUARDED_BY(mu_);
   std::map<v1::MemberRole, int> next_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, v1::MemberState> drains_ ABSL_GUARDED_BY(mu_);  // DRAINING or DRAINED
+  std::map<std::string, std::string> id_of_identity_ ABSL_GUARDED_BY(mu_);
+  std::map<std::string, std::string> identity_of_id_ ABSL_GUARDED_BY(mu_);
+  PersistIdentity persist_ ABSL_GUARDED_BY(mu_);
+  // The id for `member`'s identity (recording a new one); see Register.
+  absl::StatusOr<std::string> IdForIdentityLocked(const v1::MemberInfo& member)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  std::string NewIdLocked(v1::MemberRole role) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 };
 
 // The members alive at one moment: every decision of a scheduler pass is made on one

@@ -8,6 +8,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
+#include "common/member_identity.h"
 #include "common/status.h"
 #include "glog/logging.h"
 #include "server/store/store_service.h"
@@ -54,6 +55,7 @@ absl::StatusOr<std::unique_ptr<StoreServer>> StoreServer::Start(const StoreServe
     }
     v1::MemberInfo self;
     self.set_role(v1::MEMBER_ROLE_STORE);
+    ASSIGN_OR_RETURN(*self.mutable_identity(), LoadOrCreateIdentity(options.data_dir));
     self.set_grpc_address(absl::StrCat(host, ":", s->grpc_->port()));
     self.set_ucx_address(s->worker_->address());
     self.set_capacity_bytes(options.ram_bytes);

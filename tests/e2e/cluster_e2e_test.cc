@@ -33,14 +33,15 @@ namespace {
 
 using pith::testing::ChildProcess;
 
-std::string SpecJson(const std::string& data, int steps, const std::string& replication) {
+std::string SpecJson(const std::string& data, int steps, int store_replicas,
+                     const std::string& replication) {
   return R"({"name": "cluster", "model": {"vocab_size": 256, "seq_len": 16, "d_model": 32,
   "n_layer": 2, "n_head": 2, "n_expert": 4, "top_k": 2, "d_ff": 64, "capacity_factor": 4.0,
   "aux_loss_coef": 0.01, "z_loss_coef": 0.001}, "train": {"data_path": ")" +
          data + R"(", "batch": 8, "steps": )" + std::to_string(steps) +
          R"(, "lr": 0.003, "warmup": 5, "seed": 1337}, "cluster": {"workers": 2,
-  "store_replicas": 2)" +
-         replication + "}}";
+  "store_replicas": )" +
+         std::to_string(store_replicas) + replication + "}}";
 }
 
 // step -> loss from a "<step> <loss> <ce>" log.
@@ -63,6 +64,10 @@ struct Failure {
   // Scale the store mid-job: add a 3rd and a 4th store, drain and stop one of the first
   // two (pith cluster drain), then kill -9 the other; the job needs enough steps for it.
   bool scale_stores = false;
+  // kill -9 every process at once once this step is committed, then start them again in
+  // reverse order (the workers, the stores from the last, the coordinator on its old port).
+  int full_restart_after_step = -1;
+  int store_replicas = 2;  // of the 2 stores
   int steps = 20;
   // The single process and the cluster sum floats in other orders, so their runs drift
   // apart, slowly at first and then (a tiny corpus learnt by heart) chaotically: the first
@@ -116,7 +121,7 @@ class ClusterRun {
       }
     }
     std::string spec = SpecJson(
-        dir_ + "/tokens.bin", failure_.steps,
+        dir_ + "/tokens.bin", failure_.steps, failure_.store_replicas,
         failure_.hot_replicas ? R"(, "replication": {"max_compute_replicas": 2, "replan_every": 5})"
                               : "");
     std::ofstream(spec_path()) << spec;
@@ -145,11 +150,7 @@ class ClusterRun {
   }
 
   void StartCluster() {
-    coordinator_ = std::make_unique<ChildProcess>(
-        PITH_COORDINATOR_BINARY,
-        std::vector<std::string>{"--listen=127.0.0.1:0", "--metrics_port=-1", "--lease_ms=1500",
-                                 "--data_dir=" + dir_ + "/coordinator"},
-        dir_ + "/coordinator.log");
+    coordinator_ = NewCoordinator("127.0.0.1:0", "");
     ASSERT_TRUE(coordinator_->WaitReady()) << coordinator_->Log();
     address_ = "127.0.0.1:" + std::to_string(coordinator_->grpc_port);
     stub_ =
@@ -159,14 +160,22 @@ class ClusterRun {
     for (int n = 0; n < 2; ++n) ASSERT_TRUE(StartStore()) << stores_.back()->Log();
     // Two workers train; with a worker failure a third waits as the spare.
     const int worker_count = failure_.kill_worker_after_step >= 0 ? 3 : 2;
-    for (int n = 0; n < worker_count; ++n) {
-      workers_.push_back(std::make_unique<ChildProcess>(
-          PITH_WORKER_BINARY,
-          std::vector<std::string>{"--coordinator=" + address_, "--threads=1",
-                                   "--loss_log=" + dir_ + "/cluster.log",
-                                   "--cache_bytes=" + std::to_string(failure_.cache_bytes)},
-          dir_ + "/worker" + std::to_string(n) + ".log"));
-    }
+    for (int n = 0; n < worker_count; ++n) workers_.push_back(NewWorker(n, ""));
+  }
+
+  // kill -9 of every process at once; then the workers, the stores (last first, each on
+  // its data dir) and the coordinator (its data dir, its old port) start again in that
+  // order, each with a log of its own.
+  void FullRestart() {
+    for (auto& w : workers_) w->Kill();
+    for (auto& s : stores_) s->Kill();
+    coordinator_->Kill();
+    const std::string tag = ".restarted";
+    for (size_t n = workers_.size(); n-- > 0;) workers_[n] = NewWorker(static_cast<int>(n), tag);
+    for (size_t n = stores_.size(); n-- > 0;) stores_[n] = NewStore(static_cast<int>(n), tag);
+    coordinator_ = NewCoordinator("127.0.0.1:" + std::to_string(coordinator_->grpc_port), tag);
+    ASSERT_TRUE(coordinator_->WaitReady()) << coordinator_->Log();
+    for (auto& s : stores_) ASSERT_TRUE(s->WaitReady()) << s->Log();
   }
 
   void Submit() {
@@ -190,7 +199,18 @@ class ClusterRun {
       grpc::ClientContext ctx;
       v1::GetJobRequest get;
       get.set_job_id(job_id_);
-      ASSERT_TRUE(stub_->GetJob(&ctx, get, &job_).ok());
+      const grpc::Status got = stub_->GetJob(&ctx, get, &job_);
+      if (!got.ok() && restarted_) {  // the coordinator is coming back
+        std::this_thread::sleep_for(std::chrono::milliseconds(100));
+        continue;
+      }
+      ASSERT_TRUE(got.ok()) << got.error_message();
+      if (!restarted_ && failure_.full_restart_after_step >= 0 &&
+          job_.committed_step() >= failure_.full_restart_after_step) {
+        ASSERT_NO_FATAL_FAILURE(FullRestart());
+        restarted_ = true;
+        continue;
+      }
       if (job_.state() == v1::JOB_STATE_SUCCEEDED || job_.state() == v1::JOB_STATE_FAILED) break;
       if (!worker_killed_ && failure_.kill_worker_after_step >= 0 &&
           job_.committed_step() >= failure_.kill_worker_after_step) {
@@ -217,6 +237,7 @@ class ClusterRun {
     ASSERT_EQ(job_.state(), v1::JOB_STATE_SUCCEEDED) << job_.ShortDebugString() << "\n" << logs;
     EXPECT_EQ(job_.committed_step(), failure_.steps);
     EXPECT_EQ(worker_killed_, failure_.kill_worker_after_step >= 0);
+    EXPECT_EQ(restarted_, failure_.full_restart_after_step >= 0);
     EXPECT_EQ(store_killed_, failure_.kill_store_after_step >= 0 || failure_.scale_stores);
     if (failure_.scale_stores) {
       EXPECT_EQ(scale_phase_, 5) << "the job ended before the scaling sequence did:\n"
@@ -242,7 +263,7 @@ class ClusterRun {
     ASSERT_EQ(alone.size(), static_cast<size_t>(steps));
     // Rank 0 logs each step it sees committed; a killed rank 0 may take the last line of its
     // step with it (its successor logs from the next step on).
-    if (failure_.kill_worker_after_step >= 0) {
+    if (failure_.kill_worker_after_step >= 0 || failure_.full_restart_after_step >= 0) {
       ASSERT_GE(cluster.size(), static_cast<size_t>(steps - 1)) << logs;
     } else {
       ASSERT_EQ(cluster.size(), static_cast<size_t>(steps)) << logs;
@@ -354,14 +375,36 @@ class ClusterRun {
   std::string spec_path() const { return dir_ + "/spec.json"; }
 
   bool StartStore() {
-    const std::string n = std::to_string(stores_.size());
-    stores_.push_back(std::make_unique<ChildProcess>(
+    stores_.push_back(NewStore(static_cast<int>(stores_.size()), ""));
+    return stores_.back()->WaitReady();
+  }
+
+  std::unique_ptr<ChildProcess> NewStore(int n, const std::string& log_tag) {
+    const std::string name = "store" + std::to_string(n);
+    return std::make_unique<ChildProcess>(
         PITH_STORE_BINARY,
         std::vector<std::string>{
-            "--listen=127.0.0.1:0", "--metrics_port=-1", "--data_dir=" + dir_ + "/store" + n,
+            "--listen=127.0.0.1:0", "--metrics_port=-1", "--data_dir=" + dir_ + "/" + name,
             "--ram_bytes=" + std::to_string(failure_.store_ram_bytes), "--coordinator=" + address_},
-        dir_ + "/store" + n + ".log"));
-    return stores_.back()->WaitReady();
+        dir_ + "/" + name + ".log" + log_tag);
+  }
+
+  std::unique_ptr<ChildProcess> NewWorker(int n, const std::string& log_tag) {
+    return std::make_unique<ChildProcess>(
+        PITH_WORKER_BINARY,
+        std::vector<std::string>{"--coordinator=" + address_, "--threads=1",
+                                 "--loss_log=" + dir_ + "/cluster.log",
+                                 "--cache_bytes=" + std::to_string(failure_.cache_bytes)},
+        dir_ + "/worker" + std::to_string(n) + ".log" + log_tag);
+  }
+
+  std::unique_ptr<ChildProcess> NewCoordinator(const std::string& listen,
+                                               const std::string& log_tag) {
+    return std::make_unique<ChildProcess>(
+        PITH_COORDINATOR_BINARY,
+        std::vector<std::string>{"--listen=" + listen, "--metrics_port=-1", "--lease_ms=1500",
+                                 "--data_dir=" + dir_ + "/coordinator"},
+        dir_ + "/coordinator.log" + log_tag);
   }
 
   std::string WorkerLogs() const {
@@ -482,7 +525,7 @@ class ClusterRun {
   std::unique_ptr<v1::JobService::Stub> stub_;
   std::unique_ptr<v1::CoordinatorService::Stub> coordinator_stub_;
   v1::Job job_;
-  bool worker_killed_ = false, store_killed_ = false;
+  bool worker_killed_ = false, store_killed_ = false, restarted_ = false;
   int most_owners_ = 0;  // of any expert, seen in the placement after the first re-plan
   int scale_phase_ = 0;
   bool json_showed_moves_ = false;
@@ -509,9 +552,8 @@ void TrainAndCompare(const std::string& name, Failure failure, Outcome* outcome 
 
 TEST(ClusterE2eTest, TwoWorkersTrainAsOneProcessDoes) { TrainAndCompare("plain", {}); }
 
-// Two cluster runs gave the same losses and the same final weights, bit for bit.
-void ExpectSameBits(const Outcome& x, const Outcome& y) {
-  EXPECT_EQ(x.loss_lines, y.loss_lines);
+// Two cluster runs ended with the same weights, bit for bit.
+void ExpectSameWeights(const Outcome& x, const Outcome& y) {
   // Every tensor's bytes (the files' metadata records each run's own data path).
   auto bytes_of = [](const std::string& s) {
     return *Buffer::CopyOf({reinterpret_cast<const uint8_t*>(s.data()), s.size()});
@@ -527,6 +569,12 @@ void ExpectSameBits(const Outcome& x, const Outcome& y) {
     EXPECT_TRUE(std::equal(p->bytes.begin(), p->bytes.end(), q->bytes.begin(), q->bytes.end()))
         << entry.name << " differs in some bit";
   }
+}
+
+// Two cluster runs gave the same losses and the same final weights, bit for bit.
+void ExpectSameBits(const Outcome& x, const Outcome& y) {
+  EXPECT_EQ(x.loss_lines, y.loss_lines);
+  ExpectSameWeights(x, y);
 }
 
 TEST(ClusterE2eTest, ACacheOfAQuarterOfTheExpertsChangesNothing) {
@@ -590,6 +638,17 @@ TEST(ClusterE2eTest, StoresAddedDrainedAndKilledMidJobChangeNothing) {
   f.scale_stores = true;
   TrainAndCompare("scale", f, &scaled);
   ExpectSameBits(uninterrupted, scaled);
+}
+
+// Every process killed at once and started again in reverse order: each store keeps its
+// identity (its data dir holds it), and the job goes on from its last commit to the same
+// weights, bit for bit, as a run that was never interrupted.
+TEST(ClusterE2eTest, AFullRestartInReverseOrderLosesNothing) {
+  Outcome uninterrupted, restarted;
+  // One copy of each group: each store holds groups the other does not.
+  TrainAndCompare("before_restart", {.store_replicas = 1}, &uninterrupted);
+  TrainAndCompare("full_restart", {.full_restart_after_step = 6, .store_replicas = 1}, &restarted);
+  ExpectSameWeights(uninterrupted, restarted);
 }
 
 TEST(ClusterE2eTest, AStoreKilledMidJobLeavesItsReplicaToCarryOn) {

@@ -2,8 +2,8 @@
 # Every GPU test and benchmark of Pith, on a machine with an NVIDIA GPU, in one command:
 # builds the GPU-only tree (cmake -DPITH_GPU_ONLY=ON: the compute engine, the model, the
 # CUDA backend, their tests and gpu_bench; Abseil and GoogleTest from .gpu-deps/, which
-# tests/gpu/vendor.sh fills), runs the CTest label `gpu`, then gpu_bench, and prints a
-# summary. Logs go to $OUT when it is set (the device tool brings them back), else to
+# tests/gpu/vendor.sh fills), runs its tests (the `gpu` ones, and the CPU backend's on the
+# portable sgemm), then gpu_bench, and prints a summary. Logs go to $OUT when it is set (the device tool brings them back), else to
 # build-gpu/out. Exit status: 0 only when every test passed and the benchmark ran.
 #
 #   tests/gpu/vendor.sh                 # once, where Debian's archive is reachable
@@ -26,12 +26,15 @@ arch=${PITH_CUDA_ARCH:-$(nvidia-smi --query-gpu=compute_cap --format=csv,noheade
   | head -1 | tr -d '. ')}
 arch=${arch:-90}
 nvcc=$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)
+# NCCL: beside the toolkit, else the one PyTorch's wheels bring.
+nccl_root=$(python3 -c 'import nvidia.nccl as n; print(list(n.__path__)[0])' 2>/dev/null || true)
 generator=()
 command -v ninja >/dev/null && generator=(-G Ninja)
 
 echo "== build (sm_$arch, $(nproc) cores)"
 if ! cmake -S . -B "$build" "${generator[@]}" -DPITH_GPU_ONLY=ON -DCMAKE_BUILD_TYPE=Release \
-      -DCMAKE_CUDA_ARCHITECTURES="$arch" -DCMAKE_CUDA_COMPILER="$nvcc" >"$out/configure.log" 2>&1 ||
+      -DCMAKE_CUDA_ARCHITECTURES="$arch" -DCMAKE_CUDA_COMPILER="$nvcc" \
+      -DPITH_NCCL_ROOT="$nccl_root" >"$out/configure.log" 2>&1 ||
    ! cmake --build "$build" -j "$(nproc)" >"$out/build.log" 2>&1; then
   tail -40 "$out/configure.log" "$out/build.log" 2>/dev/null
   echo "SUMMARY: build failed after $(($(date +%s) - start)) s"
@@ -39,8 +42,8 @@ if ! cmake -S . -B "$build" "${generator[@]}" -DPITH_GPU_ONLY=ON -DCMAKE_BUILD_T
 fi
 built=$(date +%s)
 
-echo "== tests (ctest -L gpu)"
-ctest --test-dir "$build" -L gpu --output-on-failure --timeout 300 2>&1 | tee "$out/ctest.log"
+echo "== tests (every test of the GPU-only build)"
+ctest --test-dir "$build" --output-on-failure --timeout 300 2>&1 | tee "$out/ctest.log"
 tests_rc=${PIPESTATUS[0]}
 tested=$(date +%s)
 

@@ -1,0 +1,53 @@
+#include "common/member_identity.h"
+
+#include <unistd.h>
+
+#include <random>
+
+#include "absl/strings/ascii.h"
+#include "absl/strings/str_cat.h"
+#include "common/file.h"
+#include "common/status.h"
+
+namespace pith {
+namespace {
+
+constexpr size_t kDigits = 32;
+
+bool IsIdentity(const std::string& s) {
+  if (s.size() != kDigits) return false;
+  for (char c : s) {
+    if (!absl::ascii_isxdigit(c) || absl::ascii_isupper(c)) return false;
+  }
+  return true;
+}
+
+}  // namespace
+
+absl::StatusOr<std::string> LoadOrCreateIdentity(const std::string& data_dir) {
+  const std::string path = data_dir + "/pith-member-identity";
+  absl::StatusOr<Buffer> existing = ReadFile(path);
+  if (existing.ok()) {
+    std::string text(reinterpret_cast<const char*>(existing->data()), existing->size());
+    text = std::string(absl::StripAsciiWhitespace(text));
+    if (!IsIdentity(text)) {
+      return absl::DataLossError(absl::StrCat(path, ": not a member identity (32 hex digits)"));
+    }
+    return text;
+  }
+  if (!absl::IsNotFound(existing.status())) return existing.status();
+  std::random_device random;  // the kernel's entropy
+  std::string id;
+  constexpr char kHex[] = "0123456789abcdef";
+  while (id.size() < kDigits) {
+    const uint32_t bits = random();
+    for (int i = 0; i < 8 && id.size() < kDigits; ++i) id.push_back(kHex[(bits >> (4 * i)) & 15]);
+  }
+  const std::string line = id + "\n";
+  RETURN_IF_ERROR(WriteFileAtomically(path, [&](int fd) {
+    return WriteAll(fd, {reinterpret_cast<const uint8_t*>(line.data()), line.size()}, path);
+  }));
+  return id;
+}
+
+}  // namespace pith

@@ -1,0 +1,22 @@
+// A member's durable identity: a random 128-bit token (32 hex digits) in the file
+// pith-member-identity of its data dir (RocksDB keeps its own IDENTITY there), made on
+// the first start and read on every later one. The coordinator maps it to the member id
+// (DESIGN §5.1), so the data, not the order of start-up, decides which store is which.
+//
+// Thread safety: a pure function of the file system.
+#ifndef PITH_COMMON_MEMBER_IDENTITY_H_
+#define PITH_COMMON_MEMBER_IDENTITY_H_
+
+#include <string>
+
+#include "absl/status/statusor.h"
+
+namespace pith {
+
+// The identity of `data_dir` (an existing directory), created if it has none. DATA_LOSS
+// naming the file when it holds anything but an identity.
+absl::StatusOr<std::string> LoadOrCreateIdentity(const std::string& data_dir);
+
+}  // namespace pith
+
+#endif  // PITH_COMMON_MEMBER_IDENTITY_H_

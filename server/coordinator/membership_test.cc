@@ -1,0 +1,77 @@
+// Membership identities: a store's data dir, not its start order, decides its id, across
+// coordinator restarts; claims that contradict the durable map are refused.
+#include "server/coordinator/membership.h"
+
+#include <map>
+#include <string>
+
+#include "gtest/gtest.h"
+
+namespace pith::coordinator {
+namespace {
+
+v1::MemberInfo Store(const std::string& identity, const std::string& id = "") {
+  v1::MemberInfo m;
+  m.set_role(v1::MEMBER_ROLE_STORE);
+  m.set_grpc_address("127.0.0.1:1");
+  m.set_identity(identity);
+  m.set_member_id(id);
+  return m;
+}
+
+constexpr char kA[] = "0123456789abcdef0123456789abcdef";
+constexpr char kB[] = "fedcba9876543210fedcba9876543210";
+constexpr char kC[] = "00000000000000000000000000000001";
+
+TEST(MembershipTest, IdentitiesKeepTheirIdsAcrossARestartInAnyOrder) {
+  std::map<std::string, std::string> durable;  // what the coordinator's RocksDB holds
+  auto persist = [&](const std::string& id, const std::string& identity) {
+    durable[id] = identity;
+    return absl::OkStatus();
+  };
+  {
+    Membership members(absl::Seconds(3));
+    members.RestoreIdentities({}, persist);
+    EXPECT_EQ(*members.Register(Store(kA)), "store-0");
+    EXPECT_EQ(*members.Register(Store(kB)), "store-1");
+    EXPECT_EQ(*members.Register(Store(kA)), "store-0");  // a restart of the store alone
+  }
+  EXPECT_EQ(durable.size(), 2u);
+  Membership restarted(absl::Seconds(3));
+  restarted.RestoreIdentities(durable, persist);
+  EXPECT_EQ(*restarted.Register(Store(kB)), "store-1");  // the other order
+  EXPECT_EQ(*restarted.Register(Store(kC)), "store-2");  // a new store: a free id
+  EXPECT_EQ(*restarted.Register(Store(kA)), "store-0");
+  v1::MemberInfo worker;
+  worker.set_role(v1::MEMBER_ROLE_WORKER);
+  worker.set_grpc_address("127.0.0.1:2");
+  EXPECT_EQ(*restarted.Register(worker), "worker-0");  // workers have none: as before
+}
+
+TEST(MembershipTest, ClaimsAgainstTheDurableMapAreRefused) {
+  Membership members(absl::Seconds(3));
+  members.RestoreIdentities({{"store-0", kA}, {"store-1", kB}}, nullptr);
+  // A data dir claiming another store's id (its process kept an id it was given before).
+  absl::StatusOr<std::string> wrong = members.Register(Store(kA, "store-1"));
+  EXPECT_EQ(wrong.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_NE(wrong.status().message().find("store-0"), absl::string_view::npos) << wrong.status();
+  // A new data dir claiming an id another data dir holds.
+  EXPECT_EQ(members.Register(Store(kC, "store-0")).status().code(),
+            absl::StatusCode::kFailedPrecondition);
+  // A member without an identity cannot take an identity's id either.
+  EXPECT_EQ(members.Register(Store("", "store-1")).status().code(),
+            absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(*members.Register(Store(kB, "store-1")), "store-1");
+}
+
+TEST(MembershipTest, AnIdentityThatCannotBeRecordedIsNotRegistered) {
+  Membership members(absl::Seconds(3));
+  members.RestoreIdentities({}, [](const std::string&, const std::string&) {
+    return absl::UnavailableError("disk full");
+  });
+  EXPECT_EQ(members.Register(Store(kA)).status().code(), absl::StatusCode::kUnavailable);
+  EXPECT_TRUE(members.Members(v1::MEMBER_ROLE_STORE).empty());
+}
+
+}  // namespace
+}  // namespace pith::coordinator
