@@ -28,6 +28,9 @@ ABSL_FLAG(uint64_t, replication_bytes_per_second, 256ull << 20,
           "Throttle of each store-to-store copy (re-replication, hot replicas, rebalancing), "
           "so that training fetches keep priority");
 ABSL_FLAG(int, max_pulls, 4, "Store-to-store group copies in flight at most");
+ABSL_FLAG(int, step_attempts, 8,
+          "Failed attempts of one step (reported by its workers) after which the job fails "
+          "with the last reason");
 ABSL_FLAG(bool, simulate, false, "Run the placement simulator, print one line and exit");
 ABSL_FLAG(int, layers, 58, "--simulate: MoE layers");
 ABSL_FLAG(int, experts, 256, "--simulate: experts per layer");
@@ -98,6 +101,7 @@ int main(int argc, char** argv) {
   scheduler_options.replication_bytes_per_second =
       absl::GetFlag(FLAGS_replication_bytes_per_second);
   scheduler_options.max_pulls = std::max(1, absl::GetFlag(FLAGS_max_pulls));
+  scheduler_options.step_attempts = std::max(1, absl::GetFlag(FLAGS_step_attempts));
   pith::coordinator::Scheduler scheduler(jobs->get(), &members, &heat, store_control.get(),
                                          &metrics, scheduler_options);
   if (absl::Status s = scheduler.Recover(); !s.ok()) return pith::ExitStatus("pith-coordinator", s);

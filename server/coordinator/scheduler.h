@@ -63,6 +63,9 @@ struct SchedulerOptions {
   uint64_t replication_bytes_per_second = 256ull << 20;
   // Groups copied concurrently at most (one pull each).
   int max_pulls = 4;
+  // Failed attempts of one step (reported by a worker: a put refused, a data file that
+  // cannot be read) after which the job fails with the last one's reason.
+  int step_attempts = 8;
   // The scheduler's time (the grace period after a restart, assignment versions, job
   // timestamps, step timing): the same seam as the membership's leases.
   Membership::Clock clock = [] { return absl::Now(); };
@@ -149,6 +152,8 @@ class Scheduler {
     JobCopies copies;  // replication: joins and copies of the job's groups
     int holds = 0;     // checkpoints reading the job: commits wait
     std::string abort_reason;
+    int64_t failed_step = -1;  // the step of the latest failed attempts, and how many
+    int failed_attempts = 0;
   };
   struct StoreCall {
     v1::MemberInfo store;
@@ -164,6 +169,9 @@ class Scheduler {
   // A worker's fatal failure: the job fails with it (the next Tick releases its
   // run). In step_commit.cc.
   absl::StatusOr<v1::StepStatus> FailJob(const v1::StepWrittenRequest& report)
+      ABSL_LOCKS_EXCLUDED(mu_);
+  // Records the job as failed with `reason` (a finished job stays as it is).
+  absl::Status MarkFailed(const std::string& job_id, const std::string& reason)
       ABSL_LOCKS_EXCLUDED(mu_);
   // scheduler.cc: time, persistence, aborts, metrics.
   int64_t NowMs() const;

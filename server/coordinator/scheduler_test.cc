@@ -280,6 +280,32 @@ TEST_F(SchedulerTest, AStepCommitsOnEveryStoreOnceEveryWorkerReported) {
   EXPECT_GT(j.tokens_per_second(), 0);
 }
 
+// A step that fails every attempt (a data file no worker can read, a put every store
+// refuses) fails the job with the last reason once its attempts are spent; a step that
+// fails now and then does not.
+TEST_F(SchedulerTest, AStepThatKeepsFailingFailsTheJobWithItsReason) {
+  const v1::Job job = Submit(2);
+  Join(v1::MEMBER_ROLE_STORE);
+  const std::string w0 = Join(v1::MEMBER_ROLE_WORKER), w1 = Join(v1::MEMBER_ROLE_WORKER);
+  scheduler_->Tick();
+  for (int i = 0; i < SchedulerOptions().step_attempts - 1; ++i) {
+    ASSERT_TRUE(Report(job.job_id(), i % 2 ? w0 : w1, 0, /*ok=*/false).ok());
+  }
+  CommitStep(job.job_id(), 0, {w0, w1});  // it went through in the end: the count restarts
+  for (int i = 0; i < SchedulerOptions().step_attempts - 1; ++i) {
+    ASSERT_TRUE(Report(job.job_id(), w0, 1, /*ok=*/false).ok());
+  }
+  EXPECT_EQ(Job(job.job_id()).state(), v1::JOB_STATE_RUNNING);
+  ASSERT_TRUE(Report(job.job_id(), w1, 1, /*ok=*/false).ok());
+  const v1::Job failed = Job(job.job_id());
+  EXPECT_EQ(failed.state(), v1::JOB_STATE_FAILED);
+  EXPECT_NE(failed.failure_reason().find("step 1 failed 8 attempts in a row"), std::string::npos)
+      << failed.failure_reason();
+  EXPECT_NE(failed.failure_reason().find("out of memory"), std::string::npos);
+  scheduler_->Tick();  // releases the workers
+  EXPECT_EQ(scheduler_->GetAssignment(w0)->job_id(), "");
+}
+
 TEST_F(SchedulerTest, AFailedReportAbortsTheStepEverywhereAndItIsRedone) {
   const v1::Job job = Submit(2);
   const std::string s0 = Join(v1::MEMBER_ROLE_STORE);

@@ -27,6 +27,7 @@ absl::StatusOr<v1::StepStatus> Scheduler::ReportStepWritten(const v1::StepWritte
   if (!r.ok() && r.fatal()) return FailJob(r);
   std::vector<StoreCall> aborts;
   bool commit = false;
+  std::string give_up;  // the job fails with this reason
   {
     absl::MutexLock lock(&mu_);
     auto it = runs_.find(r.job_id());
@@ -56,10 +57,15 @@ absl::StatusOr<v1::StepStatus> Scheduler::ReportStepWritten(const v1::StepWritte
     }
     if (run.record.committing_step() >= 0) return StatusLocked(r.job_id(), run, r.step());
     if (!r.ok()) {
-      AbortLocked(run,
-                  absl::StrCat("worker ", r.worker_id(), ": ",
-                               r.failure().empty() ? "step failed" : r.failure()),
-                  &aborts);
+      const std::string reason = absl::StrCat("worker ", r.worker_id(), ": ",
+                                              r.failure().empty() ? "step failed" : r.failure());
+      AbortLocked(run, reason, &aborts);
+      run.failed_attempts = run.failed_step == r.step() ? run.failed_attempts + 1 : 1;
+      run.failed_step = r.step();
+      if (run.failed_attempts >= options_.step_attempts) {
+        give_up = absl::StrCat("step ", r.step(), " failed ", run.failed_attempts,
+                               " attempts in a row; the last: ", reason);
+      }
       absl::Status s = PersistLocked(run);
       if (!s.ok()) LOG(ERROR) << s;
     } else if (run.written.insert(r.worker_id()).second) {
@@ -82,6 +88,10 @@ absl::StatusOr<v1::StepStatus> Scheduler::ReportStepWritten(const v1::StepWritte
   }
   RunStoreAborts(aborts);
   if (commit) Commit(r.job_id(), r.step());
+  if (!give_up.empty()) {
+    LOG(ERROR) << "job " << r.job_id() << " failed: " << give_up;
+    RETURN_IF_ERROR(MarkFailed(r.job_id(), give_up));
+  }
   absl::MutexLock lock(&mu_);
   auto it = runs_.find(r.job_id());
   v1::StepStatus status;
@@ -118,19 +128,7 @@ absl::StatusOr<v1::StepStatus> Scheduler::FailJob(const v1::StepWrittenRequest& 
   }
   const std::string reason = absl::StrCat("worker ", r.worker_id(), ": ", r.failure());
   LOG(ERROR) << "job " << r.job_id() << " failed: " << reason;
-  RETURN_IF_ERROR(jobs_
-                      ->Update(r.job_id(),
-                               [&](v1::Job& j) -> absl::Status {
-                                 if (j.state() == v1::JOB_STATE_SUCCEEDED ||
-                                     j.state() == v1::JOB_STATE_FAILED) {
-                                   return absl::OkStatus();
-                                 }
-                                 j.set_state(v1::JOB_STATE_FAILED);
-                                 j.set_failure_reason(reason);
-                                 j.set_finished_unix_ms(NowMs());
-                                 return absl::OkStatus();
-                               })
-                      .status());
+  RETURN_IF_ERROR(MarkFailed(r.job_id(), reason));
   v1::StepStatus status;  // the next Tick releases the run
   status.set_job_id(r.job_id());
   status.set_step(r.step());
@@ -138,6 +136,19 @@ absl::StatusOr<v1::StepStatus> Scheduler::FailJob(const v1::StepWrittenRequest& 
   status.set_abort_reason(reason);
   status.set_job_ended(true);
   return status;
+}
+
+absl::Status Scheduler::MarkFailed(const std::string& job_id, const std::string& reason) {
+  return jobs_
+      ->Update(job_id,
+               [&](v1::Job& j) -> absl::Status {
+                 if (IsFinal(j.state())) return absl::OkStatus();
+                 j.set_state(v1::JOB_STATE_FAILED);
+                 j.set_failure_reason(reason);
+                 j.set_finished_unix_ms(NowMs());
+                 return absl::OkStatus();
+               })
+      .status();
 }
 
 void Scheduler::Commit(const std::string& job_id, int64_t step) {

@@ -64,6 +64,19 @@ done
 "$PITH" cluster --output json | grep -q '"workers"' || fail "cluster --output json"
 echo "  ok: cancelled $long"
 
+# A job that cannot run (its data file exists nowhere) fails with the reason, soon.
+sed "s|$E2E_TMP/tokens.bin|$E2E_TMP/missing.bin|" "$E2E_TMP/tiny.json" >"$E2E_TMP/nodata.json"
+nodata=$("$PITH" submit "$E2E_TMP/nodata.json")
+start=$(date +%s)
+rc=0
+timeout 120 "$PITH" watch "$nodata" >"$E2E_TMP/nodata.txt" 2>&1 || rc=$?
+[[ $rc == 1 ]] || fail "watch of a job without data exited $rc: $(tail -2 "$E2E_TMP/nodata.txt")"
+"$PITH" status "$nodata" >"$E2E_TMP/nodata.status"
+grep -q failed "$E2E_TMP/nodata.status" && grep -q "missing.bin" "$E2E_TMP/nodata.status" ||
+  fail "status of a job without data: $(cat "$E2E_TMP/nodata.status")"
+(($(date +%s) - start <= 60)) || fail "the job without data took over 60 s to fail"
+echo "  ok: $nodata failed in $(($(date +%s) - start)) s: $(grep -o "step.*" "$E2E_TMP/nodata.status" | head -1)"
+
 expect_one_line "no job nope" "$PITH" status nope
 sed 's/"n_head": 2/"n_head": 3/' "$E2E_TMP/tiny.json" >"$E2E_TMP/bad.json"
 expect_one_line "model.n_head" "$PITH" submit "$E2E_TMP/bad.json"

@@ -776,6 +776,7 @@ absl::Status RunClusterWorker(const ClusterWorkerOptions& options, MetricsRegist
   const auto pause = [] {
     std::this_thread::sleep_for(absl::ToChronoMilliseconds(kAssignmentRetry));
   };
+  int failures = 0;  // in a row: each retry waits twice as long, up to 32 pauses
   while (!stop) {
     absl::StatusOr<v1::Assignment> a = link.GetAssignment(kIdleAssignmentDeadline);
     if (!a.ok() || a->job_id().empty()) {
@@ -785,9 +786,10 @@ absl::Status RunClusterWorker(const ClusterWorkerOptions& options, MetricsRegist
     }
     JobRun run(*a, peers.get(), client.get(), &link, options, &metrics);
     absl::Status s = run.Run(stop);
+    failures = s.ok() ? 0 : failures + 1;
     if (!s.ok()) {
       LOG(WARNING) << "job " << a->job_id() << ": " << s;
-      pause();
+      for (int i = 0; i < (1 << std::min(failures - 1, 5)) && !stop; ++i) pause();
     }
   }
   return absl::OkStatus();
