@@ -9,11 +9,7 @@ namespace pith {
 absl::StatusOr<std::shared_ptr<grpc::Channel>> Dial(const std::string& address,
                                                     absl::Duration timeout) {
   if (address.empty()) return absl::InvalidArgumentError("no server address given");
-  grpc::ChannelArguments args;
-  args.SetMaxReceiveMessageSize(kDefaultMaxMessageBytes);
-  args.SetMaxSendMessageSize(kDefaultMaxMessageBytes);
-  std::shared_ptr<grpc::Channel> channel =
-      grpc::CreateCustomChannel(address, grpc::InsecureChannelCredentials(), args);
+  std::shared_ptr<grpc::Channel> channel = NewChannel(address);
   if (!channel->WaitForConnected(absl::ToChronoTime(absl::Now() + timeout))) {
     return absl::UnavailableError(
         absl::StrCat("cannot reach ", address, " within ", absl::FormatDuration(timeout)));

@@ -5,6 +5,8 @@
 #ifndef PITH_COMMON_GRPC_STATUS_H_
 #define PITH_COMMON_GRPC_STATUS_H_
 
+#include <memory>
+#include <string>
 #include <utility>
 
 #include "absl/status/status.h"
@@ -27,6 +29,11 @@ grpc::Status ToGrpcReply(absl::StatusOr<T> result, T* reply) {
 
 // Message size limit of Pith's control plane. Bulk tensors travel over UCX, not gRPC.
 inline constexpr int kDefaultMaxMessageBytes = 64 << 20;
+
+// A channel to `address` that sends and receives messages up to kDefaultMaxMessageBytes,
+// like Pith's servers (gRPC's own default receive limit is 4 MiB: a large job's
+// assignment would not arrive). Every Pith channel is made here.
+std::shared_ptr<grpc::Channel> NewChannel(const std::string& address);
 
 }  // namespace pith
 

@@ -15,6 +15,9 @@ namespace {
 constexpr int64_t kMaxDim = int64_t{1} << 24;
 // 2^40 parameters: far past any model this service will see, and far from overflow.
 constexpr double kMaxParameters = 1099511627776.0;
+// Experts of all layers: the coordinator keeps a placement entry, heat and copy state for
+// each (DeepSeek-V3 has 58 x 256 = 14,848).
+constexpr int64_t kMaxExperts = int64_t{1} << 17;
 
 absl::Status FieldError(absl::string_view field, absl::string_view what) {
   return absl::InvalidArgumentError(absl::StrCat("JobSpec ", field, ": ", what));
@@ -67,6 +70,11 @@ absl::Status ValidateModel(const v1::ModelConfig& m) {
   RETURN_IF_ERROR(CheckInterval("model.aux_loss_coef", m.aux_loss_coef(), 0, false, 1e6, false));
   RETURN_IF_ERROR(CheckInterval("model.z_loss_coef", m.z_loss_coef(), 0, false, 1e6, false));
 
+  if (int64_t{m.n_layer()} * m.n_expert() > kMaxExperts) {
+    return FieldError("model.n_expert",
+                      absl::StrCat("n_layer x n_expert is ", int64_t{m.n_layer()} * m.n_expert(),
+                                   " experts, more than the limit of ", kMaxExperts));
+  }
   const double d = m.d_model(), f = m.d_ff(), e = m.n_expert(), layers = m.n_layer();
   const double params = m.vocab_size() * d + m.seq_len() * d +
                         layers * (4 * d * d + 9 * d + d * e + e * (2 * d * f + f + d)) + 2 * d;

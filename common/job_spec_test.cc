@@ -98,6 +98,9 @@ TEST(JobSpecTest, NamesTheBadField) {
       {"\"n_head\": 4", "\"n_head\": 3", "JobSpec model.n_head: must divide model.d_model 128"},
       {"\"n_layer\": 4", "\"n_layer\": 0", "JobSpec model.n_layer: "},
       {"\"n_expert\": 16", "\"n_expert\": 0", "JobSpec model.n_expert: "},
+      {"\"n_expert\": 16", "\"n_expert\": 65536",
+       "JobSpec model.n_expert: n_layer x n_expert is 262144 experts, more than the limit of "
+       "131072"},
       {"\"top_k\": 2", "\"top_k\": 17", "JobSpec model.top_k: must be in [1, 16], got 17"},
       {"\"d_ff\": 256", "\"d_ff\": 0", "JobSpec model.d_ff: "},
       {"\"aux_loss_coef\": 0.01", "\"aux_loss_coef\": -1", "JobSpec model.aux_loss_coef: "},

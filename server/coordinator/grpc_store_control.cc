@@ -108,7 +108,7 @@ class GrpcStoreControl final : public StoreControl {
     absl::MutexLock lock(&mu_);
     std::shared_ptr<grpc::Channel>& channel = channels_[store.grpc_address()];
     if (channel == nullptr) {
-      channel = grpc::CreateChannel(store.grpc_address(), grpc::InsecureChannelCredentials());
+      channel = NewChannel(store.grpc_address());
     }
     return v1::StoreService::NewStub(channel);
   }

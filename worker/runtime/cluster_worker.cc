@@ -14,6 +14,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "common/file.h"
+#include "common/grpc_status.h"
 #include "common/metrics.h"
 #include "common/safetensors_reader.h"
 #include "common/status.h"
@@ -770,8 +771,7 @@ absl::Status RunClusterWorker(const ClusterWorkerOptions& options, MetricsRegist
   ASSIGN_OR_RETURN(std::unique_ptr<MemberAgent> agent,
                    MemberAgent::Start(options.coordinator, self, [](v1::MemberInfo*) {}));
   LOG(INFO) << "worker " << agent->member_id() << " joined " << options.coordinator;
-  auto coordinator = v1::CoordinatorService::NewStub(
-      grpc::CreateChannel(options.coordinator, grpc::InsecureChannelCredentials()));
+  auto coordinator = v1::CoordinatorService::NewStub(NewChannel(options.coordinator));
   CoordinatorLink link(coordinator.get(), agent->member_id());
   const auto pause = [] {
     std::this_thread::sleep_for(absl::ToChronoMilliseconds(kAssignmentRetry));
