@@ -18,6 +18,8 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/notification.h"
+#include "common/status.h"
+#include "common/ucx_address.h"
 
 namespace pith::ucx {
 namespace {
@@ -162,7 +164,7 @@ absl::StatusOr<std::unique_ptr<Worker>> Worker::Create() {
   size_t addr_len = 0;
   s = ucp_worker_get_address(w->worker_, &addr, &addr_len);
   if (s != UCS_OK) return FromUcs(s, "worker address");
-  w->address_.assign(reinterpret_cast<const char*>(addr), addr_len);
+  w->address_ = WrapUcxAddress({reinterpret_cast<const char*>(addr), addr_len});
   ucp_worker_release_address(w->worker_, addr);
 
   s = ucp_worker_get_efd(w->worker_, &w->ucx_fd_);
@@ -394,6 +396,8 @@ void Worker::RunEndpointErrors() {
 
 absl::StatusOr<ucp_ep_h> Worker::Connect(const std::string& address,
                                          std::function<void(absl::Status)> on_error) {
+  // A peer's address, checked before UCX reads it (ucp_ep_create trusts its bytes).
+  ASSIGN_OR_RETURN(const absl::string_view raw, UnwrapUcxAddress(address));
   auto state =
       std::make_unique<EndpointState>(EndpointState{this, ++endpoint_ids_, std::move(on_error)});
   ucp_ep_params_t p{};
@@ -411,7 +415,7 @@ absl::StatusOr<ucp_ep_h> Worker::Connect(const std::string& address,
   // (see store/data_plane.h).
   p.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE |
                  UCP_EP_PARAM_FIELD_ERR_HANDLER;
-  p.address = reinterpret_cast<const ucp_address_t*>(address.data());
+  p.address = reinterpret_cast<const ucp_address_t*>(raw.data());
   p.err_mode = UCP_ERR_HANDLING_MODE_NONE;
   p.err_handler.cb = &Worker::OnEndpointError;
   p.err_handler.arg = state.get();

@@ -1,11 +1,13 @@
 // Two UCX workers in one process: active messages with replies, rendezvous payloads
-// received straight into registered memory, and refused payloads.
+// received straight into registered memory, refused payloads, and addresses refused
+// before UCX reads them.
 #include "common/ucx.h"
 
 #include <cstring>
 #include <vector>
 
 #include "absl/synchronization/notification.h"
+#include "common/ucx_address.h"
 #include "gtest/gtest.h"
 
 namespace pith::ucx {
@@ -59,6 +61,27 @@ TEST(UcxTest, ActiveMessagesWithRepliesAndRendezvousPayloads) {
   target->reset();
   (*client)->Stop();
   (*server)->Stop();
+}
+
+// Junk, truncated or damaged addresses are refused before UCX reads them; the worker goes
+// on serving.
+TEST(UcxTest, BadAddressesAreRefusedBeforeUcxSeesThem) {
+  auto worker = Worker::Create();
+  ASSERT_TRUE(worker.ok()) << worker.status();
+  ASSERT_TRUE((*worker)->Start().ok());
+  const std::string good = (*worker)->address();
+  std::string damaged = good;
+  damaged[damaged.size() / 2] ^= 0x5a;
+  for (const std::string& bad :
+       {std::string("x"), std::string(300, '\xff'), good.substr(0, good.size() - 1), damaged,
+        std::string("PUCX") + std::string(20, '\0')}) {
+    absl::Status connected;
+    (*worker)->RunSync([&] { connected = (*worker)->Connect(bad, [](absl::Status) {}).status(); });
+    EXPECT_EQ(connected.code(), absl::StatusCode::kInvalidArgument) << bad.size() << connected;
+  }
+  (*worker)->Stop();
+  EXPECT_TRUE(UnwrapUcxAddress(good).ok());
+  EXPECT_EQ(WrapUcxAddress(*UnwrapUcxAddress(good)), good);
 }
 
 }  // namespace

@@ -2,6 +2,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/status.h"
+#include "common/ucx_address.h"
 
 namespace pith::coordinator {
 
@@ -14,6 +15,11 @@ absl::StatusOr<std::string> Membership::Register(v1::MemberInfo member) {
   }
   if (member.grpc_address().empty()) {
     return absl::InvalidArgumentError("member.grpc_address is required");
+  }
+  // Peers connect to it: junk here would reach every one of them.
+  if (!member.ucx_address().empty()) {
+    RETURN_IF_ERROR(
+        Annotate(UnwrapUcxAddress(member.ucx_address()).status(), "member.ucx_address"));
   }
   absl::MutexLock lock(&mu_);
   if (!member.identity().empty()) {

@@ -64,6 +64,16 @@ TEST(MembershipTest, ClaimsAgainstTheDurableMapAreRefused) {
   EXPECT_EQ(*members.Register(Store(kB, "store-1")), "store-1");
 }
 
+TEST(MembershipTest, AJunkUcxAddressIsRefusedAtRegistration) {
+  Membership members(absl::Seconds(3));
+  v1::MemberInfo m = Store(kA);
+  m.set_ucx_address("x");  // would reach every peer that connects to this member
+  absl::StatusOr<std::string> id = members.Register(m);
+  EXPECT_EQ(id.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(id.status().message().find("member.ucx_address"), absl::string_view::npos);
+  EXPECT_TRUE(members.Members(v1::MEMBER_ROLE_STORE).empty());
+}
+
 TEST(MembershipTest, AnIdentityThatCannotBeRecordedIsNotRegistered) {
   Membership members(absl::Seconds(3));
   members.RestoreIdentities({}, [](const std::string&, const std::string&) {
