@@ -9,6 +9,7 @@
 #ifndef PITH_COMMON_PARAM_LAYOUT_H_
 #define PITH_COMMON_PARAM_LAYOUT_H_
 
+#include <algorithm>
 #include <cstdint>
 #include <map>
 #include <string>
@@ -45,6 +46,13 @@ struct ModelShape {
   static ModelShape FromSpec(const v1::ModelConfig& model);
   // Floats in one expert blob.
   int64_t expert_floats() const { return int64_t{channels} * hidden * 2 + hidden + channels; }
+  // Bytes of the largest blob a job of this shape stores: an expert's, or the largest
+  // dense tensor (wte, wpe, attn.qkv.w, moe.router.w).
+  int64_t largest_blob_bytes() const {
+    const int64_t c = channels;
+    return int64_t{sizeof(float)} * std::max({expert_floats(), int64_t{vocab} * c, int64_t{seq} * c,
+                                              3 * c * c, c * experts});
+  }
 };
 
 struct ParamTensor {

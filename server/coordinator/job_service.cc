@@ -6,6 +6,9 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/grpc_util.h"
+#include "common/job_spec.h"
+#include "common/param_layout.h"
+#include "pith/v1/spec.pb.h"
 
 namespace pith::coordinator {
 namespace {
@@ -39,10 +42,28 @@ v1::JobEvent EventOf(const v1::Job& job, const HeatRegistry& heat) {
 
 }  // namespace
 
+absl::Status JobServiceImpl::FitsTheStores(const v1::JobSpec& submitted) const {
+  v1::JobSpec spec = submitted;
+  ApplyJobSpecDefaults(&spec);
+  if (!ValidateJobSpec(spec).ok()) return absl::OkStatus();  // Submit names the bad field
+  const int64_t largest = model::ModelShape::FromSpec(spec.model()).largest_blob_bytes();
+  for (const v1::MemberInfo& store : members_->Members(v1::MEMBER_ROLE_STORE)) {
+    if (store.state() == v1::MEMBER_STATE_DEAD || store.max_blob_bytes() == 0) continue;
+    if (static_cast<uint64_t>(largest) > store.max_blob_bytes()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("JobSpec model: its largest blob (an expert or a dense tensor) is ", largest,
+                       " bytes, more than store ", store.member_id(),
+                       "'s --max_blob_bytes=", store.max_blob_bytes()));
+    }
+  }
+  return absl::OkStatus();
+}
+
 grpc::Status JobServiceImpl::SubmitJob(grpc::ServerContext*, const v1::SubmitJobRequest* request,
                                        v1::SubmitJobResponse* reply) {
   if (!request->has_spec())
     return ToGrpcStatus(absl::InvalidArgumentError("JobSpec: spec is required"));
+  if (absl::Status fits = FitsTheStores(request->spec()); !fits.ok()) return ToGrpcStatus(fits);
   absl::StatusOr<v1::Job> job = jobs_->Submit(request->spec());
   if (!job.ok()) return ToGrpcStatus(job.status());
   *reply->mutable_job() = *std::move(job);

@@ -41,6 +41,8 @@ class JobServiceImpl final : public v1::JobService::Service {
  private:
   JobRegistry* jobs_;
   Membership* members_;
+  // A spec whose largest blob some live store would refuse: INVALID_ARGUMENT naming it.
+  absl::Status FitsTheStores(const v1::JobSpec& spec) const;
   HeatRegistry* heat_;
   Scheduler* scheduler_;
 };

@@ -165,6 +165,25 @@ TEST_F(JobServiceTest, EveryInvalidFieldIsNamed) {
             grpc::StatusCode::INVALID_ARGUMENT);
 }
 
+// A job with a blob larger than a store accepts is refused at submit, naming the sizes,
+// instead of failing its first step over and over.
+TEST_F(JobServiceTest, AJobWithBlobsTooLargeForTheStoresIsRefusedAtSubmit) {
+  v1::MemberInfo store;
+  store.set_role(v1::MEMBER_ROLE_STORE);
+  store.set_grpc_address("127.0.0.1:1");
+  store.set_max_blob_bytes(256 << 10);
+  ASSERT_TRUE(members_.Register(store).ok());
+  // d 128, f 256: an expert is (2 * 128 * 256 + 256 + 128) floats = 263,680 bytes.
+  absl::StatusOr<v1::Job> refused = Submit(SpecFrom(kSpec));
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(refused.status().message().find("263680 bytes, more than store store-0's "
+                                            "--max_blob_bytes=262144"),
+            std::string::npos)
+      << refused.status();
+  const std::string small = absl::StrReplaceAll(kSpec, {{"\"d_ff\": 256", "\"d_ff\": 32"}});
+  EXPECT_TRUE(Submit(SpecFrom(small)).ok());  // 33,408-byte experts; attn.qkv.w 196,608
+}
+
 TEST_F(JobServiceTest, WatchStreamsChangesUntilTheJobEnds) {
   auto job = Submit(SpecFrom(kSpec));
   ASSERT_TRUE(job.ok());

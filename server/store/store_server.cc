@@ -59,6 +59,7 @@ absl::StatusOr<std::unique_ptr<StoreServer>> StoreServer::Start(const StoreServe
     self.set_grpc_address(absl::StrCat(host, ":", s->grpc_->port()));
     self.set_ucx_address(s->worker_->address());
     self.set_capacity_bytes(options.ram_bytes);
+    self.set_max_blob_bytes(options.max_blob_bytes);
     if (options.metrics_port >= 0)
       self.set_metrics_address(absl::StrCat(host, ":", options.metrics_port));
     BlobStore* store = s->store_.get();
