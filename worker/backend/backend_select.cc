@@ -27,7 +27,8 @@ absl::StatusOr<std::unique_ptr<Backend>> MakeBackend(const BackendChoice& choice
   }
   if (choice.kind == "cuda" && !CudaBuiltIn()) {
     return absl::FailedPreconditionError(
-        "--backend=cuda: this build has no CUDA backend (nvcc was not found when it was built)");
+        "--backend=cuda: this build has no CUDA backend (built without nvcc, or with "
+        "-DPITH_CUDA=OFF)");
   }
 #ifdef PITH_WITH_CUDA
   if (choice.kind != "cpu") {
