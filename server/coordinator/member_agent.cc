@@ -1,5 +1,7 @@
 #include "server/coordinator/member_agent.h"
 
+#include <algorithm>
+
 #include "absl/strings/str_cat.h"
 #include "client/connection.h"
 #include "common/grpc_status.h"
@@ -21,7 +23,16 @@ absl::StatusOr<std::unique_ptr<MemberAgent>> MemberAgent::Start(const std::strin
     absl::MutexLock lock(&agent->mu_);
     agent->self_ = std::move(self);
   }
-  RETURN_IF_ERROR(agent->Register());
+  // UNAVAILABLE: this process's predecessor (a restarted store) still holds a lease; it
+  // runs out within one lease, and the coordinator then takes this one.
+  const absl::Time give_up = absl::Now() + std::max(timeout, absl::Minutes(2));
+  absl::Status registered;
+  while (!(registered = agent->Register()).ok() && absl::IsUnavailable(registered) &&
+         absl::Now() < give_up) {
+    LOG_FIRST_N(INFO, 1) << registered.message();
+    absl::SleepFor(absl::Milliseconds(200));
+  }
+  RETURN_IF_ERROR(registered);
   agent->thread_ = std::thread([a = agent.get()] { a->Loop(); });
   return agent;
 }

@@ -24,6 +24,17 @@ absl::StatusOr<std::string> Membership::Register(v1::MemberInfo member) {
   absl::MutexLock lock(&mu_);
   if (!member.identity().empty()) {
     ASSIGN_OR_RETURN(std::string id, IdForIdentityLocked(member));
+    // A new process of a store whose last one still holds a lease (it restarted within
+    // the lease): it lost that process's uncommitted writes, so the scheduler must see
+    // the old one gone first (ExpireLeases marks it dead), never a silent continuation.
+    auto previous = members_.find(id);
+    if (previous != members_.end() && previous->second.state() != v1::MEMBER_STATE_DEAD &&
+        previous->second.ucx_address() != member.ucx_address()) {
+      return absl::UnavailableError(absl::StrCat(
+          id,
+          " is still registered by its previous process; a restarted store waits until "
+          "the coordinator has seen that one's lease run out"));
+    }
     member.set_member_id(id);
   } else if (member.member_id().empty()) {
     member.set_member_id(NewIdLocked(member.role()));

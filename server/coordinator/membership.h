@@ -53,7 +53,8 @@ class Membership {
   void MarkDrained(const std::string& store_id);
   // Stores to treat as draining when they register (drains recorded before a restart).
   void RestoreDrains(const std::vector<std::string>& store_ids);
-  // Forgets a drain (its store left for good); its id may be given out again.
+  // Forgets a drain (its store left for good); its id may be given out again, unless an
+  // identity holds it.
   void ForgetDrain(const std::string& store_id);
   // Marks members whose lease ran out as dead; returns their ids.
   std::vector<std::string> ExpireLeases();

@@ -5,6 +5,7 @@
 #include <map>
 #include <string>
 
+#include "common/ucx_address.h"
 #include "gtest/gtest.h"
 
 namespace pith::coordinator {
@@ -62,6 +63,23 @@ TEST(MembershipTest, ClaimsAgainstTheDurableMapAreRefused) {
   EXPECT_EQ(members.Register(Store("", "store-1")).status().code(),
             absl::StatusCode::kFailedPrecondition);
   EXPECT_EQ(*members.Register(Store(kB, "store-1")), "store-1");
+}
+
+// A store restarted within its lease lost that process's uncommitted writes: its new
+// process waits until the old one is seen dead, so the scheduler reacts to the death.
+TEST(MembershipTest, ARestartedStoreWaitsForItsOldLeaseToRunOut) {
+  absl::Time now = absl::FromUnixSeconds(1000);
+  Membership members(absl::Seconds(3), [&] { return now; });
+  v1::MemberInfo first = Store(kA), second = Store(kA);
+  first.set_ucx_address(WrapUcxAddress("first process address"));
+  second.set_ucx_address(WrapUcxAddress("second process address"));
+  ASSERT_EQ(*members.Register(first), "store-0");
+  EXPECT_EQ(*members.Register(first), "store-0");  // the same process again: fine
+  EXPECT_EQ(members.Register(second).status().code(), absl::StatusCode::kUnavailable);
+  now += absl::Seconds(4);
+  EXPECT_EQ(members.Register(second).status().code(), absl::StatusCode::kUnavailable);
+  EXPECT_EQ(members.ExpireLeases(), std::vector<std::string>{"store-0"});
+  EXPECT_EQ(*members.Register(second), "store-0");
 }
 
 TEST(MembershipTest, AJunkUcxAddressIsRefusedAtRegistration) {

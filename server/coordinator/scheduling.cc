@@ -93,6 +93,7 @@ void Scheduler::RepairRunLocked(const std::string& job_id, Run& run, const v1::J
   std::string reason = lost.empty() ? (stores_lost ? "a store died" : "a worker joined")
                                     : absl::StrCat("worker ", lost.front(), " died");
   AbortLocked(run, reason, aborts);
+  run.failed_attempts = 0;  // failures while a member was dying do not count against the job
   for (const std::string& w : lost) worker_job_.erase(w);
   for (size_t i = 0; static_cast<int>(kept.size()) < want && i < idle.size(); ++i) {
     kept.push_back(idle[i]);

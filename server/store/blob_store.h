@@ -165,6 +165,9 @@ class BlobStore {
   absl::StatusOr<uint64_t> DeleteBlob(const v1::BlobKey& key);
   absl::StatusOr<std::pair<uint64_t, uint64_t>> DeleteJob(const std::string& job_id);
   // The job's committed step; -1 when nothing is committed.
+  // The RAM tier's largest block: the biggest blob it can hold (a put
+  // of a larger one is refused, whatever --max_blob_bytes says).
+  static uint64_t LargestBlock(const BlobStoreOptions& options);
   int64_t CommittedStep(const std::string& job_id);
 
   v1::StoreStats Stats();
@@ -193,8 +196,6 @@ class BlobStore {
 
   BlobStore(const BlobStoreOptions& options, std::unique_ptr<ColdTier> cold, uint8_t* arena);
   absl::Status Recover();
-  // The RAM tier's largest block: the biggest blob it can hold.
-  static uint64_t LargestBlock(const BlobStoreOptions& options);
   // A RAM block of `size` bytes, demoting unpinned LRU blobs as needed; UNAVAILABLE
   // (saying what holds the RAM) when every block is held, RESOURCE_EXHAUSTED at once for
   // a blob larger than the largest block. Requires mu_.

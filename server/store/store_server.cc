@@ -2,6 +2,7 @@
 
 #include <unistd.h>
 
+#include <algorithm>
 #include <filesystem>
 #include <system_error>
 
@@ -59,7 +60,8 @@ absl::StatusOr<std::unique_ptr<StoreServer>> StoreServer::Start(const StoreServe
     self.set_grpc_address(absl::StrCat(host, ":", s->grpc_->port()));
     self.set_ucx_address(s->worker_->address());
     self.set_capacity_bytes(options.ram_bytes);
-    self.set_max_blob_bytes(options.max_blob_bytes);
+    self.set_max_blob_bytes(
+        std::min(options.max_blob_bytes, BlobStore::LargestBlock(store_options)));
     if (options.metrics_port >= 0)
       self.set_metrics_address(absl::StrCat(host, ":", options.metrics_port));
     BlobStore* store = s->store_.get();

@@ -18,7 +18,7 @@ cat >spec.json <<JSON
 JSON
 
 "$WORKER" --standalone --spec=spec.json --export_init=init.safetensors --loss_log=a.txt \
-  --save=final.safetensors 2>train.log || fail "training failed: $(tail -3 train.log)"
+  --save=final.safetensors --backend=cpu 2>train.log || fail "training failed: $(tail -3 train.log)"
 [[ $(wc -l <a.txt) == 40 ]] || fail "loss log has $(wc -l <a.txt) lines, want 40"
 # On an AVX2 CPU the worker never runs OpenBLAS's SSE3 fallback kernels (it re-executes
 # itself with OPENBLAS_CORETYPE when OpenBLAS does not recognise the CPU model).

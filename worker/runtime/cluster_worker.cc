@@ -776,7 +776,7 @@ absl::Status RunClusterWorker(const ClusterWorkerOptions& options, MetricsRegist
   const auto pause = [] {
     std::this_thread::sleep_for(absl::ToChronoMilliseconds(kAssignmentRetry));
   };
-  int failures = 0;  // in a row: each retry waits twice as long, up to 32 pauses
+  int failures = 0;  // failed runs in a row (30 s of training restarts it): doubling waits
   while (!stop) {
     absl::StatusOr<v1::Assignment> a = link.GetAssignment(kIdleAssignmentDeadline);
     if (!a.ok() || a->job_id().empty()) {
@@ -785,8 +785,9 @@ absl::Status RunClusterWorker(const ClusterWorkerOptions& options, MetricsRegist
       continue;
     }
     JobRun run(*a, peers.get(), client.get(), &link, options, &metrics);
+    const absl::Time started = absl::Now();
     absl::Status s = run.Run(stop);
-    failures = s.ok() ? 0 : failures + 1;
+    failures = s.ok() ? 0 : (absl::Now() - started > absl::Seconds(30) ? 1 : failures + 1);
     if (!s.ok()) {
       LOG(WARNING) << "job " << a->job_id() << ": " << s;
       for (int i = 0; i < (1 << std::min(failures - 1, 5)) && !stop; ++i) pause();
