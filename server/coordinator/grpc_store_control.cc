@@ -44,15 +44,18 @@ class GrpcStoreControl final : public StoreControl {
     return s;
   }
 
-  absl::Status CommitStep(const v1::MemberInfo& store, const std::string& job_id,
-                          int64_t step) override {
+  absl::StatusOr<v1::CommitStepResponse> CommitStep(const v1::MemberInfo& store,
+                                                    const std::string& job_id,
+                                                    int64_t step) override {
     v1::CommitStepRequest request;
     request.set_job_id(job_id);
     request.set_step(step);
+    request.set_previous_step(step - 1);
     v1::CommitStepResponse reply;
     grpc::ClientContext ctx;
     ctx.set_deadline(absl::ToChronoTime(absl::Now() + timeout_));
-    return Annotate(Stub(store)->CommitStep(&ctx, request, &reply), store);
+    RETURN_IF_ERROR(Annotate(Stub(store)->CommitStep(&ctx, request, &reply), store));
+    return reply;
   }
 
   absl::Status AbortStep(const v1::MemberInfo& store, const std::string& job_id,

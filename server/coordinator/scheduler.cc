@@ -99,12 +99,39 @@ absl::Status Scheduler::PersistLocked(const Run& run) {
                           run.record.SerializeAsString());
 }
 
+std::set<std::string> Scheduler::JobStores(const Run& run) {
+  std::set<std::string> ids;
+  for (const v1::ExpertPlacement& e : run.record.placement().experts()) {
+    for (const auto* group : {&e.store_ids(), &e.joining_store_ids()}) {
+      for (const std::string& id : *group) {
+        if (!run.record.lost_stores().contains(id)) ids.insert(id);
+      }
+    }
+  }
+  return ids;
+}
+
+Alive Scheduler::ForJob(const Alive& alive, const Run& run) {
+  Alive out = alive;
+  for (const auto& [id, why] : run.record.lost_stores()) {
+    out.stores.erase(id);
+    out.draining.erase(id);
+  }
+  return out;
+}
+
 void Scheduler::AbortLocked(Run& run, const std::string& reason, std::vector<StoreCall>* aborts) {
   const Alive alive = Snapshot(*members_);
-  for (const auto& [id, store] : alive.stores) {
-    aborts->push_back({store, run.record.job_id(), step_in_flight(run)});
+  // Only the job's stores hold its pending versions: a store the job does not use (or one
+  // that does not answer) delays no other job's abort.
+  for (const std::string& id : JobStores(run)) {
+    auto store = alive.stores.find(id);
+    if (store != alive.stores.end()) {
+      aborts->push_back({store->second, run.record.job_id(), step_in_flight(run)});
+    }
   }
   run.written.clear();
+  run.written_blobs.clear();
   run.tokens = run.cache_hits = run.cache_misses = 0;
   run.rank0.Clear();
   run.abort_reason = reason;

@@ -154,6 +154,12 @@ class Scheduler {
     std::string abort_reason;
     int64_t failed_step = -1;  // the step of the latest failed attempts, and how many
     int failed_attempts = 0;
+    // The step in flight's blobs the workers wrote (their primary stores recorded them),
+    // by group ((-1, 0): dense): a store's commit must make at least these current.
+    std::map<std::pair<int, int>, std::set<std::string>> written_blobs;
+    // Stores whose commits of this job fail, since when: after several leases of it, the
+    // job loses them (record.lost_stores).
+    std::map<std::string, absl::Time> commit_trouble;
   };
   struct StoreCall {
     v1::MemberInfo store;
@@ -170,9 +176,9 @@ class Scheduler {
   // run). In step_commit.cc.
   absl::StatusOr<v1::StepStatus> FailJob(const v1::StepWrittenRequest& report)
       ABSL_LOCKS_EXCLUDED(mu_);
-  // Records the job as failed with `reason` (a finished job stays as it is).
-  absl::Status MarkFailed(const std::string& job_id, const std::string& reason)
-      ABSL_LOCKS_EXCLUDED(mu_);
+  // Records the job as failed with `reason` (a finished job stays as it is); the next Tick
+  // releases its run. Locks only the job registry: callable with mu_ held or not.
+  absl::Status MarkFailed(const std::string& job_id, const std::string& reason);
   // scheduler.cc: time, persistence, aborts, metrics.
   int64_t NowMs() const;
   // Assignment versions only ever grow, across jobs and coordinator restarts alike, so a
@@ -184,6 +190,10 @@ class Scheduler {
   void AbortLocked(Run& run, const std::string& reason, std::vector<StoreCall>* aborts)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void RunStoreAborts(const std::vector<StoreCall>& aborts) ABSL_LOCKS_EXCLUDED(mu_);
+  // The stores of the job's placement (complete or joining copies) it has not lost.
+  static std::set<std::string> JobStores(const Run& run);
+  // `alive` without the stores the job lost: what its placement may use.
+  static Alive ForJob(const Alive& alive, const Run& run);
   void UpdateMetricsLocked(const v1::Job& job, const Run& run) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   // scheduling.cc: the tick's steps and the repair of a job's assignment.
@@ -204,6 +214,9 @@ class Scheduler {
   // gone; a group left with none is placed on `stores` (those taking new copies).
   void ReplaceLocked(Run& run, const v1::Job& job, const std::vector<std::string>& live_stores,
                      const std::vector<std::string>& stores) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The first group of the job's placement none of whose complete copies is in `holding`,
+  // named with why the job lost its store (if it did); empty when every group has one.
+  static std::string UnheldGroup(const Run& run, const std::set<std::string>& holding);
   // Pending jobs, oldest first, get idle workers while there are enough and a store.
   void SchedulePendingLocked(const Alive& alive) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Idle workers of one compute backend (a job never mixes backends): that of `job_workers`
@@ -215,8 +228,15 @@ class Scheduler {
   // step_commit.cc: the step-commit protocol.
   v1::StepStatus StatusLocked(const std::string& job_id, const Run& run, int64_t step) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Commits `step` of `job_id` on every live store, then advances the job.
+  // Commits `step` of `job_id` on every live store of the job, checks each answer, then
+  // advances the job.
   void Commit(const std::string& job_id, int64_t step) ABSL_LOCKS_EXCLUDED(mu_);
+  // Takes one store's answer to the commit of `step`: true when it committed what was
+  // written to it; otherwise its trouble is noted, and the job loses the store when the
+  // answer is a refusal or a wrong count, or its commits have failed for several leases.
+  bool CheckCommitLocked(Run& run, const std::string& store, int64_t step,
+                         const absl::StatusOr<v1::CommitStepResponse>& answer, uint64_t expected)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void FinishCommitLocked(const std::string& job_id, Run& run) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // After a commit of `step` (not the last): copies join or leave the placement, and at
   // a re-plan boundary the compute plan may change; a new placement applies from the

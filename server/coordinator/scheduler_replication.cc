@@ -21,7 +21,7 @@ int Scheduler::ReplicateOnce() {
       if (run.recovering || run.committed < 0) continue;
       absl::StatusOr<v1::Job> job = jobs_->Get(job_id);
       if (!job.ok()) continue;
-      replication_.PlanCopies(*job, run.record.placement(), run.committed, alive,
+      replication_.PlanCopies(*job, run.record.placement(), run.committed, ForJob(alive, run),
                               heat_->Snapshot(job_id), options_.max_pulls, run.copies, &tasks);
     }
   }

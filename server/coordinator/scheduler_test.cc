@@ -21,15 +21,23 @@
 namespace pith::coordinator {
 namespace {
 
-// Records every call; CommitStep fails while `fail_commits` is set.
+// Records every call; CommitStep fails while `fail_commits` is set (or for the stores in
+// `failing`), and answers the blob counts of `blobs_answered` (else plenty).
 class FakeStores final : public StoreControl {
  public:
-  absl::Status CommitStep(const v1::MemberInfo& store, const std::string& job_id,
-                          int64_t step) override {
+  absl::StatusOr<v1::CommitStepResponse> CommitStep(const v1::MemberInfo& store,
+                                                    const std::string& job_id,
+                                                    int64_t step) override {
     absl::MutexLock lock(&mu_);
+    auto failure = failing.find(store.member_id());
+    if (failure != failing.end()) return failure->second;
     if (fail_commits) return absl::UnavailableError("store down");
     commits.push_back(absl::StrCat(store.member_id(), ":", job_id, ":", step));
-    return absl::OkStatus();
+    v1::CommitStepResponse r;
+    r.set_committed_step(step);
+    auto n = blobs_answered.find(store.member_id());
+    r.set_blobs_committed(n != blobs_answered.end() ? n->second : 1000000);
+    return r;
   }
   absl::Status AbortStep(const v1::MemberInfo& store, const std::string& job_id,
                          int64_t step) override {
@@ -89,6 +97,8 @@ class FakeStores final : public StoreControl {
   absl::Mutex mu_;
   std::vector<v1::BlobInfo> contents;
   bool fail_commits = false;
+  std::map<std::string, absl::Status> failing;
+  std::map<std::string, uint64_t> blobs_answered;
   std::vector<std::string> commits, aborts, pulls;
 };
 
@@ -146,8 +156,16 @@ class SchedulerTest : public ::testing::Test {
   v1::Job Job(const std::string& id) { return *jobs_->Get(id); }
 
   absl::StatusOr<v1::StepStatus> Report(const std::string& job, const std::string& worker,
-                                        int64_t step, bool ok = true, double loss = 0) {
+                                        int64_t step, bool ok = true, double loss = 0,
+                                        int dense_blobs_written = 0) {
     v1::StepWrittenRequest r;
+    for (int i = 0; i < dense_blobs_written; ++i) {
+      v1::BlobInfo* b = r.add_written();
+      b->mutable_key()->set_job_id(job);
+      b->mutable_key()->set_layer(-1);
+      b->mutable_key()->set_tensor(absl::StrCat("tensor", i));
+      b->set_version(step);
+    }
     r.set_job_id(job);
     r.set_worker_id(worker);
     r.set_step(step);
@@ -424,6 +442,55 @@ TEST_F(SchedulerTest, ALostStoreLeavesThePlacementAndLosingEveryCopyFailsTheJob)
   EXPECT_NE(failed.failure_reason().find("every store copy"), std::string::npos);
   scheduler_->Tick();
   EXPECT_EQ(scheduler_->AssignmentVersion(w0), 0);  // released
+}
+
+// Item: commits go to the job's stores only, and each answer is checked. A store that
+// commits fewer blobs than were written to it (it lost pending versions) or refuses the
+// step is lost to the job at once: the step commits on the other copies and the group is
+// re-placed. One that does not answer holds the commit for three leases, then is lost.
+TEST_F(SchedulerTest, CommitsGoToTheJobsStoresAndWrongAnswersLoseTheStore) {
+  const v1::Job job = Submit(1, 300, /*replicas=*/2);
+  const std::string s0 = Join(v1::MEMBER_ROLE_STORE), s1 = Join(v1::MEMBER_ROLE_STORE);
+  const std::string w0 = Join(v1::MEMBER_ROLE_WORKER);
+  scheduler_->Tick();
+  const std::string s2 = Join(v1::MEMBER_ROLE_STORE);  // holds nothing of the job
+  CommitStep(job.job_id(), 0, {w0});
+  EXPECT_THAT(stores_.commits, ::testing::UnorderedElementsAre(s0 + ":" + job.job_id() + ":0",
+                                                               s1 + ":" + job.job_id() + ":0"));
+  // s1 lost one of the three dense blobs written to it.
+  stores_.blobs_answered[s1] = 2;
+  ASSERT_TRUE(Report(job.job_id(), w0, 1, true, 4.0, /*dense_blobs_written=*/3).ok());
+  EXPECT_EQ(Job(job.job_id()).committed_step(), 1);  // on s0
+  scheduler_->Tick();  // the job re-places s1's copies (on s2) from the next step
+  auto placement = scheduler_->GetPlacement(job.job_id());
+  ASSERT_TRUE(placement.ok());
+  for (const v1::ExpertPlacement& e : placement->experts()) {
+    for (const auto* ids : {&e.store_ids(), &e.joining_store_ids()}) {
+      EXPECT_THAT(*ids, ::testing::Not(::testing::Contains(s1)));
+    }
+  }
+  // s2 now refuses commits outright (its copy is past the job's step): lost at once.
+  stores_.failing[s2] =
+      absl::FailedPreconditionError("job is at step 1000 on this store, past the commit");
+  stores_.commits.clear();
+  ASSERT_TRUE(Report(job.job_id(), w0, 2, true, 4.0, 3).ok());
+  EXPECT_EQ(Job(job.job_id()).committed_step(), 2);
+  EXPECT_THAT(stores_.commits, ::testing::ElementsAre(s0 + ":" + job.job_id() + ":2"));
+  // s0, the last copy, stops answering: the commit waits three leases, then the job fails
+  // naming the store and why.
+  scheduler_->Tick();
+  stores_.failing[s0] = absl::DeadlineExceededError("no answer");
+  ASSERT_TRUE(Report(job.job_id(), w0, 3, true, 4.0, 3).ok());
+  for (int i = 0; i < 6 && Job(job.job_id()).state() == v1::JOB_STATE_RUNNING; ++i) {
+    EXPECT_EQ(Job(job.job_id()).committed_step(), 2);
+    now_ += absl::Seconds(2);
+    for (const std::string& m : {s0, s1, s2, w0}) ASSERT_TRUE(members_->Heartbeat(m, {}).ok());
+    scheduler_->Tick();
+  }
+  const v1::Job failed = Job(job.job_id());
+  EXPECT_EQ(failed.state(), v1::JOB_STATE_FAILED);
+  EXPECT_THAT(failed.failure_reason(), ::testing::HasSubstr("store " + s0));
+  EXPECT_THAT(failed.failure_reason(), ::testing::HasSubstr("no answer"));
 }
 
 TEST_F(SchedulerTest, TheLastStepEndsTheJobAndCancellingReleasesTheWorkers) {

@@ -60,7 +60,8 @@ void Scheduler::ReleaseRunLocked(const std::string& job_id, Run& run,
 }
 
 void Scheduler::RepairRunLocked(const std::string& job_id, Run& run, const v1::Job& job,
-                                const Alive& alive, std::vector<StoreCall>* aborts) {
+                                const Alive& all, std::vector<StoreCall>* aborts) {
+  const Alive alive = ForJob(all, run);  // a store the job lost is as good as dead to it
   std::vector<std::string> kept, lost;
   bool back = true;  // every member of the job is alive
   for (const std::string& w : run.record.workers()) {
@@ -71,7 +72,7 @@ void Scheduler::RepairRunLocked(const std::string& job_id, Run& run, const v1::J
   for (const v1::ExpertPlacement& e : run.record.placement().experts()) {
     for (const auto* ids : {&e.store_ids(), &e.joining_store_ids()}) {
       for (const std::string& s : *ids) {
-        stores_lost |= Gone(alive, s, /*store=*/true);
+        stores_lost |= Gone(alive, s, /*store=*/true) || run.record.lost_stores().contains(s);
         back &= alive.stores.count(s) > 0;
       }
     }
@@ -90,7 +91,7 @@ void Scheduler::RepairRunLocked(const std::string& job_id, Run& run, const v1::J
   const std::vector<std::string> idle = IdleWorkersLocked(alive, kept);
   const bool grow = static_cast<int>(kept.size()) < want && !idle.empty();
   if (lost.empty() && !stores_lost && !grow) return;
-  std::string reason = lost.empty() ? (stores_lost ? "a store died" : "a worker joined")
+  std::string reason = lost.empty() ? (stores_lost ? "a store died or was lost" : "a worker joined")
                                     : absl::StrCat("worker ", lost.front(), " died");
   AbortLocked(run, reason, aborts);
   run.failed_attempts = 0;  // failures while a member was dying do not count against the job
@@ -111,9 +112,15 @@ void Scheduler::ReplaceLocked(Run& run, const v1::Job& job,
                               const std::vector<std::string>& stores) {
   v1::PlacementTable previous = run.record.placement();
   const std::set<std::string> live(live_stores.begin(), live_stores.end());
-  std::string lost;
+  if (run.committed >= 0) {
+    if (const std::string lost = UnheldGroup(run, live); !lost.empty()) {
+      const std::string reason = absl::StrCat("every store copy of ", lost, " was lost");
+      LOG(ERROR) << "job " << job.job_id() << " failed: " << reason;
+      (void)MarkFailed(job.job_id(), reason);
+      return;  // the next Tick releases the run
+    }
+  }
   for (v1::ExpertPlacement& e : *previous.mutable_experts()) {
-    const bool had = e.store_ids_size() > 0;
     auto* ids = e.mutable_store_ids();
     ids->erase(std::remove_if(ids->begin(), ids->end(),
                               [&](const std::string& id) { return !live.count(id); }),
@@ -122,21 +129,6 @@ void Scheduler::ReplaceLocked(Run& run, const v1::Job& job,
     joining->erase(std::remove_if(joining->begin(), joining->end(),
                                   [&](const std::string& id) { return !live.count(id); }),
                    joining->end());
-    if (had && ids->empty() && run.committed >= 0 && lost.empty()) {
-      lost = e.layer() < 0 ? "the dense tensors"
-                           : absl::StrCat("layer ", e.layer(), " expert ", e.expert());
-    }
-  }
-  if (!lost.empty()) {
-    const std::string reason = absl::StrCat("every store copy of ", lost, " was lost");
-    LOG(ERROR) << "job " << job.job_id() << ": " << reason;
-    (void)jobs_->Update(job.job_id(), [&](v1::Job& j) {
-      j.set_state(v1::JOB_STATE_FAILED);
-      j.set_failure_reason(reason);
-      j.set_finished_unix_ms(NowMs());
-      return absl::OkStatus();
-    });
-    return;  // the next Tick releases the run
   }
   std::vector<std::string> workers(run.record.workers().begin(), run.record.workers().end());
   // The same workers keep their experts (only stores changed): no cache moves, and the
@@ -154,6 +146,27 @@ void Scheduler::ReplaceLocked(Run& run, const v1::Job& job,
     return absl::OkStatus();
   });
   UpdateMetricsLocked(job, run);
+}
+
+std::string Scheduler::UnheldGroup(const Run& run, const std::set<std::string>& holding) {
+  for (const v1::ExpertPlacement& e : run.record.placement().experts()) {
+    if (e.store_ids().empty()) continue;
+    if (std::any_of(e.store_ids().begin(), e.store_ids().end(),
+                    [&](const std::string& id) { return holding.count(id) > 0; })) {
+      continue;
+    }
+    std::string group = e.layer() < 0 ? "the dense tensors"
+                                      : absl::StrCat("layer ", e.layer(), " expert ", e.expert());
+    for (const std::string& id : e.store_ids()) {
+      auto why = run.record.lost_stores().find(id);
+      if (why != run.record.lost_stores().end()) {
+        absl::StrAppend(&group, " (store ", id, " ", why->second, ")");
+        break;
+      }
+    }
+    return group;
+  }
+  return "";
 }
 
 void Scheduler::SchedulePendingLocked(const Alive& alive) {

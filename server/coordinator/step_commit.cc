@@ -2,6 +2,7 @@
 // report decides the commit (durably), every live store commits it, and the job advances:
 // its figures, its end, its placement for the next step. See scheduler.h.
 #include <algorithm>
+#include <map>
 #include <set>
 #include <thread>
 
@@ -69,6 +70,12 @@ absl::StatusOr<v1::StepStatus> Scheduler::ReportStepWritten(const v1::StepWritte
       absl::Status s = PersistLocked(run);
       if (!s.ok()) LOG(ERROR) << s;
     } else if (run.written.insert(r.worker_id()).second) {
+      for (const v1::BlobInfo& b : r.written()) {
+        if (b.version() != r.step()) continue;
+        const v1::BlobKey& k = b.key();
+        run.written_blobs[{k.layer(), k.layer() < 0 ? 0 : k.expert()}].insert(
+            absl::StrCat(k.kind(), "/", k.tensor()));
+      }
       run.tokens += r.tokens();
       run.cache_hits += r.cache_hits();
       run.cache_misses += r.cache_misses();
@@ -153,6 +160,9 @@ absl::Status Scheduler::MarkFailed(const std::string& job_id, const std::string&
 
 void Scheduler::Commit(const std::string& job_id, int64_t step) {
   const Alive alive = Snapshot(*members_);
+  std::vector<v1::MemberInfo> targets;
+  std::map<std::string, uint64_t> expected;  // blobs written to each store's complete copies
+  bool all = true;
   {
     absl::MutexLock lock(&mu_);
     auto it = runs_.find(job_id);
@@ -160,54 +170,96 @@ void Scheduler::Commit(const std::string& job_id, int64_t step) {
         it->second.record.committing_step() != step) {
       return;  // a held commit is finished by Tick once the checkpoint is done
     }
-    it->second.committing = true;
-  }
-  // Every store of the placement must commit; one that is not alive yet (after a restart)
-  // holds the commit back until it registers again or is declared gone.
-  bool all = true;
-  {
-    absl::MutexLock lock(&mu_);
-    auto it = runs_.find(job_id);
-    if (it != runs_.end()) {
-      for (const v1::ExpertPlacement& e : it->second.record.placement().experts()) {
-        for (const std::string& id : e.store_ids()) {
-          if (!alive.stores.count(id) && !Gone(alive, id, /*store=*/true)) all = false;
-        }
+    Run& run = it->second;
+    run.committing = true;
+    // The job's stores commit, no other: one not alive yet (after a restart) holds the
+    // commit back until it registers again or is declared gone.
+    for (const std::string& id : JobStores(run)) {
+      auto store = alive.stores.find(id);
+      if (store != alive.stores.end()) {
+        targets.push_back(store->second);
+      } else if (!Gone(alive, id, /*store=*/true)) {
+        all = false;
       }
+    }
+    for (const v1::ExpertPlacement& e : run.record.placement().experts()) {
+      auto written = run.written_blobs.find({e.layer(), e.layer() < 0 ? 0 : e.expert()});
+      if (written == run.written_blobs.end()) continue;
+      for (const std::string& id : e.store_ids()) expected[id] += written->second.size();
     }
   }
   // The stores commit side by side: each syncs the step's bytes to its disk.
-  std::vector<absl::Status> results(alive.stores.size());
+  std::vector<absl::StatusOr<v1::CommitStepResponse>> results(targets.size());
   {
     std::vector<std::thread> committers;
-    size_t i = 0;
-    for (const auto& [id, store] : alive.stores) {
-      committers.emplace_back([this, &results, i, store = &store, &job_id, step] {
-        results[i] = stores_->CommitStep(*store, job_id, step);
+    for (size_t i = 0; i < targets.size(); ++i) {
+      committers.emplace_back([this, &results, &targets, i, &job_id, step] {
+        results[i] = stores_->CommitStep(targets[i], job_id, step);
       });
-      ++i;
     }
     for (std::thread& t : committers) t.join();
-  }
-  std::set<std::string> committed_on;
-  {
-    size_t i = 0;
-    for (const auto& [id, store] : alive.stores) {
-      const absl::Status& s = results[i++];
-      if (s.ok()) {
-        committed_on.insert(id);
-        continue;
-      }
-      LOG(WARNING) << "commit of step " << step << " of job " << job_id << ": " << s;
-      all = false;  // retried by Tick until the store answers or is declared dead
-    }
   }
   absl::MutexLock lock(&mu_);
   auto it = runs_.find(job_id);
   if (it == runs_.end()) return;
-  it->second.committing = false;
-  it->second.copies.committed_on = std::move(committed_on);
-  if (all) FinishCommitLocked(job_id, it->second);
+  Run& run = it->second;
+  run.committing = false;
+  std::set<std::string> committed_on;
+  for (size_t i = 0; i < targets.size(); ++i) {
+    const std::string& id = targets[i].member_id();
+    if (CheckCommitLocked(run, id, step, results[i], expected[id])) {
+      committed_on.insert(id);
+    } else if (!run.record.lost_stores().contains(id)) {
+      all = false;  // retried by Tick until the store answers or the job loses it
+    }
+  }
+  if (all) {
+    // Every store answered or is gone: each group needs one complete copy that committed.
+    if (const std::string lost = UnheldGroup(run, committed_on); !lost.empty()) {
+      const std::string reason = absl::StrCat("step ", step, " committed on no copy of ", lost);
+      LOG(ERROR) << "job " << job_id << " failed: " << reason;
+      (void)MarkFailed(job_id, reason);
+      return;  // the next Tick releases the run
+    }
+  }
+  run.copies.committed_on = std::move(committed_on);
+  if (all) FinishCommitLocked(job_id, run);
+}
+
+bool Scheduler::CheckCommitLocked(Run& run, const std::string& store, int64_t step,
+                                  const absl::StatusOr<v1::CommitStepResponse>& answer,
+                                  uint64_t expected) {
+  std::string problem;
+  bool refused = true;  // the store answered, wrongly: no retry can mend its copy
+  if (!answer.ok()) {
+    problem = std::string(answer.status().message());
+    refused = answer.status().code() == absl::StatusCode::kFailedPrecondition ||
+              answer.status().code() == absl::StatusCode::kInvalidArgument;
+  } else if (answer->committed_step() != step) {
+    problem =
+        absl::StrCat("answered the commit of step ", step, " with step ", answer->committed_step());
+  } else if (!answer->already_committed() && answer->blobs_committed() < expected) {
+    problem = absl::StrCat("committed ", answer->blobs_committed(), " blobs of step ", step,
+                           " where ", expected, " were written to it");
+  } else {
+    run.commit_trouble.erase(store);
+    return true;
+  }
+  const absl::Time now = options_.clock();
+  const absl::Time since = run.commit_trouble.emplace(store, now).first->second;
+  LOG(WARNING) << "job " << run.record.job_id() << ": commit of step " << step << " on store "
+               << store << ": " << problem;
+  const absl::Duration patience = 3 * members_->lease();
+  if (!refused && now - since < patience) return false;
+  const std::string why = refused ? problem
+                                  : absl::StrCat("failed the job's commits for ",
+                                                 absl::FormatDuration(now - since), ": ", problem);
+  LOG(ERROR) << "job " << run.record.job_id() << " no longer uses store " << store << ": " << why;
+  (*run.record.mutable_lost_stores())[store] = why;
+  run.commit_trouble.erase(store);
+  absl::Status s = PersistLocked(run);
+  if (!s.ok()) LOG(ERROR) << s;
+  return false;
 }
 
 void Scheduler::FinishCommitLocked(const std::string& job_id, Run& run) {
@@ -248,6 +300,8 @@ void Scheduler::FinishCommitLocked(const std::string& job_id, Run& run) {
   run.record.set_last_commit_unix_ms(now);
   run.last_commit = now_time;
   run.written.clear();
+  run.written_blobs.clear();
+  run.commit_trouble.clear();
   run.tokens = run.cache_hits = run.cache_misses = 0;
   run.rank0.Clear();
   run.abort_reason.clear();
@@ -265,9 +319,9 @@ void Scheduler::FinishCommitLocked(const std::string& job_id, Run& run) {
 void Scheduler::AdvancePlacementLocked(const std::string& job_id, Run& run, const v1::Job& job,
                                        int64_t step) {
   const v1::PlacementTable before = run.record.placement();
-  bool changed =
-      Replication::ApplyCopies(job, run.committed, Snapshot(*members_), heat_->Snapshot(job_id),
-                               run.copies, *run.record.mutable_placement());
+  bool changed = Replication::ApplyCopies(job, run.committed, ForJob(Snapshot(*members_), run),
+                                          heat_->Snapshot(job_id), run.copies,
+                                          *run.record.mutable_placement());
   const int every = std::max(1, job.spec().cluster().replication().replan_every());
   if (step >= 1 && step % every == 0) {
     // Heat is durable at each re-plan boundary; a new placement applies from the next step.

@@ -15,15 +15,19 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "pith/v1/common.pb.h"
+#include "pith/v1/store.pb.h"
 
 namespace pith::coordinator {
 
 class StoreControl {
  public:
   virtual ~StoreControl() = default;
-  // Makes the job's pending versions of `step` current on `store` (idempotent).
-  virtual absl::Status CommitStep(const v1::MemberInfo& store, const std::string& job_id,
-                                  int64_t step) = 0;
+  // Makes the job's pending versions of `step` current on `store`, the step after
+  // step - 1 (idempotent: a retry answers already_committed). The answer says what the
+  // store did; the caller checks it.
+  virtual absl::StatusOr<v1::CommitStepResponse> CommitStep(const v1::MemberInfo& store,
+                                                            const std::string& job_id,
+                                                            int64_t step) = 0;
   // Drops the job's pending versions of `step` on `store`.
   virtual absl::Status AbortStep(const v1::MemberInfo& store, const std::string& job_id,
                                  int64_t step) = 0;

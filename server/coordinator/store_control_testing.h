@@ -12,8 +12,11 @@ namespace pith::coordinator::testing {
 
 class NoStores final : public StoreControl {
  public:
-  absl::Status CommitStep(const v1::MemberInfo&, const std::string&, int64_t) override {
-    return absl::OkStatus();
+  absl::StatusOr<v1::CommitStepResponse> CommitStep(const v1::MemberInfo&, const std::string&,
+                                                    int64_t step) override {
+    v1::CommitStepResponse r;
+    r.set_committed_step(step);
+    return r;
   }
   absl::Status AbortStep(const v1::MemberInfo&, const std::string&, int64_t) override {
     return absl::OkStatus();

@@ -548,9 +548,15 @@ void BlobStore::EraseVersionLocked(const std::string& key, Blob& blob, int64_t v
 }
 
 absl::StatusOr<BlobStore::CommitResult> BlobStore::CommitStep(const std::string& job_id,
-                                                              int64_t step) {
+                                                              int64_t step,
+                                                              std::optional<int64_t> previous) {
   if (job_id.empty() || step < 0)
     return absl::InvalidArgumentError("job_id and step >= 0 required");
+  if (previous && step != *previous + 1) {
+    return absl::InvalidArgumentError(absl::StrCat("commit of step ", step, " of job ", job_id,
+                                                   " after step ", *previous,
+                                                   ": not the next step"));
+  }
   const std::string prefix = JobKeyPrefix(job_id);
   absl::MutexLock commit_lock(&commit_mu_);
   ColdBatch batch;
@@ -558,8 +564,13 @@ absl::StatusOr<BlobStore::CommitResult> BlobStore::CommitStep(const std::string&
   {
     absl::MutexLock lock(&mu_);
     auto job_it = job_steps_.find(job_id);
-    if (job_it != job_steps_.end() && job_it->second >= step) {
-      return CommitResult{job_it->second, 0};  // already committed: idempotent
+    if (job_it != job_steps_.end() && job_it->second == step) {
+      return CommitResult{step, 0, /*already=*/true};  // a retry: idempotent
+    }
+    if (job_it != job_steps_.end() && job_it->second > step) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("job ", job_id, " is at step ", job_it->second,
+                       " on this store, past the commit of step ", step));
     }
     // First the metadata batch (nothing in memory changes until it is durable).
     for (auto it = blobs_.lower_bound(prefix);

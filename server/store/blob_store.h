@@ -157,8 +157,15 @@ class BlobStore {
   struct CommitResult {
     int64_t committed_step = -1;
     uint64_t blobs_committed = 0;
+    bool already = false;  // the step was committed before: nothing changed
   };
-  absl::StatusOr<CommitResult> CommitStep(const std::string& job_id, int64_t step);
+  // Makes the job's pending versions of `step` current. With `previous` (the job's
+  // committed step as the coordinator knows it), `step` must be previous + 1
+  // (INVALID_ARGUMENT). A job already at `step` here answers `already`; one past it is
+  // FAILED_PRECONDITION (this copy is not the job's history: a far-future commit must not
+  // turn every later real one into a no-op).
+  absl::StatusOr<CommitResult> CommitStep(const std::string& job_id, int64_t step,
+                                          std::optional<int64_t> previous = std::nullopt);
   // Discards the job's pending versions of `step`; returns how many.
   absl::StatusOr<uint64_t> AbortStep(const std::string& job_id, int64_t step);
   // Deletes every version; returns the bytes freed.

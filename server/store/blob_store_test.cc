@@ -15,6 +15,7 @@
 
 #include "common/buffer.h"
 #include "common/crc32c.h"
+#include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "server/store/blob_key.h"
 
@@ -145,6 +146,28 @@ TEST_F(BlobStoreTest, PendingVersionsBecomeCurrentOnCommit) {
   auto again = store_->CommitStep("job-1", 1);
   ASSERT_TRUE(again.ok());
   EXPECT_EQ(again->blobs_committed, 0u);
+  EXPECT_TRUE(again->already);
+}
+
+TEST_F(BlobStoreTest, ACommitMustBeTheJobsNextStep) {
+  ASSERT_TRUE(store_->Put(Expert(0, 1), 0, Bytes(100, 1)).ok());
+  ASSERT_TRUE(store_->CommitStep("job-1", 0, -1).ok());
+  ASSERT_TRUE(store_->Put(Expert(0, 1), 1, Bytes(100, 2)).ok());
+  // A step that skips steps, by the coordinator's own account, is refused.
+  EXPECT_EQ(store_->CommitStep("job-1", 3, 1).status().code(), absl::StatusCode::kInvalidArgument);
+  // A far-future commit (no coordinator asks for it; one who can reach the port might) ...
+  auto future = store_->CommitStep("job-1", 1000);
+  ASSERT_TRUE(future.ok());
+  EXPECT_FALSE(future->already);
+  // ... makes the real next commit fail loudly, not answer OK with 0 blobs.
+  auto real = store_->CommitStep("job-1", 1, 0);
+  EXPECT_EQ(real.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(real.status().message(), testing::HasSubstr("at step 1000"));
+  // A store that missed steps (it joined the job's groups by a copy) commits.
+  ASSERT_TRUE(store_->Put(Expert(0, 2, v1::BLOB_KIND_WEIGHTS, "job-2"), 7, Bytes(100, 3)).ok());
+  auto late = store_->CommitStep("job-2", 7, 6);
+  ASSERT_TRUE(late.ok());
+  EXPECT_EQ(late->blobs_committed, 1u);
 }
 
 TEST_F(BlobStoreTest, AbortDiscardsPendingVersions) {

@@ -258,7 +258,31 @@ absl::Status StoreClient::Fetch(int peer, absl::Span<FetchItem> items, absl::Dur
     first.Update(FetchOnce(peer, items.subspan(begin, end - begin), deadline - absl::Now()));
     begin = end;
   }
+  for (FetchItem& item : items) {
+    if (!item.status.ok()) continue;
+    item.status = CheckFetched(item);
+    first.Update(item.status);
+  }
   return first;
+}
+
+absl::Status StoreClient::CheckFetched(const FetchItem& item) {
+  const v1::BlobInfo& info = item.info;
+  const v1::BlobKey &a = item.key, &b = info.key();
+  const bool same_key = a.job_id() == b.job_id() && a.layer() == b.layer() &&
+                        a.kind() == b.kind() &&
+                        (a.layer() < 0 ? a.tensor() == b.tensor() : a.expert() == b.expert());
+  if (!same_key || (item.version >= 0 && info.version() != item.version)) {
+    return absl::DataLossError(absl::StrCat("asked for {", a.ShortDebugString(), "} version ",
+                                            item.version, ", the store answered {",
+                                            b.ShortDebugString(), "} version ", info.version()));
+  }
+  if (Crc32c(item.buffer, info.size_bytes()) != info.crc32c()) {
+    return absl::DataLossError(absl::StrCat("fetched bytes of {", a.ShortDebugString(),
+                                            "} version ", info.version(),
+                                            " do not match their CRC32C"));
+  }
+  return absl::OkStatus();
 }
 
 absl::Status StoreClient::FetchOnce(int peer, absl::Span<FetchItem> items, absl::Duration timeout) {

@@ -49,9 +49,14 @@ class StoreClient {
   // Fetches every item (in one request, or several when their keys would not fit one
   // UCX message header). OK when all items are; otherwise the first error,
   // with each item's own status set. DEADLINE_EXCEEDED after `timeout` (the endpoint is
-  // then closed so that nothing is written into the buffers after return).
+  // then closed so that nothing is written into the buffers after return). Each blob is
+  // checked end to end once it landed: the key and version answered are the ones asked
+  // for (a committed fetch: any), and its bytes match the CRC32C the store recorded at
+  // write; otherwise DATA_LOSS naming the blob.
   absl::Status Fetch(int peer, absl::Span<FetchItem> items,
                      absl::Duration timeout = absl::Seconds(30));
+  // The end-to-end check of one fetched item (see Fetch): OK or DATA_LOSS.
+  static absl::Status CheckFetched(const FetchItem& item);
 
   struct PutItem {
     int peer = -1;

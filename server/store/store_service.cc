@@ -50,11 +50,14 @@ grpc::Status StoreServiceImpl::ListBlobs(grpc::ServerContext*, const v1::ListBlo
 grpc::Status StoreServiceImpl::CommitStep(grpc::ServerContext*,
                                           const v1::CommitStepRequest* request,
                                           v1::CommitStepResponse* reply) {
-  absl::StatusOr<BlobStore::CommitResult> r =
-      store_->CommitStep(request->job_id(), request->step());
+  absl::StatusOr<BlobStore::CommitResult> r = store_->CommitStep(
+      request->job_id(), request->step(),
+      request->has_previous_step() ? std::optional<int64_t>(request->previous_step())
+                                   : std::nullopt);
   if (!r.ok()) return ToGrpcStatus(r.status());
   reply->set_committed_step(r->committed_step);
   reply->set_blobs_committed(r->blobs_committed);
+  reply->set_already_committed(r->already);
   return grpc::Status::OK;
 }
 
