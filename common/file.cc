@@ -2,6 +2,7 @@
 
 #include <fcntl.h>
 #include <sys/stat.h>
+#include <sys/statvfs.h>
 #include <unistd.h>
 
 #include <cerrno>
@@ -134,6 +135,25 @@ absl::Status WriteFileAtomically(const std::string& path,
   }
   if (!status.ok()) ::unlink(tmp.c_str());
   return status;
+}
+
+absl::StatusOr<uint64_t> FreeBytes(const std::string& path) {
+  struct statvfs st;
+  if (::statvfs(path.c_str(), &st) != 0)
+    return ErrnoError(errno, "cannot stat the file system of", path);
+  return static_cast<uint64_t>(st.f_bavail) * st.f_frsize;
+}
+
+absl::Status CheckDiskRoom(const std::string& dir, uint64_t reserve, uint64_t incoming) {
+  ASSIGN_OR_RETURN(const uint64_t free, FreeBytes(dir));
+  if (free >= reserve && free - reserve >= incoming) return absl::OkStatus();
+  return absl::ResourceExhaustedError(absl::StrCat(
+      "the disk under ", dir, " is full: ", free, " bytes free",
+      incoming > 0 ? absl::StrCat("; a write of ", incoming, " bytes would leave less than")
+                   : std::string(", less than"),
+      " the reserve of ", reserve,
+      " bytes (--disk_reserve_bytes) that keeps the store's index writable; free space or move "
+      "the store to a larger disk"));
 }
 
 }  // namespace pith

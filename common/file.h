@@ -48,6 +48,12 @@ absl::Status PwriteAll(int fd, absl::Span<const uint8_t> bytes, uint64_t offset,
 absl::Status PreadAll(int fd, absl::Span<uint8_t> bytes, uint64_t offset,
                       const std::string& path_for_errors);
 
+// Bytes an unprivileged writer may still write to the file system holding `path`.
+absl::StatusOr<uint64_t> FreeBytes(const std::string& path);
+// OK when the file system holding `dir` keeps `reserve` bytes free after `incoming` more;
+// otherwise RESOURCE_EXHAUSTED saying how full it is and what the reserve is for.
+absl::Status CheckDiskRoom(const std::string& dir, uint64_t reserve, uint64_t incoming);
+
 // Creates `path` atomically: `fill` writes the content to a temporary file beside it,
 // which is fsynced and renamed over `path`. On any error `path` is left as it was.
 absl::Status WriteFileAtomically(const std::string& path,

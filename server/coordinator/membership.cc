@@ -3,6 +3,7 @@
 #include "absl/strings/str_cat.h"
 #include "common/status.h"
 #include "common/ucx_address.h"
+#include "glog/logging.h"
 
 namespace pith::coordinator {
 
@@ -108,6 +109,11 @@ absl::Status Membership::Heartbeat(const std::string& member_id, const v1::Membe
   m.set_rocksdb_bytes(status.rocksdb_bytes());
   if (status.capacity_bytes() != 0) m.set_capacity_bytes(status.capacity_bytes());
   if (!status.job_id().empty()) m.set_job_id(status.job_id());
+  if (status.health() != m.health()) {
+    LOG_IF(ERROR, !status.health().empty())
+        << m.member_id() << " is unhealthy and counts as dead: " << status.health();
+    m.set_health(status.health());
+  }
   return absl::OkStatus();
 }
 
@@ -187,6 +193,7 @@ Alive Snapshot(const Membership& members) {
       const bool draining =
           m.state() == v1::MEMBER_STATE_DRAINING || m.state() == v1::MEMBER_STATE_DRAINED;
       if (m.state() != v1::MEMBER_STATE_ALIVE && !(store && draining)) continue;
+      if (!m.health().empty()) continue;  // a stopped tier: as good as dead
       if (draining) a.draining.insert(m.member_id());
       (store ? a.stores : a.workers)[m.member_id()] = std::move(m);
     }

@@ -40,7 +40,8 @@ class Membership {
   // another, or an id that belongs to another identity); otherwise an empty member_id gets
   // a new one (never one an identity holds) and a known or previous id is kept.
   absl::StatusOr<std::string> Register(v1::MemberInfo member);
-  // Renews the lease and takes fresh figures from `status`. NOT_FOUND for an unknown or
+  // Renews the lease and takes fresh figures and health from `status` (a member that says
+  // it is unhealthy is left out of every Snapshot, as if dead). NOT_FOUND for an unknown or
   // dead member: it must register again.
   absl::Status Heartbeat(const std::string& member_id, const v1::MemberInfo& status);
   // Removes a member that leaves cleanly (its drain, if any, lasts until ForgetDrain).

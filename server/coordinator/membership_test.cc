@@ -101,5 +101,22 @@ TEST(MembershipTest, AnIdentityThatCannotBeRecordedIsNotRegistered) {
   EXPECT_TRUE(members.Members(v1::MEMBER_ROLE_STORE).empty());
 }
 
+// A store whose durable tier stopped says so in its heartbeats: it counts as dead (its
+// jobs replace its copies) while its lease still runs.
+TEST(MembershipTest, AnUnhealthyStoreCountsAsDead) {
+  Membership members(absl::Seconds(3));
+  auto id = members.Register(Store(kA));
+  ASSERT_TRUE(id.ok()) << id.status();
+  EXPECT_EQ(Snapshot(members).stores.count(*id), 1u);
+  v1::MemberInfo status;
+  status.set_health("INTERNAL: sync /data/blobs/000001.log: Input/output error");
+  ASSERT_TRUE(members.Heartbeat(*id, status).ok());
+  const Alive alive = Snapshot(members);
+  EXPECT_EQ(alive.stores.count(*id), 0u);
+  EXPECT_EQ(alive.known.count(*id), 1u);  // known, not alive: gone at once
+  ASSERT_TRUE(members.Heartbeat(*id, v1::MemberInfo()).ok());
+  EXPECT_EQ(Snapshot(members).stores.count(*id), 1u);
+}
+
 }  // namespace
 }  // namespace pith::coordinator

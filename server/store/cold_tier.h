@@ -98,6 +98,9 @@ class ColdTier {
   virtual absl::Status Checkpoint(const std::string& dir) = 0;
   // Flushes and compactions running or waiting to run (0 when the tier is settled).
   virtual uint64_t BackgroundJobs() { return 0; }
+  // OK while the tier works; once a write to its disk failed it is stopped, and this says
+  // why (the store then reports itself unhealthy and leaves the cluster).
+  virtual absl::Status Health() { return absl::OkStatus(); }
 };
 
 struct RocksColdTierOptions {
@@ -108,6 +111,10 @@ struct RocksColdTierOptions {
   // machine that stops meanwhile may lose them, and the tier then refuses to open
   // (DATA_LOSS) rather than serve their bytes. A process crash loses nothing either way.
   absl::Duration sync_interval = absl::ZeroDuration();
+  // Free bytes the tier keeps on its disk: it does not open with less, and refuses a put
+  // that would leave less (RESOURCE_EXHAUSTED), so RocksDB's own writes (commits, the
+  // WAL, compactions) never meet a full disk.
+  uint64_t disk_reserve_bytes = 64ull << 20;
 };
 
 // Opens (creating if needed) a RocksDB tier in `dir` with the WAL on; blob bytes go to

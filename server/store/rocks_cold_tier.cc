@@ -59,6 +59,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "common/crc32c.h"
+#include "common/file.h"
 #include "common/status.h"
 #include "glog/logging.h"
 #include "rocksdb/db.h"
@@ -143,7 +144,8 @@ class RocksColdTier final : public ColdTier {
       : db_(std::move(db)),
         log_(BlobLog::Options{std::move(log_dir), options.log_file_bytes,
                               /*writeback=*/options.sync_interval == absl::ZeroDuration()}),
-        sync_interval_(absl::ToChronoMilliseconds(options.sync_interval)) {}
+        sync_interval_(absl::ToChronoMilliseconds(options.sync_interval)),
+        disk_reserve_bytes_(options.disk_reserve_bytes) {}
 
   // A clean stop leaves nothing to check at the next start: one last sync point. (The
   // log's disposer stops after it, with the log.)
@@ -200,6 +202,7 @@ class RocksColdTier final : public ColdTier {
 
   absl::Status PutData(absl::string_view key, int64_t version,
                        absl::Span<const uint8_t> bytes) override ABSL_LOCKS_EXCLUDED(mu_) {
+    RETURN_IF_ERROR(CheckDiskRoom(log_.dir(), disk_reserve_bytes_, bytes.size()));
     ASSIGN_OR_RETURN(BlobLog::Appended a, log_.Append(bytes.data(), bytes.size()));
     if (a.written.ok()) {
       absl::MutexLock lock(&mu_);
@@ -345,6 +348,8 @@ class RocksColdTier final : public ColdTier {
     if (ec) return absl::InternalError(absl::StrCat("checkpoint logs: ", ec.message()));
     return FsyncDir(dir);
   }
+
+  absl::Status Health() override { return log_.Stopped(); }
 
   uint64_t BackgroundJobs() override {
     uint64_t total = 0;
@@ -611,6 +616,7 @@ class RocksColdTier final : public ColdTier {
   bool recovered_ ABSL_GUARDED_BY(apply_mu_) = false;  // Recover succeeded
   // The group sync (a nonzero interval).
   const std::chrono::milliseconds sync_interval_;
+  const uint64_t disk_reserve_bytes_;
   absl::Mutex sync_mu_;
   absl::CondVar sync_cv_;
   bool sync_due_ ABSL_GUARDED_BY(sync_mu_) = false;  // a synced Apply since the last sync point
@@ -642,6 +648,10 @@ absl::StatusOr<std::unique_ptr<ColdTier>> OpenRocksColdTier(const std::string& d
   // records its own type.)
   table.checksum = rocksdb::kXXH3;
   options.table_factory.reset(rocksdb::NewBlockBasedTableFactory(table));
+  // Debian's RocksDB asserts (aborts) on some writes to a full disk: it opens with room.
+  std::error_code ec;
+  std::filesystem::create_directories(dir, ec);
+  RETURN_IF_ERROR(CheckDiskRoom(dir, tier.disk_reserve_bytes, 0));
   rocksdb::DB* raw = nullptr;
   rocksdb::Status s = rocksdb::DB::Open(options, dir, &raw);
   if (!s.ok()) return ToStatus(s, absl::StrCat("open ", dir));

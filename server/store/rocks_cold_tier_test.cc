@@ -1,13 +1,17 @@
 // The RocksDB tier with a sync interval: commits survive kill -9 before any sync point,
 // a sync point puts them on disk, a version dropped before it leaves no bytes to write,
 // and a restart refuses (DATA_LOSS) committed versions whose bytes never reached the disk.
+// On a full disk (a small tmpfs, where the test may mount one) puts are refused before
+// RocksDB meets it, commits go on, and a start says so in one line.
 #include <fcntl.h>
 #include <signal.h>
+#include <sys/mount.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
 #include <chrono>
+#include <cstring>
 #include <filesystem>
 #include <functional>
 #include <random>
@@ -16,6 +20,7 @@
 #include <vector>
 
 #include "common/crc32c.h"
+#include "common/file.h"
 #include "gtest/gtest.h"
 #include "server/store/cold_tier.h"
 
@@ -188,6 +193,54 @@ TEST(RocksColdTierSyncTest, EveryCommitSyncedWithAZeroInterval) {
   CommitStepsAndKill(dir, absl::ZeroDuration(), 3);
   ZeroLogFiles(dir);  // on disk at each commit: nothing left to check
   EXPECT_TRUE(OpenRocksColdTier(dir, Interval(absl::ZeroDuration())).ok());
+}
+
+TEST(RocksColdTierDiskTest, AFullDiskRefusesPutsKeepsCommitsAndIsNamedAtStart) {
+  const std::string mnt = testing::TempDir() + "/rocks_full_" + std::to_string(getpid());
+  std::filesystem::create_directories(mnt);
+  if (::mount("tmpfs", mnt.c_str(), "tmpfs", 0, "size=24m") != 0) {
+    GTEST_SKIP() << "cannot mount a small tmpfs here (needs root): " << std::strerror(errno);
+  }
+  struct Unmount {
+    std::string path;
+    ~Unmount() { ::umount2(path.c_str(), MNT_DETACH); }
+  } unmount{mnt};
+  const std::string dir = mnt + "/store";
+  RocksColdTierOptions options = Interval(absl::ZeroDuration());
+  options.disk_reserve_bytes = 8 << 20;
+  {
+    auto tier = OpenRocksColdTier(dir, options);
+    ASSERT_TRUE(tier.ok()) << tier.status();
+    Step(**tier, kKeys, 1);
+    // Puts fill the disk down to the reserve, then are refused with a clear reason.
+    absl::Status put;
+    const std::vector<uint8_t> big = Bytes(1 << 20, 7);
+    for (int i = 0; i < 64 && put.ok(); ++i) put = (*tier)->PutData("filler", 100 + i, big);
+    EXPECT_EQ(put.code(), absl::StatusCode::kResourceExhausted) << put;
+    EXPECT_NE(put.message().find("--disk_reserve_bytes"), std::string::npos) << put;
+    // The index is still writable: a step commits, the tier is healthy.
+    Step(**tier, kKeys, 2);
+    EXPECT_TRUE((*tier)->Health().ok());
+    ExpectStep(**tier, kKeys, 2);
+  }
+  // Something else fills the disk: the store refuses to start, in one line, and
+  // starts again with every committed step once there is room.
+  {
+    const int fd = ::open((mnt + "/other").c_str(), O_WRONLY | O_CREAT | O_CLOEXEC, 0644);
+    ASSERT_GE(fd, 0);
+    const std::vector<uint8_t> chunk(1 << 20, 1);
+    while (::write(fd, chunk.data(), chunk.size()) > 0) {
+    }
+    ::close(fd);
+  }
+  auto full = OpenRocksColdTier(dir, options);
+  ASSERT_FALSE(full.ok());
+  EXPECT_EQ(full.status().code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_NE(full.status().message().find("is full"), std::string::npos) << full.status();
+  std::filesystem::remove(mnt + "/other");
+  auto again = OpenRocksColdTier(dir, options);
+  ASSERT_TRUE(again.ok()) << again.status();
+  ExpectStep(**again, kKeys, 2);
 }
 
 }  // namespace

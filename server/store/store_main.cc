@@ -23,11 +23,17 @@ ABSL_FLAG(uint64_t, admission_window, 4096,
           "when it fits in free RAM or was read more recently than the blob it would evict; "
           "0 promotes on every read");
 ABSL_FLAG(int, max_message_bytes, 64 << 20, "Largest gRPC message, in bytes");
-ABSL_FLAG(int, sync_interval_ms, 1000,
-          "A committed step survives kill -9 of any process at once; it is on disk within "
-          "this many ms (one background sync for every step in the interval: a step replaced "
-          "by the next one before then never costs a disk write). 0: on disk before the "
-          "commit returns, at one fdatasync of the step's bytes per step");
+ABSL_FLAG(int, sync_interval_ms, 0,
+          "0 (the default): a commit returns once the step is on disk (one fdatasync of the "
+          "step's bytes per step), so an acknowledged step survives a power loss. N > 0 trades "
+          "that for speed: a committed step survives kill -9 of any process at once and is on "
+          "disk within N ms (one background sync for every step in the interval; a step "
+          "replaced before then never costs a disk write); a power loss within N ms of a "
+          "commit makes this store refuse to start, and its groups are copied back from "
+          "their replicas");
+ABSL_FLAG(uint64_t, disk_reserve_bytes, 64ull << 20,
+          "Free bytes kept on the data disk: the store does not start with less, and refuses "
+          "a put that would leave less (RESOURCE_EXHAUSTED), so its index stays writable");
 ABSL_FLAG(std::string, coordinator, "",
           "Coordinator address (host:port): register there and keep the lease alive");
 
@@ -54,6 +60,7 @@ absl::Status Run(pith::ShutdownSignals& signals) {
     return absl::InvalidArgumentError("--sync_interval_ms must be >= 0");
   }
   options.sync_interval = absl::Milliseconds(absl::GetFlag(FLAGS_sync_interval_ms));
+  options.disk_reserve_bytes = absl::GetFlag(FLAGS_disk_reserve_bytes);
   options.metrics_port = exposer ? exposer->port() : -1;
   ASSIGN_OR_RETURN(auto server, pith::store::StoreServer::Start(options, &metrics));
   LOG(INFO) << "pith-store ready: grpc_port=" << server->grpc_port()

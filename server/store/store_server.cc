@@ -30,8 +30,10 @@ absl::StatusOr<std::unique_ptr<StoreServer>> StoreServer::Start(const StoreServe
   // The RAM tier lives in UCX-registered memory: blobs leave from it and arrive in it
   // with no copy on this side.
   ASSIGN_OR_RETURN(s->arena_, s->worker_->Allocate(options.ram_bytes));
-  ASSIGN_OR_RETURN(std::unique_ptr<ColdTier> cold,
-                   OpenRocksColdTier(options.data_dir, {.sync_interval = options.sync_interval}));
+  ASSIGN_OR_RETURN(
+      std::unique_ptr<ColdTier> cold,
+      OpenRocksColdTier(options.data_dir, {.sync_interval = options.sync_interval,
+                                           .disk_reserve_bytes = options.disk_reserve_bytes}));
   BlobStoreOptions store_options;
   store_options.ram_bytes = options.ram_bytes;
   store_options.max_blob_bytes = options.max_blob_bytes;
@@ -65,12 +67,15 @@ absl::StatusOr<std::unique_ptr<StoreServer>> StoreServer::Start(const StoreServe
     if (options.metrics_port >= 0)
       self.set_metrics_address(absl::StrCat(host, ":", options.metrics_port));
     BlobStore* store = s->store_.get();
-    ASSIGN_OR_RETURN(s->agent_, MemberAgent::Start(options.coordinator, std::move(self),
-                                                   [store](v1::MemberInfo* status) {
-                                                     const v1::StoreStats st = store->Stats();
-                                                     status->set_ram_bytes(st.ram_bytes());
-                                                     status->set_rocksdb_bytes(st.rocksdb_bytes());
-                                                   }));
+    ASSIGN_OR_RETURN(
+        s->agent_,
+        MemberAgent::Start(options.coordinator, std::move(self), [store](v1::MemberInfo* status) {
+          const v1::StoreStats st = store->Stats();
+          status->set_ram_bytes(st.ram_bytes());
+          status->set_rocksdb_bytes(st.rocksdb_bytes());
+          const absl::Status health = store->cold().Health();
+          status->set_health(health.ok() ? "" : health.ToString());
+        }));
     LOG(INFO) << "registered with the coordinator at " << options.coordinator << " as "
               << s->agent_->member_id();
   }
