@@ -31,6 +31,9 @@ ABSL_FLAG(int, max_pulls, 4, "Store-to-store group copies in flight at most");
 ABSL_FLAG(int, step_attempts, 8,
           "Failed attempts of one step (reported by its workers) after which the job fails "
           "with the last reason");
+ABSL_FLAG(bool, keep_ended_weights, true,
+          "An ended job's committed weights stay on the stores (for `pith checkpoint`); its "
+          "optimizer state goes. false: everything of an ended job is deleted");
 ABSL_FLAG(bool, simulate, false, "Run the placement simulator, print one line and exit");
 ABSL_FLAG(int, layers, 58, "--simulate: MoE layers");
 ABSL_FLAG(int, experts, 256, "--simulate: experts per layer");
@@ -102,6 +105,8 @@ int main(int argc, char** argv) {
       absl::GetFlag(FLAGS_replication_bytes_per_second);
   scheduler_options.max_pulls = std::max(1, absl::GetFlag(FLAGS_max_pulls));
   scheduler_options.step_attempts = std::max(1, absl::GetFlag(FLAGS_step_attempts));
+  scheduler_options.keep_ended_weights = absl::GetFlag(FLAGS_keep_ended_weights);
+  scheduler_options.gc_period = std::max(absl::Seconds(1), 3 * lease);
   pith::coordinator::Scheduler scheduler(jobs->get(), &members, &heat, store_control.get(),
                                          &metrics, scheduler_options);
   if (absl::Status s = scheduler.Recover(); !s.ok()) return pith::ExitStatus("pith-coordinator", s);

@@ -106,6 +106,23 @@ class GrpcStoreControl final : public StoreControl {
     return std::vector<v1::BlobInfo>(reply.pulled().begin(), reply.pulled().end());
   }
 
+  absl::StatusOr<std::vector<v1::StoreJob>> ListJobs(const v1::MemberInfo& store) override {
+    v1::ListStoreJobsResponse reply;
+    grpc::ClientContext ctx;
+    ctx.set_deadline(absl::ToChronoTime(absl::Now() + timeout_));
+    RETURN_IF_ERROR(
+        Annotate(Stub(store)->ListStoreJobs(&ctx, v1::ListStoreJobsRequest(), &reply), store));
+    return std::vector<v1::StoreJob>(reply.jobs().begin(), reply.jobs().end());
+  }
+
+  absl::Status DeleteJob(const v1::MemberInfo& store,
+                         const v1::DeleteJobRequest& request) override {
+    v1::DeleteJobResponse reply;
+    grpc::ClientContext ctx;
+    ctx.set_deadline(absl::ToChronoTime(absl::Now() + timeout_));
+    return Annotate(Stub(store)->DeleteJob(&ctx, request, &reply), store);
+  }
+
  private:
   std::unique_ptr<v1::StoreService::Stub> Stub(const v1::MemberInfo& store) {
     absl::MutexLock lock(&mu_);

@@ -34,6 +34,7 @@ Scheduler::~Scheduler() {
   stop_.Notify();
   if (loop_.joinable()) loop_.join();
   if (replicator_.joinable()) replicator_.join();
+  if (collector_.joinable()) collector_.join();
 }
 
 void Scheduler::Start(absl::Duration period) {
@@ -42,6 +43,9 @@ void Scheduler::Start(absl::Duration period) {
   });
   replicator_ = std::thread([this, period] {
     while (!stop_.WaitForNotificationWithTimeout(period)) ReplicateOnce();
+  });
+  collector_ = std::thread([this] {
+    while (!stop_.WaitForNotificationWithTimeout(options_.gc_period)) CollectGarbageOnce();
   });
 }
 

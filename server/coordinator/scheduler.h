@@ -37,6 +37,7 @@
 #include <set>
 #include <string>
 #include <thread>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -66,6 +67,11 @@ struct SchedulerOptions {
   // Failed attempts of one step (reported by a worker: a put refused, a data file that
   // cannot be read) after which the job fails with the last one's reason.
   int step_attempts = 8;
+  // Garbage collection (CollectGarbageOnce): an ended job's committed weights stay on its
+  // stores (for `pith checkpoint`) unless this is false; everything else of it goes.
+  bool keep_ended_weights = true;
+  // How often Start's collector runs a pass.
+  absl::Duration gc_period = absl::Seconds(10);
   // The scheduler's time (the grace period after a restart, assignment versions, job
   // timestamps, step timing): the same seam as the membership's leases.
   Membership::Clock clock = [] { return absl::Now(); };
@@ -81,8 +87,8 @@ class Scheduler {
   // Loads the durable schedule after a (re)start: every running job's assignment
   // version is bumped and its heat restored. Call once, before Start.
   absl::Status Recover() ABSL_LOCKS_EXCLUDED(mu_);
-  // Runs Tick every `period` on its own thread, and the replicator on another, until
-  // destruction.
+  // Runs Tick every `period` on its own thread, the replicator on another and the garbage
+  // collector (every gc_period) on a third, until destruction.
   void Start(absl::Duration period);
   // One pass: expires leases, reacts to dead members and ended jobs, finishes pending
   // commits, schedules pending jobs.
@@ -119,6 +125,12 @@ class Scheduler {
   // store to store (up to max_pulls at once; this call waits for them). Returns the
   // copies made.
   int ReplicateOnce() ABSL_LOCKS_EXCLUDED(mu_);
+  // Garbage collection, one pass: each live store loses the groups it left (once the job
+  // committed a step under the placement without it) and the blobs of ended jobs (all,
+  // or all but their committed weights: keep_ended_weights). Jobs the registry does not
+  // know are left alone. Returns the deletions made.
+  int CollectGarbageOnce() ABSL_LOCKS_EXCLUDED(mu_);
+
   // Moves in flight, blobs and bytes moved so far, the replica deficit (copies missing
   // to reach every group's replica count) and the drains' progress, into `out`.
   void ReplicationStatus(v1::ClusterStatusResponse* out) ABSL_LOCKS_EXCLUDED(mu_);
@@ -160,6 +172,9 @@ class Scheduler {
     // Stores whose commits of this job fail, since when: after several leases of it, the
     // job loses them (record.lost_stores).
     std::map<std::string, absl::Time> commit_trouble;
+    // Groups stores left ((store, layer, expert); layer -1: dense), with the first step of
+    // the placement without them: their blobs there are deleted once it committed.
+    std::map<std::tuple<std::string, int, int>, int64_t> left;
   };
   struct StoreCall {
     v1::MemberInfo store;
@@ -248,6 +263,9 @@ class Scheduler {
   bool HoldCommits(const std::string& job_id) ABSL_LOCKS_EXCLUDED(mu_);
   void ReleaseCommits(const std::string& job_id) ABSL_LOCKS_EXCLUDED(mu_);
 
+  // garbage.cc: the stores that left a group between placements `before` and the run's.
+  static void NoteLeftLocked(Run& run, const v1::PlacementTable& before);
+
   // scheduler_replication.cc: the drains' part of the tick.
   // Groups of running jobs placed on `store` (reading or joining), and with `with_moves`
   // the copies in flight from or to it.
@@ -277,7 +295,7 @@ class Scheduler {
   prometheus::Counter* steps_aborted_ = nullptr;
 
   absl::Notification stop_;
-  std::thread loop_, replicator_;
+  std::thread loop_, replicator_, collector_;
 };
 
 }  // namespace pith::coordinator

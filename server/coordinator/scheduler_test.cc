@@ -94,7 +94,24 @@ class FakeStores final : public StoreControl {
     }
     return absl::OkStatus();
   }
+  // What each store holds, by store id (ListJobs); DeleteJob records the call and keeps
+  // the counts as they were (a test changes them).
+  absl::StatusOr<std::vector<v1::StoreJob>> ListJobs(const v1::MemberInfo& store) override {
+    absl::MutexLock lock(&mu_);
+    return held[store.member_id()];
+  }
+  absl::Status DeleteJob(const v1::MemberInfo& store,
+                         const v1::DeleteJobRequest& request) override {
+    absl::MutexLock lock(&mu_);
+    deletes.push_back(absl::StrCat(
+        store.member_id(), ":", request.job_id(),
+        request.has_layer() ? absl::StrCat(":", request.layer(), "/", request.expert()) : "",
+        request.keep_weights() ? ":keep" : ""));
+    return absl::OkStatus();
+  }
   absl::Mutex mu_;
+  std::map<std::string, std::vector<v1::StoreJob>> held;
+  std::vector<std::string> deletes;
   std::vector<v1::BlobInfo> contents;
   bool fail_commits = false;
   std::map<std::string, absl::Status> failing;
@@ -491,6 +508,63 @@ TEST_F(SchedulerTest, CommitsGoToTheJobsStoresAndWrongAnswersLoseTheStore) {
   EXPECT_EQ(failed.state(), v1::JOB_STATE_FAILED);
   EXPECT_THAT(failed.failure_reason(), ::testing::HasSubstr("store " + s0));
   EXPECT_THAT(failed.failure_reason(), ::testing::HasSubstr("no answer"));
+}
+
+// Garbage: a group a store left is deleted there once a step committed without it; an
+// ended job's blobs go from every store but its committed weights; a running or unknown
+// job's stay.
+TEST_F(SchedulerTest, StoresLoseTheGroupsTheyLeftAndEndedJobsBlobs) {
+  const v1::Job job = Submit(1, /*steps=*/3, /*replicas=*/2);
+  const std::string s0 = Join(v1::MEMBER_ROLE_STORE), s1 = Join(v1::MEMBER_ROLE_STORE);
+  const std::string w0 = Join(v1::MEMBER_ROLE_WORKER);
+  scheduler_->Tick();
+  std::set<std::string> on_s1;  // the groups placed on s1
+  const absl::StatusOr<v1::PlacementTable> first = scheduler_->GetPlacement(job.job_id());
+  ASSERT_TRUE(first.ok());
+  for (const v1::ExpertPlacement& e : first->experts()) {
+    if (std::count(e.store_ids().begin(), e.store_ids().end(), s1)) {
+      on_s1.insert(absl::StrCat(e.layer(), "/", e.layer() < 0 ? 0 : e.expert()));
+    }
+  }
+  ASSERT_FALSE(on_s1.empty());
+  CommitStep(job.job_id(), 0, {w0});
+  // s1 refuses step 1: the job drops it, and its copies are left from step 2.
+  stores_.failing[s1] = absl::FailedPreconditionError("job is at step 9 here");
+  CommitStep(job.job_id(), 1, {w0});
+  scheduler_->Tick();
+  EXPECT_EQ(scheduler_->CollectGarbageOnce(), 0);  // step 2 may still read s1
+  CommitStep(job.job_id(), 2, {w0});
+  EXPECT_EQ(scheduler_->CollectGarbageOnce(), static_cast<int>(on_s1.size()));
+  std::set<std::string> deleted;
+  for (const std::string& d : stores_.deletes) {
+    ASSERT_EQ(d.rfind(s1 + ":" + job.job_id() + ":", 0), 0u) << d;
+    deleted.insert(d.substr(d.rfind(':') + 1));
+  }
+  EXPECT_EQ(deleted, on_s1);
+  stores_.deletes.clear();
+  EXPECT_EQ(scheduler_->CollectGarbageOnce(), 0);  // done once
+
+  // The job ends: its optimizer state goes from every store, its weights stay.
+  const v1::Job other = Submit(1);  // pending: not ended
+  v1::StoreJob held;
+  held.set_job_id(job.job_id());
+  held.set_blobs(10);
+  held.set_blobs_besides_weights(6);
+  v1::StoreJob unknown = held, pending = held;
+  unknown.set_job_id("not-a-job-of-this-coordinator");
+  pending.set_job_id(other.job_id());
+  stores_.held[s0] = {held, unknown, pending};
+  stores_.held[s1] = {held};
+  EXPECT_EQ(scheduler_->CollectGarbageOnce(), 0);  // still running
+  CommitStep(job.job_id(), 3, {w0});
+  ASSERT_EQ(Job(job.job_id()).state(), v1::JOB_STATE_SUCCEEDED);
+  EXPECT_EQ(scheduler_->CollectGarbageOnce(), 2);
+  EXPECT_THAT(stores_.deletes, ::testing::UnorderedElementsAre(s0 + ":" + job.job_id() + ":keep",
+                                                               s1 + ":" + job.job_id() + ":keep"));
+  held.set_blobs_besides_weights(0);  // what the stores hold now
+  stores_.held[s0] = {held};
+  stores_.held[s1] = {held};
+  EXPECT_EQ(scheduler_->CollectGarbageOnce(), 0);
 }
 
 TEST_F(SchedulerTest, TheLastStepEndsTheJobAndCancellingReleasesTheWorkers) {

@@ -137,8 +137,10 @@ void Scheduler::ReplaceLocked(Run& run, const v1::Job& job,
   const ComputePlan plan =
       kept ? *std::move(kept)
            : PlanJobCompute(job, static_cast<int>(workers.size()), heat_->Snapshot(job.job_id()));
+  const v1::PlacementTable before = run.record.placement();
   *run.record.mutable_placement() = BuildPlacement(job, workers, stores, plan, &previous,
                                                    previous.epoch() + 1, step_in_flight(run));
+  NoteLeftLocked(run, before);
   const int64_t epoch = run.record.placement().epoch();
   (void)jobs_->Update(job.job_id(), [&](v1::Job& j) {
     j.set_placement_epoch(epoch);

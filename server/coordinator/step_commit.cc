@@ -342,6 +342,7 @@ void Scheduler::AdvancePlacementLocked(const std::string& job_id, Run& run, cons
     run.record.mutable_placement()->set_epoch(before.epoch() + 1);
     run.record.mutable_placement()->set_effective_step(step + 1);
     run.record.set_assignment_version(NextVersion(run.record.assignment_version()));
+    NoteLeftLocked(run, before);
     const int64_t epoch = run.record.placement().epoch();
     (void)jobs_->Update(job_id, [&](v1::Job& j) {
       j.set_placement_epoch(epoch);

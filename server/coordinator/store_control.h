@@ -51,6 +51,11 @@ class StoreControl {
   };
   // Reads the committed versions of `reads` from `store` (one batched UCX fetch).
   virtual absl::Status Fetch(const v1::MemberInfo& store, std::vector<Read>& reads) = 0;
+  // Garbage collection: the jobs `store` holds blobs of, and the deletion of a job's blobs
+  // there (all, one group, or all but the committed weights; see DeleteJobRequest).
+  virtual absl::StatusOr<std::vector<v1::StoreJob>> ListJobs(const v1::MemberInfo& store) = 0;
+  virtual absl::Status DeleteJob(const v1::MemberInfo& store,
+                                 const v1::DeleteJobRequest& request) = 0;
 };
 
 }  // namespace pith::coordinator

@@ -33,6 +33,12 @@ class NoStores final : public StoreControl {
   absl::Status Fetch(const v1::MemberInfo&, std::vector<Read>&) override {
     return absl::UnavailableError("no stores in this test");
   }
+  absl::StatusOr<std::vector<v1::StoreJob>> ListJobs(const v1::MemberInfo&) override {
+    return std::vector<v1::StoreJob>();
+  }
+  absl::Status DeleteJob(const v1::MemberInfo&, const v1::DeleteJobRequest&) override {
+    return absl::OkStatus();
+  }
 };
 
 }  // namespace pith::coordinator::testing

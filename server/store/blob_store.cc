@@ -657,7 +657,8 @@ absl::StatusOr<uint64_t> BlobStore::DeleteBlob(const v1::BlobKey& key) {
   return bytes;
 }
 
-absl::StatusOr<std::pair<uint64_t, uint64_t>> BlobStore::DeleteJob(const std::string& job_id) {
+absl::StatusOr<std::pair<uint64_t, uint64_t>> BlobStore::DeleteJob(const std::string& job_id,
+                                                                   const DeleteScope& scope) {
   if (job_id.empty()) return absl::InvalidArgumentError("job_id is required");
   const std::string prefix = JobKeyPrefix(job_id);
   absl::MutexLock commit_lock(&commit_mu_);  // not inside a commit's sync
@@ -666,19 +667,58 @@ absl::StatusOr<std::pair<uint64_t, uint64_t>> BlobStore::DeleteJob(const std::st
   uint64_t blobs = 0, bytes = 0;
   for (auto it = blobs_.lower_bound(prefix);
        it != blobs_.end() && absl::StartsWith(it->first, prefix);) {
-    while (!it->second.versions.empty()) {
-      bytes += it->second.versions.begin()->second.size;
-      EraseVersionLocked(it->first, it->second, it->second.versions.begin()->first, &batch);
+    Blob& blob = it->second;
+    const v1::BlobKey& k = blob.key;
+    if (scope.group && (k.layer() != scope.group->first ||
+                        (k.layer() >= 0 && k.expert() != scope.group->second))) {
+      ++it;
+      continue;
+    }
+    const bool keep =
+        scope.keep_weights && k.kind() == v1::BLOB_KIND_WEIGHTS && blob.committed >= 0;
+    std::vector<int64_t> drop;
+    for (const auto& [version, unused] : blob.versions) {
+      if (!keep || version != blob.committed) drop.push_back(version);
+    }
+    for (int64_t version : drop) {
+      bytes += blob.versions.at(version).size;
+      EraseVersionLocked(it->first, blob, version, &batch);
+    }
+    if (keep) {
+      ++it;
+      continue;
     }
     batch.delete_records.push_back(it->first);
     ++blobs;
     it = blobs_.erase(it);
   }
-  batch.delete_job_steps.push_back(job_id);
-  job_steps_.erase(job_id);
+  if (!scope.keep_weights && !scope.group) {
+    batch.delete_job_steps.push_back(job_id);
+    job_steps_.erase(job_id);
+  }
   RETURN_IF_ERROR(cold_->Apply(batch, true));
   UpdateGaugesLocked();
   return std::make_pair(blobs, bytes);
+}
+
+std::vector<v1::StoreJob> BlobStore::Jobs() {
+  absl::MutexLock lock(&mu_);
+  std::vector<v1::StoreJob> out;
+  for (const auto& [encoded, blob] : blobs_) {
+    if (out.empty() || out.back().job_id() != blob.key.job_id()) {
+      v1::StoreJob& job = out.emplace_back();
+      job.set_job_id(blob.key.job_id());
+      auto step = job_steps_.find(blob.key.job_id());
+      job.set_committed_step(step == job_steps_.end() ? -1 : step->second);
+    }
+    v1::StoreJob& job = out.back();
+    job.set_blobs(job.blobs() + 1);
+    const bool weights_only = blob.key.kind() == v1::BLOB_KIND_WEIGHTS && blob.committed >= 0 &&
+                              blob.versions.size() == 1;
+    if (!weights_only) job.set_blobs_besides_weights(job.blobs_besides_weights() + 1);
+    for (const auto& [version, v] : blob.versions) job.set_bytes(job.bytes() + v.size);
+  }
+  return out;
 }
 
 int64_t BlobStore::CommittedStep(const std::string& job_id) {

@@ -170,7 +170,21 @@ class BlobStore {
   absl::StatusOr<uint64_t> AbortStep(const std::string& job_id, int64_t step);
   // Deletes every version; returns the bytes freed.
   absl::StatusOr<uint64_t> DeleteBlob(const v1::BlobKey& key);
-  absl::StatusOr<std::pair<uint64_t, uint64_t>> DeleteJob(const std::string& job_id);
+  // What DeleteJob deletes: everything of the job, or only one group's blobs (layer -1:
+  // the dense tensors), and with keep_weights all but the committed weights.
+  struct DeleteScope {
+    bool keep_weights = false;
+    std::optional<std::pair<int, int>> group;  // (layer, expert)
+  };
+  // Deletes the job's blobs in `scope`; returns (blobs deleted, bytes freed). The job's
+  // committed step goes only with everything.
+  absl::StatusOr<std::pair<uint64_t, uint64_t>> DeleteJob(const std::string& job_id,
+                                                          const DeleteScope& scope);
+  absl::StatusOr<std::pair<uint64_t, uint64_t>> DeleteJob(const std::string& job_id) {
+    return DeleteJob(job_id, DeleteScope());
+  }
+  // Every job with a blob here, in job id order.
+  std::vector<v1::StoreJob> Jobs();
   // The job's committed step; -1 when nothing is committed.
   // The RAM tier's largest block: the biggest blob it can hold (a put
   // of a larger one is refused, whatever --max_blob_bytes says).

@@ -170,6 +170,41 @@ TEST_F(BlobStoreTest, ACommitMustBeTheJobsNextStep) {
   EXPECT_EQ(late->blobs_committed, 1u);
 }
 
+// Garbage collection's deletions: one group, or all but the committed weights, or all.
+TEST_F(BlobStoreTest, DeleteJobTakesAGroupOrKeepsTheWeightsOrTakesAll) {
+  for (v1::BlobKind kind : {v1::BLOB_KIND_WEIGHTS, v1::BLOB_KIND_ADAM_M}) {
+    for (int e = 0; e < 2; ++e) ASSERT_TRUE(store_->Put(Expert(0, e, kind), 0, Bytes(100, e)).ok());
+    v1::BlobKey wte = Dense("wte");
+    wte.set_kind(kind);
+    ASSERT_TRUE(store_->Put(wte, 0, Bytes(100, 9)).ok());
+  }
+  ASSERT_TRUE(store_->CommitStep("job-1", 0).ok());
+  ASSERT_TRUE(store_->Put(Expert(0, 1), 1, Bytes(100, 5)).ok());  // pending
+  auto jobs = store_->Jobs();
+  ASSERT_EQ(jobs.size(), 1u);
+  EXPECT_EQ(jobs[0].blobs(), 6u);
+  EXPECT_EQ(jobs[0].blobs_besides_weights(), 4u);  // 3 adam_m, and weights with a pending one
+  EXPECT_EQ(jobs[0].committed_step(), 0);
+
+  auto group = store_->DeleteJob("job-1", {.group = std::make_pair(0, 0)});
+  ASSERT_TRUE(group.ok());
+  EXPECT_EQ(group->first, 2u);  // expert (0, 0): weights and adam_m
+  EXPECT_EQ(store_->Stat(Expert(0, 0)).status().code(), absl::StatusCode::kNotFound);
+  EXPECT_TRUE(store_->Stat(Expert(0, 1)).ok());
+
+  ASSERT_TRUE(store_->DeleteJob("job-1", {.keep_weights = true}).ok());
+  jobs = store_->Jobs();
+  ASSERT_EQ(jobs.size(), 1u);
+  EXPECT_EQ(jobs[0].blobs(), 2u);  // the committed weights of expert (0, 1) and of wte
+  EXPECT_EQ(jobs[0].blobs_besides_weights(), 0u);
+  EXPECT_EQ(Read(Expert(0, 1)), Bytes(100, 1));
+  EXPECT_EQ(store_->Stat(Expert(0, 1), 1).status().code(), absl::StatusCode::kNotFound);
+
+  ASSERT_TRUE(store_->DeleteJob("job-1").ok());
+  EXPECT_TRUE(store_->Jobs().empty());
+  EXPECT_EQ(store_->CommittedStep("job-1"), -1);
+}
+
 TEST_F(BlobStoreTest, AbortDiscardsPendingVersions) {
   ASSERT_TRUE(store_->Put(Dense("wte"), 0, Bytes(100, 1)).ok());
   ASSERT_TRUE(store_->CommitStep("job-1", 0).ok());

@@ -80,10 +80,19 @@ grpc::Status StoreServiceImpl::DeleteBlob(grpc::ServerContext*,
 
 grpc::Status StoreServiceImpl::DeleteJob(grpc::ServerContext*, const v1::DeleteJobRequest* request,
                                          v1::DeleteJobResponse* reply) {
-  auto r = store_->DeleteJob(request->job_id());
+  BlobStore::DeleteScope scope;
+  scope.keep_weights = request->keep_weights();
+  if (request->has_layer()) scope.group = {request->layer(), request->expert()};
+  auto r = store_->DeleteJob(request->job_id(), scope);
   if (!r.ok()) return ToGrpcStatus(r.status());
   reply->set_blobs_deleted(r->first);
   reply->set_bytes_freed(r->second);
+  return grpc::Status::OK;
+}
+
+grpc::Status StoreServiceImpl::ListStoreJobs(grpc::ServerContext*, const v1::ListStoreJobsRequest*,
+                                             v1::ListStoreJobsResponse* reply) {
+  for (v1::StoreJob& job : store_->Jobs()) *reply->add_jobs() = std::move(job);
   return grpc::Status::OK;
 }
 

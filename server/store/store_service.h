@@ -36,6 +36,8 @@ class StoreServiceImpl final : public v1::StoreService::Service {
                           v1::DeleteBlobResponse* reply) override;
   grpc::Status DeleteJob(grpc::ServerContext*, const v1::DeleteJobRequest* request,
                          v1::DeleteJobResponse* reply) override;
+  grpc::Status ListStoreJobs(grpc::ServerContext*, const v1::ListStoreJobsRequest* request,
+                             v1::ListStoreJobsResponse* reply) override;
   grpc::Status GetStats(grpc::ServerContext*, const v1::GetStatsRequest*,
                         v1::StoreStats* reply) override;
   grpc::Status Checkpoint(grpc::ServerContext*, const v1::CheckpointRequest* request,

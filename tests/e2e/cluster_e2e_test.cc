@@ -351,6 +351,28 @@ class ClusterRun {
     outcome->weights = bytes.str();
   }
 
+  // The ended job's optimizer state goes from the stores (the garbage collector runs every
+  // three leases); its committed weights, a quarter of its bytes, stay for a checkpoint.
+  void ExpectGarbageCollected() {
+    auto held = [&] {
+      grpc::ClientContext ctx;
+      v1::ClusterStatusResponse c;
+      EXPECT_TRUE(stub_->ClusterStatus(&ctx, v1::ClusterStatusRequest(), &c).ok());
+      uint64_t bytes = 0;
+      for (const auto& m : c.stores()) bytes += m.rocksdb_bytes();
+      return bytes;
+    };
+    const uint64_t at_end = held();
+    const absl::Time deadline = absl::Now() + absl::Seconds(30);
+    uint64_t now = at_end;
+    while ((now = held()) > at_end * 3 / 10 && absl::Now() < deadline) {
+      absl::SleepFor(absl::Milliseconds(250));
+    }
+    EXPECT_LE(now, at_end * 3 / 10) << "store bytes at the job's end " << at_end;
+    std::cout << name_ << ": store bytes " << at_end << " at the end, " << now
+              << " once collected\n";
+  }
+
   // Stops every process cleanly (a run that failed fatally is killed by the destructors and
   // keeps its logs and files for a look).
   void Stop() {
@@ -533,7 +555,8 @@ class ClusterRun {
 };
 
 // Trains the spec alone and on a cluster (with `failure` injected); compares.
-void TrainAndCompare(const std::string& name, Failure failure, Outcome* outcome = nullptr) {
+void TrainAndCompare(const std::string& name, Failure failure, Outcome* outcome = nullptr,
+                     bool collect = false) {
   ClusterRun run(name, failure);
   ASSERT_NO_FATAL_FAILURE(run.Prepare());
   ASSERT_NO_FATAL_FAILURE(run.TrainAlone());
@@ -548,9 +571,14 @@ void TrainAndCompare(const std::string& name, Failure failure, Outcome* outcome 
   ASSERT_NO_FATAL_FAILURE(run.CompareLosses());
   ASSERT_NO_FATAL_FAILURE(run.CheckHeat());
   ASSERT_NO_FATAL_FAILURE(run.CompareExport(outcome));
+  if (collect) {
+    ASSERT_NO_FATAL_FAILURE(run.ExpectGarbageCollected());
+  }
 }
 
-TEST(ClusterE2eTest, TwoWorkersTrainAsOneProcessDoes) { TrainAndCompare("plain", {}); }
+TEST(ClusterE2eTest, TwoWorkersTrainAsOneProcessDoes) {
+  TrainAndCompare("plain", {}, nullptr, /*collect=*/true);
+}
 
 // Two cluster runs ended with the same weights, bit for bit.
 void ExpectSameWeights(const Outcome& x, const Outcome& y) {
