@@ -1,5 +1,6 @@
 #include "server/store/data_plane.h"
 
+#include <algorithm>
 #include <chrono>
 #include <cstring>
 
@@ -72,27 +73,49 @@ void DataPlane::OnHello(ucx::AmMessage& m) {
   const uint64_t client = hello.client_id();
   // A client that connects again (its last endpoint failed or timed out) says hello again.
   RetireClient(client);
-  const uint64_t connection = ++connections_;
-  absl::StatusOr<ucp_ep_h> ep =
-      worker_->Connect(hello.worker_address(), [this, client, connection](absl::Status status) {
-        auto it = clients_.find(client);
-        // The failure of an earlier connection does not retire the current one.
-        if (it == clients_.end() || it->second.connection != connection) return;
-        VLOG(1) << "client " << client << " failed: " << status;
-        RetireClient(client);
-      });
+  absl::StatusOr<ucp_ep_h> ep = EndpointTo(hello.worker_address());
   if (!ep.ok()) {
     LOG(WARNING) << "cannot answer client " << client << ": " << ep.status();
     if (errors_) errors_->Increment();
     return;
   }
-  clients_[client] = Client{*ep, connection};
+  if (clients_.size() >= kMaxClients) {
+    auto idle = std::min_element(
+        clients_.begin(), clients_.end(),
+        [](const auto& a, const auto& b) { return a.second.last_use < b.second.last_use; });
+    VLOG(1) << "too many clients: client " << idle->first << " forgotten";
+    RetireClient(idle->first);
+  }
+  clients_[client] = Client{*ep, ++uses_};
+}
+
+absl::StatusOr<ucp_ep_h> DataPlane::EndpointTo(const std::string& address) {
+  if (auto known = endpoints_.find(address); known != endpoints_.end()) return known->second;
+  if (endpoints_.size() >= kMaxEndpoints) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat("the store has endpoints to ", endpoints_.size(), " peers already"));
+  }
+  auto slot = std::make_shared<ucp_ep_h>(nullptr);
+  ASSIGN_OR_RETURN(*slot, worker_->Connect(address, [this, address, slot](absl::Status status) {
+    auto it = endpoints_.find(address);
+    // The failure of an earlier endpoint to the peer does not retire the current one.
+    if (it == endpoints_.end() || it->second != *slot) return;
+    VLOG(1) << "a client endpoint failed: " << status;
+    endpoints_.erase(it);
+    failed_.push_back(*slot);
+    std::vector<uint64_t> gone;
+    for (const auto& [id, c] : clients_) {
+      if (c.ep == *slot) gone.push_back(id);
+    }
+    for (uint64_t id : gone) RetireClient(id);
+  }));
+  endpoints_[address] = *slot;
+  return *slot;
 }
 
 void DataPlane::RetireClient(uint64_t client) {
   auto it = clients_.find(client);
   if (it == clients_.end()) return;
-  retired_.push_back(it->second.ep);
   clients_.erase(it);
   // Its waiting puts will never be answered: receiving them would only hold RAM for a
   // sender that is gone.
@@ -113,6 +136,7 @@ void DataPlane::Reply(uint64_t client, ucp_ep_h via, uint16_t id, const v1::UcxB
   ucp_ep_h ep = nullptr;
   if (auto it = clients_.find(client); it != clients_.end()) {
     ep = it->second.ep;
+    it->second.last_use = ++uses_;
   } else {
     for (const auto& entry : clients_) {
       if (entry.second.ep == via) ep = via;

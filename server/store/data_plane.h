@@ -7,9 +7,14 @@
 // (AmMessage::reply_ep) as such: UCX frees that one by itself when the client dies,
 // possibly between a request's arrival and its reply, and then the dead client's messages
 // still queued here name freed memory. Opening an endpoint back makes it the connection's
-// (UCX matches the two), owned by the store: a dead client's endpoint stays valid (failed;
-// its late messages are dropped) and is only retired, closed when the store stops. One
-// endpoint per client connection the store ever had: a few per worker restart.
+// (UCX matches the two), owned by the store and kept open until the store stops: a dead
+// client's endpoint stays valid (failed; its late messages are dropped). The store opens
+// one endpoint per peer address (every client id that says hello from one process shares
+// it), and a new one only after the last failed. Per-client state is bounded: past
+// kMaxClients, a hello from a new client id forgets the one idle longest (its next request
+// is not answered: a StoreClient then connects again), and past kMaxEndpoints peer
+// addresses a hello from a new one is refused. So a flood of hellos costs the store a
+// bounded number of map entries and endpoints, whatever it sends.
 //
 // A put the RAM tier cannot take now (every block held by receives and reads in flight)
 // waits, its payload left at the client (rendezvous) or in UCX's buffer, and later puts
@@ -44,6 +49,10 @@ namespace pith::store {
 
 // How long a put waits for RAM before it is refused.
 inline constexpr absl::Duration kPutWaitLimit = absl::Seconds(20);
+// Clients (StoreClients: about one per worker, coordinator or peer store process) and
+// peer addresses (processes) the store keeps endpoints for, at most.
+inline constexpr size_t kMaxClients = 4096;
+inline constexpr size_t kMaxEndpoints = 8192;
 
 class DataPlane {
  public:
@@ -76,19 +85,22 @@ class DataPlane {
   // Dropped (and counted as an error) when the client is gone or unknown.
   void Reply(uint64_t client, ucp_ep_h via, uint16_t id, const v1::UcxBlobReply& reply,
              BlobRef payload);
-  // The client's endpoint goes to retired_: no more replies over it; open until Stop.
+  // Forgets a client: no more replies to it; its waiting puts are dropped.
   void RetireClient(uint64_t client);
+  // The endpoint to the peer at `address` (made on its first hello).
+  absl::StatusOr<ucp_ep_h> EndpointTo(const std::string& address);
 
   ucx::Worker* worker_;
   BlobStore* store_;
   ucp_mem_h memh_;
   struct Client {
     ucp_ep_h ep;
-    uint64_t connection;  // numbers the store's connections: tells an old one's failure
+    uint64_t last_use;  // uses_ at its hello or last answer
   };
   std::map<uint64_t, Client> clients_;  // by UcxHello.client_id
-  uint64_t connections_ = 0;
-  std::vector<ucp_ep_h> retired_;  // failed or replaced; the worker closes them
+  uint64_t uses_ = 0;
+  std::map<std::string, ucp_ep_h> endpoints_;  // by peer address: open, not failed
+  std::vector<ucp_ep_h> failed_;               // open until the worker stops
   struct WaitingPut {
     ucx::AmMessage message;
     v1::UcxPutRequest request;

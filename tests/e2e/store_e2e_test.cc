@@ -685,4 +685,60 @@ TEST(StorePeerTest, PullBlobsAndCheckpoint) {
 }
 
 }  // namespace
+// The store's RSS in bytes, from /proc.
+uint64_t RssBytes(pid_t pid) {
+  std::ifstream status("/proc/" + std::to_string(pid) + "/status");
+  std::string line;
+  while (std::getline(status, line)) {
+    if (line.rfind("VmRSS:", 0) == 0) return std::stoull(line.substr(6)) * 1024;
+  }
+  return 0;
+}
+
+// A flood of hellos, each with a new client id (and a valid address: the flooder's own):
+// the store keeps at most kMaxClients clients and closes retired endpoints past a bound,
+// so its memory stays put; then it serves a new client as before.
+TEST_F(StoreE2eTest, AFloodOfHellosDoesNotGrowTheStore) {
+  StartStore();
+  ASSERT_TRUE(PutBytes(Key(1, 0), 0, Bytes(1000, 1)).ok());
+  ASSERT_TRUE(Commit(0).ok());
+  FetchAll({Key(1, 0)}, 1000);
+  const int hellos = 100000;
+  const uint64_t before = RssBytes(store_->pid());
+  const absl::Time start = absl::Now();
+  {
+    auto flooder = ucx::Worker::Create();
+    ASSERT_TRUE(flooder.ok()) << flooder.status();
+    ASSERT_TRUE((*flooder)->Start().ok());
+    std::atomic<int> sent{0};
+    for (int batch = 0; batch * 1000 < hellos; ++batch) {
+      (*flooder)->RunSync([&] {
+        auto ep = (*flooder)->Connect(ucx_address_, [](absl::Status) {});
+        ASSERT_TRUE(ep.ok()) << ep.status();
+        for (int i = 0; i < 1000; ++i) {
+          v1::UcxHello hello;
+          hello.set_client_id(1000000 + batch * 1000 + i);
+          hello.set_worker_address((*flooder)->address());
+          (*flooder)->Send(*ep, v1::UCX_MESSAGE_HELLO, hello.SerializeAsString(), nullptr, 0,
+                           nullptr, false, [&](absl::Status) { ++sent; });
+        }
+      });
+      while (sent.load() < (batch + 1) * 1000) absl::SleepFor(absl::Milliseconds(1));
+    }
+    // The store has taken them all once it answers a stat (its handlers run in order).
+    absl::SleepFor(absl::Seconds(1));
+  }
+  const uint64_t after = RssBytes(store_->pid());
+  std::cout << hellos << " hellos in " << absl::FormatDuration(absl::Now() - start)
+            << ": store RSS " << before / 1024 << " KiB before, " << after / 1024 << " KiB after\n";
+  EXPECT_LT(after, before + (20 << 20));
+  auto client = StoreClient::Create();
+  ASSERT_TRUE(client.ok()) << client.status();
+  client_ = std::move(*client);
+  auto peer = client_->Connect(ucx_address_);
+  ASSERT_TRUE(peer.ok()) << peer.status();
+  peer_ = *peer;
+  EXPECT_EQ(FetchAll({Key(1, 0)}, 1000)[0], Bytes(1000, 1));
+}
+
 }  // namespace pith::store
