@@ -197,4 +197,15 @@ absl::Status RegisterProcessMetrics(MetricsRegistry& registry, const std::string
   return absl::OkStatus();
 }
 
+std::string MetricsBindAddress(const std::string& metrics_host, const std::string& listen,
+                               int port) {
+  std::string host = metrics_host;
+  if (host.empty()) {
+    const size_t colon = listen.rfind(':');
+    host = colon == std::string::npos ? listen : listen.substr(0, colon);
+  }
+  if (host.empty()) host = "127.0.0.1";
+  return absl::StrCat(host, ":", port);
+}
+
 }  // namespace pith

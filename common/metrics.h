@@ -49,6 +49,11 @@ class MetricsRegistry {
   std::shared_ptr<prometheus::Registry> registry_;
 };
 
+// Where a server's /metrics binds: `metrics_host` (its --metrics_listen) when given, else
+// the host of its gRPC `listen` address ("0.0.0.0:7000" -> "0.0.0.0"), with `port`.
+std::string MetricsBindAddress(const std::string& metrics_host, const std::string& listen,
+                               int port);
+
 // Serves a registry on http://<bind>/metrics until destroyed.
 class MetricsExposer {
  public:

@@ -15,13 +15,14 @@ namespace {
 
 using ::testing::HasSubstr;
 
-// GET http://127.0.0.1:port/path over a plain socket; returns the whole response.
-std::string HttpGet(int port, const std::string& path) {
+// GET http://<host>:port/path over a plain socket (host: 127.0.0.1 unless given, as a
+// 32-bit address); returns the whole response, empty when it cannot connect.
+std::string HttpGet(int port, const std::string& path, uint32_t host = INADDR_LOOPBACK) {
   int fd = ::socket(AF_INET, SOCK_STREAM, 0);
   sockaddr_in addr{};
   addr.sin_family = AF_INET;
   addr.sin_port = htons(static_cast<uint16_t>(port));
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  addr.sin_addr.s_addr = htonl(host);
   if (::connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0) {
     ::close(fd);
     return "";
@@ -71,6 +72,20 @@ TEST(MetricsTest, ExposerServesTheRegistryOverHttp) {
   // Updates show on the next scrape.
   (*tokens)->Increment(1);
   EXPECT_THAT(HttpGet((*exposer)->port(), "/metrics"), HasSubstr("pith_worker_tokens_total 1235"));
+}
+
+// /metrics binds the interface asked for (--metrics_listen), else --listen's host: a
+// server listening on loopback does not serve its metrics on every interface.
+TEST(MetricsTest, TheExposerBindsOnlyTheHostAskedFor) {
+  EXPECT_EQ(MetricsBindAddress("", "127.0.0.1:7000", 9100), "127.0.0.1:9100");
+  EXPECT_EQ(MetricsBindAddress("", "0.0.0.0:7000", 0), "0.0.0.0:0");
+  EXPECT_EQ(MetricsBindAddress("10.1.2.3", "127.0.0.1:7000", 9100), "10.1.2.3:9100");
+  MetricsRegistry registry;
+  auto exposer = MetricsExposer::Start(MetricsBindAddress("", "127.0.0.1:0", 0), registry);
+  ASSERT_TRUE(exposer.ok()) << exposer.status();
+  EXPECT_THAT(HttpGet((*exposer)->port(), "/metrics"), HasSubstr("200 OK"));
+  // 127.0.0.2 is loopback too, but not the address bound.
+  EXPECT_EQ(HttpGet((*exposer)->port(), "/metrics", 0x7f000002), "");
 }
 
 TEST(MetricsTest, SameNameAndLabelsIsTheSameMetric) {

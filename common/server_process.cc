@@ -15,8 +15,10 @@ absl::Status RunServerProcess(const ServerProcessOptions& options, MetricsRegist
 
   std::unique_ptr<MetricsExposer> exposer;
   if (options.metrics_port >= 0) {
-    ASSIGN_OR_RETURN(
-        exposer, MetricsExposer::Start(absl::StrCat("0.0.0.0:", options.metrics_port), metrics));
+    ASSIGN_OR_RETURN(exposer, MetricsExposer::Start(
+                                  MetricsBindAddress(options.metrics_host, options.listen_address,
+                                                     options.metrics_port),
+                                  metrics));
   }
   ASSIGN_OR_RETURN(
       std::unique_ptr<GrpcServer> server,

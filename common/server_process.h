@@ -19,8 +19,10 @@ struct ServerProcessOptions {
   std::string component;
   // gRPC listen address ("host:port", port 0 = ephemeral).
   std::string listen_address;
-  // Prometheus /metrics port on all interfaces; -1 disables the endpoint, 0 = ephemeral.
+  // Prometheus /metrics port; -1 disables the endpoint, 0 = ephemeral. It binds
+  // metrics_host, or the host of listen_address when that is empty.
   int metrics_port = -1;
+  std::string metrics_host;
   // gRPC services; not owned, must outlive the call.
   std::vector<grpc::Service*> services;
   // Called once both endpoints are up, with their bound ports.

@@ -1,6 +1,9 @@
 #include "common/ucx.h"
 
+#include <arpa/inet.h>
 #include <fcntl.h>
+#include <ifaddrs.h>
+#include <netinet/in.h>
 #include <poll.h>
 #include <sched.h>
 #include <sys/eventfd.h>
@@ -14,6 +17,7 @@
 #include <chrono>
 #include <cstdlib>
 #include <cstring>
+#include <filesystem>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -118,6 +122,43 @@ void FinishOp(void* request, ucs_status_t status, void* user_data, absl::string_
 }
 
 }  // namespace
+
+std::string UcxNetDevices(const std::string& listen, const std::string& choice) {
+  if (choice == "all") return "";
+  if (choice != "auto") return choice;
+  const std::string host = listen.substr(0, listen.rfind(':'));
+  in_addr want{};
+  if (::inet_pton(AF_INET, host.c_str(), &want) != 1 || want.s_addr == htonl(INADDR_ANY)) {
+    return "";  // every interface (or a name UCX would resolve anyway)
+  }
+  if ((ntohl(want.s_addr) >> 24) == 127) return "lo";
+  std::string devices;
+  ifaddrs* list = nullptr;
+  if (::getifaddrs(&list) != 0) return "";
+  for (ifaddrs* a = list; a != nullptr; a = a->ifa_next) {
+    if (a->ifa_addr == nullptr || a->ifa_addr->sa_family != AF_INET) continue;
+    if (reinterpret_cast<sockaddr_in*>(a->ifa_addr)->sin_addr.s_addr == want.s_addr) {
+      devices = a->ifa_name;
+      break;
+    }
+  }
+  ::freeifaddrs(list);
+  if (devices.empty()) return "";  // not an address of this host: let UCX report it
+  std::error_code ec;
+  for (const auto& dev : std::filesystem::directory_iterator("/sys/class/infiniband", ec)) {
+    for (const auto& port : std::filesystem::directory_iterator(dev.path() / "ports", ec)) {
+      absl::StrAppend(&devices, ",", dev.path().filename().string(), ":",
+                      port.path().filename().string());
+    }
+  }
+  return devices;
+}
+
+void RestrictUcxDevices(const std::string& listen, const std::string& choice) {
+  if (std::getenv("UCX_NET_DEVICES") != nullptr) return;
+  const std::string devices = UcxNetDevices(listen, choice);
+  if (!devices.empty()) ::setenv("UCX_NET_DEVICES", devices.c_str(), 1);
+}
 
 absl::Status FromUcs(ucs_status_t status, absl::string_view what) {
   if (status == UCS_OK) return absl::OkStatus();

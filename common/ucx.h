@@ -34,6 +34,17 @@ absl::Status FromUcs(ucs_status_t status, absl::string_view what);
 
 class Worker;
 
+// The network devices UCX may use (UCX_NET_DEVICES) for a process whose gRPC listens on
+// `listen` ("host:port"), `choice` being its --ucx_net_devices: "auto" restricts them to
+// what `listen` names (a loopback host: "lo"; another specific address: the interface
+// holding it, plus every RDMA port under /sys/class/infiniband, so RDMA stays in use;
+// 0.0.0.0 or a host name: every device); "all" restricts nothing; anything else is a
+// UCX device list, used as given. Empty: leave UCX's default.
+std::string UcxNetDevices(const std::string& listen, const std::string& choice);
+// Sets UCX_NET_DEVICES from UcxNetDevices before any Worker is created, unless the
+// environment already sets it. Call from main().
+void RestrictUcxDevices(const std::string& listen, const std::string& choice);
+
 // Memory registered with UCX (ucp_mem_map), allocated by UCX or borrowed; unregistered
 // (and freed when allocated) on destruction, which must happen before the Worker's.
 class MemoryRegion {

@@ -3,6 +3,9 @@
 // before UCX reads them.
 #include "common/ucx.h"
 
+#include <arpa/inet.h>
+#include <ifaddrs.h>
+
 #include <cstring>
 #include <vector>
 
@@ -65,6 +68,28 @@ TEST(UcxTest, ActiveMessagesWithRepliesAndRendezvousPayloads) {
 
 // Junk, truncated or damaged addresses are refused before UCX reads them; the worker goes
 // on serving.
+// UCX's network devices follow --listen: loopback stays on "lo", a host address on its
+// interface, 0.0.0.0 on every device; "all" and explicit lists are taken as given.
+TEST(UcxTest, NetDevicesFollowTheListenAddress) {
+  EXPECT_EQ(UcxNetDevices("127.0.0.1:7100", "auto"), "lo");
+  EXPECT_EQ(UcxNetDevices("0.0.0.0:7100", "auto"), "");
+  EXPECT_EQ(UcxNetDevices("127.0.0.1:7100", "all"), "");
+  EXPECT_EQ(UcxNetDevices("127.0.0.1:7100", "eth1,mlx5_0:1"), "eth1,mlx5_0:1");
+  EXPECT_EQ(UcxNetDevices("192.0.2.77:7100", "auto"), "");  // not this host's: UCX decides
+  ifaddrs* list = nullptr;
+  ASSERT_EQ(::getifaddrs(&list), 0);
+  for (ifaddrs* a = list; a != nullptr; a = a->ifa_next) {
+    if (a->ifa_addr == nullptr || a->ifa_addr->sa_family != AF_INET) continue;
+    char host[INET_ADDRSTRLEN];
+    ::inet_ntop(AF_INET, &reinterpret_cast<sockaddr_in*>(a->ifa_addr)->sin_addr, host,
+                sizeof(host));
+    if (std::string(host).rfind("127.", 0) == 0) continue;
+    const std::string devices = UcxNetDevices(std::string(host) + ":7100", "auto");
+    EXPECT_EQ(devices.substr(0, devices.find(',')), a->ifa_name) << host;
+  }
+  ::freeifaddrs(list);
+}
+
 TEST(UcxTest, BadAddressesAreRefusedBeforeUcxSeesThem) {
   auto worker = Worker::Create();
   ASSERT_TRUE(worker.ok()) << worker.status();

@@ -16,6 +16,7 @@
 #include "common/metrics.h"
 #include "common/process.h"
 #include "common/status.h"
+#include "common/ucx.h"
 #include "glog/logging.h"
 #include "worker/backend/backend_select.h"
 #include "worker/compute/cpu_backend.h"
@@ -25,6 +26,11 @@
 ABSL_FLAG(std::string, coordinator, "", "Join the cluster of this coordinator (host:port)");
 ABSL_FLAG(std::string, listen, "127.0.0.1:0", "Address this worker advertises (host:port)");
 ABSL_FLAG(int, metrics_port, -1, "Prometheus /metrics port; -1 disables it, 0 picks one");
+ABSL_FLAG(std::string, metrics_listen, "",
+          "Host (interface address) /metrics binds; default: the host of --listen");
+ABSL_FLAG(std::string, ucx_net_devices, "auto",
+          "Network devices UCX may use: auto (those of --listen's address, plus RDMA ports; "
+          "every device for 0.0.0.0), all, or a UCX_NET_DEVICES list");
 ABSL_FLAG(uint64_t, cache_bytes, 0,
           "Expert cache budget in bytes (0: unlimited); a gradient pool as large and the "
           "update scratch come beside it. Ignored with --memory_bytes");
@@ -74,11 +80,14 @@ absl::Status RunCluster() {
   std::unique_ptr<pith::MetricsExposer> exposer;
   int metrics_port = -1;
   if (absl::GetFlag(FLAGS_metrics_port) >= 0) {
-    ASSIGN_OR_RETURN(exposer,
-                     pith::MetricsExposer::Start(
-                         absl::StrCat("0.0.0.0:", absl::GetFlag(FLAGS_metrics_port)), metrics));
+    const std::string bind =
+        pith::MetricsBindAddress(absl::GetFlag(FLAGS_metrics_listen), absl::GetFlag(FLAGS_listen),
+                                 absl::GetFlag(FLAGS_metrics_port));
+    ASSIGN_OR_RETURN(exposer, pith::MetricsExposer::Start(bind, metrics));
     metrics_port = exposer->port();
-    options.metrics_address = absl::StrCat("127.0.0.1:", metrics_port);
+    std::string host = bind.substr(0, bind.rfind(':'));
+    if (host == "0.0.0.0") host = "127.0.0.1";
+    options.metrics_address = absl::StrCat(host, ":", metrics_port);
   }
   RETURN_IF_ERROR(pith::RegisterProcessMetrics(metrics, "worker"));
   options.cache_bytes = absl::GetFlag(FLAGS_cache_bytes);
@@ -149,5 +158,6 @@ int main(int argc, char** argv) {
       "       pith-worker --standalone --spec=SPEC.json [--backend=auto|cpu|cuda --device=N] "
       "[--init=FILE] "
       "[--export_init=FILE] [--steps=N] [--loss_log=FILE] [--save=FILE]");
+  pith::ucx::RestrictUcxDevices(absl::GetFlag(FLAGS_listen), absl::GetFlag(FLAGS_ucx_net_devices));
   return pith::ExitStatus("pith-worker", Run());
 }

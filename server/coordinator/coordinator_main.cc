@@ -10,6 +10,7 @@
 #include "common/metrics.h"
 #include "common/process.h"
 #include "common/server_process.h"
+#include "common/ucx.h"
 #include "glog/logging.h"
 #include "pith/v1/coordinator.grpc.pb.h"
 #include "pith/v1/job.grpc.pb.h"
@@ -22,6 +23,11 @@
 
 ABSL_FLAG(std::string, listen, "127.0.0.1:7000", "gRPC listen address (host:port)");
 ABSL_FLAG(int, metrics_port, 9100, "Prometheus /metrics port; -1 disables it, 0 picks one");
+ABSL_FLAG(std::string, metrics_listen, "",
+          "Host (interface address) /metrics binds; default: the host of --listen");
+ABSL_FLAG(std::string, ucx_net_devices, "auto",
+          "Network devices UCX may use: auto (those of --listen's address, plus RDMA ports; "
+          "every device for 0.0.0.0), all, or a UCX_NET_DEVICES list");
 ABSL_FLAG(std::string, data_dir, "", "Directory of the coordinator's embedded RocksDB (required)");
 ABSL_FLAG(int64_t, lease_ms, 3000, "Member lease: a member silent this long is marked dead");
 ABSL_FLAG(uint64_t, replication_bytes_per_second, 256ull << 20,
@@ -76,6 +82,7 @@ int main(int argc, char** argv) {
                     "Usage: pith-coordinator --listen=HOST:PORT --metrics_port=PORT\n"
                     "       pith-coordinator --simulate [--layers --experts --top_k --workers "
                     "--stores --zipf --steps | --trace FILE]");
+  pith::ucx::RestrictUcxDevices(absl::GetFlag(FLAGS_listen), absl::GetFlag(FLAGS_ucx_net_devices));
   if (absl::GetFlag(FLAGS_simulate)) return Simulate();
   absl::StatusOr<std::unique_ptr<pith::coordinator::JobRegistry>> jobs =
       pith::coordinator::JobRegistry::Open(absl::GetFlag(FLAGS_data_dir));
@@ -118,6 +125,7 @@ int main(int argc, char** argv) {
   absl::Status status = pith::RunServerProcess({.component = "coordinator",
                                                 .listen_address = absl::GetFlag(FLAGS_listen),
                                                 .metrics_port = absl::GetFlag(FLAGS_metrics_port),
+                                                .metrics_host = absl::GetFlag(FLAGS_metrics_listen),
                                                 .services = {&job_service, &coordinator_service}},
                                                metrics, signals);
   return pith::ExitStatus("pith-coordinator", status);

@@ -9,11 +9,17 @@
 #include "common/process.h"
 #include "common/server_process.h"
 #include "common/status.h"
+#include "common/ucx.h"
 #include "glog/logging.h"
 #include "server/store/store_server.h"
 
 ABSL_FLAG(std::string, listen, "127.0.0.1:7100", "gRPC listen address (host:port)");
 ABSL_FLAG(int, metrics_port, 9101, "Prometheus /metrics port; -1 disables it, 0 picks one");
+ABSL_FLAG(std::string, metrics_listen, "",
+          "Host (interface address) /metrics binds; default: the host of --listen");
+ABSL_FLAG(std::string, ucx_net_devices, "auto",
+          "Network devices UCX may use: auto (those of --listen's address, plus RDMA ports; "
+          "every device for 0.0.0.0), all, or a UCX_NET_DEVICES list");
 ABSL_FLAG(std::string, data_dir, "",
           "Directory of the durable tier: blob log + RocksDB index (required)");
 ABSL_FLAG(uint64_t, ram_bytes, 1ull << 30, "RAM-tier budget in bytes (UCX-registered memory)");
@@ -44,9 +50,11 @@ absl::Status Run(pith::ShutdownSignals& signals) {
   RETURN_IF_ERROR(pith::RegisterProcessMetrics(metrics, "store"));
   std::unique_ptr<pith::MetricsExposer> exposer;
   if (absl::GetFlag(FLAGS_metrics_port) >= 0) {
-    ASSIGN_OR_RETURN(exposer,
-                     pith::MetricsExposer::Start(
-                         absl::StrCat("0.0.0.0:", absl::GetFlag(FLAGS_metrics_port)), metrics));
+    ASSIGN_OR_RETURN(exposer, pith::MetricsExposer::Start(
+                                  pith::MetricsBindAddress(absl::GetFlag(FLAGS_metrics_listen),
+                                                           absl::GetFlag(FLAGS_listen),
+                                                           absl::GetFlag(FLAGS_metrics_port)),
+                                  metrics));
   }
   pith::store::StoreServerOptions options;
   options.listen_address = absl::GetFlag(FLAGS_listen);
@@ -78,5 +86,6 @@ int main(int argc, char** argv) {
                     "holds expert weights and optimizer state for Pith workers.\n"
                     "Usage: pith-store --data_dir=DIR [--listen=HOST:PORT] [--ram_bytes=N] "
                     "[--metrics_port=PORT]");
+  pith::ucx::RestrictUcxDevices(absl::GetFlag(FLAGS_listen), absl::GetFlag(FLAGS_ucx_net_devices));
   return pith::ExitStatus("pith-store", Run(signals));
 }

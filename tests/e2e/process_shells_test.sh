@@ -45,7 +45,7 @@ wait_ready blocker
 if out=$("$STORE" --listen=127.0.0.1:0 --metrics_port="$busy" --data_dir="$E2E_TMP/busy-data" 2>&1); then
   fail "second process on a busy metrics port started"
 fi
-grep -q "cannot serve on 0.0.0.0:$busy" <<<"$out" || fail "busy port error unclear: $out"
+grep -q "cannot serve on 127.0.0.1:$busy" <<<"$out" || fail "busy port error unclear: $out"
 stop_proc blocker
 
 echo "process shells: OK"
