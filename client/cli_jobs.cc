@@ -133,16 +133,9 @@ absl::Status Checkpoint(const CliContext& ctx, const Args& args, std::ostream& o
   }
   const std::filesystem::path target = std::filesystem::absolute(args[2]);
   ASSIGN_OR_RETURN(std::unique_ptr<Client> client, Connect(ctx));
-  // The coordinator writes under a folder on its host (this one, for a local cluster);
-  // the file is then moved to the name asked for.
-  const std::filesystem::path staging =
-      target.parent_path() / (".pith-checkpoint-" + std::to_string(::getpid()));
-  ASSIGN_OR_RETURN(v1::CheckpointJobResponse r, client->Checkpoint(args[0], staging.string()));
-  std::error_code ec;
-  std::filesystem::rename(r.weights_path(), target, ec);
-  std::filesystem::remove_all(staging);
-  if (ec)
-    return absl::InternalError(absl::StrCat("cannot write ", target.string(), ": ", ec.message()));
+  // The coordinator streams the file: the client may be on any host.
+  ASSIGN_OR_RETURN(v1::CheckpointJobResponse r,
+                   client->DownloadCheckpoint(args[0], target.string()));
   if (ctx.json) {
     out << absl::StrFormat("{\"path\": \"%s\", \"step\": %d, \"bytes\": %d}\n", target.string(),
                            r.step(), r.bytes());

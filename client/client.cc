@@ -1,6 +1,11 @@
 #include "client/client.h"
 
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <cerrno>
 #include <chrono>
+#include <cstring>
 #include <thread>
 
 #include "absl/strings/str_cat.h"
@@ -106,6 +111,71 @@ absl::StatusOr<v1::CheckpointJobResponse> Client::Checkpoint(const std::string& 
     return stub_->CheckpointJob(c, req, &resp);
   }));
   return resp;
+}
+
+namespace {
+
+// Writes all of `data` to `fd`.
+bool WriteAll(int fd, const std::string& data) {
+  size_t done = 0;
+  while (done < data.size()) {
+    const ssize_t n = ::write(fd, data.data() + done, data.size() - done);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) return false;
+    done += static_cast<size_t>(n);
+  }
+  return true;
+}
+
+}  // namespace
+
+absl::StatusOr<v1::CheckpointJobResponse> Client::DownloadCheckpoint(const std::string& job_id,
+                                                                     const std::string& path) {
+  const std::string partial = absl::StrCat(path, ".partial-", ::getpid());
+  const int fd = ::open(partial.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  if (fd < 0) {
+    return absl::PermissionDeniedError(
+        absl::StrCat("cannot write ", partial, ": ", std::strerror(errno)));
+  }
+  v1::DownloadCheckpointRequest req;
+  req.set_job_id(job_id);
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::hours(1));
+  auto stream = stub_->DownloadCheckpoint(&ctx, req);
+  v1::CheckpointChunk chunk;
+  v1::CheckpointJobResponse out;
+  uint64_t total = 0, got = 0;
+  bool first = true, written = true;
+  while (written && stream->Read(&chunk)) {
+    if (first) {
+      out.set_step(chunk.step());
+      total = chunk.total_bytes();
+      first = false;
+    }
+    written = WriteAll(fd, chunk.data());
+    got += chunk.data().size();
+  }
+  if (!written) ctx.TryCancel();
+  absl::Status s = FromGrpcStatus(stream->Finish());
+  if (s.ok() && !written) s = absl::InternalError(absl::StrCat("cannot write ", partial));
+  if (s.ok() && (first || got != total)) {
+    s = absl::DataLossError(
+        absl::StrCat("the checkpoint stream ended after ", got, " of ", total, " bytes"));
+  }
+  if (s.ok() && ::fsync(fd) != 0) {
+    s = absl::InternalError(absl::StrCat("cannot sync ", partial, ": ", std::strerror(errno)));
+  }
+  ::close(fd);
+  if (s.ok() && ::rename(partial.c_str(), path.c_str()) != 0) {
+    s = absl::InternalError(absl::StrCat("cannot write ", path, ": ", std::strerror(errno)));
+  }
+  if (!s.ok()) {
+    ::unlink(partial.c_str());
+    return s;
+  }
+  out.set_weights_path(path);
+  out.set_bytes(got);
+  return out;
 }
 
 absl::StatusOr<v1::ClusterStatusResponse> Client::ClusterStatus() {

@@ -37,6 +37,10 @@ class Client {
   // Writes the job's last committed weights under `output_dir` on the coordinator's host.
   absl::StatusOr<v1::CheckpointJobResponse> Checkpoint(const std::string& job_id,
                                                        const std::string& output_dir);
+  // Streams the job's last committed weights from the coordinator into `path` here
+  // (written beside it, synced, then renamed over it). Returns the step and bytes.
+  absl::StatusOr<v1::CheckpointJobResponse> DownloadCheckpoint(const std::string& job_id,
+                                                               const std::string& path);
   absl::StatusOr<v1::ClusterStatusResponse> ClusterStatus();
   absl::StatusOr<v1::ExpertHeatResponse> ExpertHeat(const std::string& job_id, int layer = -1);
   // Starts draining a store (ClusterStatus shows the progress and when it can be stopped).

@@ -119,7 +119,8 @@ int main(int argc, char** argv) {
   if (absl::Status s = scheduler.Recover(); !s.ok()) return pith::ExitStatus("pith-coordinator", s);
   // Leases are checked and jobs scheduled several times per lease.
   scheduler.Start(std::clamp(lease / 8, absl::Milliseconds(20), absl::Milliseconds(500)));
-  pith::coordinator::JobServiceImpl job_service(jobs->get(), &members, &heat, &scheduler);
+  pith::coordinator::JobServiceImpl job_service(jobs->get(), &members, &heat, &scheduler,
+                                                absl::GetFlag(FLAGS_data_dir) + "/downloads");
   pith::coordinator::CoordinatorServiceImpl coordinator_service(&members, jobs->get(), &heat,
                                                                 &scheduler);
   absl::Status status = pith::RunServerProcess({.component = "coordinator",

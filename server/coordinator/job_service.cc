@@ -1,10 +1,16 @@
 #include "server/coordinator/job_service.h"
 
+#include <fcntl.h>
+#include <unistd.h>
+
 #include <algorithm>
+#include <atomic>
+#include <filesystem>
 #include <map>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "common/file.h"
 #include "common/grpc_util.h"
 #include "common/job_spec.h"
 #include "common/param_layout.h"
@@ -114,6 +120,45 @@ grpc::Status JobServiceImpl::CheckpointJob(grpc::ServerContext*,
     return ToGrpcStatus(absl::UnavailableError("this coordinator reaches no stores"));
   }
   return ToGrpcReply(scheduler_->Checkpoint(*request), reply);
+}
+
+grpc::Status JobServiceImpl::DownloadCheckpoint(grpc::ServerContext* context,
+                                                const v1::DownloadCheckpointRequest* request,
+                                                grpc::ServerWriter<v1::CheckpointChunk>* writer) {
+  if (scheduler_ == nullptr || staging_dir_.empty()) {
+    return ToGrpcStatus(absl::UnavailableError("this coordinator reaches no stores"));
+  }
+  // Exported into a folder of its own, opened, and removed before the first byte goes
+  // out: the open descriptor keeps the file until the stream ends, however it ends.
+  static std::atomic<uint64_t> downloads{0};
+  const std::string dir = absl::StrCat(staging_dir_, "/download-", ::getpid(), "-", ++downloads);
+  v1::CheckpointJobRequest export_request;
+  export_request.set_job_id(request->job_id());
+  export_request.set_output_dir(dir);
+  absl::StatusOr<v1::CheckpointJobResponse> exported = scheduler_->Checkpoint(export_request);
+  UniqueFd fd;
+  if (exported.ok()) fd = UniqueFd(::open(exported->weights_path().c_str(), O_RDONLY | O_CLOEXEC));
+  std::error_code ec;
+  std::filesystem::remove_all(dir, ec);
+  if (!exported.ok()) return ToGrpcStatus(exported.status());
+  if (!fd.valid()) return ToGrpcStatus(absl::InternalError("cannot reopen the exported file"));
+  v1::CheckpointChunk chunk;
+  chunk.set_step(exported->step());
+  chunk.set_total_bytes(exported->bytes());
+  std::string buffer(1 << 20, '\0');
+  uint64_t sent = 0;
+  while (sent < exported->bytes()) {
+    if (context->IsCancelled()) return grpc::Status(grpc::StatusCode::CANCELLED, "cancelled");
+    const size_t n = std::min<uint64_t>(buffer.size(), exported->bytes() - sent);
+    absl::Status read = PreadAll(fd.get(), {reinterpret_cast<uint8_t*>(buffer.data()), n}, sent,
+                                 exported->weights_path());
+    if (!read.ok()) return ToGrpcStatus(read);
+    chunk.set_data(buffer.data(), n);
+    if (!writer->Write(chunk)) return grpc::Status(grpc::StatusCode::CANCELLED, "client gone");
+    chunk.Clear();
+    sent += n;
+  }
+  return grpc::Status::OK;
 }
 
 grpc::Status JobServiceImpl::ClusterStatus(grpc::ServerContext*, const v1::ClusterStatusRequest*,

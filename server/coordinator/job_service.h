@@ -16,10 +16,15 @@ namespace pith::coordinator {
 
 class JobServiceImpl final : public v1::JobService::Service {
  public:
-  // `scheduler` may be null (no replication figures in ClusterStatus).
+  // `scheduler` may be null (no replication figures in ClusterStatus). A download is
+  // exported under `staging_dir` (the coordinator's data dir), streamed, and removed.
   JobServiceImpl(JobRegistry* jobs, Membership* members, HeatRegistry* heat,
-                 Scheduler* scheduler = nullptr)
-      : jobs_(jobs), members_(members), heat_(heat), scheduler_(scheduler) {}
+                 Scheduler* scheduler = nullptr, std::string staging_dir = "")
+      : jobs_(jobs),
+        members_(members),
+        heat_(heat),
+        scheduler_(scheduler),
+        staging_dir_(std::move(staging_dir)) {}
 
   grpc::Status SubmitJob(grpc::ServerContext*, const v1::SubmitJobRequest* request,
                          v1::SubmitJobResponse* reply) override;
@@ -33,6 +38,9 @@ class JobServiceImpl final : public v1::JobService::Service {
                          v1::Job* reply) override;
   grpc::Status CheckpointJob(grpc::ServerContext*, const v1::CheckpointJobRequest* request,
                              v1::CheckpointJobResponse* reply) override;
+  grpc::Status DownloadCheckpoint(grpc::ServerContext* context,
+                                  const v1::DownloadCheckpointRequest* request,
+                                  grpc::ServerWriter<v1::CheckpointChunk>* writer) override;
   grpc::Status ClusterStatus(grpc::ServerContext*, const v1::ClusterStatusRequest*,
                              v1::ClusterStatusResponse* reply) override;
   grpc::Status ExpertHeat(grpc::ServerContext*, const v1::ExpertHeatRequest* request,
@@ -45,6 +53,7 @@ class JobServiceImpl final : public v1::JobService::Service {
   absl::Status FitsTheStores(const v1::JobSpec& spec) const;
   HeatRegistry* heat_;
   Scheduler* scheduler_;
+  const std::string staging_dir_;
 };
 
 }  // namespace pith::coordinator

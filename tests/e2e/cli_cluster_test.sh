@@ -43,6 +43,9 @@ grep -q "step 15/15" "$E2E_TMP/watch.txt" || fail "no progress line for the last
   fail "status --output json: $("$PITH" status "$job" --output json)"
 "$PITH" checkpoint "$job" --out "$E2E_TMP/tiny.safetensors" >/dev/null || fail "checkpoint"
 "$PITH" safetensors inspect "$E2E_TMP/tiny.safetensors" >/dev/null || fail "checkpoint unreadable"
+# The file came down the stream: the coordinator kept no copy, nothing partial is left.
+[[ -z $(find "$PITH_HOME" -path '*downloads/*' -type f) ]] || fail "the coordinator kept a download"
+[[ -z $(ls "$E2E_TMP"/tiny.safetensors.partial-* 2>/dev/null) ]] || fail "a partial download is left"
 # The export records its job's spec: sample and eval need nothing else.
 "$PITH" sample --checkpoint "$E2E_TMP/tiny.safetensors" --prompt "line" --tokens 10 >/dev/null ||
   fail "sample"
@@ -78,6 +81,8 @@ grep -q failed "$E2E_TMP/nodata.status" && grep -q "missing.bin" "$E2E_TMP/nodat
 echo "  ok: $nodata failed in $(($(date +%s) - start)) s: $(grep -o "step.*" "$E2E_TMP/nodata.status" | head -1)"
 
 expect_one_line "no job nope" "$PITH" status nope
+expect_one_line "no job nope" "$PITH" checkpoint nope --out "$E2E_TMP/nope.safetensors"
+[[ -z $(ls "$E2E_TMP"/nope.safetensors* 2>/dev/null) ]] || fail "a failed download left a file"
 sed 's/"n_head": 2/"n_head": 3/' "$E2E_TMP/tiny.json" >"$E2E_TMP/bad.json"
 expect_one_line "model.n_head" "$PITH" submit "$E2E_TMP/bad.json"
 start=$(date +%s)
