@@ -478,6 +478,7 @@ void Worker::Close(ucp_ep_h ep) {
     while (ucp_request_check_status(r) == UCS_INPROGRESS) ucp_worker_progress(worker_);
     ucp_request_free(r);
   }
+  closed_states_.push_back(std::move(it->second));
   endpoints_.erase(it);
 }
 

@@ -194,6 +194,11 @@ class Worker {
   };
   std::map<ucp_ep_h, std::unique_ptr<EndpointState>> endpoints_;  // progress thread only
   uint64_t endpoint_ids_ = 0;                                     // progress thread only
+  // The states of closed endpoints: UCX may still call an endpoint's error handler after
+  // its close, as late as ucp_worker_destroy (over TCP, a peer's socket closing marks it
+  // failed), so a state lives until the worker is destroyed (a member: freed after the
+  // destructor's body). A few dozen bytes per endpoint ever closed.
+  std::vector<std::unique_ptr<EndpointState>> closed_states_;  // progress thread only
   struct FailedEndpoint {
     ucp_ep_h ep;
     uint64_t id;

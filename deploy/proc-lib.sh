@@ -46,7 +46,11 @@ wait_ready() {
 stop_proc() {
   local name=$1 pid
   pid=$(eval "echo \$PID_$name")
-  kill -TERM "$pid"
+  if ! kill -TERM "$pid" 2>/dev/null; then
+    local rc=0
+    wait "$pid" || rc=$?
+    fail "$name had exited (status $rc) before its SIGTERM"
+  fi
   for _ in $(seq 100); do
     if ! kill -0 "$pid" 2>/dev/null; then
       wait "$pid" && return 0
