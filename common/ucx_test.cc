@@ -73,6 +73,7 @@ TEST(UcxTest, ActiveMessagesWithRepliesAndRendezvousPayloads) {
 TEST(UcxTest, NetDevicesFollowTheListenAddress) {
   EXPECT_EQ(UcxNetDevices("127.0.0.1:7100", "auto"), "lo");
   EXPECT_EQ(UcxNetDevices("0.0.0.0:7100", "auto"), "");
+  EXPECT_EQ(UcxNetDevices("", "auto"), "");  // a worker without --listen
   EXPECT_EQ(UcxNetDevices("127.0.0.1:7100", "all"), "");
   EXPECT_EQ(UcxNetDevices("127.0.0.1:7100", "eth1,mlx5_0:1"), "eth1,mlx5_0:1");
   EXPECT_EQ(UcxNetDevices("192.0.2.77:7100", "auto"), "");  // not this host's: UCX decides

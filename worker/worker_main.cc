@@ -24,7 +24,9 @@
 #include "worker/trainer/standalone.h"
 
 ABSL_FLAG(std::string, coordinator, "", "Join the cluster of this coordinator (host:port)");
-ABSL_FLAG(std::string, listen, "127.0.0.1:0", "Address this worker advertises (host:port)");
+ABSL_FLAG(std::string, listen, "",
+          "Address this worker advertises (host:port; default 127.0.0.1:0). When given, "
+          "/metrics and UCX keep to its interface; when not, they use every interface");
 ABSL_FLAG(int, metrics_port, -1, "Prometheus /metrics port; -1 disables it, 0 picks one");
 ABSL_FLAG(std::string, metrics_listen, "",
           "Host (interface address) /metrics binds; default: the host of --listen");
@@ -74,15 +76,17 @@ absl::Status RunCluster() {
   LOG(INFO) << "OpenBLAS kernels: " << pith::compute::BlasCoreName();
   pith::runtime::ClusterWorkerOptions options;
   options.coordinator = absl::GetFlag(FLAGS_coordinator);
-  options.listen = absl::GetFlag(FLAGS_listen);
+  options.listen =
+      absl::GetFlag(FLAGS_listen).empty() ? "127.0.0.1:0" : absl::GetFlag(FLAGS_listen);
   // The metrics endpoint is served from this (the main) thread's setup.
   pith::MetricsRegistry metrics;
   std::unique_ptr<pith::MetricsExposer> exposer;
   int metrics_port = -1;
   if (absl::GetFlag(FLAGS_metrics_port) >= 0) {
-    const std::string bind =
-        pith::MetricsBindAddress(absl::GetFlag(FLAGS_metrics_listen), absl::GetFlag(FLAGS_listen),
-                                 absl::GetFlag(FLAGS_metrics_port));
+    const std::string bind = pith::MetricsBindAddress(
+        absl::GetFlag(FLAGS_metrics_listen),
+        absl::GetFlag(FLAGS_listen).empty() ? "0.0.0.0:0" : absl::GetFlag(FLAGS_listen),
+        absl::GetFlag(FLAGS_metrics_port));
     ASSIGN_OR_RETURN(exposer, pith::MetricsExposer::Start(bind, metrics));
     metrics_port = exposer->port();
     std::string host = bind.substr(0, bind.rfind(':'));
