@@ -332,6 +332,7 @@ absl::Status Cluster(const CliContext& ctx, const Args& args, std::ostream& out)
       out << "  " << (m.backend() == v1::BACKEND_CUDA ? "cuda" : "cpu");
       if (!m.job_id().empty()) out << "  job " << m.job_id();
     }
+    if (!m.health().empty()) out << "  UNHEALTHY (counts as dead): " << m.health();
     out << "\n";
   };
   out << "stores:\n";
