@@ -10,17 +10,11 @@
 namespace pith::coordinator {
 namespace {
 
-using GroupKey = std::pair<int, int>;  // (layer, expert); (-1, 0): the dense tensors
-
-GroupKey GroupOf(const v1::ExpertPlacement& e) {
-  return {e.layer(), e.layer() < 0 ? 0 : e.expert()};
-}
-
-// Every store of every group of `p` (complete or joining copies).
-std::map<GroupKey, std::set<std::string>> StoresByGroup(const v1::PlacementTable& p) {
-  std::map<GroupKey, std::set<std::string>> out;
+// Every store of every group of `p` (complete or joining copies), by GroupOf.
+std::map<std::pair<int, int>, std::set<std::string>> StoresByGroup(const v1::PlacementTable& p) {
+  std::map<std::pair<int, int>, std::set<std::string>> out;
   for (const v1::ExpertPlacement& e : p.experts()) {
-    std::set<std::string>& ids = out[GroupOf(e)];
+    std::set<std::string>& ids = out[GroupOf(e.layer(), e.expert())];
     ids.insert(e.store_ids().begin(), e.store_ids().end());
     ids.insert(e.joining_store_ids().begin(), e.joining_store_ids().end());
   }
@@ -73,12 +67,17 @@ int Scheduler::CollectGarbageOnce() {
       }
     }
   }
+  std::map<std::string, bool> ended;  // by job id: looked up once a pass, not once a store
   for (const auto& [id, store] : alive.stores) {
     absl::StatusOr<std::vector<v1::StoreJob>> held = stores_->ListJobs(store);
     if (!held.ok()) continue;  // its lease, not the collector, decides about it
     for (const v1::StoreJob& j : *held) {
-      absl::StatusOr<v1::Job> job = jobs_->Get(j.job_id());
-      if (!job.ok() || !IsFinal(job->state())) continue;  // unknown, or still going
+      auto [known, fresh] = ended.try_emplace(j.job_id(), false);
+      if (fresh) {
+        absl::StatusOr<v1::Job> job = jobs_->Get(j.job_id());
+        known->second = job.ok() && IsFinal(job->state());
+      }
+      if (!known->second) continue;  // unknown, or still going
       const bool keep = options_.keep_ended_weights;
       if (keep ? j.blobs_besides_weights() == 0 : j.blobs() == 0) continue;
       Deletion& d = deletions.emplace_back();

@@ -30,7 +30,7 @@ v1::PlacementTable BuildPlacement(const v1::Job& job, const std::vector<std::str
   std::map<std::pair<int, int>, const v1::ExpertPlacement*> before;
   if (previous != nullptr) {
     for (const v1::ExpertPlacement& e : previous->experts()) {
-      before[{e.layer(), e.layer() < 0 ? 0 : e.expert()}] = &e;
+      before[GroupOf(e.layer(), e.expert())] = &e;
     }
   }
   v1::PlacementTable table;

@@ -191,8 +191,8 @@ class Scheduler {
   // run). In step_commit.cc.
   absl::StatusOr<v1::StepStatus> FailJob(const v1::StepWrittenRequest& report)
       ABSL_LOCKS_EXCLUDED(mu_);
-  // Records the job as failed with `reason` (a finished job stays as it is); the next Tick
-  // releases its run. Locks only the job registry: callable with mu_ held or not.
+  // Records the job as failed with `reason` and logs it (a finished job stays as it is); the
+  // next Tick releases its run. Locks only the job registry: callable with mu_ held or not.
   absl::Status MarkFailed(const std::string& job_id, const std::string& reason);
   // scheduler.cc: time, persistence, aborts, metrics.
   int64_t NowMs() const;

@@ -72,7 +72,7 @@ void Scheduler::RepairRunLocked(const std::string& job_id, Run& run, const v1::J
   for (const v1::ExpertPlacement& e : run.record.placement().experts()) {
     for (const auto* ids : {&e.store_ids(), &e.joining_store_ids()}) {
       for (const std::string& s : *ids) {
-        stores_lost |= Gone(alive, s, /*store=*/true) || run.record.lost_stores().contains(s);
+        stores_lost |= Gone(alive, s, /*store=*/true);  // a lost store is not in `alive`
         back &= alive.stores.count(s) > 0;
       }
     }
@@ -115,7 +115,6 @@ void Scheduler::ReplaceLocked(Run& run, const v1::Job& job,
   if (run.committed >= 0) {
     if (const std::string lost = UnheldGroup(run, live); !lost.empty()) {
       const std::string reason = absl::StrCat("every store copy of ", lost, " was lost");
-      LOG(ERROR) << "job " << job.job_id() << " failed: " << reason;
       (void)MarkFailed(job.job_id(), reason);
       return;  // the next Tick releases the run
     }

@@ -73,7 +73,7 @@ absl::StatusOr<v1::StepStatus> Scheduler::ReportStepWritten(const v1::StepWritte
       for (const v1::BlobInfo& b : r.written()) {
         if (b.version() != r.step()) continue;
         const v1::BlobKey& k = b.key();
-        run.written_blobs[{k.layer(), k.layer() < 0 ? 0 : k.expert()}].insert(
+        run.written_blobs[GroupOf(k.layer(), k.expert())].insert(
             absl::StrCat(k.kind(), "/", k.tensor()));
       }
       run.tokens += r.tokens();
@@ -96,7 +96,6 @@ absl::StatusOr<v1::StepStatus> Scheduler::ReportStepWritten(const v1::StepWritte
   RunStoreAborts(aborts);
   if (commit) Commit(r.job_id(), r.step());
   if (!give_up.empty()) {
-    LOG(ERROR) << "job " << r.job_id() << " failed: " << give_up;
     RETURN_IF_ERROR(MarkFailed(r.job_id(), give_up));
   }
   absl::MutexLock lock(&mu_);
@@ -134,7 +133,6 @@ absl::StatusOr<v1::StepStatus> Scheduler::FailJob(const v1::StepWrittenRequest& 
     }
   }
   const std::string reason = absl::StrCat("worker ", r.worker_id(), ": ", r.failure());
-  LOG(ERROR) << "job " << r.job_id() << " failed: " << reason;
   RETURN_IF_ERROR(MarkFailed(r.job_id(), reason));
   v1::StepStatus status;  // the next Tick releases the run
   status.set_job_id(r.job_id());
@@ -146,16 +144,20 @@ absl::StatusOr<v1::StepStatus> Scheduler::FailJob(const v1::StepWrittenRequest& 
 }
 
 absl::Status Scheduler::MarkFailed(const std::string& job_id, const std::string& reason) {
-  return jobs_
-      ->Update(job_id,
-               [&](v1::Job& j) -> absl::Status {
-                 if (IsFinal(j.state())) return absl::OkStatus();
-                 j.set_state(v1::JOB_STATE_FAILED);
-                 j.set_failure_reason(reason);
-                 j.set_finished_unix_ms(NowMs());
-                 return absl::OkStatus();
-               })
-      .status();
+  bool failed = false;
+  absl::Status s = jobs_
+                       ->Update(job_id,
+                                [&](v1::Job& j) -> absl::Status {
+                                  if (IsFinal(j.state())) return absl::OkStatus();
+                                  j.set_state(v1::JOB_STATE_FAILED);
+                                  j.set_failure_reason(reason);
+                                  j.set_finished_unix_ms(NowMs());
+                                  failed = true;
+                                  return absl::OkStatus();
+                                })
+                       .status();
+  LOG_IF(ERROR, failed) << "job " << job_id << " failed: " << reason;
+  return s;
 }
 
 void Scheduler::Commit(const std::string& job_id, int64_t step) {
@@ -183,7 +185,7 @@ void Scheduler::Commit(const std::string& job_id, int64_t step) {
       }
     }
     for (const v1::ExpertPlacement& e : run.record.placement().experts()) {
-      auto written = run.written_blobs.find({e.layer(), e.layer() < 0 ? 0 : e.expert()});
+      auto written = run.written_blobs.find(GroupOf(e.layer(), e.expert()));
       if (written == run.written_blobs.end()) continue;
       for (const std::string& id : e.store_ids()) expected[id] += written->second.size();
     }
@@ -217,7 +219,6 @@ void Scheduler::Commit(const std::string& job_id, int64_t step) {
     // Every store answered or is gone: each group needs one complete copy that committed.
     if (const std::string lost = UnheldGroup(run, committed_on); !lost.empty()) {
       const std::string reason = absl::StrCat("step ", step, " committed on no copy of ", lost);
-      LOG(ERROR) << "job " << job_id << " failed: " << reason;
       (void)MarkFailed(job_id, reason);
       return;  // the next Tick releases the run
     }

@@ -101,8 +101,7 @@ absl::StatusOr<ucp_ep_h> DataPlane::EndpointTo(const std::string& address) {
     // The failure of an earlier endpoint to the peer does not retire the current one.
     if (it == endpoints_.end() || it->second != *slot) return;
     VLOG(1) << "a client endpoint failed: " << status;
-    endpoints_.erase(it);
-    failed_.push_back(*slot);
+    endpoints_.erase(it);  // the worker keeps it open (late messages name it) until it stops
     std::vector<uint64_t> gone;
     for (const auto& [id, c] : clients_) {
       if (c.ep == *slot) gone.push_back(id);

@@ -100,7 +100,6 @@ class DataPlane {
   std::map<uint64_t, Client> clients_;  // by UcxHello.client_id
   uint64_t uses_ = 0;
   std::map<std::string, ucp_ep_h> endpoints_;  // by peer address: open, not failed
-  std::vector<ucp_ep_h> failed_;               // open until the worker stops
   struct WaitingPut {
     ucx::AmMessage message;
     v1::UcxPutRequest request;
