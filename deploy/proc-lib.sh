@@ -73,3 +73,21 @@ free_port() {
   done
   return 1
 }
+
+# tiny_tokens PITH LINES: $E2E_TMP/tokens.bin, the tokens of a LINES-line text.
+tiny_tokens() {
+  for i in $(seq "$2"); do echo "line $i: experts come from the stores when they are needed."; done \
+    >"$E2E_TMP/text.txt"
+  "$1" data prepare --out "$E2E_TMP/tokens.bin" "$E2E_TMP/text.txt" >/dev/null
+}
+
+# tiny_spec NAME STEPS N_LAYER: a spec of a tiny model training on $E2E_TMP/tokens.bin
+# with 2 workers and 2 store replicas.
+tiny_spec() {
+  cat <<JSON
+{"name": "$1", "model": {"vocab_size": 256, "seq_len": 8, "d_model": 16, "n_layer": $3,
+ "n_head": 2, "n_expert": 4, "top_k": 2, "d_ff": 32},
+ "train": {"data_path": "$E2E_TMP/tokens.bin", "batch": 4, "steps": $2, "lr": 0.01},
+ "cluster": {"workers": 2, "store_replicas": 2}}
+JSON
+}

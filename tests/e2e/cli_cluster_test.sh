@@ -20,19 +20,9 @@ expect_one_line() {  # WANT CMD...: exit 1, one stderr line containing WANT
 }
 
 "$PITH" up --stores 2 --workers 2 --cache_bytes 4096 || fail "pith up"
-for i in $(seq 300); do echo "line $i: experts come from the stores when they are needed."; done \
-  >"$E2E_TMP/text.txt"
-"$PITH" data prepare --out "$E2E_TMP/tokens.bin" "$E2E_TMP/text.txt" >/dev/null
-spec() {  # NAME STEPS
-  cat <<JSON
-{"name": "$1", "model": {"vocab_size": 256, "seq_len": 8, "d_model": 16, "n_layer": 1,
- "n_head": 2, "n_expert": 4, "top_k": 2, "d_ff": 32},
- "train": {"data_path": "$E2E_TMP/tokens.bin", "batch": 4, "steps": $2, "lr": 0.01},
- "cluster": {"workers": 2, "store_replicas": 2}}
-JSON
-}
-spec tiny 15 >"$E2E_TMP/tiny.json"
-spec long 1000000 >"$E2E_TMP/long.json"
+tiny_tokens "$PITH" 300
+tiny_spec tiny 15 1 >"$E2E_TMP/tiny.json"
+tiny_spec long 1000000 1 >"$E2E_TMP/long.json"
 
 job=$("$PITH" submit "$E2E_TMP/tiny.json")
 [[ -n $job ]] || fail "submit printed no job id"

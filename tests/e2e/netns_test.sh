@@ -46,19 +46,9 @@ in_host() {  # INDEX CMD...: CMD in that namespace, UCX over TCP only
 }
 for i in 1 2 3 4 5; do host "$i"; done
 
-for i in $(seq 400); do echo "line $i: experts come from the stores when they are needed."; done \
-  >"$E2E_TMP/text.txt"
-"$PITH" data prepare --out "$E2E_TMP/tokens.bin" "$E2E_TMP/text.txt" >/dev/null
-spec() {  # NAME STEPS
-  cat <<JSON
-{"name": "$1", "model": {"vocab_size": 256, "seq_len": 8, "d_model": 16, "n_layer": 2,
- "n_head": 2, "n_expert": 4, "top_k": 2, "d_ff": 32},
- "train": {"data_path": "$E2E_TMP/tokens.bin", "batch": 4, "steps": $2, "lr": 0.01},
- "cluster": {"workers": 2, "store_replicas": 2}}
-JSON
-}
-spec same 15 >"$E2E_TMP/same.json"
-spec cut 60 >"$E2E_TMP/cut.json"
+tiny_tokens "$PITH" 400
+tiny_spec same 15 2 >"$E2E_TMP/same.json"
+tiny_spec cut 60 2 >"$E2E_TMP/cut.json"
 held_out() {  # CHECKPOINT: the held-out cross-entropy line
   "$PITH" eval --checkpoint "$1" --tokens "$E2E_TMP/tokens.bin" --batches 2 | grep -o 'ce=[0-9.]*'
 }
