@@ -21,6 +21,11 @@ inline constexpr absl::Duration kWaitStepSettleDeadline = absl::Seconds(35);
 static_assert(kWaitStepSettleDeadline > kWaitStepServerCap,
               "a settling worker's WaitStep must outlast the coordinator's cap");
 
+// Heat reports carry co-activation counts only for layers of at most this many experts
+// (wider layers' packed triangle would outweigh the step); the coordinator refuses them
+// for wider layers, which bounds the pairs it keeps per job.
+inline constexpr int kMaxCoactivationExperts = 64;
+
 }  // namespace pith
 
 #endif  // PITH_COMMON_STEP_PROTOCOL_H_

@@ -1,4 +1,6 @@
 // pith-coordinator: membership, placement, heat and the job API (DESIGN §1, §5).
+#include <unistd.h>
+
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
@@ -34,6 +36,10 @@ ABSL_FLAG(uint64_t, replication_bytes_per_second, 256ull << 20,
           "Throttle of each store-to-store copy (re-replication, hot replicas, rebalancing), "
           "so that training fetches keep priority");
 ABSL_FLAG(int, max_pulls, 4, "Store-to-store group copies in flight at most");
+ABSL_FLAG(uint64_t, jobs_memory_bytes, 0,
+          "Memory the coordinator gives its unfinished jobs' state (placement, heat, step "
+          "records; estimated per job from its spec): a job past it is refused at submit. "
+          "0: half of this host's RAM");
 ABSL_FLAG(int, step_attempts, 8,
           "Failed attempts of one step (reported by its workers) after which the job fails "
           "with the last reason");
@@ -73,6 +79,14 @@ int Simulate() {
   return pith::ExitStatus("pith-coordinator", r.status());
 }
 
+// --jobs_memory_bytes, 0 meaning half of the host's RAM.
+uint64_t JobsMemoryBytes() {
+  const uint64_t flag = absl::GetFlag(FLAGS_jobs_memory_bytes);
+  if (flag > 0) return flag;
+  const long pages = ::sysconf(_SC_PHYS_PAGES), page = ::sysconf(_SC_PAGESIZE);
+  return pages > 0 && page > 0 ? static_cast<uint64_t>(pages) * page / 2 : 0;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -85,7 +99,7 @@ int main(int argc, char** argv) {
   pith::ucx::RestrictUcxDevices(absl::GetFlag(FLAGS_listen), absl::GetFlag(FLAGS_ucx_net_devices));
   if (absl::GetFlag(FLAGS_simulate)) return Simulate();
   absl::StatusOr<std::unique_ptr<pith::coordinator::JobRegistry>> jobs =
-      pith::coordinator::JobRegistry::Open(absl::GetFlag(FLAGS_data_dir));
+      pith::coordinator::JobRegistry::Open(absl::GetFlag(FLAGS_data_dir), JobsMemoryBytes());
   if (!jobs.ok()) return pith::ExitStatus("pith-coordinator", jobs.status());
   pith::coordinator::Membership members(absl::Milliseconds(absl::GetFlag(FLAGS_lease_ms)));
   // Member identities (a store's data dir -> its id), durable beside the jobs.

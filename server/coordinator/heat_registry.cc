@@ -4,6 +4,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/status.h"
+#include "common/step_protocol.h"
 #include "glog/logging.h"
 #include "google/protobuf/util/json_util.h"
 
@@ -24,6 +25,12 @@ absl::Status HeatRegistry::Report(const v1::Job& job, const v1::HeatReport& repo
   }
   for (const v1::LayerRouting& routing : report.layers()) {
     RETURN_IF_ERROR(heat.map->Check(routing));
+    // Workers report pairs of narrow layers only, which bounds the pairs a job keeps.
+    if (routing.coactivation_size() != 0 && heat.map->experts() > kMaxCoactivationExperts) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("routing.coactivation: layers of more than ", kMaxCoactivationExperts,
+                       " experts report no pairs (this one has ", heat.map->experts(), ")"));
+    }
   }
   if (report.step() > heat.step) {
     AddReports(heat, *heat.map);

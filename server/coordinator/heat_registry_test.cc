@@ -7,6 +7,7 @@
 #include <random>
 #include <string>
 
+#include "common/step_protocol.h"
 #include "gtest/gtest.h"
 #include "server/coordinator/simulator.h"
 
@@ -72,6 +73,25 @@ TEST(HeatRegistryTest, ARedoneStepCountsOnce) {
     EXPECT_EQ(a->SerializeAsString(), b->SerializeAsString());
   }
   EXPECT_GT(a->experts(0).heat(), step2.layers(0).tokens_per_expert(0));  // step 1 decayed in
+}
+
+// Layers wider than kMaxCoactivationExperts take token counts only: the pairs a job keeps
+// stay bounded whatever a report says.
+TEST(HeatRegistryTest, AWideLayersPairsAreRefused) {
+  v1::Job job = MakeJob();
+  const int wide = kMaxCoactivationExperts + 1;
+  job.mutable_spec()->mutable_model()->set_n_expert(wide);
+  v1::HeatReport r;
+  r.set_job_id(job.job_id());
+  r.set_worker_id("worker-0");
+  r.set_step(1);
+  v1::LayerRouting* routing = r.add_layers();
+  routing->mutable_tokens_per_expert()->Resize(wide, 1);
+  HeatRegistry heat;
+  EXPECT_TRUE(heat.Report(job, r).ok());
+  routing->mutable_coactivation()->Resize(wide * (wide - 1) / 2, 1);
+  const absl::Status refused = heat.Report(job, r);
+  EXPECT_EQ(refused.code(), absl::StatusCode::kInvalidArgument) << refused;
 }
 
 TEST(HeatRegistryTest, SaveRestoreRoundTrips) {

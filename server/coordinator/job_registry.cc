@@ -6,9 +6,11 @@
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "common/job_spec.h"
 #include "common/status.h"
 #include "rocksdb/db.h"
+#include "server/coordinator/job_memory.h"
 
 namespace pith::coordinator {
 namespace {
@@ -34,7 +36,8 @@ bool IsFinal(v1::JobState state) {
          state == v1::JOB_STATE_CANCELLED;
 }
 
-absl::StatusOr<std::unique_ptr<JobRegistry>> JobRegistry::Open(const std::string& data_dir) {
+absl::StatusOr<std::unique_ptr<JobRegistry>> JobRegistry::Open(const std::string& data_dir,
+                                                               uint64_t jobs_memory_bytes) {
   if (data_dir.empty()) return absl::InvalidArgumentError("--data_dir is required");
   rocksdb::Options options;
   options.create_if_missing = true;
@@ -42,6 +45,7 @@ absl::StatusOr<std::unique_ptr<JobRegistry>> JobRegistry::Open(const std::string
   RETURN_IF_ERROR(FromRocks(rocksdb::DB::Open(options, data_dir, &raw), "open " + data_dir));
   std::unique_ptr<JobRegistry> r(new JobRegistry());
   r->db_.reset(raw);
+  r->jobs_memory_bytes_ = jobs_memory_bytes;
   absl::MutexLock lock(&r->mu_);
   std::unique_ptr<rocksdb::Iterator> it(r->db_->NewIterator(rocksdb::ReadOptions()));
   for (it->Seek(kJobPrefix); it->Valid() && it->key().starts_with(kJobPrefix); it->Next()) {
@@ -73,6 +77,7 @@ absl::StatusOr<v1::Job> JobRegistry::Submit(v1::JobSpec spec) {
   ApplyJobSpecDefaults(&spec);
   RETURN_IF_ERROR(ValidateJobSpec(spec));
   absl::MutexLock lock(&mu_);
+  RETURN_IF_ERROR(AdmitLocked(spec));
   v1::Job job;
   job.set_job_id(absl::StrCat(spec.name(), "-", next_id_));
   *job.mutable_spec() = std::move(spec);
@@ -87,6 +92,28 @@ absl::StatusOr<v1::Job> JobRegistry::Submit(v1::JobSpec spec) {
   versions_[job.job_id()] = 0;
   jobs_[job.job_id()] = job;
   return job;
+}
+
+absl::Status JobRegistry::AdmitLocked(const v1::JobSpec& spec) const {
+  if (jobs_memory_bytes_ == 0) return absl::OkStatus();
+  const uint64_t need = JobStateBytes(spec);
+  uint64_t held = 0;
+  int unfinished = 0;
+  for (const auto& [id, job] : jobs_) {
+    if (IsFinal(job.state())) continue;
+    held += JobStateBytes(job.spec());
+    ++unfinished;
+  }
+  if (need <= jobs_memory_bytes_ && held <= jobs_memory_bytes_ - need) return absl::OkStatus();
+  constexpr double kMiB = 1 << 20;
+  return absl::ResourceExhaustedError(absl::StrFormat(
+      "the coordinator cannot hold this job: its state (%d layers x %d experts, %d store copies, "
+      "%d workers) takes about %.1f MiB, and %.1f MiB of --jobs_memory_bytes=%d are left beside "
+      "%d unfinished job(s)",
+      spec.model().n_layer(), spec.model().n_expert(), spec.cluster().store_replicas(),
+      spec.cluster().workers(), need / kMiB,
+      (jobs_memory_bytes_ - std::min(held, jobs_memory_bytes_)) / kMiB, jobs_memory_bytes_,
+      unfinished));
 }
 
 absl::StatusOr<v1::Job> JobRegistry::Get(const std::string& job_id) const {

@@ -26,12 +26,16 @@ namespace pith::coordinator {
 
 class JobRegistry {
  public:
-  // Opens (creating if needed) the registry in `data_dir` and loads every job.
-  static absl::StatusOr<std::unique_ptr<JobRegistry>> Open(const std::string& data_dir);
+  // Opens (creating if needed) the registry in `data_dir` and loads every job. Jobs are
+  // admitted while the coordinator's estimated state for every unfinished one
+  // (JobStateBytes) stays within `jobs_memory_bytes` (0: no limit).
+  static absl::StatusOr<std::unique_ptr<JobRegistry>> Open(const std::string& data_dir,
+                                                           uint64_t jobs_memory_bytes = 0);
   ~JobRegistry();
 
   // Fills defaults, validates (INVALID_ARGUMENT naming the field) and records a new job in
-  // JOB_STATE_PENDING.
+  // JOB_STATE_PENDING. RESOURCE_EXHAUSTED when the coordinator could not hold it beside
+  // the unfinished jobs (the job is not recorded).
   absl::StatusOr<v1::Job> Submit(v1::JobSpec spec);
   absl::StatusOr<v1::Job> Get(const std::string& job_id) const;
   // Newest first; `states` empty means all; `limit` 0 means no limit.
@@ -60,7 +64,11 @@ class JobRegistry {
   JobRegistry() = default;
   absl::Status Persist(const v1::Job& job);
 
+  // RESOURCE_EXHAUSTED when `spec` does not fit beside the unfinished jobs.
+  absl::Status AdmitLocked(const v1::JobSpec& spec) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
   std::unique_ptr<rocksdb::DB> db_;
+  uint64_t jobs_memory_bytes_ = 0;  // set once at Open
   mutable absl::Mutex mu_;
   std::map<std::string, v1::Job> jobs_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, int64_t> versions_ ABSL_GUARDED_BY(mu_);

@@ -1,5 +1,6 @@
-// For tests: a StoreControl for coordinators that reach no stores. Commits and aborts
-// succeed, listings and pulls are empty, reads are UNAVAILABLE. Stateless: thread-safe.
+// For tests: a StoreControl for coordinators that reach no stores. Commits (of every blob
+// written) and aborts succeed, listings and pulls are empty, reads are UNAVAILABLE.
+// Stateless: thread-safe.
 #ifndef PITH_SERVER_COORDINATOR_STORE_CONTROL_TESTING_H_
 #define PITH_SERVER_COORDINATOR_STORE_CONTROL_TESTING_H_
 
@@ -16,6 +17,7 @@ class NoStores final : public StoreControl {
                                                     int64_t step) override {
     v1::CommitStepResponse r;
     r.set_committed_step(step);
+    r.set_blobs_committed(uint64_t{1} << 40);  // every blob the workers wrote, and more
     return r;
   }
   absl::Status AbortStep(const v1::MemberInfo&, const std::string&, int64_t) override {

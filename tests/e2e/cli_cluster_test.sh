@@ -81,4 +81,18 @@ expect_one_line "127.0.0.1:1" "$PITH" --coordinator 127.0.0.1:1 status
 
 "$PITH" down >/dev/null || fail "pith down"
 [[ ! -f $PITH_HOME/pids ]] || fail "down left the cluster recorded"
+
+# A coordinator that could not hold a second job refuses it at submit, with the reason;
+# the first job is untouched.
+bin=$(dirname "$(readlink -f "$PITH")")/..
+start_proc coord "$bin/server/coordinator/pith-coordinator" --listen=127.0.0.1:0 \
+  --metrics_port=-1 --data_dir="$E2E_TMP/coord" --jobs_memory_bytes=3000000
+wait_ready coord
+first=$("$PITH" --coordinator "127.0.0.1:$GRPC_PORT_coord" submit "$E2E_TMP/tiny.json") ||
+  fail "the first job was refused"
+expect_one_line "the coordinator cannot hold this job" \
+  "$PITH" --coordinator "127.0.0.1:$GRPC_PORT_coord" submit "$E2E_TMP/tiny.json"
+"$PITH" --coordinator "127.0.0.1:$GRPC_PORT_coord" status "$first" | grep -q pending ||
+  fail "the first job changed"
+stop_proc coord
 echo "PASS"

@@ -79,7 +79,7 @@ class JobRun : public StepDriver {
     if (!s.ok()) {
       // The step it could not set up for: the one after the committed one.
       link_->ReportFailure(job_id_, a_.assignment_version(), a_.committed_step() + 1, s,
-                           /*fatal=*/!fits_);
+                           /*fatal=*/!can_run_);
       return s;
     }
     watch_ = std::make_unique<AbortWatch>(
@@ -98,11 +98,21 @@ class JobRun : public StepDriver {
       return absl::FailedPreconditionError(
           absl::StrCat("global batch ", B, " has no rows for rank ", a_.rank(), " of ", W));
     }
+    // The data file first: a job whose data this worker cannot read fails at once, with
+    // the reason, instead of retrying step 0 (cheap: nothing is allocated yet).
+    absl::StatusOr<data::TokenDataset> dataset =
+        data::TokenDataset::Open(spec.train().data_path(), shape_.vocab);
+    if (!dataset.ok()) {
+      // Missing, unreadable or malformed is for good; an I/O error (INTERNAL) may pass.
+      can_run_ = dataset.status().code() == absl::StatusCode::kInternal;
+      return dataset.status();
+    }
+    dataset_ = *std::move(dataset);
     // The dense state alone must fit before anything is allocated (PlanMemory checks
     // the rest once the model's activations are known).
     if (const uint64_t dense = 4 * sizeof(float) * model::ParamLayout(shape_).dense_floats();
         options_.memory_bytes > 0 && dense > options_.memory_bytes) {
-      fits_ = false;
+      can_run_ = false;
       return absl::FailedPreconditionError(absl::StrCat(
           "the job does not fit this worker's --memory_bytes=", options_.memory_bytes,
           ": its dense state alone (parameters, gradients and moments) is ", dense, " bytes"));
@@ -124,7 +134,7 @@ class JobRun : public StepDriver {
     RETURN_IF_ERROR(ApplyPlacement());
     absl::StatusOr<MemoryPlan> plan =
         PlanMemory(MemoryNeeds(static_cast<int>(owned_.size()), static_cast<int>(updated_.size())));
-    fits_ = plan.ok();
+    can_run_ = plan.ok();
     RETURN_IF_ERROR(plan.status());
     plan_ = *plan;
     ReportMemory();
@@ -150,7 +160,6 @@ class JobRun : public StepDriver {
         ExpertUpdater::Deps{job_id_, store_io_.get(), cache_.get(), &model_->layout(),
                             &optimizer_->config(), grads_.get(), &backend_, &update_backend_});
     RETURN_IF_ERROR(updater_->SetUp(updated_, plan_.moments));
-    ASSIGN_OR_RETURN(dataset_, data::TokenDataset::Open(spec.train().data_path(), shape_.vocab));
     inputs_.resize(rows_.size() * shape_.seq);
     targets_.resize(rows_.size() * shape_.seq);
     zeros_.assign(std::max<int64_t>(shape_.expert_floats(), LargestDense()), 0.0f);
@@ -165,28 +174,11 @@ class JobRun : public StepDriver {
   // Takes this assignment's placement: compute owners, the dispatch over them, the experts
   // computed and updated here, every group's stores (connected).
   absl::Status ApplyPlacement() {
-    const int W = a_.world();
-    std::vector<std::vector<ExpertOwners>> owners(shape_.layers,
-                                                  std::vector<ExpertOwners>(shape_.experts));
+    ASSIGN_OR_RETURN(std::vector<std::vector<ExpertOwners>> owners,
+                     OwnersOf(a_.placement(), shape_.layers, shape_.experts, a_.world()));
     primary_.assign(shape_.layers, std::vector<int>(shape_.experts, -1));
-    for (const v1::ExpertPlacement& e : a_.placement().experts()) {
-      if (e.layer() < 0) continue;
-      if (e.layer() >= shape_.layers || e.expert() >= shape_.experts || e.owners_size() == 0) {
-        return absl::InvalidArgumentError(absl::StrCat("placement entry of layer ", e.layer(),
-                                                       " expert ", e.expert(), " does not fit"));
-      }
-      primary_[e.layer()][e.expert()] = e.owners(0).rank();
-      for (const v1::ComputeOwner& o : e.owners()) {
-        if (o.rank() < 0 || o.rank() >= W) {
-          return absl::InvalidArgumentError(absl::StrCat("owner rank ", o.rank(), " outside ", W));
-        }
-        owners[e.layer()][e.expert()].push_back({o.rank(), o.token_share()});
-      }
-    }
-    for (const auto& layer : primary_) {
-      for (int o : layer) {
-        if (o < 0) return absl::InvalidArgumentError("placement leaves an expert without owner");
-      }
+    for (int l = 0; l < shape_.layers; ++l) {
+      for (int e = 0; e < shape_.experts; ++e) primary_[l][e] = owners[l][e][0].first;
     }
     owners_ = owners;
     dispatch_ = std::make_unique<Dispatch>(&backend_, model_.get(), peers_, std::move(owners));
@@ -738,8 +730,10 @@ class JobRun : public StepDriver {
   // [layer * E + expert]: the expert got tokens in the last step computed (OnRoutingKnown);
   // empty before the first.
   std::vector<uint8_t> last_used_;
-  MemoryPlan plan_;   // Setup's (Adopt changes its moments)
-  bool fits_ = true;  // false: the job does not fit the memory budget (a fatal failure)
+  MemoryPlan plan_;  // Setup's (Adopt changes its moments)
+  // False: the job cannot run here whatever is retried (its data file is missing or bad,
+  // it does not fit the memory budget): a fatal failure.
+  bool can_run_ = true;
   // Thread-safe parts, in the order they must be destroyed in reverse: the cache's
   // prefetch thread and the updater's threads use the store I/O, the updater the cache
   // and the gradient pool.

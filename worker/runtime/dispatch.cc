@@ -10,6 +10,33 @@
 #include "worker/runtime/peer_channels.h"
 
 namespace pith::runtime {
+
+absl::StatusOr<std::vector<std::vector<ExpertOwners>>> OwnersOf(const v1::PlacementTable& placement,
+                                                                int layers, int experts,
+                                                                int world) {
+  std::vector<std::vector<ExpertOwners>> owners(layers, std::vector<ExpertOwners>(experts));
+  for (const v1::ExpertPlacement& e : placement.experts()) {
+    if (e.layer() < 0) continue;
+    if (e.layer() >= layers || e.expert() < 0 || e.expert() >= experts || e.owners_size() == 0 ||
+        !owners[e.layer()][e.expert()].empty()) {
+      return absl::InvalidArgumentError(absl::StrCat("placement entry of layer ", e.layer(),
+                                                     " expert ", e.expert(), " does not fit"));
+    }
+    for (const v1::ComputeOwner& o : e.owners()) {
+      if (o.rank() < 0 || o.rank() >= world) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("owner rank ", o.rank(), " outside ", world));
+      }
+      owners[e.layer()][e.expert()].push_back({o.rank(), o.token_share()});
+    }
+  }
+  for (const auto& layer : owners) {
+    for (const ExpertOwners& o : layer) {
+      if (o.empty()) return absl::InvalidArgumentError("placement leaves an expert without owner");
+    }
+  }
+  return owners;
+}
 namespace {
 
 enum Phase : int {

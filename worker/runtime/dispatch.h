@@ -21,6 +21,8 @@
 #include <vector>
 
 #include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "pith/v1/common.pb.h"
 #include "worker/compute/backend.h"
 #include "worker/model/moe_gpt.h"
 #include "worker/runtime/expert_cache.h"
@@ -31,6 +33,12 @@ namespace pith::runtime {
 
 // The workers computing one expert: (rank, share of its tokens), shares summing to 1.
 using ExpertOwners = std::vector<std::pair<int, double>>;
+
+// Every expert's owners in an assignment's placement, [layer][expert], the primary (which
+// updates it) first. INVALID_ARGUMENT for an entry outside the model's `layers` x
+// `experts` or the `world`'s ranks, or an expert left without owner.
+absl::StatusOr<std::vector<std::vector<ExpertOwners>>> OwnersOf(const v1::PlacementTable& placement,
+                                                                int layers, int experts, int world);
 
 class Dispatch final : public model::ExpertParallel {
  public:

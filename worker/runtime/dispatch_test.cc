@@ -15,6 +15,35 @@
 namespace pith::runtime {
 namespace {
 
+// An assignment's placement becomes the owners table; entries that do not fit the model or
+// the world, a repeated expert and an expert without owner are refused.
+TEST(OwnersOfTest, ReadsThePlacementAndRefusesWhatDoesNotFit) {
+  v1::PlacementTable p;
+  p.add_experts()->set_layer(-1);  // the dense group: no owners
+  for (int e = 0; e < 2; ++e) {
+    v1::ExpertPlacement* x = p.add_experts();
+    x->set_layer(0);
+    x->set_expert(e);
+    v1::ComputeOwner* o = x->add_owners();
+    o->set_rank(1 - e);
+    o->set_token_share(e == 0 ? 1.0 : 0.25);
+    if (e == 1) {
+      o = x->add_owners();
+      o->set_rank(1);
+      o->set_token_share(0.75);
+    }
+  }
+  auto owners = OwnersOf(p, 1, 2, 2);
+  ASSERT_TRUE(owners.ok()) << owners.status();
+  EXPECT_EQ((*owners)[0][0], (ExpertOwners{{1, 1.0}}));
+  EXPECT_EQ((*owners)[0][1], (ExpertOwners{{0, 0.25}, {1, 0.75}}));
+  EXPECT_FALSE(OwnersOf(p, 1, 3, 2).ok());  // expert 2 has no owner
+  EXPECT_FALSE(OwnersOf(p, 1, 1, 2).ok());  // expert 1 is outside the model
+  EXPECT_FALSE(OwnersOf(p, 1, 2, 1).ok());  // rank 1 is outside the world
+  *p.add_experts() = p.experts(1);
+  EXPECT_FALSE(OwnersOf(p, 1, 2, 2).ok());  // expert 0 twice
+}
+
 model::ModelShape Shape() {
   model::ModelShape s;
   s.vocab = 13;

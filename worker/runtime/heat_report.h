@@ -12,12 +12,12 @@
 #include <string>
 #include <vector>
 
+#include "common/step_protocol.h"
 #include "pith/v1/coordinator.pb.h"
 
 namespace pith::runtime {
 
-// Wider layers report token counts only (the packed triangle would outweigh the step).
-inline constexpr int kMaxCoactivationExperts = 64;
+using ::pith::kMaxCoactivationExperts;  // wider layers report token counts only
 
 struct HeatInput {
   std::string job_id;
