@@ -1,5 +1,7 @@
 #include "common/crc32c.h"
 
+#include <immintrin.h>
+
 #include <array>
 #include <cstring>
 
@@ -7,6 +9,7 @@ namespace pith {
 namespace {
 
 constexpr uint32_t kPoly = 0x82f63b78;  // reflected Castagnoli polynomial
+constexpr size_t kFoldMinBytes = 256;   // shorter inputs take the crc32 instruction alone
 
 constexpr std::array<uint32_t, 256> MakeTable() {
   std::array<uint32_t, 256> t{};
@@ -112,13 +115,71 @@ __attribute__((target("sse4.2"))) uint32_t Hardware(const uint8_t* p, size_t n, 
   return c32;
 }
 
+// x^n mod P as a 64-bit operand of a reflected carry-less multiply: degree d at bit 63 - d.
+constexpr uint64_t FoldConstant(int n) {
+  uint64_t r = 1;  // normal form: degree d at bit d
+  for (int i = 0; i < n; ++i) {
+    r <<= 1;
+    if (r & (uint64_t{1} << 32)) r ^= 0x11edc6f41;  // the Castagnoli polynomial
+  }
+  uint64_t reflected = 0;
+  for (int d = 0; d < 32; ++d) {
+    if (r & (uint64_t{1} << d)) reflected |= uint64_t{1} << (63 - d);
+  }
+  return reflected;
+}
+
+// Folding by carry-less multiplication (Gopal et al., "Fast CRC computation for generic
+// polynomials using PCLMULQDQ"), for CPUs whose crc32 instruction is slow (AMD's issue one
+// every three cycles; there the three streams above reach ~5 GB/s, this ~3x that). A 16-byte
+// chunk X followed by D bits of message is congruent to X.lo * x^(D+64) + X.hi * x^D; a
+// reflected multiply adds one factor x, hence the constants x^(D+63) and x^(D-1). Four
+// chunks fold 64 bytes ahead at a time, then into one; the crc32 instruction reduces the
+// last 16 bytes (its value with initial 0 is that chunk * x^32 mod P, the CRC).
+__attribute__((target("sse4.2,pclmul"))) inline __m128i Load(const uint8_t* q) {
+  return _mm_loadu_si128(reinterpret_cast<const __m128i*>(q));
+}
+// x.lo * k.lo + x.hi * k.hi (carry-less).
+__attribute__((target("sse4.2,pclmul"))) inline __m128i Fold(__m128i x, __m128i k) {
+  return _mm_xor_si128(_mm_clmulepi64_si128(x, k, 0x00), _mm_clmulepi64_si128(x, k, 0x11));
+}
+
+__attribute__((target("sse4.2,pclmul"))) uint32_t Folded(const uint8_t* p, size_t n, uint32_t crc) {
+  const __m128i k512 = _mm_set_epi64x(static_cast<int64_t>(FoldConstant(511)),
+                                      static_cast<int64_t>(FoldConstant(575)));
+  const __m128i k128 = _mm_set_epi64x(static_cast<int64_t>(FoldConstant(127)),
+                                      static_cast<int64_t>(FoldConstant(191)));
+  __m128i x0 = _mm_xor_si128(Load(p), _mm_cvtsi32_si128(static_cast<int>(crc)));
+  __m128i x1 = Load(p + 16), x2 = Load(p + 32), x3 = Load(p + 48);
+  p += 64;
+  n -= 64;
+  for (; n >= 64; p += 64, n -= 64) {
+    x0 = _mm_xor_si128(Fold(x0, k512), Load(p));
+    x1 = _mm_xor_si128(Fold(x1, k512), Load(p + 16));
+    x2 = _mm_xor_si128(Fold(x2, k512), Load(p + 32));
+    x3 = _mm_xor_si128(Fold(x3, k512), Load(p + 48));
+  }
+  __m128i x = _mm_xor_si128(Fold(x0, k128), x1);
+  x = _mm_xor_si128(Fold(x, k128), x2);
+  x = _mm_xor_si128(Fold(x, k128), x3);
+  for (; n >= 16; p += 16, n -= 16) x = _mm_xor_si128(Fold(x, k128), Load(p));
+  uint64_t c = __builtin_ia32_crc32di(0, static_cast<uint64_t>(_mm_cvtsi128_si64(x)));
+  c = __builtin_ia32_crc32di(c, static_cast<uint64_t>(_mm_extract_epi64(x, 1)));
+  return Hardware(p, n, static_cast<uint32_t>(c));
+}
+
 }  // namespace
 
 uint32_t Crc32c(const void* data, size_t size, uint32_t crc) {
   static const bool hw = __builtin_cpu_supports("sse4.2");
+  static const bool fold = hw && __builtin_cpu_supports("pclmul");
   const uint8_t* p = static_cast<const uint8_t*>(data);
   crc = ~crc;
-  crc = hw ? Hardware(p, size, crc) : Software(p, size, crc);
+  if (fold && size >= kFoldMinBytes) {
+    crc = Folded(p, size, crc);
+  } else {
+    crc = hw ? Hardware(p, size, crc) : Software(p, size, crc);
+  }
   return ~crc;
 }
 

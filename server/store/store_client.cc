@@ -7,6 +7,7 @@
 #include <tuple>
 
 #include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
 #include "absl/synchronization/notification.h"
 #include "common/crc32c.h"
 
@@ -21,7 +22,8 @@ struct StoreClient::Round {
   absl::Notification all_done;
 };
 
-// One outstanding fetch or put. Touched on the progress thread only, but for `done`.
+// One outstanding fetch or put. Touched on the progress thread only, but for `done` and
+// the fetch items that have landed (`landed`, under `landed_mu`).
 struct StoreClient::Pending {
   int peer = 0;
   FetchItem* items = nullptr;  // fetch
@@ -33,12 +35,21 @@ struct StoreClient::Pending {
   int receiving = 0;  // payloads being received into the caller's buffers
   absl::Notification done;
   std::shared_ptr<Round> round;  // null: waited for alone
+  // Indices of fetch items whose payload landed whole: the waiting caller checks them
+  // while the rest are in flight (the check reads every byte once more).
+  absl::Mutex landed_mu;
+  std::vector<size_t> landed ABSL_GUARDED_BY(landed_mu);
+  size_t taken ABSL_GUARDED_BY(landed_mu) = 0;  // how many of them the caller has checked
+  bool LandedOrDone() ABSL_EXCLUSIVE_LOCKS_REQUIRED(landed_mu) {
+    return landed.size() > taken || done.HasBeenNotified();
+  }
 
   // Ends the request (once; later calls do nothing).
   void Complete() {
     if (finished) return;
     finished = true;
     done.Notify();
+    { absl::MutexLock wake(&landed_mu); }  // a caller waiting on `landed` looks again
     if (round != nullptr && round->remaining.fetch_sub(1, std::memory_order_acq_rel) == 1) {
       round->all_done.Notify();
     }
@@ -186,12 +197,16 @@ void StoreClient::OnReply(ucx::AmMessage& m, bool is_get) {
   }
   item.info = reply.info();
   ++p->receiving;
-  worker_->ReceiveData(m, item.buffer, item.memh, [p, &item, item_done](absl::Status s) {
+  const size_t index = reply.index();
+  worker_->ReceiveData(m, item.buffer, item.memh, [p, &item, index, item_done](absl::Status s) {
     --p->receiving;
     if (p->finished) return;  // the request already failed; the buffers are not ours
     if (!s.ok()) {
       item.status = s;
       p->Fail(s);
+    } else {
+      absl::MutexLock lock(&p->landed_mu);
+      p->landed.push_back(index);
     }
     item_done();
   });
@@ -199,7 +214,8 @@ void StoreClient::OnReply(ucx::AmMessage& m, bool is_get) {
 
 absl::Status StoreClient::Issue(int peer, uint64_t id, const std::shared_ptr<Pending>& pending,
                                 uint16_t message, std::string header, const void* data, size_t size,
-                                ucp_mem_h memh, absl::Duration timeout) {
+                                ucp_mem_h memh, absl::Duration timeout,
+                                const std::function<void(size_t)>& on_landed) {
   worker_->Post(
       [this, peer, pending, id, message, data, size, memh, header = std::move(header)]() mutable {
         auto ep = peers_.find(peer);
@@ -217,12 +233,30 @@ absl::Status StoreClient::Issue(int peer, uint64_t id, const std::shared_ptr<Pen
                         pending->Complete();
                       });
       });
-  return Wait(peer, pending, timeout);
+  return Wait(peer, pending, timeout, on_landed);
 }
 
 absl::Status StoreClient::Wait(int peer, const std::shared_ptr<Pending>& pending,
-                               absl::Duration timeout) {
-  if (pending->done.WaitForNotificationWithTimeout(timeout)) return pending->status;
+                               absl::Duration timeout,
+                               const std::function<void(size_t)>& on_landed) {
+  const absl::Time deadline = absl::Now() + timeout;
+  if (on_landed) {
+    Pending* p = pending.get();
+    std::vector<size_t> landed;
+    do {
+      {
+        absl::MutexLock lock(&p->landed_mu);
+        p->landed_mu.AwaitWithDeadline(absl::Condition(p, &Pending::LandedOrDone), deadline);
+        landed.assign(p->landed.begin() + p->taken, p->landed.end());
+        p->taken = p->landed.size();
+      }
+      for (size_t i : landed) on_landed(i);
+    } while (!landed.empty());  // none new: the request ended, or the deadline passed
+  }
+  if (pending->done.WaitForNotificationWithTimeout(
+          std::max(absl::ZeroDuration(), deadline - absl::Now()))) {
+    return pending->status;
+  }
   // Give up: no late payload may land in the caller's buffers (see FailPeer).
   worker_->RunSync([&] {
     if (!pending->done.HasBeenNotified()) {
@@ -257,11 +291,6 @@ absl::Status StoreClient::Fetch(int peer, absl::Span<FetchItem> items, absl::Dur
     }
     first.Update(FetchOnce(peer, items.subspan(begin, end - begin), deadline - absl::Now()));
     begin = end;
-  }
-  for (FetchItem& item : items) {
-    if (!item.status.ok()) continue;
-    item.status = CheckFetched(item);
-    first.Update(item.status);
   }
   return first;
 }
@@ -302,8 +331,26 @@ absl::Status StoreClient::FetchOnce(int peer, absl::Span<FetchItem> items, absl:
     g->set_version(item.version);
     g->set_capacity(item.capacity);
   }
-  return Issue(peer, request.request_id(), pending, v1::UCX_MESSAGE_GET_REQUEST,
-               request.SerializeAsString(), nullptr, 0, nullptr, timeout);
+  // Each item that lands is checked at once, on this thread, while the rest are in flight.
+  std::vector<absl::Status> checked(items.size());
+  std::vector<bool> seen(items.size(), false);
+  absl::Status status =
+      Issue(peer, request.request_id(), pending, v1::UCX_MESSAGE_GET_REQUEST,
+            request.SerializeAsString(), nullptr, 0, nullptr, timeout, [&](size_t i) {
+              checked[i] = CheckFetched(items[i]);
+              seen[i] = true;
+            });
+  const absl::Status request_status = status;
+  for (size_t i = 0; i < items.size(); ++i) {  // the request has ended: the items are ours
+    if (!items[i].status.ok()) continue;
+    if (seen[i]) {
+      items[i].status = checked[i];
+    } else {  // landed as the request ended, or never (then it failed)
+      items[i].status = request_status.ok() ? CheckFetched(items[i]) : request_status;
+    }
+    status.Update(items[i].status);
+  }
+  return status;
 }
 
 namespace {

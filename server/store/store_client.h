@@ -98,10 +98,14 @@ class StoreClient {
   absl::Status FetchOnce(int peer, absl::Span<FetchItem> items, absl::Duration timeout);
   static constexpr size_t kMaxRequestBytes = 4096;
   static constexpr size_t kItemOverheadBytes = 32;  // an item's version, capacity, framing
+  // `on_landed(i)`: called on this thread for each fetch item i whose payload has landed,
+  // while the others are still in flight (null: none).
   absl::Status Issue(int peer, uint64_t id, const std::shared_ptr<Pending>& pending,
                      uint16_t message, std::string header, const void* data, size_t size,
-                     ucp_mem_h memh, absl::Duration timeout);
-  absl::Status Wait(int peer, const std::shared_ptr<Pending>& pending, absl::Duration timeout);
+                     ucp_mem_h memh, absl::Duration timeout,
+                     const std::function<void(size_t)>& on_landed = nullptr);
+  absl::Status Wait(int peer, const std::shared_ptr<Pending>& pending, absl::Duration timeout,
+                    const std::function<void(size_t)>& on_landed = nullptr);
   void FailPeer(int peer, const absl::Status& status);
 
   std::unique_ptr<ucx::Worker> worker_;

@@ -5,7 +5,11 @@
 // size on a warm page cache. One line per case:
 //   fetch size=<bytes> tier=<ram|rocksdb> GB/s=<x> anchor_GB/s=<y> ratio=<x/y>
 // Usage: store_fetch_bench [--seconds=S] [--size=BYTES] [--tier=ram|rocksdb]
-//   (GB = 1e9 bytes; --size and --tier run one case, e.g. to profile it)
+//                          [--peer_netns=NS --peer_host=IP]
+//   (GB = 1e9 bytes; --size and --tier run one case, e.g. to profile it). With a peer
+//   namespace, the store and ucx_perftest's server run in NS on IP with UCX over TCP only
+//   (run the bench itself in another namespace, as tests/bench/netns_fetch_bench.sh does):
+//   the fetch against perftest between two hosts' network stacks.
 #include <netinet/in.h>
 #include <sys/socket.h>
 #include <unistd.h>
@@ -32,6 +36,18 @@ namespace {
 using pith::testing::ChildProcess;
 
 double g_seconds = 2.0;
+std::string g_peer_netns;               // empty: the store and perftest's server run here
+std::string g_peer_host = "127.0.0.1";  // where they listen
+
+// A child process of `binary`, inside the peer namespace (UCX over TCP) when there is one.
+std::unique_ptr<ChildProcess> StartPeer(const std::string& binary, std::vector<std::string> args,
+                                        const std::string& log) {
+  if (g_peer_netns.empty()) return std::make_unique<ChildProcess>(binary, args, log);
+  std::vector<std::string> wrapped = {"ip", "netns", "exec", g_peer_netns, "env",
+                                      "UCX_TLS=tcp,self", binary};
+  wrapped.insert(wrapped.end(), args.begin(), args.end());
+  return std::make_unique<ChildProcess>("/usr/bin/env", wrapped, log);
+}
 
 int FreePort() {
   int fd = ::socket(AF_INET, SOCK_STREAM, 0);
@@ -62,12 +78,13 @@ double UcxPerftestGBps(size_t size) {
   const long iters = std::max<long>(200, static_cast<long>(4e9 * g_seconds / 2 / size));
   const std::string args = " -t ucp_am_bw -s " + std::to_string(size) + " -n " +
                            std::to_string(iters) + " -p " + std::to_string(port);
-  ChildProcess server("/usr/bin/ucx_perftest",
-                      {"-t", "ucp_am_bw", "-s", std::to_string(size), "-n", std::to_string(iters),
-                       "-p", std::to_string(port)},
-                      "/tmp/pith_perftest_server.log");
+  std::unique_ptr<ChildProcess> server = StartPeer(
+      "/usr/bin/ucx_perftest",
+      {"-t", "ucp_am_bw", "-s", std::to_string(size), "-n", std::to_string(iters), "-p",
+       std::to_string(port)},
+      "/tmp/pith_perftest_server.log");
   std::this_thread::sleep_for(std::chrono::milliseconds(300));
-  const std::string out = Run("ucx_perftest 127.0.0.1" + args + " 2>&1");
+  const std::string out = Run("ucx_perftest " + g_peer_host + args + " 2>&1");
   std::smatch m;
   // Final: iters  latency(50%) avg overall  bw-avg(MB/s) bw-overall(MB/s) ...
   const std::regex final_line(R"(Final:\s+\d+\s+[\d.]+\s+[\d.]+\s+[\d.]+\s+[\d.]+\s+([\d.]+))");
@@ -117,19 +134,18 @@ Store StartStore(const std::string& dir, uint64_t ram_bytes) {
   Store s;
   std::filesystem::remove_all(dir);
   std::filesystem::create_directories(dir);
-  s.process = std::make_unique<ChildProcess>(
-      PITH_STORE_BINARY,
-      std::vector<std::string>{"--listen=127.0.0.1:0", "--metrics_port=-1",
-                               "--data_dir=" + dir + "/data",
-                               "--ram_bytes=" + std::to_string(ram_bytes),
-                               "--max_blob_bytes=" + std::to_string(16 << 20)},
-      dir + "/store.log");
+  s.process = StartPeer(PITH_STORE_BINARY,
+                        {"--listen=" + g_peer_host + ":0", "--metrics_port=-1",
+                         "--data_dir=" + dir + "/data", "--ram_bytes=" + std::to_string(ram_bytes),
+                         "--max_blob_bytes=" + std::to_string(16 << 20)},
+                        dir + "/store.log");
   if (!s.process->WaitReady()) {
     std::fprintf(stderr, "pith-store did not start:\n%s\n", s.process->Log().c_str());
     std::exit(1);
   }
-  s.stub = v1::StoreService::NewStub(grpc::CreateChannel(
-      "127.0.0.1:" + std::to_string(s.process->grpc_port), grpc::InsecureChannelCredentials()));
+  s.stub = v1::StoreService::NewStub(
+      grpc::CreateChannel(g_peer_host + ":" + std::to_string(s.process->grpc_port),
+                          grpc::InsecureChannelCredentials()));
   grpc::ClientContext ctx;
   v1::UcxAddress address;
   if (!s.stub->GetUcxAddress(&ctx, v1::GetUcxAddressRequest(), &address).ok()) std::exit(1);
@@ -257,9 +273,14 @@ int main(int argc, char** argv) {
       only_size = std::strtoull(argv[i] + 7, nullptr, 10);
     } else if (std::strncmp(argv[i], "--tier=", 7) == 0) {
       only_tier = argv[i] + 7;
+    } else if (std::strncmp(argv[i], "--peer_netns=", 13) == 0) {
+      g_peer_netns = argv[i] + 13;
+    } else if (std::strncmp(argv[i], "--peer_host=", 12) == 0) {
+      g_peer_host = argv[i] + 12;
     } else {
       std::fprintf(stderr,
-                   "usage: store_fetch_bench [--seconds=S] [--size=BYTES] [--tier=ram|rocksdb]\n");
+                   "usage: store_fetch_bench [--seconds=S] [--size=BYTES] [--tier=ram|rocksdb] "
+                   "[--peer_netns=NS --peer_host=IP]\n");
       return 2;
     }
   }
