@@ -43,8 +43,8 @@ std::string g_peer_host = "127.0.0.1";  // where they listen
 std::unique_ptr<ChildProcess> StartPeer(const std::string& binary, std::vector<std::string> args,
                                         const std::string& log) {
   if (g_peer_netns.empty()) return std::make_unique<ChildProcess>(binary, args, log);
-  std::vector<std::string> wrapped = {"ip", "netns", "exec", g_peer_netns, "env",
-                                      "UCX_TLS=tcp,self", binary};
+  std::vector<std::string> wrapped = {
+      "ip", "netns", "exec", g_peer_netns, "env", "UCX_TLS=tcp,self", binary};
   wrapped.insert(wrapped.end(), args.begin(), args.end());
   return std::make_unique<ChildProcess>("/usr/bin/env", wrapped, log);
 }
@@ -78,11 +78,11 @@ double UcxPerftestGBps(size_t size) {
   const long iters = std::max<long>(200, static_cast<long>(4e9 * g_seconds / 2 / size));
   const std::string args = " -t ucp_am_bw -s " + std::to_string(size) + " -n " +
                            std::to_string(iters) + " -p " + std::to_string(port);
-  std::unique_ptr<ChildProcess> server = StartPeer(
-      "/usr/bin/ucx_perftest",
-      {"-t", "ucp_am_bw", "-s", std::to_string(size), "-n", std::to_string(iters), "-p",
-       std::to_string(port)},
-      "/tmp/pith_perftest_server.log");
+  std::unique_ptr<ChildProcess> server =
+      StartPeer("/usr/bin/ucx_perftest",
+                {"-t", "ucp_am_bw", "-s", std::to_string(size), "-n", std::to_string(iters), "-p",
+                 std::to_string(port)},
+                "/tmp/pith_perftest_server.log");
   std::this_thread::sleep_for(std::chrono::milliseconds(300));
   const std::string out = Run("ucx_perftest " + g_peer_host + args + " 2>&1");
   std::smatch m;
@@ -134,11 +134,11 @@ Store StartStore(const std::string& dir, uint64_t ram_bytes) {
   Store s;
   std::filesystem::remove_all(dir);
   std::filesystem::create_directories(dir);
-  s.process = StartPeer(PITH_STORE_BINARY,
-                        {"--listen=" + g_peer_host + ":0", "--metrics_port=-1",
-                         "--data_dir=" + dir + "/data", "--ram_bytes=" + std::to_string(ram_bytes),
-                         "--max_blob_bytes=" + std::to_string(16 << 20)},
-                        dir + "/store.log");
+  s.process = StartPeer(
+      PITH_STORE_BINARY,
+      {"--listen=" + g_peer_host + ":0", "--metrics_port=-1", "--data_dir=" + dir + "/data",
+       "--ram_bytes=" + std::to_string(ram_bytes), "--max_blob_bytes=" + std::to_string(16 << 20)},
+      dir + "/store.log");
   if (!s.process->WaitReady()) {
     std::fprintf(stderr, "pith-store did not start:\n%s\n", s.process->Log().c_str());
     std::exit(1);
