@@ -145,10 +145,10 @@ __attribute__((target("sse4.2,pclmul"))) inline __m128i Fold(__m128i x, __m128i 
 }
 
 __attribute__((target("sse4.2,pclmul"))) uint32_t Folded(const uint8_t* p, size_t n, uint32_t crc) {
-  const __m128i k512 = _mm_set_epi64x(static_cast<int64_t>(FoldConstant(511)),
-                                      static_cast<int64_t>(FoldConstant(575)));
-  const __m128i k128 = _mm_set_epi64x(static_cast<int64_t>(FoldConstant(127)),
-                                      static_cast<int64_t>(FoldConstant(191)));
+  static constexpr uint64_t kX575 = FoldConstant(575), kX511 = FoldConstant(511);
+  static constexpr uint64_t kX191 = FoldConstant(191), kX127 = FoldConstant(127);
+  const __m128i k512 = _mm_set_epi64x(static_cast<int64_t>(kX511), static_cast<int64_t>(kX575));
+  const __m128i k128 = _mm_set_epi64x(static_cast<int64_t>(kX127), static_cast<int64_t>(kX191));
   __m128i x0 = _mm_xor_si128(Load(p), _mm_cvtsi32_si128(static_cast<int>(crc)));
   __m128i x1 = Load(p + 16), x2 = Load(p + 32), x3 = Load(p + 48);
   p += 64;
