@@ -62,6 +62,7 @@ int Scheduler::CollectGarbageOnce() {
           d.request.set_layer(layer);
           d.request.set_expert(expert);
           d.left = it->first;
+          collecting_.insert({job_id, id, layer, expert});
         }
         ++it;
       }
@@ -89,15 +90,14 @@ int Scheduler::CollectGarbageOnce() {
   int done = 0;
   for (const Deletion& d : deletions) {
     absl::Status s = stores_->DeleteJob(d.store, d.request);
-    if (!s.ok()) {
-      LOG(WARNING) << "garbage collection: " << s;
-      continue;
-    }
-    ++done;
+    if (!s.ok()) LOG(WARNING) << "garbage collection: " << s;
+    done += s.ok();
     if (!d.request.has_layer()) continue;
     absl::MutexLock lock(&mu_);
+    collecting_.erase(
+        {d.request.job_id(), d.store.member_id(), d.request.layer(), d.request.expert()});
     auto run = runs_.find(d.request.job_id());
-    if (run != runs_.end()) run->second.left.erase(d.left);
+    if (s.ok() && run != runs_.end()) run->second.left.erase(d.left);
   }
   return done;
 }

@@ -77,6 +77,10 @@ absl::Status Scheduler::Recover() {
       RETURN_IF_ERROR(jobs_->DeleteRecord(key));
       continue;
     }
+    for (const v1::LeftGroup& g : run.record.left()) {
+      run.left[{g.store_id(), g.layer(), g.expert()}] = g.from_step();
+    }
+    run.record.clear_left();
     // Joining stores count from here: a copy pulled from now on completes them.
     run.committed = job->committed_step();
     for (const v1::ExpertPlacement& e : run.record.placement().experts()) {
@@ -99,8 +103,18 @@ absl::Status Scheduler::Recover() {
 }
 
 absl::Status Scheduler::PersistLocked(const Run& run) {
+  // The groups left travel as the record's `left` field, appended (concatenated protobuf
+  // messages parse as one, merged): the record in memory never holds them.
+  v1::JobRun left;
+  for (const auto& [group, from_step] : run.left) {
+    v1::LeftGroup* g = left.add_left();
+    g->set_store_id(std::get<0>(group));
+    g->set_layer(std::get<1>(group));
+    g->set_expert(std::get<2>(group));
+    g->set_from_step(from_step);
+  }
   return jobs_->PutRecord(absl::StrCat(kRunPrefix, run.record.job_id()),
-                          run.record.SerializeAsString());
+                          run.record.SerializeAsString() + left.SerializeAsString());
 }
 
 std::set<std::string> Scheduler::JobStores(const Run& run) {

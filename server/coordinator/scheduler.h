@@ -128,7 +128,9 @@ class Scheduler {
   // Garbage collection, one pass: each live store loses the groups it left (once the job
   // committed a step under the placement without it) and the blobs of ended jobs (all,
   // or all but their committed weights: keep_ended_weights). Jobs the registry does not
-  // know are left alone. Returns the deletions made.
+  // know are left alone. A group's copy to a store waits while the group is being deleted
+  // there (a copy pulled before the delete lands would be deleted with the old blobs).
+  // Returns the deletions made.
   int CollectGarbageOnce() ABSL_LOCKS_EXCLUDED(mu_);
 
   // Moves in flight, blobs and bytes moved so far, the replica deficit (copies missing
@@ -288,7 +290,10 @@ class Scheduler {
   absl::Mutex mu_;
   std::map<std::string, Run> runs_ ABSL_GUARDED_BY(mu_);                // by job id: running jobs
   std::map<std::string, std::string> worker_job_ ABSL_GUARDED_BY(mu_);  // worker -> job
-  Replication replication_ ABSL_GUARDED_BY(mu_);    // copies in flight, drains, bytes moved
+  Replication replication_ ABSL_GUARDED_BY(mu_);  // copies in flight, drains, bytes moved
+  // Groups being deleted from a store, (job, store, layer, expert): no copy of them there
+  // starts until the delete returned.
+  std::set<std::tuple<std::string, std::string, int, int>> collecting_ ABSL_GUARDED_BY(mu_);
   absl::Mutex drain_mu_ ABSL_ACQUIRED_BEFORE(mu_);  // serializes Drain
 
   prometheus::Counter* steps_committed_ = nullptr;

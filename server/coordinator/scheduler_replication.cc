@@ -24,6 +24,18 @@ int Scheduler::ReplicateOnce() {
       replication_.PlanCopies(*job, run.record.placement(), run.committed, ForJob(alive, run),
                               heat_->Snapshot(job_id), options_.max_pulls, run.copies, &tasks);
     }
+    // A copy into a store that is having the group deleted waits for a later pass.
+    std::vector<CopyTask> ready;
+    for (CopyTask& t : tasks) {
+      if (!collecting_.count({t.job_id, t.target.member_id(), t.layer, t.expert})) {
+        ready.push_back(std::move(t));
+        continue;
+      }
+      auto it = runs_.find(t.job_id);
+      replication_.Finish(t, {absl::UnavailableError("the group is being deleted there")},
+                          it == runs_.end() ? nullptr : &it->second.copies);
+    }
+    tasks = std::move(ready);
   }
   if (tasks.empty()) return 0;
   std::atomic<int> done{0};

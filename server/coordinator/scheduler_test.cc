@@ -11,6 +11,7 @@
 #include <string>
 #include <thread>
 
+#include "absl/strings/match.h"
 #include "common/job_spec_testing.h"
 #include "common/param_layout.h"
 #include "common/safetensors.h"
@@ -102,6 +103,7 @@ class FakeStores final : public StoreControl {
   }
   absl::Status DeleteJob(const v1::MemberInfo& store,
                          const v1::DeleteJobRequest& request) override {
+    if (during_delete) std::exchange(during_delete, nullptr)(store, request);  // once
     absl::MutexLock lock(&mu_);
     deletes.push_back(absl::StrCat(
         store.member_id(), ":", request.job_id(),
@@ -117,6 +119,8 @@ class FakeStores final : public StoreControl {
   std::map<std::string, absl::Status> failing;
   std::map<std::string, uint64_t> blobs_answered;
   std::vector<std::string> commits, aborts, pulls;
+  // Runs (without the lock) inside the next DeleteJob, before it is recorded.
+  std::function<void(const v1::MemberInfo&, const v1::DeleteJobRequest&)> during_delete;
 };
 
 class SchedulerTest : public ::testing::Test {
@@ -510,9 +514,9 @@ TEST_F(SchedulerTest, CommitsGoToTheJobsStoresAndWrongAnswersLoseTheStore) {
   EXPECT_THAT(failed.failure_reason(), ::testing::HasSubstr("no answer"));
 }
 
-// Garbage: a group a store left is deleted there once a step committed without it; an
-// ended job's blobs go from every store but its committed weights; a running or unknown
-// job's stay.
+// Garbage: a group a store left is deleted there once a step committed without it, even
+// across a coordinator restart; an ended job's blobs go from every store but its
+// committed weights; a running or unknown job's stay.
 TEST_F(SchedulerTest, StoresLoseTheGroupsTheyLeftAndEndedJobsBlobs) {
   const v1::Job job = Submit(1, /*steps=*/3, /*replicas=*/2);
   const std::string s0 = Join(v1::MEMBER_ROLE_STORE), s1 = Join(v1::MEMBER_ROLE_STORE);
@@ -534,6 +538,12 @@ TEST_F(SchedulerTest, StoresLoseTheGroupsTheyLeftAndEndedJobsBlobs) {
   scheduler_->Tick();
   EXPECT_EQ(scheduler_->CollectGarbageOnce(), 0);  // step 2 may still read s1
   CommitStep(job.job_id(), 2, {w0});
+  // The coordinator restarts before collecting: what is left to delete was saved.
+  Open();
+  Join(v1::MEMBER_ROLE_STORE, s0);
+  Join(v1::MEMBER_ROLE_STORE, s1);
+  Join(v1::MEMBER_ROLE_WORKER, w0);
+  scheduler_->Tick();
   EXPECT_EQ(scheduler_->CollectGarbageOnce(), static_cast<int>(on_s1.size()));
   std::set<std::string> deleted;
   for (const std::string& d : stores_.deletes) {
@@ -565,6 +575,59 @@ TEST_F(SchedulerTest, StoresLoseTheGroupsTheyLeftAndEndedJobsBlobs) {
   stores_.held[s0] = {held};
   stores_.held[s1] = {held};
   EXPECT_EQ(scheduler_->CollectGarbageOnce(), 0);
+}
+
+// A store declared dead comes back: the groups it left are deleted there, while the
+// placement wants some of them on it again. A copy of such a group to it waits until the
+// group's delete returned (a pull landing first would be deleted with the stale blobs).
+TEST_F(SchedulerTest, AGroupIsNotCopiedToAStoreWhileItIsBeingDeletedThere) {
+  const v1::Job job = Submit(1, 300, /*replicas=*/2);
+  const std::string s0 = Join(v1::MEMBER_ROLE_STORE), s1 = Join(v1::MEMBER_ROLE_STORE),
+                    s2 = Join(v1::MEMBER_ROLE_STORE);
+  const std::string w0 = Join(v1::MEMBER_ROLE_WORKER);
+  scheduler_->Tick();
+  CommitStep(job.job_id(), 0, {w0});
+  now_ += absl::Seconds(2);  // s1's lease lapses
+  for (const std::string& id : {s0, s2, w0}) ASSERT_TRUE(members_->Heartbeat(id, {}).ok());
+  now_ += absl::Seconds(2);
+  scheduler_->Tick();
+  for (int step = 1; step <= 3; ++step) {
+    CommitStep(job.job_id(), step, {w0});
+    while (scheduler_->ReplicateOnce() > 0) {
+    }
+  }
+  Join(v1::MEMBER_ROLE_STORE, s1);  // back, with the groups it left still on its disk
+  scheduler_->Tick();
+  std::vector<std::string> pulled_meanwhile;  // while the first delete was in flight
+  stores_.during_delete = [&](const v1::MemberInfo&, const v1::DeleteJobRequest&) {
+    // Meanwhile the replicator asks for s1 on its share, a step boundary places it there
+    // (joining) and the replicator runs again.
+    while (scheduler_->ReplicateOnce() > 0) {
+    }
+    CommitStep(job.job_id(), 4, {w0});
+    const size_t before = stores_.pulls.size();
+    while (scheduler_->ReplicateOnce() > 0) {
+    }
+    pulled_meanwhile.assign(stores_.pulls.begin() + before, stores_.pulls.end());
+  };
+  ASSERT_GT(scheduler_->CollectGarbageOnce(), 0);
+  std::set<std::string> deleted;  // "store:job:layer/expert" of the groups deleted
+  for (const std::string& d : stores_.deletes) deleted.insert(d);
+  // "source->target:layer/expert" of the pulls into a group being deleted there
+  auto into_deleted = [&](const std::string& pull) {
+    const std::string target = pull.substr(pull.find("->") + 2);
+    const std::string store = target.substr(0, target.find(':'));
+    return deleted.count(store + ":" + job.job_id() + target.substr(target.find(':'))) > 0;
+  };
+  for (const std::string& p : pulled_meanwhile) {
+    EXPECT_FALSE(into_deleted(p)) << p << " landed while the group was being deleted there";
+  }
+  const size_t before = stores_.pulls.size();  // the deletes returned: the copies go ahead
+  while (scheduler_->ReplicateOnce() > 0) {
+  }
+  const auto after =
+      std::count_if(stores_.pulls.begin() + before, stores_.pulls.end(), into_deleted);
+  EXPECT_GT(after, 0) << "the scenario placed none of the deleted groups back on " << s1;
 }
 
 TEST_F(SchedulerTest, TheLastStepEndsTheJobAndCancellingReleasesTheWorkers) {
