@@ -34,7 +34,9 @@ class Client {
   absl::Status Watch(const std::string& job_id,
                      const std::function<bool(const v1::JobEvent&)>& on_event);
   absl::StatusOr<v1::Job> Cancel(const std::string& job_id, const std::string& reason = "");
-  // Writes the job's last committed weights under `output_dir` on the coordinator's host.
+  // Writes the job's last committed weights under `output_dir` on the coordinator's host:
+  // a path under its --export_root (relative to it, or absolute under it); without one,
+  // FAILED_PRECONDITION (DownloadCheckpoint needs none).
   absl::StatusOr<v1::CheckpointJobResponse> Checkpoint(const std::string& job_id,
                                                        const std::string& output_dir);
   // Streams the job's last committed weights from the coordinator into `path` here

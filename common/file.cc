@@ -123,15 +123,24 @@ absl::Status PreadAll(int fd, absl::Span<uint8_t> bytes, uint64_t offset,
 }
 
 absl::Status WriteFileAtomically(const std::string& path,
-                                 const std::function<absl::Status(int fd)>& fill) {
+                                 const std::function<absl::Status(int fd)>& fill, bool replace) {
   const std::string tmp = absl::StrCat(path, ".tmp.", ::getpid());
-  UniqueFd fd(::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644));
+  ::unlink(tmp.c_str());  // a dead process's leftover (or a planted link: never followed)
+  UniqueFd fd(::open(tmp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0644));
   if (!fd.valid()) return ErrnoError(errno, "cannot create", tmp);
   absl::Status status = fill(fd.get());
   if (status.ok() && ::fsync(fd.get()) != 0) status = ErrnoError(errno, "cannot fsync", tmp);
   if (status.ok()) status = Annotate(fd.Close(), tmp);
-  if (status.ok() && ::rename(tmp.c_str(), path.c_str()) != 0) {
-    status = ErrnoError(errno, "cannot rename onto", path);
+  if (status.ok()) {
+    const int rc =
+        replace ? ::rename(tmp.c_str(), path.c_str())
+                : ::renameat2(AT_FDCWD, tmp.c_str(), AT_FDCWD, path.c_str(), RENAME_NOREPLACE);
+    if (rc != 0 && errno == EEXIST) {
+      status = absl::AlreadyExistsError(
+          absl::StrCat(path, " already exists; exports never replace a file"));
+    } else if (rc != 0) {
+      status = ErrnoError(errno, "cannot rename onto", path);
+    }
   }
   if (!status.ok()) ::unlink(tmp.c_str());
   return status;

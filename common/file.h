@@ -54,10 +54,13 @@ absl::StatusOr<uint64_t> FreeBytes(const std::string& path);
 // otherwise RESOURCE_EXHAUSTED saying how full it is and what the reserve is for.
 absl::Status CheckDiskRoom(const std::string& dir, uint64_t reserve, uint64_t incoming);
 
-// Creates `path` atomically: `fill` writes the content to a temporary file beside it,
-// which is fsynced and renamed over `path`. On any error `path` is left as it was.
+// Creates `path` atomically: `fill` writes the content to a temporary file beside it
+// (created new, never through a symlink), which is fsynced and renamed over `path`; with
+// `replace` false an existing `path` is left alone (ALREADY_EXISTS, renameat2's
+// RENAME_NOREPLACE). On any error `path` is left as it was.
 absl::Status WriteFileAtomically(const std::string& path,
-                                 const std::function<absl::Status(int fd)>& fill);
+                                 const std::function<absl::Status(int fd)>& fill,
+                                 bool replace = true);
 
 }  // namespace pith
 

@@ -323,16 +323,20 @@ std::string SafetensorsWriter::Serialize() const {
   return out;
 }
 
-absl::Status SafetensorsWriter::Write(const std::string& path) const {
-  return WriteWith(path, [&](int fd, const std::map<std::string, uint64_t>& offsets) {
-    for (const auto& [name, tensor] : tensors_) {
-      RETURN_IF_ERROR(PwriteAll(fd, tensor.bytes, offsets.at(name), path));
-    }
-    return absl::OkStatus();
-  });
+absl::Status SafetensorsWriter::Write(const std::string& path, bool replace) const {
+  return WriteWith(
+      path,
+      [&](int fd, const std::map<std::string, uint64_t>& offsets) {
+        for (const auto& [name, tensor] : tensors_) {
+          RETURN_IF_ERROR(PwriteAll(fd, tensor.bytes, offsets.at(name), path));
+        }
+        return absl::OkStatus();
+      },
+      replace);
 }
 
-absl::Status SafetensorsWriter::WriteWith(const std::string& path, const Fill& fill) const {
+absl::Status SafetensorsWriter::WriteWith(const std::string& path, const Fill& fill,
+                                          bool replace) const {
   std::vector<const std::pair<const std::string, TensorView>*> order;
   const std::string header = BuildHeader(&order);
   std::map<std::string, uint64_t> offsets;
@@ -341,15 +345,18 @@ absl::Status SafetensorsWriter::WriteWith(const std::string& path, const Fill& f
     offsets[entry->first] = offset;
     offset += entry->second.bytes.size();
   }
-  return WriteFileAtomically(path, [&](int fd) -> absl::Status {
-    uint8_t len[8];
-    const uint64_t n = header.size();
-    std::memcpy(len, &n, 8);
-    RETURN_IF_ERROR(WriteAll(fd, len, path));
-    RETURN_IF_ERROR(
-        WriteAll(fd, {reinterpret_cast<const uint8_t*>(header.data()), header.size()}, path));
-    return fill(fd, offsets);
-  });
+  return WriteFileAtomically(
+      path,
+      [&](int fd) -> absl::Status {
+        uint8_t len[8];
+        const uint64_t n = header.size();
+        std::memcpy(len, &n, 8);
+        RETURN_IF_ERROR(WriteAll(fd, len, path));
+        RETURN_IF_ERROR(
+            WriteAll(fd, {reinterpret_cast<const uint8_t*>(header.data()), header.size()}, path));
+        return fill(fd, offsets);
+      },
+      replace);
 }
 
 }  // namespace pith

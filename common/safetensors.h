@@ -87,13 +87,14 @@ class SafetensorsWriter {
 
   // The whole file in memory.
   std::string Serialize() const;
-  // Writes the file atomically (temporary file, fsync, rename).
-  absl::Status Write(const std::string& path) const;
+  // Writes the file atomically (temporary file, fsync, rename; with `replace` false an
+  // existing file is left alone: ALREADY_EXISTS).
+  absl::Status Write(const std::string& path, bool replace = true) const;
   // The same for a file larger than memory: the tensors were added with spans of their
   // size whose data may be null, and `fill` writes each one's bytes (pwrite) at its offset
   // in the file, in any order, before the file is synced and renamed into place.
   using Fill = std::function<absl::Status(int fd, const std::map<std::string, uint64_t>& offsets)>;
-  absl::Status WriteWith(const std::string& path, const Fill& fill) const;
+  absl::Status WriteWith(const std::string& path, const Fill& fill, bool replace = true) const;
 
  private:
   // The header JSON padded to a multiple of 8 bytes, and the tensors in data order.

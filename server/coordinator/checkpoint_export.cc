@@ -195,9 +195,12 @@ absl::StatusOr<v1::CheckpointJobResponse> ExportCheckpoint(StoreControl& stores,
     RETURN_IF_ERROR(writer.Add(
         t.name, TensorView{DType::kF32, t.shape, {nullptr, static_cast<size_t>(t.numel) * 4}}));
   }
-  RETURN_IF_ERROR(writer.WriteWith(path, [&](int fd, const std::map<std::string, uint64_t>& at) {
-    return StreamBlobs(stores, alive, plans, fd, at, path);
-  }));
+  RETURN_IF_ERROR(writer.WriteWith(
+      path,
+      [&](int fd, const std::map<std::string, uint64_t>& at) {
+        return StreamBlobs(stores, alive, plans, fd, at, path);
+      },
+      /*replace=*/false));
   v1::CheckpointJobResponse response;
   response.set_step(step);
   response.set_weights_path(path);

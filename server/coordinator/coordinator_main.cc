@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
+#include <filesystem>
 #include <map>
 #include <string>
 
@@ -40,6 +41,10 @@ ABSL_FLAG(uint64_t, jobs_memory_bytes, 0,
           "Memory the coordinator gives its unfinished jobs' state (placement, heat, step "
           "records; estimated per job from its spec): a job past it is refused at submit. "
           "0: half of this host's RAM");
+ABSL_FLAG(std::string, export_root, "",
+          "Directory under which CheckpointJob may write exports (never over a file, never "
+          "through '..' or symlinks). Empty: server-side exports are off; pith checkpoint "
+          "--out downloads instead");
 ABSL_FLAG(int, step_attempts, 8,
           "Failed attempts of one step (reported by its workers) after which the job fails "
           "with the last reason");
@@ -101,6 +106,15 @@ int main(int argc, char** argv) {
   absl::StatusOr<std::unique_ptr<pith::coordinator::JobRegistry>> jobs =
       pith::coordinator::JobRegistry::Open(absl::GetFlag(FLAGS_data_dir), JobsMemoryBytes());
   if (!jobs.ok()) return pith::ExitStatus("pith-coordinator", jobs.status());
+  if (const std::string root = absl::GetFlag(FLAGS_export_root); !root.empty()) {
+    std::error_code ec;
+    std::filesystem::create_directories(root, ec);
+    if (ec) {
+      return pith::ExitStatus("pith-coordinator",
+                              absl::InvalidArgumentError(absl::StrCat(
+                                  "cannot create --export_root ", root, ": ", ec.message())));
+    }
+  }
   pith::coordinator::Membership members(absl::Milliseconds(absl::GetFlag(FLAGS_lease_ms)));
   // Member identities (a store's data dir -> its id), durable beside the jobs.
   const std::string kIdentityPrefix = "identity/";
@@ -134,7 +148,8 @@ int main(int argc, char** argv) {
   // Leases are checked and jobs scheduled several times per lease.
   scheduler.Start(std::clamp(lease / 8, absl::Milliseconds(20), absl::Milliseconds(500)));
   pith::coordinator::JobServiceImpl job_service(jobs->get(), &members, &heat, &scheduler,
-                                                absl::GetFlag(FLAGS_data_dir) + "/downloads");
+                                                absl::GetFlag(FLAGS_data_dir) + "/downloads",
+                                                absl::GetFlag(FLAGS_export_root));
   pith::coordinator::CoordinatorServiceImpl coordinator_service(&members, jobs->get(), &heat,
                                                                 &scheduler);
   absl::Status status = pith::RunServerProcess({.component = "coordinator",

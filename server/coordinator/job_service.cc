@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "common/export_path.h"
 #include "common/file.h"
 #include "common/grpc_util.h"
 #include "common/job_spec.h"
@@ -119,7 +120,22 @@ grpc::Status JobServiceImpl::CheckpointJob(grpc::ServerContext*,
   if (scheduler_ == nullptr) {
     return ToGrpcStatus(absl::UnavailableError("this coordinator reaches no stores"));
   }
-  return ToGrpcReply(scheduler_->Checkpoint(*request), reply);
+  if (absl::StatusOr<v1::Job> job = jobs_->Get(request->job_id()); !job.ok()) {
+    return ToGrpcStatus(job.status());  // an unknown job first, whatever the path
+  }
+  if (request->output_dir().empty()) {
+    return ToGrpcStatus(absl::InvalidArgumentError("output_dir is required"));
+  }
+  absl::StatusOr<ExportPath> dir = ExportPath::Directory(export_root_, request->output_dir());
+  if (!dir.ok()) return ToGrpcStatus(dir.status());
+  v1::CheckpointJobRequest confined = *request;
+  confined.set_output_dir(dir->path());
+  absl::StatusOr<v1::CheckpointJobResponse> exported = scheduler_->Checkpoint(confined);
+  if (exported.ok()) {  // named as the caller knows it, not through the open directory
+    exported->set_weights_path(absl::StrCat(
+        dir->shown(), "/", std::filesystem::path(exported->weights_path()).filename().string()));
+  }
+  return ToGrpcReply(std::move(exported), reply);
 }
 
 grpc::Status JobServiceImpl::DownloadCheckpoint(grpc::ServerContext* context,

@@ -17,14 +17,17 @@ namespace pith::coordinator {
 class JobServiceImpl final : public v1::JobService::Service {
  public:
   // `scheduler` may be null (no replication figures in ClusterStatus). A download is
-  // exported under `staging_dir` (the coordinator's data dir), streamed, and removed.
+  // exported under `staging_dir` (the coordinator's data dir), streamed, and removed;
+  // CheckpointJob writes only under `export_root` (ExportPath; empty: it is refused).
   JobServiceImpl(JobRegistry* jobs, Membership* members, HeatRegistry* heat,
-                 Scheduler* scheduler = nullptr, std::string staging_dir = "")
+                 Scheduler* scheduler = nullptr, std::string staging_dir = "",
+                 std::string export_root = "")
       : jobs_(jobs),
         members_(members),
         heat_(heat),
         scheduler_(scheduler),
-        staging_dir_(std::move(staging_dir)) {}
+        staging_dir_(std::move(staging_dir)),
+        export_root_(std::move(export_root)) {}
 
   grpc::Status SubmitJob(grpc::ServerContext*, const v1::SubmitJobRequest* request,
                          v1::SubmitJobResponse* reply) override;
@@ -54,6 +57,7 @@ class JobServiceImpl final : public v1::JobService::Service {
   HeatRegistry* heat_;
   Scheduler* scheduler_;
   const std::string staging_dir_;
+  const std::string export_root_;
 };
 
 }  // namespace pith::coordinator

@@ -44,7 +44,9 @@ class JobServiceTest : public ::testing::Test {
     ASSERT_TRUE(jobs.ok()) << jobs.status();
     jobs_ = std::move(*jobs);
     scheduler_ = std::make_unique<Scheduler>(jobs_.get(), &members_, &heat_, &stores_);
-    service_ = std::make_unique<JobServiceImpl>(jobs_.get(), &members_, &heat_, scheduler_.get());
+    std::filesystem::create_directories(dir_ + "/exports");
+    service_ = std::make_unique<JobServiceImpl>(jobs_.get(), &members_, &heat_, scheduler_.get(),
+                                                dir_ + "/downloads", dir_ + "/exports");
     members_service_ =
         std::make_unique<CoordinatorServiceImpl>(&members_, jobs_.get(), &heat_, scheduler_.get());
     auto server = GrpcServer::Start(
@@ -349,7 +351,9 @@ TEST_F(JobServiceTest, CheckpointAndTheMemberRpcsRefuseBadRequests) {
   };
   EXPECT_EQ(checkpoint("nope", dir_), absl::StatusCode::kNotFound);
   EXPECT_EQ(checkpoint(job->job_id(), ""), absl::StatusCode::kInvalidArgument);
-  EXPECT_EQ(checkpoint(job->job_id(), dir_ + "/out"), absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(checkpoint(job->job_id(), dir_ + "/out"), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(checkpoint(job->job_id(), "../out"), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(checkpoint(job->job_id(), "out"), absl::StatusCode::kFailedPrecondition);  // no step
 
   {
     grpc::ClientContext ctx;

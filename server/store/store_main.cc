@@ -40,6 +40,9 @@ ABSL_FLAG(int, sync_interval_ms, 0,
 ABSL_FLAG(uint64_t, disk_reserve_bytes, 64ull << 20,
           "Free bytes kept on the data disk: the store does not start with less, and refuses "
           "a put that would leave less (RESOURCE_EXHAUSTED), so its index stays writable");
+ABSL_FLAG(std::string, export_root, "",
+          "Directory under which Checkpoint RPCs may write (RocksDB checkpoints, safetensors "
+          "exports); never over a file, never through '..' or symlinks. Empty: exports are off");
 ABSL_FLAG(std::string, coordinator, "",
           "Coordinator address (host:port): register there and keep the lease alive");
 
@@ -69,6 +72,7 @@ absl::Status Run(pith::ShutdownSignals& signals) {
   }
   options.sync_interval = absl::Milliseconds(absl::GetFlag(FLAGS_sync_interval_ms));
   options.disk_reserve_bytes = absl::GetFlag(FLAGS_disk_reserve_bytes);
+  options.export_root = absl::GetFlag(FLAGS_export_root);
   options.metrics_port = exposer ? exposer->port() : -1;
   ASSIGN_OR_RETURN(auto server, pith::store::StoreServer::Start(options, &metrics));
   LOG(INFO) << "pith-store ready: grpc_port=" << server->grpc_port()

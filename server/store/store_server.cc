@@ -25,6 +25,11 @@ absl::StatusOr<std::unique_ptr<StoreServer>> StoreServer::Start(const StoreServe
     return absl::InvalidArgumentError(
         absl::StrCat("cannot create --data_dir ", options.data_dir, ": ", ec.message()));
   }
+  if (!options.export_root.empty()) std::filesystem::create_directories(options.export_root, ec);
+  if (ec) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("cannot create --export_root ", options.export_root, ": ", ec.message()));
+  }
   std::unique_ptr<StoreServer> s(new StoreServer());
   ASSIGN_OR_RETURN(s->worker_, ucx::Worker::Create());
   // The RAM tier lives in UCX-registered memory: blobs leave from it and arrive in it
@@ -43,7 +48,8 @@ absl::StatusOr<std::unique_ptr<StoreServer>> StoreServer::Start(const StoreServe
   ASSIGN_OR_RETURN(s->data_plane_,
                    DataPlane::Create(s->worker_.get(), s->store_.get(), s->arena_.get(), metrics));
   RETURN_IF_ERROR(s->worker_->Start());
-  s->service_ = std::make_unique<StoreServiceImpl>(s->store_.get(), s->worker_->address());
+  s->service_ = std::make_unique<StoreServiceImpl>(s->store_.get(), s->worker_->address(),
+                                                   options.export_root);
   ASSIGN_OR_RETURN(s->grpc_, GrpcServer::Start({.listen_address = options.listen_address,
                                                 .services = {s->service_.get()},
                                                 .max_message_bytes = options.max_message_bytes}));

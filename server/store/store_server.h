@@ -28,6 +28,7 @@ struct StoreServerOptions {
   uint64_t admission_window = 4096;                     // see BlobStoreOptions
   absl::Duration sync_interval = absl::ZeroDuration();  // see RocksColdTierOptions
   uint64_t disk_reserve_bytes = 64ull << 20;            // see RocksColdTierOptions
+  std::string export_root;  // Checkpoint writes only under it (empty: exports are off)
   int max_message_bytes = kDefaultMaxMessageBytes;
   std::string coordinator;  // optional: register with this coordinator and heartbeat
   int metrics_port = -1;    // advertised to the coordinator

@@ -7,6 +7,7 @@
 #include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
 #include "common/checkpoint_names.h"
+#include "common/export_path.h"
 #include "common/grpc_util.h"
 #include "common/safetensors.h"
 #include "common/status.h"
@@ -109,18 +110,18 @@ grpc::Status StoreServiceImpl::Checkpoint(grpc::ServerContext*,
     return ToGrpcStatus(absl::InvalidArgumentError("give checkpoint_dir, export_job_id, or both"));
   }
   if (!request->checkpoint_dir().empty()) {
-    if (std::filesystem::exists(request->checkpoint_dir())) {
-      return ToGrpcStatus(absl::AlreadyExistsError(
-          absl::StrCat("checkpoint_dir ", request->checkpoint_dir(), " already exists")));
-    }
-    absl::Status s = store_->cold().Checkpoint(request->checkpoint_dir());
+    absl::StatusOr<ExportPath> dir = ExportPath::NewEntry(export_root_, request->checkpoint_dir());
+    if (!dir.ok()) return ToGrpcStatus(dir.status());
+    absl::Status s = store_->cold().Checkpoint(dir->path());
     if (!s.ok()) return ToGrpcStatus(s);
-    reply->set_checkpoint_dir(request->checkpoint_dir());
+    reply->set_checkpoint_dir(dir->shown());
   }
   if (!request->export_job_id().empty()) {
     if (request->export_path().empty()) {
       return ToGrpcStatus(absl::InvalidArgumentError("export_path is required with export_job_id"));
     }
+    absl::StatusOr<ExportPath> file = ExportPath::NewEntry(export_root_, request->export_path());
+    if (!file.ok()) return ToGrpcStatus(file.status());
     // Pin every committed blob of the job, then write them in one safetensors file.
     std::vector<BlobRef> refs;
     SafetensorsWriter writer;
@@ -145,9 +146,9 @@ grpc::Status StoreServiceImpl::Checkpoint(grpc::ServerContext*,
     } while (!next.empty());
     const int64_t step = store_->CommittedStep(request->export_job_id());
     writer.SetMetadata(std::string(kSafetensorsStepKey), absl::StrCat(step));
-    absl::Status s = writer.Write(request->export_path());
+    absl::Status s = writer.Write(file->path(), /*replace=*/false);
     if (!s.ok()) return ToGrpcStatus(s);
-    reply->set_export_path(request->export_path());
+    reply->set_export_path(file->shown());
     reply->set_step(step);
     reply->set_bytes(bytes);
   }

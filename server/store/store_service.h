@@ -19,8 +19,9 @@ namespace pith::store {
 
 class StoreServiceImpl final : public v1::StoreService::Service {
  public:
-  StoreServiceImpl(BlobStore* store, std::string ucx_address)
-      : store_(store), ucx_address_(std::move(ucx_address)) {}
+  // `export_root`: where Checkpoint may write (ExportPath); empty: nowhere.
+  StoreServiceImpl(BlobStore* store, std::string ucx_address, std::string export_root = "")
+      : store_(store), ucx_address_(std::move(ucx_address)), export_root_(std::move(export_root)) {}
 
   grpc::Status GetUcxAddress(grpc::ServerContext*, const v1::GetUcxAddressRequest*,
                              v1::UcxAddress* reply) override;
@@ -50,6 +51,7 @@ class StoreServiceImpl final : public v1::StoreService::Service {
 
   BlobStore* store_;
   std::string ucx_address_;
+  const std::string export_root_;
   absl::Mutex mu_;
   std::unique_ptr<StoreClient> peers_ ABSL_GUARDED_BY(mu_);  // created on first pull
 };

@@ -425,7 +425,7 @@ class ClusterRun {
     return std::make_unique<ChildProcess>(
         PITH_COORDINATOR_BINARY,
         std::vector<std::string>{"--listen=" + listen, "--metrics_port=-1", "--lease_ms=1500",
-                                 "--data_dir=" + dir_ + "/coordinator"},
+                                 "--data_dir=" + dir_ + "/coordinator", "--export_root=" + dir_},
         dir_ + "/coordinator.log" + log_tag);
   }
 

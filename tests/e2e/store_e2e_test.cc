@@ -445,6 +445,42 @@ int BlobsAtStepOneAfterAPowerCut(StoreE2eTest* t, const std::vector<std::string>
   return whole;
 }
 
+// Checkpoint writes only under the store's --export_root: a path outside it, through `..`
+// or through a symlink is INVALID_ARGUMENT, an existing file ALREADY_EXISTS and kept, and
+// nothing is written elsewhere; a path under the root is exported.
+TEST_F(StoreE2eTest, CheckpointWritesOnlyUnderTheExportRoot) {
+  const std::string root = dir_ + "/exports";
+  StartStore(64 << 20, 4 << 20, "", {"--export_root=" + root});
+  ASSERT_TRUE(PutBytes(Key(0, 0), 0, Bytes(4096, 1)).ok());
+  ASSERT_TRUE(Commit(0).ok());
+  std::filesystem::create_symlink(dir_, root + "/out");
+  std::ofstream(root + "/taken.safetensors") << "mine";
+  auto checkpoint = [&](const std::string& export_path, const std::string& checkpoint_dir) {
+    grpc::ClientContext ctx;
+    v1::CheckpointRequest req;
+    req.set_export_job_id("job");
+    req.set_export_path(export_path);
+    req.set_checkpoint_dir(checkpoint_dir);
+    v1::CheckpointResponse resp;
+    return stub_->Checkpoint(&ctx, req, &resp).error_code();
+  };
+  for (const std::string& outside :
+       {dir_ + "/elsewhere.safetensors", root + "/../elsewhere.safetensors",
+        std::string("out/elsewhere.safetensors"), std::string("/tmp/elsewhere.safetensors")}) {
+    EXPECT_EQ(checkpoint(outside, ""), grpc::StatusCode::INVALID_ARGUMENT) << outside;
+  }
+  EXPECT_EQ(checkpoint("", dir_ + "/rocks"), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_EQ(checkpoint("taken.safetensors", ""), grpc::StatusCode::ALREADY_EXISTS);
+  EXPECT_FALSE(std::filesystem::exists(dir_ + "/elsewhere.safetensors"));
+  EXPECT_FALSE(std::filesystem::exists(dir_ + "/rocks"));
+  std::string kept;
+  std::getline(std::ifstream(root + "/taken.safetensors"), kept);
+  EXPECT_EQ(kept, "mine");
+  EXPECT_EQ(checkpoint("jobs/job.safetensors", "rocks"), grpc::StatusCode::OK);
+  EXPECT_TRUE(SafetensorsFile::Read(root + "/jobs/job.safetensors").ok());
+  EXPECT_TRUE(std::filesystem::exists(root + "/rocks/CURRENT"));
+}
+
 // Clients killed (kill -9) with many large writes half-sent, one after another: the store
 // outlives every one (a dead peer's rendezvous requests still arriving must not reach a
 // freed endpoint) and serves the next client. PITH_FLOOD_KILLS sets the number of kills.
@@ -698,7 +734,7 @@ TEST(StorePeerTest, PullBlobsAndCheckpoint) {
         PITH_STORE_BINARY,
         std::vector<std::string>{"--listen=127.0.0.1:0", "--metrics_port=-1",
                                  "--data_dir=" + dir + "/data" + std::to_string(i),
-                                 "--ram_bytes=67108864", "--max_blob_bytes=4194304"},
+                                 "--ram_bytes=64000000", "--export_root=" + dir},
         dir + "/store" + std::to_string(i) + ".log"));
     ASSERT_TRUE(stores.back()->WaitReady()) << stores.back()->Log();
     stubs.push_back(v1::StoreService::NewStub(

@@ -1,0 +1,113 @@
+#include "common/export_path.h"
+
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+#include <filesystem>
+#include <vector>
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
+
+namespace pith {
+namespace {
+
+// `p` without "." and empty components (lexically; ".." is left for the caller to refuse).
+std::vector<std::string> Components(const std::string& p) {
+  std::vector<std::string> out;
+  for (absl::string_view c : absl::StrSplit(p, '/', absl::SkipEmpty())) {
+    if (c != ".") out.emplace_back(c);
+  }
+  return out;
+}
+
+}  // namespace
+
+absl::StatusOr<ExportPath> ExportPath::Directory(const std::string& root,
+                                                 const std::string& requested) {
+  return Open(root, requested, /*new_entry=*/false);
+}
+
+absl::StatusOr<ExportPath> ExportPath::NewEntry(const std::string& root,
+                                                const std::string& requested) {
+  return Open(root, requested, /*new_entry=*/true);
+}
+
+absl::StatusOr<ExportPath> ExportPath::Open(const std::string& root_flag,
+                                            const std::string& requested, bool new_entry) {
+  if (root_flag.empty()) {
+    return absl::FailedPreconditionError(
+        "server-side exports are off: this server has no --export_root (pith checkpoint --out "
+        "downloads to the client instead)");
+  }
+  if (requested.empty()) return absl::InvalidArgumentError("the export path is empty");
+  std::error_code ec;
+  const std::filesystem::path absolute = std::filesystem::absolute(root_flag, ec);
+  if (ec)
+    return absl::InvalidArgumentError(absl::StrCat("export root ", root_flag, ": ", ec.message()));
+  const std::vector<std::string> root_parts = Components(absolute.lexically_normal().string());
+  const std::string root = absl::StrCat("/", absl::StrJoin(root_parts, "/"));
+  std::vector<std::string> parts = Components(requested);
+  if (absl::StartsWith(requested, "/")) {  // absolute: must lie under the root
+    const bool under = parts.size() > root_parts.size() &&
+                       std::equal(root_parts.begin(), root_parts.end(), parts.begin());
+    if (!under) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("export path ", requested, " is outside the export root ", root));
+    }
+    parts.erase(parts.begin(), parts.begin() + static_cast<long>(root_parts.size()));
+  }
+  for (const std::string& c : parts) {
+    if (c == "..") {
+      return absl::InvalidArgumentError(
+          absl::StrCat("export path ", requested, ": '..' may not be used"));
+    }
+  }
+  if (parts.empty()) {
+    if (new_entry) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("export path ", requested, " names the export root itself"));
+    }
+  }
+  ExportPath out;
+  out.dir_ = UniqueFd(::open(root.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC));
+  if (!out.dir_.valid()) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("export root ", root, ": ", std::strerror(errno)));
+  }
+  const size_t dirs = new_entry ? parts.size() - 1 : parts.size();
+  for (size_t i = 0; i < dirs; ++i) {
+    if (::mkdirat(out.dir_.get(), parts[i].c_str(), 0755) != 0 && errno != EEXIST) {
+      return absl::PermissionDeniedError(
+          absl::StrCat("cannot create ", parts[i], " under ", root, ": ", std::strerror(errno)));
+    }
+    UniqueFd next(::openat(out.dir_.get(), parts[i].c_str(),
+                           O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC));
+    if (!next.valid()) {
+      const bool link = errno == ELOOP || errno == ENOTDIR;
+      return absl::InvalidArgumentError(
+          absl::StrCat("export path ", requested, ": ", parts[i],
+                       link ? " is a symlink or not a directory; exports do not follow symlinks"
+                            : absl::StrCat(" cannot be opened: ", std::strerror(errno))));
+    }
+    out.dir_ = std::move(next);
+  }
+  out.path_ = absl::StrCat("/proc/self/fd/", out.dir_.get());
+  out.shown_ = parts.empty() ? root : absl::StrCat(root, "/", absl::StrJoin(parts, "/"));
+  if (new_entry) {
+    struct stat st;
+    if (::fstatat(out.dir_.get(), parts.back().c_str(), &st, AT_SYMLINK_NOFOLLOW) == 0) {
+      return absl::AlreadyExistsError(
+          absl::StrCat(out.shown_, " already exists; exports never replace a file"));
+    }
+    absl::StrAppend(&out.path_, "/", parts.back());
+  }
+  return out;
+}
+
+}  // namespace pith

@@ -1,0 +1,88 @@
+// ExportPath: exports stay under the export root, never go through `..` or a symlink, never
+// replace a file; without a root they are off.
+#include "common/export_path.h"
+
+#include <unistd.h>
+
+#include <filesystem>
+#include <fstream>
+#include <string>
+
+#include "common/file.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+
+namespace pith {
+namespace {
+
+using ::testing::HasSubstr;
+
+class ExportPathTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    base_ = std::filesystem::path(::testing::TempDir() + "/export_path_" + std::to_string(getpid()))
+                .lexically_normal()
+                .string();
+    std::filesystem::remove_all(base_);
+    root_ = base_ + "/root";
+    std::filesystem::create_directories(root_);
+    std::filesystem::create_directories(base_ + "/elsewhere");
+  }
+  void TearDown() override { std::filesystem::remove_all(base_); }
+  std::string base_, root_;
+};
+
+TEST_F(ExportPathTest, ExportsLandUnderTheRootAndReplaceNothing) {
+  absl::StatusOr<ExportPath> dir = ExportPath::Directory(root_, "a/b");
+  ASSERT_TRUE(dir.ok()) << dir.status();
+  EXPECT_EQ(dir->shown(), root_ + "/a/b");
+  EXPECT_TRUE(std::filesystem::is_directory(root_ + "/a/b"));
+  // Written through the opened directory: it lands under the root.
+  ASSERT_TRUE(WriteFileAtomically(dir->path() + "/f", [](int) { return absl::OkStatus(); }).ok());
+  EXPECT_TRUE(std::filesystem::exists(root_ + "/a/b/f"));
+  // Absolute under the root is the same place; a new entry must not exist.
+  absl::StatusOr<ExportPath> file = ExportPath::NewEntry(root_, root_ + "/a/./b//f");
+  EXPECT_EQ(file.status().code(), absl::StatusCode::kAlreadyExists) << file.status();
+  file = ExportPath::NewEntry(root_, "a/b/g");
+  ASSERT_TRUE(file.ok()) << file.status();
+  EXPECT_EQ(file->shown(), root_ + "/a/b/g");
+  // A file that appears between the check and the write is not replaced either.
+  std::ofstream(root_ + "/a/b/g") << "mine";
+  const absl::Status late = WriteFileAtomically(
+      file->path(), [](int) { return absl::OkStatus(); }, /*replace=*/false);
+  EXPECT_EQ(late.code(), absl::StatusCode::kAlreadyExists) << late;
+  std::string kept;
+  std::getline(std::ifstream(root_ + "/a/b/g"), kept);
+  EXPECT_EQ(kept, "mine");
+}
+
+TEST_F(ExportPathTest, EscapesAreRefused) {
+  for (const std::string& bad : {base_ + "/elsewhere/x", std::string("../elsewhere/x"),
+                                 std::string("a/../../elsewhere/x"), std::string("/etc/passwd")}) {
+    absl::StatusOr<ExportPath> p = ExportPath::NewEntry(root_, bad);
+    EXPECT_EQ(p.status().code(), absl::StatusCode::kInvalidArgument) << bad << ": " << p.status();
+  }
+  // A symlink below the root, to a directory outside it, is not followed.
+  std::filesystem::create_symlink(base_ + "/elsewhere", root_ + "/link");
+  absl::StatusOr<ExportPath> through = ExportPath::NewEntry(root_, "link/x");
+  EXPECT_EQ(through.status().code(), absl::StatusCode::kInvalidArgument) << through.status();
+  EXPECT_THAT(std::string(through.status().message()), HasSubstr("symlink"));
+  through = ExportPath::Directory(root_, "link");
+  EXPECT_EQ(through.status().code(), absl::StatusCode::kInvalidArgument) << through.status();
+  // A symlink as the final name is an existing entry: never replaced, never followed.
+  std::filesystem::create_symlink(base_ + "/elsewhere/target", root_ + "/final");
+  EXPECT_EQ(ExportPath::NewEntry(root_, "final").status().code(), absl::StatusCode::kAlreadyExists);
+  EXPECT_FALSE(std::filesystem::exists(base_ + "/elsewhere/x"));
+  EXPECT_FALSE(std::filesystem::exists(base_ + "/elsewhere/target"));
+}
+
+TEST_F(ExportPathTest, WithoutARootExportsAreOff) {
+  absl::StatusOr<ExportPath> p = ExportPath::Directory("", "/tmp/x");
+  EXPECT_EQ(p.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(std::string(p.status().message()), HasSubstr("--export_root"));
+  EXPECT_EQ(ExportPath::NewEntry(root_, "").status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(ExportPath::NewEntry(root_, root_).status().code(), absl::StatusCode::kInvalidArgument);
+}
+
+}  // namespace
+}  // namespace pith
