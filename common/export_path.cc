@@ -46,6 +46,10 @@ absl::StatusOr<ExportPath> ExportPath::Open(const std::string& root_flag,
         "downloads to the client instead)");
   }
   if (requested.empty()) return absl::InvalidArgumentError("the export path is empty");
+  // A NUL would end the name the kernel sees early ("..\0" passes as a name, opens as "..").
+  if (requested.find('\0') != std::string::npos || root_flag.find('\0') != std::string::npos) {
+    return absl::InvalidArgumentError("the export path holds a NUL byte");
+  }
   std::error_code ec;
   const std::filesystem::path absolute = std::filesystem::absolute(root_flag, ec);
   if (ec)
@@ -54,7 +58,7 @@ absl::StatusOr<ExportPath> ExportPath::Open(const std::string& root_flag,
   const std::string root = absl::StrCat("/", absl::StrJoin(root_parts, "/"));
   std::vector<std::string> parts = Components(requested);
   if (absl::StartsWith(requested, "/")) {  // absolute: must lie under the root
-    const bool under = parts.size() > root_parts.size() &&
+    const bool under = parts.size() >= root_parts.size() + (new_entry ? 1 : 0) &&
                        std::equal(root_parts.begin(), root_parts.end(), parts.begin());
     if (!under) {
       return absl::InvalidArgumentError(

@@ -40,6 +40,8 @@ TEST_F(ExportPathTest, ExportsLandUnderTheRootAndReplaceNothing) {
   // Written through the opened directory: it lands under the root.
   ASSERT_TRUE(WriteFileAtomically(dir->path() + "/f", [](int) { return absl::OkStatus(); }).ok());
   EXPECT_TRUE(std::filesystem::exists(root_ + "/a/b/f"));
+  // The root itself, named absolutely, is a directory to export into.
+  EXPECT_TRUE(ExportPath::Directory(root_, root_).ok());
   // Absolute under the root is the same place; a new entry must not exist.
   absl::StatusOr<ExportPath> file = ExportPath::NewEntry(root_, root_ + "/a/./b//f");
   EXPECT_EQ(file.status().code(), absl::StatusCode::kAlreadyExists) << file.status();
@@ -62,6 +64,10 @@ TEST_F(ExportPathTest, EscapesAreRefused) {
     absl::StatusOr<ExportPath> p = ExportPath::NewEntry(root_, bad);
     EXPECT_EQ(p.status().code(), absl::StatusCode::kInvalidArgument) << bad << ": " << p.status();
   }
+  // A NUL ends the name the kernel sees: "..\0" would pass as a name and open as "..".
+  const std::string nul("..\0/..\0/x", 9);
+  EXPECT_EQ(ExportPath::NewEntry(root_, nul).status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(ExportPath::Directory(root_, nul).status().code(), absl::StatusCode::kInvalidArgument);
   // A symlink below the root, to a directory outside it, is not followed.
   std::filesystem::create_symlink(base_ + "/elsewhere", root_ + "/link");
   absl::StatusOr<ExportPath> through = ExportPath::NewEntry(root_, "link/x");

@@ -5,6 +5,7 @@
 #include <sys/statvfs.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <cerrno>
 #include <cstring>
 #include <utility>
@@ -124,7 +125,9 @@ absl::Status PreadAll(int fd, absl::Span<uint8_t> bytes, uint64_t offset,
 
 absl::Status WriteFileAtomically(const std::string& path,
                                  const std::function<absl::Status(int fd)>& fill, bool replace) {
-  const std::string tmp = absl::StrCat(path, ".tmp.", ::getpid());
+  // One name per call: two writers of one path in a process must not share a temporary.
+  static std::atomic<uint64_t> calls{0};
+  const std::string tmp = absl::StrCat(path, ".tmp.", ::getpid(), ".", ++calls);
   ::unlink(tmp.c_str());  // a dead process's leftover (or a planted link: never followed)
   UniqueFd fd(::open(tmp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0644));
   if (!fd.valid()) return ErrnoError(errno, "cannot create", tmp);
@@ -132,9 +135,13 @@ absl::Status WriteFileAtomically(const std::string& path,
   if (status.ok() && ::fsync(fd.get()) != 0) status = ErrnoError(errno, "cannot fsync", tmp);
   if (status.ok()) status = Annotate(fd.Close(), tmp);
   if (status.ok()) {
-    const int rc =
-        replace ? ::rename(tmp.c_str(), path.c_str())
-                : ::renameat2(AT_FDCWD, tmp.c_str(), AT_FDCWD, path.c_str(), RENAME_NOREPLACE);
+    int rc = replace ? ::rename(tmp.c_str(), path.c_str())
+                     : ::renameat2(AT_FDCWD, tmp.c_str(), AT_FDCWD, path.c_str(), RENAME_NOREPLACE);
+    if (rc != 0 && !replace && (errno == EINVAL || errno == ENOSYS)) {
+      // File systems without RENAME_NOREPLACE (NFS, some FUSE): link() never replaces.
+      rc = ::link(tmp.c_str(), path.c_str());
+      if (rc == 0) ::unlink(tmp.c_str());
+    }
     if (rc != 0 && errno == EEXIST) {
       status = absl::AlreadyExistsError(
           absl::StrCat(path, " already exists; exports never replace a file"));

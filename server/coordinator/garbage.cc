@@ -54,8 +54,10 @@ int Scheduler::CollectGarbageOnce() {
           continue;
         }
         auto store = alive.stores.find(id);
+        auto join = run.copies.join_requests.find({layer, expert});
+        const bool joining_again = join != run.copies.join_requests.end() && join->second == id;
         // A step under the placement without the store committed: no attempt reads there.
-        if (store != alive.stores.end() && run.committed >= it->second) {
+        if (store != alive.stores.end() && run.committed >= it->second && !joining_again) {
           Deletion& d = deletions.emplace_back();
           d.store = store->second;
           d.request.set_job_id(job_id);

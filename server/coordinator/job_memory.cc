@@ -20,7 +20,9 @@ constexpr uint64_t kPairReportBytes = 16;   // each worker's count for a pair
 uint64_t JobStateBytes(const v1::JobSpec& spec) {
   const uint64_t layers = static_cast<uint64_t>(std::max(0, spec.model().n_layer()));
   const uint64_t experts = static_cast<uint64_t>(std::max(0, spec.model().n_expert()));
-  const uint64_t copies = static_cast<uint64_t>(std::max(1, spec.cluster().store_replicas()));
+  // Hot experts may hold up to max_store_replicas copies.
+  const uint64_t copies = static_cast<uint64_t>(std::max(
+      {1, spec.cluster().store_replicas(), spec.cluster().replication().max_store_replicas()}));
   const uint64_t workers = static_cast<uint64_t>(std::max(1, spec.cluster().workers()));
   const uint64_t groups = layers * experts + 1;
   uint64_t bytes =

@@ -24,7 +24,15 @@ int Scheduler::ReplicateOnce() {
       replication_.PlanCopies(*job, run.record.placement(), run.committed, ForJob(alive, run),
                               heat_->Snapshot(job_id), options_.max_pulls, run.copies, &tasks);
     }
-    // A copy into a store that is having the group deleted waits for a later pass.
+    // A store that is having a group deleted neither joins it (the workers' writes to it
+    // would go with the delete) nor gets a copy of it, until the delete returned.
+    for (auto& [job_id, run] : runs_) {
+      for (auto it = run.copies.join_requests.begin(); it != run.copies.join_requests.end();) {
+        const bool deleting =
+            collecting_.count({job_id, it->second, it->first.first, it->first.second}) > 0;
+        it = deleting ? run.copies.join_requests.erase(it) : std::next(it);
+      }
+    }
     std::vector<CopyTask> ready;
     for (CopyTask& t : tasks) {
       if (!collecting_.count({t.job_id, t.target.member_id(), t.layer, t.expert})) {

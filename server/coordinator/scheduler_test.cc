@@ -578,8 +578,9 @@ TEST_F(SchedulerTest, StoresLoseTheGroupsTheyLeftAndEndedJobsBlobs) {
 }
 
 // A store declared dead comes back: the groups it left are deleted there, while the
-// placement wants some of them on it again. A copy of such a group to it waits until the
-// group's delete returned (a pull landing first would be deleted with the stale blobs).
+// placement wants some of them on it again. It neither joins such a group nor gets a copy
+// of it until the group's delete returned (writes or a pull landing first would be
+// deleted with the stale blobs).
 TEST_F(SchedulerTest, AGroupIsNotCopiedToAStoreWhileItIsBeingDeletedThere) {
   const v1::Job job = Submit(1, 300, /*replicas=*/2);
   const std::string s0 = Join(v1::MEMBER_ROLE_STORE), s1 = Join(v1::MEMBER_ROLE_STORE),
@@ -599,12 +600,21 @@ TEST_F(SchedulerTest, AGroupIsNotCopiedToAStoreWhileItIsBeingDeletedThere) {
   Join(v1::MEMBER_ROLE_STORE, s1);  // back, with the groups it left still on its disk
   scheduler_->Tick();
   std::vector<std::string> pulled_meanwhile;  // while the first delete was in flight
+  std::vector<std::string> joined_meanwhile;  // "store:job:layer/expert" joining then
   stores_.during_delete = [&](const v1::MemberInfo&, const v1::DeleteJobRequest&) {
     // Meanwhile the replicator asks for s1 on its share, a step boundary places it there
     // (joining) and the replicator runs again.
     while (scheduler_->ReplicateOnce() > 0) {
     }
     CommitStep(job.job_id(), 4, {w0});
+    const absl::StatusOr<v1::PlacementTable> placed = scheduler_->GetPlacement(job.job_id());
+    ASSERT_TRUE(placed.ok()) << placed.status();
+    for (const v1::ExpertPlacement& e : placed->experts()) {
+      for (const std::string& id : e.joining_store_ids()) {
+        joined_meanwhile.push_back(absl::StrCat(id, ":", job.job_id(), ":", e.layer(), "/",
+                                                e.layer() < 0 ? 0 : e.expert()));
+      }
+    }
     const size_t before = stores_.pulls.size();
     while (scheduler_->ReplicateOnce() > 0) {
     }
@@ -622,7 +632,13 @@ TEST_F(SchedulerTest, AGroupIsNotCopiedToAStoreWhileItIsBeingDeletedThere) {
   for (const std::string& p : pulled_meanwhile) {
     EXPECT_FALSE(into_deleted(p)) << p << " landed while the group was being deleted there";
   }
-  const size_t before = stores_.pulls.size();  // the deletes returned: the copies go ahead
+  for (const std::string& j : joined_meanwhile) {
+    EXPECT_FALSE(deleted.count(j)) << j << " joined while the group was being deleted there";
+  }
+  const size_t before = stores_.pulls.size();  // the deletes returned: s1 joins, is copied
+  while (scheduler_->ReplicateOnce() > 0) {
+  }
+  CommitStep(job.job_id(), 5, {w0});
   while (scheduler_->ReplicateOnce() > 0) {
   }
   const auto after =

@@ -32,7 +32,8 @@ struct StoreClient::Pending {
   v1::BlobInfo put_info;  // put
   absl::Status status;
   bool finished = false;
-  int receiving = 0;  // payloads being received into the caller's buffers
+  int receiving = 0;          // payloads being received into the caller's buffers
+  std::vector<bool> replied;  // fetch: the items answered already (progress thread)
   absl::Notification done;
   std::shared_ptr<Round> round;  // null: waited for alone
   // Indices of fetch items whose payload landed whole: the waiting caller checks them
@@ -177,6 +178,11 @@ void StoreClient::OnReply(ucx::AmMessage& m, bool is_get) {
     return;
   }
   if (reply.index() >= p->count) return;
+  // One reply per item: a repeat (a broken or hostile store) would write over bytes the
+  // caller may be checking, or already has.
+  if (p->replied.empty()) p->replied.assign(p->count, false);
+  if (p->replied[reply.index()]) return;
+  p->replied[reply.index()] = true;
   FetchItem& item = p->items[reply.index()];
   const uint64_t id = reply.request_id();
   auto item_done = [this, p, id] {

@@ -98,13 +98,17 @@ class JobRun : public StepDriver {
       return absl::FailedPreconditionError(
           absl::StrCat("global batch ", B, " has no rows for rank ", a_.rank(), " of ", W));
     }
-    // The data file first: a job whose data this worker cannot read fails at once, with
-    // the reason, instead of retrying step 0 (cheap: nothing is allocated yet).
+    // The data file first, before the model and the cache: a job whose data this worker
+    // cannot read fails at once, with the reason, instead of retrying step 0.
     absl::StatusOr<data::TokenDataset> dataset =
         data::TokenDataset::Open(spec.train().data_path(), shape_.vocab);
     if (!dataset.ok()) {
-      // Missing, unreadable or malformed is for good; an I/O error (INTERNAL) may pass.
-      can_run_ = dataset.status().code() == absl::StatusCode::kInternal;
+      // Missing, unreadable or malformed is for good; anything else (an I/O error, no
+      // memory for it now, a file changing under the read) may pass: retried.
+      const absl::StatusCode code = dataset.status().code();
+      can_run_ = code != absl::StatusCode::kNotFound &&
+                 code != absl::StatusCode::kPermissionDenied &&
+                 code != absl::StatusCode::kInvalidArgument;
       return dataset.status();
     }
     dataset_ = *std::move(dataset);
