@@ -6,6 +6,7 @@
 
 #include <cstdlib>
 #include <cstring>
+#include <filesystem>
 #include <fstream>
 #include <functional>
 #include <map>
@@ -47,8 +48,15 @@ constexpr char kUsage[] =
     "                              (--spec: for files that do not record their job's spec)\n"
     "  version                     print the Pith version\n"
     "\n"
+    "  certs --dir DIR [--name NAME[,NAME...] --role ROLE] [--hosts HOST[,HOST...]]\n"
+    "                              make DIR's cluster CA (once), and a certificate for\n"
+    "                              each NAME in DIR/NAME (ROLE: member, coordinator,\n"
+    "                              admin, user; --hosts: the names and addresses its\n"
+    "                              servers are reached at, default this machine's)\n"
+    "\n"
     "job commands (coordinator from --coordinator HOST:PORT, else $PITH_COORDINATOR, else\n"
-    "127.0.0.1:7000; --output json for machine-readable output):\n"
+    "127.0.0.1:7000; mutual TLS with --tls_dir DIR, else $PITH_TLS_DIR, else the local\n"
+    "cluster's admin certificate; --output json for machine-readable output):\n"
     "  submit SPEC.json            submit a job; prints its id\n"
     "  status [JOB]                one job's state and figures, or every job\n"
     "  watch JOB                   follow a job: step, loss, tokens/s, cache hit rate, ETA\n"
@@ -105,8 +113,24 @@ absl::StatusOr<std::unique_ptr<Client>> Connect(const CliContext& ctx) {
   }
   if (address.empty()) address = LocalCoordinator(DefaultDir());
   if (address.empty()) address = "127.0.0.1:7000";
-  return Client::Connect(address, absl::Seconds(5));
+  std::string tls_dir = ctx.tls_dir;
+  if (tls_dir.empty()) {
+    const char* env = std::getenv("PITH_TLS_DIR");
+    if (env != nullptr && *env != '\0') tls_dir = env;
+  }
+  std::error_code ec;
+  if (const std::string local = LocalTlsDir(DefaultDir()) + "/admin";
+      tls_dir.empty() && std::filesystem::exists(local + "/cert.pem", ec)) {
+    tls_dir = local;
+  }
+  absl::StatusOr<security::TransportSecurity> security =
+      tls_dir.empty() ? security::TransportSecurity::Insecure()
+                      : security::TransportSecurity::Tls(tls_dir);
+  if (!security.ok()) return Annotate(security.status(), "--tls_dir");
+  return Client::Connect(address, *security, absl::Seconds(5));
 }
+
+std::string LocalTlsDir(const std::string& dir) { return dir + "/tls"; }
 
 absl::Status ParseFlags(const std::string& command, const Args& args,
                         std::map<std::string, std::string>& flags) {
@@ -261,7 +285,7 @@ int RunCli(const std::vector<std::string>& raw_args, std::ostream& out, std::ost
     const std::string& a = raw_args[i];
     std::string value;
     bool has_value = false;
-    for (const char* flag : {"--coordinator", "--output"}) {
+    for (const char* flag : {"--coordinator", "--output", "--tls_dir"}) {
       if (a == flag || absl::StartsWith(a, std::string(flag) + "=")) {
         if (a == flag) {
           if (i + 1 == raw_args.size()) {
@@ -275,6 +299,8 @@ int RunCli(const std::vector<std::string>& raw_args, std::ostream& out, std::ost
         has_value = true;
         if (std::string(flag) == "--coordinator") {
           ctx.coordinator = value;
+        } else if (std::string(flag) == "--tls_dir") {
+          ctx.tls_dir = value;
         } else if (value == "json" || value == "text") {
           ctx.json = value == "json";
         } else {
@@ -302,6 +328,7 @@ int RunCli(const std::vector<std::string>& raw_args, std::ostream& out, std::ost
       {"up", cli::Up},
       {"experts", cli::Experts},
       {"down", cli::Down},
+      {"certs", cli::Certs},
   };
   if (args.empty() || args[0] == "help" || args[0] == "--help" || args[0] == "-h") {
     (args.empty() ? err : out) << cli::kUsage;

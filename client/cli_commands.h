@@ -25,6 +25,7 @@ using Args = std::vector<std::string>;
 // Flags every job command understands, taken out of the arguments by RunCli.
 struct CliContext {
   std::string coordinator;
+  std::string tls_dir;  // --tls_dir; see Connect
   bool json = false;
 };
 
@@ -42,8 +43,12 @@ std::string DefaultDir();
 // The coordinator of a cluster started by `pith up` in `dir`, if one is recorded there.
 std::string LocalCoordinator(const std::string& dir);
 // The coordinator from --coordinator, else $PITH_COORDINATOR, else the local cluster's,
-// else 127.0.0.1:7000.
+// else 127.0.0.1:7000; over mutual TLS with the certificate of --tls_dir, else
+// $PITH_TLS_DIR, else the local cluster's admin certificate (DIR/tls/admin) when there is
+// one, else plaintext (loopback only).
 absl::StatusOr<std::unique_ptr<Client>> Connect(const CliContext& ctx);
+// Where `pith up` keeps the local cluster's certificates.
+std::string LocalTlsDir(const std::string& dir);
 // `m` as JSON with the proto field names.
 std::string Json(const google::protobuf::Message& m);
 
@@ -55,6 +60,9 @@ absl::Status Cancel(const CliContext& ctx, const Args& args, std::ostream& out);
 absl::Status Checkpoint(const CliContext& ctx, const Args& args, std::ostream& out);
 absl::Status Experts(const CliContext& ctx, const Args& args, std::ostream& out);
 absl::Status Cluster(const CliContext& ctx, const Args& args, std::ostream& out);
+
+// Certificates (cli_certs.cc).
+absl::Status Certs(const CliContext& ctx, const Args& args, std::ostream& out);
 
 // The local cluster (cli_local.cc).
 absl::Status Up(const CliContext& ctx, const Args& args, std::ostream& out);

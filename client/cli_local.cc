@@ -21,6 +21,7 @@
 #include "absl/strings/str_format.h"
 #include "client/cli_commands.h"
 #include "common/status.h"
+#include "security/certs.h"
 
 namespace pith::cli {
 namespace {
@@ -81,6 +82,24 @@ absl::StatusOr<std::pair<int, int>> WaitReady(const std::string& name, pid_t pid
   return absl::DeadlineExceededError(absl::StrCat(name, " did not start within 20 s; see ", log));
 }
 
+// The local cluster's CA and certificates in DIR/tls (kept across `pith up`s): one per
+// process, and the admin's the CLI uses.
+absl::Status LocalCerts(const std::string& tls, int stores, int workers) {
+  RETURN_IF_ERROR(security::EnsureCa(tls).status());
+  std::vector<security::Identity> ids = {{security::Role::kCoordinator, "coordinator"},
+                                         {security::Role::kAdmin, "admin"}};
+  for (int n = 0; n < stores; ++n)
+    ids.push_back({security::Role::kMember, absl::StrCat("store", n)});
+  for (int n = 0; n < workers; ++n) {
+    ids.push_back({security::Role::kMember, absl::StrCat("worker", n)});
+  }
+  for (const security::Identity& id : ids) {
+    absl::Status s = security::Issue(tls, id);
+    if (!s.ok() && !absl::IsAlreadyExists(s)) return s;
+  }
+  return absl::OkStatus();
+}
+
 }  // namespace
 
 absl::Status Up(const CliContext& ctx, const Args& args, std::ostream& out) {
@@ -108,6 +127,8 @@ absl::Status Up(const CliContext& ctx, const Args& args, std::ostream& out) {
   std::filesystem::create_directories(dir, ec);
   if (ec)
     return absl::PermissionDeniedError(absl::StrCat("cannot create ", dir, ": ", ec.message()));
+  const std::string tls = LocalTlsDir(dir);
+  RETURN_IF_ERROR(Annotate(LocalCerts(tls, stores, workers), "certificates"));
   std::vector<std::pair<std::string, pid_t>> started;
   auto stop_all = [&] {
     for (auto it = started.rbegin(); it != started.rend(); ++it) ::kill(it->second, SIGKILL);
@@ -125,17 +146,18 @@ absl::Status Up(const CliContext& ctx, const Args& args, std::ostream& out) {
     ASSIGN_OR_RETURN(auto c,
                      launch("coordinator", {FindBinary("pith-coordinator", "server/coordinator"),
                                             "--listen=127.0.0.1:0", "--metrics_port=0",
-                                            "--data_dir=" + dir + "/coordinator"}));
+                                            "--data_dir=" + dir + "/coordinator",
+                                            "--tls_dir=" + tls + "/coordinator"}));
     const std::string address = absl::StrCat("127.0.0.1:", c.first);
     lines.push_back(absl::StrFormat("  %-12s %-22s http://127.0.0.1:%d/metrics", "coordinator",
                                     address, c.second));
     for (int n = 0; n < stores; ++n) {
       const std::string name = absl::StrCat("store", n);
       ASSIGN_OR_RETURN(
-          auto st,
-          launch(name, {FindBinary("pith-store", "server/store"), "--listen=127.0.0.1:0",
-                        "--metrics_port=0", "--data_dir=" + dir + "/" + name,
-                        absl::StrCat("--ram_bytes=", ram_bytes), "--coordinator=" + address}));
+          auto st, launch(name, {FindBinary("pith-store", "server/store"), "--listen=127.0.0.1:0",
+                                 "--metrics_port=0", "--data_dir=" + dir + "/" + name,
+                                 absl::StrCat("--ram_bytes=", ram_bytes),
+                                 "--coordinator=" + address, "--tls_dir=" + tls + "/" + name}));
       lines.push_back(absl::StrFormat("  %-12s 127.0.0.1:%-12d http://127.0.0.1:%d/metrics", name,
                                       st.first, st.second));
     }
@@ -145,10 +167,11 @@ absl::Status Up(const CliContext& ctx, const Args& args, std::ostream& out) {
     for (int n = 0; n < workers; ++n) {
       const std::string name = absl::StrCat("worker", n);
       ASSIGN_OR_RETURN(
-          auto w, launch(name, {FindBinary("pith-worker", "worker"), "--coordinator=" + address,
-                                "--metrics_port=0", absl::StrCat("--cache_bytes=", cache_bytes),
-                                absl::StrCat("--memory_bytes=", memory_bytes),
-                                absl::StrCat("--threads=", threads)}));
+          auto w,
+          launch(name, {FindBinary("pith-worker", "worker"), "--coordinator=" + address,
+                        "--metrics_port=0", absl::StrCat("--cache_bytes=", cache_bytes),
+                        absl::StrCat("--memory_bytes=", memory_bytes),
+                        absl::StrCat("--threads=", threads), "--tls_dir=" + tls + "/" + name}));
       lines.push_back(
           absl::StrFormat("  %-12s %-22s http://127.0.0.1:%d/metrics", name, "-", w.second));
     }
@@ -163,6 +186,7 @@ absl::Status Up(const CliContext& ctx, const Args& args, std::ostream& out) {
   }
   out << "Pith local cluster up in " << dir << ":\n";
   for (const std::string& l : lines) out << l << "\n";
+  out << "Mutual TLS on every port (certificates in " << tls << "; the CLI uses admin's).\n";
   out << "The job commands find it by themselves; stop it with pith down"
       << (flags["--dir"] == DefaultDir() ? "" : " --dir " + dir) << ".\n";
   return absl::OkStatus();

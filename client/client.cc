@@ -16,8 +16,9 @@
 namespace pith {
 
 absl::StatusOr<std::unique_ptr<Client>> Client::Connect(const std::string& address,
+                                                        const security::TransportSecurity& security,
                                                         absl::Duration timeout) {
-  ASSIGN_OR_RETURN(std::shared_ptr<grpc::Channel> channel, Dial(address, timeout));
+  ASSIGN_OR_RETURN(std::shared_ptr<grpc::Channel> channel, Dial(address, security, timeout));
   return std::unique_ptr<Client>(new Client(address, v1::JobService::NewStub(channel),
                                             v1::CoordinatorService::NewStub(channel)));
 }

@@ -16,15 +16,18 @@
 #include "absl/time/time.h"
 #include "pith/v1/coordinator.grpc.pb.h"
 #include "pith/v1/job.grpc.pb.h"
+#include "security/tls.h"
 
 namespace pith {
 
 class Client {
  public:
-  // A client of the coordinator at `address`. UNAVAILABLE, naming the address, when it
-  // cannot be reached within `timeout`.
-  static absl::StatusOr<std::unique_ptr<Client>> Connect(const std::string& address,
-                                                         absl::Duration timeout = absl::Seconds(5));
+  // A client of the coordinator at `address`, over mutual TLS with the certificate of
+  // `security` (a user's or an admin's: security/tls.h), or plaintext on loopback.
+  // UNAVAILABLE, naming the address, when it cannot be reached within `timeout`.
+  static absl::StatusOr<std::unique_ptr<Client>> Connect(
+      const std::string& address, const security::TransportSecurity& security,
+      absl::Duration timeout = absl::Seconds(5));
 
   absl::StatusOr<v1::Job> Submit(const v1::JobSpec& spec);
   absl::StatusOr<v1::Job> Get(const std::string& job_id);

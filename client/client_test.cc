@@ -33,7 +33,8 @@ class ClientTest : public ::testing::Test {
         GrpcServer::Start({.listen_address = "127.0.0.1:0", .services = {service_.get()}});
     ASSERT_TRUE(server.ok()) << server.status();
     server_ = std::move(*server);
-    auto client = Client::Connect("127.0.0.1:" + std::to_string(server_->port()));
+    auto client = Client::Connect("127.0.0.1:" + std::to_string(server_->port()),
+                                  security::TransportSecurity::Insecure());
     ASSERT_TRUE(client.ok()) << client.status();
     client_ = std::move(*client);
   }
@@ -113,7 +114,8 @@ TEST_F(ClientTest, ErrorsAreTheCoordinatorsNamedAndClear) {
 
 TEST(ClientConnectTest, AnUnreachableCoordinatorIsUnavailableWithinTheDeadline) {
   const absl::Time start = absl::Now();
-  auto client = Client::Connect("127.0.0.1:1", absl::Milliseconds(500));
+  auto client = Client::Connect("127.0.0.1:1", security::TransportSecurity::Insecure(),
+                                absl::Milliseconds(500));
   EXPECT_EQ(client.status().code(), absl::StatusCode::kUnavailable);
   EXPECT_THAT(std::string(client.status().message()), HasSubstr("127.0.0.1:1"));
   EXPECT_LT(absl::Now() - start, absl::Seconds(5));

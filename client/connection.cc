@@ -3,16 +3,22 @@
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "common/grpc_util.h"
+#include "common/status.h"
 
 namespace pith {
 
 absl::StatusOr<std::shared_ptr<grpc::Channel>> Dial(const std::string& address,
+                                                    const security::TransportSecurity& security,
                                                     absl::Duration timeout) {
   if (address.empty()) return absl::InvalidArgumentError("no server address given");
-  std::shared_ptr<grpc::Channel> channel = NewChannel(address);
+  RETURN_IF_ERROR(security.CheckDial(address));
+  std::shared_ptr<grpc::Channel> channel = NewChannel(address, security.ChannelCredentials());
   if (!channel->WaitForConnected(absl::ToChronoTime(absl::Now() + timeout))) {
-    return absl::UnavailableError(
-        absl::StrCat("cannot reach ", address, " within ", absl::FormatDuration(timeout)));
+    return absl::UnavailableError(absl::StrCat(
+        "cannot reach ", address, " within ", absl::FormatDuration(timeout),
+        security.tls() ? " (or the TLS handshake failed: is it a TLS server whose certificate "
+                         "names this address, from the CA of --tls_dir?)"
+                       : ""));
   }
   return channel;
 }

@@ -11,13 +11,17 @@
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "grpcpp/grpcpp.h"
+#include "security/tls.h"
 
 namespace pith {
 
-// A connected channel to `address` ("host:port"). UNAVAILABLE, naming the address and
-// the deadline, when no connection is up within `timeout`; INVALID_ARGUMENT for an
-// empty address.
+// A connected channel to `address` ("host:port") with `security` (mutual TLS, or
+// plaintext to loopback only). UNAVAILABLE, naming the address and the deadline, when no
+// connection is up within `timeout` (with TLS, a failed handshake looks the same to the
+// client, and the message says so); INVALID_ARGUMENT for an empty address or a plaintext
+// one off this host.
 absl::StatusOr<std::shared_ptr<grpc::Channel>> Dial(const std::string& address,
+                                                    const security::TransportSecurity& security,
                                                     absl::Duration timeout);
 
 }  // namespace pith

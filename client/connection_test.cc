@@ -30,13 +30,15 @@ TEST(DialTest, ConnectsToARunningServer) {
   v1::JobService::Service service;  // every RPC UNIMPLEMENTED; Dial only connects
   auto server = GrpcServer::Start({.listen_address = "127.0.0.1:0", .services = {&service}});
   ASSERT_TRUE(server.ok()) << server.status();
-  auto channel = Dial("127.0.0.1:" + std::to_string((*server)->port()), absl::Seconds(5));
+  auto channel = Dial("127.0.0.1:" + std::to_string((*server)->port()),
+                      security::TransportSecurity::Insecure(), absl::Seconds(5));
   EXPECT_TRUE(channel.ok()) << channel.status();
 }
 
 TEST(DialTest, UnreachableServerFailsWithinTheDeadline) {
   const absl::Time start = absl::Now();
-  auto channel = Dial("127.0.0.1:" + std::to_string(UnusedPort()), absl::Milliseconds(500));
+  auto channel = Dial("127.0.0.1:" + std::to_string(UnusedPort()),
+                      security::TransportSecurity::Insecure(), absl::Milliseconds(500));
   const absl::Duration took = absl::Now() - start;
   ASSERT_FALSE(channel.ok());
   EXPECT_EQ(channel.status().code(), absl::StatusCode::kUnavailable);
@@ -45,7 +47,8 @@ TEST(DialTest, UnreachableServerFailsWithinTheDeadline) {
 }
 
 TEST(DialTest, EmptyAddressIsInvalid) {
-  EXPECT_EQ(Dial("", absl::Seconds(1)).status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(Dial("", security::TransportSecurity::Insecure(), absl::Seconds(1)).status().code(),
+            absl::StatusCode::kInvalidArgument);
 }
 
 }  // namespace

@@ -37,8 +37,8 @@ while IFS= read -r line; do
   IFS=';' read -r -a deps <<<"${line#*: }"
   for dep in "${deps[@]}"; do
     [[ -z "$dep" ]] && continue
-    [[ "$dep" =~ ^(pith_proto|pith_grpc_status|gRPC::[A-Za-z0-9_+]+|absl::[a-z0-9_]+|protobuf::[a-z]+)$ ]] ||
-      fail "$target links $dep (the SDK may link only protos, gRPC and Abseil)"
+    [[ "$dep" =~ ^(pith_proto|pith_grpc_status|pith_security|OpenSSL::Crypto|gRPC::[A-Za-z0-9_+]+|absl::[a-z0-9_]+|protobuf::[a-z]+)$ ]] ||
+      fail "$target links $dep (the SDK may link only protos, gRPC, OpenSSL and Abseil)"
   done
 done <"$LIBS"
 

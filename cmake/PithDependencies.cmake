@@ -10,6 +10,7 @@ if(PITH_FUZZ_ONLY)
 endif()
 
 find_package(gRPC CONFIG REQUIRED)
+find_package(OpenSSL REQUIRED)  # pith certs: the cluster CA and certificates (gRPC links it too)
 find_package(ucx CONFIG REQUIRED)
 find_package(RocksDB CONFIG REQUIRED)
 find_package(prometheus-cpp CONFIG REQUIRED)

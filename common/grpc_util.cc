@@ -20,7 +20,10 @@ absl::StatusOr<std::unique_ptr<GrpcServer>> GrpcServer::Start(const GrpcServerOp
   grpc::EnableDefaultHealthCheckService(true);
   grpc::ServerBuilder builder;
   int port = 0;
-  builder.AddListeningPort(options.listen_address, grpc::InsecureServerCredentials(), &port);
+  builder.AddListeningPort(
+      options.listen_address,
+      options.credentials != nullptr ? options.credentials : grpc::InsecureServerCredentials(),
+      &port);
   // NOTE: without this a second process could bind the same port and silently take half
   // of the calls; Pith wants "address in use" instead.
   builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);

@@ -25,6 +25,8 @@ struct GrpcServerOptions {
   // Services to serve (at least one); not owned, must outlive the server.
   std::vector<grpc::Service*> services;
   int max_message_bytes = kDefaultMaxMessageBytes;
+  // Mutual TLS or plaintext (security/tls.h); null: plaintext.
+  std::shared_ptr<grpc::ServerCredentials> credentials;
 };
 
 class GrpcServer {

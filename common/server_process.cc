@@ -20,9 +20,10 @@ absl::Status RunServerProcess(const ServerProcessOptions& options, MetricsRegist
                                                      options.metrics_port),
                                   metrics));
   }
-  ASSIGN_OR_RETURN(
-      std::unique_ptr<GrpcServer> server,
-      GrpcServer::Start({.listen_address = options.listen_address, .services = options.services}));
+  ASSIGN_OR_RETURN(std::unique_ptr<GrpcServer> server,
+                   GrpcServer::Start({.listen_address = options.listen_address,
+                                      .services = options.services,
+                                      .credentials = options.credentials}));
   const int metrics_port = exposer ? exposer->port() : -1;
   LOG(INFO) << "pith-" << options.component << " ready: grpc_port=" << server->port()
             << " metrics_port=" << metrics_port;

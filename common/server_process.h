@@ -23,6 +23,8 @@ struct ServerProcessOptions {
   // metrics_host, or the host of listen_address when that is empty.
   int metrics_port = -1;
   std::string metrics_host;
+  // Mutual TLS or plaintext (security/tls.h); null: plaintext.
+  std::shared_ptr<grpc::ServerCredentials> credentials;
   // gRPC services; not owned, must outlive the call.
   std::vector<grpc::Service*> services;
   // Called once both endpoints are up, with their bound ports.

@@ -61,6 +61,22 @@ stop_proc() {
   fail "$name did not stop within 10 s of SIGTERM"
 }
 
+# make_tls PITH ROLE NAME... [-- HOST...]: certificates for NAME... with ROLE under
+# $E2E_TMP/tls (one cluster CA), as `pith certs` makes them; a process then takes
+# --tls_dir=$E2E_TMP/tls/NAME. HOSTs: the addresses its servers are reached at (default:
+# this machine's).
+make_tls() {
+  local pith=$1 role=$2 names=() hosts=()
+  shift 2
+  while (($#)) && [[ $1 != -- ]]; do names+=("$1"); shift; done
+  (($#)) && shift
+  hosts=("$@")
+  local IFS=, extra=()
+  ((${#hosts[@]})) && extra=(--hosts "${hosts[*]}")
+  "$pith" certs --dir "$E2E_TMP/tls" --role "$role" --name "${names[*]}" "${extra[@]}" \
+    >/dev/null || fail "pith certs --role $role ${names[*]}"
+}
+
 # free_port: a TCP port on 127.0.0.1 that nothing listens on right now.
 free_port() {
   local p

@@ -18,6 +18,7 @@
 #include "common/status.h"
 #include "common/ucx.h"
 #include "glog/logging.h"
+#include "security/flags.h"
 #include "worker/backend/backend_select.h"
 #include "worker/compute/cpu_backend.h"
 #include "worker/runtime/cluster_worker.h"
@@ -76,6 +77,8 @@ absl::Status RunCluster() {
   LOG(INFO) << "OpenBLAS kernels: " << pith::compute::BlasCoreName();
   pith::runtime::ClusterWorkerOptions options;
   options.coordinator = absl::GetFlag(FLAGS_coordinator);
+  ASSIGN_OR_RETURN(options.security, pith::security::TransportSecurityFromFlags(
+                                         "pith-worker", pith::security::Role::kMember));
   options.listen =
       absl::GetFlag(FLAGS_listen).empty() ? "127.0.0.1:0" : absl::GetFlag(FLAGS_listen);
   // The metrics endpoint is served from this (the main) thread's setup.

@@ -2,7 +2,10 @@
 // and lists its jobs, newest first. Build it against the `pith_client` target alone; that
 // target links protos, gRPC and Abseil, no compute engine or model code (sdk_link_test).
 //
-// Usage: sdk_example [HOST:PORT]   (default $PITH_COORDINATOR, else 127.0.0.1:7000)
+// Usage: sdk_example [HOST:PORT] [TLS_DIR]
+//   HOST:PORT default $PITH_COORDINATOR, else 127.0.0.1:7000; TLS_DIR (a user's or an
+//   admin's directory from `pith certs`) default $PITH_TLS_DIR; without one, plaintext
+//   to a loopback coordinator started with --insecure.
 #include <cstdio>
 #include <cstdlib>
 #include <memory>
@@ -18,8 +21,18 @@ int main(int argc, char** argv) {
     address = env;
   }
   if (argc > 1) address = argv[1];
+  std::string tls_dir;
+  if (const char* env = std::getenv("PITH_TLS_DIR"); env != nullptr) tls_dir = env;
+  if (argc > 2) tls_dir = argv[2];
+  absl::StatusOr<pith::security::TransportSecurity> security =
+      tls_dir.empty() ? pith::security::TransportSecurity::Insecure()
+                      : pith::security::TransportSecurity::Tls(tls_dir);
+  if (!security.ok()) {
+    std::fprintf(stderr, "sdk_example: %s\n", std::string(security.status().message()).c_str());
+    return 1;
+  }
   absl::StatusOr<std::unique_ptr<pith::Client>> client =
-      pith::Client::Connect(address, absl::Seconds(5));
+      pith::Client::Connect(address, *security, absl::Seconds(5));
   if (!client.ok()) {
     std::fprintf(stderr, "sdk_example: %s\n", std::string(client.status().message()).c_str());
     return 1;

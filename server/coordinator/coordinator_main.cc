@@ -17,6 +17,7 @@
 #include "glog/logging.h"
 #include "pith/v1/coordinator.grpc.pb.h"
 #include "pith/v1/job.grpc.pb.h"
+#include "security/flags.h"
 #include "server/coordinator/coordinator_service.h"
 #include "server/coordinator/grpc_store_control.h"
 #include "server/coordinator/job_registry.h"
@@ -103,6 +104,15 @@ int main(int argc, char** argv) {
                     "--stores --zipf --steps | --trace FILE]");
   pith::ucx::RestrictUcxDevices(absl::GetFlag(FLAGS_listen), absl::GetFlag(FLAGS_ucx_net_devices));
   if (absl::GetFlag(FLAGS_simulate)) return Simulate();
+  absl::StatusOr<pith::security::TransportSecurity> security =
+      pith::security::TransportSecurityFromFlags("pith-coordinator",
+                                                 pith::security::Role::kCoordinator);
+  if (security.ok()) {
+    if (absl::Status s = security->CheckListen(absl::GetFlag(FLAGS_listen)); !s.ok()) {
+      security = s;
+    }
+  }
+  if (!security.ok()) return pith::ExitStatus("pith-coordinator", security.status());
   absl::StatusOr<std::unique_ptr<pith::coordinator::JobRegistry>> jobs =
       pith::coordinator::JobRegistry::Open(absl::GetFlag(FLAGS_data_dir), JobsMemoryBytes());
   if (!jobs.ok()) return pith::ExitStatus("pith-coordinator", jobs.status());
@@ -134,7 +144,8 @@ int main(int argc, char** argv) {
   pith::MetricsRegistry metrics;
   const absl::Duration lease = absl::Milliseconds(absl::GetFlag(FLAGS_lease_ms));
   std::unique_ptr<pith::coordinator::StoreControl> store_control =
-      pith::coordinator::NewGrpcStoreControl(std::max(lease, absl::Seconds(5)));
+      pith::coordinator::NewGrpcStoreControl(std::max(lease, absl::Seconds(5)),
+                                             security->ChannelCredentials());
   pith::coordinator::SchedulerOptions scheduler_options;
   scheduler_options.replication_bytes_per_second =
       absl::GetFlag(FLAGS_replication_bytes_per_second);
@@ -149,13 +160,14 @@ int main(int argc, char** argv) {
   scheduler.Start(std::clamp(lease / 8, absl::Milliseconds(20), absl::Milliseconds(500)));
   pith::coordinator::JobServiceImpl job_service(jobs->get(), &members, &heat, &scheduler,
                                                 absl::GetFlag(FLAGS_data_dir) + "/downloads",
-                                                absl::GetFlag(FLAGS_export_root));
+                                                absl::GetFlag(FLAGS_export_root), security->tls());
   pith::coordinator::CoordinatorServiceImpl coordinator_service(&members, jobs->get(), &heat,
-                                                                &scheduler);
+                                                                &scheduler, security->tls());
   absl::Status status = pith::RunServerProcess({.component = "coordinator",
                                                 .listen_address = absl::GetFlag(FLAGS_listen),
                                                 .metrics_port = absl::GetFlag(FLAGS_metrics_port),
                                                 .metrics_host = absl::GetFlag(FLAGS_metrics_listen),
+                                                .credentials = security->ServerCredentials(),
                                                 .services = {&job_service, &coordinator_service}},
                                                metrics, signals);
   return pith::ExitStatus("pith-coordinator", status);

@@ -2,25 +2,66 @@
 
 #include <algorithm>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "common/grpc_util.h"
 #include "common/step_protocol.h"
 
 namespace pith::coordinator {
 
-grpc::Status CoordinatorServiceImpl::Register(grpc::ServerContext*,
+using security::Role;
+
+security::Policy CoordinatorServiceImpl::CoordinatorPolicy(bool enforce) {
+  const std::set<Role> member = {Role::kMember};
+  return security::Policy(enforce, {{"Register", member},
+                                    {"Heartbeat", member},
+                                    {"Deregister", member},
+                                    {"ReportHeat", member},
+                                    {"GetAssignment", member},
+                                    {"GetPlacement", member},
+                                    {"ReportStepWritten", member},
+                                    {"WaitStep", member},
+                                    {"DrainStore", {Role::kAdmin}}});
+}
+
+grpc::Status CoordinatorServiceImpl::CheckOwnId(const std::optional<security::Identity>& caller,
+                                                const std::string& member_id) const {
+  if (!caller) return grpc::Status::OK;
+  std::optional<std::string> identity = members_->IdentityOf(member_id);
+  // An id nobody holds: the call itself answers (NOT_FOUND, register again).
+  if (!identity || absl::StartsWith(*identity, caller->name + "/")) return grpc::Status::OK;
+  return grpc::Status(grpc::StatusCode::PERMISSION_DENIED,
+                      absl::StrCat(member_id, " is another member's id; the caller is ",
+                                   security::DebugString(*caller)));
+}
+
+grpc::Status CoordinatorServiceImpl::Register(grpc::ServerContext* context,
                                               const v1::RegisterRequest* request,
                                               v1::RegisterResponse* reply) {
-  absl::StatusOr<std::string> id = members_->Register(request->member());
+  std::optional<security::Identity> caller;
+  if (grpc::Status denied = policy_.Admit(*context, "Register", &caller); !denied.ok()) {
+    return denied;
+  }
+  if (grpc::Status s = CheckOwnId(caller, request->member().member_id()); !s.ok()) return s;
+  v1::MemberInfo member = request->member();
+  // A member's identity is its certificate's name first: the ids it is given, and the
+  // ids it may name later, are bound to the certificate, never chosen by the caller.
+  if (caller) member.set_identity(absl::StrCat(caller->name, "/", member.identity()));
+  absl::StatusOr<std::string> id = members_->Register(std::move(member));
   if (!id.ok()) return ToGrpcStatus(id.status());
   reply->set_member_id(*id);
   reply->set_lease_ms(absl::ToInt64Milliseconds(members_->lease()));
   return grpc::Status::OK;
 }
 
-grpc::Status CoordinatorServiceImpl::Heartbeat(grpc::ServerContext*,
+grpc::Status CoordinatorServiceImpl::Heartbeat(grpc::ServerContext* context,
                                                const v1::HeartbeatRequest* request,
                                                v1::HeartbeatResponse* reply) {
+  std::optional<security::Identity> caller;
+  if (grpc::Status denied = policy_.Admit(*context, "Heartbeat", &caller); !denied.ok()) {
+    return denied;
+  }
+  if (grpc::Status s = CheckOwnId(caller, request->member_id()); !s.ok()) return s;
   absl::Status s = members_->Heartbeat(request->member_id(), request->status());
   // An unknown member is told to register again rather than failed: after a coordinator
   // restart every member is unknown.
@@ -31,28 +72,41 @@ grpc::Status CoordinatorServiceImpl::Heartbeat(grpc::ServerContext*,
   return grpc::Status::OK;
 }
 
-grpc::Status CoordinatorServiceImpl::Deregister(grpc::ServerContext*,
+grpc::Status CoordinatorServiceImpl::Deregister(grpc::ServerContext* context,
                                                 const v1::DeregisterRequest* request,
                                                 v1::DeregisterResponse*) {
+  std::optional<security::Identity> caller;
+  if (grpc::Status denied = policy_.Admit(*context, "Deregister", &caller); !denied.ok()) {
+    return denied;
+  }
+  if (grpc::Status s = CheckOwnId(caller, request->member_id()); !s.ok()) return s;
   return ToGrpcStatus(members_->Deregister(request->member_id()));
 }
 
-grpc::Status CoordinatorServiceImpl::ReportHeat(grpc::ServerContext*, const v1::HeatReport* request,
+grpc::Status CoordinatorServiceImpl::ReportHeat(grpc::ServerContext* context,
+                                                const v1::HeatReport* request,
                                                 v1::HeatReportResponse*) {
+  if (grpc::Status denied = policy_.Admit(*context, "ReportHeat"); !denied.ok()) return denied;
   absl::StatusOr<v1::Job> job = jobs_->Get(request->job_id());
   if (!job.ok()) return ToGrpcStatus(job.status());
   return ToGrpcStatus(heat_->Report(*job, *request));
 }
 
-grpc::Status CoordinatorServiceImpl::GetAssignment(grpc::ServerContext*,
+grpc::Status CoordinatorServiceImpl::GetAssignment(grpc::ServerContext* context,
                                                    const v1::GetAssignmentRequest* request,
                                                    v1::Assignment* reply) {
+  std::optional<security::Identity> caller;
+  if (grpc::Status denied = policy_.Admit(*context, "GetAssignment", &caller); !denied.ok()) {
+    return denied;
+  }
+  if (grpc::Status s = CheckOwnId(caller, request->worker_id()); !s.ok()) return s;
   return ToGrpcReply(scheduler_->GetAssignment(request->worker_id()), reply);
 }
 
-grpc::Status CoordinatorServiceImpl::GetPlacement(grpc::ServerContext*,
+grpc::Status CoordinatorServiceImpl::GetPlacement(grpc::ServerContext* context,
                                                   const v1::GetPlacementRequest* request,
                                                   v1::PlacementTable* reply) {
+  if (grpc::Status denied = policy_.Admit(*context, "GetPlacement"); !denied.ok()) return denied;
   absl::StatusOr<v1::PlacementTable> t = scheduler_->GetPlacement(request->job_id());
   if (!t.ok()) return ToGrpcStatus(t.status());
   if (t->epoch() < request->min_epoch()) {
@@ -64,9 +118,14 @@ grpc::Status CoordinatorServiceImpl::GetPlacement(grpc::ServerContext*,
   return grpc::Status::OK;
 }
 
-grpc::Status CoordinatorServiceImpl::ReportStepWritten(grpc::ServerContext*,
+grpc::Status CoordinatorServiceImpl::ReportStepWritten(grpc::ServerContext* context,
                                                        const v1::StepWrittenRequest* request,
                                                        v1::StepWrittenResponse* reply) {
+  std::optional<security::Identity> caller;
+  if (grpc::Status denied = policy_.Admit(*context, "ReportStepWritten", &caller); !denied.ok()) {
+    return denied;
+  }
+  if (grpc::Status s = CheckOwnId(caller, request->worker_id()); !s.ok()) return s;
   if (request->job_id().empty() || request->worker_id().empty() || request->step() < 0) {
     return ToGrpcStatus(absl::InvalidArgumentError("job_id, worker_id and step >= 0 are required"));
   }
@@ -79,6 +138,7 @@ grpc::Status CoordinatorServiceImpl::ReportStepWritten(grpc::ServerContext*,
 grpc::Status CoordinatorServiceImpl::WaitStep(grpc::ServerContext* context,
                                               const v1::WaitStepRequest* request,
                                               v1::StepStatus* reply) {
+  if (grpc::Status denied = policy_.Admit(*context, "WaitStep"); !denied.ok()) return denied;
   if (request->job_id().empty() || request->step() < 0) {
     return ToGrpcStatus(absl::InvalidArgumentError("job_id and step >= 0 are required"));
   }
@@ -89,9 +149,10 @@ grpc::Status CoordinatorServiceImpl::WaitStep(grpc::ServerContext* context,
   return ToGrpcReply(scheduler_->WaitStep(*request, timeout), reply);
 }
 
-grpc::Status CoordinatorServiceImpl::DrainStore(grpc::ServerContext*,
+grpc::Status CoordinatorServiceImpl::DrainStore(grpc::ServerContext* context,
                                                 const v1::DrainStoreRequest* request,
                                                 v1::DrainStoreResponse* reply) {
+  if (grpc::Status denied = policy_.Admit(*context, "DrainStore"); !denied.ok()) return denied;
   return ToGrpcReply(scheduler_->Drain(request->store_id()), reply);
 }
 

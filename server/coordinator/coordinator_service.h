@@ -7,7 +7,11 @@
 #ifndef PITH_SERVER_COORDINATOR_COORDINATOR_SERVICE_H_
 #define PITH_SERVER_COORDINATOR_COORDINATOR_SERVICE_H_
 
+#include <optional>
+#include <string>
+
 #include "pith/v1/coordinator.grpc.pb.h"
+#include "security/authorize.h"
 #include "server/coordinator/heat_registry.h"
 #include "server/coordinator/job_registry.h"
 #include "server/coordinator/membership.h"
@@ -17,23 +21,32 @@ namespace pith::coordinator {
 
 class CoordinatorServiceImpl final : public v1::CoordinatorService::Service {
  public:
+  // `enforce`: the server runs mutual TLS, and CoordinatorPolicy decides who may call.
   CoordinatorServiceImpl(Membership* members, JobRegistry* jobs, HeatRegistry* heat,
-                         Scheduler* scheduler)
-      : members_(members), jobs_(jobs), heat_(heat), scheduler_(scheduler) {}
+                         Scheduler* scheduler, bool enforce = false)
+      : members_(members),
+        jobs_(jobs),
+        heat_(heat),
+        scheduler_(scheduler),
+        policy_(CoordinatorPolicy(enforce)) {}
 
-  grpc::Status Register(grpc::ServerContext*, const v1::RegisterRequest* request,
+  // Members (stores, workers) call everything but DrainStore, which is an admin's.
+  static security::Policy CoordinatorPolicy(bool enforce);
+
+  grpc::Status Register(grpc::ServerContext* context, const v1::RegisterRequest* request,
                         v1::RegisterResponse* reply) override;
-  grpc::Status Heartbeat(grpc::ServerContext*, const v1::HeartbeatRequest* request,
+  grpc::Status Heartbeat(grpc::ServerContext* context, const v1::HeartbeatRequest* request,
                          v1::HeartbeatResponse* reply) override;
-  grpc::Status Deregister(grpc::ServerContext*, const v1::DeregisterRequest* request,
+  grpc::Status Deregister(grpc::ServerContext* context, const v1::DeregisterRequest* request,
                           v1::DeregisterResponse* reply) override;
-  grpc::Status ReportHeat(grpc::ServerContext*, const v1::HeatReport* request,
+  grpc::Status ReportHeat(grpc::ServerContext* context, const v1::HeatReport* request,
                           v1::HeatReportResponse* reply) override;
-  grpc::Status GetAssignment(grpc::ServerContext*, const v1::GetAssignmentRequest* request,
+  grpc::Status GetAssignment(grpc::ServerContext* context, const v1::GetAssignmentRequest* request,
                              v1::Assignment* reply) override;
-  grpc::Status GetPlacement(grpc::ServerContext*, const v1::GetPlacementRequest* request,
+  grpc::Status GetPlacement(grpc::ServerContext* context, const v1::GetPlacementRequest* request,
                             v1::PlacementTable* reply) override;
-  grpc::Status ReportStepWritten(grpc::ServerContext*, const v1::StepWrittenRequest* request,
+  grpc::Status ReportStepWritten(grpc::ServerContext* context,
+                                 const v1::StepWrittenRequest* request,
                                  v1::StepWrittenResponse* reply) override;
   // Waits at most until the call's deadline, and never longer than 30 s.
   grpc::Status WaitStep(grpc::ServerContext* context, const v1::WaitStepRequest* request,
@@ -46,6 +59,12 @@ class CoordinatorServiceImpl final : public v1::CoordinatorService::Service {
   JobRegistry* jobs_;
   HeatRegistry* heat_;
   Scheduler* scheduler_;
+  const security::Policy policy_;
+
+  // With TLS, a member id named in a call must be the one the caller's certificate
+  // registered (Register prefixes the member's identity with its certificate's name).
+  grpc::Status CheckOwnId(const std::optional<security::Identity>& caller,
+                          const std::string& member_id) const;
 };
 
 }  // namespace pith::coordinator

@@ -19,7 +19,8 @@ namespace {
 
 class GrpcStoreControl final : public StoreControl {
  public:
-  explicit GrpcStoreControl(absl::Duration timeout) : timeout_(timeout) {}
+  GrpcStoreControl(absl::Duration timeout, std::shared_ptr<grpc::ChannelCredentials> credentials)
+      : timeout_(timeout), credentials_(std::move(credentials)) {}
 
   absl::Status Fetch(const v1::MemberInfo& store, std::vector<Read>& reads) override {
     std::vector<store::StoreClient::FetchItem> items(reads.size());
@@ -128,7 +129,7 @@ class GrpcStoreControl final : public StoreControl {
     absl::MutexLock lock(&mu_);
     std::shared_ptr<grpc::Channel>& channel = channels_[store.grpc_address()];
     if (channel == nullptr) {
-      channel = NewChannel(store.grpc_address());
+      channel = NewChannel(store.grpc_address(), credentials_);
     }
     return v1::StoreService::NewStub(channel);
   }
@@ -141,6 +142,7 @@ class GrpcStoreControl final : public StoreControl {
   }
 
   const absl::Duration timeout_;
+  const std::shared_ptr<grpc::ChannelCredentials> credentials_;
   absl::Mutex mu_;
   std::map<std::string, std::shared_ptr<grpc::Channel>> channels_ ABSL_GUARDED_BY(mu_);
   std::unique_ptr<store::StoreClient> client_;  // set once under mu_, thread-safe after
@@ -148,8 +150,9 @@ class GrpcStoreControl final : public StoreControl {
 
 }  // namespace
 
-std::unique_ptr<StoreControl> NewGrpcStoreControl(absl::Duration timeout) {
-  return std::make_unique<GrpcStoreControl>(timeout);
+std::unique_ptr<StoreControl> NewGrpcStoreControl(
+    absl::Duration timeout, std::shared_ptr<grpc::ChannelCredentials> credentials) {
+  return std::make_unique<GrpcStoreControl>(timeout, std::move(credentials));
 }
 
 }  // namespace pith::coordinator

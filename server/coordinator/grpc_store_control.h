@@ -9,12 +9,15 @@
 #include <memory>
 
 #include "absl/time/time.h"
+#include "grpcpp/grpcpp.h"
 #include "server/coordinator/store_control.h"
 
 namespace pith::coordinator {
 
-// StoreControl over the stores' gRPC StoreService, each call bounded by `timeout`.
-std::unique_ptr<StoreControl> NewGrpcStoreControl(absl::Duration timeout);
+// StoreControl over the stores' gRPC StoreService, each call bounded by `timeout`, on
+// channels with `credentials` (the coordinator's mutual TLS, or plaintext).
+std::unique_ptr<StoreControl> NewGrpcStoreControl(
+    absl::Duration timeout, std::shared_ptr<grpc::ChannelCredentials> credentials);
 
 }  // namespace pith::coordinator
 

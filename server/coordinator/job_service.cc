@@ -66,8 +66,21 @@ absl::Status JobServiceImpl::FitsTheStores(const v1::JobSpec& submitted) const {
   return absl::OkStatus();
 }
 
-grpc::Status JobServiceImpl::SubmitJob(grpc::ServerContext*, const v1::SubmitJobRequest* request,
+security::Policy JobServiceImpl::JobPolicy(bool enforce) {
+  const std::set<security::Role> people = {security::Role::kUser, security::Role::kAdmin};
+  std::map<std::string, std::set<security::Role>> rules;
+  for (const char* method :
+       {"SubmitJob", "GetJob", "ListJobs", "WatchJob", "CancelJob", "CheckpointJob",
+        "DownloadCheckpoint", "ClusterStatus", "ExpertHeat"}) {
+    rules[method] = people;
+  }
+  return security::Policy(enforce, std::move(rules));
+}
+
+grpc::Status JobServiceImpl::SubmitJob(grpc::ServerContext* context,
+                                       const v1::SubmitJobRequest* request,
                                        v1::SubmitJobResponse* reply) {
+  if (grpc::Status denied = policy_.Admit(*context, "SubmitJob"); !denied.ok()) return denied;
   if (!request->has_spec())
     return ToGrpcStatus(absl::InvalidArgumentError("JobSpec: spec is required"));
   if (absl::Status fits = FitsTheStores(request->spec()); !fits.ok()) return ToGrpcStatus(fits);
@@ -77,13 +90,16 @@ grpc::Status JobServiceImpl::SubmitJob(grpc::ServerContext*, const v1::SubmitJob
   return grpc::Status::OK;
 }
 
-grpc::Status JobServiceImpl::GetJob(grpc::ServerContext*, const v1::GetJobRequest* request,
+grpc::Status JobServiceImpl::GetJob(grpc::ServerContext* context, const v1::GetJobRequest* request,
                                     v1::Job* reply) {
+  if (grpc::Status denied = policy_.Admit(*context, "GetJob"); !denied.ok()) return denied;
   return ToGrpcReply(jobs_->Get(request->job_id()), reply);
 }
 
-grpc::Status JobServiceImpl::ListJobs(grpc::ServerContext*, const v1::ListJobsRequest* request,
+grpc::Status JobServiceImpl::ListJobs(grpc::ServerContext* context,
+                                      const v1::ListJobsRequest* request,
                                       v1::ListJobsResponse* reply) {
+  if (grpc::Status denied = policy_.Admit(*context, "ListJobs"); !denied.ok()) return denied;
   if (request->limit() < 0) return ToGrpcStatus(absl::InvalidArgumentError("limit must be >= 0"));
   std::vector<v1::JobState> states;
   for (int s : request->states()) states.push_back(static_cast<v1::JobState>(s));
@@ -94,6 +110,7 @@ grpc::Status JobServiceImpl::ListJobs(grpc::ServerContext*, const v1::ListJobsRe
 grpc::Status JobServiceImpl::WatchJob(grpc::ServerContext* context,
                                       const v1::WatchJobRequest* request,
                                       grpc::ServerWriter<v1::JobEvent>* writer) {
+  if (grpc::Status denied = policy_.Admit(*context, "WatchJob"); !denied.ok()) return denied;
   absl::StatusOr<v1::Job> job = jobs_->Get(request->job_id());
   if (!job.ok()) return ToGrpcStatus(job.status());
   int64_t seen = jobs_->Version(request->job_id());
@@ -109,14 +126,16 @@ grpc::Status JobServiceImpl::WatchJob(grpc::ServerContext* context,
   return grpc::Status::OK;
 }
 
-grpc::Status JobServiceImpl::CancelJob(grpc::ServerContext*, const v1::CancelJobRequest* request,
-                                       v1::Job* reply) {
+grpc::Status JobServiceImpl::CancelJob(grpc::ServerContext* context,
+                                       const v1::CancelJobRequest* request, v1::Job* reply) {
+  if (grpc::Status denied = policy_.Admit(*context, "CancelJob"); !denied.ok()) return denied;
   return ToGrpcReply(jobs_->Cancel(request->job_id(), request->reason()), reply);
 }
 
-grpc::Status JobServiceImpl::CheckpointJob(grpc::ServerContext*,
+grpc::Status JobServiceImpl::CheckpointJob(grpc::ServerContext* context,
                                            const v1::CheckpointJobRequest* request,
                                            v1::CheckpointJobResponse* reply) {
+  if (grpc::Status denied = policy_.Admit(*context, "CheckpointJob"); !denied.ok()) return denied;
   if (scheduler_ == nullptr) {
     return ToGrpcStatus(absl::UnavailableError("this coordinator reaches no stores"));
   }
@@ -141,6 +160,8 @@ grpc::Status JobServiceImpl::CheckpointJob(grpc::ServerContext*,
 grpc::Status JobServiceImpl::DownloadCheckpoint(grpc::ServerContext* context,
                                                 const v1::DownloadCheckpointRequest* request,
                                                 grpc::ServerWriter<v1::CheckpointChunk>* writer) {
+  if (grpc::Status denied = policy_.Admit(*context, "DownloadCheckpoint"); !denied.ok())
+    return denied;
   if (scheduler_ == nullptr || staging_dir_.empty()) {
     return ToGrpcStatus(absl::UnavailableError("this coordinator reaches no stores"));
   }
@@ -177,8 +198,10 @@ grpc::Status JobServiceImpl::DownloadCheckpoint(grpc::ServerContext* context,
   return grpc::Status::OK;
 }
 
-grpc::Status JobServiceImpl::ClusterStatus(grpc::ServerContext*, const v1::ClusterStatusRequest*,
+grpc::Status JobServiceImpl::ClusterStatus(grpc::ServerContext* context,
+                                           const v1::ClusterStatusRequest*,
                                            v1::ClusterStatusResponse* reply) {
+  if (grpc::Status denied = policy_.Admit(*context, "ClusterStatus"); !denied.ok()) return denied;
   members_->ExpireLeases();
   for (v1::MemberInfo& m : members_->Members(v1::MEMBER_ROLE_STORE))
     *reply->add_stores() = std::move(m);
@@ -188,8 +211,10 @@ grpc::Status JobServiceImpl::ClusterStatus(grpc::ServerContext*, const v1::Clust
   return grpc::Status::OK;
 }
 
-grpc::Status JobServiceImpl::ExpertHeat(grpc::ServerContext*, const v1::ExpertHeatRequest* request,
+grpc::Status JobServiceImpl::ExpertHeat(grpc::ServerContext* context,
+                                        const v1::ExpertHeatRequest* request,
                                         v1::ExpertHeatResponse* reply) {
+  if (grpc::Status denied = policy_.Admit(*context, "ExpertHeat"); !denied.ok()) return denied;
   absl::StatusOr<v1::Job> job = jobs_->Get(request->job_id());
   if (!job.ok()) return ToGrpcStatus(job.status());
   absl::StatusOr<v1::ExpertHeatResponse> heat = heat_->Heat(request->job_id(), request->layer());

@@ -7,6 +7,7 @@
 #define PITH_SERVER_COORDINATOR_JOB_SERVICE_H_
 
 #include "pith/v1/job.grpc.pb.h"
+#include "security/authorize.h"
 #include "server/coordinator/heat_registry.h"
 #include "server/coordinator/job_registry.h"
 #include "server/coordinator/membership.h"
@@ -19,34 +20,39 @@ class JobServiceImpl final : public v1::JobService::Service {
   // `scheduler` may be null (no replication figures in ClusterStatus). A download is
   // exported under `staging_dir` (the coordinator's data dir), streamed, and removed;
   // CheckpointJob writes only under `export_root` (ExportPath; empty: it is refused).
+  // `enforce`: the server runs mutual TLS, and JobPolicy decides who may call.
   JobServiceImpl(JobRegistry* jobs, Membership* members, HeatRegistry* heat,
                  Scheduler* scheduler = nullptr, std::string staging_dir = "",
-                 std::string export_root = "")
+                 std::string export_root = "", bool enforce = false)
       : jobs_(jobs),
         members_(members),
         heat_(heat),
         scheduler_(scheduler),
         staging_dir_(std::move(staging_dir)),
-        export_root_(std::move(export_root)) {}
+        export_root_(std::move(export_root)),
+        policy_(JobPolicy(enforce)) {}
 
-  grpc::Status SubmitJob(grpc::ServerContext*, const v1::SubmitJobRequest* request,
+  // Users and admins call every method of the job API.
+  static security::Policy JobPolicy(bool enforce);
+
+  grpc::Status SubmitJob(grpc::ServerContext* context, const v1::SubmitJobRequest* request,
                          v1::SubmitJobResponse* reply) override;
-  grpc::Status GetJob(grpc::ServerContext*, const v1::GetJobRequest* request,
+  grpc::Status GetJob(grpc::ServerContext* context, const v1::GetJobRequest* request,
                       v1::Job* reply) override;
-  grpc::Status ListJobs(grpc::ServerContext*, const v1::ListJobsRequest* request,
+  grpc::Status ListJobs(grpc::ServerContext* context, const v1::ListJobsRequest* request,
                         v1::ListJobsResponse* reply) override;
   grpc::Status WatchJob(grpc::ServerContext* context, const v1::WatchJobRequest* request,
                         grpc::ServerWriter<v1::JobEvent>* writer) override;
-  grpc::Status CancelJob(grpc::ServerContext*, const v1::CancelJobRequest* request,
+  grpc::Status CancelJob(grpc::ServerContext* context, const v1::CancelJobRequest* request,
                          v1::Job* reply) override;
-  grpc::Status CheckpointJob(grpc::ServerContext*, const v1::CheckpointJobRequest* request,
+  grpc::Status CheckpointJob(grpc::ServerContext* context, const v1::CheckpointJobRequest* request,
                              v1::CheckpointJobResponse* reply) override;
   grpc::Status DownloadCheckpoint(grpc::ServerContext* context,
                                   const v1::DownloadCheckpointRequest* request,
                                   grpc::ServerWriter<v1::CheckpointChunk>* writer) override;
-  grpc::Status ClusterStatus(grpc::ServerContext*, const v1::ClusterStatusRequest*,
+  grpc::Status ClusterStatus(grpc::ServerContext* context, const v1::ClusterStatusRequest*,
                              v1::ClusterStatusResponse* reply) override;
-  grpc::Status ExpertHeat(grpc::ServerContext*, const v1::ExpertHeatRequest* request,
+  grpc::Status ExpertHeat(grpc::ServerContext* context, const v1::ExpertHeatRequest* request,
                           v1::ExpertHeatResponse* reply) override;
 
  private:
@@ -58,6 +64,7 @@ class JobServiceImpl final : public v1::JobService::Service {
   Scheduler* scheduler_;
   const std::string staging_dir_;
   const std::string export_root_;
+  const security::Policy policy_;
 };
 
 }  // namespace pith::coordinator

@@ -10,11 +10,10 @@
 
 namespace pith {
 
-absl::StatusOr<std::unique_ptr<MemberAgent>> MemberAgent::Start(const std::string& address,
-                                                                v1::MemberInfo self,
-                                                                StatusFn status,
-                                                                absl::Duration timeout) {
-  absl::StatusOr<std::shared_ptr<grpc::Channel>> channel = Dial(address, timeout);
+absl::StatusOr<std::unique_ptr<MemberAgent>> MemberAgent::Start(
+    const std::string& address, const security::TransportSecurity& security, v1::MemberInfo self,
+    StatusFn status, absl::Duration timeout) {
+  absl::StatusOr<std::shared_ptr<grpc::Channel>> channel = Dial(address, security, timeout);
   if (!channel.ok()) return Annotate(channel.status(), "coordinator");
   std::unique_ptr<MemberAgent> agent(new MemberAgent());
   agent->stub_ = v1::CoordinatorService::NewStub(*channel);

@@ -21,6 +21,7 @@
 #include "absl/synchronization/notification.h"
 #include "absl/time/time.h"
 #include "pith/v1/coordinator.grpc.pb.h"
+#include "security/tls.h"
 
 namespace pith {
 
@@ -28,11 +29,12 @@ class MemberAgent {
  public:
   using StatusFn = std::function<void(v1::MemberInfo*)>;
 
-  // Registers `self` with the coordinator at `address`. UNAVAILABLE, naming the address,
-  // when it cannot be reached within `timeout`; the coordinator's error otherwise.
+  // Registers `self` with the coordinator at `address`, over `security` (the member's
+  // certificate, or plaintext on loopback). UNAVAILABLE, naming the address, when it
+  // cannot be reached within `timeout`; the coordinator's error otherwise.
   static absl::StatusOr<std::unique_ptr<MemberAgent>> Start(
-      const std::string& address, v1::MemberInfo self, StatusFn status,
-      absl::Duration timeout = absl::Seconds(10));
+      const std::string& address, const security::TransportSecurity& security, v1::MemberInfo self,
+      StatusFn status, absl::Duration timeout = absl::Seconds(10));
   // Stops heartbeating and deregisters (best effort).
   ~MemberAgent();
   MemberAgent(const MemberAgent&) = delete;

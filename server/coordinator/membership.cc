@@ -97,6 +97,13 @@ absl::StatusOr<std::string> Membership::IdForIdentityLocked(const v1::MemberInfo
   return id;
 }
 
+std::optional<std::string> Membership::IdentityOf(const std::string& member_id) const {
+  absl::MutexLock lock(&mu_);
+  auto it = identity_of_id_.find(member_id);
+  if (it == identity_of_id_.end()) return std::nullopt;
+  return it->second;
+}
+
 absl::Status Membership::Heartbeat(const std::string& member_id, const v1::MemberInfo& status) {
   absl::MutexLock lock(&mu_);
   auto it = members_.find(member_id);

@@ -10,6 +10,7 @@
 
 #include <functional>
 #include <map>
+#include <optional>
 #include <set>
 #include <string>
 #include <vector>
@@ -59,6 +60,9 @@ class Membership {
   void ForgetDrain(const std::string& store_id);
   // Marks members whose lease ran out as dead; returns their ids.
   std::vector<std::string> ExpireLeases();
+
+  // The identity an id is bound to (nullopt for an id without one, or unknown).
+  std::optional<std::string> IdentityOf(const std::string& member_id) const;
 
   // Every member of a role (dead ones included), by id.
   std::vector<v1::MemberInfo> Members(v1::MemberRole role) const;

@@ -11,6 +11,7 @@
 #include "common/status.h"
 #include "common/ucx.h"
 #include "glog/logging.h"
+#include "security/flags.h"
 #include "server/store/store_server.h"
 
 ABSL_FLAG(std::string, listen, "127.0.0.1:7100", "gRPC listen address (host:port)");
@@ -74,6 +75,8 @@ absl::Status Run(pith::ShutdownSignals& signals) {
   options.disk_reserve_bytes = absl::GetFlag(FLAGS_disk_reserve_bytes);
   options.export_root = absl::GetFlag(FLAGS_export_root);
   options.metrics_port = exposer ? exposer->port() : -1;
+  ASSIGN_OR_RETURN(options.security, pith::security::TransportSecurityFromFlags(
+                                         "pith-store", pith::security::Role::kMember));
   ASSIGN_OR_RETURN(auto server, pith::store::StoreServer::Start(options, &metrics));
   LOG(INFO) << "pith-store ready: grpc_port=" << server->grpc_port()
             << " metrics_port=" << (exposer ? exposer->port() : -1);

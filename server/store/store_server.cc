@@ -49,10 +49,13 @@ absl::StatusOr<std::unique_ptr<StoreServer>> StoreServer::Start(const StoreServe
                    DataPlane::Create(s->worker_.get(), s->store_.get(), s->arena_.get(), metrics));
   RETURN_IF_ERROR(s->worker_->Start());
   s->service_ = std::make_unique<StoreServiceImpl>(s->store_.get(), s->worker_->address(),
-                                                   options.export_root);
-  ASSIGN_OR_RETURN(s->grpc_, GrpcServer::Start({.listen_address = options.listen_address,
-                                                .services = {s->service_.get()},
-                                                .max_message_bytes = options.max_message_bytes}));
+                                                   options.export_root, options.security.tls());
+  RETURN_IF_ERROR(options.security.CheckListen(options.listen_address));
+  ASSIGN_OR_RETURN(s->grpc_,
+                   GrpcServer::Start({.listen_address = options.listen_address,
+                                      .services = {s->service_.get()},
+                                      .max_message_bytes = options.max_message_bytes,
+                                      .credentials = options.security.ServerCredentials()}));
   if (!options.coordinator.empty()) {
     // Advertise an address others can reach: the listen host, or this host's name when
     // listening on every interface.
@@ -73,15 +76,15 @@ absl::StatusOr<std::unique_ptr<StoreServer>> StoreServer::Start(const StoreServe
     if (options.metrics_port >= 0)
       self.set_metrics_address(absl::StrCat(host, ":", options.metrics_port));
     BlobStore* store = s->store_.get();
-    ASSIGN_OR_RETURN(
-        s->agent_,
-        MemberAgent::Start(options.coordinator, std::move(self), [store](v1::MemberInfo* status) {
-          const v1::StoreStats st = store->Stats();
-          status->set_ram_bytes(st.ram_bytes());
-          status->set_rocksdb_bytes(st.rocksdb_bytes());
-          const absl::Status health = store->cold().Health();
-          status->set_health(health.ok() ? "" : health.ToString());
-        }));
+    ASSIGN_OR_RETURN(s->agent_,
+                     MemberAgent::Start(options.coordinator, options.security, std::move(self),
+                                        [store](v1::MemberInfo* status) {
+                                          const v1::StoreStats st = store->Stats();
+                                          status->set_ram_bytes(st.ram_bytes());
+                                          status->set_rocksdb_bytes(st.rocksdb_bytes());
+                                          const absl::Status health = store->cold().Health();
+                                          status->set_health(health.ok() ? "" : health.ToString());
+                                        }));
     LOG(INFO) << "registered with the coordinator at " << options.coordinator << " as "
               << s->agent_->member_id();
   }

@@ -14,6 +14,7 @@
 #include "common/grpc_util.h"
 #include "common/metrics.h"
 #include "common/ucx.h"
+#include "security/tls.h"
 #include "server/coordinator/member_agent.h"
 #include "server/store/blob_store.h"
 #include "server/store/data_plane.h"
@@ -32,6 +33,9 @@ struct StoreServerOptions {
   int max_message_bytes = kDefaultMaxMessageBytes;
   std::string coordinator;  // optional: register with this coordinator and heartbeat
   int metrics_port = -1;    // advertised to the coordinator
+  // Mutual TLS (a member's certificate) or plaintext on loopback, for the gRPC server and
+  // the channel to the coordinator.
+  security::TransportSecurity security;
 };
 
 class StoreServiceImpl;

@@ -14,24 +14,43 @@
 #include "server/store/blob_key.h"
 
 namespace pith::store {
-grpc::Status StoreServiceImpl::GetUcxAddress(grpc::ServerContext*, const v1::GetUcxAddressRequest*,
+security::Policy StoreServiceImpl::StorePolicy(bool enforce) {
+  using security::Role;
+  std::map<std::string, std::set<Role>> rules;
+  for (const char* method :
+       {"CommitStep", "AbortStep", "DeleteBlob", "DeleteJob", "Checkpoint", "PullBlobs"}) {
+    rules[method] = {Role::kCoordinator};
+  }
+  for (const char* method :
+       {"GetUcxAddress", "StatBlob", "ListBlobs", "ListStoreJobs", "GetStats"}) {
+    rules[method] = {Role::kCoordinator, Role::kAdmin};
+  }
+  return security::Policy(enforce, std::move(rules));
+}
+
+grpc::Status StoreServiceImpl::GetUcxAddress(grpc::ServerContext* context,
+                                             const v1::GetUcxAddressRequest*,
                                              v1::UcxAddress* reply) {
+  if (grpc::Status denied = policy_.Admit(*context, "GetUcxAddress"); !denied.ok()) return denied;
   reply->set_worker_address(ucx_address_);
   const char* tls = std::getenv("UCX_TLS");
   reply->set_transports(tls != nullptr ? tls : "all");
   return grpc::Status::OK;
 }
 
-grpc::Status StoreServiceImpl::StatBlob(grpc::ServerContext*, const v1::StatBlobRequest* request,
-                                        v1::BlobInfo* reply) {
+grpc::Status StoreServiceImpl::StatBlob(grpc::ServerContext* context,
+                                        const v1::StatBlobRequest* request, v1::BlobInfo* reply) {
+  if (grpc::Status denied = policy_.Admit(*context, "StatBlob"); !denied.ok()) return denied;
   absl::StatusOr<v1::BlobInfo> info = store_->Stat(request->key(), request->version());
   if (!info.ok()) return ToGrpcStatus(info.status());
   *reply = *info;
   return grpc::Status::OK;
 }
 
-grpc::Status StoreServiceImpl::ListBlobs(grpc::ServerContext*, const v1::ListBlobsRequest* request,
+grpc::Status StoreServiceImpl::ListBlobs(grpc::ServerContext* context,
+                                         const v1::ListBlobsRequest* request,
                                          v1::ListBlobsResponse* reply) {
+  if (grpc::Status denied = policy_.Admit(*context, "ListBlobs"); !denied.ok()) return denied;
   std::string after;
   if (!request->page_token().empty() &&
       !absl::WebSafeBase64Unescape(request->page_token(), &after)) {
@@ -48,9 +67,10 @@ grpc::Status StoreServiceImpl::ListBlobs(grpc::ServerContext*, const v1::ListBlo
   return grpc::Status::OK;
 }
 
-grpc::Status StoreServiceImpl::CommitStep(grpc::ServerContext*,
+grpc::Status StoreServiceImpl::CommitStep(grpc::ServerContext* context,
                                           const v1::CommitStepRequest* request,
                                           v1::CommitStepResponse* reply) {
+  if (grpc::Status denied = policy_.Admit(*context, "CommitStep"); !denied.ok()) return denied;
   absl::StatusOr<BlobStore::CommitResult> r = store_->CommitStep(
       request->job_id(), request->step(),
       request->has_previous_step() ? std::optional<int64_t>(request->previous_step())
@@ -62,25 +82,30 @@ grpc::Status StoreServiceImpl::CommitStep(grpc::ServerContext*,
   return grpc::Status::OK;
 }
 
-grpc::Status StoreServiceImpl::AbortStep(grpc::ServerContext*, const v1::AbortStepRequest* request,
+grpc::Status StoreServiceImpl::AbortStep(grpc::ServerContext* context,
+                                         const v1::AbortStepRequest* request,
                                          v1::AbortStepResponse* reply) {
+  if (grpc::Status denied = policy_.Admit(*context, "AbortStep"); !denied.ok()) return denied;
   absl::StatusOr<uint64_t> n = store_->AbortStep(request->job_id(), request->step());
   if (!n.ok()) return ToGrpcStatus(n.status());
   reply->set_blobs_discarded(*n);
   return grpc::Status::OK;
 }
 
-grpc::Status StoreServiceImpl::DeleteBlob(grpc::ServerContext*,
+grpc::Status StoreServiceImpl::DeleteBlob(grpc::ServerContext* context,
                                           const v1::DeleteBlobRequest* request,
                                           v1::DeleteBlobResponse* reply) {
+  if (grpc::Status denied = policy_.Admit(*context, "DeleteBlob"); !denied.ok()) return denied;
   absl::StatusOr<uint64_t> bytes = store_->DeleteBlob(request->key());
   if (!bytes.ok()) return ToGrpcStatus(bytes.status());
   reply->set_bytes_freed(*bytes);
   return grpc::Status::OK;
 }
 
-grpc::Status StoreServiceImpl::DeleteJob(grpc::ServerContext*, const v1::DeleteJobRequest* request,
+grpc::Status StoreServiceImpl::DeleteJob(grpc::ServerContext* context,
+                                         const v1::DeleteJobRequest* request,
                                          v1::DeleteJobResponse* reply) {
+  if (grpc::Status denied = policy_.Admit(*context, "DeleteJob"); !denied.ok()) return denied;
   BlobStore::DeleteScope scope;
   scope.keep_weights = request->keep_weights();
   if (request->has_layer()) scope.group = {request->layer(), request->expert()};
@@ -91,21 +116,25 @@ grpc::Status StoreServiceImpl::DeleteJob(grpc::ServerContext*, const v1::DeleteJ
   return grpc::Status::OK;
 }
 
-grpc::Status StoreServiceImpl::ListStoreJobs(grpc::ServerContext*, const v1::ListStoreJobsRequest*,
+grpc::Status StoreServiceImpl::ListStoreJobs(grpc::ServerContext* context,
+                                             const v1::ListStoreJobsRequest*,
                                              v1::ListStoreJobsResponse* reply) {
+  if (grpc::Status denied = policy_.Admit(*context, "ListStoreJobs"); !denied.ok()) return denied;
   for (v1::StoreJob& job : store_->Jobs()) *reply->add_jobs() = std::move(job);
   return grpc::Status::OK;
 }
 
-grpc::Status StoreServiceImpl::GetStats(grpc::ServerContext*, const v1::GetStatsRequest*,
+grpc::Status StoreServiceImpl::GetStats(grpc::ServerContext* context, const v1::GetStatsRequest*,
                                         v1::StoreStats* reply) {
+  if (grpc::Status denied = policy_.Admit(*context, "GetStats"); !denied.ok()) return denied;
   *reply = store_->Stats();
   return grpc::Status::OK;
 }
 
-grpc::Status StoreServiceImpl::Checkpoint(grpc::ServerContext*,
+grpc::Status StoreServiceImpl::Checkpoint(grpc::ServerContext* context,
                                           const v1::CheckpointRequest* request,
                                           v1::CheckpointResponse* reply) {
+  if (grpc::Status denied = policy_.Admit(*context, "Checkpoint"); !denied.ok()) return denied;
   if (request->checkpoint_dir().empty() && request->export_job_id().empty()) {
     return ToGrpcStatus(absl::InvalidArgumentError("give checkpoint_dir, export_job_id, or both"));
   }
@@ -166,6 +195,7 @@ absl::StatusOr<StoreClient*> StoreServiceImpl::PeerClient() {
 grpc::Status StoreServiceImpl::PullBlobs(grpc::ServerContext* context,
                                          const v1::PullBlobsRequest* request,
                                          v1::PullBlobsResponse* reply) {
+  if (grpc::Status denied = policy_.Admit(*context, "PullBlobs"); !denied.ok()) return denied;
   if (request->source_ucx_address().empty()) {
     return ToGrpcStatus(absl::InvalidArgumentError("source_ucx_address is required"));
   }

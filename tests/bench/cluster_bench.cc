@@ -37,6 +37,7 @@
 #include <vector>
 
 #include "../e2e/child_process.h"
+#include "../e2e/test_tls.h"
 #include "google/protobuf/util/json_util.h"
 #include "grpcpp/grpcpp.h"
 #include "pith/v1/job.grpc.pb.h"
@@ -87,6 +88,7 @@ struct Setup {
   std::string spec;
   std::string worker_flag;  // e.g. --cache_bytes=N
   uint64_t store_ram = 256 << 20;
+  bool tls = true;  // mutual TLS on every gRPC port (as users run); false: --insecure
 };
 
 struct Measured {
@@ -105,8 +107,13 @@ bool RunCluster(const std::string& dir, const Setup& setup, Measured* m) {
   std::filesystem::remove_all(dir + "/cluster");
   std::filesystem::create_directories(dir + "/cluster");
   const std::string d = dir + "/cluster";
+  pith::testing::TestTls tls(d + "/tls");
+  const auto security = [&](pith::security::Role role, const std::string& name) {
+    return setup.tls ? tls.Flag(role, name) : std::string("--insecure");
+  };
   ChildProcess coordinator(PITH_COORDINATOR_BINARY,
-                           {"--listen=127.0.0.1:0", "--metrics_port=-1", "--data_dir=" + d + "/c"},
+                           {"--listen=127.0.0.1:0", "--metrics_port=-1", "--data_dir=" + d + "/c",
+                            security(pith::security::Role::kCoordinator, "coordinator")},
                            d + "/coordinator.log");
   if (!coordinator.WaitReady()) return false;
   const std::string address = "127.0.0.1:" + std::to_string(coordinator.grpc_port);
@@ -114,22 +121,25 @@ bool RunCluster(const std::string& dir, const Setup& setup, Measured* m) {
   for (int n = 0; n < 2; ++n) {
     procs.push_back(std::make_unique<ChildProcess>(
         PITH_STORE_BINARY,
-        std::vector<std::string>{"--listen=127.0.0.1:0", "--metrics_port=-1",
-                                 "--data_dir=" + d + "/s" + std::to_string(n),
-                                 "--ram_bytes=" + std::to_string(setup.store_ram),
-                                 "--coordinator=" + address},
+        std::vector<std::string>{
+            "--listen=127.0.0.1:0", "--metrics_port=-1",
+            "--data_dir=" + d + "/s" + std::to_string(n),
+            "--ram_bytes=" + std::to_string(setup.store_ram), "--coordinator=" + address,
+            security(pith::security::Role::kMember, "store" + std::to_string(n))},
         d + "/store" + std::to_string(n) + ".log"));
     if (!procs.back()->WaitReady()) return false;
   }
   for (int n = 0; n < 2; ++n) {
     procs.push_back(std::make_unique<ChildProcess>(
         PITH_WORKER_BINARY,
-        std::vector<std::string>{"--coordinator=" + address, "--threads=1", setup.worker_flag,
-                                 "--scratch_dir=" + d},
+        std::vector<std::string>{
+            "--coordinator=" + address, "--threads=1", setup.worker_flag, "--scratch_dir=" + d,
+            security(pith::security::Role::kMember, "worker" + std::to_string(n))},
         d + "/worker" + std::to_string(n) + ".log"));
   }
   auto stub = pith::v1::JobService::NewStub(
-      grpc::CreateChannel(address, grpc::InsecureChannelCredentials()));
+      setup.tls ? tls.AdminChannel(address)
+                : grpc::CreateChannel(address, grpc::InsecureChannelCredentials()));
   pith::v1::SubmitJobRequest submit;
   if (!google::protobuf::util::JsonStringToMessage(setup.spec, submit.mutable_spec()).ok()) {
     return false;

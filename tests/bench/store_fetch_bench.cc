@@ -26,6 +26,7 @@
 #include <vector>
 
 #include "../e2e/child_process.h"
+#include "../e2e/test_tls.h"
 #include "common/grpc_util.h"
 #include "pith/v1/store.grpc.pb.h"
 #include "server/store/store_client.h"
@@ -40,6 +41,14 @@ std::string g_peer_netns;               // empty: the store and perftest's serve
 std::string g_peer_host = "127.0.0.1";  // where they listen
 
 // A child process of `binary`, inside the peer namespace (UCX over TCP) when there is one.
+// The certificates of the store and of the bench's own control calls (mutual TLS), naming
+// the address the store listens on.
+pith::testing::TestTls& Tls() {
+  static auto* tls = new pith::testing::TestTls(
+      "/tmp/pith_fetch_bench_tls_" + std::to_string(getpid()), {g_peer_host});
+  return *tls;
+}
+
 std::unique_ptr<ChildProcess> StartPeer(const std::string& binary, std::vector<std::string> args,
                                         const std::string& log) {
   if (g_peer_netns.empty()) return std::make_unique<ChildProcess>(binary, args, log);
@@ -134,18 +143,17 @@ Store StartStore(const std::string& dir, uint64_t ram_bytes) {
   Store s;
   std::filesystem::remove_all(dir);
   std::filesystem::create_directories(dir);
-  s.process = StartPeer(
-      PITH_STORE_BINARY,
-      {"--listen=" + g_peer_host + ":0", "--metrics_port=-1", "--data_dir=" + dir + "/data",
-       "--ram_bytes=" + std::to_string(ram_bytes), "--max_blob_bytes=" + std::to_string(16 << 20)},
-      dir + "/store.log");
+  s.process = StartPeer(PITH_STORE_BINARY,
+                        {"--listen=" + g_peer_host + ":0", "--metrics_port=-1",
+                         "--data_dir=" + dir + "/data", "--ram_bytes=" + std::to_string(ram_bytes),
+                         "--max_blob_bytes=" + std::to_string(16 << 20), Tls().MemberFlag("store")},
+                        dir + "/store.log");
   if (!s.process->WaitReady()) {
     std::fprintf(stderr, "pith-store did not start:\n%s\n", s.process->Log().c_str());
     std::exit(1);
   }
   s.stub = v1::StoreService::NewStub(
-      grpc::CreateChannel(g_peer_host + ":" + std::to_string(s.process->grpc_port),
-                          grpc::InsecureChannelCredentials()));
+      Tls().CoordinatorChannel(g_peer_host + ":" + std::to_string(s.process->grpc_port)));
   grpc::ClientContext ctx;
   v1::UcxAddress address;
   if (!s.stub->GetUcxAddress(&ctx, v1::GetUcxAddressRequest(), &address).ok()) std::exit(1);
@@ -327,5 +335,6 @@ int main(int argc, char** argv) {
     }
   }
   std::filesystem::remove_all(base);
+  std::filesystem::remove_all("/tmp/pith_fetch_bench_tls_" + std::to_string(getpid()));
   return 0;
 }

@@ -70,6 +70,19 @@ grep -q failed "$E2E_TMP/nodata.status" && grep -q "missing.bin" "$E2E_TMP/nodat
 (($(date +%s) - start <= 60)) || fail "the job without data took over 60 s to fail"
 echo "  ok: $nodata failed in $(($(date +%s) - start)) s: $(grep -o "step.*" "$E2E_TMP/nodata.status" | head -1)"
 
+# Mutual TLS on every port (pith up made the certificates; the CLI used admin's): a
+# member's certificate cannot submit or drain, a user's can watch but not drain.
+tls=$PITH_HOME/tls
+expect_one_line "SubmitJob needs the admin or user role; the caller is worker0 (member)" \
+  "$PITH" --tls_dir "$tls/worker0" submit "$E2E_TMP/tiny.json"
+expect_one_line "DrainStore needs the admin role; the caller is worker0 (member)" \
+  "$PITH" --tls_dir "$tls/worker0" cluster drain store-0 --no-wait
+"$PITH" certs --dir "$tls" --name alice --role user >/dev/null || fail "pith certs"
+"$PITH" --tls_dir "$tls/alice" status "$job" | grep -q succeeded || fail "a user cannot read a job"
+expect_one_line "DrainStore needs the admin role; the caller is alice (user)" \
+  "$PITH" --tls_dir "$tls/alice" cluster drain store-0 --no-wait
+"$PITH" cluster | grep -q "store-0.*alive" || fail "a refused drain changed the store: $("$PITH" cluster)"
+
 expect_one_line "no job nope" "$PITH" status nope
 expect_one_line "no job nope" "$PITH" checkpoint nope --out "$E2E_TMP/nope.safetensors"
 [[ -z $(ls "$E2E_TMP"/nope.safetensors* 2>/dev/null) ]] || fail "a failed download left a file"
@@ -86,7 +99,8 @@ expect_one_line "127.0.0.1:1" "$PITH" --coordinator 127.0.0.1:1 status
 # the first job is untouched.
 bin=$(dirname "$(readlink -f "$PITH")")/..
 start_proc coord "$bin/server/coordinator/pith-coordinator" --listen=127.0.0.1:0 \
-  --metrics_port=-1 --data_dir="$E2E_TMP/coord" --jobs_memory_bytes=3000000
+  --metrics_port=-1 --data_dir="$E2E_TMP/coord" --jobs_memory_bytes=3000000 \
+  --tls_dir="$PITH_HOME/tls/coordinator"
 wait_ready coord
 first=$("$PITH" --coordinator "127.0.0.1:$GRPC_PORT_coord" submit "$E2E_TMP/tiny.json") ||
   fail "the first job was refused"

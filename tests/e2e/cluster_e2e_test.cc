@@ -28,6 +28,7 @@
 #include "pith/v1/coordinator.grpc.pb.h"
 #include "pith/v1/job.grpc.pb.h"
 #include "pith/v1/store.grpc.pb.h"
+#include "test_tls.h"
 
 namespace pith {
 namespace {
@@ -79,11 +80,12 @@ struct Failure {
   double weight_tolerance = 1e-4;
 };
 
-// Runs the pith CLI against the coordinator at `address`; returns its exit code, its
-// output in `out`.
-int RunCli(const std::string& address, const std::string& args, std::string* out) {
-  const std::string command =
-      std::string(PITH_CLI_BINARY) + " --coordinator " + address + " " + args + " 2>&1";
+// Runs the pith CLI against the coordinator at `address` with the certificate in
+// `tls_dir`; returns its exit code, its output in `out`.
+int RunCli(const std::string& address, const std::string& tls_dir, const std::string& args,
+           std::string* out) {
+  const std::string command = std::string(PITH_CLI_BINARY) + " --coordinator " + address +
+                              " --tls_dir " + tls_dir + " " + args + " 2>&1";
   FILE* pipe = popen(command.c_str(), "r");
   if (pipe == nullptr) return -1;
   out->clear();
@@ -114,6 +116,8 @@ class ClusterRun {
   void Prepare() {
     std::filesystem::remove_all(dir_);
     std::filesystem::create_directories(dir_);
+    tls_ = std::make_unique<pith::testing::TestTls>(dir_ + "/tls");
+    ASSERT_TRUE(tls_->ok());
     {
       std::ofstream text(dir_ + "/tokens.bin", std::ios::binary);
       for (int i = 0; i < 400; ++i) {
@@ -154,10 +158,10 @@ class ClusterRun {
     coordinator_ = NewCoordinator("127.0.0.1:0", "");
     ASSERT_TRUE(coordinator_->WaitReady()) << coordinator_->Log();
     address_ = "127.0.0.1:" + std::to_string(coordinator_->grpc_port);
-    stub_ =
-        v1::JobService::NewStub(grpc::CreateChannel(address_, grpc::InsecureChannelCredentials()));
+    stub_ = v1::JobService::NewStub(tls_->AdminChannel(address_));
+    // Placement reads are a member's call: the test reads as one.
     coordinator_stub_ = v1::CoordinatorService::NewStub(
-        grpc::CreateChannel(address_, grpc::InsecureChannelCredentials()));
+        NewChannel(address_, tls_->Credentials(security::Role::kMember, "observer")));
     for (int n = 0; n < 2; ++n) ASSERT_TRUE(StartStore()) << stores_.back()->Log();
     // Two workers train; with a worker failure a third waits as the spare.
     const int worker_count = failure_.kill_worker_after_step >= 0 ? 3 : 2;
@@ -362,8 +366,8 @@ class ClusterRun {
     auto held = [&] {
       Held out;
       for (auto& s : stores_) {
-        auto stub = v1::StoreService::NewStub(grpc::CreateChannel(
-            "127.0.0.1:" + std::to_string(s->grpc_port), grpc::InsecureChannelCredentials()));
+        auto stub = v1::StoreService::NewStub(
+            tls_->AdminChannel("127.0.0.1:" + std::to_string(s->grpc_port)));
         grpc::ClientContext ctx;
         v1::ListStoreJobsResponse jobs;
         EXPECT_TRUE(stub->ListStoreJobs(&ctx, v1::ListStoreJobsRequest(), &jobs).ok());
@@ -423,9 +427,10 @@ class ClusterRun {
     const std::string name = "store" + std::to_string(n);
     return std::make_unique<ChildProcess>(
         PITH_STORE_BINARY,
-        std::vector<std::string>{
-            "--listen=127.0.0.1:0", "--metrics_port=-1", "--data_dir=" + dir_ + "/" + name,
-            "--ram_bytes=" + std::to_string(failure_.store_ram_bytes), "--coordinator=" + address_},
+        std::vector<std::string>{"--listen=127.0.0.1:0", "--metrics_port=-1",
+                                 "--data_dir=" + dir_ + "/" + name,
+                                 "--ram_bytes=" + std::to_string(failure_.store_ram_bytes),
+                                 "--coordinator=" + address_, tls_->MemberFlag(name)},
         dir_ + "/" + name + ".log" + log_tag);
   }
 
@@ -434,7 +439,8 @@ class ClusterRun {
         PITH_WORKER_BINARY,
         std::vector<std::string>{"--coordinator=" + address_, "--threads=1",
                                  "--loss_log=" + dir_ + "/cluster.log",
-                                 "--cache_bytes=" + std::to_string(failure_.cache_bytes)},
+                                 "--cache_bytes=" + std::to_string(failure_.cache_bytes),
+                                 tls_->MemberFlag("worker" + std::to_string(n))},
         dir_ + "/worker" + std::to_string(n) + ".log" + log_tag);
   }
 
@@ -443,7 +449,8 @@ class ClusterRun {
     return std::make_unique<ChildProcess>(
         PITH_COORDINATOR_BINARY,
         std::vector<std::string>{"--listen=" + listen, "--metrics_port=-1", "--lease_ms=1500",
-                                 "--data_dir=" + dir_ + "/coordinator", "--export_root=" + dir_},
+                                 "--data_dir=" + dir_ + "/coordinator", "--export_root=" + dir_,
+                                 tls_->CoordinatorFlag()},
         dir_ + "/coordinator.log" + log_tag);
   }
 
@@ -496,7 +503,10 @@ class ClusterRun {
       case 2: {
         const std::string id = StoreId(0);
         std::string out;
-        ASSERT_EQ(RunCli(address_, "cluster drain " + id + " --timeout 120", &out), 0) << out;
+        ASSERT_EQ(RunCli(address_, tls_->Dir(security::Role::kAdmin, "admin"),
+                         "cluster drain " + id + " --timeout 120", &out),
+                  0)
+            << out;
         EXPECT_NE(out.find("can be stopped now"), std::string::npos) << out;
         const v1::PlacementTable table = Placement();
         for (const auto& e : table.experts()) {
@@ -523,7 +533,10 @@ class ClusterRun {
 
   bool NewStoresHoldCopies() {
     std::string json;
-    EXPECT_EQ(RunCli(address_, "cluster --output json", &json), 0) << json;
+    EXPECT_EQ(RunCli(address_, tls_->Dir(security::Role::kAdmin, "admin"), "cluster --output json",
+                     &json),
+              0)
+        << json;
     // Copies in flight, or done: a pull can start and end between two polls (each runs
     // the CLI), so the count of blobs moved (printed once nonzero) counts too.
     json_showed_moves_ |= json.find("\"moves\"") != std::string::npos ||
@@ -559,6 +572,7 @@ class ClusterRun {
   const std::string name_;
   const Failure failure_;
   const std::string dir_;
+  std::unique_ptr<pith::testing::TestTls> tls_;
   std::unique_ptr<ChildProcess> coordinator_;
   std::vector<std::unique_ptr<ChildProcess>> stores_, workers_;
   std::string address_, job_id_;

@@ -18,24 +18,31 @@
 #include "pith/v1/job.grpc.pb.h"
 #include "pith/v1/store.grpc.pb.h"
 #include "server/store/store_client.h"
+#include "test_tls.h"
 
 namespace pith::coordinator {
 namespace {
+
+// The certificates of every process and call of this test (mutual TLS, as users run it).
+pith::testing::TestTls& Tls() {
+  static auto* tls = new pith::testing::TestTls(::testing::TempDir() + "/coordinator_e2e_tls_" +
+                                                std::to_string(getpid()));
+  return *tls;
+}
 
 std::unique_ptr<pith::testing::ChildProcess> StartCoordinator(
     const std::string& dir, int n, const std::string& listen = "127.0.0.1:0") {
   auto p = std::make_unique<pith::testing::ChildProcess>(
       PITH_COORDINATOR_BINARY,
       std::vector<std::string>{"--listen=" + listen, "--metrics_port=-1", "--lease_ms=1000",
-                               "--data_dir=" + dir + "/data"},
+                               "--data_dir=" + dir + "/data", Tls().CoordinatorFlag()},
       dir + "/coordinator." + std::to_string(n) + ".log");
   EXPECT_TRUE(p->WaitReady()) << p->Log();
   return p;
 }
 
 std::unique_ptr<v1::JobService::Stub> Stub(int port) {
-  return v1::JobService::NewStub(
-      grpc::CreateChannel("127.0.0.1:" + std::to_string(port), grpc::InsecureChannelCredentials()));
+  return v1::JobService::NewStub(Tls().AdminChannel("127.0.0.1:" + std::to_string(port)));
 }
 
 TEST(CoordinatorE2eTest, JobsSurviveKillDashNine) {
@@ -123,7 +130,8 @@ TEST(CoordinatorE2eTest, StoresRegisterHeartbeatDieAndComeBack) {
         std::vector<std::string>{"--listen=127.0.0.1:0", "--metrics_port=-1",
                                  "--data_dir=" + dir + "/store" + std::to_string(n),
                                  "--ram_bytes=67108864", "--max_blob_bytes=1048576",
-                                 "--coordinator=" + address},
+                                 "--coordinator=" + address,
+                                 Tls().MemberFlag("store" + std::to_string(n))},
         dir + "/store" + std::to_string(n) + ".log");
     EXPECT_TRUE(p->WaitReady()) << p->Log();
     return p;
@@ -162,10 +170,11 @@ TEST(CoordinatorE2eTest, StoresRegisterHeartbeatDieAndComeBack) {
 TEST(CoordinatorE2eTest, UnreachableCoordinatorIsOneClearLine) {
   const std::string dir = ::testing::TempDir() + "/unreachable_" + std::to_string(getpid());
   std::filesystem::remove_all(dir);
-  pith::testing::ChildProcess store(PITH_STORE_BINARY,
-                                    {"--listen=127.0.0.1:0", "--metrics_port=-1",
-                                     "--data_dir=" + dir, "--coordinator=127.0.0.1:1"},
-                                    dir + ".log");
+  pith::testing::ChildProcess store(
+      PITH_STORE_BINARY,
+      {"--listen=127.0.0.1:0", "--metrics_port=-1", "--data_dir=" + dir,
+       "--coordinator=127.0.0.1:1", Tls().MemberFlag("store0")},
+      dir + ".log");
   EXPECT_FALSE(store.WaitReady(30));
   EXPECT_NE(store.Log().find("pith-store: coordinator: cannot reach 127.0.0.1:1"),
             std::string::npos)
@@ -179,7 +188,10 @@ using store::StoreClient;
 
 class MemberWorker {
  public:
-  explicit MemberWorker(const std::string& coordinator) : coordinator_(coordinator) {
+  explicit MemberWorker(const std::string& coordinator)
+      : coordinator_(coordinator),
+        credentials_(
+            Tls().Credentials(security::Role::kMember, "fake-worker" + std::to_string(next_++))) {
     Register();
     beat_ = std::thread([this] {
       while (!stop_) {
@@ -201,8 +213,7 @@ class MemberWorker {
   const std::string& id() const { return id_; }
 
   std::unique_ptr<v1::CoordinatorService::Stub> Stub() {
-    return v1::CoordinatorService::NewStub(
-        grpc::CreateChannel(coordinator_, grpc::InsecureChannelCredentials()));
+    return v1::CoordinatorService::NewStub(NewChannel(coordinator_, credentials_));
   }
 
   absl::StatusOr<v1::Assignment> Assignment() {
@@ -280,6 +291,8 @@ class MemberWorker {
   }
 
   const std::string coordinator_;
+  static inline int next_ = 0;  // fake workers made so far: each has its own certificate
+  const std::shared_ptr<grpc::ChannelCredentials> credentials_;
   std::string id_;
   std::atomic<bool> stop_{false};
   std::thread beat_;
@@ -356,12 +369,12 @@ void StartStores(const std::string& dir, const std::string& address, int n,
         std::vector<std::string>{"--listen=127.0.0.1:0", "--metrics_port=-1",
                                  "--data_dir=" + dir + "/store" + std::to_string(i),
                                  "--ram_bytes=67108864", "--max_blob_bytes=1048576",
-                                 "--coordinator=" + address},
+                                 "--coordinator=" + address,
+                                 Tls().MemberFlag("store" + std::to_string(i))},
         dir + "/store" + std::to_string(i) + ".log"));
     ASSERT_TRUE(stores->back()->WaitReady()) << stores->back()->Log();
     stubs->push_back(v1::StoreService::NewStub(
-        grpc::CreateChannel("127.0.0.1:" + std::to_string(stores->back()->grpc_port),
-                            grpc::InsecureChannelCredentials())));
+        Tls().CoordinatorChannel("127.0.0.1:" + std::to_string(stores->back()->grpc_port))));
   }
 }
 

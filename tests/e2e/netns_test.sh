@@ -63,23 +63,28 @@ job=$("$PITH" submit "$E2E_TMP/same.json")
 want=$(held_out "$E2E_TMP/loopback.safetensors")
 
 C="$NET.1:7000"
+# Mutual TLS as between hosts: each certificate names the addresses its process serves on.
+make_tls "$PITH" coordinator coordinator -- "$NET.1"
+make_tls "$PITH" member store0 store1 worker0 worker1 -- "$NET.2" "$NET.3" "$NET.4" "$NET.5"
+make_tls "$PITH" admin admin
 start_proc coordinator in_host 1 "$COORDINATOR" --listen="$C" --metrics_port=-1 \
-  --data_dir="$E2E_TMP/c" --lease_ms=1500
+  --data_dir="$E2E_TMP/c" --lease_ms=1500 --tls_dir="$E2E_TMP/tls/coordinator"
 wait_ready coordinator
 for s in 0 1; do
   start_proc "store$s" in_host $((2 + s)) "$STORE" --listen="$NET.$((2 + s)):7100" \
-    --metrics_port=0 --data_dir="$E2E_TMP/s$s" --ram_bytes=$((64 << 20)) --coordinator="$C"
+    --metrics_port=0 --data_dir="$E2E_TMP/s$s" --ram_bytes=$((64 << 20)) --coordinator="$C" \
+    --tls_dir="$E2E_TMP/tls/store$s"
   wait_ready "store$s"
 done
 # Both workers on host 4 and 5: every fetch, put and dispatch crosses a veth over TCP.
 for w in 0 1; do
   start_proc "worker$w" in_host $((4 + w)) "$WORKER" --coordinator="$C" \
-    --listen="$NET.$((4 + w)):0" --threads=1
+    --listen="$NET.$((4 + w)):0" --threads=1 --tls_dir="$E2E_TMP/tls/worker$w"
 done
 ip netns exec "pn$$-2" ss -ltn | grep -q "$NET.2:$METRICS_PORT_store0" ||
   fail "store0's metrics are not bound to its --listen address alone"
 
-P=("$PITH" --coordinator "$C")
+P=("$PITH" --coordinator "$C" --tls_dir "$E2E_TMP/tls/admin")
 job=$("${P[@]}" submit "$E2E_TMP/same.json")
 timeout 120 "${P[@]}" watch "$job" >/dev/null || fail "the job across namespaces failed"
 "${P[@]}" checkpoint "$job" --out "$E2E_TMP/netns.safetensors" >/dev/null

@@ -2,11 +2,15 @@
 # The server processes start on ephemeral ports, serve /metrics and gRPC, stop cleanly on
 # SIGTERM, and reject bad flags and busy ports with one clear line and a non-zero exit.
 set -euo pipefail
-COORDINATOR=$1 STORE=$2
+COORDINATOR=$1 STORE=$2 PITH=$3
 source "$(dirname "$0")/../../deploy/proc-lib.sh"
 
-start_proc coordinator "$COORDINATOR" --listen=127.0.0.1:0 --metrics_port=0 --data_dir="$E2E_TMP/coordinator-data"
-start_proc store "$STORE" --listen=127.0.0.1:0 --metrics_port=0 --data_dir="$E2E_TMP/store-data"
+make_tls "$PITH" coordinator coordinator blocker
+make_tls "$PITH" member store busy
+start_proc coordinator "$COORDINATOR" --listen=127.0.0.1:0 --metrics_port=0 \
+  --data_dir="$E2E_TMP/coordinator-data" --tls_dir="$E2E_TMP/tls/coordinator"
+start_proc store "$STORE" --listen=127.0.0.1:0 --metrics_port=0 --data_dir="$E2E_TMP/store-data" \
+  --tls_dir="$E2E_TMP/tls/store"
 wait_ready coordinator
 wait_ready store
 
@@ -26,8 +30,30 @@ for name in coordinator store; do
   (exec 3<>"/dev/tcp/127.0.0.1/$grpc") 2>/dev/null || fail "$name gRPC port $grpc is closed"
 done
 
+# Plaintext to a TLS port gets nothing: the CLI without a certificate cannot reach it.
+rc=0
+out=$(PITH_HOME=$E2E_TMP/nohome "$PITH" --coordinator "127.0.0.1:$GRPC_PORT_coordinator" status 2>&1) ||
+  rc=$?
+[[ $rc == 1 ]] && grep -q "cannot reach" <<<"$out" || fail "a plaintext call got in (exit $rc): $out"
+
 stop_proc coordinator
 stop_proc store
+
+# Neither --tls_dir nor --insecure: one line naming both. --insecure off loopback: refused.
+# A certificate of the wrong role: refused, naming it.
+if out=$("$STORE" --listen=127.0.0.1:0 --metrics_port=-1 --data_dir="$E2E_TMP/x" 2>&1); then
+  fail "a store without --tls_dir or --insecure started"
+fi
+grep -q -- "--tls_dir.*--insecure" <<<"$out" || fail "no-security error unclear: $out"
+if out=$("$STORE" --listen=0.0.0.0:0 --metrics_port=-1 --data_dir="$E2E_TMP/x" --insecure 2>&1); then
+  fail "an insecure store listened on every interface"
+fi
+grep -q "loopback addresses only" <<<"$out" || fail "insecure off loopback unclear: $out"
+if out=$("$STORE" --listen=127.0.0.1:0 --metrics_port=-1 --data_dir="$E2E_TMP/x" \
+  --tls_dir="$E2E_TMP/tls/coordinator" 2>&1); then
+  fail "a store started with the coordinator's certificate"
+fi
+grep -q "needs one with the member role" <<<"$out" || fail "wrong-role error unclear: $out"
 
 # --help describes the process and its flags.
 help=$("$STORE" --help 2>&1 || true)
@@ -40,9 +66,11 @@ grep -q "no_such_flag" <<<"$out" || fail "unknown flag not named: $out"
 
 # A busy metrics port: non-zero exit and one clear error line.
 busy=$(free_port)
-start_proc blocker "$COORDINATOR" --listen=127.0.0.1:0 --metrics_port="$busy" --data_dir="$E2E_TMP/blocker-data"
+start_proc blocker "$COORDINATOR" --listen=127.0.0.1:0 --metrics_port="$busy" \
+  --data_dir="$E2E_TMP/blocker-data" --tls_dir="$E2E_TMP/tls/blocker"
 wait_ready blocker
-if out=$("$STORE" --listen=127.0.0.1:0 --metrics_port="$busy" --data_dir="$E2E_TMP/busy-data" 2>&1); then
+if out=$("$STORE" --listen=127.0.0.1:0 --metrics_port="$busy" --data_dir="$E2E_TMP/busy-data" \
+  --tls_dir="$E2E_TMP/tls/busy" 2>&1); then
   fail "second process on a busy metrics port started"
 fi
 grep -q "cannot serve on 127.0.0.1:$busy" <<<"$out" || fail "busy port error unclear: $out"

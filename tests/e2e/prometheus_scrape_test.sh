@@ -1,14 +1,16 @@
 #!/usr/bin/env bash
 # A real Prometheus server scrapes a Pith process and can query its metrics.
 set -euo pipefail
-STORE=$1
+STORE=$1 PITH=$2
 source "$(dirname "$0")/../../deploy/proc-lib.sh"
+make_tls "$PITH" member store
 
 PROMETHEUS=$(command -v prometheus || true)
 [[ -x /usr/bin/prometheus ]] && PROMETHEUS=/usr/bin/prometheus
 [[ -n $PROMETHEUS ]] || fail "prometheus is not installed (deploy/install-deps.sh installs it)"
 
-start_proc store "$STORE" --listen=127.0.0.1:0 --metrics_port=0 --data_dir="$E2E_TMP/store-data"
+start_proc store "$STORE" --listen=127.0.0.1:0 --metrics_port=0 --data_dir="$E2E_TMP/store-data" \
+  --tls_dir="$E2E_TMP/tls/store"
 wait_ready store
 
 cat >"$E2E_TMP/prometheus.yml" <<YAML

@@ -24,11 +24,19 @@
 #include "gtest/gtest.h"
 #include "pith/v1/store.grpc.pb.h"
 #include "server/store/store_client.h"
+#include "test_tls.h"
 
 namespace pith::store {
 namespace {
 
 using pith::testing::ChildProcess;
+
+// The certificates of every process and call of this test (mutual TLS, as users run it).
+pith::testing::TestTls& Tls() {
+  static auto* tls = new pith::testing::TestTls(::testing::TempDir() + "/store_e2e_tls_" +
+                                                std::to_string(getpid()));
+  return *tls;
+}
 
 v1::BlobKey Key(int layer, int expert, v1::BlobKind kind = v1::BLOB_KIND_WEIGHTS) {
   v1::BlobKey k;
@@ -62,10 +70,12 @@ class StoreE2eTest : public ::testing::Test {
   // A store on `data_dir` (empty: dir_/data) with `extra` flags.
   void StartStore(uint64_t ram_bytes = 64 << 20, uint64_t max_blob = 4 << 20,
                   const std::string& data_dir = "", std::vector<std::string> extra = {}) {
-    std::vector<std::string> args = {"--listen=127.0.0.1:0", "--metrics_port=0",
+    std::vector<std::string> args = {"--listen=127.0.0.1:0",
+                                     "--metrics_port=0",
                                      "--data_dir=" + (data_dir.empty() ? dir_ + "/data" : data_dir),
                                      "--ram_bytes=" + std::to_string(ram_bytes),
-                                     "--max_blob_bytes=" + std::to_string(max_blob)};
+                                     "--max_blob_bytes=" + std::to_string(max_blob),
+                                     Tls().MemberFlag("store")};
     args.insert(args.end(), extra.begin(), extra.end());
     store_ = std::make_unique<ChildProcess>(PITH_STORE_BINARY, args,
                                             dir_ + "/store." + std::to_string(++starts_) + ".log");
@@ -76,8 +86,7 @@ class StoreE2eTest : public ::testing::Test {
     auto client = StoreClient::Create();
     ASSERT_TRUE(client.ok()) << client.status();
     client_ = std::move(*client);
-    channel_ = grpc::CreateChannel("127.0.0.1:" + std::to_string(store_->grpc_port),
-                                   grpc::InsecureChannelCredentials());
+    channel_ = Tls().CoordinatorChannel("127.0.0.1:" + std::to_string(store_->grpc_port));
     stub_ = v1::StoreService::NewStub(channel_);
     grpc::ClientContext ctx;
     v1::UcxAddress address;
@@ -491,9 +500,10 @@ TEST_F(StoreE2eTest, ClientsKilledWithWritesInFlightLeaveTheStoreServing) {
   std::mt19937 rng(7);
   for (int k = 0; k < kills; ++k) {
     const std::string log = dir_ + "/flood." + std::to_string(k) + ".log";
-    ChildProcess flood(
-        PITH_PUT_FLOOD_BINARY,
-        {"127.0.0.1:" + std::to_string(store_->grpc_port), std::to_string(1 << 20), "16"}, log);
+    ChildProcess flood(PITH_PUT_FLOOD_BINARY,
+                       {"127.0.0.1:" + std::to_string(store_->grpc_port), std::to_string(1 << 20),
+                        "16", Tls().Dir(security::Role::kCoordinator, "coordinator")},
+                       log);
     const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(30);
     while (flood.Log().find("flooding") == std::string::npos) {
       ASSERT_TRUE(flood.Running()) << "the flood client died: " << flood.Log();
@@ -734,12 +744,12 @@ TEST(StorePeerTest, PullBlobsAndCheckpoint) {
         PITH_STORE_BINARY,
         std::vector<std::string>{"--listen=127.0.0.1:0", "--metrics_port=-1",
                                  "--data_dir=" + dir + "/data" + std::to_string(i),
-                                 "--ram_bytes=64000000", "--export_root=" + dir},
+                                 "--ram_bytes=64000000", "--export_root=" + dir,
+                                 Tls().MemberFlag("store" + std::to_string(i))},
         dir + "/store" + std::to_string(i) + ".log"));
     ASSERT_TRUE(stores.back()->WaitReady()) << stores.back()->Log();
     stubs.push_back(v1::StoreService::NewStub(
-        grpc::CreateChannel("127.0.0.1:" + std::to_string(stores.back()->grpc_port),
-                            grpc::InsecureChannelCredentials())));
+        Tls().CoordinatorChannel("127.0.0.1:" + std::to_string(stores.back()->grpc_port))));
     grpc::ClientContext ctx;
     v1::UcxAddress address;
     ASSERT_TRUE(stubs.back()->GetUcxAddress(&ctx, v1::GetUcxAddressRequest(), &address).ok());

@@ -17,6 +17,7 @@
 #include "gtest/gtest.h"
 #include "pith/v1/store.grpc.pb.h"
 #include "server/store/store_client.h"
+#include "test_tls.h"
 
 namespace pith::store {
 namespace {
@@ -156,14 +157,15 @@ TEST(StoreLoadTest, EightThreadsFetchingAndWriting) {
   std::filesystem::remove_all(dir);
   std::filesystem::create_directories(dir);
   constexpr uint64_t kRamBytes = 32 << 20;
+  pith::testing::TestTls tls(dir + "/tls");
   pith::testing::ChildProcess store(
       PITH_STORE_BINARY,
       {"--listen=127.0.0.1:0", "--metrics_port=0", "--data_dir=" + dir + "/data",
-       "--ram_bytes=" + std::to_string(kRamBytes), "--max_blob_bytes=1048576"},
+       "--ram_bytes=" + std::to_string(kRamBytes), "--max_blob_bytes=1048576",
+       tls.MemberFlag("store")},
       dir + "/store.log");
   ASSERT_TRUE(store.WaitReady()) << store.Log();
-  auto channel = grpc::CreateChannel("127.0.0.1:" + std::to_string(store.grpc_port),
-                                     grpc::InsecureChannelCredentials());
+  auto channel = tls.CoordinatorChannel("127.0.0.1:" + std::to_string(store.grpc_port));
   auto stub = v1::StoreService::NewStub(channel);
   v1::UcxAddress address;
   {

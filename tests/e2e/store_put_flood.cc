@@ -2,7 +2,8 @@
 // until it is killed. store_e2e_test kills it with `kill -9` at random points to check that
 // a store outlives clients that die with writes (rendezvous payloads) half-sent.
 //
-// Usage: store_put_flood <store grpc host:port> <blob bytes> <writes in flight>
+// Usage: store_put_flood <store grpc host:port> <blob bytes> <writes in flight> <tls dir>
+//   (tls dir: a coordinator's or an admin's certificate directory)
 // Logs "flooding" once the first batch is answered, then one line per 100 batches.
 #include <cstdio>
 #include <cstdlib>
@@ -12,6 +13,7 @@
 #include "common/grpc_util.h"
 #include "grpcpp/grpcpp.h"
 #include "pith/v1/store.grpc.pb.h"
+#include "security/tls.h"
 #include "server/store/store_client.h"
 
 namespace pith::store {
@@ -22,9 +24,10 @@ int Fail(const absl::Status& status) {
   return 1;
 }
 
-int Run(const std::string& target, size_t blob_bytes, int in_flight) {
-  auto stub =
-      v1::StoreService::NewStub(grpc::CreateChannel(target, grpc::InsecureChannelCredentials()));
+int Run(const std::string& target, size_t blob_bytes, int in_flight, const std::string& tls_dir) {
+  auto security = security::TransportSecurity::Tls(tls_dir);
+  if (!security.ok()) return Fail(security.status());
+  auto stub = v1::StoreService::NewStub(NewChannel(target, security->ChannelCredentials()));
   grpc::ClientContext ctx;
   ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
   v1::UcxAddress address;
@@ -64,10 +67,12 @@ int Run(const std::string& target, size_t blob_bytes, int in_flight) {
 }  // namespace pith::store
 
 int main(int argc, char** argv) {
-  if (argc != 4) {
+  if (argc != 5) {
     std::fprintf(stderr,
-                 "usage: store_put_flood <store grpc host:port> <blob bytes> <in flight>\n");
+                 "usage: store_put_flood <store grpc host:port> <blob bytes> <in flight> "
+                 "<tls dir>\n");
     return 2;
   }
-  return pith::store::Run(argv[1], std::strtoull(argv[2], nullptr, 10), std::atoi(argv[3]));
+  return pith::store::Run(argv[1], std::strtoull(argv[2], nullptr, 10), std::atoi(argv[3]),
+                          argv[4]);
 }

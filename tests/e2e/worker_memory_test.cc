@@ -20,6 +20,7 @@
 #include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"
 #include "pith/v1/job.grpc.pb.h"
+#include "test_tls.h"
 
 namespace pith {
 namespace {
@@ -58,23 +59,24 @@ class MemoryRun {
     std::ofstream text(dir_ + "/tokens.bin", std::ios::binary);
     for (int i = 0; i < 300; ++i) text << "Sparse experts, bounded memory: line " << i << ".\n";
     text.close();
+    tls_ = std::make_unique<pith::testing::TestTls>(dir_ + "/tls");
     coordinator_ = std::make_unique<ChildProcess>(
         PITH_COORDINATOR_BINARY,
         std::vector<std::string>{"--listen=127.0.0.1:0", "--metrics_port=-1",
-                                 "--data_dir=" + dir_ + "/coordinator"},
+                                 "--data_dir=" + dir_ + "/coordinator", tls_->CoordinatorFlag()},
         dir_ + "/coordinator.log");
     ASSERT_TRUE(coordinator_->WaitReady()) << coordinator_->Log();
     address_ = "127.0.0.1:" + std::to_string(coordinator_->grpc_port);
-    stub_ =
-        v1::JobService::NewStub(grpc::CreateChannel(address_, grpc::InsecureChannelCredentials()));
+    stub_ = v1::JobService::NewStub(tls_->AdminChannel(address_));
     for (int n = 0; n < 2; ++n) {
       const std::string id = std::to_string(n);
       stores_.push_back(std::make_unique<ChildProcess>(
           PITH_STORE_BINARY,
-          std::vector<std::string>{
-              "--listen=127.0.0.1:0", "--metrics_port=-1", "--data_dir=" + dir_ + "/store" + id,
-              "--ram_bytes=" + std::to_string(kStoreRam),
-              "--max_blob_bytes=" + std::to_string(1 << 20), "--coordinator=" + address_},
+          std::vector<std::string>{"--listen=127.0.0.1:0", "--metrics_port=-1",
+                                   "--data_dir=" + dir_ + "/store" + id,
+                                   "--ram_bytes=" + std::to_string(kStoreRam),
+                                   "--max_blob_bytes=" + std::to_string(1 << 20),
+                                   "--coordinator=" + address_, tls_->MemberFlag("store" + id)},
           dir_ + "/store" + id + ".log"));
       ASSERT_TRUE(stores_.back()->WaitReady()) << stores_.back()->Log();
     }
@@ -83,7 +85,8 @@ class MemoryRun {
           PITH_WORKER_BINARY,
           std::vector<std::string>{"--coordinator=" + address_, "--threads=1",
                                    "--memory_bytes=" + std::to_string(worker_memory_),
-                                   "--scratch_dir=" + dir_},
+                                   "--scratch_dir=" + dir_,
+                                   tls_->MemberFlag("worker" + std::to_string(n))},
           dir_ + "/worker" + std::to_string(n) + ".log"));
     }
   }
@@ -125,6 +128,7 @@ class MemoryRun {
  private:
   const std::string dir_;
   const uint64_t worker_memory_;
+  std::unique_ptr<pith::testing::TestTls> tls_;
   std::unique_ptr<ChildProcess> coordinator_;
   std::vector<std::unique_ptr<ChildProcess>> stores_, workers_;
   std::string address_;

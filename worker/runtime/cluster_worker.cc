@@ -766,10 +766,12 @@ absl::Status RunClusterWorker(const ClusterWorkerOptions& options, MetricsRegist
   self.set_ucx_address(peers->address());
   self.set_capacity_bytes(options.memory_bytes > 0 ? options.memory_bytes : options.cache_bytes);
   self.set_backend(v1::BACKEND_CPU);
-  ASSIGN_OR_RETURN(std::unique_ptr<MemberAgent> agent,
-                   MemberAgent::Start(options.coordinator, self, [](v1::MemberInfo*) {}));
+  ASSIGN_OR_RETURN(
+      std::unique_ptr<MemberAgent> agent,
+      MemberAgent::Start(options.coordinator, options.security, self, [](v1::MemberInfo*) {}));
   LOG(INFO) << "worker " << agent->member_id() << " joined " << options.coordinator;
-  auto coordinator = v1::CoordinatorService::NewStub(NewChannel(options.coordinator));
+  auto coordinator = v1::CoordinatorService::NewStub(
+      NewChannel(options.coordinator, options.security.ChannelCredentials()));
   CoordinatorLink link(coordinator.get(), agent->member_id());
   const auto pause = [] {
     std::this_thread::sleep_for(absl::ToChronoMilliseconds(kAssignmentRetry));

@@ -21,11 +21,14 @@
 
 #include "absl/status/status.h"
 #include "common/metrics.h"
+#include "security/tls.h"
 
 namespace pith::runtime {
 
 struct ClusterWorkerOptions {
-  std::string coordinator;      // host:port
+  std::string coordinator;  // host:port
+  // Mutual TLS with a member's certificate, or plaintext to a loopback coordinator.
+  security::TransportSecurity security;
   std::string listen;           // advertised gRPC address (host:port)
   std::string metrics_address;  // advertised /metrics address, if any
   uint64_t cache_bytes = 0;     // expert cache budget (advertised; 0: unlimited)

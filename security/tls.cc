@@ -1,0 +1,131 @@
+#include "security/tls.h"
+
+#include <arpa/inet.h>
+#include <openssl/err.h>
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "common/status.h"
+#include "grpcpp/security/tls_certificate_provider.h"
+#include "grpcpp/security/tls_credentials_options.h"
+#include "security/openssl_util.h"
+
+namespace pith::security {
+namespace {
+
+std::shared_ptr<grpc::experimental::FileWatcherCertificateProvider> Provider(
+    const std::string& dir) {
+  return std::make_shared<grpc::experimental::FileWatcherCertificateProvider>(
+      dir + "/" + kKeyFile, dir + "/" + kCertFile, dir + "/" + kCaCertFile,
+      static_cast<unsigned int>(absl::ToInt64Seconds(kTlsRefresh)));
+}
+
+// The host of "host:port", "[v6]:port" or a bare host.
+std::string HostOf(const std::string& address) {
+  if (absl::StartsWith(address, "[")) {
+    const size_t close = address.find(']');
+    return close == std::string::npos ? address : address.substr(1, close - 1);
+  }
+  const size_t colon = address.rfind(':');
+  if (colon == std::string::npos || address.find(':') != colon) return address;
+  return address.substr(0, colon);
+}
+
+}  // namespace
+
+absl::StatusOr<Identity> CheckTlsDir(const std::string& dir) {
+  const std::string cert_path = dir + "/" + kCertFile;
+  ASSIGN_OR_RETURN(internal::Cert ca, internal::LoadCert(dir + "/" + kCaCertFile));
+  ASSIGN_OR_RETURN(internal::Cert cert, internal::LoadCert(cert_path));
+  ASSIGN_OR_RETURN(internal::Key key, internal::LoadKey(dir + "/" + kKeyFile));
+  if (X509_check_private_key(cert.get(), key.get()) != 1) {
+    ERR_clear_error();
+    return absl::InvalidArgumentError(
+        absl::StrCat(dir, "/", kKeyFile, " is not the key of ", cert_path));
+  }
+  std::unique_ptr<X509_STORE, internal::OpenSslFree> store(X509_STORE_new());
+  std::unique_ptr<X509_STORE_CTX, internal::OpenSslFree> ctx(X509_STORE_CTX_new());
+  if (store == nullptr || ctx == nullptr || X509_STORE_add_cert(store.get(), ca.get()) != 1 ||
+      X509_STORE_CTX_init(ctx.get(), store.get(), cert.get(), nullptr) != 1) {
+    return internal::OpenSslFailure("certificate check");
+  }
+  if (X509_verify_cert(ctx.get()) != 1) {
+    const int err = X509_STORE_CTX_get_error(ctx.get());
+    ERR_clear_error();
+    return absl::InvalidArgumentError(absl::StrCat(cert_path, " does not verify against ", dir, "/",
+                                                   kCaCertFile, ": ",
+                                                   X509_verify_cert_error_string(err)));
+  }
+  return internal::CertIdentity(cert.get(), cert_path);
+}
+
+bool IsLoopbackAddress(const std::string& address) {
+  const std::string host = HostOf(address);
+  if (host == "localhost") return true;
+  in_addr v4;
+  if (inet_pton(AF_INET, host.c_str(), &v4) == 1) return (ntohl(v4.s_addr) >> 24) == 127;
+  in6_addr v6;
+  return inet_pton(AF_INET6, host.c_str(), &v6) == 1 && IN6_IS_ADDR_LOOPBACK(&v6);
+}
+
+absl::StatusOr<TransportSecurity> TransportSecurity::Tls(const std::string& dir) {
+  ASSIGN_OR_RETURN(Identity identity, CheckTlsDir(dir));
+  TransportSecurity out;
+  out.dir_ = dir;
+  out.identity_ = std::move(identity);
+  return out;
+}
+
+TransportSecurity TransportSecurity::Insecure() { return TransportSecurity(); }
+
+absl::StatusOr<TransportSecurity> TransportSecurity::Choose(const std::string& tls_dir,
+                                                            bool insecure,
+                                                            const std::string& program) {
+  if (!tls_dir.empty() && insecure) {
+    return absl::InvalidArgumentError("give --tls_dir or --insecure, not both");
+  }
+  if (insecure) return Insecure();
+  if (tls_dir.empty()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        program, " needs --tls_dir (a directory `pith certs` made for it: mutual TLS) or ",
+        "--insecure (plaintext, loopback addresses only)"));
+  }
+  auto tls = Tls(tls_dir);
+  if (!tls.ok()) return Annotate(tls.status(), "--tls_dir");
+  return tls;
+}
+
+std::shared_ptr<grpc::ServerCredentials> TransportSecurity::ServerCredentials() const {
+  if (!tls()) return grpc::InsecureServerCredentials();
+  grpc::experimental::TlsServerCredentialsOptions options(Provider(dir_));
+  options.watch_root_certs();
+  options.watch_identity_key_cert_pairs();
+  // A client without a certificate may connect: the handlers answer it UNAUTHENTICATED
+  // with a reason (authorize.h), rather than the handshake failing without one.
+  options.set_cert_request_type(GRPC_SSL_REQUEST_CLIENT_CERTIFICATE_AND_VERIFY);
+  return grpc::experimental::TlsServerCredentials(options);
+}
+
+std::shared_ptr<grpc::ChannelCredentials> TransportSecurity::ChannelCredentials() const {
+  if (!tls()) return grpc::InsecureChannelCredentials();
+  grpc::experimental::TlsChannelCredentialsOptions options;
+  options.set_certificate_provider(Provider(dir_));
+  options.watch_root_certs();
+  options.watch_identity_key_cert_pairs();
+  options.set_verify_server_certs(true);
+  return grpc::experimental::TlsCredentials(options);
+}
+
+absl::Status TransportSecurity::CheckListen(const std::string& address) const {
+  if (tls() || IsLoopbackAddress(address)) return absl::OkStatus();
+  return absl::InvalidArgumentError(
+      absl::StrCat("--insecure serves loopback addresses only, not ", address, " (use --tls_dir)"));
+}
+
+absl::Status TransportSecurity::CheckDial(const std::string& address) const {
+  if (tls() || IsLoopbackAddress(address)) return absl::OkStatus();
+  return absl::InvalidArgumentError(absl::StrCat("--insecure reaches loopback addresses only, not ",
+                                                 address, " (use --tls_dir)"));
+}
+
+}  // namespace pith::security

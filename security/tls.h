@@ -1,0 +1,74 @@
+// Transport security of every Pith gRPC endpoint and channel: mutual TLS from a
+// directory `pith certs` wrote (certs.h), or plaintext for loopback only (--insecure).
+//
+// With TLS, servers require a client certificate signed by the cluster CA and clients
+// check the server's against the address they dial. Certificate files are watched and
+// re-read (every kTlsRefresh), so rotating them needs no restart.
+//
+// Thread safety: a TransportSecurity is immutable once made; copies share nothing
+// mutable.
+#ifndef PITH_SECURITY_TLS_H_
+#define PITH_SECURITY_TLS_H_
+
+#include <memory>
+#include <optional>
+#include <string>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "grpcpp/grpcpp.h"
+#include "security/identity.h"
+
+namespace pith::security {
+
+// The files of a process's TLS directory (what `pith certs` writes: certs.h).
+inline constexpr char kCaCertFile[] = "ca.pem";
+inline constexpr char kCertFile[] = "cert.pem";
+inline constexpr char kKeyFile[] = "key.pem";
+
+// The identity a process's TLS directory holds, once checked: ca.pem, cert.pem and
+// key.pem readable, the key the certificate's, the certificate signed by ca.pem, valid
+// now, and naming one pith:// identity. The error names the file and what is wrong.
+absl::StatusOr<Identity> CheckTlsDir(const std::string& dir);
+
+// How often a process re-reads its certificate files (rotation without a restart).
+inline constexpr absl::Duration kTlsRefresh = absl::Seconds(10);
+
+class TransportSecurity {
+ public:
+  // Plaintext (the same as Insecure()).
+  TransportSecurity() = default;
+  // Mutual TLS from `dir` (ca.pem, cert.pem, key.pem), checked first (CheckTlsDir).
+  static absl::StatusOr<TransportSecurity> Tls(const std::string& dir);
+  // Plaintext, for loopback addresses only (CheckListen, CheckDial).
+  static TransportSecurity Insecure();
+  // The choice of a process's flags: exactly one of a TLS directory or insecure, with a
+  // one-line error naming both flags otherwise. `program` names the binary in it.
+  static absl::StatusOr<TransportSecurity> Choose(const std::string& tls_dir, bool insecure,
+                                                  const std::string& program);
+
+  bool tls() const { return identity_.has_value(); }
+  // This process's own identity (TLS only).
+  const std::optional<Identity>& identity() const { return identity_; }
+  const std::string& dir() const { return dir_; }
+
+  std::shared_ptr<grpc::ServerCredentials> ServerCredentials() const;
+  std::shared_ptr<grpc::ChannelCredentials> ChannelCredentials() const;
+
+  // Insecure: INVALID_ARGUMENT unless `address` ("host:port") is a loopback address.
+  absl::Status CheckListen(const std::string& address) const;
+  absl::Status CheckDial(const std::string& address) const;
+
+ private:
+  std::string dir_;
+  std::optional<Identity> identity_;
+};
+
+// Whether the host of "host:port" (or a bare host) is loopback: localhost, 127.0.0.0/8
+// or ::1.
+bool IsLoopbackAddress(const std::string& address);
+
+}  // namespace pith::security
+
+#endif  // PITH_SECURITY_TLS_H_

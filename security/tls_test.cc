@@ -1,0 +1,159 @@
+// Mutual TLS and the authorization policy on a real gRPC server on loopback: who gets in,
+// who is refused, and with what status.
+#include "security/tls.h"
+
+#include <filesystem>
+#include <fstream>
+
+#include "common/grpc_util.h"
+#include "gtest/gtest.h"
+#include "pith/v1/store.grpc.pb.h"
+#include "security/authorize.h"
+#include "security/certs.h"
+
+namespace pith::security {
+namespace {
+
+// GetStats admits the coordinator and admins; ListBlobs is missing from the table.
+class Service final : public v1::StoreService::Service {
+ public:
+  explicit Service(bool enforce)
+      : policy_(enforce, {{"GetStats", {Role::kCoordinator, Role::kAdmin}}}) {}
+  grpc::Status GetStats(grpc::ServerContext* ctx, const v1::GetStatsRequest*,
+                        v1::StoreStats* reply) override {
+    auto caller = policy_.Check(*ctx, "GetStats");
+    if (!caller.ok()) return ToGrpcStatus(caller.status());
+    reply->set_blobs(caller->has_value() ? (*caller)->name.size() : 0);
+    return grpc::Status::OK;
+  }
+  grpc::Status ListBlobs(grpc::ServerContext* ctx, const v1::ListBlobsRequest*,
+                         v1::ListBlobsResponse*) override {
+    return ToGrpcStatus(policy_.Check(*ctx, "ListBlobs").status());
+  }
+
+ private:
+  Policy policy_;
+};
+
+std::string ReadAll(const std::string& path) {
+  std::ifstream in(path);
+  return std::string((std::istreambuf_iterator<char>(in)), {});
+}
+
+class TlsTest : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    dir_ = new std::string(::testing::TempDir() + "/tls_test");
+    std::filesystem::remove_all(*dir_);
+    ASSERT_TRUE(EnsureCa(*dir_).ok());
+    ASSERT_TRUE(Issue(*dir_, {Role::kMember, "store-0"}).ok());
+    ASSERT_TRUE(Issue(*dir_, {Role::kCoordinator, "coordinator"}).ok());
+    ASSERT_TRUE(Issue(*dir_, {Role::kUser, "alice"}).ok());
+    ASSERT_TRUE(Issue(*dir_, {Role::kMember, "elsewhere"}, {.hosts = {"127.0.0.2"}}).ok());
+    ASSERT_TRUE(EnsureCa(*dir_ + "/other").ok());
+    ASSERT_TRUE(Issue(*dir_ + "/other", {Role::kCoordinator, "coordinator"}).ok());
+  }
+  static void TearDownTestSuite() { delete dir_; }
+
+  // A TLS server as `server_name`, policy enforced.
+  void Serve(const std::string& server_name) {
+    auto security = TransportSecurity::Tls(*dir_ + "/" + server_name);
+    ASSERT_TRUE(security.ok()) << security.status();
+    auto server = GrpcServer::Start({.listen_address = "127.0.0.1:0",
+                                     .services = {&service_},
+                                     .credentials = security->ServerCredentials()});
+    ASSERT_TRUE(server.ok()) << server.status();
+    server_ = *std::move(server);
+    address_ = "127.0.0.1:" + std::to_string(server_->port());
+  }
+
+  grpc::Status Call(std::shared_ptr<grpc::ChannelCredentials> credentials,
+                    const char* method = "GetStats", v1::StoreStats* out = nullptr) {
+    auto stub = v1::StoreService::NewStub(NewChannel(address_, std::move(credentials)));
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
+    v1::StoreStats stats;
+    if (std::string(method) == "ListBlobs") {
+      v1::ListBlobsResponse r;
+      return stub->ListBlobs(&ctx, v1::ListBlobsRequest(), &r);
+    }
+    grpc::Status s = stub->GetStats(&ctx, v1::GetStatsRequest(), &stats);
+    if (out != nullptr) *out = stats;
+    return s;
+  }
+  std::shared_ptr<grpc::ChannelCredentials> As(const std::string& name) {
+    auto security = TransportSecurity::Tls(*dir_ + "/" + name);
+    EXPECT_TRUE(security.ok()) << security.status();
+    return security->ChannelCredentials();
+  }
+
+  static std::string* dir_;
+  Service service_{true};
+  std::unique_ptr<GrpcServer> server_;
+  std::string address_;
+};
+std::string* TlsTest::dir_ = nullptr;
+
+TEST_F(TlsTest, TheRightRoleGetsInAndOthersAreRefusedWithTheReason) {
+  ASSERT_NO_FATAL_FAILURE(Serve("store-0"));
+  v1::StoreStats stats;
+  ASSERT_TRUE(Call(As("coordinator"), "GetStats", &stats).ok());
+  EXPECT_EQ(stats.blobs(), std::string("coordinator").size());  // the caller was seen
+
+  grpc::Status user = Call(As("alice"));
+  EXPECT_EQ(user.error_code(), grpc::StatusCode::PERMISSION_DENIED);
+  EXPECT_EQ(user.error_message(),
+            "GetStats needs the coordinator or admin role; the caller is alice (user)");
+  // A method the policy does not name is refused to everyone.
+  EXPECT_EQ(Call(As("coordinator"), "ListBlobs").error_code(), grpc::StatusCode::PERMISSION_DENIED);
+}
+
+TEST_F(TlsTest, NoCertificateAForeignCaOrPlaintextGetsNothing) {
+  ASSERT_NO_FATAL_FAILURE(Serve("store-0"));
+  // TLS, the server checked, but no client certificate.
+  grpc::SslCredentialsOptions anonymous;
+  anonymous.pem_root_certs = ReadAll(*dir_ + "/ca.pem");
+  grpc::Status none = Call(grpc::SslCredentials(anonymous));
+  EXPECT_EQ(none.error_code(), grpc::StatusCode::UNAUTHENTICATED) << none.error_message();
+  EXPECT_NE(none.error_message().find("no client certificate"), std::string::npos);
+  // A certificate of another cluster's CA: the handshake fails.
+  EXPECT_EQ(Call(As("other/coordinator")).error_code(), grpc::StatusCode::UNAVAILABLE);
+  // Plaintext to a TLS port.
+  EXPECT_EQ(Call(grpc::InsecureChannelCredentials()).error_code(), grpc::StatusCode::UNAVAILABLE);
+}
+
+TEST_F(TlsTest, AServerWhoseCertificateDoesNotNameTheAddressIsNotTrusted) {
+  ASSERT_NO_FATAL_FAILURE(Serve("elsewhere"));  // names 127.0.0.2, dialled at 127.0.0.1
+  EXPECT_EQ(Call(As("coordinator")).error_code(), grpc::StatusCode::UNAVAILABLE);
+}
+
+TEST(InsecureTest, PlaintextIsForLoopbackOnly) {
+  const TransportSecurity insecure = TransportSecurity::Insecure();
+  for (const char* ok : {"127.0.0.1:7000", "127.1.2.3:1", "localhost:7000", "[::1]:7000"}) {
+    EXPECT_TRUE(insecure.CheckListen(ok).ok()) << ok;
+    EXPECT_TRUE(insecure.CheckDial(ok).ok()) << ok;
+  }
+  for (const char* bad : {"0.0.0.0:7000", "10.0.0.1:7000", "[::]:7000", "node7:7000"}) {
+    EXPECT_EQ(insecure.CheckListen(bad).code(), absl::StatusCode::kInvalidArgument) << bad;
+    EXPECT_EQ(insecure.CheckDial(bad).code(), absl::StatusCode::kInvalidArgument) << bad;
+  }
+  auto neither = TransportSecurity::Choose("", false, "pith-store");
+  EXPECT_EQ(neither.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(neither.status().message().find("--tls_dir"), std::string::npos);
+  EXPECT_NE(neither.status().message().find("--insecure"), std::string::npos);
+  EXPECT_FALSE(TransportSecurity::Choose("/x", true, "pith-store").ok());
+}
+
+TEST(InsecureTest, APolicyNotEnforcedAdmitsEveryone) {
+  Service service(/*enforce=*/false);
+  auto server = GrpcServer::Start({.listen_address = "127.0.0.1:0", .services = {&service}});
+  ASSERT_TRUE(server.ok());
+  auto stub = v1::StoreService::NewStub(NewChannel("127.0.0.1:" + std::to_string((*server)->port()),
+                                                   grpc::InsecureChannelCredentials()));
+  grpc::ClientContext ctx;
+  v1::ListBlobsResponse r;
+  EXPECT_TRUE(stub->ListBlobs(&ctx, v1::ListBlobsRequest(), &r).ok());
+}
+
+}  // namespace
+}  // namespace pith::security
