@@ -1,0 +1,190 @@
+// Mutual TLS and roles on real processes (a coordinator and a store, each with its own
+// certificate): every call a stranger or the wrong role could make to take a cluster over
+// is refused with one line, and changes nothing.
+#include <unistd.h>
+
+#include <filesystem>
+#include <fstream>
+#include <string>
+
+#include "child_process.h"
+#include "gtest/gtest.h"
+#include "pith/v1/coordinator.grpc.pb.h"
+#include "pith/v1/job.grpc.pb.h"
+#include "pith/v1/store.grpc.pb.h"
+#include "test_tls.h"
+
+namespace pith {
+namespace {
+
+using pith::security::Role;
+using pith::testing::ChildProcess;
+using pith::testing::TestTls;
+
+class SecurityE2eTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    dir_ = ::testing::TempDir() + "/security_e2e_" + std::to_string(getpid());
+    std::filesystem::remove_all(dir_);
+    std::filesystem::create_directories(dir_);
+    tls_ = std::make_unique<TestTls>(dir_ + "/tls");
+    coordinator_ = std::make_unique<ChildProcess>(
+        PITH_COORDINATOR_BINARY,
+        std::vector<std::string>{"--listen=127.0.0.1:0", "--metrics_port=-1",
+                                 "--data_dir=" + dir_ + "/coordinator", tls_->CoordinatorFlag()},
+        dir_ + "/coordinator.log");
+    ASSERT_TRUE(coordinator_->WaitReady()) << coordinator_->Log();
+    address_ = "127.0.0.1:" + std::to_string(coordinator_->grpc_port);
+    store_ = std::make_unique<ChildProcess>(
+        PITH_STORE_BINARY,
+        std::vector<std::string>{"--listen=127.0.0.1:0", "--metrics_port=-1",
+                                 "--data_dir=" + dir_ + "/store", "--coordinator=" + address_,
+                                 "--export_root=" + dir_ + "/exports", tls_->MemberFlag("store0")},
+        dir_ + "/store.log");
+    ASSERT_TRUE(store_->WaitReady()) << store_->Log();
+    store_address_ = "127.0.0.1:" + std::to_string(store_->grpc_port);
+    ASSERT_TRUE(tls_->ok());
+    const v1::MemberInfo store = Store();
+    ASSERT_EQ(store.state(), v1::MEMBER_STATE_ALIVE);
+    store_id_ = store.member_id();
+  }
+
+  std::shared_ptr<grpc::ChannelCredentials> As(Role role, const std::string& name) {
+    return tls_->Credentials(role, name);
+  }
+  // TLS that checks the server but presents no certificate.
+  std::shared_ptr<grpc::ChannelCredentials> Anonymous() {
+    std::ifstream ca(dir_ + "/tls/ca.pem");
+    grpc::SslCredentialsOptions options;
+    options.pem_root_certs.assign(std::istreambuf_iterator<char>(ca), {});
+    return grpc::SslCredentials(options);
+  }
+  std::unique_ptr<v1::JobService::Stub> Jobs(std::shared_ptr<grpc::ChannelCredentials> c) {
+    return v1::JobService::NewStub(NewChannel(address_, std::move(c)));
+  }
+  std::unique_ptr<v1::CoordinatorService::Stub> Members(
+      std::shared_ptr<grpc::ChannelCredentials> c) {
+    return v1::CoordinatorService::NewStub(NewChannel(address_, std::move(c)));
+  }
+  std::unique_ptr<v1::StoreService::Stub> StoreStub(std::shared_ptr<grpc::ChannelCredentials> c) {
+    return v1::StoreService::NewStub(NewChannel(store_address_, std::move(c)));
+  }
+  // The store as the coordinator sees it (asked as an admin).
+  v1::MemberInfo Store() {
+    grpc::ClientContext ctx;
+    v1::ClusterStatusResponse c;
+    EXPECT_TRUE(
+        Jobs(As(Role::kAdmin, "admin"))->ClusterStatus(&ctx, v1::ClusterStatusRequest(), &c).ok());
+    return c.stores_size() == 1 ? c.stores(0) : v1::MemberInfo();
+  }
+
+  std::string dir_, address_, store_address_, store_id_;
+  std::unique_ptr<TestTls> tls_;
+  std::unique_ptr<ChildProcess> coordinator_, store_;
+};
+
+// One refusal: `code`, and a message that contains `says`.
+#define EXPECT_REFUSED(call, code, says)                                                     \
+  do {                                                                                       \
+    grpc::ClientContext ctx;                                                                 \
+    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));           \
+    const grpc::Status s = (call);                                                           \
+    EXPECT_EQ(s.error_code(), grpc::StatusCode::code) << #call << ": " << s.error_message(); \
+    EXPECT_NE(s.error_message().find(says), std::string::npos)                               \
+        << #call << ": " << s.error_message();                                               \
+  } while (0)
+
+TEST_F(SecurityE2eTest, StrangersAndWrongRolesGetNothingAndChangeNothing) {
+  v1::SubmitJobRequest submit;
+  submit.mutable_spec()->set_name("intruder");
+  v1::SubmitJobResponse submitted;
+  v1::DrainStoreRequest drain;
+  drain.set_store_id(store_id_);
+  v1::DrainStoreResponse drained;
+  v1::RegisterRequest as_store;
+  as_store.mutable_member()->set_member_id(store_id_);
+  as_store.mutable_member()->set_role(v1::MEMBER_ROLE_STORE);
+  as_store.mutable_member()->set_grpc_address("127.0.0.1:1");
+  v1::RegisterResponse registered;
+  v1::CommitStepRequest commit;
+  commit.set_job_id("any");
+  commit.set_step(1ll << 62);
+  v1::CommitStepResponse committed;
+  v1::DeleteJobRequest del;
+  del.set_job_id("any");
+  v1::DeleteJobResponse deleted;
+  v1::CheckpointRequest checkpoint;
+  checkpoint.set_checkpoint_dir(dir_ + "/exports/x");
+  v1::CheckpointResponse checkpointed;
+  v1::ListJobsResponse jobs;
+
+  // No certificate at all: UNAUTHENTICATED, on every service.
+  EXPECT_REFUSED(Jobs(Anonymous())->ListJobs(&ctx, v1::ListJobsRequest(), &jobs), UNAUTHENTICATED,
+                 "ListJobs: no client certificate");
+  EXPECT_REFUSED(Members(Anonymous())->Register(&ctx, as_store, &registered), UNAUTHENTICATED,
+                 "Register: no client certificate");
+  EXPECT_REFUSED(StoreStub(Anonymous())->CommitStep(&ctx, commit, &committed), UNAUTHENTICATED,
+                 "CommitStep: no client certificate");
+  // Plaintext to a TLS port: no connection.
+  EXPECT_REFUSED(Jobs(grpc::InsecureChannelCredentials())->ListJobs(&ctx, {}, &jobs), UNAVAILABLE,
+                 "");
+
+  // A worker's certificate cannot submit or drain.
+  const auto worker = As(Role::kMember, "worker0");
+  EXPECT_REFUSED(Jobs(worker)->SubmitJob(&ctx, submit, &submitted), PERMISSION_DENIED,
+                 "SubmitJob needs the admin or user role; the caller is worker0 (member)");
+  EXPECT_REFUSED(Members(worker)->DrainStore(&ctx, drain, &drained), PERMISSION_DENIED,
+                 "DrainStore needs the admin role; the caller is worker0 (member)");
+  // A user's cannot register or control a store.
+  const auto user = As(Role::kUser, "alice");
+  EXPECT_REFUSED(Members(user)->Register(&ctx, as_store, &registered), PERMISSION_DENIED,
+                 "Register needs the member role; the caller is alice (user)");
+  EXPECT_REFUSED(StoreStub(user)->CommitStep(&ctx, commit, &committed), PERMISSION_DENIED,
+                 "CommitStep needs the coordinator role");
+  EXPECT_REFUSED(StoreStub(user)->DeleteJob(&ctx, del, &deleted), PERMISSION_DENIED,
+                 "DeleteJob needs the coordinator role");
+  EXPECT_REFUSED(StoreStub(user)->Checkpoint(&ctx, checkpoint, &checkpointed), PERMISSION_DENIED,
+                 "Checkpoint needs the coordinator role");
+  // Nor may an admin commit: store control is the coordinator's alone.
+  EXPECT_REFUSED(StoreStub(As(Role::kAdmin, "admin"))->CommitStep(&ctx, commit, &committed),
+                 PERMISSION_DENIED, "CommitStep needs the coordinator role");
+  // A member cannot take another's id: register as it, heartbeat or deregister it.
+  const auto intruder = As(Role::kMember, "intruder");
+  EXPECT_REFUSED(Members(intruder)->Register(&ctx, as_store, &registered), PERMISSION_DENIED,
+                 store_id_ + " is another member's id; the caller is intruder (member)");
+  v1::HeartbeatRequest beat;
+  beat.set_member_id(store_id_);
+  v1::HeartbeatResponse beaten;
+  EXPECT_REFUSED(Members(intruder)->Heartbeat(&ctx, beat, &beaten), PERMISSION_DENIED,
+                 "another member's id");
+  v1::DeregisterRequest leave;
+  leave.set_member_id(store_id_);
+  v1::DeregisterResponse left;
+  EXPECT_REFUSED(Members(intruder)->Deregister(&ctx, leave, &left), PERMISSION_DENIED,
+                 "another member's id");
+
+  // Nothing changed: no job, the store alive, undrained, at its own address; no export.
+  {
+    grpc::ClientContext ctx;
+    ASSERT_TRUE(Jobs(user)->ListJobs(&ctx, v1::ListJobsRequest(), &jobs).ok());  // a user reads
+    EXPECT_EQ(jobs.jobs_size(), 0);
+  }
+  const v1::MemberInfo store = Store();
+  EXPECT_EQ(store.member_id(), store_id_);
+  EXPECT_EQ(store.state(), v1::MEMBER_STATE_ALIVE);
+  EXPECT_EQ(store.grpc_address(), store_address_);
+  EXPECT_FALSE(std::filesystem::exists(dir_ + "/exports/x"));
+  {
+    grpc::ClientContext ctx;
+    v1::ListStoreJobsResponse held;
+    ASSERT_TRUE(StoreStub(As(Role::kAdmin, "admin"))
+                    ->ListStoreJobs(&ctx, v1::ListStoreJobsRequest(), &held)
+                    .ok());
+    EXPECT_EQ(held.jobs_size(), 0);
+  }
+  EXPECT_EQ(store_->Terminate(), 0) << store_->Log();
+  EXPECT_EQ(coordinator_->Terminate(), 0) << coordinator_->Log();
+}
+
+}  // namespace
+}  // namespace pith
