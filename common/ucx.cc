@@ -18,12 +18,14 @@
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
+#include <optional>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/notification.h"
 #include "common/status.h"
 #include "common/ucx_address.h"
+#include "common/ucx_auth.h"
 
 namespace pith::ucx {
 namespace {
@@ -260,9 +262,14 @@ absl::Status Worker::Start() {
 ucs_status_t Worker::OnAm(void* arg, const void* header, size_t header_length, void* data,
                           size_t length, const ucp_am_recv_param_t* param) {
   auto* slot = static_cast<HandlerSlot*>(arg);
+  // A message without the data plane's tag (ucx_auth.h) is dropped here, its payload with
+  // it (UCS_OK: UCX releases an eager one and ends a rendezvous): no handler sees it.
+  const std::optional<size_t> body =
+      internal::Check(slot->id, absl::string_view(static_cast<const char*>(header), header_length));
+  if (!body) return UCS_OK;
   AmMessage m;
   m.id = slot->id;
-  if (header_length > 0) m.header.assign(static_cast<const char*>(header), header_length);
+  if (*body > 0) m.header.assign(static_cast<const char*>(header), *body);
   m.length = length;
   if (param->recv_attr & UCP_AM_RECV_ATTR_FIELD_REPLY_EP) m.reply_ep = param->reply_ep;
   ucs_status_t status = UCS_OK;
@@ -492,7 +499,8 @@ void Worker::OnRecvDone(void* request, ucs_status_t status, size_t, void* user_d
 
 void Worker::Send(ucp_ep_h ep, uint16_t id, std::string header, const void* data, size_t size,
                   ucp_mem_h memh, bool want_reply, Done done) {
-  auto ctx = std::make_unique<OpContext>(OpContext{std::move(done), std::move(header)});
+  auto ctx =
+      std::make_unique<OpContext>(OpContext{std::move(done), internal::Tag(id, std::move(header))});
   Issue(std::move(ctx), in_flight_, "send", [&](OpContext* c) {
     ucp_request_param_t p{};
     p.op_attr_mask =

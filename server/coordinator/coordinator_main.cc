@@ -13,7 +13,9 @@
 #include "common/metrics.h"
 #include "common/process.h"
 #include "common/server_process.h"
+#include "common/status.h"
 #include "common/ucx.h"
+#include "common/ucx_auth.h"
 #include "glog/logging.h"
 #include "pith/v1/coordinator.grpc.pb.h"
 #include "pith/v1/job.grpc.pb.h"
@@ -93,6 +95,22 @@ uint64_t JobsMemoryBytes() {
   return pages > 0 && page > 0 ? static_cast<uint64_t>(pages) * page / 2 : 0;
 }
 
+// The cluster's data-plane key (DESIGN §8), made once and kept beside the jobs so that
+// members keep theirs across a coordinator restart; this process tags with it too.
+absl::StatusOr<std::string> DataPlaneKey(pith::coordinator::JobRegistry& jobs) {
+  constexpr char kRecord[] = "security/data_plane_key";
+  ASSIGN_OR_RETURN(auto records, jobs.Records(kRecord));
+  std::string key;
+  if (auto it = records.find(kRecord); it != records.end()) key = it->second;
+  if (key.size() != pith::ucx::kDataPlaneKeyBytes) {
+    key = pith::ucx::MakeDataPlaneKey();
+    if (key.empty()) return absl::InternalError("cannot make a data-plane key");
+    RETURN_IF_ERROR(jobs.PutRecord(kRecord, key));
+  }
+  pith::ucx::SetDataPlaneKey(key);
+  return key;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -163,6 +181,11 @@ int main(int argc, char** argv) {
                                                 absl::GetFlag(FLAGS_export_root), security->tls());
   pith::coordinator::CoordinatorServiceImpl coordinator_service(&members, jobs->get(), &heat,
                                                                 &scheduler, security->tls());
+  if (security->tls()) {
+    absl::StatusOr<std::string> key = DataPlaneKey(**jobs);
+    if (!key.ok()) return pith::ExitStatus("pith-coordinator", key.status());
+    coordinator_service.set_data_plane_key(*key);
+  }
   absl::Status status = pith::RunServerProcess({.component = "coordinator",
                                                 .listen_address = absl::GetFlag(FLAGS_listen),
                                                 .metrics_port = absl::GetFlag(FLAGS_metrics_port),

@@ -50,6 +50,7 @@ grpc::Status CoordinatorServiceImpl::Register(grpc::ServerContext* context,
   absl::StatusOr<std::string> id = members_->Register(std::move(member));
   if (!id.ok()) return ToGrpcStatus(id.status());
   reply->set_member_id(*id);
+  if (caller) reply->set_data_plane_key(data_plane_key_);  // only over mutual TLS
   reply->set_lease_ms(absl::ToInt64Milliseconds(members_->lease()));
   return grpc::Status::OK;
 }

@@ -33,6 +33,9 @@ class CoordinatorServiceImpl final : public v1::CoordinatorService::Service {
   // Members (stores, workers) call everything but DrainStore, which is an admin's.
   static security::Policy CoordinatorPolicy(bool enforce);
 
+  // The data-plane key Register hands each member (with TLS: §8). Call before serving.
+  void set_data_plane_key(std::string key) { data_plane_key_ = std::move(key); }
+
   grpc::Status Register(grpc::ServerContext* context, const v1::RegisterRequest* request,
                         v1::RegisterResponse* reply) override;
   grpc::Status Heartbeat(grpc::ServerContext* context, const v1::HeartbeatRequest* request,
@@ -60,6 +63,7 @@ class CoordinatorServiceImpl final : public v1::CoordinatorService::Service {
   HeatRegistry* heat_;
   Scheduler* scheduler_;
   const security::Policy policy_;
+  std::string data_plane_key_;
 
   // With TLS, a member id named in a call must be the one the caller's certificate
   // registered (Register prefixes the member's identity with its certificate's name).

@@ -6,6 +6,7 @@
 #include "client/connection.h"
 #include "common/grpc_status.h"
 #include "common/status.h"
+#include "common/ucx_auth.h"
 #include "glog/logging.h"
 
 namespace pith {
@@ -13,6 +14,9 @@ namespace pith {
 absl::StatusOr<std::unique_ptr<MemberAgent>> MemberAgent::Start(
     const std::string& address, const security::TransportSecurity& security, v1::MemberInfo self,
     StatusFn status, absl::Duration timeout) {
+  // A member of a TLS cluster takes in no UCX message without the cluster's tag; the key
+  // comes with the registration (DESIGN §8).
+  if (security.tls()) ucx::RequireDataPlaneAuth();
   absl::StatusOr<std::shared_ptr<grpc::Channel>> channel = Dial(address, security, timeout);
   if (!channel.ok()) return Annotate(channel.status(), "coordinator");
   std::unique_ptr<MemberAgent> agent(new MemberAgent());
@@ -62,6 +66,8 @@ absl::Status MemberAgent::Register() {
   ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(5)));
   v1::RegisterResponse resp;
   RETURN_IF_ERROR(Annotate(FromGrpcStatus(stub_->Register(&ctx, req, &resp)), "register"));
+  // With mutual TLS the cluster's data-plane key comes with the answer (DESIGN §8).
+  ucx::SetDataPlaneKey(resp.data_plane_key());
   absl::MutexLock lock(&mu_);
   self_.set_member_id(resp.member_id());
   lease_ = absl::Milliseconds(resp.lease_ms());

@@ -1,7 +1,7 @@
 // MemberAgent: keeps one process (a store or a worker) a member of the cluster — it
-// registers with the coordinator, heartbeats at a third of the lease from a background
-// thread with fresh figures, and registers again (keeping its id) when the coordinator
-// has forgotten it, e.g. after a restart.
+// registers with the coordinator (taking the data-plane key it hands out, ucx_auth.h), heartbeats
+// at a third of the lease from a background thread with fresh figures, and registers again (keeping
+// its id) when the coordinator has forgotten it, e.g. after a restart.
 //
 // It lives beside the coordinator's CoordinatorService, the one service it talks to (DESIGN
 // §5, membership and leases).

@@ -11,6 +11,7 @@
 #include "absl/time/time.h"
 #include "common/member_identity.h"
 #include "common/status.h"
+#include "common/ucx_auth.h"
 #include "glog/logging.h"
 #include "server/store/store_service.h"
 
@@ -47,6 +48,9 @@ absl::StatusOr<std::unique_ptr<StoreServer>> StoreServer::Start(const StoreServe
                    BlobStore::Open(store_options, std::move(cold), s->arena_->data(), metrics));
   ASSIGN_OR_RETURN(s->data_plane_,
                    DataPlane::Create(s->worker_.get(), s->store_.get(), s->arena_.get(), metrics));
+  // A cluster member with TLS serves its data plane to holders of the cluster's key only,
+  // from the start: nothing is answered until registration brings the key.
+  if (options.security.tls() && !options.coordinator.empty()) ucx::RequireDataPlaneAuth();
   RETURN_IF_ERROR(s->worker_->Start());
   s->service_ = std::make_unique<StoreServiceImpl>(s->store_.get(), s->worker_->address(),
                                                    options.export_root, options.security.tls());

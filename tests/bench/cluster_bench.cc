@@ -9,6 +9,8 @@
 //               for a wide model (L2 d64 f128, --wide_experts a layer: 2,048 by default,
 //               1.09 GB of expert state) whose workers have --memory_bytes=16 MiB (the
 //               state is 64x that) and whose stores' RAM tiers (64 MiB) hold a 16th of it
+//   tls         step time with mutual TLS on every gRPC port (as users run) / step time
+//               with --insecure plaintext, every expert resident (--tls_rounds pairs)
 //   pytorch     tokens/s of the cluster / tokens/s of tests/golden/moe_gpt_reference.py
 //               training the same spec in one process (when /usr/bin/python3 has torch),
 //               with the OpenBLAS kernels pith-worker picks (BetterBlasCore)
@@ -20,8 +22,8 @@
 // instead of favouring a side, and the slow and fast spells of this VM (tens of percent,
 // seconds long) fall on both sides about alike. With 4 rounds one slow spell on one side
 // moved the prefetch ratio by +-0.07 between runs of the same build; 8 halve the spread.
-// Usage: cluster_bench [--steps=N] [--rounds=N] [--wide_steps=N] [--wide_experts=N]
-//                      [--repo=DIR] [--verbose]
+// Usage: cluster_bench [--steps=N] [--rounds=N] [--tls_rounds=N] [--wide_steps=N]
+//                      [--wide_experts=N] [--repo=DIR] [--verbose]
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -49,6 +51,7 @@ using pith::testing::ChildProcess;
 
 int g_steps = 30;
 int g_rounds = 8;
+int g_tls_rounds = 4;
 int g_wide_steps = 12;
 int g_wide_experts = 2048;
 bool g_verbose = false;          // --verbose: every run's per-step times on stderr
@@ -254,6 +257,8 @@ int main(int argc, char** argv) {
       g_steps = std::atoi(argv[i] + 8);
     } else if (std::strncmp(argv[i], "--rounds=", 9) == 0) {
       g_rounds = std::max(2, std::atoi(argv[i] + 9) + std::atoi(argv[i] + 9) % 2);  // even
+    } else if (std::strncmp(argv[i], "--tls_rounds=", 13) == 0) {
+      g_tls_rounds = std::max(0, std::atoi(argv[i] + 13) + std::atoi(argv[i] + 13) % 2);  // even
     } else if (std::strncmp(argv[i], "--wide_experts=", 15) == 0) {
       g_wide_experts = std::max(1, std::atoi(argv[i] + 15));
     } else if (std::strncmp(argv[i], "--wide_steps=", 13) == 0) {
@@ -264,8 +269,8 @@ int main(int argc, char** argv) {
       g_repo = argv[i] + 7;
     } else {
       std::fprintf(stderr,
-                   "usage: cluster_bench [--steps=N] [--rounds=N] [--wide_steps=N] "
-                   "[--wide_experts=N] [--repo=DIR] [--verbose]\n");
+                   "usage: cluster_bench [--steps=N] [--rounds=N] [--tls_rounds=N] "
+                   "[--wide_steps=N] [--wide_experts=N] [--repo=DIR] [--verbose]\n");
       return 2;
     }
   }
@@ -280,7 +285,7 @@ int main(int argc, char** argv) {
            << "line " << i << " of the benchmark corpus.\n";
     }
   }
-  Measured resident, cached, torch, wide_resident, wide_bounded;
+  Measured resident, cached, torch, wide_resident, wide_bounded, tls_on, tls_off;
   const uint64_t quarter = kExpertBytes / 4;
   const std::string spec = Spec(dir + "/tokens.bin", g_steps);
   const Setup all{spec, "--cache_bytes=0"};
@@ -289,6 +294,11 @@ int main(int argc, char** argv) {
   if (!Alternate(dir, all, part, g_rounds, &resident, &cached)) return 1;
   if (have_torch && !RunPytorch(dir, &torch)) {
     std::fprintf(stderr, "cluster_bench: the second PyTorch run failed; see %s\n", dir.c_str());
+    return 1;
+  }
+  Setup plaintext = all;
+  plaintext.tls = false;
+  if (g_tls_rounds > 0 && !Alternate(dir, all, plaintext, g_tls_rounds, &tls_on, &tls_off)) {
     return 1;
   }
   const std::string wide = WideSpec(dir + "/tokens.bin", g_wide_steps);
@@ -323,6 +333,11 @@ int main(int argc, char** argv) {
         static_cast<unsigned long long>(kWideWorkerMemory),
         static_cast<unsigned long long>(wide_resident.peak_rss),
         static_cast<unsigned long long>(kWideStoreRam));
+  }
+  if (tls_on.steps > 0) {
+    std::printf("tls step_seconds_tls=%.4f step_seconds_plaintext=%.4f ratio=%.3f\n",
+                tls_on.step_seconds(), tls_off.step_seconds(),
+                tls_on.step_seconds() / tls_off.step_seconds());
   }
   if (have_torch) {
     std::printf("pytorch cluster_tokens_per_s=%.0f pytorch_tokens_per_s=%.0f ratio=%.3f\n",

@@ -13,6 +13,7 @@
 #include "absl/strings/str_cat.h"
 #include "child_process.h"
 #include "common/grpc_util.h"
+#include "common/ucx_auth.h"
 #include "gtest/gtest.h"
 #include "pith/v1/coordinator.grpc.pb.h"
 #include "pith/v1/job.grpc.pb.h"
@@ -287,7 +288,10 @@ class MemberWorker {
     req.mutable_member()->set_role(v1::MEMBER_ROLE_WORKER);
     req.mutable_member()->set_grpc_address("127.0.0.1:1");
     v1::RegisterResponse resp;
-    if (Stub()->Register(&ctx, req, &resp).ok()) id_ = resp.member_id();
+    if (Stub()->Register(&ctx, req, &resp).ok()) {
+      id_ = resp.member_id();
+      ucx::SetDataPlaneKey(resp.data_plane_key());  // as a member's agent does
+    }
   }
 
   const std::string coordinator_;

@@ -8,10 +8,12 @@
 #include <string>
 
 #include "child_process.h"
+#include "common/ucx_auth.h"
 #include "gtest/gtest.h"
 #include "pith/v1/coordinator.grpc.pb.h"
 #include "pith/v1/job.grpc.pb.h"
 #include "pith/v1/store.grpc.pb.h"
+#include "server/store/store_client.h"
 #include "test_tls.h"
 
 namespace pith {
@@ -182,6 +184,73 @@ TEST_F(SecurityE2eTest, StrangersAndWrongRolesGetNothingAndChangeNothing) {
                     .ok());
     EXPECT_EQ(held.jobs_size(), 0);
   }
+  EXPECT_EQ(store_->Terminate(), 0) << store_->Log();
+  EXPECT_EQ(coordinator_->Terminate(), 0) << coordinator_->Log();
+}
+
+// The UCX data plane: a peer without the cluster's key (handed to members over mutual TLS
+// when they register) gets no answer, not even to a put at version 2^62 that would block
+// every real write of its key, and the store goes on serving holders of the key.
+TEST_F(SecurityE2eTest, TheDataPlaneAnswersOnlyHoldersOfTheClusterKey) {
+  v1::UcxAddress address;
+  {
+    grpc::ClientContext ctx;
+    ASSERT_TRUE(StoreStub(As(Role::kAdmin, "admin"))
+                    ->GetUcxAddress(&ctx, v1::GetUcxAddressRequest(), &address)
+                    .ok());
+  }
+  v1::BlobKey key;
+  key.set_job_id("victim");
+  key.set_layer(0);
+  key.set_expert(0);
+  key.set_kind(v1::BLOB_KIND_WEIGHTS);
+  const std::vector<uint8_t> bytes(4096, 7);
+  ASSERT_FALSE(ucx::DataPlaneAuthActive());  // this process holds no key yet
+  {
+    auto stranger = store::StoreClient::Create();
+    ASSERT_TRUE(stranger.ok()) << stranger.status();
+    auto peer = (*stranger)->Connect(address.worker_address());
+    ASSERT_TRUE(peer.ok()) << peer.status();
+    auto put = (*stranger)->Put(*peer, key, int64_t{1} << 62, bytes.data(), bytes.size(), nullptr,
+                                absl::Seconds(3));
+    EXPECT_EQ(put.status().code(), absl::StatusCode::kDeadlineExceeded) << put.status();
+  }
+  {
+    grpc::ClientContext ctx;
+    v1::StatBlobRequest stat;
+    *stat.mutable_key() = key;
+    stat.set_version(int64_t{1} << 62);
+    v1::BlobInfo info;
+    EXPECT_EQ(StoreStub(As(Role::kAdmin, "admin"))->StatBlob(&ctx, stat, &info).error_code(),
+              grpc::StatusCode::NOT_FOUND)
+        << "the stranger's put landed";
+  }
+  // A member gets the key when it registers; with it the store answers.
+  v1::RegisterRequest join;
+  join.mutable_member()->set_role(v1::MEMBER_ROLE_WORKER);
+  join.mutable_member()->set_grpc_address("127.0.0.1:1");
+  v1::RegisterResponse joined;
+  {
+    grpc::ClientContext ctx;
+    ASSERT_TRUE(Members(As(Role::kMember, "worker7"))->Register(&ctx, join, &joined).ok());
+  }
+  ASSERT_EQ(joined.data_plane_key().size(), ucx::kDataPlaneKeyBytes);
+  ucx::SetDataPlaneKey(joined.data_plane_key());
+  auto member = store::StoreClient::Create();
+  ASSERT_TRUE(member.ok()) << member.status();
+  auto peer = (*member)->Connect(address.worker_address());
+  ASSERT_TRUE(peer.ok()) << peer.status();
+  auto put = (*member)->Put(*peer, key, 1, bytes.data(), bytes.size(), nullptr, absl::Seconds(10));
+  EXPECT_TRUE(put.ok()) << put.status();
+  std::vector<uint8_t> back(bytes.size());
+  store::StoreClient::FetchItem item;
+  item.key = key;
+  item.version = 1;
+  item.buffer = back.data();
+  item.capacity = back.size();
+  EXPECT_TRUE((*member)->Fetch(*peer, absl::MakeSpan(&item, 1), absl::Seconds(10)).ok())
+      << item.status;
+  EXPECT_EQ(back, bytes);
   EXPECT_EQ(store_->Terminate(), 0) << store_->Log();
   EXPECT_EQ(coordinator_->Terminate(), 0) << coordinator_->Log();
 }
