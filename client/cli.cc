@@ -53,10 +53,14 @@ constexpr char kUsage[] =
     "                              each NAME in DIR/NAME (ROLE: member, coordinator,\n"
     "                              admin, user; --hosts: the names and addresses its\n"
     "                              servers are reached at, default this machine's)\n"
+    "  token --file FILE --name NAME [--role user|admin]\n"
+    "                              a bearer token (printed once; its hash added to FILE,\n"
+    "                              the coordinator's --tokens_file)\n"
     "\n"
     "job commands (coordinator from --coordinator HOST:PORT, else $PITH_COORDINATOR, else\n"
     "127.0.0.1:7000; mutual TLS with --tls_dir DIR, else $PITH_TLS_DIR, else the local\n"
-    "cluster's admin certificate; --output json for machine-readable output):\n"
+    "cluster's admin certificate; --token T or $PITH_TOKEN: a bearer token instead of the\n"
+    "certificate, with DIR's ca.pem; --output json for machine-readable output):\n"
     "  submit SPEC.json            submit a job; prints its id\n"
     "  status [JOB]                one job's state and figures, or every job\n"
     "  watch JOB                   follow a job: step, loss, tokens/s, cache hit rate, ETA\n"
@@ -127,6 +131,14 @@ absl::StatusOr<std::unique_ptr<Client>> Connect(const CliContext& ctx) {
       tls_dir.empty() ? security::TransportSecurity::Insecure()
                       : security::TransportSecurity::Tls(tls_dir);
   if (!security.ok()) return Annotate(security.status(), "--tls_dir");
+  std::string token = ctx.token;
+  if (const char* env = std::getenv("PITH_TOKEN"); token.empty() && env != nullptr) token = env;
+  if (!token.empty()) {
+    if (!security->tls()) {
+      return UsageError("a bearer token needs --tls_dir DIR with the cluster's ca.pem");
+    }
+    security = security->WithToken(token);
+  }
   return Client::Connect(address, *security, absl::Seconds(5));
 }
 
@@ -285,7 +297,7 @@ int RunCli(const std::vector<std::string>& raw_args, std::ostream& out, std::ost
     const std::string& a = raw_args[i];
     std::string value;
     bool has_value = false;
-    for (const char* flag : {"--coordinator", "--output", "--tls_dir"}) {
+    for (const char* flag : {"--coordinator", "--output", "--tls_dir", "--token"}) {
       if (a == flag || absl::StartsWith(a, std::string(flag) + "=")) {
         if (a == flag) {
           if (i + 1 == raw_args.size()) {
@@ -301,6 +313,8 @@ int RunCli(const std::vector<std::string>& raw_args, std::ostream& out, std::ost
           ctx.coordinator = value;
         } else if (std::string(flag) == "--tls_dir") {
           ctx.tls_dir = value;
+        } else if (std::string(flag) == "--token") {
+          ctx.token = value;
         } else if (value == "json" || value == "text") {
           ctx.json = value == "json";
         } else {
@@ -329,6 +343,7 @@ int RunCli(const std::vector<std::string>& raw_args, std::ostream& out, std::ost
       {"experts", cli::Experts},
       {"down", cli::Down},
       {"certs", cli::Certs},
+      {"token", cli::Token},
   };
   if (args.empty() || args[0] == "help" || args[0] == "--help" || args[0] == "-h") {
     (args.empty() ? err : out) << cli::kUsage;

@@ -7,6 +7,7 @@
 #include "client/cli_commands.h"
 #include "common/status.h"
 #include "security/certs.h"
+#include "security/tokens.h"
 
 namespace pith::cli {
 
@@ -39,6 +40,20 @@ absl::Status Certs(const CliContext& ctx, const Args& args, std::ostream& out) {
     out << "issued " << security::DebugString(identity) << " in " << dir << "/" << name
         << " (give the process --tls_dir=" << dir << "/" << name << ")\n";
   }
+  return absl::OkStatus();
+}
+
+absl::Status Token(const CliContext& ctx, const Args& args, std::ostream& out) {
+  std::map<std::string, std::string> flags = {{"--file", ""}, {"--name", ""}, {"--role", "user"}};
+  RETURN_IF_ERROR(ParseFlags("token", args, flags));
+  if (flags["--file"].empty() || flags["--name"].empty()) {
+    return UsageError("token needs --file FILE and --name NAME");
+  }
+  absl::StatusOr<security::Role> role = security::ParseRole(flags["--role"]);
+  if (!role.ok()) return UsageError(std::string(role.status().message()));
+  ASSIGN_OR_RETURN(std::string token,
+                   security::AddToken(flags["--file"], {*role, flags["--name"]}));
+  out << token << "\n";
   return absl::OkStatus();
 }
 

@@ -26,6 +26,7 @@ using Args = std::vector<std::string>;
 struct CliContext {
   std::string coordinator;
   std::string tls_dir;  // --tls_dir; see Connect
+  std::string token;    // --token (else $PITH_TOKEN): a bearer token instead of a certificate
   bool json = false;
 };
 
@@ -63,6 +64,7 @@ absl::Status Cluster(const CliContext& ctx, const Args& args, std::ostream& out)
 
 // Certificates (cli_certs.cc).
 absl::Status Certs(const CliContext& ctx, const Args& args, std::ostream& out);
+absl::Status Token(const CliContext& ctx, const Args& args, std::ostream& out);
 
 // The local cluster (cli_local.cc).
 absl::Status Up(const CliContext& ctx, const Args& args, std::ostream& out);

@@ -143,11 +143,12 @@ absl::Status Up(const CliContext& ctx, const Args& args, std::ostream& out) {
   };
   std::vector<std::string> lines;
   absl::Status status = [&]() -> absl::Status {
-    ASSIGN_OR_RETURN(auto c,
-                     launch("coordinator", {FindBinary("pith-coordinator", "server/coordinator"),
-                                            "--listen=127.0.0.1:0", "--metrics_port=0",
-                                            "--data_dir=" + dir + "/coordinator",
-                                            "--tls_dir=" + tls + "/coordinator"}));
+    ASSIGN_OR_RETURN(
+        auto c,
+        launch("coordinator",
+               {FindBinary("pith-coordinator", "server/coordinator"), "--listen=127.0.0.1:0",
+                "--metrics_port=0", "--data_dir=" + dir + "/coordinator",
+                "--tls_dir=" + tls + "/coordinator", "--tokens_file=" + tls + "/tokens"}));
     const std::string address = absl::StrCat("127.0.0.1:", c.first);
     lines.push_back(absl::StrFormat("  %-12s %-22s http://127.0.0.1:%d/metrics", "coordinator",
                                     address, c.second));

@@ -21,7 +21,9 @@ std::vector<std::string> InitProcess(int argc, char** argv, absl::string_view us
 int ExitStatus(absl::string_view program, const absl::Status& status);
 
 // Catches SIGTERM and SIGINT (whichever thread they land on) so that Wait() returns them
-// instead of the process dying. Construct once, in main(), before anything can take long.
+// instead of the process dying; SIGHUP (a reload, to operators) is logged and ignored:
+// certificates are re-read by themselves (security/tls.h). Construct once, in main(), before
+// anything can take long.
 //
 // Thread safety: Wait() is called from one thread only.
 class ShutdownSignals {

@@ -4,6 +4,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "absl/strings/strip.h"
 
 namespace pith::security {
 
@@ -25,17 +26,46 @@ absl::StatusOr<Identity> PeerIdentity(const grpc::ServerContext& context) {
   return found[0];
 }
 
-Policy::Policy(bool enforce, std::map<std::string, std::set<Role>> rules)
-    : enforce_(enforce), rules_(std::move(rules)) {}
+Policy::Policy(bool enforce, std::map<std::string, std::set<Role>> rules, TokenLookup tokens)
+    : enforce_(enforce), rules_(std::move(rules)), tokens_(std::move(tokens)) {}
+
+namespace {
+
+// The caller's identity by its bearer token: UNAUTHENTICATED for a wrong one, nullopt
+// when it presented none.
+absl::StatusOr<std::optional<Identity>> TokenIdentity(const grpc::ServerContext& context,
+                                                      const Policy::TokenLookup& tokens) {
+  const auto& metadata = context.client_metadata();
+  auto it = metadata.find("authorization");
+  if (it == metadata.end()) return std::optional<Identity>();
+  absl::string_view value(it->second.data(), it->second.size());
+  if (!absl::ConsumePrefix(&value, "Bearer ")) {
+    return absl::UnauthenticatedError("the authorization header is not \"Bearer TOKEN\"");
+  }
+  std::optional<Identity> id = tokens(std::string(value));
+  if (!id) return absl::UnauthenticatedError("the bearer token is not valid");
+  return id;
+}
+
+}  // namespace
 
 absl::StatusOr<std::optional<Identity>> Policy::Check(const grpc::ServerContext& context,
                                                       const std::string& method) const {
   if (!enforce_) return std::optional<Identity>();
   auto rule = rules_.find(method);
   auto caller = PeerIdentity(context);
+  if (!caller.ok() && tokens_) {
+    absl::StatusOr<std::optional<Identity>> by_token = TokenIdentity(context, tokens_);
+    if (!by_token.ok()) {
+      return absl::UnauthenticatedError(absl::StrCat(method, ": ", by_token.status().message()));
+    }
+    if (*by_token) caller = **by_token;
+  }
   if (!caller.ok()) {
     return absl::UnauthenticatedError(
-        absl::StrCat(method, ": ", caller.status().message(), "; connect with --tls_dir"));
+        absl::StrCat(method, ": ", caller.status().message(),
+                     tokens_ ? "; present a certificate (--tls_dir) or a bearer token (--token)"
+                             : "; connect with --tls_dir"));
   }
   if (rule == rules_.end() || !rule->second.count(caller->role)) {
     std::vector<std::string> roles;

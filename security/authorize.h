@@ -11,6 +11,7 @@
 #ifndef PITH_SECURITY_AUTHORIZE_H_
 #define PITH_SECURITY_AUTHORIZE_H_
 
+#include <functional>
 #include <map>
 #include <optional>
 #include <set>
@@ -29,9 +30,13 @@ absl::StatusOr<Identity> PeerIdentity(const grpc::ServerContext& context);
 
 class Policy {
  public:
+  // The identity of a bearer token, if it is a valid one (security/tokens.h).
+  using TokenLookup = std::function<std::optional<Identity>(const std::string& token)>;
+
   // `enforce` false (a server without TLS): every call is admitted and Check returns no
-  // identity. `rules`: method name -> the roles admitted.
-  Policy(bool enforce, std::map<std::string, std::set<Role>> rules);
+  // identity. `rules`: method name -> the roles admitted. `tokens`, when set: a caller
+  // without a client certificate may present "authorization: Bearer TOKEN" instead.
+  Policy(bool enforce, std::map<std::string, std::set<Role>> rules, TokenLookup tokens = nullptr);
 
   // The caller's identity when `method` admits it (nullopt when not enforcing); otherwise
   // the refusal as a grpc::Status, for the handler to return.
@@ -50,6 +55,7 @@ class Policy {
  private:
   bool enforce_;
   std::map<std::string, std::set<Role>> rules_;
+  TokenLookup tokens_;
 };
 
 }  // namespace pith::security

@@ -16,6 +16,11 @@ absl::StatusOr<TransportSecurity> TransportSecurityFromFlags(const std::string& 
                                                              Role role) {
   absl::StatusOr<TransportSecurity> security = TransportSecurity::Choose(
       absl::GetFlag(FLAGS_tls_dir), absl::GetFlag(FLAGS_insecure), program);
+  if (security.ok() && security->tls() && !security->identity()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--tls_dir ", security->dir(), " holds no certificate (cert.pem); ", program,
+                     " needs one with the ", RoleName(role), " role"));
+  }
   if (security.ok() && security->tls() && security->identity()->role != role) {
     return absl::InvalidArgumentError(
         absl::StrCat("--tls_dir ", security->dir(), " holds the certificate of ",

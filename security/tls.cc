@@ -2,6 +2,7 @@
 
 #include <arpa/inet.h>
 #include <openssl/err.h>
+#include <unistd.h>
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
@@ -69,9 +70,15 @@ bool IsLoopbackAddress(const std::string& address) {
 }
 
 absl::StatusOr<TransportSecurity> TransportSecurity::Tls(const std::string& dir) {
-  ASSIGN_OR_RETURN(Identity identity, CheckTlsDir(dir));
   TransportSecurity out;
+  out.tls_ = true;
   out.dir_ = dir;
+  if (::access((dir + "/" + kCertFile).c_str(), F_OK) != 0) {
+    // The CA alone: server-authenticated TLS, for a client with a bearer token.
+    RETURN_IF_ERROR(internal::LoadCert(dir + "/" + kCaCertFile).status());
+    return out;
+  }
+  ASSIGN_OR_RETURN(Identity identity, CheckTlsDir(dir));
   out.identity_ = std::move(identity);
   return out;
 }
@@ -96,6 +103,8 @@ absl::StatusOr<TransportSecurity> TransportSecurity::Choose(const std::string& t
 }
 
 std::shared_ptr<grpc::ServerCredentials> TransportSecurity::ServerCredentials() const {
+  // NOTE: a directory without a certificate makes every handshake fail, never plaintext
+  // (TransportSecurityFromFlags refuses it first).
   if (!tls()) return grpc::InsecureServerCredentials();
   grpc::experimental::TlsServerCredentialsOptions options(Provider(dir_));
   options.watch_root_certs();
@@ -109,11 +118,18 @@ std::shared_ptr<grpc::ServerCredentials> TransportSecurity::ServerCredentials() 
 std::shared_ptr<grpc::ChannelCredentials> TransportSecurity::ChannelCredentials() const {
   if (!tls()) return grpc::InsecureChannelCredentials();
   grpc::experimental::TlsChannelCredentialsOptions options;
-  options.set_certificate_provider(Provider(dir_));
+  const bool present_certificate = identity_.has_value() && token_.empty();
+  options.set_certificate_provider(
+      present_certificate ? Provider(dir_)
+                          : std::make_shared<grpc::experimental::FileWatcherCertificateProvider>(
+                                dir_ + "/" + kCaCertFile,
+                                static_cast<unsigned int>(absl::ToInt64Seconds(kTlsRefresh))));
   options.watch_root_certs();
-  options.watch_identity_key_cert_pairs();
+  if (present_certificate) options.watch_identity_key_cert_pairs();
   options.set_verify_server_certs(true);
-  return grpc::experimental::TlsCredentials(options);
+  std::shared_ptr<grpc::ChannelCredentials> channel = grpc::experimental::TlsCredentials(options);
+  if (token_.empty()) return channel;
+  return grpc::CompositeChannelCredentials(channel, grpc::AccessTokenCredentials(token_));
 }
 
 absl::Status TransportSecurity::CheckListen(const std::string& address) const {

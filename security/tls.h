@@ -39,7 +39,9 @@ class TransportSecurity {
  public:
   // Plaintext (the same as Insecure()).
   TransportSecurity() = default;
-  // Mutual TLS from `dir` (ca.pem, cert.pem, key.pem), checked first (CheckTlsDir).
+  // Mutual TLS from `dir` (ca.pem, cert.pem, key.pem), checked first (CheckTlsDir). A
+  // directory with ca.pem alone gives a client TLS without an identity of its own, for a
+  // bearer token (WithToken).
   static absl::StatusOr<TransportSecurity> Tls(const std::string& dir);
   // Plaintext, for loopback addresses only (CheckListen, CheckDial).
   static TransportSecurity Insecure();
@@ -48,8 +50,16 @@ class TransportSecurity {
   static absl::StatusOr<TransportSecurity> Choose(const std::string& tls_dir, bool insecure,
                                                   const std::string& program);
 
-  bool tls() const { return identity_.has_value(); }
-  // This process's own identity (TLS only).
+  // The same, presenting `token` ("authorization: Bearer TOKEN", tokens.h) instead of a
+  // client certificate. TLS only.
+  TransportSecurity WithToken(std::string token) const {
+    TransportSecurity out = *this;
+    out.token_ = std::move(token);
+    return out;
+  }
+
+  bool tls() const { return tls_; }
+  // This process's own identity (TLS with a certificate only).
   const std::optional<Identity>& identity() const { return identity_; }
   const std::string& dir() const { return dir_; }
 
@@ -61,8 +71,10 @@ class TransportSecurity {
   absl::Status CheckDial(const std::string& address) const;
 
  private:
+  bool tls_ = false;
   std::string dir_;
   std::optional<Identity> identity_;
+  std::string token_;
 };
 
 // Whether the host of "host:port" (or a bare host) is loopback: localhost, 127.0.0.0/8

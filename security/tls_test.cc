@@ -14,11 +14,16 @@
 namespace pith::security {
 namespace {
 
-// GetStats admits the coordinator and admins; ListBlobs is missing from the table.
+// GetStats admits the coordinator and admins; ListBlobs is missing from the table. One
+// bearer token is valid: "t0ken", ops's (admin).
 class Service final : public v1::StoreService::Service {
  public:
   explicit Service(bool enforce)
-      : policy_(enforce, {{"GetStats", {Role::kCoordinator, Role::kAdmin}}}) {}
+      : policy_(enforce, {{"GetStats", {Role::kCoordinator, Role::kAdmin}}},
+                [](const std::string& token) {
+                  return token == "t0ken" ? std::optional<Identity>(Identity{Role::kAdmin, "ops"})
+                                          : std::nullopt;
+                }) {}
   grpc::Status GetStats(grpc::ServerContext* ctx, const v1::GetStatsRequest*,
                         v1::StoreStats* reply) override {
     auto caller = policy_.Check(*ctx, "GetStats");
@@ -120,6 +125,26 @@ TEST_F(TlsTest, NoCertificateAForeignCaOrPlaintextGetsNothing) {
   EXPECT_EQ(Call(As("other/coordinator")).error_code(), grpc::StatusCode::UNAVAILABLE);
   // Plaintext to a TLS port.
   EXPECT_EQ(Call(grpc::InsecureChannelCredentials()).error_code(), grpc::StatusCode::UNAVAILABLE);
+}
+
+TEST_F(TlsTest, ABearerTokenStandsInForACertificate) {
+  ASSERT_NO_FATAL_FAILURE(Serve("store-0"));
+  // A client directory with the CA alone: TLS that checks the server, no certificate.
+  const std::string ca_only = *dir_ + "/ca-only";
+  std::filesystem::create_directories(ca_only);
+  std::filesystem::copy_file(*dir_ + "/ca.pem", ca_only + "/ca.pem",
+                             std::filesystem::copy_options::overwrite_existing);
+  auto anonymous = TransportSecurity::Tls(ca_only);
+  ASSERT_TRUE(anonymous.ok()) << anonymous.status();
+  EXPECT_FALSE(anonymous->identity().has_value());
+  v1::StoreStats stats;
+  ASSERT_TRUE(Call(anonymous->WithToken("t0ken").ChannelCredentials(), "GetStats", &stats).ok());
+  EXPECT_EQ(stats.blobs(), std::string("ops").size());
+  grpc::Status wrong = Call(anonymous->WithToken("guess").ChannelCredentials());
+  EXPECT_EQ(wrong.error_code(), grpc::StatusCode::UNAUTHENTICATED);
+  EXPECT_EQ(wrong.error_message(), "GetStats: the bearer token is not valid");
+  grpc::Status none = Call(anonymous->ChannelCredentials());
+  EXPECT_EQ(none.error_code(), grpc::StatusCode::UNAUTHENTICATED);
 }
 
 TEST_F(TlsTest, AServerWhoseCertificateDoesNotNameTheAddressIsNotTrusted) {

@@ -20,6 +20,7 @@
 #include "pith/v1/coordinator.grpc.pb.h"
 #include "pith/v1/job.grpc.pb.h"
 #include "security/flags.h"
+#include "security/tokens.h"
 #include "server/coordinator/coordinator_service.h"
 #include "server/coordinator/grpc_store_control.h"
 #include "server/coordinator/job_registry.h"
@@ -54,6 +55,9 @@ ABSL_FLAG(int, step_attempts, 8,
 ABSL_FLAG(bool, keep_ended_weights, true,
           "An ended job's committed weights stay on the stores (for `pith checkpoint`); its "
           "optimizer state goes. false: everything of an ended job is deleted");
+ABSL_FLAG(std::string, tokens_file, "",
+          "Bearer tokens users and admins may present instead of a client certificate "
+          "(pith token writes them; re-read when it changes). Empty: certificates only");
 ABSL_FLAG(bool, simulate, false, "Run the placement simulator, print one line and exit");
 ABSL_FLAG(int, layers, 58, "--simulate: MoE layers");
 ABSL_FLAG(int, experts, 256, "--simulate: experts per layer");
@@ -109,6 +113,13 @@ absl::StatusOr<std::string> DataPlaneKey(pith::coordinator::JobRegistry& jobs) {
   }
   pith::ucx::SetDataPlaneKey(key);
   return key;
+}
+
+// The bearer tokens of --tokens_file; null without one.
+absl::StatusOr<std::unique_ptr<pith::security::TokenTable>> OpenTokens() {
+  const std::string path = absl::GetFlag(FLAGS_tokens_file);
+  if (path.empty()) return nullptr;
+  return pith::security::TokenTable::Open(path);
 }
 
 }  // namespace
@@ -176,11 +187,17 @@ int main(int argc, char** argv) {
   if (absl::Status s = scheduler.Recover(); !s.ok()) return pith::ExitStatus("pith-coordinator", s);
   // Leases are checked and jobs scheduled several times per lease.
   scheduler.Start(std::clamp(lease / 8, absl::Milliseconds(20), absl::Milliseconds(500)));
-  pith::coordinator::JobServiceImpl job_service(jobs->get(), &members, &heat, &scheduler,
-                                                absl::GetFlag(FLAGS_data_dir) + "/downloads",
-                                                absl::GetFlag(FLAGS_export_root), security->tls());
-  pith::coordinator::CoordinatorServiceImpl coordinator_service(&members, jobs->get(), &heat,
-                                                                &scheduler, security->tls());
+  absl::StatusOr<std::unique_ptr<pith::security::TokenTable>> tokens = OpenTokens();
+  if (!tokens.ok()) return pith::ExitStatus("pith-coordinator", tokens.status());
+  const pith::security::Policy::TokenLookup lookup =
+      *tokens ? pith::security::Policy::TokenLookup(
+                    [t = tokens->get()](const std::string& token) { return t->Lookup(token); })
+              : nullptr;
+  pith::coordinator::JobServiceImpl job_service(
+      jobs->get(), &members, &heat, &scheduler, absl::GetFlag(FLAGS_data_dir) + "/downloads",
+      absl::GetFlag(FLAGS_export_root), security->tls(), lookup);
+  pith::coordinator::CoordinatorServiceImpl coordinator_service(
+      &members, jobs->get(), &heat, &scheduler, security->tls(), lookup);
   if (security->tls()) {
     absl::StatusOr<std::string> key = DataPlaneKey(**jobs);
     if (!key.ok()) return pith::ExitStatus("pith-coordinator", key.status());

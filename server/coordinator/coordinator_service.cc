@@ -11,17 +11,20 @@ namespace pith::coordinator {
 
 using security::Role;
 
-security::Policy CoordinatorServiceImpl::CoordinatorPolicy(bool enforce) {
+security::Policy CoordinatorServiceImpl::CoordinatorPolicy(bool enforce,
+                                                           security::Policy::TokenLookup tokens) {
   const std::set<Role> member = {Role::kMember};
-  return security::Policy(enforce, {{"Register", member},
-                                    {"Heartbeat", member},
-                                    {"Deregister", member},
-                                    {"ReportHeat", member},
-                                    {"GetAssignment", member},
-                                    {"GetPlacement", member},
-                                    {"ReportStepWritten", member},
-                                    {"WaitStep", member},
-                                    {"DrainStore", {Role::kAdmin}}});
+  return security::Policy(enforce,
+                          {{"Register", member},
+                           {"Heartbeat", member},
+                           {"Deregister", member},
+                           {"ReportHeat", member},
+                           {"GetAssignment", member},
+                           {"GetPlacement", member},
+                           {"ReportStepWritten", member},
+                           {"WaitStep", member},
+                           {"DrainStore", {Role::kAdmin}}},
+                          std::move(tokens));
 }
 
 grpc::Status CoordinatorServiceImpl::CheckOwnId(const std::optional<security::Identity>& caller,

@@ -22,16 +22,19 @@ namespace pith::coordinator {
 class CoordinatorServiceImpl final : public v1::CoordinatorService::Service {
  public:
   // `enforce`: the server runs mutual TLS, and CoordinatorPolicy decides who may call.
+  // `tokens`: bearer tokens (an admin's may drain; security/tokens.h).
   CoordinatorServiceImpl(Membership* members, JobRegistry* jobs, HeatRegistry* heat,
-                         Scheduler* scheduler, bool enforce = false)
+                         Scheduler* scheduler, bool enforce = false,
+                         security::Policy::TokenLookup tokens = nullptr)
       : members_(members),
         jobs_(jobs),
         heat_(heat),
         scheduler_(scheduler),
-        policy_(CoordinatorPolicy(enforce)) {}
+        policy_(CoordinatorPolicy(enforce, std::move(tokens))) {}
 
   // Members (stores, workers) call everything but DrainStore, which is an admin's.
-  static security::Policy CoordinatorPolicy(bool enforce);
+  static security::Policy CoordinatorPolicy(bool enforce,
+                                            security::Policy::TokenLookup tokens = nullptr);
 
   // The data-plane key Register hands each member (with TLS: §8). Call before serving.
   void set_data_plane_key(std::string key) { data_plane_key_ = std::move(key); }

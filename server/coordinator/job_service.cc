@@ -66,7 +66,7 @@ absl::Status JobServiceImpl::FitsTheStores(const v1::JobSpec& submitted) const {
   return absl::OkStatus();
 }
 
-security::Policy JobServiceImpl::JobPolicy(bool enforce) {
+security::Policy JobServiceImpl::JobPolicy(bool enforce, security::Policy::TokenLookup tokens) {
   const std::set<security::Role> people = {security::Role::kUser, security::Role::kAdmin};
   std::map<std::string, std::set<security::Role>> rules;
   for (const char* method :
@@ -74,7 +74,7 @@ security::Policy JobServiceImpl::JobPolicy(bool enforce) {
         "DownloadCheckpoint", "ClusterStatus", "ExpertHeat"}) {
     rules[method] = people;
   }
-  return security::Policy(enforce, std::move(rules));
+  return security::Policy(enforce, std::move(rules), std::move(tokens));
 }
 
 grpc::Status JobServiceImpl::SubmitJob(grpc::ServerContext* context,

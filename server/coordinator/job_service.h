@@ -21,19 +21,21 @@ class JobServiceImpl final : public v1::JobService::Service {
   // exported under `staging_dir` (the coordinator's data dir), streamed, and removed;
   // CheckpointJob writes only under `export_root` (ExportPath; empty: it is refused).
   // `enforce`: the server runs mutual TLS, and JobPolicy decides who may call.
+  // `tokens`: bearer tokens admitted besides client certificates (security/tokens.h).
   JobServiceImpl(JobRegistry* jobs, Membership* members, HeatRegistry* heat,
                  Scheduler* scheduler = nullptr, std::string staging_dir = "",
-                 std::string export_root = "", bool enforce = false)
+                 std::string export_root = "", bool enforce = false,
+                 security::Policy::TokenLookup tokens = nullptr)
       : jobs_(jobs),
         members_(members),
         heat_(heat),
         scheduler_(scheduler),
         staging_dir_(std::move(staging_dir)),
         export_root_(std::move(export_root)),
-        policy_(JobPolicy(enforce)) {}
+        policy_(JobPolicy(enforce, std::move(tokens))) {}
 
   // Users and admins call every method of the job API.
-  static security::Policy JobPolicy(bool enforce);
+  static security::Policy JobPolicy(bool enforce, security::Policy::TokenLookup tokens = nullptr);
 
   grpc::Status SubmitJob(grpc::ServerContext* context, const v1::SubmitJobRequest* request,
                          v1::SubmitJobResponse* reply) override;

@@ -82,6 +82,16 @@ expect_one_line "DrainStore needs the admin role; the caller is worker0 (member)
 expect_one_line "DrainStore needs the admin role; the caller is alice (user)" \
   "$PITH" --tls_dir "$tls/alice" cluster drain store-0 --no-wait
 "$PITH" cluster | grep -q "store-0.*alive" || fail "a refused drain changed the store: $("$PITH" cluster)"
+# A bearer token instead of a certificate (the CA alone beside it, to check the server).
+mkdir -p "$E2E_TMP/ca-only" && cp "$tls/ca.pem" "$E2E_TMP/ca-only/"
+token=$("$PITH" token --file "$tls/tokens" --name bob) || fail "pith token"
+sleep 1.2  # the coordinator looks at its tokens file once a second
+PITH_TOKEN=$token "$PITH" --tls_dir "$E2E_TMP/ca-only" status "$job" | grep -q succeeded ||
+  fail "a user's token cannot read a job"
+expect_one_line "the bearer token is not valid" \
+  "$PITH" --tls_dir "$E2E_TMP/ca-only" --token "${token}x" status "$job"
+expect_one_line "DrainStore needs the admin role; the caller is bob (user)" \
+  "$PITH" --tls_dir "$E2E_TMP/ca-only" --token "$token" cluster drain store-0 --no-wait
 
 expect_one_line "no job nope" "$PITH" status nope
 expect_one_line "no job nope" "$PITH" checkpoint nope --out "$E2E_TMP/nope.safetensors"

@@ -36,6 +36,14 @@ out=$(PITH_HOME=$E2E_TMP/nohome "$PITH" --coordinator "127.0.0.1:$GRPC_PORT_coor
   rc=$?
 [[ $rc == 1 ]] && grep -q "cannot reach" <<<"$out" || fail "a plaintext call got in (exit $rc): $out"
 
+# SIGHUP (a reload) neither stops nor disturbs a process: certificates reload by themselves.
+kill -HUP "$PID_coordinator" "$PID_store"
+sleep 0.5
+for name in coordinator store; do
+  kill -0 "$(eval "echo \$PID_$name")" 2>/dev/null || fail "$name died of SIGHUP"
+  grep -q "SIGHUP: certificates are re-read" "$E2E_TMP/$name.log" || fail "$name: no SIGHUP line"
+done
+
 stop_proc coordinator
 stop_proc store
 

@@ -1,0 +1,124 @@
+#include "security/tokens.h"
+
+#include <fcntl.h>
+#include <openssl/rand.h>
+#include <openssl/sha.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+#include <fstream>
+#include <sstream>
+
+#include "absl/strings/escaping.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "absl/strings/strip.h"
+#include "glog/logging.h"
+
+namespace pith::security {
+namespace {
+
+absl::StatusOr<std::map<std::string, Identity>> Parse(const std::string& path,
+                                                      const std::string& text) {
+  std::map<std::string, Identity> out;
+  int number = 0;
+  for (absl::string_view line : absl::StrSplit(text, '\n')) {
+    ++number;
+    line = absl::StripAsciiWhitespace(line.substr(0, line.find('#')));
+    if (line.empty()) continue;
+    std::vector<std::string> fields = absl::StrSplit(line, ' ', absl::SkipEmpty());
+    absl::StatusOr<Role> role =
+        fields.size() == 3 ? ParseRole(fields[1]) : absl::InvalidArgumentError("");
+    if (fields.size() != 3 || !ValidateName(fields[0]).ok() || !role.ok() ||
+        (*role != Role::kUser && *role != Role::kAdmin) || fields[2].size() != 64 ||
+        fields[2].find_first_not_of("0123456789abcdef") != std::string::npos) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          path, " line ", number, ": want NAME user|admin SHA256HEX (as pith token writes)"));
+    }
+    out[fields[2]] = Identity{*role, fields[0]};
+  }
+  return out;
+}
+
+}  // namespace
+
+std::string TokenHash(const std::string& token) {
+  unsigned char digest[SHA256_DIGEST_LENGTH];
+  SHA256(reinterpret_cast<const unsigned char*>(token.data()), token.size(), digest);
+  return absl::BytesToHexString(
+      absl::string_view(reinterpret_cast<const char*>(digest), sizeof(digest)));
+}
+
+absl::StatusOr<std::string> AddToken(const std::string& path, const Identity& identity) {
+  if (absl::Status s = ValidateName(identity.name); !s.ok()) return s;
+  if (identity.role != Role::kUser && identity.role != Role::kAdmin) {
+    return absl::InvalidArgumentError("tokens are for the user and admin roles only");
+  }
+  unsigned char random[32];
+  if (RAND_bytes(random, sizeof(random)) != 1) {
+    return absl::InternalError("cannot make a random token");
+  }
+  const std::string token =
+      absl::StrCat("pith_", absl::BytesToHexString(absl::string_view(
+                                reinterpret_cast<const char*>(random), sizeof(random))));
+  const std::string line =
+      absl::StrCat(identity.name, " ", RoleName(identity.role), " ", TokenHash(token), "\n");
+  const int fd = ::open(path.c_str(), O_WRONLY | O_APPEND | O_CREAT | O_NOFOLLOW | O_CLOEXEC, 0600);
+  if (fd < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("cannot open ", path, ": ", std::strerror(errno)));
+  }
+  const ssize_t n = ::write(fd, line.data(), line.size());
+  const bool synced = ::fsync(fd) == 0;
+  ::close(fd);
+  if (n != static_cast<ssize_t>(line.size()) || !synced) {
+    return absl::InternalError(absl::StrCat("cannot write ", path, ": ", std::strerror(errno)));
+  }
+  return token;
+}
+
+absl::StatusOr<std::unique_ptr<TokenTable>> TokenTable::Open(const std::string& path) {
+  std::unique_ptr<TokenTable> table(new TokenTable(path));
+  absl::MutexLock lock(&table->mu_);
+  if (absl::Status s = table->RefreshLocked(); !s.ok()) return s;
+  return table;
+}
+
+absl::Status TokenTable::RefreshLocked() {
+  checked_ = absl::Now();
+  struct stat st;
+  if (::stat(path_.c_str(), &st) != 0) {
+    by_hash_.clear();  // removed: no token is valid any more
+    mtime_ = {};
+    return absl::OkStatus();
+  }
+  if (st.st_mtim.tv_sec == mtime_.tv_sec && st.st_mtim.tv_nsec == mtime_.tv_nsec) {
+    return absl::OkStatus();
+  }
+  std::ifstream in(path_);
+  std::stringstream text;
+  text << in.rdbuf();
+  absl::StatusOr<std::map<std::string, Identity>> parsed = Parse(path_, text.str());
+  if (!parsed.ok()) return parsed.status();
+  by_hash_ = *std::move(parsed);
+  mtime_ = st.st_mtim;
+  return absl::OkStatus();
+}
+
+std::optional<Identity> TokenTable::Lookup(const std::string& token) {
+  const std::string hash = TokenHash(token);
+  absl::MutexLock lock(&mu_);
+  if (absl::Now() - checked_ >= absl::Seconds(1)) {
+    // A file broken by a bad edit keeps the last good table (and says so once a second).
+    if (absl::Status s = RefreshLocked(); !s.ok()) {
+      LOG_EVERY_N(WARNING, 60) << "keeping the tokens read before: " << s.message();
+    }
+  }
+  auto it = by_hash_.find(hash);
+  if (it == by_hash_.end()) return std::nullopt;
+  return it->second;
+}
+
+}  // namespace pith::security

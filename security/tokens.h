@@ -1,0 +1,58 @@
+// Bearer tokens: how a person or program without a client certificate proves who it is to
+// the job API. `pith token` makes a token (shown once) and records only its SHA-256 with
+// the name and role in a tokens file the coordinator reads (--tokens_file); a client
+// presents it as "authorization: Bearer TOKEN" over TLS (the server's certificate still
+// checked against the cluster CA). Tokens carry the user or admin role only: members and
+// the coordinator always use certificates.
+//
+// File format: one "NAME ROLE SHA256HEX" line per token; '#' starts a comment.
+//
+// Thread safety: a TokenTable is thread-safe; it re-reads its file when the file changes
+// (checked at most once a second), so tokens added or removed need no restart.
+#ifndef PITH_SECURITY_TOKENS_H_
+#define PITH_SECURITY_TOKENS_H_
+
+#include <ctime>
+#include <map>
+#include <optional>
+#include <string>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "security/identity.h"
+
+namespace pith::security {
+
+// A new random token for `identity` (user or admin role; INVALID_ARGUMENT otherwise),
+// its hash appended to `path` (created 0600 when missing). Returns the token.
+absl::StatusOr<std::string> AddToken(const std::string& path, const Identity& identity);
+
+// SHA-256 of `token`, lowercase hex.
+std::string TokenHash(const std::string& token);
+
+class TokenTable {
+ public:
+  // The tokens of `path`; a missing file is an empty table (until it appears). A file
+  // that cannot be parsed: INVALID_ARGUMENT naming the line.
+  static absl::StatusOr<std::unique_ptr<TokenTable>> Open(const std::string& path);
+
+  // The identity a token was made for, if it is in the file now.
+  std::optional<Identity> Lookup(const std::string& token) ABSL_LOCKS_EXCLUDED(mu_);
+
+ private:
+  explicit TokenTable(std::string path) : path_(std::move(path)) {}
+  // Re-reads the file if it changed since the last read (OK when it is missing).
+  absl::Status RefreshLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
+  const std::string path_;
+  absl::Mutex mu_;
+  std::map<std::string, Identity> by_hash_ ABSL_GUARDED_BY(mu_);
+  struct timespec mtime_ ABSL_GUARDED_BY(mu_) = {};
+  absl::Time checked_ ABSL_GUARDED_BY(mu_) = absl::InfinitePast();
+};
+
+}  // namespace pith::security
+
+#endif  // PITH_SECURITY_TOKENS_H_

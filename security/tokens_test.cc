@@ -1,0 +1,66 @@
+#include "security/tokens.h"
+
+#include <filesystem>
+#include <fstream>
+
+#include "absl/time/clock.h"
+#include "gtest/gtest.h"
+
+namespace pith::security {
+namespace {
+
+std::string TempFile(const std::string& name) {
+  const std::string path = ::testing::TempDir() + "/tokens_test_" + name;
+  std::filesystem::remove(path);
+  return path;
+}
+
+TEST(TokensTest, ATokenIsItsOwnersAndOnlyItsHashIsKept) {
+  const std::string path = TempFile("own");
+  auto alice = AddToken(path, {Role::kUser, "alice"});
+  auto ops = AddToken(path, {Role::kAdmin, "ops"});
+  ASSERT_TRUE(alice.ok() && ops.ok());
+  EXPECT_NE(*alice, *ops);
+  std::ifstream in(path);
+  const std::string text((std::istreambuf_iterator<char>(in)), {});
+  EXPECT_EQ(text.find(*alice), std::string::npos) << "the token itself was written";
+  EXPECT_NE(text.find(TokenHash(*alice)), std::string::npos);
+  EXPECT_EQ(std::filesystem::status(path).permissions() & std::filesystem::perms::all,
+            std::filesystem::perms::owner_read | std::filesystem::perms::owner_write);
+
+  auto table = TokenTable::Open(path);
+  ASSERT_TRUE(table.ok()) << table.status();
+  EXPECT_EQ((*table)->Lookup(*alice), (Identity{Role::kUser, "alice"}));
+  EXPECT_EQ((*table)->Lookup(*ops), (Identity{Role::kAdmin, "ops"}));
+  EXPECT_EQ((*table)->Lookup(*alice + "x"), std::nullopt);
+  EXPECT_EQ((*table)->Lookup(""), std::nullopt);
+}
+
+TEST(TokensTest, TokensAddedOrRemovedLaterCountWithoutARestart) {
+  const std::string path = TempFile("later");
+  auto table = TokenTable::Open(path);  // no file yet: no token
+  ASSERT_TRUE(table.ok()) << table.status();
+  auto bob = AddToken(path, {Role::kUser, "bob"});
+  ASSERT_TRUE(bob.ok());
+  absl::SleepFor(absl::Milliseconds(1100));  // the file is looked at once a second
+  EXPECT_EQ((*table)->Lookup(*bob), (Identity{Role::kUser, "bob"}));
+  std::filesystem::remove(path);
+  absl::SleepFor(absl::Milliseconds(1100));
+  EXPECT_EQ((*table)->Lookup(*bob), std::nullopt);
+}
+
+TEST(TokensTest, MembersGetNoTokensAndABrokenFileIsNamed) {
+  const std::string path = TempFile("bad");
+  EXPECT_EQ(AddToken(path, {Role::kMember, "store0"}).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(AddToken(path, {Role::kCoordinator, "c"}).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  std::ofstream(path) << "# a comment\nalice user " << std::string(64, 'a') << "\n"
+                      << "mallory member " << std::string(64, 'b') << "\n";
+  auto table = TokenTable::Open(path);
+  EXPECT_EQ(table.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(table.status().message().find("line 3"), std::string::npos) << table.status();
+}
+
+}  // namespace
+}  // namespace pith::security
