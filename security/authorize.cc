@@ -26,8 +26,27 @@ absl::StatusOr<Identity> PeerIdentity(const grpc::ServerContext& context) {
   return found[0];
 }
 
-Policy::Policy(bool enforce, std::map<std::string, std::set<Role>> rules, TokenLookup tokens)
-    : enforce_(enforce), rules_(std::move(rules)), tokens_(std::move(tokens)) {}
+Policy::Policy(bool enforce, std::map<std::string, std::set<Role>> rules, TokenLookup tokens,
+               std::shared_ptr<ClientLimits> limits)
+    : enforce_(enforce),
+      rules_(std::move(rules)),
+      tokens_(std::move(tokens)),
+      limits_(std::move(limits)) {}
+
+std::string Policy::ClientKey(const grpc::ServerContext& context,
+                              const std::optional<Identity>& caller) const {
+  if (caller) return DebugString(*caller);
+  // "ipv4:127.0.0.1:5678" -> "ipv4:127.0.0.1": a client's connections share one budget.
+  const std::string peer = context.peer();
+  const size_t colon = peer.rfind(':');
+  return colon == std::string::npos || colon < 5 ? peer : peer.substr(0, colon);
+}
+
+absl::StatusOr<ClientLimits::StreamSlot> Policy::OpenStream(
+    const grpc::ServerContext& context, const std::optional<Identity>& caller) const {
+  if (limits_ == nullptr) return ClientLimits::StreamSlot();
+  return limits_->OpenStream(ClientKey(context, caller));
+}
 
 namespace {
 
@@ -85,6 +104,12 @@ grpc::Status Policy::Admit(const grpc::ServerContext& context, const std::string
   if (!checked.ok()) {
     return grpc::Status(static_cast<grpc::StatusCode>(checked.status().code()),
                         std::string(checked.status().message()));
+  }
+  if (limits_ != nullptr) {
+    if (absl::Status s = limits_->Admit(ClientKey(context, *checked)); !s.ok()) {
+      return grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED,
+                          absl::StrCat(method, ": ", s.message()));
+    }
   }
   if (caller != nullptr) *caller = *std::move(checked);
   return grpc::Status::OK;

@@ -20,6 +20,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "grpcpp/grpcpp.h"
+#include "security/client_limits.h"
 #include "security/identity.h"
 
 namespace pith::security {
@@ -36,7 +37,10 @@ class Policy {
   // `enforce` false (a server without TLS): every call is admitted and Check returns no
   // identity. `rules`: method name -> the roles admitted. `tokens`, when set: a caller
   // without a client certificate may present "authorization: Bearer TOKEN" instead.
-  Policy(bool enforce, std::map<std::string, std::set<Role>> rules, TokenLookup tokens = nullptr);
+  // `limits`, when set: each admitted call takes one request of its client's rate
+  // (client_limits.h), refused RESOURCE_EXHAUSTED past it.
+  Policy(bool enforce, std::map<std::string, std::set<Role>> rules, TokenLookup tokens = nullptr,
+         std::shared_ptr<ClientLimits> limits = nullptr);
 
   // The caller's identity when `method` admits it (nullopt when not enforcing); otherwise
   // the refusal as a grpc::Status, for the handler to return.
@@ -49,6 +53,11 @@ class Policy {
   grpc::Status Admit(const grpc::ServerContext& context, const std::string& method,
                      std::optional<Identity>* caller = nullptr) const;
 
+  // One of the caller's streams (held while the slot lives); RESOURCE_EXHAUSTED past its
+  // limit. `caller`: what Admit found.
+  absl::StatusOr<ClientLimits::StreamSlot> OpenStream(const grpc::ServerContext& context,
+                                                      const std::optional<Identity>& caller) const;
+
   bool enforce() const { return enforce_; }
   const std::map<std::string, std::set<Role>>& rules() const { return rules_; }
 
@@ -56,6 +65,10 @@ class Policy {
   bool enforce_;
   std::map<std::string, std::set<Role>> rules_;
   TokenLookup tokens_;
+  std::shared_ptr<ClientLimits> limits_;
+  // Who the limits count a call against: its identity, else its peer's host.
+  std::string ClientKey(const grpc::ServerContext& context,
+                        const std::optional<Identity>& caller) const;
 };
 
 }  // namespace pith::security

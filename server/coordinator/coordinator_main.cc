@@ -58,6 +58,12 @@ ABSL_FLAG(bool, keep_ended_weights, true,
 ABSL_FLAG(std::string, tokens_file, "",
           "Bearer tokens users and admins may present instead of a client certificate "
           "(pith token writes them; re-read when it changes). Empty: certificates only");
+ABSL_FLAG(double, client_requests_per_second, 100,
+          "Job API requests a client (a certificate, a token, or a host without TLS) may make "
+          "a second, sustained; <= 0: unlimited");
+ABSL_FLAG(int, client_burst, 200, "Job API requests a client may make at once");
+ABSL_FLAG(int, client_streams, 16,
+          "Watches and downloads a client may hold open at once; <= 0: unlimited");
 ABSL_FLAG(bool, simulate, false, "Run the placement simulator, print one line and exit");
 ABSL_FLAG(int, layers, 58, "--simulate: MoE layers");
 ABSL_FLAG(int, experts, 256, "--simulate: experts per layer");
@@ -195,7 +201,11 @@ int main(int argc, char** argv) {
               : nullptr;
   pith::coordinator::JobServiceImpl job_service(
       jobs->get(), &members, &heat, &scheduler, absl::GetFlag(FLAGS_data_dir) + "/downloads",
-      absl::GetFlag(FLAGS_export_root), security->tls(), lookup);
+      absl::GetFlag(FLAGS_export_root), security->tls(), lookup,
+      std::make_shared<pith::security::ClientLimits>(pith::security::ClientLimits::Options{
+          .requests_per_second = absl::GetFlag(FLAGS_client_requests_per_second),
+          .burst = std::max(1, absl::GetFlag(FLAGS_client_burst)),
+          .streams = absl::GetFlag(FLAGS_client_streams)}));
   pith::coordinator::CoordinatorServiceImpl coordinator_service(
       &members, jobs->get(), &heat, &scheduler, security->tls(), lookup);
   if (security->tls()) {

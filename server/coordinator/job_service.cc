@@ -66,7 +66,8 @@ absl::Status JobServiceImpl::FitsTheStores(const v1::JobSpec& submitted) const {
   return absl::OkStatus();
 }
 
-security::Policy JobServiceImpl::JobPolicy(bool enforce, security::Policy::TokenLookup tokens) {
+security::Policy JobServiceImpl::JobPolicy(bool enforce, security::Policy::TokenLookup tokens,
+                                           std::shared_ptr<security::ClientLimits> limits) {
   const std::set<security::Role> people = {security::Role::kUser, security::Role::kAdmin};
   std::map<std::string, std::set<security::Role>> rules;
   for (const char* method :
@@ -74,7 +75,7 @@ security::Policy JobServiceImpl::JobPolicy(bool enforce, security::Policy::Token
         "DownloadCheckpoint", "ClusterStatus", "ExpertHeat"}) {
     rules[method] = people;
   }
-  return security::Policy(enforce, std::move(rules), std::move(tokens));
+  return security::Policy(enforce, std::move(rules), std::move(tokens), std::move(limits));
 }
 
 grpc::Status JobServiceImpl::SubmitJob(grpc::ServerContext* context,
@@ -110,7 +111,11 @@ grpc::Status JobServiceImpl::ListJobs(grpc::ServerContext* context,
 grpc::Status JobServiceImpl::WatchJob(grpc::ServerContext* context,
                                       const v1::WatchJobRequest* request,
                                       grpc::ServerWriter<v1::JobEvent>* writer) {
-  if (grpc::Status denied = policy_.Admit(*context, "WatchJob"); !denied.ok()) return denied;
+  std::optional<security::Identity> caller;
+  if (grpc::Status denied = policy_.Admit(*context, "WatchJob", &caller); !denied.ok())
+    return denied;
+  absl::StatusOr<security::ClientLimits::StreamSlot> stream = policy_.OpenStream(*context, caller);
+  if (!stream.ok()) return ToGrpcStatus(stream.status());
   absl::StatusOr<v1::Job> job = jobs_->Get(request->job_id());
   if (!job.ok()) return ToGrpcStatus(job.status());
   int64_t seen = jobs_->Version(request->job_id());
@@ -160,8 +165,11 @@ grpc::Status JobServiceImpl::CheckpointJob(grpc::ServerContext* context,
 grpc::Status JobServiceImpl::DownloadCheckpoint(grpc::ServerContext* context,
                                                 const v1::DownloadCheckpointRequest* request,
                                                 grpc::ServerWriter<v1::CheckpointChunk>* writer) {
-  if (grpc::Status denied = policy_.Admit(*context, "DownloadCheckpoint"); !denied.ok())
+  std::optional<security::Identity> caller;
+  if (grpc::Status denied = policy_.Admit(*context, "DownloadCheckpoint", &caller); !denied.ok())
     return denied;
+  absl::StatusOr<security::ClientLimits::StreamSlot> stream = policy_.OpenStream(*context, caller);
+  if (!stream.ok()) return ToGrpcStatus(stream.status());
   if (scheduler_ == nullptr || staging_dir_.empty()) {
     return ToGrpcStatus(absl::UnavailableError("this coordinator reaches no stores"));
   }

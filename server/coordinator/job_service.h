@@ -25,17 +25,20 @@ class JobServiceImpl final : public v1::JobService::Service {
   JobServiceImpl(JobRegistry* jobs, Membership* members, HeatRegistry* heat,
                  Scheduler* scheduler = nullptr, std::string staging_dir = "",
                  std::string export_root = "", bool enforce = false,
-                 security::Policy::TokenLookup tokens = nullptr)
+                 security::Policy::TokenLookup tokens = nullptr,
+                 std::shared_ptr<security::ClientLimits> limits = nullptr)
       : jobs_(jobs),
         members_(members),
         heat_(heat),
         scheduler_(scheduler),
         staging_dir_(std::move(staging_dir)),
         export_root_(std::move(export_root)),
-        policy_(JobPolicy(enforce, std::move(tokens))) {}
+        policy_(JobPolicy(enforce, std::move(tokens), std::move(limits))) {}
 
   // Users and admins call every method of the job API.
-  static security::Policy JobPolicy(bool enforce, security::Policy::TokenLookup tokens = nullptr);
+  // `limits`: each client's request rate and open streams (watches, downloads).
+  static security::Policy JobPolicy(bool enforce, security::Policy::TokenLookup tokens = nullptr,
+                                    std::shared_ptr<security::ClientLimits> limits = nullptr);
 
   grpc::Status SubmitJob(grpc::ServerContext* context, const v1::SubmitJobRequest* request,
                          v1::SubmitJobResponse* reply) override;

@@ -408,5 +408,47 @@ TEST_F(JobServiceTest, CheckpointAndTheMemberRpcsRefuseBadRequests) {
   }
 }
 
+// The job API's per-client limits, through a real server: a client past its rate gets
+// RESOURCE_EXHAUSTED with the reason; one holding its streams cannot open another.
+TEST_F(JobServiceTest, AClientPastItsRateOrStreamsIsRefusedWithTheReason) {
+  auto job = Submit(SpecFrom(kSpec));
+  ASSERT_TRUE(job.ok());
+  JobServiceImpl limited(jobs_.get(), &members_, &heat_, scheduler_.get(), "", "",
+                         /*enforce=*/false, nullptr,
+                         std::make_shared<security::ClientLimits>(security::ClientLimits::Options{
+                             .requests_per_second = 0.01, .burst = 3, .streams = 1}));
+  auto server = GrpcServer::Start({.listen_address = "127.0.0.1:0", .services = {&limited}});
+  ASSERT_TRUE(server.ok()) << server.status();
+  auto stub = v1::JobService::NewStub(grpc::CreateChannel(
+      "127.0.0.1:" + std::to_string((*server)->port()), grpc::InsecureChannelCredentials()));
+  grpc::ClientContext watch_ctx;
+  v1::WatchJobRequest watch;
+  watch.set_job_id(job->job_id());
+  auto reader = stub->WatchJob(&watch_ctx, watch);  // request 1, holds the one stream
+  v1::JobEvent event;
+  ASSERT_TRUE(reader->Read(&event));
+  {
+    grpc::ClientContext ctx;
+    auto second = stub->WatchJob(&ctx, watch);  // request 2
+    EXPECT_FALSE(second->Read(&event));
+    const grpc::Status s = second->Finish();
+    EXPECT_EQ(s.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED) << s.error_message();
+    EXPECT_NE(s.error_message().find("streams open already"), std::string::npos);
+  }
+  v1::ListJobsResponse list;
+  {
+    grpc::ClientContext ctx;
+    EXPECT_TRUE(stub->ListJobs(&ctx, v1::ListJobsRequest(), &list).ok());  // request 3
+  }
+  grpc::ClientContext ctx;
+  const grpc::Status over = stub->ListJobs(&ctx, v1::ListJobsRequest(), &list);
+  EXPECT_EQ(over.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED);
+  EXPECT_NE(over.error_message().find("ListJobs: ipv4:127.0.0.1 makes more than"),
+            std::string::npos)
+      << over.error_message();
+  watch_ctx.TryCancel();
+  (void)reader->Finish();
+}
+
 }  // namespace
 }  // namespace pith::coordinator
