@@ -3,14 +3,15 @@
 find_package(Threads REQUIRED)
 find_package(Protobuf REQUIRED)  # module mode: Debian ships no config package
 find_package(absl CONFIG REQUIRED)
+# pith certs, the data plane's message tags (gRPC links OpenSSL too).
+find_package(OpenSSL REQUIRED)
 
 if(PITH_FUZZ_ONLY)
-  # The fuzz sub-build needs only protobuf and Abseil.
+  # The fuzz sub-build needs only protobuf, Abseil and OpenSSL.
   return()
 endif()
 
 find_package(gRPC CONFIG REQUIRED)
-find_package(OpenSSL REQUIRED)  # pith certs: the cluster CA and certificates (gRPC links it too)
 find_package(ucx CONFIG REQUIRED)
 find_package(RocksDB CONFIG REQUIRED)
 find_package(prometheus-cpp CONFIG REQUIRED)
