@@ -35,7 +35,8 @@ std::pair<bool, std::shared_ptr<const std::string>> Snapshot() {
   return {s.required, s.key};
 }
 
-void Mac(const std::string& key, uint16_t id, absl::string_view header,
+// False when OpenSSL could not compute it (then no tag matches: see Check).
+bool Mac(const std::string& key, uint16_t id, absl::string_view header,
          unsigned char out[EVP_MAX_MD_SIZE]) {
   std::string message(2 + header.size(), '\0');  // id (little-endian) || header
   message[0] = static_cast<char>(id & 0xff);
@@ -44,10 +45,12 @@ void Mac(const std::string& key, uint16_t id, absl::string_view header,
   unsigned int len = 0;
   if (HMAC(EVP_sha256(), key.data(), static_cast<int>(key.size()),
            reinterpret_cast<const unsigned char*>(message.data()), message.size(), out,
-           &len) == nullptr) {
-    // No tag could be made: one that a check of a real key's tag rejects.
+           &len) == nullptr ||
+      len < kAuthTagBytes) {
     std::fill(out, out + EVP_MAX_MD_SIZE, 0);
+    return false;
   }
+  return true;
 }
 
 }  // namespace
@@ -84,7 +87,7 @@ std::string Tag(uint16_t id, std::string header) {
   auto [required, key] = Snapshot();
   if (key == nullptr) return header;
   unsigned char mac[EVP_MAX_MD_SIZE];
-  Mac(*key, id, header, mac);
+  (void)Mac(*key, id, header, mac);  // on failure a tag no receiver accepts
   header.append(reinterpret_cast<const char*>(mac), kAuthTagBytes);
   return header;
 }
@@ -98,8 +101,9 @@ std::optional<size_t> Check(uint16_t id, absl::string_view header) {
   }
   const size_t body = header.size() - kAuthTagBytes;
   unsigned char mac[EVP_MAX_MD_SIZE];
-  Mac(*key, id, header.substr(0, body), mac);
-  if (CRYPTO_memcmp(mac, header.data() + body, kAuthTagBytes) != 0) {
+  // A tag that cannot be computed here matches nothing (never the zeros Mac leaves).
+  if (!Mac(*key, id, header.substr(0, body), mac) ||
+      CRYPTO_memcmp(mac, header.data() + body, kAuthTagBytes) != 0) {
     g_dropped.fetch_add(1, std::memory_order_relaxed);
     return std::nullopt;
   }

@@ -138,6 +138,10 @@ absl::StatusOr<bool> EnsureCa(const std::string& dir) {
   const std::string cert_path = dir + "/" + kCaCertFile;
   std::error_code ec;
   if (std::filesystem::exists(cert_path, ec)) return false;
+  if (std::filesystem::exists(dir + "/" + kCaKeyFile, ec)) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        dir, " holds ca.key but no ca.pem (a run stopped midway): remove ca.key to start over"));
+  }
   std::filesystem::create_directories(dir, ec);
   if (ec) return absl::InternalError(absl::StrCat("cannot create ", dir, ": ", ec.message()));
   Key key(EVP_EC_gen("P-256"));
@@ -166,14 +170,19 @@ absl::Status Issue(const std::string& dir, const Identity& identity, const CertO
   if (std::filesystem::exists(out + "/" + kCertFile, ec)) {
     return absl::AlreadyExistsError(absl::StrCat(out, " already holds a certificate"));
   }
+  if (std::filesystem::exists(out + "/" + kKeyFile, ec)) {
+    return absl::FailedPreconditionError(
+        absl::StrCat(out, " holds a key but no certificate (an issue stopped midway): remove ", out,
+                     " and issue again"));
+  }
   if (!std::filesystem::exists(dir + "/" + kCaCertFile, ec)) {
     return absl::FailedPreconditionError(absl::StrCat(dir, " holds no CA (", kCaCertFile, ")"));
   }
   ASSIGN_OR_RETURN(Cert ca, LoadCert(dir + "/" + kCaCertFile));
   ASSIGN_OR_RETURN(Key ca_key, LoadKey(dir + "/" + kCaKeyFile));
-  ASSIGN_OR_RETURN(
-      std::string sans,
-      SubjectAltNames(identity, options.hosts.empty() ? DefaultHosts() : options.hosts));
+  std::vector<std::string> hosts = DefaultHosts();  // the given ones come beside these
+  hosts.insert(hosts.end(), options.hosts.begin(), options.hosts.end());
+  ASSIGN_OR_RETURN(std::string sans, SubjectAltNames(identity, hosts));
   Key key(EVP_EC_gen("P-256"));
   if (key == nullptr) return Failed("key");
   ASSIGN_OR_RETURN(Cert cert, NewCert(key.get(), ca.get(), std::string(RoleName(identity.role)),

@@ -25,8 +25,8 @@ namespace pith::security {
 inline constexpr char kCaKeyFile[] = "ca.key";
 
 struct CertOptions {
-  // The host names and IP addresses the process is reached at (TLS clients check the
-  // address they dial against these). Empty: DefaultHosts().
+  // Host names and IP addresses the process is reached at besides DefaultHosts() (TLS
+  // clients check the address they dial against these).
   std::vector<std::string> hosts;
   absl::Duration validity = absl::Hours(24 * 365);
 };

@@ -48,6 +48,11 @@ TEST_F(CertsTest, AKeyInUseIsNeverReplaced) {
   EXPECT_EQ(Issue(dir_, {Role::kAdmin, "worker-0"}).code(), absl::StatusCode::kAlreadyExists);
   std::ifstream after(dir_ + "/worker-0/key.pem");
   EXPECT_EQ(std::string((std::istreambuf_iterator<char>(after)), {}), key);
+  // A directory an issue left half-written (a key, no certificate) is named, not reused.
+  std::filesystem::remove(dir_ + "/worker-0/cert.pem");
+  absl::Status half = Issue(dir_, {Role::kMember, "worker-0"});
+  EXPECT_EQ(half.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_NE(half.message().find("remove " + dir_ + "/worker-0"), std::string::npos) << half;
 }
 
 TEST_F(CertsTest, BadNamesHostsAndAMissingCaAreRefused) {

@@ -40,8 +40,8 @@ class ClientLimits {
   // bucket is empty.
   absl::Status Admit(const std::string& client) ABSL_LOCKS_EXCLUDED(mu_);
 
-  // One of `client`'s streams, held until the slot is destroyed; RESOURCE_EXHAUSTED when
-  // it holds Options::streams already.
+  // One of `client`'s streams, held until the slot is destroyed (which must be before
+  // this ClientLimits is); RESOURCE_EXHAUSTED when it holds Options::streams already.
   class StreamSlot {
    public:
     StreamSlot() = default;

@@ -1,9 +1,11 @@
 // Transport security of every Pith gRPC endpoint and channel: mutual TLS from a
 // directory `pith certs` wrote (certs.h), or plaintext for loopback only (--insecure).
 //
-// With TLS, servers require a client certificate signed by the cluster CA and clients
-// check the server's against the address they dial. Certificate files are watched and
-// re-read (every kTlsRefresh), so rotating them needs no restart.
+// With TLS, servers ask for a client certificate and verify any presented against the
+// cluster CA (a caller without one still completes the handshake, so that the policy,
+// authorize.h, can answer it UNAUTHENTICATED with the reason, or admit its bearer token);
+// clients check the server's certificate against the CA and the address they dial. Certificate
+// files are watched and re-read (every kTlsRefresh), so rotating them needs no restart.
 //
 // Thread safety: a TransportSecurity is immutable once made; copies share nothing
 // mutable.

@@ -148,8 +148,25 @@ TEST_F(TlsTest, ABearerTokenStandsInForACertificate) {
 }
 
 TEST_F(TlsTest, AServerWhoseCertificateDoesNotNameTheAddressIsNotTrusted) {
-  ASSERT_NO_FATAL_FAILURE(Serve("elsewhere"));  // names 127.0.0.2, dialled at 127.0.0.1
-  EXPECT_EQ(Call(As("coordinator")).error_code(), grpc::StatusCode::UNAVAILABLE);
+  ASSERT_NO_FATAL_FAILURE(Serve("store-0"));
+  // Dialled as another host than its certificate names (this machine's and 127.0.0.2).
+  grpc::ChannelArguments args;
+  args.SetSslTargetNameOverride("elsewhere.example");
+  auto stub =
+      v1::StoreService::NewStub(grpc::CreateCustomChannel(address_, As("coordinator"), args));
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
+  v1::StoreStats stats;
+  EXPECT_EQ(stub->GetStats(&ctx, v1::GetStatsRequest(), &stats).error_code(),
+            grpc::StatusCode::UNAVAILABLE);
+  // The name a certificate was given with --hosts is one it answers to.
+  grpc::ChannelArguments named;
+  named.SetSslTargetNameOverride("127.0.0.2");
+  ASSERT_NO_FATAL_FAILURE(Serve("elsewhere"));
+  auto ok =
+      v1::StoreService::NewStub(grpc::CreateCustomChannel(address_, As("coordinator"), named));
+  grpc::ClientContext ctx2;
+  EXPECT_TRUE(ok->GetStats(&ctx2, v1::GetStatsRequest(), &stats).ok());
 }
 
 TEST(InsecureTest, PlaintextIsForLoopbackOnly) {

@@ -20,8 +20,12 @@
 namespace pith::security {
 namespace {
 
+// The tokens of `text`; a line that is not "NAME user|admin SHA256HEX" is an error, or,
+// with `skipped` given, is counted there and left out (the other lines still count: a
+// token removed beside a bad edit is revoked all the same).
 absl::StatusOr<std::map<std::string, Identity>> Parse(const std::string& path,
-                                                      const std::string& text) {
+                                                      const std::string& text,
+                                                      int* skipped = nullptr) {
   std::map<std::string, Identity> out;
   int number = 0;
   for (absl::string_view line : absl::StrSplit(text, '\n')) {
@@ -34,6 +38,10 @@ absl::StatusOr<std::map<std::string, Identity>> Parse(const std::string& path,
     if (fields.size() != 3 || !ValidateName(fields[0]).ok() || !role.ok() ||
         (*role != Role::kUser && *role != Role::kAdmin) || fields[2].size() != 64 ||
         fields[2].find_first_not_of("0123456789abcdef") != std::string::npos) {
+      if (skipped != nullptr) {
+        ++*skipped;
+        continue;
+      }
       return absl::InvalidArgumentError(absl::StrCat(
           path, " line ", number, ": want NAME user|admin SHA256HEX (as pith token writes)"));
     }
@@ -99,11 +107,22 @@ absl::Status TokenTable::RefreshLocked() {
   }
   std::ifstream in(path_);
   std::stringstream text;
-  text << in.rdbuf();
-  absl::StatusOr<std::map<std::string, Identity>> parsed = Parse(path_, text.str());
+  if (!in || (!(text << in.rdbuf()) && st.st_size > 0)) {
+    by_hash_.clear();  // fail closed: no token counts while the file cannot be read
+    return absl::PermissionDeniedError(
+        absl::StrCat("cannot read the tokens file ", path_, ": ", std::strerror(errno)));
+  }
+  const bool first = mtime_.tv_sec == 0 && mtime_.tv_nsec == 0 && by_hash_.empty();
+  int skipped = 0;
+  absl::StatusOr<std::map<std::string, Identity>> parsed =
+      Parse(path_, text.str(), first ? nullptr : &skipped);
   if (!parsed.ok()) return parsed.status();
   by_hash_ = *std::move(parsed);
   mtime_ = st.st_mtim;
+  if (skipped > 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(path_, ": ", skipped, " malformed line(s) left out"));
+  }
   return absl::OkStatus();
 }
 
@@ -111,9 +130,10 @@ std::optional<Identity> TokenTable::Lookup(const std::string& token) {
   const std::string hash = TokenHash(token);
   absl::MutexLock lock(&mu_);
   if (absl::Now() - checked_ >= absl::Seconds(1)) {
-    // A file broken by a bad edit keeps the last good table (and says so once a second).
-    if (absl::Status s = RefreshLocked(); !s.ok()) {
-      LOG_EVERY_N(WARNING, 60) << "keeping the tokens read before: " << s.message();
+    // Malformed lines are left out, the rest apply (and it is said, now and then).
+    absl::Status s = RefreshLocked();
+    if (!s.ok()) {
+      LOG_EVERY_N(WARNING, 60) << s.message();
     }
   }
   auto it = by_hash_.find(hash);

@@ -8,7 +8,9 @@
 // File format: one "NAME ROLE SHA256HEX" line per token; '#' starts a comment.
 //
 // Thread safety: a TokenTable is thread-safe; it re-reads its file when the file changes
-// (checked at most once a second), so tokens added or removed need no restart.
+// (checked at most once a second), so tokens added or removed need no restart. After the
+// start a malformed line is left out (logged) and the others apply, so a removal beside a
+// bad edit still revokes; a file that cannot be read admits no token.
 #ifndef PITH_SECURITY_TOKENS_H_
 #define PITH_SECURITY_TOKENS_H_
 
@@ -35,7 +37,8 @@ std::string TokenHash(const std::string& token);
 class TokenTable {
  public:
   // The tokens of `path`; a missing file is an empty table (until it appears). A file
-  // that cannot be parsed: INVALID_ARGUMENT naming the line.
+  // that cannot be parsed: INVALID_ARGUMENT naming the line; one that cannot be read:
+  // PERMISSION_DENIED.
   static absl::StatusOr<std::unique_ptr<TokenTable>> Open(const std::string& path);
 
   // The identity a token was made for, if it is in the file now.

@@ -62,5 +62,20 @@ TEST(TokensTest, MembersGetNoTokensAndABrokenFileIsNamed) {
   EXPECT_NE(table.status().message().find("line 3"), std::string::npos) << table.status();
 }
 
+TEST(TokensTest, ARemovalBesideABadEditStillRevokes) {
+  const std::string path = TempFile("revoke");
+  auto alice = AddToken(path, {Role::kUser, "alice"});
+  auto bob = AddToken(path, {Role::kUser, "bob"});
+  ASSERT_TRUE(alice.ok() && bob.ok());
+  auto table = TokenTable::Open(path);
+  ASSERT_TRUE(table.ok()) << table.status();
+  ASSERT_TRUE((*table)->Lookup(*alice).has_value());
+  // alice's line removed, and a typo left behind: bob still counts, alice no longer.
+  std::ofstream(path) << "bob user " << TokenHash(*bob) << "\nalice usr oops\n";
+  absl::SleepFor(absl::Milliseconds(1100));
+  EXPECT_EQ((*table)->Lookup(*alice), std::nullopt);
+  EXPECT_EQ((*table)->Lookup(*bob), (Identity{Role::kUser, "bob"}));
+}
+
 }  // namespace
 }  // namespace pith::security

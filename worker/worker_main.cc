@@ -17,6 +17,7 @@
 #include "common/process.h"
 #include "common/status.h"
 #include "common/ucx.h"
+#include "common/ucx_auth.h"
 #include "glog/logging.h"
 #include "security/flags.h"
 #include "worker/backend/backend_select.h"
@@ -79,6 +80,9 @@ absl::Status RunCluster() {
   options.coordinator = absl::GetFlag(FLAGS_coordinator);
   ASSIGN_OR_RETURN(options.security, pith::security::TransportSecurityFromFlags(
                                          "pith-worker", pith::security::Role::kMember));
+  // A member of a TLS cluster takes no UCX message without the cluster's tag, from before
+  // its first endpoint exists; the key comes with its registration (DESIGN §8).
+  if (options.security.tls()) pith::ucx::RequireDataPlaneAuth();
   options.listen =
       absl::GetFlag(FLAGS_listen).empty() ? "127.0.0.1:0" : absl::GetFlag(FLAGS_listen);
   // The metrics endpoint is served from this (the main) thread's setup.

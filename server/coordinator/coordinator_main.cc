@@ -118,6 +118,11 @@ absl::StatusOr<std::string> DataPlaneKey(pith::coordinator::JobRegistry& jobs) {
     RETURN_IF_ERROR(jobs.PutRecord(kRecord, key));
   }
   pith::ucx::SetDataPlaneKey(key);
+  // The key is in the data dir's RocksDB: only this process's user may read it.
+  std::error_code ec;
+  std::filesystem::permissions(absl::GetFlag(FLAGS_data_dir), std::filesystem::perms::owner_all,
+                               std::filesystem::perm_options::replace, ec);
+  if (ec) return absl::InternalError("cannot restrict --data_dir to its owner: " + ec.message());
   return key;
 }
 
@@ -151,6 +156,12 @@ int main(int argc, char** argv) {
   absl::StatusOr<std::unique_ptr<pith::coordinator::JobRegistry>> jobs =
       pith::coordinator::JobRegistry::Open(absl::GetFlag(FLAGS_data_dir), JobsMemoryBytes());
   if (!jobs.ok()) return pith::ExitStatus("pith-coordinator", jobs.status());
+  std::string data_plane_key;  // with TLS: set before any store is called (DESIGN §8)
+  if (security->tls()) {
+    absl::StatusOr<std::string> key = DataPlaneKey(**jobs);
+    if (!key.ok()) return pith::ExitStatus("pith-coordinator", key.status());
+    data_plane_key = *std::move(key);
+  }
   if (const std::string root = absl::GetFlag(FLAGS_export_root); !root.empty()) {
     std::error_code ec;
     std::filesystem::create_directories(root, ec);
@@ -208,11 +219,7 @@ int main(int argc, char** argv) {
           .streams = absl::GetFlag(FLAGS_client_streams)}));
   pith::coordinator::CoordinatorServiceImpl coordinator_service(
       &members, jobs->get(), &heat, &scheduler, security->tls(), lookup);
-  if (security->tls()) {
-    absl::StatusOr<std::string> key = DataPlaneKey(**jobs);
-    if (!key.ok()) return pith::ExitStatus("pith-coordinator", key.status());
-    coordinator_service.set_data_plane_key(*key);
-  }
+  coordinator_service.set_data_plane_key(data_plane_key);
   absl::Status status = pith::RunServerProcess({.component = "coordinator",
                                                 .listen_address = absl::GetFlag(FLAGS_listen),
                                                 .metrics_port = absl::GetFlag(FLAGS_metrics_port),

@@ -47,6 +47,19 @@ grpc::Status CoordinatorServiceImpl::Register(grpc::ServerContext* context,
   }
   if (grpc::Status s = CheckOwnId(caller, request->member().member_id()); !s.ok()) return s;
   v1::MemberInfo member = request->member();
+  // Each new identity under a certificate is a new id kept forever: a certificate gets a
+  // few (a store whose data dir was replaced), not an unbounded number.
+  if (caller) {
+    const std::string identity = absl::StrCat(caller->name, "/", member.identity());
+    if (!members_->IdentityKnown(identity) &&
+        members_->IdentitiesWithPrefix(caller->name + "/") >= kMaxIdentitiesPerCertificate) {
+      return grpc::Status(
+          grpc::StatusCode::RESOURCE_EXHAUSTED,
+          absl::StrCat("the certificate ", caller->name, " registered ",
+                       kMaxIdentitiesPerCertificate,
+                       " members already; give each store and worker its own certificate"));
+    }
+  }
   // A member's identity is its certificate's name first: the ids it is given, and the
   // ids it may name later, are bound to the certificate, never chosen by the caller.
   if (caller) member.set_identity(absl::StrCat(caller->name, "/", member.identity()));
@@ -90,7 +103,11 @@ grpc::Status CoordinatorServiceImpl::Deregister(grpc::ServerContext* context,
 grpc::Status CoordinatorServiceImpl::ReportHeat(grpc::ServerContext* context,
                                                 const v1::HeatReport* request,
                                                 v1::HeatReportResponse*) {
-  if (grpc::Status denied = policy_.Admit(*context, "ReportHeat"); !denied.ok()) return denied;
+  std::optional<security::Identity> caller;
+  if (grpc::Status denied = policy_.Admit(*context, "ReportHeat", &caller); !denied.ok()) {
+    return denied;
+  }
+  if (grpc::Status s = CheckOwnId(caller, request->worker_id()); !s.ok()) return s;
   absl::StatusOr<v1::Job> job = jobs_->Get(request->job_id());
   if (!job.ok()) return ToGrpcStatus(job.status());
   return ToGrpcStatus(heat_->Report(*job, *request));

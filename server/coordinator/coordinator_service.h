@@ -19,6 +19,9 @@
 
 namespace pith::coordinator {
 
+// Members (data dirs, worker processes) one certificate may register, at most.
+inline constexpr size_t kMaxIdentitiesPerCertificate = 16;
+
 class CoordinatorServiceImpl final : public v1::CoordinatorService::Service {
  public:
   // `enforce`: the server runs mutual TLS, and CoordinatorPolicy decides who may call.

@@ -1,5 +1,6 @@
 #include "server/coordinator/membership.h"
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "common/status.h"
 #include "common/ucx_address.h"
@@ -102,6 +103,21 @@ std::optional<std::string> Membership::IdentityOf(const std::string& member_id) 
   auto it = identity_of_id_.find(member_id);
   if (it == identity_of_id_.end()) return std::nullopt;
   return it->second;
+}
+
+bool Membership::IdentityKnown(const std::string& identity) const {
+  absl::MutexLock lock(&mu_);
+  return id_of_identity_.count(identity) > 0;
+}
+
+size_t Membership::IdentitiesWithPrefix(const std::string& prefix) const {
+  absl::MutexLock lock(&mu_);
+  size_t n = 0;
+  for (auto it = id_of_identity_.lower_bound(prefix);
+       it != id_of_identity_.end() && absl::StartsWith(it->first, prefix); ++it) {
+    ++n;
+  }
+  return n;
 }
 
 absl::Status Membership::Heartbeat(const std::string& member_id, const v1::MemberInfo& status) {

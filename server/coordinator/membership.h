@@ -63,6 +63,9 @@ class Membership {
 
   // The identity an id is bound to (nullopt for an id without one, or unknown).
   std::optional<std::string> IdentityOf(const std::string& member_id) const;
+  // Whether `identity` has an id; how many recorded identities start with `prefix`.
+  bool IdentityKnown(const std::string& identity) const;
+  size_t IdentitiesWithPrefix(const std::string& prefix) const;
 
   // Every member of a role (dead ones included), by id.
   std::vector<v1::MemberInfo> Members(v1::MemberRole role) const;

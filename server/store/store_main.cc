@@ -77,6 +77,10 @@ absl::Status Run(pith::ShutdownSignals& signals) {
   options.metrics_port = exposer ? exposer->port() : -1;
   ASSIGN_OR_RETURN(options.security, pith::security::TransportSecurityFromFlags(
                                          "pith-store", pith::security::Role::kMember));
+  if (options.security.tls() && options.coordinator.empty()) {
+    LOG(WARNING) << "no --coordinator: gRPC runs mutual TLS, but the UCX data plane has no "
+                    "cluster key and answers any peer (DESIGN §8)";
+  }
   ASSIGN_OR_RETURN(auto server, pith::store::StoreServer::Start(options, &metrics));
   LOG(INFO) << "pith-store ready: grpc_port=" << server->grpc_port()
             << " metrics_port=" << (exposer ? exposer->port() : -1);

@@ -127,9 +127,12 @@ TEST_F(SecurityE2eTest, StrangersAndWrongRolesGetNothingAndChangeNothing) {
                  "Register: no client certificate");
   EXPECT_REFUSED(StoreStub(Anonymous())->CommitStep(&ctx, commit, &committed), UNAUTHENTICATED,
                  "CommitStep: no client certificate");
-  // Plaintext to a TLS port: no connection.
+  // Plaintext to a TLS port, the coordinator's or the store's: no connection.
   EXPECT_REFUSED(Jobs(grpc::InsecureChannelCredentials())->ListJobs(&ctx, {}, &jobs), UNAVAILABLE,
                  "");
+  EXPECT_REFUSED(
+      StoreStub(grpc::InsecureChannelCredentials())->CommitStep(&ctx, commit, &committed),
+      UNAVAILABLE, "");
 
   // A worker's certificate cannot submit or drain.
   const auto worker = As(Role::kMember, "worker0");
@@ -184,6 +187,27 @@ TEST_F(SecurityE2eTest, StrangersAndWrongRolesGetNothingAndChangeNothing) {
                     .ok());
     EXPECT_EQ(held.jobs_size(), 0);
   }
+  EXPECT_EQ(store_->Terminate(), 0) << store_->Log();
+  EXPECT_EQ(coordinator_->Terminate(), 0) << coordinator_->Log();
+}
+
+TEST_F(SecurityE2eTest, OneCertificateRegistersABoundedNumberOfMembers) {
+  v1::RegisterResponse registered;
+  const auto flood = As(Role::kMember, "flood");
+  int refused = 0;
+  for (int i = 0; i < 20; ++i) {
+    v1::RegisterRequest join;
+    join.mutable_member()->set_role(v1::MEMBER_ROLE_WORKER);
+    join.mutable_member()->set_grpc_address("127.0.0.1:1");
+    join.mutable_member()->set_identity("fake-" + std::to_string(i));
+    grpc::ClientContext ctx;
+    const grpc::Status s = Members(flood)->Register(&ctx, join, &registered);
+    if (!s.ok()) {
+      EXPECT_EQ(s.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED) << s.error_message();
+      ++refused;
+    }
+  }
+  EXPECT_EQ(refused, 4);  // 16 identities, then no more
   EXPECT_EQ(store_->Terminate(), 0) << store_->Log();
   EXPECT_EQ(coordinator_->Terminate(), 0) << coordinator_->Log();
 }

@@ -20,8 +20,7 @@ class TestTls {
   // Makes the CA in `dir` (once). Certificates name this machine and `extra_hosts`.
   explicit TestTls(std::string dir, const std::vector<std::string>& extra_hosts = {})
       : dir_(std::move(dir)) {
-    options_.hosts = security::DefaultHosts();
-    options_.hosts.insert(options_.hosts.end(), extra_hosts.begin(), extra_hosts.end());
+    options_.hosts = extra_hosts;
     auto made = security::EnsureCa(dir_);
     if (!made.ok()) ok_ = false;
   }
