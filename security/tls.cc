@@ -132,6 +132,26 @@ std::shared_ptr<grpc::ChannelCredentials> TransportSecurity::ChannelCredentials(
   return grpc::CompositeChannelCredentials(channel, grpc::AccessTokenCredentials(token_));
 }
 
+absl::Status TransportSecurity::CheckNames(const std::string& host) const {
+  if (!tls() || !identity_) return absl::OkStatus();
+  const std::string path = dir_ + "/" + kCertFile;
+  ASSIGN_OR_RETURN(internal::Cert cert, internal::LoadCert(path));
+  std::string bare = host;
+  if (bare.size() > 2 && bare.front() == '[' && bare.back() == ']') {
+    bare = bare.substr(1, bare.size() - 2);
+  }
+  unsigned char addr[sizeof(in6_addr)];
+  const bool ip =
+      inet_pton(AF_INET, bare.c_str(), addr) == 1 || inet_pton(AF_INET6, bare.c_str(), addr) == 1;
+  const int named = ip ? X509_check_ip_asc(cert.get(), bare.c_str(), 0)
+                       : X509_check_host(cert.get(), bare.data(), bare.size(), 0, nullptr);
+  ERR_clear_error();
+  if (named == 1) return absl::OkStatus();
+  return absl::InvalidArgumentError(absl::StrCat(
+      path, " does not name ", bare, ", the address others dial this process at; issue it with ",
+      "pith certs --hosts ", bare));
+}
+
 absl::Status TransportSecurity::CheckListen(const std::string& address) const {
   if (tls() || IsLoopbackAddress(address)) return absl::OkStatus();
   return absl::InvalidArgumentError(

@@ -68,6 +68,10 @@ class TransportSecurity {
   std::shared_ptr<grpc::ServerCredentials> ServerCredentials() const;
   std::shared_ptr<grpc::ChannelCredentials> ChannelCredentials() const;
 
+  // With a certificate: INVALID_ARGUMENT unless it names `host` (a DNS name or an IP
+  // address), the name clients will dial this process at; OK otherwise and without TLS.
+  absl::Status CheckNames(const std::string& host) const;
+
   // Insecure: INVALID_ARGUMENT unless `address` ("host:port") is a loopback address.
   absl::Status CheckListen(const std::string& address) const;
   absl::Status CheckDial(const std::string& address) const;

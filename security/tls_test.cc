@@ -197,5 +197,19 @@ TEST(InsecureTest, APolicyNotEnforcedAdmitsEveryone) {
   EXPECT_TRUE(stub->ListBlobs(&ctx, v1::ListBlobsRequest(), &r).ok());
 }
 
+TEST_F(TlsTest, AProcessKnowsWhetherItsCertificateNamesItsAddress) {
+  auto store = TransportSecurity::Tls(*dir_ + "/store-0");
+  ASSERT_TRUE(store.ok());
+  EXPECT_TRUE(store->CheckNames("127.0.0.1").ok());
+  EXPECT_TRUE(store->CheckNames("localhost").ok());
+  absl::Status other = store->CheckNames("10.9.9.9");
+  EXPECT_EQ(other.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(other.message().find("pith certs --hosts 10.9.9.9"), std::string::npos) << other;
+  auto elsewhere = TransportSecurity::Tls(*dir_ + "/elsewhere");
+  ASSERT_TRUE(elsewhere.ok());
+  EXPECT_TRUE(elsewhere->CheckNames("127.0.0.2").ok());  // given with --hosts
+  EXPECT_TRUE(TransportSecurity::Insecure().CheckNames("10.9.9.9").ok());
+}
+
 }  // namespace
 }  // namespace pith::security

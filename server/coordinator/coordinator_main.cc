@@ -148,9 +148,14 @@ int main(int argc, char** argv) {
       pith::security::TransportSecurityFromFlags("pith-coordinator",
                                                  pith::security::Role::kCoordinator);
   if (security.ok()) {
-    if (absl::Status s = security->CheckListen(absl::GetFlag(FLAGS_listen)); !s.ok()) {
-      security = s;
+    // Members dial the address it listens on: its certificate must name that host.
+    const std::string listen = absl::GetFlag(FLAGS_listen);
+    const std::string host = listen.substr(0, listen.rfind(':'));
+    absl::Status s = security->CheckListen(listen);
+    if (s.ok() && host != "0.0.0.0" && host != "[::]" && !host.empty()) {
+      s = security->CheckNames(host);
     }
+    if (!s.ok()) security = s;
   }
   if (!security.ok()) return pith::ExitStatus("pith-coordinator", security.status());
   absl::StatusOr<std::unique_ptr<pith::coordinator::JobRegistry>> jobs =

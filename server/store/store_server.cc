@@ -69,6 +69,9 @@ absl::StatusOr<std::unique_ptr<StoreServer>> StoreServer::Start(const StoreServe
       gethostname(name, sizeof(name) - 1);
       host = name;
     }
+    // The coordinator dials this host: a certificate that does not name it would fail
+    // every call there, far from here.
+    RETURN_IF_ERROR(options.security.CheckNames(host));
     v1::MemberInfo self;
     self.set_role(v1::MEMBER_ROLE_STORE);
     ASSIGN_OR_RETURN(*self.mutable_identity(), LoadOrCreateIdentity(options.data_dir));
