@@ -3,6 +3,9 @@
 # Builds the test beside its code into an executable named after the file and registers
 # it with CTest. Every unit test in Pith goes through this one helper.
 function(pith_add_test source)
+  if(PITH_FUZZ_ONLY)  # the fuzz sub-build builds libraries and fuzz targets only
+    return()
+  endif()
   cmake_parse_arguments(ARG "" "TIMEOUT" "DEPS;LABELS" ${ARGN})
   get_filename_component(name ${source} NAME_WE)
   add_executable(${name} ${source})

@@ -19,6 +19,7 @@ struct AuthState {
   absl::Mutex mu;
   bool required ABSL_GUARDED_BY(mu) = false;
   std::shared_ptr<const std::string> key ABSL_GUARDED_BY(mu);
+  std::function<void()> on_drop ABSL_GUARDED_BY(mu);
 };
 
 AuthState& State() {
@@ -27,6 +28,17 @@ AuthState& State() {
 }
 
 std::atomic<uint64_t> g_dropped{0};
+
+void CountDrop() {
+  g_dropped.fetch_add(1, std::memory_order_relaxed);
+  std::function<void()> hook;
+  {
+    AuthState& s = State();
+    absl::MutexLock lock(&s.mu);
+    hook = s.on_drop;
+  }
+  if (hook) hook();
+}
 
 // (required, key): the key is copied out by pointer, so the tag is computed unlocked.
 std::pair<bool, std::shared_ptr<const std::string>> Snapshot() {
@@ -73,6 +85,12 @@ bool DataPlaneAuthActive() { return Snapshot().first; }
 
 uint64_t DroppedUnauthenticated() { return g_dropped.load(std::memory_order_relaxed); }
 
+void OnUnauthenticatedDrop(std::function<void()> hook) {
+  AuthState& s = State();
+  absl::MutexLock lock(&s.mu);
+  s.on_drop = std::move(hook);
+}
+
 std::string MakeDataPlaneKey() {
   std::string key(kDataPlaneKeyBytes, '\0');
   if (RAND_bytes(reinterpret_cast<unsigned char*>(key.data()), static_cast<int>(key.size())) != 1) {
@@ -96,7 +114,7 @@ std::optional<size_t> Check(uint16_t id, absl::string_view header) {
   auto [required, key] = Snapshot();
   if (!required) return header.size();
   if (key == nullptr || header.size() < kAuthTagBytes) {
-    g_dropped.fetch_add(1, std::memory_order_relaxed);
+    CountDrop();
     return std::nullopt;
   }
   const size_t body = header.size() - kAuthTagBytes;
@@ -104,7 +122,7 @@ std::optional<size_t> Check(uint16_t id, absl::string_view header) {
   // A tag that cannot be computed here matches nothing (never the zeros Mac leaves).
   if (!Mac(*key, id, header.substr(0, body), mac) ||
       CRYPTO_memcmp(mac, header.data() + body, kAuthTagBytes) != 0) {
-    g_dropped.fetch_add(1, std::memory_order_relaxed);
+    CountDrop();
     return std::nullopt;
   }
   return body;

@@ -16,6 +16,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <optional>
 #include <string>
 
@@ -35,6 +36,9 @@ void SetDataPlaneKey(const std::string& key);
 bool DataPlaneAuthActive();
 // Messages dropped for a missing or wrong tag, since the process started.
 uint64_t DroppedUnauthenticated();
+// Called once per message dropped (on the thread that received it; keep it cheap), for
+// the process's metrics. Replaces the one set before.
+void OnUnauthenticatedDrop(std::function<void()> hook);
 // A fresh random key (OpenSSL's RNG).
 std::string MakeDataPlaneKey();
 

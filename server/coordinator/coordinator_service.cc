@@ -47,23 +47,16 @@ grpc::Status CoordinatorServiceImpl::Register(grpc::ServerContext* context,
   }
   if (grpc::Status s = CheckOwnId(caller, request->member().member_id()); !s.ok()) return s;
   v1::MemberInfo member = request->member();
-  // Each new identity under a certificate is a new id kept forever: a certificate gets a
-  // few (a store whose data dir was replaced), not an unbounded number.
-  if (caller) {
-    const std::string identity = absl::StrCat(caller->name, "/", member.identity());
-    if (!members_->IdentityKnown(identity) &&
-        members_->IdentitiesWithPrefix(caller->name + "/") >= kMaxIdentitiesPerCertificate) {
-      return grpc::Status(
-          grpc::StatusCode::RESOURCE_EXHAUSTED,
-          absl::StrCat("the certificate ", caller->name, " registered ",
-                       kMaxIdentitiesPerCertificate,
-                       " members already; give each store and worker its own certificate"));
-    }
-  }
   // A member's identity is its certificate's name first: the ids it is given, and the
   // ids it may name later, are bound to the certificate, never chosen by the caller.
-  if (caller) member.set_identity(absl::StrCat(caller->name, "/", member.identity()));
-  absl::StatusOr<std::string> id = members_->Register(std::move(member));
+  // Each new identity under a certificate is a new id kept forever: a certificate gets a
+  // few (a store whose data dir was replaced), not an unbounded number.
+  std::optional<Membership::IdentityQuota> quota;
+  if (caller) {
+    member.set_identity(absl::StrCat(caller->name, "/", member.identity()));
+    quota = Membership::IdentityQuota{caller->name, kMaxIdentitiesPerCertificate};
+  }
+  absl::StatusOr<std::string> id = members_->Register(std::move(member), std::move(quota));
   if (!id.ok()) return ToGrpcStatus(id.status());
   reply->set_member_id(*id);
   if (caller) reply->set_data_plane_key(data_plane_key_);  // only over mutual TLS

@@ -11,7 +11,8 @@ namespace pith::coordinator {
 Membership::Membership(absl::Duration lease, Clock clock)
     : lease_(lease), clock_(std::move(clock)) {}
 
-absl::StatusOr<std::string> Membership::Register(v1::MemberInfo member) {
+absl::StatusOr<std::string> Membership::Register(v1::MemberInfo member,
+                                                 std::optional<IdentityQuota> quota) {
   if (member.role() != v1::MEMBER_ROLE_STORE && member.role() != v1::MEMBER_ROLE_WORKER) {
     return absl::InvalidArgumentError("member.role must be store or worker");
   }
@@ -25,7 +26,7 @@ absl::StatusOr<std::string> Membership::Register(v1::MemberInfo member) {
   }
   absl::MutexLock lock(&mu_);
   if (!member.identity().empty()) {
-    ASSIGN_OR_RETURN(std::string id, IdForIdentityLocked(member));
+    ASSIGN_OR_RETURN(std::string id, IdForIdentityLocked(member, quota));
     // A new process of a store whose last one still holds a lease (it restarted within
     // the lease): it lost that process's uncommitted writes, so the scheduler must see
     // the old one gone first (ExpireLeases marks it dead), never a silent continuation.
@@ -72,7 +73,8 @@ void Membership::RestoreIdentities(const std::map<std::string, std::string>& ids
   persist_ = std::move(persist);
 }
 
-absl::StatusOr<std::string> Membership::IdForIdentityLocked(const v1::MemberInfo& member) {
+absl::StatusOr<std::string> Membership::IdForIdentityLocked(
+    const v1::MemberInfo& member, const std::optional<IdentityQuota>& quota) {
   const std::string& identity = member.identity();
   const std::string& claimed = member.member_id();
   auto known = id_of_identity_.find(identity);
@@ -89,6 +91,19 @@ absl::StatusOr<std::string> Membership::IdForIdentityLocked(const v1::MemberInfo
                                                       " belongs to another data dir (identity ",
                                                       owner->second, ", not ", identity, ")"));
   }
+  if (quota) {
+    const std::string prefix = quota->owner + "/";
+    size_t held = 0;
+    for (auto it = id_of_identity_.lower_bound(prefix);
+         it != id_of_identity_.end() && absl::StartsWith(it->first, prefix); ++it) {
+      ++held;
+    }
+    if (held >= quota->max) {
+      return absl::ResourceExhaustedError(
+          absl::StrCat("the certificate ", quota->owner, " registered ", quota->max,
+                       " members already; give each store and worker its own certificate"));
+    }
+  }
   const std::string id = claimed.empty() ? NewIdLocked(member.role()) : claimed;
   if (persist_) {
     RETURN_IF_ERROR(persist_(id, identity));
@@ -103,21 +118,6 @@ std::optional<std::string> Membership::IdentityOf(const std::string& member_id) 
   auto it = identity_of_id_.find(member_id);
   if (it == identity_of_id_.end()) return std::nullopt;
   return it->second;
-}
-
-bool Membership::IdentityKnown(const std::string& identity) const {
-  absl::MutexLock lock(&mu_);
-  return id_of_identity_.count(identity) > 0;
-}
-
-size_t Membership::IdentitiesWithPrefix(const std::string& prefix) const {
-  absl::MutexLock lock(&mu_);
-  size_t n = 0;
-  for (auto it = id_of_identity_.lower_bound(prefix);
-       it != id_of_identity_.end() && absl::StartsWith(it->first, prefix); ++it) {
-    ++n;
-  }
-  return n;
 }
 
 absl::Status Membership::Heartbeat(const std::string& member_id, const v1::MemberInfo& status) {

@@ -40,7 +40,14 @@ class Membership {
   // member with an identity gets the id mapped to it (FAILED_PRECONDITION when it claims
   // another, or an id that belongs to another identity); otherwise an empty member_id gets
   // a new one (never one an identity holds) and a known or previous id is kept.
-  absl::StatusOr<std::string> Register(v1::MemberInfo member);
+  // With `quota`, a new identity under `quota->owner + "/"` is refused (RESOURCE_EXHAUSTED)
+  // once that owner has `quota->max` of them: each is an id kept forever.
+  struct IdentityQuota {
+    std::string owner;  // a certificate's name
+    size_t max;
+  };
+  absl::StatusOr<std::string> Register(v1::MemberInfo member,
+                                       std::optional<IdentityQuota> quota = std::nullopt);
   // Renews the lease and takes fresh figures and health from `status` (a member that says
   // it is unhealthy is left out of every Snapshot, as if dead). NOT_FOUND for an unknown or
   // dead member: it must register again.
@@ -63,9 +70,6 @@ class Membership {
 
   // The identity an id is bound to (nullopt for an id without one, or unknown).
   std::optional<std::string> IdentityOf(const std::string& member_id) const;
-  // Whether `identity` has an id; how many recorded identities start with `prefix`.
-  bool IdentityKnown(const std::string& identity) const;
-  size_t IdentitiesWithPrefix(const std::string& prefix) const;
 
   // Every member of a role (dead ones included), by id.
   std::vector<v1::MemberInfo> Members(v1::MemberRole role) const;
@@ -81,7 +85,8 @@ class Membership {
   std::map<std::string, std::string> identity_of_id_ ABSL_GUARDED_BY(mu_);
   PersistIdentity persist_ ABSL_GUARDED_BY(mu_);
   // The id for `member`'s identity (recording a new one); see Register.
-  absl::StatusOr<std::string> IdForIdentityLocked(const v1::MemberInfo& member)
+  absl::StatusOr<std::string> IdForIdentityLocked(const v1::MemberInfo& member,
+                                                  const std::optional<IdentityQuota>& quota)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   std::string NewIdLocked(v1::MemberRole role) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 };

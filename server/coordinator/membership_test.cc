@@ -103,6 +103,19 @@ TEST(MembershipTest, AnIdentityThatCannotBeRecordedIsNotRegistered) {
 
 // A store whose durable tier stopped says so in its heartbeats: it counts as dead (its
 // jobs replace its copies) while its lease still runs.
+TEST(MembershipTest, ACertificateRegistersAtMostItsQuotaOfIdentities) {
+  Membership members(absl::Seconds(3));
+  const Membership::IdentityQuota quota{"alice", 2};
+  ASSERT_TRUE(members.Register(Store(std::string("alice/") + kA), quota).ok());
+  ASSERT_TRUE(members.Register(Store(std::string("alice/") + kB), quota).ok());
+  absl::StatusOr<std::string> third = members.Register(Store(std::string("alice/") + kC), quota);
+  EXPECT_TRUE(absl::IsResourceExhausted(third.status())) << third.status();
+  EXPECT_NE(third.status().message().find("alice registered 2 members"), std::string::npos);
+  // A known identity comes back; another certificate has its own quota.
+  EXPECT_EQ(*members.Register(Store(std::string("alice/") + kA), quota), "store-0");
+  EXPECT_TRUE(members.Register(Store(std::string("bob/") + kC), {{"bob", 2}}).ok());
+}
+
 TEST(MembershipTest, AnUnhealthyStoreCountsAsDead) {
   Membership members(absl::Seconds(3));
   auto id = members.Register(Store(kA));

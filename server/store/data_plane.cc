@@ -7,6 +7,7 @@
 #include "absl/strings/str_cat.h"
 #include "common/crc32c.h"
 #include "common/status.h"
+#include "common/ucx_auth.h"
 #include "glog/logging.h"
 
 namespace pith::store {
@@ -47,6 +48,11 @@ absl::StatusOr<std::unique_ptr<DataPlane>> DataPlane::Create(ucx::Worker* worker
                            "Time to take one blob version, header to durable", buckets));
     ASSIGN_OR_RETURN(d->errors_, metrics->Counter("pith_store_data_plane_errors_total",
                                                   "Data-plane requests answered with an error"));
+    ASSIGN_OR_RETURN(prometheus::Counter * dropped,
+                     metrics->Counter("pith_store_unauthenticated_messages_total",
+                                      "UCX messages dropped for a missing or wrong tag"));
+    // The registry outlives the store's UCX worker, whose threads run the hook.
+    ucx::OnUnauthenticatedDrop([dropped] { dropped->Increment(); });
   }
   DataPlane* self = d.get();
   d->ticker_ = std::thread([self] {

@@ -4,12 +4,18 @@
 #include <utility>
 
 #include "common/status.h"
+#include "common/ucx_auth.h"
 
 namespace pith::runtime {
 
 absl::StatusOr<WorkerMetrics> MakeWorkerMetrics(MetricsRegistry& r) {
   WorkerMetrics m;
   ASSIGN_OR_RETURN(m.tokens, r.Counter("pith_worker_tokens_total", "Tokens trained on"));
+  ASSIGN_OR_RETURN(prometheus::Counter * dropped,
+                   r.Counter("pith_worker_unauthenticated_messages_total",
+                             "UCX messages dropped for a missing or wrong tag"));
+  // The registry outlives the worker's UCX workers, whose threads run the hook.
+  ucx::OnUnauthenticatedDrop([dropped] { dropped->Increment(); });
   ASSIGN_OR_RETURN(m.step_seconds, r.Histogram("pith_worker_step_seconds", "Wall time of a step",
                                                MetricsRegistry::LatencyBuckets()));
   ASSIGN_OR_RETURN(m.hits, r.Counter("pith_worker_expert_cache_hits_total",

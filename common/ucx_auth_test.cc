@@ -1,0 +1,41 @@
+// The data-plane tag: off until required, a message with the right tag passes, and one
+// without it (or tagged for another message id, or with another key) is dropped and
+// counted, in the process's total and through the metrics hook.
+#include "common/ucx_auth.h"
+
+#include <string>
+
+#include "gtest/gtest.h"
+
+namespace pith::ucx {
+namespace {
+
+TEST(UcxAuthTest, OnlyTheRightTagPassesAndEveryDropIsCounted) {
+  int hooked = 0;
+  OnUnauthenticatedDrop([&hooked] { ++hooked; });
+  EXPECT_EQ(internal::Tag(3, "header"), "header");  // auth off: nothing added, all pass
+  EXPECT_EQ(internal::Check(3, "header"), 6u);
+
+  RequireDataPlaneAuth();  // no key yet: everything is dropped
+  EXPECT_EQ(internal::Check(3, "header"), std::nullopt);
+  EXPECT_EQ(hooked, 1);
+
+  const std::string key = MakeDataPlaneKey();
+  ASSERT_EQ(key.size(), kDataPlaneKeyBytes);
+  SetDataPlaneKey(key);
+  const std::string tagged = internal::Tag(3, "header");
+  ASSERT_EQ(tagged.size(), 6 + kAuthTagBytes);
+  EXPECT_EQ(internal::Check(3, tagged), 6u);
+  EXPECT_EQ(internal::Check(4, tagged), std::nullopt);  // the tag covers the message id
+  std::string flipped = tagged;
+  flipped[0] ^= 1;
+  EXPECT_EQ(internal::Check(3, flipped), std::nullopt);  // and the header
+  SetDataPlaneKey(MakeDataPlaneKey());
+  EXPECT_EQ(internal::Check(3, tagged), std::nullopt);  // and the key
+  EXPECT_EQ(hooked, 4);
+  EXPECT_EQ(DroppedUnauthenticated(), 4u);
+  OnUnauthenticatedDrop(nullptr);
+}
+
+}  // namespace
+}  // namespace pith::ucx
