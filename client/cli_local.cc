@@ -20,6 +20,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "client/cli_commands.h"
+#include "client/prometheus_rules.h"
 #include "common/status.h"
 #include "security/certs.h"
 
@@ -100,6 +101,56 @@ absl::Status LocalCerts(const std::string& tls, int stores, int workers) {
   return absl::OkStatus();
 }
 
+// A process's /metrics, for Prometheus' file service discovery.
+struct MetricsTarget {
+  std::string name;  // "store0"
+  int port;
+};
+
+// `dir`/targets.json (file_sd: every process of the cluster, labelled with its name as
+// `member`), and beside it a scrape config that reads it and Pith's alert rules.
+absl::Status WritePrometheusFiles(const std::string& dir,
+                                  const std::vector<MetricsTarget>& targets) {
+  std::error_code ec;
+  std::filesystem::create_directories(dir, ec);
+  if (ec)
+    return absl::PermissionDeniedError(absl::StrCat("cannot create ", dir, ": ", ec.message()));
+  std::string json = "[\n";
+  for (size_t i = 0; i < targets.size(); ++i) {
+    absl::StrAppend(&json, "  {\"targets\": [\"127.0.0.1:", targets[i].port,
+                    "\"], \"labels\": {\"member\": \"", targets[i].name, "\"}}",
+                    i + 1 < targets.size() ? ",\n" : "\n");
+  }
+  json += "]\n";
+  const std::string config = R"(# Written by pith up: prometheus --config.file=THIS_FILE
+global:
+  scrape_interval: 5s
+  evaluation_interval: 5s
+rule_files:
+  - pith-rules.yml
+scrape_configs:
+  - job_name: pith
+    honor_labels: true
+    file_sd_configs:
+      - files: ['targets.json']
+        refresh_interval: 5s
+)";
+  for (const auto& [file, text] : {std::pair<std::string, std::string>{"targets.json", json},
+                                   {"prometheus.yml", config},
+                                   {"pith-rules.yml", kPrometheusRules}}) {
+    // Written whole, then renamed: Prometheus never reads half a file.
+    const std::string path = dir + "/" + file;
+    {
+      std::ofstream f(path + ".tmp", std::ios::trunc);
+      f << text;
+      if (!f.flush()) return absl::InternalError(absl::StrCat("cannot write ", path));
+    }
+    std::filesystem::rename(path + ".tmp", path, ec);
+    if (ec) return absl::InternalError(absl::StrCat("cannot write ", path, ": ", ec.message()));
+  }
+  return absl::OkStatus();
+}
+
 }  // namespace
 
 absl::Status Up(const CliContext& ctx, const Args& args, std::ostream& out) {
@@ -130,6 +181,7 @@ absl::Status Up(const CliContext& ctx, const Args& args, std::ostream& out) {
   const std::string tls = LocalTlsDir(dir);
   RETURN_IF_ERROR(Annotate(LocalCerts(tls, stores, workers), "certificates"));
   std::vector<std::pair<std::string, pid_t>> started;
+  std::vector<MetricsTarget> targets;
   auto stop_all = [&] {
     for (auto it = started.rbegin(); it != started.rend(); ++it) ::kill(it->second, SIGKILL);
   };
@@ -139,7 +191,9 @@ absl::Status Up(const CliContext& ctx, const Args& args, std::ostream& out) {
     std::filesystem::remove(log, ec);
     ASSIGN_OR_RETURN(pid_t pid, Spawn(argv, log));
     started.push_back({name, pid});
-    return WaitReady(name, pid, log);
+    ASSIGN_OR_RETURN(auto ports, WaitReady(name, pid, log));
+    targets.push_back({name, ports.second});
+    return ports;
   };
   std::vector<std::string> lines;
   absl::Status status = [&]() -> absl::Status {
@@ -179,7 +233,7 @@ absl::Status Up(const CliContext& ctx, const Args& args, std::ostream& out) {
     std::ofstream(dir + "/coordinator.address") << address << "\n";
     std::ofstream pids(dir + "/pids");
     for (const auto& [name, pid] : started) pids << name << " " << pid << "\n";
-    return absl::OkStatus();
+    return WritePrometheusFiles(dir + "/prometheus", targets);
   }();
   if (!status.ok()) {
     stop_all();
@@ -188,6 +242,8 @@ absl::Status Up(const CliContext& ctx, const Args& args, std::ostream& out) {
   out << "Pith local cluster up in " << dir << ":\n";
   for (const std::string& l : lines) out << l << "\n";
   out << "Mutual TLS on every port (certificates in " << tls << "; the CLI uses admin's).\n";
+  out << "Prometheus (targets and alert rules): prometheus --config.file=" << dir
+      << "/prometheus/prometheus.yml\n";
   out << "The job commands find it by themselves; stop it with pith down"
       << (flags["--dir"] == DefaultDir() ? "" : " --dir " + dir) << ".\n";
   return absl::OkStatus();
@@ -227,6 +283,7 @@ absl::Status Down(const CliContext& ctx, const Args& args, std::ostream& out) {
   std::error_code ec;
   std::filesystem::remove(dir + "/pids", ec);
   std::filesystem::remove(dir + "/coordinator.address", ec);
+  std::filesystem::remove(dir + "/prometheus/targets.json", ec);  // nothing left to scrape
   out << "Pith local cluster in " << dir << " is down (data and logs kept there).\n";
   if (!clean) return absl::InternalError("some processes had to be killed");
   return absl::OkStatus();

@@ -68,7 +68,18 @@ std::vector<double> MetricsRegistry::LatencyBuckets() {
   return buckets;
 }
 
+void MetricsRegistry::OnScrape(std::function<void()> refresh) {
+  absl::MutexLock lock(&mu_);
+  refresh_.push_back(std::move(refresh));
+}
+
 std::string MetricsRegistry::Serialize() const {
+  std::vector<std::function<void()>> refresh;
+  {
+    absl::MutexLock lock(&mu_);
+    refresh = refresh_;
+  }
+  for (const std::function<void()>& r : refresh) r();
   return prometheus::TextSerializer().Serialize(registry_->Collect());
 }
 

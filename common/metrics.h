@@ -8,12 +8,15 @@
 #ifndef PITH_COMMON_METRICS_H_
 #define PITH_COMMON_METRICS_H_
 
+#include <functional>
 #include <map>
 #include <memory>
 #include <string>
 #include <vector>
 
+#include "absl/base/thread_annotations.h"
 #include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
 #include "prometheus/counter.h"
 #include "prometheus/gauge.h"
 #include "prometheus/histogram.h"
@@ -40,13 +43,21 @@ class MetricsRegistry {
   // Exponential buckets from 10 us to ~42 s, for `_seconds` histograms.
   static std::vector<double> LatencyBuckets();
 
-  // The Prometheus text exposition of every metric (what /metrics serves).
+  // `refresh` runs before each Serialize (each scrape), to set gauges that are read
+  // rather than kept (disk space, counts of members and jobs). It must not call
+  // Serialize; it may register metrics.
+  void OnScrape(std::function<void()> refresh);
+
+  // The Prometheus text exposition of every metric (what /metrics serves), after running
+  // the OnScrape hooks.
   std::string Serialize() const;
 
   std::shared_ptr<prometheus::Registry> registry() const { return registry_; }
 
  private:
   std::shared_ptr<prometheus::Registry> registry_;
+  mutable absl::Mutex mu_;
+  std::vector<std::function<void()>> refresh_ ABSL_GUARDED_BY(mu_);
 };
 
 // Where a server's /metrics binds: `metrics_host` (its --metrics_listen) when given, else

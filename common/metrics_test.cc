@@ -88,6 +88,17 @@ TEST(MetricsTest, TheExposerBindsOnlyTheHostAskedFor) {
   EXPECT_EQ(HttpGet((*exposer)->port(), "/metrics", 0x7f000002), "");
 }
 
+TEST(MetricsTest, ScrapeHooksSetGaugesBeforeEachScrape) {
+  MetricsRegistry registry;
+  int scrapes = 0;
+  registry.OnScrape([&] {
+    auto g = registry.Gauge("pith_test_scrapes", "Scrapes so far");
+    if (g.ok()) (*g)->Set(++scrapes);
+  });
+  EXPECT_THAT(registry.Serialize(), HasSubstr("pith_test_scrapes 1"));
+  EXPECT_THAT(registry.Serialize(), HasSubstr("pith_test_scrapes 2"));
+}
+
 TEST(MetricsTest, SameNameAndLabelsIsTheSameMetric) {
   MetricsRegistry registry;
   auto a = registry.Counter("pith_store_gets_total", "Gets", {{"tier", "ram"}});

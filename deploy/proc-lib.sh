@@ -107,3 +107,41 @@ tiny_spec() {
  "cluster": {"workers": 2, "store_replicas": 2}}
 JSON
 }
+
+# start_prometheus CONFIG: a real Prometheus server (Debian's) on a free port, its data in
+# $E2E_TMP/tsdb; sets PROM_PORT once it is ready.
+start_prometheus() {
+  local prometheus
+  prometheus=$(command -v prometheus || true)
+  [[ -x /usr/bin/prometheus ]] && prometheus=/usr/bin/prometheus
+  [[ -n $prometheus ]] || fail "prometheus is not installed (deploy/install-deps.sh installs it)"
+  for attempt in 1 2 3; do
+    PROM_PORT=$(free_port)
+    start_proc prometheus "$prometheus" --config.file="$1" --storage.tsdb.path="$E2E_TMP/tsdb" \
+      --web.listen-address="127.0.0.1:$PROM_PORT"
+    for _ in $(seq 100); do
+      curl -sf "http://127.0.0.1:$PROM_PORT/-/ready" >/dev/null 2>&1 && return 0
+      kill -0 "$PID_prometheus" 2>/dev/null || break
+      sleep 0.2
+    done
+    kill -9 "$PID_prometheus" 2>/dev/null || true
+  done
+  fail "prometheus did not start"
+}
+
+# prom_query QUERY: Prometheus' JSON answer to an instant query.
+prom_query() {
+  curl -sf -G "http://127.0.0.1:$PROM_PORT/api/v1/query" --data-urlencode "query=$1" || true
+}
+
+# prom_wait QUERY PATTERN [TRIES]: polls QUERY (every 0.2 s) until its answer matches PATTERN
+# (grep -E); fails with the last answer otherwise.
+prom_wait() {
+  local result
+  for _ in $(seq "${3:-150}"); do
+    result=$(prom_query "$1")
+    grep -qE "$2" <<<"$result" && return 0
+    sleep 0.2
+  done
+  fail "prometheus never answered $1 with $2; last answer: ${result:-none}"
+}

@@ -21,6 +21,7 @@
 #include "pith/v1/job.grpc.pb.h"
 #include "security/flags.h"
 #include "security/tokens.h"
+#include "server/coordinator/cluster_gauges.h"
 #include "server/coordinator/coordinator_service.h"
 #include "server/coordinator/grpc_store_control.h"
 #include "server/coordinator/job_registry.h"
@@ -207,6 +208,7 @@ int main(int argc, char** argv) {
   pith::coordinator::Scheduler scheduler(jobs->get(), &members, &heat, store_control.get(),
                                          &metrics, scheduler_options);
   if (absl::Status s = scheduler.Recover(); !s.ok()) return pith::ExitStatus("pith-coordinator", s);
+  pith::coordinator::ExportClusterGauges(metrics, &members, jobs->get());
   // Leases are checked and jobs scheduled several times per lease.
   scheduler.Start(std::clamp(lease / 8, absl::Milliseconds(20), absl::Milliseconds(500)));
   absl::StatusOr<std::unique_ptr<pith::security::TokenTable>> tokens = OpenTokens();

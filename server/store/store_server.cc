@@ -1,12 +1,15 @@
 #include "server/store/store_server.h"
 
+#include <sys/statvfs.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <filesystem>
 #include <system_error>
+#include <tuple>
 
 #include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "common/member_identity.h"
@@ -16,6 +19,39 @@
 #include "server/store/store_service.h"
 
 namespace pith::store {
+
+struct StoreServer::Probe {
+  absl::Mutex mu;
+  BlobStore* store ABSL_GUARDED_BY(mu) = nullptr;
+};
+
+void StoreServer::ExportDiskGauges(const std::string& data_dir, MetricsRegistry* metrics) {
+  probe_ = std::make_shared<Probe>();
+  {
+    absl::MutexLock lock(&probe_->mu);
+    probe_->store = store_.get();
+  }
+  metrics->OnScrape([metrics, data_dir, probe = probe_] {
+    struct statvfs fs {};
+    if (statvfs(data_dir.c_str(), &fs) == 0) {
+      const double unit = static_cast<double>(fs.f_frsize);
+      for (const auto& [name, help, value] :
+           {std::tuple<const char*, const char*, double>{
+                "pith_store_disk_free_bytes",
+                "Bytes free to this process on the data dir's file system", unit * fs.f_bavail},
+            {"pith_store_disk_capacity_bytes", "Size of the data dir's file system",
+             unit * fs.f_blocks}}) {
+        absl::StatusOr<prometheus::Gauge*> g = metrics->Gauge(name, help);
+        if (g.ok()) (*g)->Set(value);
+      }
+    }
+    absl::MutexLock lock(&probe->mu);
+    if (probe->store == nullptr) return;
+    absl::StatusOr<prometheus::Gauge*> healthy = metrics->Gauge(
+        "pith_store_healthy", "1 while the durable tier works, 0 once it failed (disk errors)");
+    if (healthy.ok()) (*healthy)->Set(probe->store->cold().Health().ok() ? 1 : 0);
+  });
+}
 
 absl::StatusOr<std::unique_ptr<StoreServer>> StoreServer::Start(const StoreServerOptions& options,
                                                                 MetricsRegistry* metrics) {
@@ -48,6 +84,7 @@ absl::StatusOr<std::unique_ptr<StoreServer>> StoreServer::Start(const StoreServe
                    BlobStore::Open(store_options, std::move(cold), s->arena_->data(), metrics));
   ASSIGN_OR_RETURN(s->data_plane_,
                    DataPlane::Create(s->worker_.get(), s->store_.get(), s->arena_.get(), metrics));
+  if (metrics != nullptr) s->ExportDiskGauges(options.data_dir, metrics);
   // A cluster member with TLS serves its data plane to holders of the cluster's key only,
   // from the start: nothing is answered until registration brings the key.
   if (options.security.tls() && !options.coordinator.empty()) ucx::RequireDataPlaneAuth();
@@ -118,6 +155,10 @@ StoreServer::~StoreServer() {
   };
   const absl::Time start = mark;
   agent_.reset();  // leave the cluster first
+  if (probe_) {
+    absl::MutexLock lock(&probe_->mu);
+    probe_->store = nullptr;
+  }
   lap("deregister");
   if (grpc_) grpc_->Shutdown();
   lap("gRPC");

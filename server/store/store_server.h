@@ -62,6 +62,12 @@ class StoreServer {
   std::unique_ptr<StoreServiceImpl> service_;
   std::unique_ptr<GrpcServer> grpc_;
   std::unique_ptr<MemberAgent> agent_;  // when --coordinator is given
+  // What the metrics scrape hook reads; the hook outlives the server, so the store is
+  // unset (under the probe's lock) before it closes.
+  struct Probe;
+  std::shared_ptr<Probe> probe_;
+
+  void ExportDiskGauges(const std::string& data_dir, MetricsRegistry* metrics);
 };
 
 }  // namespace pith::store

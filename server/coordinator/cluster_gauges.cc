@@ -1,0 +1,83 @@
+#include "server/coordinator/cluster_gauges.h"
+
+#include <map>
+#include <memory>
+#include <set>
+#include <string>
+
+#include "absl/strings/ascii.h"
+#include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
+
+namespace pith::coordinator {
+namespace {
+
+// "MEMBER_STATE_DRAINING" -> "draining".
+std::string Label(const std::string& enum_name, const std::string& prefix) {
+  return absl::AsciiStrToLower(enum_name.substr(prefix.size()));
+}
+
+void SetGauge(MetricsRegistry& metrics, const char* name, const char* help,
+              const MetricLabels& labels, double value) {
+  absl::StatusOr<prometheus::Gauge*> g = metrics.Gauge(name, help, labels);
+  if (g.ok()) (*g)->Set(value);
+}
+
+// The jobs seen running at the last scrape (to set 0 once they end).
+struct Seen {
+  absl::Mutex mu;
+  std::set<std::string> running ABSL_GUARDED_BY(mu);
+};
+
+void Refresh(MetricsRegistry& metrics, const Membership& members, const JobRegistry& jobs,
+             Seen& seen) {
+  for (v1::MemberRole role : {v1::MEMBER_ROLE_STORE, v1::MEMBER_ROLE_WORKER}) {
+    std::map<v1::MemberState, int> count = {{v1::MEMBER_STATE_ALIVE, 0},
+                                            {v1::MEMBER_STATE_DRAINING, 0},
+                                            {v1::MEMBER_STATE_DRAINED, 0},
+                                            {v1::MEMBER_STATE_DEAD, 0}};
+    for (const v1::MemberInfo& m : members.Members(role)) ++count[m.state()];
+    for (const auto& [state, n] : count) {
+      SetGauge(metrics, "pith_coordinator_members", "Members per role and state",
+               {{"role", Label(v1::MemberRole_Name(role), "MEMBER_ROLE_")},
+                {"state", Label(v1::MemberState_Name(state), "MEMBER_STATE_")}},
+               n);
+    }
+  }
+  std::map<v1::JobState, int> count = {{v1::JOB_STATE_PENDING, 0},
+                                       {v1::JOB_STATE_RUNNING, 0},
+                                       {v1::JOB_STATE_SUCCEEDED, 0},
+                                       {v1::JOB_STATE_FAILED, 0},
+                                       {v1::JOB_STATE_CANCELLED, 0}};
+  std::set<std::string> running;
+  for (const v1::Job& job : jobs.List({}, 0)) {
+    ++count[job.state()];
+    if (job.state() != v1::JOB_STATE_RUNNING) continue;
+    running.insert(job.job_id());
+    SetGauge(metrics, "pith_coordinator_job_running", "1 while the job runs, 0 once it ended",
+             {{"job", job.job_id()}}, 1);
+    SetGauge(metrics, "pith_coordinator_job_committed_step", "The job's last committed step",
+             {{"job", job.job_id()}}, static_cast<double>(job.committed_step()));
+  }
+  for (const auto& [state, n] : count) {
+    SetGauge(metrics, "pith_coordinator_jobs", "Jobs per state",
+             {{"state", Label(v1::JobState_Name(state), "JOB_STATE_")}}, n);
+  }
+  absl::MutexLock lock(&seen.mu);
+  for (const std::string& job : seen.running) {
+    if (running.count(job)) continue;
+    SetGauge(metrics, "pith_coordinator_job_running", "1 while the job runs, 0 once it ended",
+             {{"job", job}}, 0);
+  }
+  seen.running = std::move(running);
+}
+
+}  // namespace
+
+void ExportClusterGauges(MetricsRegistry& metrics, const Membership* members,
+                         const JobRegistry* jobs) {
+  auto seen = std::make_shared<Seen>();
+  metrics.OnScrape([&metrics, members, jobs, seen] { Refresh(metrics, *members, *jobs, *seen); });
+}
+
+}  // namespace pith::coordinator
