@@ -23,6 +23,8 @@ PACKAGES=(
   prometheus
   # the demo's English text corpus
   fortunes
+  # the Python client (client/python) and its test
+  python3-grpcio python3-protobuf
 )
 
 if [[ ${1:-} == --reference ]]; then

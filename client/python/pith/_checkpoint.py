@@ -1,0 +1,94 @@
+"""load_checkpoint: a Pith safetensors checkpoint as named tensors and its job spec."""
+
+import json
+import struct
+
+# safetensors dtype -> (struct/memoryview format, torch dtype name, bytes per element).
+_DTYPES = {
+    "F64": ("d", "float64", 8),
+    "F32": ("f", "float32", 4),
+    "F16": ("e", "float16", 2),
+    "BF16": ("H", "bfloat16", 2),  # no Python format: raw 16-bit words
+    "I64": ("q", "int64", 8),
+    "I32": ("i", "int32", 4),
+    "I16": ("h", "int16", 2),
+    "I8": ("b", "int8", 1),
+    "U8": ("B", "uint8", 1),
+    "BOOL": ("?", "bool", 1),
+}
+_MAX_HEADER_BYTES = 100 << 20
+
+
+class Checkpoint:
+    """A checkpoint's contents: `tensors` (name -> tensor, in the file's order), `spec`
+    (the job spec the weights belong to, as a dict, or None), `step` (the committed step,
+    or None) and `metadata` (every `__metadata__` string)."""
+
+    def __init__(self, tensors, metadata):
+        self.tensors = tensors
+        self.metadata = metadata
+        spec = metadata.get("pith.job_spec")
+        self.spec = json.loads(spec) if spec else None
+        step = metadata.get("step")
+        self.step = int(step) if step is not None else None
+
+    def __repr__(self):
+        return f"Checkpoint({len(self.tensors)} tensors, step {self.step})"
+
+
+def _header(data, path):
+    if len(data) < 8:
+        raise ValueError(f"{path}: not a safetensors file (shorter than its 8-byte header size)")
+    (size,) = struct.unpack_from("<Q", data, 0)
+    if size > min(_MAX_HEADER_BYTES, len(data) - 8):
+        raise ValueError(f"{path}: header of {size} bytes does not fit the file")
+    try:
+        header = json.loads(bytes(data[8:8 + size]))
+    except ValueError as e:
+        raise ValueError(f"{path}: header is not JSON: {e}") from None
+    if not isinstance(header, dict):
+        raise ValueError(f"{path}: header is not a JSON object")
+    return header, 8 + size
+
+
+def load_checkpoint(path, framework="torch"):
+    """Reads a safetensors file (`pith checkpoint --out`, Client.checkpoint) into a
+    Checkpoint. framework="torch" gives torch.Tensors (PyTorch must be installed);
+    framework="python" gives memoryviews of the given shape (BF16 as raw uint16), for
+    programs without PyTorch. Raises ValueError naming what is wrong with a bad file."""
+    if framework not in ("torch", "python"):
+        raise ValueError(f'framework is "torch" or "python", not {framework!r}')
+    torch = None
+    if framework == "torch":
+        try:
+            import torch  # noqa: PLC0415 (optional dependency)
+        except ImportError:
+            raise ImportError("load_checkpoint needs PyTorch for torch tensors (Debian: "
+                              "python3-torch); framework=\"python\" works without it") from None
+    with open(path, "rb") as f:
+        data = f.read()
+    header, start = _header(data, path)
+    metadata = header.pop("__metadata__", None) or {}
+    tensors = {}
+    for name, entry in header.items():
+        try:
+            fmt, torch_name, width = _DTYPES[entry["dtype"]]
+            shape = [int(d) for d in entry["shape"]]
+            begin, end = (int(o) for o in entry["data_offsets"])
+        except (KeyError, TypeError, ValueError):
+            raise ValueError(f"{path}: tensor {name}: bad or unsupported entry {entry}") from None
+        count = 1
+        for d in shape:
+            count *= d
+        if begin < 0 or end < begin or start + end > len(data) or end - begin != count * width:
+            raise ValueError(f"{path}: tensor {name}: data_offsets {begin}..{end} do not hold "
+                             f"{entry['dtype']} {shape}")
+        raw = data[start + begin:start + end]
+        if torch is not None:
+            t = torch.frombuffer(bytearray(raw), dtype=getattr(torch, torch_name)) if raw else \
+                torch.empty(0, dtype=getattr(torch, torch_name))
+            tensors[name] = t.reshape(shape)
+        else:
+            view = memoryview(raw).cast("B").cast(fmt)
+            tensors[name] = view.cast("B").cast(fmt, shape) if shape and count else view
+    return Checkpoint(tensors, metadata)

@@ -1,0 +1,230 @@
+"""pith.Client: the job API (proto/pith/v1/job.proto) over gRPC with mutual TLS."""
+
+import json
+import os
+import time
+
+import grpc
+from google.protobuf import json_format
+
+from pith.v1 import job_pb2, job_pb2_grpc, spec_pb2
+
+# Every Pith gRPC channel carries messages up to this size (the servers' default).
+MAX_MESSAGE_BYTES = 64 << 20
+_FINAL_STATES = (job_pb2.JOB_STATE_SUCCEEDED, job_pb2.JOB_STATE_FAILED, job_pb2.JOB_STATE_CANCELLED)
+
+
+class Error(Exception):
+    """A call the cluster refused or could not answer: `code` (a grpc.StatusCode) and a
+    one-line message naming the cause, as the CLI prints it."""
+
+    def __init__(self, code, message):
+        super().__init__(f"{code.name}: {message}" if code is not None else message)
+        self.code = code
+        self.message = message
+
+
+def to_dict(message):
+    """The message as `pith ... --output json` prints it (proto field names, enums by
+    name, 64-bit integers as strings, default values left out)."""
+    return json_format.MessageToDict(message, preserving_proto_field_name=True)
+
+
+def state_name(state):
+    """JOB_STATE_RUNNING -> "running", as `pith status` says it."""
+    return job_pb2.JobState.Name(state).removeprefix("JOB_STATE_").lower()
+
+
+def _default_home():
+    home = os.environ.get("PITH_HOME")
+    if home:
+        return home
+    return os.path.join(os.environ.get("HOME", "/tmp"), ".pith", "local")
+
+
+def _read(path):
+    with open(path, "rb") as f:
+        return f.read()
+
+
+def _rpc(call, *args, **kwargs):
+    try:
+        return call(*args, **kwargs)
+    except grpc.RpcError as e:
+        raise Error(e.code(), e.details()) from None
+
+
+class Client:
+    """A connection to a Pith coordinator's job API.
+
+    The coordinator is `coordinator` ("host:port"), else $PITH_COORDINATOR, else the
+    cluster `pith up` started ($PITH_HOME, default ~/.pith/local), else 127.0.0.1:7000.
+    Calls go with the certificate in `tls_dir` (ca.pem, cert.pem, key.pem), else
+    $PITH_TLS_DIR, else that local cluster's admin certificate; `token` (or $PITH_TOKEN)
+    is a bearer token sent instead of a certificate, with `tls_dir` holding the CA.
+    `insecure=True` is plaintext, for a cluster started with --insecure on loopback.
+    The same rules as the `pith` CLI, so both reach the same cluster as the same caller.
+    """
+
+    def __init__(self, coordinator=None, tls_dir=None, token=None, insecure=False,
+                 timeout=10.0):
+        home = _default_home()
+        address = coordinator or os.environ.get("PITH_COORDINATOR")
+        if not address:
+            try:
+                address = _read(os.path.join(home, "coordinator.address")).decode().strip()
+            except OSError:
+                address = ""
+        self.address = address or "127.0.0.1:7000"
+        self.timeout = timeout
+        options = [("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+                   ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)]
+        if insecure:
+            self._channel = grpc.insecure_channel(self.address, options=options)
+        else:
+            creds = self._credentials(home, tls_dir, token or os.environ.get("PITH_TOKEN"))
+            self._channel = grpc.secure_channel(self.address, creds, options=options)
+        self._stub = job_pb2_grpc.JobServiceStub(self._channel)
+        try:
+            grpc.channel_ready_future(self._channel).result(timeout=timeout)
+        except grpc.FutureTimeoutError:
+            self._channel.close()
+            raise Error(grpc.StatusCode.UNAVAILABLE,
+                        f"no connection to the coordinator at {self.address} within "
+                        f"{timeout:g} s (is it up, and does its certificate name this "
+                        "address?)") from None
+
+    @staticmethod
+    def _credentials(home, tls_dir, token):
+        tls_dir = tls_dir or os.environ.get("PITH_TLS_DIR")
+        if not tls_dir:
+            local = os.path.join(home, "tls", "admin")
+            if not os.path.exists(os.path.join(local, "cert.pem")):
+                raise Error(None, "no certificate: pass tls_dir (a directory `pith certs` "
+                                  "made), set PITH_TLS_DIR, or start a cluster with pith up")
+            tls_dir = local
+        try:
+            ca = _read(os.path.join(tls_dir, "ca.pem"))
+            if token:
+                return grpc.composite_channel_credentials(
+                    grpc.ssl_channel_credentials(root_certificates=ca),
+                    grpc.access_token_call_credentials(token))
+            key = _read(os.path.join(tls_dir, "key.pem"))
+            cert = _read(os.path.join(tls_dir, "cert.pem"))
+        except OSError as e:
+            raise Error(None, f"tls_dir {tls_dir}: {e.strerror}: {e.filename}") from None
+        return grpc.ssl_channel_credentials(root_certificates=ca, private_key=key,
+                                            certificate_chain=cert)
+
+    def close(self):
+        self._channel.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def submit(self, spec):
+        """Queues a job; `spec` is a JobSpec, a dict, a JSON string or a path to a JSON
+        file (the format of `pith submit`). Returns the Job (its id: `.job_id`)."""
+        if isinstance(spec, spec_pb2.JobSpec):
+            message = spec
+        else:
+            if isinstance(spec, dict):
+                text = json.dumps(spec)
+            elif isinstance(spec, (str, os.PathLike)) and not str(spec).lstrip().startswith("{"):
+                text = _read(spec).decode()
+            else:
+                text = spec
+            message = spec_pb2.JobSpec()
+            try:
+                json_format.Parse(text, message)
+            except json_format.ParseError as e:
+                raise Error(grpc.StatusCode.INVALID_ARGUMENT, f"JobSpec JSON: {e}") from None
+        request = job_pb2.SubmitJobRequest(spec=message)
+        return _rpc(self._stub.SubmitJob, request, timeout=self.timeout).job
+
+    def status(self, job_id=None, states=()):
+        """The Job `job_id`; without one, every job (newest first), optionally only those
+        in `states` (JobState values)."""
+        if job_id is not None:
+            return _rpc(self._stub.GetJob, job_pb2.GetJobRequest(job_id=job_id),
+                        timeout=self.timeout)
+        request = job_pb2.ListJobsRequest(states=list(states))
+        return list(_rpc(self._stub.ListJobs, request, timeout=self.timeout).jobs)
+
+    def watch(self, job_id, from_step=0, timeout=None):
+        """An iterator of the job's JobEvents: one per committed step and one per state
+        change; it ends once the job has ended (the last event says how). `timeout`
+        (seconds, default none) bounds the whole watch."""
+        request = job_pb2.WatchJobRequest(job_id=job_id, from_step=from_step)
+        stream = self._stub.WatchJob(request, timeout=timeout)
+        try:
+            for event in stream:
+                yield event
+        except grpc.RpcError as e:
+            raise Error(e.code(), e.details()) from None
+        finally:
+            stream.cancel()
+
+    def wait(self, job_id, timeout=None):
+        """Blocks until the job ends; returns the final Job."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        for _ in self.watch(job_id, timeout=timeout):
+            pass
+        job = self.status(job_id)
+        while job.state not in _FINAL_STATES:
+            if deadline is not None and time.monotonic() > deadline:
+                raise Error(grpc.StatusCode.DEADLINE_EXCEEDED,
+                            f"job {job_id} still {state_name(job.state)} after {timeout:g} s")
+            time.sleep(0.2)
+            job = self.status(job_id)
+        return job
+
+    def cancel(self, job_id, reason="cancelled from the Python client"):
+        """Stops a job; returns it."""
+        request = job_pb2.CancelJobRequest(job_id=job_id, reason=reason)
+        return _rpc(self._stub.CancelJob, request, timeout=self.timeout)
+
+    def checkpoint(self, job, path):
+        """Downloads the job's last committed weights as safetensors to `path` (on this
+        host, written whole or not at all). Returns a CheckpointJobResponse (step,
+        weights_path, bytes)."""
+        path = os.path.abspath(path)
+        partial = f"{path}.partial-{os.getpid()}"
+        stream = self._stub.DownloadCheckpoint(job_pb2.DownloadCheckpointRequest(job_id=job),
+                                               timeout=3600)
+        got, total, step = 0, None, 0
+        try:
+            with open(partial, "wb") as out:
+                for chunk in stream:
+                    if total is None:
+                        total, step = chunk.total_bytes, chunk.step
+                    out.write(chunk.data)
+                    got += len(chunk.data)
+                out.flush()
+                os.fsync(out.fileno())
+            if total is None or got != total:
+                raise Error(grpc.StatusCode.DATA_LOSS,
+                            f"the checkpoint stream ended after {got} of {total or 0} bytes")
+            os.replace(partial, path)
+        except grpc.RpcError as e:
+            raise Error(e.code(), e.details()) from None
+        finally:
+            stream.cancel()
+            if os.path.exists(partial):
+                os.unlink(partial)
+        return job_pb2.CheckpointJobResponse(step=step, weights_path=path, bytes=got)
+
+    def cluster(self):
+        """Members (stores and workers with tiers, bytes, state), moves, drains and the
+        replica deficit: a ClusterStatusResponse."""
+        return _rpc(self._stub.ClusterStatus, job_pb2.ClusterStatusRequest(),
+                    timeout=self.timeout)
+
+    def experts(self, job_id, layer=-1):
+        """The job's expert heat map with replica counts (every layer, or one): an
+        ExpertHeatResponse."""
+        request = job_pb2.ExpertHeatRequest(job_id=job_id, layer=layer)
+        return _rpc(self._stub.ExpertHeat, request, timeout=self.timeout)

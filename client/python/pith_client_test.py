@@ -1,0 +1,171 @@
+"""The Python client against a live Pith cluster (started by tests/e2e/python_client_test.sh):
+every call, its errors, and field-for-field agreement with `pith ... --output json`.
+
+Environment: PITH_HOME (the cluster `pith up` started), PITH_CLI (the pith binary),
+PITH_TEST_TOKENS (a token file for specs), PYTHONPATH holding build/python."""
+
+import json
+import os
+import shutil
+import subprocess
+import tempfile
+import unittest
+
+import grpc
+
+import pith
+
+HOME = os.environ["PITH_HOME"]
+CLI = os.environ["PITH_CLI"]
+TOKENS = os.environ["PITH_TEST_TOKENS"]
+
+
+def spec(name, steps):
+    return {
+        "name": name,
+        "model": {"vocab_size": 256, "seq_len": 8, "d_model": 16, "n_layer": 2, "n_head": 2,
+                  "n_expert": 4, "top_k": 2, "d_ff": 32},
+        "train": {"data_path": TOKENS, "batch": 4, "steps": steps, "lr": 0.01},
+        "cluster": {"workers": 2, "store_replicas": 1},
+    }
+
+
+def cli_json(*args):
+    out = subprocess.run([CLI, *args, "--output", "json"], check=True, capture_output=True,
+                         text=True, timeout=60).stdout
+    return json.loads(out)
+
+
+class ClientTest(unittest.TestCase):
+    @classmethod
+    def setUpClass(cls):
+        cls.client = pith.Client(timeout=10)
+        cls.job = cls.client.submit(spec("py", 12))
+        cls.events = list(cls.client.watch(cls.job.job_id, timeout=240))
+        cls.tmp = tempfile.mkdtemp()
+
+    @classmethod
+    def tearDownClass(cls):
+        cls.client.close()
+        shutil.rmtree(cls.tmp)
+
+    def test_watch_reports_every_step_until_the_job_succeeds(self):
+        steps = [e.step for e in self.events if e.step >= 1]
+        self.assertEqual(sorted(set(steps)), list(range(1, 13)))
+        self.assertEqual(self.events[-1].state, pith.JobState.Value("JOB_STATE_SUCCEEDED"))
+        losses = {e.step: e.loss for e in self.events if e.step >= 1}
+        self.assertLess(losses[12], losses[1])
+        self.assertTrue(all(e.job_id == self.job.job_id for e in self.events))
+
+    def test_status_agrees_with_the_cli_on_every_field(self):
+        job = self.client.status(self.job.job_id)
+        self.assertEqual(pith.state_name(job.state), "succeeded")
+        self.assertEqual(job.committed_step, 12)
+        self.assertEqual(pith.to_dict(job), cli_json("status", self.job.job_id))
+        listed = {j.job_id: pith.to_dict(j) for j in self.client.status()}
+        self.assertEqual(listed[self.job.job_id], pith.to_dict(job))
+        cli_listed = {j["job_id"]: j for j in cli_json("status")["jobs"]}
+        self.assertEqual(cli_listed[self.job.job_id], listed[self.job.job_id])
+        # An ended job's watch is its final event, the same from both.
+        cli_events = subprocess.run([CLI, "watch", self.job.job_id, "--output", "json"],
+                                    check=True, capture_output=True, text=True,
+                                    timeout=60).stdout.splitlines()
+        self.assertEqual([pith.to_dict(e) for e in self.client.watch(self.job.job_id)],
+                         [json.loads(line) for line in cli_events])
+        done = self.client.status(states=[pith.JobState.Value("JOB_STATE_SUCCEEDED")])
+        self.assertIn(self.job.job_id, [j.job_id for j in done])
+
+    def test_experts_agree_with_the_cli(self):
+        heat = self.client.experts(self.job.job_id)
+        self.assertEqual(len(heat.experts), 2 * 4)
+        self.assertEqual(pith.to_dict(heat), cli_json("experts", self.job.job_id))
+        one = self.client.experts(self.job.job_id, layer=1)
+        self.assertEqual({e.expert.layer for e in one.experts}, {1})
+
+    def test_cluster_agrees_with_the_cli(self):
+        ours, theirs = pith.to_dict(self.client.cluster()), cli_json("cluster")
+
+        def stable(d):  # leases and byte counts move between the two calls
+            return {kind: sorted((m["member_id"], m["role"], m["state"], m["grpc_address"],
+                                  sorted(m)) for m in d.get(kind, []))
+                    for kind in ("stores", "workers")}
+        self.assertEqual(stable(ours), stable(theirs))
+        self.assertEqual(len(ours["stores"]), 1)
+        self.assertEqual(len(ours["workers"]), 2)
+
+    def test_checkpoint_is_the_cli_s_file_and_loads(self):
+        ours = os.path.join(self.tmp, "py.safetensors")
+        theirs = os.path.join(self.tmp, "cli.safetensors")
+        r = self.client.checkpoint(self.job.job_id, ours)
+        self.assertEqual((r.step, r.weights_path, r.bytes), (12, ours, os.path.getsize(ours)))
+        subprocess.run([CLI, "checkpoint", self.job.job_id, "--out", theirs], check=True,
+                       capture_output=True, timeout=60)
+        with open(ours, "rb") as a, open(theirs, "rb") as b:
+            self.assertEqual(a.read(), b.read())
+        ckpt = pith.load_checkpoint(ours, framework="python")
+        self.assertEqual(ckpt.spec["model"]["n_expert"], 4)
+        self.assertEqual(int(ckpt.spec["train"]["steps"]), 12)
+        inspect = subprocess.run([CLI, "safetensors", "inspect", ours], check=True,
+                                 capture_output=True, text=True, timeout=60).stdout
+        listed = {}
+        for line in inspect.splitlines():
+            parts = line.split(None, 2)
+            if len(parts) == 3 and parts[2].startswith("["):
+                listed[parts[0]] = [int(d) for d in parts[2][1:parts[2].index("]")].split(",")
+                                    if d.strip()]
+        self.assertEqual({n: list(t.shape) for n, t in ckpt.tensors.items()}, listed)
+        self.assertTrue(any(abs(x) > 0 for x in ckpt.tensors["wte"].tolist()[0]))
+        try:
+            import torch
+        except ImportError:
+            return  # PyTorch is optional: the tensors above are the same bytes
+        as_torch = pith.load_checkpoint(ours)
+        for name, t in as_torch.tensors.items():
+            self.assertIsInstance(t, torch.Tensor)
+            self.assertEqual(t.flatten().tolist(), ckpt.tensors[name].cast("B").cast(
+                ckpt.tensors[name].format).tolist())
+
+    def test_cancel_ends_a_running_job(self):
+        job = self.client.submit(json.dumps(spec("long", 1000000)))
+        for e in self.client.watch(job.job_id, timeout=120):
+            if e.step >= 2:
+                break
+        cancelled = self.client.cancel(job.job_id, reason="enough")
+        self.assertEqual(pith.state_name(cancelled.state), "cancelled")
+        last = list(self.client.watch(job.job_id, timeout=60))[-1]
+        self.assertEqual(pith.state_name(last.state), "cancelled")
+        self.assertEqual(pith.state_name(self.client.wait(job.job_id, timeout=60).state),
+                         "cancelled")
+
+    def test_errors_name_their_cause(self):
+        with self.assertRaises(pith.Error) as e:
+            self.client.status("no-such-job")
+        self.assertEqual(e.exception.code, grpc.StatusCode.NOT_FOUND)
+        bad = spec("bad", 10)
+        bad["model"]["top_k"] = 9
+        with self.assertRaises(pith.Error) as e:
+            self.client.submit(bad)
+        self.assertEqual(e.exception.code, grpc.StatusCode.INVALID_ARGUMENT)
+        self.assertIn("top_k", e.exception.message)
+        with self.assertRaises(pith.Error) as e:
+            self.client.submit('{"model": {"no_such_field": 1}}')
+        self.assertIn("no_such_field", str(e.exception))
+        with self.assertRaises(pith.Error) as e:
+            list(self.client.watch("no-such-job", timeout=30))
+        self.assertEqual(e.exception.code, grpc.StatusCode.NOT_FOUND)
+
+    def test_a_caller_without_a_certificate_is_refused(self):
+        ca_only = os.path.join(self.tmp, "ca-only")
+        os.makedirs(ca_only, exist_ok=True)
+        shutil.copy(os.path.join(HOME, "tls", "admin", "ca.pem"), ca_only)
+        with pith.Client(tls_dir=ca_only, token="not-a-token") as anonymous:
+            with self.assertRaises(pith.Error) as e:
+                anonymous.status()
+        self.assertEqual(e.exception.code, grpc.StatusCode.UNAUTHENTICATED)
+        with self.assertRaises(pith.Error) as e:
+            pith.Client(insecure=True, timeout=2)
+        self.assertEqual(e.exception.code, grpc.StatusCode.UNAVAILABLE)
+
+
+if __name__ == "__main__":
+    unittest.main(verbosity=2)
