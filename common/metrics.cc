@@ -11,13 +11,16 @@
 #include <chrono>
 #include <cstring>
 #include <exception>
+#include <string>
 #include <thread>
 #include <utility>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
 #include "common/status.h"
 #include "common/version.h"
 #include "prometheus/text_serializer.h"
@@ -84,11 +87,12 @@ std::string MetricsRegistry::Serialize() const {
 }
 
 // A small HTTP/1.1 server of its own, on one thread with a normal stack: GET /metrics
-// answers the registry's text exposition, anything else 404. (civetweb, under
-// prometheus-cpp's Exposer, starts threads with a small fixed stack, which a process
-// whose libraries carry large thread-local storage — OpenBLAS — overflows.)
+// answers the registry's text exposition, a route's path its handler, anything else 404. (civetweb,
+// under prometheus-cpp's Exposer, starts threads with a small fixed stack, which a process whose
+// libraries carry large thread-local storage — OpenBLAS — overflows.)
 struct MetricsExposer::Impl {
   const MetricsRegistry* registry = nullptr;
+  std::map<std::string, HttpHandler> routes;
   int listen_fd = -1;
   int wake[2] = {-1, -1};  // a pipe: the destructor writes to stop the loop
   std::thread thread;
@@ -99,6 +103,39 @@ struct MetricsExposer::Impl {
     for (int fd : {listen_fd, wake[0], wake[1]}) {
       if (fd >= 0) ::close(fd);
     }
+  }
+
+  // The whole HTTP response to `request` (its head, at least the request line).
+  std::string Answer(const std::string& request) const {
+    HttpResponse r{404, "text/plain; charset=utf-8", "not found\n"};
+    const size_t line_end = request.find("\r\n");
+    const std::vector<std::string> line =
+        absl::StrSplit(request.substr(0, line_end == std::string::npos ? 0 : line_end), ' ');
+    if (line.size() != 3 || !absl::StartsWith(line[2], "HTTP/1.")) {
+      r = {400, "text/plain; charset=utf-8", "bad request\n"};
+    } else if (line[0] != "GET") {
+      r = {405, "text/plain; charset=utf-8", "GET only\n"};
+    } else {
+      const size_t q = line[1].find('?');
+      const std::string path = line[1].substr(0, q);
+      const std::string query = q == std::string::npos ? "" : line[1].substr(q + 1);
+      if (path == "/metrics") {
+        r = {200, "text/plain; version=0.0.4; charset=utf-8", registry->Serialize()};
+      } else if (auto it = routes.find(path); it != routes.end()) {
+        r = it->second(query);
+      }
+    }
+    const char* reason = r.status == 200   ? "OK"
+                         : r.status == 400 ? "Bad Request"
+                         : r.status == 404 ? "Not Found"
+                         : r.status == 405 ? "Method Not Allowed"
+                                           : "Error";
+    return absl::StrCat("HTTP/1.1 ", r.status, " ", reason, "\r\nContent-Type: ", r.content_type,
+                        "\r\nContent-Length: ", r.body.size(),
+                        "\r\nCache-Control: no-store\r\nX-Content-Type-Options: nosniff\r\n"
+                        "Content-Security-Policy: default-src 'self'; style-src 'self' "
+                        "'unsafe-inline'\r\nConnection: close\r\n\r\n",
+                        r.body);
   }
 
   void Serve(int fd) {
@@ -121,15 +158,7 @@ struct MetricsExposer::Impl {
       if (n <= 0) break;
       request.append(buf, static_cast<size_t>(n));
     }
-    const bool metrics = absl::StartsWith(request, "GET /metrics ") ||
-                         absl::StartsWith(request, "GET /metrics?") ||
-                         absl::StartsWith(request, "GET /metrics\r");
-    const std::string body = metrics ? registry->Serialize() : "not found\n";
-    const std::string response =
-        absl::StrCat("HTTP/1.1 ", metrics ? "200 OK" : "404 Not Found",
-                     "\r\nContent-Type: text/plain; version=0.0.4; charset=utf-8\r\n"
-                     "Content-Length: ",
-                     body.size(), "\r\nConnection: close\r\n\r\n", body);
+    const std::string response = Answer(request);
     size_t sent = 0;
     while (sent < response.size()) {
       const ssize_t n = ::send(fd, response.data() + sent, response.size() - sent, MSG_NOSIGNAL);
@@ -161,7 +190,8 @@ MetricsExposer::MetricsExposer(std::unique_ptr<Impl> impl, int port)
 MetricsExposer::~MetricsExposer() = default;
 
 absl::StatusOr<std::unique_ptr<MetricsExposer>> MetricsExposer::Start(
-    const std::string& bind_address, const MetricsRegistry& registry) {
+    const std::string& bind_address, const MetricsRegistry& registry,
+    std::map<std::string, HttpHandler> routes) {
   const size_t colon = bind_address.rfind(':');
   int port = 0;
   sockaddr_in addr{};
@@ -175,6 +205,7 @@ absl::StatusOr<std::unique_ptr<MetricsExposer>> MetricsExposer::Start(
   addr.sin_port = htons(static_cast<uint16_t>(port));
   auto impl = std::make_unique<Impl>();
   impl->registry = &registry;
+  impl->routes = std::move(routes);
   // Non-blocking: a connection reset between poll and accept must not block the thread.
   impl->listen_fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
   const int one = 1;

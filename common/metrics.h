@@ -65,13 +65,25 @@ class MetricsRegistry {
 std::string MetricsBindAddress(const std::string& metrics_host, const std::string& listen,
                                int port);
 
-// Serves a registry on http://<bind>/metrics until destroyed.
+// A page the HTTP port serves beside /metrics (the coordinator's dashboard): its answer
+// to a GET of its path, given the request's query string (after '?', still encoded).
+struct HttpResponse {
+  int status = 200;
+  std::string content_type;
+  std::string body;
+};
+using HttpHandler = std::function<HttpResponse(const std::string& query)>;
+
+// Serves a registry on http://<bind>/metrics, and `routes` (path -> handler) beside it,
+// until destroyed. One request at a time on one thread; GET only; every answer carries
+// no-store, nosniff and a same-origin Content-Security-Policy.
 class MetricsExposer {
  public:
   // Binds `bind_address` ("127.0.0.1:9100", "0.0.0.0:0" for an ephemeral port).
   // UNAVAILABLE when the address cannot be bound.
-  static absl::StatusOr<std::unique_ptr<MetricsExposer>> Start(const std::string& bind_address,
-                                                               const MetricsRegistry& registry);
+  static absl::StatusOr<std::unique_ptr<MetricsExposer>> Start(
+      const std::string& bind_address, const MetricsRegistry& registry,
+      std::map<std::string, HttpHandler> routes = {});
   ~MetricsExposer();
   MetricsExposer(const MetricsExposer&) = delete;
   MetricsExposer& operator=(const MetricsExposer&) = delete;

@@ -5,6 +5,7 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <map>
 #include <string>
 
 #include "gmock/gmock.h"
@@ -72,6 +73,28 @@ TEST(MetricsTest, ExposerServesTheRegistryOverHttp) {
   // Updates show on the next scrape.
   (*tokens)->Increment(1);
   EXPECT_THAT(HttpGet((*exposer)->port(), "/metrics"), HasSubstr("pith_worker_tokens_total 1235"));
+}
+
+TEST(MetricsTest, ExposerServesRoutesBesideTheMetrics) {
+  MetricsRegistry registry;
+  std::string seen_query;
+  std::map<std::string, HttpHandler> routes;
+  routes["/page"] = [&](const std::string& query) {
+    seen_query = query;
+    return HttpResponse{200, "text/html; charset=utf-8", "<p>hello</p>"};
+  };
+  absl::StatusOr<std::unique_ptr<MetricsExposer>> exposer =
+      MetricsExposer::Start("127.0.0.1:0", registry, std::move(routes));
+  ASSERT_TRUE(exposer.ok()) << exposer.status();
+  const std::string page = HttpGet((*exposer)->port(), "/page?job=a%20b");
+  EXPECT_THAT(page, HasSubstr("200 OK"));
+  EXPECT_THAT(page, HasSubstr("Content-Type: text/html; charset=utf-8"));
+  EXPECT_THAT(page, HasSubstr("Content-Security-Policy: default-src 'self'"));
+  EXPECT_THAT(page, HasSubstr("\r\n\r\n<p>hello</p>"));
+  EXPECT_EQ(seen_query, "job=a%20b");
+  EXPECT_THAT(HttpGet((*exposer)->port(), "/metrics"), HasSubstr("200 OK"));
+  EXPECT_THAT(HttpGet((*exposer)->port(), "/other"), HasSubstr("404 Not Found"));
+  EXPECT_THAT(HttpGet((*exposer)->port(), "/page/x"), HasSubstr("404 Not Found"));
 }
 
 // /metrics binds the interface asked for (--metrics_listen), else --listen's host: a

@@ -18,7 +18,7 @@ absl::Status RunServerProcess(const ServerProcessOptions& options, MetricsRegist
     ASSIGN_OR_RETURN(exposer, MetricsExposer::Start(
                                   MetricsBindAddress(options.metrics_host, options.listen_address,
                                                      options.metrics_port),
-                                  metrics));
+                                  metrics, options.http_routes));
   }
   ASSIGN_OR_RETURN(std::unique_ptr<GrpcServer> server,
                    GrpcServer::Start({.listen_address = options.listen_address,

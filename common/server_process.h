@@ -4,6 +4,7 @@
 #define PITH_COMMON_SERVER_PROCESS_H_
 
 #include <functional>
+#include <map>
 #include <string>
 #include <vector>
 
@@ -27,6 +28,8 @@ struct ServerProcessOptions {
   std::shared_ptr<grpc::ServerCredentials> credentials;
   // gRPC services; not owned, must outlive the call.
   std::vector<grpc::Service*> services;
+  // Pages served beside /metrics on its port (the coordinator's dashboard).
+  std::map<std::string, HttpHandler> http_routes;
   // Called once both endpoints are up, with their bound ports.
   std::function<void(int grpc_port, int metrics_port)> on_ready;
 };

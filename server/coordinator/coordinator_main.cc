@@ -23,7 +23,9 @@
 #include "security/tokens.h"
 #include "server/coordinator/cluster_gauges.h"
 #include "server/coordinator/coordinator_service.h"
+#include "server/coordinator/dashboard.h"
 #include "server/coordinator/grpc_store_control.h"
+#include "server/coordinator/job_history.h"
 #include "server/coordinator/job_registry.h"
 #include "server/coordinator/job_service.h"
 #include "server/coordinator/scheduler.h"
@@ -134,6 +136,21 @@ absl::StatusOr<std::unique_ptr<pith::security::TokenTable>> OpenTokens() {
   return pith::security::TokenTable::Open(path);
 }
 
+// The flags' TLS (or --insecure), checked against --listen: members dial the address it
+// listens on, so its certificate must name that host.
+absl::StatusOr<pith::security::TransportSecurity> Security() {
+  ASSIGN_OR_RETURN(pith::security::TransportSecurity security,
+                   pith::security::TransportSecurityFromFlags("pith-coordinator",
+                                                              pith::security::Role::kCoordinator));
+  const std::string listen = absl::GetFlag(FLAGS_listen);
+  const std::string host = listen.substr(0, listen.rfind(':'));
+  RETURN_IF_ERROR(security.CheckListen(listen));
+  if (host != "0.0.0.0" && host != "[::]" && !host.empty()) {
+    RETURN_IF_ERROR(security.CheckNames(host));
+  }
+  return security;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -145,23 +162,14 @@ int main(int argc, char** argv) {
                     "--stores --zipf --steps | --trace FILE]");
   pith::ucx::RestrictUcxDevices(absl::GetFlag(FLAGS_listen), absl::GetFlag(FLAGS_ucx_net_devices));
   if (absl::GetFlag(FLAGS_simulate)) return Simulate();
-  absl::StatusOr<pith::security::TransportSecurity> security =
-      pith::security::TransportSecurityFromFlags("pith-coordinator",
-                                                 pith::security::Role::kCoordinator);
-  if (security.ok()) {
-    // Members dial the address it listens on: its certificate must name that host.
-    const std::string listen = absl::GetFlag(FLAGS_listen);
-    const std::string host = listen.substr(0, listen.rfind(':'));
-    absl::Status s = security->CheckListen(listen);
-    if (s.ok() && host != "0.0.0.0" && host != "[::]" && !host.empty()) {
-      s = security->CheckNames(host);
-    }
-    if (!s.ok()) security = s;
-  }
+  absl::StatusOr<pith::security::TransportSecurity> security = Security();
   if (!security.ok()) return pith::ExitStatus("pith-coordinator", security.status());
   absl::StatusOr<std::unique_ptr<pith::coordinator::JobRegistry>> jobs =
       pith::coordinator::JobRegistry::Open(absl::GetFlag(FLAGS_data_dir), JobsMemoryBytes());
   if (!jobs.ok()) return pith::ExitStatus("pith-coordinator", jobs.status());
+  // The dashboard's loss curves; outlives everything that changes jobs (declared first).
+  pith::coordinator::JobHistory history;
+  (*jobs)->OnChange([&history](const pith::v1::Job& job) { history.Observe(job); });
   std::string data_plane_key;  // with TLS: set before any store is called (DESIGN §8)
   if (security->tls()) {
     absl::StatusOr<std::string> key = DataPlaneKey(**jobs);
@@ -227,12 +235,14 @@ int main(int argc, char** argv) {
   pith::coordinator::CoordinatorServiceImpl coordinator_service(
       &members, jobs->get(), &heat, &scheduler, security->tls(), lookup);
   coordinator_service.set_data_plane_key(data_plane_key);
-  absl::Status status = pith::RunServerProcess({.component = "coordinator",
-                                                .listen_address = absl::GetFlag(FLAGS_listen),
-                                                .metrics_port = absl::GetFlag(FLAGS_metrics_port),
-                                                .metrics_host = absl::GetFlag(FLAGS_metrics_listen),
-                                                .credentials = security->ServerCredentials(),
-                                                .services = {&job_service, &coordinator_service}},
-                                               metrics, signals);
+  absl::Status status = pith::RunServerProcess(
+      {.component = "coordinator",
+       .listen_address = absl::GetFlag(FLAGS_listen),
+       .metrics_port = absl::GetFlag(FLAGS_metrics_port),
+       .metrics_host = absl::GetFlag(FLAGS_metrics_listen),
+       .credentials = security->ServerCredentials(),
+       .services = {&job_service, &coordinator_service},
+       .http_routes = pith::coordinator::DashboardRoutes(jobs->get(), &history, &job_service)},
+      metrics, signals);
   return pith::ExitStatus("pith-coordinator", status);
 }

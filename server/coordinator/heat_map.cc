@@ -12,11 +12,15 @@ HeatMap::HeatMap(int layers, int experts, double decay)
       experts_(experts),
       decay_(decay),
       heat_(int64_t{layers} * experts, 0.0),
+      fetches_(int64_t{layers} * experts, 0),
       pairs_(layers) {}
 
 absl::Status HeatMap::Add(const v1::LayerRouting& r) {
   RETURN_IF_ERROR(Check(r));
   for (int e = 0; e < experts_; ++e) heat_[Index(r.layer(), e)] += r.tokens_per_expert(e);
+  for (int e = 0; e < r.fetches_per_expert_size(); ++e) {
+    fetches_[Index(r.layer(), e)] += r.fetches_per_expert(e);
+  }
   auto& pairs = pairs_[r.layer()];
   for (int i = 0, idx = 0; i < experts_ && r.coactivation_size() > 0; ++i) {
     for (int j = i + 1; j < experts_; ++j, ++idx) {
@@ -34,6 +38,11 @@ absl::Status HeatMap::Check(const v1::LayerRouting& r) const {
   if (r.tokens_per_expert_size() != experts_) {
     return absl::InvalidArgumentError(absl::StrCat(
         "routing.tokens_per_expert has ", r.tokens_per_expert_size(), " entries, want ", experts_));
+  }
+  if (r.fetches_per_expert_size() != 0 && r.fetches_per_expert_size() != experts_) {
+    return absl::InvalidArgumentError(absl::StrCat("routing.fetches_per_expert has ",
+                                                   r.fetches_per_expert_size(),
+                                                   " entries, want 0 or ", experts_));
   }
   const int64_t packed = int64_t{experts_} * (experts_ - 1) / 2;
   if (r.coactivation_size() != 0 && r.coactivation_size() != packed) {

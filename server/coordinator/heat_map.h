@@ -30,10 +30,13 @@ class HeatMap {
   // Restoring a saved map: sets one expert's heat, or one pair's weight (a != b).
   void SetHeat(int layer, int expert, double heat) { heat_[Index(layer, expert)] = heat; }
   void SetPair(int layer, int a, int b, double weight) { pairs_[layer][PairKey(a, b)] = weight; }
+  void SetFetches(int layer, int expert, uint64_t n) { fetches_[Index(layer, expert)] = n; }
 
   int layers() const { return layers_; }
   int experts() const { return experts_; }
   double heat(int layer, int expert) const { return heat_[Index(layer, expert)]; }
+  // Fetches of the expert into workers' caches, all reports so far (never decayed).
+  uint64_t fetches(int layer, int expert) const { return fetches_[Index(layer, expert)]; }
   // Decayed co-activation weight of experts a != b of one layer (0 if never seen).
   double coactivation(int layer, int a, int b) const;
   // Calls fn(a, b, weight) for every pair of `layer` with a < b, in no particular order.
@@ -60,6 +63,7 @@ class HeatMap {
   int layers_, experts_;
   double decay_;
   std::vector<double> heat_;
+  std::vector<uint64_t> fetches_;
   std::vector<absl::flat_hash_map<uint64_t, double>> pairs_;  // per layer
 };
 

@@ -71,6 +71,7 @@ absl::StatusOr<v1::ExpertHeatResponse> HeatRegistry::Heat(const std::string& job
       entry->mutable_expert()->set_layer(l);
       entry->mutable_expert()->set_expert(e);
       entry->set_heat(map.heat(l, e));
+      entry->set_fetches(map.fetches(l, e));
     }
     int n = 0;
     for (const auto& [pair, weight] : map.Pairs(l)) {
@@ -133,6 +134,7 @@ absl::Status HeatRegistry::Restore(const v1::Job& job, const std::string& saved)
           absl::StrCat("heat record of job ", job.job_id(), " does not fit its model"));
     }
     map->SetHeat(e.expert().layer(), e.expert().expert(), e.heat());
+    map->SetFetches(e.expert().layer(), e.expert().expert(), e.fetches());
   }
   for (const v1::CoActivationPair& p : all.pairs()) {
     if (!fits(p.layer(), p.expert_a()) || !fits(p.layer(), p.expert_b()) ||

@@ -35,6 +35,8 @@ v1::HeatReport Report(int step, std::mt19937& rng) {
     routing->set_layer(l);
     routing->mutable_tokens_per_expert()->Resize(8, 0);
     routing->mutable_coactivation()->Resize(8 * 7 / 2, 0);
+    routing->mutable_fetches_per_expert()->Resize(8, 0);
+    routing->set_fetches_per_expert(7 - l, 2);  // expert 7 of layer 0, 6 of layer 1
     std::discrete_distribution<int> pair({8, 2, 1, 1});
     for (int t = 0; t < 256; ++t) {
       const int a = 2 * pair(rng), b = a + 1;
@@ -92,6 +94,22 @@ TEST(HeatRegistryTest, AWideLayersPairsAreRefused) {
   routing->mutable_coactivation()->Resize(wide * (wide - 1) / 2, 1);
   const absl::Status refused = heat.Report(job, r);
   EXPECT_EQ(refused.code(), absl::StatusCode::kInvalidArgument) << refused;
+}
+
+// Fetches are counts, summed over every step and never decayed; a bad count is refused.
+TEST(HeatRegistryTest, FetchesAddUpOverSteps) {
+  HeatRegistry heat;
+  std::mt19937 rng(4);
+  for (int step = 1; step <= 3; ++step) ASSERT_TRUE(heat.Report(MakeJob(), Report(step, rng)).ok());
+  const auto h = heat.Heat("trace-1", -1, -1);
+  ASSERT_TRUE(h.ok()) << h.status();
+  for (const v1::ExpertHeatEntry& e : h->experts()) {
+    const bool fetched = e.expert().expert() == 7 - e.expert().layer();
+    EXPECT_EQ(e.fetches(), fetched ? 6u : 0u) << e.ShortDebugString();
+  }
+  v1::HeatReport bad = Report(4, rng);
+  bad.mutable_layers(0)->add_fetches_per_expert(1);
+  EXPECT_EQ(heat.Report(MakeJob(), bad).code(), absl::StatusCode::kInvalidArgument);
 }
 
 TEST(HeatRegistryTest, SaveRestoreRoundTrips) {

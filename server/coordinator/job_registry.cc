@@ -91,7 +91,13 @@ absl::StatusOr<v1::Job> JobRegistry::Submit(v1::JobSpec spec) {
   ++next_id_;
   versions_[job.job_id()] = 0;
   jobs_[job.job_id()] = job;
+  if (observer_) observer_(job);
   return job;
+}
+
+void JobRegistry::OnChange(std::function<void(const v1::Job&)> observer) {
+  absl::MutexLock lock(&mu_);
+  observer_ = std::move(observer);
 }
 
 absl::Status JobRegistry::AdmitLocked(const v1::JobSpec& spec) const {
@@ -149,6 +155,7 @@ absl::StatusOr<v1::Job> JobRegistry::Update(const std::string& job_id,
   RETURN_IF_ERROR(Persist(job));
   it->second = job;
   ++versions_[job_id];
+  if (observer_) observer_(job);
   return job;
 }
 

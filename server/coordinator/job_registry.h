@@ -7,6 +7,7 @@
 #define PITH_SERVER_COORDINATOR_JOB_REGISTRY_H_
 
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -53,6 +54,11 @@ class JobRegistry {
   // A job's change counter (bumped by every Update/Cancel).
   int64_t Version(const std::string& job_id) const;
 
+  // Calls `observer` after every change of a job (submitted, updated, cancelled) with the
+  // job as recorded, under the registry's lock: it must be quick and must not call the
+  // registry. Set before the registry is shared.
+  void OnChange(std::function<void(const v1::Job&)> observer);
+
   // Side records of the rest of the coordinator (schedules, heat), durable on return,
   // in the same store: `key` must not start with "job/" or "meta/".
   absl::Status PutRecord(const std::string& key, const std::string& value);
@@ -73,6 +79,7 @@ class JobRegistry {
   std::map<std::string, v1::Job> jobs_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, int64_t> versions_ ABSL_GUARDED_BY(mu_);
   int64_t next_id_ ABSL_GUARDED_BY(mu_) = 1;
+  std::function<void(const v1::Job&)> observer_ ABSL_GUARDED_BY(mu_);
 };
 
 bool IsFinal(v1::JobState state);

@@ -15,6 +15,7 @@
 #include "common/grpc_util.h"
 #include "common/job_spec.h"
 #include "common/param_layout.h"
+#include "common/status.h"
 #include "pith/v1/spec.pb.h"
 
 namespace pith::coordinator {
@@ -210,41 +211,47 @@ grpc::Status JobServiceImpl::ClusterStatus(grpc::ServerContext* context,
                                            const v1::ClusterStatusRequest*,
                                            v1::ClusterStatusResponse* reply) {
   if (grpc::Status denied = policy_.Admit(*context, "ClusterStatus"); !denied.ok()) return denied;
+  *reply = ClusterView();
+  return grpc::Status::OK;
+}
+
+v1::ClusterStatusResponse JobServiceImpl::ClusterView() const {
+  v1::ClusterStatusResponse reply;
   members_->ExpireLeases();
   for (v1::MemberInfo& m : members_->Members(v1::MEMBER_ROLE_STORE))
-    *reply->add_stores() = std::move(m);
+    *reply.add_stores() = std::move(m);
   for (v1::MemberInfo& m : members_->Members(v1::MEMBER_ROLE_WORKER))
-    *reply->add_workers() = std::move(m);
-  if (scheduler_ != nullptr) scheduler_->ReplicationStatus(reply);
-  return grpc::Status::OK;
+    *reply.add_workers() = std::move(m);
+  if (scheduler_ != nullptr) scheduler_->ReplicationStatus(&reply);
+  return reply;
 }
 
 grpc::Status JobServiceImpl::ExpertHeat(grpc::ServerContext* context,
                                         const v1::ExpertHeatRequest* request,
                                         v1::ExpertHeatResponse* reply) {
   if (grpc::Status denied = policy_.Admit(*context, "ExpertHeat"); !denied.ok()) return denied;
-  absl::StatusOr<v1::Job> job = jobs_->Get(request->job_id());
-  if (!job.ok()) return ToGrpcStatus(job.status());
-  absl::StatusOr<v1::ExpertHeatResponse> heat = heat_->Heat(request->job_id(), request->layer());
-  if (!heat.ok()) return ToGrpcStatus(heat.status());
-  *reply = *std::move(heat);
-  reply->set_placement_epoch(job->placement_epoch());
-  if (scheduler_ != nullptr) {
-    absl::StatusOr<v1::PlacementTable> placement = scheduler_->GetPlacement(request->job_id());
-    if (placement.ok()) {
-      std::map<std::pair<int, int>, const v1::ExpertPlacement*> by_expert;
-      for (const v1::ExpertPlacement& e : placement->experts()) {
-        by_expert[{e.layer(), e.expert()}] = &e;
-      }
-      for (v1::ExpertHeatEntry& entry : *reply->mutable_experts()) {
-        auto it = by_expert.find({entry.expert().layer(), entry.expert().expert()});
-        if (it == by_expert.end()) continue;
-        entry.set_compute_replicas(it->second->owners_size());
-        entry.set_store_replicas(it->second->store_ids_size());
-      }
-    }
+  return ToGrpcReply(HeatView(request->job_id(), request->layer()), reply);
+}
+
+absl::StatusOr<v1::ExpertHeatResponse> JobServiceImpl::HeatView(const std::string& job_id,
+                                                                int layer) const {
+  ASSIGN_OR_RETURN(v1::Job job, jobs_->Get(job_id));
+  ASSIGN_OR_RETURN(v1::ExpertHeatResponse reply, heat_->Heat(job_id, layer));
+  reply.set_placement_epoch(job.placement_epoch());
+  if (scheduler_ == nullptr) return reply;
+  absl::StatusOr<v1::PlacementTable> placement = scheduler_->GetPlacement(job_id);
+  if (!placement.ok()) return reply;
+  std::map<std::pair<int, int>, const v1::ExpertPlacement*> by_expert;
+  for (const v1::ExpertPlacement& e : placement->experts()) {
+    by_expert[{e.layer(), e.expert()}] = &e;
   }
-  return grpc::Status::OK;
+  for (v1::ExpertHeatEntry& entry : *reply.mutable_experts()) {
+    auto it = by_expert.find({entry.expert().layer(), entry.expert().expert()});
+    if (it == by_expert.end()) continue;
+    entry.set_compute_replicas(it->second->owners_size());
+    entry.set_store_replicas(it->second->store_ids_size());
+  }
+  return reply;
 }
 
 }  // namespace pith::coordinator

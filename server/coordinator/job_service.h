@@ -60,6 +60,11 @@ class JobServiceImpl final : public v1::JobService::Service {
   grpc::Status ExpertHeat(grpc::ServerContext* context, const v1::ExpertHeatRequest* request,
                           v1::ExpertHeatResponse* reply) override;
 
+  // What ClusterStatus and ExpertHeat answer, without a caller to check: for readers in
+  // this process (the dashboard).
+  v1::ClusterStatusResponse ClusterView() const;
+  absl::StatusOr<v1::ExpertHeatResponse> HeatView(const std::string& job_id, int layer) const;
+
  private:
   JobRegistry* jobs_;
   Membership* members_;

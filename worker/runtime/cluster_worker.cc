@@ -641,6 +641,7 @@ class JobRun : public StepDriver {
     in.experts = shape_.experts;
     in.top_k = shape_.top_k;
     for (int l = 0; l < shape_.layers; ++l) in.routed.push_back(model_->routed(l));
+    in.fetched = cache_->TakeFetchCounts();
     in.chosen = [this](int layer, int32_t* chosen) {
       return model_->CopyChosenExperts(layer, chosen).ok();
     };

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <utility>
 
 #include "absl/strings/str_cat.h"
 #include "common/status.h"
@@ -209,6 +210,12 @@ void ExpertCache::ClaimLocked(int victim, Expert expert, int pins) {
   if (s.valid) index_.erase(s.expert);
   s = Slot{expert, false, true, false, pins, ++clock_};
   index_[expert] = victim;
+  ++fetch_counts_[expert];
+}
+
+std::map<ExpertCache::Expert, uint64_t> ExpertCache::TakeFetchCounts() {
+  absl::MutexLock lock(&mu_);
+  return std::exchange(fetch_counts_, {});
 }
 
 bool ExpertCache::LandLocked(int victim, Expert expert, const absl::Status& status) {

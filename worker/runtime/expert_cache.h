@@ -112,6 +112,9 @@ class ExpertCache {
   // Drops one entry if it is not pinned (another worker updated the expert).
   void Invalidate(Expert expert);
   Stats stats();
+  // The fetches of each expert into the cache (misses and prefetches) since the last
+  // call, which resets them: how often each expert is swapped in.
+  std::map<Expert, uint64_t> TakeFetchCounts();
 
  private:
   struct Slot {
@@ -170,6 +173,7 @@ class ExpertCache {
   std::set<Expert> updating_ ABSL_GUARDED_BY(mu_);  // updates in flight (BeginUpdates)
   absl::Status updates_failed_ ABSL_GUARDED_BY(mu_);
   Stats stats_ ABSL_GUARDED_BY(mu_);
+  std::map<Expert, uint64_t> fetch_counts_ ABSL_GUARDED_BY(mu_);  // since TakeFetchCounts
   bool stop_ ABSL_GUARDED_BY(mu_) = false;
   std::thread prefetcher_;
 };

@@ -108,6 +108,18 @@ TEST_F(ExpertCacheTest, HitsMissesAndLeastRecentlyUsedReuse) {
   EXPECT_EQ(cache_->Acquire({-1, 0}).status().code(), absl::StatusCode::kNotFound);
 }
 
+TEST_F(ExpertCacheTest, CountsEachExpertsFetchesUntilTaken) {
+  Open(2);
+  Read({0, 1});
+  Read({0, 2});
+  Read({0, 1});  // a hit: no fetch
+  Read({1, 3});  // evicts (0, 2)
+  Read({0, 2});  // fetched again
+  using Counts = std::map<ExpertCache::Expert, uint64_t>;
+  EXPECT_EQ(cache_->TakeFetchCounts(), (Counts{{{0, 1}, 1}, {{0, 2}, 2}, {{1, 3}, 1}}));
+  EXPECT_EQ(cache_->TakeFetchCounts(), Counts{});
+}
+
 TEST_F(ExpertCacheTest, PinnedSlotsAreNeverReused) {
   Open(2);
   auto a = cache_->Acquire({0, 0});

@@ -18,6 +18,11 @@ v1::HeatReport MakeHeatReport(const HeatInput& in) {
     v1::LayerRouting* routing = r.add_layers();
     routing->set_layer(l);
     for (int64_t n : in.routed[l]) routing->add_tokens_per_expert(n);
+    routing->mutable_fetches_per_expert()->Resize(E, 0);
+    for (auto it = in.fetched.lower_bound({l, 0}); it != in.fetched.end() && it->first.first == l;
+         ++it) {
+      if (it->first.second < E) routing->set_fetches_per_expert(it->first.second, it->second);
+    }
     if (!pairs || !in.chosen || !in.chosen(l, chosen.data())) continue;
     routing->mutable_coactivation()->Resize(E * (E - 1) / 2, 0);
     for (int64_t t = 0; t < tokens; ++t) {

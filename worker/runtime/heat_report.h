@@ -1,6 +1,7 @@
 // The heat report of one step (DESIGN §5): per layer, the tokens each expert of this
 // worker's rows was routed, and for layers of up to kMaxCoactivationExperts experts the
-// co-activation counts (pairs of experts chosen by one token) as a packed upper triangle.
+// co-activation counts (pairs of experts chosen by one token) as a packed upper triangle,
+// and the fetches of each expert into the worker's cache.
 // The coordinator places hot experts and pairs from it.
 //
 // Thread safety: a pure function of its arguments.
@@ -9,7 +10,9 @@
 
 #include <cstdint>
 #include <functional>
+#include <map>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "common/step_protocol.h"
@@ -28,6 +31,8 @@ struct HeatInput {
   int top_k = 0;       // k
   // Per layer: the tokens routed to each expert.
   std::vector<std::vector<int64_t>> routed;
+  // Fetches of (layer, expert) into this worker's cache since its last report.
+  std::map<std::pair<int, int>, uint64_t> fetched;
   // Fills `chosen` (tokens * top_k expert indices, -1: none) for a layer; false when the
   // layer's choices are not available (it then reports token counts only).
   std::function<bool(int layer, int32_t* chosen)> chosen;

@@ -11,6 +11,19 @@ namespace {
 
 using ::testing::ElementsAre;
 
+TEST(HeatReportTest, ReportsEachExpertsFetchesPerLayer) {
+  HeatInput in;
+  in.tokens = 1;
+  in.experts = 3;
+  in.top_k = 1;
+  in.routed = {{1, 0, 0}, {0, 0, 1}};
+  in.fetched = {{{0, 2}, 5}, {{1, 0}, 1}, {{1, 2}, 3}};
+  const v1::HeatReport r = MakeHeatReport(in);
+  ASSERT_EQ(r.layers_size(), 2);
+  EXPECT_THAT(r.layers(0).fetches_per_expert(), ElementsAre(0, 0, 5));
+  EXPECT_THAT(r.layers(1).fetches_per_expert(), ElementsAre(1, 0, 3));
+}
+
 TEST(HeatReportTest, CountsTokensAndCoactivatedPairs) {
   HeatInput in;
   in.job_id = "job";
@@ -38,6 +51,7 @@ TEST(HeatReportTest, CountsTokensAndCoactivatedPairs) {
   // Pairs in packed upper-triangle order: 01 02 03 12 13 23.
   EXPECT_THAT(r.layers(0).coactivation(), ElementsAre(0, 0, 1, 0, 2, 0));
   EXPECT_THAT(r.layers(1).coactivation(), ElementsAre(0, 2, 0, 0, 0, 0));
+  EXPECT_THAT(r.layers(0).fetches_per_expert(), ElementsAre(0, 0, 0, 0));
 }
 
 TEST(HeatReportTest, PackedIndexCoversTheTriangleOnce) {

@@ -1,0 +1,38 @@
+#include "server/coordinator/job_history.h"
+
+namespace pith::coordinator {
+
+void JobHistory::Observe(const v1::Job& job) {
+  const int64_t step = job.committed_step();
+  if (step < 1) return;
+  absl::MutexLock lock(&mu_);
+  auto [it, fresh] = curves_.try_emplace(job.job_id());
+  if (fresh) {
+    order_.push_back(job.job_id());
+    if (order_.size() > kMaxJobs) {
+      curves_.erase(order_.front());
+      order_.pop_front();
+    }
+  }
+  Series& c = it->second;
+  if (!c.points.empty() && step <= c.points.back().step) return;  // not a new commit
+  if (step % c.stride != 0) return;
+  c.points.push_back({step, job.last_loss(), job.tokens_per_second()});
+  if (c.points.size() < kMaxPoints) return;
+  // Full: keep every other point from now on, and of what is there.
+  c.stride *= 2;
+  std::vector<Point> kept;
+  kept.reserve(kMaxPoints / 2 + 1);
+  for (const Point& p : c.points) {
+    if (p.step % c.stride == 0) kept.push_back(p);
+  }
+  c.points = std::move(kept);
+}
+
+std::vector<JobHistory::Point> JobHistory::Curve(const std::string& job_id) const {
+  absl::MutexLock lock(&mu_);
+  auto it = curves_.find(job_id);
+  return it == curves_.end() ? std::vector<Point>() : it->second.points;
+}
+
+}  // namespace pith::coordinator

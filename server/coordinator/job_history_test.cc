@@ -1,0 +1,56 @@
+#include "server/coordinator/job_history.h"
+
+#include <string>
+
+#include "gtest/gtest.h"
+
+namespace pith::coordinator {
+namespace {
+
+v1::Job Committed(const std::string& id, int64_t step) {
+  v1::Job job;
+  job.set_job_id(id);
+  job.set_committed_step(step);
+  job.set_last_loss(10.0 / step);
+  job.set_tokens_per_second(100.0 * step);
+  return job;
+}
+
+TEST(JobHistoryTest, RecordsEachCommitOnce) {
+  JobHistory h;
+  h.Observe(Committed("a", 0));  // initial weights: no loss yet
+  h.Observe(Committed("a", 1));
+  h.Observe(Committed("a", 1));  // the same step again (another field changed)
+  h.Observe(Committed("a", 2));
+  const std::vector<JobHistory::Point> c = h.Curve("a");
+  ASSERT_EQ(c.size(), 2u);
+  EXPECT_EQ(c[0].step, 1);
+  EXPECT_DOUBLE_EQ(c[0].loss, 10.0);
+  EXPECT_EQ(c[1].step, 2);
+  EXPECT_DOUBLE_EQ(c[1].tokens_per_second, 200.0);
+  EXPECT_TRUE(h.Curve("b").empty());
+}
+
+TEST(JobHistoryTest, ALongJobKeepsABoundedCurveOverItsWholeRun) {
+  JobHistory h;
+  const int64_t steps = 100000;
+  for (int64_t s = 1; s <= steps; ++s) h.Observe(Committed("long", s));
+  const std::vector<JobHistory::Point> c = h.Curve("long");
+  EXPECT_LE(c.size(), JobHistory::kMaxPoints);
+  EXPECT_GE(c.size(), JobHistory::kMaxPoints / 4);
+  EXPECT_LE(c.front().step, steps / 100);  // the start is still there
+  EXPECT_GE(c.back().step, steps - steps / 100);
+  for (size_t i = 1; i < c.size(); ++i) EXPECT_LT(c[i - 1].step, c[i].step);
+}
+
+TEST(JobHistoryTest, KeepsTheNewestJobs) {
+  JobHistory h;
+  for (size_t j = 0; j < JobHistory::kMaxJobs + 3; ++j) {
+    h.Observe(Committed("job-" + std::to_string(j), 1));
+  }
+  EXPECT_TRUE(h.Curve("job-0").empty());
+  EXPECT_FALSE(h.Curve("job-" + std::to_string(JobHistory::kMaxJobs + 2)).empty());
+}
+
+}  // namespace
+}  // namespace pith::coordinator
