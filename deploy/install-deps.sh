@@ -25,6 +25,10 @@ PACKAGES=(
   fortunes
   # the Python client (client/python) and its test
   python3-grpcio python3-protobuf
+  # the dashboard's test runs a real headless browser
+  chromium
+  # deploy/: systemd-analyze verify of the units, the manifests' YAML, and a real Slurm
+  systemd python3-yaml slurmctld slurmd slurm-client munge
 )
 
 if [[ ${1:-} == --reference ]]; then
