@@ -242,6 +242,9 @@ absl::Status Up(const CliContext& ctx, const Args& args, std::ostream& out) {
   out << "Pith local cluster up in " << dir << ":\n";
   for (const std::string& l : lines) out << l << "\n";
   out << "Mutual TLS on every port (certificates in " << tls << "; the CLI uses admin's).\n";
+  for (const auto& t : targets) {
+    if (t.name == "coordinator") out << "Dashboard: http://127.0.0.1:" << t.port << "/\n";
+  }
   out << "Prometheus (targets and alert rules): prometheus --config.file=" << dir
       << "/prometheus/prometheus.yml\n";
   out << "The job commands find it by themselves; stop it with pith down"

@@ -14,8 +14,7 @@ fi
 export PITH_HOME=$E2E_TMP/home
 trap '"$PITH" down >/dev/null 2>&1 || true; cleanup' EXIT
 "$PITH" up --stores 2 --workers 2 >"$E2E_TMP/up.txt" || fail "pith up: $(cat "$E2E_TMP/up.txt")"
-url=$(awk '$1 == "coordinator" {print $3}' "$E2E_TMP/up.txt")
-url=${url%/metrics}/
+url=$(sed -n "s/^Dashboard: //p" "$E2E_TMP/up.txt")
 [[ $url == http://127.0.0.1:*/ ]] || fail "pith up printed no coordinator HTTP address: $(cat "$E2E_TMP/up.txt")"
 
 tiny_tokens "$PITH" 200
