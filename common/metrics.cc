@@ -23,6 +23,7 @@
 #include "absl/strings/str_split.h"
 #include "common/status.h"
 #include "common/version.h"
+#include "glog/logging.h"
 #include "prometheus/text_serializer.h"
 
 namespace pith {
@@ -63,6 +64,15 @@ absl::StatusOr<prometheus::Histogram*> MetricsRegistry::Histogram(
     const MetricLabels& labels) {
   return AddMetric<prometheus::Histogram>(prometheus::BuildHistogram(), *registry_, name, help,
                                           labels, prometheus::Histogram::BucketBoundaries(buckets));
+}
+
+void MetricsRegistry::RemoveGauge(const std::string& name, const MetricLabels& labels) {
+  try {
+    auto& family = prometheus::BuildGauge().Name(name).Register(*registry_);
+    if (family.Has(labels)) family.Remove(&family.Add(labels));
+  } catch (const std::exception& e) {
+    LOG(WARNING) << "metric " << name << ": " << e.what();
+  }
 }
 
 std::vector<double> MetricsRegistry::LatencyBuckets() {
@@ -159,9 +169,20 @@ struct MetricsExposer::Impl {
       request.append(buf, static_cast<size_t>(n));
     }
     const std::string response = Answer(request);
+    // The answer goes out under a deadline of its own, the stop pipe watched: a client
+    // that reads slowly (or not at all) cannot hold the thread either.
+    const auto send_deadline = std::chrono::steady_clock::now() + std::chrono::seconds(5);
     size_t sent = 0;
     while (sent < response.size()) {
-      const ssize_t n = ::send(fd, response.data() + sent, response.size() - sent, MSG_NOSIGNAL);
+      const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
+                            send_deadline - std::chrono::steady_clock::now())
+                            .count();
+      if (left <= 0) break;
+      pollfd fds[2] = {{fd, POLLOUT, 0}, {wake[0], POLLIN, 0}};
+      if (::poll(fds, 2, static_cast<int>(left)) <= 0 || fds[1].revents != 0) break;
+      const ssize_t n =
+          ::send(fd, response.data() + sent, response.size() - sent, MSG_NOSIGNAL | MSG_DONTWAIT);
+      if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR)) continue;
       if (n <= 0) break;
       sent += static_cast<size_t>(n);
     }

@@ -40,6 +40,10 @@ class MetricsRegistry {
                                                    const std::vector<double>& buckets,
                                                    const MetricLabels& labels = {});
 
+  // Drops the gauge `name` with `labels` from the exposition, if there (a series that
+  // stopped meaning anything: an ended job's).
+  void RemoveGauge(const std::string& name, const MetricLabels& labels);
+
   // Exponential buckets from 10 us to ~42 s, for `_seconds` histograms.
   static std::vector<double> LatencyBuckets();
 

@@ -7,6 +7,8 @@
 #include <cerrno>
 #include <cstdio>
 #include <cstdlib>
+#include <functional>
+#include <utility>
 
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
@@ -57,12 +59,21 @@ namespace {
 // The write end of the shutdown pipe; the handler only writes the signal number to it.
 int g_shutdown_pipe[2] = {-1, -1};
 
+ABSL_CONST_INIT absl::Mutex g_reload_mu(absl::kConstInit);
+std::function<void()>* g_reload ABSL_GUARDED_BY(g_reload_mu) = nullptr;  // never freed
+
 void OnShutdownSignal(int sig) {
   const unsigned char byte = static_cast<unsigned char>(sig);
   (void)!::write(g_shutdown_pipe[1], &byte, 1);
 }
 
 }  // namespace
+
+void OnReloadSignal(std::function<void()> reload) {
+  absl::MutexLock lock(&g_reload_mu);
+  if (g_reload == nullptr) g_reload = new std::function<void()>();
+  *g_reload = std::move(reload);
+}
 
 ShutdownSignals::ShutdownSignals() {
   if (g_shutdown_pipe[0] < 0 && ::pipe2(g_shutdown_pipe, O_CLOEXEC) != 0) {
@@ -85,9 +96,16 @@ int ShutdownSignals::Wait() {
   while (true) {
     const ssize_t n = ::read(g_shutdown_pipe[0], &byte, 1);
     if (n == 1 && byte == SIGHUP) {
-      // What operators send to make a daemon reload: the certificates need none (gRPC
-      // re-reads --tls_dir by itself), and nothing else is read from files after start.
-      LOG(INFO) << "SIGHUP: certificates are re-read from --tls_dir every 10 s; nothing to do";
+      std::function<void()> reload;
+      {
+        absl::MutexLock lock(&g_reload_mu);
+        if (g_reload != nullptr) reload = *g_reload;
+      }
+      if (reload) {
+        reload();
+      } else {
+        LOG(INFO) << "SIGHUP: nothing to reload (no --tls_dir)";
+      }
       continue;
     }
     if (n == 1) return byte;

@@ -3,6 +3,7 @@
 #ifndef PITH_COMMON_PROCESS_H_
 #define PITH_COMMON_PROCESS_H_
 
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -20,10 +21,14 @@ std::vector<std::string> InitProcess(int argc, char** argv, absl::string_view us
 // one line "program: message" on stderr (whatever the log settings) and EXIT_FAILURE.
 int ExitStatus(absl::string_view program, const absl::Status& status);
 
+// What SIGHUP (an operator's "reload") does: `reload` runs on the thread in
+// ShutdownSignals::Wait each time one arrives (the TLS flags register one: the certificate
+// files are checked and put in use at once, security/flags.h). Replaces any earlier one.
+void OnReloadSignal(std::function<void()> reload);
+
 // Catches SIGTERM and SIGINT (whichever thread they land on) so that Wait() returns them
-// instead of the process dying; SIGHUP (a reload, to operators) is logged and ignored:
-// certificates are re-read by themselves (security/tls.h). Construct once, in main(), before
-// anything can take long.
+// instead of the process dying; SIGHUP runs the OnReloadSignal hook (or is logged) and
+// Wait() goes on. Construct once, in main(), before anything can take long.
 //
 // Thread safety: Wait() is called from one thread only.
 class ShutdownSignals {

@@ -18,7 +18,7 @@ PACKAGES=(
   # compute
   libopenblas-dev
   # tests and benchmarks
-  libgtest-dev libgmock-dev libbenchmark-dev curl
+  libgtest-dev libgmock-dev libbenchmark-dev curl openssl
   # the metrics scrape test runs a real Prometheus server
   prometheus
   # the demo's English text corpus
@@ -58,4 +58,14 @@ export DEBIAN_FRONTEND=noninteractive
 # The package lists may be stale or absent on a fresh machine; refresh them once per install.
 $SUDO apt-get update -qq
 $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+# The Slurm and munge packages are here for a test that runs its own private Slurm: on a
+# machine booted with systemd, do not leave the daemons apt just enabled running (without a
+# slurm.conf they only fail). Daemons that were installed before are left alone.
+if [[ -d /run/systemd/system ]]; then
+  for unit in slurmctld slurmd munge; do
+    if [[ " ${missing[*]} " == *" $unit "* ]]; then
+      $SUDO systemctl disable --now "$unit" >/dev/null 2>&1 || true
+    fi
+  done
+fi
 echo "install-deps: done" >&2

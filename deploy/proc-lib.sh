@@ -4,6 +4,8 @@
 
 PIDS=()
 E2E_TMP=$(mktemp -d /tmp/pith-run.XXXXXX)
+# What the processes make in $TMPDIR (their certificate stage, workers' scratch) goes with it.
+export TMPDIR=$E2E_TMP
 
 cleanup() {
   for pid in "${PIDS[@]}"; do kill -9 "$pid" 2>/dev/null || true; done

@@ -2,15 +2,36 @@
 
 #include "absl/flags/flag.h"
 #include "absl/strings/str_cat.h"
+#include "common/process.h"
+#include "glog/logging.h"
+#include "security/cert_stage.h"
 
 ABSL_FLAG(std::string, tls_dir, "",
           "Mutual TLS: the directory `pith certs` made for this process (ca.pem, cert.pem, "
-          "key.pem; re-read every 10 s, so certificates rotate without a restart)");
+          "key.pem); to rotate, replace them and send SIGHUP: they are checked and in use "
+          "within 2 s, no restart");
 ABSL_FLAG(bool, insecure, false,
           "Plaintext gRPC instead of --tls_dir: every caller is trusted, so only loopback "
           "addresses are allowed");
 
 namespace pith::security {
+namespace {
+
+// SIGHUP: the operator's files are checked and, valid and of the same identity, staged for
+// use (in use within kTlsRefresh); otherwise the certificate in use stays.
+void Reload(CertificateStage& stage) {
+  absl::Status s = stage.Reload();
+  if (!s.ok()) {
+    LOG(ERROR) << "SIGHUP: " << s.message() << "; the certificate in use stays in use";
+    return;
+  }
+  absl::StatusOr<Identity> now = CheckTlsDir(stage.dir());
+  LOG(INFO) << "SIGHUP: " << stage.source() << " holds a valid certificate of "
+            << (now.ok() ? DebugString(*now) : "?") << "; new connections use it within "
+            << absl::FormatDuration(kTlsRefresh);
+}
+
+}  // namespace
 
 absl::StatusOr<TransportSecurity> TransportSecurityFromFlags(const std::string& program,
                                                              Role role) {
@@ -27,7 +48,18 @@ absl::StatusOr<TransportSecurity> TransportSecurityFromFlags(const std::string& 
                      DebugString(*security->identity()), "; ", program, " needs one with the ",
                      RoleName(role), " role"));
   }
-  return security;
+  if (!security.ok() || !security->tls()) return security;
+  // The process's credentials read a checked copy, replaced only by a checked SIGHUP.
+  // One per process, removed (with its private copy) at exit.
+  static std::unique_ptr<CertificateStage> stage;
+  absl::StatusOr<std::unique_ptr<CertificateStage>> staged =
+      CertificateStage::Create(security->dir(), *security->identity());
+  if (!staged.ok()) return staged.status();
+  stage = *std::move(staged);
+  OnReloadSignal([] {
+    if (stage != nullptr) Reload(*stage);
+  });
+  return security->WithCredentialsDir(stage->dir());
 }
 
 }  // namespace pith::security

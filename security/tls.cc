@@ -106,7 +106,7 @@ std::shared_ptr<grpc::ServerCredentials> TransportSecurity::ServerCredentials() 
   // NOTE: a directory without a certificate makes every handshake fail, never plaintext
   // (TransportSecurityFromFlags refuses it first).
   if (!tls()) return grpc::InsecureServerCredentials();
-  grpc::experimental::TlsServerCredentialsOptions options(Provider(dir_));
+  grpc::experimental::TlsServerCredentialsOptions options(Provider(credentials_dir()));
   options.watch_root_certs();
   options.watch_identity_key_cert_pairs();
   // A client without a certificate may connect: the handlers answer it UNAUTHENTICATED
@@ -120,7 +120,7 @@ std::shared_ptr<grpc::ChannelCredentials> TransportSecurity::ChannelCredentials(
   grpc::experimental::TlsChannelCredentialsOptions options;
   const bool present_certificate = identity_.has_value() && token_.empty();
   options.set_certificate_provider(
-      present_certificate ? Provider(dir_)
+      present_certificate ? Provider(credentials_dir())
                           : std::make_shared<grpc::experimental::FileWatcherCertificateProvider>(
                                 dir_ + "/" + kCaCertFile,
                                 static_cast<unsigned int>(absl::ToInt64Seconds(kTlsRefresh))));

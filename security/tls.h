@@ -5,7 +5,8 @@
 // cluster CA (a caller without one still completes the handshake, so that the policy,
 // authorize.h, can answer it UNAUTHENTICATED with the reason, or admit its bearer token);
 // clients check the server's certificate against the CA and the address they dial. Certificate
-// files are watched and re-read (every kTlsRefresh), so rotating them needs no restart.
+// files are watched and re-read (every kTlsRefresh); server processes point the watch at a
+// checked copy that SIGHUP replaces (cert_stage.h), so rotating needs no restart.
 //
 // Thread safety: a TransportSecurity is immutable once made; copies share nothing
 // mutable.
@@ -34,8 +35,9 @@ inline constexpr char kKeyFile[] = "key.pem";
 // now, and naming one pith:// identity. The error names the file and what is wrong.
 absl::StatusOr<Identity> CheckTlsDir(const std::string& dir);
 
-// How often a process re-reads its certificate files (rotation without a restart).
-inline constexpr absl::Duration kTlsRefresh = absl::Seconds(10);
+// How often a process re-reads its certificate files (a server process: its checked copy,
+// replaced on SIGHUP: security/flags.h).
+inline constexpr absl::Duration kTlsRefresh = absl::Seconds(2);
 
 class TransportSecurity {
  public:
@@ -60,6 +62,14 @@ class TransportSecurity {
     return out;
   }
 
+  // The same, its credentials read from `dir` (a CertificateStage's copy of dir()) rather
+  // than from dir() itself.
+  TransportSecurity WithCredentialsDir(std::string dir) const {
+    TransportSecurity out = *this;
+    out.credentials_dir_ = std::move(dir);
+    return out;
+  }
+
   bool tls() const { return tls_; }
   // This process's own identity (TLS with a certificate only).
   const std::optional<Identity>& identity() const { return identity_; }
@@ -77,8 +87,13 @@ class TransportSecurity {
   absl::Status CheckDial(const std::string& address) const;
 
  private:
+  const std::string& credentials_dir() const {
+    return credentials_dir_.empty() ? dir_ : credentials_dir_;
+  }
+
   bool tls_ = false;
   std::string dir_;
+  std::string credentials_dir_;  // empty: dir_
   std::optional<Identity> identity_;
   std::string token_;
 };

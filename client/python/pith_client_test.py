@@ -151,6 +151,12 @@ class ClientTest(unittest.TestCase):
             self.client.submit('{"model": {"no_such_field": 1}}')
         self.assertIn("no_such_field", str(e.exception))
         with self.assertRaises(pith.Error) as e:
+            self.client.submit("/no/such/spec.json")
+        self.assertEqual(e.exception.code, grpc.StatusCode.INVALID_ARGUMENT)
+        with self.assertRaises(pith.Error) as e:
+            self.client.checkpoint(self.job.job_id, "/no/such/dir/w.safetensors")
+        self.assertIn("/no/such/dir", e.exception.message)
+        with self.assertRaises(pith.Error) as e:
             list(self.client.watch("no-such-job", timeout=30))
         self.assertEqual(e.exception.code, grpc.StatusCode.NOT_FOUND)
 
@@ -159,6 +165,10 @@ class ClientTest(unittest.TestCase):
         os.makedirs(ca_only, exist_ok=True)
         shutil.copy(os.path.join(HOME, "tls", "admin", "ca.pem"), ca_only)
         with pith.Client(tls_dir=ca_only, token="not-a-token") as anonymous:
+            with self.assertRaises(pith.Error) as e:
+                anonymous.status()
+        self.assertEqual(e.exception.code, grpc.StatusCode.UNAUTHENTICATED)
+        with pith.Client(tls_dir=ca_only) as anonymous:  # TLS, but no certificate
             with self.assertRaises(pith.Error) as e:
                 anonymous.status()
         self.assertEqual(e.exception.code, grpc.StatusCode.UNAUTHENTICATED)

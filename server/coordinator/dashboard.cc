@@ -1,5 +1,6 @@
 #include "server/coordinator/dashboard.h"
 
+#include <cmath>
 #include <vector>
 
 #include "absl/strings/numbers.h"
@@ -34,12 +35,17 @@ HttpResponse JsonError(int status, const std::string& message) {
   return {status, "application/json", absl::StrCat("{\"error\": ", quoted, "}")};
 }
 
+// A JSON number, or null for NaN and infinities (a diverged job's loss), which JSON lacks.
+std::string Number(double v, int digits) {
+  return std::isfinite(v) ? absl::StrFormat("%.*g", digits, v) : "null";
+}
+
 // [[step, loss, tokens_per_second], ...]
 std::string CurveJson(const std::vector<JobHistory::Point>& points) {
   std::string out = "[";
   for (size_t i = 0; i < points.size(); ++i) {
-    absl::StrAppendFormat(&out, "%s[%d,%.9g,%.6g]", i ? "," : "", points[i].step, points[i].loss,
-                          points[i].tokens_per_second);
+    absl::StrAppend(&out, i ? "," : "", "[", points[i].step, ",", Number(points[i].loss, 9), ",",
+                    Number(points[i].tokens_per_second, 6), "]");
   }
   return out + "]";
 }

@@ -1,5 +1,7 @@
 #include "server/coordinator/job_history.h"
 
+#include "server/coordinator/job_registry.h"
+
 namespace pith::coordinator {
 
 void JobHistory::Observe(const v1::Job& job) {
@@ -7,11 +9,21 @@ void JobHistory::Observe(const v1::Job& job) {
   if (step < 1) return;
   absl::MutexLock lock(&mu_);
   auto [it, fresh] = curves_.try_emplace(job.job_id());
+  it->second.ended = IsFinal(job.state());
   if (fresh) {
     order_.push_back(job.job_id());
     if (order_.size() > kMaxJobs) {
-      curves_.erase(order_.front());
-      order_.pop_front();
+      // The first seen of the ended jobs goes (the oldest of all if none has ended); never
+      // the one just added, which `it` refers to.
+      auto victim = order_.begin();
+      for (auto at = order_.begin(); at + 1 != order_.end(); ++at) {
+        if (curves_[*at].ended) {
+          victim = at;
+          break;
+        }
+      }
+      curves_.erase(*victim);
+      order_.erase(victim);
     }
   }
   Series& c = it->second;

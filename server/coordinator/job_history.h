@@ -2,8 +2,8 @@
 // per second), for the dashboard. Fed by JobRegistry::OnChange; held in memory only (a
 // coordinator restart starts the curves afresh from the next commit) and bounded: past
 // kMaxPoints a job's curve keeps every other point, so a job of any length costs at most
-// kMaxPoints points, spread over its whole run. Ended jobs' curves stay, the oldest
-// dropped past kMaxJobs.
+// kMaxPoints points, spread over its whole run. Past kMaxJobs curves, the first seen of
+// the ended jobs goes (running jobs keep theirs).
 //
 // Thread safety: all methods are thread-safe.
 #ifndef PITH_SERVER_COORDINATOR_JOB_HISTORY_H_
@@ -40,6 +40,7 @@ class JobHistory {
   struct Series {
     std::vector<Point> points;
     int64_t stride = 1;  // keep steps that are multiples of it (doubles when full)
+    bool ended = false;  // the job was in a final state when last seen
   };
 
   mutable absl::Mutex mu_;

@@ -43,13 +43,24 @@ TEST(JobHistoryTest, ALongJobKeepsABoundedCurveOverItsWholeRun) {
   for (size_t i = 1; i < c.size(); ++i) EXPECT_LT(c[i - 1].step, c[i].step);
 }
 
-TEST(JobHistoryTest, KeepsTheNewestJobs) {
+TEST(JobHistoryTest, DropsEndedJobsFirstThenTheOldest) {
   JobHistory h;
-  for (size_t j = 0; j < JobHistory::kMaxJobs + 3; ++j) {
-    h.Observe(Committed("job-" + std::to_string(j), 1));
+  h.Observe(Committed("running", 1));
+  for (size_t j = 0; j < JobHistory::kMaxJobs + 2; ++j) {
+    v1::Job ended = Committed("job-" + std::to_string(j), 1);
+    ended.set_state(v1::JOB_STATE_SUCCEEDED);
+    h.Observe(ended);
   }
+  EXPECT_FALSE(h.Curve("running").empty());  // older than all, but still running
   EXPECT_TRUE(h.Curve("job-0").empty());
-  EXPECT_FALSE(h.Curve("job-" + std::to_string(JobHistory::kMaxJobs + 2)).empty());
+  EXPECT_TRUE(h.Curve("job-2").empty());  // 1 + kMaxJobs + 2 jobs: three went
+  EXPECT_FALSE(h.Curve("job-3").empty());
+  JobHistory all_running;
+  for (size_t j = 0; j < JobHistory::kMaxJobs + 1; ++j) {
+    all_running.Observe(Committed("job-" + std::to_string(j), 1));
+  }
+  EXPECT_TRUE(all_running.Curve("job-0").empty());
+  EXPECT_FALSE(all_running.Curve("job-1").empty());
 }
 
 }  // namespace

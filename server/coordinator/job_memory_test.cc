@@ -98,6 +98,7 @@ v1::HeatReport HeatOf(const v1::Assignment& a, const std::string& worker, int64_
     v1::LayerRouting* routing = r.add_layers();
     routing->set_layer(l);
     for (int e = 0; e < E; ++e) routing->add_tokens_per_expert(1 + (e * 7 + l) % 13);
+    for (int e = 0; e < E; ++e) routing->add_fetches_per_expert(e % 3);  // as workers send
     if (E > kMaxCoactivationExperts) continue;
     for (int64_t i = 0; i < int64_t{E} * (E - 1) / 2; ++i) routing->add_coactivation(1 + i % 3);
   }

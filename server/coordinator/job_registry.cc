@@ -145,6 +145,13 @@ std::vector<v1::Job> JobRegistry::List(const std::vector<v1::JobState>& states, 
   return out;
 }
 
+std::map<v1::JobState, int> JobRegistry::CountByState() const {
+  absl::MutexLock lock(&mu_);
+  std::map<v1::JobState, int> out;
+  for (const auto& [id, job] : jobs_) ++out[job.state()];
+  return out;
+}
+
 absl::StatusOr<v1::Job> JobRegistry::Update(const std::string& job_id,
                                             const std::function<absl::Status(v1::Job&)>& update) {
   absl::MutexLock lock(&mu_);

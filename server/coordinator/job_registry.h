@@ -41,6 +41,8 @@ class JobRegistry {
   absl::StatusOr<v1::Job> Get(const std::string& job_id) const;
   // Newest first; `states` empty means all; `limit` 0 means no limit.
   std::vector<v1::Job> List(const std::vector<v1::JobState>& states, int limit) const;
+  // How many jobs are in each state (without copying them).
+  std::map<v1::JobState, int> CountByState() const;
   // Ends a pending or running job as cancelled. FAILED_PRECONDITION for a finished one.
   absl::StatusOr<v1::Job> Cancel(const std::string& job_id, const std::string& reason);
   // Applies `update` to a job and records it (for the scheduler and step commits).

@@ -36,8 +36,13 @@ prom_wait "pith_coordinator_job_committed_step{job=\"$job\"} > 2" '"value"' 300
 "$PITH" cancel "$job" >/dev/null || fail "cancel"
 prom_wait "pith_coordinator_job_running{job=\"$job\"}" '"value":\[[0-9.]*,"0"\]' 300
 prom_wait 'pith_coordinator_jobs{state="cancelled"}' '"value":\[[0-9.]*,"1"\]'
-firing=$(curl -sf "http://127.0.0.1:$PROM_PORT/api/v1/alerts")
-grep -q '"state":"firing"' <<<"$firing" && fail "alerts fire on a healthy cluster: $firing"
+# Every rule waits minutes before firing: on a healthy cluster none may even be pending
+# (but the disk alert where this machine's disk really is over 90% full).
+alerts=$(curl -sf "http://127.0.0.1:$PROM_PORT/api/v1/alerts") || fail "no alerts API"
+names=$(grep -o '"alertname":"[A-Za-z]*"' <<<"$alerts" | cut -d'"' -f4 | sort -u || true)
+used=$(df --output=pcent "$PITH_HOME" | tail -1 | tr -dc 0-9)
+[[ $used -gt 90 ]] && names=$(grep -v '^PithStoreDiskNearlyFull$' <<<"$names" || true)
+[[ -z $names ]] || fail "alerts on a healthy cluster: $alerts"
 
 "$PITH" down >/dev/null || fail "pith down"
 [[ ! -e $PITH_HOME/prometheus/targets.json ]] || fail "pith down left the targets"

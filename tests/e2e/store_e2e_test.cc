@@ -67,6 +67,15 @@ class StoreE2eTest : public ::testing::Test {
     std::filesystem::create_directories(dir_);
   }
 
+  // A passing test leaves nothing behind (its stores' data run to a GiB); a failing one
+  // keeps its logs and data for a look.
+  void TearDown() override {
+    store_.reset();
+    if (HasFailure()) return;
+    std::error_code ec;
+    std::filesystem::remove_all(dir_, ec);
+  }
+
   // A store on `data_dir` (empty: dir_/data) with `extra` flags.
   void StartStore(uint64_t ram_bytes = 64 << 20, uint64_t max_blob = 4 << 20,
                   const std::string& data_dir = "", std::vector<std::string> extra = {}) {
@@ -730,12 +739,25 @@ TEST_F(StoreE2eTest, BadInputOnBothPlanesAndTheStoreKeepsServing) {
 namespace pith::store {
 namespace {
 
+// A test's directory, made empty; removed at the end of a passing test (a failing one's
+// stays for a look).
+struct ScratchDir {
+  explicit ScratchDir(std::string path) : dir(std::move(path)) {
+    std::filesystem::remove_all(dir);
+    std::filesystem::create_directories(dir);
+  }
+  ~ScratchDir() {
+    std::error_code ec;
+    if (!::testing::Test::HasFailure()) std::filesystem::remove_all(dir, ec);
+  }
+  const std::string dir;
+};
+
 // Two stores: PullBlobs copies committed blobs from one to the other over UCX; Checkpoint
 // writes a RocksDB checkpoint and a safetensors export.
 TEST(StorePeerTest, PullBlobsAndCheckpoint) {
   const std::string dir = ::testing::TempDir() + "/store_peer_" + std::to_string(getpid());
-  std::filesystem::remove_all(dir);
-  std::filesystem::create_directories(dir);
+  const ScratchDir scratch(dir);  // declared before the stores: removed after they stop
   std::vector<std::unique_ptr<pith::testing::ChildProcess>> stores;
   std::vector<std::unique_ptr<v1::StoreService::Stub>> stubs;
   std::vector<std::string> addresses;

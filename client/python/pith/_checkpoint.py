@@ -21,8 +21,9 @@ _MAX_HEADER_BYTES = 100 << 20
 
 class Checkpoint:
     """A checkpoint's contents: `tensors` (name -> tensor, in the file's order), `spec`
-    (the job spec the weights belong to, as a dict, or None), `step` (the committed step,
-    or None) and `metadata` (every `__metadata__` string)."""
+    (the job spec the weights belong to, as a dict, or None), `step` (the step of an
+    optimizer-state file; None in a weights file) and `metadata` (every `__metadata__`
+    string)."""
 
     def __init__(self, tensors, metadata):
         self.tensors = tensors
@@ -69,6 +70,8 @@ def load_checkpoint(path, framework="torch"):
         data = f.read()
     header, start = _header(data, path)
     metadata = header.pop("__metadata__", None) or {}
+    if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
+        raise ValueError(f"{path}: __metadata__ is not an object of strings")
     tensors = {}
     for name, entry in header.items():
         try:
@@ -77,6 +80,8 @@ def load_checkpoint(path, framework="torch"):
             begin, end = (int(o) for o in entry["data_offsets"])
         except (KeyError, TypeError, ValueError):
             raise ValueError(f"{path}: tensor {name}: bad or unsupported entry {entry}") from None
+        if any(d < 0 for d in shape):
+            raise ValueError(f"{path}: tensor {name}: negative dimension in {shape}")
         count = 1
         for d in shape:
             count *= d

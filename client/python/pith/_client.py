@@ -15,11 +15,11 @@ _FINAL_STATES = (job_pb2.JOB_STATE_SUCCEEDED, job_pb2.JOB_STATE_FAILED, job_pb2.
 
 
 class Error(Exception):
-    """A call the cluster refused or could not answer: `code` (a grpc.StatusCode) and a
-    one-line message naming the cause, as the CLI prints it."""
+    """A call the cluster refused or could not answer, or a local file it needed: `code`
+    (a grpc.StatusCode) and a one-line message naming the cause, as the CLI prints it."""
 
     def __init__(self, code, message):
-        super().__init__(f"{code.name}: {message}" if code is not None else message)
+        super().__init__(f"{code.name}: {message}")
         self.code = code
         self.message = message
 
@@ -79,10 +79,16 @@ class Client:
         self.timeout = timeout
         options = [("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
                    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)]
-        if insecure:
+        creds = None if insecure else self._credentials(
+            home, tls_dir, token or os.environ.get("PITH_TOKEN"))
+        if creds is None:
+            host = self.address.rsplit(":", 1)[0].strip("[]")
+            if not (host == "localhost" or host == "::1" or host.startswith("127.")):
+                raise Error(grpc.StatusCode.INVALID_ARGUMENT,
+                            f"plaintext reaches loopback addresses only, not {self.address} "
+                            "(give tls_dir)")
             self._channel = grpc.insecure_channel(self.address, options=options)
         else:
-            creds = self._credentials(home, tls_dir, token or os.environ.get("PITH_TOKEN"))
             self._channel = grpc.secure_channel(self.address, creds, options=options)
         self._stub = job_pb2_grpc.JobServiceStub(self._channel)
         try:
@@ -96,25 +102,30 @@ class Client:
 
     @staticmethod
     def _credentials(home, tls_dir, token):
+        """Channel credentials by the CLI's rules; None: plaintext (no certificate anywhere)."""
         tls_dir = tls_dir or os.environ.get("PITH_TLS_DIR")
         if not tls_dir:
             local = os.path.join(home, "tls", "admin")
             if not os.path.exists(os.path.join(local, "cert.pem")):
-                raise Error(None, "no certificate: pass tls_dir (a directory `pith certs` "
-                                  "made), set PITH_TLS_DIR, or start a cluster with pith up")
+                if token:
+                    raise Error(grpc.StatusCode.INVALID_ARGUMENT,
+                                "a bearer token needs tls_dir with the cluster's ca.pem")
+                return None
             tls_dir = local
         try:
             ca = _read(os.path.join(tls_dir, "ca.pem"))
-            if token:
-                return grpc.composite_channel_credentials(
-                    grpc.ssl_channel_credentials(root_certificates=ca),
-                    grpc.access_token_call_credentials(token))
-            key = _read(os.path.join(tls_dir, "key.pem"))
-            cert = _read(os.path.join(tls_dir, "cert.pem"))
+            identity = {}
+            if not token and os.path.exists(os.path.join(tls_dir, "cert.pem")):
+                identity = {"private_key": _read(os.path.join(tls_dir, "key.pem")),
+                            "certificate_chain": _read(os.path.join(tls_dir, "cert.pem"))}
         except OSError as e:
-            raise Error(None, f"tls_dir {tls_dir}: {e.strerror}: {e.filename}") from None
-        return grpc.ssl_channel_credentials(root_certificates=ca, private_key=key,
-                                            certificate_chain=cert)
+            raise Error(grpc.StatusCode.INVALID_ARGUMENT,
+                        f"tls_dir {tls_dir}: {e.strerror}: {e.filename}") from None
+        creds = grpc.ssl_channel_credentials(root_certificates=ca, **identity)
+        if token:
+            creds = grpc.composite_channel_credentials(
+                creds, grpc.access_token_call_credentials(token))
+        return creds
 
     def close(self):
         self._channel.close()
@@ -134,7 +145,11 @@ class Client:
             if isinstance(spec, dict):
                 text = json.dumps(spec)
             elif isinstance(spec, (str, os.PathLike)) and not str(spec).lstrip().startswith("{"):
-                text = _read(spec).decode()
+                try:
+                    text = _read(spec).decode()
+                except OSError as e:
+                    raise Error(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"cannot read the spec {spec}: {e.strerror}") from None
             else:
                 text = spec
             message = spec_pb2.JobSpec()
@@ -211,6 +226,9 @@ class Client:
             os.replace(partial, path)
         except grpc.RpcError as e:
             raise Error(e.code(), e.details()) from None
+        except OSError as e:
+            raise Error(grpc.StatusCode.INVALID_ARGUMENT,
+                        f"cannot write {e.filename or path}: {e.strerror}") from None
         finally:
             stream.cancel()
             if os.path.exists(partial):

@@ -77,7 +77,8 @@ function renderJobs(jobs) {
                rows);
 }
 
-function renderCurve(points) {
+function renderCurve(all) {
+  const points = all.filter((p) => p[1] !== null);  // null: a non-finite loss
   const w = 560, h = 220, pad = 40;
   const svg = svgEl("svg", { viewBox: `0 0 ${w} ${h}`, width: "100%", id: "curve-svg",
                              "data-points": points.length });
