@@ -3,8 +3,9 @@
 # builds the GPU-only tree (cmake -DPITH_GPU_ONLY=ON: the compute engine, the model, the
 # CUDA backend, their tests and gpu_bench; Abseil and GoogleTest from .gpu-deps/, which
 # tests/gpu/vendor.sh fills), runs its tests (the `gpu` ones, and the CPU backend's on the
-# portable sgemm), then gpu_bench, and prints a summary. Logs go to $OUT when it is set (the device tool brings them back), else to
-# build-gpu/out. Exit status: 0 only when every test passed and the benchmark ran.
+# portable sgemm), then gpu_bench and PyTorch's MoE layer on the same device
+# (torch_moe_bench.py), and prints a summary. Logs go to $OUT when it is set (the device tool brings them back), else to
+# build-gpu/out. Exit status: 0 only when every test passed and both benchmarks ran.
 #
 #   tests/gpu/vendor.sh                 # once, where Debian's archive is reachable
 #   tests/gpu/run.sh                    # on the GPU machine, from the repository root
@@ -50,10 +51,30 @@ tested=$(date +%s)
 echo "== gpu_bench"
 "$build/gpu_bench" 2>&1 | tee "$out/bench.log"
 bench_rc=${PIPESTATUS[0]}
+echo "== torch_moe_bench (PyTorch's MoE layer on this device: the anchor of moe_layer)"
+PYTHONUNBUFFERED=1 python3 tests/gpu/torch_moe_bench.py 2>&1 | tee "$out/torch.log"
+torch_rc=${PIPESTATUS[0]}
 end=$(date +%s)
+
+# Pith's fp32 layer against PyTorch's fp32 loop (the same precision) and PyTorch's best.
+for shape in qwen3-30b-a3b deepseek-v2-lite; do
+  awk -v s="$shape" '
+    $1 == "moe_layer" && $2 == s { for (i = 1; i <= NF; ++i) if ($i == "ms") pith = $(i - 1) }
+    $1 == "torch_moe" && $2 == s && $5 == "ms" {
+      if ($3 == "loop_fp32") fp32 = $4
+      if (best == "" || $4 < best) { best = $4; variant = $3 }
+    }
+    END {
+      if (pith == "" || fp32 == "") { print "moe_layer_vs_torch " s ": missing a figure"; exit }
+      printf "moe_layer_vs_torch %s pith fp32 %.2f ms; torch loop_fp32 %.2f ms (x%.2f); " \
+             "torch best %s %.2f ms (x%.2f; target >= 1.5)\n", s, pith, fp32, fp32 / pith,
+             variant, best, best / pith
+    }' "$out/bench.log" "$out/torch.log" | tee -a "$out/torch.log"
+done
 
 echo "SUMMARY: build $((built - start)) s, tests $((tested - built)) s (rc $tests_rc), bench" \
      "$((end - tested)) s (rc $bench_rc), total $((end - start)) s"
 grep -E "tests passed|tests failed" "$out/ctest.log" | sed 's/^/SUMMARY: /'
-grep -E "^expert_ffn" "$out/bench.log" | sed 's/^/SUMMARY: /'
-[[ $tests_rc == 0 && $bench_rc == 0 ]]
+grep -E "^(expert_|moe_layer)" "$out/bench.log" | sed 's/^/SUMMARY: /'
+grep -E "^moe_layer_vs_torch|failed|unavailable" "$out/torch.log" | sed 's/^/SUMMARY: /'
+[[ $tests_rc == 0 && $bench_rc == 0 && $torch_rc == 0 ]]

@@ -126,6 +126,7 @@ CudaBackend::CudaBackend(int device, CUstream_st* stream, cublasContext* blas,
 CudaBackend::~CudaBackend() {
   cudaSetDevice(device_);
   cudaStreamSynchronize(S(stream_));
+  DestroySideStreams();
   for (ScratchBuffer& s : scratch_) {
     if (s.ptr != nullptr) cudaFree(s.ptr);
   }
@@ -239,45 +240,33 @@ void CudaBackend::Gemm(bool trans_a, bool trans_b, int m, int n, int k, float al
             "Gemm");
 }
 
-void CudaBackend::GroupedGemm(const std::vector<GemmProblem>& problems, const char* op) {
-  if (problems.empty() || !Ready()) return;
-  const int count = static_cast<int>(problems.size());
-  std::vector<cublasOperation_t> ta(count), tb(count);
-  std::vector<int> m(count), n(count), k(count), lda(count), ldb(count), ldc(count), size(count, 1);
-  std::vector<float> alpha(count, 1.0f), beta(count);
-  std::vector<const float*> pointers(3 * static_cast<size_t>(count));
-  for (int i = 0; i < count; ++i) {
-    const GemmProblem& p = problems[i];
-    // Column-major, operands swapped as in Gemm.
-    ta[i] = Op(p.trans_b);
-    tb[i] = Op(p.trans_a);
-    m[i] = p.n;
-    n[i] = p.m;
-    k[i] = p.k;
-    lda[i] = p.ldb;
-    ldb[i] = p.lda;
-    ldc[i] = p.ldc;
-    beta[i] = p.beta;
-    pointers[i] = p.b;
-    pointers[count + i] = p.a;
-    pointers[2 * count + i] = p.c;
-  }
+const void* const* CudaBackend::UploadPointers(const std::vector<const void*>& pointers,
+                                               const char* op) {
   // The pointer arrays live in device memory. A host-to-device cudaMemcpyAsync from
   // pageable memory returns once the source is copied to staging memory (CUDA runtime API,
   // "API synchronization behavior"), so `pointers` may go when it returns. Every upload
   // of this backend relies on that.
-  void* device_pointers = Scratch(kPointers, pointers.size() * sizeof(float*));
-  if (device_pointers == nullptr) return;
-  if (!CheckCuda(cudaMemcpyAsync(device_pointers, pointers.data(), pointers.size() * sizeof(float*),
+  void* dev = Scratch(kPointers, pointers.size() * sizeof(void*));
+  if (dev == nullptr ||
+      !CheckCuda(cudaMemcpyAsync(dev, pointers.data(), pointers.size() * sizeof(void*),
                                  cudaMemcpyHostToDevice, S(stream_)),
                  op)) {
-    return;
+    return nullptr;
   }
-  const float* const* dev = static_cast<const float* const*>(device_pointers);
-  CheckBlas(cublasSgemmGroupedBatched(H(blas_), ta.data(), tb.data(), m.data(), n.data(), k.data(),
-                                      alpha.data(), dev, lda.data(), dev + count, ldb.data(),
-                                      beta.data(), const_cast<float* const*>(dev + 2 * count),
-                                      ldc.data(), count, size.data()),
+  return static_cast<const void* const*>(dev);
+}
+
+void CudaBackend::GroupedGemm(const std::vector<GemmProblem>& problems, const char* op) {
+  if (problems.empty() || !Ready()) return;
+  const GroupedArrays<GemmProblem> g(problems);
+  const void* const* uploaded = UploadPointers(g.pointers, op);
+  if (uploaded == nullptr) return;
+  const float* const* dev = reinterpret_cast<const float* const*>(uploaded);
+  const int count = g.count;
+  CheckBlas(cublasSgemmGroupedBatched(
+                H(blas_), g.ta.data(), g.tb.data(), g.m.data(), g.n.data(), g.k.data(),
+                g.alpha.data(), dev, g.lda.data(), dev + count, g.ldb.data(), g.beta.data(),
+                const_cast<float* const*>(dev + 2 * count), g.ldc.data(), count, g.size.data()),
             op);
 }
 

@@ -1,11 +1,14 @@
-// Device helpers shared by the CUDA backend's translation units: launch shapes, block
-// reductions and the gelu of DESIGN §3. Internal to worker/cuda.
+// Helpers shared by the CUDA backend's translation units: launch shapes, block reductions,
+// the gelu of DESIGN §3 and the host-side arrays of a cuBLAS grouped product. Internal to
+// worker/cuda.
 #ifndef PITH_WORKER_CUDA_CUDA_KERNELS_CUH_
 #define PITH_WORKER_CUDA_CUDA_KERNELS_CUH_
 
+#include <cublas_v2.h>
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <vector>
 
 namespace pith::cuda {
 
@@ -20,6 +23,49 @@ inline int GridFor(int64_t n) {
 #define PITH_GRID_STRIDE(i, n)                                              \
   for (int64_t i = int64_t{blockIdx.x} * blockDim.x + threadIdx.x; i < (n); \
        i += int64_t{blockDim.x} * gridDim.x)
+
+// The host-side arrays of a cuBLAS grouped product, one problem per group: column-major,
+// the operands swapped as CudaBackend::Gemm swaps them (row-major C = op(A) op(B) is
+// column-major C^T = op(B)^T op(A)^T). P has trans_a, trans_b, m, n, k, a, lda, b, ldb,
+// beta, c and ldc; `pointers` holds every B, then every A, then every C.
+template <typename P>
+struct GroupedArrays {
+  explicit GroupedArrays(const std::vector<P>& problems)
+      : count(static_cast<int>(problems.size())),
+        ta(count),
+        tb(count),
+        m(count),
+        n(count),
+        k(count),
+        lda(count),
+        ldb(count),
+        ldc(count),
+        size(count, 1),
+        alpha(count, 1.0f),
+        beta(count),
+        pointers(3 * problems.size()) {
+    for (int i = 0; i < count; ++i) {
+      const P& p = problems[i];
+      ta[i] = p.trans_b ? CUBLAS_OP_T : CUBLAS_OP_N;
+      tb[i] = p.trans_a ? CUBLAS_OP_T : CUBLAS_OP_N;
+      m[i] = p.n;
+      n[i] = p.m;
+      k[i] = p.k;
+      lda[i] = p.ldb;
+      ldb[i] = p.lda;
+      ldc[i] = p.ldc;
+      beta[i] = p.beta;
+      pointers[i] = p.b;
+      pointers[count + i] = p.a;
+      pointers[2 * count + i] = p.c;
+    }
+  }
+  int count;
+  std::vector<cublasOperation_t> ta, tb;
+  std::vector<int> m, n, k, lda, ldb, ldc, size;
+  std::vector<float> alpha, beta;
+  std::vector<const void*> pointers;
+};
 
 template <typename T>
 __device__ __forceinline__ T WarpSum(T v) {
@@ -73,14 +119,22 @@ __device__ T BlockMax(T v, T* shared) {
 inline constexpr float kGeluScale = 0.7978845608028654f;  // sqrt(2 / pi)
 inline constexpr float kGeluCubic = 0.044715f;
 
+// tanh(u) = 1 - 2 / (exp(2u) + 1), as the CPU backend computes it. GELU's derivative takes
+// 1 - tanh^2, which cancels near |tanh| = 1: two tanh routines an ulp apart there give
+// derivatives 1e-4 apart (relative), so the GPU forms tanh exactly as the CPU does; the
+// two exp routines then differ far below the rounding of the final subtraction.
+__device__ __forceinline__ float TanhLikeCpu(float u) {
+  return 1.0f - 2.0f / (expf(2.0f * u) + 1.0f);
+}
+
 __device__ __forceinline__ float GeluTanh(float v) {
   const float u = kGeluScale * (v + kGeluCubic * v * v * v);
-  return 0.5f * v * (1.0f + tanhf(u));
+  return 0.5f * v * (1.0f + TanhLikeCpu(u));
 }
 
 __device__ __forceinline__ float GeluTanhGrad(float v) {
   const float u = kGeluScale * (v + kGeluCubic * v * v * v);
-  const float t = tanhf(u);
+  const float t = TanhLikeCpu(u);
   const float du = kGeluScale * (1.0f + 3.0f * kGeluCubic * v * v);
   return 0.5f * (1.0f + t) + 0.5f * v * (1.0f - t * t) * du;
 }

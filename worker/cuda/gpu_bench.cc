@@ -1,22 +1,40 @@
-// gpu_bench: the CUDA backend's expert FFN (grouped GEMMs, forward + backward) against a
-// dense cuBLAS GEMM of the same FLOPs, measured in the same run on the same device.
+// gpu_bench: the CUDA backend's expert FFN and MoE layer, each against an anchor measured in
+// the same run on the same device.
 //
-//   gpu_bench [--tokens=16384] [--iters=5]
+//   gpu_bench [--tokens=16384] [--iters=5] [--device=0]
 //
 // Shapes: Qwen3-30B-A3B (d 2048, f 768, E 128, top-8) and DeepSeek-V2-Lite (d 2048,
-// f 1408, E 64, top-6); tokens spread over the experts with a skew (the first expert gets
-// twice the mean, the last half). Prints one line per shape: the grouped TFLOP/s, the dense
-// TFLOP/s and their ratio (the target is >= 0.8). fp32 as the backend computes today.
+// f 1408, E 64, top-6). Per shape, one line each:
+//   expert_ffn      fp32 grouped FFN fwd+bwd (ExpertForward/Backward: the products, bias and
+//                   gelu) against a dense fp32 cuBLAS GEMM of the same FLOPs;
+//   expert_gemm_bf16 the FFN's six products per bucket (2 forward, 4 backward) in bf16 with
+//                   fp32 accumulation (weight gradients into fp32), fanned out over side
+//                   streams (FanOutGemmBf16), against a dense bf16 cuBLAS GEMM of the same
+//                   FLOPs and the H200's ~790 TFLOP/s; its detail line has each phase and
+//                   the same products as cuBLAS grouped calls;
+//   expert_fetch    uploads of a bf16 expert blob into DeviceSlots from registered pinned
+//                   staging, against a plain pinned cudaMemcpy of the same bytes;
+//   moe_layer       the whole fp32 MoE layer fwd+bwd through the backend (router GEMM,
+//                   Route with its host layout, permute, experts, combine, every backward)
+//                   in ms, for tests/gpu/run.sh to set against PyTorch's (torch_moe_bench.py).
+// Tokens in the GEMM benches spread over the experts with a skew (the first expert gets
+// twice the mean, the last half); the layer routes random tokens through a random router.
+#include <cuda_runtime.h>
+
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <memory>
 #include <random>
 #include <string>
+#include <tuple>
+#include <utility>
 #include <vector>
 
 #include "worker/cuda/cuda_backend.h"
+#include "worker/cuda/device_slots.h"
 
 namespace pith::cuda {
 namespace {
@@ -64,16 +82,34 @@ double SecondsPerIter(CudaBackend& b, int iters, F&& body) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count() / iters;
 }
 
-int RunShape(CudaBackend& b, const Shape& s, int64_t tokens, int iters) {
-  const int C = s.channels, F = s.hidden, E = s.experts;
-  const int64_t A = tokens * s.top_k;
+// Bucket offsets for A assignments over E experts: a linear skew from 2x the mean
+// (expert 0) to 0.5x (the last); the rounding remainder goes to the last.
+std::vector<int64_t> SkewedOffsets(int E, int64_t A) {
   std::vector<int64_t> offsets(E + 1, 0);
   for (int e = 0; e < E; ++e) {
-    // Linear skew from 2x the mean (expert 0) to 0.5x (the last); the rest to the last.
     const double share = (2.0 - 1.5 * e / std::max(1, E - 1)) / (1.25 * E);
     offsets[e + 1] = std::min<int64_t>(A, offsets[e] + static_cast<int64_t>(share * A));
   }
   offsets[E] = A;
+  return offsets;
+}
+
+// Each expert's views into contiguous fp32 blobs [w1 C*F | b1 F | w2 F*C | b2 C].
+void ExpertViews(const float* w, float* g, int E, int C, int F,
+                 std::vector<compute::ExpertWeights>& ws, std::vector<compute::ExpertGrads>& gs) {
+  const int64_t cf = int64_t{C} * F, blob = 2 * cf + F + C;
+  for (int e = 0; e < E; ++e) {
+    const float* p = w + e * blob;
+    float* q = g + e * blob;
+    ws.push_back({p, p + cf, p + cf + F, p + 2 * cf + F});
+    gs.push_back({q, q + cf, q + cf + F, q + 2 * cf + F});
+  }
+}
+
+int RunShape(CudaBackend& b, const Shape& s, int64_t tokens, int iters) {
+  const int C = s.channels, F = s.hidden, E = s.experts;
+  const int64_t A = tokens * s.top_k;
+  const std::vector<int64_t> offsets = SkewedOffsets(E, A);
   const int64_t expert_floats = 2 * int64_t{C} * F + F + C;
   auto alloc = [&](int64_t floats) { return b.Allocate(sizeof(float) * floats); };
   auto x = alloc(A * C), y = alloc(A * C), hpre = alloc(A * F), h = alloc(A * F);
@@ -92,12 +128,7 @@ int RunShape(CudaBackend& b, const Shape& s, int64_t tokens, int iters) {
   }
   std::vector<compute::ExpertWeights> ws;
   std::vector<compute::ExpertGrads> gs;
-  for (int e = 0; e < E; ++e) {
-    const float* p = w->f32() + e * expert_floats;
-    float* q = g->f32() + e * expert_floats;
-    ws.push_back({p, p + int64_t{C} * F, p + int64_t{C} * F + F, p + 2 * int64_t{C} * F + F});
-    gs.push_back({q, q + int64_t{C} * F, q + int64_t{C} * F + F, q + 2 * int64_t{C} * F + F});
-  }
+  ExpertViews(w->f32(), g->f32(), E, C, F, ws, gs);
   const double grouped = SecondsPerIter(b, iters, [&] {
     b.ExpertForward(y->f32(), hpre->f32(), h->f32(), x->f32(), offsets.data(), ws, C, F);
     b.ExpertBackward(dx->f32(), dh->f32(), gs, dy->f32(), x->f32(), hpre->f32(), h->f32(),
@@ -123,23 +154,279 @@ int RunShape(CudaBackend& b, const Shape& s, int64_t tokens, int iters) {
   return 0;
 }
 
+// Reports allocation failures by name; true when every buffer is there.
+bool AllOk(const char* name,
+           std::initializer_list<const absl::StatusOr<compute::DeviceBuffer>*> bufs) {
+  for (const auto* buf : bufs) {
+    if (!buf->ok()) {
+      std::fprintf(stderr, "%s: %s\n", name, buf->status().ToString().c_str());
+      return false;
+    }
+  }
+  return true;
+}
+
+using Bf16Call = std::pair<const char*, const std::vector<CudaBackend::Bf16Gemm>*>;
+
+double Flops(const std::vector<CudaBackend::Bf16Gemm>& problems) {
+  double f = 0;
+  for (const auto& p : problems) f += 2.0 * p.m * p.n * p.k;
+  return f;
+}
+
+// TFLOP/s of each phase on its own (fanned out): where the FFN's time goes.
+std::string Bf16Breakdown(CudaBackend& b, const std::vector<Bf16Call>& calls, int iters) {
+  std::string out;
+  for (const Bf16Call& call : calls) {
+    const auto& [name, problems] = call;
+    const double t = SecondsPerIter(b, iters, [&] { b.FanOutGemmBf16(*call.second, call.first); });
+    char part[64];
+    std::snprintf(part, sizeof(part), " %s %.0f", name, Flops(*problems) / t / 1e12);
+    out += part;
+  }
+  return out;
+}
+
+// The FFN's six products in bf16 (fp32 accumulation), grouped over the buckets, the weight
+// gradients written in bf16 and added to fp32 gradients, against six dense bf16 products
+// of the same FLOPs.
+int RunBf16Gemms(CudaBackend& b, const Shape& s, int64_t tokens, int iters) {
+  const int C = s.channels, F = s.hidden, E = s.experts;
+  const int64_t A = tokens * s.top_k, per_expert = 2 * int64_t{C} * F;
+  const std::vector<int64_t> offsets = SkewedOffsets(E, A);
+  auto bf16 = [&](int64_t n) { return b.Allocate(2 * n); };
+  auto x = bf16(A * C), hpre = bf16(A * F), h = bf16(A * F), y = bf16(A * C), dy = bf16(A * C);
+  auto dx = bf16(A * C), dh = bf16(A * F), w = bf16(E * per_expert);
+  auto gb = bf16(E * per_expert), g = b.Allocate(sizeof(float) * E * per_expert);
+  auto tmp = b.Allocate(sizeof(float) * std::max(A * std::max(C, F), E * per_expert));
+  if (!AllOk(s.name, {&x, &hpre, &h, &y, &dy, &dx, &dh, &w, &gb, &g, &tmp})) return 1;
+  for (auto [buf, n, scale] :
+       {std::tuple{&x, A * C, 1.0f}, std::tuple{&h, A * F, 1.0f}, std::tuple{&dy, A * C, 1e-3f},
+        std::tuple{&w, E * per_expert, 0.02f}}) {
+    if (!Fill(b, tmp->f32(), n, scale)) break;
+    b.ToBf16((*buf)->data(), tmp->f32(), n);
+  }
+  using P = CudaBackend::Bf16Gemm;
+  auto at = [](const absl::StatusOr<compute::DeviceBuffer>& buf, int64_t elems) {
+    return static_cast<uint16_t*>((*buf).data()) + elems;
+  };
+  std::vector<P> fwd1, fwd2, bwd_dh, bwd_dw, bwd_dw_bf16, bwd_dx;
+  for (int e = 0; e < E; ++e) {
+    const int64_t r0 = offsets[e];
+    const int rows = static_cast<int>(offsets[e + 1] - r0);
+    if (rows == 0) continue;
+    const uint16_t* w1 = at(w, e * per_expert);
+    const uint16_t* w2 = w1 + int64_t{C} * F;
+    float* g1 = g->f32() + e * per_expert;
+    float* g2 = g1 + int64_t{C} * F;
+    uint16_t* gb1 = at(gb, e * per_expert);
+    uint16_t* gb2 = gb1 + int64_t{C} * F;
+    fwd1.push_back({false, false, rows, F, C, at(x, r0 * C), C, w1, F, 0, at(hpre, r0 * F), F});
+    fwd2.push_back({false, false, rows, C, F, at(h, r0 * F), F, w2, C, 0, at(y, r0 * C), C});
+    bwd_dh.push_back({false, true, rows, F, C, at(dy, r0 * C), C, w2, C, 0, at(dh, r0 * F), F});
+    // Weight gradients: into fp32 with beta 1 (fanned out), or into bf16 for the grouped
+    // call, which then needs AccumulateBf16.
+    bwd_dw.push_back(
+        {true, false, F, C, rows, at(h, r0 * F), F, at(dy, r0 * C), C, 1, g2, C, true});
+    bwd_dw.push_back(
+        {true, false, C, F, rows, at(x, r0 * C), C, at(dh, r0 * F), F, 1, g1, F, true});
+    bwd_dw_bf16.push_back(
+        {true, false, F, C, rows, at(h, r0 * F), F, at(dy, r0 * C), C, 0, gb2, C});
+    bwd_dw_bf16.push_back(
+        {true, false, C, F, rows, at(x, r0 * C), C, at(dh, r0 * F), F, 0, gb1, F});
+    bwd_dx.push_back({false, true, rows, C, F, at(dh, r0 * F), F, w1, F, 0, at(dx, r0 * C), C});
+  }
+  auto fan_out = [&] {
+    b.FanOutGemmBf16(fwd1, "bf16 x @ w1");
+    b.FanOutGemmBf16(fwd2, "bf16 h @ w2");
+    b.FanOutGemmBf16(bwd_dh, "bf16 dy @ w2^T");
+    b.FanOutGemmBf16(bwd_dw, "bf16 dW1, dW2");
+    b.FanOutGemmBf16(bwd_dx, "bf16 dh @ w1^T");
+  };
+  // The other side-stream counts, for the detail line; the backend's default last.
+  const int streams = b.side_streams();
+  std::string other_counts;
+  for (int n : {2, 8}) {
+    b.set_side_streams(n);
+    char part[48];
+    std::snprintf(part, sizeof(part), " %d streams %.0f", n,
+                  12.0 * A * C * F / SecondsPerIter(b, iters, fan_out) / 1e12);
+    other_counts += part;
+  }
+  b.set_side_streams(streams);
+  const double fanout = SecondsPerIter(b, iters, fan_out);
+  const double grouped = SecondsPerIter(b, iters, [&] {
+    b.GroupedGemmBf16(fwd1, "bf16 x @ w1 (grouped)");
+    b.GroupedGemmBf16(fwd2, "bf16 h @ w2 (grouped)");
+    b.GroupedGemmBf16(bwd_dh, "bf16 dy @ w2^T (grouped)");
+    b.GroupedGemmBf16(bwd_dw_bf16, "bf16 dW1, dW2 (grouped)");
+    b.AccumulateBf16(g->f32(), gb->data(), E * per_expert);
+    b.GroupedGemmBf16(bwd_dx, "bf16 dh @ w1^T (grouped)");
+  });
+  const P dense{false, false, static_cast<int>(A), F, C, at(x, 0), C, at(w, 0),
+                F,     0,     at(hpre, 0),         F};
+  const double dense_s = SecondsPerIter(b, iters, [&] {
+    for (int i = 0; i < 6; ++i) b.GemmBf16(dense, "bf16 dense");
+  });
+  if (fanout <= 0 || grouped <= 0 || dense_s <= 0) {
+    std::fprintf(stderr, "%s bf16: %s\n", s.name, b.status().ToString().c_str());
+    return 1;
+  }
+  const double flops = 12.0 * static_cast<double>(A) * C * F;
+  std::printf(
+      "expert_gemm_bf16 %-16s A=%lld  fwd+bwd %.2f ms %.1f TFLOP/s (%.0f%% of 790)  dense %.1f "
+      "TFLOP/s  ratio %.3f (target >= 0.8)\n",
+      s.name, static_cast<long long>(A), fanout * 1e3, flops / fanout / 1e12,
+      100 * flops / fanout / 790e12, flops / dense_s / 1e12, dense_s / fanout);
+  const std::vector<Bf16Call> calls = {{"x@w1", &fwd1},
+                                       {"h@w2", &fwd2},
+                                       {"dy@w2T", &bwd_dh},
+                                       {"dW1+dW2", &bwd_dw},
+                                       {"dh@w1T", &bwd_dx}};
+  std::printf(
+      "expert_gemm_bf16_detail %-16s TFLOP/s per phase:%s; with%s (default %d); cuBLAS "
+      "grouped calls (cublasGemmGroupedBatchedEx + bf16->fp32 gradient add) %.1f\n",
+      s.name, Bf16Breakdown(b, calls, iters).c_str(), other_counts.c_str(), streams,
+      flops / grouped / 1e12);
+  return 0;
+}
+
+// The whole fp32 MoE layer, forward and backward, through the backend's ops.
+int RunLayer(CudaBackend& b, const Shape& s, int64_t tokens, int iters) {
+  const int C = s.channels, F = s.hidden, E = s.experts, k = s.top_k;
+  const int N = static_cast<int>(tokens);
+  const int64_t A = int64_t{N} * k, expert_floats = 2 * int64_t{C} * F + F + C;
+  auto f32 = [&](int64_t n) { return b.Allocate(sizeof(float) * n); };
+  auto i32 = [&](int64_t n) { return b.Allocate(sizeof(int32_t) * n); };
+  auto x = f32(int64_t{N} * C), wr = f32(int64_t{C} * E), logits = f32(int64_t{N} * E);
+  auto probs = f32(int64_t{N} * E), lse = f32(N), expert = i32(A), gate = f32(A), row = i32(A);
+  auto bucket_token = i32(A), xperm = f32(A * C), hpre = f32(A * F), h = f32(A * F);
+  auto y = f32(A * C), out = f32(int64_t{N} * C), dout = f32(int64_t{N} * C), dy = f32(A * C);
+  auto dgate = f32(A), dh = f32(A * F), dxperm = f32(A * C), dx = f32(int64_t{N} * C);
+  auto dlogits = f32(int64_t{N} * E), dwr = f32(int64_t{C} * E);
+  auto w = f32(E * expert_floats), g = f32(E * expert_floats);
+  if (!AllOk(s.name, {&x,      &wr,   &logits,  &probs, &lse, &expert, &gate, &row,   &bucket_token,
+                      &xperm,  &hpre, &h,       &y,     &out, &dout,   &dy,   &dgate, &dh,
+                      &dxperm, &dx,   &dlogits, &dwr,   &w,   &g})) {
+    return 1;
+  }
+  if (!Fill(b, x->f32(), int64_t{N} * C, 1.0f) || !Fill(b, wr->f32(), int64_t{C} * E, 0.02f) ||
+      !Fill(b, w->f32(), E * expert_floats, 0.02f) ||
+      !Fill(b, dout->f32(), int64_t{N} * C, 1e-3f)) {
+    std::fprintf(stderr, "%s layer: fill: %s\n", s.name, b.status().ToString().c_str());
+    return 1;
+  }
+  std::vector<compute::ExpertWeights> ws;
+  std::vector<compute::ExpertGrads> gs;
+  ExpertViews(w->f32(), g->f32(), E, C, F, ws, gs);
+  std::vector<int64_t> offsets(E + 1), routed(E);
+  std::vector<double> prob_sum(E), global_f(E);
+  const compute::RoutingBuffers rb{probs->f32(),
+                                   lse->f32(),
+                                   static_cast<int32_t*>(expert->data()),
+                                   gate->f32(),
+                                   static_cast<int32_t*>(row->data()),
+                                   static_cast<int32_t*>(bucket_token->data()),
+                                   offsets.data(),
+                                   routed.data(),
+                                   prob_sum.data()};
+  const compute::RouterConfig config{k, 0.0, true};
+  const double seconds = SecondsPerIter(b, iters, [&] {
+    b.Gemm(false, false, N, E, C, 1.0f, x->f32(), C, wr->f32(), E, 0.0f, logits->f32(), E);
+    b.Route(logits->f32(), N, E, config, rb);
+    const int64_t a = offsets[E];
+    b.Permute(xperm->f32(), x->f32(), rb.bucket_token, a, C);
+    b.ExpertForward(y->f32(), hpre->f32(), h->f32(), xperm->f32(), offsets.data(), ws, C, F);
+    b.Combine(out->f32(), y->f32(), rb.row, rb.gate, N, k, C);
+    b.CombineBackward(dy->f32(), dgate->f32(), dout->f32(), y->f32(), rb.row, rb.gate, N, k, C);
+    b.ExpertBackward(dxperm->f32(), dh->f32(), gs, dy->f32(), xperm->f32(), hpre->f32(), h->f32(),
+                     offsets.data(), ws, C, F);
+    b.Zero(dx->data(), sizeof(float) * N * C);
+    b.PermuteBackward(dx->f32(), dxperm->f32(), rb.row, N, k, C);
+    for (int e = 0; e < E; ++e) global_f[e] = static_cast<double>(routed[e]) / (double{1} * A);
+    b.RouteBackward(dlogits->f32(), dgate->f32(), rb, N, E, config,
+                    {0.01, 0.001, N, global_f.data()});
+    b.Gemm(true, false, C, E, N, 1.0f, x->f32(), C, dlogits->f32(), E, 0.0f, dwr->f32(), E);
+    b.Gemm(false, true, N, C, E, 1.0f, dlogits->f32(), E, wr->f32(), E, 1.0f, dx->f32(), C);
+  });
+  if (seconds <= 0) {
+    std::fprintf(stderr, "%s layer: %s\n", s.name, b.status().ToString().c_str());
+    return 1;
+  }
+  std::printf("moe_layer %-16s tokens=%d fp32 fwd+bwd %.2f ms\n", s.name, N, seconds * 1e3);
+  return 0;
+}
+
+// Expert fetches to the device: one round of uploads of a bf16 weights blob into every
+// slot of a DeviceSlots from registered pinned staging, against one plain pinned
+// cudaMemcpy of the same bytes.
+int RunFetch(CudaBackend& b, const Shape& s, int64_t, int iters) {
+  const size_t blob = 2 * (2 * size_t{1} * s.channels * s.hidden + s.hidden + s.channels);
+  const int count = std::min(64, s.experts);
+  const size_t total = blob * count;
+  std::unique_ptr<uint8_t, decltype(&std::free)> staging(
+      static_cast<uint8_t*>(std::aligned_alloc(4096, (total + 4095) / 4096 * 4096)), &std::free);
+  auto plain = b.Allocate(total);
+  auto slots = DeviceSlots::Create(b.device(), blob, count);
+  if (staging == nullptr || !plain.ok() || !slots.ok() ||
+      !(*slots)->RegisterStaging(staging.get(), total).ok()) {
+    std::fprintf(stderr, "%s fetch: setup failed\n", s.name);
+    return 1;
+  }
+  std::memset(staging.get(), 1, total);
+  auto timed = [&](auto&& round) {
+    round();  // warm-up
+    const auto start = std::chrono::steady_clock::now();
+    for (int i = 0; i < iters; ++i) round();
+    return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count() / iters;
+  };
+  bool ok = true;
+  const double fetch = timed([&] {
+    for (int i = 0; i < count; ++i) ok &= (*slots)->Upload(i, staging.get() + blob * i, blob).ok();
+    ok &= (*slots)->Wait().ok();
+  });
+  const double memcpy_s = timed([&] {
+    ok &= cudaMemcpy(plain->data(), staging.get(), total, cudaMemcpyHostToDevice) == cudaSuccess;
+  });
+  if (!ok) {
+    std::fprintf(stderr, "%s fetch: a copy failed\n", s.name);
+    return 1;
+  }
+  std::printf(
+      "expert_fetch %-16s blob %.1f MB x %d slots  fetch %.1f GB/s  pinned cudaMemcpy %.1f GB/s  "
+      "ratio %.3f (target >= 0.9)\n",
+      s.name, blob / 1e6, count, total / fetch / 1e9, total / memcpy_s / 1e9, memcpy_s / fetch);
+  return 0;
+}
+
 }  // namespace
 }  // namespace pith::cuda
 
 int main(int argc, char** argv) {
-  auto backend =
-      pith::cuda::CudaBackend::Create(static_cast<int>(pith::cuda::Flag(argc, argv, "device", 0)));
-  if (!backend.ok()) {
-    std::fprintf(stderr, "gpu_bench: %s\n", backend.status().ToString().c_str());
-    return 2;
-  }
-  std::printf("gpu_bench on %s (fp32, no TF32)\n", (*backend)->description().c_str());
+  using pith::cuda::CudaBackend;
+  std::setvbuf(stdout, nullptr, _IOLBF, 0);  // lines in order with stderr's
+  const int device = static_cast<int>(pith::cuda::Flag(argc, argv, "device", 0));
   const int64_t tokens = pith::cuda::Flag(argc, argv, "tokens", 16384);
   const int iters = static_cast<int>(pith::cuda::Flag(argc, argv, "iters", 5));
   int rc = 0;
+  bool first = true;
   for (const pith::cuda::Shape& s : {pith::cuda::Shape{"qwen3-30b-a3b", 2048, 768, 128, 8},
                                      pith::cuda::Shape{"deepseek-v2-lite", 2048, 1408, 64, 6}}) {
-    rc |= pith::cuda::RunShape(**backend, s, tokens, iters);
+    for (auto* run : {pith::cuda::RunShape, pith::cuda::RunBf16Gemms, pith::cuda::RunLayer,
+                      pith::cuda::RunFetch}) {
+      // A backend per measurement: a failed one stays failed, and the others still run.
+      auto backend = CudaBackend::Create(device);
+      if (!backend.ok()) {
+        std::fprintf(stderr, "gpu_bench: %s\n", backend.status().ToString().c_str());
+        return 2;
+      }
+      if (first) {
+        std::printf("gpu_bench on %s (fp32 without TF32; bf16 where named)\n",
+                    (*backend)->description().c_str());
+        first = false;
+      }
+      rc |= run(**backend, s, tokens, iters);
+    }
   }
   return rc;
 }

@@ -1,0 +1,111 @@
+// DeviceSlots: see device_slots.h.
+#include <cuda_runtime.h>
+
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "worker/cuda/device_slots.h"
+
+namespace pith::cuda {
+namespace {
+
+absl::Status Check(cudaError_t err, const char* op) {
+  if (err == cudaSuccess) return absl::OkStatus();
+  cudaGetLastError();  // the failures here are not sticky: clear them
+  const std::string what = absl::StrCat("device slots: ", op, ": ", cudaGetErrorString(err));
+  if (err == cudaErrorMemoryAllocation) return absl::ResourceExhaustedError(what);
+  if (err == cudaErrorInvalidValue) return absl::InvalidArgumentError(what);
+  return absl::InternalError(what);
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<DeviceSlots>> DeviceSlots::Create(int device, size_t slot_bytes,
+                                                                 int slots) {
+  if (slots < 1 || slot_bytes == 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("device slots: ", slots, " slots of ", slot_bytes, " bytes"));
+  }
+  if (absl::Status st = Check(cudaSetDevice(device), "cudaSetDevice"); !st.ok()) return st;
+  void* arena = nullptr;
+  if (absl::Status st =
+          Check(cudaMalloc(&arena, slot_bytes * slots),
+                absl::StrCat("cudaMalloc(", slots, " x ", slot_bytes, " bytes)").c_str());
+      !st.ok()) {
+    return st;
+  }
+  cudaStream_t copy = nullptr;
+  std::vector<CUevent_st*> events;
+  absl::Status made =
+      Check(cudaStreamCreateWithFlags(&copy, cudaStreamNonBlocking), "cudaStreamCreate");
+  for (int i = 0; made.ok() && i < slots; ++i) {
+    cudaEvent_t e = nullptr;
+    made.Update(Check(cudaEventCreateWithFlags(&e, cudaEventDisableTiming), "cudaEventCreate"));
+    if (made.ok()) events.push_back(e);
+  }
+  if (!made.ok()) {
+    for (cudaEvent_t e : events) cudaEventDestroy(e);
+    if (copy != nullptr) cudaStreamDestroy(copy);
+    cudaFree(arena);
+    return made;
+  }
+  return std::unique_ptr<DeviceSlots>(
+      new DeviceSlots(device, slot_bytes, arena, copy, std::move(events)));
+}
+
+DeviceSlots::DeviceSlots(int device, size_t slot_bytes, void* arena, CUstream_st* copy,
+                         std::vector<CUevent_st*> events)
+    : device_(device),
+      slot_bytes_(slot_bytes),
+      arena_(arena),
+      copy_(copy),
+      events_(std::move(events)) {}
+
+DeviceSlots::~DeviceSlots() {
+  cudaSetDevice(device_);
+  cudaStreamSynchronize(copy_);
+  for (void* host : registered_) cudaHostUnregister(host);
+  for (cudaEvent_t e : events_) cudaEventDestroy(e);
+  cudaStreamDestroy(copy_);
+  cudaFree(arena_);
+}
+
+absl::Status DeviceSlots::RegisterStaging(void* host, size_t bytes) {
+  if (absl::Status st = Check(cudaSetDevice(device_), "cudaSetDevice"); !st.ok()) return st;
+  if (absl::Status st =
+          Check(cudaHostRegister(host, bytes, cudaHostRegisterDefault), "cudaHostRegister");
+      !st.ok()) {
+    return st;
+  }
+  registered_.push_back(host);
+  return absl::OkStatus();
+}
+
+absl::Status DeviceSlots::Upload(int i, const void* host, size_t bytes) {
+  if (i < 0 || i >= slots() || bytes > slot_bytes_) {
+    return absl::InvalidArgumentError(absl::StrCat("device slots: upload of ", bytes,
+                                                   " bytes into slot ", i, " of ", slots(),
+                                                   " slots of ", slot_bytes_, " bytes"));
+  }
+  if (absl::Status st = Check(cudaSetDevice(device_), "cudaSetDevice"); !st.ok()) return st;
+  if (absl::Status st = Check(cudaMemcpyAsync(slot(i), host, bytes, cudaMemcpyHostToDevice, copy_),
+                              "Upload (cudaMemcpyAsync)");
+      !st.ok()) {
+    return st;
+  }
+  return Check(cudaEventRecord(events_[i], copy_), "Upload (cudaEventRecord)");
+}
+
+absl::Status DeviceSlots::MakeVisible(int i, CUstream_st* compute) {
+  if (i < 0 || i >= slots()) {
+    return absl::InvalidArgumentError(absl::StrCat("device slots: no slot ", i));
+  }
+  return Check(cudaStreamWaitEvent(compute, events_[i], 0), "MakeVisible (cudaStreamWaitEvent)");
+}
+
+absl::Status DeviceSlots::Wait() {
+  if (absl::Status st = Check(cudaSetDevice(device_), "cudaSetDevice"); !st.ok()) return st;
+  return Check(cudaStreamSynchronize(copy_), "Wait (cudaStreamSynchronize)");
+}
+
+}  // namespace pith::cuda
