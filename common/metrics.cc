@@ -163,8 +163,11 @@ struct MetricsExposer::Impl {
                             .count();
       if (left <= 0) break;
       pollfd fds[2] = {{fd, POLLIN, 0}, {wake[0], POLLIN, 0}};
-      if (::poll(fds, 2, static_cast<int>(left)) <= 0 || fds[1].revents != 0) break;
+      const int ready = ::poll(fds, 2, static_cast<int>(left));
+      if (ready < 0 && errno == EINTR) continue;
+      if (ready <= 0 || fds[1].revents != 0) break;
       const ssize_t n = ::read(fd, buf, sizeof(buf));
+      if (n < 0 && errno == EINTR) continue;
       if (n <= 0) break;
       request.append(buf, static_cast<size_t>(n));
     }
@@ -179,7 +182,9 @@ struct MetricsExposer::Impl {
                             .count();
       if (left <= 0) break;
       pollfd fds[2] = {{fd, POLLOUT, 0}, {wake[0], POLLIN, 0}};
-      if (::poll(fds, 2, static_cast<int>(left)) <= 0 || fds[1].revents != 0) break;
+      const int ready = ::poll(fds, 2, static_cast<int>(left));
+      if (ready < 0 && errno == EINTR) continue;  // a signal (SIGHUP reloads): go on
+      if (ready <= 0 || fds[1].revents != 0) break;
       const ssize_t n =
           ::send(fd, response.data() + sent, response.size() - sent, MSG_NOSIGNAL | MSG_DONTWAIT);
       if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR)) continue;

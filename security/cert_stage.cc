@@ -1,6 +1,7 @@
 #include "security/cert_stage.h"
 
 #include <fcntl.h>
+#include <signal.h>
 #include <stdlib.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -43,13 +44,77 @@ absl::Status WriteFile(const std::string& path, const std::string& bytes) {
   return absl::OkStatus();
 }
 
+std::string HostName() {
+  char name[256] = {};
+  if (::gethostname(name, sizeof(name) - 1) != 0 || name[0] == '\0') return "host";
+  for (char* c = name; *c != '\0'; ++c) {
+    if (*c == '/' || *c == '-') *c = '_';  // keeps the name one path part, parsable
+  }
+  return name;
+}
+
+// Removes the stages that processes of this host, now gone, left in `tmp` (killed with -9:
+// no destructor ran): directories pith-tls-HOST-PID-* of this user whose PID is not alive.
+// A stage of another host (a shared $TMPDIR) or of a live process stays.
+void SweepDeadStages(const std::string& tmp, const std::string& host) {
+  const std::string prefix = absl::StrCat("pith-tls-", host, "-");
+  std::error_code ec;
+  for (const auto& entry : std::filesystem::directory_iterator(tmp, ec)) {
+    const std::string name = entry.path().filename().string();
+    if (name.compare(0, prefix.size(), prefix) != 0) continue;
+    const char* digits = name.c_str() + prefix.size();
+    char* end = nullptr;
+    const long pid = std::strtol(digits, &end, 10);
+    if (end == digits || *end != '-' || pid <= 0 || pid == ::getpid()) continue;
+    struct stat st;
+    if (::lstat(entry.path().c_str(), &st) != 0 || !S_ISDIR(st.st_mode) ||
+        st.st_uid != ::geteuid()) {
+      continue;
+    }
+    if (::kill(static_cast<pid_t>(pid), 0) != 0 && errno == ESRCH) {
+      std::filesystem::remove_all(entry.path(), ec);
+    }
+  }
+}
+
+// Copies `source`'s files into `dir` (a new generation), checks the copy names `identity`,
+// and points `current` at it in one rename.
+absl::Status CopyAndSwitch(const std::string& source, const std::string& dir,
+                           const std::string& generation, const std::string& current,
+                           const Identity& identity) {
+  if (::mkdir(dir.c_str(), 0700) != 0) {
+    return absl::InternalError(absl::StrCat("cannot create ", dir, ": ", std::strerror(errno)));
+  }
+  for (const char* file : {kCaCertFile, kCertFile, kKeyFile}) {
+    ASSIGN_OR_RETURN(std::string bytes, ReadAll(absl::StrCat(source, "/", file)));
+    RETURN_IF_ERROR(WriteFile(absl::StrCat(dir, "/", file), bytes));
+  }
+  // What was copied is what goes in use: checked again (the source may have changed
+  // between its check and the copy).
+  absl::StatusOr<Identity> copied = CheckTlsDir(dir);
+  if (!copied.ok() || !(*copied == identity)) {
+    return absl::UnavailableError(
+        absl::StrCat(source, " changed while it was being read: try again"));
+  }
+  const std::string link = absl::StrCat(current, ".new");
+  ::unlink(link.c_str());
+  if (::symlink(generation.c_str(), link.c_str()) != 0 ||
+      ::rename(link.c_str(), current.c_str()) != 0) {
+    return absl::InternalError(
+        absl::StrCat("cannot switch ", current, " to ", dir, ": ", std::strerror(errno)));
+  }
+  return absl::OkStatus();
+}
+
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<CertificateStage>> CertificateStage::Create(std::string source,
                                                                            Identity identity) {
-  const char* tmp = std::getenv("TMPDIR");
-  std::string pattern =
-      absl::StrCat(tmp != nullptr && *tmp != '\0' ? tmp : "/tmp", "/pith-tls-XXXXXX");
+  const char* env = std::getenv("TMPDIR");
+  const std::string tmp = env != nullptr && *env != '\0' ? env : "/tmp";
+  const std::string host = HostName();
+  SweepDeadStages(tmp, host);
+  std::string pattern = absl::StrCat(tmp, "/pith-tls-", host, "-", ::getpid(), "-XXXXXX");
   if (::mkdtemp(pattern.data()) == nullptr) {  // 0700
     return absl::InternalError(absl::StrCat("cannot make a directory for the certificates in use (",
                                             pattern, "): ", std::strerror(errno)));
@@ -57,16 +122,52 @@ absl::StatusOr<std::unique_ptr<CertificateStage>> CertificateStage::Create(std::
   std::unique_ptr<CertificateStage> stage(
       new CertificateStage(std::move(source), std::move(identity), pattern));
   absl::MutexLock lock(&stage->mu_);
+  stage->fingerprint_ = stage->Fingerprint();
   RETURN_IF_ERROR(stage->StageLocked(++stage->generation_));
   return stage;
 }
 
 CertificateStage::~CertificateStage() {
+  stop_.Notify();
+  if (watcher_.joinable()) watcher_.join();
   std::error_code ec;
   std::filesystem::remove_all(root_, ec);
 }
 
+std::string CertificateStage::Fingerprint() const {
+  std::string out;
+  for (const char* file : {kCaCertFile, kCertFile, kKeyFile}) {
+    struct stat st;
+    if (::stat(absl::StrCat(source_, "/", file).c_str(), &st) != 0) {
+      absl::StrAppend(&out, "-;");
+      continue;
+    }
+    absl::StrAppend(&out, st.st_ino, ",", st.st_size, ",", st.st_mtim.tv_sec, ".",
+                    st.st_mtim.tv_nsec, ",", st.st_ctim.tv_sec, ".", st.st_ctim.tv_nsec, ";");
+  }
+  return out;
+}
+
+void CertificateStage::Watch(absl::Duration period,
+                             std::function<void(const absl::Status&)> report) {
+  if (watcher_.joinable()) return;
+  watcher_ = std::thread([this, period, report = std::move(report)] {
+    while (!stop_.WaitForNotificationWithTimeout(period)) {
+      bool changed;
+      {
+        absl::MutexLock lock(&mu_);
+        changed = Fingerprint() != fingerprint_;
+      }
+      if (changed) report(Reload());
+    }
+  });
+}
+
 absl::Status CertificateStage::Reload() {
+  {
+    absl::MutexLock lock(&mu_);
+    fingerprint_ = Fingerprint();  // this look, whatever it finds
+  }
   ASSIGN_OR_RETURN(Identity now, CheckTlsDir(source_));
   if (!(now == identity_)) {
     return absl::InvalidArgumentError(
@@ -80,32 +181,16 @@ absl::Status CertificateStage::Reload() {
 absl::Status CertificateStage::StageLocked(int n) {
   const std::string generation = absl::StrCat("gen-", n);
   const std::string dir = absl::StrCat(root_, "/", generation);
+  absl::Status staged = CopyAndSwitch(source_, dir, generation, current_, identity_);
   std::error_code ec;
-  std::filesystem::remove_all(dir, ec);
-  if (::mkdir(dir.c_str(), 0700) != 0) {
-    return absl::InternalError(absl::StrCat("cannot create ", dir, ": ", std::strerror(errno)));
-  }
-  for (const char* file : {kCaCertFile, kCertFile, kKeyFile}) {
-    ASSIGN_OR_RETURN(std::string bytes, ReadAll(absl::StrCat(source_, "/", file)));
-    RETURN_IF_ERROR(WriteFile(absl::StrCat(dir, "/", file), bytes));
-  }
-  // What was copied is what goes in use: checked again (the source may have changed
-  // between its check and the copy).
-  absl::StatusOr<Identity> copied = CheckTlsDir(dir);
-  if (!copied.ok() || !(*copied == identity_)) {
+  if (!staged.ok()) {
     std::filesystem::remove_all(dir, ec);
-    return absl::UnavailableError(
-        absl::StrCat(source_, " changed while it was being read: try again"));
+    return staged;
   }
-  // `current` moves in one rename; the generation before stays for a reader mid-way.
-  const std::string link = absl::StrCat(root_, "/current.new");
-  ::unlink(link.c_str());
-  if (::symlink(generation.c_str(), link.c_str()) != 0 ||
-      ::rename(link.c_str(), current_.c_str()) != 0) {
-    return absl::InternalError(
-        absl::StrCat("cannot switch ", current_, " to ", dir, ": ", std::strerror(errno)));
-  }
-  std::filesystem::remove_all(absl::StrCat(root_, "/gen-", n - 2), ec);
+  // The generation before the one that was live goes; that one stays for a reader mid-way.
+  if (previous_ > 0) std::filesystem::remove_all(absl::StrCat(root_, "/gen-", previous_), ec);
+  previous_ = live_;
+  live_ = n;
   return absl::OkStatus();
 }
 

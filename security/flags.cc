@@ -8,8 +8,8 @@
 
 ABSL_FLAG(std::string, tls_dir, "",
           "Mutual TLS: the directory `pith certs` made for this process (ca.pem, cert.pem, "
-          "key.pem); to rotate, replace them and send SIGHUP: they are checked and in use "
-          "within 2 s, no restart");
+          "key.pem); to rotate, replace them: they are checked and in use within 12 s (2 s "
+          "after a SIGHUP), no restart");
 ABSL_FLAG(bool, insecure, false,
           "Plaintext gRPC instead of --tls_dir: every caller is trusted, so only loopback "
           "addresses are allowed");
@@ -17,16 +17,16 @@ ABSL_FLAG(bool, insecure, false,
 namespace pith::security {
 namespace {
 
-// SIGHUP: the operator's files are checked and, valid and of the same identity, staged for
-// use (in use within kTlsRefresh); otherwise the certificate in use stays.
-void Reload(CertificateStage& stage) {
-  absl::Status s = stage.Reload();
+// SIGHUP, or the watcher seeing the files change: the operator's files are checked and,
+// valid and of the same identity, staged for use (in use within kTlsRefresh); otherwise the
+// certificate in use stays.
+void Report(const CertificateStage& stage, const char* cause, const absl::Status& s) {
   if (!s.ok()) {
-    LOG(ERROR) << "SIGHUP: " << s.message() << "; the certificate in use stays in use";
+    LOG(ERROR) << cause << ": " << s.message() << "; the certificate in use stays in use";
     return;
   }
   absl::StatusOr<Identity> now = CheckTlsDir(stage.dir());
-  LOG(INFO) << "SIGHUP: " << stage.source() << " holds a valid certificate of "
+  LOG(INFO) << cause << ": " << stage.source() << " holds a valid certificate of "
             << (now.ok() ? DebugString(*now) : "?") << "; new connections use it within "
             << absl::FormatDuration(kTlsRefresh);
 }
@@ -49,16 +49,19 @@ absl::StatusOr<TransportSecurity> TransportSecurityFromFlags(const std::string& 
                      RoleName(role), " role"));
   }
   if (!security.ok() || !security->tls()) return security;
-  // The process's credentials read a checked copy, replaced only by a checked SIGHUP.
-  // One per process, removed (with its private copy) at exit.
+  // The process's credentials read a checked copy, replaced only by a checked reload (a
+  // SIGHUP, or the watcher seeing the files change). One per process, removed (with its
+  // private copy and its watcher) at exit.
   static std::unique_ptr<CertificateStage> stage;
   absl::StatusOr<std::unique_ptr<CertificateStage>> staged =
       CertificateStage::Create(security->dir(), *security->identity());
   if (!staged.ok()) return staged.status();
   stage = *std::move(staged);
   OnReloadSignal([] {
-    if (stage != nullptr) Reload(*stage);
+    if (stage != nullptr) Report(*stage, "SIGHUP", stage->Reload());
   });
+  stage->Watch(kTlsWatch,
+               [](const absl::Status& s) { Report(*stage, "the certificate files changed", s); });
   return security->WithCredentialsDir(stage->dir());
 }
 

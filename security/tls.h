@@ -6,7 +6,8 @@
 // authorize.h, can answer it UNAUTHENTICATED with the reason, or admit its bearer token);
 // clients check the server's certificate against the CA and the address they dial. Certificate
 // files are watched and re-read (every kTlsRefresh); server processes point the watch at a
-// checked copy that SIGHUP replaces (cert_stage.h), so rotating needs no restart.
+// checked copy that a SIGHUP or a change of the files replaces (cert_stage.h), so rotating
+// needs no restart.
 //
 // Thread safety: a TransportSecurity is immutable once made; copies share nothing
 // mutable.
@@ -36,8 +37,10 @@ inline constexpr char kKeyFile[] = "key.pem";
 absl::StatusOr<Identity> CheckTlsDir(const std::string& dir);
 
 // How often a process re-reads its certificate files (a server process: its checked copy,
-// replaced on SIGHUP: security/flags.h).
+// replaced on SIGHUP or when the watcher, every kTlsWatch, sees the files change:
+// security/flags.h).
 inline constexpr absl::Duration kTlsRefresh = absl::Seconds(2);
+inline constexpr absl::Duration kTlsWatch = absl::Seconds(10);
 
 class TransportSecurity {
  public:

@@ -63,6 +63,9 @@ ABSL_FLAG(int, threads, 0, "Threads of the CPU backend's own loops; 0 = one per 
 namespace {
 
 absl::Status RunCluster() {
+  // SIGTERM and SIGINT end the loop below cleanly; SIGHUP reloads the certificates. First,
+  // so that neither can end the process while it starts.
+  pith::ShutdownSignals signals;
   const std::string backend = absl::GetFlag(FLAGS_backend);
   if (backend == "cuda") {
     // The cluster runtime keeps expert cache slots, gradients and dispatch buffers in host
@@ -110,7 +113,6 @@ absl::Status RunCluster() {
   }
   options.threads = absl::GetFlag(FLAGS_threads);
   options.loss_log = absl::GetFlag(FLAGS_loss_log);
-  pith::ShutdownSignals signals;  // SIGTERM and SIGINT end the loop below cleanly
   std::atomic<bool> stop{false};
   absl::Status result;
   // The same ready line as the servers' (a worker serves no gRPC of its own).

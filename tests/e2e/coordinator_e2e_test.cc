@@ -18,6 +18,7 @@
 #include "pith/v1/coordinator.grpc.pb.h"
 #include "pith/v1/job.grpc.pb.h"
 #include "pith/v1/store.grpc.pb.h"
+#include "scratch_dir.h"
 #include "server/store/store_client.h"
 #include "test_tls.h"
 
@@ -47,9 +48,9 @@ std::unique_ptr<v1::JobService::Stub> Stub(int port) {
 }
 
 TEST(CoordinatorE2eTest, JobsSurviveKillDashNine) {
-  const std::string dir = ::testing::TempDir() + "/coordinator_e2e_" + std::to_string(getpid());
-  std::filesystem::remove_all(dir);
-  std::filesystem::create_directories(dir);
+  const pith::testing::ScratchDir scratch(::testing::TempDir() + "/coordinator_e2e_" +
+                                          std::to_string(getpid()));
+  const std::string& dir = scratch.dir;
   auto coordinator = StartCoordinator(dir, 1);
   auto stub = Stub(coordinator->grpc_port);
   v1::SubmitJobRequest submit;
@@ -119,9 +120,9 @@ bool WaitFor(v1::JobService::Stub& stub, Pred pred) {
 }
 
 TEST(CoordinatorE2eTest, StoresRegisterHeartbeatDieAndComeBack) {
-  const std::string dir = ::testing::TempDir() + "/members_e2e_" + std::to_string(getpid());
-  std::filesystem::remove_all(dir);
-  std::filesystem::create_directories(dir);
+  const pith::testing::ScratchDir scratch(::testing::TempDir() + "/members_e2e_" +
+                                          std::to_string(getpid()));
+  const std::string& dir = scratch.dir;
   auto coordinator = StartCoordinator(dir, 1);
   const std::string address = "127.0.0.1:" + std::to_string(coordinator->grpc_port);
   auto stub = Stub(coordinator->grpc_port);
@@ -169,8 +170,9 @@ TEST(CoordinatorE2eTest, StoresRegisterHeartbeatDieAndComeBack) {
 }
 
 TEST(CoordinatorE2eTest, UnreachableCoordinatorIsOneClearLine) {
-  const std::string dir = ::testing::TempDir() + "/unreachable_" + std::to_string(getpid());
-  std::filesystem::remove_all(dir);
+  const pith::testing::ScratchDir scratch(::testing::TempDir() + "/unreachable_" +
+                                          std::to_string(getpid()));
+  const std::string& dir = scratch.dir;
   pith::testing::ChildProcess store(
       PITH_STORE_BINARY,
       {"--listen=127.0.0.1:0", "--metrics_port=-1", "--data_dir=" + dir,
@@ -390,9 +392,9 @@ void Submit(v1::JobService::Stub& stub, const v1::SubmitJobRequest& submit, std:
 }
 
 TEST(CoordinatorE2eTest, StepsCommitOnRealStoresThroughWorkerDeathAndCoordinatorKill) {
-  const std::string dir = ::testing::TempDir() + "/steps_e2e_" + std::to_string(getpid());
-  std::filesystem::remove_all(dir);
-  std::filesystem::create_directories(dir);
+  const pith::testing::ScratchDir scratch(::testing::TempDir() + "/steps_e2e_" +
+                                          std::to_string(getpid()));
+  const std::string& dir = scratch.dir;
   auto coordinator = StartCoordinator(dir, 1);
   const std::string address = "127.0.0.1:" + std::to_string(coordinator->grpc_port);
   std::vector<std::unique_ptr<pith::testing::ChildProcess>> stores;

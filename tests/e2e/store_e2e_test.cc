@@ -23,6 +23,7 @@
 #include "common/safetensors.h"
 #include "gtest/gtest.h"
 #include "pith/v1/store.grpc.pb.h"
+#include "scratch_dir.h"
 #include "server/store/store_client.h"
 #include "test_tls.h"
 
@@ -741,23 +742,13 @@ namespace {
 
 // A test's directory, made empty; removed at the end of a passing test (a failing one's
 // stays for a look).
-struct ScratchDir {
-  explicit ScratchDir(std::string path) : dir(std::move(path)) {
-    std::filesystem::remove_all(dir);
-    std::filesystem::create_directories(dir);
-  }
-  ~ScratchDir() {
-    std::error_code ec;
-    if (!::testing::Test::HasFailure()) std::filesystem::remove_all(dir, ec);
-  }
-  const std::string dir;
-};
 
 // Two stores: PullBlobs copies committed blobs from one to the other over UCX; Checkpoint
 // writes a RocksDB checkpoint and a safetensors export.
 TEST(StorePeerTest, PullBlobsAndCheckpoint) {
   const std::string dir = ::testing::TempDir() + "/store_peer_" + std::to_string(getpid());
-  const ScratchDir scratch(dir);  // declared before the stores: removed after they stop
+  const pith::testing::ScratchDir scratch(
+      dir);  // declared before the stores: removed after they stop
   std::vector<std::unique_ptr<pith::testing::ChildProcess>> stores;
   std::vector<std::unique_ptr<v1::StoreService::Stub>> stubs;
   std::vector<std::string> addresses;

@@ -16,6 +16,7 @@
 #include "common/grpc_util.h"
 #include "gtest/gtest.h"
 #include "pith/v1/store.grpc.pb.h"
+#include "scratch_dir.h"
 #include "server/store/store_client.h"
 #include "test_tls.h"
 
@@ -153,9 +154,9 @@ class LoadThread {
 TEST(StoreLoadTest, EightThreadsFetchingAndWriting) {
   const char* env = std::getenv("PITH_LOAD_SECONDS");
   const double seconds = env ? std::atof(env) : 60.0;
-  const std::string dir = ::testing::TempDir() + "/store_load_" + std::to_string(getpid());
-  std::filesystem::remove_all(dir);
-  std::filesystem::create_directories(dir);
+  const pith::testing::ScratchDir scratch(::testing::TempDir() + "/store_load_" +
+                                          std::to_string(getpid()));
+  const std::string& dir = scratch.dir;
   constexpr uint64_t kRamBytes = 32 << 20;
   pith::testing::TestTls tls(dir + "/tls");
   pith::testing::ChildProcess store(
