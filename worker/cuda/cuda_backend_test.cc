@@ -357,6 +357,114 @@ TEST_F(CudaBackendTest, MoeBlockForwardAndBackward) {
   }
 }
 
+// bf16 storage as the device keeps it: the top half of the float, rounded to nearest even.
+uint16_t Bf16Bits(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  return static_cast<uint16_t>((u + 0x7fff + ((u >> 16) & 1)) >> 16);
+}
+float FromBf16(uint16_t b) {
+  const uint32_t u = uint32_t{b} << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+// `v` rounded to bf16 (kept as floats) and its bf16 bits.
+struct Bf16Vec {
+  Vec rounded;
+  std::vector<uint16_t> bits;
+};
+Bf16Vec ToBf16(const Vec& v) {
+  Bf16Vec out;
+  for (float x : v) {
+    out.bits.push_back(Bf16Bits(x));
+    out.rounded.push_back(FromBf16(out.bits.back()));
+  }
+  return out;
+}
+
+// The bf16 products against the CPU's fp32 product of the same (bf16-exact) inputs: fp32
+// outputs within 1e-5 (bf16 x bf16 is exact in fp32, the sums are fp32), bf16 outputs
+// within their rounding (2^-8 relative). Every transpose; one call of several problems
+// fanned out; one product with k = 0 and beta 0 (zeroed).
+TEST_F(CudaBackendTest, Bf16ProductsMatchTheFp32ProductOfTheirInputs) {
+  const int m = 37, n = 29, k = 53;
+  std::vector<CudaBackend::Bf16Gemm> problems;
+  std::vector<Vec> want;
+  std::vector<void*> outputs;
+  std::vector<bool> fp32;
+  for (int t = 0; t < 4; ++t) {
+    const bool ta = t & 1, tb = t & 2, c_fp32 = t < 2;
+    const Bf16Vec a = ToBf16(Random(m * k, 11 + t)), b = ToBf16(Random(k * n, 21 + t));
+    const int lda = ta ? m : k, ldb = tb ? k : n;
+    Vec c = c_fp32 ? Random(m * n, 31 + t) : Vec(m * n, 0.0f);
+    const float beta = c_fp32 ? 1.0f : 0.0f;
+    void* dc = c_fp32 ? static_cast<void*>(Up(c)) : static_cast<void*>(Up(ToBf16(c).bits));
+    problems.push_back({ta, tb, m, n, k, Up(a.bits), lda, Up(b.bits), ldb, beta, dc, n, c_fp32});
+    cpu_.Gemm(ta, tb, m, n, k, 1.0f, a.rounded.data(), lda, b.rounded.data(), ldb, beta, c.data(),
+              n);
+    want.push_back(c);
+    outputs.push_back(dc);
+    fp32.push_back(c_fp32);
+  }
+  Vec zeroed = Random(m * n, 41);
+  problems.push_back({false, false, m, n, 0, nullptr, 1, nullptr, n, 0.0f, Up(zeroed), n, true});
+  gpu_->FanOutGemmBf16(problems, "bf16 test");
+  // The single product: problem 0's inputs, into a fresh fp32 output with beta 0.
+  CudaBackend::Bf16Gemm single = problems[0];
+  Vec alone = Random(m * n, 51);
+  single.beta = 0.0f;
+  single.c = Up(alone);
+  gpu_->GemmBf16(single, "bf16 test (single)");
+  ASSERT_TRUE(gpu_->Synchronize().ok()) << gpu_->status();
+  for (size_t i = 0; i < want.size(); ++i) {
+    SCOPED_TRACE(testing::Message() << "problem " << i);
+    if (fp32[i]) {
+      ExpectClose("bf16 -> fp32", Down(static_cast<float*>(outputs[i]), want[i].size()), want[i]);
+    } else {
+      Vec got;
+      for (uint16_t b : Down(static_cast<uint16_t*>(outputs[i]), want[i].size())) {
+        got.push_back(FromBf16(b));
+      }
+      ExpectClose("bf16 -> bf16", got, want[i], 1.0 / 128);
+    }
+  }
+  EXPECT_EQ(Down(static_cast<float*>(problems.back().c), zeroed.size()), Vec(zeroed.size(), 0.0f));
+  // want[0] is C0 + P; the single product is P alone.
+  const Vec c0 = Random(m * n, 31);
+  Vec product(m * n);
+  for (int r = 0; r < m * n; ++r) product[r] = want[0][r] - c0[r];
+  ExpectClose("bf16 single", Down(static_cast<float*>(single.c), alone.size()), product, 1e-4);
+
+  // cuBLAS's grouped call writes bf16 only: an fp32 output is an error naming the op.
+  gpu_->GroupedGemmBf16({problems[0]}, "bf16 grouped test");
+  EXPECT_NE(gpu_->Synchronize().message().find("bf16 grouped test"), absl::string_view::npos);
+}
+
+TEST_F(CudaBackendTest, Bf16GroupedProductsMatch) {
+  const int m = 64, n = 48, k = 32;
+  std::vector<CudaBackend::Bf16Gemm> problems;
+  std::vector<Vec> want;
+  for (int e = 0; e < 3; ++e) {
+    const Bf16Vec a = ToBf16(Random(m * k, 61 + e)), b = ToBf16(Random(k * n, 71 + e));
+    Vec c(m * n, 0.0f);
+    cpu_.Gemm(false, false, m, n, k, 1.0f, a.rounded.data(), k, b.rounded.data(), n, 0.0f, c.data(),
+              n);
+    problems.push_back({false, false, m, n, k, Up(a.bits), k, Up(b.bits), n, 0.0f,
+                        Up(std::vector<uint16_t>(m * n)), n});
+    want.push_back(c);
+  }
+  gpu_->GroupedGemmBf16(problems, "bf16 grouped");
+  ASSERT_TRUE(gpu_->Synchronize().ok()) << gpu_->status();
+  for (size_t i = 0; i < want.size(); ++i) {
+    Vec got;
+    for (uint16_t b : Down(static_cast<uint16_t*>(problems[i].c), want[i].size())) {
+      got.push_back(FromBf16(b));
+    }
+    ExpectClose("grouped bf16", got, want[i], 1.0 / 128);
+  }
+}
+
 TEST_F(CudaBackendTest, ErrorsNameTheirOpAndStick) {
   Vec a(16, 1.0f);
   float* d = Up(a);

@@ -68,55 +68,81 @@ cublasStatus_t GemmEx(cublasHandle_t h, const CudaBackend::Bf16Gemm& p) {
 
 }  // namespace
 
+bool CudaBackend::EmptyProductBf16(const Bf16Gemm& p, const char* op) {
+  if (p.m != 0 && p.n != 0 && p.k != 0) return false;
+  if (p.m == 0 || p.n == 0 || p.beta == 1.0f) return true;  // nothing to write
+  if (p.beta != 0.0f) {
+    Fail(op, "a bf16 product with k = 0 takes beta 0 or 1");
+    return true;
+  }
+  // k = 0, beta 0: C is written with zeros, as Gemm does.
+  const size_t elem = p.c_fp32 ? sizeof(float) : 2;
+  CheckCuda(cudaMemset2DAsync(p.c, elem * p.ldc, 0, elem * p.n, p.m, S(stream_)), op);
+  return true;
+}
+
 void CudaBackend::GemmBf16(const Bf16Gemm& p, const char* op) {
-  if (p.m == 0 || p.n == 0 || p.k == 0 || !Ready()) return;
+  if (!Ready() || EmptyProductBf16(p, op)) return;
   DefaultMath math(H(blas_));
   CheckBlas(GemmEx(H(blas_), p), op);
 }
 
+// Made on first use; a failure leaves none (FanOutGemmBf16 then runs on the backend's own
+// stream) and does not fail the backend.
 bool CudaBackend::MakeSideStreams() {
   if (!side_.streams.empty()) return true;
-  for (int i = 0; i < kMaxSideStreams; ++i) {
+  bool ok = true;
+  for (int i = 0; ok && i < kMaxSideStreams; ++i) {
     cudaStream_t stream = nullptr;
-    if (!CheckCuda(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "side stream")) break;
-    side_.streams.push_back(stream);
+    ok = cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking) == cudaSuccess;
+    if (ok) side_.streams.push_back(stream);
     cublasHandle_t handle = nullptr;
-    if (!CheckBlas(cublasCreate(&handle), "side cuBLAS handle")) break;
-    side_.handles.push_back(handle);
-    if (!CheckBlas(cublasSetStream(handle, stream), "side cuBLAS stream")) break;
+    ok = ok && cublasCreate(&handle) == CUBLAS_STATUS_SUCCESS;
+    if (ok) side_.handles.push_back(handle);
+    ok = ok && cublasSetStream(handle, stream) == CUBLAS_STATUS_SUCCESS;
   }
-  for (int i = 0; error_.ok() && i <= kMaxSideStreams; ++i) {
+  for (int i = 0; ok && i <= kMaxSideStreams; ++i) {
     cudaEvent_t event = nullptr;
-    if (CheckCuda(cudaEventCreateWithFlags(&event, cudaEventDisableTiming), "side event")) {
-      side_.events.push_back(event);
-    }
+    ok = cudaEventCreateWithFlags(&event, cudaEventDisableTiming) == cudaSuccess;
+    if (ok) side_.events.push_back(event);
   }
-  if (!error_.ok()) DestroySideStreams();
-  return error_.ok();
+  if (!ok) {
+    cudaGetLastError();  // not sticky: the backend goes on without side streams
+    DestroySideStreams();
+  }
+  return ok;
 }
 
 void CudaBackend::DestroySideStreams() {
+  for (CUstream_st* s : side_.streams) cudaStreamSynchronize(S(s));
   for (cublasContext* h : side_.handles) cublasDestroy(H(h));
-  for (CUstream_st* s : side_.streams) {
-    cudaStreamSynchronize(S(s));
-    cudaStreamDestroy(S(s));
-  }
+  for (CUstream_st* s : side_.streams) cudaStreamDestroy(S(s));
   for (CUevent_st* e : side_.events) cudaEventDestroy(e);
   side_ = {};
 }
 
 void CudaBackend::FanOutGemmBf16(const std::vector<Bf16Gemm>& problems, const char* op) {
-  if (problems.empty() || !Ready() || !MakeSideStreams()) return;
-  const int used = std::min<int>(side_streams_, static_cast<int>(problems.size()));
+  if (problems.empty() || !Ready()) return;
+  std::vector<const Bf16Gemm*> work;
+  for (const Bf16Gemm& p : problems) {
+    if (!EmptyProductBf16(p, op)) work.push_back(&p);
+  }
+  if (work.empty() || !Ready()) return;
+  if (!MakeSideStreams()) {
+    DefaultMath math(H(blas_));
+    for (const Bf16Gemm* p : work) {
+      if (!CheckBlas(GemmEx(H(blas_), *p), op)) return;
+    }
+    return;
+  }
+  const int used = std::min<int>(side_streams_, static_cast<int>(work.size()));
   cudaEvent_t fork = side_.events[kMaxSideStreams];
   if (!CheckCuda(cudaEventRecord(fork, S(stream_)), op)) return;
   for (int i = 0; i < used; ++i) {
     if (!CheckCuda(cudaStreamWaitEvent(S(side_.streams[i]), fork, 0), op)) return;
   }
-  for (size_t i = 0; i < problems.size(); ++i) {
-    const Bf16Gemm& p = problems[i];
-    if (p.m == 0 || p.n == 0 || p.k == 0) continue;
-    if (!CheckBlas(GemmEx(H(side_.handles[i % used]), p), op)) return;
+  for (size_t i = 0; i < work.size(); ++i) {
+    if (!CheckBlas(GemmEx(H(side_.handles[i % used]), *work[i]), op)) return;
   }
   // The join: the backend's stream goes on once every side stream is done.
   for (int i = 0; i < used; ++i) {
@@ -129,6 +155,12 @@ void CudaBackend::FanOutGemmBf16(const std::vector<Bf16Gemm>& problems, const ch
 
 void CudaBackend::GroupedGemmBf16(const std::vector<Bf16Gemm>& problems, const char* op) {
   if (problems.empty() || !Ready()) return;
+  for (const Bf16Gemm& p : problems) {
+    if (p.c_fp32 || p.m == 0 || p.n == 0 || p.k == 0) {
+      Fail(op, "cuBLAS's grouped bf16 product takes bf16 outputs and no empty problem");
+      return;
+    }
+  }
   const GroupedArrays<Bf16Gemm> g(problems);
   const void* const* dev = UploadPointers(g.pointers, op);
   if (dev == nullptr) return;

@@ -38,7 +38,7 @@ absl::StatusOr<std::unique_ptr<DeviceSlots>> DeviceSlots::Create(int device, siz
   std::vector<CUevent_st*> events;
   absl::Status made =
       Check(cudaStreamCreateWithFlags(&copy, cudaStreamNonBlocking), "cudaStreamCreate");
-  for (int i = 0; made.ok() && i < slots; ++i) {
+  for (int i = 0; made.ok() && i < 2 * slots; ++i) {  // each slot's upload and release
     cudaEvent_t e = nullptr;
     made.Update(Check(cudaEventCreateWithFlags(&e, cudaEventDisableTiming), "cudaEventCreate"));
     if (made.ok()) events.push_back(e);
@@ -88,6 +88,12 @@ absl::Status DeviceSlots::Upload(int i, const void* host, size_t bytes) {
                                                    " slots of ", slot_bytes_, " bytes"));
   }
   if (absl::Status st = Check(cudaSetDevice(device_), "cudaSetDevice"); !st.ok()) return st;
+  // Not before the compute that last read the slot is done (a no-op before any Release).
+  if (absl::Status st = Check(cudaStreamWaitEvent(copy_, events_[slots() + i], 0),
+                              "Upload (cudaStreamWaitEvent)");
+      !st.ok()) {
+    return st;
+  }
   if (absl::Status st = Check(cudaMemcpyAsync(slot(i), host, bytes, cudaMemcpyHostToDevice, copy_),
                               "Upload (cudaMemcpyAsync)");
       !st.ok()) {
@@ -101,6 +107,14 @@ absl::Status DeviceSlots::MakeVisible(int i, CUstream_st* compute) {
     return absl::InvalidArgumentError(absl::StrCat("device slots: no slot ", i));
   }
   return Check(cudaStreamWaitEvent(compute, events_[i], 0), "MakeVisible (cudaStreamWaitEvent)");
+}
+
+absl::Status DeviceSlots::Release(int i, CUstream_st* compute) {
+  if (i < 0 || i >= slots()) {
+    return absl::InvalidArgumentError(absl::StrCat("device slots: no slot ", i));
+  }
+  if (absl::Status st = Check(cudaSetDevice(device_), "cudaSetDevice"); !st.ok()) return st;
+  return Check(cudaEventRecord(events_[slots() + i], compute), "Release (cudaEventRecord)");
 }
 
 absl::Status DeviceSlots::Wait() {

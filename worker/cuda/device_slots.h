@@ -2,7 +2,8 @@
 // expert blob each in one device allocation (no allocation per fetch), filled from host
 // staging by cudaMemcpyAsync on a copy stream of their own, so that a fetch overlaps the
 // compute stream's work. Each upload records an event; MakeVisible makes a compute stream
-// wait for it on the device (cudaStreamWaitEvent), never on the host.
+// wait for it on the device (cudaStreamWaitEvent), never on the host; Release makes the
+// next upload into a slot wait for the compute that read it, on the device too.
 //
 // The staging is the host memory a fetch lands in: the worker's UCX-registered cache
 // slots. RegisterStaging page-locks it for CUDA too (cudaHostRegister), so the copy is a
@@ -37,7 +38,7 @@ class DeviceSlots {
   DeviceSlots(const DeviceSlots&) = delete;
   DeviceSlots& operator=(const DeviceSlots&) = delete;
 
-  int slots() const { return static_cast<int>(events_.size()); }
+  int slots() const { return static_cast<int>(events_.size() / 2); }
   size_t slot_bytes() const { return slot_bytes_; }
   void* slot(int i) const { return static_cast<char*>(arena_) + slot_bytes_ * i; }
 
@@ -52,6 +53,10 @@ class DeviceSlots {
   absl::Status Upload(int i, const void* host, size_t bytes);
   // Orders `compute`'s later work after slot i's last upload, on the device.
   absl::Status MakeVisible(int i, CUstream_st* compute);
+  // Marks the work issued on `compute` so far as the last to read slot i: the next Upload
+  // into it waits for that work on the device, so a slot is never refilled under a kernel
+  // still reading it. Call it after the last op that reads the slot, before reusing it.
+  absl::Status Release(int i, CUstream_st* compute);
   // Waits on the host for every upload issued so far.
   absl::Status Wait();
 
@@ -63,7 +68,7 @@ class DeviceSlots {
   size_t slot_bytes_;
   void* arena_;
   CUstream_st* copy_;
-  std::vector<CUevent_st*> events_;  // one per slot: its last upload
+  std::vector<CUevent_st*> events_;  // [slot]: its last upload; [slots + slot]: its release
   std::vector<void*> registered_;    // host ranges this object page-locked
 };
 

@@ -48,9 +48,9 @@ class DeviceSlotsTest : public ::testing::Test {
 TEST_F(DeviceSlotsTest, UploadsLandInTheirSlotsAndAreOrderedBeforeCompute) {
   constexpr size_t kSlot = 8 << 20;
   constexpr int kSlots = 4;
+  HostBuffer staging(kSlot * kSlots);  // outlives the slots, which unregister it
   auto slots = DeviceSlots::Create(0, kSlot, kSlots);
   ASSERT_TRUE(slots.ok()) << slots.status();
-  HostBuffer staging(kSlot * kSlots);
   ASSERT_TRUE((*slots)->RegisterStaging(staging.ptr, staging.bytes).ok());
   for (size_t i = 0; i < staging.bytes; ++i)
     staging.ptr[i] = static_cast<uint8_t>(i * 7 + i / kSlot);
@@ -68,6 +68,8 @@ TEST_F(DeviceSlotsTest, UploadsLandInTheirSlotsAndAreOrderedBeforeCompute) {
   EXPECT_EQ((*slots)->Upload(0, staging.ptr, kSlot + 1).code(), absl::StatusCode::kInvalidArgument);
   EXPECT_EQ((*slots)->MakeVisible(-1, backend_->stream()).code(),
             absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ((*slots)->Release(kSlots, backend_->stream()).code(),
+            absl::StatusCode::kInvalidArgument);
   EXPECT_TRUE((*slots)->Wait().ok());
 }
 
@@ -75,9 +77,9 @@ TEST_F(DeviceSlotsTest, UploadsOverlapCompute) {
   // ~1 GiB of uploads against a chain of 4096^3 fp32 products on the compute stream.
   constexpr size_t kSlot = 64 << 20;
   constexpr int kSlots = 16;
+  HostBuffer staging(kSlot * kSlots);
   auto slots = DeviceSlots::Create(0, kSlot, kSlots);
   ASSERT_TRUE(slots.ok()) << slots.status();
-  HostBuffer staging(kSlot * kSlots);
   ASSERT_TRUE((*slots)->RegisterStaging(staging.ptr, staging.bytes).ok());
   std::memset(staging.ptr, 1, staging.bytes);
   constexpr int n = 4096;
@@ -118,6 +120,38 @@ TEST_F(DeviceSlotsTest, UploadsOverlapCompute) {
               t_upload * 1e3, kSlot * kSlots / t_upload / 1e9, t_both * 1e3);
   // Serialized, both would take the sum; overlapped, close to the longer of the two.
   EXPECT_LT(t_both, 0.85 * (t_compute + t_upload));
+}
+
+TEST_F(DeviceSlotsTest, ReleaseKeepsAnUploadFromOverwritingASlotStillBeingRead) {
+  // The compute stream is busy with a chain of products, then reads slot 0 (a copy out);
+  // an upload into slot 0 issued after Release must wait for that read.
+  constexpr size_t kSlot = 64 << 20;
+  HostBuffer staging(2 * kSlot);
+  auto slots = DeviceSlots::Create(0, kSlot, 1);
+  ASSERT_TRUE(slots.ok()) << slots.status();
+  ASSERT_TRUE((*slots)->RegisterStaging(staging.ptr, staging.bytes).ok());
+  std::memset(staging.ptr, 0x11, kSlot);
+  std::memset(staging.ptr + kSlot, 0x22, kSlot);
+  constexpr int n = 4096;
+  auto a = backend_->Allocate(sizeof(float) * n * n), c = backend_->Allocate(sizeof(float) * n * n);
+  auto out = backend_->Allocate(kSlot);
+  ASSERT_TRUE(a.ok() && c.ok() && out.ok());
+  ASSERT_TRUE((*slots)->Upload(0, staging.ptr, kSlot).ok());
+  ASSERT_TRUE((*slots)->MakeVisible(0, backend_->stream()).ok());
+  for (int i = 0; i < 12; ++i) {
+    backend_->Gemm(false, false, n, n, n, 1.0f, a->f32(), n, a->f32(), n, 0.0f, c->f32(), n);
+  }
+  ASSERT_EQ(cudaMemcpyAsync(out->data(), (*slots)->slot(0), kSlot, cudaMemcpyDeviceToDevice,
+                            backend_->stream()),
+            cudaSuccess);
+  ASSERT_TRUE((*slots)->Release(0, backend_->stream()).ok());
+  ASSERT_TRUE((*slots)->Upload(0, staging.ptr + kSlot, kSlot).ok());
+  ASSERT_TRUE((*slots)->Wait().ok());
+  std::vector<uint8_t> read(kSlot), now(kSlot);
+  ASSERT_TRUE(backend_->CopyToHost(read.data(), out->data(), kSlot).ok());
+  ASSERT_TRUE(backend_->CopyToHost(now.data(), (*slots)->slot(0), kSlot).ok());
+  EXPECT_EQ(0, std::memcmp(read.data(), staging.ptr, kSlot)) << "the read saw the next upload";
+  EXPECT_EQ(0, std::memcmp(now.data(), staging.ptr + kSlot, kSlot));
 }
 
 }  // namespace
