@@ -10,6 +10,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <set>
 #include <sstream>
 
 #include "absl/strings/str_cat.h"
@@ -53,6 +54,17 @@ std::string HostName() {
   return name;
 }
 
+// The names of the stages this process made (so that its own sweep leaves them).
+ABSL_CONST_INIT absl::Mutex g_made_mu(absl::kConstInit);
+std::set<std::string>* MadeStages() ABSL_EXCLUSIVE_LOCKS_REQUIRED(g_made_mu) {
+  static auto* made = new std::set<std::string>();
+  return made;
+}
+bool MadeHere(const std::string& name) {
+  absl::MutexLock lock(&g_made_mu);
+  return MadeStages()->count(name) > 0;
+}
+
 // Removes the stages that processes of this host, now gone, left in `tmp` (killed with -9:
 // no destructor ran): directories pith-tls-HOST-PID-* of this user whose PID is not alive.
 // A stage of another host (a shared $TMPDIR) or of a live process stays.
@@ -65,13 +77,17 @@ void SweepDeadStages(const std::string& tmp, const std::string& host) {
     const char* digits = name.c_str() + prefix.size();
     char* end = nullptr;
     const long pid = std::strtol(digits, &end, 10);
-    if (end == digits || *end != '-' || pid <= 0 || pid == ::getpid()) continue;
+    if (end == digits || *end != '-' || pid <= 0) continue;
+    // Under this process's pid: ours if this process made it, else left by an earlier
+    // process that had the pid (PID 1 of a restarted container, say), which is gone.
+    const bool this_pid = pid == ::getpid();
+    if (this_pid && MadeHere(name)) continue;
     struct stat st;
     if (::lstat(entry.path().c_str(), &st) != 0 || !S_ISDIR(st.st_mode) ||
         st.st_uid != ::geteuid()) {
       continue;
     }
-    if (::kill(static_cast<pid_t>(pid), 0) != 0 && errno == ESRCH) {
+    if (this_pid || (::kill(static_cast<pid_t>(pid), 0) != 0 && errno == ESRCH)) {
       std::filesystem::remove_all(entry.path(), ec);
     }
   }
@@ -119,6 +135,10 @@ absl::StatusOr<std::unique_ptr<CertificateStage>> CertificateStage::Create(std::
     return absl::InternalError(absl::StrCat("cannot make a directory for the certificates in use (",
                                             pattern, "): ", std::strerror(errno)));
   }
+  {
+    absl::MutexLock lock(&g_made_mu);
+    MadeStages()->insert(std::filesystem::path(pattern).filename().string());
+  }
   std::unique_ptr<CertificateStage> stage(
       new CertificateStage(std::move(source), std::move(identity), pattern));
   absl::MutexLock lock(&stage->mu_);
@@ -152,13 +172,21 @@ void CertificateStage::Watch(absl::Duration period,
                              std::function<void(const absl::Status&)> report) {
   if (watcher_.joinable()) return;
   watcher_ = std::thread([this, period, report = std::move(report)] {
+    // A failed reload is tried again every kRetryLooks looks even with the files unchanged:
+    // a certificate not valid yet, or a full $TMPDIR, get better with time.
+    constexpr int kRetryLooks = 6;
+    bool failed = false;
+    int looks = 0;
     while (!stop_.WaitForNotificationWithTimeout(period)) {
       bool changed;
       {
         absl::MutexLock lock(&mu_);
         changed = Fingerprint() != fingerprint_;
       }
-      if (changed) report(Reload());
+      if (!changed && !(failed && ++looks % kRetryLooks == 0)) continue;
+      const absl::Status outcome = Reload();
+      failed = !outcome.ok();
+      report(outcome);
     }
   });
 }

@@ -11,7 +11,8 @@
 // with -9 leaves its stage behind; the next stage made on the host removes those whose
 // process is gone.
 //
-// Thread safety: Reload and Watch are thread-safe; dir() is immutable.
+// Thread safety: Reload is thread-safe; Watch is called once, by the stage's maker; dir()
+// is immutable.
 #ifndef PITH_SECURITY_CERT_STAGE_H_
 #define PITH_SECURITY_CERT_STAGE_H_
 
@@ -49,7 +50,8 @@ class CertificateStage {
   // Looks at the source every `period` and, when its files changed since the last look or
   // Reload (their inode, size or time: a replaced file, or a Kubernetes Secret's files
   // swapped by the kubelet), reloads and hands the outcome to `report`, on a thread of the
-  // stage's own that stops with the stage. At most once per stage.
+  // stage's own that stops with the stage; a failed reload is tried again every sixth
+  // look. Call it once, from the thread that made the stage.
   void Watch(absl::Duration period, std::function<void(const absl::Status&)> report)
       ABSL_LOCKS_EXCLUDED(mu_);
 

@@ -50,7 +50,9 @@ TEST(CertificateStageTest, StagesReloadsSweepsAndCleansUp) {
   const std::string dead = absl::StrCat(tmp, "/pith-tls-", Host(), "-", DeadPid(), "-aaaaaa");
   const std::string live = absl::StrCat(tmp, "/pith-tls-", Host(), "-", ::getppid(), "-bbbbbb");
   const std::string other = absl::StrCat(tmp, "/pith-tls-elsewhere-", DeadPid(), "-cccccc");
-  for (const std::string& d : {dead, live, other}) fs::create_directories(d + "/gen-1");
+  // An earlier process with this pid (PID 1 of a restarted container) left this one.
+  const std::string mine = absl::StrCat(tmp, "/pith-tls-", Host(), "-", ::getpid(), "-dddddd");
+  for (const std::string& d : {dead, live, other, mine}) fs::create_directories(d + "/gen-1");
 
   auto identity = CheckTlsDir(dir + "/store-0");
   ASSERT_TRUE(identity.ok()) << identity.status();
@@ -58,6 +60,7 @@ TEST(CertificateStageTest, StagesReloadsSweepsAndCleansUp) {
   ::unsetenv("TMPDIR");
   ASSERT_TRUE(stage.ok()) << stage.status();
   EXPECT_FALSE(fs::exists(dead)) << "a dead process's stage stays";
+  EXPECT_FALSE(fs::exists(mine)) << "an earlier process's stage under this pid stays";
   EXPECT_TRUE(fs::exists(live));
   EXPECT_TRUE(fs::exists(other));
   auto staged = CheckTlsDir((*stage)->dir());
@@ -100,11 +103,11 @@ TEST(CertificateStageTest, TheWatcherStagesReplacedFiles) {
   ASSERT_TRUE(Issue(next, {Role::kMember, "store-0"}).ok());
   auto identity = CheckTlsDir(dir + "/store-0");
   ASSERT_TRUE(identity.ok()) << identity.status();
+  absl::Notification reloaded;  // outlives the stage, whose watcher notifies it
   ::setenv("TMPDIR", ::testing::TempDir().c_str(), 1);
   auto stage = CertificateStage::Create(dir + "/store-0", *identity);
   ::unsetenv("TMPDIR");
   ASSERT_TRUE(stage.ok()) << stage.status();
-  absl::Notification reloaded;
   (*stage)->Watch(absl::Milliseconds(20), [&](const absl::Status&) {
     if (!reloaded.HasBeenNotified()) reloaded.Notify();
   });

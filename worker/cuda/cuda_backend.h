@@ -125,7 +125,8 @@ class CudaBackend final : public compute::Backend {
     int ldc;
     bool c_fp32 = false;
   };
-  // A product with k = 0 adds nothing: beta 1 leaves C, beta 0 zeroes it (as Gemm).
+  // A product with k = 0 adds nothing: beta 1 leaves C, beta 0 zeroes it; other betas
+  // are an error (Gemm scales C by any beta; the bf16 products have no use for it).
   //
   // The expert products of one phase, in stream order on the backend's stream: the
   // problems (writing disjoint outputs: they run concurrently) are spread round-robin
@@ -215,6 +216,7 @@ class CudaBackend final : public compute::Backend {
   // Whether `p` is empty (m, n or k 0), after doing what an empty product does.
   bool EmptyProductBf16(const Bf16Gemm& p, const char* op);
   SideStreams side_;
+  bool side_failed_ = false;  // they could not be made: not tried again
   int side_streams_ = 4;
   std::vector<int32_t> host_ints_;  // routing's host-side layout pass
   std::vector<float> host_floats_;

@@ -88,9 +88,10 @@ void CudaBackend::GemmBf16(const Bf16Gemm& p, const char* op) {
 }
 
 // Made on first use; a failure leaves none (FanOutGemmBf16 then runs on the backend's own
-// stream) and does not fail the backend.
+// stream, and they are not tried again) and does not fail the backend.
 bool CudaBackend::MakeSideStreams() {
   if (!side_.streams.empty()) return true;
+  if (side_failed_) return false;
   bool ok = true;
   for (int i = 0; ok && i < kMaxSideStreams; ++i) {
     cudaStream_t stream = nullptr;
@@ -109,6 +110,7 @@ bool CudaBackend::MakeSideStreams() {
   if (!ok) {
     cudaGetLastError();  // not sticky: the backend goes on without side streams
     DestroySideStreams();
+    side_failed_ = true;
   }
   return ok;
 }
