@@ -148,6 +148,21 @@ struct MetricsExposer::Impl {
                         r.body);
   }
 
+  // Waits until `fd` is ready for `events` (POLLIN, POLLOUT) before `deadline`, a signal
+  // (SIGHUP reloads) retried: false when the deadline passed or the stop pipe woke up.
+  bool WaitFor(int fd, short events, std::chrono::steady_clock::time_point deadline) {
+    while (true) {
+      const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
+                            deadline - std::chrono::steady_clock::now())
+                            .count();
+      if (left <= 0) return false;
+      pollfd fds[2] = {{fd, events, 0}, {wake[0], POLLIN, 0}};
+      const int ready = ::poll(fds, 2, static_cast<int>(left));
+      if (ready < 0 && errno == EINTR) continue;
+      return ready > 0 && fds[1].revents == 0;
+    }
+  }
+
   void Serve(int fd) {
     timeval timeout{2, 0};
     ::setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &timeout, sizeof(timeout));
@@ -158,14 +173,7 @@ struct MetricsExposer::Impl {
     std::string request;
     char buf[2048];
     while (request.find("\r\n\r\n") == std::string::npos && request.size() < 16384) {
-      const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
-                            deadline - std::chrono::steady_clock::now())
-                            .count();
-      if (left <= 0) break;
-      pollfd fds[2] = {{fd, POLLIN, 0}, {wake[0], POLLIN, 0}};
-      const int ready = ::poll(fds, 2, static_cast<int>(left));
-      if (ready < 0 && errno == EINTR) continue;
-      if (ready <= 0 || fds[1].revents != 0) break;
+      if (!WaitFor(fd, POLLIN, deadline)) break;
       const ssize_t n = ::read(fd, buf, sizeof(buf));
       if (n < 0 && errno == EINTR) continue;
       if (n <= 0) break;
@@ -177,14 +185,7 @@ struct MetricsExposer::Impl {
     const auto send_deadline = std::chrono::steady_clock::now() + std::chrono::seconds(5);
     size_t sent = 0;
     while (sent < response.size()) {
-      const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
-                            send_deadline - std::chrono::steady_clock::now())
-                            .count();
-      if (left <= 0) break;
-      pollfd fds[2] = {{fd, POLLOUT, 0}, {wake[0], POLLIN, 0}};
-      const int ready = ::poll(fds, 2, static_cast<int>(left));
-      if (ready < 0 && errno == EINTR) continue;  // a signal (SIGHUP reloads): go on
-      if (ready <= 0 || fds[1].revents != 0) break;
+      if (!WaitFor(fd, POLLOUT, send_deadline)) break;
       const ssize_t n =
           ::send(fd, response.data() + sent, response.size() - sent, MSG_NOSIGNAL | MSG_DONTWAIT);
       if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR)) continue;

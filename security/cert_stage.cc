@@ -9,40 +9,25 @@
 #include <cerrno>
 #include <cstring>
 #include <filesystem>
-#include <fstream>
 #include <set>
-#include <sstream>
 
 #include "absl/strings/str_cat.h"
+#include "common/file.h"
 #include "common/status.h"
 #include "security/tls.h"
 
 namespace pith::security {
 namespace {
 
-absl::StatusOr<std::string> ReadAll(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  std::ostringstream out;
-  out << in.rdbuf();
-  if (!in) return absl::NotFoundError(absl::StrCat("cannot read ", path));
-  return out.str();
-}
-
-absl::Status WriteFile(const std::string& path, const std::string& bytes) {
-  const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
-  if (fd < 0) {
-    return absl::InternalError(absl::StrCat("cannot create ", path, ": ", std::strerror(errno)));
+// Copies `from` into a new file `to`, owner-only (never over an existing file or link).
+absl::Status CopyPrivate(const std::string& from, const std::string& to) {
+  ASSIGN_OR_RETURN(Buffer bytes, ReadFile(from));
+  UniqueFd fd(::open(to.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0600));
+  if (!fd.valid()) {
+    return absl::InternalError(absl::StrCat("cannot create ", to, ": ", std::strerror(errno)));
   }
-  size_t done = 0;
-  while (done < bytes.size()) {
-    const ssize_t n = ::write(fd, bytes.data() + done, bytes.size() - done);
-    if (n < 0 && errno == EINTR) continue;
-    if (n <= 0) break;
-    done += static_cast<size_t>(n);
-  }
-  ::close(fd);
-  if (done != bytes.size()) return absl::InternalError(absl::StrCat("cannot write ", path));
-  return absl::OkStatus();
+  RETURN_IF_ERROR(WriteAll(fd.get(), bytes.span(), to));
+  return fd.Close();
 }
 
 std::string HostName() {
@@ -102,8 +87,7 @@ absl::Status CopyAndSwitch(const std::string& source, const std::string& dir,
     return absl::InternalError(absl::StrCat("cannot create ", dir, ": ", std::strerror(errno)));
   }
   for (const char* file : {kCaCertFile, kCertFile, kKeyFile}) {
-    ASSIGN_OR_RETURN(std::string bytes, ReadAll(absl::StrCat(source, "/", file)));
-    RETURN_IF_ERROR(WriteFile(absl::StrCat(dir, "/", file), bytes));
+    RETURN_IF_ERROR(CopyPrivate(absl::StrCat(source, "/", file), absl::StrCat(dir, "/", file)));
   }
   // What was copied is what goes in use: checked again (the source may have changed
   // between its check and the copy).
