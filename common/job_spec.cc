@@ -5,6 +5,7 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
+#include "common/compute_dtype.h"
 #include "common/file.h"
 #include "common/status.h"
 #include "google/protobuf/util/json_util.h"
@@ -69,6 +70,10 @@ absl::Status ValidateModel(const v1::ModelConfig& m) {
       CheckInterval("model.capacity_factor", m.capacity_factor(), -1e9, false, 1e9, false));
   RETURN_IF_ERROR(CheckInterval("model.aux_loss_coef", m.aux_loss_coef(), 0, false, 1e6, false));
   RETURN_IF_ERROR(CheckInterval("model.z_loss_coef", m.z_loss_coef(), 0, false, 1e6, false));
+  if (!ParseComputeDtype(m.compute_dtype()).ok()) {
+    return FieldError("model.compute_dtype",
+                      absl::StrCat("must be fp32 or bf16, got \"", m.compute_dtype(), "\""));
+  }
 
   if (int64_t{m.n_layer()} * m.n_expert() > kMaxExperts) {
     return FieldError("model.n_expert",

@@ -106,6 +106,8 @@ TEST(JobSpecTest, NamesTheBadField) {
       {"\"aux_loss_coef\": 0.01", "\"aux_loss_coef\": -1", "JobSpec model.aux_loss_coef: "},
       {"\"z_loss_coef\": 0.001", "\"z_loss_coef\": \"NaN\"", "JobSpec model.z_loss_coef: "},
       {"\"d_model\": 128", "\"d_model\": 1048576", "JobSpec model: has "},
+      {"\"top_k\": 2", "\"top_k\": 2, \"compute_dtype\": \"fp16\"",
+       "JobSpec model.compute_dtype: must be fp32 or bf16, got \"fp16\""},
       {"\"data_path\": \"tokens.bin\"", "\"data_path\": \"\"", "JobSpec train.data_path: "},
       {"\"batch\": 16", "\"batch\": 0", "JobSpec train.batch: "},
       {"\"steps\": 300", "\"steps\": 0", "JobSpec train.steps: "},

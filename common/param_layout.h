@@ -17,6 +17,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "common/compute_dtype.h"
 
 // NOTE: the namespace stays the model's (model::ParamLayout): this is the model's contract;
 // it lives in common/ only so that code without the compute engine can link it.
@@ -40,6 +41,7 @@ struct ModelShape {
   double aux_loss_coef = 0;
   double z_loss_coef = 0;
   bool renormalize_topk = true;
+  ComputeDtype compute_dtype = ComputeDtype::kFp32;
 
   // From a validated spec's model config (param_layout_io.cc: the only part that needs
   // the protos).

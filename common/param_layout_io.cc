@@ -21,6 +21,8 @@ ModelShape ModelShape::FromSpec(const v1::ModelConfig& m) {
   s.aux_loss_coef = m.aux_loss_coef();
   s.z_loss_coef = m.z_loss_coef();
   s.renormalize_topk = m.renormalize_topk();
+  // A validated spec names fp32 or bf16.
+  s.compute_dtype = ParseComputeDtype(m.compute_dtype()).value_or(ComputeDtype::kFp32);
   return s;
 }
 

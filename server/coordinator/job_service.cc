@@ -86,6 +86,13 @@ grpc::Status JobServiceImpl::SubmitJob(grpc::ServerContext* context,
   if (!request->has_spec())
     return ToGrpcStatus(absl::InvalidArgumentError("JobSpec: spec is required"));
   if (absl::Status fits = FitsTheStores(request->spec()); !fits.ok()) return ToGrpcStatus(fits);
+  if (request->spec().model().compute_dtype() == "bf16") {
+    // Cluster workers train on the CPU backend so far: such a job could never run.
+    return ToGrpcStatus(absl::InvalidArgumentError(
+        "JobSpec model.compute_dtype: bf16 needs CUDA workers, and cluster workers train on "
+        "the CPU backend in fp32 so far; submit it as fp32, or train it in bf16 with "
+        "pith-worker --standalone --backend=cuda"));
+  }
   absl::StatusOr<v1::Job> job = jobs_->Submit(request->spec());
   if (!job.ok()) return ToGrpcStatus(job.status());
   *reply->mutable_job() = *std::move(job);

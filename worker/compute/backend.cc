@@ -1,5 +1,7 @@
 #include "worker/compute/backend.h"
 
+#include "absl/strings/str_cat.h"
+
 namespace pith::compute {
 
 DeviceBuffer& DeviceBuffer::operator=(DeviceBuffer&& o) noexcept {
@@ -14,6 +16,13 @@ DeviceBuffer& DeviceBuffer::operator=(DeviceBuffer&& o) noexcept {
 
 DeviceBuffer::~DeviceBuffer() {
   if (owner_ != nullptr && ptr_ != nullptr) owner_->Free(ptr_, bytes_);
+}
+
+absl::Status Backend::SetComputeDtype(ComputeDtype dtype) {
+  if (dtype == ComputeDtype::kFp32) return absl::OkStatus();
+  return absl::InvalidArgumentError(
+      absl::StrCat("model.compute_dtype ", ComputeDtypeName(dtype), ": the ", name(),
+                   " backend computes in fp32 only (bf16 needs the CUDA backend)"));
 }
 
 }  // namespace pith::compute

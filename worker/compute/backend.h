@@ -1,7 +1,8 @@
 // Backend: the compute interface the moe-gpt model is written against. One
 // implementation per device kind (CPU now, CUDA later); the model code never sees which.
 //
-// Conventions: every tensor is fp32 (int32 for ids), row-major, in memory the backend
+// Conventions: every tensor is fp32 (int32 for ids; in the bf16 compute dtype only the
+// products' inputs are rounded to bf16, inside the backend), row-major, in memory the backend
 // allocated ("device" memory; host RAM for the CPU backend). Ops run in order on the
 // backend's one stream; Synchronize() waits for all of them. Gradient outputs named
 // d<x> accumulate (+=) unless the comment says "written"; callers zero them per step.
@@ -21,6 +22,7 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "absl/types/span.h"
+#include "common/compute_dtype.h"
 
 namespace pith::compute {
 
@@ -112,11 +114,23 @@ class Backend {
   // Waits for every op issued so far; reports an asynchronous failure.
   virtual absl::Status Synchronize() = 0;
 
+  // The precision of Gemm and of the expert products from now on: fp32 (the default,
+  // every backend) or bf16 (inputs rounded to bf16 to nearest even, products accumulated
+  // and written in fp32), where the backend has it; INVALID_ARGUMENT where it has not.
+  virtual absl::Status SetComputeDtype(ComputeDtype dtype);
+  virtual ComputeDtype compute_dtype() const { return ComputeDtype::kFp32; }
+
   // --- dense ops -----------------------------------------------------------------------
   // c[M,N] = alpha * op(a) @ op(b) + beta * c, op = transpose when asked (BLAS semantics,
-  // row-major, leading dimensions in elements).
+  // row-major, leading dimensions in elements). In the compute dtype.
   virtual void Gemm(bool trans_a, bool trans_b, int m, int n, int k, float alpha, const float* a,
                     int lda, const float* b, int ldb, float beta, float* c, int ldc) = 0;
+  // Gemm in fp32 whatever the compute dtype: the router's products.
+  virtual void GemmFp32(bool trans_a, bool trans_b, int m, int n, int k, float alpha,
+                        const float* a, int lda, const float* b, int ldb, float beta, float* c,
+                        int ldc) {
+    Gemm(trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
+  }
   // out[M,N] += bias[N] on every row.
   virtual void AddBias(float* out, const float* bias, int m, int n) = 0;
   // dbias[N] += column sums of dout[M,N].

@@ -227,6 +227,16 @@ absl::Status CudaBackend::Synchronize() {
 
 void CudaBackend::Gemm(bool trans_a, bool trans_b, int m, int n, int k, float alpha, const float* a,
                        int lda, const float* b, int ldb, float beta, float* c, int ldc) {
+  if (dtype_ == ComputeDtype::kBf16 && m != 0 && n != 0 && k != 0) {
+    ProductsBf16({{trans_a, trans_b, m, n, k, a, lda, b, ldb, beta, c, ldc, alpha}}, "Gemm (bf16)");
+    return;
+  }
+  GemmFp32(trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
+}
+
+void CudaBackend::GemmFp32(bool trans_a, bool trans_b, int m, int n, int k, float alpha,
+                           const float* a, int lda, const float* b, int ldb, float beta, float* c,
+                           int ldc) {
   if (m == 0 || n == 0 || !Ready()) return;
   if (k == 0) {
     // As the CPU backend: beta = 0 means "written", whatever the BLAS does for k = 0.

@@ -1,8 +1,11 @@
-// CudaBackend: the fp32 NVIDIA GPU implementation of compute::Backend. Every op is issued
+// CudaBackend: the NVIDIA GPU implementation of compute::Backend. Every op is issued
 // on the backend's one CUDA stream, in call order: cuBLAS for the matrix products (the
 // expert GEMMs as one grouped call over the non-empty buckets: cublasSgemmGroupedBatched),
-// kernels for the rest (worker/cuda/cuda_kernels.cuh). Exact fp32: cuBLAS runs without
-// TF32, so results match the CPU backend's to float rounding.
+// kernels for the rest (worker/cuda/cuda_kernels.cuh). Exact fp32 by default: cuBLAS runs
+// without TF32, so results match the CPU backend's to float rounding. In the bf16 compute
+// dtype (SetComputeDtype) Gemm and the expert products round their inputs to bf16 once
+// per phase and run on the tensor cores with fp32 accumulation and fp32 outputs; GemmFp32
+// (the router) and every other op stay fp32.
 //
 // Errors: the Backend's ops return nothing, so the first CUDA or cuBLAS failure is kept,
 // named by its op ("cuda backend: Gemm: CUBLAS_STATUS_INVALID_VALUE"), every later op is
@@ -27,6 +30,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "worker/compute/backend.h"
+#include "worker/compute/thread_pool.h"
 
 // The CUDA handle types, declared so that this header needs no CUDA include.
 struct CUstream_st;
@@ -58,8 +62,13 @@ class CudaBackend final : public compute::Backend {
   void Zero(void* dst, size_t bytes) override;
   absl::Status Synchronize() override;
 
+  absl::Status SetComputeDtype(ComputeDtype dtype) override;
+  ComputeDtype compute_dtype() const override { return dtype_; }
+
   void Gemm(bool trans_a, bool trans_b, int m, int n, int k, float alpha, const float* a, int lda,
             const float* b, int ldb, float beta, float* c, int ldc) override;
+  void GemmFp32(bool trans_a, bool trans_b, int m, int n, int k, float alpha, const float* a,
+                int lda, const float* b, int ldb, float beta, float* c, int ldc) override;
   void AddBias(float* out, const float* bias, int m, int n) override;
   void BiasGrad(float* dbias, const float* dout, int m, int n) override;
   void Add(float* out, const float* a, const float* b, int64_t n) override;
@@ -108,11 +117,10 @@ class CudaBackend final : public compute::Backend {
                      int n, int experts, const compute::RouterConfig& config,
                      const compute::RouterLossGrad& loss) override;
 
-  // bf16 matrix products with fp32 accumulation on the tensor cores, row-major as Gemm
-  // (alpha 1): a and b hold bf16 (2-byte storage), c holds bf16, or fp32 with `c_fp32`
-  // (weight gradients accumulate into fp32 with beta 1). These are the products of the
-  // bf16 compute mode (model.compute_dtype, not wired into training yet); gpu_bench
-  // measures them.
+  // bf16 matrix products with fp32 accumulation on the tensor cores, row-major as Gemm:
+  // a and b hold bf16 (2-byte storage), c holds bf16, or fp32 with `c_fp32` (the bf16
+  // compute dtype writes fp32 activations and accumulates weight gradients into fp32 with
+  // beta 1). gpu_bench measures them alone.
   struct Bf16Gemm {
     bool trans_a, trans_b;
     int m, n, k;
@@ -124,6 +132,7 @@ class CudaBackend final : public compute::Backend {
     void* c;
     int ldc;
     bool c_fp32 = false;
+    float alpha = 1.0f;
   };
   // A product with k = 0 adds nothing: beta 1 leaves C, beta 0 zeroes it; other betas
   // are an error (Gemm scales C by any beta; the bf16 products have no use for it).
@@ -137,6 +146,11 @@ class CudaBackend final : public compute::Backend {
   static constexpr int kMaxSideStreams = 8;
   int side_streams() const { return side_streams_; }
   void set_side_streams(int n) { side_streams_ = std::clamp(n, 1, kMaxSideStreams); }
+  // Host threads that issue a fan-out's launches (each side stream's share from one
+  // thread, the caller's included): many small products are bound by the host's cost per
+  // launch. 1 (the default) issues them all from the caller's thread.
+  int launch_threads() const { return launch_threads_; }
+  void set_launch_threads(int n);
   void FanOutGemmBf16(const std::vector<Bf16Gemm>& problems, const char* op);
   // One cuBLAS call over every problem (cublasGemmGroupedBatchedEx); c must be bf16 and no
   // problem empty (an error otherwise).
@@ -162,6 +176,7 @@ class CudaBackend final : public compute::Backend {
     float beta;
     float* c;
     int ldc;
+    float alpha = 1.0f;
   };
   // Per-bucket segment tables for the expert kernels: one entry per non-empty bucket.
   struct Segments {
@@ -183,12 +198,28 @@ class CudaBackend final : public compute::Backend {
   bool CheckLaunch(const char* op);
 
   void GroupedGemm(const std::vector<GemmProblem>& problems, const char* op);
+  // The products of one phase in the compute dtype: fp32, one grouped call; bf16,
+  // ProductsBf16.
+  void Products(const std::vector<GemmProblem>& problems, const char* op);
+  // The fp32 problems in bf16: every input range they read (operands that overlap or touch
+  // merged, so a bucket phase rounds its activation once) rounded by one kernel into
+  // kBf16 scratch, then fanned out (FanOutGemmBf16) with fp32 outputs.
+  void ProductsBf16(const std::vector<GemmProblem>& problems, const char* op);
   // Copies a grouped product's pointer arrays to device scratch; nullptr after a failure.
   const void* const* UploadPointers(const std::vector<const void*>& pointers, const char* op);
   // Device scratch of at least `bytes` per use, reused across calls (it grows after
   // waiting for the stream). Ops on the stream are ordered, so a slot is free again once
   // the next op that uses it is issued.
-  enum ScratchSlot { kPointers, kSumOfSquares, kAttention, kSegments, kRouting, kScratchSlots };
+  enum ScratchSlot {
+    kPointers,
+    kSumOfSquares,
+    kAttention,
+    kSegments,
+    kRouting,
+    kBf16Ranges,  // ProductsBf16's table of ranges to round
+    kBf16,        // ProductsBf16's rounded inputs
+    kScratchSlots
+  };
   void* Scratch(ScratchSlot slot, size_t bytes);
   // Uploads the non-empty buckets' row ranges (and bias pointers) for the expert kernels.
   Segments UploadSegments(const int64_t* offsets, int experts, const float* const* bias,
@@ -199,6 +230,7 @@ class CudaBackend final : public compute::Backend {
   cublasContext* blas_;
   std::string description_;
   absl::Status error_;
+  ComputeDtype dtype_ = ComputeDtype::kFp32;
   struct ScratchBuffer {
     void* ptr = nullptr;
     size_t bytes = 0;
@@ -218,7 +250,9 @@ class CudaBackend final : public compute::Backend {
   SideStreams side_;
   bool side_failed_ = false;  // they could not be made: not tried again
   int side_streams_ = 4;
-  std::vector<int32_t> host_ints_;  // routing's host-side layout pass
+  int launch_threads_ = 1;
+  std::unique_ptr<compute::ThreadPool> launch_pool_;  // launch_threads_ > 1 only
+  std::vector<int32_t> host_ints_;                    // routing's host-side layout pass
   std::vector<float> host_floats_;
 };
 

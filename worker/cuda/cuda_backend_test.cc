@@ -256,7 +256,24 @@ Routed MakeRouted(int N, int E, int k) {
   return r;
 }
 
-TEST_F(CudaBackendTest, MoeBlockForwardAndBackward) {
+// The MoE block's ops on the CUDA backend against the CPU's; outputs that come out of a
+// matrix product within `product_rel` (kRelative in fp32; bf16's rounding otherwise),
+// the rest within kRelative or equal.
+class CudaMoeTest : public CudaBackendTest {
+ protected:
+  void MoeBlock(double product_rel);
+};
+
+TEST_F(CudaMoeTest, ForwardAndBackward) { MoeBlock(kRelative); }
+
+// bf16 inputs to every expert product: within 5e-2 of the fp32 reference (each input
+// rounds by up to 2^-9; a wrong operand would be off by O(1)).
+TEST_F(CudaMoeTest, ForwardAndBackwardInBf16) {
+  ASSERT_TRUE(gpu_->SetComputeDtype(ComputeDtype::kBf16).ok());
+  MoeBlock(5e-2);
+}
+
+void CudaMoeTest::MoeBlock(double product_rel) {
   struct Case {
     int experts, top_k;
     double capacity;
@@ -326,9 +343,9 @@ TEST_F(CudaBackendTest, MoeBlockForwardAndBackward) {
                        F);
     cpu_.Combine(out.data(), y.data(), want.row.data(), want.gate.data(), N, k, C);
     ExpectClose("xperm", Down(xperm_dev, xperm.size()), xperm);
-    ExpectClose("hpre", Down(hpre_dev, hpre.size()), hpre);
-    ExpectClose("expert y", Down(y_dev, y.size()), y);
-    ExpectClose("combine", Down(out_dev, out.size()), out);
+    ExpectClose("hpre", Down(hpre_dev, hpre.size()), hpre, product_rel);
+    ExpectClose("expert y", Down(y_dev, y.size()), y, product_rel);
+    ExpectClose("combine", Down(out_dev, out.size()), out, product_rel);
 
     const Vec dout = Random(N * C, 5);
     Vec dy(A * C), dgate(N * k), dh(A * F), dxperm(A * C), dx = Random(N * C, 6), dlogits(N * E);
@@ -349,11 +366,11 @@ TEST_F(CudaBackendTest, MoeBlockForwardAndBackward) {
     cpu_.PermuteBackward(dx.data(), dxperm.data(), want.row.data(), N, k, C);
     cpu_.RouteBackward(dlogits.data(), dgate.data(), want.Buffers(), N, E, config, loss);
     ExpectClose("dy", Down(dy_dev, dy.size()), dy);
-    ExpectClose("dgate", Down(dgate_dev, dgate.size()), dgate);
-    ExpectClose("dxperm", Down(dxperm_dev, dxperm.size()), dxperm);
-    ExpectClose("expert grads", Down(g_dev, grads.size()), grads);
-    ExpectClose("dx", Down(dx_dev, dx.size()), dx);
-    ExpectClose("dlogits", Down(dlogits_dev, dlogits.size()), dlogits);
+    ExpectClose("dgate", Down(dgate_dev, dgate.size()), dgate, product_rel);
+    ExpectClose("dxperm", Down(dxperm_dev, dxperm.size()), dxperm, product_rel);
+    ExpectClose("expert grads", Down(g_dev, grads.size()), grads, product_rel);
+    ExpectClose("dx", Down(dx_dev, dx.size()), dx, product_rel);
+    ExpectClose("dlogits", Down(dlogits_dev, dlogits.size()), dlogits, product_rel);
   }
 }
 
@@ -439,6 +456,37 @@ TEST_F(CudaBackendTest, Bf16ProductsMatchTheFp32ProductOfTheirInputs) {
   // cuBLAS's grouped call writes bf16 only: an fp32 output is an error naming the op.
   gpu_->GroupedGemmBf16({problems[0]}, "bf16 grouped test");
   EXPECT_NE(gpu_->Synchronize().message().find("bf16 grouped test"), absl::string_view::npos);
+}
+
+// The bf16 compute dtype: Gemm rounds both inputs to bf16 (nearest even) and accumulates
+// in fp32, so it matches the CPU's fp32 product of the rounded inputs within 1e-5, for
+// every transpose, padded leading dimensions, alpha and beta; GemmFp32 does not round.
+TEST_F(CudaBackendTest, GemmInBf16RoundsItsInputs) {
+  ASSERT_TRUE(gpu_->SetComputeDtype(ComputeDtype::kBf16).ok());
+  EXPECT_EQ(gpu_->compute_dtype(), ComputeDtype::kBf16);
+  const int m = 37, n = 29, k = 53;
+  for (int ta = 0; ta < 2; ++ta) {
+    for (int tb = 0; tb < 2; ++tb) {
+      const int lda = (ta ? m : k) + 3, ldb = (tb ? k : n) + 1, ldc = n + 2;
+      const Vec a = Random((ta ? k : m) * lda, 31 + ta), b = Random((tb ? n : k) * ldb, 33 + tb);
+      Vec c = Random(m * ldc, 35), exact = c;
+      float *dc = Up(c), *dexact = Up(c);
+      const float *da = Up(a), *db = Up(b);
+      gpu_->Gemm(ta, tb, m, n, k, 0.5f, da, lda, db, ldb, 0.25f, dc, ldc);
+      gpu_->GemmFp32(ta, tb, m, n, k, 0.5f, da, lda, db, ldb, 0.25f, dexact, ldc);
+      cpu_.Gemm(ta, tb, m, n, k, 0.5f, ToBf16(a).rounded.data(), lda, ToBf16(b).rounded.data(), ldb,
+                0.25f, c.data(), ldc);
+      cpu_.Gemm(ta, tb, m, n, k, 0.5f, a.data(), lda, b.data(), ldb, 0.25f, exact.data(), ldc);
+      ExpectClose("bf16 gemm", Down(dc, c.size()), c);
+      ExpectClose("GemmFp32 in bf16 mode", Down(dexact, exact.size()), exact);
+    }
+  }
+  Vec c = Random(m * n, 6);
+  float* dc = Up(c);
+  gpu_->Gemm(false, false, m, n, 0, 1.0f, nullptr, 1, nullptr, n, 0.0f, dc, n);
+  EXPECT_EQ(Down(dc, c.size()), Vec(c.size(), 0.0f));
+  ASSERT_TRUE(gpu_->SetComputeDtype(ComputeDtype::kFp32).ok());
+  EXPECT_EQ(gpu_->compute_dtype(), ComputeDtype::kFp32);
 }
 
 TEST_F(CudaBackendTest, Bf16GroupedProductsMatch) {

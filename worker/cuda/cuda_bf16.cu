@@ -9,6 +9,9 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <cstdint>
+#include <utility>
+#include <vector>
 
 #include "worker/cuda/cuda_backend.h"
 #include "worker/cuda/cuda_kernels.cuh"
@@ -36,6 +39,28 @@ class DefaultMath {
   cublasHandle_t h_;
 };
 
+// A range of fp32 inputs and where its bf16 rounding goes.
+struct Bf16Range {
+  const float* src;
+  __nv_bfloat16* dst;
+  int64_t n;
+};
+
+// Rounds every range: blocks stride over the ranges in y and over each range's elements
+// in x.
+__global__ void RoundRangesKernel(const Bf16Range* ranges, int64_t count) {
+  for (int64_t r = blockIdx.y; r < count; r += gridDim.y) {
+    const Bf16Range range = ranges[r];
+    for (int64_t i = int64_t{blockIdx.x} * blockDim.x + threadIdx.x; i < range.n;
+         i += int64_t{gridDim.x} * blockDim.x) {
+      range.dst[i] = __float2bfloat16_rn(range.src[i]);
+    }
+  }
+}
+
+// Elements an operand of `rows` x `cols` (as stored) with leading dimension `ld` spans.
+int64_t Span(int rows, int cols, int ld) { return (int64_t{rows} - 1) * ld + cols; }
+
 __global__ void AccumulateBf16Kernel(float* out, const __nv_bfloat16* in, int64_t n) {
   PITH_GRID_STRIDE(i, n) out[i] += __bfloat162float(in[i]);
 }
@@ -58,9 +83,8 @@ void CudaBackend::ToBf16(void* out, const float* in, int64_t n) {
 namespace {
 
 cublasStatus_t GemmEx(cublasHandle_t h, const CudaBackend::Bf16Gemm& p) {
-  const float alpha = 1.0f;
   // Row-major C = op(A) op(B) is column-major C^T = op(B)^T op(A)^T: swap the operands.
-  return cublasGemmEx(h, Op(p.trans_b), Op(p.trans_a), p.n, p.m, p.k, &alpha, p.b, CUDA_R_16BF,
+  return cublasGemmEx(h, Op(p.trans_b), Op(p.trans_a), p.n, p.m, p.k, &p.alpha, p.b, CUDA_R_16BF,
                       p.ldb, p.a, CUDA_R_16BF, p.lda, &p.beta, p.c,
                       p.c_fp32 ? CUDA_R_32F : CUDA_R_16BF, p.ldc, CUBLAS_COMPUTE_32F,
                       CUBLAS_GEMM_DEFAULT);
@@ -143,8 +167,24 @@ void CudaBackend::FanOutGemmBf16(const std::vector<Bf16Gemm>& problems, const ch
   for (int i = 0; i < used; ++i) {
     if (!CheckCuda(cudaStreamWaitEvent(S(side_.streams[i]), fork, 0), op)) return;
   }
-  for (size_t i = 0; i < work.size(); ++i) {
-    if (!CheckBlas(GemmEx(H(side_.handles[i % used]), *work[i]), op)) return;
+  // Side stream i takes problems i, i + used, ...; its launches come from one thread,
+  // which keeps its own first failure (error_ is the caller's alone).
+  std::vector<int> failed(used, CUBLAS_STATUS_SUCCESS);
+  auto launch = [&](int64_t begin, int64_t end) {
+    if (launch_pool_ != nullptr) cudaSetDevice(device_);  // pool threads bind it here
+    for (int64_t s = begin; s < end; ++s) {
+      for (size_t i = s; i < work.size() && failed[s] == CUBLAS_STATUS_SUCCESS; i += used) {
+        failed[s] = GemmEx(H(side_.handles[s]), *work[i]);
+      }
+    }
+  };
+  if (launch_pool_ != nullptr && used > 1) {
+    launch_pool_->ParallelFor(used, 1, launch);
+  } else {
+    launch(0, used);
+  }
+  for (int i = 0; i < used; ++i) {
+    if (!CheckBlas(failed[i], op)) return;
   }
   // The join: the backend's stream goes on once every side stream is done.
   for (int i = 0; i < used; ++i) {
@@ -174,6 +214,94 @@ void CudaBackend::GroupedGemmBf16(const std::vector<Bf16Gemm>& problems, const c
                                        const_cast<void* const*>(dev + 2 * count), CUDA_R_16BF,
                                        g.ldc.data(), count, g.size.data(), CUBLAS_COMPUTE_32F),
             op);
+}
+
+void CudaBackend::set_launch_threads(int n) {
+  n = std::clamp(n, 1, kMaxSideStreams);
+  if (n == launch_threads_) return;
+  launch_threads_ = n;
+  launch_pool_ = n > 1 ? std::make_unique<compute::ThreadPool>(n) : nullptr;
+}
+
+absl::Status CudaBackend::SetComputeDtype(ComputeDtype dtype) {
+  dtype_ = dtype;
+  return absl::OkStatus();
+}
+
+void CudaBackend::Products(const std::vector<GemmProblem>& problems, const char* op) {
+  if (dtype_ == ComputeDtype::kBf16) {
+    ProductsBf16(problems, op);
+  } else {
+    GroupedGemm(problems, op);
+  }
+}
+
+void CudaBackend::ProductsBf16(const std::vector<GemmProblem>& problems, const char* op) {
+  if (problems.empty() || !Ready()) return;
+  // The element ranges the operands read, as [begin, end) addresses, merged.
+  std::vector<std::pair<uintptr_t, uintptr_t>> spans;
+  for (const GemmProblem& p : problems) {
+    if (p.m == 0 || p.n == 0 || p.k == 0) continue;
+    const int64_t a = p.trans_a ? Span(p.k, p.m, p.lda) : Span(p.m, p.k, p.lda);
+    const int64_t b = p.trans_b ? Span(p.n, p.k, p.ldb) : Span(p.k, p.n, p.ldb);
+    spans.emplace_back(reinterpret_cast<uintptr_t>(p.a), reinterpret_cast<uintptr_t>(p.a + a));
+    spans.emplace_back(reinterpret_cast<uintptr_t>(p.b), reinterpret_cast<uintptr_t>(p.b + b));
+  }
+  std::sort(spans.begin(), spans.end());
+  std::vector<std::pair<uintptr_t, uintptr_t>> merged;
+  for (const auto& span : spans) {
+    if (!merged.empty() && span.first <= merged.back().second) {
+      merged.back().second = std::max(merged.back().second, span.second);
+    } else {
+      merged.push_back(span);
+    }
+  }
+  // Each range's rounding starts 256-byte aligned in the scratch.
+  std::vector<Bf16Range> ranges;
+  std::vector<int64_t> starts;  // element offsets in the scratch
+  int64_t total = 0, longest = 0;
+  for (const auto& [begin, end] : merged) {
+    const int64_t n = static_cast<int64_t>((end - begin) / sizeof(float));
+    starts.push_back(total);
+    ranges.push_back({reinterpret_cast<const float*>(begin), nullptr, n});
+    total += (n + 127) / 128 * 128;
+    longest = std::max(longest, n);
+  }
+  auto* rounded = static_cast<__nv_bfloat16*>(Scratch(kBf16, sizeof(__nv_bfloat16) * total));
+  void* table = Scratch(kBf16Ranges, sizeof(Bf16Range) * ranges.size());
+  if (rounded == nullptr || table == nullptr) return;
+  for (size_t i = 0; i < ranges.size(); ++i) ranges[i].dst = rounded + starts[i];
+  // Pageable source: the copy returns once `ranges` is staged (see UploadPointers).
+  if (!CheckCuda(cudaMemcpyAsync(table, ranges.data(), sizeof(Bf16Range) * ranges.size(),
+                                 cudaMemcpyHostToDevice, S(stream_)),
+                 op)) {
+    return;
+  }
+  const dim3 grid(static_cast<unsigned>(std::min<int64_t>(1024, (longest + 4095) / 4096)),
+                  static_cast<unsigned>(std::min<size_t>(ranges.size(), 65535)));
+  RoundRangesKernel<<<grid, kThreads, 0, S(stream_)>>>(static_cast<const Bf16Range*>(table),
+                                                       static_cast<int64_t>(ranges.size()));
+  if (!CheckLaunch(op)) return;
+  // An input's bf16 copy: the merged range that holds it, at the same element offset.
+  auto in_bf16 = [&](const float* p) -> const void* {
+    const uintptr_t at = reinterpret_cast<uintptr_t>(p);
+    const size_t i =
+        std::upper_bound(merged.begin(), merged.end(), std::make_pair(at, UINTPTR_MAX)) -
+        merged.begin() - 1;
+    return rounded + starts[i] + (at - merged[i].first) / sizeof(float);
+  };
+  std::vector<Bf16Gemm> bf16;
+  bf16.reserve(problems.size());
+  for (const GemmProblem& p : problems) {
+    const bool empty = p.m == 0 || p.n == 0 || p.k == 0;
+    bf16.push_back({p.trans_a, p.trans_b, p.m, p.n, p.k, empty ? nullptr : in_bf16(p.a), p.lda,
+                    empty ? nullptr : in_bf16(p.b), p.ldb, p.beta, p.c, p.ldc, true, p.alpha});
+  }
+  if (bf16.size() == 1) {
+    GemmBf16(bf16[0], op);
+  } else {
+    FanOutGemmBf16(bf16, op);
+  }
 }
 
 }  // namespace pith::cuda

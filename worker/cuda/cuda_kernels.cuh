@@ -41,7 +41,7 @@ struct GroupedArrays {
         ldb(count),
         ldc(count),
         size(count, 1),
-        alpha(count, 1.0f),
+        alpha(count),
         beta(count),
         pointers(3 * problems.size()) {
     for (int i = 0; i < count; ++i) {
@@ -54,6 +54,7 @@ struct GroupedArrays {
       lda[i] = p.ldb;
       ldb[i] = p.lda;
       ldc[i] = p.ldc;
+      alpha[i] = p.alpha;
       beta[i] = p.beta;
       pointers[i] = p.b;
       pointers[count + i] = p.a;

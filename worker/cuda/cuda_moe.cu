@@ -371,13 +371,13 @@ void CudaBackend::ExpertForward(float* y, float* hpre, float* h, const float* x,
                       experts[e].w2, channels, 0.0f, y + begin * channels, channels});
   }
   const int64_t total = offsets[count];
-  GroupedGemm(first, "ExpertForward (x @ w1)");
+  Products(first, "ExpertForward (x @ w1)");
   Segments seg = UploadSegments(offsets, count, b1.data(), nullptr);
   if (seg.count == 0 || !Ready()) return;
   BiasGeluKernel<<<GridFor(total * hidden), kThreads, 0, S(stream_)>>>(hpre, h, seg.offsets,
                                                                        seg.bias, seg.count, hidden);
   if (!CheckLaunch("ExpertForward (bias, gelu)")) return;
-  GroupedGemm(second, "ExpertForward (h @ w2)");
+  Products(second, "ExpertForward (h @ w2)");
   seg = UploadSegments(offsets, count, b2.data(), nullptr);
   if (seg.count == 0 || !Ready()) return;
   SegmentBiasKernel<<<GridFor(total * channels), kThreads, 0, S(stream_)>>>(
@@ -414,7 +414,7 @@ void CudaBackend::ExpertBackward(float* dx, float* dh, absl::Span<const compute:
                      dx + begin * channels, channels});
   }
   const int64_t total = offsets[count];
-  GroupedGemm(second, "ExpertBackward (dH, dW2)");
+  Products(second, "ExpertBackward (dH, dW2)");
   Segments seg = UploadSegments(offsets, count, nullptr, db2.data());
   if (seg.count == 0 || !Ready()) return;
   SegmentBiasGradKernel<<<dim3((channels + 31) / 32, seg.count), dim3(32, 8), 0, S(stream_)>>>(
@@ -422,7 +422,7 @@ void CudaBackend::ExpertBackward(float* dx, float* dh, absl::Span<const compute:
   GeluBackwardInPlaceKernel<<<GridFor(total * hidden), kThreads, 0, S(stream_)>>>(dh, hpre,
                                                                                   total * hidden);
   if (!CheckLaunch("ExpertBackward (db2, gelu)")) return;
-  GroupedGemm(first, "ExpertBackward (dW1, dX)");
+  Products(first, "ExpertBackward (dW1, dX)");
   seg = UploadSegments(offsets, count, nullptr, db1.data());
   if (seg.count == 0 || !Ready()) return;
   SegmentBiasGradKernel<<<dim3((hidden + 31) / 32, seg.count), dim3(32, 8), 0, S(stream_)>>>(

@@ -14,9 +14,10 @@
 //                   the same products as cuBLAS grouped calls;
 //   expert_fetch    uploads of a bf16 expert blob into DeviceSlots from registered pinned
 //                   staging, against a plain pinned cudaMemcpy of the same bytes;
-//   moe_layer       the whole fp32 MoE layer fwd+bwd through the backend (router GEMM,
+//   moe_layer       the whole MoE layer fwd+bwd through the backend (router GEMM in fp32,
 //                   Route with its host layout, permute, experts, combine, every backward)
-//                   in ms, for tests/gpu/run.sh to set against PyTorch's (torch_moe_bench.py).
+//                   in ms, in the fp32 and in the bf16 compute dtype, for tests/gpu/run.sh
+//                   to set against PyTorch's (torch_moe_bench.py).
 // Tokens in the GEMM benches spread over the experts with a skew (the first expert gets
 // twice the mean, the last half); the layer routes random tokens through a random router.
 #include <cuda_runtime.h>
@@ -26,6 +27,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <functional>
 #include <memory>
 #include <random>
 #include <string>
@@ -187,6 +189,25 @@ std::string Bf16Breakdown(CudaBackend& b, const std::vector<Bf16Call>& calls, in
   return out;
 }
 
+// TFLOP/s of `fan_out` with other side-stream and launch-thread counts, for the detail
+// line; the backend's own setting again afterwards.
+std::string OtherFanOuts(CudaBackend& b, int iters, double flops,
+                         const std::function<void()>& fan_out) {
+  const int streams = b.side_streams(), threads = b.launch_threads();
+  std::string out;
+  for (auto [n, t] : {std::pair{2, 1}, std::pair{8, 1}, std::pair{4, 4}, std::pair{8, 8}}) {
+    b.set_side_streams(n);
+    b.set_launch_threads(t);
+    char part[64];
+    std::snprintf(part, sizeof(part), " %d streams/%d threads %.0f", n, t,
+                  flops / SecondsPerIter(b, iters, fan_out) / 1e12);
+    out += part;
+  }
+  b.set_side_streams(streams);
+  b.set_launch_threads(threads);
+  return out;
+}
+
 // The FFN's six products in bf16 (fp32 accumulation), grouped over the buckets, the weight
 // gradients written in bf16 and added to fp32 gradients, against six dense bf16 products
 // of the same FLOPs.
@@ -243,17 +264,7 @@ int RunBf16Gemms(CudaBackend& b, const Shape& s, int64_t tokens, int iters) {
     b.FanOutGemmBf16(bwd_dw, "bf16 dW1, dW2");
     b.FanOutGemmBf16(bwd_dx, "bf16 dh @ w1^T");
   };
-  // The other side-stream counts, for the detail line; the backend's default last.
-  const int streams = b.side_streams();
-  std::string other_counts;
-  for (int n : {2, 8}) {
-    b.set_side_streams(n);
-    char part[48];
-    std::snprintf(part, sizeof(part), " %d streams %.0f", n,
-                  12.0 * A * C * F / SecondsPerIter(b, iters, fan_out) / 1e12);
-    other_counts += part;
-  }
-  b.set_side_streams(streams);
+  const std::string other_counts = OtherFanOuts(b, iters, 12.0 * A * C * F, fan_out);
   const double fanout = SecondsPerIter(b, iters, fan_out);
   const double grouped = SecondsPerIter(b, iters, [&] {
     b.GroupedGemmBf16(fwd1, "bf16 x @ w1 (grouped)");
@@ -284,15 +295,16 @@ int RunBf16Gemms(CudaBackend& b, const Shape& s, int64_t tokens, int iters) {
                                        {"dW1+dW2", &bwd_dw},
                                        {"dh@w1T", &bwd_dx}};
   std::printf(
-      "expert_gemm_bf16_detail %-16s TFLOP/s per phase:%s; with%s (default %d); cuBLAS "
+      "expert_gemm_bf16_detail %-16s TFLOP/s per phase:%s; with%s (default %d/%d); cuBLAS "
       "grouped calls (cublasGemmGroupedBatchedEx + bf16->fp32 gradient add) %.1f\n",
-      s.name, Bf16Breakdown(b, calls, iters).c_str(), other_counts.c_str(), streams,
-      flops / grouped / 1e12);
+      s.name, Bf16Breakdown(b, calls, iters).c_str(), other_counts.c_str(), b.side_streams(),
+      b.launch_threads(), flops / grouped / 1e12);
   return 0;
 }
 
-// The whole fp32 MoE layer, forward and backward, through the backend's ops.
-int RunLayer(CudaBackend& b, const Shape& s, int64_t tokens, int iters) {
+// The whole MoE layer, forward and backward, through the backend's ops in its compute
+// dtype: seconds per iteration, or -1 after saying why not.
+double LayerSeconds(CudaBackend& b, const Shape& s, int64_t tokens, int iters) {
   const int C = s.channels, F = s.hidden, E = s.experts, k = s.top_k;
   const int N = static_cast<int>(tokens);
   const int64_t A = int64_t{N} * k, expert_floats = 2 * int64_t{C} * F + F + C;
@@ -308,13 +320,13 @@ int RunLayer(CudaBackend& b, const Shape& s, int64_t tokens, int iters) {
   if (!AllOk(s.name, {&x,      &wr,   &logits,  &probs, &lse, &expert, &gate, &row,   &bucket_token,
                       &xperm,  &hpre, &h,       &y,     &out, &dout,   &dy,   &dgate, &dh,
                       &dxperm, &dx,   &dlogits, &dwr,   &w,   &g})) {
-    return 1;
+    return -1;
   }
   if (!Fill(b, x->f32(), int64_t{N} * C, 1.0f) || !Fill(b, wr->f32(), int64_t{C} * E, 0.02f) ||
       !Fill(b, w->f32(), E * expert_floats, 0.02f) ||
       !Fill(b, dout->f32(), int64_t{N} * C, 1e-3f)) {
     std::fprintf(stderr, "%s layer: fill: %s\n", s.name, b.status().ToString().c_str());
-    return 1;
+    return -1;
   }
   std::vector<compute::ExpertWeights> ws;
   std::vector<compute::ExpertGrads> gs;
@@ -332,7 +344,7 @@ int RunLayer(CudaBackend& b, const Shape& s, int64_t tokens, int iters) {
                                    prob_sum.data()};
   const compute::RouterConfig config{k, 0.0, true};
   const double seconds = SecondsPerIter(b, iters, [&] {
-    b.Gemm(false, false, N, E, C, 1.0f, x->f32(), C, wr->f32(), E, 0.0f, logits->f32(), E);
+    b.GemmFp32(false, false, N, E, C, 1.0f, x->f32(), C, wr->f32(), E, 0.0f, logits->f32(), E);
     b.Route(logits->f32(), N, E, config, rb);
     const int64_t a = offsets[E];
     b.Permute(xperm->f32(), x->f32(), rb.bucket_token, a, C);
@@ -346,14 +358,39 @@ int RunLayer(CudaBackend& b, const Shape& s, int64_t tokens, int iters) {
     for (int e = 0; e < E; ++e) global_f[e] = static_cast<double>(routed[e]) / (double{1} * A);
     b.RouteBackward(dlogits->f32(), dgate->f32(), rb, N, E, config,
                     {0.01, 0.001, N, global_f.data()});
-    b.Gemm(true, false, C, E, N, 1.0f, x->f32(), C, dlogits->f32(), E, 0.0f, dwr->f32(), E);
-    b.Gemm(false, true, N, C, E, 1.0f, dlogits->f32(), E, wr->f32(), E, 1.0f, dx->f32(), C);
+    b.GemmFp32(true, false, C, E, N, 1.0f, x->f32(), C, dlogits->f32(), E, 0.0f, dwr->f32(), E);
+    b.GemmFp32(false, true, N, C, E, 1.0f, dlogits->f32(), E, wr->f32(), E, 1.0f, dx->f32(), C);
   });
   if (seconds <= 0) {
     std::fprintf(stderr, "%s layer: %s\n", s.name, b.status().ToString().c_str());
-    return 1;
+    return -1;
   }
-  std::printf("moe_layer %-16s tokens=%d fp32 fwd+bwd %.2f ms\n", s.name, N, seconds * 1e3);
+  return seconds;
+}
+
+int RunLayer(CudaBackend& b, const Shape& s, int64_t tokens, int iters) {
+  const double seconds = LayerSeconds(b, s, tokens, iters);
+  if (seconds <= 0) return 1;
+  std::printf("moe_layer %-16s tokens=%lld fp32 fwd+bwd %.2f ms\n", s.name,
+              static_cast<long long>(tokens), seconds * 1e3);
+  return 0;
+}
+
+// The layer in bf16 with the backend's defaults, and with the fan-outs' launches spread
+// over 4 host threads (the detail line).
+int RunLayerBf16(CudaBackend& b, const Shape& s, int64_t tokens, int iters) {
+  if (!b.SetComputeDtype(ComputeDtype::kBf16).ok()) return 1;
+  const double seconds = LayerSeconds(b, s, tokens, iters);
+  if (seconds <= 0) return 1;
+  std::printf("moe_layer %-16s tokens=%lld bf16 fwd+bwd %.2f ms\n", s.name,
+              static_cast<long long>(tokens), seconds * 1e3);
+  const int threads = b.launch_threads();
+  b.set_launch_threads(4);
+  const double threaded = LayerSeconds(b, s, tokens, iters);
+  b.set_launch_threads(threads);
+  if (threaded <= 0) return 1;
+  std::printf("moe_layer_detail %-16s bf16 with 4 launch threads %.2f ms (default %d: %.2f)\n",
+              s.name, threaded * 1e3, threads, seconds * 1e3);
   return 0;
 }
 
@@ -413,7 +450,7 @@ int main(int argc, char** argv) {
   for (const pith::cuda::Shape& s : {pith::cuda::Shape{"qwen3-30b-a3b", 2048, 768, 128, 8},
                                      pith::cuda::Shape{"deepseek-v2-lite", 2048, 1408, 64, 6}}) {
     for (auto* run : {pith::cuda::RunShape, pith::cuda::RunBf16Gemms, pith::cuda::RunLayer,
-                      pith::cuda::RunFetch}) {
+                      pith::cuda::RunLayerBf16, pith::cuda::RunFetch}) {
       // A backend per measurement: a failed one stays failed, and the others still run.
       auto backend = CudaBackend::Create(device);
       if (!backend.ok()) {

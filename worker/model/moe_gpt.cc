@@ -51,6 +51,7 @@ MoeGpt::MoeGpt(Backend* backend, const ModelShape& shape, int batch, Experts exp
 absl::StatusOr<std::unique_ptr<MoeGpt>> MoeGpt::Create(Backend* backend, const ModelShape& shape,
                                                        int batch, Experts experts) {
   if (batch < 1) return absl::InvalidArgumentError("model batch must be >= 1");
+  RETURN_IF_ERROR(backend->SetComputeDtype(shape.compute_dtype));
   std::unique_ptr<MoeGpt> model(new MoeGpt(backend, shape, batch, experts));
   RETURN_IF_ERROR(model->AllocateBuffers());
   return model;
@@ -189,7 +190,7 @@ absl::Status MoeGpt::Forward(const int32_t* tokens) {
     b.Add(a.mid, x, dtmp_, int64_t{N} * C);
 
     b.LayerNorm(a.ln2, a.ln2_mean, a.ln2_rstd, a.mid, p + w.ln2_w, p + w.ln2_b, N, C);
-    b.Gemm(false, false, N, E, C, 1.0f, a.ln2, C, p + w.router_w, E, 0.0f, a.router_logits, E);
+    b.GemmFp32(false, false, N, E, C, 1.0f, a.ln2, C, p + w.router_w, E, 0.0f, a.router_logits, E);
     b.Route(a.router_logits, N, E, router_, Routing(l));
     const int64_t* offsets = host_[l].offsets.data();
     b.Permute(a.xperm, a.ln2, a.bucket_token, offsets[E], C);
@@ -239,8 +240,8 @@ absl::Status MoeGpt::Backward(int64_t global_tokens) {
     b.PermuteBackward(dln_, dxperm_, a.row, N, s.top_k, C);
     compute::RouterLossGrad loss{s.aux_loss_coef, s.z_loss_coef, global_tokens, h.global_f.data()};
     b.RouteBackward(drouter_, dgate_, Routing(l), N, E, router_, loss);
-    b.Gemm(false, true, N, C, E, 1.0f, drouter_, E, p + w.router_w, E, 1.0f, dln_, C);
-    b.Gemm(true, false, C, E, N, 1.0f, a.ln2, C, drouter_, E, 1.0f, g + w.router_w, E);
+    b.GemmFp32(false, true, N, C, E, 1.0f, drouter_, E, p + w.router_w, E, 1.0f, dln_, C);
+    b.GemmFp32(true, false, C, E, N, 1.0f, a.ln2, C, drouter_, E, 1.0f, g + w.router_w, E);
     b.LayerNormBackward(dres_, g + w.ln2_w, g + w.ln2_b, dln_, a.mid, p + w.ln2_w, a.ln2_mean,
                         a.ln2_rstd, N, C);
 

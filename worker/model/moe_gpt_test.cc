@@ -279,5 +279,18 @@ TEST(MoeGptTest, TokenIdsOutsideTheVocabularyAreRejected) {
             absl::StatusCode::kInvalidArgument);
 }
 
+// The CPU backend computes in fp32 only: a bf16 model is refused with the reason.
+TEST(MoeGptTest, TheCpuBackendRefusesBf16) {
+  compute::CpuBackend backend(1);
+  ModelShape shape = TinyShape(0, 2);
+  shape.compute_dtype = ComputeDtype::kBf16;
+  auto model = MoeGpt::Create(&backend, shape, 1);
+  ASSERT_FALSE(model.ok());
+  EXPECT_EQ(model.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(model.status().message(),
+            "model.compute_dtype bf16: the cpu backend computes in fp32 only (bf16 needs the "
+            "CUDA backend)");
+}
+
 }  // namespace
 }  // namespace pith::model
