@@ -302,9 +302,40 @@ int RunBf16Gemms(CudaBackend& b, const Shape& s, int64_t tokens, int iters) {
   return 0;
 }
 
+// Where one iteration's time goes: after each part, waits for the device and notes the
+// part's share (off: does nothing, for the timed iterations).
+class Marks {
+ public:
+  Marks(CudaBackend& b, bool on) : b_(b), on_(on) {}
+  void operator()(const char* part) {
+    if (!on_) return;
+    (void)b_.Synchronize();
+    const auto now = std::chrono::steady_clock::now();
+    char text[48];
+    std::snprintf(text, sizeof(text), " %s %.2f", part,
+                  std::chrono::duration<double>(now - last_).count() * 1e3);
+    parts_ += text;
+    last_ = now;
+  }
+  void Start() {
+    (void)b_.Synchronize();
+    last_ = std::chrono::steady_clock::now();
+  }
+  const std::string& parts() const { return parts_; }
+  bool on() const { return on_; }
+
+ private:
+  CudaBackend& b_;
+  bool on_;
+  std::chrono::steady_clock::time_point last_;
+  std::string parts_;
+};
+
 // The whole MoE layer, forward and backward, through the backend's ops in its compute
-// dtype: seconds per iteration, or -1 after saying why not.
-double LayerSeconds(CudaBackend& b, const Shape& s, int64_t tokens, int iters) {
+// dtype: seconds per iteration, or -1 after saying why not. With `breakdown`, one more
+// iteration's parts in ms.
+double LayerSeconds(CudaBackend& b, const Shape& s, int64_t tokens, int iters,
+                    std::string* breakdown = nullptr) {
   const int C = s.channels, F = s.hidden, E = s.experts, k = s.top_k;
   const int N = static_cast<int>(tokens);
   const int64_t A = int64_t{N} * k, expert_floats = 2 * int64_t{C} * F + F + C;
@@ -343,24 +374,44 @@ double LayerSeconds(CudaBackend& b, const Shape& s, int64_t tokens, int iters) {
                                    routed.data(),
                                    prob_sum.data()};
   const compute::RouterConfig config{k, 0.0, true};
-  const double seconds = SecondsPerIter(b, iters, [&] {
+  auto iteration = [&](Marks& mark) {
     b.GemmFp32(false, false, N, E, C, 1.0f, x->f32(), C, wr->f32(), E, 0.0f, logits->f32(), E);
+    mark("router_gemm");
     b.Route(logits->f32(), N, E, config, rb);
+    mark("route");
     const int64_t a = offsets[E];
     b.Permute(xperm->f32(), x->f32(), rb.bucket_token, a, C);
+    mark("permute");
     b.ExpertForward(y->f32(), hpre->f32(), h->f32(), xperm->f32(), offsets.data(), ws, C, F);
+    mark("experts_fwd");
     b.Combine(out->f32(), y->f32(), rb.row, rb.gate, N, k, C);
     b.CombineBackward(dy->f32(), dgate->f32(), dout->f32(), y->f32(), rb.row, rb.gate, N, k, C);
+    mark("combine_fwd_bwd");
     b.ExpertBackward(dxperm->f32(), dh->f32(), gs, dy->f32(), xperm->f32(), hpre->f32(), h->f32(),
                      offsets.data(), ws, C, F);
+    mark("experts_bwd");
     b.Zero(dx->data(), sizeof(float) * N * C);
     b.PermuteBackward(dx->f32(), dxperm->f32(), rb.row, N, k, C);
+    mark("permute_bwd");
     for (int e = 0; e < E; ++e) global_f[e] = static_cast<double>(routed[e]) / (double{1} * A);
     b.RouteBackward(dlogits->f32(), dgate->f32(), rb, N, E, config,
                     {0.01, 0.001, N, global_f.data()});
     b.GemmFp32(true, false, C, E, N, 1.0f, x->f32(), C, dlogits->f32(), E, 0.0f, dwr->f32(), E);
     b.GemmFp32(false, true, N, C, E, 1.0f, dlogits->f32(), E, wr->f32(), E, 1.0f, dx->f32(), C);
-  });
+    mark("router_bwd");
+    if (mark.on() && b.compute_dtype() == ComputeDtype::kBf16) {  // one rounding of [A, C]
+      b.ToBf16(dy->data(), xperm->f32(), a * C);
+      mark("(round_AxC)");
+    }
+  };
+  Marks off(b, false);
+  const double seconds = SecondsPerIter(b, iters, [&] { iteration(off); });
+  if (seconds > 0 && breakdown != nullptr) {
+    Marks on(b, true);
+    on.Start();
+    iteration(on);
+    *breakdown = on.parts();
+  }
   if (seconds <= 0) {
     std::fprintf(stderr, "%s layer: %s\n", s.name, b.status().ToString().c_str());
     return -1;
@@ -369,10 +420,13 @@ double LayerSeconds(CudaBackend& b, const Shape& s, int64_t tokens, int iters) {
 }
 
 int RunLayer(CudaBackend& b, const Shape& s, int64_t tokens, int iters) {
-  const double seconds = LayerSeconds(b, s, tokens, iters);
+  std::string parts;
+  const double seconds = LayerSeconds(b, s, tokens, iters, &parts);
   if (seconds <= 0) return 1;
   std::printf("moe_layer %-16s tokens=%lld fp32 fwd+bwd %.2f ms\n", s.name,
               static_cast<long long>(tokens), seconds * 1e3);
+  std::printf("moe_layer_detail %-16s fp32 one iteration, each part waited for (ms):%s\n", s.name,
+              parts.c_str());
   return 0;
 }
 
@@ -380,10 +434,13 @@ int RunLayer(CudaBackend& b, const Shape& s, int64_t tokens, int iters) {
 // over 4 host threads (the detail line).
 int RunLayerBf16(CudaBackend& b, const Shape& s, int64_t tokens, int iters) {
   if (!b.SetComputeDtype(ComputeDtype::kBf16).ok()) return 1;
-  const double seconds = LayerSeconds(b, s, tokens, iters);
+  std::string parts;
+  const double seconds = LayerSeconds(b, s, tokens, iters, &parts);
   if (seconds <= 0) return 1;
   std::printf("moe_layer %-16s tokens=%lld bf16 fwd+bwd %.2f ms\n", s.name,
               static_cast<long long>(tokens), seconds * 1e3);
+  std::printf("moe_layer_detail %-16s bf16 one iteration, each part waited for (ms):%s\n", s.name,
+              parts.c_str());
   const int threads = b.launch_threads();
   b.set_launch_threads(4);
   const double threaded = LayerSeconds(b, s, tokens, iters);
