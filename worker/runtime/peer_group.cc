@@ -196,6 +196,19 @@ absl::Status PeerGroup::AllReduce(T* values, size_t n, uint64_t tag) {
   return absl::OkStatus();
 }
 
+absl::StatusOr<std::string> PeerGroup::Broadcast(int root, uint64_t tag, std::string bytes,
+                                                 absl::Duration timeout) {
+  if (root < 0 || root >= world_) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("broadcast from rank ", root, " in a group of ", world_));
+  }
+  if (rank_ != root) return Receive(root, tag, timeout);
+  for (int p = 0; p < world_; ++p) {
+    if (p != rank_) RETURN_IF_ERROR(Send(p, tag, bytes));
+  }
+  return bytes;
+}
+
 absl::Status PeerGroup::AllReduceSum(double* values, size_t n, uint64_t tag) {
   return AllReduce(values, n, tag);
 }

@@ -58,6 +58,11 @@ class PeerGroup {
   absl::StatusOr<std::string> Receive(int peer, uint64_t tag,
                                       absl::Duration timeout = kPeerReceiveTimeout);
 
+  // Rank `root`'s `bytes` on every rank (the others' `bytes` are ignored): how the GPU
+  // workers of a job share one NCCL id per placement epoch (tag: unique within the
+  // attempt). DEADLINE_EXCEEDED or UNAVAILABLE as Receive.
+  absl::StatusOr<std::string> Broadcast(int root, uint64_t tag, std::string bytes,
+                                        absl::Duration timeout = kPeerReceiveTimeout);
   // Sums `values` across the group (tag: unique within the attempt). Deterministic.
   absl::Status AllReduceSum(double* values, size_t n, uint64_t tag);
   absl::Status AllReduceSum(float* values, size_t n, uint64_t tag);

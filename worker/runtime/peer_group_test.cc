@@ -59,6 +59,27 @@ TEST(PeerGroupTest, AllReduceGivesEveryRankTheSameBits) {
   }
 }
 
+// How GPU workers share an NCCL id: the root's bytes reach every rank, whichever rank
+// is the root; a rank outside the group is refused, and a root that never sends is a
+// deadline, not a hang.
+TEST(PeerGroupTest, BroadcastGivesEveryRankTheRootsBytes) {
+  auto g = Group(3);
+  const std::string id(128, '\x5a');
+  std::vector<std::thread> threads;
+  std::vector<absl::StatusOr<std::string>> got(3, std::string());
+  for (int r = 0; r < 3; ++r) {
+    threads.emplace_back([&, r] { got[r] = g[r]->Broadcast(1, 77, r == 1 ? id : "not mine"); });
+  }
+  for (auto& t : threads) t.join();
+  for (int r = 0; r < 3; ++r) {
+    ASSERT_TRUE(got[r].ok()) << got[r].status();
+    EXPECT_EQ(*got[r], id) << "rank " << r;
+  }
+  EXPECT_EQ(g[0]->Broadcast(3, 78, "x").status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(g[0]->Broadcast(2, 79, "", absl::Milliseconds(50)).status().code(),
+            absl::StatusCode::kDeadlineExceeded);
+}
+
 TEST(PeerGroupTest, ANewAttemptDropsOlderMessagesAndKeepsNewerOnes) {
   auto g = Group(2, /*attempt=*/1);
   ASSERT_TRUE(g[0]->Send(1, 3, "old").ok());
