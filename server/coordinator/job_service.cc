@@ -86,7 +86,10 @@ grpc::Status JobServiceImpl::SubmitJob(grpc::ServerContext* context,
   if (!request->has_spec())
     return ToGrpcStatus(absl::InvalidArgumentError("JobSpec: spec is required"));
   if (absl::Status fits = FitsTheStores(request->spec()); !fits.ok()) return ToGrpcStatus(fits);
-  if (request->spec().model().compute_dtype() == "bf16") {
+  v1::JobSpec filled = request->spec();
+  ApplyJobSpecDefaults(&filled);
+  if (filled.model().compute_dtype() == "bf16" &&
+      ValidateJobSpec(filled).ok()) {  // else Submit names the bad field
     // Cluster workers train on the CPU backend so far: such a job could never run.
     return ToGrpcStatus(absl::InvalidArgumentError(
         "JobSpec model.compute_dtype: bf16 needs CUDA workers, and cluster workers train on "

@@ -165,7 +165,7 @@ class CudaBackend final : public compute::Backend {
   void Free(void* ptr, size_t bytes) override;
 
  private:
-  // One matrix product of a grouped GEMM, row-major as in Gemm (alpha 1).
+  // One matrix product of a grouped GEMM, row-major as in Gemm.
   struct GemmProblem {
     bool trans_a, trans_b;
     int m, n, k;

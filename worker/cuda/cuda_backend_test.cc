@@ -271,6 +271,10 @@ TEST_F(CudaMoeTest, ForwardAndBackward) { MoeBlock(kRelative); }
 TEST_F(CudaMoeTest, ForwardAndBackwardInBf16) {
   ASSERT_TRUE(gpu_->SetComputeDtype(ComputeDtype::kBf16).ok());
   MoeBlock(5e-2);
+  // The same with the fan-outs' launches spread over host threads.
+  gpu_->set_launch_threads(4);
+  EXPECT_EQ(gpu_->launch_threads(), 4);
+  MoeBlock(5e-2);
 }
 
 void CudaMoeTest::MoeBlock(double product_rel) {

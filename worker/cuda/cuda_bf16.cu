@@ -171,8 +171,10 @@ void CudaBackend::FanOutGemmBf16(const std::vector<Bf16Gemm>& problems, const ch
   // which keeps its own first failure (error_ is the caller's alone).
   std::vector<int> failed(used, CUBLAS_STATUS_SUCCESS);
   auto launch = [&](int64_t begin, int64_t end) {
-    if (launch_pool_ != nullptr) cudaSetDevice(device_);  // pool threads bind it here
+    // Pool threads bind the device here; a thread that cannot launches nothing.
+    const bool bound = launch_pool_ == nullptr || cudaSetDevice(device_) == cudaSuccess;
     for (int64_t s = begin; s < end; ++s) {
+      if (!bound) failed[s] = CUBLAS_STATUS_NOT_INITIALIZED;
       for (size_t i = s; i < work.size() && failed[s] == CUBLAS_STATUS_SUCCESS; i += used) {
         failed[s] = GemmEx(H(side_.handles[s]), *work[i]);
       }
@@ -255,6 +257,14 @@ void CudaBackend::ProductsBf16(const std::vector<GemmProblem>& problems, const c
     } else {
       merged.push_back(span);
     }
+  }
+  if (merged.empty()) {  // every problem empty: what an empty product does, nothing else
+    for (const GemmProblem& p : problems) {
+      EmptyProductBf16({p.trans_a, p.trans_b, p.m, p.n, p.k, nullptr, p.lda, nullptr, p.ldb, p.beta,
+                        p.c, p.ldc, true, p.alpha},
+                       op);
+    }
+    return;
   }
   // Each range's rounding starts 256-byte aligned in the scratch.
   std::vector<Bf16Range> ranges;

@@ -27,7 +27,7 @@ inline int GridFor(int64_t n) {
 // The host-side arrays of a cuBLAS grouped product, one problem per group: column-major,
 // the operands swapped as CudaBackend::Gemm swaps them (row-major C = op(A) op(B) is
 // column-major C^T = op(B)^T op(A)^T). P has trans_a, trans_b, m, n, k, a, lda, b, ldb,
-// beta, c and ldc; `pointers` holds every B, then every A, then every C.
+// alpha, beta, c and ldc; `pointers` holds every B, then every A, then every C.
 template <typename P>
 struct GroupedArrays {
   explicit GroupedArrays(const std::vector<P>& problems)

@@ -4,6 +4,7 @@
 #include <nccl.h>
 
 #include <cstring>
+#include <utility>
 
 #include "absl/strings/str_cat.h"
 
@@ -79,6 +80,10 @@ absl::StatusOr<std::unique_ptr<NcclGroup>> NcclGroup::Join(const std::string& id
 NcclGroup::~NcclGroup() {
   if (aborted_ || comm_ == nullptr) return;
   cudaSetDevice(device_);
+  if (abort_requested_) {
+    ncclCommAbort(comm_);
+    return;
+  }
   // Flush and free; a teardown that fails or cannot finish in time aborts instead.
   ncclResult_t state = ncclCommFinalize(comm_);
   const absl::Time deadline = absl::Now() + kFinalizeTimeout;
@@ -98,6 +103,9 @@ absl::Status NcclGroup::Usable(const char* op) {
     return absl::FailedPreconditionError(
         absl::StrCat("nccl: ", op, ": the group was aborted; make a new one"));
   }
+  if (abort_requested_) {
+    return AbortWith(absl::AbortedError(absl::StrCat("nccl: ", op, ": aborted on request")));
+  }
   if (cudaError_t err = cudaSetDevice(device_); err != cudaSuccess) {
     cudaGetLastError();
     return absl::InternalError(absl::StrCat("nccl: ", op, ": ", cudaGetErrorString(err)));
@@ -113,12 +121,18 @@ absl::Status NcclGroup::AbortWith(absl::Status why) {
   return why;
 }
 
-absl::Status NcclGroup::Check(int result, const char* op) {
+absl::Status NcclGroup::Error(int result, const char* op) {
   const auto r = static_cast<ncclResult_t>(result);
   if (r == ncclSuccess || r == ncclInProgress) return absl::OkStatus();
   const char* last = ncclGetLastError(comm_);
-  return AbortWith(absl::InternalError(absl::StrCat(
-      "nccl: ", op, ": ", NcclError(r), last != nullptr ? ": " : "", last != nullptr ? last : "")));
+  const bool detail = last != nullptr && *last != '\0';
+  return absl::InternalError(
+      absl::StrCat("nccl: ", op, ": ", NcclError(r), detail ? ": " : "", detail ? last : ""));
+}
+
+absl::Status NcclGroup::Check(int result, const char* op) {
+  absl::Status st = Error(result, op);
+  return st.ok() ? st : AbortWith(std::move(st));
 }
 
 absl::Status NcclGroup::WaitReady(const char* op, absl::Time deadline) {
@@ -154,7 +168,9 @@ absl::Status NcclGroup::WaitStream(CUstream_st* stream, const char* op, absl::Ti
           absl::InternalError(absl::StrCat("nccl: ", op, ": ", cudaGetErrorString(q))));
     }
     ncclResult_t state = ncclSuccess;
-    ncclCommGetAsyncError(comm_, &state);
+    if (ncclResult_t r = ncclCommGetAsyncError(comm_, &state); r != ncclSuccess) {
+      return Check(r, op);
+    }
     if (state != ncclSuccess && state != ncclInProgress) return Check(state, op);
     if (abort_requested_) {
       return AbortWith(absl::AbortedError(absl::StrCat("nccl: ", op, ": aborted on request")));
@@ -193,21 +209,22 @@ absl::Status NcclGroup::Exchange(absl::Span<const Transfer> sends, absl::Span<co
       }
     }
   }
-  // Non-blocking: the calls inside the group only enqueue; ncclGroupEnd issues them.
+  // Non-blocking: the calls inside the group only enqueue; ncclGroupEnd issues them. The
+  // group is always closed before an error aborts the communicator.
   if (absl::Status st = Check(ncclGroupStart(), "Exchange"); !st.ok()) return st;
   absl::Status issued = absl::OkStatus();
   for (const Transfer& t : sends) {
     if (t.bytes > 0 && issued.ok()) {
-      issued = Check(ncclSend(t.data, t.bytes, ncclUint8, t.peer, comm_, stream), "Exchange");
+      issued = Error(ncclSend(t.data, t.bytes, ncclUint8, t.peer, comm_, stream), "Exchange");
     }
   }
   for (const Transfer& t : recvs) {
     if (t.bytes > 0 && issued.ok()) {
-      issued = Check(ncclRecv(t.data, t.bytes, ncclUint8, t.peer, comm_, stream), "Exchange");
+      issued = Error(ncclRecv(t.data, t.bytes, ncclUint8, t.peer, comm_, stream), "Exchange");
     }
   }
   const ncclResult_t end = ncclGroupEnd();
-  if (!issued.ok()) return issued;
+  if (!issued.ok()) return AbortWith(std::move(issued));
   if (absl::Status st = Check(end, "Exchange"); !st.ok()) return st;
   if (absl::Status st = WaitReady("Exchange", deadline); !st.ok()) return st;
   return WaitStream(stream, "Exchange", deadline);

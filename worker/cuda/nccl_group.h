@@ -4,11 +4,12 @@
 // carries it to the others (PeerGroup::Broadcast), and every rank Joins.
 //
 // Never a hang: the communicator is non-blocking, and every call waits for its work with
-// a deadline. A deadline that passes, an asynchronous NCCL error, or RequestAbort() aborts
-// the communicator (ncclCommAbort, which also ends the kernels in flight): the call
-// returns DEADLINE_EXCEEDED, INTERNAL or ABORTED, and the group refuses every later call
-// (FAILED_PRECONDITION); the job makes a new one for its next attempt. After a failed call
-// the caller synchronizes its stream before it frees the call's buffers.
+// a deadline (which also covers the work queued on the stream before it). A deadline that passes,
+// an asynchronous NCCL error, or RequestAbort() aborts the communicator (ncclCommAbort, which also
+// ends the kernels in flight): the call returns DEADLINE_EXCEEDED, INTERNAL or ABORTED, and the
+// group refuses every later call (FAILED_PRECONDITION); the job makes a new one for its next
+// attempt. After a failed call the caller synchronizes its stream before it frees the call's
+// buffers.
 //
 // Thread safety: one thread at a time, except RequestAbort(), which any thread may call
 // (a step's abort watch): the waiting thread sees it and aborts.
@@ -61,7 +62,9 @@ class NcclGroup {
   absl::Status Exchange(absl::Span<const Transfer> sends, absl::Span<const Transfer> recvs,
                         CUstream_st* stream, absl::Duration timeout);
 
-  // Asks the thread inside a call to abort the communicator now (any thread).
+  // Asks the thread inside a call to abort the communicator now, or the next call to
+  // abort it before it issues anything (any thread). A Join in progress is not affected:
+  // its deadline bounds it.
   void RequestAbort() { abort_requested_ = true; }
 
  private:
@@ -69,7 +72,9 @@ class NcclGroup {
       : comm_(comm), rank_(rank), world_(world), device_(device) {}
   // FAILED_PRECONDITION once aborted; binds the device.
   absl::Status Usable(const char* op);
-  // An NCCL call's result: OK for success and in-progress, else the error (aborting).
+  // An NCCL call's result: OK for success and in-progress, else the error naming `op`.
+  absl::Status Error(int result, const char* op);
+  // Error(), aborting the communicator on an error (never between ncclGroupStart and End).
   absl::Status Check(int result, const char* op);
   // Waits until the communicator is no longer in progress (non-blocking calls return
   // before they are done), at most until `deadline`.

@@ -15,9 +15,21 @@
 
 namespace pith::model {
 
+namespace {
+
+// Evaluation and sampling run on the CPU backend in fp32, whatever precision the job
+// trained in: its checkpoint holds the fp32 master weights.
+ModelShape InferenceShape(const v1::JobSpec& spec) {
+  ModelShape shape = ModelShape::FromSpec(spec.model());
+  shape.compute_dtype = ComputeDtype::kFp32;
+  return shape;
+}
+
+}  // namespace
+
 absl::StatusOr<EvalResult> Evaluate(const SafetensorsFile& weights, const v1::JobSpec& spec,
                                     const std::string& tokens_path, int batches) {
-  const ModelShape shape = ModelShape::FromSpec(spec.model());
+  const ModelShape shape = InferenceShape(spec);
   const int B = spec.train().batch(), T = shape.seq;
   compute::CpuBackend backend(0);
   ASSIGN_OR_RETURN(std::unique_ptr<MoeGpt> m, MoeGpt::Create(&backend, shape, B));
@@ -43,7 +55,7 @@ absl::StatusOr<EvalResult> Evaluate(const SafetensorsFile& weights, const v1::Jo
 
 absl::StatusOr<std::string> Sample(const SafetensorsFile& weights, const v1::JobSpec& spec,
                                    const std::string& prompt, const SampleOptions& options) {
-  const ModelShape shape = ModelShape::FromSpec(spec.model());
+  const ModelShape shape = InferenceShape(spec);
   if (shape.vocab != 256) {
     return absl::InvalidArgumentError(
         "sample: the model's vocabulary is not bytes (vocab_size 256)");

@@ -73,6 +73,21 @@ TEST(InferenceTest, EvalOfZeroWeightsIsLnVocab) {
   EXPECT_NEAR(r->ce, std::log(256.0), 1e-6);
 }
 
+// A job trained in bf16 (on the CUDA backend) is evaluated and sampled in fp32 on the
+// CPU: its weights file holds the fp32 master weights.
+TEST(InferenceTest, ABf16JobIsEvaluatedAndSampledInFp32) {
+  v1::JobSpec spec = TinySpec();
+  spec.mutable_model()->set_compute_dtype("bf16");
+  auto r = Evaluate(ZeroWeights(spec), spec, WriteTokens("bf16_tokens.bin", 500), 2);
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_NEAR(r->ce, std::log(256.0), 1e-6);
+  SampleOptions options;
+  options.tokens = 4;
+  options.temperature = 0;
+  auto text = Sample(ZeroWeights(spec), spec, "ab", options);
+  ASSERT_TRUE(text.ok()) << text.status();
+}
+
 TEST(InferenceTest, EvalIsTheTrainingForwardOnTheSameRows) {
   const v1::JobSpec spec = TinySpec();
   const SafetensorsFile weights = SeededWeights(spec, 7);

@@ -59,9 +59,9 @@ TEST(PeerGroupTest, AllReduceGivesEveryRankTheSameBits) {
   }
 }
 
-// How GPU workers share an NCCL id: the root's bytes reach every rank, whichever rank
-// is the root; a rank outside the group is refused, and a root that never sends is a
-// deadline, not a hang.
+// How GPU workers share an NCCL id: the root's bytes (here rank 1's) reach every rank;
+// a root outside the group is refused, and a root that never sends is a deadline, not a
+// hang.
 TEST(PeerGroupTest, BroadcastGivesEveryRankTheRootsBytes) {
   auto g = Group(3);
   const std::string id(128, '\x5a');
