@@ -104,6 +104,9 @@ class Backend {
   virtual ~Backend() = default;
 
   virtual absl::string_view name() const = 0;
+  // Whether the host may read and write this backend's memory directly (the CPU's); false
+  // for a device's, which only the copies below reach.
+  virtual bool host_addressable() const { return true; }
 
   // --- memory and stream ---------------------------------------------------------------
   // Zero-filled device memory. RESOURCE_EXHAUSTED when there is none.

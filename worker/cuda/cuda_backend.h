@@ -48,6 +48,7 @@ class CudaBackend final : public compute::Backend {
   CudaBackend& operator=(const CudaBackend&) = delete;
 
   absl::string_view name() const override { return "cuda"; }
+  bool host_addressable() const override { return false; }
   int device() const { return device_; }
   // The device's name and memory, for logs ("NVIDIA H200, 139 GiB").
   const std::string& description() const { return description_; }

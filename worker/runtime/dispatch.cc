@@ -1,5 +1,6 @@
 #include "worker/runtime/dispatch.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <tuple>
@@ -50,9 +51,46 @@ enum Phase : int {
 
 Dispatch::Dispatch(compute::Backend* backend, model::MoeGpt* model, PeerGroup* peers,
                    std::vector<std::vector<ExpertOwners>> owners)
-    : backend_(backend), model_(model), peers_(peers), owners_(std::move(owners)) {
+    : backend_(backend),
+      model_(model),
+      peers_(peers),
+      owners_(std::move(owners)),
+      staged_(!backend->host_addressable()) {
   inbound_.resize(model_->shape().layers);
   for (auto& layer : inbound_) layer.resize(peers_->world());
+}
+
+template <typename T>
+absl::StatusOr<const T*> Dispatch::Readable(const T* p, int64_t n, std::vector<T>& copy) {
+  if (!staged_ || n == 0) return p;
+  copy.resize(n);
+  RETURN_IF_ERROR(backend_->CopyToHost(copy.data(), p, n * sizeof(T)));
+  return copy.data();
+}
+
+absl::Status Dispatch::Fit(compute::DeviceBuffer& buf, int64_t floats) {
+  const size_t bytes = std::max<int64_t>(floats, 1) * sizeof(float);
+  if (buf.bytes() >= bytes) return absl::OkStatus();
+  buf = compute::DeviceBuffer();  // the old one goes first: device memory is the tight one
+  ASSIGN_OR_RETURN(buf, backend_->Allocate(bytes));
+  return absl::OkStatus();
+}
+
+absl::Status Dispatch::StageInbound(Inbound& in, int64_t rows, bool forward) {
+  if (!staged_) return absl::OkStatus();
+  const int64_t C = model_->shape().channels, F = model_->shape().hidden;
+  Inbound::Device& d = in.dev;
+  if (forward) {
+    for (auto [buf, width] :
+         {std::pair{&d.x, C}, std::pair{&d.hpre, F}, std::pair{&d.h, F}, std::pair{&d.out, C}}) {
+      RETURN_IF_ERROR(Fit(*buf, rows * width));
+    }
+    return backend_->CopyToDevice(d.x.data(), in.x.data(), rows * C * sizeof(float));
+  }
+  for (auto [buf, width] : {std::pair{&d.dy, C}, std::pair{&d.dx, C}, std::pair{&d.dh, F}}) {
+    RETURN_IF_ERROR(Fit(*buf, rows * width));
+  }
+  return backend_->CopyToDevice(d.dy.data(), in.dy.data(), rows * C * sizeof(float));
 }
 
 bool Dispatch::Computes(int layer, int expert) const {
@@ -95,6 +133,10 @@ uint64_t Dispatch::Tag(int layer, int phase) const {
 absl::Status Dispatch::SendBuckets(int layer, int phase, const float* rows, int64_t width,
                                    const int64_t* offsets, const int32_t* tokens) {
   const int E = model_->shape().experts;
+  ASSIGN_OR_RETURN(rows, Readable(rows, offsets[E] * width, host_rows_));
+  if (tokens != nullptr) {
+    ASSIGN_OR_RETURN(tokens, Readable(tokens, offsets[E], host_tokens_));
+  }
   for (int p = 0; p < peers_->world(); ++p) {
     if (p == peers_->rank()) continue;
     std::vector<int64_t> counts(E, 0), begins(E, 0);
@@ -237,7 +279,12 @@ absl::Status Dispatch::ScatterReturned(int layer, int phase, int peer, int64_t w
   for (int e = 0; e < E; ++e) {
     const auto [begin, count] = Part(layer, e, offsets[e + 1] - offsets[e], peer);
     const size_t n = count * width * sizeof(float);
-    std::memcpy(out + (offsets[e] + begin) * width, in, n);
+    float* to = out + (offsets[e] + begin) * width;
+    if (staged_) {
+      RETURN_IF_ERROR(backend_->CopyToDevice(to, in, n));
+    } else {
+      std::memcpy(to, in, n);
+    }
     in += n;
   }
   return absl::OkStatus();
@@ -254,10 +301,20 @@ absl::StatusOr<std::pair<int, compute::ExpertWeights>> Dispatch::NextWeights(
     return std::make_pair(e, model_->expert_weights(layer)[e]);
   }
   ASSIGN_OR_RETURN(const auto taken, cache_->AcquireAny(experts));
-  const auto [pick, w] = taken;
-  const int e = experts[pick].second;
+  auto [pick, w] = taken;
+  const int layer = experts[pick].first, e = experts[pick].second;
   experts.erase(experts.begin() + static_cast<std::ptrdiff_t>(pick));
   const int64_t C = model_->shape().channels, F = model_->shape().hidden;
+  if (staged_) {  // the slot's bytes into the device buffer (the last expert's is done)
+    const int64_t floats = model_->shape().expert_floats();
+    absl::Status st = Fit(weights_dev_, floats);
+    if (st.ok()) st = backend_->CopyToDevice(weights_dev_.data(), w, floats * sizeof(float));
+    if (!st.ok()) {
+      Done(layer, e);
+      return st;
+    }
+    w = weights_dev_.f32();
+  }
   return std::make_pair(e, compute::ExpertWeights{w, w + C * F, w + C * F + F, w + 2 * C * F + F});
 }
 
@@ -281,11 +338,29 @@ absl::StatusOr<compute::ExpertGrads> Dispatch::GradsOf(int layer, int expert) {
   }
   ASSIGN_OR_RETURN(float* g, grad_pool_->Open({layer, expert}));
   const int64_t C = model_->shape().channels, F = model_->shape().hidden;
+  if (staged_) {  // accumulated on the device from the (zeroed) pool buffer's bytes
+    const int64_t floats = model_->shape().expert_floats();
+    absl::Status st = Fit(grads_dev_, floats);
+    if (st.ok()) st = backend_->CopyToDevice(grads_dev_.data(), g, floats * sizeof(float));
+    if (!st.ok()) {
+      grad_pool_->Close({layer, expert});
+      return st;
+    }
+    grads_host_ = g;
+    g = grads_dev_.f32();
+  }
   return compute::ExpertGrads{g, g + C * F, g + C * F + F, g + 2 * C * F + F};
 }
 
-void Dispatch::GradsDone(int layer, int expert) {
-  if (grad_pool_ != nullptr) grad_pool_->Close({layer, expert});
+absl::Status Dispatch::GradsDone(int layer, int expert) {
+  if (grad_pool_ == nullptr) return absl::OkStatus();
+  absl::Status st = absl::OkStatus();
+  if (staged_) {
+    st = backend_->CopyToHost(grads_host_, grads_dev_.data(),
+                              model_->shape().expert_floats() * sizeof(float));
+  }
+  grad_pool_->Close({layer, expert});
+  return st;
 }
 
 absl::Status Dispatch::Forward(int layer, float* y, float* hpre, float* h, const float* xperm,
@@ -304,9 +379,10 @@ absl::Status Dispatch::Forward(int layer, float* y, float* hpre, float* h, const
     for (int e = 0; e < E; ++e) in.offsets[e + 1] = in.offsets[e] + in.counts[e];
     const int64_t rows = in.offsets[E];
     rows_received_ += rows;
-    in.hpre.resize(rows * F);
-    in.h.resize(rows * F);
+    in.hpre.resize(staged_ ? 0 : rows * F);
+    in.h.resize(staged_ ? 0 : rows * F);
     in.out.resize(rows * C);
+    RETURN_IF_ERROR(StageInbound(in, rows, /*forward=*/true));
   }
   // Each owned expert once, over this worker's rows and then each peer's; the cache is
   // told which first (its prefetcher fetches those the last step's routing did not
@@ -331,22 +407,31 @@ absl::Status Dispatch::Forward(int layer, float* y, float* hpre, float* h, const
       const int64_t o = in.offsets[e], n = in.counts[e];
       if (n == 0) continue;
       const int64_t bucket[2] = {0, n};
-      backend_->ExpertForward(in.out.data() + o * C, in.hpre.data() + o * F, in.h.data() + o * F,
-                              in.x.data() + o * C, bucket, one_expert, C, F);
+      backend_->ExpertForward(At(in, &Inbound::out, &Inbound::Device::out) + o * C,
+                              At(in, &Inbound::hpre, &Inbound::Device::hpre) + o * F,
+                              At(in, &Inbound::h, &Inbound::Device::h) + o * F,
+                              At(in, &Inbound::x, &Inbound::Device::x) + o * C, bucket, one_expert,
+                              C, F);
     }
     absl::Status synced = backend_->Synchronize();
     Done(layer, e);
     RETURN_IF_ERROR(synced);
   }
-  return ReturnResults(layer, kForwardOut, &Inbound::out, C, offsets, y);
+  return ReturnResults(layer, kForwardOut, &Inbound::out, &Inbound::Device::out, C, offsets, y);
 }
 
 absl::Status Dispatch::ReturnResults(int layer, int phase, std::vector<float> Inbound::*results,
+                                     compute::DeviceBuffer Inbound::Device::*dev_results,
                                      int64_t width, const int64_t* offsets, float* out) {
   const int me = peers_->rank();
   for (int q = 0; q < peers_->world(); ++q) {
     if (q == me) continue;
-    const std::vector<float>& rows = inbound_[layer][q].*results;
+    Inbound& in = inbound_[layer][q];
+    std::vector<float>& rows = in.*results;
+    if (staged_ && !rows.empty()) {
+      RETURN_IF_ERROR(backend_->CopyToHost(rows.data(), (in.dev.*dev_results).data(),
+                                           rows.size() * sizeof(float)));
+    }
     RETURN_IF_ERROR(peers_->Send(
         q, Tag(layer, phase),
         std::string(reinterpret_cast<const char*>(rows.data()), rows.size() * sizeof(float))));
@@ -373,8 +458,9 @@ absl::Status Dispatch::Backward(int layer, float* dxperm, float* dh, const float
       return absl::DataLossError(
           absl::StrCat("dispatch: peer ", q, " sent gradients for other rows than in forward"));
     }
-    in.dh.resize(in.offsets[E] * F);
+    in.dh.resize(staged_ ? 0 : in.offsets[E] * F);
     in.dx.resize(in.offsets[E] * C);
+    RETURN_IF_ERROR(StageInbound(in, in.offsets[E], /*forward=*/false));
   }
   std::vector<ExpertCache::Expert> computed;
   for (int e = E - 1; e >= 0; --e) {  // the backward's order, as the cache's schedule
@@ -403,16 +489,20 @@ absl::Status Dispatch::Backward(int layer, float* dxperm, float* dh, const float
       const int64_t o = in.offsets[e], n = in.counts[e];
       if (n == 0) continue;
       const int64_t bucket[2] = {0, n};
-      backend_->ExpertBackward(in.dx.data() + o * C, in.dh.data() + o * F, grads,
-                               in.dy.data() + o * C, in.x.data() + o * C, in.hpre.data() + o * F,
-                               in.h.data() + o * F, bucket, one_expert, C, F);
+      backend_->ExpertBackward(At(in, &Inbound::dx, &Inbound::Device::dx) + o * C,
+                               At(in, &Inbound::dh, &Inbound::Device::dh) + o * F, grads,
+                               At(in, &Inbound::dy, &Inbound::Device::dy) + o * C,
+                               At(in, &Inbound::x, &Inbound::Device::x) + o * C,
+                               At(in, &Inbound::hpre, &Inbound::Device::hpre) + o * F,
+                               At(in, &Inbound::h, &Inbound::Device::h) + o * F, bucket, one_expert,
+                               C, F);
     }
     absl::Status synced = backend_->Synchronize();
-    GradsDone(layer, e);
+    synced.Update(GradsDone(layer, e));
     Done(layer, e);
     RETURN_IF_ERROR(synced);
   }
-  return ReturnResults(layer, kBackwardDx, &Inbound::dx, C, offsets, dxperm);
+  return ReturnResults(layer, kBackwardDx, &Inbound::dx, &Inbound::Device::dx, C, offsets, dxperm);
 }
 
 absl::Status Dispatch::AllReduce(double* values, size_t n) {

@@ -12,6 +12,13 @@
 // always handled in rank order, so gradients accumulate in the same order on every run
 // (bit-identical).
 //
+// On a backend whose memory the host cannot reach (a GPU's: host_addressable() false) the
+// same steps run through copies: the rows sent to peers are read back to the host, the
+// rows peers send are computed in device buffers kept from forward to backward, results
+// go back through host copies, and experts' weights and gradients that live in host
+// memory (the cache's slots, the gradient pool) pass through one device buffer each.
+// The copies are synchronous: correctness first (DESIGN §2 says what replaces them).
+//
 // Thread safety: one thread (the training loop) at a time.
 #ifndef PITH_WORKER_RUNTIME_DISPATCH_H_
 #define PITH_WORKER_RUNTIME_DISPATCH_H_
@@ -88,7 +95,25 @@ class Dispatch final : public model::ExpertParallel {
     std::vector<int64_t> counts;   // E
     std::vector<int64_t> offsets;  // E + 1, prefix sums of counts
     std::vector<float> x, hpre, h, out, dy, dx, dh;
+    // Staged: the device copies the backend computes in (x, dy uploaded; the rest
+    // computed there, out and dx read back into their host vectors to return).
+    struct Device {
+      compute::DeviceBuffer x, hpre, h, out, dy, dx, dh;
+    } dev;
   };
+  // Where the backend computes on Inbound rows: the host vectors, or their device copies.
+  float* At(Inbound& in, std::vector<float> Inbound::*rows,
+            compute::DeviceBuffer Inbound::Device::*dev) const {
+    return staged_ ? (in.dev.*dev).f32() : (in.*rows).data();
+  }
+  // `n` elements of the backend's memory at `p`, readable here: p itself, or (staged) a
+  // copy in `copy`.
+  template <typename T>
+  absl::StatusOr<const T*> Readable(const T* p, int64_t n, std::vector<T>& copy);
+  // Staged: `buf` holds at least `floats` floats on the device (grown, zeroed, when not).
+  absl::Status Fit(compute::DeviceBuffer& buf, int64_t floats);
+  // Staged: sizes the device copies of a peer's rows for a layer, uploading `upload`.
+  absl::Status StageInbound(Inbound& in, int64_t rows, bool forward);
   // Whether expert e of `layer` has rows here or from a peer in this step.
   bool HasRows(int layer, int expert, const int64_t* offsets) const;
   // Takes one of `experts` (one layer's, in the cache's schedule order) off the list and
@@ -102,7 +127,8 @@ class Dispatch final : public model::ExpertParallel {
   // Where expert e of `layer`'s gradient accumulates: its pool buffer (opened; closed by
   // GradsDone) or the model's arena.
   absl::StatusOr<compute::ExpertGrads> GradsOf(int layer, int expert);
-  void GradsDone(int layer, int expert);
+  // Closes it, after reading a staged gradient back into the pool.
+  absl::Status GradsDone(int layer, int expert);
   uint64_t Tag(int layer, int phase) const;
   // The rows [begin, begin + count) of this worker's bucket of (layer, expert) (n rows) that
   // go to `rank`.
@@ -122,7 +148,8 @@ class Dispatch final : public model::ExpertParallel {
   // Sends each peer its rows of `results` (what this worker computed for it) under
   // `phase`, then scatters what every peer returns under `phase` into `out`.
   absl::Status ReturnResults(int layer, int phase, std::vector<float> Inbound::*results,
-                             int64_t width, const int64_t* offsets, float* out);
+                             compute::DeviceBuffer Inbound::Device::*dev_results, int64_t width,
+                             const int64_t* offsets, float* out);
 
   compute::Backend* backend_;
   model::MoeGpt* model_;
@@ -136,6 +163,12 @@ class Dispatch final : public model::ExpertParallel {
   GradPool* grad_pool_ = nullptr;
   std::function<void()> routing_known_;
   uint64_t reduce_seq_ = 0;
+  // Staging (see the top of this file).
+  bool staged_ = false;
+  std::vector<float> host_rows_;      // SendBuckets' rows, read back
+  std::vector<int32_t> host_tokens_;  // and their tokens
+  compute::DeviceBuffer weights_dev_, grads_dev_;
+  float* grads_host_ = nullptr;  // the pool buffer grads_dev_ goes back to
 };
 
 }  // namespace pith::runtime

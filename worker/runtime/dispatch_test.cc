@@ -3,14 +3,17 @@
 // the gradients of one model on the whole batch (dropless), and twice the same bits.
 #include "worker/runtime/dispatch.h"
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
+#include <memory>
 #include <random>
 #include <thread>
 #include <vector>
 
 #include "gtest/gtest.h"
 #include "worker/compute/cpu_backend.h"
+#include "worker/compute/opaque_backend.h"
 
 namespace pith::runtime {
 namespace {
@@ -105,7 +108,22 @@ std::vector<std::vector<ExpertOwners>> Owners(bool replicated) {
           {{{1, 1.0}}, {{0, 0.5}, {1, 0.5}}, {{1, 1.0}}, {{0, 0.6}, {1, 0.4}}}};
 }
 
-Result Parallel(const model::ModelShape& s, int W = 2, bool replicated = false) {
+// The backend memory's contents, read as the runtime must read it: through a copy.
+std::vector<float> Read(compute::Backend& b, const float* p, int64_t n) {
+  std::vector<float> v(n);
+  EXPECT_TRUE(b.CopyToHost(v.data(), p, n * sizeof(float)).ok());
+  return v;
+}
+
+// How each worker of Parallel computes: on the CPU backend, or on the opaque one (the
+// CPU's math on memory the host may not touch, as a GPU's); the experts' gradients in the
+// model's arena or in a gradient pool (as a cluster worker keeps them).
+struct Setup {
+  bool opaque = false;
+  bool pool = false;
+};
+
+Result Parallel(const model::ModelShape& s, int W = 2, bool replicated = false, Setup setup = {}) {
   std::vector<std::unique_ptr<PeerGroup>> peers;
   std::vector<std::string> addresses;
   for (int r = 0; r < W; ++r) {
@@ -123,7 +141,13 @@ Result Parallel(const model::ModelShape& s, int W = 2, bool replicated = false) 
   std::vector<std::thread> threads;
   for (int rank = 0; rank < W; ++rank) {
     threads.emplace_back([&, rank] {
-      compute::CpuBackend backend(1);
+      std::unique_ptr<compute::Backend> made;
+      if (setup.opaque) {
+        made = std::make_unique<compute::OpaqueBackend>(1);
+      } else {
+        made = std::make_unique<compute::CpuBackend>(1);
+      }
+      compute::Backend& backend = *made;
       int rows = 0;
       for (int row = rank; row < kRows; row += W) ++rows;
       auto m = model::MoeGpt::Create(&backend, s, rows);
@@ -132,6 +156,14 @@ Result Parallel(const model::ModelShape& s, int W = 2, bool replicated = false) 
         return;
       }
       Dispatch dispatch(&backend, m->get(), peers[rank].get(), owner);
+      std::unique_ptr<GradPool> pool;
+      if (setup.pool) {
+        auto made_pool =
+            GradPool::Create(s.expert_floats(), s.layers * s.experts, ::testing::TempDir());
+        ASSERT_TRUE(made_pool.ok()) << made_pool.status();
+        pool = std::move(*made_pool);
+        dispatch.SetGradPool(pool.get());
+      }
       dispatch.SetStep(1);
       (*m)->SetExpertParallel(&dispatch);
       std::vector<int32_t> my_in, my_tgt;
@@ -144,7 +176,17 @@ Result Parallel(const model::ModelShape& s, int W = 2, bool replicated = false) 
       if (!loss.ok()) return;
       losses[rank] = *loss;
       sent[rank] = {dispatch.rows_sent(), dispatch.assignments_sent()};
-      grads[rank].assign((*m)->grads(), (*m)->grads() + (*m)->layout().total_floats());
+      grads[rank] = Read(backend, (*m)->grads(), (*m)->layout().total_floats());
+      for (int l = 0; pool != nullptr && l < s.layers; ++l) {  // the pool's, in their places
+        for (int e = 0; e < s.experts; ++e) {
+          if (!pool->Has({l, e})) continue;
+          absl::StatusOr<float*> g = pool->Acquire({l, e});
+          ASSERT_TRUE(g.ok()) << g.status();
+          std::copy_n(*g, s.expert_floats(),
+                      grads[rank].begin() + (*m)->layout().ExpertOffset(l, e));
+          pool->Release({l, e});
+        }
+      }
       if (rank == 0) {
         for (int l = 0; l < s.layers; ++l) {
           for (int e = 0; e < s.experts; ++e) r.used.push_back((*m)->ExpertUsed(l, e));
@@ -178,6 +220,26 @@ void ExpectSameAs(const Result& alone, const Result& parallel) {
                                 (std::abs(double{alone.grads[i]}) + 1e-4));
   }
   EXPECT_LT(worst, 1e-3) << "largest relative gradient difference";
+}
+
+// On a backend whose memory the host may not touch (a GPU's; here the CPU's math behind
+// PROT_NONE pages, so a direct read would crash the test), dispatch goes through copies
+// and computes the same bits, with the experts' gradients in the model or in a pool.
+TEST(DispatchTest, ABackendTheHostCannotReadComputesTheSameBits) {
+  const model::ModelShape s = Shape();
+  for (bool replicated : {false, true}) {
+    const int W = replicated ? 3 : 2;
+    for (bool pool : {false, true}) {
+      SCOPED_TRACE(::testing::Message() << "replicated " << replicated << " pool " << pool);
+      const Result plain = Parallel(s, W, replicated, {.opaque = false, .pool = pool});
+      const Result opaque = Parallel(s, W, replicated, {.opaque = true, .pool = pool});
+      EXPECT_EQ(opaque.loss.loss, plain.loss.loss);
+      EXPECT_EQ(opaque.used, plain.used);
+      EXPECT_EQ(opaque.grads, plain.grads);
+      EXPECT_EQ(opaque.rows_sent, plain.rows_sent);
+      if (pool) ExpectSameAs(Alone(s), opaque);
+    }
+  }
 }
 
 TEST(DispatchTest, ReplicatedExpertsSplitTheirRowsAndTheMathHolds) {

@@ -1,0 +1,205 @@
+#include "worker/compute/opaque_backend.h"
+
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <cstring>
+
+#include "absl/strings/str_cat.h"
+
+namespace pith::compute {
+
+OpaqueBackend::~OpaqueBackend() {
+  for (const auto& [ptr, bytes] : mappings_) ::munmap(ptr, bytes);
+}
+
+void OpaqueBackend::Protect(bool closed) {
+  for (const auto& [ptr, bytes] : mappings_) {
+    ::mprotect(ptr, bytes, closed ? PROT_NONE : PROT_READ | PROT_WRITE);
+  }
+}
+
+absl::StatusOr<DeviceBuffer> OpaqueBackend::Allocate(size_t bytes) {
+  if (bytes == 0) return DeviceBuffer(this, nullptr, 0);
+  const size_t page = static_cast<size_t>(::sysconf(_SC_PAGESIZE));
+  const size_t mapped = (bytes + page - 1) / page * page;
+  void* p = ::mmap(nullptr, mapped, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  if (p == MAP_FAILED) {
+    return absl::ResourceExhaustedError(absl::StrCat("opaque backend: cannot map ", bytes));
+  }
+  mappings_[p] = mapped;  // zero-filled, as Allocate promises
+  return DeviceBuffer(this, p, bytes);
+}
+
+void OpaqueBackend::Free(void* ptr, size_t) {
+  auto it = mappings_.find(ptr);
+  if (it == mappings_.end()) return;
+  ::munmap(it->first, it->second);
+  mappings_.erase(it);
+}
+
+absl::Status OpaqueBackend::CopyToDevice(void* dst, const void* src, size_t bytes) {
+  Open open(this);
+  if (bytes > 0) std::memcpy(dst, src, bytes);
+  return absl::OkStatus();
+}
+
+absl::Status OpaqueBackend::CopyToHost(void* dst, const void* src, size_t bytes) {
+  Open open(this);
+  if (bytes > 0) std::memcpy(dst, src, bytes);
+  return absl::OkStatus();
+}
+
+void OpaqueBackend::Zero(void* dst, size_t bytes) {
+  Open open(this);
+  if (bytes > 0) std::memset(dst, 0, bytes);
+}
+
+void OpaqueBackend::Gemm(bool trans_a, bool trans_b, int m, int n, int k, float alpha,
+                         const float* a, int lda, const float* b, int ldb, float beta, float* c,
+                         int ldc) {
+  Open open(this);
+  cpu_.Gemm(trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
+}
+
+void OpaqueBackend::AddBias(float* out, const float* bias, int m, int n) {
+  Open open(this);
+  cpu_.AddBias(out, bias, m, n);
+}
+
+void OpaqueBackend::BiasGrad(float* dbias, const float* dout, int m, int n) {
+  Open open(this);
+  cpu_.BiasGrad(dbias, dout, m, n);
+}
+
+void OpaqueBackend::Add(float* out, const float* a, const float* b, int64_t n) {
+  Open open(this);
+  cpu_.Add(out, a, b, n);
+}
+
+void OpaqueBackend::Embedding(float* out, const int32_t* tokens, const float* wte, const float* wpe,
+                              int batch, int seq, int channels) {
+  Open open(this);
+  cpu_.Embedding(out, tokens, wte, wpe, batch, seq, channels);
+}
+
+void OpaqueBackend::EmbeddingBackward(float* dwte, float* dwpe, const float* dout,
+                                      const int32_t* tokens, int batch, int seq, int channels) {
+  Open open(this);
+  cpu_.EmbeddingBackward(dwte, dwpe, dout, tokens, batch, seq, channels);
+}
+
+void OpaqueBackend::LayerNorm(float* out, float* mean, float* rstd, const float* x, const float* w,
+                              const float* b, int n, int channels) {
+  Open open(this);
+  cpu_.LayerNorm(out, mean, rstd, x, w, b, n, channels);
+}
+
+void OpaqueBackend::LayerNormBackward(float* dx, float* dw, float* db, const float* dout,
+                                      const float* x, const float* w, const float* mean,
+                                      const float* rstd, int n, int channels) {
+  Open open(this);
+  cpu_.LayerNormBackward(dx, dw, db, dout, x, w, mean, rstd, n, channels);
+}
+
+void OpaqueBackend::Attention(float* out, float* att, const float* qkv, int batch, int seq,
+                              int channels, int heads) {
+  Open open(this);
+  cpu_.Attention(out, att, qkv, batch, seq, channels, heads);
+}
+
+void OpaqueBackend::AttentionBackward(float* dqkv, const float* dout, const float* qkv,
+                                      const float* att, int batch, int seq, int channels,
+                                      int heads) {
+  Open open(this);
+  cpu_.AttentionBackward(dqkv, dout, qkv, att, batch, seq, channels, heads);
+}
+
+void OpaqueBackend::Gelu(float* out, const float* x, int64_t n) {
+  Open open(this);
+  cpu_.Gelu(out, x, n);
+}
+
+void OpaqueBackend::GeluBackward(float* dx, const float* x, const float* dout, int64_t n) {
+  Open open(this);
+  cpu_.GeluBackward(dx, x, dout, n);
+}
+
+void OpaqueBackend::CrossEntropyForwardBackward(float* logits, float* losses,
+                                                const int32_t* targets, int n, int vocab,
+                                                float scale) {
+  Open open(this);
+  cpu_.CrossEntropyForwardBackward(logits, losses, targets, n, vocab, scale);
+}
+
+double OpaqueBackend::SumOfSquares(const float* x, int64_t n) {
+  Open open(this);
+  return cpu_.SumOfSquares(x, n);
+}
+
+void OpaqueBackend::Scale(float* x, float s, int64_t n) {
+  Open open(this);
+  cpu_.Scale(x, s, n);
+}
+
+void OpaqueBackend::AdamW(float* param, const float* grad, float* m, float* v, int64_t n, float lr,
+                          float beta1, float beta2, float eps, float weight_decay, int64_t step) {
+  Open open(this);
+  cpu_.AdamW(param, grad, m, v, n, lr, beta1, beta2, eps, weight_decay, step);
+}
+
+void OpaqueBackend::Route(const float* logits, int n, int experts, const RouterConfig& config,
+                          const RoutingBuffers& out) {
+  Open open(this);
+  cpu_.Route(logits, n, experts, config, out);
+}
+
+void OpaqueBackend::Permute(float* bucket, const float* x, const int32_t* bucket_token,
+                            int64_t rows, int channels) {
+  Open open(this);
+  cpu_.Permute(bucket, x, bucket_token, rows, channels);
+}
+
+void OpaqueBackend::PermuteBackward(float* dx, const float* dbucket, const int32_t* row, int n,
+                                    int top_k, int channels) {
+  Open open(this);
+  cpu_.PermuteBackward(dx, dbucket, row, n, top_k, channels);
+}
+
+void OpaqueBackend::Combine(float* out, const float* y, const int32_t* row, const float* gate,
+                            int n, int top_k, int channels) {
+  Open open(this);
+  cpu_.Combine(out, y, row, gate, n, top_k, channels);
+}
+
+void OpaqueBackend::CombineBackward(float* dy, float* dgate, const float* dout, const float* y,
+                                    const int32_t* row, const float* gate, int n, int top_k,
+                                    int channels) {
+  Open open(this);
+  cpu_.CombineBackward(dy, dgate, dout, y, row, gate, n, top_k, channels);
+}
+
+void OpaqueBackend::ExpertForward(float* y, float* hpre, float* h, const float* x,
+                                  const int64_t* offsets, absl::Span<const ExpertWeights> experts,
+                                  int channels, int hidden) {
+  Open open(this);
+  cpu_.ExpertForward(y, hpre, h, x, offsets, experts, channels, hidden);
+}
+
+void OpaqueBackend::ExpertBackward(float* dx, float* dh, absl::Span<const ExpertGrads> grads,
+                                   const float* dy, const float* x, const float* hpre,
+                                   const float* h, const int64_t* offsets,
+                                   absl::Span<const ExpertWeights> experts, int channels,
+                                   int hidden) {
+  Open open(this);
+  cpu_.ExpertBackward(dx, dh, grads, dy, x, hpre, h, offsets, experts, channels, hidden);
+}
+
+void OpaqueBackend::RouteBackward(float* dlogits, const float* dgate, const RoutingBuffers& routing,
+                                  int n, int experts, const RouterConfig& config,
+                                  const RouterLossGrad& loss) {
+  Open open(this);
+  cpu_.RouteBackward(dlogits, dgate, routing, n, experts, config, loss);
+}
+
+}  // namespace pith::compute

@@ -1,0 +1,100 @@
+// OpaqueBackend (tests only): the CPU backend's math on memory the host may not touch,
+// as a GPU's. Its buffers are mappings of their own kept PROT_NONE except while one of
+// its ops or copies runs, so code that reads or writes backend memory directly, instead
+// of through CopyToHost/CopyToDevice, dies with SIGSEGV in a test on a 2-core VM rather
+// than computing garbage on a GPU. host_addressable() is false, as for CUDA.
+//
+// Thread safety: as Backend (one thread at a time); each instance guards its own buffers.
+#ifndef PITH_WORKER_COMPUTE_OPAQUE_BACKEND_H_
+#define PITH_WORKER_COMPUTE_OPAQUE_BACKEND_H_
+
+#include <cstddef>
+#include <map>
+
+#include "worker/compute/cpu_backend.h"
+
+namespace pith::compute {
+
+class OpaqueBackend final : public Backend {
+ public:
+  explicit OpaqueBackend(int threads = 1) : cpu_(threads) {}
+  ~OpaqueBackend() override;
+
+  absl::string_view name() const override { return "opaque"; }
+  bool host_addressable() const override { return false; }
+
+  absl::StatusOr<DeviceBuffer> Allocate(size_t bytes) override;
+  absl::Status CopyToDevice(void* dst, const void* src, size_t bytes) override;
+  absl::Status CopyToHost(void* dst, const void* src, size_t bytes) override;
+  void Zero(void* dst, size_t bytes) override;
+  absl::Status Synchronize() override { return absl::OkStatus(); }
+
+  void Gemm(bool trans_a, bool trans_b, int m, int n, int k, float alpha, const float* a, int lda,
+            const float* b, int ldb, float beta, float* c, int ldc) override;
+  void AddBias(float* out, const float* bias, int m, int n) override;
+  void BiasGrad(float* dbias, const float* dout, int m, int n) override;
+  void Add(float* out, const float* a, const float* b, int64_t n) override;
+  void Embedding(float* out, const int32_t* tokens, const float* wte, const float* wpe, int batch,
+                 int seq, int channels) override;
+  void EmbeddingBackward(float* dwte, float* dwpe, const float* dout, const int32_t* tokens,
+                         int batch, int seq, int channels) override;
+  void LayerNorm(float* out, float* mean, float* rstd, const float* x, const float* w,
+                 const float* b, int n, int channels) override;
+  void LayerNormBackward(float* dx, float* dw, float* db, const float* dout, const float* x,
+                         const float* w, const float* mean, const float* rstd, int n,
+                         int channels) override;
+  void Attention(float* out, float* att, const float* qkv, int batch, int seq, int channels,
+                 int heads) override;
+  void AttentionBackward(float* dqkv, const float* dout, const float* qkv, const float* att,
+                         int batch, int seq, int channels, int heads) override;
+  void Gelu(float* out, const float* x, int64_t n) override;
+  void GeluBackward(float* dx, const float* x, const float* dout, int64_t n) override;
+  void CrossEntropyForwardBackward(float* logits, float* losses, const int32_t* targets, int n,
+                                   int vocab, float scale) override;
+  double SumOfSquares(const float* x, int64_t n) override;
+  void Scale(float* x, float s, int64_t n) override;
+  void AdamW(float* param, const float* grad, float* m, float* v, int64_t n, float lr, float beta1,
+             float beta2, float eps, float weight_decay, int64_t step) override;
+  void Route(const float* logits, int n, int experts, const RouterConfig& config,
+             const RoutingBuffers& out) override;
+  void Permute(float* bucket, const float* x, const int32_t* bucket_token, int64_t rows,
+               int channels) override;
+  void PermuteBackward(float* dx, const float* dbucket, const int32_t* row, int n, int top_k,
+                       int channels) override;
+  void Combine(float* out, const float* y, const int32_t* row, const float* gate, int n, int top_k,
+               int channels) override;
+  void CombineBackward(float* dy, float* dgate, const float* dout, const float* y,
+                       const int32_t* row, const float* gate, int n, int top_k,
+                       int channels) override;
+  void ExpertForward(float* y, float* hpre, float* h, const float* x, const int64_t* offsets,
+                     absl::Span<const ExpertWeights> experts, int channels, int hidden) override;
+  void ExpertBackward(float* dx, float* dh, absl::Span<const ExpertGrads> grads, const float* dy,
+                      const float* x, const float* hpre, const float* h, const int64_t* offsets,
+                      absl::Span<const ExpertWeights> experts, int channels, int hidden) override;
+  void RouteBackward(float* dlogits, const float* dgate, const RoutingBuffers& routing, int n,
+                     int experts, const RouterConfig& config, const RouterLossGrad& loss) override;
+
+ protected:
+  void Free(void* ptr, size_t bytes) override;
+
+ private:
+  // Opens every buffer for the scope of one op or copy.
+  class Open {
+   public:
+    explicit Open(OpaqueBackend* b) : b_(b) { b_->Protect(false); }
+    ~Open() { b_->Protect(true); }
+    Open(const Open&) = delete;
+    Open& operator=(const Open&) = delete;
+
+   private:
+    OpaqueBackend* b_;
+  };
+  void Protect(bool closed);
+
+  CpuBackend cpu_;
+  std::map<void*, size_t> mappings_;  // buffer -> mapped bytes
+};
+
+}  // namespace pith::compute
+
+#endif  // PITH_WORKER_COMPUTE_OPAQUE_BACKEND_H_
