@@ -92,6 +92,12 @@ absl::Status WriteAll(int fd, absl::Span<const uint8_t> bytes, const std::string
   return absl::OkStatus();
 }
 
+absl::Status AppendToFile(const std::string& path, absl::string_view text) {
+  UniqueFd fd(::open(path.c_str(), O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0644));
+  if (!fd.valid()) return ErrnoError(errno, "cannot open", path);
+  return WriteAll(fd.get(), {reinterpret_cast<const uint8_t*>(text.data()), text.size()}, path);
+}
+
 absl::Status PwriteAll(int fd, absl::Span<const uint8_t> bytes, uint64_t offset,
                        const std::string& path_for_errors) {
   size_t done = 0;

@@ -10,6 +10,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 #include "absl/types/span.h"
 #include "common/buffer.h"
 
@@ -40,6 +41,8 @@ absl::StatusOr<Buffer> ReadFile(const std::string& path);
 
 // Writes all of `bytes` to `fd`, retrying short writes.
 absl::Status WriteAll(int fd, absl::Span<const uint8_t> bytes, const std::string& path_for_errors);
+// Appends `text` to the file at `path` (created 0644 when missing).
+absl::Status AppendToFile(const std::string& path, absl::string_view text);
 
 // Writes all of `bytes` at `offset` of `fd` / reads `bytes.size()` bytes from there
 // (DATA_LOSS at the end of the file), retrying short transfers.

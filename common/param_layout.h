@@ -80,6 +80,14 @@ class ParamLayout {
   const std::vector<ParamTensor>& tensors() const { return tensors_; }
   int64_t total_floats() const { return total_floats_; }
   int64_t dense_floats() const { return dense_floats_; }
+  // Floats of the largest dense tensor.
+  int64_t largest_dense_floats() const {
+    int64_t n = 0;
+    for (const ParamTensor& t : tensors_) {
+      if (t.layer < 0) n = std::max(n, t.numel);
+    }
+    return n;
+  }
   // Index into tensors() of a dense tensor by name, or -1.
   int Find(const std::string& name) const;
   // Offset of the expert blob of (layer, expert).

@@ -6,8 +6,8 @@
 #  2. every --flag a unit's ExecStart, its Environment= or an env/*.env file (PITH_*_ARGS)
 #     and every k8s container's command/args pass to pith-coordinator, pith-store or
 #     pith-worker is one that binary's --helpfull lists; each unknown one is named. Also:
-#     every ${VAR} of an ExecStart has a default, every $(VAR) of a container its env entry,
-#     and no cluster worker gets --backend=cuda (pith-worker refuses it).
+#     every ${VAR} of an ExecStart has a default, and every $(VAR) of a container its env
+#     entry.
 #  3. the k8s YAML parses (python3-yaml) and has its shape: one Recreate coordinator on a
 #     claim, stores with a claim each behind a headless Service, TLS and data paths on
 #     mounts, scrape annotations on the metrics ports. With kubectl: `kubectl kustomize`
@@ -138,9 +138,6 @@ def check_flags(where, binary, tokens):
         if name in known[binary] or (name.startswith("no") and name[2:] in known[binary]):
             continue
         err(f"{where}: {binary} has no flag --{name} (not in its --helpfull)")
-    if binary == "pith-worker" and "coordinator" in flags and flags.get("backend") == "cuda":
-        err(f"{where}: pith-worker --coordinator refuses --backend=cuda (a cluster worker "
-            "trains on the CPU backend so far)")
     return flags
 
 

@@ -56,30 +56,40 @@ ABSL_FLAG(std::string, save, "", "Write the final weights here (safetensors)");
 ABSL_FLAG(std::string, save_optimizer, "", "Write the final optimizer state here (safetensors)");
 ABSL_FLAG(std::string, backend, "auto",
           "Compute backend: cpu, cuda, or auto (cuda when this build and host have it, else "
-          "cpu). A cluster worker runs on cpu so far");
+          "cpu). A cluster worker takes auto as cpu so far: --backend=cuda trains it on the GPU");
 ABSL_FLAG(int, device, 0, "CUDA device ordinal for --backend=cuda|auto");
 ABSL_FLAG(int, threads, 0, "Threads of the CPU backend's own loops; 0 = one per core");
 
 namespace {
 
+// A cluster worker's backend: the CPU's (--backend=cpu, and auto so far), or with
+// --backend=cuda the GPU's, made now once (a missing device fails here with its reason)
+// and then by each job run. On a GPU the cluster runtime reaches device memory through
+// synchronous copies (DESIGN §2).
+absl::Status ChooseClusterBackend(pith::runtime::ClusterWorkerOptions& options) {
+  const std::string backend = absl::GetFlag(FLAGS_backend);
+  if (backend == "cpu" || backend == "auto") return absl::OkStatus();
+  if (backend != "cuda") {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--backend=", backend, ": expected cpu, cuda or auto"));
+  }
+  const pith::compute::BackendChoice choice{"cuda", absl::GetFlag(FLAGS_device),
+                                            absl::GetFlag(FLAGS_threads)};
+  std::string description;
+  RETURN_IF_ERROR(pith::compute::MakeBackend(choice, &description).status());
+  LOG(INFO) << "training on " << description;
+  options.backend_kind = pith::v1::BACKEND_CUDA;
+  options.make_backend = [choice] { return pith::compute::MakeBackend(choice); };
+  return absl::OkStatus();
+}
+
 absl::Status RunCluster() {
   // SIGTERM and SIGINT end the loop below cleanly; SIGHUP reloads the certificates. First,
   // so that neither can end the process while it starts.
   pith::ShutdownSignals signals;
-  const std::string backend = absl::GetFlag(FLAGS_backend);
-  if (backend == "cuda") {
-    // The cluster runtime keeps expert cache slots, gradients and dispatch buffers in host
-    // memory; training on a GPU in a cluster needs the device expert cache first.
-    return absl::UnimplementedError(
-        "--backend=cuda: a cluster worker trains on the CPU backend so far (use "
-        "--standalone for CUDA training)");
-  }
-  if (backend != "cpu" && backend != "auto") {
-    return absl::InvalidArgumentError(
-        absl::StrCat("--backend=", backend, ": expected cpu, cuda or auto"));
-  }
-  LOG(INFO) << "OpenBLAS kernels: " << pith::compute::BlasCoreName();
   pith::runtime::ClusterWorkerOptions options;
+  RETURN_IF_ERROR(ChooseClusterBackend(options));
+  LOG(INFO) << "OpenBLAS kernels: " << pith::compute::BlasCoreName();
   options.coordinator = absl::GetFlag(FLAGS_coordinator);
   ASSIGN_OR_RETURN(options.security, pith::security::TransportSecurityFromFlags(
                                          "pith-worker", pith::security::Role::kMember));

@@ -90,10 +90,10 @@ grpc::Status JobServiceImpl::SubmitJob(grpc::ServerContext* context,
   ApplyJobSpecDefaults(&filled);
   if (filled.model().compute_dtype() == "bf16" &&
       ValidateJobSpec(filled).ok()) {  // else Submit names the bad field
-    // Cluster workers train on the CPU backend so far: such a job could never run.
+    // Cluster workers fetch fp32 weights and may be CPU workers: such a job cannot run.
     return ToGrpcStatus(absl::InvalidArgumentError(
-        "JobSpec model.compute_dtype: bf16 needs CUDA workers, and cluster workers train on "
-        "the CPU backend in fp32 so far; submit it as fp32, or train it in bf16 with "
+        "JobSpec model.compute_dtype: bf16 is not trained in a cluster yet (its workers do "
+        "not fetch bf16 weights); submit it as fp32, or train it in bf16 with "
         "pith-worker --standalone --backend=cuda"));
   }
   absl::StatusOr<v1::Job> job = jobs_->Submit(request->spec());

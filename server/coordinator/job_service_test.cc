@@ -186,15 +186,16 @@ TEST_F(JobServiceTest, AJobWithBlobsTooLargeForTheStoresIsRefusedAtSubmit) {
   EXPECT_TRUE(Submit(SpecFrom(small)).ok());  // 33,408-byte experts; attn.qkv.w 196,608
 }
 
-// A bf16 job is refused at submit with the reason: cluster workers train in fp32 so far.
+// A bf16 job is refused at submit with the reason: cluster workers fetch fp32 weights.
 TEST_F(JobServiceTest, ABf16JobIsRefusedAtSubmitWithTheReason) {
   const std::string bf16 =
       absl::StrReplaceAll(kSpec, {{"\"top_k\": 2", "\"top_k\": 2, \"compute_dtype\": \"bf16\""}});
   ASSERT_NE(bf16, kSpec);
   absl::StatusOr<v1::Job> refused = Submit(SpecFrom(bf16));
   EXPECT_EQ(refused.status().code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_NE(refused.status().message().find("model.compute_dtype: bf16 needs CUDA workers"),
-            std::string::npos)
+  EXPECT_NE(
+      refused.status().message().find("model.compute_dtype: bf16 is not trained in a cluster yet"),
+      std::string::npos)
       << refused.status();
   const std::string fp32 =
       absl::StrReplaceAll(kSpec, {{"\"top_k\": 2", "\"top_k\": 2, \"compute_dtype\": \"fp32\""}});

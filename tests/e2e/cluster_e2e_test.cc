@@ -6,6 +6,7 @@
 #include <sys/wait.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -23,13 +24,17 @@
 
 #include "child_process.h"
 #include "common/grpc_util.h"
+#include "common/metrics.h"
 #include "common/safetensors.h"
+#include "common/ucx_auth.h"
 #include "google/protobuf/util/json_util.h"
 #include "gtest/gtest.h"
 #include "pith/v1/coordinator.grpc.pb.h"
 #include "pith/v1/job.grpc.pb.h"
 #include "pith/v1/store.grpc.pb.h"
 #include "test_tls.h"
+#include "worker/compute/opaque_backend.h"
+#include "worker/runtime/cluster_worker.h"
 
 namespace pith {
 namespace {
@@ -80,6 +85,9 @@ struct Failure {
   // itself are compared bit for bit (ExpectSameBits).
   double drift_tolerance = 1e-4;
   double weight_tolerance = 1e-4;
+  // The two workers run in this process (RunClusterWorker) on OpaqueBackend, as on a GPU:
+  // a backend whose memory the host may not touch (the device path's seam).
+  bool opaque_workers = false;
 };
 
 // Runs the pith CLI against the coordinator at `address` with the certificate in
@@ -167,7 +175,44 @@ class ClusterRun {
     for (int n = 0; n < 2; ++n) ASSERT_TRUE(StartStore()) << stores_.back()->Log();
     // Two workers train; with a worker failure a third waits as the spare.
     const int worker_count = failure_.kill_worker_after_step >= 0 ? 3 : 2;
-    for (int n = 0; n < worker_count; ++n) workers_.push_back(NewWorker(n, ""));
+    for (int n = 0; n < worker_count; ++n) {
+      if (failure_.opaque_workers) {
+        ASSERT_NO_FATAL_FAILURE(StartOpaqueWorker(n));
+      } else {
+        workers_.push_back(NewWorker(n, ""));
+      }
+    }
+  }
+
+  // Worker n in this process, on OpaqueBackend, registered as a CUDA worker.
+  void StartOpaqueWorker(int n) {
+    pith::ucx::RequireDataPlaneAuth();  // as pith-worker does in a TLS cluster
+    auto options = std::make_unique<runtime::ClusterWorkerOptions>();
+    options->coordinator = address_;
+    auto security = security::TransportSecurity::Tls(
+        tls_->Dir(security::Role::kMember, "worker" + std::to_string(n)));
+    ASSERT_TRUE(security.ok()) << security.status();
+    options->security = *security;
+    options->listen = "127.0.0.1:0";
+    options->threads = 1;
+    options->loss_log = dir_ + "/cluster.log";
+    options->cache_bytes = failure_.cache_bytes;
+    options->backend_kind = v1::BACKEND_CUDA;
+    options->make_backend = []() -> absl::StatusOr<std::unique_ptr<compute::Backend>> {
+      return std::make_unique<compute::OpaqueBackend>(1);
+    };
+    registries_.push_back(std::make_unique<MetricsRegistry>());
+    in_process_.emplace_back([this, o = options.get(), registry = registries_.back().get(), n] {
+      const absl::Status s = runtime::RunClusterWorker(*o, *registry, stop_in_process_);
+      if (!s.ok()) std::cerr << "in-process worker " << n << ": " << s << "\n";
+    });
+    in_process_options_.push_back(std::move(options));
+  }
+
+  void StopInProcess() {
+    stop_in_process_ = true;
+    for (std::thread& t : in_process_) t.join();
+    in_process_.clear();
   }
 
   // kill -9 of every process at once; then the workers, the stores (last first, each on
@@ -400,6 +445,7 @@ class ClusterRun {
   // Stops every process cleanly (a run that failed fatally is killed by the destructors and
   // keeps its logs and files for a look).
   void Stop() {
+    StopInProcess();  // whatever happened: their threads must end before the test does
     if (::testing::Test::HasFatalFailure()) return;
     for (auto& w : workers_) {
       if (w->pid() > 0) {
@@ -590,6 +636,11 @@ class ClusterRun {
   int scale_phase_ = 0;
   bool json_showed_moves_ = false;
   std::string scale_log_;
+  // Failure::opaque_workers: the workers' threads, options and metrics.
+  std::atomic<bool> stop_in_process_{false};
+  std::vector<std::thread> in_process_;
+  std::vector<std::unique_ptr<runtime::ClusterWorkerOptions>> in_process_options_;
+  std::vector<std::unique_ptr<MetricsRegistry>> registries_;
 };
 
 // Trains the spec alone and on a cluster (with `failure` injected); compares.
@@ -616,6 +667,17 @@ void TrainAndCompare(const std::string& name, Failure failure, Outcome* outcome 
 
 TEST(ClusterE2eTest, TwoWorkersTrainAsOneProcessDoes) {
   TrainAndCompare("plain", {}, nullptr, /*collect=*/true);
+}
+
+// The cluster worker's device path (DESIGN §2: Dispatch's and the dense state's copies)
+// on OpaqueBackend, whose memory the host may not touch, with a cache of a quarter of the
+// experts (weights through the cache's host slots): the same losses and weights.
+TEST(ClusterE2eTest, WorkersOnABackendTheHostCannotReadTrainAsOneProcessDoes) {
+  Failure f;
+  f.opaque_workers = true;
+  f.cache_bytes = 2 * (2 * 32 * 64 + 64 + 32) * 4;  // 2 of the 8 experts
+  f.steps = 10;
+  TrainAndCompare("opaque", f);
 }
 
 // Two cluster runs ended with the same weights, bit for bit.

@@ -30,6 +30,7 @@
 #include "worker/model/optimizer.h"
 #include "worker/model/param_init.h"
 #include "worker/runtime/coordinator_link.h"
+#include "worker/runtime/dense_mirror.h"
 #include "worker/runtime/dispatch.h"
 #include "worker/runtime/expert_cache.h"
 #include "worker/runtime/expert_gradients.h"
@@ -64,8 +65,7 @@ class JobRun : public StepDriver {
         client_(client),
         link_(link),
         options_(options),
-        metrics_(metrics),
-        backend_(options.threads) {}
+        metrics_(metrics) {}
 
   ~JobRun() override {
     (void)writes_.Wait();
@@ -121,13 +121,15 @@ class JobRun : public StepDriver {
           "the job does not fit this worker's --memory_bytes=", options_.memory_bytes,
           ": its dense state alone (parameters, gradients and moments) is ", dense, " bytes"));
     }
+    RETURN_IF_ERROR(MakeBackends());
     // The dense tensors only: the experts live in the cache, the gradient pool and the
     // stores (memory_plan.h).
     ASSIGN_OR_RETURN(model_,
-                     model::MoeGpt::Create(&backend_, shape_, static_cast<int>(rows_.size()),
+                     model::MoeGpt::Create(backend_.get(), shape_, static_cast<int>(rows_.size()),
                                            model::Experts::kExternal));
+    dense_ = std::make_unique<DenseMirror>(backend_.get(), model_->layout().dense_floats());
     ASSIGN_OR_RETURN(optimizer_,
-                     model::AdamWOptimizer::Create(&backend_, model_->layout(),
+                     model::AdamWOptimizer::Create(backend_.get(), model_->layout(),
                                                    model::OptimizerConfig::FromSpec(spec.train()),
                                                    /*dense_only=*/true));
     std::vector<std::string> addresses;
@@ -162,11 +164,12 @@ class JobRun : public StepDriver {
     dispatch_->SetCache(cache_.get());
     updater_ = std::make_unique<ExpertUpdater>(
         ExpertUpdater::Deps{job_id_, store_io_.get(), cache_.get(), &model_->layout(),
-                            &optimizer_->config(), grads_.get(), &backend_, &update_backend_});
+                            &optimizer_->config(), grads_.get(), host_backend_, &update_backend_});
     RETURN_IF_ERROR(updater_->SetUp(updated_, plan_.moments));
     inputs_.resize(rows_.size() * shape_.seq);
     targets_.resize(rows_.size() * shape_.seq);
-    zeros_.assign(std::max<int64_t>(shape_.expert_floats(), LargestDense()), 0.0f);
+    zeros_.assign(
+        std::max<int64_t>(shape_.expert_floats(), model_->layout().largest_dense_floats()), 0.0f);
     LOG(INFO) << "job " << a_.job_id() << ": rank " << a_.rank() << " of " << W << ", "
               << rows_.size() << " rows per step, " << owned_.size() << " experts computed ("
               << updated_.size() << " updated), " << slots << " cache slots, " << plan_.grad_buffers
@@ -177,6 +180,22 @@ class JobRun : public StepDriver {
 
   // Takes this assignment's placement: compute owners, the dispatch over them, the experts
   // computed and updated here, every group's stores (connected).
+  // The training backend (options' factory, else the CPU's) and the CPU backend for work
+  // on host memory: the training one when it is a CpuBackend.
+  absl::Status MakeBackends() {
+    if (options_.make_backend) {
+      ASSIGN_OR_RETURN(backend_, options_.make_backend());
+    } else {
+      backend_ = std::make_unique<compute::CpuBackend>(options_.threads);
+    }
+    host_backend_ = dynamic_cast<compute::CpuBackend*>(backend_.get());
+    if (host_backend_ == nullptr) {
+      own_host_ = std::make_unique<compute::CpuBackend>(options_.threads);
+      host_backend_ = own_host_.get();
+    }
+    return absl::OkStatus();
+  }
+
   absl::Status ApplyPlacement() {
     ASSIGN_OR_RETURN(std::vector<std::vector<ExpertOwners>> owners,
                      OwnersOf(a_.placement(), shape_.layers, shape_.experts, a_.world()));
@@ -185,7 +204,7 @@ class JobRun : public StepDriver {
       for (int e = 0; e < shape_.experts; ++e) primary_[l][e] = owners[l][e][0].first;
     }
     owners_ = owners;
-    dispatch_ = std::make_unique<Dispatch>(&backend_, model_.get(), peers_, std::move(owners));
+    dispatch_ = std::make_unique<Dispatch>(backend_.get(), model_.get(), peers_, std::move(owners));
     model_->SetExpertParallel(dispatch_.get());
     if (cache_ != nullptr) dispatch_->SetCache(cache_.get());
     if (grads_ != nullptr) dispatch_->SetGradPool(grads_.get());
@@ -265,29 +284,10 @@ class JobRun : public StepDriver {
   }
   // The plan for `next`'s placement.
   absl::StatusOr<MemoryPlan> PlanFor(const v1::Assignment& next) const {
-    int owned = 0, updated = 0;
-    for (const v1::ExpertPlacement& e : next.placement().experts()) {
-      if (e.layer() < 0) continue;
-      for (const v1::ComputeOwner& o : e.owners()) owned += o.rank() == next.rank();
-      updated += e.owners_size() > 0 && e.owners(0).rank() == next.rank();
-    }
+    const auto [owned, updated] = ComputedAndUpdated(next.placement(), next.rank());
     return PlanMemory(MemoryNeeds(owned, updated));
   }
-  void ReportMemory() const {
-    metrics_->memory_dense->Set(static_cast<double>(plan_.dense_bytes));
-    metrics_->memory_activations->Set(static_cast<double>(plan_.activation_bytes));
-    metrics_->memory_cache->Set(static_cast<double>(plan_.cache_bytes));
-    metrics_->memory_gradients->Set(static_cast<double>(plan_.gradient_bytes));
-    metrics_->memory_moments->Set(static_cast<double>(plan_.moment_bytes));
-  }
-
-  int64_t LargestDense() const {
-    int64_t n = 0;
-    for (const model::ParamTensor& t : model_->layout().tensors()) {
-      if (t.layer < 0) n = std::max(n, t.numel);
-    }
-    return n;
-  }
+  void ReportMemory() const { ReportMemoryPlan(*metrics_, plan_); }
 
   // Whether this worker is the expert's primary owner: it applies its update.
   bool Owns(int layer, int expert) const { return primary_[layer][expert] == a_.rank(); }
@@ -298,14 +298,7 @@ class JobRun : public StepDriver {
 
   // Whether an expert has several owners (computed by a worker that reads its primary's
   // update from the stores).
-  bool SharedExperts() const {
-    for (const auto& layer : owners_) {
-      for (const ExpertOwners& o : layer) {
-        if (o.size() > 1) return true;
-      }
-    }
-    return false;
-  }
+  bool SharedExperts() const { return AnyShared(owners_); }
   Overlap OverlapWrites() const { return updater_->OverlapWrites(SharedExperts()); }
 
   // Waits for the writes and the report of the step written last, if they went on in the
@@ -339,7 +332,8 @@ class JobRun : public StepDriver {
     std::optional<SafetensorsReader> file;  // read an expert at a time, never whole
     if (!init.empty()) {
       ASSIGN_OR_RETURN(file, SafetensorsReader::Open(init));
-      RETURN_IF_ERROR(model::LoadDenseWeights(backend_, model_->layout(), *file, model_->params()));
+      RETURN_IF_ERROR(
+          model::LoadDenseWeights(*backend_, model_->layout(), *file, model_->params()));
     } else {
       RETURN_IF_ERROR(model_->InitWeights(a_.spec().train().seed()));
     }
@@ -398,9 +392,12 @@ class JobRun : public StepDriver {
   // Queues version `version` of this worker's share of the dense tensors (their moments
   // zero at step 0); they go with the next flush (the experts' first).
   absl::Status WriteDense(int64_t version) {
-    const float* p = model_->params();
-    const float* m = version == 0 ? zeros_.data() : optimizer_->m();
-    const float* v = version == 0 ? zeros_.data() : optimizer_->v();
+    ASSIGN_OR_RETURN(const float* p, dense_->Host(DenseMirror::kParams, model_->params()));
+    const float *m = zeros_.data(), *v = zeros_.data();
+    if (version != 0) {
+      ASSIGN_OR_RETURN(m, dense_->Host(DenseMirror::kMomentM, optimizer_->m()));
+      ASSIGN_OR_RETURN(v, dense_->Host(DenseMirror::kMomentV, optimizer_->v()));
+    }
     const std::vector<std::string> dense_stores = store_io_->WriteStores(kDenseGroup);
     for (const model::ParamTensor& t : model_->layout().tensors()) {
       if (!DenseHere(t)) continue;
@@ -429,14 +426,18 @@ class JobRun : public StepDriver {
     for (const model::ParamTensor& t : model_->layout().tensors()) {
       if (t.layer >= 0) continue;
       const size_t bytes = t.numel * sizeof(float);
-      items.push_back(FetchItemOf(Key(-1, 0, t.name, v1::BLOB_KIND_WEIGHTS),
-                                  model_->params() + t.offset, bytes));
-      items.push_back(
-          FetchItemOf(Key(-1, 0, t.name, v1::BLOB_KIND_ADAM_M), optimizer_->m() + t.offset, bytes));
-      items.push_back(
-          FetchItemOf(Key(-1, 0, t.name, v1::BLOB_KIND_ADAM_V), optimizer_->v() + t.offset, bytes));
+      for (const auto& [kind, mirror, dev] :
+           {std::tuple{v1::BLOB_KIND_WEIGHTS, DenseMirror::kParams, model_->params()},
+            std::tuple{v1::BLOB_KIND_ADAM_M, DenseMirror::kMomentM, optimizer_->m()},
+            std::tuple{v1::BLOB_KIND_ADAM_V, DenseMirror::kMomentV, optimizer_->v()}}) {
+        items.push_back(
+            FetchItemOf(Key(-1, 0, t.name, kind), dense_->Landing(mirror, dev) + t.offset, bytes));
+      }
     }
-    return store_io_->Fetch(store_io_->ReadStores(kDenseGroup), items);
+    RETURN_IF_ERROR(store_io_->Fetch(store_io_->ReadStores(kDenseGroup), items));
+    RETURN_IF_ERROR(dense_->Upload(DenseMirror::kParams, model_->params()));
+    RETURN_IF_ERROR(dense_->Upload(DenseMirror::kMomentM, optimizer_->m()));
+    return dense_->Upload(DenseMirror::kMomentV, optimizer_->v());
   }
 
   // Whether this worker writes dense tensor `t` (and counts its gradient in the norm):
@@ -500,13 +501,12 @@ class JobRun : public StepDriver {
         &primary_,    a_.rank(),         [this](int l, int e) {
                                       return model_->ExpertUsed(l, e); }};
     RETURN_IF_ERROR(gradients.ReduceReplicas(*peers_, s, owned_));
-    RETURN_IF_ERROR(peers_->AllReduceSum(model_->grads(), model_->layout().dense_floats(),
-                                         channels::DenseGradients(s)));
+    RETURN_IF_ERROR(dense_->AllReduceSum(*peers_, model_->grads(), channels::DenseGradients(s)));
     // The dense tensors dealt here, then the experts updated here that got tokens, in
     // layout order.
     const double dense_sq = optimizer_->LocalSumOfSquares(
         model_->grads(), [&](const model::ParamTensor& t) { return DenseHere(t); });
-    ASSIGN_OR_RETURN(double sum_sq, gradients.AddSumOfSquares(backend_, dense_sq, updated_));
+    ASSIGN_OR_RETURN(double sum_sq, gradients.AddSumOfSquares(*host_backend_, dense_sq, updated_));
     RETURN_IF_ERROR(peers_->AllReduceSum(&sum_sq, 1, channels::GradNorm(s)));
     grad_norm_ = std::sqrt(sum_sq);
     return absl::OkStatus();
@@ -525,8 +525,8 @@ class JobRun : public StepDriver {
     // from the stores.
     const model::HasGrad dense = [](const model::ParamTensor& t) { return t.layer < 0; };
     lr_ = optimizer_->Apply(model_->params(), model_->grads(), s - 1, dense, grad_norm_).lr;
-    RETURN_IF_ERROR(backend_.Synchronize());  // the dense puts read what it wrote
-    store_io_->ClearWritten();                // the step's writes have all ended (Finish)
+    RETURN_IF_ERROR(backend_->Synchronize());  // the dense puts read what it wrote
+    store_io_->ClearWritten();                 // the step's writes have all ended (Finish)
     const Overlap overlap = OverlapWrites();
     RETURN_IF_ERROR(WriteDense(s));
     metrics_->tokens->Increment(static_cast<double>(rows_.size() * T));
@@ -684,13 +684,8 @@ class JobRun : public StepDriver {
                                    a_.spec().train().steps(), last_loss_.loss, last_loss_.ce, lr_);
     }
     if (a_.rank() == 0 && !options_.loss_log.empty()) {
-      const std::string line = absl::StrFormat("%d %.9g %.9g\n", s, last_loss_.loss, last_loss_.ce);
-      UniqueFd fd(
-          ::open(options_.loss_log.c_str(), O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0644));
-      if (fd.valid()) {
-        (void)WriteAll(fd.get(), {reinterpret_cast<const uint8_t*>(line.data()), line.size()},
-                       options_.loss_log);
-      }
+      (void)AppendToFile(options_.loss_log,
+                         absl::StrFormat("%d %.9g %.9g\n", s, last_loss_.loss, last_loss_.ce));
     }
   }
 
@@ -704,9 +699,12 @@ class JobRun : public StepDriver {
   WorkerMetrics* metrics_;
   // The expert updates' element-wise loops (on the update thread, while backend_ computes
   // the next step); constructed first: a CpuBackend sets OpenBLAS's thread count, which
-  // must be backend_'s.
+  // must be the training one's.
   compute::CpuBackend update_backend_{1};
-  compute::CpuBackend backend_;
+  std::unique_ptr<compute::Backend> backend_;      // training (MakeBackends)
+  std::unique_ptr<compute::CpuBackend> own_host_;  // when backend_ is not a CpuBackend
+  compute::CpuBackend* host_backend_ = nullptr;    // host-memory work: backend_ or own_host_
+  std::unique_ptr<DenseMirror> dense_;
   model::ModelShape shape_;
   std::vector<int> rows_;
   std::unique_ptr<model::MoeGpt> model_;
@@ -766,7 +764,7 @@ absl::Status RunClusterWorker(const ClusterWorkerOptions& options, MetricsRegist
   self.set_grpc_address(options.listen);
   self.set_ucx_address(peers->address());
   self.set_capacity_bytes(options.memory_bytes > 0 ? options.memory_bytes : options.cache_bytes);
-  self.set_backend(v1::BACKEND_CPU);
+  self.set_backend(options.backend_kind);
   ASSIGN_OR_RETURN(
       std::unique_ptr<MemberAgent> agent,
       MemberAgent::Start(options.coordinator, options.security, self, [](v1::MemberInfo*) {}));

@@ -17,11 +17,15 @@
 
 #include <atomic>
 #include <cstdint>
+#include <functional>
+#include <memory>
 #include <string>
 
 #include "absl/status/status.h"
 #include "common/metrics.h"
+#include "pith/v1/common.pb.h"
 #include "security/tls.h"
+#include "worker/compute/backend.h"
 
 namespace pith::runtime {
 
@@ -36,6 +40,12 @@ struct ClusterWorkerOptions {
   std::string scratch_dir;      // where gradients beyond the pool wait (GradPool)
   int threads = 0;              // CPU backend threads; 0 = one per core
   std::string loss_log;         // "<step> <loss> <ce>" per committed step (rank 0 only)
+  // The training backend of each job run (a failed backend stays failed, so each run
+  // makes its own), and its kind as the coordinator sees it. Empty: the CPU backend with
+  // `threads`. Host-memory work (the expert updates, norms over the gradient pool) runs
+  // on a CPU backend whatever this is.
+  std::function<absl::StatusOr<std::unique_ptr<compute::Backend>>()> make_backend;
+  v1::Backend backend_kind = v1::BACKEND_CPU;
 };
 
 // Runs until `stop` becomes true (checked between steps and while idle). The worker's

@@ -38,6 +38,25 @@ absl::StatusOr<std::vector<std::vector<ExpertOwners>>> OwnersOf(const v1::Placem
   }
   return owners;
 }
+std::pair<int, int> ComputedAndUpdated(const v1::PlacementTable& placement, int rank) {
+  int computed = 0, updated = 0;
+  for (const v1::ExpertPlacement& e : placement.experts()) {
+    if (e.layer() < 0) continue;
+    for (const v1::ComputeOwner& o : e.owners()) computed += o.rank() == rank;
+    updated += e.owners_size() > 0 && e.owners(0).rank() == rank;
+  }
+  return {computed, updated};
+}
+
+bool AnyShared(const std::vector<std::vector<ExpertOwners>>& owners) {
+  for (const auto& layer : owners) {
+    for (const ExpertOwners& o : layer) {
+      if (o.size() > 1) return true;
+    }
+  }
+  return false;
+}
+
 namespace {
 
 enum Phase : int {

@@ -25,6 +25,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <utility>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -46,6 +47,13 @@ using ExpertOwners = std::vector<std::pair<int, double>>;
 // `experts` or the `world`'s ranks, or an expert left without owner.
 absl::StatusOr<std::vector<std::vector<ExpertOwners>>> OwnersOf(const v1::PlacementTable& placement,
                                                                 int layers, int experts, int world);
+
+// How many experts `rank` computes in `placement`, and of those how many it updates (is
+// their primary owner).
+std::pair<int, int> ComputedAndUpdated(const v1::PlacementTable& placement, int rank);
+
+// Whether any expert has several owners.
+bool AnyShared(const std::vector<std::vector<ExpertOwners>>& owners);
 
 class Dispatch final : public model::ExpertParallel {
  public:

@@ -8,6 +8,14 @@
 
 namespace pith::runtime {
 
+void ReportMemoryPlan(const WorkerMetrics& metrics, const MemoryPlan& plan) {
+  metrics.memory_dense->Set(static_cast<double>(plan.dense_bytes));
+  metrics.memory_activations->Set(static_cast<double>(plan.activation_bytes));
+  metrics.memory_cache->Set(static_cast<double>(plan.cache_bytes));
+  metrics.memory_gradients->Set(static_cast<double>(plan.gradient_bytes));
+  metrics.memory_moments->Set(static_cast<double>(plan.moment_bytes));
+}
+
 absl::StatusOr<WorkerMetrics> MakeWorkerMetrics(MetricsRegistry& r) {
   WorkerMetrics m;
   ASSIGN_OR_RETURN(m.tokens, r.Counter("pith_worker_tokens_total", "Tokens trained on"));

@@ -7,6 +7,7 @@
 
 #include "absl/status/statusor.h"
 #include "common/metrics.h"
+#include "worker/runtime/memory_plan.h"
 
 namespace pith::runtime {
 
@@ -34,6 +35,8 @@ struct WorkerMetrics {
 };
 
 absl::StatusOr<WorkerMetrics> MakeWorkerMetrics(MetricsRegistry& registry);
+// pith_worker_memory_bytes{kind} from a job's memory plan.
+void ReportMemoryPlan(const WorkerMetrics& metrics, const MemoryPlan& plan);
 
 }  // namespace pith::runtime
 
