@@ -77,7 +77,7 @@ constexpr char kUsage[] =
     "local cluster (processes on this machine, data and logs under DIR, default\n"
     "$PITH_HOME or ~/.pith/local; the job commands then find it without flags):\n"
     "  up [--stores N] [--workers N] [--memory_bytes B] [--cache_bytes B] [--ram_bytes B]\n"
-    "     [--dir DIR]\n"
+    "     [--backend cpu|cuda] [--dir DIR]\n"
     "  down [--dir DIR]\n";
 
 using Command = std::function<absl::Status(const CliContext&, const Args&, std::ostream&)>;

@@ -156,8 +156,13 @@ scrape_configs:
 absl::Status Up(const CliContext& ctx, const Args& args, std::ostream& out) {
   std::map<std::string, std::string> flags = {
       {"--stores", "2"},       {"--workers", "2"},           {"--cache_bytes", "0"},
-      {"--memory_bytes", "0"}, {"--ram_bytes", "268435456"}, {"--dir", DefaultDir()}};
+      {"--memory_bytes", "0"}, {"--ram_bytes", "268435456"}, {"--dir", DefaultDir()},
+      {"--backend", "cpu"}};
   RETURN_IF_ERROR(ParseFlags("up", args, flags));
+  const std::string backend = flags["--backend"];
+  if (backend != "cpu" && backend != "cuda") {
+    return UsageError(absl::StrCat("up: --backend wants cpu or cuda, got \"", backend, "\""));
+  }
   int stores = 0, workers = 0;
   uint64_t cache_bytes = 0, memory_bytes = 0, ram_bytes = 0;
   if (!absl::SimpleAtoi(flags["--stores"], &stores) || stores < 1 ||
@@ -225,7 +230,7 @@ absl::Status Up(const CliContext& ctx, const Args& args, std::ostream& out) {
           auto w,
           launch(name, {FindBinary("pith-worker", "worker"), "--coordinator=" + address,
                         "--metrics_port=0", absl::StrCat("--cache_bytes=", cache_bytes),
-                        absl::StrCat("--memory_bytes=", memory_bytes),
+                        absl::StrCat("--memory_bytes=", memory_bytes), "--backend=" + backend,
                         absl::StrCat("--threads=", threads), "--tls_dir=" + tls + "/" + name}));
       lines.push_back(
           absl::StrFormat("  %-12s %-22s http://127.0.0.1:%d/metrics", name, "-", w.second));

@@ -26,4 +26,9 @@ expect_one_line "safetensors: " "$PITH" safetensors inspect "$E2E_TMP/bad.safete
 good="$CORPUS/safetensors/two_tensors.safetensors"
 head -c $(($(stat -c %s "$good") - 4)) "$good" >"$E2E_TMP/cut.safetensors"
 expect_one_line "safetensors: truncated: tensor" "$PITH" safetensors inspect "$E2E_TMP/cut.safetensors"
+# A usage error (exit 2): nothing starts, one line says why.
+if "$PITH" up --backend tpu --dir "$E2E_TMP/up" 2>"$E2E_TMP/err"; then fail "up --backend tpu ran"; fi
+grep -q 'up: --backend wants cpu or cuda, got "tpu"' "$E2E_TMP/err" ||
+  fail "up --backend tpu: $(cat "$E2E_TMP/err")"
+[[ ! -e "$E2E_TMP/up" ]] || fail "up --backend tpu made its folder"
 echo "cli errors: OK"

@@ -1,0 +1,77 @@
+#!/usr/bin/env bash
+# The cluster path on a GPU, on a machine without Pith's dependencies (the lent one): from
+# .gpu-cluster/pith-cluster.tar.gz (tests/gpu/cluster_bundle.sh packs it where Pith builds),
+# a local cluster (`pith up --backend cuda`: a coordinator, 2 stores, 2 workers on the GPU)
+# trains a dropless tiny job, and `pith-worker --standalone --backend=cpu` trains the same
+# spec alone; their exported weights must give the same held-out loss (`pith eval`, within
+# 1e-4 relative) and the cluster's last step loss must match the single process's. Logs go
+# to $OUT (the device tool brings them back), else to /tmp/pith-gpu-cluster. Exit 0 only
+# when both trained and agree.
+#
+#   tests/gpu/cluster_bundle.sh build    # where Pith builds (with nvcc)
+#   tests/gpu/cluster.sh                 # on the GPU machine, from the repository root
+set -uo pipefail
+root=$(cd "$(dirname "$0")/../.." && pwd)
+out=${OUT:-/tmp/pith-gpu-cluster}
+mkdir -p "$out"
+bundle=$root/.gpu-cluster/pith-cluster.tar.gz
+[[ -f $bundle ]] || { echo "cluster.sh: no $bundle: run tests/gpu/cluster_bundle.sh (and carry .gpu-cluster)" >&2; exit 2; }
+work=$(mktemp -d /tmp/pith-gpu-cluster.XXXXXX)
+trap 'PITH_HOME=$work/local "$work/bin/pith" down >/dev/null 2>&1; cp "$work"/local/*.log "$out/" 2>/dev/null; rm -rf "$work"' EXIT
+start=$(date +%s)
+tar -C "$work" -xzf "$bundle"
+# CUDA's libraries: the toolkit's, else those PyTorch's wheels bring (cuBLAS, the runtime,
+# NCCL); the bundle's own first.
+cuda_libs=$(python3 - <<'PY' 2>/dev/null
+import glob, os
+try:
+    import nvidia
+    for p in nvidia.__path__:
+        for d in glob.glob(os.path.join(p, "*", "lib")):
+            print(d)
+except ImportError:
+    pass
+PY
+)
+export LD_LIBRARY_PATH=$work/lib:/usr/local/cuda/lib64:/usr/local/cuda/lib:$(echo $cuda_libs | tr ' ' ':'):${LD_LIBRARY_PATH:-}
+export UCX_MODULE_DIR=$work/lib/ucx
+pith=$work/bin/pith
+fail() { echo "SUMMARY: FAILED: $*"; exit 1; }
+
+for i in $(seq 300); do echo "line $i: experts come from the stores when they are needed."; done >"$work/text.txt"
+"$pith" data prepare --out "$work/tokens.bin" "$work/text.txt" >/dev/null || fail "data prepare"
+cat >"$work/spec.json" <<JSON
+{"name": "gpucluster", "model": {"vocab_size": 256, "seq_len": 16, "d_model": 32,
+ "n_layer": 2, "n_head": 2, "n_expert": 4, "top_k": 2, "d_ff": 64, "capacity_factor": 4.0,
+ "aux_loss_coef": 0.01, "z_loss_coef": 0.001},
+ "train": {"data_path": "$work/tokens.bin", "batch": 8, "steps": 20, "lr": 0.003,
+ "warmup": 5, "seed": 1337}, "cluster": {"workers": 2, "store_replicas": 2}}
+JSON
+
+echo "== single process, CPU"
+"$work/bin/pith-worker" --standalone --spec="$work/spec.json" --backend=cpu --threads=1 \
+  --loss_log="$work/alone.log" --save="$work/alone.safetensors" >"$out/alone.log" 2>&1 ||
+  fail "standalone: $(tail -3 "$out/alone.log")"
+backend=${PITH_CLUSTER_BACKEND:-cuda}  # cpu: a dry run of this script where there is no GPU
+echo "== local cluster, workers on $backend"
+export PITH_HOME=$work/local
+"$pith" up --stores 2 --workers 2 --backend "$backend" >"$out/up.log" 2>&1 ||
+  fail "pith up: $(tail -3 "$out/up.log")"
+"$pith" cluster >"$out/cluster.txt" 2>&1
+grep -q " $backend" "$out/cluster.txt" || fail "pith cluster shows no $backend worker: $(cat "$out/cluster.txt")"
+job=$("$pith" submit "$work/spec.json" 2>"$out/submit.err") || fail "submit: $(cat "$out/submit.err")"
+timeout 300 "$pith" watch "$job" >"$out/watch.txt" 2>&1 ||
+  fail "watch: $(tail -5 "$out/watch.txt"; tail -5 "$work"/local/worker0.log)"
+grep -q "succeeded at step 20" "$out/watch.txt" || fail "job: $(tail -3 "$out/watch.txt")"
+"$pith" checkpoint "$job" --out "$work/cluster.safetensors" >/dev/null || fail "checkpoint"
+
+echo "== compare"
+ce() { "$pith" eval --checkpoint "$1" --tokens "$work/tokens.bin" --batches 4 --spec "$work/spec.json" |
+         sed -n 's/.* ce=\([0-9.e+-]*\).*/\1/p'; }
+alone_ce=$(ce "$work/alone.safetensors")
+cluster_ce=$(ce "$work/cluster.safetensors")
+awk -v a="$alone_ce" -v c="$cluster_ce" -v b="$backend" 'BEGIN {
+  d = (a - c) / a; if (d < 0) d = -d
+  printf "SUMMARY: held-out ce: single process (cpu) %s, cluster (2 %s workers) %s, relative %.2e (want <= 1e-4)\n", a, b, c, d
+  exit (a != "" && c != "" && d <= 1e-4) ? 0 : 1 }' || fail "the cluster's weights differ"
+echo "SUMMARY: OK in $(($(date +%s) - start)) s"
