@@ -151,30 +151,46 @@ scrape_configs:
   return absl::OkStatus();
 }
 
-}  // namespace
+// `pith up`'s flags, checked.
+struct UpFlags {
+  int stores = 0, workers = 0;
+  uint64_t cache_bytes = 0, memory_bytes = 0, ram_bytes = 0;
+  std::string backend, dir;
+};
 
-absl::Status Up(const CliContext& ctx, const Args& args, std::ostream& out) {
+absl::StatusOr<UpFlags> ParseUpFlags(const Args& args) {
   std::map<std::string, std::string> flags = {
       {"--stores", "2"},       {"--workers", "2"},           {"--cache_bytes", "0"},
       {"--memory_bytes", "0"}, {"--ram_bytes", "268435456"}, {"--dir", DefaultDir()},
       {"--backend", "cpu"}};
   RETURN_IF_ERROR(ParseFlags("up", args, flags));
-  const std::string backend = flags["--backend"];
-  if (backend != "cpu" && backend != "cuda") {
-    return UsageError(absl::StrCat("up: --backend wants cpu or cuda, got \"", backend, "\""));
+  UpFlags f;
+  f.backend = flags["--backend"];
+  f.dir = flags["--dir"];
+  if (f.backend != "cpu" && f.backend != "cuda") {
+    return UsageError(absl::StrCat("up: --backend wants cpu or cuda, got \"", f.backend, "\""));
   }
-  int stores = 0, workers = 0;
-  uint64_t cache_bytes = 0, memory_bytes = 0, ram_bytes = 0;
-  if (!absl::SimpleAtoi(flags["--stores"], &stores) || stores < 1 ||
-      !absl::SimpleAtoi(flags["--workers"], &workers) || workers < 1 ||
-      !absl::SimpleAtoi(flags["--cache_bytes"], &cache_bytes) ||
-      !absl::SimpleAtoi(flags["--memory_bytes"], &memory_bytes) ||
-      !absl::SimpleAtoi(flags["--ram_bytes"], &ram_bytes) || ram_bytes == 0) {
+  if (!absl::SimpleAtoi(flags["--stores"], &f.stores) || f.stores < 1 ||
+      !absl::SimpleAtoi(flags["--workers"], &f.workers) || f.workers < 1 ||
+      !absl::SimpleAtoi(flags["--cache_bytes"], &f.cache_bytes) ||
+      !absl::SimpleAtoi(flags["--memory_bytes"], &f.memory_bytes) ||
+      !absl::SimpleAtoi(flags["--ram_bytes"], &f.ram_bytes) || f.ram_bytes == 0) {
     return UsageError(
         "up: --stores and --workers want numbers >= 1, --cache_bytes, --memory_bytes and "
         "--ram_bytes byte counts");
   }
-  const std::string dir = flags["--dir"];
+  return f;
+}
+
+}  // namespace
+
+absl::Status Up(const CliContext& ctx, const Args& args, std::ostream& out) {
+  ASSIGN_OR_RETURN(const UpFlags f, ParseUpFlags(args));
+  const int stores = f.stores, workers = f.workers;
+  const uint64_t cache_bytes = f.cache_bytes, memory_bytes = f.memory_bytes;
+  const uint64_t ram_bytes = f.ram_bytes;
+  const std::string& backend = f.backend;
+  const std::string& dir = f.dir;
   if (!LocalCoordinator(dir).empty() && std::filesystem::exists(dir + "/pids")) {
     return absl::AlreadyExistsError(
         absl::StrCat("a cluster is already up in ", dir, " (pith down --dir ", dir, " first)"));
@@ -253,7 +269,7 @@ absl::Status Up(const CliContext& ctx, const Args& args, std::ostream& out) {
   out << "Prometheus (targets and alert rules): prometheus --config.file=" << dir
       << "/prometheus/prometheus.yml\n";
   out << "The job commands find it by themselves; stop it with pith down"
-      << (flags["--dir"] == DefaultDir() ? "" : " --dir " + dir) << ".\n";
+      << (dir == DefaultDir() ? "" : " --dir " + dir) << ".\n";
   return absl::OkStatus();
 }
 

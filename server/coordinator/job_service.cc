@@ -67,6 +67,23 @@ absl::Status JobServiceImpl::FitsTheStores(const v1::JobSpec& submitted) const {
   return absl::OkStatus();
 }
 
+absl::Status JobServiceImpl::HasCudaWorkersFor(const v1::JobSpec& submitted) const {
+  v1::JobSpec spec = submitted;
+  ApplyJobSpecDefaults(&spec);
+  // Not bf16, or invalid (Submit names the bad field).
+  if (spec.model().compute_dtype() != "bf16" || !ValidateJobSpec(spec).ok()) {
+    return absl::OkStatus();
+  }
+  for (const v1::MemberInfo& w : members_->Members(v1::MEMBER_ROLE_WORKER)) {
+    if (w.state() != v1::MEMBER_STATE_DEAD && w.backend() == v1::BACKEND_CUDA) {
+      return absl::OkStatus();
+    }
+  }
+  return absl::FailedPreconditionError(
+      "JobSpec model.compute_dtype: bf16 trains on CUDA workers (pith-worker --backend=cuda) "
+      "and this cluster has none alive; submit it as fp32, or start CUDA workers first");
+}
+
 security::Policy JobServiceImpl::JobPolicy(bool enforce, security::Policy::TokenLookup tokens,
                                            std::shared_ptr<security::ClientLimits> limits) {
   const std::set<security::Role> people = {security::Role::kUser, security::Role::kAdmin};
@@ -86,15 +103,8 @@ grpc::Status JobServiceImpl::SubmitJob(grpc::ServerContext* context,
   if (!request->has_spec())
     return ToGrpcStatus(absl::InvalidArgumentError("JobSpec: spec is required"));
   if (absl::Status fits = FitsTheStores(request->spec()); !fits.ok()) return ToGrpcStatus(fits);
-  v1::JobSpec filled = request->spec();
-  ApplyJobSpecDefaults(&filled);
-  if (filled.model().compute_dtype() == "bf16" &&
-      ValidateJobSpec(filled).ok()) {  // else Submit names the bad field
-    // Cluster workers fetch fp32 weights and may be CPU workers: such a job cannot run.
-    return ToGrpcStatus(absl::InvalidArgumentError(
-        "JobSpec model.compute_dtype: bf16 is not trained in a cluster yet (its workers do "
-        "not fetch bf16 weights); submit it as fp32, or train it in bf16 with "
-        "pith-worker --standalone --backend=cuda"));
+  if (absl::Status cuda = HasCudaWorkersFor(request->spec()); !cuda.ok()) {
+    return ToGrpcStatus(cuda);
   }
   absl::StatusOr<v1::Job> job = jobs_->Submit(request->spec());
   if (!job.ok()) return ToGrpcStatus(job.status());

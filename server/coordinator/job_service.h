@@ -70,6 +70,9 @@ class JobServiceImpl final : public v1::JobService::Service {
   Membership* members_;
   // A spec whose largest blob some live store would refuse: INVALID_ARGUMENT naming it.
   absl::Status FitsTheStores(const v1::JobSpec& spec) const;
+  // FAILED_PRECONDITION for a bf16 job in a cluster without a live CUDA worker (it trains
+  // on nothing else; the scheduler gives it CUDA workers only).
+  absl::Status HasCudaWorkersFor(const v1::JobSpec& spec) const;
   HeatRegistry* heat_;
   Scheduler* scheduler_;
   const std::string staging_dir_;

@@ -186,20 +186,26 @@ TEST_F(JobServiceTest, AJobWithBlobsTooLargeForTheStoresIsRefusedAtSubmit) {
   EXPECT_TRUE(Submit(SpecFrom(small)).ok());  // 33,408-byte experts; attn.qkv.w 196,608
 }
 
-// A bf16 job is refused at submit with the reason: cluster workers fetch fp32 weights.
-TEST_F(JobServiceTest, ABf16JobIsRefusedAtSubmitWithTheReason) {
+// A bf16 job trains on CUDA workers only: refused at submit, with the reason, while the
+// cluster has none alive; accepted once one has joined.
+TEST_F(JobServiceTest, ABf16JobNeedsALiveCudaWorker) {
   const std::string bf16 =
       absl::StrReplaceAll(kSpec, {{"\"top_k\": 2", "\"top_k\": 2, \"compute_dtype\": \"bf16\""}});
   ASSERT_NE(bf16, kSpec);
+  v1::MemberInfo cpu;
+  cpu.set_role(v1::MEMBER_ROLE_WORKER);
+  cpu.set_grpc_address("127.0.0.1:1");
+  cpu.set_backend(v1::BACKEND_CPU);
+  ASSERT_TRUE(members_.Register(cpu).ok());
   absl::StatusOr<v1::Job> refused = Submit(SpecFrom(bf16));
-  EXPECT_EQ(refused.status().code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_NE(
-      refused.status().message().find("model.compute_dtype: bf16 is not trained in a cluster yet"),
-      std::string::npos)
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_NE(refused.status().message().find("bf16 trains on CUDA workers"), std::string::npos)
       << refused.status();
-  const std::string fp32 =
-      absl::StrReplaceAll(kSpec, {{"\"top_k\": 2", "\"top_k\": 2, \"compute_dtype\": \"fp32\""}});
-  EXPECT_TRUE(Submit(SpecFrom(fp32)).ok());
+  v1::MemberInfo gpu = cpu;
+  gpu.set_grpc_address("127.0.0.1:2");
+  gpu.set_backend(v1::BACKEND_CUDA);
+  ASSERT_TRUE(members_.Register(gpu).ok());
+  EXPECT_TRUE(Submit(SpecFrom(bf16)).ok());
 }
 
 TEST_F(JobServiceTest, WatchStreamsChangesUntilTheJobEnds) {

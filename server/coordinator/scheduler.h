@@ -237,8 +237,9 @@ class Scheduler {
   // Pending jobs, oldest first, get idle workers while there are enough and a store.
   void SchedulePendingLocked(const Alive& alive) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Idle workers of one compute backend (a job never mixes backends): that of `job_workers`
-  // when it has any, else the backend with the most idle workers (CUDA on a tie).
-  std::vector<std::string> IdleWorkersLocked(const Alive& alive,
+  // when it has any, else CUDA's for a bf16 `job` (it trains on nothing else), else the
+  // backend with the most idle workers (CUDA on a tie).
+  std::vector<std::string> IdleWorkersLocked(const Alive& alive, const v1::Job& job,
                                              const std::vector<std::string>& job_workers) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 

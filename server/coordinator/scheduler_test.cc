@@ -161,11 +161,13 @@ class SchedulerTest : public ::testing::Test {
     return *got;
   }
 
-  v1::Job Submit(int workers = 2, int steps = 300, int replicas = 2) {
+  v1::Job Submit(int workers = 2, int steps = 300, int replicas = 2,
+                 const std::string& compute_dtype = "") {
     v1::JobSpec spec;
     EXPECT_TRUE(
         google::protobuf::util::JsonStringToMessage(pith::testing::kDesignExampleSpecJson, &spec)
             .ok());
+    spec.mutable_model()->set_compute_dtype(compute_dtype);
     spec.mutable_cluster()->set_workers(workers);
     spec.mutable_cluster()->set_store_replicas(replicas);
     spec.mutable_train()->set_steps(steps);
@@ -274,6 +276,22 @@ TEST_F(SchedulerTest, AJobNeverMixesBackends) {
   EXPECT_EQ(scheduler_->GetAssignment(cpu)->job_id(), "");
   EXPECT_EQ(scheduler_->GetAssignment(gpu0)->job_id(), job.job_id());
   EXPECT_EQ(scheduler_->GetAssignment(gpu1)->job_id(), job.job_id());
+}
+
+// A bf16 job takes CUDA workers only, however many CPU workers are idle.
+TEST_F(SchedulerTest, ABf16JobTakesCudaWorkersOnly) {
+  const v1::Job job = Submit(1, 300, 2, "bf16");
+  Join(v1::MEMBER_ROLE_STORE);
+  const std::string cpu0 = Join(v1::MEMBER_ROLE_WORKER, "", v1::BACKEND_CPU);
+  const std::string cpu1 = Join(v1::MEMBER_ROLE_WORKER, "", v1::BACKEND_CPU);
+  scheduler_->Tick();
+  EXPECT_EQ(Job(job.job_id()).state(), v1::JOB_STATE_PENDING);
+  const std::string gpu = Join(v1::MEMBER_ROLE_WORKER, "", v1::BACKEND_CUDA);
+  scheduler_->Tick();
+  EXPECT_EQ(Job(job.job_id()).state(), v1::JOB_STATE_RUNNING);
+  EXPECT_EQ(scheduler_->GetAssignment(gpu)->job_id(), job.job_id());
+  EXPECT_EQ(scheduler_->GetAssignment(cpu0)->job_id(), "");
+  EXPECT_EQ(scheduler_->GetAssignment(cpu1)->job_id(), "");
 }
 
 TEST_F(SchedulerTest, AStepCommitsOnEveryStoreOnceEveryWorkerReported) {

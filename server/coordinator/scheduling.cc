@@ -88,7 +88,7 @@ void Scheduler::RepairRunLocked(const std::string& job_id, Run& run, const v1::J
     }
   }
   const int want = std::max(1, job.spec().cluster().workers());
-  const std::vector<std::string> idle = IdleWorkersLocked(alive, kept);
+  const std::vector<std::string> idle = IdleWorkersLocked(alive, job, kept);
   const bool grow = static_cast<int>(kept.size()) < want && !idle.empty();
   if (lost.empty() && !stores_lost && !grow) return;
   std::string reason = lost.empty() ? (stores_lost ? "a store died or was lost" : "a worker joined")
@@ -175,7 +175,7 @@ void Scheduler::SchedulePendingLocked(const Alive& alive) {
   std::reverse(waiting.begin(), waiting.end());
   for (const v1::Job& job : waiting) {
     if (runs_.count(job.job_id()) || alive.stores.empty()) continue;
-    std::vector<std::string> idle = IdleWorkersLocked(alive, {});
+    std::vector<std::string> idle = IdleWorkersLocked(alive, job, {});
     const int want = std::max(1, job.spec().cluster().workers());
     if (static_cast<int>(idle.size()) < want) break;  // first come, first served
     idle.resize(want);
@@ -209,7 +209,7 @@ void Scheduler::SchedulePendingLocked(const Alive& alive) {
 }
 
 std::vector<std::string> Scheduler::IdleWorkersLocked(
-    const Alive& alive, const std::vector<std::string>& job_workers) const {
+    const Alive& alive, const v1::Job& job, const std::vector<std::string>& job_workers) const {
   std::map<v1::Backend, std::vector<std::string>> idle;
   for (const auto& [id, m] : alive.workers) {
     if (!worker_job_.count(id)) idle[m.backend()].push_back(id);
@@ -218,6 +218,7 @@ std::vector<std::string> Scheduler::IdleWorkersLocked(
     auto it = alive.workers.find(w);
     if (it != alive.workers.end()) return idle[it->second.backend()];
   }
+  if (job.spec().model().compute_dtype() == "bf16") return idle[v1::BACKEND_CUDA];
   const std::vector<std::string>* best = nullptr;
   for (const auto& [backend, ids] : idle) {  // ascending: CUDA last, so it wins ties
     if (best == nullptr || ids.size() >= best->size()) best = &ids;

@@ -4,7 +4,8 @@
 # a local cluster (`pith up --backend cuda`: a coordinator, 2 stores, 2 workers on the GPU)
 # trains a dropless tiny job, and `pith-worker --standalone --backend=cpu` trains the same
 # spec alone; their exported weights must give the same held-out loss (`pith eval`, within
-# 1e-4 relative) and the cluster's last step loss must match the single process's. Logs go
+# 1e-4 relative). Then the same job in bf16 on the GPU workers: within 2e-2 of it (with
+# PITH_CLUSTER_BACKEND=cpu, a dry run anywhere: refused at submit, no CUDA worker). Logs go
 # to $OUT (the device tool brings them back), else to /tmp/pith-gpu-cluster. Exit 0 only
 # when both trained and agree.
 #
@@ -74,4 +75,24 @@ awk -v a="$alone_ce" -v c="$cluster_ce" -v b="$backend" 'BEGIN {
   d = (a - c) / a; if (d < 0) d = -d
   printf "SUMMARY: held-out ce: single process (cpu) %s, cluster (2 %s workers) %s, relative %.2e (want <= 1e-4)\n", a, b, c, d
   exit (a != "" && c != "" && d <= 1e-4) ? 0 : 1 }' || fail "the cluster's weights differ"
+sed -e 's/"gpucluster"/"gpuclusterbf16"/' -e 's/"top_k": 2,/"top_k": 2, "compute_dtype": "bf16",/' \
+  "$work/spec.json" >"$work/bf16.json"
+if [[ $backend != cuda ]]; then  # no CUDA worker: refused at submit, with the reason
+  if "$pith" submit "$work/bf16.json" 2>"$out/submit_bf16.err"; then fail "a bf16 job on $backend workers"; fi
+  grep -q "bf16 trains on CUDA workers" "$out/submit_bf16.err" ||
+    fail "bf16 submit: $(cat "$out/submit_bf16.err")"
+  echo "SUMMARY: a bf16 job is refused without CUDA workers: $(cat "$out/submit_bf16.err")"
+else
+  echo "== the same job in bf16 on the GPU workers"
+  job=$("$pith" submit "$work/bf16.json" 2>"$out/submit_bf16.err") ||
+    fail "submit bf16: $(cat "$out/submit_bf16.err")"
+  timeout 300 "$pith" watch "$job" >"$out/watch_bf16.txt" 2>&1 ||
+    fail "watch bf16: $(tail -5 "$out/watch_bf16.txt")"
+  "$pith" checkpoint "$job" --out "$work/bf16.safetensors" >/dev/null || fail "checkpoint bf16"
+  bf16_ce=$(ce "$work/bf16.safetensors")
+  awk -v a="$alone_ce" -v c="$bf16_ce" 'BEGIN {
+    d = (a - c) / a; if (d < 0) d = -d
+    printf "SUMMARY: held-out ce: bf16 cluster %s against fp32 single process %s, relative %.2e (want <= 2e-2)\n", c, a, d
+    exit (c != "" && d <= 2e-2) ? 0 : 1 }' || fail "the bf16 job drifted from the fp32 one"
+fi
 echo "SUMMARY: OK in $(($(date +%s) - start)) s"
