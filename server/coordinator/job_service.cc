@@ -74,10 +74,9 @@ absl::Status JobServiceImpl::HasCudaWorkersFor(const v1::JobSpec& submitted) con
   if (spec.model().compute_dtype() != "bf16" || !ValidateJobSpec(spec).ok()) {
     return absl::OkStatus();
   }
-  for (const v1::MemberInfo& w : members_->Members(v1::MEMBER_ROLE_WORKER)) {
-    if (w.state() != v1::MEMBER_STATE_DEAD && w.backend() == v1::BACKEND_CUDA) {
-      return absl::OkStatus();
-    }
+  // Alive as the scheduler counts them (Snapshot): in the cluster and healthy.
+  for (const auto& [id, w] : Snapshot(*members_).workers) {
+    if (w.backend() == v1::BACKEND_CUDA) return absl::OkStatus();
   }
   return absl::FailedPreconditionError(
       "JobSpec model.compute_dtype: bf16 trains on CUDA workers (pith-worker --backend=cuda) "

@@ -238,10 +238,14 @@ class Scheduler {
   void SchedulePendingLocked(const Alive& alive) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Idle workers of one compute backend (a job never mixes backends): that of `job_workers`
   // when it has any, else CUDA's for a bf16 `job` (it trains on nothing else), else the
-  // backend with the most idle workers (CUDA on a tie).
+  // backend with the most idle workers (CUDA on a tie). With `cuda_reserved` (an earlier
+  // bf16 job waits for them) no CUDA worker.
   std::vector<std::string> IdleWorkersLocked(const Alive& alive, const v1::Job& job,
-                                             const std::vector<std::string>& job_workers) const
+                                             const std::vector<std::string>& job_workers,
+                                             bool cuda_reserved = false) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Whether `job` trains on CUDA workers only (bf16).
+  static bool NeedsCuda(const v1::Job& job);
 
   // step_commit.cc: the step-commit protocol.
   v1::StepStatus StatusLocked(const std::string& job_id, const Run& run, int64_t step) const

@@ -294,6 +294,27 @@ TEST_F(SchedulerTest, ABf16JobTakesCudaWorkersOnly) {
   EXPECT_EQ(scheduler_->GetAssignment(cpu1)->job_id(), "");
 }
 
+// A bf16 job waiting for CUDA workers holds them back, not the CPU workers: a later fp32
+// job runs on those meanwhile.
+TEST_F(SchedulerTest, AWaitingBf16JobDoesNotHoldBackTheCpuWorkers) {
+  const v1::Job bf16 = Submit(2, 300, 2, "bf16");
+  const v1::Job fp32 = Submit(2);
+  Join(v1::MEMBER_ROLE_STORE);
+  const std::string cpu0 = Join(v1::MEMBER_ROLE_WORKER, "", v1::BACKEND_CPU);
+  const std::string cpu1 = Join(v1::MEMBER_ROLE_WORKER, "", v1::BACKEND_CPU);
+  const std::string gpu0 = Join(v1::MEMBER_ROLE_WORKER, "", v1::BACKEND_CUDA);
+  scheduler_->Tick();
+  EXPECT_EQ(Job(bf16.job_id()).state(), v1::JOB_STATE_PENDING);  // one CUDA worker of two
+  EXPECT_EQ(Job(fp32.job_id()).state(), v1::JOB_STATE_RUNNING);
+  EXPECT_EQ(scheduler_->GetAssignment(cpu0)->job_id(), fp32.job_id());
+  EXPECT_EQ(scheduler_->GetAssignment(gpu0)->job_id(), "");  // kept for the bf16 job
+  const std::string gpu1 = Join(v1::MEMBER_ROLE_WORKER, "", v1::BACKEND_CUDA);
+  scheduler_->Tick();
+  EXPECT_EQ(Job(bf16.job_id()).state(), v1::JOB_STATE_RUNNING);
+  EXPECT_EQ(scheduler_->GetAssignment(gpu1)->job_id(), bf16.job_id());
+  (void)cpu1;
+}
+
 TEST_F(SchedulerTest, AStepCommitsOnEveryStoreOnceEveryWorkerReported) {
   const v1::Job job = Submit(2);
   const std::string s0 = Join(v1::MEMBER_ROLE_STORE), s1 = Join(v1::MEMBER_ROLE_STORE);

@@ -173,11 +173,16 @@ std::string Scheduler::UnheldGroup(const Run& run, const std::set<std::string>& 
 void Scheduler::SchedulePendingLocked(const Alive& alive) {
   std::vector<v1::Job> waiting = jobs_->List({v1::JOB_STATE_PENDING, v1::JOB_STATE_RUNNING}, 0);
   std::reverse(waiting.begin(), waiting.end());
+  bool cuda_reserved = false;  // a bf16 job waits for CUDA workers: later jobs take others
   for (const v1::Job& job : waiting) {
     if (runs_.count(job.job_id()) || alive.stores.empty()) continue;
-    std::vector<std::string> idle = IdleWorkersLocked(alive, job, {});
+    std::vector<std::string> idle = IdleWorkersLocked(alive, job, {}, cuda_reserved);
     const int want = std::max(1, job.spec().cluster().workers());
-    if (static_cast<int>(idle.size()) < want) break;  // first come, first served
+    if (static_cast<int>(idle.size()) < want) {
+      if (!NeedsCuda(job)) break;  // first come, first served
+      cuda_reserved = true;
+      continue;
+    }
     idle.resize(want);
     Run run;
     run.committed = job.committed_step();
@@ -208,8 +213,13 @@ void Scheduler::SchedulePendingLocked(const Alive& alive) {
   }
 }
 
-std::vector<std::string> Scheduler::IdleWorkersLocked(
-    const Alive& alive, const v1::Job& job, const std::vector<std::string>& job_workers) const {
+bool Scheduler::NeedsCuda(const v1::Job& job) {
+  return job.spec().model().compute_dtype() == "bf16";
+}
+
+std::vector<std::string> Scheduler::IdleWorkersLocked(const Alive& alive, const v1::Job& job,
+                                                      const std::vector<std::string>& job_workers,
+                                                      bool cuda_reserved) const {
   std::map<v1::Backend, std::vector<std::string>> idle;
   for (const auto& [id, m] : alive.workers) {
     if (!worker_job_.count(id)) idle[m.backend()].push_back(id);
@@ -218,7 +228,8 @@ std::vector<std::string> Scheduler::IdleWorkersLocked(
     auto it = alive.workers.find(w);
     if (it != alive.workers.end()) return idle[it->second.backend()];
   }
-  if (job.spec().model().compute_dtype() == "bf16") return idle[v1::BACKEND_CUDA];
+  if (NeedsCuda(job)) return cuda_reserved ? std::vector<std::string>{} : idle[v1::BACKEND_CUDA];
+  if (cuda_reserved) idle.erase(v1::BACKEND_CUDA);
   const std::vector<std::string>* best = nullptr;
   for (const auto& [backend, ids] : idle) {  // ascending: CUDA last, so it wins ties
     if (best == nullptr || ids.size() >= best->size()) best = &ids;

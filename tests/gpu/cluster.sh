@@ -20,7 +20,7 @@ bundle=$root/.gpu-cluster/pith-cluster.tar.gz
 work=$(mktemp -d /tmp/pith-gpu-cluster.XXXXXX)
 trap 'PITH_HOME=$work/local "$work/bin/pith" down >/dev/null 2>&1; cp "$work"/local/*.log "$out/" 2>/dev/null; rm -rf "$work"' EXIT
 start=$(date +%s)
-tar -C "$work" -xzf "$bundle"
+tar -C "$work" -xzf "$bundle" || { echo "SUMMARY: FAILED: cannot unpack $bundle"; exit 1; }
 # CUDA's libraries: the toolkit's, else those PyTorch's wheels bring (cuBLAS, the runtime,
 # NCCL); the bundle's own first.
 cuda_libs=$(python3 - <<'PY' 2>/dev/null
@@ -34,10 +34,17 @@ except ImportError:
     pass
 PY
 )
-export LD_LIBRARY_PATH=$work/lib:/usr/local/cuda/lib64:/usr/local/cuda/lib:$(echo $cuda_libs | tr ' ' ':'):${LD_LIBRARY_PATH:-}
+# (No empty entries: one would mean the current folder.)
+library_path=$work/lib
+for d in /usr/local/cuda/lib64 /usr/local/cuda/lib $cuda_libs; do
+  [[ -d $d ]] && library_path+=:$d
+done
+export LD_LIBRARY_PATH=$library_path${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
 export UCX_MODULE_DIR=$work/lib/ucx
 pith=$work/bin/pith
 fail() { echo "SUMMARY: FAILED: $*"; exit 1; }
+# The bundle's binaries need this machine's glibc to be at least the building one's.
+"$pith" version >"$out/version.txt" 2>&1 || fail "the bundle does not run here: $(head -3 "$out/version.txt")"
 
 for i in $(seq 300); do echo "line $i: experts come from the stores when they are needed."; done >"$work/text.txt"
 "$pith" data prepare --out "$work/tokens.bin" "$work/text.txt" >/dev/null || fail "data prepare"
@@ -58,8 +65,14 @@ echo "== local cluster, workers on $backend"
 export PITH_HOME=$work/local
 "$pith" up --stores 2 --workers 2 --backend "$backend" >"$out/up.log" 2>&1 ||
   fail "pith up: $(tail -3 "$out/up.log")"
-"$pith" cluster >"$out/cluster.txt" 2>&1
-grep -q " $backend" "$out/cluster.txt" || fail "pith cluster shows no $backend worker: $(cat "$out/cluster.txt")"
+# A worker says it is ready before it has registered: wait for both to show.
+for _ in $(seq 100); do
+  "$pith" cluster >"$out/cluster.txt" 2>&1
+  [[ $(grep -c " $backend" "$out/cluster.txt") -ge 2 ]] && break
+  sleep 0.2
+done
+[[ $(grep -c " $backend" "$out/cluster.txt") -ge 2 ]] ||
+  fail "pith cluster shows no 2 $backend workers: $(cat "$out/cluster.txt")"
 job=$("$pith" submit "$work/spec.json" 2>"$out/submit.err") || fail "submit: $(cat "$out/submit.err")"
 timeout 300 "$pith" watch "$job" >"$out/watch.txt" 2>&1 ||
   fail "watch: $(tail -5 "$out/watch.txt"; tail -5 "$work"/local/worker0.log)"

@@ -20,9 +20,9 @@ mkdir -p "$stage/bin" "$stage/lib/ucx"
 cp "${bins[@]}" "$stage/bin/"
 ucx_modules=(/usr/lib/x86_64-linux-gnu/ucx/libuct_*.so.0)
 cp -L "${ucx_modules[@]}" "$stage/lib/ucx/"
-# Everything the binaries and modules load, but glibc's own and CUDA's (the GPU machine
-# has its driver and toolkit).
-skip='/(libc|libm|libdl|librt|libpthread|ld-linux-x86-64|libcuda|libcudart|libcublas|libcublasLt|libnccl|libnvidia-[a-z-]*)\.so'
+# Everything the binaries and modules load, but glibc's own (the GPU machine's glibc must
+# be at least as new as this one's) and CUDA's (it has its driver and toolkit).
+skip='/(libc|libm|libmvec|libdl|librt|libpthread|libresolv|libutil|libanl|libnss_[a-z]*|ld-linux-x86-64|libcuda|libcudart|libcublas|libcublasLt|libnccl|libnvidia-[a-z-]*)\.so'
 for f in "${bins[@]}" "${ucx_modules[@]}"; do ldd "$f"; done | awk '/=> \// {print $3}' |
   sort -u | grep -Ev "$skip" | while read -r lib; do cp -L "$lib" "$stage/lib/"; done
 mkdir -p "$root/.gpu-cluster"

@@ -3,6 +3,9 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
+#include <cerrno>
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
@@ -15,7 +18,33 @@ OpaqueBackend::~OpaqueBackend() {
 
 void OpaqueBackend::Protect(bool closed) {
   for (const auto& [ptr, bytes] : mappings_) {
-    ::mprotect(ptr, bytes, closed ? PROT_NONE : PROT_READ | PROT_WRITE);
+    if (::mprotect(ptr, bytes, closed ? PROT_NONE : PROT_READ | PROT_WRITE) != 0) {
+      std::fprintf(stderr, "opaque backend: mprotect: %s\n", std::strerror(errno));
+      std::abort();
+    }
+  }
+}
+
+bool OpaqueBackend::Inside(const void* p, size_t bytes) const {
+  auto it = mappings_.upper_bound(const_cast<void*>(p));
+  if (it == mappings_.begin()) return false;
+  --it;
+  const auto* begin = static_cast<const char*>(it->first);
+  const auto* at = static_cast<const char*>(p);
+  return at >= begin && at + bytes <= begin + it->second;
+}
+
+void OpaqueBackend::Expect(const char* op, std::initializer_list<const void*> device,
+                           const void* host) const {
+  for (const void* p : device) {
+    if (p != nullptr && !Inside(p, 1)) {
+      std::fprintf(stderr, "opaque backend: %s: a host pointer where device memory belongs\n", op);
+      std::abort();
+    }
+  }
+  if (host != nullptr && Inside(host, 1)) {
+    std::fprintf(stderr, "opaque backend: %s: device memory where a host pointer belongs\n", op);
+    std::abort();
   }
 }
 
@@ -39,12 +68,14 @@ void OpaqueBackend::Free(void* ptr, size_t) {
 }
 
 absl::Status OpaqueBackend::CopyToDevice(void* dst, const void* src, size_t bytes) {
+  if (bytes > 0) Expect("CopyToDevice", {dst}, src);
   Open open(this);
   if (bytes > 0) std::memcpy(dst, src, bytes);
   return absl::OkStatus();
 }
 
 absl::Status OpaqueBackend::CopyToHost(void* dst, const void* src, size_t bytes) {
+  if (bytes > 0) Expect("CopyToHost", {src}, dst);
   Open open(this);
   if (bytes > 0) std::memcpy(dst, src, bytes);
   return absl::OkStatus();
@@ -182,6 +213,9 @@ void OpaqueBackend::CombineBackward(float* dy, float* dgate, const float* dout, 
 void OpaqueBackend::ExpertForward(float* y, float* hpre, float* h, const float* x,
                                   const int64_t* offsets, absl::Span<const ExpertWeights> experts,
                                   int channels, int hidden) {
+  for (const ExpertWeights& w : experts)
+    Expect("ExpertForward (weights)", {w.w1, w.b1, w.w2, w.b2});
+  Expect("ExpertForward", {y, hpre, h, x}, offsets);
   Open open(this);
   cpu_.ExpertForward(y, hpre, h, x, offsets, experts, channels, hidden);
 }
@@ -191,6 +225,10 @@ void OpaqueBackend::ExpertBackward(float* dx, float* dh, absl::Span<const Expert
                                    const float* h, const int64_t* offsets,
                                    absl::Span<const ExpertWeights> experts, int channels,
                                    int hidden) {
+  for (const ExpertWeights& w : experts)
+    Expect("ExpertBackward (weights)", {w.w1, w.b1, w.w2, w.b2});
+  for (const ExpertGrads& g : grads) Expect("ExpertBackward (grads)", {g.w1, g.b1, g.w2, g.b2});
+  Expect("ExpertBackward", {dx, dh, dy, x, hpre, h}, offsets);
   Open open(this);
   cpu_.ExpertBackward(dx, dh, grads, dy, x, hpre, h, offsets, experts, channels, hidden);
 }

@@ -1,14 +1,19 @@
 // OpaqueBackend (tests only): the CPU backend's math on memory the host may not touch,
 // as a GPU's. Its buffers are mappings of their own kept PROT_NONE except while one of
-// its ops or copies runs, so code that reads or writes backend memory directly, instead
-// of through CopyToHost/CopyToDevice, dies with SIGSEGV in a test on a 2-core VM rather
-// than computing garbage on a GPU. host_addressable() is false, as for CUDA.
+// its ops or copies runs, so code on the calling thread that reads or writes backend
+// memory directly, instead of through CopyToHost/CopyToDevice, dies with SIGSEGV in a
+// test on a 2-core VM rather than computing garbage on a GPU. The copies and the expert
+// ops also check which side each pointer is on (device memory inside its buffers, host
+// memory outside) and abort, naming the op, on the wrong kind. Not caught: another
+// thread's access while an op runs, and system calls on the pages (EFAULT).
+// host_addressable() is false, as for CUDA.
 //
 // Thread safety: as Backend (one thread at a time); each instance guards its own buffers.
 #ifndef PITH_WORKER_COMPUTE_OPAQUE_BACKEND_H_
 #define PITH_WORKER_COMPUTE_OPAQUE_BACKEND_H_
 
 #include <cstddef>
+#include <initializer_list>
 #include <map>
 
 #include "worker/compute/cpu_backend.h"
@@ -90,6 +95,11 @@ class OpaqueBackend final : public Backend {
     OpaqueBackend* b_;
   };
   void Protect(bool closed);
+  // Whether [p, p + bytes) lies in one of this backend's buffers.
+  bool Inside(const void* p, size_t bytes) const;
+  // Aborts naming `op` unless each of `device` is inside (or null) and `host` outside.
+  void Expect(const char* op, std::initializer_list<const void*> device,
+              const void* host = nullptr) const;
 
   CpuBackend cpu_;
   std::map<void*, size_t> mappings_;  // buffer -> mapped bytes

@@ -152,6 +152,7 @@ uint64_t Dispatch::Tag(int layer, int phase) const {
 absl::Status Dispatch::SendBuckets(int layer, int phase, const float* rows, int64_t width,
                                    const int64_t* offsets, const int32_t* tokens) {
   const int E = model_->shape().experts;
+  if (peers_->world() == 1) return absl::OkStatus();  // nobody to send to (nor read back for)
   ASSIGN_OR_RETURN(rows, Readable(rows, offsets[E] * width, host_rows_));
   if (tokens != nullptr) {
     ASSIGN_OR_RETURN(tokens, Readable(tokens, offsets[E], host_tokens_));
@@ -357,10 +358,10 @@ absl::StatusOr<compute::ExpertGrads> Dispatch::GradsOf(int layer, int expert) {
   }
   ASSIGN_OR_RETURN(float* g, grad_pool_->Open({layer, expert}));
   const int64_t C = model_->shape().channels, F = model_->shape().hidden;
-  if (staged_) {  // accumulated on the device from the (zeroed) pool buffer's bytes
+  if (staged_) {  // accumulated on the device from zero, as the pool buffer opens
     const int64_t floats = model_->shape().expert_floats();
     absl::Status st = Fit(grads_dev_, floats);
-    if (st.ok()) st = backend_->CopyToDevice(grads_dev_.data(), g, floats * sizeof(float));
+    if (st.ok()) backend_->Zero(grads_dev_.data(), floats * sizeof(float));
     if (!st.ok()) {
       grad_pool_->Close({layer, expert});
       return st;
