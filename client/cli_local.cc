@@ -40,6 +40,18 @@ std::string FindBinary(const std::string& name, const std::string& build_subdir)
   return name;  // execvp searches PATH
 }
 
+// The NVIDIA GPUs the driver shows (a folder each under /proc/driver/nvidia/gpus); 0
+// without the driver.
+int NvidiaGpus() {
+  std::error_code ec;
+  int n = 0;
+  for (std::filesystem::directory_iterator it("/proc/driver/nvidia/gpus", ec), end;
+       !ec && it != end; it.increment(ec)) {
+    ++n;
+  }
+  return n;
+}
+
 // Starts `argv` detached (its own session), output to `log`; returns its pid.
 absl::StatusOr<pid_t> Spawn(const std::vector<std::string>& argv, const std::string& log) {
   const pid_t pid = ::fork();
@@ -237,9 +249,11 @@ absl::Status Up(const CliContext& ctx, const Args& args, std::ostream& out) {
       lines.push_back(absl::StrFormat("  %-12s 127.0.0.1:%-12d http://127.0.0.1:%d/metrics", name,
                                       st.first, st.second));
     }
-    // The workers share this host's cores (a worker's compute threads spin while waiting).
+    // The workers share this host's cores (a worker's compute threads spin while waiting),
+    // and its GPUs, round-robin.
     const int threads =
         std::max(1, static_cast<int>(std::thread::hardware_concurrency()) / workers);
+    const int gpus = backend == "cuda" ? std::max(1, NvidiaGpus()) : 1;
     for (int n = 0; n < workers; ++n) {
       const std::string name = absl::StrCat("worker", n);
       ASSIGN_OR_RETURN(
@@ -247,7 +261,8 @@ absl::Status Up(const CliContext& ctx, const Args& args, std::ostream& out) {
           launch(name, {FindBinary("pith-worker", "worker"), "--coordinator=" + address,
                         "--metrics_port=0", absl::StrCat("--cache_bytes=", cache_bytes),
                         absl::StrCat("--memory_bytes=", memory_bytes), "--backend=" + backend,
-                        absl::StrCat("--threads=", threads), "--tls_dir=" + tls + "/" + name}));
+                        absl::StrCat("--device=", n % gpus), absl::StrCat("--threads=", threads),
+                        "--tls_dir=" + tls + "/" + name}));
       lines.push_back(
           absl::StrFormat("  %-12s %-22s http://127.0.0.1:%d/metrics", name, "-", w.second));
     }
