@@ -4,11 +4,15 @@
 # CUDA backend, their tests and gpu_bench; Abseil and GoogleTest from .gpu-deps/, which
 # tests/gpu/vendor.sh fills), runs its tests (the `gpu` ones, and the CPU backend's on the
 # portable sgemm), then gpu_bench and, where python3 has a CUDA PyTorch, PyTorch's MoE
-# layer on the same device (torch_moe_bench.py), and prints a summary. Logs go to $OUT when it is set (the device tool brings them back), else to
-# build-gpu/out. Exit status: 0 only when every test passed, gpu_bench ran, and PyTorch's
-# layer ran or python3 has no CUDA PyTorch (the summary then says it was skipped).
+# layer on the same device (torch_moe_bench.py), then, where .gpu-cluster/ holds a bundle
+# (tests/gpu/cluster_bundle.sh), a local cluster with GPU workers (tests/gpu/cluster.sh),
+# and prints a summary. Logs go to $OUT when it is set (the device tool brings them back),
+# else to build-gpu/out. Exit status: 0 only when every test passed, gpu_bench ran,
+# PyTorch's layer ran or python3 has no CUDA PyTorch, and the cluster agreed or had no
+# bundle (the summary says what was skipped).
 #
 #   tests/gpu/vendor.sh                 # once, where Debian's archive is reachable
+#   tests/gpu/cluster_bundle.sh build   # optional, where Pith builds with nvcc
 #   tests/gpu/run.sh                    # on the GPU machine, from the repository root
 set -uo pipefail
 root=$(cd "$(dirname "$0")/../.." && pwd)
@@ -60,6 +64,15 @@ else
   echo "torch_moe_bench skipped: python3 has no PyTorch that sees this GPU" | tee "$out/torch.log"
   torch_rc=0
 fi
+echo "== cluster (tests/gpu/cluster.sh: a local cluster with GPU workers, from the bundle)"
+if [[ -f .gpu-cluster/pith-cluster.tar.gz ]]; then
+  OUT=$out/cluster bash tests/gpu/cluster.sh 2>&1 | tee "$out/cluster.log"
+  cluster_rc=${PIPESTATUS[0]}
+else
+  echo "cluster skipped: no .gpu-cluster/pith-cluster.tar.gz (tests/gpu/cluster_bundle.sh)" |
+    tee "$out/cluster.log"
+  cluster_rc=0
+fi
 end=$(date +%s)
 
 # Pith's fp32 layer against PyTorch's fp32 loop (the same precision); Pith's bf16 layer
@@ -90,4 +103,5 @@ echo "SUMMARY: build $((built - start)) s, tests $((tested - built)) s (rc $test
 grep -E "tests passed|tests failed" "$out/ctest.log" | sed 's/^/SUMMARY: /'
 grep -E "^(expert_|moe_layer)" "$out/bench.log" | sed 's/^/SUMMARY: /'
 grep -E "^moe_layer_vs_torch|failed|unavailable|skipped" "$out/torch.log" | sed 's/^/SUMMARY: /'
-[[ $tests_rc == 0 && $bench_rc == 0 && $torch_rc == 0 ]]
+grep -E "^SUMMARY|skipped" "$out/cluster.log" | sed 's/^SUMMARY: //; s/^/SUMMARY: cluster: /'
+[[ $tests_rc == 0 && $bench_rc == 0 && $torch_rc == 0 && $cluster_rc == 0 ]]
