@@ -34,6 +34,15 @@ class JobServiceTest : public ::testing::Test {
     std::filesystem::remove_all(dir_);
     Start();
   }
+  // The registry's folder goes with a passing test (a failing one keeps it to look at).
+  void TearDown() override {
+    server_.reset();
+    members_service_.reset();
+    service_.reset();
+    scheduler_.reset();
+    jobs_.reset();
+    if (!HasFailure()) std::filesystem::remove_all(dir_);
+  }
   void Start() {
     server_.reset();
     service_.reset();
