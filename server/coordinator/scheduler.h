@@ -237,12 +237,14 @@ class Scheduler {
   // Pending jobs, oldest first, get idle workers while there are enough and a store.
   void SchedulePendingLocked(const Alive& alive) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Idle workers of one compute backend (a job never mixes backends): that of `job_workers`
-  // when it has any, else CUDA's for a bf16 `job` (it trains on nothing else), else the
-  // backend with the most idle workers (CUDA on a tie). With `cuda_reserved` (an earlier
-  // bf16 job waits for them) no CUDA worker.
+  // when it has any (`job_backend`, the run's recorded one, when none of them is alive
+  // yet), else CUDA's for a bf16 `job` (it trains on nothing else), else the backend with
+  // the most idle workers (CUDA on a tie). With `cuda_reserved` (an earlier bf16 job waits
+  // for them) no CUDA worker.
   std::vector<std::string> IdleWorkersLocked(const Alive& alive, const v1::Job& job,
                                              const std::vector<std::string>& job_workers,
-                                             bool cuda_reserved = false) const
+                                             bool cuda_reserved = false,
+                                             v1::Backend job_backend = v1::BACKEND_AUTO) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Whether `job` trains on CUDA workers only (bf16).
   static bool NeedsCuda(const v1::Job& job);

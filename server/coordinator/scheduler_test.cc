@@ -794,6 +794,33 @@ TEST_F(SchedulerTest, ARestartWaitsThreeLeasesForAMissingWorkerThenReplacesIt) {
   CommitStep(job.job_id(), 1, {w0, spare});
 }
 
+// After a restart a CUDA job whose one worker died while the other has not registered
+// again yet takes no idle CPU worker: its recorded backend holds until that worker is back.
+TEST_F(SchedulerTest, ARestartedJobKeepsItsBackendBeforeItsWorkersReturn) {
+  const v1::Job job = Submit(2);
+  const std::string s0 = Join(v1::MEMBER_ROLE_STORE);
+  const std::string g0 = Join(v1::MEMBER_ROLE_WORKER, "", v1::BACKEND_CUDA);
+  const std::string g1 = Join(v1::MEMBER_ROLE_WORKER, "", v1::BACKEND_CUDA);
+  scheduler_->Tick();
+  CommitStep(job.job_id(), 0, {g0, g1});
+
+  Open();  // the coordinator restarts: g1 registers again and dies; g0 is not back yet
+  Join(v1::MEMBER_ROLE_STORE, s0);
+  Join(v1::MEMBER_ROLE_WORKER, g1, v1::BACKEND_CUDA);
+  const std::string cpu = Join(v1::MEMBER_ROLE_WORKER, "worker-cpu", v1::BACKEND_CPU);
+  now_ += absl::Seconds(4);  // g1's lease (3 s) lapses; within the 9 s of grace for g0
+  for (const std::string& id : {s0, cpu}) ASSERT_TRUE(members_->Heartbeat(id, {}).ok());
+  scheduler_->Tick();
+  EXPECT_TRUE(scheduler_->GetAssignment(cpu)->job_id().empty()) << "a CPU worker joined";
+  // g0 comes back, and a CUDA worker takes g1's place.
+  Join(v1::MEMBER_ROLE_WORKER, g0, v1::BACKEND_CUDA);
+  const std::string g2 = Join(v1::MEMBER_ROLE_WORKER, "worker-g2", v1::BACKEND_CUDA);
+  for (const std::string& id : {s0, cpu, g0, g2}) ASSERT_TRUE(members_->Heartbeat(id, {}).ok());
+  scheduler_->Tick();
+  EXPECT_EQ(scheduler_->GetAssignment(g2)->job_id(), job.job_id());
+  EXPECT_TRUE(scheduler_->GetAssignment(cpu)->job_id().empty());
+}
+
 TEST_F(SchedulerTest, HeatSurvivesARestart) {
   v1::JobSpec spec;
   const v1::Job job = Submit(1, 300);

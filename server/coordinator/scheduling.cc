@@ -88,7 +88,8 @@ void Scheduler::RepairRunLocked(const std::string& job_id, Run& run, const v1::J
     }
   }
   const int want = std::max(1, job.spec().cluster().workers());
-  const std::vector<std::string> idle = IdleWorkersLocked(alive, job, kept);
+  const std::vector<std::string> idle =
+      IdleWorkersLocked(alive, job, kept, false, run.record.backend());
   const bool grow = static_cast<int>(kept.size()) < want && !idle.empty();
   if (lost.empty() && !stores_lost && !grow) return;
   std::string reason = lost.empty() ? (stores_lost ? "a store died or was lost" : "a worker joined")
@@ -101,7 +102,11 @@ void Scheduler::RepairRunLocked(const std::string& job_id, Run& run, const v1::J
     worker_job_[idle[i]] = job_id;
   }
   run.record.clear_workers();
-  for (const std::string& w : kept) run.record.add_workers(w);
+  for (const std::string& w : kept) {
+    run.record.add_workers(w);
+    auto it = alive.workers.find(w);
+    if (it != alive.workers.end()) run.record.set_backend(it->second.backend());
+  }
   ReplaceLocked(run, job, alive.store_ids(), alive.placeable_ids());
   absl::Status s = PersistLocked(run);
   if (!s.ok()) LOG(ERROR) << s;
@@ -188,6 +193,7 @@ void Scheduler::SchedulePendingLocked(const Alive& alive) {
     run.committed = job.committed_step();
     run.record.set_job_id(job.job_id());
     for (const std::string& w : idle) run.record.add_workers(w);
+    run.record.set_backend(alive.workers.at(idle.front()).backend());
     run.record.set_assignment_version(NextVersion(0));
     run.record.set_committing_step(-1);
     *run.record.mutable_placement() = BuildPlacement(
@@ -219,7 +225,8 @@ bool Scheduler::NeedsCuda(const v1::Job& job) {
 
 std::vector<std::string> Scheduler::IdleWorkersLocked(const Alive& alive, const v1::Job& job,
                                                       const std::vector<std::string>& job_workers,
-                                                      bool cuda_reserved) const {
+                                                      bool cuda_reserved,
+                                                      v1::Backend job_backend) const {
   std::map<v1::Backend, std::vector<std::string>> idle;
   for (const auto& [id, m] : alive.workers) {
     if (!worker_job_.count(id)) idle[m.backend()].push_back(id);
@@ -228,6 +235,7 @@ std::vector<std::string> Scheduler::IdleWorkersLocked(const Alive& alive, const 
     auto it = alive.workers.find(w);
     if (it != alive.workers.end()) return idle[it->second.backend()];
   }
+  if (!job_workers.empty() && job_backend != v1::BACKEND_AUTO) return idle[job_backend];
   if (NeedsCuda(job)) return cuda_reserved ? std::vector<std::string>{} : idle[v1::BACKEND_CUDA];
   if (cuda_reserved) idle.erase(v1::BACKEND_CUDA);
   const std::vector<std::string>* best = nullptr;
