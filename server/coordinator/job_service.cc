@@ -50,10 +50,15 @@ v1::JobEvent EventOf(const v1::Job& job, const HeatRegistry& heat) {
 
 }  // namespace
 
-absl::Status JobServiceImpl::FitsTheStores(const v1::JobSpec& submitted) const {
+absl::Status JobServiceImpl::CanRun(const v1::JobSpec& submitted) const {
   v1::JobSpec spec = submitted;
   ApplyJobSpecDefaults(&spec);
   if (!ValidateJobSpec(spec).ok()) return absl::OkStatus();  // Submit names the bad field
+  RETURN_IF_ERROR(FitsTheStores(spec));
+  return HasCudaWorkersFor(spec);
+}
+
+absl::Status JobServiceImpl::FitsTheStores(const v1::JobSpec& spec) const {
   const int64_t largest = model::ModelShape::FromSpec(spec.model()).largest_blob_bytes();
   for (const v1::MemberInfo& store : members_->Members(v1::MEMBER_ROLE_STORE)) {
     if (store.state() == v1::MEMBER_STATE_DEAD || store.max_blob_bytes() == 0) continue;
@@ -67,13 +72,8 @@ absl::Status JobServiceImpl::FitsTheStores(const v1::JobSpec& submitted) const {
   return absl::OkStatus();
 }
 
-absl::Status JobServiceImpl::HasCudaWorkersFor(const v1::JobSpec& submitted) const {
-  v1::JobSpec spec = submitted;
-  ApplyJobSpecDefaults(&spec);
-  // Not bf16, or invalid (Submit names the bad field).
-  if (spec.model().compute_dtype() != "bf16" || !ValidateJobSpec(spec).ok()) {
-    return absl::OkStatus();
-  }
+absl::Status JobServiceImpl::HasCudaWorkersFor(const v1::JobSpec& spec) const {
+  if (!Scheduler::NeedsCuda(spec)) return absl::OkStatus();
   // Alive as the scheduler counts them (Snapshot): in the cluster and healthy.
   for (const auto& [id, w] : Snapshot(*members_).workers) {
     if (w.backend() == v1::BACKEND_CUDA) return absl::OkStatus();
@@ -101,10 +101,7 @@ grpc::Status JobServiceImpl::SubmitJob(grpc::ServerContext* context,
   if (grpc::Status denied = policy_.Admit(*context, "SubmitJob"); !denied.ok()) return denied;
   if (!request->has_spec())
     return ToGrpcStatus(absl::InvalidArgumentError("JobSpec: spec is required"));
-  if (absl::Status fits = FitsTheStores(request->spec()); !fits.ok()) return ToGrpcStatus(fits);
-  if (absl::Status cuda = HasCudaWorkersFor(request->spec()); !cuda.ok()) {
-    return ToGrpcStatus(cuda);
-  }
+  if (absl::Status can = CanRun(request->spec()); !can.ok()) return ToGrpcStatus(can);
   absl::StatusOr<v1::Job> job = jobs_->Submit(request->spec());
   if (!job.ok()) return ToGrpcStatus(job.status());
   *reply->mutable_job() = *std::move(job);

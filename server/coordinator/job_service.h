@@ -68,10 +68,14 @@ class JobServiceImpl final : public v1::JobService::Service {
  private:
   JobRegistry* jobs_;
   Membership* members_;
-  // A spec whose largest blob some live store would refuse: INVALID_ARGUMENT naming it.
+  // Whether the cluster can run a submitted spec (defaults filled; an invalid one passes
+  // here, and Submit names its bad field): FitsTheStores and HasCudaWorkersFor.
+  absl::Status CanRun(const v1::JobSpec& spec) const;
+  // A valid spec whose largest blob some live store would refuse: INVALID_ARGUMENT naming
+  // it.
   absl::Status FitsTheStores(const v1::JobSpec& spec) const;
-  // FAILED_PRECONDITION for a bf16 job in a cluster without a live CUDA worker (it trains
-  // on nothing else; the scheduler gives it CUDA workers only).
+  // FAILED_PRECONDITION for a valid bf16 spec in a cluster without a live CUDA worker (it
+  // trains on nothing else; the scheduler gives it CUDA workers only).
   absl::Status HasCudaWorkersFor(const v1::JobSpec& spec) const;
   HeatRegistry* heat_;
   Scheduler* scheduler_;

@@ -79,6 +79,8 @@ struct SchedulerOptions {
 
 class Scheduler {
  public:
+  // Whether a job of `spec` trains on CUDA workers only (bf16).
+  static bool NeedsCuda(const v1::JobSpec& spec);
   // None of the pointers is owned; all outlive the scheduler. `metrics` may be null.
   Scheduler(JobRegistry* jobs, Membership* members, HeatRegistry* heat, StoreControl* stores,
             MetricsRegistry* metrics = nullptr, SchedulerOptions options = {});
@@ -246,8 +248,6 @@ class Scheduler {
                                              bool cuda_reserved = false,
                                              v1::Backend job_backend = v1::BACKEND_AUTO) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Whether `job` trains on CUDA workers only (bf16).
-  static bool NeedsCuda(const v1::Job& job);
 
   // step_commit.cc: the step-commit protocol.
   v1::StepStatus StatusLocked(const std::string& job_id, const Run& run, int64_t step) const

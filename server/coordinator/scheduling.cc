@@ -5,6 +5,7 @@
 #include <map>
 
 #include "absl/strings/str_cat.h"
+#include "common/compute_dtype.h"
 #include "common/status.h"
 #include "glog/logging.h"
 #include "server/coordinator/scheduler.h"
@@ -184,7 +185,7 @@ void Scheduler::SchedulePendingLocked(const Alive& alive) {
     std::vector<std::string> idle = IdleWorkersLocked(alive, job, {}, cuda_reserved);
     const int want = std::max(1, job.spec().cluster().workers());
     if (static_cast<int>(idle.size()) < want) {
-      if (!NeedsCuda(job)) break;  // first come, first served
+      if (!NeedsCuda(job.spec())) break;  // first come, first served
       cuda_reserved = true;
       continue;
     }
@@ -219,8 +220,9 @@ void Scheduler::SchedulePendingLocked(const Alive& alive) {
   }
 }
 
-bool Scheduler::NeedsCuda(const v1::Job& job) {
-  return job.spec().model().compute_dtype() == "bf16";
+bool Scheduler::NeedsCuda(const v1::JobSpec& spec) {
+  return ParseComputeDtype(spec.model().compute_dtype()).value_or(ComputeDtype::kFp32) ==
+         ComputeDtype::kBf16;
 }
 
 std::vector<std::string> Scheduler::IdleWorkersLocked(const Alive& alive, const v1::Job& job,
@@ -236,7 +238,8 @@ std::vector<std::string> Scheduler::IdleWorkersLocked(const Alive& alive, const 
     if (it != alive.workers.end()) return idle[it->second.backend()];
   }
   if (!job_workers.empty() && job_backend != v1::BACKEND_AUTO) return idle[job_backend];
-  if (NeedsCuda(job)) return cuda_reserved ? std::vector<std::string>{} : idle[v1::BACKEND_CUDA];
+  if (NeedsCuda(job.spec()))
+    return cuda_reserved ? std::vector<std::string>{} : idle[v1::BACKEND_CUDA];
   if (cuda_reserved) idle.erase(v1::BACKEND_CUDA);
   const std::vector<std::string>* best = nullptr;
   for (const auto& [backend, ids] : idle) {  // ascending: CUDA last, so it wins ties

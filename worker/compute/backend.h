@@ -17,6 +17,7 @@
 #include <cstdint>
 #include <memory>
 #include <utility>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
@@ -224,6 +225,18 @@ class Backend {
   // Releases memory from Allocate; called by DeviceBuffer only.
   virtual void Free(void* ptr, size_t bytes) = 0;
 };
+
+// `n` elements of `backend`'s memory at `p`, readable on the host: `p` itself where the
+// backend's memory is the host's, else a copy made now in `copy`.
+template <typename T>
+absl::StatusOr<const T*> ReadableOnHost(Backend& backend, const T* p, int64_t n,
+                                        std::vector<T>& copy) {
+  if (backend.host_addressable() || n == 0) return p;
+  copy.resize(n);
+  absl::Status st = backend.CopyToHost(copy.data(), p, n * sizeof(T));
+  if (!st.ok()) return st;
+  return copy.data();
+}
 
 }  // namespace pith::compute
 

@@ -135,21 +135,31 @@ absl::Status NcclGroup::Check(int result, const char* op) {
   return st.ok() ? st : AbortWith(std::move(st));
 }
 
+absl::Status NcclGroup::Poll(const char* op, bool* in_progress) {
+  ncclResult_t state = ncclSuccess;
+  if (ncclResult_t r = ncclCommGetAsyncError(comm_, &state); r != ncclSuccess) {
+    return Check(r, op);
+  }
+  *in_progress = state == ncclInProgress;
+  return state == ncclSuccess || *in_progress ? absl::OkStatus() : Check(state, op);
+}
+
+absl::Status NcclGroup::StopIfDue(const char* op, absl::Time deadline) {
+  if (abort_requested_) {
+    return AbortWith(absl::AbortedError(absl::StrCat("nccl: ", op, ": aborted on request")));
+  }
+  if (absl::Now() >= deadline) {
+    return AbortWith(absl::DeadlineExceededError(
+        absl::StrCat("nccl: ", op, ": not done by its deadline; the group was aborted")));
+  }
+  return absl::OkStatus();
+}
+
 absl::Status NcclGroup::WaitReady(const char* op, absl::Time deadline) {
   while (true) {
-    ncclResult_t state = ncclSuccess;
-    if (ncclResult_t r = ncclCommGetAsyncError(comm_, &state); r != ncclSuccess) {
-      return Check(r, op);
-    }
-    if (state == ncclSuccess) return absl::OkStatus();
-    if (state != ncclInProgress) return Check(state, op);
-    if (abort_requested_) {
-      return AbortWith(absl::AbortedError(absl::StrCat("nccl: ", op, ": aborted on request")));
-    }
-    if (absl::Now() >= deadline) {
-      return AbortWith(absl::DeadlineExceededError(
-          absl::StrCat("nccl: ", op, ": not done by its deadline; the group was aborted")));
-    }
+    bool in_progress = false;
+    if (absl::Status st = Poll(op, &in_progress); !st.ok() || !in_progress) return st;
+    if (absl::Status st = StopIfDue(op, deadline); !st.ok()) return st;
     absl::SleepFor(kPoll);
   }
 }
@@ -167,18 +177,9 @@ absl::Status NcclGroup::WaitStream(CUstream_st* stream, const char* op, absl::Ti
       return AbortWith(
           absl::InternalError(absl::StrCat("nccl: ", op, ": ", cudaGetErrorString(q))));
     }
-    ncclResult_t state = ncclSuccess;
-    if (ncclResult_t r = ncclCommGetAsyncError(comm_, &state); r != ncclSuccess) {
-      return Check(r, op);
-    }
-    if (state != ncclSuccess && state != ncclInProgress) return Check(state, op);
-    if (abort_requested_) {
-      return AbortWith(absl::AbortedError(absl::StrCat("nccl: ", op, ": aborted on request")));
-    }
-    if (absl::Now() >= deadline) {
-      return AbortWith(absl::DeadlineExceededError(
-          absl::StrCat("nccl: ", op, ": not done by its deadline; the group was aborted")));
-    }
+    bool in_progress = false;
+    if (absl::Status st = Poll(op, &in_progress); !st.ok()) return st;
+    if (absl::Status st = StopIfDue(op, deadline); !st.ok()) return st;
     absl::SleepFor(kPoll);
   }
 }

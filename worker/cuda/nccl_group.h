@@ -76,6 +76,11 @@ class NcclGroup {
   absl::Status Error(int result, const char* op);
   // Error(), aborting the communicator on an error (never between ncclGroupStart and End).
   absl::Status Check(int result, const char* op);
+  // The communicator's state: an error (aborting), or OK with whether it is in progress.
+  absl::Status Poll(const char* op, bool* in_progress);
+  // A wait's end when it is due: an abort was asked for, or `deadline` passed (aborting
+  // either way); else OK.
+  absl::Status StopIfDue(const char* op, absl::Time deadline);
   // Waits until the communicator is no longer in progress (non-blocking calls return
   // before they are done), at most until `deadline`.
   absl::Status WaitReady(const char* op, absl::Time deadline);

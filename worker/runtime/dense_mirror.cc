@@ -11,10 +11,7 @@ std::vector<float>& DenseMirror::Copy(Kind kind) {
 }
 
 absl::StatusOr<const float*> DenseMirror::Host(Kind kind, const float* dev) {
-  if (!on_) return dev;
-  std::vector<float>& copy = Copy(kind);
-  RETURN_IF_ERROR(backend_->CopyToHost(copy.data(), dev, floats_ * sizeof(float)));
-  return copy.data();
+  return compute::ReadableOnHost(*backend_, dev, floats_, copies_[kind]);
 }
 
 float* DenseMirror::Landing(Kind kind, float* dev) { return on_ ? Copy(kind).data() : dev; }

@@ -79,14 +79,6 @@ Dispatch::Dispatch(compute::Backend* backend, model::MoeGpt* model, PeerGroup* p
   for (auto& layer : inbound_) layer.resize(peers_->world());
 }
 
-template <typename T>
-absl::StatusOr<const T*> Dispatch::Readable(const T* p, int64_t n, std::vector<T>& copy) {
-  if (!staged_ || n == 0) return p;
-  copy.resize(n);
-  RETURN_IF_ERROR(backend_->CopyToHost(copy.data(), p, n * sizeof(T)));
-  return copy.data();
-}
-
 absl::Status Dispatch::Fit(compute::DeviceBuffer& buf, int64_t floats) {
   const size_t bytes = std::max<int64_t>(floats, 1) * sizeof(float);
   if (buf.bytes() >= bytes) return absl::OkStatus();
@@ -153,9 +145,9 @@ absl::Status Dispatch::SendBuckets(int layer, int phase, const float* rows, int6
                                    const int64_t* offsets, const int32_t* tokens) {
   const int E = model_->shape().experts;
   if (peers_->world() == 1) return absl::OkStatus();  // nobody to send to (nor read back for)
-  ASSIGN_OR_RETURN(rows, Readable(rows, offsets[E] * width, host_rows_));
+  ASSIGN_OR_RETURN(rows, compute::ReadableOnHost(*backend_, rows, offsets[E] * width, host_rows_));
   if (tokens != nullptr) {
-    ASSIGN_OR_RETURN(tokens, Readable(tokens, offsets[E], host_tokens_));
+    ASSIGN_OR_RETURN(tokens, compute::ReadableOnHost(*backend_, tokens, offsets[E], host_tokens_));
   }
   for (int p = 0; p < peers_->world(); ++p) {
     if (p == peers_->rank()) continue;

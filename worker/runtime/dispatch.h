@@ -114,10 +114,6 @@ class Dispatch final : public model::ExpertParallel {
             compute::DeviceBuffer Inbound::Device::*dev) const {
     return staged_ ? (in.dev.*dev).f32() : (in.*rows).data();
   }
-  // `n` elements of the backend's memory at `p`, readable here: p itself, or (staged) a
-  // copy in `copy`.
-  template <typename T>
-  absl::StatusOr<const T*> Readable(const T* p, int64_t n, std::vector<T>& copy);
   // Staged: `buf` holds at least `floats` floats on the device (grown, zeroed, when not).
   absl::Status Fit(compute::DeviceBuffer& buf, int64_t floats);
   // Staged: sizes the device copies of a peer's rows for a layer, uploading `upload`.
