@@ -101,11 +101,12 @@ grep -q -- "--metrics_port" <<<"$help" || fail "pith-store --help lists no flags
 if out=$("$STORE" --no_such_flag=1 2>&1); then fail "unknown flag accepted"; fi
 grep -q "no_such_flag" <<<"$out" || fail "unknown flag not named: $out"
 
-# A busy metrics port: non-zero exit and one clear error line.
-busy=$(free_port)
-start_proc blocker "$COORDINATOR" --listen=127.0.0.1:0 --metrics_port="$busy" \
+# A busy metrics port: non-zero exit and one clear error line. The blocker takes a port the
+# kernel gives it (a port picked beforehand could be taken by a parallel test first).
+start_proc blocker "$COORDINATOR" --listen=127.0.0.1:0 --metrics_port=0 \
   --data_dir="$E2E_TMP/blocker-data" --tls_dir="$E2E_TMP/tls/blocker"
 wait_ready blocker
+busy=$METRICS_PORT_blocker
 if out=$("$STORE" --listen=127.0.0.1:0 --metrics_port="$busy" --data_dir="$E2E_TMP/busy-data" \
   --tls_dir="$E2E_TMP/tls/busy" 2>&1); then
   fail "second process on a busy metrics port started"
