@@ -17,6 +17,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "common/bf16.h"
 #include "common/compute_dtype.h"
 
 // NOTE: the namespace stays the model's (model::ParamLayout): this is the model's contract;
@@ -48,6 +49,12 @@ struct ModelShape {
   static ModelShape FromSpec(const v1::ModelConfig& model);
   // Floats in one expert blob.
   int64_t expert_floats() const { return int64_t{channels} * hidden * 2 + hidden + channels; }
+  // Bytes of one expert's weights blob, the one workers fetch into their caches: its fp32
+  // floats, or for bf16 the bf16 form of common/bf16.h.
+  int64_t expert_blob_bytes() const {
+    return compute_dtype == ComputeDtype::kBf16 ? Bf16ExpertLayout(channels, hidden).bytes
+                                                : expert_floats() * int64_t{sizeof(float)};
+  }
   // Bytes of the largest blob a job of this shape stores: an expert's, or the largest
   // dense tensor (wte, wpe, attn.qkv.w, moe.router.w).
   int64_t largest_blob_bytes() const {

@@ -30,6 +30,13 @@ struct Best {
   std::string store;
 };
 
+// The blob a checkpoint reads for an expert (or a dense tensor): its weights, but a bf16
+// job's fp32 master for its experts (their weights blob is the bf16 form).
+v1::BlobKind ExportKind(const v1::Job& job, bool expert) {
+  return expert && job.spec().model().compute_dtype() == "bf16" ? v1::BLOB_KIND_MASTER
+                                                                : v1::BLOB_KIND_WEIGHTS;
+}
+
 // Which live store holds the newest committed copy (at most `step`) of each weights blob.
 std::map<WeightsKey, Best> NewestCopies(StoreControl& stores, const Alive& alive,
                                         const v1::Job& job, int64_t step) {
@@ -42,7 +49,7 @@ std::map<WeightsKey, Best> NewestCopies(StoreControl& stores, const Alive& alive
       continue;
     }
     for (const v1::BlobInfo& b : *listed) {
-      if (b.key().kind() != v1::BLOB_KIND_WEIGHTS || b.version() > step) continue;
+      if (b.key().kind() != ExportKind(job, b.key().layer() >= 0) || b.version() > step) continue;
       const auto key = std::make_tuple(b.key().layer(), b.key().layer() < 0 ? 0 : b.key().expert(),
                                        b.key().layer() < 0 ? b.key().tensor() : std::string());
       Best& slot = best[key];
@@ -76,7 +83,7 @@ absl::StatusOr<std::vector<BlobPlan>> PlanBlobs(const model::ParamLayout& layout
     }
     BlobPlan p;
     p.key.set_job_id(job.job_id());
-    p.key.set_kind(v1::BLOB_KIND_WEIGHTS);
+    p.key.set_kind(ExportKind(job, expert));
     p.key.set_layer(expert ? t.layer : -1);
     if (expert) {
       p.key.set_expert(t.expert);

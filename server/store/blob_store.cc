@@ -12,6 +12,15 @@
 #include "server/store/blob_key.h"
 
 namespace pith::store {
+namespace {
+
+// What a job's kept weights are (DeleteJob's keep_weights): its weights and master blobs,
+// the master being what a checkpoint reads of a bf16 job's experts.
+bool IsWeightsOrMaster(const v1::BlobKey& key) {
+  return key.kind() == v1::BLOB_KIND_WEIGHTS || key.kind() == v1::BLOB_KIND_MASTER;
+}
+
+}  // namespace
 
 struct BlobStore::Metrics {
   prometheus::Gauge* ram_bytes = nullptr;
@@ -674,8 +683,7 @@ absl::StatusOr<std::pair<uint64_t, uint64_t>> BlobStore::DeleteJob(const std::st
       ++it;
       continue;
     }
-    const bool keep =
-        scope.keep_weights && k.kind() == v1::BLOB_KIND_WEIGHTS && blob.committed >= 0;
+    const bool keep = scope.keep_weights && IsWeightsOrMaster(k) && blob.committed >= 0;
     std::vector<int64_t> drop;
     for (const auto& [version, unused] : blob.versions) {
       if (!keep || version != blob.committed) drop.push_back(version);
@@ -713,8 +721,8 @@ std::vector<v1::StoreJob> BlobStore::Jobs() {
     }
     v1::StoreJob& job = out.back();
     job.set_blobs(job.blobs() + 1);
-    const bool weights_only = blob.key.kind() == v1::BLOB_KIND_WEIGHTS && blob.committed >= 0 &&
-                              blob.versions.size() == 1;
+    const bool weights_only =
+        IsWeightsOrMaster(blob.key) && blob.committed >= 0 && blob.versions.size() == 1;
     if (!weights_only) job.set_blobs_besides_weights(job.blobs_besides_weights() + 1);
     for (const auto& [version, v] : blob.versions) job.set_bytes(job.bytes() + v.size);
   }

@@ -171,7 +171,7 @@ class BlobStore {
   // Deletes every version; returns the bytes freed.
   absl::StatusOr<uint64_t> DeleteBlob(const v1::BlobKey& key);
   // What DeleteJob deletes: everything of the job, or only one group's blobs (layer -1:
-  // the dense tensors), and with keep_weights all but the committed weights.
+  // the dense tensors), and with keep_weights all but the committed weights and masters.
   struct DeleteScope {
     bool keep_weights = false;
     std::optional<std::pair<int, int>> group;  // (layer, expert)

@@ -23,7 +23,9 @@
 #include <vector>
 
 #include "child_process.h"
+#include "common/bf16.h"
 #include "common/grpc_util.h"
+#include "common/job_spec.h"
 #include "common/metrics.h"
 #include "common/safetensors.h"
 #include "common/ucx_auth.h"
@@ -35,6 +37,7 @@
 #include "test_tls.h"
 #include "worker/compute/opaque_backend.h"
 #include "worker/runtime/cluster_worker.h"
+#include "worker/trainer/standalone.h"
 
 namespace pith {
 namespace {
@@ -88,6 +91,9 @@ struct Failure {
   // The two workers run in this process (RunClusterWorker) on OpaqueBackend, as on a GPU:
   // a backend whose memory the host may not touch (the device path's seam).
   bool opaque_workers = false;
+  // model.compute_dtype "bf16" (with opaque_workers: OpaqueBackend's emulation); the
+  // reference trains in this process on OpaqueBackend too.
+  bool bf16 = false;
 };
 
 // Runs the pith CLI against the coordinator at `address` with the certificate in
@@ -139,6 +145,10 @@ class ClusterRun {
         dir_ + "/tokens.bin", failure_.steps, failure_.store_replicas,
         failure_.hot_replicas ? R"(, "replication": {"max_compute_replicas": 2, "replan_every": 5})"
                               : "");
+    if (failure_.bf16) {
+      const std::string z = R"("z_loss_coef": 0.001)";
+      spec.replace(spec.find(z), z.size(), z + R"(, "compute_dtype": "bf16")");
+    }
     std::ofstream(spec_path()) << spec;
     if (failure_.init_from_file) {
       // The seeded init, exported by one process, is where both sides start from.
@@ -154,8 +164,20 @@ class ClusterRun {
     }
   }
 
-  // The reference: one process.
+  // The reference: one process (a bf16 job: this one, on OpaqueBackend's emulation).
   void TrainAlone() {
+    if (failure_.bf16) {
+      trainer::StandaloneOptions options;
+      auto spec = LoadJobSpec(spec_path());
+      ASSERT_TRUE(spec.ok()) << spec.status();
+      options.spec = *spec;
+      options.loss_log_path = dir_ + "/alone.log";
+      options.save_path = dir_ + "/alone.safetensors";
+      compute::OpaqueBackend backend(1);
+      auto trained = trainer::RunStandalone(options, backend);
+      ASSERT_TRUE(trained.ok()) << trained.status();
+      return;
+    }
     ChildProcess alone(
         PITH_WORKER_BINARY,
         {"--standalone", "--spec=" + spec_path(), "--loss_log=" + dir_ + "/alone.log",
@@ -237,9 +259,16 @@ class ClusterRun {
     json << in.rdbuf();
     ASSERT_TRUE(
         google::protobuf::util::JsonStringToMessage(json.str(), submit.mutable_spec()).ok());
-    grpc::ClientContext ctx;
     v1::SubmitJobResponse resp;
-    grpc::Status s = stub_->SubmitJob(&ctx, submit, &resp);
+    grpc::Status s;
+    // A bf16 job is refused until a CUDA worker has registered: the in-process ones are
+    // on their way.
+    for (int i = 0; i < 100; ++i) {
+      grpc::ClientContext ctx;
+      s = stub_->SubmitJob(&ctx, submit, &resp);
+      if (s.ok() || s.error_message().find("none alive") == std::string::npos) break;
+      std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    }
     ASSERT_TRUE(s.ok()) << s.error_message();
     job_id_ = resp.job().job_id();
   }
@@ -401,6 +430,31 @@ class ClusterRun {
     std::stringstream bytes;
     bytes << w.rdbuf();
     outcome->weights = bytes.str();
+  }
+
+  // A bf16 job's blobs of expert 1 of layer 1 in each store: the weights in bf16 form,
+  // the master fp32, both at the last step.
+  void CheckBf16Blobs() {
+    for (auto& store : stores_) {
+      auto stub = v1::StoreService::NewStub(
+          tls_->AdminChannel("127.0.0.1:" + std::to_string(store->grpc_port)));
+      for (const auto& [kind, bytes] :
+           {std::pair{v1::BLOB_KIND_WEIGHTS, Bf16ExpertLayout(32, 64).bytes},
+            std::pair{v1::BLOB_KIND_MASTER, int64_t{(2 * 32 * 64 + 64 + 32) * 4}}}) {
+        v1::StatBlobRequest stat;
+        stat.mutable_key()->set_job_id(job_id_);
+        stat.mutable_key()->set_layer(1);
+        stat.mutable_key()->set_expert(1);
+        stat.mutable_key()->set_kind(kind);
+        stat.set_version(-1);
+        grpc::ClientContext ctx;
+        v1::BlobInfo info;
+        const grpc::Status s = stub->StatBlob(&ctx, stat, &info);
+        ASSERT_TRUE(s.ok()) << s.error_message();
+        EXPECT_EQ(info.size_bytes(), static_cast<uint64_t>(bytes)) << v1::BlobKind_Name(kind);
+        EXPECT_EQ(info.version(), failure_.steps) << v1::BlobKind_Name(kind);
+      }
+    }
   }
 
   // The ended job's optimizer state goes from the stores (the garbage collector runs every
@@ -660,6 +714,9 @@ void TrainAndCompare(const std::string& name, Failure failure, Outcome* outcome 
   ASSERT_NO_FATAL_FAILURE(run.CompareLosses());
   ASSERT_NO_FATAL_FAILURE(run.CheckHeat());
   ASSERT_NO_FATAL_FAILURE(run.CompareExport(outcome));
+  if (failure.bf16) {
+    ASSERT_NO_FATAL_FAILURE(run.CheckBf16Blobs());
+  }
   if (collect) {
     ASSERT_NO_FATAL_FAILURE(run.ExpectGarbageCollected());
   }
@@ -678,6 +735,19 @@ TEST(ClusterE2eTest, WorkersOnABackendTheHostCannotReadTrainAsOneProcessDoes) {
   f.cache_bytes = 2 * (2 * 32 * 64 + 64 + 32) * 4;  // 2 of the 8 experts
   f.steps = 10;
   TrainAndCompare("opaque", f);
+}
+
+// A bf16 job on workers of a backend the host cannot read: the stores hold each expert's
+// weights blob in bf16 (w1 and w2 rounded, the biases fp32: a little over half the fp32
+// bytes) beside its fp32 master; the losses and the exported master weights are those of
+// one process computing the same numbers (OpaqueBackend's bf16 emulation).
+TEST(ClusterE2eTest, ABf16JobKeepsBf16WeightsBlobsAndTrainsAsOneProcessDoes) {
+  Failure f;
+  f.opaque_workers = true;
+  f.bf16 = true;
+  f.cache_bytes = 2 * Bf16ExpertLayout(32, 64).bytes;  // 2 of the 8 experts
+  f.steps = 10;
+  TrainAndCompare("bf16", f);
 }
 
 // Two cluster runs ended with the same weights, bit for bit.

@@ -1,6 +1,7 @@
 #include "worker/compute/backend.h"
 
 #include "absl/strings/str_cat.h"
+#include "common/bf16.h"
 
 namespace pith::compute {
 
@@ -16,6 +17,46 @@ DeviceBuffer& DeviceBuffer::operator=(DeviceBuffer&& o) noexcept {
 
 DeviceBuffer::~DeviceBuffer() {
   if (owner_ != nullptr && ptr_ != nullptr) owner_->Free(ptr_, bytes_);
+}
+
+ExpertWeights ExpertWeightsAt(const void* blob, bool bf16, int channels, int hidden) {
+  const int64_t cf = int64_t{channels} * hidden;
+  if (bf16) {
+    const Bf16ExpertLayout at(channels, hidden);
+    const auto* base = static_cast<const uint8_t*>(blob);
+    ExpertWeights w{nullptr, reinterpret_cast<const float*>(base + at.b1), nullptr,
+                    reinterpret_cast<const float*>(base + at.b2)};
+    w.w1_bf16 = reinterpret_cast<const uint16_t*>(base + at.w1);
+    w.w2_bf16 = reinterpret_cast<const uint16_t*>(base + at.w2);
+    return w;
+  }
+  const auto* w = static_cast<const float*>(blob);
+  return {w, w + cf, w + cf + hidden, w + 2 * cf + hidden};
+}
+
+bool HostFp32Experts::Needed(absl::Span<const ExpertWeights> experts, bool round) {
+  if (round) return true;
+  for (const ExpertWeights& w : experts) {
+    if (w.bf16()) return true;
+  }
+  return false;
+}
+
+HostFp32Experts::HostFp32Experts(absl::Span<const ExpertWeights> experts, int channels, int hidden,
+                                 bool round) {
+  const size_t cf = static_cast<size_t>(channels) * hidden;
+  for (const ExpertWeights& w : experts) {
+    if (!w.bf16() && !round) {
+      weights_.push_back(w);
+      continue;
+    }
+    std::vector<float>& f = floats_.emplace_back(2 * cf);
+    for (size_t i = 0; i < cf; ++i) {
+      f[i] = w.bf16() ? Bf16ToFloat(w.w1_bf16[i]) : Bf16ToFloat(RoundToBf16(w.w1[i]));
+      f[cf + i] = w.bf16() ? Bf16ToFloat(w.w2_bf16[i]) : Bf16ToFloat(RoundToBf16(w.w2[i]));
+    }
+    weights_.push_back({f.data(), w.b1, f.data() + cf, w.b2});
+  }
 }
 
 absl::Status Backend::SetComputeDtype(ComputeDtype dtype) {

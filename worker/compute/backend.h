@@ -86,12 +86,35 @@ struct RouterLossGrad {
   const double* global_f = nullptr;  // [E] host: global share of assignments per expert
 };
 
-// An expert's parameters (one contiguous blob [w1 C*F | b1 F | w2 F*C | b2 C]).
+// An expert's parameters (one contiguous blob [w1 C*F | b1 F | w2 F*C | b2 C]). From a
+// bf16 weights blob (common/bf16.h; the bf16 compute dtype only), w1 and w2 are null and
+// w1_bf16 and w2_bf16 point at the bf16 matrices: the values the products would round
+// w1 and w2 to.
 struct ExpertWeights {
   const float* w1;
   const float* b1;
   const float* w2;
   const float* b2;
+  const uint16_t* w1_bf16 = nullptr;
+  const uint16_t* w2_bf16 = nullptr;
+  bool bf16() const { return w1_bf16 != nullptr; }
+};
+// The weights of the expert whose blob (fp32 [w1|b1|w2|b2], or the bf16 form) is at `blob`.
+ExpertWeights ExpertWeightsAt(const void* blob, bool bf16, int channels, int hidden);
+
+// For backends computing in fp32 on host memory: `experts` with every bf16 weight matrix
+// widened to fp32 (and, with `round`, every fp32 one rounded through bf16, as the bf16
+// compute dtype's products see it), in buffers of its own; the biases as they are.
+class HostFp32Experts {
+ public:
+  HostFp32Experts(absl::Span<const ExpertWeights> experts, int channels, int hidden, bool round);
+  absl::Span<const ExpertWeights> get() const { return weights_; }
+  // Whether `experts` needs one (some weights are bf16, or `round`).
+  static bool Needed(absl::Span<const ExpertWeights> experts, bool round);
+
+ private:
+  std::vector<std::vector<float>> floats_;
+  std::vector<ExpertWeights> weights_;
 };
 struct ExpertGrads {
   float* w1;

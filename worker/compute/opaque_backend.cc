@@ -214,10 +214,11 @@ void OpaqueBackend::ExpertForward(float* y, float* hpre, float* h, const float* 
                                   const int64_t* offsets, absl::Span<const ExpertWeights> experts,
                                   int channels, int hidden) {
   for (const ExpertWeights& w : experts)
-    Expect("ExpertForward (weights)", {w.w1, w.b1, w.w2, w.b2});
+    Expect("ExpertForward (weights)", {w.w1, w.b1, w.w2, w.b2, w.w1_bf16, w.w2_bf16});
   Expect("ExpertForward", {y, hpre, h, x}, offsets);
   Open open(this);
-  cpu_.ExpertForward(y, hpre, h, x, offsets, experts, channels, hidden);
+  const HostFp32Experts wide(experts, channels, hidden, dtype_ == ComputeDtype::kBf16);
+  cpu_.ExpertForward(y, hpre, h, x, offsets, wide.get(), channels, hidden);
 }
 
 void OpaqueBackend::ExpertBackward(float* dx, float* dh, absl::Span<const ExpertGrads> grads,
@@ -226,11 +227,12 @@ void OpaqueBackend::ExpertBackward(float* dx, float* dh, absl::Span<const Expert
                                    absl::Span<const ExpertWeights> experts, int channels,
                                    int hidden) {
   for (const ExpertWeights& w : experts)
-    Expect("ExpertBackward (weights)", {w.w1, w.b1, w.w2, w.b2});
+    Expect("ExpertBackward (weights)", {w.w1, w.b1, w.w2, w.b2, w.w1_bf16, w.w2_bf16});
   for (const ExpertGrads& g : grads) Expect("ExpertBackward (grads)", {g.w1, g.b1, g.w2, g.b2});
   Expect("ExpertBackward", {dx, dh, dy, x, hpre, h}, offsets);
   Open open(this);
-  cpu_.ExpertBackward(dx, dh, grads, dy, x, hpre, h, offsets, experts, channels, hidden);
+  const HostFp32Experts wide(experts, channels, hidden, dtype_ == ComputeDtype::kBf16);
+  cpu_.ExpertBackward(dx, dh, grads, dy, x, hpre, h, offsets, wide.get(), channels, hidden);
 }
 
 void OpaqueBackend::RouteBackward(float* dlogits, const float* dgate, const RoutingBuffers& routing,

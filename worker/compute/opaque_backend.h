@@ -8,6 +8,12 @@
 // thread's access while an op runs, and system calls on the pages (EFAULT).
 // host_addressable() is false, as for CUDA.
 //
+// It takes the bf16 compute dtype as an emulation, for tests of the paths a bf16 job takes
+// (its experts' bf16 weights blobs): the experts' weight matrices are rounded to bf16 (or
+// widened from a bf16 blob) before the CPU's fp32 math runs; nothing else is rounded.
+// Standalone and on a cluster worker it thus computes the same numbers, as the CUDA
+// backend does, but not the CUDA backend's numbers.
+//
 // Thread safety: as Backend (one thread at a time); each instance guards its own buffers.
 #ifndef PITH_WORKER_COMPUTE_OPAQUE_BACKEND_H_
 #define PITH_WORKER_COMPUTE_OPAQUE_BACKEND_H_
@@ -33,6 +39,11 @@ class OpaqueBackend final : public Backend {
   absl::Status CopyToHost(void* dst, const void* src, size_t bytes) override;
   void Zero(void* dst, size_t bytes) override;
   absl::Status Synchronize() override { return absl::OkStatus(); }
+  absl::Status SetComputeDtype(ComputeDtype dtype) override {
+    dtype_ = dtype;
+    return absl::OkStatus();
+  }
+  ComputeDtype compute_dtype() const override { return dtype_; }
 
   void Gemm(bool trans_a, bool trans_b, int m, int n, int k, float alpha, const float* a, int lda,
             const float* b, int ldb, float beta, float* c, int ldc) override;
@@ -102,6 +113,7 @@ class OpaqueBackend final : public Backend {
               const void* host = nullptr) const;
 
   CpuBackend cpu_;
+  ComputeDtype dtype_ = ComputeDtype::kFp32;
   std::map<void*, size_t> mappings_;  // buffer -> mapped bytes
 };
 

@@ -178,6 +178,8 @@ class CudaBackend final : public compute::Backend {
     float* c;
     int ldc;
     float alpha = 1.0f;
+    // In bf16 only: b already in bf16 (an expert's bf16 weights), read as it is; b unused.
+    const void* b_bf16 = nullptr;
   };
   // Per-bucket segment tables for the expert kernels: one entry per non-empty bucket.
   struct Segments {

@@ -9,6 +9,7 @@
 #include <random>
 #include <vector>
 
+#include "common/bf16.h"
 #include "gtest/gtest.h"
 #include "worker/compute/cpu_backend.h"
 
@@ -378,18 +379,6 @@ void CudaMoeTest::MoeBlock(double product_rel) {
   }
 }
 
-// bf16 storage as the device keeps it: the top half of the float, rounded to nearest even.
-uint16_t Bf16Bits(float f) {
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
-  return static_cast<uint16_t>((u + 0x7fff + ((u >> 16) & 1)) >> 16);
-}
-float FromBf16(uint16_t b) {
-  const uint32_t u = uint32_t{b} << 16;
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
 // `v` rounded to bf16 (kept as floats) and its bf16 bits.
 struct Bf16Vec {
   Vec rounded;
@@ -398,8 +387,8 @@ struct Bf16Vec {
 Bf16Vec ToBf16(const Vec& v) {
   Bf16Vec out;
   for (float x : v) {
-    out.bits.push_back(Bf16Bits(x));
-    out.rounded.push_back(FromBf16(out.bits.back()));
+    out.bits.push_back(RoundToBf16(x));
+    out.rounded.push_back(Bf16ToFloat(out.bits.back()));
   }
   return out;
 }
@@ -445,7 +434,7 @@ TEST_F(CudaBackendTest, Bf16ProductsMatchTheFp32ProductOfTheirInputs) {
     } else {
       Vec got;
       for (uint16_t b : Down(static_cast<uint16_t*>(outputs[i]), want[i].size())) {
-        got.push_back(FromBf16(b));
+        got.push_back(Bf16ToFloat(b));
       }
       ExpectClose("bf16 -> bf16", got, want[i], 1.0 / 128);
     }
@@ -511,10 +500,61 @@ TEST_F(CudaBackendTest, Bf16GroupedProductsMatch) {
   for (size_t i = 0; i < want.size(); ++i) {
     Vec got;
     for (uint16_t b : Down(static_cast<uint16_t*>(problems[i].c), want[i].size())) {
-      got.push_back(FromBf16(b));
+      got.push_back(Bf16ToFloat(b));
     }
     ExpectClose("grouped bf16", got, want[i], 1.0 / 128);
   }
+}
+
+// A bf16 job's experts from their bf16 weights blobs (common/bf16.h: the cluster worker's
+// cache slots) compute what the same experts' fp32 master weights do in bf16 (the
+// products round them to the same values), forward and backward; in fp32 such weights are
+// refused, naming the op.
+TEST_F(CudaBackendTest, Bf16WeightsBlobsComputeWhatTheirMasterDoes) {
+  const int C = 64, F = 96, E = 3;
+  const std::vector<int64_t> offsets = {0, 40, 40, 100};  // an empty bucket too
+  const int64_t A = offsets[E], floats = 2 * C * F + F + C;
+  const Bf16ExpertLayout at(C, F);
+  const Vec master = Random(E * floats, 31, 0.2f);
+  std::vector<uint8_t> blobs(E * at.bytes);
+  for (int e = 0; e < E; ++e)
+    PackExpertBf16(master.data() + e * floats, C, F, &blobs[e * at.bytes]);
+  const float* master_dev = Up(master);
+  const uint8_t* blobs_dev = Up(blobs);
+  std::vector<compute::ExpertWeights> fp32, bf16;
+  for (int e = 0; e < E; ++e) {
+    fp32.push_back(compute::ExpertWeightsAt(master_dev + e * floats, false, C, F));
+    bf16.push_back(compute::ExpertWeightsAt(blobs_dev + e * at.bytes, true, C, F));
+  }
+  ASSERT_TRUE(gpu_->SetComputeDtype(ComputeDtype::kBf16).ok());
+  const Vec x = Random(A * C, 32), dy = Random(A * C, 33);
+  const float *x_dev = Up(x), *dy_dev = Up(dy);
+  struct Run {
+    Vec y, hpre, dx, grads;
+  };
+  auto run = [&](const std::vector<compute::ExpertWeights>& w) {
+    float *y = Up(Vec(A * C)), *hpre = Up(Vec(A * F)), *h = Up(Vec(A * F));
+    float *dx = Up(Vec(A * C)), *dh = Up(Vec(A * F)), *g = Up(Vec(E * floats));
+    std::vector<compute::ExpertGrads> grads;
+    for (int e = 0; e < E; ++e) {
+      float* b = g + e * floats;
+      grads.push_back({b, b + C * F, b + C * F + F, b + 2 * C * F + F});
+    }
+    gpu_->ExpertForward(y, hpre, h, x_dev, offsets.data(), w, C, F);
+    gpu_->ExpertBackward(dx, dh, grads, dy_dev, x_dev, hpre, h, offsets.data(), w, C, F);
+    EXPECT_TRUE(gpu_->Synchronize().ok()) << gpu_->status();
+    return Run{Down(y, A * C), Down(hpre, A * F), Down(dx, A * C), Down(g, E * floats)};
+  };
+  const Run want = run(fp32), got = run(bf16);
+  ExpectClose("y", got.y, want.y);
+  ExpectClose("hpre", got.hpre, want.hpre);
+  ExpectClose("dx", got.dx, want.dx);
+  ExpectClose("expert grads", got.grads, want.grads);
+  ASSERT_TRUE(gpu_->SetComputeDtype(ComputeDtype::kFp32).ok());
+  float* y = Up(Vec(A * C));
+  gpu_->ExpertForward(y, Up(Vec(A * F)), Up(Vec(A * F)), x_dev, offsets.data(), bf16, C, F);
+  EXPECT_NE(gpu_->status().message().find("bf16 expert weights"), std::string::npos)
+      << gpu_->status();
 }
 
 TEST_F(CudaBackendTest, ErrorsNameTheirOpAndStick) {

@@ -233,9 +233,15 @@ absl::Status CudaBackend::SetComputeDtype(ComputeDtype dtype) {
 void CudaBackend::Products(const std::vector<GemmProblem>& problems, const char* op) {
   if (dtype_ == ComputeDtype::kBf16) {
     ProductsBf16(problems, op);
-  } else {
-    GroupedGemm(problems, op);
+    return;
   }
+  for (const GemmProblem& p : problems) {
+    if (p.b_bf16 != nullptr) {
+      Fail(op, "bf16 expert weights need the bf16 compute dtype");
+      return;
+    }
+  }
+  GroupedGemm(problems, op);
 }
 
 void CudaBackend::ProductsBf16(const std::vector<GemmProblem>& problems, const char* op) {
@@ -247,7 +253,9 @@ void CudaBackend::ProductsBf16(const std::vector<GemmProblem>& problems, const c
     const int64_t a = p.trans_a ? Span(p.k, p.m, p.lda) : Span(p.m, p.k, p.lda);
     const int64_t b = p.trans_b ? Span(p.n, p.k, p.ldb) : Span(p.k, p.n, p.ldb);
     spans.emplace_back(reinterpret_cast<uintptr_t>(p.a), reinterpret_cast<uintptr_t>(p.a + a));
-    spans.emplace_back(reinterpret_cast<uintptr_t>(p.b), reinterpret_cast<uintptr_t>(p.b + b));
+    if (p.b_bf16 == nullptr) {  // pre-rounded weights are read as they are
+      spans.emplace_back(reinterpret_cast<uintptr_t>(p.b), reinterpret_cast<uintptr_t>(p.b + b));
+    }
   }
   std::sort(spans.begin(), spans.end());
   std::vector<std::pair<uintptr_t, uintptr_t>> merged;
@@ -304,8 +312,9 @@ void CudaBackend::ProductsBf16(const std::vector<GemmProblem>& problems, const c
   bf16.reserve(problems.size());
   for (const GemmProblem& p : problems) {
     const bool empty = p.m == 0 || p.n == 0 || p.k == 0;
-    bf16.push_back({p.trans_a, p.trans_b, p.m, p.n, p.k, empty ? nullptr : in_bf16(p.a), p.lda,
-                    empty ? nullptr : in_bf16(p.b), p.ldb, p.beta, p.c, p.ldc, true, p.alpha});
+    const void* b = p.b_bf16 != nullptr ? p.b_bf16 : empty ? nullptr : in_bf16(p.b);
+    bf16.push_back({p.trans_a, p.trans_b, p.m, p.n, p.k, empty ? nullptr : in_bf16(p.a), p.lda, b,
+                    p.ldb, p.beta, p.c, p.ldc, true, p.alpha});
   }
   if (bf16.size() == 1) {
     GemmBf16(bf16[0], op);

@@ -366,9 +366,11 @@ void CudaBackend::ExpertForward(float* y, float* hpre, float* h, const float* x,
     const int rows = static_cast<int>(offsets[e + 1] - begin);
     if (rows == 0) continue;
     first.push_back({false, false, rows, hidden, channels, x + begin * channels, channels,
-                     experts[e].w1, hidden, 0.0f, hpre + begin * hidden, hidden});
+                     experts[e].w1, hidden, 0.0f, hpre + begin * hidden, hidden, 1.0f,
+                     experts[e].w1_bf16});
     second.push_back({false, false, rows, channels, hidden, h + begin * hidden, hidden,
-                      experts[e].w2, channels, 0.0f, y + begin * channels, channels});
+                      experts[e].w2, channels, 0.0f, y + begin * channels, channels, 1.0f,
+                      experts[e].w2_bf16});
   }
   const int64_t total = offsets[count];
   Products(first, "ExpertForward (x @ w1)");
@@ -404,14 +406,14 @@ void CudaBackend::ExpertBackward(float* dx, float* dh, absl::Span<const compute:
     const float* dhe = dh + begin * hidden;
     // dH = dY W2^T; dW2 += H^T dY.
     second.push_back({false, true, rows, hidden, channels, dye, channels, experts[e].w2, channels,
-                      0.0f, dh + begin * hidden, hidden});
+                      0.0f, dh + begin * hidden, hidden, 1.0f, experts[e].w2_bf16});
     second.push_back({true, false, hidden, channels, rows, h + begin * hidden, hidden, dye,
                       channels, 1.0f, grads[e].w2, channels});
     // dW1 += X^T dHpre; dX = dHpre W1^T.
     first.push_back({true, false, channels, hidden, rows, x + begin * channels, channels, dhe,
                      hidden, 1.0f, grads[e].w1, hidden});
     first.push_back({false, true, rows, channels, hidden, dhe, hidden, experts[e].w1, hidden, 0.0f,
-                     dx + begin * channels, channels});
+                     dx + begin * channels, channels, 1.0f, experts[e].w1_bf16});
   }
   const int64_t total = offsets[count];
   Products(second, "ExpertBackward (dH, dW2)");

@@ -148,7 +148,7 @@ class JobRun : public StepDriver {
         grads_, GradPool::Create(shape_.expert_floats(), plan_.grad_buffers, options_.scratch_dir));
     dispatch_->SetGradPool(grads_.get());
     // The expert cache, in registered memory.
-    const size_t slot_bytes = shape_.expert_floats() * sizeof(float);
+    const size_t slot_bytes = static_cast<size_t>(shape_.expert_blob_bytes());
     const int slots = plan_.cache_slots;
     ASSIGN_OR_RETURN(std::unique_ptr<ucx::MemoryRegion> slot_memory,
                      client_->AllocateBuffer(slot_bytes * slots));
@@ -244,7 +244,7 @@ class JobRun : public StepDriver {
     // Kept pools and the new moment buffers must fit the budget too.
     const uint64_t expert_bytes = shape_.expert_floats() * sizeof(float);
     const uint64_t kept = plan->dense_bytes + plan->activation_bytes + plan->moment_bytes +
-                          expert_bytes * (cache_->slots() + grads_->buffers());
+                          cache_->slot_bytes() * cache_->slots() + expert_bytes * grads_->buffers();
     if (options_.memory_bytes > 0 && kept > options_.memory_bytes) return false;
     // A cached expert is current only if this worker made its last update (it was its
     // primary); the others may have moved on.
@@ -278,6 +278,8 @@ class JobRun : public StepDriver {
     in.dense_bytes = 4 * model_->layout().dense_floats() * sizeof(float);
     in.activation_bytes = static_cast<uint64_t>(model_->activation_bytes());
     in.expert_bytes = shape_.expert_floats() * sizeof(float);
+    in.slot_bytes = static_cast<uint64_t>(shape_.expert_blob_bytes());
+    in.moment_kinds = shape_.compute_dtype == ComputeDtype::kBf16 ? 3 : 2;
     in.owned = owned;
     in.updated = updated;
     return in;
@@ -351,6 +353,10 @@ class JobRun : public StepDriver {
     model::ParamInit init(layout, a_.spec().train().seed());
     const int64_t floats = shape_.expert_floats();
     std::vector<float> weights(kInitialBatch * floats);
+    // A bf16 job's weights blobs (common/bf16.h) beside the fp32 masters.
+    const bool bf16 = shape_.compute_dtype == ComputeDtype::kBf16;
+    const size_t blob_bytes = static_cast<size_t>(shape_.expert_blob_bytes());
+    std::vector<uint8_t> blobs(bf16 ? kInitialBatch * blob_bytes : 0);
     static constexpr int64_t kZeroCount = 0;
     int queued = 0;
     for (int l = 0; l < shape_.layers; ++l) {
@@ -363,8 +369,10 @@ class JobRun : public StepDriver {
           init.FillExpert(l, e, w);
         }
         const std::vector<std::string> stores = store_io_->WriteStores({l, e});
-        RETURN_IF_ERROR(PutParams(stores, l, e, "", 0, w, zeros_.data(), zeros_.data(),
-                                  floats * sizeof(float)));
+        uint8_t* blob = bf16 ? blobs.data() + queued * blob_bytes : nullptr;
+        if (bf16) PackExpertBf16(w, shape_.channels, shape_.hidden, blob);
+        RETURN_IF_ERROR(store_io_->PutParams(stores, l, e, "", 0, w, zeros_.data(), zeros_.data(),
+                                             floats * sizeof(float), puts_, blob, blob_bytes));
         RETURN_IF_ERROR(store_io_->Put(stores, Key(l, e, "", v1::BLOB_KIND_STATE), 0, &kZeroCount,
                                        sizeof(int64_t), puts_));
         if (++queued == kInitialBatch) {
@@ -374,19 +382,6 @@ class JobRun : public StepDriver {
       }
     }
     return store_io_->Flush(puts_);
-  }
-
-  // Queues one blob's four versions (weights, master, moments) for `stores`.
-  absl::Status PutParams(const std::vector<std::string>& stores, int layer, int expert,
-                         const std::string& tensor, int64_t version, const float* w, const float* m,
-                         const float* v, size_t bytes) {
-    for (const auto& [kind, data] :
-         {std::pair{v1::BLOB_KIND_WEIGHTS, w}, std::pair{v1::BLOB_KIND_MASTER, w},
-          std::pair{v1::BLOB_KIND_ADAM_M, m}, std::pair{v1::BLOB_KIND_ADAM_V, v}}) {
-      RETURN_IF_ERROR(
-          store_io_->Put(stores, Key(layer, expert, tensor, kind), version, data, bytes, puts_));
-    }
-    return absl::OkStatus();
   }
 
   // Queues version `version` of this worker's share of the dense tensors (their moments
@@ -402,8 +397,8 @@ class JobRun : public StepDriver {
     for (const model::ParamTensor& t : model_->layout().tensors()) {
       if (!DenseHere(t)) continue;
       const int64_t o = version == 0 ? 0 : t.offset;
-      RETURN_IF_ERROR(PutParams(dense_stores, -1, 0, t.name, version, p + t.offset, m + o, v + o,
-                                t.numel * sizeof(float)));
+      RETURN_IF_ERROR(store_io_->PutParams(dense_stores, -1, 0, t.name, version, p + t.offset,
+                                           m + o, v + o, t.numel * sizeof(float), puts_));
     }
     return absl::OkStatus();
   }

@@ -316,18 +316,21 @@ absl::StatusOr<std::pair<int, compute::ExpertWeights>> Dispatch::NextWeights(
   auto [pick, w] = taken;
   const int layer = experts[pick].first, e = experts[pick].second;
   experts.erase(experts.begin() + static_cast<std::ptrdiff_t>(pick));
-  const int64_t C = model_->shape().channels, F = model_->shape().hidden;
+  const model::ModelShape& s = model_->shape();
+  // The slot holds the expert's weights blob: fp32, or a bf16 job's bf16 form.
+  const void* blob = w;
   if (staged_) {  // the slot's bytes into the device buffer (the last expert's is done)
-    const int64_t floats = model_->shape().expert_floats();
-    absl::Status st = Fit(weights_dev_, floats);
-    if (st.ok()) st = backend_->CopyToDevice(weights_dev_.data(), w, floats * sizeof(float));
+    const int64_t bytes = s.expert_blob_bytes();
+    absl::Status st = Fit(weights_dev_, (bytes + 3) / 4);
+    if (st.ok()) st = backend_->CopyToDevice(weights_dev_.data(), blob, bytes);
     if (!st.ok()) {
       Done(layer, e);
       return st;
     }
-    w = weights_dev_.f32();
+    blob = weights_dev_.data();
   }
-  return std::make_pair(e, compute::ExpertWeights{w, w + C * F, w + C * F + F, w + 2 * C * F + F});
+  return std::make_pair(e, compute::ExpertWeightsAt(blob, s.compute_dtype == ComputeDtype::kBf16,
+                                                    s.channels, s.hidden));
 }
 
 void Dispatch::Done(int layer, int expert) {

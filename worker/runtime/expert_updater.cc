@@ -37,7 +37,7 @@ absl::Status ExpertUpdater::SetUp(const std::vector<Expert>& updated, const Mome
   // moments go to and from the stores straight from it.
   moment_memory_.reset();
   ASSIGN_OR_RETURN(moment_memory_,
-                   d_.io->AllocateBuffer(std::max<size_t>(1, buffers * 2 * slot_bytes)));
+                   d_.io->AllocateBuffer(std::max<size_t>(1, buffers * kinds() * slot_bytes)));
   d_.io->SetRegion(Region::kMoments, moment_memory_->data(), moment_memory_->size(),
                    moment_memory_->handle());
   moment_current_.assign(buffers, 0);
@@ -289,6 +289,7 @@ absl::Status ExpertUpdater::FetchMoments(absl::Span<const Expert> batch,
     if (moment_index_.empty() || !moment_current_[b]) {
       add(v1::BLOB_KIND_ADAM_M, M(b), bytes, moment_memory_->handle());
       add(v1::BLOB_KIND_ADAM_V, V(b), bytes, moment_memory_->handle());
+      if (bf16()) add(v1::BLOB_KIND_MASTER, Master(b), bytes, moment_memory_->handle());
     }
     if (!count_current_[c]) add(v1::BLOB_KIND_STATE, &counts_[c], sizeof(int64_t), nullptr);
   }
@@ -317,15 +318,20 @@ absl::Status ExpertUpdater::ApplyBatch(int64_t s, double grad_norm, absl::Span<c
     count_current_[n] = 1;
     const int64_t count = ++counts_[n];
     const int first = layout.ExpertTensorIndex(l, e);
+    float* param = bf16() ? Master(b) : w[i];
     for (int t_index = 0; t_index < 4; ++t_index) {
       const model::ParamTensor& t = layout.tensors()[first + t_index];
       const int64_t o = t.offset - base;
       if (coef < 1.0) backend.Scale(g + o, static_cast<float>(coef), t.numel);
-      backend.AdamW(w[i] + o, g + o, M(b) + o, V(b) + o, t.numel, lr, static_cast<float>(c.beta1),
+      backend.AdamW(param + o, g + o, M(b) + o, V(b) + o, t.numel, lr, static_cast<float>(c.beta1),
                     static_cast<float>(c.beta2), static_cast<float>(c.eps),
                     t.decay ? static_cast<float>(c.weight_decay) : 0.0f, count);
     }
     absl::Status synced = backend.Synchronize();
+    // The slot's weights: the new master's bf16 form (host memory, the CPU backend's).
+    if (bf16() && synced.ok()) {
+      PackExpertBf16(param, layout.shape().channels, layout.shape().hidden, w[i]);
+    }
     d_.grads->Release(batch[i], /*drop=*/true);  // applied: done with
     RETURN_IF_ERROR(synced);
   }
@@ -342,6 +348,7 @@ absl::Status ExpertUpdater::UpdateBatch(int64_t s, double grad_norm, absl::Span<
   // next step).
   compute::CpuBackend& backend = hold ? *d_.update_backend : *d_.backend;
   const size_t bytes = floats() * sizeof(float);
+  const size_t blob_bytes = static_cast<size_t>(d_.layout->shape().expert_blob_bytes());
   std::vector<float*> w(batch.size(), nullptr);
   size_t pinned = 0;
   absl::Status status = [&]() -> absl::Status {
@@ -361,8 +368,8 @@ absl::Status ExpertUpdater::UpdateBatch(int64_t s, double grad_norm, absl::Span<
       const auto put = [&](v1::BlobKind kind, const void* data, size_t size) {
         return d_.io->Put(stores, Key(l, e, kind), s, data, size, queue_);
       };
-      RETURN_IF_ERROR(put(v1::BLOB_KIND_WEIGHTS, weights, bytes));
-      RETURN_IF_ERROR(put(v1::BLOB_KIND_MASTER, weights, bytes));
+      RETURN_IF_ERROR(put(v1::BLOB_KIND_WEIGHTS, weights, blob_bytes));
+      RETURN_IF_ERROR(put(v1::BLOB_KIND_MASTER, bf16() ? Master(b) : weights, bytes));
       RETURN_IF_ERROR(put(v1::BLOB_KIND_ADAM_M, M(b), bytes));
       RETURN_IF_ERROR(put(v1::BLOB_KIND_ADAM_V, V(b), bytes));
       RETURN_IF_ERROR(
@@ -394,7 +401,9 @@ std::shared_future<absl::Status> ExpertUpdater::LaunchFlush(absl::Span<const Exp
   PutQueue moments, rest;
   for (size_t i = 0; i < queue_.items.size(); ++i) {
     const v1::BlobKind kind = queue_.items[i].key.kind();
-    const bool moment = kind == v1::BLOB_KIND_ADAM_M || kind == v1::BLOB_KIND_ADAM_V;
+    // What the segment holds: the moments, and a bf16 job's master.
+    const bool moment = kind == v1::BLOB_KIND_ADAM_M || kind == v1::BLOB_KIND_ADAM_V ||
+                        (bf16() && kind == v1::BLOB_KIND_MASTER);
     (moment ? moments : rest).items.push_back(std::move(queue_.items[i]));
     (moment ? moments : rest).primary.push_back(queue_.primary[i]);
   }

@@ -1,8 +1,10 @@
 // ExpertUpdater: AdamW on the experts this worker updates (it is their primary owner),
 // exactly as AdamWOptimizer::Apply does it (DESIGN §3, §6): the weights in their cache
 // slots, the moments of the committed step from the stores (or resident here), the
-// update counts kept here; the new versions go straight back to the stores. Experts go in
-// batches: one fetch per store group for a batch's moments, one flush for its writes.
+// update counts kept here; the new versions go straight back to the stores. For a bf16
+// job the slots hold the bf16 weights blob: AdamW runs on the fp32 master, fetched (or
+// kept) with the moments, and the slot gets the new master's bf16 form (common/bf16.h). Experts go
+// in batches: one fetch per store group for a batch's moments, one flush for its writes.
 //
 // Pipelined (Launch), a step's updates and writes go on on threads of their own while the
 // next step computes; Launch returns an UpdateHandle, the one thing to wait on.
@@ -147,16 +149,22 @@ class ExpertUpdater {
   v1::BlobKey Key(int layer, int expert, v1::BlobKind kind) const {
     return BlobKeyOf(d_.job_id, layer, expert, "", kind);
   }
+  // An expert's buffer: adam_m, adam_v and, for a bf16 job, the fp32 master weights (the
+  // cache's slots hold the bf16 weights blob).
   float* M(size_t buffer) {
-    return reinterpret_cast<float*>(moment_memory_->data()) + 2 * buffer * floats();
+    return reinterpret_cast<float*>(moment_memory_->data()) + kinds() * buffer * floats();
   }
   float* V(size_t buffer) { return M(buffer) + floats(); }
+  float* Master(size_t buffer) { return M(buffer) + 2 * floats(); }
   int64_t floats() const { return d_.layout->shape().expert_floats(); }
+  bool bf16() const { return d_.layout->shape().compute_dtype == ComputeDtype::kBf16; }
+  size_t kinds() const { return bf16() ? 3 : 2; }
 
   const Deps d_;
   size_t update_batch_ = 1;
   size_t ring_ = 1;  // scratch moment segments
-  // Moment buffers (SetUp): adam_m and adam_v of an expert each, one per updated expert
+  // Moment buffers (SetUp): adam_m and adam_v (and a bf16 job's master) of an expert each,
+  // one per updated expert
   // (moment_index_) or one per expert of an update batch. The fetcher reads the current
   // flags (these and the counts') of some experts while the update thread sets others':
   // bytes, not bits.

@@ -135,11 +135,18 @@ struct Mode {
   bool shared;      // an expert with two owners: kNone
   bool early;       // the backward's early fetch of the first batches' moments
   ExpertUpdater::Overlap want;
+  bool bf16 = false;  // a bf16 job: bf16 weights blobs in the slots, the master fetched
 };
 
 class ExpertUpdaterTest : public ::testing::TestWithParam<Mode> {
  protected:
   void SetUp() override {
+    const ::testing::TestInfo* test = ::testing::UnitTest::GetInstance()->current_test_info();
+    if (test->value_param() != nullptr && GetParam().bf16) {
+      shape_.compute_dtype = ComputeDtype::kBf16;
+    }
+    layout_ = std::make_unique<model::ParamLayout>(shape_);
+    blob_bytes_ = static_cast<size_t>(shape_.expert_blob_bytes());
     worker_ = *ucx::Worker::Create();
     io_ = std::make_unique<FakeBlobIo>(worker_.get());
     config_.lr = 0.01;
@@ -148,9 +155,9 @@ class ExpertUpdaterTest : public ::testing::TestWithParam<Mode> {
     config_.grad_clip = 1.0;
     floats_ = shape_.expert_floats();
     const size_t bytes = floats_ * sizeof(float);
-    params_.assign(layout_.total_floats(), 0.0f);
-    grads_.assign(layout_.total_floats(), 0.0f);
-    for (int64_t i = 0; i < layout_.total_floats(); ++i) {
+    params_.assign(layout_->total_floats(), 0.0f);
+    grads_.assign(layout_->total_floats(), 0.0f);
+    for (int64_t i = 0; i < layout_->total_floats(); ++i) {
       params_[i] = 0.01f * static_cast<float>(i % 37) - 0.1f;
       grads_[i] = 0.02f * static_cast<float>(i % 11) - 0.1f;
     }
@@ -163,29 +170,30 @@ class ExpertUpdaterTest : public ::testing::TestWithParam<Mode> {
     for (const Expert& x : all_) {
       auto g = grad_pool_->Open(x);
       ASSERT_TRUE(g.ok()) << g.status();
-      const float* from = grads_.data() + layout_.ExpertOffset(x.first, x.second);
+      const float* from = grads_.data() + layout_->ExpertOffset(x.first, x.second);
       std::copy(from, from + floats_, *g);
       grad_pool_->Close(x);
     }
     // The committed step: weights, moments and counts of every expert.
     for (const Expert& x : all_) {
       const auto [l, e] = x;
-      const float* w = params_.data() + layout_.ExpertOffset(l, e);
+      const float* w = params_.data() + layout_->ExpertOffset(l, e);
       std::vector<float> m(floats_), v(floats_);
       for (int64_t i = 0; i < floats_; ++i) {
         m[i] = 0.001f * static_cast<float>(i % 5);
         v[i] = 0.0001f * static_cast<float>(1 + i % 7);
       }
-      io_->Set(v1::BLOB_KIND_WEIGHTS, l, e, 0, w, bytes);
+      io_->Set(v1::BLOB_KIND_WEIGHTS, l, e, 0, Blob(w).data(), blob_bytes_);
+      io_->Set(v1::BLOB_KIND_MASTER, l, e, 0, w, bytes);
       io_->Set(v1::BLOB_KIND_ADAM_M, l, e, 0, m.data(), bytes);
       io_->Set(v1::BLOB_KIND_ADAM_V, l, e, 0, v.data(), bytes);
       const int64_t count = kInitialCount;
       io_->Set(v1::BLOB_KIND_STATE, l, e, 0, &count, sizeof(count));
     }
-    auto memory = worker_->Allocate(bytes * kSlots);
+    auto memory = worker_->Allocate(blob_bytes_ * kSlots);
     ASSERT_TRUE(memory.ok());
     auto cache = ExpertCache::Create(
-        std::move(*memory), bytes, kSlots,
+        std::move(*memory), blob_bytes_, kSlots,
         [this](absl::Span<ExpertCache::FetchRequest> requests, size_t size, ucp_mem_h) {
           for (ExpertCache::FetchRequest& r : requests) {
             const std::vector<uint8_t> w =
@@ -197,8 +205,8 @@ class ExpertUpdaterTest : public ::testing::TestWithParam<Mode> {
     ASSERT_TRUE(cache.ok());
     cache_ = std::move(*cache);
     updater_ = std::make_unique<ExpertUpdater>(
-        ExpertUpdater::Deps{"job", io_.get(), cache_.get(), &layout_, &config_, grad_pool_.get(),
-                            &backend_, &update_backend_});
+        ExpertUpdater::Deps{"job", io_.get(), cache_.get(), layout_.get(), &config_,
+                            grad_pool_.get(), &backend_, &update_backend_});
   }
   void TearDown() override {
     updater_.reset();
@@ -207,20 +215,31 @@ class ExpertUpdaterTest : public ::testing::TestWithParam<Mode> {
     worker_.reset();
   }
 
+  // The weights blob of the fp32 expert at `w`: its bytes, or its bf16 form.
+  std::vector<uint8_t> Blob(const float* w) const {
+    std::vector<uint8_t> blob(blob_bytes_);
+    if (shape_.compute_dtype == ComputeDtype::kBf16) {
+      PackExpertBf16(w, shape_.channels, shape_.hidden, blob.data());
+    } else {
+      std::memcpy(blob.data(), w, blob_bytes_);
+    }
+    return blob;
+  }
+
   // What AdamWOptimizer::Apply makes of the committed state for `used` at step s.
   void ExpectLikeTheOptimizer(const std::vector<Expert>& used, int64_t s, double grad_norm) {
     compute::CpuBackend backend(1);
-    auto opt = model::AdamWOptimizer::Create(&backend, layout_, config_);
+    auto opt = model::AdamWOptimizer::Create(&backend, *layout_, config_);
     ASSERT_TRUE(opt.ok());
     std::vector<float> params = params_, grads = original_grads_;
     const size_t bytes = floats_ * sizeof(float);
     for (const Expert& x : all_) {
       const auto [l, e] = x;
-      const int64_t o = layout_.ExpertOffset(l, e);
+      const int64_t o = layout_->ExpertOffset(l, e);
       std::memcpy((*opt)->m() + o, io_->Get(v1::BLOB_KIND_ADAM_M, l, e, 0).data(), bytes);
       std::memcpy((*opt)->v() + o, io_->Get(v1::BLOB_KIND_ADAM_V, l, e, 0).data(), bytes);
       for (int t = 0; t < 4; ++t)
-        (*opt)->update_counts()[layout_.ExpertTensorIndex(l, e) + t] = kInitialCount;
+        (*opt)->update_counts()[layout_->ExpertTensorIndex(l, e) + t] = kInitialCount;
     }
     const model::HasGrad has_grad = [&](const model::ParamTensor& t) {
       return t.layer >= 0 &&
@@ -231,14 +250,15 @@ class ExpertUpdaterTest : public ::testing::TestWithParam<Mode> {
     for (const Expert& x : all_) {
       const auto [l, e] = x;
       const bool updated = std::find(used.begin(), used.end(), x) != used.end();
-      const std::vector<float> w = AsFloats(io_->Get(v1::BLOB_KIND_WEIGHTS, l, e, s));
+      const std::vector<uint8_t> w = io_->Get(v1::BLOB_KIND_WEIGHTS, l, e, s);
       if (!updated) {
         EXPECT_TRUE(w.empty()) << l << "/" << e << " was not used but written";
         continue;
       }
-      const int64_t o = layout_.ExpertOffset(l, e);
-      EXPECT_EQ(w, std::vector<float>(params.begin() + o, params.begin() + o + floats_));
-      EXPECT_EQ(AsFloats(io_->Get(v1::BLOB_KIND_MASTER, l, e, s)), w);
+      const int64_t o = layout_->ExpertOffset(l, e);
+      EXPECT_EQ(AsFloats(io_->Get(v1::BLOB_KIND_MASTER, l, e, s)),
+                std::vector<float>(params.begin() + o, params.begin() + o + floats_));
+      EXPECT_EQ(w, Blob(params.data() + o));
       EXPECT_EQ(AsFloats(io_->Get(v1::BLOB_KIND_ADAM_M, l, e, s)),
                 std::vector<float>((*opt)->m() + o, (*opt)->m() + o + floats_));
       EXPECT_EQ(AsFloats(io_->Get(v1::BLOB_KIND_ADAM_V, l, e, s)),
@@ -251,14 +271,16 @@ class ExpertUpdaterTest : public ::testing::TestWithParam<Mode> {
       // The cache holds the update too.
       absl::StatusOr<float*> cached = cache_->Acquire(x);
       ASSERT_TRUE(cached.ok());
-      EXPECT_EQ(std::vector<float>(*cached, *cached + floats_), w);
+      const auto* slot = reinterpret_cast<const uint8_t*>(*cached);
+      EXPECT_EQ(std::vector<uint8_t>(slot, slot + blob_bytes_), w);
       cache_->Release(x);
     }
   }
 
   static constexpr int kSlots = 4;
   model::ModelShape shape_ = Shape();
-  model::ParamLayout layout_{shape_};
+  std::unique_ptr<model::ParamLayout> layout_;
+  size_t blob_bytes_ = 0;
   model::OptimizerConfig config_;
   int64_t floats_ = 0;
   std::vector<float> params_, grads_, original_grads_;
@@ -307,12 +329,16 @@ TEST_P(ExpertUpdaterTest, UpdatesAsTheOptimizerDoesAndWritesEveryBlob) {
   ExpectLikeTheOptimizer(used, s, grad_norm);
 }
 
-INSTANTIATE_TEST_SUITE_P(Overlaps, ExpertUpdaterTest,
-                         ::testing::Values(Mode{0, false, false, ExpertUpdater::Overlap::kAll},
-                                           Mode{1, false, false, ExpertUpdater::Overlap::kBatches},
-                                           Mode{1, false, true, ExpertUpdater::Overlap::kBatches},
-                                           Mode{0, true, false, ExpertUpdater::Overlap::kNone},
-                                           Mode{1, true, false, ExpertUpdater::Overlap::kNone}));
+INSTANTIATE_TEST_SUITE_P(
+    Overlaps, ExpertUpdaterTest,
+    ::testing::Values(Mode{0, false, false, ExpertUpdater::Overlap::kAll},
+                      Mode{1, false, false, ExpertUpdater::Overlap::kBatches},
+                      Mode{1, false, true, ExpertUpdater::Overlap::kBatches},
+                      Mode{0, true, false, ExpertUpdater::Overlap::kNone},
+                      Mode{1, true, false, ExpertUpdater::Overlap::kNone},
+                      Mode{0, false, false, ExpertUpdater::Overlap::kAll, true},
+                      Mode{1, false, true, ExpertUpdater::Overlap::kBatches, true},
+                      Mode{1, true, false, ExpertUpdater::Overlap::kNone, true}));
 
 TEST_F(ExpertUpdaterTest, AFailedFetchEndsTheHandleWithItsErrorAndWritesNothing) {
   ASSERT_TRUE(updater_->SetUp(all_, PlanMoments(kSlots, /*resident=*/false)).ok());

@@ -38,7 +38,9 @@ struct MemoryInput {
   uint64_t cache_bytes = 0;   // the cache budget; used when memory_bytes is 0; 0: none
   uint64_t dense_bytes = 0;   // the dense state: 4 floats per dense parameter
   uint64_t activation_bytes = 0;
-  uint64_t expert_bytes = 0;  // one expert's parameters (a slot, a gradient, a moment)
+  uint64_t expert_bytes = 0;  // one expert's fp32 parameters (a gradient, a moment)
+  uint64_t slot_bytes = 0;    // one expert's weights blob (a cache slot); 0: expert_bytes
+  int moment_kinds = 2;       // fp32 buffers per expert updated: m and v (and a bf16 master)
   int owned = 0;              // experts computed here
   int updated = 0;            // experts updated here (their primary)
 };
@@ -56,7 +58,7 @@ struct MemoryPlan {
 };
 
 // FAILED_PRECONDITION, saying what does not fit, when memory_bytes cannot hold the dense
-// state, the activations and the smallest pools (2 slots, 2 gradients, 2 x 2 moments).
+// state, the activations and the smallest pools (2 slots, 2 gradients, 2 experts' moments).
 absl::StatusOr<MemoryPlan> PlanMemory(const MemoryInput& in);
 
 }  // namespace pith::runtime

@@ -60,6 +60,34 @@ TEST(MemoryPlanTest, NoBudgetOrACacheBudget) {
   EXPECT_EQ(cache->moments.ring, 4);
 }
 
+// A bf16 job: its cache slots hold the bf16 weights blob (about half an expert), its
+// update buffers the fp32 master beside both moments.
+TEST(MemoryPlanTest, Bf16SlotsAreSmallerAndTheMasterIsCounted) {
+  MemoryInput in = Input(1024);
+  in.memory_bytes = 16 << 20;
+  auto fp32 = PlanMemory(in);
+  ASSERT_TRUE(fp32.ok());
+  in.slot_bytes = in.expert_bytes / 2 + 64;
+  in.moment_kinds = 3;
+  auto bf16 = PlanMemory(in);
+  ASSERT_TRUE(bf16.ok()) << bf16.status();
+  EXPECT_LE(bf16->total(), in.memory_bytes);
+  EXPECT_GT(bf16->total(), in.memory_bytes * 9 / 10) << "the budget is used";
+  EXPECT_GT(bf16->cache_slots, fp32->cache_slots);
+  EXPECT_EQ(bf16->cache_bytes, bf16->cache_slots * in.slot_bytes);
+  EXPECT_EQ(bf16->moment_bytes, 3 * in.expert_bytes * bf16->moments.ring * bf16->moments.batch);
+
+  MemoryInput roomy = Input(16);
+  roomy.memory_bytes = 1ull << 30;
+  roomy.slot_bytes = roomy.expert_bytes / 2;
+  roomy.moment_kinds = 3;
+  auto resident = PlanMemory(roomy);
+  ASSERT_TRUE(resident.ok());
+  EXPECT_TRUE(resident->moments.resident);
+  EXPECT_EQ(resident->moment_bytes, 3u * 16 * (64 << 10));
+  EXPECT_EQ(resident->cache_bytes, 17u * (32 << 10));
+}
+
 TEST(MemoryPlanTest, ABudgetBelowTheDenseStateSaysWhy) {
   MemoryInput in = Input(16);
   in.memory_bytes = 5 << 20;

@@ -86,6 +86,23 @@ void StoreIo::SetRegion(Region region, const uint8_t* data, size_t bytes, ucp_me
   regions_[region] = {data, bytes, memh};
 }
 
+absl::Status StoreIo::PutParams(const std::vector<std::string>& stores, int layer, int expert,
+                                const std::string& tensor, int64_t version, const float* w,
+                                const float* m, const float* v, size_t bytes, PutQueue& queue,
+                                const void* blob, size_t blob_bytes) {
+  const auto key = [&](v1::BlobKind kind) {
+    return BlobKeyOf(job_id_, layer, expert, tensor, kind);
+  };
+  RETURN_IF_ERROR(Put(stores, key(v1::BLOB_KIND_WEIGHTS), version, blob != nullptr ? blob : w,
+                      blob != nullptr ? blob_bytes : bytes, queue));
+  for (const auto& [kind, data] :
+       {std::pair{v1::BLOB_KIND_MASTER, w}, std::pair{v1::BLOB_KIND_ADAM_M, m},
+        std::pair{v1::BLOB_KIND_ADAM_V, v}}) {
+    RETURN_IF_ERROR(Put(stores, key(kind), version, data, bytes, queue));
+  }
+  return absl::OkStatus();
+}
+
 absl::Status StoreIo::Put(const std::vector<std::string>& stores, const v1::BlobKey& key,
                           int64_t version, const void* data, size_t bytes, PutQueue& queue) {
   if (stores.empty()) return absl::FailedPreconditionError("a group has no store");

@@ -108,6 +108,13 @@ class StoreIo : public BlobIo {
                      const std::function<void(const absl::Status&)>& buffers_free) override
       ABSL_LOCKS_EXCLUDED(mu_);
   absl::Status Flush(PutQueue& queue) { return Flush(queue, nullptr); }
+  // Queues the four versions (weights, master, moments) of the expert (layer, expert) or
+  // dense `tensor` (layer -1) for `stores`: the weights are `blob` (`blob_bytes`: a bf16
+  // expert's form, common/bf16.h) when given, else the fp32 master `w` itself.
+  absl::Status PutParams(const std::vector<std::string>& stores, int layer, int expert,
+                         const std::string& tensor, int64_t version, const float* w, const float* m,
+                         const float* v, size_t bytes, PutQueue& queue, const void* blob = nullptr,
+                         size_t blob_bytes = 0) ABSL_LOCKS_EXCLUDED(mu_);
   int64_t PendingVersion(StoreGroup expert) override ABSL_LOCKS_EXCLUDED(mu_);
   absl::StatusOr<std::unique_ptr<ucx::MemoryRegion>> AllocateBuffer(size_t bytes) override {
     return client_->AllocateBuffer(bytes);
