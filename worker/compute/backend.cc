@@ -59,6 +59,11 @@ HostFp32Experts::HostFp32Experts(absl::Span<const ExpertWeights> experts, int ch
   }
 }
 
+absl::StatusOr<std::unique_ptr<SlotMirror>> Backend::MakeSlotMirror(size_t, int, void*, size_t) {
+  return absl::UnimplementedError(
+      absl::StrCat("the ", name(), " backend reads host memory: it needs no slot mirror"));
+}
+
 absl::Status Backend::SetComputeDtype(ComputeDtype dtype) {
   if (dtype == ComputeDtype::kFp32) return absl::OkStatus();
   return absl::InvalidArgumentError(

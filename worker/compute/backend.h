@@ -123,6 +123,29 @@ struct ExpertGrads {
   float* b2;
 };
 
+// Device copies of a host expert cache's slots, on a backend whose memory the host cannot
+// read (DESIGN §2): slot i's bytes are uploaded when they change and stay on the device
+// while they do not. An upload runs beside the backend's ops (on a GPU: on a copy stream
+// of its own), ordered before the ops that Use the slot and after those that read it
+// before its Release.
+//
+// Thread safety: the backend's thread only.
+class SlotMirror {
+ public:
+  virtual ~SlotMirror() = default;
+  // Starts copying `bytes` from `host` (inside the registered range given at creation)
+  // into device slot i. `host` must stay unchanged until WaitUploads returns.
+  virtual absl::Status Upload(int i, const void* host, size_t bytes) = 0;
+  // Device slot i; the backend's later ops see its last upload.
+  virtual absl::StatusOr<const void*> Use(int i) = 0;
+  // The backend's ops issued so far are the last to read slot i before its next upload.
+  virtual absl::Status Release(int i) = 0;
+  // Waits on the host until every upload issued so far is done (its host bytes free).
+  virtual absl::Status WaitUploads() = 0;
+  // Uploads issued since creation.
+  virtual uint64_t uploads() const = 0;
+};
+
 class Backend {
  public:
   virtual ~Backend() = default;
@@ -136,6 +159,10 @@ class Backend {
   // Zero-filled device memory. RESOURCE_EXHAUSTED when there is none.
   virtual absl::StatusOr<DeviceBuffer> Allocate(size_t bytes) = 0;
   virtual absl::Status CopyToDevice(void* dst, const void* src, size_t bytes) = 0;
+  // `slots` device slots of `slot_bytes` mirroring host slots at [host, host + host_bytes)
+  // (a non-host-addressable backend's; UNIMPLEMENTED elsewhere).
+  virtual absl::StatusOr<std::unique_ptr<SlotMirror>> MakeSlotMirror(size_t slot_bytes, int slots,
+                                                                     void* host, size_t host_bytes);
   virtual absl::Status CopyToHost(void* dst, const void* src, size_t bytes) = 0;
   virtual void Zero(void* dst, size_t bytes) = 0;
   // Waits for every op issued so far; reports an asynchronous failure.

@@ -3,12 +3,17 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <memory>
+#include <utility>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "common/status.h"
 
 namespace pith::compute {
 
@@ -79,6 +84,79 @@ absl::Status OpaqueBackend::CopyToHost(void* dst, const void* src, size_t bytes)
   Open open(this);
   if (bytes > 0) std::memcpy(dst, src, bytes);
   return absl::OkStatus();
+}
+
+namespace {
+
+class OpaqueSlotMirror final : public SlotMirror {
+ public:
+  OpaqueSlotMirror(OpaqueBackend* backend, DeviceBuffer arena, size_t slot_bytes, int slots,
+                   const void* host, size_t host_bytes)
+      : backend_(backend),
+        arena_(std::move(arena)),
+        slot_bytes_(slot_bytes),
+        host_(static_cast<const uint8_t*>(host)),
+        host_bytes_(host_bytes),
+        pending_(slots) {}
+
+  // The copy lands at once, but the host bytes are held to the contract: unchanged until
+  // WaitUploads, which aborts (naming it) when they changed, as a DMA still reading them
+  // would have copied other bytes.
+  absl::Status Upload(int i, const void* host, size_t bytes) override {
+    const auto* p = static_cast<const uint8_t*>(host);
+    if (i < 0 || i >= static_cast<int>(pending_.size()) || bytes > slot_bytes_ || p < host_ ||
+        p + bytes > host_ + host_bytes_) {
+      return absl::InvalidArgumentError("slot mirror: upload outside its slots");
+    }
+    pending_[i] = {p, std::vector<uint8_t>(p, p + bytes)};
+    ++uploads_;
+    return backend_->CopyToDevice(Slot(i), p, bytes);
+  }
+  absl::StatusOr<const void*> Use(int i) override {
+    if (i < 0 || i >= static_cast<int>(pending_.size())) {
+      return absl::InvalidArgumentError("slot mirror: no such slot");
+    }
+    return static_cast<const void*>(Slot(i));
+  }
+  absl::Status Release(int) override { return absl::OkStatus(); }
+  absl::Status WaitUploads() override {
+    for (auto& [from, bytes] : pending_) {
+      if (from != nullptr && !std::equal(bytes.begin(), bytes.end(), from)) {
+        std::fprintf(stderr,
+                     "opaque backend: a slot's host bytes changed before its upload was "
+                     "waited for\n");
+        std::abort();
+      }
+      from = nullptr;
+    }
+    return absl::OkStatus();
+  }
+  uint64_t uploads() const override { return uploads_; }
+
+ private:
+  uint8_t* Slot(int i) const { return static_cast<uint8_t*>(arena_.data()) + slot_bytes_ * i; }
+
+  OpaqueBackend* backend_;
+  DeviceBuffer arena_;
+  size_t slot_bytes_;
+  const uint8_t* host_;
+  size_t host_bytes_;
+  // [slot]: an upload not waited for, and the bytes it copied.
+  std::vector<std::pair<const uint8_t*, std::vector<uint8_t>>> pending_;
+  uint64_t uploads_ = 0;
+};
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<SlotMirror>> OpaqueBackend::MakeSlotMirror(size_t slot_bytes,
+                                                                          int slots, void* host,
+                                                                          size_t host_bytes) {
+  if (slots <= 0 || slot_bytes == 0) {
+    return absl::InvalidArgumentError("slot mirror: no slots");
+  }
+  ASSIGN_OR_RETURN(DeviceBuffer arena, Allocate(slot_bytes * slots));
+  return std::unique_ptr<SlotMirror>(
+      new OpaqueSlotMirror(this, std::move(arena), slot_bytes, slots, host, host_bytes));
 }
 
 void OpaqueBackend::Zero(void* dst, size_t bytes) {

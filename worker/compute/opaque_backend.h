@@ -37,6 +37,11 @@ class OpaqueBackend final : public Backend {
   absl::StatusOr<DeviceBuffer> Allocate(size_t bytes) override;
   absl::Status CopyToDevice(void* dst, const void* src, size_t bytes) override;
   absl::Status CopyToHost(void* dst, const void* src, size_t bytes) override;
+  // Its uploads copy at once but check at WaitUploads that the host bytes did not change
+  // meanwhile (aborting, naming it), as a GPU's copy stream may read them late.
+  absl::StatusOr<std::unique_ptr<SlotMirror>> MakeSlotMirror(size_t slot_bytes, int slots,
+                                                             void* host,
+                                                             size_t host_bytes) override;
   void Zero(void* dst, size_t bytes) override;
   absl::Status Synchronize() override { return absl::OkStatus(); }
   absl::Status SetComputeDtype(ComputeDtype dtype) override {

@@ -10,6 +10,7 @@
 #include "worker/compute/adamw.h"
 #include "worker/cuda/cuda_backend.h"
 #include "worker/cuda/cuda_kernels.cuh"
+#include "worker/cuda/device_slots.h"
 
 namespace pith::cuda {
 namespace {
@@ -209,6 +210,11 @@ absl::Status CudaBackend::CopyToHost(void* dst, const void* src, size_t bytes) {
   if (!Ready()) return error_;
   CheckCuda(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToHost, S(stream_)), "CopyToHost");
   return Synchronize();
+}
+
+absl::StatusOr<std::unique_ptr<compute::SlotMirror>> CudaBackend::MakeSlotMirror(
+    size_t slot_bytes, int slots, void* host, size_t host_bytes) {
+  return MakeCudaSlotMirror(device_, stream_, slot_bytes, slots, host, host_bytes);
 }
 
 void CudaBackend::Zero(void* dst, size_t bytes) {

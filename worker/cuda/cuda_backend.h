@@ -60,6 +60,10 @@ class CudaBackend final : public compute::Backend {
   absl::StatusOr<compute::DeviceBuffer> Allocate(size_t bytes) override;
   absl::Status CopyToDevice(void* dst, const void* src, size_t bytes) override;
   absl::Status CopyToHost(void* dst, const void* src, size_t bytes) override;
+  // DeviceSlots on this backend's device, its uploads ordered before this stream's ops.
+  absl::StatusOr<std::unique_ptr<compute::SlotMirror>> MakeSlotMirror(size_t slot_bytes, int slots,
+                                                                      void* host,
+                                                                      size_t host_bytes) override;
   void Zero(void* dst, size_t bytes) override;
   absl::Status Synchronize() override;
 

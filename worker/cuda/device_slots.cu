@@ -1,6 +1,7 @@
 // DeviceSlots: see device_slots.h.
 #include <cuda_runtime.h>
 
+#include <cstdio>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -115,6 +116,45 @@ absl::Status DeviceSlots::Release(int i, CUstream_st* compute) {
   }
   if (absl::Status st = Check(cudaSetDevice(device_), "cudaSetDevice"); !st.ok()) return st;
   return Check(cudaEventRecord(events_[slots() + i], compute), "Release (cudaEventRecord)");
+}
+
+namespace {
+
+class CudaSlotMirror final : public compute::SlotMirror {
+ public:
+  CudaSlotMirror(std::unique_ptr<DeviceSlots> slots, CUstream_st* compute)
+      : slots_(std::move(slots)), compute_(compute) {}
+  absl::Status Upload(int i, const void* host, size_t bytes) override {
+    ++uploads_;
+    return slots_->Upload(i, host, bytes);
+  }
+  absl::StatusOr<const void*> Use(int i) override {
+    if (absl::Status st = slots_->MakeVisible(i, compute_); !st.ok()) return st;
+    return static_cast<const void*>(slots_->slot(i));
+  }
+  absl::Status Release(int i) override { return slots_->Release(i, compute_); }
+  absl::Status WaitUploads() override { return slots_->Wait(); }
+  uint64_t uploads() const override { return uploads_; }
+
+ private:
+  std::unique_ptr<DeviceSlots> slots_;
+  CUstream_st* compute_;
+  uint64_t uploads_ = 0;
+};
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<compute::SlotMirror>> MakeCudaSlotMirror(
+    int device, CUstream_st* compute, size_t slot_bytes, int slots, void* host, size_t host_bytes) {
+  absl::StatusOr<std::unique_ptr<DeviceSlots>> made =
+      DeviceSlots::Create(device, slot_bytes, slots);
+  if (!made.ok()) return made.status();
+  if (absl::Status st = (*made)->RegisterStaging(host, host_bytes); !st.ok()) {
+    // No glog in the GPU-only build: one line on stderr, as glog's warnings go there too.
+    std::fprintf(stderr, "W expert cache: the host slots stay pageable for the device copies: %s\n",
+                 st.ToString().c_str());
+  }
+  return std::unique_ptr<compute::SlotMirror>(new CudaSlotMirror(std::move(*made), compute));
 }
 
 absl::Status DeviceSlots::Wait() {

@@ -22,6 +22,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "worker/compute/backend.h"
 
 struct CUstream_st;
 struct CUevent_st;
@@ -71,6 +72,13 @@ class DeviceSlots {
   std::vector<CUevent_st*> events_;  // [slot]: its last upload; [slots + slot]: its release
   std::vector<void*> registered_;    // host ranges this object page-locked
 };
+
+// The cluster worker's device copies of its cache slots (compute::SlotMirror) on
+// DeviceSlots: uploads on the copy stream, made visible to and released after `compute`
+// (the CUDA backend's stream). The host slots are page-locked for the copies where CUDA
+// allows it (else the copies go through the driver's staging, slower, with a warning).
+absl::StatusOr<std::unique_ptr<compute::SlotMirror>> MakeCudaSlotMirror(
+    int device, CUstream_st* compute, size_t slot_bytes, int slots, void* host, size_t host_bytes);
 
 }  // namespace pith::cuda
 

@@ -70,6 +70,7 @@ class JobRun : public StepDriver {
   ~JobRun() override {
     (void)writes_.Wait();
     watch_.reset();
+    dispatch_.reset();  // its device copies of the cache's slots go before the slots do
   }
 
   // Trains until the job ends or the assignment changes (OK: fetch it again), or a

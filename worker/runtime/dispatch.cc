@@ -79,6 +79,12 @@ Dispatch::Dispatch(compute::Backend* backend, model::MoeGpt* model, PeerGroup* p
   for (auto& layer : inbound_) layer.resize(peers_->world());
 }
 
+Dispatch::~Dispatch() {
+  // The host slots (the cache's, maybe gone) are not released here: only no copy may
+  // still be reading them.
+  if (mirror_ != nullptr) (void)mirror_->WaitUploads();
+}
+
 absl::Status Dispatch::Fit(compute::DeviceBuffer& buf, int64_t floats) {
   const size_t bytes = std::max<int64_t>(floats, 1) * sizeof(float);
   if (buf.bytes() >= bytes) return absl::OkStatus();
@@ -312,6 +318,8 @@ absl::StatusOr<std::pair<int, compute::ExpertWeights>> Dispatch::NextWeights(
     experts.erase(experts.begin());
     return std::make_pair(e, model_->expert_weights(layer)[e]);
   }
+  // The last expert's host slot is free once its upload is (its compute may go on).
+  RETURN_IF_ERROR(SettleUploads());
   ASSIGN_OR_RETURN(const auto taken, cache_->AcquireAny(experts));
   auto [pick, w] = taken;
   const int layer = experts[pick].first, e = experts[pick].second;
@@ -319,22 +327,58 @@ absl::StatusOr<std::pair<int, compute::ExpertWeights>> Dispatch::NextWeights(
   const model::ModelShape& s = model_->shape();
   // The slot holds the expert's weights blob: fp32, or a bf16 job's bf16 form.
   const void* blob = w;
-  if (staged_) {  // the slot's bytes into the device buffer (the last expert's is done)
-    const int64_t bytes = s.expert_blob_bytes();
-    absl::Status st = Fit(weights_dev_, (bytes + 3) / 4);
-    if (st.ok()) st = backend_->CopyToDevice(weights_dev_.data(), blob, bytes);
-    if (!st.ok()) {
-      Done(layer, e);
-      return st;
+  if (staged_) {
+    absl::StatusOr<const void*> on_device = DeviceCopy(layer, e, w);
+    if (!on_device.ok()) {
+      (void)Done(layer, e);
+      return on_device.status();
     }
-    blob = weights_dev_.data();
+    blob = *on_device;
   }
   return std::make_pair(e, compute::ExpertWeightsAt(blob, s.compute_dtype == ComputeDtype::kBf16,
                                                     s.channels, s.hidden));
 }
 
-void Dispatch::Done(int layer, int expert) {
-  if (cache_ != nullptr) cache_->Release({layer, expert});
+absl::StatusOr<const void*> Dispatch::DeviceCopy(int layer, int expert, const void* host) {
+  const size_t bytes = cache_->slot_bytes();
+  if (mirror_ == nullptr) {
+    ASSIGN_OR_RETURN(mirror_, backend_->MakeSlotMirror(bytes, cache_->slots(), cache_->memory(),
+                                                       bytes * cache_->slots()));
+    mirrored_.assign(cache_->slots(), 0);
+  }
+  const int slot = cache_->SlotOf(host);
+  const uint64_t generation = cache_->Generation({layer, expert});
+  current_slot_ = slot;
+  current_uploaded_ = mirrored_[slot] != generation || generation == 0;
+  if (current_uploaded_) {
+    mirrored_[slot] = 0;  // until the upload is issued
+    RETURN_IF_ERROR(mirror_->Upload(slot, host, bytes));
+    mirrored_[slot] = generation;
+  }
+  return mirror_->Use(slot);
+}
+
+absl::Status Dispatch::Done(int layer, int expert) {
+  if (cache_ == nullptr) return absl::OkStatus();
+  absl::Status st;
+  if (current_slot_ >= 0) {
+    st = mirror_->Release(current_slot_);
+    current_slot_ = -1;
+    if (current_uploaded_) {  // released once the upload is done (SettleUploads)
+      unpin_after_upload_.push_back({layer, expert});
+      return st;
+    }
+  }
+  cache_->Release({layer, expert});
+  return st;
+}
+
+absl::Status Dispatch::SettleUploads() {
+  if (unpin_after_upload_.empty()) return absl::OkStatus();
+  const absl::Status st = mirror_->WaitUploads();
+  for (const ExpertCache::Expert& x : unpin_after_upload_) cache_->Release(x);
+  unpin_after_upload_.clear();
+  return st;
 }
 
 absl::Status Dispatch::BeforeBackward() {
@@ -428,10 +472,14 @@ absl::Status Dispatch::Forward(int layer, float* y, float* hpre, float* h, const
                               At(in, &Inbound::x, &Inbound::Device::x) + o * C, bucket, one_expert,
                               C, F);
     }
-    absl::Status synced = backend_->Synchronize();
-    Done(layer, e);
+    // The weights stay valid while the backend reads them: the host slot (a host backend
+    // reads it in place) until it is done; a device copy until the next upload into it,
+    // which waits for these ops on the device.
+    absl::Status synced = mirror_ == nullptr ? backend_->Synchronize() : absl::OkStatus();
+    synced.Update(Done(layer, e));
     RETURN_IF_ERROR(synced);
   }
+  RETURN_IF_ERROR(SettleUploads());
   return ReturnResults(layer, kForwardOut, &Inbound::out, &Inbound::Device::out, C, offsets, y);
 }
 
@@ -487,7 +535,7 @@ absl::Status Dispatch::Backward(int layer, float* dxperm, float* dh, const float
     const absl::Span<const compute::ExpertWeights> one_expert(&w, 1);
     absl::StatusOr<compute::ExpertGrads> opened = GradsOf(layer, e);
     if (!opened.ok()) {
-      Done(layer, e);
+      (void)Done(layer, e);
       return opened.status();
     }
     const absl::Span<const compute::ExpertGrads> grads(&*opened, 1);
@@ -514,9 +562,10 @@ absl::Status Dispatch::Backward(int layer, float* dxperm, float* dh, const float
     }
     absl::Status synced = backend_->Synchronize();
     synced.Update(GradsDone(layer, e));
-    Done(layer, e);
+    synced.Update(Done(layer, e));
     RETURN_IF_ERROR(synced);
   }
+  RETURN_IF_ERROR(SettleUploads());
   return ReturnResults(layer, kBackwardDx, &Inbound::dx, &Inbound::Device::dx, C, offsets, dxperm);
 }
 

@@ -16,8 +16,11 @@
 // same steps run through copies: the rows sent to peers are read back to the host, the
 // rows peers send are computed in device buffers kept from forward to backward, results
 // go back through host copies, and experts' weights and gradients that live in host
-// memory (the cache's slots, the gradient pool) pass through one device buffer each.
-// The copies are synchronous: correctness first (DESIGN §2 says what replaces them).
+// memory (the gradient pool) pass through one device buffer, by synchronous copies. The
+// cache's slots have device copies (the backend's SlotMirror): a slot is uploaded when its
+// bytes changed since its last upload (Generation), on the device's copy stream beside
+// the compute, and the host slot stays pinned until that upload is done (the next
+// expert's turn, or the end of the layer's phase).
 //
 // Thread safety: one thread (the training loop) at a time.
 #ifndef PITH_WORKER_RUNTIME_DISPATCH_H_
@@ -25,6 +28,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <memory>
 #include <utility>
 #include <vector>
 
@@ -62,6 +66,9 @@ class Dispatch final : public model::ExpertParallel {
   // by share (contiguous parts, in the listed order). None of the pointers is owned.
   Dispatch(compute::Backend* backend, model::MoeGpt* model, PeerGroup* peers,
            std::vector<std::vector<ExpertOwners>> owners);
+  ~Dispatch() override;  // waits for the slot uploads in flight
+  // Uploads of cache slots to the device so far (a staged backend's; 0 elsewhere).
+  uint64_t slot_uploads() const { return mirror_ != nullptr ? mirror_->uploads() : 0; }
 
   // Takes the owned experts' weights from `cache` (not owned) instead of the model's
   // arena; null: the arena.
@@ -126,8 +133,13 @@ class Dispatch final : public model::ExpertParallel {
   // math), the first without a cache.
   absl::StatusOr<std::pair<int, compute::ExpertWeights>> NextWeights(
       std::vector<ExpertCache::Expert>& experts);
-  // Releases an owned expert's weights after its compute.
-  void Done(int layer, int expert);
+  // Releases an owned expert's weights after its compute (its host slot, once its upload
+  // is done: SettleUploads).
+  absl::Status Done(int layer, int expert);
+  // Releases the host slots whose uploads were pending, once they are done.
+  absl::Status SettleUploads();
+  // The device copy of the acquired expert's slot at `host` (uploaded unless current).
+  absl::StatusOr<const void*> DeviceCopy(int layer, int expert, const void* host);
   // Where expert e of `layer`'s gradient accumulates: its pool buffer (opened; closed by
   // GradsDone) or the model's arena.
   absl::StatusOr<compute::ExpertGrads> GradsOf(int layer, int expert);
@@ -171,7 +183,15 @@ class Dispatch final : public model::ExpertParallel {
   bool staged_ = false;
   std::vector<float> host_rows_;      // SendBuckets' rows, read back
   std::vector<int32_t> host_tokens_;  // and their tokens
-  compute::DeviceBuffer weights_dev_, grads_dev_;
+  compute::DeviceBuffer grads_dev_;
+  // The cache slots' device copies (made at the first staged acquire), the slot
+  // generation each holds (0: none), the slot of the expert computing now and whether it
+  // was uploaded for it, and the experts whose host slots wait for their uploads.
+  std::unique_ptr<compute::SlotMirror> mirror_;
+  std::vector<uint64_t> mirrored_;
+  int current_slot_ = -1;
+  bool current_uploaded_ = false;
+  std::vector<ExpertCache::Expert> unpin_after_upload_;
   float* grads_host_ = nullptr;  // the pool buffer grads_dev_ goes back to
 };
 

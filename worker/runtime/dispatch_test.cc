@@ -5,12 +5,14 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <memory>
 #include <random>
 #include <thread>
 #include <vector>
 
+#include "common/ucx.h"
 #include "gtest/gtest.h"
 #include "worker/compute/cpu_backend.h"
 #include "worker/compute/opaque_backend.h"
@@ -69,6 +71,7 @@ struct Result {
   std::vector<float> grads;  // summed over the workers
   std::vector<bool> used;
   int64_t rows_sent = 0, assignments_sent = 0;  // over the workers' forward passes
+  std::vector<uint64_t> uploads;                // rank 0's slot uploads after each step
 };
 
 constexpr int kRows = 6;
@@ -121,6 +124,8 @@ std::vector<float> Read(compute::Backend& b, const float* p, int64_t n) {
 struct Setup {
   bool opaque = false;
   bool pool = false;
+  int cache_slots = 0;  // > 0: the owned experts' weights through a cache of these slots
+  int steps = 1;        // more: the same step again (the result is the first's)
 };
 
 Result Parallel(const model::ModelShape& s, int W = 2, bool replicated = false, Setup setup = {}) {
@@ -155,7 +160,31 @@ Result Parallel(const model::ModelShape& s, int W = 2, bool replicated = false, 
         status[rank] = absl::InternalError("model");
         return;
       }
+      // The cache's host slots fill from a host copy of the model's experts.
+      std::vector<float> host_experts;
+      std::unique_ptr<ucx::Worker> ucx_worker;
+      std::unique_ptr<ExpertCache> cache;
+      if (setup.cache_slots > 0) {
+        const int64_t floats = s.expert_floats();
+        host_experts = Read(backend, (*m)->params() + (*m)->layout().ExpertOffset(0, 0),
+                            s.layers * s.experts * floats);
+        ucx_worker = *ucx::Worker::Create();
+        auto memory = ucx_worker->Allocate(setup.cache_slots * floats * sizeof(float));
+        ASSERT_TRUE(memory.ok()) << memory.status();
+        auto made_cache = ExpertCache::Create(
+            std::move(*memory), floats * sizeof(float), setup.cache_slots,
+            [&](absl::Span<ExpertCache::FetchRequest> requests, size_t size, ucp_mem_h) {
+              for (ExpertCache::FetchRequest& r : requests) {
+                const int64_t at = (r.expert.first * s.experts + r.expert.second) * floats;
+                std::memcpy(r.dst, host_experts.data() + at, size);
+              }
+              return absl::OkStatus();
+            });
+        ASSERT_TRUE(made_cache.ok()) << made_cache.status();
+        cache = std::move(*made_cache);
+      }
       Dispatch dispatch(&backend, m->get(), peers[rank].get(), owner);
+      dispatch.SetCache(cache.get());
       std::unique_ptr<GradPool> pool;
       if (setup.pool) {
         auto made_pool =
@@ -175,6 +204,14 @@ Result Parallel(const model::ModelShape& s, int W = 2, bool replicated = false, 
       status[rank] = loss.status();
       if (!loss.ok()) return;
       losses[rank] = *loss;
+      if (rank == 0) r.uploads.push_back(dispatch.slot_uploads());
+      for (int step = 2; step <= setup.steps; ++step) {
+        dispatch.SetStep(step);
+        const auto again = (*m)->ForwardBackward(my_in.data(), my_tgt.data(), kRows);
+        ASSERT_TRUE(again.ok()) << again.status();
+        EXPECT_EQ(again->loss, loss->loss);
+        if (rank == 0) r.uploads.push_back(dispatch.slot_uploads());
+      }
       sent[rank] = {dispatch.rows_sent(), dispatch.assignments_sent()};
       grads[rank] = Read(backend, (*m)->grads(), (*m)->layout().total_floats());
       for (int l = 0; pool != nullptr && l < s.layers; ++l) {  // the pool's, in their places
@@ -238,6 +275,35 @@ TEST(DispatchTest, ABackendTheHostCannotReadComputesTheSameBits) {
       EXPECT_EQ(opaque.grads, plain.grads);
       EXPECT_EQ(opaque.rows_sent, plain.rows_sent);
       if (pool) ExpectSameAs(Alone(s), opaque);
+    }
+  }
+}
+
+// The experts' weights through a cache, on a backend the host cannot read: each slot has a
+// device copy, uploaded when the slot's bytes change. The same bits as on the CPU; with a
+// slot for every expert computed each is uploaded once (the backward and the next step
+// reuse it), with 2 slots they turn over and go up again.
+TEST(DispatchTest, CacheSlotsGoToTheDeviceWhenTheyChangeOnly) {
+  const model::ModelShape s = Shape();
+  for (int slots : {5, 2}) {  // rank 0 computes 4 experts (Owners(false))
+    SCOPED_TRACE(::testing::Message() << slots << " slots");
+    const ::pith::runtime::Setup cpu{
+        .opaque = false, .pool = true, .cache_slots = slots, .steps = 2};
+    ::pith::runtime::Setup device = cpu;
+    device.opaque = true;
+    const Result plain = Parallel(s, 2, false, cpu);
+    const Result opaque = Parallel(s, 2, false, device);
+    EXPECT_EQ(opaque.loss.loss, plain.loss.loss);
+    EXPECT_EQ(opaque.grads, plain.grads);
+    ExpectSameAs(Alone(s), opaque);
+    EXPECT_EQ(plain.uploads, std::vector<uint64_t>({0, 0}));
+    ASSERT_EQ(opaque.uploads.size(), 2u);
+    EXPECT_GT(opaque.uploads[0], 0u);
+    if (slots == 5) {
+      EXPECT_LE(opaque.uploads[0], 4u);
+      EXPECT_EQ(opaque.uploads[1], opaque.uploads[0]) << "the second step uploaded again";
+    } else {
+      EXPECT_GT(opaque.uploads[1], opaque.uploads[0]);
     }
   }
 }

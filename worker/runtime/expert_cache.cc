@@ -228,8 +228,15 @@ bool ExpertCache::LandLocked(int victim, Expert expert, const absl::Status& stat
     return false;
   }
   s.valid = true;
+  s.generation = ++generations_;
   stats_.bytes_fetched += slot_bytes_;
   return true;
+}
+
+uint64_t ExpertCache::Generation(Expert expert) {
+  absl::MutexLock lock(&mu_);
+  auto it = index_.find(expert);
+  return it == index_.end() || !slots_[it->second].valid ? 0 : slots_[it->second].generation;
 }
 
 absl::StatusOr<bool> ExpertCache::FillLocked(int victim, Expert expert, int pins) {
@@ -290,6 +297,8 @@ void ExpertCache::BeginUpdates(absl::Span<const Expert> experts) {
 void ExpertCache::Updated(Expert expert) {
   absl::MutexLock lock(&mu_);
   updating_.erase(expert);
+  auto it = index_.find(expert);  // its bytes changed in place
+  if (it != index_.end()) slots_[it->second].generation = ++generations_;
 }
 
 void ExpertCache::EndUpdates(const absl::Status& status) {

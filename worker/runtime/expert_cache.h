@@ -67,6 +67,16 @@ class ExpertCache {
 
   int slots() const { return slot_count_; }
   size_t slot_bytes() const { return slot_bytes_; }
+  // The slots' memory (slots * slot_bytes bytes), and the slot an acquired pointer is in.
+  uint8_t* memory() const { return memory_->data(); }
+  int SlotOf(const void* weights) const {
+    return static_cast<int>((static_cast<const uint8_t*>(weights) - memory_->data()) /
+                            static_cast<std::ptrdiff_t>(slot_bytes_));
+  }
+  // A number that changes whenever the bytes of the slot holding `expert` do (a fetch
+  // landed, an update applied): the same number, the same bytes. Stable while the expert
+  // is pinned by the caller; 0 when it is not resident.
+  uint64_t Generation(Expert expert);
 
   // The weights of `expert`, fetched on a miss (waiting for a prefetch in flight); pinned
   // until Release. RESOURCE_EXHAUSTED when every slot stays pinned for the pinned wait.
@@ -124,7 +134,8 @@ class ExpertCache {
     bool prefetched = false;  // filled by the prefetcher, not acquired since
     int pins = 0;
     uint64_t last_use = 0;
-    bool stale = false;  // invalidated while a fetch was filling it: discard the result
+    bool stale = false;       // invalidated while a fetch was filling it: discard the result
+    uint64_t generation = 0;  // Generation(): set as its bytes change
   };
   ExpertCache() = default;
   // A slot to reuse: free, or the least recently used unpinned one not scheduled soon.
@@ -170,6 +181,7 @@ class ExpertCache {
   std::vector<Expert> schedule_ ABSL_GUARDED_BY(mu_);
   size_t cursor_ ABSL_GUARDED_BY(mu_) = 0;  // next schedule entry the consumer acquires
   uint64_t clock_ ABSL_GUARDED_BY(mu_) = 0;
+  uint64_t generations_ ABSL_GUARDED_BY(mu_) = 0;   // the last slot generation handed out
   std::set<Expert> updating_ ABSL_GUARDED_BY(mu_);  // updates in flight (BeginUpdates)
   absl::Status updates_failed_ ABSL_GUARDED_BY(mu_);
   Stats stats_ ABSL_GUARDED_BY(mu_);
