@@ -83,6 +83,7 @@ for shape in qwen3-30b-a3b deepseek-v2-lite; do
       for (i = 1; i <= NF; ++i) if ($i == "ms") t = $(i - 1)
       if ($4 == "fp32") pith32 = t
       if ($4 == "bf16") pith16 = t
+      if ($4 == "bf16_blobs") blobs = t
     }
     $1 == "torch_moe" && $2 == s && $5 == "ms" {
       if ($3 == "loop_fp32") fp32 = $4
@@ -93,8 +94,11 @@ for shape in qwen3-30b-a3b deepseek-v2-lite; do
         print "moe_layer_vs_torch " s ": missing a figure"; exit
       }
       printf "moe_layer_vs_torch %s pith fp32 %.2f ms vs torch loop_fp32 %.2f ms (x%.2f); " \
-             "pith bf16 %.2f ms vs torch best %s %.2f ms (x%.2f; target >= 1.5)\n", s, pith32,
+             "pith bf16 %.2f ms vs torch best %s %.2f ms (x%.2f; target >= 1.5)", s, pith32,
              fp32, fp32 / pith32, pith16, variant, best, best / pith16
+      if (blobs != "") printf "; from bf16 weights blobs (a cluster worker) %.2f ms (x%.2f)", \
+                              blobs, best / blobs
+      printf "\n"
     }' "$out/bench.log" "$out/torch.log" | tee -a "$out/torch.log"
 done
 

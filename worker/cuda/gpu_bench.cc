@@ -35,6 +35,7 @@
 #include <utility>
 #include <vector>
 
+#include "common/bf16.h"
 #include "worker/cuda/cuda_backend.h"
 #include "worker/cuda/device_slots.h"
 
@@ -331,11 +332,38 @@ class Marks {
   std::string parts_;
 };
 
+// The bf16 weights blobs of the fp32 experts at `w` (random biases) in `memory`, and `ws`
+// pointing at them; false after saying why not.
+bool BlobWeights(CudaBackend& b, const Shape& s, const float* w,
+                 absl::StatusOr<compute::DeviceBuffer>& memory,
+                 std::vector<compute::ExpertWeights>& ws) {
+  const int C = s.channels, F = s.hidden, E = s.experts;
+  const Bf16ExpertLayout at(C, F);
+  const int64_t expert_floats = 2 * int64_t{C} * F + F + C;
+  memory = b.Allocate(at.bytes * E);
+  if (!AllOk(s.name, {&memory}) || !Fill(b, memory->f32(), at.bytes * E / 4, 0.02f)) return false;
+  auto* base = static_cast<uint8_t*>(memory->data());
+  for (int e = 0; e < E; ++e) {
+    uint8_t* blob = base + at.bytes * e;
+    const float* master = w + e * expert_floats;
+    b.ToBf16(blob + at.w1, master, int64_t{C} * F);
+    b.ToBf16(blob + at.w2, master + int64_t{C} * F + F, int64_t{F} * C);
+    ws[e] = compute::ExpertWeightsAt(blob, true, C, F);
+  }
+  if (!b.Synchronize().ok()) {
+    std::fprintf(stderr, "%s blobs: %s\n", s.name, b.status().ToString().c_str());
+    return false;
+  }
+  return true;
+}
+
 // The whole MoE layer, forward and backward, through the backend's ops in its compute
 // dtype: seconds per iteration, or -1 after saying why not. With `breakdown`, one more
 // iteration's parts in ms.
+// With `blobs`, the experts' weights are bf16 weights blobs (common/bf16.h: what a bf16
+// job's cluster worker computes from) instead of fp32 masters the products round.
 double LayerSeconds(CudaBackend& b, const Shape& s, int64_t tokens, int iters,
-                    std::string* breakdown = nullptr) {
+                    std::string* breakdown = nullptr, bool blobs = false) {
   const int C = s.channels, F = s.hidden, E = s.experts, k = s.top_k;
   const int N = static_cast<int>(tokens);
   const int64_t A = int64_t{N} * k, expert_floats = 2 * int64_t{C} * F + F + C;
@@ -362,6 +390,8 @@ double LayerSeconds(CudaBackend& b, const Shape& s, int64_t tokens, int iters,
   std::vector<compute::ExpertWeights> ws;
   std::vector<compute::ExpertGrads> gs;
   ExpertViews(w->f32(), g->f32(), E, C, F, ws, gs);
+  absl::StatusOr<compute::DeviceBuffer> blob_memory;
+  if (blobs && !BlobWeights(b, s, w->f32(), blob_memory, ws)) return -1;
   std::vector<int64_t> offsets(E + 1), routed(E);
   std::vector<double> prob_sum(E), global_f(E);
   const compute::RoutingBuffers rb{probs->f32(),
@@ -448,6 +478,14 @@ int RunLayerBf16(CudaBackend& b, const Shape& s, int64_t tokens, int iters) {
   if (threaded <= 0) return 1;
   std::printf("moe_layer_detail %-16s bf16 with 4 launch threads %.2f ms (default %d: %.2f)\n",
               s.name, threaded * 1e3, threads, seconds * 1e3);
+  // As a bf16 job's cluster worker computes: the weights already bf16 (no rounding).
+  std::string blob_parts;
+  const double blobs = LayerSeconds(b, s, tokens, iters, &blob_parts, /*blobs=*/true);
+  if (blobs <= 0) return 1;
+  std::printf("moe_layer %-16s tokens=%lld bf16_blobs fwd+bwd %.2f ms\n", s.name,
+              static_cast<long long>(tokens), blobs * 1e3);
+  std::printf("moe_layer_detail %-16s bf16_blobs one iteration, each part waited for (ms):%s\n",
+              s.name, blob_parts.c_str());
   return 0;
 }
 
