@@ -4,7 +4,7 @@
 // `master` blob, with the AdamW moments) and, as the `weights` blob the workers fetch into
 // their caches, its bf16 form: w1 and w2 rounded to bf16 (round-to-nearest-even), b1 and
 // b2 fp32, each part 16-byte aligned, the padding zero:
-//   [w1 bf16 C*F | pad | w2 bf16 F*C | pad | b1 fp32 F | pad | b2 fp32 C]
+//   [w1 bf16 C*F | pad | w2 bf16 F*C | pad | b1 fp32 F | pad | b2 fp32 C | pad]
 // The products read exactly the bf16 values a standalone bf16 run rounds its fp32 weights
 // to, and the biases stay fp32 as there, so the two compute the same numbers; the blob is a
 // little over half the fp32 one's bytes (on the wire and in the cache).
@@ -44,7 +44,7 @@ struct Bf16ExpertLayout {
     w2 = align(2 * channels * hidden);
     b1 = align(w2 + 2 * hidden * channels);
     b2 = align(b1 + 4 * hidden);
-    bytes = b2 + 4 * channels;
+    bytes = align(b2 + 4 * channels);  // slots side by side keep every part aligned
   }
 };
 

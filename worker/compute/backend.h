@@ -144,6 +144,7 @@ class SlotMirror {
   virtual absl::Status WaitUploads() = 0;
   // Uploads issued since creation.
   virtual uint64_t uploads() const = 0;
+  virtual int slots() const = 0;
 };
 
 class Backend {
@@ -159,8 +160,9 @@ class Backend {
   // Zero-filled device memory. RESOURCE_EXHAUSTED when there is none.
   virtual absl::StatusOr<DeviceBuffer> Allocate(size_t bytes) = 0;
   virtual absl::Status CopyToDevice(void* dst, const void* src, size_t bytes) = 0;
-  // `slots` device slots of `slot_bytes` mirroring host slots at [host, host + host_bytes)
-  // (a non-host-addressable backend's; UNIMPLEMENTED elsewhere).
+  // Up to `slots` device slots of `slot_bytes` (fewer where the device cannot spare them,
+  // at least 2) for the host slots at [host, host + host_bytes) (a non-host-addressable
+  // backend's; UNIMPLEMENTED elsewhere).
   virtual absl::StatusOr<std::unique_ptr<SlotMirror>> MakeSlotMirror(size_t slot_bytes, int slots,
                                                                      void* host, size_t host_bytes);
   virtual absl::Status CopyToHost(void* dst, const void* src, size_t bytes) = 0;

@@ -132,6 +132,7 @@ class OpaqueSlotMirror final : public SlotMirror {
     return absl::OkStatus();
   }
   uint64_t uploads() const override { return uploads_; }
+  int slots() const override { return static_cast<int>(pending_.size()); }
 
  private:
   uint8_t* Slot(int i) const { return static_cast<uint8_t*>(arena_.data()) + slot_bytes_ * i; }

@@ -1,6 +1,7 @@
 // DeviceSlots: see device_slots.h.
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <utility>
 
@@ -135,6 +136,7 @@ class CudaSlotMirror final : public compute::SlotMirror {
   absl::Status Release(int i) override { return slots_->Release(i, compute_); }
   absl::Status WaitUploads() override { return slots_->Wait(); }
   uint64_t uploads() const override { return uploads_; }
+  int slots() const override { return slots_->slots(); }
 
  private:
   std::unique_ptr<DeviceSlots> slots_;
@@ -146,6 +148,16 @@ class CudaSlotMirror final : public compute::SlotMirror {
 
 absl::StatusOr<std::unique_ptr<compute::SlotMirror>> MakeCudaSlotMirror(
     int device, CUstream_st* compute, size_t slot_bytes, int slots, void* host, size_t host_bytes) {
+  // At most half the device's free memory (the rest for activations and scratch), and at
+  // least 2 slots (else the error says the device is full).
+  if (absl::Status st = Check(cudaSetDevice(device), "cudaSetDevice"); !st.ok()) return st;
+  size_t free_bytes = 0, total_bytes = 0;
+  if (absl::Status st = Check(cudaMemGetInfo(&free_bytes, &total_bytes), "cudaMemGetInfo");
+      !st.ok()) {
+    return st;
+  }
+  const size_t room = free_bytes / 2 / std::max<size_t>(slot_bytes, 1);
+  slots = static_cast<int>(std::max<size_t>(2, std::min<size_t>(slots, room)));
   absl::StatusOr<std::unique_ptr<DeviceSlots>> made =
       DeviceSlots::Create(device, slot_bytes, slots);
   if (!made.ok()) return made.status();

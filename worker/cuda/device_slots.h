@@ -75,7 +75,8 @@ class DeviceSlots {
 
 // The cluster worker's device copies of its cache slots (compute::SlotMirror) on
 // DeviceSlots: uploads on the copy stream, made visible to and released after `compute`
-// (the CUDA backend's stream). The host slots are page-locked for the copies where CUDA
+// (the CUDA backend's stream): up to `slots` of them, as many as half the device's free
+// memory holds, at least 2. The host slots are page-locked for the copies where CUDA
 // allows it (else the copies go through the driver's staging, slower, with a warning).
 absl::StatusOr<std::unique_ptr<compute::SlotMirror>> MakeCudaSlotMirror(
     int device, CUstream_st* compute, size_t slot_bytes, int slots, void* host, size_t host_bytes);

@@ -80,9 +80,9 @@ Dispatch::Dispatch(compute::Backend* backend, model::MoeGpt* model, PeerGroup* p
 }
 
 Dispatch::~Dispatch() {
-  // The host slots (the cache's, maybe gone) are not released here: only no copy may
-  // still be reading them.
-  if (mirror_ != nullptr) (void)mirror_->WaitUploads();
+  // After an error mid-phase, host slots may still wait for their uploads: released here
+  // (the cache outlives this object).
+  if (mirror_ != nullptr) (void)SettleUploads();
 }
 
 absl::Status Dispatch::Fit(compute::DeviceBuffer& buf, int64_t floats) {
@@ -342,14 +342,27 @@ absl::StatusOr<std::pair<int, compute::ExpertWeights>> Dispatch::NextWeights(
 absl::StatusOr<const void*> Dispatch::DeviceCopy(int layer, int expert, const void* host) {
   const size_t bytes = cache_->slot_bytes();
   if (mirror_ == nullptr) {
-    ASSIGN_OR_RETURN(mirror_, backend_->MakeSlotMirror(bytes, cache_->slots(), cache_->memory(),
+    const int wanted =
+        mirror_slots_ > 0 ? std::min(mirror_slots_, cache_->slots()) : cache_->slots();
+    ASSIGN_OR_RETURN(mirror_, backend_->MakeSlotMirror(bytes, wanted, cache_->memory(),
                                                        bytes * cache_->slots()));
-    mirrored_.assign(cache_->slots(), 0);
+    mirrored_.assign(mirror_->slots(), 0);
+    mirror_used_.assign(mirror_->slots(), 0);
   }
-  const int slot = cache_->SlotOf(host);
+  // The device slot holding these bytes (a generation names one fill of one host slot),
+  // else the least recently used one, uploaded into.
   const uint64_t generation = cache_->Generation({layer, expert});
+  int slot = 0;
+  for (int d = 0; d < mirror_->slots(); ++d) {
+    if (generation != 0 && mirrored_[d] == generation) {
+      slot = d;
+      break;
+    }
+    if (mirror_used_[d] < mirror_used_[slot]) slot = d;
+  }
   current_slot_ = slot;
-  current_uploaded_ = mirrored_[slot] != generation || generation == 0;
+  mirror_used_[slot] = ++mirror_clock_;
+  current_uploaded_ = generation == 0 || mirrored_[slot] != generation;
   if (current_uploaded_) {
     mirrored_[slot] = 0;  // until the upload is issued
     RETURN_IF_ERROR(mirror_->Upload(slot, host, bytes));

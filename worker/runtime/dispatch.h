@@ -17,10 +17,11 @@
 // rows peers send are computed in device buffers kept from forward to backward, results
 // go back through host copies, and experts' weights and gradients that live in host
 // memory (the gradient pool) pass through one device buffer, by synchronous copies. The
-// cache's slots have device copies (the backend's SlotMirror): a slot is uploaded when its
-// bytes changed since its last upload (Generation), on the device's copy stream beside
-// the compute, and the host slot stays pinned until that upload is done (the next
-// expert's turn, or the end of the layer's phase).
+// cache's slots have device copies (the backend's SlotMirror, as many slots as the device
+// gives, reused least recently used first): an expert is uploaded when no device slot
+// holds its bytes (its cache Generation), on the device's copy stream beside the
+// compute, and its host slot stays pinned until that upload is done (the next expert's
+// turn, or the end of the layer's phase).
 //
 // Thread safety: one thread (the training loop) at a time.
 #ifndef PITH_WORKER_RUNTIME_DISPATCH_H_
@@ -70,9 +71,12 @@ class Dispatch final : public model::ExpertParallel {
   // Uploads of cache slots to the device so far (a staged backend's; 0 elsewhere).
   uint64_t slot_uploads() const { return mirror_ != nullptr ? mirror_->uploads() : 0; }
 
-  // Takes the owned experts' weights from `cache` (not owned) instead of the model's
-  // arena; null: the arena.
+  // Takes the owned experts' weights from `cache` (not owned; it must outlive this
+  // object) instead of the model's arena; null: the arena.
   void SetCache(ExpertCache* cache) { cache_ = cache; }
+  // At most `n` device slots for the cache's (0: as many as it has, or as the backend can
+  // hold); set before the first step.
+  void SetMirrorSlots(int n) { mirror_slots_ = n; }
   // Accumulates the owned experts' gradients in `pool` (not owned; reset before each
   // backward) instead of the model's arena; null: the arena.
   void SetGradPool(GradPool* pool) { grad_pool_ = pool; }
@@ -184,11 +188,14 @@ class Dispatch final : public model::ExpertParallel {
   std::vector<float> host_rows_;      // SendBuckets' rows, read back
   std::vector<int32_t> host_tokens_;  // and their tokens
   compute::DeviceBuffer grads_dev_;
-  // The cache slots' device copies (made at the first staged acquire), the slot
-  // generation each holds (0: none), the slot of the expert computing now and whether it
+  // The cache slots' device copies (made at the first staged acquire; at most
+  // mirror_slots_ of them when set), by device slot the cache generation each holds (0:
+  // none) and its last use, the device slot of the expert computing now and whether it
   // was uploaded for it, and the experts whose host slots wait for their uploads.
   std::unique_ptr<compute::SlotMirror> mirror_;
-  std::vector<uint64_t> mirrored_;
+  int mirror_slots_ = 0;
+  std::vector<uint64_t> mirrored_, mirror_used_;
+  uint64_t mirror_clock_ = 0;
   int current_slot_ = -1;
   bool current_uploaded_ = false;
   std::vector<ExpertCache::Expert> unpin_after_upload_;

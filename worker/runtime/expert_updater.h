@@ -3,8 +3,9 @@
 // slots, the moments of the committed step from the stores (or resident here), the
 // update counts kept here; the new versions go straight back to the stores. For a bf16
 // job the slots hold the bf16 weights blob: AdamW runs on the fp32 master, fetched (or
-// kept) with the moments, and the slot gets the new master's bf16 form (common/bf16.h). Experts go
-// in batches: one fetch per store group for a batch's moments, one flush for its writes.
+// kept) with the moments, and the slot gets the new master's bf16 form (common/bf16.h).
+// Experts go in batches: one fetch per store group for a batch's moments, one flush for
+// its writes.
 //
 // Pipelined (Launch), a step's updates and writes go on on threads of their own while the
 // next step computes; Launch returns an UpdateHandle, the one thing to wait on.
@@ -164,10 +165,9 @@ class ExpertUpdater {
   size_t update_batch_ = 1;
   size_t ring_ = 1;  // scratch moment segments
   // Moment buffers (SetUp): adam_m and adam_v (and a bf16 job's master) of an expert each,
-  // one per updated expert
-  // (moment_index_) or one per expert of an update batch. The fetcher reads the current
-  // flags (these and the counts') of some experts while the update thread sets others':
-  // bytes, not bits.
+  // one per updated expert (moment_index_) or one per expert of an update batch. The
+  // fetcher reads the current flags (these and the counts') of some experts while the
+  // update thread sets others': bytes, not bits.
   std::unique_ptr<ucx::MemoryRegion> moment_memory_;
   std::vector<uint8_t> moment_current_;    // the buffer holds the expert's newest moments
   std::map<Expert, size_t> moment_index_;  // empty: scratch
