@@ -457,6 +457,25 @@ class ClusterRun {
     }
   }
 
+  // Each in-process worker reported the device memory its backend holds and its uploads
+  // of cache slots to the device.
+  void CheckDeviceMetrics() {
+    ASSERT_FALSE(registries_.empty());
+    for (const auto& registry : registries_) {
+      const std::string text = registry->Serialize();
+      auto value = [&](const std::string& name) {
+        const size_t at = text.find("\n" + name + " ");
+        return at == std::string::npos ? -1.0 : std::stod(text.substr(at + name.size() + 2));
+      };
+      EXPECT_GT(value("pith_worker_device_memory_bytes"), 0) << text;
+      EXPECT_GT(value("pith_worker_expert_device_uploads_total"), 0) << text;
+      std::cout << name_ << ": a worker's device memory "
+                << value("pith_worker_device_memory_bytes") << " bytes, "
+                << value("pith_worker_expert_device_uploads_total") << " slot uploads, "
+                << value("pith_worker_fetch_bytes_total") << " bytes fetched\n";
+    }
+  }
+
   // The ended job's optimizer state goes from the stores (the garbage collector runs every
   // three leases); its committed weights stay for a checkpoint. Asked of each store itself
   // (ListStoreJobs), not of the cluster's byte gauges, which move with the RAM tier's spills.
@@ -716,6 +735,9 @@ void TrainAndCompare(const std::string& name, Failure failure, Outcome* outcome 
   ASSERT_NO_FATAL_FAILURE(run.CompareExport(outcome));
   if (failure.bf16) {
     ASSERT_NO_FATAL_FAILURE(run.CheckBf16Blobs());
+  }
+  if (failure.opaque_workers) {
+    ASSERT_NO_FATAL_FAILURE(run.CheckDeviceMetrics());
   }
   if (collect) {
     ASSERT_NO_FATAL_FAILURE(run.ExpectGarbageCollected());

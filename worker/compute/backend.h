@@ -155,6 +155,9 @@ class Backend {
   // Whether the host may read and write this backend's memory directly (the CPU's); false
   // for a device's, which only the copies below reach.
   virtual bool host_addressable() const { return true; }
+  // Device memory this backend holds now: its buffers, scratch and slot mirrors (0 for a
+  // backend computing in host memory). Any thread.
+  virtual uint64_t device_bytes() const { return 0; }
 
   // --- memory and stream ---------------------------------------------------------------
   // Zero-filled device memory. RESOURCE_EXHAUSTED when there is none.

@@ -62,6 +62,7 @@ absl::StatusOr<DeviceBuffer> OpaqueBackend::Allocate(size_t bytes) {
     return absl::ResourceExhaustedError(absl::StrCat("opaque backend: cannot map ", bytes));
   }
   mappings_[p] = mapped;  // zero-filled, as Allocate promises
+  held_ += mapped;
   return DeviceBuffer(this, p, bytes);
 }
 
@@ -69,6 +70,7 @@ void OpaqueBackend::Free(void* ptr, size_t) {
   auto it = mappings_.find(ptr);
   if (it == mappings_.end()) return;
   ::munmap(it->first, it->second);
+  held_ -= it->second;
   mappings_.erase(it);
 }
 

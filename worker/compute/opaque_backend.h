@@ -18,6 +18,7 @@
 #ifndef PITH_WORKER_COMPUTE_OPAQUE_BACKEND_H_
 #define PITH_WORKER_COMPUTE_OPAQUE_BACKEND_H_
 
+#include <atomic>
 #include <cstddef>
 #include <initializer_list>
 #include <map>
@@ -33,6 +34,7 @@ class OpaqueBackend final : public Backend {
 
   absl::string_view name() const override { return "opaque"; }
   bool host_addressable() const override { return false; }
+  uint64_t device_bytes() const override { return held_.load(std::memory_order_relaxed); }
 
   absl::StatusOr<DeviceBuffer> Allocate(size_t bytes) override;
   absl::Status CopyToDevice(void* dst, const void* src, size_t bytes) override;
@@ -120,6 +122,7 @@ class OpaqueBackend final : public Backend {
   CpuBackend cpu_;
   ComputeDtype dtype_ = ComputeDtype::kFp32;
   std::map<void*, size_t> mappings_;  // buffer -> mapped bytes
+  std::atomic<uint64_t> held_{0};     // their sum
 };
 
 }  // namespace pith::compute

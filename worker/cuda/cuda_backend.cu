@@ -164,6 +164,7 @@ void* CudaBackend::Scratch(ScratchSlot slot, size_t bytes) {
   if (s.ptr != nullptr) {
     cudaStreamSynchronize(S(stream_));
     cudaFree(s.ptr);
+    *held_ -= s.bytes;
     s = {};
   }
   const size_t rounded = std::max<size_t>(bytes, 4096);
@@ -172,6 +173,7 @@ void* CudaBackend::Scratch(ScratchSlot slot, size_t bytes) {
     return nullptr;
   }
   s.bytes = rounded;
+  *held_ += rounded;
   return s.ptr;
 }
 
@@ -190,12 +192,14 @@ absl::StatusOr<compute::DeviceBuffer> CudaBackend::Allocate(size_t bytes) {
     cudaFree(p);
     return error_;
   }
+  *held_ += bytes;
   return compute::DeviceBuffer(this, p, bytes);
 }
 
-void CudaBackend::Free(void* ptr, size_t) {
+void CudaBackend::Free(void* ptr, size_t bytes) {
   cudaSetDevice(device_);
   cudaFree(ptr);  // waits for the work that may still use it
+  *held_ -= bytes;
 }
 
 absl::Status CudaBackend::CopyToDevice(void* dst, const void* src, size_t bytes) {
@@ -214,7 +218,7 @@ absl::Status CudaBackend::CopyToHost(void* dst, const void* src, size_t bytes) {
 
 absl::StatusOr<std::unique_ptr<compute::SlotMirror>> CudaBackend::MakeSlotMirror(
     size_t slot_bytes, int slots, void* host, size_t host_bytes) {
-  return MakeCudaSlotMirror(device_, stream_, slot_bytes, slots, host, host_bytes);
+  return MakeCudaSlotMirror(device_, stream_, slot_bytes, slots, host, host_bytes, held_);
 }
 
 void CudaBackend::Zero(void* dst, size_t bytes) {

@@ -22,6 +22,7 @@
 #define PITH_WORKER_CUDA_CUDA_BACKEND_H_
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <memory>
 #include <string>
@@ -60,6 +61,7 @@ class CudaBackend final : public compute::Backend {
   absl::StatusOr<compute::DeviceBuffer> Allocate(size_t bytes) override;
   absl::Status CopyToDevice(void* dst, const void* src, size_t bytes) override;
   absl::Status CopyToHost(void* dst, const void* src, size_t bytes) override;
+  uint64_t device_bytes() const override { return held_->load(std::memory_order_relaxed); }
   // DeviceSlots on this backend's device, its uploads ordered before this stream's ops.
   absl::StatusOr<std::unique_ptr<compute::SlotMirror>> MakeSlotMirror(size_t slot_bytes, int slots,
                                                                       void* host,
@@ -243,6 +245,8 @@ class CudaBackend final : public compute::Backend {
     size_t bytes = 0;
   };
   ScratchBuffer scratch_[kScratchSlots];
+  // The device bytes held: buffers, scratch and slot mirrors (which hold a reference).
+  std::shared_ptr<std::atomic<uint64_t>> held_ = std::make_shared<std::atomic<uint64_t>>(0);
   // FanOutGemmBf16's side streams, handles and events (made on first use; the last
   // event of the array is the fork point).
   struct SideStreams {

@@ -557,6 +557,33 @@ TEST_F(CudaBackendTest, Bf16WeightsBlobsComputeWhatTheirMasterDoes) {
       << gpu_->status();
 }
 
+// device_bytes counts the buffers and the slot mirrors while they live; a slot mirror's
+// upload lands in its device slot.
+TEST_F(CudaBackendTest, DeviceBytesCountBuffersAndSlotMirrors) {
+  const uint64_t base = gpu_->device_bytes();
+  constexpr size_t kSlot = 1 << 20;
+  {
+    auto buffer = gpu_->Allocate(kSlot);
+    ASSERT_TRUE(buffer.ok()) << buffer.status();
+    EXPECT_EQ(gpu_->device_bytes(), base + kSlot);
+    std::vector<uint8_t> host(4 * kSlot);
+    for (size_t i = 0; i < host.size(); ++i) host[i] = static_cast<uint8_t>(i * 7 + 3);
+    auto mirror = gpu_->MakeSlotMirror(kSlot, 4, host.data(), host.size());
+    ASSERT_TRUE(mirror.ok()) << mirror.status();
+    EXPECT_EQ((*mirror)->slots(), 4);
+    EXPECT_EQ(gpu_->device_bytes(), base + 5 * kSlot);
+    ASSERT_TRUE((*mirror)->Upload(1, host.data() + 2 * kSlot, kSlot).ok());
+    auto slot = (*mirror)->Use(1);
+    ASSERT_TRUE(slot.ok()) << slot.status();
+    ASSERT_TRUE((*mirror)->Release(1).ok());
+    ASSERT_TRUE((*mirror)->WaitUploads().ok());
+    EXPECT_EQ((*mirror)->uploads(), 1u);
+    const std::vector<uint8_t> landed = Down(static_cast<const uint8_t*>(*slot), kSlot);
+    EXPECT_TRUE(std::equal(landed.begin(), landed.end(), host.begin() + 2 * kSlot));
+  }
+  EXPECT_EQ(gpu_->device_bytes(), base);
+}
+
 TEST_F(CudaBackendTest, ErrorsNameTheirOpAndStick) {
   Vec a(16, 1.0f);
   float* d = Up(a);

@@ -123,8 +123,12 @@ namespace {
 
 class CudaSlotMirror final : public compute::SlotMirror {
  public:
-  CudaSlotMirror(std::unique_ptr<DeviceSlots> slots, CUstream_st* compute)
-      : slots_(std::move(slots)), compute_(compute) {}
+  CudaSlotMirror(std::unique_ptr<DeviceSlots> slots, CUstream_st* compute,
+                 std::shared_ptr<std::atomic<uint64_t>> held)
+      : slots_(std::move(slots)), compute_(compute), held_(std::move(held)) {
+    *held_ += bytes();
+  }
+  ~CudaSlotMirror() override { *held_ -= bytes(); }
   absl::Status Upload(int i, const void* host, size_t bytes) override {
     ++uploads_;
     return slots_->Upload(i, host, bytes);
@@ -139,15 +143,19 @@ class CudaSlotMirror final : public compute::SlotMirror {
   int slots() const override { return slots_->slots(); }
 
  private:
+  uint64_t bytes() const { return uint64_t{slots_->slot_bytes()} * slots_->slots(); }
+
   std::unique_ptr<DeviceSlots> slots_;
   CUstream_st* compute_;
+  std::shared_ptr<std::atomic<uint64_t>> held_;
   uint64_t uploads_ = 0;
 };
 
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<compute::SlotMirror>> MakeCudaSlotMirror(
-    int device, CUstream_st* compute, size_t slot_bytes, int slots, void* host, size_t host_bytes) {
+    int device, CUstream_st* compute, size_t slot_bytes, int slots, void* host, size_t host_bytes,
+    std::shared_ptr<std::atomic<uint64_t>> held) {
   // At most half the device's free memory (the rest for activations and scratch), and at
   // least 2 slots (else the error says the device is full).
   if (absl::Status st = Check(cudaSetDevice(device), "cudaSetDevice"); !st.ok()) return st;
@@ -166,7 +174,8 @@ absl::StatusOr<std::unique_ptr<compute::SlotMirror>> MakeCudaSlotMirror(
     std::fprintf(stderr, "W expert cache: the host slots stay pageable for the device copies: %s\n",
                  st.ToString().c_str());
   }
-  return std::unique_ptr<compute::SlotMirror>(new CudaSlotMirror(std::move(*made), compute));
+  return std::unique_ptr<compute::SlotMirror>(
+      new CudaSlotMirror(std::move(*made), compute, std::move(held)));
 }
 
 absl::Status DeviceSlots::Wait() {

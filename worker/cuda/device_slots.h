@@ -16,6 +16,7 @@
 #ifndef PITH_WORKER_CUDA_DEVICE_SLOTS_H_
 #define PITH_WORKER_CUDA_DEVICE_SLOTS_H_
 
+#include <atomic>
 #include <cstddef>
 #include <memory>
 #include <vector>
@@ -78,8 +79,10 @@ class DeviceSlots {
 // (the CUDA backend's stream): up to `slots` of them, as many as half the device's free
 // memory holds, at least 2. The host slots are page-locked for the copies where CUDA
 // allows it (else the copies go through the driver's staging, slower, with a warning).
+// `held` counts the slots' bytes while the mirror lives (the backend's device_bytes).
 absl::StatusOr<std::unique_ptr<compute::SlotMirror>> MakeCudaSlotMirror(
-    int device, CUstream_st* compute, size_t slot_bytes, int slots, void* host, size_t host_bytes);
+    int device, CUstream_st* compute, size_t slot_bytes, int slots, void* host, size_t host_bytes,
+    std::shared_ptr<std::atomic<uint64_t>> held);
 
 }  // namespace pith::cuda
 

@@ -505,6 +505,8 @@ class JobRun : public StepDriver {
     ASSIGN_OR_RETURN(double sum_sq, gradients.AddSumOfSquares(*host_backend_, dense_sq, updated_));
     RETURN_IF_ERROR(peers_->AllReduceSum(&sum_sq, 1, channels::GradNorm(s)));
     grad_norm_ = std::sqrt(sum_sq);
+    ReportDevice(*metrics_, backend_->device_bytes(), dispatch_->slot_uploads(),
+                 &observed_uploads_);
     return absl::OkStatus();
   }
 
@@ -713,8 +715,9 @@ class JobRun : public StepDriver {
   // does not touch these); Finish waits for them before anything else does.
   model::StepLoss last_loss_;
   double lr_ = 0;
-  ExpertCache::Stats observed_;   // the cache's stats at the last ObserveStep
-  uint64_t observed_spills_ = 0;  // the gradient pool's, likewise
+  ExpertCache::Stats observed_;    // the cache's stats at the last ObserveStep
+  uint64_t observed_spills_ = 0;   // the gradient pool's, likewise
+  uint64_t observed_uploads_ = 0;  // dispatch_'s slot uploads at the last ReportDevice
   uint64_t step_hits_ = 0, step_misses_ = 0;
   std::map<int64_t, int> dense_rank_;  // dense tensor (by offset) -> the rank writing it
   // Between Compute and Write of a step.

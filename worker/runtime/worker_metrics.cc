@@ -1,5 +1,6 @@
 #include "worker/runtime/worker_metrics.h"
 
+#include <algorithm>
 #include <string>
 #include <utility>
 
@@ -14,6 +15,13 @@ void ReportMemoryPlan(const WorkerMetrics& metrics, const MemoryPlan& plan) {
   metrics.memory_cache->Set(static_cast<double>(plan.cache_bytes));
   metrics.memory_gradients->Set(static_cast<double>(plan.gradient_bytes));
   metrics.memory_moments->Set(static_cast<double>(plan.moment_bytes));
+}
+
+void ReportDevice(const WorkerMetrics& metrics, uint64_t device_bytes, uint64_t uploads,
+                  uint64_t* observed) {
+  metrics.device_memory->Set(static_cast<double>(device_bytes));
+  metrics.device_uploads->Increment(static_cast<double>(uploads - std::min(uploads, *observed)));
+  *observed = uploads;
 }
 
 absl::StatusOr<WorkerMetrics> MakeWorkerMetrics(MetricsRegistry& r) {
@@ -57,6 +65,14 @@ absl::StatusOr<WorkerMetrics> MakeWorkerMetrics(MetricsRegistry& r) {
         std::pair{"moments", &m.memory_moments}}) {
     ASSIGN_OR_RETURN(*gauge, r.Gauge("pith_worker_memory_bytes", memory_help, {{"kind", kind}}));
   }
+  ASSIGN_OR_RETURN(m.device_memory,
+                   r.Gauge("pith_worker_device_memory_bytes",
+                           "Device memory the worker's backend holds (buffers, scratch, the expert "
+                           "cache's device slots); 0 on the CPU"));
+  ASSIGN_OR_RETURN(m.device_uploads,
+                   r.Counter("pith_worker_expert_device_uploads_total",
+                             "Expert weights copied from the cache's host slots to the device "
+                             "(only when no device slot holds their bytes)"));
   ASSIGN_OR_RETURN(m.gradient_spills,
                    r.Counter("pith_worker_gradient_spills_total",
                              "Expert gradients written to the scratch file to free a buffer"));

@@ -32,11 +32,18 @@ struct WorkerMetrics {
   prometheus::Gauge* memory_moments = nullptr;
   // The gradient pool's spills to its scratch file.
   prometheus::Counter* gradient_spills = nullptr;
+  // A GPU worker's device memory held, and its uploads of cache slots to the device.
+  prometheus::Gauge* device_memory = nullptr;
+  prometheus::Counter* device_uploads = nullptr;
 };
 
 absl::StatusOr<WorkerMetrics> MakeWorkerMetrics(MetricsRegistry& registry);
 // pith_worker_memory_bytes{kind} from a job's memory plan.
 void ReportMemoryPlan(const WorkerMetrics& metrics, const MemoryPlan& plan);
+// The device memory held and the slot uploads counted so far by the current Dispatch
+// (`*observed`: its count last time, reset when a new Dispatch counts from 0).
+void ReportDevice(const WorkerMetrics& metrics, uint64_t device_bytes, uint64_t uploads,
+                  uint64_t* observed);
 
 }  // namespace pith::runtime
 
