@@ -469,6 +469,8 @@ class ClusterRun {
       };
       EXPECT_GT(value("pith_worker_device_memory_bytes"), 0) << text;
       EXPECT_GT(value("pith_worker_expert_device_uploads_total"), 0) << text;
+      // Two in-process OpaqueBackends share a device group (NCCL's stand-in).
+      EXPECT_EQ(value("pith_worker_dense_device_sums_total"), failure_.steps) << text;
       std::cout << name_ << ": a worker's device memory "
                 << value("pith_worker_device_memory_bytes") << " bytes, "
                 << value("pith_worker_expert_device_uploads_total") << " slot uploads, "

@@ -64,6 +64,15 @@ absl::StatusOr<std::unique_ptr<SlotMirror>> Backend::MakeSlotMirror(size_t, int,
       absl::StrCat("the ", name(), " backend reads host memory: it needs no slot mirror"));
 }
 
+absl::StatusOr<std::string> Backend::NewGroupId() {
+  return absl::UnimplementedError(absl::StrCat("the ", name(), " backend has no device group"));
+}
+
+absl::StatusOr<std::unique_ptr<DeviceGroup>> Backend::JoinGroup(const std::string&, int, int,
+                                                                absl::Duration) {
+  return absl::UnimplementedError(absl::StrCat("the ", name(), " backend has no device group"));
+}
+
 absl::Status Backend::SetComputeDtype(ComputeDtype dtype) {
   if (dtype == ComputeDtype::kFp32) return absl::OkStatus();
   return absl::InvalidArgumentError(

@@ -16,12 +16,14 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <string>
 #include <utility>
 #include <vector>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
+#include "absl/time/time.h"
 #include "absl/types/span.h"
 #include "common/compute_dtype.h"
 
@@ -147,6 +149,23 @@ class SlotMirror {
   virtual int slots() const = 0;
 };
 
+// A collective among the devices of a job's workers (NCCL on CUDA), one per placement
+// epoch: rank 0 makes its id (Backend::NewGroupId), the job's peer group carries it, and
+// every rank joins (Backend::JoinGroup). Never a hang: every call waits with a deadline,
+// and an error, a passed deadline or RequestAbort aborts the group, which then refuses
+// every later call.
+//
+// Thread safety: the backend's thread, except RequestAbort (any thread).
+class DeviceGroup {
+ public:
+  virtual ~DeviceGroup() = default;
+  // Sums `n` floats of this backend's memory across the group, in place; returns once the
+  // sum is there (the backend's earlier ops included).
+  virtual absl::Status AllReduceSum(float* data, size_t n, absl::Duration timeout) = 0;
+  // Aborts the call in progress, or the next one.
+  virtual void RequestAbort() = 0;
+};
+
 class Backend {
  public:
   virtual ~Backend() = default;
@@ -168,6 +187,12 @@ class Backend {
   // backend's; UNIMPLEMENTED elsewhere).
   virtual absl::StatusOr<std::unique_ptr<SlotMirror>> MakeSlotMirror(size_t slot_bytes, int slots,
                                                                      void* host, size_t host_bytes);
+  // A new device group's id (on rank 0), and this rank's join of the group `id` of
+  // `world` ranks, waiting at most `timeout` for the others (UNIMPLEMENTED on a backend
+  // without one: the job's peer group carries its sums instead).
+  virtual absl::StatusOr<std::string> NewGroupId();
+  virtual absl::StatusOr<std::unique_ptr<DeviceGroup>> JoinGroup(const std::string& id, int rank,
+                                                                 int world, absl::Duration timeout);
   virtual absl::Status CopyToHost(void* dst, const void* src, size_t bytes) = 0;
   virtual void Zero(void* dst, size_t bytes) = 0;
   // Waits for every op issued so far; reports an asynchronous failure.

@@ -27,7 +27,7 @@
 
 namespace pith::compute {
 
-class OpaqueBackend final : public Backend {
+class OpaqueBackend : public Backend {
  public:
   explicit OpaqueBackend(int threads = 1) : cpu_(threads) {}
   ~OpaqueBackend() override;
@@ -39,6 +39,11 @@ class OpaqueBackend final : public Backend {
   absl::StatusOr<DeviceBuffer> Allocate(size_t bytes) override;
   absl::Status CopyToDevice(void* dst, const void* src, size_t bytes) override;
   absl::Status CopyToHost(void* dst, const void* src, size_t bytes) override;
+  // An in-process stand-in for NCCL among this process's OpaqueBackends (opaque_group.cc):
+  // rank-order sums through host copies, with NCCL's deadlines and aborts.
+  absl::StatusOr<std::string> NewGroupId() override;
+  absl::StatusOr<std::unique_ptr<DeviceGroup>> JoinGroup(const std::string& id, int rank, int world,
+                                                         absl::Duration timeout) override;
   // Its uploads copy at once but check at WaitUploads that the host bytes did not change
   // meanwhile (aborting, naming it), as a GPU's copy stream may read them late.
   absl::StatusOr<std::unique_ptr<SlotMirror>> MakeSlotMirror(size_t slot_bytes, int slots,

@@ -11,6 +11,7 @@
 #include "worker/cuda/cuda_backend.h"
 #include "worker/cuda/cuda_kernels.cuh"
 #include "worker/cuda/device_slots.h"
+#include "worker/cuda/nccl_group.h"
 
 namespace pith::cuda {
 namespace {
@@ -214,6 +215,16 @@ absl::Status CudaBackend::CopyToHost(void* dst, const void* src, size_t bytes) {
   if (!Ready()) return error_;
   CheckCuda(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToHost, S(stream_)), "CopyToHost");
   return Synchronize();
+}
+
+absl::StatusOr<std::string> CudaBackend::NewGroupId() { return NcclGroup::NewId(); }
+
+absl::StatusOr<std::unique_ptr<compute::DeviceGroup>> CudaBackend::JoinGroup(
+    const std::string& id, int rank, int world, absl::Duration timeout) {
+  absl::StatusOr<std::unique_ptr<NcclGroup>> joined =
+      NcclGroup::Join(id, rank, world, device_, timeout);
+  if (!joined.ok()) return joined.status();
+  return AsDeviceGroup(std::move(*joined), stream_);
 }
 
 absl::StatusOr<std::unique_ptr<compute::SlotMirror>> CudaBackend::MakeSlotMirror(

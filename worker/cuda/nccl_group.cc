@@ -231,4 +231,27 @@ absl::Status NcclGroup::Exchange(absl::Span<const Transfer> sends, absl::Span<co
   return WaitStream(stream, "Exchange", deadline);
 }
 
+namespace {
+
+class NcclDeviceGroup final : public compute::DeviceGroup {
+ public:
+  NcclDeviceGroup(std::unique_ptr<NcclGroup> group, CUstream_st* stream)
+      : group_(std::move(group)), stream_(stream) {}
+  absl::Status AllReduceSum(float* data, size_t n, absl::Duration timeout) override {
+    return group_->AllReduceSum(data, n, stream_, timeout);
+  }
+  void RequestAbort() override { group_->RequestAbort(); }
+
+ private:
+  std::unique_ptr<NcclGroup> group_;
+  CUstream_st* stream_;
+};
+
+}  // namespace
+
+std::unique_ptr<compute::DeviceGroup> AsDeviceGroup(std::unique_ptr<NcclGroup> group,
+                                                    CUstream_st* stream) {
+  return std::make_unique<NcclDeviceGroup>(std::move(group), stream);
+}
+
 }  // namespace pith::cuda

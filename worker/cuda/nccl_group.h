@@ -25,6 +25,7 @@
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "absl/types/span.h"
+#include "worker/compute/backend.h"
 
 struct CUstream_st;
 struct ncclComm;
@@ -94,6 +95,10 @@ class NcclGroup {
   bool aborted_ = false;
   std::atomic<bool> abort_requested_{false};
 };
+
+// The CUDA backend's compute::DeviceGroup: `group`'s sums on `stream` (the backend's).
+std::unique_ptr<compute::DeviceGroup> AsDeviceGroup(std::unique_ptr<NcclGroup> group,
+                                                    CUstream_st* stream);
 
 }  // namespace pith::cuda
 

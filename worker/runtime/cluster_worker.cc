@@ -31,6 +31,7 @@
 #include "worker/model/param_init.h"
 #include "worker/runtime/coordinator_link.h"
 #include "worker/runtime/dense_mirror.h"
+#include "worker/runtime/device_group.h"
 #include "worker/runtime/dispatch.h"
 #include "worker/runtime/expert_cache.h"
 #include "worker/runtime/expert_gradients.h"
@@ -85,7 +86,10 @@ class JobRun : public StepDriver {
     }
     watch_ = std::make_unique<AbortWatch>(
         link_, job_id_, /*step=*/0, a_.assignment_version(),
-        [peers = peers_](uint64_t version) { peers->AbandonAttempt(version); });
+        [peers = peers_, group = device_group_.get()](uint64_t version) {
+          peers->AbandonAttempt(version);
+          if (group != nullptr) group->RequestAbort();
+        });
     return RunSteps(*this, a_.committed_step(), a_.spec().train().steps(), stop);
   }
 
@@ -136,6 +140,7 @@ class JobRun : public StepDriver {
     std::vector<std::string> addresses;
     for (const v1::MemberInfo& p : a_.peers()) addresses.push_back(p.ucx_address());
     RETURN_IF_ERROR(peers_->Join(a_.rank(), addresses, a_.assignment_version()));
+    ASSIGN_OR_RETURN(device_group_, JoinDeviceGroup(*backend_, *peers_, kDeviceGroupTimeout));
     DealDense();
     store_io_ = std::make_unique<StoreIo>(client_, metrics_, job_id_, shape_.experts);
     RETURN_IF_ERROR(ApplyPlacement());
@@ -271,19 +276,11 @@ class JobRun : public StepDriver {
 
   // What this job needs here with `owned` experts computed and `updated` updated.
   MemoryInput MemoryNeeds(int owned, int updated) const {
-    MemoryInput in;
-    in.memory_bytes = options_.memory_bytes;
-    in.cache_bytes = a_.spec().cluster().cache_bytes() > 0
-                         ? static_cast<uint64_t>(a_.spec().cluster().cache_bytes())
-                         : options_.cache_bytes;
-    in.dense_bytes = 4 * model_->layout().dense_floats() * sizeof(float);
-    in.activation_bytes = static_cast<uint64_t>(model_->activation_bytes());
-    in.expert_bytes = shape_.expert_floats() * sizeof(float);
-    in.slot_bytes = static_cast<uint64_t>(shape_.expert_blob_bytes());
-    in.moment_kinds = shape_.compute_dtype == ComputeDtype::kBf16 ? 3 : 2;
-    in.owned = owned;
-    in.updated = updated;
-    return in;
+    const int64_t job_cache = a_.spec().cluster().cache_bytes();
+    return MemoryNeedsOf(shape_, options_.memory_bytes,
+                         job_cache > 0 ? static_cast<uint64_t>(job_cache) : options_.cache_bytes,
+                         model_->layout().dense_floats(), model_->activation_bytes(), owned,
+                         updated);
   }
   // The plan for `next`'s placement.
   absl::StatusOr<MemoryPlan> PlanFor(const v1::Assignment& next) const {
@@ -497,7 +494,12 @@ class JobRun : public StepDriver {
         &primary_,    a_.rank(),         [this](int l, int e) {
                                       return model_->ExpertUsed(l, e); }};
     RETURN_IF_ERROR(gradients.ReduceReplicas(*peers_, s, owned_));
-    RETURN_IF_ERROR(dense_->AllReduceSum(*peers_, model_->grads(), channels::DenseGradients(s)));
+    RETURN_IF_ERROR(
+        device_group_ != nullptr
+            ? device_group_->AllReduceSum(model_->grads(), model_->layout().dense_floats(),
+                                          kPeerReceiveTimeout)
+            : dense_->AllReduceSum(*peers_, model_->grads(), channels::DenseGradients(s)));
+    metrics_->dense_sums->Increment(device_group_ != nullptr ? 1 : 0);
     // The dense tensors dealt here, then the experts updated here that got tokens, in
     // layout order.
     const double dense_sq = optimizer_->LocalSumOfSquares(
@@ -703,6 +705,7 @@ class JobRun : public StepDriver {
   std::unique_ptr<compute::CpuBackend> own_host_;  // when backend_ is not a CpuBackend
   compute::CpuBackend* host_backend_ = nullptr;    // host-memory work: backend_ or own_host_
   std::unique_ptr<DenseMirror> dense_;
+  std::unique_ptr<compute::DeviceGroup> device_group_;  // null: dense sums via the peers
   model::ModelShape shape_;
   std::vector<int> rows_;
   std::unique_ptr<model::MoeGpt> model_;

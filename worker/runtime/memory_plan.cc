@@ -33,6 +33,22 @@ MemoryPlan Finish(const MemoryInput& in, MemoryPlan p) {
 
 }  // namespace
 
+MemoryInput MemoryNeedsOf(const model::ModelShape& shape, uint64_t memory_bytes,
+                          uint64_t cache_bytes, int64_t dense_floats, int64_t activation_bytes,
+                          int owned, int updated) {
+  MemoryInput in;
+  in.memory_bytes = memory_bytes;
+  in.cache_bytes = cache_bytes;
+  in.dense_bytes = 4 * static_cast<uint64_t>(dense_floats) * sizeof(float);
+  in.activation_bytes = static_cast<uint64_t>(activation_bytes);
+  in.expert_bytes = static_cast<uint64_t>(shape.expert_floats()) * sizeof(float);
+  in.slot_bytes = static_cast<uint64_t>(shape.expert_blob_bytes());
+  in.moment_kinds = shape.compute_dtype == ComputeDtype::kBf16 ? 3 : 2;
+  in.owned = owned;
+  in.updated = updated;
+  return in;
+}
+
 MomentPlan PlanMoments(int slots, bool resident) {
   MomentPlan m;
   m.resident = resident;

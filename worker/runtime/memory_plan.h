@@ -17,6 +17,7 @@
 #include <cstdint>
 
 #include "absl/status/statusor.h"
+#include "common/param_layout.h"
 
 namespace pith::runtime {
 
@@ -56,6 +57,13 @@ struct MemoryPlan {
     return dense_bytes + activation_bytes + cache_bytes + gradient_bytes + moment_bytes;
   }
 };
+
+// What a job of `shape` needs with `owned` experts computed and `updated` updated here:
+// its per-expert sizes (a bf16 job's slots hold its bf16 blob, its moment buffers the fp32
+// master too), the dense state (4 floats per dense parameter) and the activations.
+MemoryInput MemoryNeedsOf(const model::ModelShape& shape, uint64_t memory_bytes,
+                          uint64_t cache_bytes, int64_t dense_floats, int64_t activation_bytes,
+                          int owned, int updated);
 
 // FAILED_PRECONDITION, saying what does not fit, when memory_bytes cannot hold the dense
 // state, the activations and the smallest pools (2 slots, 2 gradients, 2 experts' moments).

@@ -9,6 +9,9 @@
 //   bit  28      the barrier before a step reads replica experts from the stores
 //   none         Dispatch's token exchange; bits 27..8: the layer, 7..0: the phase
 //
+// Messages of a job run's setup, before any step, take the step 2^32 - 1, which no step
+// reaches: the device group's id (low bits 1) and every rank's word on its join (2).
+//
 // A new channel takes a bit of its own here, so no two tags of one step can meet.
 //
 // Thread safety: constants and pure functions only.
@@ -49,6 +52,10 @@ constexpr uint64_t ReplicaGradient(int64_t step, int64_t index) {
 }
 // Every worker's writes of the step before `step` are in the stores.
 constexpr uint64_t ReplicaBarrier(int64_t step) { return StepBits(step) | kReplicaBarrierBit; }
+// Setup: rank 0's device group id, then the count of ranks that joined it.
+inline constexpr uint64_t kSetupBits = 0xffffffffull << 32;
+constexpr uint64_t DeviceGroupId() { return kSetupBits | 1; }
+constexpr uint64_t DeviceGroupJoined() { return kSetupBits | 2; }
 
 // The tags as they were spelled before this header (the wire protocol did not change).
 static_assert(DispatchExchange(5, 3, 2) == ((5ull << 32) | (3ull << 8) | 2));

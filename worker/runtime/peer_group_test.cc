@@ -6,21 +6,13 @@
 #include <vector>
 
 #include "gtest/gtest.h"
+#include "worker/runtime/peer_group_testing.h"
 
 namespace pith::runtime {
 namespace {
 
 std::vector<std::unique_ptr<PeerGroup>> Group(int n, uint64_t attempt = 1) {
-  std::vector<std::unique_ptr<PeerGroup>> g;
-  std::vector<std::string> addresses;
-  for (int i = 0; i < n; ++i) {
-    auto p = PeerGroup::Create();
-    EXPECT_TRUE(p.ok()) << p.status();
-    addresses.push_back((*p)->address());
-    g.push_back(std::move(*p));
-  }
-  for (int i = 0; i < n; ++i) EXPECT_TRUE(g[i]->Join(i, addresses, attempt).ok());
-  return g;
+  return JoinedPeerGroups(n, attempt);
 }
 
 TEST(PeerGroupTest, TaggedMessagesArriveWhereverTheyAreAwaited) {

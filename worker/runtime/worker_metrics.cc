@@ -73,6 +73,10 @@ absl::StatusOr<WorkerMetrics> MakeWorkerMetrics(MetricsRegistry& r) {
                    r.Counter("pith_worker_expert_device_uploads_total",
                              "Expert weights copied from the cache's host slots to the device "
                              "(only when no device slot holds their bytes)"));
+  ASSIGN_OR_RETURN(m.dense_sums,
+                   r.Counter("pith_worker_dense_device_sums_total",
+                             "Steps whose dense gradients summed on the workers' device group "
+                             "(NCCL) instead of through the peer group's host copies"));
   ASSIGN_OR_RETURN(m.gradient_spills,
                    r.Counter("pith_worker_gradient_spills_total",
                              "Expert gradients written to the scratch file to free a buffer"));

@@ -35,6 +35,8 @@ struct WorkerMetrics {
   // A GPU worker's device memory held, and its uploads of cache slots to the device.
   prometheus::Gauge* device_memory = nullptr;
   prometheus::Counter* device_uploads = nullptr;
+  // Steps whose dense gradients summed on the device group (NCCL), not the peer group.
+  prometheus::Counter* dense_sums = nullptr;
 };
 
 absl::StatusOr<WorkerMetrics> MakeWorkerMetrics(MetricsRegistry& registry);

@@ -1,0 +1,51 @@
+#include "worker/runtime/device_group.h"
+
+#include <string>
+#include <utility>
+
+#include "common/status.h"
+#include "glog/logging.h"
+#include "worker/runtime/peer_channels.h"
+
+namespace pith::runtime {
+
+absl::StatusOr<std::unique_ptr<compute::DeviceGroup>> JoinDeviceGroup(compute::Backend& backend,
+                                                                      PeerGroup& peers,
+                                                                      absl::Duration timeout) {
+  const int world = peers.world(), rank = peers.rank();
+  if (world < 2 || backend.host_addressable()) return nullptr;
+  std::string id;  // empty: rank 0 has no group to offer
+  if (rank == 0) {
+    absl::StatusOr<std::string> made = backend.NewGroupId();
+    if (made.ok()) {
+      id = *made;
+    } else {
+      LOG(WARNING) << "no device group: " << made.status();
+    }
+  }
+  ASSIGN_OR_RETURN(id, peers.Broadcast(0, channels::DeviceGroupId(), std::move(id)));
+  std::unique_ptr<compute::DeviceGroup> group;
+  if (!id.empty()) {
+    absl::StatusOr<std::unique_ptr<compute::DeviceGroup>> joined =
+        backend.JoinGroup(id, rank, world, timeout);
+    if (joined.ok()) {
+      group = std::move(*joined);
+    } else {
+      LOG(WARNING) << "rank " << rank << " could not join the device group: " << joined.status();
+    }
+  }
+  double joined = group != nullptr ? 1 : 0;
+  RETURN_IF_ERROR(peers.AllReduceSum(&joined, 1, channels::DeviceGroupJoined()));
+  if (joined < world) {
+    if (!id.empty()) {
+      LOG(WARNING) << static_cast<int>(joined) << " of " << world
+                   << " ranks joined the device group: the dense gradients sum through the "
+                      "peer group";
+    }
+    return nullptr;
+  }
+  LOG(INFO) << "the dense gradients sum on the device group (" << world << " ranks)";
+  return group;
+}
+
+}  // namespace pith::runtime
