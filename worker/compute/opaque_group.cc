@@ -109,6 +109,8 @@ class OpaqueDeviceGroup final : public DeviceGroup {
       : backend_(backend), hub_(std::move(hub)), rank_(rank) {}
 
   absl::Status AllReduceSum(float* data, size_t n, absl::Duration timeout) override {
+    // As NCCL's: an abort asked for before the call refuses it.
+    if (abort_.load() && failed_.ok()) failed_ = absl::AbortedError("abort requested");
     if (!failed_.ok()) {
       return absl::FailedPreconditionError(
           absl::StrCat("opaque group: aborted: ", failed_.message()));

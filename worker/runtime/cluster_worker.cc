@@ -84,12 +84,11 @@ class JobRun : public StepDriver {
                            /*fatal=*/!can_run_);
       return s;
     }
-    watch_ = std::make_unique<AbortWatch>(
-        link_, job_id_, /*step=*/0, a_.assignment_version(),
-        [peers = peers_, group = device_group_.get()](uint64_t version) {
-          peers->AbandonAttempt(version);
-          if (group != nullptr) group->RequestAbort();
-        });
+    watch_ = std::make_unique<AbortWatch>(link_, job_id_, /*step=*/0, a_.assignment_version(),
+                                          [this](uint64_t version) {
+                                            if (peers_->AbandonAttempt(version))
+                                              device_group_.Abort();
+                                          });
     return RunSteps(*this, a_.committed_step(), a_.spec().train().steps(), stop);
   }
 
@@ -140,7 +139,7 @@ class JobRun : public StepDriver {
     std::vector<std::string> addresses;
     for (const v1::MemberInfo& p : a_.peers()) addresses.push_back(p.ucx_address());
     RETURN_IF_ERROR(peers_->Join(a_.rank(), addresses, a_.assignment_version()));
-    ASSIGN_OR_RETURN(device_group_, JoinDeviceGroup(*backend_, *peers_, kDeviceGroupTimeout));
+    RETURN_IF_ERROR(device_group_.Rejoin(*backend_, *peers_, kDeviceGroupTimeout));
     DealDense();
     store_io_ = std::make_unique<StoreIo>(client_, metrics_, job_id_, shape_.experts);
     RETURN_IF_ERROR(ApplyPlacement());
@@ -210,6 +209,7 @@ class JobRun : public StepDriver {
       for (int e = 0; e < shape_.experts; ++e) primary_[l][e] = owners[l][e][0].first;
     }
     owners_ = owners;
+    observed_uploads_ = 0;  // the new Dispatch counts from 0
     dispatch_ = std::make_unique<Dispatch>(backend_.get(), model_.get(), peers_, std::move(owners));
     model_->SetExpertParallel(dispatch_.get());
     if (cache_ != nullptr) dispatch_->SetCache(cache_.get());
@@ -253,7 +253,8 @@ class JobRun : public StepDriver {
                           cache_->slot_bytes() * cache_->slots() + expert_bytes * grads_->buffers();
     if (options_.memory_bytes > 0 && kept > options_.memory_bytes) return false;
     // A cached expert is current only if this worker made its last update (it was its
-    // primary); the others may have moved on.
+    // primary); the others may have moved on (pinned ones too, once their uploads land).
+    RETURN_IF_ERROR(dispatch_->SettleUploads());
     for (int l = 0; l < shape_.layers; ++l) {
       for (int e = 0; e < shape_.experts; ++e) {
         if (primary_[l][e] != a_.rank()) cache_->Invalidate({l, e});
@@ -262,6 +263,7 @@ class JobRun : public StepDriver {
     a_ = std::move(next);
     peers_->SetAttempt(a_.assignment_version());
     watch_->SetVersion(a_.assignment_version());
+    RETURN_IF_ERROR(device_group_.Rejoin(*backend_, *peers_, kDeviceGroupTimeout));
     RETURN_IF_ERROR(ApplyPlacement());
     // The experts updated here changed: their moments come from the stores.
     plan_.moments = plan->moments;
@@ -494,12 +496,9 @@ class JobRun : public StepDriver {
         &primary_,    a_.rank(),         [this](int l, int e) {
                                       return model_->ExpertUsed(l, e); }};
     RETURN_IF_ERROR(gradients.ReduceReplicas(*peers_, s, owned_));
-    RETURN_IF_ERROR(
-        device_group_ != nullptr
-            ? device_group_->AllReduceSum(model_->grads(), model_->layout().dense_floats(),
-                                          kPeerReceiveTimeout)
-            : dense_->AllReduceSum(*peers_, model_->grads(), channels::DenseGradients(s)));
-    metrics_->dense_sums->Increment(device_group_ != nullptr ? 1 : 0);
+    RETURN_IF_ERROR(device_group_.SumDense(model_->grads(), model_->layout().dense_floats(),
+                                           *dense_, *peers_, channels::DenseGradients(s),
+                                           metrics_->dense_sums));
     // The dense tensors dealt here, then the experts updated here that got tokens, in
     // layout order.
     const double dense_sq = optimizer_->LocalSumOfSquares(
@@ -705,7 +704,7 @@ class JobRun : public StepDriver {
   std::unique_ptr<compute::CpuBackend> own_host_;  // when backend_ is not a CpuBackend
   compute::CpuBackend* host_backend_ = nullptr;    // host-memory work: backend_ or own_host_
   std::unique_ptr<DenseMirror> dense_;
-  std::unique_ptr<compute::DeviceGroup> device_group_;  // null: dense sums via the peers
+  DeviceGroupSlot device_group_;  // the dense sums' NCCL group, if the run has one
   model::ModelShape shape_;
   std::vector<int> rows_;
   std::unique_ptr<model::MoeGpt> model_;

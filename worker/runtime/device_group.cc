@@ -48,4 +48,35 @@ absl::StatusOr<std::unique_ptr<compute::DeviceGroup>> JoinDeviceGroup(compute::B
   return group;
 }
 
+absl::Status DeviceGroupSlot::Rejoin(compute::Backend& backend, PeerGroup& peers,
+                                     absl::Duration timeout) {
+  {
+    absl::MutexLock lock(&mu_);
+    group_.reset();
+  }
+  ASSIGN_OR_RETURN(std::unique_ptr<compute::DeviceGroup> group,
+                   JoinDeviceGroup(backend, peers, timeout));
+  absl::MutexLock lock(&mu_);
+  group_ = std::move(group);
+  return absl::OkStatus();
+}
+
+void DeviceGroupSlot::Abort() {
+  absl::MutexLock lock(&mu_);
+  if (group_ != nullptr) group_->RequestAbort();
+}
+
+absl::Status DeviceGroupSlot::SumDense(float* grads, int64_t n, DenseMirror& dense,
+                                       PeerGroup& peers, uint64_t tag,
+                                       prometheus::Counter* device_sums) {
+  compute::DeviceGroup* group;
+  {
+    absl::MutexLock lock(&mu_);
+    group = group_.get();  // replaced on this thread only
+  }
+  if (group == nullptr) return dense.AllReduceSum(peers, grads, tag);
+  device_sums->Increment();
+  return group->AllReduceSum(grads, static_cast<size_t>(n), kPeerReceiveTimeout);
+}
+
 }  // namespace pith::runtime

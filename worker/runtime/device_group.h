@@ -1,15 +1,18 @@
 // The device group of a job run (DESIGN §2): the collective its GPU workers sum their
 // dense gradients over (NCCL on CUDA) instead of the peer group's host copies.
 //
-// Thread safety: JoinDeviceGroup runs on the training thread.
+// Thread safety: JoinDeviceGroup runs on the training thread; DeviceGroupSlot says.
 #ifndef PITH_WORKER_RUNTIME_DEVICE_GROUP_H_
 #define PITH_WORKER_RUNTIME_DEVICE_GROUP_H_
 
 #include <memory>
 
 #include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+#include "prometheus/counter.h"
 #include "worker/compute/backend.h"
+#include "worker/runtime/dense_mirror.h"
 #include "worker/runtime/peer_group.h"
 
 namespace pith::runtime {
@@ -25,6 +28,29 @@ inline constexpr absl::Duration kDeviceGroupTimeout = absl::Seconds(60);
 absl::StatusOr<std::unique_ptr<compute::DeviceGroup>> JoinDeviceGroup(compute::Backend& backend,
                                                                       PeerGroup& peers,
                                                                       absl::Duration timeout);
+
+// A job run's device group: joined at its setup and again for each placement adopted in
+// place (a new attempt: an aborted NCCL communicator is never used again), while the
+// step's abort watch may abort it from its own thread.
+//
+// Thread safety: Rejoin and SumDense on the training thread; Abort on any thread.
+class DeviceGroupSlot {
+ public:
+  // Replaces the group held with a new join (JoinDeviceGroup).
+  absl::Status Rejoin(compute::Backend& backend, PeerGroup& peers, absl::Duration timeout)
+      ABSL_LOCKS_EXCLUDED(mu_);
+  // Aborts the group held, if any.
+  void Abort() ABSL_LOCKS_EXCLUDED(mu_);
+  // Sums the dense gradients (`n` floats of backend memory at `grads`) on the group, or
+  // without one through `dense`'s host copies over `peers` (`tag`); counts the device sums
+  // in `device_sums`.
+  absl::Status SumDense(float* grads, int64_t n, DenseMirror& dense, PeerGroup& peers, uint64_t tag,
+                        prometheus::Counter* device_sums) ABSL_LOCKS_EXCLUDED(mu_);
+
+ private:
+  absl::Mutex mu_;
+  std::unique_ptr<compute::DeviceGroup> group_ ABSL_GUARDED_BY(mu_);
+};
 
 }  // namespace pith::runtime
 

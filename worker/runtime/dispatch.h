@@ -68,6 +68,9 @@ class Dispatch final : public model::ExpertParallel {
   Dispatch(compute::Backend* backend, model::MoeGpt* model, PeerGroup* peers,
            std::vector<std::vector<ExpertOwners>> owners);
   ~Dispatch() override;  // waits for the slot uploads in flight
+  // Releases the host slots whose uploads were pending (after a failed phase), once they
+  // are done.
+  absl::Status SettleUploads();
   // Uploads of cache slots to the device so far (a staged backend's; 0 elsewhere).
   uint64_t slot_uploads() const { return mirror_ != nullptr ? mirror_->uploads() : 0; }
 
@@ -140,8 +143,6 @@ class Dispatch final : public model::ExpertParallel {
   // Releases an owned expert's weights after its compute (its host slot, once its upload
   // is done: SettleUploads).
   absl::Status Done(int layer, int expert);
-  // Releases the host slots whose uploads were pending, once they are done.
-  absl::Status SettleUploads();
   // The device copy of the acquired expert's slot at `host` (uploaded unless current).
   absl::StatusOr<const void*> DeviceCopy(int layer, int expert, const void* host);
   // Where expert e of `layer`'s gradient accumulates: its pool buffer (opened; closed by

@@ -94,9 +94,10 @@ void PeerGroup::Abandon() {
   abandoned_ = true;
 }
 
-void PeerGroup::AbandonAttempt(uint64_t attempt) {
+bool PeerGroup::AbandonAttempt(uint64_t attempt) {
   absl::MutexLock lock(&mu_);
   if (attempt_ == attempt) abandoned_ = true;
+  return attempt_ == attempt;
 }
 
 absl::Status PeerGroup::Send(int peer, uint64_t tag, std::string bytes) {

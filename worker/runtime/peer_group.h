@@ -49,7 +49,8 @@ class PeerGroup {
   // UNAVAILABLE now, and so does every later one until the next Join or SetAttempt.
   void Abandon();
   // Abandon() if the current attempt is still `attempt` (a later one is left alone).
-  void AbandonAttempt(uint64_t attempt);
+  // True when `attempt` was the current one.
+  bool AbandonAttempt(uint64_t attempt);
 
   // Sends `bytes` to `peer` under `tag` (the bytes are kept until sent).
   absl::Status Send(int peer, uint64_t tag, std::string bytes);
