@@ -24,7 +24,9 @@ inline constexpr absl::Duration kDeviceGroupTimeout = absl::Seconds(60);
 // (at most `timeout`) and says whether it did. Null, on every rank alike, when the group
 // has one rank, the backend has no device group, or some rank could not join (two
 // workers on one GPU, which NCCL refuses): the dense sums then go through `peers`, and
-// the reason is logged. Errors are the peer group's own only.
+// the reason is logged. Errors are the peer group's own only. A rank whose backend reads
+// host memory returns at once, without a word to the others: the coordinator never puts
+// workers of two backend kinds in one job.
 absl::StatusOr<std::unique_ptr<compute::DeviceGroup>> JoinDeviceGroup(compute::Backend& backend,
                                                                       PeerGroup& peers,
                                                                       absl::Duration timeout);
