@@ -34,31 +34,6 @@ ExpertWeights ExpertWeightsAt(const void* blob, bool bf16, int channels, int hid
   return {w, w + cf, w + cf + hidden, w + 2 * cf + hidden};
 }
 
-bool HostFp32Experts::Needed(absl::Span<const ExpertWeights> experts, bool round) {
-  if (round) return true;
-  for (const ExpertWeights& w : experts) {
-    if (w.bf16()) return true;
-  }
-  return false;
-}
-
-HostFp32Experts::HostFp32Experts(absl::Span<const ExpertWeights> experts, int channels, int hidden,
-                                 bool round) {
-  const size_t cf = static_cast<size_t>(channels) * hidden;
-  for (const ExpertWeights& w : experts) {
-    if (!w.bf16() && !round) {
-      weights_.push_back(w);
-      continue;
-    }
-    std::vector<float>& f = floats_.emplace_back(2 * cf);
-    for (size_t i = 0; i < cf; ++i) {
-      f[i] = w.bf16() ? Bf16ToFloat(w.w1_bf16[i]) : Bf16ToFloat(RoundToBf16(w.w1[i]));
-      f[cf + i] = w.bf16() ? Bf16ToFloat(w.w2_bf16[i]) : Bf16ToFloat(RoundToBf16(w.w2[i]));
-    }
-    weights_.push_back({f.data(), w.b1, f.data() + cf, w.b2});
-  }
-}
-
 absl::StatusOr<std::unique_ptr<SlotMirror>> Backend::MakeSlotMirror(size_t, int, void*, size_t) {
   return absl::UnimplementedError(
       absl::StrCat("the ", name(), " backend reads host memory: it needs no slot mirror"));

@@ -103,21 +103,6 @@ struct ExpertWeights {
 };
 // The weights of the expert whose blob (fp32 [w1|b1|w2|b2], or the bf16 form) is at `blob`.
 ExpertWeights ExpertWeightsAt(const void* blob, bool bf16, int channels, int hidden);
-
-// For backends computing in fp32 on host memory: `experts` with every bf16 weight matrix
-// widened to fp32 (and, with `round`, every fp32 one rounded through bf16, as the bf16
-// compute dtype's products see it), in buffers of its own; the biases as they are.
-class HostFp32Experts {
- public:
-  HostFp32Experts(absl::Span<const ExpertWeights> experts, int channels, int hidden, bool round);
-  absl::Span<const ExpertWeights> get() const { return weights_; }
-  // Whether `experts` needs one (some weights are bf16, or `round`).
-  static bool Needed(absl::Span<const ExpertWeights> experts, bool round);
-
- private:
-  std::vector<std::vector<float>> floats_;
-  std::vector<ExpertWeights> weights_;
-};
 struct ExpertGrads {
   float* w1;
   float* b1;

@@ -184,11 +184,6 @@ bool CpuBackend::ExpertsInParallel(const int64_t* offsets, int experts) const {
 void CpuBackend::ExpertForward(float* y, float* hpre, float* h, const float* x,
                                const int64_t* offsets, absl::Span<const ExpertWeights> experts,
                                int channels, int hidden) {
-  if (HostFp32Experts::Needed(experts, false)) {  // bf16 blobs' weights (OpaqueBackend's)
-    const HostFp32Experts wide(experts, channels, hidden, false);
-    ExpertForward(y, hpre, h, x, offsets, wide.get(), channels, hidden);
-    return;
-  }
   const int num_experts = static_cast<int>(experts.size());
   auto one = [&](int e) {
     const int64_t begin = offsets[e];
@@ -235,11 +230,6 @@ void CpuBackend::ExpertBackward(float* dx, float* dh, absl::Span<const ExpertGra
                                 const float* dy, const float* x, const float* hpre, const float* h,
                                 const int64_t* offsets, absl::Span<const ExpertWeights> experts,
                                 int channels, int hidden) {
-  if (HostFp32Experts::Needed(experts, false)) {
-    const HostFp32Experts wide(experts, channels, hidden, false);
-    ExpertBackward(dx, dh, grads, dy, x, hpre, h, offsets, wide.get(), channels, hidden);
-    return;
-  }
   const int num_experts = static_cast<int>(experts.size());
   // dH = dY W2^T; dW2 += H^T dY; db2 += sums of dY.
   auto second = [&](int e, bool threaded) {

@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "common/bf16.h"
 #include "common/status.h"
 
 namespace pith::compute {
@@ -89,6 +90,33 @@ absl::Status OpaqueBackend::CopyToHost(void* dst, const void* src, size_t bytes)
 }
 
 namespace {
+
+// The experts with every bf16 weight matrix widened to fp32 (and, with `round`, every fp32
+// one rounded through bf16, as the bf16 compute dtype's products see it), in buffers of
+// its own; the biases as they are. What the CPU's fp32 expert ops then compute on.
+class HostFp32Experts {
+ public:
+  HostFp32Experts(absl::Span<const ExpertWeights> experts, int channels, int hidden, bool round) {
+    const size_t cf = static_cast<size_t>(channels) * hidden;
+    for (const ExpertWeights& w : experts) {
+      if (!w.bf16() && !round) {
+        weights_.push_back(w);
+        continue;
+      }
+      std::vector<float>& f = floats_.emplace_back(2 * cf);
+      for (size_t i = 0; i < cf; ++i) {
+        f[i] = w.bf16() ? Bf16ToFloat(w.w1_bf16[i]) : Bf16ToFloat(RoundToBf16(w.w1[i]));
+        f[cf + i] = w.bf16() ? Bf16ToFloat(w.w2_bf16[i]) : Bf16ToFloat(RoundToBf16(w.w2[i]));
+      }
+      weights_.push_back({f.data(), w.b1, f.data() + cf, w.b2});
+    }
+  }
+  absl::Span<const ExpertWeights> get() const { return weights_; }
+
+ private:
+  std::vector<std::vector<float>> floats_;
+  std::vector<ExpertWeights> weights_;
+};
 
 class OpaqueSlotMirror final : public SlotMirror {
  public:
