@@ -472,9 +472,13 @@ class ClusterRun {
       // Two in-process OpaqueBackends share a device group (NCCL's stand-in).
       // (A step computed again after a placement change sums again.)
       EXPECT_GE(value("pith_worker_dense_device_sums_total"), failure_.steps) << text;
+      // And its token rows moved from device to device: 4 grouped exchanges per layer (2)
+      // and step.
+      EXPECT_GE(value("pith_worker_dispatch_device_exchanges_total"), 8 * failure_.steps) << text;
       std::cout << name_ << ": a worker's device memory "
                 << value("pith_worker_device_memory_bytes") << " bytes, "
                 << value("pith_worker_expert_device_uploads_total") << " slot uploads, "
+                << value("pith_worker_dispatch_device_exchanges_total") << " row exchanges, "
                 << value("pith_worker_fetch_bytes_total") << " bytes fetched\n";
     }
   }

@@ -134,6 +134,14 @@ class SlotMirror {
   virtual int slots() const = 0;
 };
 
+// One transfer of a DeviceGroup::Exchange: `bytes` of device memory at `data`, to or from
+// rank `peer`.
+struct DeviceTransfer {
+  int peer;
+  void* data;
+  size_t bytes;
+};
+
 // A collective among the devices of a job's workers (NCCL on CUDA), one per placement
 // epoch: rank 0 makes its id (Backend::NewGroupId), the job's peer group carries it, and
 // every rank joins (Backend::JoinGroup). Never a hang: every call waits with a deadline,
@@ -147,6 +155,12 @@ class DeviceGroup {
   // Sums `n` floats of this backend's memory across the group, in place; returns once the
   // sum is there (the backend's earlier ops included).
   virtual absl::Status AllReduceSum(float* data, size_t n, absl::Duration timeout) = 0;
+  // One grouped exchange: each send goes to its peer, each receive comes from its peer,
+  // in the listed order per pair (as NCCL matches them); empty transfers are skipped, and
+  // both sides agree on every non-empty transfer's size. Returns once every receive has
+  // landed (the backend's earlier ops included).
+  virtual absl::Status Exchange(absl::Span<const DeviceTransfer> sends,
+                                absl::Span<const DeviceTransfer> recvs, absl::Duration timeout) = 0;
   // Aborts the call in progress, or the next one.
   virtual void RequestAbort() = 0;
 };
@@ -256,6 +270,10 @@ class Backend {
   // bucket[A, C] written: row r holds x[bucket_token[r]].
   virtual void Permute(float* bucket, const float* x, const int32_t* bucket_token, int64_t rows,
                        int channels) = 0;
+  // dst row dst_row[r] written with src row r, for r < rows (no dst row twice): rows that
+  // came back together put in their places.
+  virtual void ScatterRows(float* dst, const float* src, const int32_t* dst_row, int64_t rows,
+                           int channels) = 0;
   // dx[N, C] += the bucket rows of each token's kept assignments (row [N, k]).
   virtual void PermuteBackward(float* dx, const float* dbucket, const int32_t* row, int n,
                                int top_k, int channels) = 0;

@@ -90,6 +90,16 @@ void CpuBackend::Permute(float* bucket, const float* x, const int32_t* bucket_to
   });
 }
 
+void CpuBackend::ScatterRows(float* dst, const float* src, const int32_t* dst_row, int64_t rows,
+                             int channels) {
+  pool_.ParallelFor(rows, std::max(1, 16384 / channels), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      std::memcpy(dst + int64_t{dst_row[r]} * channels, src + r * channels,
+                  sizeof(float) * channels);
+    }
+  });
+}
+
 void CpuBackend::PermuteBackward(float* dx, const float* dbucket, const int32_t* row, int n,
                                  int top_k, int channels) {
   pool_.ParallelFor(n, std::max(1, 16384 / channels), [&](int64_t begin, int64_t end) {

@@ -277,6 +277,20 @@ struct Routed {
   std::vector<double> prob_sum;
 };
 
+// ScatterRows puts each row where its index says and leaves the other rows alone;
+// Permute with the same index brings them back.
+TEST_F(CpuBackendTest, ScatterRowsPutsRowsInPlaceAndPermuteGathersThem) {
+  constexpr int kC = 3;
+  const std::vector<float> src = {1, 2, 3, 4, 5, 6, 7, 8, 9};
+  const std::vector<int32_t> to = {4, 0, 2};
+  std::vector<float> dst(5 * kC, -1.0f);
+  backend_.ScatterRows(dst.data(), src.data(), to.data(), 3, kC);
+  EXPECT_EQ(dst, std::vector<float>({4, 5, 6, -1, -1, -1, 7, 8, 9, -1, -1, -1, 1, 2, 3}));
+  std::vector<float> back(3 * kC);
+  backend_.Permute(back.data(), dst.data(), to.data(), 3, kC);
+  EXPECT_EQ(back, src);
+}
+
 TEST_F(CpuBackendTest, RouteTopKTiesRenormalizationAndBuckets) {
   const int N = 3, E = 4, k = 2;
   // Token 0: experts 1 and 3 tie for first; token 1: all equal; token 2: clear order.

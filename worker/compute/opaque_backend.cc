@@ -300,6 +300,12 @@ void OpaqueBackend::Permute(float* bucket, const float* x, const int32_t* bucket
   cpu_.Permute(bucket, x, bucket_token, rows, channels);
 }
 
+void OpaqueBackend::ScatterRows(float* dst, const float* src, const int32_t* dst_row, int64_t rows,
+                                int channels) {
+  Open open(this);
+  cpu_.ScatterRows(dst, src, dst_row, rows, channels);
+}
+
 void OpaqueBackend::PermuteBackward(float* dx, const float* dbucket, const int32_t* row, int n,
                                     int top_k, int channels) {
   Open open(this);

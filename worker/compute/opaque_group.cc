@@ -1,9 +1,12 @@
 // OpaqueBackend's device group (tests only): an in-process stand-in for NCCL among the
 // OpaqueBackends of one process (a test's in-process workers). The ranks of a group meet
 // in a registry by id; a sum copies each rank's floats to the host, adds them in rank
-// order and copies the sum back to every rank. As NCCL's, every wait has a deadline, and
-// an error, a passed deadline or RequestAbort breaks the group for every rank.
+// order and copies the sum back to every rank; an exchange posts each send's bytes (a host
+// copy) to its pair's queue and takes each receive's from its pair's, in order. As NCCL's,
+// every wait has a deadline, and an error, a passed deadline or RequestAbort breaks the
+// group for every rank.
 #include <atomic>
+#include <deque>
 #include <map>
 #include <memory>
 #include <string>
@@ -22,6 +25,7 @@ namespace {
 class Hub {
  public:
   explicit Hub(int world) : world_(world), parts_(world) {}
+  int world() const { return world_; }
 
   // Waits until all `world` ranks have joined.
   absl::Status Join(absl::Time deadline, const std::atomic<bool>& abort) {
@@ -60,6 +64,25 @@ class Hub {
     return absl::OkStatus();
   }
 
+  // A send from `from` to `to`, queued for the matching receive.
+  absl::Status Post(int from, int to, std::string bytes) {
+    absl::MutexLock lock(&mu_);
+    if (!broken_.ok()) return broken_;
+    mail_[{from, to}].push_back(std::move(bytes));
+    return absl::OkStatus();
+  }
+
+  // The next send from `from` to `to`.
+  absl::StatusOr<std::string> Take(int from, int to, absl::Time deadline,
+                                   const std::atomic<bool>& abort) {
+    absl::MutexLock lock(&mu_);
+    std::deque<std::string>& queue = mail_[{from, to}];
+    RETURN_IF_ERROR(Wait([&queue]() { return !queue.empty(); }, deadline, abort, "exchange"));
+    std::string bytes = std::move(queue.front());
+    queue.pop_front();
+    return bytes;
+  }
+
   void Break(const absl::Status& why) {
     absl::MutexLock lock(&mu_);
     if (broken_.ok()) broken_ = why;
@@ -93,6 +116,7 @@ class Hub {
   int arrived_ ABSL_GUARDED_BY(mu_) = 0;
   int collected_ ABSL_GUARDED_BY(mu_) = 0;
   bool scattering_ ABSL_GUARDED_BY(mu_) = false;
+  std::map<std::pair<int, int>, std::deque<std::string>> mail_ ABSL_GUARDED_BY(mu_);
   absl::Status broken_ ABSL_GUARDED_BY(mu_);
 };
 
@@ -109,12 +133,7 @@ class OpaqueDeviceGroup final : public DeviceGroup {
       : backend_(backend), hub_(std::move(hub)), rank_(rank) {}
 
   absl::Status AllReduceSum(float* data, size_t n, absl::Duration timeout) override {
-    // As NCCL's: an abort asked for before the call refuses it.
-    if (abort_.load() && failed_.ok()) failed_ = absl::AbortedError("abort requested");
-    if (!failed_.ok()) {
-      return absl::FailedPreconditionError(
-          absl::StrCat("opaque group: aborted: ", failed_.message()));
-    }
+    RETURN_IF_ERROR(Usable());
     std::vector<float> host(n);
     absl::Status st = backend_->CopyToHost(host.data(), data, n * sizeof(float));
     if (st.ok()) st = hub_->Sum(rank_, host, absl::Now() + timeout, abort_);
@@ -125,9 +144,54 @@ class OpaqueDeviceGroup final : public DeviceGroup {
     }
     return st;
   }
+  absl::Status Exchange(absl::Span<const DeviceTransfer> sends,
+                        absl::Span<const DeviceTransfer> recvs, absl::Duration timeout) override {
+    RETURN_IF_ERROR(Usable());
+    for (const auto* list : {&sends, &recvs}) {
+      for (const DeviceTransfer& t : *list) {
+        if (t.peer < 0 || t.peer >= hub_->world()) {
+          return absl::InvalidArgumentError(
+              absl::StrCat("opaque group: exchange with rank ", t.peer, " of ", hub_->world()));
+        }
+      }
+    }
+    const absl::Time deadline = absl::Now() + timeout;
+    absl::Status st;
+    for (const DeviceTransfer& t : sends) {
+      if (t.bytes == 0 || !st.ok()) continue;
+      std::string bytes(t.bytes, '\0');
+      st = backend_->CopyToHost(bytes.data(), t.data, t.bytes);
+      if (st.ok()) st = hub_->Post(rank_, t.peer, std::move(bytes));
+    }
+    for (const DeviceTransfer& t : recvs) {
+      if (t.bytes == 0 || !st.ok()) continue;
+      absl::StatusOr<std::string> bytes = hub_->Take(t.peer, rank_, deadline, abort_);
+      if (bytes.ok() && bytes->size() != t.bytes) {
+        bytes = absl::InvalidArgumentError(absl::StrCat("opaque group: rank ", t.peer, " sent ",
+                                                        bytes->size(), " bytes for a receive of ",
+                                                        t.bytes));
+      }
+      st = bytes.ok() ? backend_->CopyToDevice(t.data, bytes->data(), t.bytes) : bytes.status();
+    }
+    if (!st.ok()) {
+      failed_ = st;
+      hub_->Break(st);
+    }
+    return st;
+  }
   void RequestAbort() override { abort_ = true; }
 
  private:
+  // As NCCL's: a group that failed, or whose abort was asked for before the call, refuses it.
+  absl::Status Usable() {
+    if (abort_.load() && failed_.ok()) failed_ = absl::AbortedError("abort requested");
+    if (!failed_.ok()) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("opaque group: aborted: ", failed_.message()));
+    }
+    return absl::OkStatus();
+  }
+
   OpaqueBackend* backend_;
   std::shared_ptr<Hub> hub_;
   const int rank_;

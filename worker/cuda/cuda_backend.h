@@ -111,6 +111,8 @@ class CudaBackend final : public compute::Backend {
              const compute::RoutingBuffers& out) override;
   void Permute(float* bucket, const float* x, const int32_t* bucket_token, int64_t rows,
                int channels) override;
+  void ScatterRows(float* dst, const float* src, const int32_t* dst_row, int64_t rows,
+                   int channels) override;
   void PermuteBackward(float* dx, const float* dbucket, const int32_t* row, int n, int top_k,
                        int channels) override;
   void Combine(float* out, const float* y, const int32_t* row, const float* gate, int n, int top_k,

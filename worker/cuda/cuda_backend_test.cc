@@ -77,6 +77,27 @@ class CudaBackendTest : public ::testing::Test {
   std::vector<DeviceBuffer> buffers_;
 };
 
+// The token rows' gather and scatter between workers (Dispatch over NCCL): the CPU's bits.
+TEST_F(CudaBackendTest, PermuteAndScatterRowsMoveRowsAsTheCpuDoes) {
+  constexpr int kC = 37, kRows = 300, kOut = 512;
+  const Vec src = Random(kRows * kC, 11);
+  Ints to(kOut);
+  for (int i = 0; i < kOut; ++i) to[i] = (i * 7919) % kOut;  // a permutation of 0..511
+  to.resize(kRows);
+  Vec dst = Random(kOut * kC, 12), want = dst;
+  float* dst_dev = Up(dst);
+  const int32_t* to_dev = Up(to);
+  gpu_->ScatterRows(dst_dev, Up(src), to_dev, kRows, kC);
+  cpu_.ScatterRows(want.data(), src.data(), to.data(), kRows, kC);
+  EXPECT_EQ(Down(dst_dev, want.size()), want);
+  Vec back(kRows * kC);
+  float* back_dev = Up(back);
+  gpu_->Permute(back_dev, dst_dev, to_dev, kRows, kC);
+  EXPECT_EQ(Down(back_dev, back.size()), src);
+  gpu_->ScatterRows(dst_dev, Up(src), to_dev, 0, kC);  // nothing to move: no launch
+  EXPECT_TRUE(gpu_->Synchronize().ok());
+}
+
 TEST_F(CudaBackendTest, GemmEveryTransposeAlphaBetaAndEmptyK) {
   const int m = 37, n = 29, k = 53;
   for (int ta = 0; ta < 2; ++ta) {

@@ -93,6 +93,13 @@ __global__ void PermuteKernel(float* bucket, const float* x, const int32_t* buck
   }
 }
 
+__global__ void ScatterRowsKernel(float* dst, const float* src, const int32_t* dst_row,
+                                  int64_t rows, int channels) {
+  PITH_GRID_STRIDE(i, rows * channels) {
+    dst[int64_t{dst_row[i / channels]} * channels + i % channels] = src[i];
+  }
+}
+
 __global__ void PermuteBackwardKernel(float* dx, const float* dbucket, const int32_t* row, int n,
                                       int top_k, int channels) {
   PITH_GRID_STRIDE(i, int64_t{n} * channels) {
@@ -292,6 +299,14 @@ void CudaBackend::Permute(float* bucket, const float* x, const int32_t* bucket_t
   PermuteKernel<<<GridFor(rows * channels), kThreads, 0, S(stream_)>>>(bucket, x, bucket_token,
                                                                        rows, channels);
   CheckLaunch("Permute");
+}
+
+void CudaBackend::ScatterRows(float* dst, const float* src, const int32_t* dst_row, int64_t rows,
+                              int channels) {
+  if (rows * channels == 0 || !Ready()) return;
+  ScatterRowsKernel<<<GridFor(rows * channels), kThreads, 0, S(stream_)>>>(dst, src, dst_row, rows,
+                                                                           channels);
+  CheckLaunch("ScatterRows");
 }
 
 void CudaBackend::PermuteBackward(float* dx, const float* dbucket, const int32_t* row, int n,

@@ -240,6 +240,11 @@ class NcclDeviceGroup final : public compute::DeviceGroup {
   absl::Status AllReduceSum(float* data, size_t n, absl::Duration timeout) override {
     return group_->AllReduceSum(data, n, stream_, timeout);
   }
+  absl::Status Exchange(absl::Span<const compute::DeviceTransfer> sends,
+                        absl::Span<const compute::DeviceTransfer> recvs,
+                        absl::Duration timeout) override {
+    return group_->Exchange(sends, recvs, stream_, timeout);
+  }
   void RequestAbort() override { group_->RequestAbort(); }
 
  private:

@@ -55,11 +55,7 @@ class NcclGroup {
   // One grouped exchange: each send goes to its peer, each receive comes from its peer
   // (device memory; a peer may be this rank). Empty transfers are skipped, so pairs with
   // nothing to say cost nothing; both sides must agree on every non-empty pair's size.
-  struct Transfer {
-    int peer;
-    void* data;
-    size_t bytes;
-  };
+  using Transfer = compute::DeviceTransfer;
   absl::Status Exchange(absl::Span<const Transfer> sends, absl::Span<const Transfer> recvs,
                         CUstream_st* stream, absl::Duration timeout);
 
@@ -96,7 +92,8 @@ class NcclGroup {
   std::atomic<bool> abort_requested_{false};
 };
 
-// The CUDA backend's compute::DeviceGroup: `group`'s sums on `stream` (the backend's).
+// The CUDA backend's compute::DeviceGroup: `group`'s sums and exchanges on `stream` (the
+// backend's).
 std::unique_ptr<compute::DeviceGroup> AsDeviceGroup(std::unique_ptr<NcclGroup> group,
                                                     CUstream_st* stream);
 

@@ -209,9 +209,10 @@ class JobRun : public StepDriver {
       for (int e = 0; e < shape_.experts; ++e) primary_[l][e] = owners[l][e][0].first;
     }
     owners_ = owners;
-    observed_uploads_ = 0;  // the new Dispatch counts from 0
+    observed_device_ = {};  // the new Dispatch counts from 0
     dispatch_ = std::make_unique<Dispatch>(backend_.get(), model_.get(), peers_, std::move(owners));
     model_->SetExpertParallel(dispatch_.get());
+    dispatch_->SetDeviceGroup(&device_group_);
     if (cache_ != nullptr) dispatch_->SetCache(cache_.get());
     if (grads_ != nullptr) dispatch_->SetGradPool(grads_.get());
     dispatch_->SetRoutingKnown([this] { OnRoutingKnown(); });
@@ -506,8 +507,8 @@ class JobRun : public StepDriver {
     ASSIGN_OR_RETURN(double sum_sq, gradients.AddSumOfSquares(*host_backend_, dense_sq, updated_));
     RETURN_IF_ERROR(peers_->AllReduceSum(&sum_sq, 1, channels::GradNorm(s)));
     grad_norm_ = std::sqrt(sum_sq);
-    ReportDevice(*metrics_, backend_->device_bytes(), dispatch_->slot_uploads(),
-                 &observed_uploads_);
+    ReportDevice(*metrics_, backend_->device_bytes(),
+                 {dispatch_->slot_uploads(), dispatch_->device_exchanges()}, &observed_device_);
     return absl::OkStatus();
   }
 
@@ -704,7 +705,7 @@ class JobRun : public StepDriver {
   std::unique_ptr<compute::CpuBackend> own_host_;  // when backend_ is not a CpuBackend
   compute::CpuBackend* host_backend_ = nullptr;    // host-memory work: backend_ or own_host_
   std::unique_ptr<DenseMirror> dense_;
-  DeviceGroupSlot device_group_;  // the dense sums' NCCL group, if the run has one
+  DeviceGroupSlot device_group_;  // the run's NCCL group (dense sums, token rows), if any
   model::ModelShape shape_;
   std::vector<int> rows_;
   std::unique_ptr<model::MoeGpt> model_;
@@ -717,9 +718,9 @@ class JobRun : public StepDriver {
   // does not touch these); Finish waits for them before anything else does.
   model::StepLoss last_loss_;
   double lr_ = 0;
-  ExpertCache::Stats observed_;    // the cache's stats at the last ObserveStep
-  uint64_t observed_spills_ = 0;   // the gradient pool's, likewise
-  uint64_t observed_uploads_ = 0;  // dispatch_'s slot uploads at the last ReportDevice
+  ExpertCache::Stats observed_;   // the cache's stats at the last ObserveStep
+  uint64_t observed_spills_ = 0;  // the gradient pool's, likewise
+  DeviceCounts observed_device_;  // dispatch_'s counts at the last ReportDevice
   uint64_t step_hits_ = 0, step_misses_ = 0;
   std::map<int64_t, int> dense_rank_;  // dense tensor (by offset) -> the rank writing it
   // Between Compute and Write of a step.

@@ -39,12 +39,13 @@ absl::StatusOr<std::unique_ptr<compute::DeviceGroup>> JoinDeviceGroup(compute::B
   if (joined < world) {
     if (!id.empty()) {
       LOG(WARNING) << static_cast<int>(joined) << " of " << world
-                   << " ranks joined the device group: the dense gradients sum through the "
-                      "peer group";
+                   << " ranks joined the device group: the dense gradients and the token "
+                      "rows go through the peer group";
     }
     return nullptr;
   }
-  LOG(INFO) << "the dense gradients sum on the device group (" << world << " ranks)";
+  LOG(INFO) << "the dense gradients and the token rows go over the device group (" << world
+            << " ranks)";
   return group;
 }
 
@@ -66,14 +67,15 @@ void DeviceGroupSlot::Abort() {
   if (group_ != nullptr) group_->RequestAbort();
 }
 
+compute::DeviceGroup* DeviceGroupSlot::group() {
+  absl::MutexLock lock(&mu_);
+  return group_.get();  // replaced on this thread only
+}
+
 absl::Status DeviceGroupSlot::SumDense(float* grads, int64_t n, DenseMirror& dense,
                                        PeerGroup& peers, uint64_t tag,
                                        prometheus::Counter* device_sums) {
-  compute::DeviceGroup* group;
-  {
-    absl::MutexLock lock(&mu_);
-    group = group_.get();  // replaced on this thread only
-  }
+  compute::DeviceGroup* const group = this->group();
   if (group == nullptr) return dense.AllReduceSum(peers, grads, tag);
   device_sums->Increment();
   return group->AllReduceSum(grads, static_cast<size_t>(n), kPeerReceiveTimeout);

@@ -1,5 +1,6 @@
 // The device group of a job run (DESIGN §2): the collective its GPU workers sum their
-// dense gradients over (NCCL on CUDA) instead of the peer group's host copies.
+// dense gradients over and move their token rows over (NCCL on CUDA), instead of the
+// peer group's host copies.
 //
 // Thread safety: JoinDeviceGroup runs on the training thread; DeviceGroupSlot says.
 #ifndef PITH_WORKER_RUNTIME_DEVICE_GROUP_H_
@@ -43,6 +44,8 @@ class DeviceGroupSlot {
       ABSL_LOCKS_EXCLUDED(mu_);
   // Aborts the group held, if any.
   void Abort() ABSL_LOCKS_EXCLUDED(mu_);
+  // The group held (null: none), valid until the next Rejoin.
+  compute::DeviceGroup* group() ABSL_LOCKS_EXCLUDED(mu_);
   // Sums the dense gradients (`n` floats of backend memory at `grads`) on the group, or
   // without one through `dense`'s host copies over `peers` (`tag`); counts the device sums
   // in `device_sums`.

@@ -1,7 +1,7 @@
 // JoinDeviceGroup over a real PeerGroup (UCX loopback) with OpaqueBackend's device group:
-// every rank joins and the sums are the rank-order sums; when one rank cannot join, no
-// rank uses a group; a CPU backend has none. The group's deadline and abort end a sum a
-// peer never joins.
+// every rank joins, the sums are the rank-order sums and an exchange delivers each pair's
+// transfers in order; when one rank cannot join, no rank uses a group; a CPU backend has
+// none. The group's deadline and abort end a sum a peer never joins.
 #include "worker/runtime/device_group.h"
 
 #include <functional>
@@ -51,6 +51,63 @@ TEST(DeviceGroupTest, EveryRankJoinsAndSumsInRankOrder) {
     std::vector<float> sum(4);
     ASSERT_TRUE(backend.CopyToHost(sum.data(), buffer->data(), 4 * sizeof(float)).ok());
     EXPECT_EQ(sum, std::vector<float>({9.0f, 4.5f, 3e8f, 3.0f}));
+  });
+}
+
+// An exchange delivers each pair's transfers in their order, skips empty ones (a pair
+// with nothing to say posts nothing), and fails for every rank when sizes disagree.
+TEST(DeviceGroupTest, AnExchangeDeliversEachPairsTransfersInOrder) {
+  constexpr int kRanks = 3;
+  auto peers = JoinedPeerGroups(kRanks);
+  // Rank r sends rank q (q != r) two transfers, of r + q and 1 floats, valued 100r + 10q
+  // + which; nothing to itself but one empty transfer.
+  auto value = [](int from, int to, int which) { return 100.0f * from + 10.0f * to + which; };
+  OnEveryRank(kRanks, [&](int r) {
+    compute::OpaqueBackend backend(1);
+    auto group = JoinDeviceGroup(backend, *peers[r], absl::Seconds(10));
+    ASSERT_TRUE(group.ok() && *group != nullptr) << group.status();
+    std::vector<compute::DeviceBuffer> keep;
+    std::vector<compute::DeviceTransfer> sends, recvs;
+    std::vector<std::pair<float*, std::vector<float>>> expect;
+    for (int q = 0; q < kRanks; ++q) {
+      for (int which = 0; which < 2; ++which) {
+        const size_t n = q == r ? 0 : which == 0 ? r + q : 1;
+        auto out = backend.Allocate(std::max<size_t>(n, 1) * sizeof(float));
+        auto in = backend.Allocate(std::max<size_t>(n, 1) * sizeof(float));
+        ASSERT_TRUE(out.ok() && in.ok());
+        const std::vector<float> mine(n, value(r, q, which));
+        ASSERT_TRUE(backend.CopyToDevice(out->data(), mine.data(), n * sizeof(float)).ok());
+        sends.push_back({q, out->data(), n * sizeof(float)});
+        recvs.push_back({q, in->data(), n * sizeof(float)});
+        expect.emplace_back(in->f32(), std::vector<float>(n, value(q, r, which)));
+        keep.push_back(std::move(*out));
+        keep.push_back(std::move(*in));
+      }
+    }
+    ASSERT_TRUE((*group)->Exchange(sends, recvs, absl::Seconds(10)).ok());
+    for (const auto& [at, want] : expect) {
+      std::vector<float> got(want.size());
+      ASSERT_TRUE(backend.CopyToHost(got.data(), at, got.size() * sizeof(float)).ok());
+      EXPECT_EQ(got, want) << "rank " << r;
+    }
+    // A receive of another size than what was sent breaks the group (rank 0 expects 2
+    // floats from rank 1, which sends 1); rank 2 waits for rank 0 and sees the break.
+    auto buf = backend.Allocate(2 * sizeof(float));
+    ASSERT_TRUE(buf.ok());
+    std::vector<compute::DeviceTransfer> s, g;
+    if (r == 1) s.push_back({0, buf->data(), sizeof(float)});
+    if (r == 0) g.push_back({1, buf->data(), 2 * sizeof(float)});
+    if (r == 2) g.push_back({0, buf->data(), sizeof(float)});
+    const absl::Status st = (*group)->Exchange(s, g, absl::Seconds(10));
+    if (r == 0) {
+      EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument) << st;
+    } else if (r == 2) {
+      EXPECT_FALSE(st.ok());
+    }
+    EXPECT_EQ((*group)->Exchange({}, {}, absl::Seconds(1)).code(),
+              r == 1 ? absl::StatusCode::kOk : absl::StatusCode::kFailedPrecondition);
+    EXPECT_EQ((*group)->Exchange({{kRanks, buf->data(), 4}}, {}, absl::Seconds(1)).code(),
+              r == 1 ? absl::StatusCode::kInvalidArgument : absl::StatusCode::kFailedPrecondition);
   });
 }
 

@@ -93,7 +93,7 @@ absl::Status Dispatch::Fit(compute::DeviceBuffer& buf, int64_t floats) {
   return absl::OkStatus();
 }
 
-absl::Status Dispatch::StageInbound(Inbound& in, int64_t rows, bool forward) {
+absl::Status Dispatch::StageInbound(Inbound& in, int64_t rows, bool forward, bool upload) {
   if (!staged_) return absl::OkStatus();
   const int64_t C = model_->shape().channels, F = model_->shape().hidden;
   Inbound::Device& d = in.dev;
@@ -102,12 +102,14 @@ absl::Status Dispatch::StageInbound(Inbound& in, int64_t rows, bool forward) {
          {std::pair{&d.x, C}, std::pair{&d.hpre, F}, std::pair{&d.h, F}, std::pair{&d.out, C}}) {
       RETURN_IF_ERROR(Fit(*buf, rows * width));
     }
-    return backend_->CopyToDevice(d.x.data(), in.x.data(), rows * C * sizeof(float));
+    return upload ? backend_->CopyToDevice(d.x.data(), in.x.data(), rows * C * sizeof(float))
+                  : absl::OkStatus();
   }
   for (auto [buf, width] : {std::pair{&d.dy, C}, std::pair{&d.dx, C}, std::pair{&d.dh, F}}) {
     RETURN_IF_ERROR(Fit(*buf, rows * width));
   }
-  return backend_->CopyToDevice(d.dy.data(), in.dy.data(), rows * C * sizeof(float));
+  return upload ? backend_->CopyToDevice(d.dy.data(), in.dy.data(), rows * C * sizeof(float))
+                : absl::OkStatus();
 }
 
 bool Dispatch::Computes(int layer, int expert) const {
@@ -147,6 +149,41 @@ uint64_t Dispatch::Tag(int layer, int phase) const {
   return channels::DispatchExchange(step_, layer, phase);
 }
 
+absl::Status Dispatch::PlanRows(int layer, int peer, const int64_t* offsets, const int32_t* tokens,
+                                std::vector<int64_t>& counts, std::vector<int64_t>& source,
+                                std::vector<int32_t>& index) {
+  const int E = model_->shape().experts;
+  counts.assign(E, 0);
+  source.clear();
+  index.clear();
+  for (int e = 0; e < E; ++e) {
+    int64_t begin;
+    std::tie(begin, counts[e]) = Part(layer, e, offsets[e + 1] - offsets[e], peer);
+    for (int64_t i = offsets[e] + begin; i < offsets[e] + begin + counts[e]; ++i) {
+      if (tokens == nullptr) {
+        source.push_back(i);
+        continue;
+      }
+      // A token's row once however many of the peer's experts it goes to.
+      const int32_t t = tokens[i];
+      if (t < 0) {
+        for (int64_t d : source) slot_of_token_[tokens[d]] = -1;
+        return absl::InternalError("dispatch: a bucket row without a token");
+      }
+      if (static_cast<size_t>(t) >= slot_of_token_.size()) slot_of_token_.resize(t + 1, -1);
+      if (slot_of_token_[t] < 0) {
+        slot_of_token_[t] = static_cast<int32_t>(source.size());
+        source.push_back(i);
+      }
+      index.push_back(slot_of_token_[t]);
+    }
+  }
+  if (tokens != nullptr) {
+    for (int64_t i : source) slot_of_token_[tokens[i]] = -1;
+  }
+  return absl::OkStatus();
+}
+
 absl::Status Dispatch::SendBuckets(int layer, int phase, const float* rows, int64_t width,
                                    const int64_t* offsets, const int32_t* tokens) {
   const int E = model_->shape().experts;
@@ -155,66 +192,50 @@ absl::Status Dispatch::SendBuckets(int layer, int phase, const float* rows, int6
   if (tokens != nullptr) {
     ASSIGN_OR_RETURN(tokens, compute::ReadableOnHost(*backend_, tokens, offsets[E], host_tokens_));
   }
+  std::vector<int64_t> counts, source;
+  std::vector<int32_t> index;
   for (int p = 0; p < peers_->world(); ++p) {
     if (p == peers_->rank()) continue;
-    std::vector<int64_t> counts(E, 0), begins(E, 0);
-    int64_t total = 0;
-    for (int e = 0; e < E; ++e) {
-      std::tie(begins[e], counts[e]) = Part(layer, e, offsets[e + 1] - offsets[e], p);
-      total += counts[e];
+    RETURN_IF_ERROR(PlanRows(layer, p, offsets, tokens, counts, source, index));
+    // [E counts][with tokens: an int32 per bucket row, its row among those sent][rows]
+    std::string bytes(E * sizeof(int64_t) + index.size() * sizeof(int32_t) +
+                          source.size() * width * sizeof(float),
+                      '\0');
+    char* out = bytes.data();
+    std::memcpy(out, counts.data(), E * sizeof(int64_t));
+    out += E * sizeof(int64_t);
+    if (!index.empty()) std::memcpy(out, index.data(), index.size() * sizeof(int32_t));
+    out += index.size() * sizeof(int32_t);
+    for (int64_t i : source) {
+      std::memcpy(out, rows + i * width, width * sizeof(float));
+      out += width * sizeof(float);
     }
     if (tokens != nullptr) {
-      // [E counts][total int32: the distinct row of each bucket row][distinct rows], a
-      // token's row once however many of the peer's experts it goes to.
-      std::vector<int32_t> index;
-      std::vector<int64_t> distinct;  // bucket rows, first of each token
-      index.reserve(total);
-      for (int e = 0; e < E; ++e) {
-        for (int64_t i = offsets[e] + begins[e]; i < offsets[e] + begins[e] + counts[e]; ++i) {
-          const int32_t t = tokens[i];
-          if (t < 0) {
-            for (int64_t d : distinct) slot_of_token_[tokens[d]] = -1;
-            return absl::InternalError("dispatch: a bucket row without a token");
-          }
-          if (static_cast<size_t>(t) >= slot_of_token_.size()) slot_of_token_.resize(t + 1, -1);
-          if (slot_of_token_[t] < 0) {
-            slot_of_token_[t] = static_cast<int32_t>(distinct.size());
-            distinct.push_back(i);
-          }
-          index.push_back(slot_of_token_[t]);
-        }
-      }
-      for (int64_t i : distinct) slot_of_token_[tokens[i]] = -1;
-      std::string bytes(
-          E * sizeof(int64_t) + total * sizeof(int32_t) + distinct.size() * width * sizeof(float),
-          '\0');
-      char* out = bytes.data();
-      std::memcpy(out, counts.data(), E * sizeof(int64_t));
-      out += E * sizeof(int64_t);
-      if (total > 0) std::memcpy(out, index.data(), total * sizeof(int32_t));
-      out += total * sizeof(int32_t);
-      for (int64_t i : distinct) {
-        std::memcpy(out, rows + i * width, width * sizeof(float));
-        out += width * sizeof(float);
-      }
-      rows_sent_ += static_cast<int64_t>(distinct.size());
-      assignments_sent_ += total;
-      RETURN_IF_ERROR(peers_->Send(p, Tag(layer, phase), std::move(bytes)));
-      continue;
+      rows_sent_ += static_cast<int64_t>(source.size());
+      assignments_sent_ += static_cast<int64_t>(index.size());
     }
-    std::string bytes(E * sizeof(int64_t) + total * width * sizeof(float), '\0');
-    std::memcpy(bytes.data(), counts.data(), E * sizeof(int64_t));
-    char* out = bytes.data() + E * sizeof(int64_t);
-    for (int e = 0; e < E; ++e) {
-      if (counts[e] == 0) continue;
-      const size_t n = counts[e] * width * sizeof(float);
-      std::memcpy(out, rows + (offsets[e] + begins[e]) * width, n);
-      out += n;
-    }
-
     RETURN_IF_ERROR(peers_->Send(p, Tag(layer, phase), std::move(bytes)));
   }
   return absl::OkStatus();
+}
+
+absl::StatusOr<int64_t> Dispatch::CheckCounts(int layer, int peer,
+                                              const std::vector<int64_t>& counts,
+                                              int64_t most) const {
+  int64_t total = 0;
+  for (int e = 0; e < model_->shape().experts; ++e) {
+    if (counts[e] < 0 || (counts[e] > 0 && !Computes(layer, e))) {
+      return absl::DataLossError(absl::StrCat("dispatch: peer ", peer, " sent rows of expert ", e,
+                                              " of layer ", layer, " that rank ", peers_->rank(),
+                                              " does not own"));
+    }
+    if (counts[e] > most - total) {
+      return absl::DataLossError(
+          absl::StrCat("dispatch: message from peer ", peer, " is short for its row counts"));
+    }
+    total += counts[e];
+  }
+  return total;
 }
 
 absl::Status Dispatch::ReceiveBuckets(int layer, int phase, int peer, int64_t width, Inbound& in,
@@ -231,20 +252,12 @@ absl::Status Dispatch::ReceiveBuckets(int layer, int phase, int peer, int64_t wi
   const int64_t most =
       static_cast<int64_t>((bytes.size() - E * sizeof(int64_t)) /
                            (deduplicated ? sizeof(int32_t) : width * sizeof(float)));
-  int64_t total = 0;
-  for (int e = 0; e < E; ++e) {
-    if (in.counts[e] < 0 || (in.counts[e] > 0 && !Computes(layer, e))) {
-      return absl::DataLossError(absl::StrCat("dispatch: peer ", peer, " sent rows of expert ", e,
-                                              " of layer ", layer, " that rank ", peers_->rank(),
-                                              " does not own"));
-    }
-    if (in.counts[e] > most - total) {
-      in.counts.assign(E, 0);
-      return absl::DataLossError(
-          absl::StrCat("dispatch: message from peer ", peer, " is short for its row counts"));
-    }
-    total += in.counts[e];
+  absl::StatusOr<int64_t> counted = CheckCounts(layer, peer, in.counts, most);
+  if (!counted.ok()) {
+    in.counts.assign(E, 0);
+    return counted.status();
   }
+  const int64_t total = *counted;
   if (deduplicated) {
     const size_t head = E * sizeof(int64_t) + total * sizeof(int32_t);
     const size_t row_bytes = width * sizeof(float);
@@ -441,20 +454,28 @@ absl::Status Dispatch::Forward(int layer, float* y, float* hpre, float* h, const
   const int E = s.experts, C = s.channels, F = s.hidden;
   const int me = peers_->rank();
   if (layer == 0) rows_sent_ = assignments_sent_ = rows_received_ = 0;
-  RETURN_IF_ERROR(SendBuckets(layer, kForwardRows, xperm, C, offsets, bucket_token));
+  compute::DeviceGroup* const group = RowsGroup();
+  if (group != nullptr) {
+    RETURN_IF_ERROR(ExchangeRows(*group, layer, kForwardRows, xperm, C, offsets, bucket_token,
+                                 &Inbound::Device::x, /*same_counts=*/false));
+  } else {
+    RETURN_IF_ERROR(SendBuckets(layer, kForwardRows, xperm, C, offsets, bucket_token));
+  }
   // The rows peers sent, in rank order.
   for (int q = 0; q < peers_->world(); ++q) {
     if (q == me) continue;
     Inbound& in = inbound_[layer][q];
-    RETURN_IF_ERROR(ReceiveBuckets(layer, kForwardRows, q, C, in, in.x, /*deduplicated=*/true));
+    if (group == nullptr) {
+      RETURN_IF_ERROR(ReceiveBuckets(layer, kForwardRows, q, C, in, in.x, /*deduplicated=*/true));
+    }
     in.offsets.assign(E + 1, 0);
     for (int e = 0; e < E; ++e) in.offsets[e + 1] = in.offsets[e] + in.counts[e];
     const int64_t rows = in.offsets[E];
     rows_received_ += rows;
     in.hpre.resize(staged_ ? 0 : rows * F);
     in.h.resize(staged_ ? 0 : rows * F);
-    in.out.resize(rows * C);
-    RETURN_IF_ERROR(StageInbound(in, rows, /*forward=*/true));
+    in.out.resize(group != nullptr ? 0 : rows * C);
+    RETURN_IF_ERROR(StageInbound(in, rows, /*forward=*/true, /*upload=*/group == nullptr));
   }
   // Each owned expert once, over this worker's rows and then each peer's; the cache is
   // told which first (its prefetcher fetches those the last step's routing did not
@@ -493,6 +514,7 @@ absl::Status Dispatch::Forward(int layer, float* y, float* hpre, float* h, const
     RETURN_IF_ERROR(synced);
   }
   RETURN_IF_ERROR(SettleUploads());
+  if (group != nullptr) return ExchangeResults(*group, layer, &Inbound::Device::out, C, offsets, y);
   return ReturnResults(layer, kForwardOut, &Inbound::out, &Inbound::Device::out, C, offsets, y);
 }
 
@@ -524,19 +546,28 @@ absl::Status Dispatch::Backward(int layer, float* dxperm, float* dh, const float
   const model::ModelShape& s = model_->shape();
   const int E = s.experts, C = s.channels, F = s.hidden;
   const int me = peers_->rank();
-  RETURN_IF_ERROR(SendBuckets(layer, kBackwardDy, dy, C, offsets));
+  compute::DeviceGroup* const group = RowsGroup();
+  if (group != nullptr) {
+    RETURN_IF_ERROR(ExchangeRows(*group, layer, kBackwardDy, dy, C, offsets, nullptr,
+                                 &Inbound::Device::dy, /*same_counts=*/true));
+  } else {
+    RETURN_IF_ERROR(SendBuckets(layer, kBackwardDy, dy, C, offsets));
+  }
   for (int q = 0; q < peers_->world(); ++q) {
     if (q == me) continue;
     Inbound& in = inbound_[layer][q];
-    const std::vector<int64_t> counts = in.counts;
-    RETURN_IF_ERROR(ReceiveBuckets(layer, kBackwardDy, q, C, in, in.dy));
-    if (in.counts != counts) {
-      return absl::DataLossError(
-          absl::StrCat("dispatch: peer ", q, " sent gradients for other rows than in forward"));
+    if (group == nullptr) {
+      const std::vector<int64_t> counts = in.counts;
+      RETURN_IF_ERROR(ReceiveBuckets(layer, kBackwardDy, q, C, in, in.dy));
+      if (in.counts != counts) {
+        return absl::DataLossError(
+            absl::StrCat("dispatch: peer ", q, " sent gradients for other rows than in forward"));
+      }
     }
     in.dh.resize(staged_ ? 0 : in.offsets[E] * F);
-    in.dx.resize(in.offsets[E] * C);
-    RETURN_IF_ERROR(StageInbound(in, in.offsets[E], /*forward=*/false));
+    in.dx.resize(group != nullptr ? 0 : in.offsets[E] * C);
+    RETURN_IF_ERROR(
+        StageInbound(in, in.offsets[E], /*forward=*/false, /*upload=*/group == nullptr));
   }
   std::vector<ExpertCache::Expert> computed;
   for (int e = E - 1; e >= 0; --e) {  // the backward's order, as the cache's schedule
@@ -579,6 +610,9 @@ absl::Status Dispatch::Backward(int layer, float* dxperm, float* dh, const float
     RETURN_IF_ERROR(synced);
   }
   RETURN_IF_ERROR(SettleUploads());
+  if (group != nullptr) {
+    return ExchangeResults(*group, layer, &Inbound::Device::dx, C, offsets, dxperm);
+  }
   return ReturnResults(layer, kBackwardDx, &Inbound::dx, &Inbound::Device::dx, C, offsets, dxperm);
 }
 

@@ -23,6 +23,13 @@
 // compute, and its host slot stays pinned until that upload is done (the next expert's
 // turn, or the end of the layer's phase).
 //
+// Such a backend's workers may share a device group (NCCL among GPUs: SetDeviceGroup).
+// Then the rows never leave the devices: each phase sends its peers a header over the
+// peer group (the row counts, and for the token rows their index), gathers each peer's
+// rows into one device buffer, and moves them all in one grouped exchange of the
+// non-empty pairs, after which the rows are spread (token rows) or scattered (results)
+// into place on the device (dispatch_device.cc). The same bits as through the host.
+//
 // Thread safety: one thread (the training loop) at a time.
 #ifndef PITH_WORKER_RUNTIME_DISPATCH_H_
 #define PITH_WORKER_RUNTIME_DISPATCH_H_
@@ -38,6 +45,7 @@
 #include "pith/v1/common.pb.h"
 #include "worker/compute/backend.h"
 #include "worker/model/moe_gpt.h"
+#include "worker/runtime/device_group.h"
 #include "worker/runtime/expert_cache.h"
 #include "worker/runtime/grad_pool.h"
 #include "worker/runtime/peer_group.h"
@@ -83,6 +91,12 @@ class Dispatch final : public model::ExpertParallel {
   // Accumulates the owned experts' gradients in `pool` (not owned; reset before each
   // backward) instead of the model's arena; null: the arena.
   void SetGradPool(GradPool* pool) { grad_pool_ = pool; }
+  // Moves the token rows over `slot`'s device group (not owned; it must outlive this
+  // object) whenever it holds one and the backend's memory is not the host's; the peer
+  // group carries them otherwise.
+  void SetDeviceGroup(DeviceGroupSlot* slot) { device_group_ = slot; }
+  // Grouped exchanges of token rows on the device group so far (for metrics).
+  uint64_t device_exchanges() const { return device_exchanges_; }
   // Tags the messages of the coming step.
   void SetStep(int64_t step) {
     step_ = step;
@@ -130,8 +144,9 @@ class Dispatch final : public model::ExpertParallel {
   }
   // Staged: `buf` holds at least `floats` floats on the device (grown, zeroed, when not).
   absl::Status Fit(compute::DeviceBuffer& buf, int64_t floats);
-  // Staged: sizes the device copies of a peer's rows for a layer, uploading `upload`.
-  absl::Status StageInbound(Inbound& in, int64_t rows, bool forward);
+  // Staged: sizes the device copies of a peer's rows for a layer, uploading the rows it
+  // sent (x forward, dy backward) from their host vector when `upload`.
+  absl::Status StageInbound(Inbound& in, int64_t rows, bool forward, bool upload);
   // Whether expert e of `layer` has rows here or from a peer in this step.
   bool HasRows(int layer, int expert, const int64_t* offsets) const;
   // Takes one of `experts` (one layer's, in the cache's schedule order) off the list and
@@ -154,6 +169,37 @@ class Dispatch final : public model::ExpertParallel {
   // The rows [begin, begin + count) of this worker's bucket of (layer, expert) (n rows) that
   // go to `rank`.
   std::pair<int64_t, int64_t> Part(int layer, int expert, int64_t n, int rank) const;
+  // The rows of this worker's buckets (`offsets`) a message to `peer` carries: the row
+  // counts by expert, and `source`, the rows of the buckets to send, in order. With
+  // `tokens` (the token of each bucket row), `source` holds each token's first row only,
+  // and `index` the position in `source` of every bucket row sent.
+  absl::Status PlanRows(int layer, int peer, const int64_t* offsets, const int32_t* tokens,
+                        std::vector<int64_t>& counts, std::vector<int64_t>& source,
+                        std::vector<int32_t>& index);
+  // Checks the row counts a peer sent (rows only of experts this worker computes, no more
+  // than `most` in all) and returns their total.
+  absl::StatusOr<int64_t> CheckCounts(int layer, int peer, const std::vector<int64_t>& counts,
+                                      int64_t most) const;
+  // The device group the rows move over now, or null (dispatch_device.cc).
+  compute::DeviceGroup* RowsGroup() const;
+  // Over `group`: what SendBuckets and every peer's ReceiveBuckets do, the rows landing
+  // in each peer's Inbound device buffer `dst` (grown to fit). Either `tokens` (the
+  // header's indices bound the rows) or `same_counts` (a peer must send the row counts it
+  // sent in the forward), so a peer's header never asks for more memory than its bytes or
+  // the forward justify.
+  absl::Status ExchangeRows(compute::DeviceGroup& group, int layer, int phase, const float* rows,
+                            int64_t width, const int64_t* offsets, const int32_t* tokens,
+                            compute::DeviceBuffer Inbound::Device::*dst, bool same_counts);
+  // Receives `peer`'s row header for `phase`, checks it (ExchangeRows) and takes its row
+  // counts; returns the rows it sends and their bucket rows, with, when `indexed`, the
+  // row sent for each bucket row in `index`.
+  absl::StatusOr<std::pair<int64_t, int64_t>> TakeRowHeader(int layer, int phase, int peer,
+                                                            bool indexed, bool same_counts,
+                                                            std::vector<int32_t>& index);
+  // Over `group`: what ReturnResults does.
+  absl::Status ExchangeResults(compute::DeviceGroup& group, int layer,
+                               compute::DeviceBuffer Inbound::Device::*results, int64_t width,
+                               const int64_t* offsets, float* out);
   // Sends each peer the rows of `rows` ([A, width]) in the buckets it owns. With
   // `tokens` (the token of each row), each token's row goes once, with an index per
   // bucket row.
@@ -201,6 +247,14 @@ class Dispatch final : public model::ExpertParallel {
   bool current_uploaded_ = false;
   std::vector<ExpertCache::Expert> unpin_after_upload_;
   float* grads_host_ = nullptr;  // the pool buffer grads_dev_ goes back to
+  // Rows over the device group: the group's slot, and by peer rank the device buffers
+  // of the rows sent and landed, with their row indices.
+  DeviceGroupSlot* device_group_ = nullptr;
+  struct PeerRows {
+    compute::DeviceBuffer send, send_index, landed, landed_index;
+  };
+  std::vector<PeerRows> peer_rows_;
+  uint64_t device_exchanges_ = 0;
 };
 
 }  // namespace pith::runtime

@@ -16,6 +16,7 @@
 #include "gtest/gtest.h"
 #include "worker/compute/cpu_backend.h"
 #include "worker/compute/opaque_backend.h"
+#include "worker/runtime/device_group.h"
 
 namespace pith::runtime {
 namespace {
@@ -72,6 +73,7 @@ struct Result {
   std::vector<bool> used;
   int64_t rows_sent = 0, assignments_sent = 0;  // over the workers' forward passes
   std::vector<uint64_t> uploads;                // rank 0's slot uploads after each step
+  uint64_t exchanges = 0;                       // rank 0's exchanges on a device group
 };
 
 constexpr int kRows = 6;
@@ -124,9 +126,10 @@ std::vector<float> Read(compute::Backend& b, const float* p, int64_t n) {
 struct Setup {
   bool opaque = false;
   bool pool = false;
-  int cache_slots = 0;   // > 0: the owned experts' weights through a cache of these slots
-  int mirror_slots = 0;  // > 0: at most these device slots for them
-  int steps = 1;         // more: the same step again (the result is the first's)
+  int cache_slots = 0;        // > 0: the owned experts' weights through a cache of these slots
+  int mirror_slots = 0;       // > 0: at most these device slots for them
+  int steps = 1;              // more: the same step again (the result is the first's)
+  bool device_group = false;  // opaque: the rows over a device group of the workers
 };
 
 Result Parallel(const model::ModelShape& s, int W = 2, bool replicated = false, Setup setup = {}) {
@@ -184,7 +187,14 @@ Result Parallel(const model::ModelShape& s, int W = 2, bool replicated = false, 
         ASSERT_TRUE(made_cache.ok()) << made_cache.status();
         cache = std::move(*made_cache);
       }
+      DeviceGroupSlot group;
+      if (setup.device_group) {
+        const absl::Status joined = group.Rejoin(backend, *peers[rank], absl::Seconds(30));
+        ASSERT_TRUE(joined.ok()) << joined;
+        ASSERT_NE(group.group(), nullptr);
+      }
       Dispatch dispatch(&backend, m->get(), peers[rank].get(), owner);
+      dispatch.SetDeviceGroup(&group);
       dispatch.SetCache(cache.get());
       dispatch.SetMirrorSlots(setup.mirror_slots);
       std::unique_ptr<GradPool> pool;
@@ -215,6 +225,7 @@ Result Parallel(const model::ModelShape& s, int W = 2, bool replicated = false, 
         if (rank == 0) r.uploads.push_back(dispatch.slot_uploads());
       }
       sent[rank] = {dispatch.rows_sent(), dispatch.assignments_sent()};
+      if (rank == 0) r.exchanges = dispatch.device_exchanges();
       grads[rank] = Read(backend, (*m)->grads(), (*m)->layout().total_floats());
       for (int l = 0; pool != nullptr && l < s.layers; ++l) {  // the pool's, in their places
         for (int e = 0; e < s.experts; ++e) {
@@ -312,6 +323,34 @@ TEST(DispatchTest, CacheSlotsGoToTheDeviceWhenTheyChangeOnly) {
   }
 }
 
+// With a device group (NCCL among GPUs; here OpaqueBackend's stand-in), the rows go from
+// device to device in one grouped exchange per phase (4 per layer and step), headers
+// over the peer group: the same bits as through the host, replicated experts, a cache and
+// a gradient pool included.
+TEST(DispatchTest, RowsOverADeviceGroupComputeTheSameBits) {
+  const model::ModelShape s = Shape();
+  for (bool replicated : {false, true}) {
+    const int W = replicated ? 3 : 2;
+    for (int slots : {0, 3}) {
+      SCOPED_TRACE(::testing::Message() << "replicated " << replicated << " slots " << slots);
+      ::pith::runtime::Setup cpu{.opaque = false, .pool = true, .cache_slots = slots, .steps = 2};
+      ::pith::runtime::Setup device = cpu;
+      device.opaque = true;
+      device.device_group = true;
+      const Result plain = Parallel(s, W, replicated, cpu);
+      const Result opaque = Parallel(s, W, replicated, device);
+      EXPECT_EQ(opaque.loss.loss, plain.loss.loss);
+      EXPECT_EQ(opaque.used, plain.used);
+      EXPECT_EQ(opaque.grads, plain.grads);
+      EXPECT_EQ(opaque.rows_sent, plain.rows_sent);
+      EXPECT_EQ(opaque.assignments_sent, plain.assignments_sent);
+      ExpectSameAs(Alone(s), opaque);
+      EXPECT_EQ(plain.exchanges, 0u);
+      EXPECT_EQ(opaque.exchanges, 2u * 4 * s.layers);
+    }
+  }
+}
+
 TEST(DispatchTest, ReplicatedExpertsSplitTheirRowsAndTheMathHolds) {
   // Three workers, kRows = 6: two rows each; experts shared by ranks 0 and 1; rank 2 owns
   // nothing. The gradients of a shared expert add up across its owners.
@@ -389,6 +428,67 @@ TEST(DispatchTest, ACorruptPeerMessageIsDataLoss) {
     const auto in = Tokens(s, 1), tgt = Tokens(s, 2);
     auto loss = (*m)->ForwardBackward(in.data(), tgt.data(), kRows);
     EXPECT_EQ(loss.status().code(), absl::StatusCode::kDataLoss) << c.what << ": " << loss.status();
+  }
+}
+
+}  // namespace
+}  // namespace pith::runtime
+
+namespace pith::runtime {
+namespace {
+
+// Over a device group, a peer's row header that is short, overflowing, inconsistent or out
+// of range is DATA_LOSS for the step before any rows move, never a crash or an allocation
+// the header does not justify.
+TEST(DispatchTest, ACorruptDeviceRowHeaderIsDataLoss) {
+  const model::ModelShape s = Shape();
+  const int E = s.experts;
+  auto head = [&](std::vector<int64_t> c, int64_t n, std::vector<int32_t> index) {
+    c.resize(E, 0);
+    c.push_back(n);
+    return std::string(reinterpret_cast<const char*>(c.data()), c.size() * sizeof(int64_t)) +
+           std::string(reinterpret_cast<const char*>(index.data()), index.size() * 4);
+  };
+  const int64_t huge = std::numeric_limits<int64_t>::max();
+  // Rank 0 computes experts 0 and 3 of layer 0 (Owners(false)).
+  const std::vector<std::pair<const char*, std::string>> cases = {
+      {"short", std::string(3, '\0')},
+      {"a torn index", head({1, 0, 0, 0}, 1, {}) + std::string(3, '\0')},
+      {"overflowing counts", head({huge, 0, 0, huge}, 1, {0, 0})},
+      {"more rows than indices", head({1, 0, 0, 0}, 2, {0})},
+      {"a negative row count", head({1, 0, 0, 0}, -1, {0})},
+      {"an index out of range", head({1, 0, 0, 0}, 1, {5})},
+      {"an expert it does not compute", head({0, 1, 0, 0}, 1, {0})},
+  };
+  for (const auto& [what, bytes] : cases) {
+    SCOPED_TRACE(what);
+    auto peers = std::vector<std::unique_ptr<PeerGroup>>();
+    std::vector<std::string> addresses;
+    for (int r = 0; r < 2; ++r) {
+      peers.push_back(*PeerGroup::Create());
+      addresses.push_back(peers.back()->address());
+    }
+    for (int r = 0; r < 2; ++r) ASSERT_TRUE(peers[r]->Join(r, addresses, 1).ok());
+    compute::OpaqueBackend backend(1), other(1);
+    DeviceGroupSlot group, other_group;
+    std::thread joiner(
+        [&] { ASSERT_TRUE(other_group.Rejoin(other, *peers[1], absl::Seconds(30)).ok()); });
+    ASSERT_TRUE(group.Rejoin(backend, *peers[0], absl::Seconds(30)).ok());
+    joiner.join();
+    ASSERT_NE(group.group(), nullptr);
+    // Rank 1's layer-0 forward row header, as a broken peer sends it (step 1, phase 1).
+    ASSERT_TRUE(peers[1]->Send(0, (uint64_t{1} << 32) | 1, bytes).ok());
+    auto m = model::MoeGpt::Create(&backend, s, kRows / 2);
+    ASSERT_TRUE(m.ok());
+    ASSERT_TRUE((*m)->InitWeights(7).ok());
+    Dispatch dispatch(&backend, m->get(), peers[0].get(), Owners(false));
+    dispatch.SetDeviceGroup(&group);
+    dispatch.SetStep(1);
+    (*m)->SetExpertParallel(&dispatch);
+    const auto in = Tokens(s, 1), tgt = Tokens(s, 2);
+    auto loss = (*m)->ForwardBackward(in.data(), tgt.data(), kRows);
+    EXPECT_EQ(loss.status().code(), absl::StatusCode::kDataLoss) << loss.status();
+    EXPECT_EQ(dispatch.device_exchanges(), 0u);
   }
 }
 

@@ -17,11 +17,15 @@ void ReportMemoryPlan(const WorkerMetrics& metrics, const MemoryPlan& plan) {
   metrics.memory_moments->Set(static_cast<double>(plan.moment_bytes));
 }
 
-void ReportDevice(const WorkerMetrics& metrics, uint64_t device_bytes, uint64_t uploads,
-                  uint64_t* observed) {
+void ReportDevice(const WorkerMetrics& metrics, uint64_t device_bytes, DeviceCounts counts,
+                  DeviceCounts* observed) {
+  auto since = [](uint64_t now, uint64_t then) {
+    return static_cast<double>(now - std::min(now, then));
+  };
   metrics.device_memory->Set(static_cast<double>(device_bytes));
-  metrics.device_uploads->Increment(static_cast<double>(uploads - std::min(uploads, *observed)));
-  *observed = uploads;
+  metrics.device_uploads->Increment(since(counts.uploads, observed->uploads));
+  metrics.device_exchanges->Increment(since(counts.exchanges, observed->exchanges));
+  *observed = counts;
 }
 
 absl::StatusOr<WorkerMetrics> MakeWorkerMetrics(MetricsRegistry& r) {
@@ -77,6 +81,10 @@ absl::StatusOr<WorkerMetrics> MakeWorkerMetrics(MetricsRegistry& r) {
                    r.Counter("pith_worker_dense_device_sums_total",
                              "Steps whose dense gradients summed on the workers' device group "
                              "(NCCL) instead of through the peer group's host copies"));
+  ASSIGN_OR_RETURN(m.device_exchanges,
+                   r.Counter("pith_worker_dispatch_device_exchanges_total",
+                             "Grouped exchanges of token rows between the workers' devices "
+                             "(NCCL), instead of through the peer group's host copies"));
   ASSIGN_OR_RETURN(m.gradient_spills,
                    r.Counter("pith_worker_gradient_spills_total",
                              "Expert gradients written to the scratch file to free a buffer"));

@@ -35,17 +35,26 @@ struct WorkerMetrics {
   // A GPU worker's device memory held, and its uploads of cache slots to the device.
   prometheus::Gauge* device_memory = nullptr;
   prometheus::Counter* device_uploads = nullptr;
-  // Steps whose dense gradients summed on the device group (NCCL), not the peer group.
+  // Steps whose dense gradients summed on the device group (NCCL), not the peer group,
+  // and grouped exchanges of token rows on it.
   prometheus::Counter* dense_sums = nullptr;
+  prometheus::Counter* device_exchanges = nullptr;
+};
+
+// What the current Dispatch has counted since it was made: slot uploads to the device and
+// grouped exchanges of token rows on the device group.
+struct DeviceCounts {
+  uint64_t uploads = 0;
+  uint64_t exchanges = 0;
 };
 
 absl::StatusOr<WorkerMetrics> MakeWorkerMetrics(MetricsRegistry& registry);
 // pith_worker_memory_bytes{kind} from a job's memory plan.
 void ReportMemoryPlan(const WorkerMetrics& metrics, const MemoryPlan& plan);
-// The device memory held and the slot uploads counted so far by the current Dispatch
-// (`*observed`: its count last time, reset when a new Dispatch counts from 0).
-void ReportDevice(const WorkerMetrics& metrics, uint64_t device_bytes, uint64_t uploads,
-                  uint64_t* observed);
+// The device memory held and what the current Dispatch counted so far (`*observed`: its
+// counts last time, reset when a new Dispatch counts from 0).
+void ReportDevice(const WorkerMetrics& metrics, uint64_t device_bytes, DeviceCounts counts,
+                  DeviceCounts* observed);
 
 }  // namespace pith::runtime
 
