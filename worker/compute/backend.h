@@ -110,27 +110,37 @@ struct ExpertGrads {
   float* b2;
 };
 
-// Device copies of a host expert cache's slots, on a backend whose memory the host cannot
-// read (DESIGN §2): slot i's bytes are uploaded when they change and stay on the device
-// while they do not. An upload runs beside the backend's ops (on a GPU: on a copy stream
-// of its own), ordered before the ops that Use the slot and after those that read it
-// before its Release.
+// Device slots paired with host memory, on a backend whose memory the host cannot read
+// (DESIGN §2): copies of a host expert cache's slots, uploaded when they change and kept
+// on the device while they do not, or device buffers whose contents go down to host
+// memory (a gradient pool's) while the backend computes on. A copy runs beside the
+// backend's ops (on a GPU: on a copy stream of its own), ordered after the ops that
+// touched the slot before its Release, and before the ops that Use the slot next.
 //
 // Thread safety: the backend's thread only.
 class SlotMirror {
  public:
   virtual ~SlotMirror() = default;
   // Starts copying `bytes` from `host` (inside the registered range given at creation)
-  // into device slot i. `host` must stay unchanged until WaitUploads returns.
+  // into device slot i. `host` must stay unchanged until WaitCopies returns.
   virtual absl::Status Upload(int i, const void* host, size_t bytes) = 0;
-  // Device slot i; the backend's later ops see its last upload.
-  virtual absl::StatusOr<const void*> Use(int i) = 0;
-  // The backend's ops issued so far are the last to read slot i before its next upload.
+  // Starts copying `bytes` of device slot i into `host` (inside the registered range), as
+  // the ops issued before Release(i) left them. `host` holds them once WaitSlot(i) or
+  // WaitCopies returns; reading it sooner reads garbage.
+  virtual absl::Status Download(int i, void* host, size_t bytes) = 0;
+  // Device slot i; the backend's later ops see its last upload and may write it once its
+  // last download has read it.
+  virtual absl::StatusOr<void*> Use(int i) = 0;
+  // The backend's ops issued so far are the last to touch slot i before its next copy.
   virtual absl::Status Release(int i) = 0;
-  // Waits on the host until every upload issued so far is done (its host bytes free).
-  virtual absl::Status WaitUploads() = 0;
-  // Uploads issued since creation.
+  // Waits on the host until slot i's last copy is done.
+  virtual absl::Status WaitSlot(int i) = 0;
+  // Waits on the host until every copy issued so far is done (uploads' host bytes free,
+  // downloads' landed).
+  virtual absl::Status WaitCopies() = 0;
+  // Uploads and downloads issued since creation.
   virtual uint64_t uploads() const = 0;
+  virtual uint64_t downloads() const = 0;
   virtual int slots() const = 0;
 };
 

@@ -121,60 +121,92 @@ class HostFp32Experts {
 class OpaqueSlotMirror final : public SlotMirror {
  public:
   OpaqueSlotMirror(OpaqueBackend* backend, DeviceBuffer arena, size_t slot_bytes, int slots,
-                   const void* host, size_t host_bytes)
+                   void* host, size_t host_bytes)
       : backend_(backend),
         arena_(std::move(arena)),
         slot_bytes_(slot_bytes),
-        host_(static_cast<const uint8_t*>(host)),
+        host_(static_cast<uint8_t*>(host)),
         host_bytes_(host_bytes),
-        pending_(slots) {}
+        pending_(slots),
+        landing_(slots) {}
 
   // The copy lands at once, but the host bytes are held to the contract: unchanged until
-  // WaitUploads, which aborts (naming it) when they changed, as a DMA still reading them
+  // WaitCopies, which aborts (naming it) when they changed, as a DMA still reading them
   // would have copied other bytes.
   absl::Status Upload(int i, const void* host, size_t bytes) override {
-    const auto* p = static_cast<const uint8_t*>(host);
-    if (i < 0 || i >= static_cast<int>(pending_.size()) || bytes > slot_bytes_ || p < host_ ||
-        p + bytes > host_ + host_bytes_) {
-      return absl::InvalidArgumentError("slot mirror: upload outside its slots");
-    }
+    auto* p = static_cast<uint8_t*>(const_cast<void*>(host));
+    RETURN_IF_ERROR(Check(i, p, bytes, "upload"));
     pending_[i] = {p, std::vector<uint8_t>(p, p + bytes)};
     ++uploads_;
     return backend_->CopyToDevice(Slot(i), p, bytes);
   }
-  absl::StatusOr<const void*> Use(int i) override {
-    if (i < 0 || i >= static_cast<int>(pending_.size())) {
-      return absl::InvalidArgumentError("slot mirror: no such slot");
-    }
-    return static_cast<const void*>(Slot(i));
+  // The slot's bytes are read at once, but land in `host` only at WaitSlot or WaitCopies;
+  // until then `host` holds NaNs (all bits set), as a DMA still writing it would leave
+  // something else there.
+  absl::Status Download(int i, void* host, size_t bytes) override {
+    auto* p = static_cast<uint8_t*>(host);
+    RETURN_IF_ERROR(Check(i, p, bytes, "download"));
+    RETURN_IF_ERROR(Land(i));  // the slot's last download, before this one replaces it
+    std::vector<uint8_t> bytes_now(bytes);
+    RETURN_IF_ERROR(backend_->CopyToHost(bytes_now.data(), Slot(i), bytes));
+    std::memset(p, 0xff, bytes);
+    landing_[i] = {p, std::move(bytes_now)};
+    ++downloads_;
+    return absl::OkStatus();
+  }
+  absl::StatusOr<void*> Use(int i) override {
+    if (i < 0 || i >= slots()) return absl::InvalidArgumentError("slot mirror: no such slot");
+    return static_cast<void*>(Slot(i));
   }
   absl::Status Release(int) override { return absl::OkStatus(); }
-  absl::Status WaitUploads() override {
-    for (auto& [from, bytes] : pending_) {
-      if (from != nullptr && !std::equal(bytes.begin(), bytes.end(), from)) {
-        std::fprintf(stderr,
-                     "opaque backend: a slot's host bytes changed before its upload was "
-                     "waited for\n");
-        std::abort();
-      }
-      from = nullptr;
-    }
+  absl::Status WaitSlot(int i) override {
+    if (i < 0 || i >= slots()) return absl::InvalidArgumentError("slot mirror: no such slot");
+    return Land(i);
+  }
+  absl::Status WaitCopies() override {
+    for (int i = 0; i < slots(); ++i) RETURN_IF_ERROR(Land(i));
     return absl::OkStatus();
   }
   uint64_t uploads() const override { return uploads_; }
+  uint64_t downloads() const override { return downloads_; }
   int slots() const override { return static_cast<int>(pending_.size()); }
 
  private:
   uint8_t* Slot(int i) const { return static_cast<uint8_t*>(arena_.data()) + slot_bytes_ * i; }
+  absl::Status Check(int i, const uint8_t* p, size_t bytes, const char* what) const {
+    if (i < 0 || i >= slots() || bytes > slot_bytes_ || p < host_ ||
+        p + bytes > host_ + host_bytes_) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("slot mirror: ", what, " outside its slots or its host memory"));
+    }
+    return absl::OkStatus();
+  }
+  // Slot i's last copy done: an upload's host bytes checked, a download's landed.
+  absl::Status Land(int i) {
+    auto& [from, bytes] = pending_[i];
+    if (from != nullptr && !std::equal(bytes.begin(), bytes.end(), from)) {
+      std::fprintf(stderr,
+                   "opaque backend: a slot's host bytes changed before its upload was "
+                   "waited for\n");
+      std::abort();
+    }
+    from = nullptr;
+    auto& [to, landed] = landing_[i];
+    if (to != nullptr) std::memcpy(to, landed.data(), landed.size());
+    to = nullptr;
+    return absl::OkStatus();
+  }
 
   OpaqueBackend* backend_;
   DeviceBuffer arena_;
   size_t slot_bytes_;
-  const uint8_t* host_;
+  uint8_t* host_;
   size_t host_bytes_;
-  // [slot]: an upload not waited for, and the bytes it copied.
+  // [slot]: an upload not waited for, and the bytes it copied; a download not waited for,
+  // and the bytes it read.
   std::vector<std::pair<const uint8_t*, std::vector<uint8_t>>> pending_;
-  uint64_t uploads_ = 0;
+  std::vector<std::pair<uint8_t*, std::vector<uint8_t>>> landing_;
+  uint64_t uploads_ = 0, downloads_ = 0;
 };
 
 }  // namespace

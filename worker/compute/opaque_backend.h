@@ -44,8 +44,9 @@ class OpaqueBackend : public Backend {
   absl::StatusOr<std::string> NewGroupId() override;
   absl::StatusOr<std::unique_ptr<DeviceGroup>> JoinGroup(const std::string& id, int rank, int world,
                                                          absl::Duration timeout) override;
-  // Its uploads copy at once but check at WaitUploads that the host bytes did not change
-  // meanwhile (aborting, naming it), as a GPU's copy stream may read them late.
+  // Its uploads copy at once but check at WaitCopies that the host bytes did not change
+  // meanwhile (aborting, naming it), as a GPU's copy stream may read them late; its
+  // downloads leave NaNs in the host memory until WaitSlot or WaitCopies lands them.
   absl::StatusOr<std::unique_ptr<SlotMirror>> MakeSlotMirror(size_t slot_bytes, int slots,
                                                              void* host,
                                                              size_t host_bytes) override;

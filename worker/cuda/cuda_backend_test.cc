@@ -579,7 +579,8 @@ TEST_F(CudaBackendTest, Bf16WeightsBlobsComputeWhatTheirMasterDoes) {
 }
 
 // device_bytes counts the buffers and the slot mirrors while they live; a slot mirror's
-// upload lands in its device slot.
+// upload lands in its device slot, and its download brings back what the backend's ops
+// wrote there before the slot's Release (a gradient pool's way down).
 TEST_F(CudaBackendTest, DeviceBytesCountBuffersAndSlotMirrors) {
   const uint64_t base = gpu_->device_bytes();
   constexpr size_t kSlot = 1 << 20;
@@ -597,10 +598,24 @@ TEST_F(CudaBackendTest, DeviceBytesCountBuffersAndSlotMirrors) {
     auto slot = (*mirror)->Use(1);
     ASSERT_TRUE(slot.ok()) << slot.status();
     ASSERT_TRUE((*mirror)->Release(1).ok());
-    ASSERT_TRUE((*mirror)->WaitUploads().ok());
+    ASSERT_TRUE((*mirror)->WaitCopies().ok());
     EXPECT_EQ((*mirror)->uploads(), 1u);
     const std::vector<uint8_t> landed = Down(static_cast<const uint8_t*>(*slot), kSlot);
     EXPECT_TRUE(std::equal(landed.begin(), landed.end(), host.begin() + 2 * kSlot));
+
+    // Down: ops write slot 2, the download lands in host slot 3 once waited for.
+    std::vector<float> ones(kSlot / sizeof(float), 1.0f);
+    auto out = (*mirror)->Use(2);
+    ASSERT_TRUE(out.ok()) << out.status();
+    ASSERT_TRUE(gpu_->CopyToDevice(*out, ones.data(), kSlot).ok());
+    gpu_->Scale(static_cast<float*>(*out), 3.0f, static_cast<int64_t>(ones.size()));
+    ASSERT_TRUE((*mirror)->Release(2).ok());
+    ASSERT_TRUE((*mirror)->Download(2, host.data() + 3 * kSlot, kSlot).ok());
+    ASSERT_TRUE((*mirror)->WaitSlot(2).ok());
+    EXPECT_EQ((*mirror)->downloads(), 1u);
+    std::vector<float> down(ones.size());
+    std::memcpy(down.data(), host.data() + 3 * kSlot, kSlot);
+    EXPECT_EQ(down, std::vector<float>(ones.size(), 3.0f));
   }
   EXPECT_EQ(gpu_->device_bytes(), base);
 }

@@ -84,24 +84,43 @@ absl::Status DeviceSlots::RegisterStaging(void* host, size_t bytes) {
 }
 
 absl::Status DeviceSlots::Upload(int i, const void* host, size_t bytes) {
+  return Copy(i, bytes, /*up=*/true, const_cast<void*>(host));
+}
+
+absl::Status DeviceSlots::Download(int i, void* host, size_t bytes) {
+  return Copy(i, bytes, /*up=*/false, host);
+}
+
+absl::Status DeviceSlots::Copy(int i, size_t bytes, bool up, void* host) {
+  const char* op = up ? "Upload" : "Download";
   if (i < 0 || i >= slots() || bytes > slot_bytes_) {
-    return absl::InvalidArgumentError(absl::StrCat("device slots: upload of ", bytes,
-                                                   " bytes into slot ", i, " of ", slots(),
+    return absl::InvalidArgumentError(absl::StrCat("device slots: ", op, " of ", bytes,
+                                                   " bytes, slot ", i, " of ", slots(),
                                                    " slots of ", slot_bytes_, " bytes"));
   }
   if (absl::Status st = Check(cudaSetDevice(device_), "cudaSetDevice"); !st.ok()) return st;
-  // Not before the compute that last read the slot is done (a no-op before any Release).
+  // Not before the compute that last touched the slot is done (a no-op before any
+  // Release).
   if (absl::Status st = Check(cudaStreamWaitEvent(copy_, events_[slots() + i], 0),
-                              "Upload (cudaStreamWaitEvent)");
+                              absl::StrCat(op, " (cudaStreamWaitEvent)").c_str());
       !st.ok()) {
     return st;
   }
-  if (absl::Status st = Check(cudaMemcpyAsync(slot(i), host, bytes, cudaMemcpyHostToDevice, copy_),
-                              "Upload (cudaMemcpyAsync)");
-      !st.ok()) {
+  const cudaError_t copied =
+      up ? cudaMemcpyAsync(slot(i), host, bytes, cudaMemcpyHostToDevice, copy_)
+         : cudaMemcpyAsync(host, slot(i), bytes, cudaMemcpyDeviceToHost, copy_);
+  if (absl::Status st = Check(copied, absl::StrCat(op, " (cudaMemcpyAsync)").c_str()); !st.ok()) {
     return st;
   }
-  return Check(cudaEventRecord(events_[i], copy_), "Upload (cudaEventRecord)");
+  return Check(cudaEventRecord(events_[i], copy_), absl::StrCat(op, " (cudaEventRecord)").c_str());
+}
+
+absl::Status DeviceSlots::WaitSlot(int i) {
+  if (i < 0 || i >= slots()) {
+    return absl::InvalidArgumentError(absl::StrCat("device slots: no slot ", i));
+  }
+  if (absl::Status st = Check(cudaSetDevice(device_), "cudaSetDevice"); !st.ok()) return st;
+  return Check(cudaEventSynchronize(events_[i]), "WaitSlot (cudaEventSynchronize)");
 }
 
 absl::Status DeviceSlots::MakeVisible(int i, CUstream_st* compute) {
@@ -133,13 +152,19 @@ class CudaSlotMirror final : public compute::SlotMirror {
     ++uploads_;
     return slots_->Upload(i, host, bytes);
   }
-  absl::StatusOr<const void*> Use(int i) override {
+  absl::Status Download(int i, void* host, size_t bytes) override {
+    ++downloads_;
+    return slots_->Download(i, host, bytes);
+  }
+  absl::StatusOr<void*> Use(int i) override {
     if (absl::Status st = slots_->MakeVisible(i, compute_); !st.ok()) return st;
-    return static_cast<const void*>(slots_->slot(i));
+    return slots_->slot(i);
   }
   absl::Status Release(int i) override { return slots_->Release(i, compute_); }
-  absl::Status WaitUploads() override { return slots_->Wait(); }
+  absl::Status WaitSlot(int i) override { return slots_->WaitSlot(i); }
+  absl::Status WaitCopies() override { return slots_->Wait(); }
   uint64_t uploads() const override { return uploads_; }
+  uint64_t downloads() const override { return downloads_; }
   int slots() const override { return slots_->slots(); }
 
  private:
@@ -148,7 +173,7 @@ class CudaSlotMirror final : public compute::SlotMirror {
   std::unique_ptr<DeviceSlots> slots_;
   CUstream_st* compute_;
   std::shared_ptr<std::atomic<uint64_t>> held_;
-  uint64_t uploads_ = 0;
+  uint64_t uploads_ = 0, downloads_ = 0;
 };
 
 }  // namespace
@@ -171,7 +196,8 @@ absl::StatusOr<std::unique_ptr<compute::SlotMirror>> MakeCudaSlotMirror(
   if (!made.ok()) return made.status();
   if (absl::Status st = (*made)->RegisterStaging(host, host_bytes); !st.ok()) {
     // No glog in the GPU-only build: one line on stderr, as glog's warnings go there too.
-    std::fprintf(stderr, "W expert cache: the host slots stay pageable for the device copies: %s\n",
+    std::fprintf(stderr,
+                 "W slot mirror: the host memory stays pageable for the device copies: %s\n",
                  st.ToString().c_str());
   }
   return std::unique_ptr<compute::SlotMirror>(

@@ -53,32 +53,43 @@ class DeviceSlots {
   // `host` must stay unchanged until the upload is done (Wait, or an op that MakeVisible
   // ordered after it).
   absl::Status Upload(int i, const void* host, size_t bytes);
-  // Orders `compute`'s later work after slot i's last upload, on the device.
+  // Starts copying `bytes` of slot `i` into `host` on the copy stream, once the compute
+  // that Release marked as the slot's last is done. `host` holds them once the copy is
+  // done (WaitSlot, Wait); the next writer of the slot waits for it (MakeVisible).
+  absl::Status Download(int i, void* host, size_t bytes);
+  // Orders `compute`'s later work after slot i's last copy (upload or download), on the
+  // device.
   absl::Status MakeVisible(int i, CUstream_st* compute);
   // Marks the work issued on `compute` so far as the last to read slot i: the next Upload
   // into it waits for that work on the device, so a slot is never refilled under a kernel
   // still reading it. Call it after the last op that reads the slot, before reusing it.
   absl::Status Release(int i, CUstream_st* compute);
-  // Waits on the host for every upload issued so far.
+  // Waits on the host for slot i's last copy.
+  absl::Status WaitSlot(int i);
+  // Waits on the host for every copy issued so far.
   absl::Status Wait();
 
  private:
   DeviceSlots(int device, size_t slot_bytes, void* arena, CUstream_st* copy,
               std::vector<CUevent_st*> events);
+  // Upload (`up`) or Download: `bytes` between slot i and `host` on the copy stream,
+  // after the slot's Release, recording the slot's copy event.
+  absl::Status Copy(int i, size_t bytes, bool up, void* host);
 
   int device_;
   size_t slot_bytes_;
   void* arena_;
   CUstream_st* copy_;
-  std::vector<CUevent_st*> events_;  // [slot]: its last upload; [slots + slot]: its release
+  std::vector<CUevent_st*> events_;  // [slot]: its last copy; [slots + slot]: its release
   std::vector<void*> registered_;    // host ranges this object page-locked
 };
 
-// The cluster worker's device copies of its cache slots (compute::SlotMirror) on
-// DeviceSlots: uploads on the copy stream, made visible to and released after `compute`
-// (the CUDA backend's stream): up to `slots` of them, as many as half the device's free
-// memory holds, at least 2. The host slots are page-locked for the copies where CUDA
-// allows it (else the copies go through the driver's staging, slower, with a warning).
+// The cluster worker's device copies of its cache slots, or device buffers for its
+// gradient pool (compute::SlotMirror), on DeviceSlots: copies on the copy stream, made
+// visible to and released after `compute` (the CUDA backend's stream): up to `slots` of
+// them, as many as half the device's free memory holds, at least 2. The host memory is
+// page-locked for the copies where CUDA allows it (else the copies go through the
+// driver's staging, slower and synchronous, with a warning).
 // `held` counts the slots' bytes while the mirror lives (the backend's device_bytes).
 absl::StatusOr<std::unique_ptr<compute::SlotMirror>> MakeCudaSlotMirror(
     int device, CUstream_st* compute, size_t slot_bytes, int slots, void* host, size_t host_bytes,

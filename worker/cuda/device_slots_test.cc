@@ -1,6 +1,7 @@
 // DeviceSlots: uploads land in their slots, a compute stream ordered after an upload sees
-// its bytes, bad slots and sizes are refused, and uploads overlap the compute stream's
-// work. Skipped without a CUDA device (the argument checks run everywhere).
+// its bytes, a download reads what the compute wrote before it, bad slots and sizes are
+// refused, and uploads overlap the compute stream's work. Skipped without a CUDA device (the
+// argument checks run everywhere).
 #include "worker/cuda/device_slots.h"
 
 #include <cuda_runtime.h>
@@ -152,6 +153,42 @@ TEST_F(DeviceSlotsTest, ReleaseKeepsAnUploadFromOverwritingASlotStillBeingRead) 
   ASSERT_TRUE(backend_->CopyToHost(now.data(), (*slots)->slot(0), kSlot).ok());
   EXPECT_EQ(0, std::memcmp(read.data(), staging.ptr, kSlot)) << "the read saw the next upload";
   EXPECT_EQ(0, std::memcmp(now.data(), staging.ptr + kSlot, kSlot));
+}
+
+TEST_F(DeviceSlotsTest, ADownloadWaitsForTheComputeThatWroteTheSlotAndBlocksTheNextWriter) {
+  // The compute stream is busy with a chain of products, then writes slot 0 (a copy in);
+  // a download issued after Release must read what it wrote, and a write ordered after
+  // the download (MakeVisible) must not overtake it.
+  constexpr size_t kSlot = 64 << 20;
+  HostBuffer host(kSlot);
+  auto slots = DeviceSlots::Create(0, kSlot, 1);
+  ASSERT_TRUE(slots.ok()) << slots.status();
+  ASSERT_TRUE((*slots)->RegisterStaging(host.ptr, host.bytes).ok());
+  std::memset(host.ptr, 0, kSlot);
+  constexpr int n = 4096;
+  auto a = backend_->Allocate(sizeof(float) * n * n), c = backend_->Allocate(sizeof(float) * n * n);
+  auto first = backend_->Allocate(kSlot), second = backend_->Allocate(kSlot);
+  ASSERT_TRUE(a.ok() && c.ok() && first.ok() && second.ok());
+  ASSERT_EQ(cudaMemset(first->data(), 0x33, kSlot), cudaSuccess);
+  ASSERT_EQ(cudaMemset(second->data(), 0x44, kSlot), cudaSuccess);
+  ASSERT_TRUE(backend_->Synchronize().ok());
+  for (int i = 0; i < 12; ++i) {
+    backend_->Gemm(false, false, n, n, n, 1.0f, a->f32(), n, a->f32(), n, 0.0f, c->f32(), n);
+  }
+  ASSERT_EQ(cudaMemcpyAsync((*slots)->slot(0), first->data(), kSlot, cudaMemcpyDeviceToDevice,
+                            backend_->stream()),
+            cudaSuccess);
+  ASSERT_TRUE((*slots)->Release(0, backend_->stream()).ok());
+  ASSERT_TRUE((*slots)->Download(0, host.ptr, kSlot).ok());
+  ASSERT_TRUE((*slots)->MakeVisible(0, backend_->stream()).ok());
+  ASSERT_EQ(cudaMemcpyAsync((*slots)->slot(0), second->data(), kSlot, cudaMemcpyDeviceToDevice,
+                            backend_->stream()),
+            cudaSuccess);
+  ASSERT_TRUE((*slots)->WaitSlot(0).ok());
+  const std::vector<uint8_t> want(kSlot, 0x33);
+  // Zeros: it ran before the first write; 0x44: the second write overtook it.
+  EXPECT_EQ(0, std::memcmp(host.ptr, want.data(), kSlot)) << "the download read another write";
+  ASSERT_TRUE(backend_->Synchronize().ok());
 }
 
 }  // namespace

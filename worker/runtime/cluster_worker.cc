@@ -255,7 +255,7 @@ class JobRun : public StepDriver {
     if (options_.memory_bytes > 0 && kept > options_.memory_bytes) return false;
     // A cached expert is current only if this worker made its last update (it was its
     // primary); the others may have moved on (pinned ones too, once their uploads land).
-    RETURN_IF_ERROR(dispatch_->SettleUploads());
+    RETURN_IF_ERROR(dispatch_->SettleCopies());
     for (int l = 0; l < shape_.layers; ++l) {
       for (int e = 0; e < shape_.experts; ++e) {
         if (primary_[l][e] != a_.rank()) cache_->Invalidate({l, e});

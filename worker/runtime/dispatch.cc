@@ -82,7 +82,7 @@ Dispatch::Dispatch(compute::Backend* backend, model::MoeGpt* model, PeerGroup* p
 Dispatch::~Dispatch() {
   // After an error mid-phase, host slots may still wait for their uploads: released here
   // (the cache outlives this object).
-  if (mirror_ != nullptr) (void)SettleUploads();
+  (void)SettleCopies();
 }
 
 absl::Status Dispatch::Fit(compute::DeviceBuffer& buf, int64_t floats) {
@@ -401,14 +401,32 @@ absl::Status Dispatch::Done(int layer, int expert) {
 
 absl::Status Dispatch::SettleUploads() {
   if (unpin_after_upload_.empty()) return absl::OkStatus();
-  const absl::Status st = mirror_->WaitUploads();
+  const absl::Status st = mirror_->WaitCopies();
   for (const ExpertCache::Expert& x : unpin_after_upload_) cache_->Release(x);
   unpin_after_upload_.clear();
   return st;
 }
 
+absl::Status Dispatch::SettleGradient(int slot) {
+  const GradPool::Expert x = grad_pending_[slot];
+  if (x.first < 0) return absl::OkStatus();
+  grad_pending_[slot] = {-1, -1};
+  const absl::Status st = grad_mirror_->WaitSlot(slot);
+  grad_pool_->Close(x);
+  return st;
+}
+
+absl::Status Dispatch::SettleCopies() {
+  absl::Status st = SettleUploads();
+  for (int slot = 0; slot < static_cast<int>(grad_pending_.size()); ++slot) {
+    st.Update(SettleGradient(slot));
+  }
+  return st;
+}
+
 absl::Status Dispatch::BeforeBackward() {
   if (cache_ != nullptr) RETURN_IF_ERROR(cache_->AwaitUpdates());
+  RETURN_IF_ERROR(SettleCopies());
   if (grad_pool_ != nullptr) grad_pool_->Reset();
   return absl::OkStatus();
 }
@@ -421,31 +439,55 @@ absl::StatusOr<compute::ExpertGrads> Dispatch::GradsOf(int layer, int expert) {
     }
     return grads[expert];
   }
+  const size_t bytes = model_->shape().expert_floats() * sizeof(float);
+  if (staged_ && grad_mirror_ == nullptr) {
+    // A device slot per pool buffer but one (the next expert's opens while the others'
+    // downloads are in flight), at most 4, at least 1.
+    const int wanted = std::clamp(grad_pool_->buffers() - 1, 1, 4);
+    ASSIGN_OR_RETURN(grad_mirror_, backend_->MakeSlotMirror(bytes, wanted, grad_pool_->memory(),
+                                                            grad_pool_->bytes()));
+    grad_pending_.assign(std::min(wanted, grad_mirror_->slots()), {-1, -1});
+    grad_next_ = 0;
+  }
+  // A device slot's last download landed (its pool buffer closed) before it is reused.
+  if (staged_) RETURN_IF_ERROR(SettleGradient(grad_next_));
   ASSIGN_OR_RETURN(float* g, grad_pool_->Open({layer, expert}));
   const int64_t C = model_->shape().channels, F = model_->shape().hidden;
   if (staged_) {  // accumulated on the device from zero, as the pool buffer opens
-    const int64_t floats = model_->shape().expert_floats();
-    absl::Status st = Fit(grads_dev_, floats);
-    if (st.ok()) backend_->Zero(grads_dev_.data(), floats * sizeof(float));
-    if (!st.ok()) {
+    absl::StatusOr<void*> slot = grad_mirror_->Use(grad_next_);
+    if (!slot.ok()) {
       grad_pool_->Close({layer, expert});
-      return st;
+      return slot.status();
     }
-    grads_host_ = g;
-    g = grads_dev_.f32();
+    backend_->Zero(*slot, bytes);
+    grad_host_ = g;
+    grad_current_ = grad_next_;
+    grad_next_ = (grad_next_ + 1) % static_cast<int>(grad_pending_.size());
+    g = static_cast<float*>(*slot);
   }
   return compute::ExpertGrads{g, g + C * F, g + C * F + F, g + 2 * C * F + F};
 }
 
 absl::Status Dispatch::GradsDone(int layer, int expert) {
   if (grad_pool_ == nullptr) return absl::OkStatus();
-  absl::Status st = absl::OkStatus();
-  if (staged_) {
-    st = backend_->CopyToHost(grads_host_, grads_dev_.data(),
-                              model_->shape().expert_floats() * sizeof(float));
+  if (!staged_) {
+    grad_pool_->Close({layer, expert});
+    return absl::OkStatus();
   }
-  grad_pool_->Close({layer, expert});
-  return st;
+  // Down to the pool buffer behind the next experts' compute; the buffer stays open
+  // until the copy has landed (SettleGradient).
+  const int slot = grad_current_;
+  grad_current_ = -1;
+  absl::Status st = grad_mirror_->Release(slot);
+  if (st.ok()) {
+    st = grad_mirror_->Download(slot, grad_host_, model_->shape().expert_floats() * sizeof(float));
+  }
+  if (!st.ok()) {
+    grad_pool_->Close({layer, expert});
+    return st;
+  }
+  grad_pending_[slot] = {layer, expert};
+  return absl::OkStatus();
 }
 
 absl::Status Dispatch::Forward(int layer, float* y, float* hpre, float* h, const float* xperm,
@@ -604,12 +646,15 @@ absl::Status Dispatch::Backward(int layer, float* dxperm, float* dh, const float
                                At(in, &Inbound::h, &Inbound::Device::h) + o * F, bucket, one_expert,
                                C, F);
     }
-    absl::Status synced = backend_->Synchronize();
+    // No wait on a device: the gradient goes down and the weights' device copy is freed
+    // for the next upload in stream order (a host backend computes synchronously).
+    absl::Status synced = staged_ ? absl::OkStatus() : backend_->Synchronize();
     synced.Update(GradsDone(layer, e));
     synced.Update(Done(layer, e));
     RETURN_IF_ERROR(synced);
   }
-  RETURN_IF_ERROR(SettleUploads());
+  // The pool holds every gradient once the last layer's backward is done.
+  RETURN_IF_ERROR(layer == 0 ? SettleCopies() : SettleUploads());
   if (group != nullptr) {
     return ExchangeResults(*group, layer, &Inbound::Device::dx, C, offsets, dxperm);
   }

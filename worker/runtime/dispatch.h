@@ -15,13 +15,16 @@
 // On a backend whose memory the host cannot reach (a GPU's: host_addressable() false) the
 // same steps run through copies: the rows sent to peers are read back to the host, the
 // rows peers send are computed in device buffers kept from forward to backward, results
-// go back through host copies, and experts' weights and gradients that live in host
-// memory (the gradient pool) pass through one device buffer, by synchronous copies. The
-// cache's slots have device copies (the backend's SlotMirror, as many slots as the device
-// gives, reused least recently used first): an expert is uploaded when no device slot
-// holds its bytes (its cache Generation), on the device's copy stream beside the
-// compute, and its host slot stays pinned until that upload is done (the next expert's
-// turn, or the end of the layer's phase).
+// go back through host copies. The cache's slots have device copies (the backend's
+// SlotMirror, as many slots as the device gives, reused least recently used first): an
+// expert is uploaded when no device slot holds its bytes (its cache Generation), on the
+// device's copy stream beside the compute, and its host slot stays pinned until that
+// upload is done (the next expert's turn, or the end of the layer's phase). An expert's
+// gradient accumulates in a device slot of its own (another SlotMirror, one slot per
+// gradient pool buffer but one, at most 4, used in turn) and goes down to its pool buffer
+// on the copy stream while the next experts compute; the buffer stays open until the
+// copy has landed (before the slot's next use, or at the end of the last layer's
+// backward). Neither direction makes the host wait per expert.
 //
 // Such a backend's workers may share a device group (NCCL among GPUs: SetDeviceGroup).
 // Then the rows never leave the devices: each phase sends its peers a header over the
@@ -75,12 +78,17 @@ class Dispatch final : public model::ExpertParallel {
   // by share (contiguous parts, in the listed order). None of the pointers is owned.
   Dispatch(compute::Backend* backend, model::MoeGpt* model, PeerGroup* peers,
            std::vector<std::vector<ExpertOwners>> owners);
-  ~Dispatch() override;  // waits for the slot uploads in flight
-  // Releases the host slots whose uploads were pending (after a failed phase), once they
-  // are done.
-  absl::Status SettleUploads();
+  ~Dispatch() override;  // waits for the copies in flight
+  // Waits for the copies in flight (after a failed phase, or before the cache's slots
+  // change): releases the host slots whose uploads were pending and closes the pool
+  // buffers whose gradients were on their way down.
+  absl::Status SettleCopies();
   // Uploads of cache slots to the device so far (a staged backend's; 0 elsewhere).
   uint64_t slot_uploads() const { return mirror_ != nullptr ? mirror_->uploads() : 0; }
+  // Expert gradients copied down to the gradient pool so far (likewise).
+  uint64_t grad_downloads() const {
+    return grad_mirror_ != nullptr ? grad_mirror_->downloads() : 0;
+  }
 
   // Takes the owned experts' weights from `cache` (not owned; it must outlive this
   // object) instead of the model's arena; null: the arena.
@@ -157,13 +165,18 @@ class Dispatch final : public model::ExpertParallel {
       std::vector<ExpertCache::Expert>& experts);
   // Releases an owned expert's weights after its compute (its host slot, once its upload
   // is done: SettleUploads).
+  absl::Status SettleUploads();
+  // Closes the pool buffer whose gradient device slot `slot` was downloading, once the
+  // download has landed.
+  absl::Status SettleGradient(int slot);
   absl::Status Done(int layer, int expert);
   // The device copy of the acquired expert's slot at `host` (uploaded unless current).
   absl::StatusOr<const void*> DeviceCopy(int layer, int expert, const void* host);
   // Where expert e of `layer`'s gradient accumulates: its pool buffer (opened; closed by
-  // GradsDone) or the model's arena.
+  // GradsDone), a staged backend's device slot for it (downloaded into the pool buffer
+  // by GradsDone, the buffer closed once it landed), or the model's arena.
   absl::StatusOr<compute::ExpertGrads> GradsOf(int layer, int expert);
-  // Closes it, after reading a staged gradient back into the pool.
+  // Closes it, or starts a staged gradient's way down.
   absl::Status GradsDone(int layer, int expert);
   uint64_t Tag(int layer, int phase) const;
   // The rows [begin, begin + count) of this worker's bucket of (layer, expert) (n rows) that
@@ -234,7 +247,6 @@ class Dispatch final : public model::ExpertParallel {
   bool staged_ = false;
   std::vector<float> host_rows_;      // SendBuckets' rows, read back
   std::vector<int32_t> host_tokens_;  // and their tokens
-  compute::DeviceBuffer grads_dev_;
   // The cache slots' device copies (made at the first staged acquire; at most
   // mirror_slots_ of them when set), by device slot the cache generation each holds (0:
   // none) and its last use, the device slot of the expert computing now and whether it
@@ -246,7 +258,13 @@ class Dispatch final : public model::ExpertParallel {
   int current_slot_ = -1;
   bool current_uploaded_ = false;
   std::vector<ExpertCache::Expert> unpin_after_upload_;
-  float* grads_host_ = nullptr;  // the pool buffer grads_dev_ goes back to
+  // The gradients' device slots (made at the first staged backward with a pool): the
+  // ring's next slot and the one accumulating now, the pool buffer it goes down to, and
+  // by slot the expert whose download is in flight ({-1, -1}: none).
+  std::unique_ptr<compute::SlotMirror> grad_mirror_;
+  int grad_next_ = 0, grad_current_ = -1;
+  float* grad_host_ = nullptr;
+  std::vector<GradPool::Expert> grad_pending_;
   // Rows over the device group: the group's slot, and by peer rank the device buffers
   // of the rows sent and landed, with their row indices.
   DeviceGroupSlot* device_group_ = nullptr;

@@ -74,6 +74,7 @@ struct Result {
   int64_t rows_sent = 0, assignments_sent = 0;  // over the workers' forward passes
   std::vector<uint64_t> uploads;                // rank 0's slot uploads after each step
   uint64_t exchanges = 0;                       // rank 0's exchanges on a device group
+  uint64_t downloads = 0;                       // rank 0's gradients copied down to its pool
 };
 
 constexpr int kRows = 6;
@@ -130,6 +131,7 @@ struct Setup {
   int mirror_slots = 0;       // > 0: at most these device slots for them
   int steps = 1;              // more: the same step again (the result is the first's)
   bool device_group = false;  // opaque: the rows over a device group of the workers
+  int pool_buffers = 0;       // > 0: the pool's buffers (else one per expert)
 };
 
 Result Parallel(const model::ModelShape& s, int W = 2, bool replicated = false, Setup setup = {}) {
@@ -199,8 +201,9 @@ Result Parallel(const model::ModelShape& s, int W = 2, bool replicated = false, 
       dispatch.SetMirrorSlots(setup.mirror_slots);
       std::unique_ptr<GradPool> pool;
       if (setup.pool) {
-        auto made_pool =
-            GradPool::Create(s.expert_floats(), s.layers * s.experts, ::testing::TempDir());
+        auto made_pool = GradPool::Create(
+            s.expert_floats(), setup.pool_buffers > 0 ? setup.pool_buffers : s.layers * s.experts,
+            ::testing::TempDir());
         ASSERT_TRUE(made_pool.ok()) << made_pool.status();
         pool = std::move(*made_pool);
         dispatch.SetGradPool(pool.get());
@@ -226,6 +229,7 @@ Result Parallel(const model::ModelShape& s, int W = 2, bool replicated = false, 
       }
       sent[rank] = {dispatch.rows_sent(), dispatch.assignments_sent()};
       if (rank == 0) r.exchanges = dispatch.device_exchanges();
+      if (rank == 0) r.downloads = dispatch.grad_downloads();
       grads[rank] = Read(backend, (*m)->grads(), (*m)->layout().total_floats());
       for (int l = 0; pool != nullptr && l < s.layers; ++l) {  // the pool's, in their places
         for (int e = 0; e < s.experts; ++e) {
@@ -279,15 +283,32 @@ TEST(DispatchTest, ABackendTheHostCannotReadComputesTheSameBits) {
   const model::ModelShape s = Shape();
   for (bool replicated : {false, true}) {
     const int W = replicated ? 3 : 2;
-    for (bool pool : {false, true}) {
-      SCOPED_TRACE(::testing::Message() << "replicated " << replicated << " pool " << pool);
-      const Result plain = Parallel(s, W, replicated, {.opaque = false, .pool = pool});
-      const Result opaque = Parallel(s, W, replicated, {.opaque = true, .pool = pool});
+    // No pool, a pool of a buffer per expert, and one of 2 (a gradient device slot, used
+    // by expert after expert; the pool spills).
+    for (const auto& [pool, buffers] :
+         {std::pair{false, 0}, std::pair{true, 0}, std::pair{true, 2}}) {
+      SCOPED_TRACE(::testing::Message()
+                   << "replicated " << replicated << " pool " << pool << " of " << buffers);
+      ::pith::runtime::Setup cpu{.opaque = false, .pool = pool};
+      cpu.pool_buffers = buffers;
+      ::pith::runtime::Setup device = cpu;
+      device.opaque = true;
+      const Result plain = Parallel(s, W, replicated, cpu);
+      const Result opaque = Parallel(s, W, replicated, device);
       EXPECT_EQ(opaque.loss.loss, plain.loss.loss);
       EXPECT_EQ(opaque.used, plain.used);
       EXPECT_EQ(opaque.grads, plain.grads);
       EXPECT_EQ(opaque.rows_sent, plain.rows_sent);
       if (pool) ExpectSameAs(Alone(s), opaque);
+      // With a pool, each expert gradient went down from a device slot of its own, behind
+      // the next experts' compute (the opaque backend leaves NaNs in the pool buffer until
+      // the copy is waited for: reading it sooner would change the gradients above).
+      EXPECT_EQ(plain.downloads, 0u);
+      if (pool) {
+        EXPECT_GT(opaque.downloads, 0u);
+      } else {
+        EXPECT_EQ(opaque.downloads, 0u);
+      }
     }
   }
 }

@@ -62,6 +62,8 @@ class GradPool {
   int buffers() const { return buffer_count_; }
   // Bytes of the buffers (what the pool holds in memory, whatever is spilled).
   uint64_t bytes() const { return memory_.size(); }
+  // Where the buffers are (a device's copies may page-lock the range).
+  void* memory() { return memory_.data(); }
   struct Stats {
     uint64_t spills = 0;  // gradients written to the scratch file
     uint64_t loads = 0;   // and read back
