@@ -478,7 +478,7 @@ class ClusterRun {
       std::cout << name_ << ": a worker's device memory "
                 << value("pith_worker_device_memory_bytes") << " bytes, "
                 << value("pith_worker_expert_device_uploads_total") << " slot uploads, "
-                << value("pith_worker_dispatch_device_exchanges_total") << " row exchanges, "
+                << value("pith_worker_dispatch_device_exchanges_total") << " device exchanges, "
                 << value("pith_worker_fetch_bytes_total") << " bytes fetched\n";
     }
   }

@@ -492,11 +492,11 @@ class JobRun : public StepDriver {
       dataset_->Row((s - 1) * B + rows_[j], T, inputs_.data() + j * T, targets_.data() + j * T);
     }
     ASSIGN_OR_RETURN(computed_loss_, model_->ForwardBackward(inputs_.data(), targets_.data(), B));
-    const ExpertGradients gradients{
-        grads_.get(), &model_->layout(), &owners_,
-        &primary_,    a_.rank(),         [this](int l, int e) {
-                                      return model_->ExpertUsed(l, e); }};
-    RETURN_IF_ERROR(gradients.ReduceReplicas(*peers_, s, owned_));
+    auto used = [this](int l, int e) { return model_->ExpertUsed(l, e); };
+    const ExpertGradients gradients{grads_.get(), &model_->layout(), &owners_,
+                                    &primary_,    a_.rank(),         used};
+    RETURN_IF_ERROR(dispatch_->ReplicasOnDevice() ? dispatch_->ReduceReplicasOnDevice()
+                                                  : gradients.ReduceReplicas(*peers_, s, owned_));
     RETURN_IF_ERROR(device_group_.SumDense(model_->grads(), model_->layout().dense_floats(),
                                            *dense_, *peers_, channels::DenseGradients(s),
                                            metrics_->dense_sums));

@@ -428,6 +428,7 @@ absl::Status Dispatch::BeforeBackward() {
   if (cache_ != nullptr) RETURN_IF_ERROR(cache_->AwaitUpdates());
   RETURN_IF_ERROR(SettleCopies());
   if (grad_pool_ != nullptr) grad_pool_->Reset();
+  replica_written_.clear();
   return absl::OkStatus();
 }
 
@@ -440,6 +441,16 @@ absl::StatusOr<compute::ExpertGrads> Dispatch::GradsOf(int layer, int expert) {
     return grads[expert];
   }
   const size_t bytes = model_->shape().expert_floats() * sizeof(float);
+  const int64_t C = model_->shape().channels, F = model_->shape().hidden;
+  grad_replica_ = ReplicasOnDevice() && owners_[layer][expert].size() > 1;
+  if (grad_replica_) {  // kept on the device for ReduceReplicasOnDevice
+    compute::DeviceBuffer& kept = replica_grads_[{layer, expert}];
+    RETURN_IF_ERROR(Fit(kept, model_->shape().expert_floats()));
+    backend_->Zero(kept.data(), bytes);
+    replica_written_.insert({layer, expert});
+    float* g = kept.f32();
+    return compute::ExpertGrads{g, g + C * F, g + C * F + F, g + 2 * C * F + F};
+  }
   if (staged_ && grad_mirror_ == nullptr) {
     // A device slot per pool buffer but one (the next expert's opens while the others'
     // downloads are in flight), at most 4, at least 1.
@@ -452,7 +463,6 @@ absl::StatusOr<compute::ExpertGrads> Dispatch::GradsOf(int layer, int expert) {
   // A device slot's last download landed (its pool buffer closed) before it is reused.
   if (staged_) RETURN_IF_ERROR(SettleGradient(grad_next_));
   ASSIGN_OR_RETURN(float* g, grad_pool_->Open({layer, expert}));
-  const int64_t C = model_->shape().channels, F = model_->shape().hidden;
   if (staged_) {  // accumulated on the device from zero, as the pool buffer opens
     absl::StatusOr<void*> slot = grad_mirror_->Use(grad_next_);
     if (!slot.ok()) {
@@ -469,7 +479,7 @@ absl::StatusOr<compute::ExpertGrads> Dispatch::GradsOf(int layer, int expert) {
 }
 
 absl::Status Dispatch::GradsDone(int layer, int expert) {
-  if (grad_pool_ == nullptr) return absl::OkStatus();
+  if (grad_pool_ == nullptr || grad_replica_) return absl::OkStatus();
   if (!staged_) {
     grad_pool_->Close({layer, expert});
     return absl::OkStatus();

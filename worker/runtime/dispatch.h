@@ -39,7 +39,9 @@
 
 #include <cstdint>
 #include <functional>
+#include <map>
 #include <memory>
+#include <set>
 #include <utility>
 #include <vector>
 
@@ -103,8 +105,20 @@ class Dispatch final : public model::ExpertParallel {
   // object) whenever it holds one and the backend's memory is not the host's; the peer
   // group carries them otherwise.
   void SetDeviceGroup(DeviceGroupSlot* slot) { device_group_ = slot; }
-  // Grouped exchanges of token rows on the device group so far (for metrics).
+  // Grouped exchanges on the device group so far (token rows, replica gradients; for
+  // metrics).
   uint64_t device_exchanges() const { return device_exchanges_; }
+  // Whether the replica reduce runs on the device group (ReduceReplicasOnDevice, instead
+  // of ExpertGradients::ReduceReplicas): a staged backend with a gradient pool and a
+  // device group. The gradients of experts with several owners then stay on the device
+  // through the backward, outside the pool.
+  bool ReplicasOnDevice() const;
+  // The replica reduce on the device group, after the backward: every other owner of an
+  // expert computed here by several workers that got tokens sends its gradient (zeros
+  // when it had no rows of it) to the primary, all in one grouped exchange; the primary
+  // sums them from zero in rank order, as the host path does (the same bits), and puts
+  // the sum in its pool buffer. The other owners keep none in their pools.
+  absl::Status ReduceReplicasOnDevice();
   // Tags the messages of the coming step.
   void SetStep(int64_t step) {
     step_ = step;
@@ -273,6 +287,15 @@ class Dispatch final : public model::ExpertParallel {
   };
   std::vector<PeerRows> peer_rows_;
   uint64_t device_exchanges_ = 0;
+  // The replica reduce on the device: this worker's gradient of each replicated expert
+  // it computes (kept through the backward), those written this step, whether the one
+  // accumulating now is one of them, and at a primary the other owners' copies and the
+  // sum.
+  std::map<GradPool::Expert, compute::DeviceBuffer> replica_grads_;
+  std::set<GradPool::Expert> replica_written_;
+  bool grad_replica_ = false;
+  std::vector<compute::DeviceBuffer> replica_landed_;
+  compute::DeviceBuffer replica_sum_;
 };
 
 }  // namespace pith::runtime

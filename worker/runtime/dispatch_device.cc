@@ -187,3 +187,70 @@ absl::Status Dispatch::ExchangeResults(compute::DeviceGroup& group, int layer,
 }
 
 }  // namespace pith::runtime
+
+namespace pith::runtime {
+
+bool Dispatch::ReplicasOnDevice() const { return grad_pool_ != nullptr && RowsGroup() != nullptr; }
+
+absl::Status Dispatch::ReduceReplicasOnDevice() {
+  compute::DeviceGroup* const group = RowsGroup();
+  if (group == nullptr || grad_pool_ == nullptr) {
+    return absl::FailedPreconditionError("dispatch: no device group for the replica reduce");
+  }
+  const model::ModelShape& s = model_->shape();
+  const int64_t floats = s.expert_floats();
+  const size_t bytes = floats * sizeof(float);
+  const int me = peers_->rank();
+  // At this primary: each replicated expert's parts, in rank order.
+  std::vector<std::pair<GradPool::Expert, std::vector<const float*>>> sums;
+  std::vector<compute::DeviceTransfer> sends, recvs;
+  size_t landed = 0;
+  for (int l = 0; l < s.layers; ++l) {
+    for (int e = 0; e < s.experts; ++e) {
+      const ExpertOwners& who = owners_[l][e];
+      if (who.size() < 2 || !Computes(l, e) || !model_->ExpertUsed(l, e)) continue;
+      const GradPool::Expert x{l, e};
+      compute::DeviceBuffer& mine = replica_grads_[x];
+      if (replica_written_.count(x) == 0) {  // no rows of it here: zeros
+        RETURN_IF_ERROR(Fit(mine, floats));
+        backend_->Zero(mine.data(), bytes);
+      }
+      if (who[0].first != me) {
+        sends.push_back({who[0].first, mine.data(), bytes});
+        continue;
+      }
+      std::vector<int> ranks;
+      for (const auto& [r, share] : who) ranks.push_back(r);
+      std::sort(ranks.begin(), ranks.end());
+      std::vector<const float*> parts;
+      for (int r : ranks) {
+        if (r == me) {
+          parts.push_back(mine.f32());
+          continue;
+        }
+        if (replica_landed_.size() <= landed) replica_landed_.resize(landed + 1);
+        compute::DeviceBuffer& in = replica_landed_[landed++];
+        RETURN_IF_ERROR(Fit(in, floats));
+        recvs.push_back({r, in.data(), bytes});
+        parts.push_back(in.f32());
+      }
+      sums.push_back({x, std::move(parts)});
+    }
+  }
+  if (sends.empty() && recvs.empty()) return absl::OkStatus();
+  RETURN_IF_ERROR(group->Exchange(sends, recvs, kPeerReceiveTimeout));
+  ++device_exchanges_;
+  RETURN_IF_ERROR(Fit(replica_sum_, floats));
+  for (const auto& [x, parts] : sums) {
+    backend_->Zero(replica_sum_.data(), bytes);
+    for (const float* part : parts)
+      backend_->Add(replica_sum_.f32(), replica_sum_.f32(), part, floats);
+    ASSIGN_OR_RETURN(float* g, grad_pool_->Open(x));
+    const absl::Status st = backend_->CopyToHost(g, replica_sum_.data(), bytes);
+    grad_pool_->Close(x);
+    RETURN_IF_ERROR(st);
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace pith::runtime

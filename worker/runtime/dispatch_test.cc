@@ -17,6 +17,7 @@
 #include "worker/compute/cpu_backend.h"
 #include "worker/compute/opaque_backend.h"
 #include "worker/runtime/device_group.h"
+#include "worker/runtime/expert_gradients.h"
 
 namespace pith::runtime {
 namespace {
@@ -121,6 +122,37 @@ std::vector<float> Read(compute::Backend& b, const float* p, int64_t n) {
   return v;
 }
 
+// An expert cache whose host slots fill from a host copy of the model's experts.
+struct TestCache {
+  std::vector<float> host_experts;
+  std::unique_ptr<ucx::Worker> ucx_worker;  // its memory
+  std::unique_ptr<ExpertCache> cache;
+
+  void Make(compute::Backend& backend, model::MoeGpt& m, int slots) {
+    const model::ModelShape& s = m.shape();
+    const int64_t floats = s.expert_floats(), experts = s.experts;
+    host_experts =
+        Read(backend, m.params() + m.layout().ExpertOffset(0, 0), s.layers * s.experts * floats);
+    ucx_worker = *ucx::Worker::Create();
+    auto memory = ucx_worker->Allocate(slots * floats * sizeof(float));
+    ASSERT_TRUE(memory.ok()) << memory.status();
+    // Called on the cache's prefetch thread: this object outlives the cache.
+    auto made = ExpertCache::Create(
+        std::move(*memory), floats * sizeof(float), slots,
+        [this, floats, experts](absl::Span<ExpertCache::FetchRequest> requests, size_t size,
+                                ucp_mem_h) {
+          for (ExpertCache::FetchRequest& r : requests) {
+            const int64_t at = (r.expert.first * experts + r.expert.second) * floats;
+            std::memcpy(r.dst, host_experts.data() + at, size);
+          }
+          return absl::OkStatus();
+        });
+    ASSERT_TRUE(made.ok()) << made.status();
+    cache = std::move(*made);
+  }
+  ExpertCache* get() const { return cache.get(); }
+};
+
 // How each worker of Parallel computes: on the CPU backend, or on the opaque one (the
 // CPU's math on memory the host may not touch, as a GPU's); the experts' gradients in the
 // model's arena or in a gradient pool (as a cluster worker keeps them).
@@ -132,6 +164,10 @@ struct Setup {
   int steps = 1;              // more: the same step again (the result is the first's)
   bool device_group = false;  // opaque: the rows over a device group of the workers
   int pool_buffers = 0;       // > 0: the pool's buffers (else one per expert)
+  // With a pool: the replica reduce after the step (on the device group where there is
+  // one, else ExpertGradients' over the peer group); each expert's gradient is then read
+  // from its primary's pool only.
+  bool reduce_replicas = false;
 };
 
 Result Parallel(const model::ModelShape& s, int W = 2, bool replicated = false, Setup setup = {}) {
@@ -166,28 +202,9 @@ Result Parallel(const model::ModelShape& s, int W = 2, bool replicated = false, 
         status[rank] = absl::InternalError("model");
         return;
       }
-      // The cache's host slots fill from a host copy of the model's experts.
-      std::vector<float> host_experts;
-      std::unique_ptr<ucx::Worker> ucx_worker;
-      std::unique_ptr<ExpertCache> cache;
+      TestCache cache;
       if (setup.cache_slots > 0) {
-        const int64_t floats = s.expert_floats();
-        host_experts = Read(backend, (*m)->params() + (*m)->layout().ExpertOffset(0, 0),
-                            s.layers * s.experts * floats);
-        ucx_worker = *ucx::Worker::Create();
-        auto memory = ucx_worker->Allocate(setup.cache_slots * floats * sizeof(float));
-        ASSERT_TRUE(memory.ok()) << memory.status();
-        auto made_cache = ExpertCache::Create(
-            std::move(*memory), floats * sizeof(float), setup.cache_slots,
-            [&](absl::Span<ExpertCache::FetchRequest> requests, size_t size, ucp_mem_h) {
-              for (ExpertCache::FetchRequest& r : requests) {
-                const int64_t at = (r.expert.first * s.experts + r.expert.second) * floats;
-                std::memcpy(r.dst, host_experts.data() + at, size);
-              }
-              return absl::OkStatus();
-            });
-        ASSERT_TRUE(made_cache.ok()) << made_cache.status();
-        cache = std::move(*made_cache);
+        ASSERT_NO_FATAL_FAILURE(cache.Make(backend, **m, setup.cache_slots));
       }
       DeviceGroupSlot group;
       if (setup.device_group) {
@@ -195,19 +212,19 @@ Result Parallel(const model::ModelShape& s, int W = 2, bool replicated = false, 
         ASSERT_TRUE(joined.ok()) << joined;
         ASSERT_NE(group.group(), nullptr);
       }
-      Dispatch dispatch(&backend, m->get(), peers[rank].get(), owner);
-      dispatch.SetDeviceGroup(&group);
-      dispatch.SetCache(cache.get());
-      dispatch.SetMirrorSlots(setup.mirror_slots);
-      std::unique_ptr<GradPool> pool;
+      std::unique_ptr<GradPool> pool;  // outlives the dispatch, which may close its buffers
       if (setup.pool) {
         auto made_pool = GradPool::Create(
             s.expert_floats(), setup.pool_buffers > 0 ? setup.pool_buffers : s.layers * s.experts,
             ::testing::TempDir());
         ASSERT_TRUE(made_pool.ok()) << made_pool.status();
         pool = std::move(*made_pool);
-        dispatch.SetGradPool(pool.get());
       }
+      Dispatch dispatch(&backend, m->get(), peers[rank].get(), owner);
+      dispatch.SetDeviceGroup(&group);
+      dispatch.SetCache(cache.get());
+      dispatch.SetMirrorSlots(setup.mirror_slots);
+      dispatch.SetGradPool(pool.get());
       dispatch.SetStep(1);
       (*m)->SetExpertParallel(&dispatch);
       std::vector<int32_t> my_in, my_tgt;
@@ -215,15 +232,32 @@ Result Parallel(const model::ModelShape& s, int W = 2, bool replicated = false, 
         my_in.insert(my_in.end(), in.begin() + row * s.seq, in.begin() + (row + 1) * s.seq);
         my_tgt.insert(my_tgt.end(), tgt.begin() + row * s.seq, tgt.begin() + (row + 1) * s.seq);
       }
+      std::vector<std::vector<int>> primary(s.layers, std::vector<int>(s.experts));
+      std::vector<std::pair<int, int>> owned;
+      for (int l = 0; l < s.layers; ++l) {
+        for (int e = 0; e < s.experts; ++e) {
+          primary[l][e] = owner[l][e][0].first;
+          if (dispatch.Computes(l, e)) owned.push_back({l, e});
+        }
+      }
+      const ExpertGradients host{pool.get(), &(*m)->layout(),
+                                 &owner,     &primary,
+                                 rank,       [&](int l, int e) { return (*m)->ExpertUsed(l, e); }};
+      auto reduce = [&](int64_t step) {
+        if (!setup.reduce_replicas) return absl::OkStatus();
+        return dispatch.ReplicasOnDevice() ? dispatch.ReduceReplicasOnDevice()
+                                           : host.ReduceReplicas(*peers[rank], step, owned);
+      };
       auto loss = (*m)->ForwardBackward(my_in.data(), my_tgt.data(), kRows);
-      status[rank] = loss.status();
-      if (!loss.ok()) return;
+      status[rank] = loss.ok() ? reduce(1) : loss.status();
+      if (!status[rank].ok()) return;
       losses[rank] = *loss;
       if (rank == 0) r.uploads.push_back(dispatch.slot_uploads());
       for (int step = 2; step <= setup.steps; ++step) {
         dispatch.SetStep(step);
         const auto again = (*m)->ForwardBackward(my_in.data(), my_tgt.data(), kRows);
         ASSERT_TRUE(again.ok()) << again.status();
+        ASSERT_TRUE(reduce(step).ok());
         EXPECT_EQ(again->loss, loss->loss);
         if (rank == 0) r.uploads.push_back(dispatch.slot_uploads());
       }
@@ -233,7 +267,7 @@ Result Parallel(const model::ModelShape& s, int W = 2, bool replicated = false, 
       grads[rank] = Read(backend, (*m)->grads(), (*m)->layout().total_floats());
       for (int l = 0; pool != nullptr && l < s.layers; ++l) {  // the pool's, in their places
         for (int e = 0; e < s.experts; ++e) {
-          if (!pool->Has({l, e})) continue;
+          if (!pool->Has({l, e}) || (setup.reduce_replicas && primary[l][e] != rank)) continue;
           absl::StatusOr<float*> g = pool->Acquire({l, e});
           ASSERT_TRUE(g.ok()) << g.status();
           std::copy_n(*g, s.expert_floats(),
@@ -355,6 +389,7 @@ TEST(DispatchTest, RowsOverADeviceGroupComputeTheSameBits) {
     for (int slots : {0, 3}) {
       SCOPED_TRACE(::testing::Message() << "replicated " << replicated << " slots " << slots);
       ::pith::runtime::Setup cpu{.opaque = false, .pool = true, .cache_slots = slots, .steps = 2};
+      cpu.reduce_replicas = true;  // on the device group with one, as a cluster worker does
       ::pith::runtime::Setup device = cpu;
       device.opaque = true;
       device.device_group = true;
@@ -367,9 +402,29 @@ TEST(DispatchTest, RowsOverADeviceGroupComputeTheSameBits) {
       EXPECT_EQ(opaque.assignments_sent, plain.assignments_sent);
       ExpectSameAs(Alone(s), opaque);
       EXPECT_EQ(plain.exchanges, 0u);
-      EXPECT_EQ(opaque.exchanges, 2u * 4 * s.layers);
+      // 4 per layer and step, and with shared experts the reduce's, one a step.
+      EXPECT_EQ(opaque.exchanges, 2u * (4 * s.layers + (replicated ? 1 : 0)));
     }
   }
+}
+
+// The replica reduce on a device group: each shared expert's other owners send their
+// gradients to its primary in one grouped exchange, which sums them in rank order: the
+// bits of the host path's reduce over the peer group.
+TEST(DispatchTest, ReplicaGradientsSumOnTheDeviceGroupAsOnTheHost) {
+  const model::ModelShape s = Shape();
+  ::pith::runtime::Setup cpu{.opaque = false, .pool = true};
+  cpu.reduce_replicas = true;
+  ::pith::runtime::Setup device = cpu;
+  device.opaque = true;
+  device.device_group = true;
+  const Result plain = Parallel(s, 3, /*replicated=*/true, cpu);
+  const Result opaque = Parallel(s, 3, /*replicated=*/true, device);
+  EXPECT_EQ(opaque.loss.loss, plain.loss.loss);
+  EXPECT_EQ(opaque.grads, plain.grads);
+  ExpectSameAs(Alone(s), opaque);
+  // 4 row exchanges per layer, then the reduce's (rank 0 is a primary of shared experts).
+  EXPECT_EQ(opaque.exchanges, 4u * s.layers + 1);
 }
 
 TEST(DispatchTest, ReplicatedExpertsSplitTheirRowsAndTheMathHolds) {

@@ -83,8 +83,9 @@ absl::StatusOr<WorkerMetrics> MakeWorkerMetrics(MetricsRegistry& r) {
                              "(NCCL) instead of through the peer group's host copies"));
   ASSIGN_OR_RETURN(m.device_exchanges,
                    r.Counter("pith_worker_dispatch_device_exchanges_total",
-                             "Grouped exchanges of token rows between the workers' devices "
-                             "(NCCL), instead of through the peer group's host copies"));
+                             "Grouped exchanges between the workers' devices (NCCL) of token "
+                             "rows and replica gradients, instead of the peer group's host "
+                             "copies"));
   ASSIGN_OR_RETURN(m.gradient_spills,
                    r.Counter("pith_worker_gradient_spills_total",
                              "Expert gradients written to the scratch file to free a buffer"));

@@ -36,13 +36,13 @@ struct WorkerMetrics {
   prometheus::Gauge* device_memory = nullptr;
   prometheus::Counter* device_uploads = nullptr;
   // Steps whose dense gradients summed on the device group (NCCL), not the peer group,
-  // and grouped exchanges of token rows on it.
+  // and grouped exchanges on it (token rows, replica gradients).
   prometheus::Counter* dense_sums = nullptr;
   prometheus::Counter* device_exchanges = nullptr;
 };
 
 // What the current Dispatch has counted since it was made: slot uploads to the device and
-// grouped exchanges of token rows on the device group.
+// grouped exchanges on the device group.
 struct DeviceCounts {
   uint64_t uploads = 0;
   uint64_t exchanges = 0;
