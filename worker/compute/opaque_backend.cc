@@ -128,7 +128,8 @@ class OpaqueSlotMirror final : public SlotMirror {
         host_(static_cast<uint8_t*>(host)),
         host_bytes_(host_bytes),
         pending_(slots),
-        landing_(slots) {}
+        landing_(slots),
+        in_use_(slots, false) {}
 
   // The copy lands at once, but the host bytes are held to the contract: unchanged until
   // WaitCopies, which aborts (naming it) when they changed, as a DMA still reading them
@@ -146,6 +147,10 @@ class OpaqueSlotMirror final : public SlotMirror {
   absl::Status Download(int i, void* host, size_t bytes) override {
     auto* p = static_cast<uint8_t*>(host);
     RETURN_IF_ERROR(Check(i, p, bytes, "download"));
+    if (in_use_[i]) {  // a GPU's copy would not wait for the ops that write it
+      return absl::FailedPreconditionError(
+          "slot mirror: a download of a slot used since its Release");
+    }
     RETURN_IF_ERROR(Land(i));  // the slot's last download, before this one replaces it
     std::vector<uint8_t> bytes_now(bytes);
     RETURN_IF_ERROR(backend_->CopyToHost(bytes_now.data(), Slot(i), bytes));
@@ -156,9 +161,14 @@ class OpaqueSlotMirror final : public SlotMirror {
   }
   absl::StatusOr<void*> Use(int i) override {
     if (i < 0 || i >= slots()) return absl::InvalidArgumentError("slot mirror: no such slot");
+    in_use_[i] = true;
     return static_cast<void*>(Slot(i));
   }
-  absl::Status Release(int) override { return absl::OkStatus(); }
+  absl::Status Release(int i) override {
+    if (i < 0 || i >= slots()) return absl::InvalidArgumentError("slot mirror: no such slot");
+    in_use_[i] = false;
+    return absl::OkStatus();
+  }
   absl::Status WaitSlot(int i) override {
     if (i < 0 || i >= slots()) return absl::InvalidArgumentError("slot mirror: no such slot");
     return Land(i);
@@ -206,6 +216,7 @@ class OpaqueSlotMirror final : public SlotMirror {
   // and the bytes it read.
   std::vector<std::pair<const uint8_t*, std::vector<uint8_t>>> pending_;
   std::vector<std::pair<uint8_t*, std::vector<uint8_t>>> landing_;
+  std::vector<bool> in_use_;  // [slot]: Use since its last Release
   uint64_t uploads_ = 0, downloads_ = 0;
 };
 

@@ -46,7 +46,8 @@ class OpaqueBackend : public Backend {
                                                          absl::Duration timeout) override;
   // Its uploads copy at once but check at WaitCopies that the host bytes did not change
   // meanwhile (aborting, naming it), as a GPU's copy stream may read them late; its
-  // downloads leave NaNs in the host memory until WaitSlot or WaitCopies lands them.
+  // downloads leave NaNs in the host memory until WaitSlot or WaitCopies lands them, and
+  // fail for a slot used since its last Release.
   absl::StatusOr<std::unique_ptr<SlotMirror>> MakeSlotMirror(size_t slot_bytes, int slots,
                                                              void* host,
                                                              size_t host_bytes) override;

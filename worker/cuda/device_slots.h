@@ -60,9 +60,10 @@ class DeviceSlots {
   // Orders `compute`'s later work after slot i's last copy (upload or download), on the
   // device.
   absl::Status MakeVisible(int i, CUstream_st* compute);
-  // Marks the work issued on `compute` so far as the last to read slot i: the next Upload
-  // into it waits for that work on the device, so a slot is never refilled under a kernel
-  // still reading it. Call it after the last op that reads the slot, before reusing it.
+  // Marks the work issued on `compute` so far as the last to touch slot i: the next Upload
+  // into it or Download from it waits for that work on the device, so a slot is never
+  // refilled under a kernel still reading it, nor read before a kernel wrote it. Call it
+  // after the last op that touches the slot, before its next copy.
   absl::Status Release(int i, CUstream_st* compute);
   // Waits on the host for slot i's last copy.
   absl::Status WaitSlot(int i);

@@ -90,6 +90,9 @@ TEST(DeviceGroupTest, AnExchangeDeliversEachPairsTransfersInOrder) {
       ASSERT_TRUE(backend.CopyToHost(got.data(), at, got.size() * sizeof(float)).ok());
       EXPECT_EQ(got, want) << "rank " << r;
     }
+    // Every rank done with that exchange before the next breaks the group.
+    double barrier = 1;
+    ASSERT_TRUE(peers[r]->AllReduceSum(&barrier, 1, /*tag=*/77).ok());
     // A receive of another size than what was sent breaks the group (rank 0 expects 2
     // floats from rank 1, which sends 1); rank 2 waits for rank 0 and sees the break.
     auto buf = backend.Allocate(2 * sizeof(float));

@@ -411,7 +411,9 @@ absl::Status Dispatch::SettleGradient(int slot) {
   const GradPool::Expert x = grad_pending_[slot];
   if (x.first < 0) return absl::OkStatus();
   grad_pending_[slot] = {-1, -1};
-  const absl::Status st = grad_mirror_->WaitSlot(slot);
+  absl::Status st = grad_mirror_->WaitSlot(slot);
+  // The buffer may be reused or spilled once closed: nothing may land in it after.
+  if (!st.ok()) st.Update(grad_mirror_->WaitCopies());
   grad_pool_->Close(x);
   return st;
 }
@@ -429,7 +431,7 @@ absl::Status Dispatch::BeforeBackward() {
   RETURN_IF_ERROR(SettleCopies());
   if (grad_pool_ != nullptr) grad_pool_->Reset();
   replica_written_.clear();
-  return absl::OkStatus();
+  return VoteReplicasOnDevice();
 }
 
 absl::StatusOr<compute::ExpertGrads> Dispatch::GradsOf(int layer, int expert) {
@@ -452,9 +454,9 @@ absl::StatusOr<compute::ExpertGrads> Dispatch::GradsOf(int layer, int expert) {
     return compute::ExpertGrads{g, g + C * F, g + C * F + F, g + 2 * C * F + F};
   }
   if (staged_ && grad_mirror_ == nullptr) {
-    // A device slot per pool buffer but one (the next expert's opens while the others'
-    // downloads are in flight), at most 4, at least 1.
-    const int wanted = std::clamp(grad_pool_->buffers() - 1, 1, 4);
+    // A device slot per pool buffer, at most 4: a slot's last download lands (its buffer
+    // closes) before the next expert's buffer opens.
+    const int wanted = std::min(grad_pool_->buffers(), 4);
     ASSIGN_OR_RETURN(grad_mirror_, backend_->MakeSlotMirror(bytes, wanted, grad_pool_->memory(),
                                                             grad_pool_->bytes()));
     grad_pending_.assign(std::min(wanted, grad_mirror_->slots()), {-1, -1});
@@ -492,7 +494,8 @@ absl::Status Dispatch::GradsDone(int layer, int expert) {
   if (st.ok()) {
     st = grad_mirror_->Download(slot, grad_host_, model_->shape().expert_floats() * sizeof(float));
   }
-  if (!st.ok()) {
+  if (!st.ok()) {  // as SettleGradient: nothing may land in the buffer once closed
+    st.Update(grad_mirror_->WaitCopies());
     grad_pool_->Close({layer, expert});
     return st;
   }

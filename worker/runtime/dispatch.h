@@ -21,7 +21,7 @@
 // device's copy stream beside the compute, and its host slot stays pinned until that
 // upload is done (the next expert's turn, or the end of the layer's phase). An expert's
 // gradient accumulates in a device slot of its own (another SlotMirror, one slot per
-// gradient pool buffer but one, at most 4, used in turn) and goes down to its pool buffer
+// gradient pool buffer, at most 4, used in turn) and goes down to its pool buffer
 // on the copy stream while the next experts compute; the buffer stays open until the
 // copy has landed (before the slot's next use, or at the end of the last layer's
 // backward). Neither direction makes the host wait per expert.
@@ -110,8 +110,10 @@ class Dispatch final : public model::ExpertParallel {
   uint64_t device_exchanges() const { return device_exchanges_; }
   // Whether the replica reduce runs on the device group (ReduceReplicasOnDevice, instead
   // of ExpertGradients::ReduceReplicas): a staged backend with a gradient pool and a
-  // device group. The gradients of experts with several owners then stay on the device
-  // through the backward, outside the pool.
+  // device group, where every rank's device copies of shared experts fit in what its
+  // gradient pool holds (the ranks vote at the first backward). The gradients of experts
+  // with several owners then stay on the device through the backward, outside the pool,
+  // and ExpertGradients::ReduceReplicas must not run (it would sum zeros).
   bool ReplicasOnDevice() const;
   // The replica reduce on the device group, after the backward: every other owner of an
   // expert computed here by several workers that got tokens sends its gradient (zeros
@@ -223,6 +225,8 @@ class Dispatch final : public model::ExpertParallel {
   absl::StatusOr<std::pair<int64_t, int64_t>> TakeRowHeader(int layer, int phase, int peer,
                                                             bool indexed, bool same_counts,
                                                             std::vector<int32_t>& index);
+  // Takes the ranks' vote on the replica reduce's path, once (ReplicasOnDevice).
+  absl::Status VoteReplicasOnDevice();
   // Over `group`: what ReturnResults does.
   absl::Status ExchangeResults(compute::DeviceGroup& group, int layer,
                                compute::DeviceBuffer Inbound::Device::*results, int64_t width,
@@ -296,6 +300,7 @@ class Dispatch final : public model::ExpertParallel {
   bool grad_replica_ = false;
   std::vector<compute::DeviceBuffer> replica_landed_;
   compute::DeviceBuffer replica_sum_;
+  int replicas_on_device_ = -1;  // the ranks' vote (-1: not taken yet)
 };
 
 }  // namespace pith::runtime

@@ -190,7 +190,48 @@ absl::Status Dispatch::ExchangeResults(compute::DeviceGroup& group, int layer,
 
 namespace pith::runtime {
 
-bool Dispatch::ReplicasOnDevice() const { return grad_pool_ != nullptr && RowsGroup() != nullptr; }
+bool Dispatch::ReplicasOnDevice() const {
+  return replicas_on_device_ == 1 && grad_pool_ != nullptr && RowsGroup() != nullptr;
+}
+
+absl::Status Dispatch::VoteReplicasOnDevice() {
+  if (replicas_on_device_ >= 0) return absl::OkStatus();
+  // The same on every rank: the placement is, and so are the device group and the pools.
+  if (grad_pool_ == nullptr || RowsGroup() == nullptr || !AnyShared(owners_)) {
+    replicas_on_device_ = 0;
+    return absl::OkStatus();
+  }
+  // The device buffers this rank would keep: its copy of each shared expert it computes,
+  // at the primary the other owners' copies too, and the sum. They follow the budget of
+  // the gradient pool (the host's plan) and must be on the device: allocated now, for
+  // the Dispatch's life, or none is.
+  const model::ModelShape& s = model_->shape();
+  const int64_t floats = s.expert_floats();
+  std::vector<GradPool::Expert> kept;
+  size_t landed = 0;
+  for (int l = 0; l < s.layers; ++l) {
+    for (int e = 0; e < s.experts; ++e) {
+      const ExpertOwners& who = owners_[l][e];
+      if (who.size() < 2 || !Computes(l, e)) continue;
+      kept.push_back({l, e});
+      if (who[0].first == peers_->rank()) landed += who.size() - 1;
+    }
+  }
+  bool fits = (kept.size() + landed + 1) * floats * sizeof(float) <= grad_pool_->bytes();
+  for (size_t i = 0; fits && i < kept.size(); ++i) fits = Fit(replica_grads_[kept[i]], floats).ok();
+  replica_landed_.resize(fits ? landed : 0);
+  for (size_t i = 0; fits && i < landed; ++i) fits = Fit(replica_landed_[i], floats).ok();
+  fits = fits && Fit(replica_sum_, floats).ok();
+  if (!fits) {  // the device memory goes back
+    replica_grads_.clear();
+    replica_landed_.clear();
+    replica_sum_ = compute::DeviceBuffer();
+  }
+  double votes = fits ? 1 : 0;
+  RETURN_IF_ERROR(AllReduce(&votes, 1));
+  replicas_on_device_ = votes == peers_->world() ? 1 : 0;
+  return absl::OkStatus();
+}
 
 absl::Status Dispatch::ReduceReplicasOnDevice() {
   compute::DeviceGroup* const group = RowsGroup();

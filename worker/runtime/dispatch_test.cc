@@ -425,6 +425,16 @@ TEST(DispatchTest, ReplicaGradientsSumOnTheDeviceGroupAsOnTheHost) {
   ExpectSameAs(Alone(s), opaque);
   // 4 row exchanges per layer, then the reduce's (rank 0 is a primary of shared experts).
   EXPECT_EQ(opaque.exchanges, 4u * s.layers + 1);
+
+  // Pools of 2 buffers cannot stand for the device buffers the ranks would keep (rank 0
+  // would keep 8: 4 copies, 3 landed, the sum): they vote for the host path, with the
+  // same bits.
+  cpu.pool_buffers = device.pool_buffers = 2;
+  const Result small_plain = Parallel(s, 3, /*replicated=*/true, cpu);
+  const Result small = Parallel(s, 3, /*replicated=*/true, device);
+  EXPECT_EQ(small.grads, small_plain.grads);
+  EXPECT_EQ(small.grads, plain.grads);
+  EXPECT_EQ(small.exchanges, 4u * s.layers);
 }
 
 TEST(DispatchTest, ReplicatedExpertsSplitTheirRowsAndTheMathHolds) {
