@@ -111,7 +111,7 @@ class Dispatch final : public model::ExpertParallel {
   // Whether the replica reduce runs on the device group (ReduceReplicasOnDevice, instead
   // of ExpertGradients::ReduceReplicas): a staged backend with a gradient pool and a
   // device group, where every rank's device copies of shared experts fit in what its
-  // gradient pool holds (the ranks vote at the first backward). The gradients of experts
+  // gradient pool holds (the ranks vote at each backward). The gradients of experts
   // with several owners then stay on the device through the backward, outside the pool,
   // and ExpertGradients::ReduceReplicas must not run (it would sum zeros).
   bool ReplicasOnDevice() const;
@@ -225,8 +225,12 @@ class Dispatch final : public model::ExpertParallel {
   absl::StatusOr<std::pair<int64_t, int64_t>> TakeRowHeader(int layer, int phase, int peer,
                                                             bool indexed, bool same_counts,
                                                             std::vector<int32_t>& index);
-  // Takes the ranks' vote on the replica reduce's path, once (ReplicasOnDevice).
+  // Takes the ranks' vote on the replica reduce's path (ReplicasOnDevice), at each
+  // backward.
   absl::Status VoteReplicasOnDevice();
+  // Whether this rank's device buffers for the reduce fit the pool's budget and the
+  // device: allocated now, and kept, when they do.
+  bool ReplicasFit();
   // Over `group`: what ReturnResults does.
   absl::Status ExchangeResults(compute::DeviceGroup& group, int layer,
                                compute::DeviceBuffer Inbound::Device::*results, int64_t width,
@@ -300,7 +304,8 @@ class Dispatch final : public model::ExpertParallel {
   bool grad_replica_ = false;
   std::vector<compute::DeviceBuffer> replica_landed_;
   compute::DeviceBuffer replica_sum_;
-  int replicas_on_device_ = -1;  // the ranks' vote (-1: not taken yet)
+  int replicas_on_device_ = 0;  // this step's vote
+  int replicas_fit_ = -1;       // whether this rank's buffers fit (-1: not known yet)
 };
 
 }  // namespace pith::runtime

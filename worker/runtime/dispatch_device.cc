@@ -195,12 +195,21 @@ bool Dispatch::ReplicasOnDevice() const {
 }
 
 absl::Status Dispatch::VoteReplicasOnDevice() {
-  if (replicas_on_device_ >= 0) return absl::OkStatus();
+  replicas_on_device_ = 0;
   // The same on every rank: the placement is, and so are the device group and the pools.
   if (grad_pool_ == nullptr || RowsGroup() == nullptr || !AnyShared(owners_)) {
-    replicas_on_device_ = 0;
     return absl::OkStatus();
   }
+  // Every step attempt votes again, at the same point on every rank: a rank whose last
+  // vote was cut short by an abort never waits alone for the others'.
+  if (replicas_fit_ < 0) replicas_fit_ = ReplicasFit() ? 1 : 0;
+  double votes = replicas_fit_;
+  RETURN_IF_ERROR(AllReduce(&votes, 1));
+  replicas_on_device_ = votes == peers_->world() ? 1 : 0;
+  return absl::OkStatus();
+}
+
+bool Dispatch::ReplicasFit() {
   // The device buffers this rank would keep: its copy of each shared expert it computes,
   // at the primary the other owners' copies too, and the sum. They follow the budget of
   // the gradient pool (the host's plan) and must be on the device: allocated now, for
@@ -227,10 +236,7 @@ absl::Status Dispatch::VoteReplicasOnDevice() {
     replica_landed_.clear();
     replica_sum_ = compute::DeviceBuffer();
   }
-  double votes = fits ? 1 : 0;
-  RETURN_IF_ERROR(AllReduce(&votes, 1));
-  replicas_on_device_ = votes == peers_->world() ? 1 : 0;
-  return absl::OkStatus();
+  return fits;
 }
 
 absl::Status Dispatch::ReduceReplicasOnDevice() {
