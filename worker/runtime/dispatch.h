@@ -231,6 +231,7 @@ class Dispatch final : public model::ExpertParallel {
   // Whether this rank's device buffers for the reduce fit the pool's budget and the
   // device: allocated now, and kept, when they do.
   bool ReplicasFit();
+  void FreeReplicaBuffers();
   // Over `group`: what ReturnResults does.
   absl::Status ExchangeResults(compute::DeviceGroup& group, int layer,
                                compute::DeviceBuffer Inbound::Device::*results, int64_t width,

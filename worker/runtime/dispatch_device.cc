@@ -206,7 +206,14 @@ absl::Status Dispatch::VoteReplicasOnDevice() {
   double votes = replicas_fit_;
   RETURN_IF_ERROR(AllReduce(&votes, 1));
   replicas_on_device_ = votes == peers_->world() ? 1 : 0;
+  if (replicas_on_device_ == 0) FreeReplicaBuffers();  // and so for the placement's life
   return absl::OkStatus();
+}
+
+void Dispatch::FreeReplicaBuffers() {
+  replica_grads_.clear();
+  replica_landed_.clear();
+  replica_sum_ = compute::DeviceBuffer();
 }
 
 bool Dispatch::ReplicasFit() {
@@ -226,16 +233,13 @@ bool Dispatch::ReplicasFit() {
       if (who[0].first == peers_->rank()) landed += who.size() - 1;
     }
   }
-  bool fits = (kept.size() + landed + 1) * floats * sizeof(float) <= grad_pool_->bytes();
+  const size_t buffers = kept.size() + landed + (landed > 0 ? 1 : 0);
+  bool fits = buffers * floats * sizeof(float) <= grad_pool_->bytes();
   for (size_t i = 0; fits && i < kept.size(); ++i) fits = Fit(replica_grads_[kept[i]], floats).ok();
   replica_landed_.resize(fits ? landed : 0);
   for (size_t i = 0; fits && i < landed; ++i) fits = Fit(replica_landed_[i], floats).ok();
-  fits = fits && Fit(replica_sum_, floats).ok();
-  if (!fits) {  // the device memory goes back
-    replica_grads_.clear();
-    replica_landed_.clear();
-    replica_sum_ = compute::DeviceBuffer();
-  }
+  fits = fits && (landed == 0 || Fit(replica_sum_, floats).ok());  // a primary's only
+  if (!fits) FreeReplicaBuffers();                                 // the device memory goes back
   return fits;
 }
 
@@ -287,7 +291,7 @@ absl::Status Dispatch::ReduceReplicasOnDevice() {
   if (sends.empty() && recvs.empty()) return absl::OkStatus();
   RETURN_IF_ERROR(group->Exchange(sends, recvs, kPeerReceiveTimeout));
   ++device_exchanges_;
-  RETURN_IF_ERROR(Fit(replica_sum_, floats));
+  if (!sums.empty()) RETURN_IF_ERROR(Fit(replica_sum_, floats));
   for (const auto& [x, parts] : sums) {
     backend_->Zero(replica_sum_.data(), bytes);
     for (const float* part : parts)
