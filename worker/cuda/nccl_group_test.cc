@@ -1,9 +1,9 @@
 // NcclGroup on the devices this machine has: a group of one (the all-reduce, a send to
-// itself, empty pairs skipped), the deadlines (a join the other rank never makes, a call
-// whose stream is held back), an abort asked for from another thread, an unmatched
-// receive, and, with two or more devices, a group across them. The calls that could hang
-// run under a watchdog that ends the binary with a failure instead of stalling the
-// suite. Skipped without a CUDA device (the argument checks run everywhere).
+// itself, empty pairs skipped; and as the backend's device group, on its stream), the deadlines (a
+// join the other rank never makes, a call whose stream is held back), an abort asked for from
+// another thread, an unmatched receive, and, with two or more devices, a group across them. The
+// calls that could hang run under a watchdog that ends the binary with a failure instead of
+// stalling the suite. Skipped without a CUDA device (the argument checks run everywhere).
 #include "worker/cuda/nccl_group.h"
 
 #include <cuda_runtime.h>
@@ -21,6 +21,7 @@
 
 #include "absl/time/clock.h"
 #include "gtest/gtest.h"
+#include "worker/cuda/cuda_backend.h"
 
 namespace pith::cuda {
 namespace {
@@ -145,6 +146,48 @@ TEST_F(NcclGroupTest, AGroupOfOneSumsAndSendsToItself) {
   EXPECT_EQ(g->Exchange({{1, a.p, bytes}}, {}, stream_, absl::Seconds(30)).code(),
             absl::StatusCode::kInvalidArgument);
   EXPECT_FALSE(g->aborted());
+}
+
+// The backend's device group, as a cluster worker's dispatch uses it (a group of one
+// through CudaBackend::NewGroupId and JoinGroup): its sum and its exchange run on the
+// backend's stream, after the backend's own ops, and returned rows go in place.
+TEST_F(NcclGroupTest, TheBackendsGroupSumsAndExchangesOnItsStream) {
+  absl::StatusOr<std::unique_ptr<CudaBackend>> backend = CudaBackend::Create(0);
+  ASSERT_TRUE(backend.ok()) << backend.status();
+  CudaBackend& b = **backend;
+  absl::StatusOr<std::string> id = b.NewGroupId();
+  ASSERT_TRUE(id.ok()) << id.status();
+  absl::StatusOr<std::unique_ptr<compute::DeviceGroup>> group =
+      b.JoinGroup(*id, 0, 1, absl::Seconds(60));
+  ASSERT_TRUE(group.ok()) << group.status();
+  constexpr int kRows = 64, kC = 48;
+  constexpr size_t kBytes = sizeof(float) * kRows * kC;
+  std::vector<float> v(kRows * kC);
+  for (size_t i = 0; i < v.size(); ++i) v[i] = 0.25f * static_cast<float>(i);
+  std::vector<int32_t> reversed(kRows);
+  for (int r = 0; r < kRows; ++r) reversed[r] = kRows - 1 - r;
+  auto a = b.Allocate(kBytes), got = b.Allocate(kBytes), placed = b.Allocate(kBytes);
+  auto rows = b.Allocate(sizeof(int32_t) * kRows);
+  ASSERT_TRUE(a.ok() && got.ok() && placed.ok() && rows.ok());
+  ASSERT_TRUE(b.CopyToDevice(a->data(), v.data(), kBytes).ok());
+  ASSERT_TRUE(b.CopyToDevice(rows->data(), reversed.data(), sizeof(int32_t) * kRows).ok());
+  b.Scale(a->f32(), 2.0f, kRows * kC);  // queued before the group's calls
+  ASSERT_TRUE(Within<absl::Status>(absl::Seconds(60), [&] {
+                return (*group)->AllReduceSum(a->f32(), kRows * kC, absl::Seconds(30));
+              }).ok());
+  const absl::Status st = Within<absl::Status>(absl::Seconds(60), [&] {
+    return (*group)->Exchange({{0, a->data(), kBytes}}, {{0, got->data(), kBytes}},
+                              absl::Seconds(30));
+  });
+  ASSERT_TRUE(st.ok()) << st;
+  b.ScatterRows(placed->f32(), got->f32(), static_cast<const int32_t*>(rows->data()), kRows, kC);
+  std::vector<float> out(kRows * kC);
+  ASSERT_TRUE(b.CopyToHost(out.data(), placed->data(), kBytes).ok());
+  for (int r = 0; r < kRows; ++r) {
+    for (int c = 0; c < kC; ++c) {
+      ASSERT_EQ(out[r * kC + c], 2.0f * v[(kRows - 1 - r) * kC + c]) << r << "," << c;
+    }
+  }
 }
 
 // Rank 0 of two, and rank 1 never comes: the join ends at its deadline.
