@@ -1,5 +1,6 @@
-// Dispatch's token rows over the workers' device group (dispatch.h): the headers go over
-// the peer group, the rows from device to device in one grouped exchange per phase.
+// Dispatch over the workers' device group (dispatch.h): the token rows, their headers
+// over the peer group and the rows from device to device in one grouped exchange per
+// phase; and the replica reduce of shared experts' gradients, one more exchange a step.
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
@@ -185,10 +186,6 @@ absl::Status Dispatch::ExchangeResults(compute::DeviceGroup& group, int layer,
   }
   return absl::OkStatus();
 }
-
-}  // namespace pith::runtime
-
-namespace pith::runtime {
 
 bool Dispatch::ReplicasOnDevice() const {
   return replicas_on_device_ == 1 && grad_pool_ != nullptr && RowsGroup() != nullptr;
