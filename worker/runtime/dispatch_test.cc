@@ -310,6 +310,16 @@ void ExpectSameAs(const Result& alone, const Result& parallel) {
   EXPECT_LT(worst, 1e-3) << "largest relative gradient difference";
 }
 
+// A run on a backend the host cannot read (`device`) against the same run on the CPU
+// (`plain`): the same bits, and the same rows sent.
+void ExpectSameBits(const Result& plain, const Result& device) {
+  EXPECT_EQ(device.loss.loss, plain.loss.loss);
+  EXPECT_EQ(device.used, plain.used);
+  EXPECT_EQ(device.grads, plain.grads);
+  EXPECT_EQ(device.rows_sent, plain.rows_sent);
+  EXPECT_EQ(device.assignments_sent, plain.assignments_sent);
+}
+
 // On a backend whose memory the host may not touch (a GPU's; here the CPU's math behind
 // PROT_NONE pages, so a direct read would crash the test), dispatch goes through copies
 // and computes the same bits, with the experts' gradients in the model or in a pool.
@@ -329,10 +339,7 @@ TEST(DispatchTest, ABackendTheHostCannotReadComputesTheSameBits) {
       device.opaque = true;
       const Result plain = Parallel(s, W, replicated, cpu);
       const Result opaque = Parallel(s, W, replicated, device);
-      EXPECT_EQ(opaque.loss.loss, plain.loss.loss);
-      EXPECT_EQ(opaque.used, plain.used);
-      EXPECT_EQ(opaque.grads, plain.grads);
-      EXPECT_EQ(opaque.rows_sent, plain.rows_sent);
+      ExpectSameBits(plain, opaque);
       if (pool) ExpectSameAs(Alone(s), opaque);
       // With a pool, each expert gradient went down from a device slot of its own, behind
       // the next experts' compute (the opaque backend leaves NaNs in the pool buffer until
@@ -363,8 +370,7 @@ TEST(DispatchTest, CacheSlotsGoToTheDeviceWhenTheyChangeOnly) {
     device.opaque = true;
     const Result plain = Parallel(s, 2, false, cpu);
     const Result opaque = Parallel(s, 2, false, device);
-    EXPECT_EQ(opaque.loss.loss, plain.loss.loss);
-    EXPECT_EQ(opaque.grads, plain.grads);
+    ExpectSameBits(plain, opaque);
     ExpectSameAs(Alone(s), opaque);
     EXPECT_EQ(plain.uploads, std::vector<uint64_t>({0, 0}));
     ASSERT_EQ(opaque.uploads.size(), 2u);
@@ -395,11 +401,7 @@ TEST(DispatchTest, RowsOverADeviceGroupComputeTheSameBits) {
       device.device_group = true;
       const Result plain = Parallel(s, W, replicated, cpu);
       const Result opaque = Parallel(s, W, replicated, device);
-      EXPECT_EQ(opaque.loss.loss, plain.loss.loss);
-      EXPECT_EQ(opaque.used, plain.used);
-      EXPECT_EQ(opaque.grads, plain.grads);
-      EXPECT_EQ(opaque.rows_sent, plain.rows_sent);
-      EXPECT_EQ(opaque.assignments_sent, plain.assignments_sent);
+      ExpectSameBits(plain, opaque);
       ExpectSameAs(Alone(s), opaque);
       EXPECT_EQ(plain.exchanges, 0u);
       // 4 per layer and step, and with shared experts the reduce's, one a step.
@@ -420,8 +422,7 @@ TEST(DispatchTest, ReplicaGradientsSumOnTheDeviceGroupAsOnTheHost) {
   device.device_group = true;
   const Result plain = Parallel(s, 3, /*replicated=*/true, cpu);
   const Result opaque = Parallel(s, 3, /*replicated=*/true, device);
-  EXPECT_EQ(opaque.loss.loss, plain.loss.loss);
-  EXPECT_EQ(opaque.grads, plain.grads);
+  ExpectSameBits(plain, opaque);
   ExpectSameAs(Alone(s), opaque);
   // 4 row exchanges per layer, then the reduce's (rank 0 is a primary of shared experts).
   EXPECT_EQ(opaque.exchanges, 4u * s.layers + 1);
