@@ -31,7 +31,7 @@ echo
 
 echo
 echo "Corpus: the fortune cookies of Debian's fortunes packages (held-out: the last 5%)."
-mapfile -t texts < <(find /usr/share/games/fortunes -maxdepth 1 -type f ! -name '*.dat' ! -name '*.u8' | sort)
+mapfile -t texts < <(find /usr/share/games/fortunes -maxdepth 1 -type f ! -name '*.dat' ! -name '*.u8' | LC_ALL=C sort)
 [[ ${#texts[@]} -gt 0 ]] || fail "no fortunes corpus (deploy/install-deps.sh installs it)"
 cat "${texts[@]}" >"$E2E_TMP/corpus.txt"
 total=$(stat -c %s "$E2E_TMP/corpus.txt")
