@@ -56,7 +56,7 @@ pith_add_library(pith_model
 
 pith_add_library(pith_cuda
   SOURCES worker/cuda/device_probe.cu worker/cuda/cuda_backend.cu worker/cuda/cuda_dense.cu
-          worker/cuda/cuda_moe.cu worker/cuda/cuda_bf16.cu
+          worker/cuda/cuda_moe.cu worker/cuda/cuda_bf16.cu worker/cuda/cuda_grouped.cu
           worker/cuda/device_slots.cu worker/cuda/nccl_group.cc
   PUBLIC_DEPS pith_compute CUDA::cudart absl::time
   DEPS CUDA::cublas pith_nccl)
@@ -71,6 +71,7 @@ pith_add_test(worker/cuda/device_probe_test.cc DEPS pith_cuda LABELS gpu)
 pith_add_test(worker/cuda/cuda_backend_test.cc DEPS pith_cuda LABELS gpu)
 pith_add_test(worker/cuda/device_slots_test.cc DEPS pith_cuda LABELS gpu)
 pith_add_test(worker/cuda/nccl_group_test.cc DEPS pith_cuda LABELS gpu)
+pith_add_test(worker/cuda/grouped_gemm_test.cc DEPS pith_cuda LABELS gpu)
 pith_add_test(worker/cuda/cuda_training_test.cc DEPS pith_cuda pith_model LABELS gpu TIMEOUT 300)
 pith_add_test(worker/backend/backend_select_test.cc DEPS pith_backend_select LABELS gpu)
 

@@ -84,6 +84,7 @@ for shape in qwen3-30b-a3b deepseek-v2-lite; do
       if ($4 == "fp32") pith32 = t
       if ($4 == "bf16") pith16 = t
       if ($4 == "bf16_blobs") blobs = t
+      if ($4 == "bf16_kernel") kern = t
     }
     $1 == "torch_moe" && $2 == s && $5 == "ms" {
       if ($3 == "loop_fp32") fp32 = $4
@@ -98,6 +99,8 @@ for shape in qwen3-30b-a3b deepseek-v2-lite; do
              fp32, fp32 / pith32, pith16, variant, best, best / pith16
       if (blobs != "") printf "; from bf16 weights blobs (a cluster worker) %.2f ms (x%.2f)", \
                               blobs, best / blobs
+      if (kern != "") printf "; products through the grouped kernel %.2f ms (x%.2f)", \
+                             kern, best / kern
       printf "\n"
     }' "$out/bench.log" "$out/torch.log" | tee -a "$out/torch.log"
 done

@@ -169,6 +169,19 @@ class CudaBackend final : public compute::Backend {
   // One cuBLAS call over every problem (cublasGemmGroupedBatchedEx); c must be bf16 and no
   // problem empty (an error otherwise).
   void GroupedGemmBf16(const std::vector<Bf16Gemm>& problems, const char* op);
+  // Pith's own grouped kernel (cuda_grouped.cu): every problem in one launch, any mix of
+  // transposes, fp32 or bf16 C, any alpha and beta, empty problems as FanOutGemmBf16 does
+  // them. It takes a problem whose a and b are 16-byte aligned, whose leading dimensions
+  // and stored row lengths (A: trans_a ? m : k; B: trans_b ? k : n) are multiples of 8:
+  // KernelTakes. False (nothing done) when some problem is not taken.
+  static bool KernelTakes(const Bf16Gemm& p);
+  bool KernelGemmBf16(const std::vector<Bf16Gemm>& problems, const char* op);
+  // Which of the two runs the bf16 compute dtype's expert products: the cuBLAS fan-out
+  // (the default) or the grouped kernel (where it takes every problem of a phase; else
+  // the fan-out).
+  enum class Bf16Products { kFanOut, kKernel };
+  Bf16Products bf16_products() const { return bf16_products_; }
+  void set_bf16_products(Bf16Products how) { bf16_products_ = how; }
   void GemmBf16(const Bf16Gemm& p, const char* op);
   // out[i] = bf16(in[i]), rounded to nearest even.
   void ToBf16(void* out, const float* in, int64_t n);
@@ -232,8 +245,9 @@ class CudaBackend final : public compute::Backend {
     kAttention,
     kSegments,
     kRouting,
-    kBf16Ranges,  // ProductsBf16's table of ranges to round
-    kBf16,        // ProductsBf16's rounded inputs
+    kBf16Ranges,      // ProductsBf16's table of ranges to round
+    kBf16,            // ProductsBf16's rounded inputs
+    kKernelProblems,  // KernelGemmBf16's problem table
     kScratchSlots
   };
   void* Scratch(ScratchSlot slot, size_t bytes);
@@ -268,6 +282,8 @@ class CudaBackend final : public compute::Backend {
   SideStreams side_;
   bool side_failed_ = false;  // they could not be made: not tried again
   int side_streams_ = 4;
+  Bf16Products bf16_products_ = Bf16Products::kFanOut;
+  bool kernel_smem_set_ = false;  // the grouped kernel's shared-memory limit was raised
   int launch_threads_ = 1;
   std::unique_ptr<compute::ThreadPool> launch_pool_;  // launch_threads_ > 1 only
   std::vector<int32_t> host_ints_;                    // routing's host-side layout pass

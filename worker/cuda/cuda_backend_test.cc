@@ -12,70 +12,22 @@
 #include "common/bf16.h"
 #include "gtest/gtest.h"
 #include "worker/compute/cpu_backend.h"
+#include "worker/cuda/cuda_test_support.h"
 
 namespace pith::cuda {
 namespace {
 
 using compute::CpuBackend;
 using compute::DeviceBuffer;
-using Vec = std::vector<float>;
-using Ints = std::vector<int32_t>;
+using testing_support::Bf16Vec;
+using testing_support::ExpectClose;
+using testing_support::Ints;
+using testing_support::kRelative;
+using testing_support::Random;
+using testing_support::ToBf16;
+using testing_support::Vec;
 
-constexpr double kRelative = 1e-5;
-
-Vec Random(size_t n, uint32_t seed, float scale = 1.0f) {
-  std::mt19937 rng(seed);
-  std::normal_distribution<float> d(0.0f, scale);
-  Vec v(n);
-  for (float& x : v) x = d(rng);
-  return v;
-}
-
-// |got - want| <= 1e-5 * (|want| + rms(want)) for every element.
-void ExpectClose(const char* what, const Vec& got, const Vec& want, double rel = kRelative) {
-  ASSERT_EQ(got.size(), want.size()) << what;
-  double rms = 0;
-  for (float w : want) rms += double{w} * w;
-  rms = std::sqrt(rms / std::max<size_t>(1, want.size()));
-  int bad = 0;
-  for (size_t i = 0; i < want.size() && bad < 5; ++i) {
-    const double tol = rel * (std::fabs(want[i]) + rms) + 1e-30;
-    if (std::fabs(double{got[i]} - want[i]) > tol) {
-      ADD_FAILURE() << what << "[" << i << "]: cuda " << got[i] << " cpu " << want[i];
-      ++bad;
-    }
-  }
-}
-
-class CudaBackendTest : public ::testing::Test {
- protected:
-  void SetUp() override {
-    absl::StatusOr<std::unique_ptr<CudaBackend>> gpu = CudaBackend::Create(0);
-    if (!gpu.ok()) GTEST_SKIP() << "no CUDA device here: " << gpu.status();
-    gpu_ = std::move(*gpu);
-  }
-
-  // A device copy of `host`, kept alive by the fixture.
-  template <typename T>
-  T* Up(const std::vector<T>& host) {
-    absl::StatusOr<DeviceBuffer> buf = gpu_->Allocate(std::max<size_t>(1, host.size()) * sizeof(T));
-    EXPECT_TRUE(buf.ok()) << buf.status();
-    EXPECT_TRUE(gpu_->CopyToDevice(buf->data(), host.data(), host.size() * sizeof(T)).ok());
-    buffers_.push_back(std::move(*buf));
-    return static_cast<T*>(buffers_.back().data());
-  }
-  template <typename T>
-  std::vector<T> Down(const T* dev, size_t n) {
-    std::vector<T> host(n);
-    absl::Status st = gpu_->CopyToHost(host.data(), dev, n * sizeof(T));
-    EXPECT_TRUE(st.ok()) << st;
-    return host;
-  }
-
-  CpuBackend cpu_{1};
-  std::unique_ptr<CudaBackend> gpu_;
-  std::vector<DeviceBuffer> buffers_;
-};
+class CudaBackendTest : public testing_support::CudaTest {};
 
 // The token rows' gather and scatter between workers (Dispatch over NCCL): the CPU's bits.
 TEST_F(CudaBackendTest, PermuteAndScatterRowsMoveRowsAsTheCpuDoes) {
@@ -401,19 +353,6 @@ void CudaMoeTest::MoeBlock(double product_rel) {
 }
 
 // `v` rounded to bf16 (kept as floats) and its bf16 bits.
-struct Bf16Vec {
-  Vec rounded;
-  std::vector<uint16_t> bits;
-};
-Bf16Vec ToBf16(const Vec& v) {
-  Bf16Vec out;
-  for (float x : v) {
-    out.bits.push_back(RoundToBf16(x));
-    out.rounded.push_back(Bf16ToFloat(out.bits.back()));
-  }
-  return out;
-}
-
 // The bf16 products against the CPU's fp32 product of the same (bf16-exact) inputs: fp32
 // outputs within 1e-5 (bf16 x bf16 is exact in fp32, the sums are fp32), bf16 outputs
 // within their rounding (2^-8 relative). Every transpose; one call of several problems

@@ -316,6 +316,7 @@ void CudaBackend::ProductsBf16(const std::vector<GemmProblem>& problems, const c
     bf16.push_back({p.trans_a, p.trans_b, p.m, p.n, p.k, empty ? nullptr : in_bf16(p.a), p.lda, b,
                     p.ldb, p.beta, p.c, p.ldc, true, p.alpha});
   }
+  if (bf16_products_ == Bf16Products::kKernel && KernelGemmBf16(bf16, op)) return;
   if (bf16.size() == 1) {
     GemmBf16(bf16[0], op);
   } else {

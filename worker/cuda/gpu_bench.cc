@@ -12,12 +12,15 @@
 //                   streams (FanOutGemmBf16), against a dense bf16 cuBLAS GEMM of the same
 //                   FLOPs and the H200's ~790 TFLOP/s; its detail line has each phase and
 //                   the same products as cuBLAS grouped calls;
+//   expert_gemm_bf16_kernel the same products through Pith's grouped kernel
+//                   (KernelGemmBf16: one launch a phase), against the same dense GEMM;
 //   expert_fetch    uploads of a bf16 expert blob into DeviceSlots from registered pinned
 //                   staging, against a plain pinned cudaMemcpy of the same bytes;
 //   moe_layer       the whole MoE layer fwd+bwd through the backend (router GEMM in fp32,
 //                   Route with its host layout, permute, experts, combine, every backward)
-//                   in ms, in the fp32 and in the bf16 compute dtype, for tests/gpu/run.sh
-//                   to set against PyTorch's (torch_moe_bench.py).
+//                   in ms, in the fp32 and in the bf16 compute dtype (bf16_kernel: its
+//                   products through the grouped kernel), for tests/gpu/run.sh to set
+//                   against PyTorch's (torch_moe_bench.py).
 // Tokens in the GEMM benches spread over the experts with a skew (the first expert gets
 // twice the mean, the last half); the layer routes random tokens through a random router.
 #include <cuda_runtime.h>
@@ -209,10 +212,22 @@ std::string OtherFanOuts(CudaBackend& b, int iters, double flops,
   return out;
 }
 
-// The FFN's six products in bf16 (fp32 accumulation), grouped over the buckets, the weight
-// gradients written in bf16 and added to fp32 gradients, against six dense bf16 products
-// of the same FLOPs.
-int RunBf16Gemms(CudaBackend& b, const Shape& s, int64_t tokens, int iters) {
+// The FFN's six products in bf16 (fp32 accumulation) over skewed buckets, as problem
+// lists per phase, with the device memory they use. Weight gradients go into fp32 with
+// beta 1 (bwd_dw), or into bf16 (bwd_dw_bf16) for cuBLAS's grouped call, which then needs
+// AccumulateBf16 into `g`.
+struct FfnProducts {
+  using P = CudaBackend::Bf16Gemm;
+  std::vector<P> fwd1, fwd2, bwd_dh, bwd_dw, bwd_dw_bf16, bwd_dx;
+  P dense;  // one [A, C] x [C, F] product: 6 of them are the FFN's FLOPs
+  std::vector<compute::DeviceBuffer> memory;
+  float* g = nullptr;
+  void* gb = nullptr;
+  int64_t gradient_floats = 0;
+  double flops = 0;
+};
+
+bool MakeFfnProducts(CudaBackend& b, const Shape& s, int64_t tokens, FfnProducts& out) {
   const int C = s.channels, F = s.hidden, E = s.experts;
   const int64_t A = tokens * s.top_k, per_expert = 2 * int64_t{C} * F;
   const std::vector<int64_t> offsets = SkewedOffsets(E, A);
@@ -221,18 +236,16 @@ int RunBf16Gemms(CudaBackend& b, const Shape& s, int64_t tokens, int iters) {
   auto dx = bf16(A * C), dh = bf16(A * F), w = bf16(E * per_expert);
   auto gb = bf16(E * per_expert), g = b.Allocate(sizeof(float) * E * per_expert);
   auto tmp = b.Allocate(sizeof(float) * std::max(A * std::max(C, F), E * per_expert));
-  if (!AllOk(s.name, {&x, &hpre, &h, &y, &dy, &dx, &dh, &w, &gb, &g, &tmp})) return 1;
+  if (!AllOk(s.name, {&x, &hpre, &h, &y, &dy, &dx, &dh, &w, &gb, &g, &tmp})) return false;
   for (auto [buf, n, scale] :
        {std::tuple{&x, A * C, 1.0f}, std::tuple{&h, A * F, 1.0f}, std::tuple{&dy, A * C, 1e-3f},
         std::tuple{&w, E * per_expert, 0.02f}}) {
-    if (!Fill(b, tmp->f32(), n, scale)) break;
+    if (!Fill(b, tmp->f32(), n, scale)) return false;
     b.ToBf16((*buf)->data(), tmp->f32(), n);
   }
-  using P = CudaBackend::Bf16Gemm;
   auto at = [](const absl::StatusOr<compute::DeviceBuffer>& buf, int64_t elems) {
     return static_cast<uint16_t*>((*buf).data()) + elems;
   };
-  std::vector<P> fwd1, fwd2, bwd_dh, bwd_dw, bwd_dw_bf16, bwd_dx;
   for (int e = 0; e < E; ++e) {
     const int64_t r0 = offsets[e];
     const int rows = static_cast<int>(offsets[e + 1] - r0);
@@ -243,21 +256,40 @@ int RunBf16Gemms(CudaBackend& b, const Shape& s, int64_t tokens, int iters) {
     float* g2 = g1 + int64_t{C} * F;
     uint16_t* gb1 = at(gb, e * per_expert);
     uint16_t* gb2 = gb1 + int64_t{C} * F;
-    fwd1.push_back({false, false, rows, F, C, at(x, r0 * C), C, w1, F, 0, at(hpre, r0 * F), F});
-    fwd2.push_back({false, false, rows, C, F, at(h, r0 * F), F, w2, C, 0, at(y, r0 * C), C});
-    bwd_dh.push_back({false, true, rows, F, C, at(dy, r0 * C), C, w2, C, 0, at(dh, r0 * F), F});
-    // Weight gradients: into fp32 with beta 1 (fanned out), or into bf16 for the grouped
-    // call, which then needs AccumulateBf16.
-    bwd_dw.push_back(
+    out.fwd1.push_back({false, false, rows, F, C, at(x, r0 * C), C, w1, F, 0, at(hpre, r0 * F), F});
+    out.fwd2.push_back({false, false, rows, C, F, at(h, r0 * F), F, w2, C, 0, at(y, r0 * C), C});
+    out.bwd_dh.push_back({false, true, rows, F, C, at(dy, r0 * C), C, w2, C, 0, at(dh, r0 * F), F});
+    out.bwd_dw.push_back(
         {true, false, F, C, rows, at(h, r0 * F), F, at(dy, r0 * C), C, 1, g2, C, true});
-    bwd_dw.push_back(
+    out.bwd_dw.push_back(
         {true, false, C, F, rows, at(x, r0 * C), C, at(dh, r0 * F), F, 1, g1, F, true});
-    bwd_dw_bf16.push_back(
+    out.bwd_dw_bf16.push_back(
         {true, false, F, C, rows, at(h, r0 * F), F, at(dy, r0 * C), C, 0, gb2, C});
-    bwd_dw_bf16.push_back(
+    out.bwd_dw_bf16.push_back(
         {true, false, C, F, rows, at(x, r0 * C), C, at(dh, r0 * F), F, 0, gb1, F});
-    bwd_dx.push_back({false, true, rows, C, F, at(dh, r0 * F), F, w1, F, 0, at(dx, r0 * C), C});
+    out.bwd_dx.push_back({false, true, rows, C, F, at(dh, r0 * F), F, w1, F, 0, at(dx, r0 * C), C});
   }
+  out.dense = {false, false, static_cast<int>(A), F, C, at(x, 0), C, at(w, 0),
+               F,     0,     at(hpre, 0),         F};
+  out.g = g->f32();
+  out.gb = gb->data();
+  out.gradient_floats = E * per_expert;
+  out.flops = 12.0 * static_cast<double>(A) * C * F;
+  for (auto* buf : {&x, &hpre, &h, &y, &dy, &dx, &dh, &w, &gb, &g}) {
+    out.memory.push_back(std::move(**buf));
+  }
+  return true;
+}
+
+// The products fanned out (FanOutGemmBf16, the default) against six dense bf16 products
+// of the same FLOPs; the detail line has each phase and cuBLAS's grouped calls.
+int RunBf16Gemms(CudaBackend& b, const Shape& s, int64_t tokens, int iters) {
+  FfnProducts f;
+  if (!MakeFfnProducts(b, s, tokens, f)) return 1;
+  const auto &fwd1 = f.fwd1, &fwd2 = f.fwd2, &bwd_dh = f.bwd_dh, &bwd_dw = f.bwd_dw;
+  const auto &bwd_dw_bf16 = f.bwd_dw_bf16, &bwd_dx = f.bwd_dx;
+  const double flops = f.flops;
+  const int64_t A = tokens * s.top_k;
   auto fan_out = [&] {
     b.FanOutGemmBf16(fwd1, "bf16 x @ w1");
     b.FanOutGemmBf16(fwd2, "bf16 h @ w2");
@@ -265,26 +297,23 @@ int RunBf16Gemms(CudaBackend& b, const Shape& s, int64_t tokens, int iters) {
     b.FanOutGemmBf16(bwd_dw, "bf16 dW1, dW2");
     b.FanOutGemmBf16(bwd_dx, "bf16 dh @ w1^T");
   };
-  const std::string other_counts = OtherFanOuts(b, iters, 12.0 * A * C * F, fan_out);
+  const std::string other_counts = OtherFanOuts(b, iters, flops, fan_out);
   const double fanout = SecondsPerIter(b, iters, fan_out);
   const double grouped = SecondsPerIter(b, iters, [&] {
     b.GroupedGemmBf16(fwd1, "bf16 x @ w1 (grouped)");
     b.GroupedGemmBf16(fwd2, "bf16 h @ w2 (grouped)");
     b.GroupedGemmBf16(bwd_dh, "bf16 dy @ w2^T (grouped)");
     b.GroupedGemmBf16(bwd_dw_bf16, "bf16 dW1, dW2 (grouped)");
-    b.AccumulateBf16(g->f32(), gb->data(), E * per_expert);
+    b.AccumulateBf16(f.g, f.gb, f.gradient_floats);
     b.GroupedGemmBf16(bwd_dx, "bf16 dh @ w1^T (grouped)");
   });
-  const P dense{false, false, static_cast<int>(A), F, C, at(x, 0), C, at(w, 0),
-                F,     0,     at(hpre, 0),         F};
   const double dense_s = SecondsPerIter(b, iters, [&] {
-    for (int i = 0; i < 6; ++i) b.GemmBf16(dense, "bf16 dense");
+    for (int i = 0; i < 6; ++i) b.GemmBf16(f.dense, "bf16 dense");
   });
   if (fanout <= 0 || grouped <= 0 || dense_s <= 0) {
     std::fprintf(stderr, "%s bf16: %s\n", s.name, b.status().ToString().c_str());
     return 1;
   }
-  const double flops = 12.0 * static_cast<double>(A) * C * F;
   std::printf(
       "expert_gemm_bf16 %-16s A=%lld  fwd+bwd %.2f ms %.1f TFLOP/s (%.0f%% of 790)  dense %.1f "
       "TFLOP/s  ratio %.3f (target >= 0.8)\n",
@@ -300,6 +329,44 @@ int RunBf16Gemms(CudaBackend& b, const Shape& s, int64_t tokens, int iters) {
       "grouped calls (cublasGemmGroupedBatchedEx + bf16->fp32 gradient add) %.1f\n",
       s.name, Bf16Breakdown(b, calls, iters).c_str(), other_counts.c_str(), b.side_streams(),
       b.launch_threads(), flops / grouped / 1e12);
+  return 0;
+}
+
+// The products through Pith's grouped kernel (KernelGemmBf16: one launch a phase) against
+// the same dense products, with each phase's TFLOP/s.
+int RunBf16Kernel(CudaBackend& b, const Shape& s, int64_t tokens, int iters) {
+  FfnProducts f;
+  if (!MakeFfnProducts(b, s, tokens, f)) return 1;
+  const std::vector<Bf16Call> calls = {{"x@w1", &f.fwd1},
+                                       {"h@w2", &f.fwd2},
+                                       {"dy@w2T", &f.bwd_dh},
+                                       {"dW1+dW2", &f.bwd_dw},
+                                       {"dh@w1T", &f.bwd_dx}};
+  bool taken = true;
+  auto all = [&] {
+    for (const Bf16Call& call : calls) taken &= b.KernelGemmBf16(*call.second, call.first);
+  };
+  const double kernel = SecondsPerIter(b, iters, all);
+  const double dense_s = SecondsPerIter(b, iters, [&] {
+    for (int i = 0; i < 6; ++i) b.GemmBf16(f.dense, "bf16 dense");
+  });
+  if (!taken || kernel <= 0 || dense_s <= 0) {
+    std::fprintf(stderr, "%s bf16 kernel: %s\n", s.name,
+                 taken ? b.status().ToString().c_str() : "a problem the kernel does not take");
+    return 1;
+  }
+  std::string phases;
+  for (const Bf16Call& call : calls) {
+    const double t = SecondsPerIter(b, iters, [&] { b.KernelGemmBf16(*call.second, call.first); });
+    char part[64];
+    std::snprintf(part, sizeof(part), " %s %.0f", call.first, Flops(*call.second) / t / 1e12);
+    phases += part;
+  }
+  std::printf(
+      "expert_gemm_bf16_kernel %-16s A=%lld  fwd+bwd %.2f ms %.1f TFLOP/s (%.0f%% of 790)  dense "
+      "%.1f TFLOP/s  ratio %.3f (target >= 0.8); TFLOP/s per phase:%s\n",
+      s.name, static_cast<long long>(tokens * s.top_k), kernel * 1e3, f.flops / kernel / 1e12,
+      100 * f.flops / kernel / 790e12, f.flops / dense_s / 1e12, dense_s / kernel, phases.c_str());
   return 0;
 }
 
@@ -489,6 +556,20 @@ int RunLayerBf16(CudaBackend& b, const Shape& s, int64_t tokens, int iters) {
   return 0;
 }
 
+// The bf16 layer with its expert products through the grouped kernel.
+int RunLayerBf16Kernel(CudaBackend& b, const Shape& s, int64_t tokens, int iters) {
+  if (!b.SetComputeDtype(ComputeDtype::kBf16).ok()) return 1;
+  b.set_bf16_products(CudaBackend::Bf16Products::kKernel);
+  std::string parts;
+  const double seconds = LayerSeconds(b, s, tokens, iters, &parts);
+  if (seconds <= 0) return 1;
+  std::printf("moe_layer %-16s tokens=%lld bf16_kernel fwd+bwd %.2f ms\n", s.name,
+              static_cast<long long>(tokens), seconds * 1e3);
+  std::printf("moe_layer_detail %-16s bf16_kernel one iteration, each part waited for (ms):%s\n",
+              s.name, parts.c_str());
+  return 0;
+}
+
 // Expert fetches to the device: one round of uploads of a bf16 weights blob into every
 // slot of a DeviceSlots from registered pinned staging, against one plain pinned
 // cudaMemcpy of the same bytes.
@@ -544,8 +625,11 @@ int main(int argc, char** argv) {
   bool first = true;
   for (const pith::cuda::Shape& s : {pith::cuda::Shape{"qwen3-30b-a3b", 2048, 768, 128, 8},
                                      pith::cuda::Shape{"deepseek-v2-lite", 2048, 1408, 64, 6}}) {
+    // The grouped kernel's runs come last: a fault on the device would end the process's
+    // use of it, and the figures before them are then in already.
     for (auto* run : {pith::cuda::RunShape, pith::cuda::RunBf16Gemms, pith::cuda::RunLayer,
-                      pith::cuda::RunLayerBf16, pith::cuda::RunFetch}) {
+                      pith::cuda::RunLayerBf16, pith::cuda::RunFetch, pith::cuda::RunBf16Kernel,
+                      pith::cuda::RunLayerBf16Kernel}) {
       // A backend per measurement: a failed one stays failed, and the others still run.
       auto backend = CudaBackend::Create(device);
       if (!backend.ok()) {

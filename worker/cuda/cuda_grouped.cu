@@ -1,0 +1,314 @@
+// CudaBackend::KernelGemmBf16: Pith's own grouped bf16 product, every problem of a phase in
+// one launch. cuBLAS takes a launch (and a few microseconds of host time) per expert
+// product; at Qwen3-30B-A3B's shapes a step has 768 of them a layer and the host's launches,
+// not the tensor cores, set the pace (tests/bench/RESULTS.md, the H200 runs).
+//
+// The kernel: one CTA per 128 x 128 output tile of any problem (a flat tile list, each CTA
+// finds its problem by binary search over the problems' first tiles), 4 warps of 64 x 64,
+// k in steps of 32 through a 4-stage cp.async pipeline in shared memory, bf16
+// mma.sync.m16n8k16 with fp32 accumulators; ldmatrix (.trans for the operands stored with
+// k outermost) feeds the fragments, so every transpose reads its tiles as they lie in
+// memory. Out-of-range rows and k steps are zero-filled by cp.async; the epilogue writes
+// alpha * acc + beta * C (C not read with beta 0) in fp32 or bf16. mma.sync runs on sm_80
+// and later; on sm_90 it leaves the warpgroup MMA (wgmma) unused, which caps it below
+// cuBLAS's dense peak.
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <vector>
+
+#include "worker/cuda/cuda_backend.h"
+#include "worker/cuda/cuda_kernels.cuh"
+
+namespace pith::cuda {
+namespace {
+
+cudaStream_t S(CUstream_st* s) { return s; }
+
+constexpr int kBm = 128, kBn = 128, kBk = 32, kStages = 4;
+constexpr int kWarpsM = 2, kWarpsN = 2, kTileThreads = 32 * kWarpsM * kWarpsN;
+constexpr int kPad = 8;  // bf16 elements after each shared row: ldmatrix without conflicts
+// One operand's tile in a stage, stored [rows][k + pad] or [k][cols + pad].
+constexpr int kOperandElems = kBm * (kBk + kPad) > kBk*(kBm + kPad) ? kBm*(kBk + kPad)
+                                                                    : kBk*(kBm + kPad);
+constexpr int kSharedBytes = kStages * 2 * kOperandElems * 2;
+static_assert(kBm == kBn, "one tile shape serves A and B");
+
+enum Flags : int { kTransA = 1, kTransB = 2, kOutFp32 = 4 };
+
+// One problem as the kernel reads it. Row-major C[m, n] = alpha op(A) op(B) + beta C.
+struct KernelProblem {
+  const __nv_bfloat16* a;
+  const __nv_bfloat16* b;
+  void* c;
+  int m, n, k, lda, ldb, ldc;
+  float alpha, beta;
+  int flags;
+  int tiles_n;
+  int64_t first_tile;  // tiles of the problems before it
+};
+
+__device__ __forceinline__ void CpAsync16(void* shared, const void* global, bool valid) {
+  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(shared));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(global),
+               "r"(valid ? 16 : 0));
+}
+__device__ __forceinline__ void CpAsyncCommit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N>
+__device__ __forceinline__ void CpAsyncWait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+}
+
+template <bool kTrans>
+__device__ __forceinline__ void LdMatrixX4(uint32_t (&r)[4], const __nv_bfloat16* p) {
+  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(p));
+  if (kTrans) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(s));
+  } else {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(s));
+  }
+}
+
+__device__ __forceinline__ void Mma(float (&d)[4], const uint32_t (&a)[4], uint32_t b0,
+                                    uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+      "{%8,%9}, {%0,%1,%2,%3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// Copies the `rows` x `cols` tile at (r0, c0) of a row-major matrix (leading dimension ld,
+// `max_r` x `max_c` valid) into shared [rows][cols + pad], 16 bytes per cp.async; chunks
+// outside are zero-filled. cols is a multiple of 8 and so are max_c and ld.
+template <int kRows, int kCols>
+__device__ __forceinline__ void LoadTile(__nv_bfloat16* shared, const __nv_bfloat16* g, int ld,
+                                         int r0, int c0, int max_r, int max_c) {
+  constexpr int kChunksPerRow = kCols / 8;
+  constexpr int kChunks = kRows * kChunksPerRow;
+  static_assert(kChunks % kTileThreads == 0, "whole chunks per thread");
+#pragma unroll
+  for (int i = 0; i < kChunks / kTileThreads; ++i) {
+    const int chunk = threadIdx.x + i * kTileThreads;
+    const int row = chunk / kChunksPerRow, col = (chunk % kChunksPerRow) * 8;
+    const bool valid = r0 + row < max_r && c0 + col < max_c;
+    const __nv_bfloat16* src = valid ? g + int64_t{r0 + row} * ld + (c0 + col) : g;
+    CpAsync16(shared + row * (kCols + kPad) + col, src, valid);
+  }
+}
+
+// Stage `stage`'s tiles of A and B for the k step starting at k0.
+template <bool kTa, bool kTb>
+__device__ __forceinline__ void LoadStage(__nv_bfloat16* smem, const KernelProblem& p, int m0,
+                                          int n0, int k0) {
+  __nv_bfloat16* sa = smem;
+  __nv_bfloat16* sb = smem + kOperandElems;
+  if (kTa) {  // A stored [k][m]
+    LoadTile<kBk, kBm>(sa, p.a, p.lda, k0, m0, p.k, p.m);
+  } else {  // A stored [m][k]
+    LoadTile<kBm, kBk>(sa, p.a, p.lda, m0, k0, p.m, p.k);
+  }
+  if (kTb) {  // B stored [n][k]
+    LoadTile<kBn, kBk>(sb, p.b, p.ldb, n0, k0, p.n, p.k);
+  } else {  // B stored [k][n]
+    LoadTile<kBk, kBn>(sb, p.b, p.ldb, k0, n0, p.k, p.n);
+  }
+}
+
+// The warp's 64 x 64 share of one stage: two k16 steps of 4 x 8 MMAs.
+template <bool kTa, bool kTb>
+__device__ __forceinline__ void ComputeStage(float (&acc)[4][8][4], const __nv_bfloat16* smem,
+                                             int warp_m, int warp_n, int lane) {
+  const __nv_bfloat16* sa = smem;
+  const __nv_bfloat16* sb = smem + kOperandElems;
+  const int l8 = lane % 8, j1 = (lane / 8) % 2, j2 = lane / 16;
+#pragma unroll
+  for (int kk = 0; kk < kBk; kk += 16) {
+    uint32_t a[4][4], b[4][4];
+#pragma unroll
+    for (int mi = 0; mi < 4; ++mi) {
+      const int mb = warp_m * 64 + mi * 16;
+      if (kTa) {  // [k][m]: matrices (k, m) = (0,0) (0,8) (8,0) (8,8), transposed
+        LdMatrixX4<true>(a[mi], sa + (kk + l8 + j2 * 8) * (kBm + kPad) + mb + j1 * 8);
+      } else {  // [m][k]: (m, k) = (0,0) (8,0) (0,8) (8,8)
+        LdMatrixX4<false>(a[mi], sa + (mb + l8 + j1 * 8) * (kBk + kPad) + kk + j2 * 8);
+      }
+    }
+#pragma unroll
+    for (int nj = 0; nj < 4; ++nj) {  // two n8 blocks each: b[nj] = {b0, b1} x 2
+      const int nb = warp_n * 64 + nj * 16;
+      if (kTb) {  // [n][k]: (n, k) = (0,0) (0,8) (8,0) (8,8)
+        LdMatrixX4<false>(b[nj], sb + (nb + l8 + j2 * 8) * (kBk + kPad) + kk + j1 * 8);
+      } else {  // [k][n]: (k, n) = (0,0) (8,0) (0,8) (8,8), transposed
+        LdMatrixX4<true>(b[nj], sb + (kk + l8 + j1 * 8) * (kBn + kPad) + nb + j2 * 8);
+      }
+    }
+#pragma unroll
+    for (int mi = 0; mi < 4; ++mi) {
+#pragma unroll
+      for (int ni = 0; ni < 8; ++ni) {
+        Mma(acc[mi][ni], a[mi], b[ni / 2][(ni % 2) * 2], b[ni / 2][(ni % 2) * 2 + 1]);
+      }
+    }
+  }
+}
+
+// C = alpha acc + beta C for the warp's fragments: acc[mi][ni] holds rows g and g + 8 of
+// its 16 x 8 block, columns 2t and 2t + 1.
+__device__ __forceinline__ void StoreTile(const KernelProblem& p, const float (&acc)[4][8][4],
+                                          int m0, int n0, int lane) {
+  const int g = lane / 4, t = lane % 4;
+  const bool fp32 = (p.flags & kOutFp32) != 0;
+#pragma unroll
+  for (int mi = 0; mi < 4; ++mi) {
+#pragma unroll
+    for (int ni = 0; ni < 8; ++ni) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int row = m0 + mi * 16 + g + (e / 2) * 8, col = n0 + ni * 8 + 2 * t + e % 2;
+        if (row >= p.m || col >= p.n) continue;
+        const int64_t at = int64_t{row} * p.ldc + col;
+        float v = p.alpha * acc[mi][ni][e];
+        if (fp32) {
+          float* c = static_cast<float*>(p.c) + at;
+          if (p.beta != 0.0f) v += p.beta * *c;
+          *c = v;
+        } else {
+          __nv_bfloat16* c = static_cast<__nv_bfloat16*>(p.c) + at;
+          if (p.beta != 0.0f) v += p.beta * __bfloat162float(*c);
+          *c = __float2bfloat16_rn(v);
+        }
+      }
+    }
+  }
+}
+
+template <bool kTa, bool kTb>
+__device__ __forceinline__ void RunTile(const KernelProblem& p, int64_t tile, __nv_bfloat16* smem) {
+  const int m0 = static_cast<int>(tile / p.tiles_n) * kBm;
+  const int n0 = static_cast<int>(tile % p.tiles_n) * kBn;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int warp_m = warp / kWarpsN, warp_n = warp % kWarpsN;
+  float acc[4][8][4];
+#pragma unroll
+  for (int mi = 0; mi < 4; ++mi) {
+#pragma unroll
+    for (int ni = 0; ni < 8; ++ni) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc[mi][ni][e] = 0.0f;
+    }
+  }
+  const int steps = (p.k + kBk - 1) / kBk;
+  constexpr int kStageElems = 2 * kOperandElems;
+#pragma unroll
+  for (int s = 0; s < kStages - 1; ++s) {
+    if (s < steps) LoadStage<kTa, kTb>(smem + s * kStageElems, p, m0, n0, s * kBk);
+    CpAsyncCommit();  // empty groups keep the count uniform
+  }
+  for (int step = 0; step < steps; ++step) {
+    CpAsyncWait<kStages - 2>();  // step's group has landed (for this thread)
+    __syncthreads();             // for every thread; and step - 1's stage is free again
+    const int next = step + kStages - 1;
+    if (next < steps) {
+      LoadStage<kTa, kTb>(smem + (next % kStages) * kStageElems, p, m0, n0, next * kBk);
+    }
+    CpAsyncCommit();
+    ComputeStage<kTa, kTb>(acc, smem + (step % kStages) * kStageElems, warp_m, warp_n, lane);
+  }
+  CpAsyncWait<0>();
+  StoreTile(p, acc, m0 + warp_m * 64, n0 + warp_n * 64, lane);
+}
+
+__global__ void __launch_bounds__(kTileThreads)
+    GroupedGemmKernel(const KernelProblem* __restrict__ problems, int count) {
+  extern __shared__ __align__(16) unsigned char shared_bytes[];
+  auto* smem = reinterpret_cast<__nv_bfloat16*>(shared_bytes);
+  const int64_t tile = blockIdx.x;
+  int lo = 0, hi = count - 1;  // the last problem whose first tile is <= tile
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) / 2;
+    if (problems[mid].first_tile <= tile) {
+      lo = mid;
+    } else {
+      hi = mid - 1;
+    }
+  }
+  const KernelProblem p = problems[lo];
+  const int64_t local = tile - p.first_tile;
+  switch (p.flags & (kTransA | kTransB)) {
+    case 0:
+      RunTile<false, false>(p, local, smem);
+      break;
+    case kTransA:
+      RunTile<true, false>(p, local, smem);
+      break;
+    case kTransB:
+      RunTile<false, true>(p, local, smem);
+      break;
+    default:
+      RunTile<true, true>(p, local, smem);
+      break;
+  }
+}
+
+bool Aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
+
+}  // namespace
+
+bool CudaBackend::KernelTakes(const Bf16Gemm& p) {
+  // cp.async moves 16 bytes (8 elements) at a time along each operand's stored rows.
+  const int a_row = p.trans_a ? p.m : p.k, b_row = p.trans_b ? p.k : p.n;
+  return Aligned16(p.a) && Aligned16(p.b) && p.lda % 8 == 0 && p.ldb % 8 == 0 && a_row % 8 == 0 &&
+         b_row % 8 == 0;
+}
+
+bool CudaBackend::KernelGemmBf16(const std::vector<Bf16Gemm>& problems, const char* op) {
+  for (const Bf16Gemm& p : problems) {
+    if (p.m != 0 && p.n != 0 && p.k != 0 && !KernelTakes(p)) return false;
+  }
+  if (!Ready()) return true;
+  std::vector<KernelProblem> table;
+  int64_t tiles = 0;
+  for (const Bf16Gemm& p : problems) {
+    if (EmptyProductBf16(p, op)) continue;
+    const int tiles_m = (p.m + kBm - 1) / kBm, tiles_n = (p.n + kBn - 1) / kBn;
+    table.push_back(
+        {static_cast<const __nv_bfloat16*>(p.a), static_cast<const __nv_bfloat16*>(p.b), p.c, p.m,
+         p.n, p.k, p.lda, p.ldb, p.ldc, p.alpha, p.beta,
+         (p.trans_a ? kTransA : 0) | (p.trans_b ? kTransB : 0) | (p.c_fp32 ? kOutFp32 : 0), tiles_n,
+         tiles});
+    tiles += int64_t{tiles_m} * tiles_n;
+  }
+  if (table.empty() || !Ready()) return true;
+  if (tiles > INT32_MAX) {
+    Fail(op, "a grouped product of more than 2^31 tiles");
+    return true;
+  }
+  if (!kernel_smem_set_ &&
+      !CheckCuda(cudaFuncSetAttribute(GroupedGemmKernel,
+                                      cudaFuncAttributeMaxDynamicSharedMemorySize, kSharedBytes),
+                 op)) {
+    return true;
+  }
+  kernel_smem_set_ = true;
+  void* dev = Scratch(kKernelProblems, table.size() * sizeof(KernelProblem));
+  // Pageable source: the copy returns once `table` is staged (see UploadPointers).
+  if (dev == nullptr ||
+      !CheckCuda(cudaMemcpyAsync(dev, table.data(), table.size() * sizeof(KernelProblem),
+                                 cudaMemcpyHostToDevice, S(stream_)),
+                 op)) {
+    return true;
+  }
+  GroupedGemmKernel<<<static_cast<unsigned>(tiles), kTileThreads, kSharedBytes, S(stream_)>>>(
+      static_cast<const KernelProblem*>(dev), static_cast<int>(table.size()));
+  CheckLaunch(op);
+  return true;
+}
+
+}  // namespace pith::cuda
