@@ -51,6 +51,23 @@ built=$(date +%s)
 echo "== tests (every test of the GPU-only build)"
 ctest --test-dir "$build" --output-on-failure --timeout 300 2>&1 | tee "$out/ctest.log"
 tests_rc=${PIPESTATUS[0]}
+# The grouped kernel's own checks once more under compute-sanitizer: out-of-bounds
+# accesses (memcheck) and shared-memory races between its pipeline stages (racecheck).
+sanitizer=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
+if [[ -x $sanitizer ]]; then
+  for tool in memcheck racecheck; do
+    if "$sanitizer" --tool "$tool" --error-exitcode 1 "$build/grouped_gemm_test" \
+         --gtest_filter='GroupedGemmTest.*' >"$out/sanitizer-$tool.log" 2>&1; then
+      echo "compute-sanitizer $tool: clean" | tee -a "$out/ctest.log"
+    else
+      echo "compute-sanitizer $tool: FAILED" | tee -a "$out/ctest.log"
+      tail -30 "$out/sanitizer-$tool.log"
+      tests_rc=1
+    fi
+  done
+else
+  echo "compute-sanitizer: not found, skipped" | tee -a "$out/ctest.log"
+fi
 tested=$(date +%s)
 
 echo "== gpu_bench"
@@ -107,7 +124,7 @@ done
 
 echo "SUMMARY: build $((built - start)) s, tests $((tested - built)) s (rc $tests_rc), bench" \
      "$((end - tested)) s (rc $bench_rc), total $((end - start)) s"
-grep -E "tests passed|tests failed" "$out/ctest.log" | sed 's/^/SUMMARY: /'
+grep -E "tests passed|tests failed|compute-sanitizer" "$out/ctest.log" | sed 's/^/SUMMARY: /'
 grep -E "^(expert_|moe_layer)" "$out/bench.log" | sed 's/^/SUMMARY: /'
 grep -E "^moe_layer_vs_torch|failed|unavailable|skipped" "$out/torch.log" | sed 's/^/SUMMARY: /'
 grep -E "^SUMMARY|skipped" "$out/cluster.log" | sed 's/^SUMMARY: //; s/^/SUMMARY: cluster: /'

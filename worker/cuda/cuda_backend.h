@@ -176,6 +176,8 @@ class CudaBackend final : public compute::Backend {
   // KernelTakes. False (nothing done) when some problem is not taken.
   static bool KernelTakes(const Bf16Gemm& p);
   bool KernelGemmBf16(const std::vector<Bf16Gemm>& problems, const char* op);
+  // The grouped kernel's launches so far (tests: that a phase went through it).
+  uint64_t kernel_launches() const { return kernel_launches_; }
   // Which of the two runs the bf16 compute dtype's expert products: the cuBLAS fan-out
   // (the default) or the grouped kernel (where it takes every problem of a phase; else
   // the fan-out).
@@ -284,6 +286,7 @@ class CudaBackend final : public compute::Backend {
   int side_streams_ = 4;
   Bf16Products bf16_products_ = Bf16Products::kFanOut;
   bool kernel_smem_set_ = false;  // the grouped kernel's shared-memory limit was raised
+  uint64_t kernel_launches_ = 0;
   int launch_threads_ = 1;
   std::unique_ptr<compute::ThreadPool> launch_pool_;  // launch_threads_ > 1 only
   std::vector<int32_t> host_ints_;                    // routing's host-side layout pass

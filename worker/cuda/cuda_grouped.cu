@@ -36,7 +36,7 @@ constexpr int kOperandElems = kBm * (kBk + kPad) > kBk*(kBm + kPad) ? kBm*(kBk +
 constexpr int kSharedBytes = kStages * 2 * kOperandElems * 2;
 static_assert(kBm == kBn, "one tile shape serves A and B");
 
-enum Flags : int { kTransA = 1, kTransB = 2, kOutFp32 = 4 };
+enum Flags : int { kTransA = 1, kTransB = 2, kOutFp32 = 4, kPairs = 8 };
 
 // One problem as the kernel reads it. Row-major C[m, n] = alpha op(A) op(B) + beta C.
 struct KernelProblem {
@@ -159,30 +159,65 @@ __device__ __forceinline__ void ComputeStage(float (&acc)[4][8][4], const __nv_b
   }
 }
 
-// C = alpha acc + beta C for the warp's fragments: acc[mi][ni] holds rows g and g + 8 of
-// its 16 x 8 block, columns 2t and 2t + 1.
+// C[row, col] (and col + 1 when `pair`) = alpha acc + beta C; C is not read with beta 0.
+// A pair goes as one 8-byte (fp32) or 4-byte (bf16) access.
+__device__ __forceinline__ void StorePair(const KernelProblem& p, int row, int col, float v0,
+                                          float v1, bool pair) {
+  const int64_t at = int64_t{row} * p.ldc + col;
+  v0 *= p.alpha;
+  v1 *= p.alpha;
+  if (p.flags & kOutFp32) {
+    float* c = static_cast<float*>(p.c) + at;
+    if (pair) {
+      float2 out = make_float2(v0, v1);
+      if (p.beta != 0.0f) {
+        const float2 old = *reinterpret_cast<const float2*>(c);
+        out.x += p.beta * old.x;
+        out.y += p.beta * old.y;
+      }
+      *reinterpret_cast<float2*>(c) = out;
+    } else {
+      c[0] = p.beta != 0.0f ? v0 + p.beta * c[0] : v0;
+    }
+    return;
+  }
+  __nv_bfloat16* c = static_cast<__nv_bfloat16*>(p.c) + at;
+  if (pair) {
+    if (p.beta != 0.0f) {
+      const float2 old = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(c));
+      v0 += p.beta * old.x;
+      v1 += p.beta * old.y;
+    }
+    *reinterpret_cast<__nv_bfloat162*>(c) = __floats2bfloat162_rn(v0, v1);
+  } else {
+    if (p.beta != 0.0f) v0 += p.beta * __bfloat162float(c[0]);
+    c[0] = __float2bfloat16_rn(v0);
+  }
+}
+
+// The warp's fragments into C: acc[mi][ni] holds rows g and g + 8 of its 16 x 8 block,
+// columns 2t and 2t + 1. A pair is stored whole where C's rows keep it aligned (kPairs:
+// ldc even and C aligned, checked on the host).
 __device__ __forceinline__ void StoreTile(const KernelProblem& p, const float (&acc)[4][8][4],
                                           int m0, int n0, int lane) {
   const int g = lane / 4, t = lane % 4;
-  const bool fp32 = (p.flags & kOutFp32) != 0;
+  const bool pairs = (p.flags & kPairs) != 0;
 #pragma unroll
   for (int mi = 0; mi < 4; ++mi) {
 #pragma unroll
     for (int ni = 0; ni < 8; ++ni) {
+      const int col = n0 + ni * 8 + 2 * t;
+      if (col >= p.n) continue;
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int row = m0 + mi * 16 + g + (e / 2) * 8, col = n0 + ni * 8 + 2 * t + e % 2;
-        if (row >= p.m || col >= p.n) continue;
-        const int64_t at = int64_t{row} * p.ldc + col;
-        float v = p.alpha * acc[mi][ni][e];
-        if (fp32) {
-          float* c = static_cast<float*>(p.c) + at;
-          if (p.beta != 0.0f) v += p.beta * *c;
-          *c = v;
+      for (int half = 0; half < 2; ++half) {
+        const int row = m0 + mi * 16 + g + half * 8;
+        if (row >= p.m) continue;
+        const float v0 = acc[mi][ni][2 * half], v1 = acc[mi][ni][2 * half + 1];
+        if (col + 1 < p.n && pairs) {
+          StorePair(p, row, col, v0, v1, true);
         } else {
-          __nv_bfloat16* c = static_cast<__nv_bfloat16*>(p.c) + at;
-          if (p.beta != 0.0f) v += p.beta * __bfloat162float(*c);
-          *c = __float2bfloat16_rn(v);
+          StorePair(p, row, col, v0, 0.0f, false);
+          if (col + 1 < p.n) StorePair(p, row, col + 1, v1, 0.0f, false);
         }
       }
     }
@@ -278,11 +313,14 @@ bool CudaBackend::KernelGemmBf16(const std::vector<Bf16Gemm>& problems, const ch
   for (const Bf16Gemm& p : problems) {
     if (EmptyProductBf16(p, op)) continue;
     const int tiles_m = (p.m + kBm - 1) / kBm, tiles_n = (p.n + kBn - 1) / kBn;
-    table.push_back(
-        {static_cast<const __nv_bfloat16*>(p.a), static_cast<const __nv_bfloat16*>(p.b), p.c, p.m,
-         p.n, p.k, p.lda, p.ldb, p.ldc, p.alpha, p.beta,
-         (p.trans_a ? kTransA : 0) | (p.trans_b ? kTransB : 0) | (p.c_fp32 ? kOutFp32 : 0), tiles_n,
-         tiles});
+    // Column pairs (2t, 2t + 1) start at even columns: whole accesses where rows stay aligned.
+    const size_t pair_bytes = p.c_fp32 ? 8 : 4;
+    const bool pairs = p.ldc % 2 == 0 && reinterpret_cast<uintptr_t>(p.c) % pair_bytes == 0;
+    table.push_back({static_cast<const __nv_bfloat16*>(p.a), static_cast<const __nv_bfloat16*>(p.b),
+                     p.c, p.m, p.n, p.k, p.lda, p.ldb, p.ldc, p.alpha, p.beta,
+                     (p.trans_a ? kTransA : 0) | (p.trans_b ? kTransB : 0) |
+                         (p.c_fp32 ? kOutFp32 : 0) | (pairs ? kPairs : 0),
+                     tiles_n, tiles});
     tiles += int64_t{tiles_m} * tiles_n;
   }
   if (table.empty() || !Ready()) return true;
@@ -307,7 +345,7 @@ bool CudaBackend::KernelGemmBf16(const std::vector<Bf16Gemm>& problems, const ch
   }
   GroupedGemmKernel<<<static_cast<unsigned>(tiles), kTileThreads, kSharedBytes, S(stream_)>>>(
       static_cast<const KernelProblem*>(dev), static_cast<int>(table.size()));
-  CheckLaunch(op);
+  if (CheckLaunch(op)) ++kernel_launches_;
   return true;
 }
 

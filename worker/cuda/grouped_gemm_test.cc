@@ -1,9 +1,14 @@
 // CudaBackend's own grouped bf16 kernel (cuda_grouped.cu) against the CPU backend's fp32
 // product of the same bf16-rounded inputs: every transpose, sizes that are not multiples
 // of the tile (and a k that ends mid-step), padded leading dimensions, alpha and beta,
-// fp32 and bf16 outputs, empty problems; the problems it does not take; and the expert
-// FFN in the bf16 compute dtype, which must give the fan-out's results. Skipped without a
+// fp32 and bf16 outputs, empty problems, C never read with beta 0; the identity, whose
+// failures say where each element went; the problems it does not take; and the expert
+// FFN in the bf16 compute dtype, which must give the fan-out's results through the kernel
+// and fall back to the fan-out where the kernel cannot load a phase. Skipped without a
 // CUDA device.
+#include <cmath>
+#include <cstdint>
+#include <utility>
 #include <vector>
 
 #include "gtest/gtest.h"
@@ -38,9 +43,12 @@ TEST_F(GroupedGemmTest, EveryTransposeShapeAndOutputMatchesTheCpu) {
       {false, false, 129, 136, 8, 0, 0, 0, 1.0f, 0.0f, false},   // bf16 out, past a tile
       {true, false, 256, 384, 300, 0, 0, 0, 1.0f, 1.0f, false},  // bf16 out, beta 1
       {false, false, 1, 8, 2048, 0, 0, 0, 1.0f, 0.0f, true},     // one row, long k
+      {false, false, 72, 64, 40, 0, 0, 0, 1.0f, 0.0f, true},     // k ends mid-step
+      {true, true, 32, 48, 40, 8, 0, 0, 1.0f, 0.0f, false},      // the same, transposed
   };
   std::vector<CudaBackend::Bf16Gemm> problems;
   std::vector<Vec> want;
+  std::vector<size_t> slot;  // cases[t]'s index in problems
   for (size_t t = 0; t < cases.size(); ++t) {
     const Case& c = cases[t];
     const int lda = (c.ta ? c.m : c.k) + c.pad_a, ldb = (c.tb ? c.k : c.n) + c.pad_b;
@@ -49,38 +57,92 @@ TEST_F(GroupedGemmTest, EveryTransposeShapeAndOutputMatchesTheCpu) {
     const Bf16Vec b = ToBf16(Random(int64_t{c.tb ? c.n : c.k} * ldb, 20 + t));
     Vec out = Random(int64_t{c.m} * ldc, 30 + t);
     if (!c.c_fp32) out = ToBf16(out).rounded;  // C as the kernel reads it
-    void* dc = c.c_fp32 ? static_cast<void*>(Up(out)) : static_cast<void*>(Up(ToBf16(out).bits));
+    // With beta 0 the kernel must not read C: it starts as NaN there.
+    const Vec start = c.beta == 0.0f ? Vec(out.size(), std::nanf("")) : out;
+    void* dc =
+        c.c_fp32 ? static_cast<void*>(Up(start)) : static_cast<void*>(Up(ToBf16(start).bits));
     CudaBackend::Bf16Gemm p{c.ta,       c.tb, c.m,    c.n, c.k, Up(a.bits), lda,
                             Up(b.bits), ldb,  c.beta, dc,  ldc, c.c_fp32,   c.alpha};
     ASSERT_TRUE(CudaBackend::KernelTakes(p)) << "case " << t;
+    slot.push_back(problems.size());
     problems.push_back(p);
     cpu_.Gemm(c.ta, c.tb, c.m, c.n, c.k, c.alpha, a.rounded.data(), lda, b.rounded.data(), ldb,
               c.beta, out.data(), ldc);
     want.push_back(out);
   }
-  // An empty product with beta 0 zeroes its C, as the fan-out does.
+  // An empty product with beta 0, in the middle of the list, zeroes its C, as the fan-out
+  // does (the padding columns of each C are compared too: nothing may land there).
   Vec zeroed = Random(40 * 16, 41);
-  problems.push_back(
-      {false, false, 40, 16, 0, nullptr, 8, nullptr, 16, 0.0f, Up(zeroed), 16, true});
+  float* dzeroed = Up(zeroed);
+  problems.insert(problems.begin() + 3,
+                  {false, false, 40, 16, 0, nullptr, 8, nullptr, 16, 0.0f, dzeroed, 16, true});
+  for (size_t t = 3; t < slot.size(); ++t) ++slot[t];
   ASSERT_TRUE(gpu_->KernelGemmBf16(problems, "grouped kernel test"));
   ASSERT_TRUE(gpu_->Synchronize().ok()) << gpu_->status();
   for (size_t t = 0; t < cases.size(); ++t) {
     SCOPED_TRACE(testing::Message() << "case " << t);
+    const CudaBackend::Bf16Gemm& p = problems[slot[t]];
     Vec got;
     if (cases[t].c_fp32) {
-      got = Down(static_cast<float*>(problems[t].c), want[t].size());
+      got = Down(static_cast<float*>(p.c), want[t].size());
     } else {
-      for (uint16_t bits : Down(static_cast<uint16_t*>(problems[t].c), want[t].size())) {
+      for (uint16_t bits : Down(static_cast<uint16_t*>(p.c), want[t].size())) {
         got.push_back(Bf16ToFloat(bits));
+      }
+    }
+    // Padding columns: left as they were (NaN with beta 0, the CPU's C with beta 1).
+    for (int r = 0; r < cases[t].m; ++r) {
+      for (int col = cases[t].n; col < p.ldc; ++col) {
+        const size_t at = static_cast<size_t>(r) * p.ldc + col;
+        if (cases[t].beta == 0.0f) {
+          EXPECT_TRUE(std::isnan(got[at])) << "padding [" << r << "][" << col << "] written";
+        }
+        got[at] = want[t][at];
       }
     }
     // fp32 outputs: the same exact products summed in another order. bf16: one rounding.
     ExpectClose("kernel", got, want[t], cases[t].c_fp32 ? 1e-5 : 1.0 / 128);
   }
-  EXPECT_EQ(Down(static_cast<float*>(problems.back().c), zeroed.size()), Vec(zeroed.size(), 0.0f));
+  EXPECT_EQ(Down(dzeroed, zeroed.size()), Vec(zeroed.size(), 0.0f));
 }
 
-TEST_F(GroupedGemmTest, ProblemsItCannotLoadAreLeftToTheFanOut) {
+// A product with the identity gives the other operand back exactly, for every transpose:
+// where it does not, the values (small integers, each naming its source element) show
+// which element went where, the first thing to read if the kernel's fragments are wrong.
+TEST_F(GroupedGemmTest, TheIdentityGivesTheOtherOperandBackForEveryTranspose) {
+  constexpr int kN = 48;  // within one tile, not a multiple of 16 x 64 warp blocks
+  Vec operand(kN * kN), identity(kN * kN, 0.0f);
+  for (int i = 0; i < kN * kN; ++i) operand[i] = static_cast<float>(i % 251 - 125);  // exact
+  for (int i = 0; i < kN; ++i) identity[i * kN + i] = 1.0f;
+  const uint16_t* x = Up(ToBf16(operand).bits);
+  const uint16_t* eye = Up(ToBf16(identity).bits);
+  for (int variant = 0; variant < 8; ++variant) {
+    const bool ta = variant & 1, tb = variant & 2, identity_left = variant & 4;
+    // op(stored X) is X or X^T; the wanted C is that, row-major.
+    const bool x_trans = identity_left ? tb : ta;
+    Vec want(kN * kN);
+    for (int r = 0; r < kN; ++r) {
+      for (int c = 0; c < kN; ++c) want[r * kN + c] = operand[x_trans ? c * kN + r : r * kN + c];
+    }
+    float* out = Up(Vec(kN * kN, -1.0f));
+    const CudaBackend::Bf16Gemm p{
+        ta, tb,   kN,  kN, kN,  identity_left ? eye : x, kN, identity_left ? x : eye,
+        kN, 0.0f, out, kN, true};
+    ASSERT_TRUE(gpu_->KernelGemmBf16({p}, "identity test"));
+    ASSERT_TRUE(gpu_->Synchronize().ok()) << gpu_->status();
+    const Vec got = Down(out, want.size());
+    int shown = 0;
+    for (int i = 0; i < kN * kN && shown < 8; ++i) {
+      if (got[i] == want[i]) continue;
+      ADD_FAILURE() << "trans_a " << ta << " trans_b " << tb << " identity "
+                    << (identity_left ? "left" : "right") << ": C[" << i / kN << "][" << i % kN
+                    << "] = " << got[i] << ", want " << want[i];
+      ++shown;
+    }
+  }
+}
+
+TEST_F(GroupedGemmTest, ProblemsItCannotLoadAreRefusedUntouched) {
   const Bf16Vec a = ToBf16(Random(64 * 64, 1)), b = ToBf16(Random(64 * 64, 2));
   Vec c(64 * 64, 7.0f);
   const uint16_t *da = Up(a.bits), *db = Up(b.bits);
@@ -99,52 +161,66 @@ TEST_F(GroupedGemmTest, ProblemsItCannotLoadAreLeftToTheFanOut) {
   EXPECT_EQ(Down(dc, c.size()), c);  // nothing ran
 }
 
-// The expert FFN of the bf16 compute dtype through the grouped kernel gives the fan-out's
-// outputs and gradients (each output is one product either way: same bits but for the
-// order of the k sums, so within 1e-5).
-TEST_F(GroupedGemmTest, ExpertFfnThroughTheKernelMatchesTheFanOut) {
-  ASSERT_TRUE(gpu_->SetComputeDtype(ComputeDtype::kBf16).ok());
-  const int C = 64, F = 128, E = 4;
-  const std::vector<int64_t> offsets = {0, 150, 150, 171, 300};  // an empty bucket too
-  const int64_t A = offsets[E];
-  const Vec x = Random(A * C, 1), dy = Random(A * C, 2, 0.01f);
-  std::vector<compute::ExpertWeights> experts;
-  std::vector<Vec> grads_init;
-  for (int e = 0; e < E; ++e) {
-    experts.push_back({Up(Random(C * F, 10 + e, 0.1f)), Up(Random(F, 20 + e, 0.1f)),
-                       Up(Random(F * C, 30 + e, 0.1f)), Up(Random(C, 40 + e, 0.1f))});
-  }
-  struct Run {
-    std::vector<Vec> out;
-  };
-  auto run = [&](CudaBackend::Bf16Products how) {
+class GroupedFfnTest : public GroupedGemmTest {
+ protected:
+  // The expert FFN forward and backward in the bf16 compute dtype with hidden size F, its
+  // products as `how` says: y, hpre, dx, then every expert's gradients.
+  std::vector<Vec> Ffn(int F, CudaBackend::Bf16Products how) {
+    EXPECT_TRUE(gpu_->SetComputeDtype(ComputeDtype::kBf16).ok());
     gpu_->set_bf16_products(how);
+    const int C = 64, E = 4;
+    const std::vector<int64_t> offsets = {0, 150, 150, 171, 300};  // an empty bucket too
+    const int64_t A = offsets[E];
+    std::vector<compute::ExpertWeights> experts;
+    std::vector<compute::ExpertGrads> grads;
     float *y = Up(Vec(A * C)), *hpre = Up(Vec(A * F)), *h = Up(Vec(A * F));
     float *dx = Up(Vec(A * C)), *dh = Up(Vec(A * F));
-    std::vector<compute::ExpertGrads> grads;
-    std::vector<float*> g;
+    std::vector<std::pair<float*, int64_t>> outputs = {{y, A * C}, {hpre, A * F}, {dx, A * C}};
     for (int e = 0; e < E; ++e) {
+      experts.push_back({Up(Random(C * F, 10 + e, 0.1f)), Up(Random(F, 20 + e, 0.1f)),
+                         Up(Random(F * C, 30 + e, 0.1f)), Up(Random(C, 40 + e, 0.1f))});
       grads.push_back(
           {Up(Vec(C * F, 0.5f)), Up(Vec(F, 0.5f)), Up(Vec(F * C, 0.5f)), Up(Vec(C, 0.5f))});
-      g.insert(g.end(), {grads.back().w1, grads.back().b1, grads.back().w2, grads.back().b2});
+      const compute::ExpertGrads& g = grads.back();
+      outputs.insert(outputs.end(), {{g.w1, C * F}, {g.b1, F}, {g.w2, F * C}, {g.b2, C}});
     }
-    gpu_->ExpertForward(y, hpre, h, Up(x), offsets.data(), experts, C, F);
-    gpu_->ExpertBackward(dx, dh, grads, Up(dy), Up(x), hpre, h, offsets.data(), experts, C, F);
+    const float* x = Up(Random(A * C, 1));
+    gpu_->ExpertForward(y, hpre, h, x, offsets.data(), experts, C, F);
+    gpu_->ExpertBackward(dx, dh, grads, Up(Random(A * C, 2, 0.01f)), x, hpre, h, offsets.data(),
+                         experts, C, F);
     EXPECT_TRUE(gpu_->Synchronize().ok()) << gpu_->status();
-    Run r;
-    r.out = {Down(y, A * C), Down(hpre, A * F), Down(dx, A * C)};
-    for (size_t i = 0; i < g.size(); ++i) {
-      r.out.push_back(Down(g[i], i % 4 == 0 || i % 4 == 2 ? C * F : i % 4 == 1 ? F : C));
-    }
-    return r;
-  };
-  const Run fan = run(CudaBackend::Bf16Products::kFanOut);
-  const Run kernel = run(CudaBackend::Bf16Products::kKernel);
-  ASSERT_EQ(fan.out.size(), kernel.out.size());
-  for (size_t i = 0; i < fan.out.size(); ++i) {
-    SCOPED_TRACE(testing::Message() << "output " << i);
-    ExpectClose("kernel vs fan-out", kernel.out[i], fan.out[i]);
+    std::vector<Vec> out;
+    for (const auto& [dev, n] : outputs) out.push_back(Down(dev, n));
+    return out;
   }
+  void ExpectSame(const std::vector<Vec>& kernel, const std::vector<Vec>& fan) {
+    ASSERT_EQ(kernel.size(), fan.size());
+    for (size_t i = 0; i < fan.size(); ++i) {
+      SCOPED_TRACE(testing::Message() << "output " << i);
+      ExpectClose("kernel vs fan-out", kernel[i], fan[i]);
+    }
+  }
+};
+
+// The expert FFN of the bf16 compute dtype through the grouped kernel (one launch per
+// phase: 4) gives the fan-out's outputs and gradients: each output is one product either
+// way, summed in another order, so within 1e-5.
+TEST_F(GroupedFfnTest, ThroughTheKernelItMatchesTheFanOut) {
+  const std::vector<Vec> fan = Ffn(128, CudaBackend::Bf16Products::kFanOut);
+  const uint64_t before = gpu_->kernel_launches();
+  const std::vector<Vec> kernel = Ffn(128, CudaBackend::Bf16Products::kKernel);
+  EXPECT_EQ(gpu_->kernel_launches() - before, 4u);
+  ExpectSame(kernel, fan);
+}
+
+// A hidden size of 100 leaves rows of h that are not whole 16-byte chunks: every phase
+// goes to the fan-out, with the same results.
+TEST_F(GroupedFfnTest, ShapesTheKernelCannotLoadGoToTheFanOut) {
+  const std::vector<Vec> fan = Ffn(100, CudaBackend::Bf16Products::kFanOut);
+  const uint64_t before = gpu_->kernel_launches();
+  const std::vector<Vec> kernel = Ffn(100, CudaBackend::Bf16Products::kKernel);
+  EXPECT_EQ(gpu_->kernel_launches(), before);
+  ExpectSame(kernel, fan);
 }
 
 }  // namespace
