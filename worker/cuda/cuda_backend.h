@@ -178,6 +178,11 @@ class CudaBackend final : public compute::Backend {
   bool KernelGemmBf16(const std::vector<Bf16Gemm>& problems, const char* op);
   // The grouped kernel's launches so far (tests: that a phase went through it).
   uint64_t kernel_launches() const { return kernel_launches_; }
+  // The grouped kernel's output tile per CTA (one warp per 64 x 64 of it): gpu_bench
+  // measures each; 128 x 128 by default.
+  enum class KernelTile { k128x128, k128x256, k256x128 };
+  KernelTile kernel_tile() const { return kernel_tile_; }
+  void set_kernel_tile(KernelTile tile) { kernel_tile_ = tile; }
   // Which of the two runs the bf16 compute dtype's expert products: the cuBLAS fan-out
   // (the default) or the grouped kernel (where it takes every problem of a phase; else
   // the fan-out).
@@ -285,7 +290,11 @@ class CudaBackend final : public compute::Backend {
   bool side_failed_ = false;  // they could not be made: not tried again
   int side_streams_ = 4;
   Bf16Products bf16_products_ = Bf16Products::kFanOut;
-  bool kernel_smem_set_ = false;  // the grouped kernel's shared-memory limit was raised
+  // KernelGemmBf16 with tile shape T (cuda_grouped.cu).
+  template <typename T>
+  bool LaunchGrouped(const std::vector<Bf16Gemm>& problems, const char* op);
+  KernelTile kernel_tile_ = KernelTile::k128x128;
+  unsigned kernel_smem_set_ = 0;  // bit per tile shape: its shared-memory limit was raised
   uint64_t kernel_launches_ = 0;
   int launch_threads_ = 1;
   std::unique_ptr<compute::ThreadPool> launch_pool_;  // launch_threads_ > 1 only

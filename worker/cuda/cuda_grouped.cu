@@ -3,9 +3,10 @@
 // product; at Qwen3-30B-A3B's shapes a step has 768 of them a layer and the host's launches,
 // not the tensor cores, set the pace (tests/bench/RESULTS.md, the H200 runs).
 //
-// The kernel: one CTA per 128 x 128 output tile of any problem (a flat tile list, each CTA
-// finds its problem by binary search over the problems' first tiles), 4 warps of 64 x 64,
-// k in steps of 32 through a 4-stage cp.async pipeline in shared memory, bf16
+// The kernel: one CTA per 128 x 128 output tile of any problem (or 128 x 256, 256 x 128:
+// set_kernel_tile; a flat tile list, each CTA finds its problem by binary search over the
+// problems' first tiles), a warp per 64 x 64 of the tile, k in steps of 32 through a
+// 4-stage cp.async pipeline in shared memory, bf16
 // mma.sync.m16n8k16 with fp32 accumulators; ldmatrix (.trans for the operands stored with
 // k outermost) feeds the fragments, so every transpose reads its tiles as they lie in
 // memory. Out-of-range rows and k steps are zero-filled by cp.async; the epilogue writes
@@ -27,14 +28,28 @@ namespace {
 
 cudaStream_t S(CUstream_st* s) { return s; }
 
-constexpr int kBm = 128, kBn = 128, kBk = 32, kStages = 4;
-constexpr int kWarpsM = 2, kWarpsN = 2, kTileThreads = 32 * kWarpsM * kWarpsN;
+constexpr int kBk = 32;  // k per pipeline stage
 constexpr int kPad = 8;  // bf16 elements after each shared row: ldmatrix without conflicts
-// One operand's tile in a stage, stored [rows][k + pad] or [k][cols + pad].
-constexpr int kOperandElems = kBm * (kBk + kPad) > kBk*(kBm + kPad) ? kBm*(kBk + kPad)
-                                                                    : kBk*(kBm + kPad);
-constexpr int kSharedBytes = kStages * 2 * kOperandElems * 2;
-static_assert(kBm == kBn, "one tile shape serves A and B");
+
+// A tile shape: kBm x kBn outputs a CTA, one warp per 64 x 64 of them, kStages stages.
+// An operand's tile is stored [rows][kBk + pad] or [kBk][rows + pad], as it lies in
+// memory.
+template <int kBmT, int kBnT, int kStagesT>
+struct Tile {
+  static constexpr int kBm = kBmT, kBn = kBnT, kStages = kStagesT;
+  static constexpr int kWarpsM = kBm / 64, kWarpsN = kBn / 64;
+  static constexpr int kThreads = 32 * kWarpsM * kWarpsN;
+  static constexpr int Elems(int rows) {
+    return rows * (kBk + kPad) > kBk * (rows + kPad) ? rows * (kBk + kPad) : kBk * (rows + kPad);
+  }
+  static constexpr int kAElems = Elems(kBm), kBElems = Elems(kBn);
+  static constexpr int kStageElems = kAElems + kBElems;
+  static constexpr int kSharedBytes = kStages * kStageElems * 2;
+  static_assert(kAElems % 8 == 0 && kBElems % 8 == 0, "16-byte aligned tiles");
+};
+using Tile128x128 = Tile<128, 128, 4>;
+using Tile128x256 = Tile<128, 256, 4>;
+using Tile256x128 = Tile<256, 128, 4>;
 
 enum Flags : int { kTransA = 1, kTransB = 2, kOutFp32 = 4, kPairs = 8 };
 
@@ -87,15 +102,15 @@ __device__ __forceinline__ void Mma(float (&d)[4], const uint32_t (&a)[4], uint3
 // Copies the `rows` x `cols` tile at (r0, c0) of a row-major matrix (leading dimension ld,
 // `max_r` x `max_c` valid) into shared [rows][cols + pad], 16 bytes per cp.async; chunks
 // outside are zero-filled. cols is a multiple of 8 and so are max_c and ld.
-template <int kRows, int kCols>
+template <int kRows, int kCols, int kThreads>
 __device__ __forceinline__ void LoadTile(__nv_bfloat16* shared, const __nv_bfloat16* g, int ld,
                                          int r0, int c0, int max_r, int max_c) {
   constexpr int kChunksPerRow = kCols / 8;
   constexpr int kChunks = kRows * kChunksPerRow;
-  static_assert(kChunks % kTileThreads == 0, "whole chunks per thread");
+  static_assert(kChunks % kThreads == 0, "whole chunks per thread");
 #pragma unroll
-  for (int i = 0; i < kChunks / kTileThreads; ++i) {
-    const int chunk = threadIdx.x + i * kTileThreads;
+  for (int i = 0; i < kChunks / kThreads; ++i) {
+    const int chunk = threadIdx.x + i * kThreads;
     const int row = chunk / kChunksPerRow, col = (chunk % kChunksPerRow) * 8;
     const bool valid = r0 + row < max_r && c0 + col < max_c;
     const __nv_bfloat16* src = valid ? g + int64_t{r0 + row} * ld + (c0 + col) : g;
@@ -103,30 +118,30 @@ __device__ __forceinline__ void LoadTile(__nv_bfloat16* shared, const __nv_bfloa
   }
 }
 
-// Stage `stage`'s tiles of A and B for the k step starting at k0.
-template <bool kTa, bool kTb>
+// A stage's tiles of A and B for the k step starting at k0.
+template <typename T, bool kTa, bool kTb>
 __device__ __forceinline__ void LoadStage(__nv_bfloat16* smem, const KernelProblem& p, int m0,
                                           int n0, int k0) {
   __nv_bfloat16* sa = smem;
-  __nv_bfloat16* sb = smem + kOperandElems;
+  __nv_bfloat16* sb = smem + T::kAElems;
   if (kTa) {  // A stored [k][m]
-    LoadTile<kBk, kBm>(sa, p.a, p.lda, k0, m0, p.k, p.m);
+    LoadTile<kBk, T::kBm, T::kThreads>(sa, p.a, p.lda, k0, m0, p.k, p.m);
   } else {  // A stored [m][k]
-    LoadTile<kBm, kBk>(sa, p.a, p.lda, m0, k0, p.m, p.k);
+    LoadTile<T::kBm, kBk, T::kThreads>(sa, p.a, p.lda, m0, k0, p.m, p.k);
   }
   if (kTb) {  // B stored [n][k]
-    LoadTile<kBn, kBk>(sb, p.b, p.ldb, n0, k0, p.n, p.k);
+    LoadTile<T::kBn, kBk, T::kThreads>(sb, p.b, p.ldb, n0, k0, p.n, p.k);
   } else {  // B stored [k][n]
-    LoadTile<kBk, kBn>(sb, p.b, p.ldb, k0, n0, p.k, p.n);
+    LoadTile<kBk, T::kBn, T::kThreads>(sb, p.b, p.ldb, k0, n0, p.k, p.n);
   }
 }
 
 // The warp's 64 x 64 share of one stage: two k16 steps of 4 x 8 MMAs.
-template <bool kTa, bool kTb>
+template <typename T, bool kTa, bool kTb>
 __device__ __forceinline__ void ComputeStage(float (&acc)[4][8][4], const __nv_bfloat16* smem,
                                              int warp_m, int warp_n, int lane) {
   const __nv_bfloat16* sa = smem;
-  const __nv_bfloat16* sb = smem + kOperandElems;
+  const __nv_bfloat16* sb = smem + T::kAElems;
   const int l8 = lane % 8, j1 = (lane / 8) % 2, j2 = lane / 16;
 #pragma unroll
   for (int kk = 0; kk < kBk; kk += 16) {
@@ -135,7 +150,7 @@ __device__ __forceinline__ void ComputeStage(float (&acc)[4][8][4], const __nv_b
     for (int mi = 0; mi < 4; ++mi) {
       const int mb = warp_m * 64 + mi * 16;
       if (kTa) {  // [k][m]: matrices (k, m) = (0,0) (0,8) (8,0) (8,8), transposed
-        LdMatrixX4<true>(a[mi], sa + (kk + l8 + j2 * 8) * (kBm + kPad) + mb + j1 * 8);
+        LdMatrixX4<true>(a[mi], sa + (kk + l8 + j2 * 8) * (T::kBm + kPad) + mb + j1 * 8);
       } else {  // [m][k]: (m, k) = (0,0) (8,0) (0,8) (8,8)
         LdMatrixX4<false>(a[mi], sa + (mb + l8 + j1 * 8) * (kBk + kPad) + kk + j2 * 8);
       }
@@ -146,7 +161,7 @@ __device__ __forceinline__ void ComputeStage(float (&acc)[4][8][4], const __nv_b
       if (kTb) {  // [n][k]: (n, k) = (0,0) (0,8) (8,0) (8,8)
         LdMatrixX4<false>(b[nj], sb + (nb + l8 + j2 * 8) * (kBk + kPad) + kk + j1 * 8);
       } else {  // [k][n]: (k, n) = (0,0) (8,0) (0,8) (8,8), transposed
-        LdMatrixX4<true>(b[nj], sb + (kk + l8 + j1 * 8) * (kBn + kPad) + nb + j2 * 8);
+        LdMatrixX4<true>(b[nj], sb + (kk + l8 + j1 * 8) * (T::kBn + kPad) + nb + j2 * 8);
       }
     }
 #pragma unroll
@@ -224,12 +239,12 @@ __device__ __forceinline__ void StoreTile(const KernelProblem& p, const float (&
   }
 }
 
-template <bool kTa, bool kTb>
+template <typename T, bool kTa, bool kTb>
 __device__ __forceinline__ void RunTile(const KernelProblem& p, int64_t tile, __nv_bfloat16* smem) {
-  const int m0 = static_cast<int>(tile / p.tiles_n) * kBm;
-  const int n0 = static_cast<int>(tile % p.tiles_n) * kBn;
+  const int m0 = static_cast<int>(tile / p.tiles_n) * T::kBm;
+  const int n0 = static_cast<int>(tile % p.tiles_n) * T::kBn;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int warp_m = warp / kWarpsN, warp_n = warp % kWarpsN;
+  const int warp_m = warp / T::kWarpsN, warp_n = warp % T::kWarpsN;
   float acc[4][8][4];
 #pragma unroll
   for (int mi = 0; mi < 4; ++mi) {
@@ -240,10 +255,10 @@ __device__ __forceinline__ void RunTile(const KernelProblem& p, int64_t tile, __
     }
   }
   const int steps = (p.k + kBk - 1) / kBk;
-  constexpr int kStageElems = 2 * kOperandElems;
+  constexpr int kStages = T::kStages, kStageElems = T::kStageElems;
 #pragma unroll
   for (int s = 0; s < kStages - 1; ++s) {
-    if (s < steps) LoadStage<kTa, kTb>(smem + s * kStageElems, p, m0, n0, s * kBk);
+    if (s < steps) LoadStage<T, kTa, kTb>(smem + s * kStageElems, p, m0, n0, s * kBk);
     CpAsyncCommit();  // empty groups keep the count uniform
   }
   for (int step = 0; step < steps; ++step) {
@@ -251,16 +266,17 @@ __device__ __forceinline__ void RunTile(const KernelProblem& p, int64_t tile, __
     __syncthreads();             // for every thread; and step - 1's stage is free again
     const int next = step + kStages - 1;
     if (next < steps) {
-      LoadStage<kTa, kTb>(smem + (next % kStages) * kStageElems, p, m0, n0, next * kBk);
+      LoadStage<T, kTa, kTb>(smem + (next % kStages) * kStageElems, p, m0, n0, next * kBk);
     }
     CpAsyncCommit();
-    ComputeStage<kTa, kTb>(acc, smem + (step % kStages) * kStageElems, warp_m, warp_n, lane);
+    ComputeStage<T, kTa, kTb>(acc, smem + (step % kStages) * kStageElems, warp_m, warp_n, lane);
   }
   CpAsyncWait<0>();
   StoreTile(p, acc, m0 + warp_m * 64, n0 + warp_n * 64, lane);
 }
 
-__global__ void __launch_bounds__(kTileThreads)
+template <typename T>
+__global__ void __launch_bounds__(T::kThreads)
     GroupedGemmKernel(const KernelProblem* __restrict__ problems, int count) {
   extern __shared__ __align__(16) unsigned char shared_bytes[];
   auto* smem = reinterpret_cast<__nv_bfloat16*>(shared_bytes);
@@ -278,16 +294,16 @@ __global__ void __launch_bounds__(kTileThreads)
   const int64_t local = tile - p.first_tile;
   switch (p.flags & (kTransA | kTransB)) {
     case 0:
-      RunTile<false, false>(p, local, smem);
+      RunTile<T, false, false>(p, local, smem);
       break;
     case kTransA:
-      RunTile<true, false>(p, local, smem);
+      RunTile<T, true, false>(p, local, smem);
       break;
     case kTransB:
-      RunTile<false, true>(p, local, smem);
+      RunTile<T, false, true>(p, local, smem);
       break;
     default:
-      RunTile<true, true>(p, local, smem);
+      RunTile<T, true, true>(p, local, smem);
       break;
   }
 }
@@ -307,12 +323,24 @@ bool CudaBackend::KernelGemmBf16(const std::vector<Bf16Gemm>& problems, const ch
   for (const Bf16Gemm& p : problems) {
     if (p.m != 0 && p.n != 0 && p.k != 0 && !KernelTakes(p)) return false;
   }
+  switch (kernel_tile_) {
+    case KernelTile::k128x256:
+      return LaunchGrouped<Tile128x256>(problems, op);
+    case KernelTile::k256x128:
+      return LaunchGrouped<Tile256x128>(problems, op);
+    default:
+      return LaunchGrouped<Tile128x128>(problems, op);
+  }
+}
+
+template <typename T>
+bool CudaBackend::LaunchGrouped(const std::vector<Bf16Gemm>& problems, const char* op) {
   if (!Ready()) return true;
   std::vector<KernelProblem> table;
   int64_t tiles = 0;
   for (const Bf16Gemm& p : problems) {
     if (EmptyProductBf16(p, op)) continue;
-    const int tiles_m = (p.m + kBm - 1) / kBm, tiles_n = (p.n + kBn - 1) / kBn;
+    const int tiles_m = (p.m + T::kBm - 1) / T::kBm, tiles_n = (p.n + T::kBn - 1) / T::kBn;
     // Column pairs (2t, 2t + 1) start at even columns: whole accesses where rows stay aligned.
     const size_t pair_bytes = p.c_fp32 ? 8 : 4;
     const bool pairs = p.ldc % 2 == 0 && reinterpret_cast<uintptr_t>(p.c) % pair_bytes == 0;
@@ -328,13 +356,14 @@ bool CudaBackend::KernelGemmBf16(const std::vector<Bf16Gemm>& problems, const ch
     Fail(op, "a grouped product of more than 2^31 tiles");
     return true;
   }
-  if (!kernel_smem_set_ &&
-      !CheckCuda(cudaFuncSetAttribute(GroupedGemmKernel,
-                                      cudaFuncAttributeMaxDynamicSharedMemorySize, kSharedBytes),
+  const unsigned shape_bit = 1u << static_cast<int>(kernel_tile_);
+  if (!(kernel_smem_set_ & shape_bit) &&
+      !CheckCuda(cudaFuncSetAttribute(GroupedGemmKernel<T>,
+                                      cudaFuncAttributeMaxDynamicSharedMemorySize, T::kSharedBytes),
                  op)) {
     return true;
   }
-  kernel_smem_set_ = true;
+  kernel_smem_set_ |= shape_bit;
   void* dev = Scratch(kKernelProblems, table.size() * sizeof(KernelProblem));
   // Pageable source: the copy returns once `table` is staged (see UploadPointers).
   if (dev == nullptr ||
@@ -343,7 +372,7 @@ bool CudaBackend::KernelGemmBf16(const std::vector<Bf16Gemm>& problems, const ch
                  op)) {
     return true;
   }
-  GroupedGemmKernel<<<static_cast<unsigned>(tiles), kTileThreads, kSharedBytes, S(stream_)>>>(
+  GroupedGemmKernel<T><<<static_cast<unsigned>(tiles), T::kThreads, T::kSharedBytes, S(stream_)>>>(
       static_cast<const KernelProblem*>(dev), static_cast<int>(table.size()));
   if (CheckLaunch(op)) ++kernel_launches_;
   return true;

@@ -13,7 +13,8 @@
 //                   FLOPs and the H200's ~790 TFLOP/s; its detail line has each phase and
 //                   the same products as cuBLAS grouped calls;
 //   expert_gemm_bf16_kernel the same products through Pith's grouped kernel
-//                   (KernelGemmBf16: one launch a phase), against the same dense GEMM;
+//                   (KernelGemmBf16: one launch a phase), one line per tile shape,
+//                   against the same dense GEMM;
 //   expert_fetch    uploads of a bf16 expert blob into DeviceSlots from registered pinned
 //                   staging, against a plain pinned cudaMemcpy of the same bytes;
 //   moe_layer       the whole MoE layer fwd+bwd through the backend (router GEMM in fp32,
@@ -332,8 +333,8 @@ int RunBf16Gemms(CudaBackend& b, const Shape& s, int64_t tokens, int iters) {
   return 0;
 }
 
-// The products through Pith's grouped kernel (KernelGemmBf16: one launch a phase) against
-// the same dense products, with each phase's TFLOP/s.
+// The products through Pith's grouped kernel (KernelGemmBf16: one launch a phase), with
+// each of its tile shapes, against the same dense products; each phase's TFLOP/s.
 int RunBf16Kernel(CudaBackend& b, const Shape& s, int64_t tokens, int iters) {
   FfnProducts f;
   if (!MakeFfnProducts(b, s, tokens, f)) return 1;
@@ -342,31 +343,38 @@ int RunBf16Kernel(CudaBackend& b, const Shape& s, int64_t tokens, int iters) {
                                        {"dy@w2T", &f.bwd_dh},
                                        {"dW1+dW2", &f.bwd_dw},
                                        {"dh@w1T", &f.bwd_dx}};
-  bool taken = true;
-  auto all = [&] {
-    for (const Bf16Call& call : calls) taken &= b.KernelGemmBf16(*call.second, call.first);
-  };
-  const double kernel = SecondsPerIter(b, iters, all);
   const double dense_s = SecondsPerIter(b, iters, [&] {
     for (int i = 0; i < 6; ++i) b.GemmBf16(f.dense, "bf16 dense");
   });
-  if (!taken || kernel <= 0 || dense_s <= 0) {
-    std::fprintf(stderr, "%s bf16 kernel: %s\n", s.name,
-                 taken ? b.status().ToString().c_str() : "a problem the kernel does not take");
-    return 1;
+  using Tile = CudaBackend::KernelTile;
+  for (auto [tile, name] :
+       {std::pair{Tile::k128x128, "128x128"}, std::pair{Tile::k128x256, "128x256"},
+        std::pair{Tile::k256x128, "256x128"}}) {
+    b.set_kernel_tile(tile);
+    bool taken = true;
+    const double kernel = SecondsPerIter(b, iters, [&] {
+      for (const Bf16Call& call : calls) taken &= b.KernelGemmBf16(*call.second, call.first);
+    });
+    if (!taken || kernel <= 0 || dense_s <= 0) {
+      std::fprintf(stderr, "%s bf16 kernel %s: %s\n", s.name, name,
+                   taken ? b.status().ToString().c_str() : "a problem the kernel does not take");
+      return 1;
+    }
+    std::string phases;
+    for (const Bf16Call& call : calls) {
+      const double t =
+          SecondsPerIter(b, iters, [&] { b.KernelGemmBf16(*call.second, call.first); });
+      char part[64];
+      std::snprintf(part, sizeof(part), " %s %.0f", call.first, Flops(*call.second) / t / 1e12);
+      phases += part;
+    }
+    std::printf(
+        "expert_gemm_bf16_kernel %-16s tile %s A=%lld  fwd+bwd %.2f ms %.1f TFLOP/s (%.0f%% of "
+        "790)  dense %.1f TFLOP/s  ratio %.3f (target >= 0.8); TFLOP/s per phase:%s\n",
+        s.name, name, static_cast<long long>(tokens * s.top_k), kernel * 1e3,
+        f.flops / kernel / 1e12, 100 * f.flops / kernel / 790e12, f.flops / dense_s / 1e12,
+        dense_s / kernel, phases.c_str());
   }
-  std::string phases;
-  for (const Bf16Call& call : calls) {
-    const double t = SecondsPerIter(b, iters, [&] { b.KernelGemmBf16(*call.second, call.first); });
-    char part[64];
-    std::snprintf(part, sizeof(part), " %s %.0f", call.first, Flops(*call.second) / t / 1e12);
-    phases += part;
-  }
-  std::printf(
-      "expert_gemm_bf16_kernel %-16s A=%lld  fwd+bwd %.2f ms %.1f TFLOP/s (%.0f%% of 790)  dense "
-      "%.1f TFLOP/s  ratio %.3f (target >= 0.8); TFLOP/s per phase:%s\n",
-      s.name, static_cast<long long>(tokens * s.top_k), kernel * 1e3, f.flops / kernel / 1e12,
-      100 * f.flops / kernel / 790e12, f.flops / dense_s / 1e12, dense_s / kernel, phases.c_str());
   return 0;
 }
 

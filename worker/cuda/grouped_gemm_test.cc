@@ -24,7 +24,16 @@ using testing_support::Random;
 using testing_support::ToBf16;
 using testing_support::Vec;
 
-class GroupedGemmTest : public testing_support::CudaTest {};
+class GroupedGemmTest : public testing_support::CudaTest {
+ protected:
+  static constexpr CudaBackend::KernelTile kTiles[] = {CudaBackend::KernelTile::k128x128,
+                                                       CudaBackend::KernelTile::k128x256,
+                                                       CudaBackend::KernelTile::k256x128};
+  // Every case of EveryTransposeShapeAndOutputMatchesTheCpu in one launch, checked.
+  void CheckCases();
+  // Products with the identity, each transpose; `tile` names the shape in failures.
+  void CheckIdentity(int tile);
+};
 
 struct Case {
   bool ta, tb;
@@ -35,6 +44,14 @@ struct Case {
 };
 
 TEST_F(GroupedGemmTest, EveryTransposeShapeAndOutputMatchesTheCpu) {
+  for (CudaBackend::KernelTile tile : kTiles) {
+    SCOPED_TRACE(testing::Message() << "tile shape " << static_cast<int>(tile));
+    gpu_->set_kernel_tile(tile);
+    CheckCases();
+  }
+}
+
+void GroupedGemmTest::CheckCases() {
   const std::vector<Case> cases = {
       {false, false, 200, 136, 64, 0, 0, 0, 1.0f, 0.0f, true},   // forward: x @ w1
       {false, true, 37, 264, 96, 8, 0, 3, 1.0f, 0.0f, true},     // dy @ w2^T, a few rows
@@ -110,6 +127,13 @@ TEST_F(GroupedGemmTest, EveryTransposeShapeAndOutputMatchesTheCpu) {
 // where it does not, the values (small integers, each naming its source element) show
 // which element went where, the first thing to read if the kernel's fragments are wrong.
 TEST_F(GroupedGemmTest, TheIdentityGivesTheOtherOperandBackForEveryTranspose) {
+  for (CudaBackend::KernelTile tile : kTiles) {
+    gpu_->set_kernel_tile(tile);
+    CheckIdentity(static_cast<int>(tile));
+  }
+}
+
+void GroupedGemmTest::CheckIdentity(int tile) {
   constexpr int kN = 48;  // within one tile, not a multiple of 16 x 64 warp blocks
   Vec operand(kN * kN), identity(kN * kN, 0.0f);
   for (int i = 0; i < kN * kN; ++i) operand[i] = static_cast<float>(i % 251 - 125);  // exact
@@ -134,9 +158,9 @@ TEST_F(GroupedGemmTest, TheIdentityGivesTheOtherOperandBackForEveryTranspose) {
     int shown = 0;
     for (int i = 0; i < kN * kN && shown < 8; ++i) {
       if (got[i] == want[i]) continue;
-      ADD_FAILURE() << "trans_a " << ta << " trans_b " << tb << " identity "
-                    << (identity_left ? "left" : "right") << ": C[" << i / kN << "][" << i % kN
-                    << "] = " << got[i] << ", want " << want[i];
+      ADD_FAILURE() << "tile shape " << tile << ", trans_a " << ta << " trans_b " << tb
+                    << " identity " << (identity_left ? "left" : "right") << ": C[" << i / kN
+                    << "][" << i % kN << "] = " << got[i] << ", want " << want[i];
       ++shown;
     }
   }
