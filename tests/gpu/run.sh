@@ -28,6 +28,25 @@ if [[ ! -f .gpu-deps/abseil-cpp/CMakeLists.txt || ! -f .gpu-deps/googletest/CMak
 fi
 nvidia-smi --query-gpu=name,driver_version,memory.total,compute_cap --format=csv,noheader \
   | tee "$out/gpu.txt" || echo "run.sh: nvidia-smi failed" >&2
+# Which cuBLASLt versions this machine has, the toolkit's and PyTorch's wheel's: grouped
+# GEMMs in cuBLASLt itself need 13.2 or later (130200).
+python3 - <<'PY' 2>&1 | tee -a "$out/gpu.txt"
+import ctypes, glob, os
+libs = glob.glob("/usr/local/cuda/lib64/libcublasLt.so.*")
+try:
+    import nvidia.cublas
+    for d in nvidia.cublas.__path__:
+        libs += glob.glob(os.path.join(d, "lib", "libcublasLt.so.*"))
+except ImportError:
+    pass
+for lib in sorted(set(libs)):
+    try:
+        lt = ctypes.CDLL(lib)
+        lt.cublasLtGetVersion.restype = ctypes.c_size_t
+        print("cublasLt", lt.cublasLtGetVersion(), lib)
+    except OSError as e:
+        print("cublasLt", lib, e)
+PY
 arch=${PITH_CUDA_ARCH:-$(nvidia-smi --query-gpu=compute_cap --format=csv,noheader 2>/dev/null \
   | head -1 | tr -d '. ')}
 arch=${arch:-90}
