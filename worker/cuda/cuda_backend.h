@@ -26,6 +26,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -135,6 +136,25 @@ class CudaBackend final : public compute::Backend {
   // a and b hold bf16 (2-byte storage), c holds bf16, or fp32 with `c_fp32` (the bf16
   // compute dtype writes fp32 activations and accumulates weight gradients into fp32 with
   // beta 1). gpu_bench measures them alone.
+  //
+  // What the grouped kernel (KernelGemmBf16) may do with each output v = alpha acc + beta C
+  // on its way out, in this order, so that the expert FFN's element-wise passes need no
+  // pass of their own: v += bias[col]; v *= gelu'(gelu_grad_of[row, col]); C = v;
+  // c_bf16 = bf16(v); gelu_out = gelu(v) and gelu_bf16 = bf16(gelu(v)). Each is skipped
+  // when its pointer is null. The arrays are fp32 but for the _bf16 ones, with C's leading
+  // dimension, and C is fp32 whenever any is set. The same operations, in the same
+  // order and precision, as the element-wise kernels they replace.
+  struct Epilogue {
+    const float* bias = nullptr;
+    const float* gelu_grad_of = nullptr;
+    void* c_bf16 = nullptr;
+    float* gelu_out = nullptr;
+    void* gelu_bf16 = nullptr;
+    bool any() const {
+      return bias != nullptr || gelu_grad_of != nullptr || c_bf16 != nullptr ||
+             gelu_out != nullptr || gelu_bf16 != nullptr;
+    }
+  };
   struct Bf16Gemm {
     bool trans_a, trans_b;
     int m, n, k;
@@ -147,6 +167,7 @@ class CudaBackend final : public compute::Backend {
     int ldc;
     bool c_fp32 = false;
     float alpha = 1.0f;
+    Epilogue epilogue = {};  // KernelGemmBf16 only; the other calls refuse one
   };
   // A product with k = 0 adds nothing: beta 1 leaves C, beta 0 zeroes it; other betas
   // are an error (Gemm scales C by any beta; the bf16 products have no use for it).
@@ -213,6 +234,10 @@ class CudaBackend final : public compute::Backend {
     float alpha = 1.0f;
     // In bf16 only: b already in bf16 (an expert's bf16 weights), read as it is; b unused.
     const void* b_bf16 = nullptr;
+    // In bf16 only: a already in bf16 too (an activation an earlier phase's epilogue wrote).
+    const void* a_bf16 = nullptr;
+    // In bf16 with the grouped kernel only (see Products).
+    Epilogue epilogue = {};
   };
   // Per-bucket segment tables for the expert kernels: one entry per non-empty bucket.
   struct Segments {
@@ -235,12 +260,24 @@ class CudaBackend final : public compute::Backend {
 
   void GroupedGemm(const std::vector<GemmProblem>& problems, const char* op);
   // The products of one phase in the compute dtype: fp32, one grouped call; bf16,
-  // ProductsBf16.
-  void Products(const std::vector<GemmProblem>& problems, const char* op);
+  // ProductsBf16. Whether the problems' epilogues were applied: true when none has one;
+  // false (the products done, their epilogues not) unless the grouped kernel ran them.
+  bool Products(const std::vector<GemmProblem>& problems, const char* op);
   // The fp32 problems in bf16: every input range they read (operands that overlap or touch
-  // merged, so a bucket phase rounds its activation once) rounded by one kernel into
-  // kBf16 scratch, then fanned out (FanOutGemmBf16) with fp32 outputs.
-  void ProductsBf16(const std::vector<GemmProblem>& problems, const char* op);
+  // merged, so a bucket phase rounds its activation once; a_bf16 and b_bf16 are read as
+  // they are) rounded by one kernel into kBf16 scratch, then run by the grouped kernel
+  // (where chosen and it takes them) or fanned out (FanOutGemmBf16), with fp32 outputs.
+  bool ProductsBf16(const std::vector<GemmProblem>& problems, const char* op);
+  // ProductsBf16's second half: the products on the rounded inputs (`rounded` holds the
+  // bf16 copy of merged range i from element starts[i]).
+  bool RunBf16Products(const std::vector<GemmProblem>& problems,
+                       const std::vector<std::pair<uintptr_t, uintptr_t>>& merged,
+                       const std::vector<int64_t>& starts, const void* rounded, const char* op);
+  // Whether the expert FFN's element-wise passes go into its products' epilogues: the
+  // bf16 compute dtype with the grouped kernel chosen.
+  bool FuseExpertPasses() const {
+    return dtype_ == ComputeDtype::kBf16 && bf16_products_ == Bf16Products::kKernel;
+  }
   // Copies a grouped product's pointer arrays to device scratch; nullptr after a failure.
   const void* const* UploadPointers(const std::vector<const void*>& pointers, const char* op);
   // Device scratch of at least `bytes` per use, reused across calls (it grows after
@@ -255,6 +292,7 @@ class CudaBackend final : public compute::Backend {
     kBf16Ranges,      // ProductsBf16's table of ranges to round
     kBf16,            // ProductsBf16's rounded inputs
     kKernelProblems,  // KernelGemmBf16's problem table
+    kBf16Activation,  // an activation's bf16 copy from one expert phase to the next
     kScratchSlots
   };
   void* Scratch(ScratchSlot slot, size_t bytes);

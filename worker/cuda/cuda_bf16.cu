@@ -106,6 +106,10 @@ bool CudaBackend::EmptyProductBf16(const Bf16Gemm& p, const char* op) {
 }
 
 void CudaBackend::GemmBf16(const Bf16Gemm& p, const char* op) {
+  if (p.epilogue.any()) {
+    Fail(op, "an epilogue needs the grouped kernel");
+    return;
+  }
   if (!Ready() || EmptyProductBf16(p, op)) return;
   DefaultMath math(H(blas_));
   CheckBlas(GemmEx(H(blas_), p), op);
@@ -151,6 +155,10 @@ void CudaBackend::FanOutGemmBf16(const std::vector<Bf16Gemm>& problems, const ch
   if (problems.empty() || !Ready()) return;
   std::vector<const Bf16Gemm*> work;
   for (const Bf16Gemm& p : problems) {
+    if (p.epilogue.any()) {
+      Fail(op, "an epilogue needs the grouped kernel");
+      return;
+    }
     if (!EmptyProductBf16(p, op)) work.push_back(&p);
   }
   if (work.empty() || !Ready()) return;
@@ -230,30 +238,35 @@ absl::Status CudaBackend::SetComputeDtype(ComputeDtype dtype) {
   return absl::OkStatus();
 }
 
-void CudaBackend::Products(const std::vector<GemmProblem>& problems, const char* op) {
-  if (dtype_ == ComputeDtype::kBf16) {
-    ProductsBf16(problems, op);
-    return;
-  }
+bool CudaBackend::Products(const std::vector<GemmProblem>& problems, const char* op) {
+  if (dtype_ == ComputeDtype::kBf16) return ProductsBf16(problems, op);
+  bool plain = true;
   for (const GemmProblem& p : problems) {
-    if (p.b_bf16 != nullptr) {
-      Fail(op, "bf16 expert weights need the bf16 compute dtype");
-      return;
+    if (p.b_bf16 != nullptr || p.a_bf16 != nullptr) {
+      Fail(op, "bf16 operands need the bf16 compute dtype");
+      return false;
     }
+    plain &= !p.epilogue.any();
   }
   GroupedGemm(problems, op);
+  return plain;
 }
 
-void CudaBackend::ProductsBf16(const std::vector<GemmProblem>& problems, const char* op) {
-  if (problems.empty() || !Ready()) return;
-  // The element ranges the operands read, as [begin, end) addresses, merged.
+bool CudaBackend::ProductsBf16(const std::vector<GemmProblem>& problems, const char* op) {
+  bool plain = true;
+  for (const GemmProblem& p : problems) plain &= !p.epilogue.any();
+  if (problems.empty() || !Ready()) return plain;
+  // The element ranges the operands read, as [begin, end) addresses, merged; operands
+  // already in bf16 are read as they are.
   std::vector<std::pair<uintptr_t, uintptr_t>> spans;
   for (const GemmProblem& p : problems) {
     if (p.m == 0 || p.n == 0 || p.k == 0) continue;
     const int64_t a = p.trans_a ? Span(p.k, p.m, p.lda) : Span(p.m, p.k, p.lda);
     const int64_t b = p.trans_b ? Span(p.n, p.k, p.ldb) : Span(p.k, p.n, p.ldb);
-    spans.emplace_back(reinterpret_cast<uintptr_t>(p.a), reinterpret_cast<uintptr_t>(p.a + a));
-    if (p.b_bf16 == nullptr) {  // pre-rounded weights are read as they are
+    if (p.a_bf16 == nullptr) {
+      spans.emplace_back(reinterpret_cast<uintptr_t>(p.a), reinterpret_cast<uintptr_t>(p.a + a));
+    }
+    if (p.b_bf16 == nullptr) {
       spans.emplace_back(reinterpret_cast<uintptr_t>(p.b), reinterpret_cast<uintptr_t>(p.b + b));
     }
   }
@@ -266,13 +279,8 @@ void CudaBackend::ProductsBf16(const std::vector<GemmProblem>& problems, const c
       merged.push_back(span);
     }
   }
-  if (merged.empty()) {  // every problem empty: what an empty product does, nothing else
-    for (const GemmProblem& p : problems) {
-      EmptyProductBf16({p.trans_a, p.trans_b, p.m, p.n, p.k, nullptr, p.lda, nullptr, p.ldb, p.beta,
-                        p.c, p.ldc, true, p.alpha},
-                       op);
-    }
-    return;
+  if (merged.empty()) {  // every operand in bf16 already, or every problem empty
+    return RunBf16Products(problems, {}, {}, nullptr, op);
   }
   // Each range's rounding starts 256-byte aligned in the scratch.
   std::vector<Bf16Range> ranges;
@@ -287,41 +295,54 @@ void CudaBackend::ProductsBf16(const std::vector<GemmProblem>& problems, const c
   }
   auto* rounded = static_cast<__nv_bfloat16*>(Scratch(kBf16, sizeof(__nv_bfloat16) * total));
   void* table = Scratch(kBf16Ranges, sizeof(Bf16Range) * ranges.size());
-  if (rounded == nullptr || table == nullptr) return;
+  if (rounded == nullptr || table == nullptr) return plain;
   for (size_t i = 0; i < ranges.size(); ++i) ranges[i].dst = rounded + starts[i];
   // Pageable source: the copy returns once `ranges` is staged (see UploadPointers).
   if (!CheckCuda(cudaMemcpyAsync(table, ranges.data(), sizeof(Bf16Range) * ranges.size(),
                                  cudaMemcpyHostToDevice, S(stream_)),
                  op)) {
-    return;
+    return plain;
   }
   const dim3 grid(static_cast<unsigned>(std::min<int64_t>(1024, (longest + 4095) / 4096)),
                   static_cast<unsigned>(std::min<size_t>(ranges.size(), 65535)));
   RoundRangesKernel<<<grid, kThreads, 0, S(stream_)>>>(static_cast<const Bf16Range*>(table),
                                                        static_cast<int64_t>(ranges.size()));
-  if (!CheckLaunch(op)) return;
+  if (!CheckLaunch(op)) return plain;
+  return RunBf16Products(problems, merged, starts, rounded, op);
+}
+
+bool CudaBackend::RunBf16Products(const std::vector<GemmProblem>& problems,
+                                  const std::vector<std::pair<uintptr_t, uintptr_t>>& merged,
+                                  const std::vector<int64_t>& starts, const void* rounded,
+                                  const char* op) {
   // An input's bf16 copy: the merged range that holds it, at the same element offset.
   auto in_bf16 = [&](const float* p) -> const void* {
     const uintptr_t at = reinterpret_cast<uintptr_t>(p);
     const size_t i =
         std::upper_bound(merged.begin(), merged.end(), std::make_pair(at, UINTPTR_MAX)) -
         merged.begin() - 1;
-    return rounded + starts[i] + (at - merged[i].first) / sizeof(float);
+    return static_cast<const __nv_bfloat16*>(rounded) + starts[i] +
+           (at - merged[i].first) / sizeof(float);
   };
   std::vector<Bf16Gemm> bf16;
   bf16.reserve(problems.size());
+  bool plain = true;
   for (const GemmProblem& p : problems) {
     const bool empty = p.m == 0 || p.n == 0 || p.k == 0;
+    const void* a = p.a_bf16 != nullptr ? p.a_bf16 : empty ? nullptr : in_bf16(p.a);
     const void* b = p.b_bf16 != nullptr ? p.b_bf16 : empty ? nullptr : in_bf16(p.b);
-    bf16.push_back({p.trans_a, p.trans_b, p.m, p.n, p.k, empty ? nullptr : in_bf16(p.a), p.lda, b,
-                    p.ldb, p.beta, p.c, p.ldc, true, p.alpha});
+    bf16.push_back({p.trans_a, p.trans_b, p.m, p.n, p.k, a, p.lda, b, p.ldb, p.beta, p.c, p.ldc,
+                    true, p.alpha, p.epilogue});
+    plain &= !p.epilogue.any();
   }
-  if (bf16_products_ == Bf16Products::kKernel && KernelGemmBf16(bf16, op)) return;
+  if (bf16_products_ == Bf16Products::kKernel && KernelGemmBf16(bf16, op)) return true;
+  for (Bf16Gemm& p : bf16) p.epilogue = {};  // the caller runs them as passes of their own
   if (bf16.size() == 1) {
     GemmBf16(bf16[0], op);
   } else {
     FanOutGemmBf16(bf16, op);
   }
+  return plain;
 }
 
 }  // namespace pith::cuda

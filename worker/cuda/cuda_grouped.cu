@@ -10,7 +10,8 @@
 // mma.sync.m16n8k16 with fp32 accumulators; ldmatrix (.trans for the operands stored with
 // k outermost) feeds the fragments, so every transpose reads its tiles as they lie in
 // memory. Out-of-range rows and k steps are zero-filled by cp.async; the epilogue writes
-// alpha * acc + beta * C (C not read with beta 0) in fp32 or bf16. mma.sync runs on sm_80
+// alpha * acc + beta * C (C not read with beta 0) in fp32 or bf16, then the expert FFN's
+// element-wise passes where a problem asks (CudaBackend::Epilogue). mma.sync runs on sm_80
 // and later; on sm_90 it leaves the warpgroup MMA (wgmma) unused, which caps it below
 // cuBLAS's dense peak.
 #include <cuda_bf16.h>
@@ -63,6 +64,12 @@ struct KernelProblem {
   int flags;
   int tiles_n;
   int64_t first_tile;  // tiles of the problems before it
+  // CudaBackend::Epilogue, with C's leading dimension.
+  const float* bias;
+  const float* gelu_grad_of;
+  __nv_bfloat16* c_bf16;
+  float* gelu_out;
+  __nv_bfloat16* gelu_bf16;
 };
 
 __device__ __forceinline__ void CpAsync16(void* shared, const void* global, bool valid) {
@@ -174,39 +181,71 @@ __device__ __forceinline__ void ComputeStage(float (&acc)[4][8][4], const __nv_b
   }
 }
 
-// C[row, col] (and col + 1 when `pair`) = alpha acc + beta C; C is not read with beta 0.
-// A pair goes as one 8-byte (fp32) or 4-byte (bf16) access.
+// The epilogue of CudaBackend::Epilogue on v = alpha acc + beta C at (row, col), and col + 1
+// when `pair` (then each access is one 8-byte (fp32) or 4-byte (bf16) one). C is not read
+// with beta 0. The order and precision of each operation are the element-wise kernels'
+// (BiasGeluKernel, SegmentBiasKernel, GeluBackwardInPlaceKernel, ToBf16).
 __device__ __forceinline__ void StorePair(const KernelProblem& p, int row, int col, float v0,
                                           float v1, bool pair) {
   const int64_t at = int64_t{row} * p.ldc + col;
   v0 *= p.alpha;
   v1 *= p.alpha;
-  if (p.flags & kOutFp32) {
-    float* c = static_cast<float*>(p.c) + at;
+  if (!(p.flags & kOutFp32)) {
+    __nv_bfloat16* c = static_cast<__nv_bfloat16*>(p.c) + at;
     if (pair) {
-      float2 out = make_float2(v0, v1);
       if (p.beta != 0.0f) {
-        const float2 old = *reinterpret_cast<const float2*>(c);
-        out.x += p.beta * old.x;
-        out.y += p.beta * old.y;
+        const float2 old = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(c));
+        v0 += p.beta * old.x;
+        v1 += p.beta * old.y;
       }
-      *reinterpret_cast<float2*>(c) = out;
+      *reinterpret_cast<__nv_bfloat162*>(c) = __floats2bfloat162_rn(v0, v1);
     } else {
-      c[0] = p.beta != 0.0f ? v0 + p.beta * c[0] : v0;
+      if (p.beta != 0.0f) v0 += p.beta * __bfloat162float(c[0]);
+      c[0] = __float2bfloat16_rn(v0);
     }
     return;
   }
-  __nv_bfloat16* c = static_cast<__nv_bfloat16*>(p.c) + at;
+  float* c = static_cast<float*>(p.c) + at;
+  if (p.beta != 0.0f) {
+    v0 += p.beta * c[0];
+    if (pair) v1 += p.beta * c[1];
+  }
+  if (p.bias != nullptr) {
+    v0 += p.bias[col];
+    if (pair) v1 += p.bias[col + 1];
+  }
+  if (p.gelu_grad_of != nullptr) {
+    v0 *= GeluTanhGrad(p.gelu_grad_of[at]);
+    if (pair) v1 *= GeluTanhGrad(p.gelu_grad_of[at + 1]);
+  }
   if (pair) {
-    if (p.beta != 0.0f) {
-      const float2 old = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(c));
-      v0 += p.beta * old.x;
-      v1 += p.beta * old.y;
-    }
-    *reinterpret_cast<__nv_bfloat162*>(c) = __floats2bfloat162_rn(v0, v1);
+    *reinterpret_cast<float2*>(c) = make_float2(v0, v1);
   } else {
-    if (p.beta != 0.0f) v0 += p.beta * __bfloat162float(c[0]);
-    c[0] = __float2bfloat16_rn(v0);
+    c[0] = v0;
+  }
+  if (p.c_bf16 != nullptr) {
+    if (pair) {
+      *reinterpret_cast<__nv_bfloat162*>(p.c_bf16 + at) = __floats2bfloat162_rn(v0, v1);
+    } else {
+      p.c_bf16[at] = __float2bfloat16_rn(v0);
+    }
+  }
+  if (p.gelu_out != nullptr || p.gelu_bf16 != nullptr) {
+    const float g0 = GeluTanh(v0), g1 = pair ? GeluTanh(v1) : 0.0f;
+    if (p.gelu_out != nullptr) {
+      if (pair) {
+        *reinterpret_cast<float2*>(p.gelu_out + at) = make_float2(g0, g1);
+      } else {
+        p.gelu_out[at] = g0;
+      }
+    }
+    if (p.gelu_bf16 != nullptr) {
+      if (pair) {
+        *reinterpret_cast<__nv_bfloat162*>(p.gelu_bf16 + at) = __floats2bfloat162_rn(g0, g1);
+      } else {
+        p.gelu_bf16[at] = __float2bfloat16_rn(g0);
+      }
+    }
   }
 }
 
@@ -316,7 +355,7 @@ bool CudaBackend::KernelTakes(const Bf16Gemm& p) {
   // cp.async moves 16 bytes (8 elements) at a time along each operand's stored rows.
   const int a_row = p.trans_a ? p.m : p.k, b_row = p.trans_b ? p.k : p.n;
   return Aligned16(p.a) && Aligned16(p.b) && p.lda % 8 == 0 && p.ldb % 8 == 0 && a_row % 8 == 0 &&
-         b_row % 8 == 0;
+         b_row % 8 == 0 && (p.c_fp32 || !p.epilogue.any());
 }
 
 bool CudaBackend::KernelGemmBf16(const std::vector<Bf16Gemm>& problems, const char* op) {
@@ -341,14 +380,21 @@ bool CudaBackend::LaunchGrouped(const std::vector<Bf16Gemm>& problems, const cha
   for (const Bf16Gemm& p : problems) {
     if (EmptyProductBf16(p, op)) continue;
     const int tiles_m = (p.m + T::kBm - 1) / T::kBm, tiles_n = (p.n + T::kBn - 1) / T::kBn;
-    // Column pairs (2t, 2t + 1) start at even columns: whole accesses where rows stay aligned.
-    const size_t pair_bytes = p.c_fp32 ? 8 : 4;
-    const bool pairs = p.ldc % 2 == 0 && reinterpret_cast<uintptr_t>(p.c) % pair_bytes == 0;
+    // Column pairs (2t, 2t + 1) start at even columns: whole accesses where rows stay
+    // aligned, in C and in every epilogue array.
+    const Epilogue& e = p.epilogue;
+    auto aligned = [](const void* q, size_t bytes) {
+      return reinterpret_cast<uintptr_t>(q) % bytes == 0;
+    };
+    const bool pairs = p.ldc % 2 == 0 && aligned(p.c, p.c_fp32 ? 8 : 4) &&
+                       aligned(e.gelu_grad_of, 8) && aligned(e.c_bf16, 4) &&
+                       aligned(e.gelu_out, 8) && aligned(e.gelu_bf16, 4);
     table.push_back({static_cast<const __nv_bfloat16*>(p.a), static_cast<const __nv_bfloat16*>(p.b),
                      p.c, p.m, p.n, p.k, p.lda, p.ldb, p.ldc, p.alpha, p.beta,
                      (p.trans_a ? kTransA : 0) | (p.trans_b ? kTransB : 0) |
                          (p.c_fp32 ? kOutFp32 : 0) | (pairs ? kPairs : 0),
-                     tiles_n, tiles});
+                     tiles_n, tiles, e.bias, e.gelu_grad_of, static_cast<__nv_bfloat16*>(e.c_bf16),
+                     e.gelu_out, static_cast<__nv_bfloat16*>(e.gelu_bf16)});
     tiles += int64_t{tiles_m} * tiles_n;
   }
   if (table.empty() || !Ready()) return true;

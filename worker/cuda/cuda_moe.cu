@@ -6,6 +6,7 @@
 // backward (each one cuBLAS call over the non-empty buckets), with the bias, gelu and
 // bias-gradient kernels addressing the buckets through a small segment table.
 #include <cublas_v2.h>
+#include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -372,6 +373,14 @@ void CudaBackend::ExpertForward(float* y, float* hpre, float* h, const float* x,
                                 int hidden) {
   const int count = static_cast<int>(experts.size());
   if (offsets[count] == 0 || !Ready()) return;
+  const int64_t total = offsets[count];
+  // Fused (FuseExpertPasses): the first products' epilogue adds b1 and writes gelu's
+  // output in fp32 and in bf16, which the second products read as it is; theirs adds b2.
+  __nv_bfloat16* h_bf16 = nullptr;
+  if (FuseExpertPasses()) {
+    h_bf16 = static_cast<__nv_bfloat16*>(Scratch(kBf16Activation, 2 * total * hidden));
+    if (h_bf16 == nullptr) return;
+  }
   std::vector<GemmProblem> first, second;
   std::vector<const float*> b1(count), b2(count);
   for (int e = 0; e < count; ++e) {
@@ -386,16 +395,27 @@ void CudaBackend::ExpertForward(float* y, float* hpre, float* h, const float* x,
     second.push_back({false, false, rows, channels, hidden, h + begin * hidden, hidden,
                       experts[e].w2, channels, 0.0f, y + begin * channels, channels, 1.0f,
                       experts[e].w2_bf16});
+    if (h_bf16 != nullptr) {
+      first.back().epilogue.bias = b1[e];
+      first.back().epilogue.gelu_out = h + begin * hidden;
+      first.back().epilogue.gelu_bf16 = h_bf16 + begin * hidden;
+      second.back().epilogue.bias = b2[e];
+    }
   }
-  const int64_t total = offsets[count];
-  Products(first, "ExpertForward (x @ w1)");
-  Segments seg = UploadSegments(offsets, count, b1.data(), nullptr);
-  if (seg.count == 0 || !Ready()) return;
-  BiasGeluKernel<<<GridFor(total * hidden), kThreads, 0, S(stream_)>>>(hpre, h, seg.offsets,
-                                                                       seg.bias, seg.count, hidden);
-  if (!CheckLaunch("ExpertForward (bias, gelu)")) return;
-  Products(second, "ExpertForward (h @ w2)");
-  seg = UploadSegments(offsets, count, b2.data(), nullptr);
+  // Products says whether the epilogues ran (vacuously so without any).
+  if (Products(first, "ExpertForward (x @ w1)") && h_bf16 != nullptr) {
+    for (size_t i = 0; i < second.size(); ++i) {
+      second[i].a_bf16 = h_bf16 + (second[i].a - h);  // gelu's output, already in bf16
+    }
+  } else {
+    Segments seg = UploadSegments(offsets, count, b1.data(), nullptr);
+    if (seg.count == 0 || !Ready()) return;
+    BiasGeluKernel<<<GridFor(total * hidden), kThreads, 0, S(stream_)>>>(
+        hpre, h, seg.offsets, seg.bias, seg.count, hidden);
+    if (!CheckLaunch("ExpertForward (bias, gelu)")) return;
+  }
+  if (Products(second, "ExpertForward (h @ w2)") && h_bf16 != nullptr) return;
+  Segments seg = UploadSegments(offsets, count, b2.data(), nullptr);
   if (seg.count == 0 || !Ready()) return;
   SegmentBiasKernel<<<GridFor(total * channels), kThreads, 0, S(stream_)>>>(
       y, seg.offsets, seg.bias, seg.count, channels);
@@ -409,6 +429,14 @@ void CudaBackend::ExpertBackward(float* dx, float* dh, absl::Span<const compute:
                                  int hidden) {
   const int count = static_cast<int>(experts.size());
   if (offsets[count] == 0 || !Ready()) return;
+  const int64_t total = offsets[count];
+  // Fused (FuseExpertPasses): dH's epilogue applies gelu's derivative and writes a bf16
+  // copy, which the last products read as it is.
+  __nv_bfloat16* dh_bf16 = nullptr;
+  if (FuseExpertPasses()) {
+    dh_bf16 = static_cast<__nv_bfloat16*>(Scratch(kBf16Activation, 2 * total * hidden));
+    if (dh_bf16 == nullptr) return;
+  }
   std::vector<GemmProblem> second, first;
   std::vector<float*> db1(count), db2(count);
   for (int e = 0; e < count; ++e) {
@@ -422,6 +450,10 @@ void CudaBackend::ExpertBackward(float* dx, float* dh, absl::Span<const compute:
     // dH = dY W2^T; dW2 += H^T dY.
     second.push_back({false, true, rows, hidden, channels, dye, channels, experts[e].w2, channels,
                       0.0f, dh + begin * hidden, hidden, 1.0f, experts[e].w2_bf16});
+    if (dh_bf16 != nullptr) {
+      second.back().epilogue.gelu_grad_of = hpre + begin * hidden;
+      second.back().epilogue.c_bf16 = dh_bf16 + begin * hidden;
+    }
     second.push_back({true, false, hidden, channels, rows, h + begin * hidden, hidden, dye,
                       channels, 1.0f, grads[e].w2, channels});
     // dW1 += X^T dHpre; dX = dHpre W1^T.
@@ -430,15 +462,20 @@ void CudaBackend::ExpertBackward(float* dx, float* dh, absl::Span<const compute:
     first.push_back({false, true, rows, channels, hidden, dhe, hidden, experts[e].w1, hidden, 0.0f,
                      dx + begin * channels, channels, 1.0f, experts[e].w1_bf16});
   }
-  const int64_t total = offsets[count];
-  Products(second, "ExpertBackward (dH, dW2)");
+  const bool fused = Products(second, "ExpertBackward (dH, dW2)") && dh_bf16 != nullptr;
   Segments seg = UploadSegments(offsets, count, nullptr, db2.data());
   if (seg.count == 0 || !Ready()) return;
   SegmentBiasGradKernel<<<dim3((channels + 31) / 32, seg.count), dim3(32, 8), 0, S(stream_)>>>(
       seg.bias_grad, dy, seg.offsets, channels);
-  GeluBackwardInPlaceKernel<<<GridFor(total * hidden), kThreads, 0, S(stream_)>>>(dh, hpre,
-                                                                                  total * hidden);
+  if (!fused) {
+    GeluBackwardInPlaceKernel<<<GridFor(total * hidden), kThreads, 0, S(stream_)>>>(dh, hpre,
+                                                                                    total * hidden);
+  }
   if (!CheckLaunch("ExpertBackward (db2, gelu)")) return;
+  for (size_t i = 0; fused && i < first.size(); i += 2) {
+    first[i].b_bf16 = dh_bf16 + (first[i].b - dh);          // dW1's dHpre, already in bf16
+    first[i + 1].a_bf16 = dh_bf16 + (first[i + 1].a - dh);  // dX's
+  }
   Products(first, "ExpertBackward (dW1, dX)");
   seg = UploadSegments(offsets, count, nullptr, db1.data());
   if (seg.count == 0 || !Ready()) return;

@@ -130,5 +130,25 @@ TEST(CudaTrainingTest, TwentyBf16StepsStayNearTheFp32Run) {
   EXPECT_LT(got.losses.back(), got.losses.front());  // it learns
 }
 
+// The same bf16 training with the expert products (and their bias, gelu and gelu
+// derivative passes) in the grouped kernel: each step's loss within 5e-3 relative of the
+// fan-out's (the same math summed in another order), and the kernel ran.
+TEST(CudaTrainingTest, TwentyBf16StepsThroughTheGroupedKernel) {
+  absl::StatusOr<std::unique_ptr<CudaBackend>> fan = CudaBackend::Create(0);
+  if (!fan.ok()) GTEST_SKIP() << "no CUDA device here: " << fan.status();
+  absl::StatusOr<std::unique_ptr<CudaBackend>> kernel = CudaBackend::Create(0);
+  ASSERT_TRUE(kernel.ok()) << kernel.status();
+  (*kernel)->set_bf16_products(CudaBackend::Bf16Products::kKernel);
+  constexpr int kSteps = 20;
+  const TrainRun want = Train(**fan, kSteps, ComputeDtype::kBf16);
+  const TrainRun got = Train(**kernel, kSteps, ComputeDtype::kBf16);
+  ASSERT_EQ(got.losses.size(), static_cast<size_t>(kSteps));
+  ASSERT_EQ(want.losses.size(), static_cast<size_t>(kSteps));
+  EXPECT_GT((*kernel)->kernel_launches(), 0u);
+  for (int s = 0; s < kSteps; ++s) {
+    EXPECT_NEAR(got.losses[s], want.losses[s], 5e-3 * std::fabs(want.losses[s])) << "step " << s;
+  }
+}
+
 }  // namespace
 }  // namespace pith::cuda

@@ -185,6 +185,55 @@ TEST_F(GroupedGemmTest, ProblemsItCannotLoadAreRefusedUntouched) {
   EXPECT_EQ(Down(dc, c.size()), c);  // nothing ran
 }
 
+// The epilogues against the CPU backend's own passes on the CPU's product: bias then gelu
+// (fp32 and bf16 outputs), and gelu's derivative with a bf16 copy; the cuBLAS paths refuse
+// an epilogue, naming the op.
+TEST_F(GroupedGemmTest, EpiloguesMatchTheCpusPasses) {
+  const int m = 150, n = 136, k = 64;
+  const Bf16Vec a = ToBf16(Random(m * k, 1)), b = ToBf16(Random(k * n, 2, 0.2f));
+  const Vec bias = Random(n, 3), aux = Random(m * n, 4);
+  Vec product(m * n);
+  cpu_.Gemm(false, false, m, n, k, 1.0f, a.rounded.data(), k, b.rounded.data(), n, 0.0f,
+            product.data(), n);
+  Vec pre = product, gelu(m * n), grad(m * n);
+  cpu_.AddBias(pre.data(), bias.data(), m, n);
+  cpu_.Gelu(gelu.data(), pre.data(), m * n);
+  cpu_.GeluBackward(grad.data(), aux.data(), product.data(), m * n);
+  const std::vector<uint16_t> nan_bits(m * n, 0x7fc0);
+  float *c1 = Up(Vec(m * n, std::nanf(""))), *g1 = Up(Vec(m * n, std::nanf("")));
+  float* c2 = Up(Vec(m * n, std::nanf("")));
+  uint16_t *gb1 = Up(nan_bits), *cb2 = Up(nan_bits);
+  CudaBackend::Bf16Gemm forward{false,      false, m,    n,  k, Up(a.bits), k,
+                                Up(b.bits), n,     0.0f, c1, n, true};
+  forward.epilogue.bias = Up(bias);
+  forward.epilogue.gelu_out = g1;
+  forward.epilogue.gelu_bf16 = gb1;
+  CudaBackend::Bf16Gemm backward = forward;
+  backward.c = c2;
+  backward.epilogue = {};
+  backward.epilogue.gelu_grad_of = Up(aux);
+  backward.epilogue.c_bf16 = cb2;
+  for (CudaBackend::KernelTile tile : kTiles) {
+    SCOPED_TRACE(testing::Message() << "tile shape " << static_cast<int>(tile));
+    gpu_->set_kernel_tile(tile);
+    ASSERT_TRUE(gpu_->KernelGemmBf16({forward, backward}, "epilogue test"));
+    ASSERT_TRUE(gpu_->Synchronize().ok()) << gpu_->status();
+    auto widen = [&](const uint16_t* dev) {
+      Vec out;
+      for (uint16_t bits : Down(dev, m * n)) out.push_back(Bf16ToFloat(bits));
+      return out;
+    };
+    ExpectClose("x @ w + bias", Down(c1, m * n), pre);
+    ExpectClose("gelu", Down(g1, m * n), gelu);
+    ExpectClose("gelu in bf16", widen(gb1), gelu, 1.0 / 128);
+    ExpectClose("gelu'", Down(c2, m * n), grad);
+    ExpectClose("gelu' in bf16", widen(cb2), grad, 1.0 / 128);
+  }
+  gpu_->FanOutGemmBf16({forward, backward}, "fan-out with an epilogue");
+  EXPECT_NE(gpu_->Synchronize().message().find("fan-out with an epilogue"),
+            absl::string_view::npos);
+}
+
 class GroupedFfnTest : public GroupedGemmTest {
  protected:
   // The expert FFN forward and backward in the bf16 compute dtype with hidden size F, its
@@ -227,8 +276,10 @@ class GroupedFfnTest : public GroupedGemmTest {
 };
 
 // The expert FFN of the bf16 compute dtype through the grouped kernel (one launch per
-// phase: 4) gives the fan-out's outputs and gradients: each output is one product either
-// way, summed in another order, so within 1e-5.
+// phase: 4; bias, gelu and gelu's derivative in its epilogues, the activations between
+// phases handed on in bf16) gives the fan-out's outputs and gradients (the products and
+// separate passes): each output is one product either way, summed in another order, then
+// the same element-wise operations, so within 1e-5.
 TEST_F(GroupedFfnTest, ThroughTheKernelItMatchesTheFanOut) {
   const std::vector<Vec> fan = Ffn(128, CudaBackend::Bf16Products::kFanOut);
   const uint64_t before = gpu_->kernel_launches();
