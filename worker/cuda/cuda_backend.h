@@ -197,8 +197,10 @@ class CudaBackend final : public compute::Backend {
   // KernelTakes. False (nothing done) when some problem is not taken.
   static bool KernelTakes(const Bf16Gemm& p);
   bool KernelGemmBf16(const std::vector<Bf16Gemm>& problems, const char* op);
-  // The grouped kernel's launches so far (tests: that a phase went through it).
+  // The grouped kernel's launches so far, and those with an epilogue (tests: that a phase
+  // went through it, with its element-wise passes).
   uint64_t kernel_launches() const { return kernel_launches_; }
+  uint64_t epilogue_launches() const { return epilogue_launches_; }
   // The grouped kernel's output tile per CTA (one warp per 64 x 64 of it): gpu_bench
   // measures each; 128 x 128 by default.
   enum class KernelTile { k128x128, k128x256, k256x128 };
@@ -334,6 +336,7 @@ class CudaBackend final : public compute::Backend {
   KernelTile kernel_tile_ = KernelTile::k128x128;
   unsigned kernel_smem_set_ = 0;  // bit per tile shape: its shared-memory limit was raised
   uint64_t kernel_launches_ = 0;
+  uint64_t epilogue_launches_ = 0;
   int launch_threads_ = 1;
   std::unique_ptr<compute::ThreadPool> launch_pool_;  // launch_threads_ > 1 only
   std::vector<int32_t> host_ints_;                    // routing's host-side layout pass

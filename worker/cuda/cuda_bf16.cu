@@ -208,8 +208,8 @@ void CudaBackend::FanOutGemmBf16(const std::vector<Bf16Gemm>& problems, const ch
 void CudaBackend::GroupedGemmBf16(const std::vector<Bf16Gemm>& problems, const char* op) {
   if (problems.empty() || !Ready()) return;
   for (const Bf16Gemm& p : problems) {
-    if (p.c_fp32 || p.m == 0 || p.n == 0 || p.k == 0) {
-      Fail(op, "cuBLAS's grouped bf16 product takes bf16 outputs and no empty problem");
+    if (p.c_fp32 || p.m == 0 || p.n == 0 || p.k == 0 || p.epilogue.any()) {
+      Fail(op, "cuBLAS's grouped bf16 product takes bf16 outputs, no empty problem, no epilogue");
       return;
     }
   }

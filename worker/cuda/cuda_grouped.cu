@@ -206,17 +206,23 @@ __device__ __forceinline__ void StorePair(const KernelProblem& p, int row, int c
     return;
   }
   float* c = static_cast<float*>(p.c) + at;
+  // Two fp32 values at `q`, one 8-byte load for a pair.
+  auto load2 = [pair](const float* q) {
+    return pair ? *reinterpret_cast<const float2*>(q) : make_float2(q[0], 0.0f);
+  };
   if (p.beta != 0.0f) {
-    v0 += p.beta * c[0];
-    if (pair) v1 += p.beta * c[1];
+    const float2 old = load2(c);
+    v0 += p.beta * old.x;
+    v1 += p.beta * old.y;
   }
   if (p.bias != nullptr) {
     v0 += p.bias[col];
     if (pair) v1 += p.bias[col + 1];
   }
   if (p.gelu_grad_of != nullptr) {
-    v0 *= GeluTanhGrad(p.gelu_grad_of[at]);
-    if (pair) v1 *= GeluTanhGrad(p.gelu_grad_of[at + 1]);
+    const float2 pre = load2(p.gelu_grad_of + at);
+    v0 *= GeluTanhGrad(pre.x);
+    if (pair) v1 *= GeluTanhGrad(pre.y);
   }
   if (pair) {
     *reinterpret_cast<float2*>(c) = make_float2(v0, v1);
@@ -360,7 +366,8 @@ bool CudaBackend::KernelTakes(const Bf16Gemm& p) {
 
 bool CudaBackend::KernelGemmBf16(const std::vector<Bf16Gemm>& problems, const char* op) {
   for (const Bf16Gemm& p : problems) {
-    if (p.m != 0 && p.n != 0 && p.k != 0 && !KernelTakes(p)) return false;
+    const bool runs = p.m != 0 && p.n != 0 && (p.k != 0 || p.epilogue.any());
+    if (runs && !KernelTakes(p)) return false;
   }
   switch (kernel_tile_) {
     case KernelTile::k128x256:
@@ -378,7 +385,8 @@ bool CudaBackend::LaunchGrouped(const std::vector<Bf16Gemm>& problems, const cha
   std::vector<KernelProblem> table;
   int64_t tiles = 0;
   for (const Bf16Gemm& p : problems) {
-    if (EmptyProductBf16(p, op)) continue;
+    // k = 0 with an epilogue still runs (no k step: the epilogue on zeros plus beta C).
+    if (p.m == 0 || p.n == 0 || (!p.epilogue.any() && EmptyProductBf16(p, op))) continue;
     const int tiles_m = (p.m + T::kBm - 1) / T::kBm, tiles_n = (p.n + T::kBn - 1) / T::kBn;
     // Column pairs (2t, 2t + 1) start at even columns: whole accesses where rows stay
     // aligned, in C and in every epilogue array.
@@ -420,7 +428,15 @@ bool CudaBackend::LaunchGrouped(const std::vector<Bf16Gemm>& problems, const cha
   }
   GroupedGemmKernel<T><<<static_cast<unsigned>(tiles), T::kThreads, T::kSharedBytes, S(stream_)>>>(
       static_cast<const KernelProblem*>(dev), static_cast<int>(table.size()));
-  if (CheckLaunch(op)) ++kernel_launches_;
+  if (CheckLaunch(op)) {
+    ++kernel_launches_;
+    for (const Bf16Gemm& p : problems) {
+      if (p.epilogue.any()) {
+        ++epilogue_launches_;
+        break;
+      }
+    }
+  }
   return true;
 }
 

@@ -41,7 +41,7 @@ inline void ExpectClose(const char* what, const Vec& got, const Vec& want, doubl
   int bad = 0;
   for (size_t i = 0; i < want.size() && bad < 5; ++i) {
     const double tol = rel * (std::fabs(want[i]) + rms) + 1e-30;
-    if (std::fabs(double{got[i]} - want[i]) > tol) {
+    if (!(std::fabs(double{got[i]} - want[i]) <= tol)) {  // NaN fails too
       ADD_FAILURE() << what << "[" << i << "]: cuda " << got[i] << " cpu " << want[i];
       ++bad;
     }
