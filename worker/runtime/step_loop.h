@@ -14,7 +14,7 @@
 //                unreachable     -> end with the error (start over)
 //   a failure computing or writing a step is reported for it and ends the run with it.
 //
-// A StepDriver does the work; JobRun (cluster_worker.cc) is the real one, tests drive fakes.
+// A StepDriver does the work; JobRun (job_run.h) is the real one, tests drive fakes.
 //
 // Thread safety: RunSteps calls the driver on the calling thread only.
 #ifndef PITH_WORKER_RUNTIME_STEP_LOOP_H_
