@@ -1,6 +1,9 @@
 // JobRun: one assignment of a cluster worker (RunClusterWorker, cluster_worker.h): the
 // model, optimizer, peers and store I/O of one job at one (rank, world), driving the step
 // loop. Its setup and state (job_run.cc) and its steps (job_step.cc).
+//
+// Thread safety: one training thread calls Run (and through it every StepDriver method);
+// the members say which other threads touch them.
 #ifndef PITH_WORKER_RUNTIME_JOB_RUN_H_
 #define PITH_WORKER_RUNTIME_JOB_RUN_H_
 
@@ -135,7 +138,8 @@ class JobRun : public StepDriver {
   // experts dispatched, replica gradients reduced, dense gradients summed, the global grad
   // norm. It reads only what this worker holds (the dense tensors are updated alike on
   // every worker) and, with replica experts, what their primaries wrote for step s - 1
-  // (the barrier below), committed or not, so it runs while step s - 1 commits.
+  // (a barrier across the workers first), committed or not, so it runs while step s - 1
+  // commits.
   absl::Status Compute(int64_t s) override;
 
   // The second half of step s, once step s - 1 is committed: the updates applied and
