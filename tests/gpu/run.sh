@@ -3,7 +3,8 @@
 # builds the GPU-only tree (cmake -DPITH_GPU_ONLY=ON: the compute engine, the model, the
 # CUDA backend, their tests and gpu_bench; Abseil and GoogleTest from .gpu-deps/, which
 # tests/gpu/vendor.sh fills), runs its tests (the `gpu` ones, and the CPU backend's on the
-# portable sgemm), then gpu_bench and, where python3 has a CUDA PyTorch, PyTorch's MoE
+# portable sgemm; the grouped kernel's again under compute-sanitizer), then gpu_bench and,
+# where python3 has a CUDA PyTorch, PyTorch's MoE
 # layer on the same device (torch_moe_bench.py), then, where .gpu-cluster/ holds a bundle
 # (tests/gpu/cluster_bundle.sh), a local cluster with GPU workers (tests/gpu/cluster.sh),
 # and prints a summary. Logs go to $OUT when it is set (the device tool brings them back),
@@ -28,8 +29,8 @@ if [[ ! -f .gpu-deps/abseil-cpp/CMakeLists.txt || ! -f .gpu-deps/googletest/CMak
 fi
 nvidia-smi --query-gpu=name,driver_version,memory.total,compute_cap --format=csv,noheader \
   | tee "$out/gpu.txt" || echo "run.sh: nvidia-smi failed" >&2
-# Which cuBLASLt versions this machine has, the toolkit's and PyTorch's wheel's: grouped
-# GEMMs in cuBLASLt itself need 13.2 or later (130200).
+# Which cuBLASLt versions this machine has, the toolkit's and PyTorch's wheel's: 13.1's
+# (130100, the development machine's) has no grouped GEMM of its own; a newer one may.
 python3 - <<'PY' 2>&1 | tee -a "$out/gpu.txt"
 import ctypes, glob, os
 libs = glob.glob("/usr/local/cuda/lib64/libcublasLt.so.*")
