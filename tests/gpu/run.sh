@@ -4,10 +4,9 @@
 # CUDA backend, their tests and gpu_bench; Abseil and GoogleTest from .gpu-deps/, which
 # tests/gpu/vendor.sh fills), runs its tests (the `gpu` ones, and the CPU backend's on the
 # portable sgemm; the grouped kernel's again under compute-sanitizer), then gpu_bench and,
-# where python3 has a CUDA PyTorch, PyTorch's MoE
-# layer on the same device (torch_moe_bench.py), then, where .gpu-cluster/ holds a bundle
-# (tests/gpu/cluster_bundle.sh), a local cluster with GPU workers (tests/gpu/cluster.sh),
-# and prints a summary. Logs go to $OUT when it is set (the device tool brings them back),
+# where python3 has a CUDA PyTorch, PyTorch's MoE layer on the same device
+# (torch_moe_bench.py), then, where .gpu-cluster/ holds a bundle (cluster_bundle.sh), a
+# local cluster with GPU workers (tests/gpu/cluster.sh), and prints a summary. Logs go to $OUT when it is set (the device tool brings them back),
 # else to build-gpu/out. Exit status: 0 only when every test passed, gpu_bench ran,
 # PyTorch's layer ran or python3 has no CUDA PyTorch, and the cluster agreed or had no
 # bundle (the summary says what was skipped).
