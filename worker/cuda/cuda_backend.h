@@ -206,6 +206,9 @@ class CudaBackend final : public compute::Backend {
   enum class KernelTile { k128x128, k128x256, k256x128 };
   KernelTile kernel_tile() const { return kernel_tile_; }
   void set_kernel_tile(KernelTile tile) { kernel_tile_ = tile; }
+  // How many CTAs of that tile shape one SM holds at once (registers and shared memory
+  // allowing), for gpu_bench; 0 when the query fails.
+  int KernelBlocksPerSm(KernelTile tile);
   // Which of the two runs the bf16 compute dtype's expert products: the cuBLAS fan-out
   // (the default) or the grouped kernel (where it takes every problem of a phase; else
   // the fan-out).

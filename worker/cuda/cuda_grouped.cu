@@ -379,6 +379,36 @@ bool CudaBackend::KernelGemmBf16(const std::vector<Bf16Gemm>& problems, const ch
   }
 }
 
+namespace {
+
+// CTAs of tile shape T that fit on one SM of the current device at once (0 after an error).
+template <typename T>
+int BlocksPerSm() {
+  int blocks = 0;
+  if (cudaFuncSetAttribute(GroupedGemmKernel<T>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                           T::kSharedBytes) != cudaSuccess ||
+      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, GroupedGemmKernel<T>, T::kThreads,
+                                                    T::kSharedBytes) != cudaSuccess) {
+    cudaGetLastError();  // not sticky: a query's failure leaves the device usable
+    return 0;
+  }
+  return blocks;
+}
+
+}  // namespace
+
+int CudaBackend::KernelBlocksPerSm(KernelTile tile) {
+  if (!Ready()) return 0;
+  switch (tile) {
+    case KernelTile::k128x256:
+      return BlocksPerSm<Tile128x256>();
+    case KernelTile::k256x128:
+      return BlocksPerSm<Tile256x128>();
+    default:
+      return BlocksPerSm<Tile128x128>();
+  }
+}
+
 template <typename T>
 bool CudaBackend::LaunchGrouped(const std::vector<Bf16Gemm>& problems, const char* op) {
   if (!Ready()) return true;

@@ -369,11 +369,11 @@ int RunBf16Kernel(CudaBackend& b, const Shape& s, int64_t tokens, int iters) {
       phases += part;
     }
     std::printf(
-        "expert_gemm_bf16_kernel %-16s tile %s A=%lld  fwd+bwd %.2f ms %.1f TFLOP/s (%.0f%% of "
-        "790)  dense %.1f TFLOP/s  ratio %.3f (target >= 0.8); TFLOP/s per phase:%s\n",
-        s.name, name, static_cast<long long>(tokens * s.top_k), kernel * 1e3,
-        f.flops / kernel / 1e12, 100 * f.flops / kernel / 790e12, f.flops / dense_s / 1e12,
-        dense_s / kernel, phases.c_str());
+        "expert_gemm_bf16_kernel %-16s tile %s (%d CTAs/SM) A=%lld  fwd+bwd %.2f ms %.1f TFLOP/s "
+        "(%.0f%% of 790)  dense %.1f TFLOP/s  ratio %.3f (target >= 0.8); TFLOP/s per phase:%s\n",
+        s.name, name, b.KernelBlocksPerSm(tile), static_cast<long long>(tokens * s.top_k),
+        kernel * 1e3, f.flops / kernel / 1e12, 100 * f.flops / kernel / 790e12,
+        f.flops / dense_s / 1e12, dense_s / kernel, phases.c_str());
   }
   return 0;
 }
