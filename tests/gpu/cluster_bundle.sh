@@ -12,7 +12,8 @@ build=$(cd "${1:-$root/build}" && pwd)
 bins=("$build/client/pith" "$build/server/coordinator/pith-coordinator"
       "$build/server/store/pith-store" "$build/worker/pith-worker")
 for b in "${bins[@]}"; do [[ -x $b ]] || { echo "cluster_bundle: no $b: build first" >&2; exit 1; }; done
-ldd "$build/worker/pith-worker" | grep -q libcudart ||
+# grep reads all of ldd's output (no -q): with pipefail, ldd killed by SIGPIPE would fail it.
+ldd "$build/worker/pith-worker" | grep libcudart >/dev/null ||
   { echo "cluster_bundle: $build/worker/pith-worker has no CUDA backend (no nvcc at build)" >&2; exit 1; }
 stage=$(mktemp -d)
 trap 'rm -rf "$stage"' EXIT
