@@ -29,7 +29,7 @@ job=$("$PITH" submit "$E2E_TMP/tiny.json")
 "$PITH" watch "$job" >"$E2E_TMP/watch.txt" || fail "watch: $(tail -3 "$E2E_TMP/watch.txt")"
 grep -q "succeeded at step 15" "$E2E_TMP/watch.txt" || fail "watch summary: $(tail -2 "$E2E_TMP/watch.txt")"
 grep -q "step 15/15" "$E2E_TMP/watch.txt" || fail "no progress line for the last step"
-"$PITH" status "$job" --output json | grep -q '"state":"JOB_STATE_SUCCEEDED"' ||
+"$PITH" status "$job" --output json | grep '"state":"JOB_STATE_SUCCEEDED"' >/dev/null ||
   fail "status --output json: $("$PITH" status "$job" --output json)"
 "$PITH" checkpoint "$job" --out "$E2E_TMP/tiny.safetensors" >/dev/null || fail "checkpoint"
 "$PITH" safetensors inspect "$E2E_TMP/tiny.safetensors" >/dev/null || fail "checkpoint unreadable"
@@ -40,7 +40,7 @@ grep -q "step 15/15" "$E2E_TMP/watch.txt" || fail "no progress line for the last
 "$PITH" sample --checkpoint "$E2E_TMP/tiny.safetensors" --prompt "line" --tokens 10 >/dev/null ||
   fail "sample"
 "$PITH" eval --checkpoint "$E2E_TMP/tiny.safetensors" --tokens "$E2E_TMP/tokens.bin" \
-  --batches 2 | grep -q "eval rows=8" || fail "eval"
+  --batches 2 | grep "eval rows=8" >/dev/null || fail "eval"
 "$PITH" experts "$job" --svg "$E2E_TMP/heat.svg" >"$E2E_TMP/experts.txt" || fail "experts"
 grep -q "layer  0: hottest expert" "$E2E_TMP/experts.txt" || fail "experts: $(cat "$E2E_TMP/experts.txt")"
 grep -q "<svg" "$E2E_TMP/heat.svg" && grep -q "layer 0" "$E2E_TMP/heat.svg" || fail "no heat map svg"
@@ -49,12 +49,12 @@ echo "  ok: trained, watched, checkpointed, sampled and drew the experts of $job
 long=$("$PITH" --output json submit "$E2E_TMP/long.json" | sed 's/.*"job_id": "\([^"]*\)".*/\1/')
 [[ -n $long ]] || fail "submit --output json"
 for _ in $(seq 100); do
-  "$PITH" status "$long" | grep -q running && break
+  "$PITH" status "$long" | grep running >/dev/null && break
   sleep 0.1
 done
 "$PITH" cancel "$long" >/dev/null || fail "cancel"
-"$PITH" status "$long" | grep -q cancelled || fail "not cancelled: $("$PITH" status "$long")"
-"$PITH" cluster --output json | grep -q '"workers"' || fail "cluster --output json"
+"$PITH" status "$long" | grep cancelled >/dev/null || fail "not cancelled: $("$PITH" status "$long")"
+"$PITH" cluster --output json | grep '"workers"' >/dev/null || fail "cluster --output json"
 echo "  ok: cancelled $long"
 
 # A job that cannot run (its data file exists nowhere) fails with the reason, soon.
@@ -78,15 +78,15 @@ expect_one_line "SubmitJob needs the admin or user role; the caller is worker0 (
 expect_one_line "DrainStore needs the admin role; the caller is worker0 (member)" \
   "$PITH" --tls_dir "$tls/worker0" cluster drain store-0 --no-wait
 "$PITH" certs --dir "$tls" --name alice --role user >/dev/null || fail "pith certs"
-"$PITH" --tls_dir "$tls/alice" status "$job" | grep -q succeeded || fail "a user cannot read a job"
+"$PITH" --tls_dir "$tls/alice" status "$job" | grep succeeded >/dev/null || fail "a user cannot read a job"
 expect_one_line "DrainStore needs the admin role; the caller is alice (user)" \
   "$PITH" --tls_dir "$tls/alice" cluster drain store-0 --no-wait
-"$PITH" cluster | grep -q "store-0.*alive" || fail "a refused drain changed the store: $("$PITH" cluster)"
+"$PITH" cluster | grep "store-0.*alive" >/dev/null || fail "a refused drain changed the store: $("$PITH" cluster)"
 # A bearer token instead of a certificate (the CA alone beside it, to check the server).
 mkdir -p "$E2E_TMP/ca-only" && cp "$tls/ca.pem" "$E2E_TMP/ca-only/"
 token=$("$PITH" token --file "$tls/tokens" --name bob) || fail "pith token"
 sleep 1.2  # the coordinator looks at its tokens file once a second
-PITH_TOKEN=$token "$PITH" --tls_dir "$E2E_TMP/ca-only" status "$job" | grep -q succeeded ||
+PITH_TOKEN=$token "$PITH" --tls_dir "$E2E_TMP/ca-only" status "$job" | grep succeeded >/dev/null ||
   fail "a user's token cannot read a job"
 expect_one_line "the bearer token is not valid" \
   "$PITH" --tls_dir "$E2E_TMP/ca-only" --token "${token}x" status "$job"
@@ -116,7 +116,7 @@ first=$("$PITH" --coordinator "127.0.0.1:$GRPC_PORT_coord" submit "$E2E_TMP/tiny
   fail "the first job was refused"
 expect_one_line "the coordinator cannot hold this job" \
   "$PITH" --coordinator "127.0.0.1:$GRPC_PORT_coord" submit "$E2E_TMP/tiny.json"
-"$PITH" --coordinator "127.0.0.1:$GRPC_PORT_coord" status "$first" | grep -q pending ||
+"$PITH" --coordinator "127.0.0.1:$GRPC_PORT_coord" status "$first" | grep pending >/dev/null ||
   fail "the first job changed"
 stop_proc coord
 echo "PASS"

@@ -62,8 +62,8 @@ first=$(step_on_page first) second=$(step_on_page second)
 
 # The JSON behind it: a bad or unknown job is a clear error, not a crash.
 base=${url%/}
-curl -s "$base/api/experts" | grep -q '"error": "the query needs job=ID"' || fail "no error for a missing job"
-curl -s -o /dev/null -w '%{http_code}' "$base/api/experts?job=nope" | grep -q 404 || fail "no 404 for an unknown job"
-curl -s -X POST -o /dev/null -w '%{http_code}' "$base/" | grep -q 405 || fail "a POST is not refused"
+curl -s "$base/api/experts" | grep '"error": "the query needs job=ID"' >/dev/null || fail "no error for a missing job"
+curl -s -o /dev/null -w '%{http_code}' "$base/api/experts?job=nope" | grep 404 >/dev/null || fail "no 404 for an unknown job"
+curl -s -X POST -o /dev/null -w '%{http_code}' "$base/" | grep 405 >/dev/null || fail "a POST is not refused"
 "$PITH" cancel "$job" >/dev/null || fail "cancel"
 echo "dashboard in Chromium: job $job at step $first then $second, heat map and members shown: OK"

@@ -81,7 +81,7 @@ for w in 0 1; do
   start_proc "worker$w" in_host $((4 + w)) "$WORKER" --coordinator="$C" \
     --listen="$NET.$((4 + w)):0" --threads=1 --tls_dir="$E2E_TMP/tls/worker$w"
 done
-ip netns exec "pn$$-2" ss -ltn | grep -q "$NET.2:$METRICS_PORT_store0" ||
+ip netns exec "pn$$-2" ss -ltn | grep "$NET.2:$METRICS_PORT_store0" >/dev/null ||
   fail "store0's metrics are not bound to its --listen address alone"
 
 P=("$PITH" --coordinator "$C" --tls_dir "$E2E_TMP/tls/admin")
@@ -95,7 +95,7 @@ echo "  ok: across namespaces over TCP the job ends at held-out $got, as on loop
 # A store's link is cut mid-job: reads move to its replica, the job finishes.
 job=$("${P[@]}" submit "$E2E_TMP/cut.json")
 for _ in $(seq 600); do
-  "${P[@]}" status "$job" | grep -q "step [1-9][0-9]*/60" && break
+  "${P[@]}" status "$job" | grep "step [1-9][0-9]*/60" >/dev/null && break
   sleep 0.1
 done
 ip link set "pv$$-2" down

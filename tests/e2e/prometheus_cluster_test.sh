@@ -22,7 +22,7 @@ prom_wait 'count(up{job="pith"} == 1)' '"value":\[[0-9.]*,"4"\]'
 for component in coordinator store worker; do
   prom_wait "pith_build_info{component=\"$component\"}" "\"member\":\"$component"
 done
-curl -sf "http://127.0.0.1:$PROM_PORT/api/v1/rules" | grep -q '"name":"PithJobStalled"' ||
+curl -sf "http://127.0.0.1:$PROM_PORT/api/v1/rules" | grep '"name":"PithJobStalled"' >/dev/null ||
   fail "the alert rules did not load"
 prom_wait 'pith_coordinator_members{role="store",state="alive"}' '"value":\[[0-9.]*,"1"\]'
 prom_wait 'pith_coordinator_members{role="worker",state="alive"}' '"value":\[[0-9.]*,"2"\]'
