@@ -65,6 +65,13 @@ __global__ void AccumulateBf16Kernel(float* out, const __nv_bfloat16* in, int64_
   PITH_GRID_STRIDE(i, n) out[i] += __bfloat162float(in[i]);
 }
 
+// Whether no problem asks for an epilogue: then "its epilogues ran" holds whatever ran.
+template <typename P>
+bool NoEpilogue(const std::vector<P>& problems) {
+  return std::none_of(problems.begin(), problems.end(),
+                      [](const P& p) { return p.epilogue.any(); });
+}
+
 }  // namespace
 
 void CudaBackend::AccumulateBf16(float* out, const void* in, int64_t n) {
@@ -240,21 +247,18 @@ absl::Status CudaBackend::SetComputeDtype(ComputeDtype dtype) {
 
 bool CudaBackend::Products(const std::vector<GemmProblem>& problems, const char* op) {
   if (dtype_ == ComputeDtype::kBf16) return ProductsBf16(problems, op);
-  bool plain = true;
   for (const GemmProblem& p : problems) {
     if (p.b_bf16 != nullptr || p.a_bf16 != nullptr) {
       Fail(op, "bf16 operands need the bf16 compute dtype");
       return false;
     }
-    plain &= !p.epilogue.any();
   }
   GroupedGemm(problems, op);
-  return plain;
+  return NoEpilogue(problems);
 }
 
 bool CudaBackend::ProductsBf16(const std::vector<GemmProblem>& problems, const char* op) {
-  bool plain = true;
-  for (const GemmProblem& p : problems) plain &= !p.epilogue.any();
+  const bool plain = NoEpilogue(problems);
   if (problems.empty() || !Ready()) return plain;
   // The element ranges the operands read, as [begin, end) addresses, merged; operands
   // already in bf16 are read as they are.
@@ -326,14 +330,12 @@ bool CudaBackend::RunBf16Products(const std::vector<GemmProblem>& problems,
   };
   std::vector<Bf16Gemm> bf16;
   bf16.reserve(problems.size());
-  bool plain = true;
   for (const GemmProblem& p : problems) {
     const bool empty = p.m == 0 || p.n == 0 || p.k == 0;
     const void* a = p.a_bf16 != nullptr ? p.a_bf16 : empty ? nullptr : in_bf16(p.a);
     const void* b = p.b_bf16 != nullptr ? p.b_bf16 : empty ? nullptr : in_bf16(p.b);
     bf16.push_back({p.trans_a, p.trans_b, p.m, p.n, p.k, a, p.lda, b, p.ldb, p.beta, p.c, p.ldc,
                     true, p.alpha, p.epilogue});
-    plain &= !p.epilogue.any();
   }
   if (bf16_products_ == Bf16Products::kKernel && KernelGemmBf16(bf16, op)) return true;
   for (Bf16Gemm& p : bf16) p.epilogue = {};  // the caller runs them as passes of their own
@@ -342,7 +344,7 @@ bool CudaBackend::RunBf16Products(const std::vector<GemmProblem>& problems,
   } else {
     FanOutGemmBf16(bf16, op);
   }
-  return plain;
+  return NoEpilogue(problems);
 }
 
 }  // namespace pith::cuda

@@ -181,12 +181,21 @@ double Flops(const std::vector<CudaBackend::Bf16Gemm>& problems) {
   return f;
 }
 
-// TFLOP/s of each phase on its own (fanned out): where the FFN's time goes.
-std::string Bf16Breakdown(CudaBackend& b, const std::vector<Bf16Call>& calls, int iters) {
+// TFLOP/s of each phase on its own: where the FFN's time goes.
+// `run` issues one phase (the fan-out by default).
+using Bf16Run = std::function<void(const std::vector<CudaBackend::Bf16Gemm>&, const char*)>;
+std::string Bf16Breakdown(CudaBackend& b, const std::vector<Bf16Call>& calls, int iters,
+                          const Bf16Run& run = nullptr) {
   std::string out;
   for (const Bf16Call& call : calls) {
     const auto& [name, problems] = call;
-    const double t = SecondsPerIter(b, iters, [&] { b.FanOutGemmBf16(*call.second, call.first); });
+    const double t = SecondsPerIter(b, iters, [&] {
+      if (run) {
+        run(*problems, name);
+      } else {
+        b.FanOutGemmBf16(*problems, name);
+      }
+    });
     char part[64];
     std::snprintf(part, sizeof(part), " %s %.0f", name, Flops(*problems) / t / 1e12);
     out += part;
@@ -360,14 +369,10 @@ int RunBf16Kernel(CudaBackend& b, const Shape& s, int64_t tokens, int iters) {
                    taken ? b.status().ToString().c_str() : "a problem the kernel does not take");
       return 1;
     }
-    std::string phases;
-    for (const Bf16Call& call : calls) {
-      const double t =
-          SecondsPerIter(b, iters, [&] { b.KernelGemmBf16(*call.second, call.first); });
-      char part[64];
-      std::snprintf(part, sizeof(part), " %s %.0f", call.first, Flops(*call.second) / t / 1e12);
-      phases += part;
-    }
+    const std::string phases = Bf16Breakdown(
+        b, calls, iters, [&](const std::vector<CudaBackend::Bf16Gemm>& p, const char* op) {
+          b.KernelGemmBf16(p, op);
+        });
     std::printf(
         "expert_gemm_bf16_kernel %-16s tile %s (%d CTAs/SM) A=%lld  fwd+bwd %.2f ms %.1f TFLOP/s "
         "(%.0f%% of 790)  dense %.1f TFLOP/s  ratio %.3f (target >= 0.8); TFLOP/s per phase:%s\n",
@@ -524,28 +529,30 @@ double LayerSeconds(CudaBackend& b, const Shape& s, int64_t tokens, int iters,
   return seconds;
 }
 
-int RunLayer(CudaBackend& b, const Shape& s, int64_t tokens, int iters) {
+// The layer in the backend's present settings: its moe_layer line and its detail line,
+// under `label` (what tests/gpu/run.sh reads back); the seconds per iteration, or -1.
+double LayerLines(CudaBackend& b, const Shape& s, int64_t tokens, int iters, const char* label,
+                  bool blobs = false) {
   std::string parts;
-  const double seconds = LayerSeconds(b, s, tokens, iters, &parts);
-  if (seconds <= 0) return 1;
-  std::printf("moe_layer %-16s tokens=%lld fp32 fwd+bwd %.2f ms\n", s.name,
-              static_cast<long long>(tokens), seconds * 1e3);
-  std::printf("moe_layer_detail %-16s fp32 one iteration, each part waited for (ms):%s\n", s.name,
-              parts.c_str());
-  return 0;
+  const double seconds = LayerSeconds(b, s, tokens, iters, &parts, blobs);
+  if (seconds <= 0) return -1;
+  std::printf("moe_layer %-16s tokens=%lld %s fwd+bwd %.2f ms\n", s.name,
+              static_cast<long long>(tokens), label, seconds * 1e3);
+  std::printf("moe_layer_detail %-16s %s one iteration, each part waited for (ms):%s\n", s.name,
+              label, parts.c_str());
+  return seconds;
+}
+
+int RunLayer(CudaBackend& b, const Shape& s, int64_t tokens, int iters) {
+  return LayerLines(b, s, tokens, iters, "fp32") > 0 ? 0 : 1;
 }
 
 // The layer in bf16 with the backend's defaults, and with the fan-outs' launches spread
 // over 4 host threads (the detail line).
 int RunLayerBf16(CudaBackend& b, const Shape& s, int64_t tokens, int iters) {
   if (!b.SetComputeDtype(ComputeDtype::kBf16).ok()) return 1;
-  std::string parts;
-  const double seconds = LayerSeconds(b, s, tokens, iters, &parts);
+  const double seconds = LayerLines(b, s, tokens, iters, "bf16");
   if (seconds <= 0) return 1;
-  std::printf("moe_layer %-16s tokens=%lld bf16 fwd+bwd %.2f ms\n", s.name,
-              static_cast<long long>(tokens), seconds * 1e3);
-  std::printf("moe_layer_detail %-16s bf16 one iteration, each part waited for (ms):%s\n", s.name,
-              parts.c_str());
   const int threads = b.launch_threads();
   b.set_launch_threads(4);
   const double threaded = LayerSeconds(b, s, tokens, iters);
@@ -554,28 +561,14 @@ int RunLayerBf16(CudaBackend& b, const Shape& s, int64_t tokens, int iters) {
   std::printf("moe_layer_detail %-16s bf16 with 4 launch threads %.2f ms (default %d: %.2f)\n",
               s.name, threaded * 1e3, threads, seconds * 1e3);
   // As a bf16 job's cluster worker computes: the weights already bf16 (no rounding).
-  std::string blob_parts;
-  const double blobs = LayerSeconds(b, s, tokens, iters, &blob_parts, /*blobs=*/true);
-  if (blobs <= 0) return 1;
-  std::printf("moe_layer %-16s tokens=%lld bf16_blobs fwd+bwd %.2f ms\n", s.name,
-              static_cast<long long>(tokens), blobs * 1e3);
-  std::printf("moe_layer_detail %-16s bf16_blobs one iteration, each part waited for (ms):%s\n",
-              s.name, blob_parts.c_str());
-  return 0;
+  return LayerLines(b, s, tokens, iters, "bf16_blobs", /*blobs=*/true) > 0 ? 0 : 1;
 }
 
 // The bf16 layer with its expert products through the grouped kernel.
 int RunLayerBf16Kernel(CudaBackend& b, const Shape& s, int64_t tokens, int iters) {
   if (!b.SetComputeDtype(ComputeDtype::kBf16).ok()) return 1;
   b.set_bf16_products(CudaBackend::Bf16Products::kKernel);
-  std::string parts;
-  const double seconds = LayerSeconds(b, s, tokens, iters, &parts);
-  if (seconds <= 0) return 1;
-  std::printf("moe_layer %-16s tokens=%lld bf16_kernel fwd+bwd %.2f ms\n", s.name,
-              static_cast<long long>(tokens), seconds * 1e3);
-  std::printf("moe_layer_detail %-16s bf16_kernel one iteration, each part waited for (ms):%s\n",
-              s.name, parts.c_str());
-  return 0;
+  return LayerLines(b, s, tokens, iters, "bf16_kernel") > 0 ? 0 : 1;
 }
 
 // Expert fetches to the device: one round of uploads of a bf16 weights blob into every
