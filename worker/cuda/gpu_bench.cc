@@ -190,10 +190,10 @@ std::string Bf16Breakdown(CudaBackend& b, const std::vector<Bf16Call>& calls, in
   for (const Bf16Call& call : calls) {
     const auto& [name, problems] = call;
     const double t = SecondsPerIter(b, iters, [&] {
-      if (run) {
-        run(*problems, name);
+      if (run) {  // call's members: clang 14 cannot capture structured bindings
+        run(*call.second, call.first);
       } else {
-        b.FanOutGemmBf16(*problems, name);
+        b.FanOutGemmBf16(*call.second, call.first);
       }
     });
     char part[64];
