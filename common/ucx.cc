@@ -51,42 +51,10 @@ void RequestShortSlice() {
   (void)::syscall(SYS_sched_setattr, 0, &attr, 0);
 }
 
-// Whether tasks on this host have been waiting for a CPU lately: more than 5% of the
-// last ~50 ms by the kernel's pressure stall figures (/proc/pressure/cpu, "some"). Read at
-// most once per window by whichever thread asks first; false where the kernel has no PSI.
-// Thread-safe.
-bool CpuContended(std::chrono::steady_clock::time_point now) {
-  constexpr int64_t kWindowNs = 50'000'000;
-  static std::atomic<int64_t> checked_ns{0};
-  static std::atomic<bool> contended{false};
-  static std::atomic<uint64_t> stalled_us{0};
-  static const int fd = ::open("/proc/pressure/cpu", O_RDONLY | O_CLOEXEC);  // kept open
-  const int64_t t =
-      std::chrono::duration_cast<std::chrono::nanoseconds>(now.time_since_epoch()).count();
-  int64_t last = checked_ns.load(std::memory_order_relaxed);
-  if (fd < 0 || t - last < kWindowNs ||
-      !checked_ns.compare_exchange_strong(last, t, std::memory_order_relaxed)) {
-    return contended.load(std::memory_order_relaxed);
-  }
-  char buf[256];
-  const ssize_t n = ::pread(fd, buf, sizeof(buf) - 1, 0);
-  if (n <= 0) return contended.load(std::memory_order_relaxed);
-  buf[n] = '\0';
-  const char* total = std::strstr(buf, "total=");  // the "some" line comes first
-  if (total == nullptr) return contended.load(std::memory_order_relaxed);
-  const uint64_t us = std::strtoull(total + 6, nullptr, 10);
-  const uint64_t before = stalled_us.exchange(us, std::memory_order_relaxed);
-  const bool busy =
-      last > 0 && before > 0 && static_cast<int64_t>(us - before) * 1000 * 20 > (t - last);
-  contended.store(busy, std::memory_order_relaxed);
-  return busy;
-}
-
 // Completion context of one send or receive.
 struct OpContext {
   Worker::Done done;
   std::string header;           // kept alive until the send completes
-  int* in_flight = nullptr;     // the worker's count of pending requests
   bool* called_back = nullptr;  // set while the operation is being issued (see Issue)
 };
 
@@ -97,11 +65,9 @@ struct OpContext {
 // `done` runs exactly once and the context is freed once. The callback must call
 // FinishOp.
 template <typename Start>
-void Issue(std::unique_ptr<OpContext> ctx, int& in_flight, absl::string_view what, Start start) {
+void Issue(std::unique_ptr<OpContext> ctx, absl::string_view what, Start start) {
   bool called_back = false;
-  ctx->in_flight = &in_flight;
   ctx->called_back = &called_back;
-  ++in_flight;
   OpContext* raw = ctx.release();  // the callback frees it, if it runs
   const ucs_status_ptr_t r = start(raw);
   if (called_back) return;
@@ -110,7 +76,6 @@ void Issue(std::unique_ptr<OpContext> ctx, int& in_flight, absl::string_view wha
     return;
   }
   std::unique_ptr<OpContext> own(raw);
-  --in_flight;
   own->done(FromUcs(UCS_PTR_STATUS(r), what));
 }
 
@@ -119,7 +84,6 @@ void FinishOp(void* request, ucs_status_t status, void* user_data, absl::string_
   std::unique_ptr<OpContext> ctx(static_cast<OpContext*>(user_data));
   ucp_request_free(request);
   if (ctx->called_back != nullptr) *ctx->called_back = true;
-  --*ctx->in_flight;
   ctx->done(FromUcs(status, what));
 }
 
@@ -288,18 +252,20 @@ ucs_status_t Worker::OnAm(void* arg, const void* header, size_t header_length, v
 }
 
 void Worker::Loop() {
-  // NOTE: while a send or receive of this worker is pending the loop spins (for up to
-  // kSpin without progress) before sleeping on the event fd: rendezvous transfers take
-  // several hops, and a sleep/wake per hop would halve the bandwidth (store_fetch_bench,
-  // 64 KiB: 9.1 GB/s spinning, 6.4 sleeping). But only while the host's CPUs are not
-  // contended: where tasks wait for a core (workers and stores sharing a host's cores with
-  // compute), a spin takes the core from the process whose answer it waits for; a 2-worker
-  // demo job on 2 cores spent 7% more CPU and 6% more wall time a step spinning. With
-  // nothing pending it sleeps at once: a process waiting for a peer's message costs no CPU.
-  constexpr auto kSpin = std::chrono::microseconds(30);
+  // NOTE: after any activity the loop keeps polling for kPoll before it sleeps on the event
+  // fd, yielding the core between polls: a rendezvous transfer takes several hops, and a
+  // fetch's next request follows its last reply within microseconds; sleeping between them
+  // makes every hop pay a wake-up (in a VM, an idle vCPU's halt and an IPI to wake it).
+  // Yielding instead of spinning lets whatever else wants the core (compute, the peer
+  // process, the kernel's network work) run first, so polling costs nobody a time slice.
+  // Measured on 2 vCPUs: a 64 KiB fetch over TCP between namespaces 1.2-1.4 -> 2.5-2.8
+  // GB/s (0.86-0.89 of ucx_perftest's polling), over shared memory 5 -> 8-11 GB/s, and the
+  // 2-worker cluster_bench 7% less wall time a step; sleeping at once (what this loop did
+  // while the CPUs were contended) and spinning without yielding (a 2-worker demo job: 6%
+  // more wall time a step) both did worse. With nothing for kPoll it sleeps: a process
+  // waiting for a peer costs no CPU.
+  constexpr auto kPoll = std::chrono::microseconds(200);
   auto last_active = std::chrono::steady_clock::now();
-  bool spin = !CpuContended(last_active);
-  uint32_t idle_spins = 0;
   int busy_idle = 0;
   // One read takes the whole count of the wake eventfd (called only when it has one).
   const auto drain_wake = [this] {
@@ -319,21 +285,18 @@ void Worker::Loop() {
     const bool failures = !failed_endpoints_.empty();
     RunEndpointErrors();
     std::vector<std::function<void()>> posted;
-    if (has_posted_.exchange(false, std::memory_order_acquire)) {  // no lock per spin
+    if (has_posted_.exchange(false, std::memory_order_acquire)) {  // no lock per poll
       std::lock_guard<std::mutex> lock(mu_);
       posted.swap(posted_);
     }
     for (auto& fn : posted) fn();
     if (active || failures || !posted.empty() || !arrived_.empty()) {
       last_active = std::chrono::steady_clock::now();
-      spin = !CpuContended(last_active);
-      idle_spins = 0;
       busy_idle = 0;
       continue;
     }
-    // The clock is read every few idle spins only: it costs more than a spin.
-    if (in_flight_ > 0 && spin &&
-        (++idle_spins % 16 != 0 || std::chrono::steady_clock::now() - last_active < kSpin)) {
+    if (std::chrono::steady_clock::now() - last_active < kPoll) {
+      sched_yield();
       continue;
     }
     pollfd fds[2] = {{ucx_fd_, POLLIN, 0}, {wake_fd_, POLLIN, 0}};
@@ -341,7 +304,7 @@ void Worker::Loop() {
     // the peer, sends queued behind a full FIFO). Arming again at once made a loop of
     // failing eventfd reads (~400k syscalls/s per worker on the 2-core cluster_bench, ~9%
     // of a demo job's CPU a step); after a second BUSY with no progress between, the loop naps
-    // 20 us instead (the spin above has had its turn), and the peer gets the core.
+    // 20 us instead (the polling above has had its turn), and the peer gets the core.
     if (ucp_worker_arm(worker_) == UCS_ERR_BUSY) {
       if (++busy_idle < 2) continue;  // the first: progress may have work at once
       timespec nap{0, 20'000};
@@ -501,7 +464,7 @@ void Worker::Send(ucp_ep_h ep, uint16_t id, std::string header, const void* data
                   ucp_mem_h memh, bool want_reply, Done done) {
   auto ctx =
       std::make_unique<OpContext>(OpContext{std::move(done), internal::Tag(id, std::move(header))});
-  Issue(std::move(ctx), in_flight_, "send", [&](OpContext* c) {
+  Issue(std::move(ctx), "send", [&](OpContext* c) {
     ucp_request_param_t p{};
     p.op_attr_mask =
         UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_FLAGS;
@@ -525,7 +488,7 @@ void Worker::ReceiveData(AmMessage& m, void* buffer, ucp_mem_h memh, Done done) 
   }
   auto ctx = std::make_unique<OpContext>(OpContext{std::move(done), {}});
   void* desc = std::exchange(m.rndv_desc, nullptr);  // UCX owns it from here on
-  Issue(std::move(ctx), in_flight_, "receive", [&](OpContext* c) {
+  Issue(std::move(ctx), "receive", [&](OpContext* c) {
     ucp_request_param_t p{};
     p.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
     p.cb.recv_am = &Worker::OnRecvDone;

@@ -181,7 +181,6 @@ class Worker {
   std::map<uint16_t, Handler> handlers_;
   std::vector<std::unique_ptr<HandlerSlot>> slots_;
   std::deque<AmMessage> arrived_;  // progress thread only
-  int in_flight_ = 0;              // pending sends and receives; progress thread only
 
   std::mutex mu_;
   std::vector<std::function<void()>> posted_;  // guarded by mu_
