@@ -220,7 +220,7 @@ void StoreClient::OnReply(ucx::AmMessage& m, bool is_get) {
 
 absl::Status StoreClient::Issue(int peer, uint64_t id, const std::shared_ptr<Pending>& pending,
                                 uint16_t message, std::string header, const void* data, size_t size,
-                                ucp_mem_h memh, absl::Duration timeout,
+                                ucp_mem_h memh, absl::Time deadline, absl::Duration budget,
                                 const std::function<void(size_t)>& on_landed) {
   worker_->Post(
       [this, peer, pending, id, message, data, size, memh, header = std::move(header)]() mutable {
@@ -239,13 +239,12 @@ absl::Status StoreClient::Issue(int peer, uint64_t id, const std::shared_ptr<Pen
                         pending->Complete();
                       });
       });
-  return Wait(peer, pending, timeout, on_landed);
+  return Wait(peer, pending, deadline, budget, on_landed);
 }
 
 absl::Status StoreClient::Wait(int peer, const std::shared_ptr<Pending>& pending,
-                               absl::Duration timeout,
+                               absl::Time deadline, absl::Duration budget,
                                const std::function<void(size_t)>& on_landed) {
-  const absl::Time deadline = absl::Now() + timeout;
   if (on_landed) {
     Pending* p = pending.get();
     std::vector<size_t> landed;
@@ -270,7 +269,7 @@ absl::Status StoreClient::Wait(int peer, const std::shared_ptr<Pending>& pending
     }
   });
   return absl::DeadlineExceededError(
-      absl::StrCat("store did not answer within ", absl::FormatDuration(timeout)));
+      absl::StrCat("store did not answer within ", absl::FormatDuration(budget)));
 }
 
 absl::Status StoreClient::Fetch(int peer, absl::Span<FetchItem> items, absl::Duration timeout) {
@@ -295,7 +294,7 @@ absl::Status StoreClient::Fetch(int peer, absl::Span<FetchItem> items, absl::Dur
       first.Update(items[begin].status);
       break;
     }
-    first.Update(FetchOnce(peer, items.subspan(begin, end - begin), deadline - absl::Now()));
+    first.Update(FetchOnce(peer, items.subspan(begin, end - begin), deadline, timeout));
     begin = end;
   }
   return first;
@@ -320,7 +319,8 @@ absl::Status StoreClient::CheckFetched(const FetchItem& item) {
   return absl::OkStatus();
 }
 
-absl::Status StoreClient::FetchOnce(int peer, absl::Span<FetchItem> items, absl::Duration timeout) {
+absl::Status StoreClient::FetchOnce(int peer, absl::Span<FetchItem> items, absl::Time deadline,
+                                    absl::Duration budget) {
   if (items.empty()) return absl::OkStatus();
   auto pending = std::make_shared<Pending>();
   pending->peer = peer;
@@ -342,7 +342,7 @@ absl::Status StoreClient::FetchOnce(int peer, absl::Span<FetchItem> items, absl:
   std::vector<bool> seen(items.size(), false);
   absl::Status status =
       Issue(peer, request.request_id(), pending, v1::UCX_MESSAGE_GET_REQUEST,
-            request.SerializeAsString(), nullptr, 0, nullptr, timeout, [&](size_t i) {
+            request.SerializeAsString(), nullptr, 0, nullptr, deadline, budget, [&](size_t i) {
               checked[i] = CheckFetched(items[i]);
               seen[i] = true;
             });
@@ -400,7 +400,7 @@ absl::Status StoreClient::PutMany(absl::Span<PutItem> items, absl::Duration time
   for (size_t i = 0; i < items.size(); ++i) {
     if (source[i] < 0) first_round.push_back(i);
   }
-  absl::Status first = PutRound(items, first_round, source, deadline);
+  absl::Status first = PutRound(items, first_round, source, deadline, timeout);
   if (buffers_free) buffers_free(first);  // the references carry no payload
   for (size_t i = 0; i < items.size(); ++i) {
     if (source[i] < 0) continue;
@@ -410,12 +410,13 @@ absl::Status StoreClient::PutMany(absl::Span<PutItem> items, absl::Duration time
       items[i].status = items[source[i]].status;  // nothing to refer to
     }
   }
-  absl::Status second = PutRound(items, second_round, source, deadline);
+  absl::Status second = PutRound(items, second_round, source, deadline, timeout);
   return first.ok() ? second : first;
 }
 
 absl::Status StoreClient::PutRound(absl::Span<PutItem> items, const std::vector<size_t>& round,
-                                   const std::vector<int>& source, absl::Time deadline) {
+                                   const std::vector<int>& source, absl::Time deadline,
+                                   absl::Duration budget) {
   if (round.empty()) return absl::OkStatus();
   std::vector<std::shared_ptr<Pending>> pendings;
   std::vector<std::pair<uint64_t, std::string>> headers;
@@ -483,8 +484,7 @@ absl::Status StoreClient::PutRound(absl::Span<PutItem> items, const std::vector<
   absl::Status first;
   for (size_t k = 0; k < round.size(); ++k) {
     PutItem& item = items[round[k]];
-    absl::Status st =
-        Wait(item.peer, pendings[k], std::max(deadline - absl::Now(), absl::ZeroDuration()));
+    absl::Status st = Wait(item.peer, pendings[k], deadline, budget);
     item.status = st;
     if (st.ok()) item.info = pendings[k]->put_info;
     if (first.ok() && !st.ok()) first = st;
@@ -505,8 +505,9 @@ absl::StatusOr<v1::BlobInfo> StoreClient::Put(int peer, const v1::BlobKey& key, 
   request.set_version(version);
   request.set_size(size);
   request.set_crc32c(Crc32c(data, size));
-  absl::Status s = Issue(peer, request.request_id(), pending, v1::UCX_MESSAGE_PUT_REQUEST,
-                         request.SerializeAsString(), data, size, memh, timeout);
+  absl::Status s =
+      Issue(peer, request.request_id(), pending, v1::UCX_MESSAGE_PUT_REQUEST,
+            request.SerializeAsString(), data, size, memh, absl::Now() + timeout, timeout);
   if (!s.ok()) return s;
   return pending->put_info;
 }

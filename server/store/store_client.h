@@ -92,20 +92,22 @@ class StoreClient {
   // Sends items[round] (those with source[i] >= 0 as references to items[source[i]],
   // written before) and waits for them.
   absl::Status PutRound(absl::Span<PutItem> items, const std::vector<size_t>& round,
-                        const std::vector<int>& source, absl::Time deadline);
+                        const std::vector<int>& source, absl::Time deadline, absl::Duration budget);
   // Sends request `id` (on the progress thread) and waits for its replies.
   // Fetch's one request (of at most kMaxRequestBytes of header).
-  absl::Status FetchOnce(int peer, absl::Span<FetchItem> items, absl::Duration timeout);
+  absl::Status FetchOnce(int peer, absl::Span<FetchItem> items, absl::Time deadline,
+                         absl::Duration budget);
   static constexpr size_t kMaxRequestBytes = 4096;
   static constexpr size_t kItemOverheadBytes = 32;  // an item's version, capacity, framing
   // `on_landed(i)`: called on this thread for each fetch item i whose payload has landed,
-  // while the others are still in flight (null: none).
+  // while the others are still in flight (null: none). Waits until `deadline`; `budget` is
+  // the whole call's time, which a timeout names.
   absl::Status Issue(int peer, uint64_t id, const std::shared_ptr<Pending>& pending,
                      uint16_t message, std::string header, const void* data, size_t size,
-                     ucp_mem_h memh, absl::Duration timeout,
+                     ucp_mem_h memh, absl::Time deadline, absl::Duration budget,
                      const std::function<void(size_t)>& on_landed = nullptr);
-  absl::Status Wait(int peer, const std::shared_ptr<Pending>& pending, absl::Duration timeout,
-                    const std::function<void(size_t)>& on_landed = nullptr);
+  absl::Status Wait(int peer, const std::shared_ptr<Pending>& pending, absl::Time deadline,
+                    absl::Duration budget, const std::function<void(size_t)>& on_landed = nullptr);
   void FailPeer(int peer, const absl::Status& status);
 
   std::unique_ptr<ucx::Worker> worker_;
