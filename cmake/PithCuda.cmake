@@ -39,3 +39,31 @@ if(PITH_CUDA)
     message(STATUS "Pith: no nvcc found; building the CPU backend only")
   endif()
 endif()
+
+# The CUDA backend as a module that `select` (the backend selection library) loads with
+# dlopen only when a worker trains on a GPU (worker/backend/cuda_plugin.h): pith-worker
+# itself links none of CUDA's libraries. Both sides get PITH_BACKEND_ABI, a hash of the
+# compute interface the module is called through, and the loader refuses a module whose
+# hash differs.
+function(pith_add_cuda_plugin select)
+  set(interface worker/compute/backend.h common/compute_dtype.h)
+  set(abi "")
+  foreach(f ${interface})
+    file(SHA256 "${PROJECT_SOURCE_DIR}/${f}" h)
+    string(APPEND abi "${h}")
+    set_property(DIRECTORY APPEND PROPERTY CMAKE_CONFIGURE_DEPENDS "${PROJECT_SOURCE_DIR}/${f}")
+  endforeach()
+  string(SHA256 abi "${abi}")
+  string(SUBSTRING "${abi}" 0 16 abi)
+  add_library(pith_cuda_backend MODULE "${PROJECT_SOURCE_DIR}/worker/cuda/cuda_plugin.cc")
+  target_link_libraries(pith_cuda_backend PRIVATE pith_cuda)
+  # Only the two entry points leave the module: the Pith code it carries (its own copy of
+  # the compute engine) binds to itself, never to the loading binary's.
+  target_link_options(pith_cuda_backend PRIVATE LINKER:--exclude-libs,ALL LINKER:-Bsymbolic
+                      LINKER:--no-undefined)
+  target_compile_definitions(pith_cuda_backend PRIVATE PITH_BACKEND_ABI="${abi}")
+  pith_target_warnings(pith_cuda_backend)
+  target_compile_definitions(${select} PRIVATE PITH_WITH_CUDA PITH_BACKEND_ABI="${abi}")
+  target_link_libraries(${select} PRIVATE ${CMAKE_DL_LIBS})
+  add_dependencies(${select} pith_cuda_backend)
+endfunction()

@@ -63,9 +63,8 @@ pith_add_library(pith_cuda
 
 pith_add_library(pith_backend_select
   SOURCES worker/backend/backend_select.cc
-  PUBLIC_DEPS pith_compute
-  DEPS pith_cuda)
-target_compile_definitions(pith_backend_select PRIVATE PITH_WITH_CUDA)
+  PUBLIC_DEPS pith_compute)
+pith_add_cuda_plugin(pith_backend_select)
 
 pith_add_test(worker/cuda/device_probe_test.cc DEPS pith_cuda LABELS gpu)
 pith_add_test(worker/cuda/cuda_backend_test.cc DEPS pith_cuda LABELS gpu)

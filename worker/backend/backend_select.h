@@ -1,6 +1,7 @@
 // Picks a worker's compute backend from --backend and --device: "cpu", "cuda" (device N;
 // an error when this build has no CUDA or the host no such device) or "auto" (CUDA when
-// the build has it and the device exists, else CPU).
+// the build has it and the device exists, else CPU). The CUDA backend is a module loaded
+// on first use (cuda_plugin.h); auto loads it only on a host with NVIDIA's driver.
 //
 // Thread safety: MakeBackend may be called from any thread.
 #ifndef PITH_WORKER_BACKEND_BACKEND_SELECT_H_

@@ -1,10 +1,37 @@
 // Backend selection: the flag values, and what each gives on this machine.
 #include "worker/backend/backend_select.h"
 
+#include <unistd.h>
+
+#include <fstream>
+#include <sstream>
+
 #include "gtest/gtest.h"
 
 namespace pith::compute {
 namespace {
+
+std::string MappedFiles() {
+  std::ifstream maps("/proc/self/maps");
+  std::stringstream all;
+  all << maps.rdbuf();
+  return all.str();
+}
+
+// A worker that trains on the CPU never maps CUDA's libraries (~155 MB resident at load:
+// cuda_plugin.h). First in this file: the CUDA test below loads them for good.
+TEST(BackendSelectTest, TheCpuPathLoadsNoCudaLibrary) {
+  ASSERT_TRUE(MakeBackend({"cpu", 0, 1}).ok());
+  const bool driver =
+      ::access("/dev/nvidiactl", F_OK) == 0 || ::access("/proc/driver/nvidia", F_OK) == 0;
+  if (!driver) {  // with a driver, auto loads them
+    ASSERT_TRUE(MakeBackend({"auto", 0, 1}).ok());
+  }
+  const std::string maps = MappedFiles();
+  for (const char* lib : {"libcublas", "libcudart", "libnccl", "libpith_cuda_backend"}) {
+    EXPECT_EQ(maps.find(lib), std::string::npos) << lib << " is mapped:\n" << maps;
+  }
+}
 
 TEST(BackendSelectTest, CpuAndBadValues) {
   std::string description;
