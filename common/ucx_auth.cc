@@ -2,7 +2,6 @@
 
 #include <openssl/crypto.h>
 #include <openssl/evp.h>
-#include <openssl/hmac.h>
 #include <openssl/rand.h>
 
 #include <algorithm>
@@ -47,18 +46,58 @@ std::pair<bool, std::shared_ptr<const std::string>> Snapshot() {
   return {s.required, s.key};
 }
 
+// HMAC-SHA256 of id (little-endian) || header under `key`, by a context each thread keys
+// once per data-plane key and resets per message: the one-shot HMAC() this replaced keyed
+// a new context for every message (1.19 us a 100-byte message on the 2-core VM; reset,
+// 0.23 us), and every UCX message of a TLS cluster is tagged once and checked once.
+class ThreadMac {
+ public:
+  ThreadMac() = default;
+  ~ThreadMac() { EVP_MAC_CTX_free(ctx_); }
+  ThreadMac(const ThreadMac&) = delete;
+  ThreadMac& operator=(const ThreadMac&) = delete;
+
+  // False when OpenSSL could not compute it.
+  bool Compute(const std::shared_ptr<const std::string>& key, uint16_t id, absl::string_view header,
+               unsigned char out[EVP_MAX_MD_SIZE]) {
+    const bool ready = key == key_ ? EVP_MAC_init(ctx_, nullptr, 0, nullptr) == 1 : Rekey(key);
+    if (!ready) return false;
+    const unsigned char id_bytes[2] = {static_cast<unsigned char>(id & 0xff),
+                                       static_cast<unsigned char>(id >> 8)};
+    size_t len = 0;
+    return EVP_MAC_update(ctx_, id_bytes, sizeof(id_bytes)) == 1 &&
+           EVP_MAC_update(ctx_, reinterpret_cast<const unsigned char*>(header.data()),
+                          header.size()) == 1 &&
+           EVP_MAC_final(ctx_, out, &len, EVP_MAX_MD_SIZE) == 1 && len >= kAuthTagBytes;
+  }
+
+ private:
+  bool Rekey(const std::shared_ptr<const std::string>& key) {
+    static EVP_MAC* const hmac = EVP_MAC_fetch(nullptr, "HMAC", nullptr);  // process-wide
+    EVP_MAC_CTX_free(ctx_);
+    key_ = nullptr;
+    ctx_ = hmac != nullptr ? EVP_MAC_CTX_new(hmac) : nullptr;
+    if (ctx_ == nullptr) return false;
+    char digest[] = "SHA256";
+    const OSSL_PARAM params[] = {OSSL_PARAM_construct_utf8_string("digest", digest, 0),
+                                 OSSL_PARAM_construct_end()};
+    if (EVP_MAC_init(ctx_, reinterpret_cast<const unsigned char*>(key->data()), key->size(),
+                     params) != 1) {
+      return false;  // key_ stays null: the next message keys again
+    }
+    key_ = key;  // held, so a new key can never reuse its address unnoticed
+    return true;
+  }
+
+  std::shared_ptr<const std::string> key_;
+  EVP_MAC_CTX* ctx_ = nullptr;
+};
+
 // False when OpenSSL could not compute it (then no tag matches: see Check).
-bool Mac(const std::string& key, uint16_t id, absl::string_view header,
+bool Mac(const std::shared_ptr<const std::string>& key, uint16_t id, absl::string_view header,
          unsigned char out[EVP_MAX_MD_SIZE]) {
-  std::string message(2 + header.size(), '\0');  // id (little-endian) || header
-  message[0] = static_cast<char>(id & 0xff);
-  message[1] = static_cast<char>(id >> 8);
-  std::copy(header.begin(), header.end(), message.begin() + 2);
-  unsigned int len = 0;
-  if (HMAC(EVP_sha256(), key.data(), static_cast<int>(key.size()),
-           reinterpret_cast<const unsigned char*>(message.data()), message.size(), out,
-           &len) == nullptr ||
-      len < kAuthTagBytes) {
+  thread_local ThreadMac mac;
+  if (!mac.Compute(key, id, header, out)) {
     std::fill(out, out + EVP_MAX_MD_SIZE, 0);
     return false;
   }
@@ -105,7 +144,7 @@ std::string Tag(uint16_t id, std::string header) {
   auto [required, key] = Snapshot();
   if (key == nullptr) return header;
   unsigned char mac[EVP_MAX_MD_SIZE];
-  (void)Mac(*key, id, header, mac);  // on failure a tag no receiver accepts
+  (void)Mac(key, id, header, mac);  // on failure a tag no receiver accepts
   header.append(reinterpret_cast<const char*>(mac), kAuthTagBytes);
   return header;
 }
@@ -120,7 +159,7 @@ std::optional<size_t> Check(uint16_t id, absl::string_view header) {
   const size_t body = header.size() - kAuthTagBytes;
   unsigned char mac[EVP_MAX_MD_SIZE];
   // A tag that cannot be computed here matches nothing (never the zeros Mac leaves).
-  if (!Mac(*key, id, header.substr(0, body), mac) ||
+  if (!Mac(key, id, header.substr(0, body), mac) ||
       CRYPTO_memcmp(mac, header.data() + body, kAuthTagBytes) != 0) {
     CountDrop();
     return std::nullopt;

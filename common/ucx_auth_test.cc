@@ -4,6 +4,7 @@
 #include "common/ucx_auth.h"
 
 #include <string>
+#include <thread>
 
 #include "gtest/gtest.h"
 
@@ -35,6 +36,24 @@ TEST(UcxAuthTest, OnlyTheRightTagPassesAndEveryDropIsCounted) {
   EXPECT_EQ(hooked, 4);
   EXPECT_EQ(DroppedUnauthenticated(), 4u);
   OnUnauthenticatedDrop(nullptr);
+}
+
+// The tag is HMAC-SHA256 of id (little-endian) || header, cut to kAuthTagBytes: RFC 4231's
+// test case 2 (key "Jefe", data "what do ya want for nothing?") with the id as its first
+// two bytes, on this thread and on a fresh one (each keeps its own context).
+TEST(UcxAuthTest, TheTagIsRfc4231sHmacSha256OfIdAndHeader) {
+  SetDataPlaneKey("Jefe");
+  const uint16_t id = 'w' | ('h' << 8);
+  const std::string header = "at do ya want for nothing?";
+  const std::string expected = "\x5b\xdc\xc1\x46\xbf\x60\x75\x4e\x6a\x04\x24\x26\x08\x95\x75\xc7";
+  std::string here = internal::Tag(id, header), there;
+  std::thread([&] { there = internal::Tag(id, header); }).join();
+  EXPECT_EQ(here, header + expected);
+  EXPECT_EQ(there, here);
+  SetDataPlaneKey("another key");  // a thread's context takes the new key
+  EXPECT_NE(internal::Tag(id, header), here);
+  SetDataPlaneKey("Jefe");
+  EXPECT_EQ(internal::Tag(id, header), here);
 }
 
 }  // namespace
