@@ -61,6 +61,8 @@ function(pith_add_cuda_plugin select)
   # the compute engine) binds to itself, never to the loading binary's.
   target_link_options(pith_cuda_backend PRIVATE LINKER:--exclude-libs,ALL LINKER:-Bsymbolic
                       LINKER:--no-undefined)
+  set_target_properties(pith_cuda_backend PROPERTIES CXX_VISIBILITY_PRESET hidden
+                        VISIBILITY_INLINES_HIDDEN ON)
   target_compile_definitions(pith_cuda_backend PRIVATE PITH_BACKEND_ABI="${abi}")
   pith_target_warnings(pith_cuda_backend)
   target_compile_definitions(${select} PRIVATE PITH_WITH_CUDA PITH_BACKEND_ABI="${abi}")

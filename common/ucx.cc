@@ -256,10 +256,11 @@ void Worker::Loop() {
   // fd, yielding the core between polls: a rendezvous transfer takes several hops, and a
   // fetch's next request follows its last reply within microseconds; sleeping between them
   // makes every hop pay a wake-up (in a VM, an idle vCPU's halt and an IPI to wake it).
-  // Yielding instead of spinning lets whatever else wants the core (compute, the peer
-  // process, the kernel's network work) run first, so polling costs nobody a time slice.
-  // Measured on 2 vCPUs: a 64 KiB fetch over TCP between namespaces 1.2-1.4 -> 2.5-2.8
-  // GB/s (0.86-0.89 of ucx_perftest's polling), over shared memory 5 -> 8-11 GB/s, and the
+  // Yielding instead of spinning lets what else is queued on that CPU (compute, the peer
+  // process, the kernel's network work) run first (on EEVDF kernels, 6.6+, reliably; CFS
+  // honours a yield more loosely), so polling seldom costs anyone a time slice.
+  // Measured on 2 vCPUs: a 64 KiB fetch over TCP between namespaces 1.2-1.4 -> 2.2-2.5
+  // GB/s (0.72-0.81 of ucx_perftest's polling), over shared memory 5 -> 8-11 GB/s, and the
   // 2-worker cluster_bench 7% less wall time a step; sleeping at once (what this loop did
   // while the CPUs were contended) and spinning without yielding (a 2-worker demo job: 6%
   // more wall time a step) both did worse. With nothing for kPoll it sleeps: a process

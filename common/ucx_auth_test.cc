@@ -49,6 +49,7 @@ TEST(UcxAuthTest, TheTagIsRfc4231sHmacSha256OfIdAndHeader) {
   std::string here = internal::Tag(id, header), there;
   std::thread([&] { there = internal::Tag(id, header); }).join();
   EXPECT_EQ(here, header + expected);
+  EXPECT_EQ(internal::Tag(id, header), here);  // the context reset, not keyed again
   EXPECT_EQ(there, here);
   SetDataPlaneKey("another key");  // a thread's context takes the new key
   EXPECT_NE(internal::Tag(id, header), here);

@@ -418,6 +418,11 @@ absl::Status StoreClient::PutRound(absl::Span<PutItem> items, const std::vector<
                                    const std::vector<int>& source, absl::Time deadline,
                                    absl::Duration budget) {
   if (round.empty()) return absl::OkStatus();
+  if (absl::Now() >= deadline) {  // the first round took the time: this one is not sent
+    for (size_t i : round)
+      items[i].status = absl::DeadlineExceededError("not sent: the deadline passed");
+    return items[round.front()].status;
+  }
   std::vector<std::shared_ptr<Pending>> pendings;
   std::vector<std::pair<uint64_t, std::string>> headers;
   // One checksum per buffer: a blob goes to each store of its group, and a buffer can

@@ -14,8 +14,12 @@ bins=("$build/client/pith" "$build/server/coordinator/pith-coordinator"
       "$build/server/store/pith-store" "$build/worker/pith-worker")
 for b in "${bins[@]}"; do [[ -x $b ]] || { echo "cluster_bundle: no $b: build first" >&2; exit 1; }; done
 plugin=$build/worker/libpith_cuda_backend.so
-[[ -f $plugin ]] ||
-  { echo "cluster_bundle: no $plugin: the build has no CUDA backend (no nvcc at build)" >&2; exit 1; }
+# The module's name is in pith-worker only when the build has the CUDA backend (a module
+# left from an earlier configuration proves nothing).
+if [[ ! -f $plugin ]] || ! grep -q libpith_cuda_backend.so "$build/worker/pith-worker"; then
+  echo "cluster_bundle: $build/worker/pith-worker has no CUDA backend (no nvcc at build)" >&2
+  exit 1
+fi
 stage=$(mktemp -d)
 trap 'rm -rf "$stage"' EXIT
 mkdir -p "$stage/bin" "$stage/lib/ucx"

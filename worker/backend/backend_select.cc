@@ -64,10 +64,11 @@ const CudaPlugin& LoadedCudaPlugin() {
   return *plugin;
 }
 
-// Whether the host has NVIDIA's driver: without it --backend=auto picks the CPU without
-// loading the CUDA backend's libraries at all.
+// Whether the host has NVIDIA's driver (WSL2's GPU device included): without it
+// --backend=auto picks the CPU without loading the CUDA backend's libraries at all.
 bool HostHasNvidiaDriver() {
-  return ::access("/dev/nvidiactl", F_OK) == 0 || ::access("/proc/driver/nvidia", F_OK) == 0;
+  return ::access("/dev/nvidiactl", F_OK) == 0 || ::access("/proc/driver/nvidia", F_OK) == 0 ||
+         ::access("/dev/dxg", F_OK) == 0;
 }
 
 absl::StatusOr<std::unique_ptr<Backend>> MakeCudaBackend(int device, std::string* description) {
@@ -110,15 +111,17 @@ absl::StatusOr<std::unique_ptr<Backend>> MakeBackend(const BackendChoice& choice
         "--backend=cuda: this build has no CUDA backend (built without nvcc, or with "
         "-DPITH_CUDA=OFF)");
   }
+  std::string why_not_cuda;  // auto on a host with NVIDIA's driver that took the CPU
 #ifdef PITH_WITH_CUDA
   if (choice.kind == "cuda" || (choice.kind == "auto" && HostHasNvidiaDriver())) {
     absl::StatusOr<std::unique_ptr<Backend>> gpu = MakeCudaBackend(choice.device, description);
     if (gpu.ok() || choice.kind == "cuda") return gpu;
+    why_not_cuda = absl::StrCat(" (not CUDA: ", gpu.status().message(), ")");
   }
 #endif
   auto cpu = std::make_unique<CpuBackend>(choice.threads);
   if (description != nullptr) {
-    *description = absl::StrCat("cpu: OpenBLAS ", BlasCoreName(), " kernels");
+    *description = absl::StrCat("cpu: OpenBLAS ", BlasCoreName(), " kernels", why_not_cuda);
   }
   return std::unique_ptr<Backend>(std::move(cpu));
 }

@@ -7,8 +7,9 @@
 //
 // The module exports two C functions. Their C++ arguments are only safe between a
 // pith-worker and a module built from the same compute interface, so the module also
-// says which one it was built against (a hash of worker/compute/backend.h and the headers
-// it includes, PITH_BACKEND_ABI) and the loader refuses any other.
+// says which one it was built against (PITH_BACKEND_ABI, a hash of worker/compute/backend.h
+// and common/compute_dtype.h; other headers, Abseil's, are taken to come from the same
+// build) and the loader refuses any other.
 #ifndef PITH_WORKER_BACKEND_CUDA_PLUGIN_H_
 #define PITH_WORKER_BACKEND_CUDA_PLUGIN_H_
 
