@@ -46,14 +46,14 @@ std::pair<bool, std::shared_ptr<const std::string>> Snapshot() {
   return {s.required, s.key};
 }
 
-// HMAC-SHA256 of id (little-endian) || header under `key`, by a context each thread keys
-// once per data-plane key and resets per message: the one-shot HMAC() this replaced keyed
-// a new context for every message (1.19 us a 100-byte message on the 2-core VM; reset,
-// 0.23 us), and every UCX message of a TLS cluster is tagged once and checked once.
 // Set once OpenSSL has cleaned up at exit: a thread ending after that leaks its context
 // rather than free it into state that is gone.
 std::atomic<bool> g_openssl_gone{false};
 
+// HMAC-SHA256 of id (little-endian) || header under `key`, by a context each thread keys
+// once per data-plane key and resets per message: the one-shot HMAC() this replaced keyed
+// a new context for every message (1.19 us a 100-byte message on the 2-core VM; reset,
+// 0.23 us), and every UCX message of a TLS cluster is tagged once and checked once.
 class ThreadMac {
  public:
   ThreadMac() = default;

@@ -25,12 +25,12 @@ CudaPlugin Load() {
   CudaPlugin plugin;
   std::error_code error;
   const std::filesystem::path exe = std::filesystem::read_symlink("/proc/self/exe", error);
-  const std::string path = (exe.parent_path() / kCudaPluginFile).string();
   if (error) {
     plugin.status = absl::FailedPreconditionError(absl::StrCat(
         "cannot find the CUDA backend (", kCudaPluginFile, "): /proc/self/exe: ", error.message()));
     return plugin;
   }
+  const std::string path = (exe.parent_path() / kCudaPluginFile).string();
   void* module = ::dlopen(path.c_str(), RTLD_NOW | RTLD_LOCAL);
   if (module == nullptr) {
     const char* why = ::dlerror();
@@ -64,13 +64,6 @@ const CudaPlugin& LoadedCudaPlugin() {
   return *plugin;
 }
 
-// Whether the host has NVIDIA's driver (WSL2's GPU device included): without it
-// --backend=auto picks the CPU without loading the CUDA backend's libraries at all.
-bool HostHasNvidiaDriver() {
-  return ::access("/dev/nvidiactl", F_OK) == 0 || ::access("/proc/driver/nvidia", F_OK) == 0 ||
-         ::access("/dev/dxg", F_OK) == 0;
-}
-
 absl::StatusOr<std::unique_ptr<Backend>> MakeCudaBackend(int device, std::string* description) {
   const CudaPlugin& plugin = LoadedCudaPlugin();
   if (!plugin.status.ok()) return plugin.status;
@@ -88,6 +81,11 @@ absl::StatusOr<std::unique_ptr<Backend>> MakeCudaBackend(int device, std::string
 #endif
 
 }  // namespace
+
+bool HostHasNvidiaDriver() {
+  return ::access("/dev/nvidiactl", F_OK) == 0 || ::access("/proc/driver/nvidia", F_OK) == 0 ||
+         ::access("/dev/dxg", F_OK) == 0;
+}
 
 bool CudaBuiltIn() {
 #ifdef PITH_WITH_CUDA

@@ -25,6 +25,10 @@ struct BackendChoice {
 // Whether this build has the CUDA backend.
 bool CudaBuiltIn();
 
+// Whether the host has NVIDIA's driver (WSL2's GPU device included): without it
+// --backend=auto picks the CPU without loading the CUDA backend's libraries at all.
+bool HostHasNvidiaDriver();
+
 // The backend named by `choice`, with a line saying what was picked in `description`
 // ("cuda: NVIDIA H200 (sm_90, 139 GiB)", "cpu: 16 threads"). INVALID_ARGUMENT for an
 // unknown kind; FAILED_PRECONDITION for cuda in a build without CUDA; UNAVAILABLE for

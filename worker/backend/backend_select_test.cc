@@ -1,8 +1,6 @@
 // Backend selection: the flag values, and what each gives on this machine.
 #include "worker/backend/backend_select.h"
 
-#include <unistd.h>
-
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>
@@ -24,9 +22,8 @@ std::string MappedFiles() {
 // none of CUDA's libraries is mapped; else 1, naming it.
 void ChooseTheCpuAndExit() {
   if (!MakeBackend({"cpu", 0, 1}).ok()) std::exit(2);
-  const bool driver = ::access("/dev/nvidiactl", F_OK) == 0 ||
-                      ::access("/proc/driver/nvidia", F_OK) == 0 || ::access("/dev/dxg", F_OK) == 0;
-  if (!driver && !MakeBackend({"auto", 0, 1}).ok()) std::exit(2);  // with one, auto loads them
+  // With a driver, auto loads them.
+  if (!HostHasNvidiaDriver() && !MakeBackend({"auto", 0, 1}).ok()) std::exit(2);
   const std::string maps = MappedFiles();
   for (const char* lib : {"libcublas", "libcudart", "libnccl", "libpith_cuda_backend"}) {
     if (maps.find(lib) != std::string::npos) {
