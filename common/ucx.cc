@@ -2,11 +2,13 @@
 
 #include <arpa/inet.h>
 #include <ifaddrs.h>
+#include <netdb.h>
 #include <netinet/in.h>
 #include <poll.h>
 #include <sched.h>
 #include <sys/eventfd.h>
 #include <sys/mman.h>
+#include <sys/socket.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 
@@ -119,10 +121,42 @@ std::string UcxNetDevices(const std::string& listen, const std::string& choice) 
   return devices;
 }
 
+std::string LocalAddressToward(const std::string& target) {
+  const size_t colon = target.rfind(':');
+  if (colon == std::string::npos) return "";
+  addrinfo hints{};
+  hints.ai_family = AF_INET;
+  hints.ai_socktype = SOCK_DGRAM;
+  addrinfo* found = nullptr;
+  if (::getaddrinfo(target.substr(0, colon).c_str(), target.substr(colon + 1).c_str(), &hints,
+                    &found) != 0) {
+    return "";
+  }
+  std::string local;
+  // A datagram socket's connect sends nothing: it only picks the route and source address.
+  const int fd = ::socket(AF_INET, SOCK_DGRAM | SOCK_CLOEXEC, 0);
+  sockaddr_in self{};
+  socklen_t len = sizeof(self);
+  char text[INET_ADDRSTRLEN];
+  if (fd >= 0 && ::connect(fd, found->ai_addr, found->ai_addrlen) == 0 &&
+      ::getsockname(fd, reinterpret_cast<sockaddr*>(&self), &len) == 0 &&
+      ::inet_ntop(AF_INET, &self.sin_addr, text, sizeof(text)) != nullptr) {
+    local = absl::StrCat(text, ":0");
+  }
+  if (fd >= 0) ::close(fd);
+  ::freeaddrinfo(found);
+  return local;
+}
+
 void RestrictUcxDevices(const std::string& listen, const std::string& choice) {
   if (std::getenv("UCX_NET_DEVICES") != nullptr) return;
   const std::string devices = UcxNetDevices(listen, choice);
   if (!devices.empty()) ::setenv("UCX_NET_DEVICES", devices.c_str(), 1);
+}
+
+std::string Transports() {
+  const char* tls = std::getenv("UCX_TLS");
+  return tls != nullptr ? tls : kDefaultTransports;
 }
 
 absl::Status FromUcs(ucs_status_t status, absl::string_view what) {
@@ -153,6 +187,13 @@ absl::StatusOr<std::unique_ptr<Worker>> Worker::Create() {
   ucp_config_t* config = nullptr;
   ucs_status_t s = ucp_config_read(nullptr, nullptr, &config);
   if (s != UCS_OK) return FromUcs(s, "config");
+  if (std::getenv("UCX_TLS") == nullptr) {
+    s = ucp_config_modify(config, "TLS", kDefaultTransports);
+    if (s != UCS_OK) {
+      ucp_config_release(config);
+      return FromUcs(s, "config TLS");
+    }
+  }
   ucp_params_t params{};
   params.field_mask = UCP_PARAM_FIELD_FEATURES;
   params.features = UCP_FEATURE_AM | UCP_FEATURE_WAKEUP;

@@ -1,8 +1,9 @@
 // UCX (ucp) behind a small RAII surface: a context + worker driven by one progress thread,
 // endpoints, memory registrations, and active messages with rendezvous payloads received
-// straight into caller memory. Nothing here assumes a transport: UCX picks shared memory,
-// TCP or RDMA by itself; Pith only uses active messages, which are fast on all of them
-// (one-sided RMA is only emulated over TCP, and slowly).
+// straight into caller memory. Nothing here assumes a transport: UCX picks TCP, RDMA or
+// CMA by itself (but not its shared-memory FIFOs: see kDefaultTransports); Pith only uses
+// active messages, which are fast on all of them (one-sided RMA is only emulated over TCP,
+// and slowly).
 //
 // Threading: every ucp call happens on the worker's progress thread. Handlers and
 // completion callbacks run there; other threads hand work over with Post() or RunSync().
@@ -32,6 +33,18 @@ namespace pith::ucx {
 
 absl::Status FromUcs(ucs_status_t status, absl::string_view what);
 
+// UCX_TLS unless the environment sets it: every transport but the shared-memory FIFOs
+// (posix, sysv, xpmem). A sender reserves a slot in its receiver's FIFO, fills it, then
+// marks it ready; one killed in between (kill -9, the OOM killer) leaves a slot that never
+// becomes ready, and the receiver, which reads its FIFO in order, never gets another
+// message from anyone: a store or worker that outlives a dead peer goes deaf for good
+// (store_e2e_test's killed flood clients: deaf after 95 and 144 kills; 400 without these
+// transports). Peers on one host then talk over TCP loopback, with payloads still moved
+// by CMA (process_vm_readv), which fails cleanly when its peer is gone.
+inline constexpr char kDefaultTransports[] = "^mm";
+// The UCX transports this process uses: UCX_TLS, or kDefaultTransports.
+std::string Transports();
+
 class Worker;
 
 // The network devices UCX may use (UCX_NET_DEVICES) for a process whose gRPC listens on
@@ -41,6 +54,9 @@ class Worker;
 // 0.0.0.0 or a host name: every device); "all" restricts nothing; anything else is a
 // UCX device list, used as given. Empty: leave UCX's default.
 std::string UcxNetDevices(const std::string& listen, const std::string& choice);
+// This host's address on the route to `target` ("host:port"), as "a.b.c.d:0" (loopback
+// for a local target); empty if it cannot be found.
+std::string LocalAddressToward(const std::string& target);
 // Sets UCX_NET_DEVICES from UcxNetDevices before any Worker is created, unless the
 // environment already sets it. Call from main().
 void RestrictUcxDevices(const std::string& listen, const std::string& choice);

@@ -10,6 +10,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/synchronization/notification.h"
 #include "common/crc32c.h"
+#include "common/status.h"
 
 namespace pith::store {
 
@@ -103,23 +104,49 @@ absl::StatusOr<int> StoreClient::Connect(const std::string& ucx_address) {
       return;
     }
     const int peer = next_peer_++;
-    absl::StatusOr<ucp_ep_h> ep =
-        worker_->Connect(ucx_address, [this, peer](absl::Status s) { FailPeer(peer, s); });
+    address_of_[peer] = ucx_address;
+    absl::StatusOr<ucp_ep_h> ep = Endpoint(peer);
     if (!ep.ok()) {
+      address_of_.erase(peer);
       result = ep.status();
       return;
     }
-    // First on the endpoint, so the store knows where to answer before any request.
-    v1::UcxHello hello;
-    hello.set_client_id(client_id_);
-    hello.set_worker_address(worker_->address());
-    worker_->Send(*ep, v1::UCX_MESSAGE_HELLO, hello.SerializeAsString(), nullptr, 0, nullptr, false,
-                  [](absl::Status) {});  // a lost hello shows as the requests' timeouts
-    peers_[peer] = *ep;
     peer_by_address_[ucx_address] = peer;
     result = peer;
   });
   return result;
+}
+
+absl::StatusOr<ucp_ep_h> StoreClient::Endpoint(int peer) {
+  if (auto open = peers_.find(peer); open != peers_.end()) return open->second;
+  auto address = address_of_.find(peer);
+  if (address == address_of_.end()) {
+    return absl::InvalidArgumentError(absl::StrCat("no store peer ", peer));
+  }
+  // A store that just failed is not tried again before its backoff ends: the caller moves
+  // on to a replica at once instead of waiting out a deadline per call.
+  if (auto down = down_.find(peer); down != down_.end() && absl::Now() < down->second.retry_at) {
+    return absl::UnavailableError(
+        absl::StrCat("store connection failed (", down->second.why, "); next try in ",
+                     absl::FormatDuration(
+                         absl::Trunc(down->second.retry_at - absl::Now(), absl::Milliseconds(1)))));
+  }
+  // The failure of an endpoint this one replaced fails nothing of this one's.
+  auto self = std::make_shared<ucp_ep_h>(nullptr);
+  ASSIGN_OR_RETURN(*self, worker_->Connect(address->second, [this, peer, self](absl::Status s) {
+    if (auto open = peers_.find(peer); open != peers_.end() && open->second == *self) {
+      FailPeer(peer, s);
+    }
+  }));
+  // First on the endpoint, so the store knows where to answer before any request (a
+  // store that forgot this client learns of it again).
+  v1::UcxHello hello;
+  hello.set_client_id(client_id_);
+  hello.set_worker_address(worker_->address());
+  worker_->Send(*self, v1::UCX_MESSAGE_HELLO, hello.SerializeAsString(), nullptr, 0, nullptr, false,
+                [](absl::Status) {});  // a lost hello shows as the requests' timeouts
+  peers_[peer] = *self;
+  return *self;
 }
 
 absl::StatusOr<std::unique_ptr<ucx::MemoryRegion>> StoreClient::AllocateBuffer(size_t bytes,
@@ -143,6 +170,12 @@ void StoreClient::FailPeer(int peer, const absl::Status& status) {
   }
   auto ep = peers_.find(peer);
   if (ep == peers_.end()) return;
+  Down& down = down_[peer];
+  down.backoff = down.backoff == absl::ZeroDuration()
+                     ? kReconnectBackoff
+                     : std::min(2 * down.backoff, kMaxReconnectBackoff);
+  down.retry_at = absl::Now() + down.backoff;
+  down.why = std::string(status.message());
   // A store that failed, or one still writing a payload into a caller's buffer, is closed
   // (which cancels those receives). One that merely has not answered in time is retired:
   // left open, unused, so its late answers arrive on an endpoint that still exists and are
@@ -154,13 +187,7 @@ void StoreClient::FailPeer(int peer, const absl::Status& status) {
   } else {
     retired_.push_back(ep->second);
   }
-  for (auto a = peer_by_address_.begin(); a != peer_by_address_.end(); ++a) {
-    if (a->second == peer) {
-      peer_by_address_.erase(a);
-      break;
-    }
-  }
-  peers_.erase(ep);
+  peers_.erase(ep);  // the next request to this peer opens a new one (Endpoint)
 }
 
 void StoreClient::OnReply(ucx::AmMessage& m, bool is_get) {
@@ -169,6 +196,7 @@ void StoreClient::OnReply(ucx::AmMessage& m, bool is_get) {
   auto it = pending_.find(reply.request_id());
   if (it == pending_.end()) return;  // a request that timed out
   std::shared_ptr<Pending> p = it->second;
+  down_.erase(p->peer);  // it answers: a later failure backs off from the start
   const absl::Status status(static_cast<absl::StatusCode>(reply.code()), reply.message());
   if (!is_get) {
     p->Fail(status);
@@ -224,14 +252,14 @@ absl::Status StoreClient::Issue(int peer, uint64_t id, const std::shared_ptr<Pen
                                 const std::function<void(size_t)>& on_landed) {
   worker_->Post(
       [this, peer, pending, id, message, data, size, memh, header = std::move(header)]() mutable {
-        auto ep = peers_.find(peer);
-        if (ep == peers_.end()) {
-          pending->Fail(absl::UnavailableError("not connected to that store"));
+        absl::StatusOr<ucp_ep_h> ep = Endpoint(peer);
+        if (!ep.ok()) {
+          pending->Fail(ep.status());
           pending->Complete();
           return;
         }
         pending_[id] = pending;
-        worker_->Send(ep->second, message, std::move(header), data, size, memh, true,
+        worker_->Send(*ep, message, std::move(header), data, size, memh, true,
                       [this, pending, id](absl::Status s) {
                         if (s.ok() || !pending_.count(id)) return;
                         pending_.erase(id);
@@ -467,15 +495,15 @@ absl::Status StoreClient::PutRound(absl::Span<PutItem> items, const std::vector<
       const Outgoing& item = out[i];
       std::shared_ptr<Pending> pending = pendings[i];
       const uint64_t id = headers[i].first;
-      auto ep = peers_.find(item.peer);
-      if (ep == peers_.end()) {
-        pending->Fail(absl::UnavailableError("not connected to that store"));
+      absl::StatusOr<ucp_ep_h> ep = Endpoint(item.peer);
+      if (!ep.ok()) {
+        pending->Fail(ep.status());
         pending->Complete();
         continue;
       }
       pending_[id] = pending;
-      worker_->Send(ep->second, v1::UCX_MESSAGE_PUT_REQUEST, std::move(headers[i].second),
-                    item.data, item.size, item.memh, true, [this, pending, id](absl::Status st) {
+      worker_->Send(*ep, v1::UCX_MESSAGE_PUT_REQUEST, std::move(headers[i].second), item.data,
+                    item.size, item.memh, true, [this, pending, id](absl::Status st) {
                       if (st.ok() || !pending_.count(id)) return;
                       pending_.erase(id);
                       pending->Fail(st);

@@ -29,7 +29,11 @@ class StoreClient {
   ~StoreClient();
 
   // Opens (or reuses) an endpoint to the store whose packed UCX address this is (from
-  // StoreService.GetUcxAddress). Returns a peer id for the calls below.
+  // StoreService.GetUcxAddress). Returns a peer id for the calls below, valid for the
+  // client's life: when a call to it times out or its endpoint fails, that call fails, so
+  // do the calls of the next kReconnectBackoff (doubling with each failure in a row, up to
+  // kMaxReconnectBackoff; UNAVAILABLE at once), and the one after opens a new endpoint
+  // (and says hello again).
   absl::StatusOr<int> Connect(const std::string& ucx_address);
 
   // Registered memory for fetch targets and put sources (see ucx::Worker::Allocate).
@@ -84,6 +88,9 @@ class StoreClient {
                                    const void* data, size_t size, ucp_mem_h memh = nullptr,
                                    absl::Duration timeout = absl::Seconds(30));
 
+  static constexpr absl::Duration kReconnectBackoff = absl::Seconds(1);
+  static constexpr absl::Duration kMaxReconnectBackoff = absl::Seconds(30);
+
  private:
   struct Pending;
   struct Round;
@@ -97,6 +104,11 @@ class StoreClient {
   // Fetch's one request (of at most kMaxRequestBytes of header).
   absl::Status FetchOnce(int peer, absl::Span<FetchItem> items, absl::Time deadline,
                          absl::Duration budget);
+  struct Down {  // a peer whose last endpoint failed
+    absl::Duration backoff;
+    absl::Time retry_at;
+    std::string why;
+  };
   static constexpr size_t kMaxRequestBytes = 4096;
   static constexpr size_t kItemOverheadBytes = 32;  // an item's version, capacity, framing
   // `on_landed(i)`: called on this thread for each fetch item i whose payload has landed,
@@ -109,12 +121,17 @@ class StoreClient {
   absl::Status Wait(int peer, const std::shared_ptr<Pending>& pending, absl::Time deadline,
                     absl::Duration budget, const std::function<void(size_t)>& on_landed = nullptr);
   void FailPeer(int peer, const absl::Status& status);
+  // Progress thread. The open endpoint to `peer`, or a new one when its last one failed or
+  // was retired (FailPeer).
+  absl::StatusOr<ucp_ep_h> Endpoint(int peer);
 
   std::unique_ptr<ucx::Worker> worker_;
   std::atomic<uint64_t> next_request_{1};
   uint64_t client_id_ = 0;  // UcxHello.client_id: random, set once
   // Progress thread only:
-  std::map<int, ucp_ep_h> peers_;
+  std::map<int, ucp_ep_h> peers_;          // open endpoints
+  std::map<int, std::string> address_of_;  // every peer id handed out
+  std::map<int, Down> down_;
   std::map<std::string, int> peer_by_address_;
   std::map<uint64_t, std::shared_ptr<Pending>> pending_;
   std::vector<ucp_ep_h> retired_;  // timed out, left open (see FailPeer); closed at the end

@@ -11,6 +11,7 @@
 #include "common/grpc_util.h"
 #include "common/safetensors.h"
 #include "common/status.h"
+#include "common/ucx.h"
 #include "server/store/blob_key.h"
 
 namespace pith::store {
@@ -33,8 +34,7 @@ grpc::Status StoreServiceImpl::GetUcxAddress(grpc::ServerContext* context,
                                              v1::UcxAddress* reply) {
   if (grpc::Status denied = policy_.Admit(*context, "GetUcxAddress"); !denied.ok()) return denied;
   reply->set_worker_address(ucx_address_);
-  const char* tls = std::getenv("UCX_TLS");
-  reply->set_transports(tls != nullptr ? tls : "all");
+  reply->set_transports(ucx::Transports());
   return grpc::Status::OK;
 }
 

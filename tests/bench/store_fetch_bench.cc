@@ -28,6 +28,7 @@
 #include "../e2e/child_process.h"
 #include "../e2e/test_tls.h"
 #include "common/grpc_util.h"
+#include "common/ucx.h"
 #include "pith/v1/store.grpc.pb.h"
 #include "server/store/store_client.h"
 
@@ -292,6 +293,9 @@ int main(int argc, char** argv) {
       return 2;
     }
   }
+  // The store, this client and ucx_perftest on the same UCX transports: Pith's default
+  // (no shared-memory FIFOs; see common/ucx.h) unless UCX_TLS says otherwise.
+  ::setenv("UCX_TLS", pith::ucx::Transports().c_str(), 1);
   const std::string base = "/tmp/pith_store_fetch_bench_" + std::to_string(getpid());
   const size_t sizes[] = {64 << 10, 1 << 20, 16 << 20};
   auto wanted = [&](size_t size, const char* tier) {

@@ -315,7 +315,8 @@ class ClusterRun {
       std::this_thread::sleep_for(std::chrono::milliseconds(20));
     }
     std::string logs = WorkerLogs();
-    ASSERT_EQ(job_.state(), v1::JOB_STATE_SUCCEEDED) << job_.ShortDebugString() << "\n" << logs;
+    ASSERT_EQ(job_.state(), v1::JOB_STATE_SUCCEEDED) << job_.ShortDebugString() << "\n"
+                                                     << logs << ServerLogTails();
     EXPECT_EQ(job_.committed_step(), failure_.steps);
     EXPECT_EQ(worker_killed_, failure_.kill_worker_after_step >= 0);
     EXPECT_EQ(restarted_, failure_.full_restart_after_step >= 0);
@@ -590,6 +591,23 @@ class ClusterRun {
     std::string logs;
     for (auto& w : workers_) logs += w->Log() + "\n";
     return logs;
+  }
+
+  // The last lines of the stores' and the coordinator's logs (for a failure's message: the
+  // run's folder may not outlive a CI machine).
+  std::string ServerLogTails() const {
+    auto tail = [](const std::string& name, const std::string& log) {
+      size_t from = log.size();
+      for (int lines = 0; lines < 40 && from > 0; ++lines) from = log.rfind('\n', from - 1);
+      return "--- " + name + " (last lines)\n" + log.substr(from == std::string::npos ? 0 : from) +
+             "\n";
+    };
+    std::string out;
+    for (size_t i = 0; i < stores_.size(); ++i) {
+      if (stores_[i]) out += tail("store " + std::to_string(i), stores_[i]->Log());
+    }
+    if (coordinator_) out += tail("coordinator", coordinator_->Log());
+    return out;
   }
 
   // A store process's member id, by its gRPC port.

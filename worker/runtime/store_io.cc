@@ -46,11 +46,14 @@ absl::Status StoreIo::ApplyPlacement(const v1::Assignment& a) {
   for (const v1::MemberInfo& s : a.stores()) {
     {
       absl::MutexLock lock(&mu_);
-      if (store_peer_.count(s.member_id())) continue;
+      auto known = store_address_.find(s.member_id());
+      if (known != store_address_.end() && known->second == s.ucx_address()) continue;
     }
+    // A store new to this worker, or one that came back at another address.
     ASSIGN_OR_RETURN(int peer, client_->Connect(s.ucx_address()));
     absl::MutexLock lock(&mu_);
     store_peer_[s.member_id()] = peer;
+    store_address_[s.member_id()] = s.ucx_address();
   }
   return absl::OkStatus();
 }

@@ -163,7 +163,10 @@ class StoreIo : public BlobIo {
   absl::Mutex mu_;
   std::map<StoreGroup, std::vector<std::string>> read_stores_ ABSL_GUARDED_BY(mu_);
   std::map<StoreGroup, std::vector<std::string>> write_stores_ ABSL_GUARDED_BY(mu_);
+  // Member id -> its StoreClient peer (which reconnects by itself after a failure) and
+  // the address that peer is for.
   std::map<std::string, int> store_peer_ ABSL_GUARDED_BY(mu_);
+  std::map<std::string, std::string> store_address_ ABSL_GUARDED_BY(mu_);
   std::map<Region, Registered> regions_ ABSL_GUARDED_BY(mu_);
   // The step written and reported but not known to be committed while the next one
   // computes (-1: none), and which experts it wrote.
