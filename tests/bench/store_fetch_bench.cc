@@ -4,16 +4,18 @@
 // rendezvous for large ones) and transports, and db_bench readrandom with the same value
 // size on a warm page cache. One line per case:
 //   fetch size=<bytes> tier=<ram|rocksdb> GB/s=<x> anchor_GB/s=<y> ratio=<x/y>
-// Usage: store_fetch_bench [--seconds=S] [--size=BYTES] [--tier=ram|rocksdb]
+// Usage: store_fetch_bench [--seconds=S] [--pairs=N] [--size=BYTES] [--tier=ram|rocksdb]
 //                          [--peer_netns=NS --peer_host=IP]
-//   (GB = 1e9 bytes; --size and --tier run one case, e.g. to profile it). With a peer
-//   namespace, the store and ucx_perftest's server run in NS on IP with UCX over TCP only
-//   (run the bench itself in another namespace, as tests/bench/netns_fetch_bench.sh does):
+//   (RAM tier: the fetch and its anchor measured alternately N times each, 3 by default,
+//   and their medians compared. GB = 1e9 bytes; --size and --tier run one case, e.g. to profile
+//   it). With a peer namespace, the store and ucx_perftest's server run in NS on IP with UCX over
+//   TCP only (run the bench itself in another namespace, as tests/bench/netns_fetch_bench.sh does):
 //   the fetch against perftest between two hosts' network stacks.
 #include <netinet/in.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstdio>
@@ -38,7 +40,8 @@ namespace {
 using pith::testing::ChildProcess;
 
 double g_seconds = 2.0;
-std::string g_peer_netns;               // empty: the store and perftest's server run here
+int g_pairs = 3;           // RAM tier: fetch and anchor measured alternately this many times each
+std::string g_peer_netns;  // empty: the store and perftest's server run here
 std::string g_peer_host = "127.0.0.1";  // where they listen
 
 // A child process of `binary`, inside the peer namespace (UCX over TCP) when there is one.
@@ -262,6 +265,21 @@ double FetchGBps(Store& s, const std::string& job, int count, size_t size, int b
   return moved / elapsed / 1e9;
 }
 
+double Median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v.size() % 2 ? v[v.size() / 2] : (v[v.size() / 2 - 1] + v[v.size() / 2]) / 2;
+}
+
+std::string Samples(const std::vector<double>& v) {
+  std::string out;
+  char one[32];
+  for (double x : v) {
+    std::snprintf(one, sizeof(one), "%s%.3f", out.empty() ? "" : " ", x);
+    out += one;
+  }
+  return out;
+}
+
 void Print(size_t size, const char* tier, double gbps, double anchor) {
   std::printf("fetch size=%zu tier=%s GB/s=%.3f anchor_GB/s=%.3f ratio=%.3f\n", size, tier, gbps,
               anchor, anchor > 0 ? gbps / anchor : 0.0);
@@ -278,6 +296,8 @@ int main(int argc, char** argv) {
   for (int i = 1; i < argc; ++i) {
     if (std::strncmp(argv[i], "--seconds=", 10) == 0) {
       g_seconds = std::atof(argv[i] + 10);
+    } else if (std::strncmp(argv[i], "--pairs=", 8) == 0) {
+      g_pairs = std::max(1, std::atoi(argv[i] + 8));
     } else if (std::strncmp(argv[i], "--size=", 7) == 0) {
       only_size = std::strtoull(argv[i] + 7, nullptr, 10);
     } else if (std::strncmp(argv[i], "--tier=", 7) == 0) {
@@ -288,7 +308,8 @@ int main(int argc, char** argv) {
       g_peer_host = argv[i] + 12;
     } else {
       std::fprintf(stderr,
-                   "usage: store_fetch_bench [--seconds=S] [--size=BYTES] [--tier=ram|rocksdb] "
+                   "usage: store_fetch_bench [--seconds=S] [--pairs=N] [--size=BYTES] "
+                   "[--tier=ram|rocksdb] "
                    "[--peer_netns=NS --peer_host=IP]\n");
       return 2;
     }
@@ -311,9 +332,18 @@ int main(int argc, char** argv) {
       const std::string job = "ram" + std::to_string(size);
       const int count = static_cast<int>(std::max<size_t>(4, (64ull << 20) / size));
       Fill(s, job, count, size);
-      const double gbps = FetchGBps(s, job, 1, size, 16, 1, /*one_buffer=*/true);
-      const double anchor = UcxPerftestGBps(size);
-      Print(size, "ram", gbps, anchor);
+      // Both sides move by 25% or more from one measurement to the next (the anchor most):
+      // measured alternately, each pair in the other order, and compared by their medians.
+      std::vector<double> fetched, anchors;
+      for (int pair = 0; pair < g_pairs; ++pair) {
+        if (pair % 2 == 1) anchors.push_back(UcxPerftestGBps(size));
+        fetched.push_back(FetchGBps(s, job, 1, size, 16, 1, /*one_buffer=*/true));
+        if (pair % 2 == 0) anchors.push_back(UcxPerftestGBps(size));
+      }
+      std::fprintf(stderr, "  (fetch GB/s %s; ucx_perftest GB/s %s)\n", Samples(fetched).c_str(),
+                   Samples(anchors).c_str());
+      const double anchor = Median(anchors);
+      Print(size, "ram", Median(fetched), anchor);
       Print(size, "ram_many", FetchGBps(s, job, count, size, std::min(count, 16)), anchor);
     }
   }
