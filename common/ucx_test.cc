@@ -91,6 +91,14 @@ TEST(UcxTest, NetDevicesFollowTheListenAddress) {
   ::freeifaddrs(list);
 }
 
+// A worker without --listen keeps UCX to the interface that reaches its coordinator.
+TEST(UcxTest, TheLocalAddressTowardATargetIsTheOneItsRouteLeavesBy) {
+  EXPECT_EQ(LocalAddressToward("127.0.0.1:7000"), "127.0.0.1:0");
+  EXPECT_EQ(UcxNetDevices(LocalAddressToward("localhost:7000"), "auto"), "lo");
+  EXPECT_EQ(LocalAddressToward("no-port"), "");
+  EXPECT_EQ(LocalAddressToward(""), "");
+}
+
 TEST(UcxTest, BadAddressesAreRefusedBeforeUcxSeesThem) {
   auto worker = Worker::Create();
   ASSERT_TRUE(worker.ok()) << worker.status();

@@ -34,7 +34,8 @@ ABSL_FLAG(int, metrics_port, -1, "Prometheus /metrics port; -1 disables it, 0 pi
 ABSL_FLAG(std::string, metrics_listen, "",
           "Host (interface address) /metrics binds; default: the host of --listen");
 ABSL_FLAG(std::string, ucx_net_devices, "auto",
-          "Network devices UCX may use: auto (those of --listen's address, plus RDMA ports; "
+          "Network devices UCX may use: auto (those of --listen's address, or without it of "
+          "the interface that reaches --coordinator, plus RDMA ports; "
           "every device for 0.0.0.0), all, or a UCX_NET_DEVICES list");
 ABSL_FLAG(uint64_t, cache_bytes, 0,
           "Expert cache budget in bytes (0: unlimited); a gradient pool as large and the "
