@@ -105,7 +105,7 @@ absl::StatusOr<int> StoreClient::Connect(const std::string& ucx_address) {
     }
     const int peer = next_peer_++;
     address_of_[peer] = ucx_address;
-    absl::StatusOr<ucp_ep_h> ep = Endpoint(peer);
+    absl::StatusOr<ucp_ep_h> ep = Endpoint(peer, /*fail_fast=*/false);
     if (!ep.ok()) {
       address_of_.erase(peer);
       result = ep.status();
@@ -117,15 +117,24 @@ absl::StatusOr<int> StoreClient::Connect(const std::string& ucx_address) {
   return result;
 }
 
-absl::StatusOr<ucp_ep_h> StoreClient::Endpoint(int peer) {
+absl::StatusOr<ucp_ep_h> StoreClient::Endpoint(int peer, bool fail_fast) {
   if (auto open = peers_.find(peer); open != peers_.end()) return open->second;
   auto address = address_of_.find(peer);
   if (address == address_of_.end()) {
     return absl::InvalidArgumentError(absl::StrCat("no store peer ", peer));
   }
-  // A store that just failed is not tried again before its backoff ends: the caller moves
-  // on to a replica at once instead of waiting out a deadline per call.
-  if (auto down = down_.find(peer); down != down_.end() && absl::Now() < down->second.retry_at) {
+  auto down = down_.find(peer);
+  // Each timeout leaves its endpoint open for good (see FailPeer): past a bound, a store
+  // that failed is not connected again.
+  if (down != down_.end() && retired_.size() >= kMaxRetiredEndpoints) {
+    return absl::UnavailableError(absl::StrCat("store connection failed (", down->second.why,
+                                               "); not reconnected after ", retired_.size(),
+                                               " timed-out connections"));
+  }
+  // A fetch from a store that just failed is not tried again before its backoff ends: the
+  // caller moves on to a replica at once instead of waiting out a deadline per call. A put
+  // (every copy must be written) tries again at once.
+  if (fail_fast && down != down_.end() && absl::Now() < down->second.retry_at) {
     return absl::UnavailableError(
         absl::StrCat("store connection failed (", down->second.why, "); next try in ",
                      absl::FormatDuration(
@@ -252,7 +261,7 @@ absl::Status StoreClient::Issue(int peer, uint64_t id, const std::shared_ptr<Pen
                                 const std::function<void(size_t)>& on_landed) {
   worker_->Post(
       [this, peer, pending, id, message, data, size, memh, header = std::move(header)]() mutable {
-        absl::StatusOr<ucp_ep_h> ep = Endpoint(peer);
+        absl::StatusOr<ucp_ep_h> ep = Endpoint(peer, message == v1::UCX_MESSAGE_GET_REQUEST);
         if (!ep.ok()) {
           pending->Fail(ep.status());
           pending->Complete();
@@ -302,8 +311,9 @@ absl::Status StoreClient::Wait(int peer, const std::shared_ptr<Pending>& pending
 
 absl::Status StoreClient::Fetch(int peer, absl::Span<FetchItem> items, absl::Duration timeout) {
   // A request travels as one UCX message header: past the transport's segment (8 KiB over
-  // shared memory) UCX would send it by rendezvous, whose first message cannot carry it,
-  // and abort the process. A large fetch goes as several requests, one after another.
+  // shared memory, when UCX_TLS allows it) UCX would send it by rendezvous, whose first
+  // message cannot carry it, and abort the process. A large fetch goes as several requests, one
+  // after another.
   const absl::Time deadline = absl::Now() + timeout;
   absl::Status first = absl::OkStatus();
   size_t begin = 0;
@@ -495,7 +505,7 @@ absl::Status StoreClient::PutRound(absl::Span<PutItem> items, const std::vector<
       const Outgoing& item = out[i];
       std::shared_ptr<Pending> pending = pendings[i];
       const uint64_t id = headers[i].first;
-      absl::StatusOr<ucp_ep_h> ep = Endpoint(item.peer);
+      absl::StatusOr<ucp_ep_h> ep = Endpoint(item.peer, /*fail_fast=*/false);
       if (!ep.ok()) {
         pending->Fail(ep.status());
         pending->Complete();

@@ -31,9 +31,10 @@ class StoreClient {
   // Opens (or reuses) an endpoint to the store whose packed UCX address this is (from
   // StoreService.GetUcxAddress). Returns a peer id for the calls below, valid for the
   // client's life: when a call to it times out or its endpoint fails, that call fails, so
-  // do the calls of the next kReconnectBackoff (doubling with each failure in a row, up to
-  // kMaxReconnectBackoff; UNAVAILABLE at once), and the one after opens a new endpoint
-  // (and says hello again).
+  // do the fetches of the next kReconnectBackoff (doubling with each failure in a row, up
+  // to kMaxReconnectBackoff; UNAVAILABLE at once, so a caller moves on to a replica), and
+  // the next call after it, or the next put at once, opens a new endpoint (and says hello
+  // again). After kMaxRetiredEndpoints timeouts in all, a failed store is not reconnected.
   absl::StatusOr<int> Connect(const std::string& ucx_address);
 
   // Registered memory for fetch targets and put sources (see ucx::Worker::Allocate).
@@ -90,6 +91,7 @@ class StoreClient {
 
   static constexpr absl::Duration kReconnectBackoff = absl::Seconds(1);
   static constexpr absl::Duration kMaxReconnectBackoff = absl::Seconds(30);
+  static constexpr size_t kMaxRetiredEndpoints = 64;
 
  private:
   struct Pending;
@@ -122,8 +124,8 @@ class StoreClient {
                     absl::Duration budget, const std::function<void(size_t)>& on_landed = nullptr);
   void FailPeer(int peer, const absl::Status& status);
   // Progress thread. The open endpoint to `peer`, or a new one when its last one failed or
-  // was retired (FailPeer).
-  absl::StatusOr<ucp_ep_h> Endpoint(int peer);
+  // was retired (FailPeer); with `fail_fast`, UNAVAILABLE instead while its backoff runs.
+  absl::StatusOr<ucp_ep_h> Endpoint(int peer, bool fail_fast);
 
   std::unique_ptr<ucx::Worker> worker_;
   std::atomic<uint64_t> next_request_{1};
