@@ -190,10 +190,5 @@ int main(int argc, char** argv) {
   if (ucx_listen.empty())
     ucx_listen = pith::ucx::LocalAddressToward(absl::GetFlag(FLAGS_coordinator));
   pith::ucx::RestrictUcxDevices(ucx_listen, absl::GetFlag(FLAGS_ucx_net_devices));
-  const char* devices = std::getenv("UCX_NET_DEVICES");
-  LOG(INFO) << "UCX devices: " << (devices != nullptr ? devices : "all")
-            << (absl::GetFlag(FLAGS_listen).empty()
-                    ? " (toward the coordinator; --listen sets them)"
-                    : "");
   return pith::ExitStatus("pith-worker", Run());
 }

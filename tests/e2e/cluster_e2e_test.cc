@@ -312,6 +312,7 @@ class ClusterRun {
         stores_[1]->Kill();
         store_killed_ = true;
       }
+      most_cold_bytes_ = std::max(most_cold_bytes_, StoresColdBytes());
       std::this_thread::sleep_for(std::chrono::milliseconds(20));
     }
     std::string logs = WorkerLogs();
@@ -415,15 +416,13 @@ class ClusterRun {
     std::cout << name_ << ": largest final weight difference " << max_diff << "\n";
     if (outcome == nullptr) return;
     outcome->cache_hit_rate = job_.cache_hit_rate();
-    {
-      grpc::ClientContext ctx;
-      v1::ClusterStatusResponse c;
-      ASSERT_TRUE(stub_->ClusterStatus(&ctx, v1::ClusterStatusRequest(), &c).ok());
-      for (const auto& m : c.stores()) {
-        outcome->store_cold_bytes =
-            std::max<uint64_t>(outcome->store_cold_bytes, m.rocksdb_bytes());
-      }
+    // Stores report their figures in heartbeats (a third of a lease apart), which a job of a
+    // second can outrun: sampled while the job ran and for two leases after.
+    for (int i = 0; i < 150; ++i) {
+      most_cold_bytes_ = std::max(most_cold_bytes_, StoresColdBytes());
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
     }
+    outcome->store_cold_bytes = most_cold_bytes_;
     std::ifstream log(dir_ + "/cluster.log");
     std::string line;
     while (std::getline(log, line)) outcome->loss_lines[std::stoi(line)] = line;
@@ -593,6 +592,16 @@ class ClusterRun {
     return logs;
   }
 
+  // The most any store holds in its RocksDB tier now (0 if the coordinator cannot say).
+  uint64_t StoresColdBytes() {
+    grpc::ClientContext ctx;
+    v1::ClusterStatusResponse c;
+    uint64_t most = 0;
+    if (!stub_->ClusterStatus(&ctx, v1::ClusterStatusRequest(), &c).ok()) return 0;
+    for (const auto& m : c.stores()) most = std::max<uint64_t>(most, m.rocksdb_bytes());
+    return most;
+  }
+
   // The last lines of the stores' and the coordinator's logs (for a failure's message: the
   // run's folder may not outlive a CI machine).
   std::string ServerLogTails() const {
@@ -730,7 +739,8 @@ class ClusterRun {
   std::unique_ptr<v1::CoordinatorService::Stub> coordinator_stub_;
   v1::Job job_;
   bool worker_killed_ = false, store_killed_ = false, restarted_ = false;
-  int most_owners_ = 0;  // of any expert, seen in the placement after the first re-plan
+  uint64_t most_cold_bytes_ = 0;  // the most any store held in RocksDB, while the job ran
+  int most_owners_ = 0;           // of any expert, seen in the placement after the first re-plan
   int scale_phase_ = 0;
   bool json_showed_moves_ = false;
   std::string scale_log_;

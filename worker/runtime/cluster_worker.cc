@@ -1,6 +1,7 @@
 #include "worker/runtime/cluster_worker.h"
 
 #include <algorithm>
+#include <cstdlib>
 #include <memory>
 #include <thread>
 
@@ -38,7 +39,9 @@ absl::Status RunClusterWorker(const ClusterWorkerOptions& options, MetricsRegist
   ASSIGN_OR_RETURN(
       std::unique_ptr<MemberAgent> agent,
       MemberAgent::Start(options.coordinator, options.security, self, [](v1::MemberInfo*) {}));
-  LOG(INFO) << "worker " << agent->member_id() << " joined " << options.coordinator;
+  const char* devices = std::getenv("UCX_NET_DEVICES");  // set by pith-worker's main
+  LOG(INFO) << "worker " << agent->member_id() << " joined " << options.coordinator
+            << "; UCX devices: " << (devices != nullptr ? devices : "all");
   auto coordinator = v1::CoordinatorService::NewStub(
       NewChannel(options.coordinator, options.security.ChannelCredentials()));
   CoordinatorLink link(coordinator.get(), agent->member_id());
