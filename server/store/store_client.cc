@@ -23,8 +23,8 @@ struct StoreClient::Round {
   absl::Notification all_done;
 };
 
-// One outstanding fetch or put. Touched on the progress thread only, but for `done` and
-// the fetch items that have landed (`landed`, under `landed_mu`).
+// One outstanding fetch or put. Touched on the progress thread only until `done`, and by
+// the waiting caller after it (or after the progress thread has failed it: see Wait).
 struct StoreClient::Pending {
   int peer = 0;
   FetchItem* items = nullptr;  // fetch
@@ -34,16 +34,20 @@ struct StoreClient::Pending {
   absl::Status status;
   bool finished = false;
   int receiving = 0;          // payloads being received into the caller's buffers
-  std::vector<bool> replied;  // fetch: the items answered already (progress thread)
+  std::vector<bool> replied;  // fetch: the items answered already
+  // Fetch: the items whose payload landed whole. Each is checked end to end while the
+  // rest are in flight: one under kCheckOnCallerBytes where it landed (on the progress
+  // thread; its status is the check), so that the caller wakes once per request, not once
+  // per blob; a larger one by the waiting caller (`to_check`), in parallel with the
+  // progress thread, which also moves the bytes (CMA, the kernel's TCP copies).
+  std::vector<bool> landed;
   absl::Notification done;
   std::shared_ptr<Round> round;  // null: waited for alone
-  // Indices of fetch items whose payload landed whole: the waiting caller checks them
-  // while the rest are in flight (the check reads every byte once more).
-  absl::Mutex landed_mu;
-  std::vector<size_t> landed ABSL_GUARDED_BY(landed_mu);
-  size_t taken ABSL_GUARDED_BY(landed_mu) = 0;  // how many of them the caller has checked
-  bool LandedOrDone() ABSL_EXCLUSIVE_LOCKS_REQUIRED(landed_mu) {
-    return landed.size() > taken || done.HasBeenNotified();
+  absl::Mutex to_check_mu;
+  std::vector<size_t> to_check ABSL_GUARDED_BY(to_check_mu);
+  size_t taken ABSL_GUARDED_BY(to_check_mu) = 0;  // how many of them the caller has checked
+  bool ToCheckOrDone() ABSL_EXCLUSIVE_LOCKS_REQUIRED(to_check_mu) {
+    return to_check.size() > taken || done.HasBeenNotified();
   }
 
   // Ends the request (once; later calls do nothing).
@@ -51,7 +55,7 @@ struct StoreClient::Pending {
     if (finished) return;
     finished = true;
     done.Notify();
-    { absl::MutexLock wake(&landed_mu); }  // a caller waiting on `landed` looks again
+    { absl::MutexLock wake(&to_check_mu); }  // a caller waiting on `to_check` looks again
     if (round != nullptr && round->remaining.fetch_sub(1, std::memory_order_acq_rel) == 1) {
       round->all_done.Notify();
     }
@@ -248,8 +252,13 @@ void StoreClient::OnReply(ucx::AmMessage& m, bool is_get) {
       item.status = s;
       p->Fail(s);
     } else {
-      absl::MutexLock lock(&p->landed_mu);
-      p->landed.push_back(index);
+      p->landed[index] = true;
+      if (item.info.size_bytes() < kCheckOnCallerBytes) {
+        item.status = CheckFetched(item);
+      } else {
+        absl::MutexLock lock(&p->to_check_mu);
+        p->to_check.push_back(index);
+      }
     }
     item_done();
   });
@@ -287,10 +296,10 @@ absl::Status StoreClient::Wait(int peer, const std::shared_ptr<Pending>& pending
     std::vector<size_t> landed;
     do {
       {
-        absl::MutexLock lock(&p->landed_mu);
-        p->landed_mu.AwaitWithDeadline(absl::Condition(p, &Pending::LandedOrDone), deadline);
-        landed.assign(p->landed.begin() + p->taken, p->landed.end());
-        p->taken = p->landed.size();
+        absl::MutexLock lock(&p->to_check_mu);
+        p->to_check_mu.AwaitWithDeadline(absl::Condition(p, &Pending::ToCheckOrDone), deadline);
+        landed.assign(p->to_check.begin() + p->taken, p->to_check.end());
+        p->taken = p->to_check.size();
       }
       for (size_t i : landed) on_landed(i);
     } while (!landed.empty());  // none new: the request ended, or the deadline passed
@@ -375,8 +384,8 @@ absl::Status StoreClient::FetchOnce(int peer, absl::Span<FetchItem> items, absl:
     g->set_version(item.version);
     g->set_capacity(item.capacity);
   }
-  // Each item that lands is checked at once, on this thread, while the rest are in flight.
-  std::vector<absl::Status> checked(items.size());
+  pending->landed.assign(items.size(), false);
+  std::vector<absl::Status> checked(items.size());  // the large items this thread checked
   std::vector<bool> seen(items.size(), false);
   absl::Status status =
       Issue(peer, request.request_id(), pending, v1::UCX_MESSAGE_GET_REQUEST,
@@ -384,14 +393,17 @@ absl::Status StoreClient::FetchOnce(int peer, absl::Span<FetchItem> items, absl:
               checked[i] = CheckFetched(items[i]);
               seen[i] = true;
             });
+  // The request has ended (or was failed on the progress thread): the items are ours.
   const absl::Status request_status = status;
-  for (size_t i = 0; i < items.size(); ++i) {  // the request has ended: the items are ours
-    if (!items[i].status.ok()) continue;
-    if (seen[i]) {
-      items[i].status = checked[i];
-    } else {  // landed as the request ended, or never (then it failed)
-      items[i].status = request_status.ok() ? CheckFetched(items[i]) : request_status;
-    }
+  for (size_t i = 0; i < items.size(); ++i) {
+    if (!pending->landed[i]) {
+      if (items[i].status.ok())
+        items[i].status = request_status.ok()
+                              ? absl::InternalError("the fetch ended before this item landed")
+                              : request_status;
+    } else if (items[i].info.size_bytes() >= kCheckOnCallerBytes) {
+      items[i].status = seen[i] ? checked[i] : CheckFetched(items[i]);  // or as it ended
+    }  // else checked where it landed
     status.Update(items[i].status);
   }
   return status;

@@ -113,9 +113,12 @@ class StoreClient {
   };
   static constexpr size_t kMaxRequestBytes = 4096;
   static constexpr size_t kItemOverheadBytes = 32;  // an item's version, capacity, framing
-  // `on_landed(i)`: called on this thread for each fetch item i whose payload has landed,
-  // while the others are still in flight (null: none). Waits until `deadline`; `budget` is
-  // the whole call's time, which a timeout names.
+  // Fetched items of kCheckOnCallerBytes or more are checked end to end by the waiting
+  // caller, those under it on the progress thread as they land (see Pending::landed).
+  static constexpr size_t kCheckOnCallerBytes = 4u << 20;
+  // `on_landed(i)`: called on this thread for each fetch item i of kCheckOnCallerBytes or
+  // more whose payload has landed, while the others are still in flight (null: none).
+  // Waits until `deadline`; `budget` is the whole call's time, which a timeout names.
   absl::Status Issue(int peer, uint64_t id, const std::shared_ptr<Pending>& pending,
                      uint16_t message, std::string header, const void* data, size_t size,
                      ucp_mem_h memh, absl::Time deadline, absl::Duration budget,
