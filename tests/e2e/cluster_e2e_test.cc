@@ -70,6 +70,7 @@ struct Failure {
   int kill_store_after_step = -1;       // kill -9 one store once this step is committed
   uint64_t cache_bytes = 0;             // the workers' --cache_bytes (0: every expert resident)
   uint64_t store_ram_bytes = 64 << 20;  // the stores' --ram_bytes
+  bool sample_cold_bytes = false;       // record the most a store held in RocksDB (Outcome)
   bool init_from_file = false;          // train.init_path: the seeded init, exported
   bool hot_replicas = false;            // re-plan every 5 steps with up to 2 compute owners
   // Scale the store mid-job: add a 3rd and a 4th store, drain and stop one of the first
@@ -312,7 +313,9 @@ class ClusterRun {
         stores_[1]->Kill();
         store_killed_ = true;
       }
-      most_cold_bytes_ = std::max(most_cold_bytes_, StoresColdBytes());
+      if (failure_.sample_cold_bytes) {
+        ASSERT_NO_FATAL_FAILURE(SampleColdBytes());
+      }
       std::this_thread::sleep_for(std::chrono::milliseconds(20));
     }
     std::string logs = WorkerLogs();
@@ -418,8 +421,8 @@ class ClusterRun {
     outcome->cache_hit_rate = job_.cache_hit_rate();
     // Stores report their figures in heartbeats (a third of a lease apart), which a job of a
     // second can outrun: sampled while the job ran and for two leases after.
-    for (int i = 0; i < 150; ++i) {
-      most_cold_bytes_ = std::max(most_cold_bytes_, StoresColdBytes());
+    for (int i = 0; failure_.sample_cold_bytes && i < 150; ++i) {
+      ASSERT_NO_FATAL_FAILURE(SampleColdBytes());
       std::this_thread::sleep_for(std::chrono::milliseconds(20));
     }
     outcome->store_cold_bytes = most_cold_bytes_;
@@ -592,14 +595,16 @@ class ClusterRun {
     return logs;
   }
 
-  // The most any store holds in its RocksDB tier now (0 if the coordinator cannot say).
-  uint64_t StoresColdBytes() {
+  // Keeps the most any store holds in its RocksDB tier now, as its heartbeats told the
+  // coordinator.
+  void SampleColdBytes() {
     grpc::ClientContext ctx;
     v1::ClusterStatusResponse c;
-    uint64_t most = 0;
-    if (!stub_->ClusterStatus(&ctx, v1::ClusterStatusRequest(), &c).ok()) return 0;
-    for (const auto& m : c.stores()) most = std::max<uint64_t>(most, m.rocksdb_bytes());
-    return most;
+    const grpc::Status s = stub_->ClusterStatus(&ctx, v1::ClusterStatusRequest(), &c);
+    ASSERT_TRUE(s.ok()) << "ClusterStatus: " << s.error_message();
+    for (const auto& m : c.stores()) {
+      most_cold_bytes_ = std::max<uint64_t>(most_cold_bytes_, m.rocksdb_bytes());
+    }
   }
 
   // The last lines of the stores' and the coordinator's logs (for a failure's message: the
@@ -864,7 +869,7 @@ TEST(ClusterE2eTest, StoreRamTiersFarBelowTheModelChangeNothing) {
   constexpr uint64_t kSmallRam = 128 << 10;
   Outcome roomy, small;
   TrainAndCompare("ram_roomy", {}, &roomy);
-  TrainAndCompare("ram_small", {.store_ram_bytes = kSmallRam}, &small);
+  TrainAndCompare("ram_small", {.store_ram_bytes = kSmallRam, .sample_cold_bytes = true}, &small);
   ExpectSameBits(roomy, small);
   // Each store (R = 2: both hold everything) holds well over 4x its RAM tier.
   EXPECT_GT(small.store_cold_bytes, 4 * kSmallRam);
