@@ -183,6 +183,12 @@ MemoryRegion::~MemoryRegion() {
 }
 
 absl::StatusOr<std::unique_ptr<Worker>> Worker::Create() {
+  // NOTE: UCX reads its TCP transport's settings from the environment alone (a
+  // ucp_config_modify of TCP_CONN_NB is accepted and ignored by 1.13), so the default is
+  // set there, once, as the process's first worker is made.
+  static std::once_flag tcp_defaults;
+  std::call_once(tcp_defaults,
+                 [] { ::setenv("UCX_TCP_CONN_NB", kDefaultTcpConnectNonBlocking, 0); });
   std::unique_ptr<Worker> w(new Worker());
   ucp_config_t* config = nullptr;
   ucs_status_t s = ucp_config_read(nullptr, nullptr, &config);

@@ -44,6 +44,13 @@ absl::Status FromUcs(ucs_status_t status, absl::string_view what);
 inline constexpr char kDefaultTransports[] = "^mm";
 // The UCX transports this process uses: UCX_TLS, or kDefaultTransports.
 std::string Transports();
+// UCX_TCP_CONN_NB unless the environment sets it. UCX 1.13's TCP transport otherwise opens
+// an endpoint with a blocking connect(): one to a host that stopped answering (its link
+// cut, the machine gone) held the progress thread, and every request of the process behind
+// it, for the kernel's ARP timeout (3 s on a shared subnet, each time) or its SYN retries
+// (about 2 minutes across routers). Non-blocking, the endpoint is made at once and its
+// failure arrives as an endpoint error (ucx_connect_test).
+inline constexpr char kDefaultTcpConnectNonBlocking[] = "y";
 
 class Worker;
 

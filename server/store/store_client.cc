@@ -146,11 +146,17 @@ absl::StatusOr<ucp_ep_h> StoreClient::Endpoint(int peer, bool fail_fast) {
   }
   // The failure of an endpoint this one replaced fails nothing of this one's.
   auto self = std::make_shared<ucp_ep_h>(nullptr);
-  ASSIGN_OR_RETURN(*self, worker_->Connect(address->second, [this, peer, self](absl::Status s) {
-    if (auto open = peers_.find(peer); open != peers_.end() && open->second == *self) {
-      FailPeer(peer, s);
-    }
-  }));
+  absl::StatusOr<ucp_ep_h> ep =
+      worker_->Connect(address->second, [this, peer, self](absl::Status s) {
+        if (auto open = peers_.find(peer); open != peers_.end() && open->second == *self) {
+          FailPeer(peer, s);
+        }
+      });
+  if (!ep.ok()) {
+    MarkDown(peer, ep.status());
+    return ep.status();
+  }
+  *self = *ep;
   // First on the endpoint, so the store knows where to answer before any request (a
   // store that forgot this client learns of it again).
   v1::UcxHello hello;
@@ -165,6 +171,15 @@ absl::StatusOr<ucp_ep_h> StoreClient::Endpoint(int peer, bool fail_fast) {
 absl::StatusOr<std::unique_ptr<ucx::MemoryRegion>> StoreClient::AllocateBuffer(size_t bytes,
                                                                                bool fault_in) {
   return worker_->Allocate(bytes, fault_in);
+}
+
+void StoreClient::MarkDown(int peer, const absl::Status& status) {
+  Down& down = down_[peer];
+  down.backoff = down.backoff == absl::ZeroDuration()
+                     ? kReconnectBackoff
+                     : std::min(2 * down.backoff, kMaxReconnectBackoff);
+  down.retry_at = absl::Now() + down.backoff;
+  down.why = std::string(status.message());
 }
 
 void StoreClient::FailPeer(int peer, const absl::Status& status) {
@@ -183,12 +198,7 @@ void StoreClient::FailPeer(int peer, const absl::Status& status) {
   }
   auto ep = peers_.find(peer);
   if (ep == peers_.end()) return;
-  Down& down = down_[peer];
-  down.backoff = down.backoff == absl::ZeroDuration()
-                     ? kReconnectBackoff
-                     : std::min(2 * down.backoff, kMaxReconnectBackoff);
-  down.retry_at = absl::Now() + down.backoff;
-  down.why = std::string(status.message());
+  MarkDown(peer, status);
   // A store that failed, or one still writing a payload into a caller's buffer, is closed
   // (which cancels those receives). One that merely has not answered in time is retired:
   // left open, unused, so its late answers arrive on an endpoint that still exists and are
