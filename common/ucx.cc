@@ -148,7 +148,19 @@ std::string LocalAddressToward(const std::string& target) {
   return local;
 }
 
+namespace {
+
+// UCX reads its TCP transport's settings from the environment alone (a ucp_config_modify
+// of TCP_CONN_NB is accepted and ignored by 1.13): the default goes there, once.
+void SetTcpDefaults() {
+  static std::once_flag once;
+  std::call_once(once, [] { ::setenv("UCX_TCP_CONN_NB", kDefaultTcpConnectNonBlocking, 0); });
+}
+
+}  // namespace
+
 void RestrictUcxDevices(const std::string& listen, const std::string& choice) {
+  SetTcpDefaults();
   if (std::getenv("UCX_NET_DEVICES") != nullptr) return;
   const std::string devices = UcxNetDevices(listen, choice);
   if (!devices.empty()) ::setenv("UCX_NET_DEVICES", devices.c_str(), 1);
@@ -183,12 +195,9 @@ MemoryRegion::~MemoryRegion() {
 }
 
 absl::StatusOr<std::unique_ptr<Worker>> Worker::Create() {
-  // NOTE: UCX reads its TCP transport's settings from the environment alone (a
-  // ucp_config_modify of TCP_CONN_NB is accepted and ignored by 1.13), so the default is
-  // set there, once, as the process's first worker is made.
-  static std::once_flag tcp_defaults;
-  std::call_once(tcp_defaults,
-                 [] { ::setenv("UCX_TCP_CONN_NB", kDefaultTcpConnectNonBlocking, 0); });
+  // A process's main sets it before it starts threads (RestrictUcxDevices); this covers
+  // the rest (tests, benchmarks), whose first worker comes before their other threads.
+  SetTcpDefaults();
   std::unique_ptr<Worker> w(new Worker());
   ucp_config_t* config = nullptr;
   ucs_status_t s = ucp_config_read(nullptr, nullptr, &config);

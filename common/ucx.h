@@ -49,7 +49,9 @@ std::string Transports();
 // cut, the machine gone) held the progress thread, and every request of the process behind
 // it, for the kernel's ARP timeout (3 s on a shared subnet, each time) or its SYN retries
 // (about 2 minutes across routers). Non-blocking, the endpoint is made at once and its
-// failure arrives as an endpoint error (ucx_connect_test).
+// failure arrives as an endpoint error (ucx_connect_test). UCX keeps it off by default as
+// many simultaneous connects can overflow a listener's backlog into resets; UCX retries
+// those (UCX_TCP_MAX_CONN_RETRIES), and Pith's processes open a few endpoints each.
 inline constexpr char kDefaultTcpConnectNonBlocking[] = "y";
 
 class Worker;
@@ -65,7 +67,8 @@ std::string UcxNetDevices(const std::string& listen, const std::string& choice);
 // for a local target); empty if it cannot be found.
 std::string LocalAddressToward(const std::string& target);
 // Sets UCX_NET_DEVICES from UcxNetDevices before any Worker is created, unless the
-// environment already sets it. Call from main().
+// environment already sets it, and UCX_TCP_CONN_NB (kDefaultTcpConnectNonBlocking). Call
+// from main(), before any thread starts (setenv races with other threads' getenv).
 void RestrictUcxDevices(const std::string& listen, const std::string& choice);
 
 // Memory registered with UCX (ucp_mem_map), allocated by UCX or borrowed; unregistered

@@ -34,17 +34,22 @@ std::unique_ptr<Worker> TcpWorkerOn(const char* device) {
 
 TEST(UcxConnectTest, AnUnansweringPeerNeitherBlocksTheProgressThreadNorHangs) {
   // A network namespace, and a mount namespace whose /sys shows it (UCX finds devices
-  // there), as `ip netns exec` makes.
-  if (::geteuid() != 0 || ::unshare(CLONE_NEWNET | CLONE_NEWNS) != 0) {
-    GTEST_SKIP() << "needs root: the test makes a network namespace of its own";
+  // there), as `ip netns exec` makes; skipped where they cannot be made.
+  if (::geteuid() != 0) GTEST_SKIP() << "needs root: the test makes a network namespace";
+  if (::unshare(CLONE_NEWNET | CLONE_NEWNS) != 0 ||
+      ::mount("", "/", nullptr, MS_SLAVE | MS_REC, nullptr) != 0 ||
+      ::umount2("/sys", MNT_DETACH) != 0 || ::mount("sysfs", "/sys", "sysfs", 0, nullptr) != 0) {
+    GTEST_SKIP() << "cannot make a network namespace with its own /sys: " << std::strerror(errno);
   }
-  ASSERT_EQ(::mount("", "/", nullptr, MS_SLAVE | MS_REC, nullptr), 0) << std::strerror(errno);
-  ASSERT_EQ(::umount2("/sys", MNT_DETACH), 0) << std::strerror(errno);
-  ASSERT_EQ(::mount("sysfs", "/sys", "sysfs", 0, nullptr), 0) << std::strerror(errno);
-  ASSERT_EQ(std::system("ip link set lo up && ip link add pc0 type veth peer name pc1 && "
-                        "ip addr add 10.77.0.1/24 dev pc0 && ip addr add 10.77.0.2/24 dev pc1 && "
-                        "ip link set pc0 up && ip link set pc1 up"),
-            0);
+  if (std::system("ip link set lo up && ip link add pc0 type veth peer name pc1 && "
+                  "ip addr add 10.77.0.1/24 dev pc0 && ip addr add 10.77.0.2/24 dev pc1 && "
+                  "ip link set pc0 up && ip link set pc1 up") != 0) {
+    GTEST_SKIP() << "cannot make a veth pair with iproute2 here";
+  }
+  // Declared before the workers, which may call back into them until they stop.
+  absl::Notification failed, send_done, ran;
+  absl::Status endpoint_error, send_status;
+  absl::Duration connect_took;
   std::unique_ptr<Worker> peer = TcpWorkerOn("pc1");  // its address names 10.77.0.2
   std::unique_ptr<Worker> self = TcpWorkerOn("pc0");
   ASSERT_NE(peer, nullptr);
@@ -52,10 +57,6 @@ TEST(UcxConnectTest, AnUnansweringPeerNeitherBlocksTheProgressThreadNorHangs) {
   // Nobody answers for 10.77.0.2 now: a connect to it waits for ARP, which never comes.
   ASSERT_EQ(std::system("ip addr del 10.77.0.2/24 dev pc1"), 0);
   ASSERT_TRUE(self->Start().ok());
-
-  absl::Notification failed, send_done;
-  absl::Status endpoint_error, send_status;
-  absl::Duration connect_took;
   self->RunSync([&] {
     const absl::Time start = absl::Now();
     absl::StatusOr<ucp_ep_h> ep = self->Connect(peer->address(), [&](absl::Status s) {
@@ -76,7 +77,6 @@ TEST(UcxConnectTest, AnUnansweringPeerNeitherBlocksTheProgressThreadNorHangs) {
   });
   EXPECT_LT(connect_took, absl::Milliseconds(500)) << "the connect held the progress thread";
   // The progress thread is free for other work while the connection is pending.
-  absl::Notification ran;
   const absl::Time posted = absl::Now();
   self->Post([&] { ran.Notify(); });
   ASSERT_TRUE(ran.WaitForNotificationWithTimeout(absl::Seconds(2)));

@@ -23,8 +23,10 @@ struct StoreClient::Round {
   absl::Notification all_done;
 };
 
-// One outstanding fetch or put. Touched on the progress thread only until `done`, and by
-// the waiting caller after it (or after the progress thread has failed it: see Wait).
+// One outstanding fetch or put. Touched on the progress thread until it ends (`done`, or
+// `finished` set by FailPeer when the caller gives up: see Wait), and by the waiting
+// caller after that; but for `to_check` (under its mutex) and the large fetch items it
+// names, which the caller checks while the rest are in flight.
 struct StoreClient::Pending {
   int peer = 0;
   FetchItem* items = nullptr;  // fetch
@@ -146,17 +148,11 @@ absl::StatusOr<ucp_ep_h> StoreClient::Endpoint(int peer, bool fail_fast) {
   }
   // The failure of an endpoint this one replaced fails nothing of this one's.
   auto self = std::make_shared<ucp_ep_h>(nullptr);
-  absl::StatusOr<ucp_ep_h> ep =
-      worker_->Connect(address->second, [this, peer, self](absl::Status s) {
-        if (auto open = peers_.find(peer); open != peers_.end() && open->second == *self) {
-          FailPeer(peer, s);
-        }
-      });
-  if (!ep.ok()) {
-    MarkDown(peer, ep.status());
-    return ep.status();
-  }
-  *self = *ep;
+  ASSIGN_OR_RETURN(*self, worker_->Connect(address->second, [this, peer, self](absl::Status s) {
+    if (auto open = peers_.find(peer); open != peers_.end() && open->second == *self) {
+      FailPeer(peer, s);
+    }
+  }));
   // First on the endpoint, so the store knows where to answer before any request (a
   // store that forgot this client learns of it again).
   v1::UcxHello hello;
@@ -171,15 +167,6 @@ absl::StatusOr<ucp_ep_h> StoreClient::Endpoint(int peer, bool fail_fast) {
 absl::StatusOr<std::unique_ptr<ucx::MemoryRegion>> StoreClient::AllocateBuffer(size_t bytes,
                                                                                bool fault_in) {
   return worker_->Allocate(bytes, fault_in);
-}
-
-void StoreClient::MarkDown(int peer, const absl::Status& status) {
-  Down& down = down_[peer];
-  down.backoff = down.backoff == absl::ZeroDuration()
-                     ? kReconnectBackoff
-                     : std::min(2 * down.backoff, kMaxReconnectBackoff);
-  down.retry_at = absl::Now() + down.backoff;
-  down.why = std::string(status.message());
 }
 
 void StoreClient::FailPeer(int peer, const absl::Status& status) {
@@ -198,7 +185,12 @@ void StoreClient::FailPeer(int peer, const absl::Status& status) {
   }
   auto ep = peers_.find(peer);
   if (ep == peers_.end()) return;
-  MarkDown(peer, status);
+  Down& down = down_[peer];
+  down.backoff = down.backoff == absl::ZeroDuration()
+                     ? kReconnectBackoff
+                     : std::min(2 * down.backoff, kMaxReconnectBackoff);
+  down.retry_at = absl::Now() + down.backoff;
+  down.why = std::string(status.message());
   // A store that failed, or one still writing a payload into a caller's buffer, is closed
   // (which cancels those receives). One that merely has not answered in time is retired:
   // left open, unused, so its late answers arrive on an endpoint that still exists and are

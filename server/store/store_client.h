@@ -126,8 +126,6 @@ class StoreClient {
   absl::Status Wait(int peer, const std::shared_ptr<Pending>& pending, absl::Time deadline,
                     absl::Duration budget, const std::function<void(size_t)>& on_landed = nullptr);
   void FailPeer(int peer, const absl::Status& status);
-  // Progress thread: `peer` failed (its endpoint, or a connect); its backoff starts or doubles.
-  void MarkDown(int peer, const absl::Status& status);
   // Progress thread. The open endpoint to `peer`, or a new one when its last one failed or
   // was retired (FailPeer); with `fail_fast`, UNAVAILABLE instead while its backoff runs.
   absl::StatusOr<ucp_ep_h> Endpoint(int peer, bool fail_fast);
