@@ -175,8 +175,9 @@ void Scheduler::ReplicationStatus(v1::ClusterStatusResponse* out) {
   for (const auto& [job_id, run] : runs_) {
     absl::StatusOr<v1::Job> job = jobs_->Get(job_id);
     if (!job.ok()) continue;
-    const int want = std::min<int>(std::max(1, job->spec().cluster().store_replicas()),
-                                   static_cast<int>(alive.stores.size()));
+    // Not capped at the stores alive: with fewer stores than copies wanted, the copies
+    // missing are what one more store loss can take (the alert says to add stores).
+    const int want = std::max(1, job->spec().cluster().store_replicas());
     for (const v1::ExpertPlacement& e : run.record.placement().experts()) {
       int held = 0;
       for (const std::string& id : e.store_ids()) held += alive.stores.count(id) > 0;

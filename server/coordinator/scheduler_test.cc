@@ -896,6 +896,31 @@ TEST_F(SchedulerTest, ALostStoreIsReReplicatedToTheReplicaCount) {
   EXPECT_EQ(after.blobs_moved(), stores_.pulls.size());
 }
 
+// With fewer stores alive than the copies wanted, the deficit says so (and stays): one more
+// store loss would lose weights. It was capped at the stores alive, so it read 0.
+TEST_F(SchedulerTest, TheDeficitCountsCopiesNoStoreIsLeftToHold) {
+  const v1::Job job = Submit(1, 300, /*replicas=*/2);
+  const std::string s0 = Join(v1::MEMBER_ROLE_STORE), s1 = Join(v1::MEMBER_ROLE_STORE);
+  const std::string w0 = Join(v1::MEMBER_ROLE_WORKER);
+  scheduler_->Tick();
+  CommitStep(job.job_id(), 0, {w0});
+  v1::ClusterStatusResponse before;
+  scheduler_->ReplicationStatus(&before);
+  EXPECT_EQ(before.replica_deficit(), 0u);
+  const size_t groups = Copies(*scheduler_->GetPlacement(job.job_id())).size();
+  // s1 dies; nothing is left to re-replicate to.
+  now_ += absl::Seconds(2);
+  for (const std::string& id : {s0, w0}) ASSERT_TRUE(members_->Heartbeat(id, {}).ok());
+  now_ += absl::Seconds(2);
+  scheduler_->Tick();
+  while (scheduler_->ReplicateOnce() > 0) {
+  }
+  CommitStep(job.job_id(), 1, {w0});
+  v1::ClusterStatusResponse after;
+  scheduler_->ReplicationStatus(&after);
+  EXPECT_EQ(after.replica_deficit(), groups) << "one copy of each group is missing";
+}
+
 TEST_F(SchedulerTest, AJoiningStoreGetsTheWritesFirstAndIsReadOnlyOnceComplete) {
   const v1::Job job = Submit(1, 300, /*replicas=*/2);
   const std::string s0 = Join(v1::MEMBER_ROLE_STORE);
