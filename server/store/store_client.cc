@@ -399,10 +399,11 @@ absl::Status StoreClient::FetchOnce(int peer, absl::Span<FetchItem> items, absl:
   const absl::Status request_status = status;
   for (size_t i = 0; i < items.size(); ++i) {
     if (!pending->landed[i]) {
-      if (items[i].status.ok())
+      if (items[i].status.ok()) {  // not failed by itself: by the request
         items[i].status = request_status.ok()
                               ? absl::InternalError("the fetch ended before this item landed")
                               : request_status;
+      }
     } else if (items[i].info.size_bytes() >= kCheckOnCallerBytes) {
       items[i].status = seen[i] ? checked[i] : CheckFetched(items[i]);  // or as it ended
     }  // else checked where it landed
