@@ -65,7 +65,9 @@ constexpr char kUsage[] =
     "  status [JOB]                one job's state and figures, or every job\n"
     "  watch JOB                   follow a job: step, loss, tokens/s, cache hit rate, ETA\n"
     "  cancel JOB                  cancel a job\n"
-    "  checkpoint JOB --out FILE   export the job's last committed weights (safetensors)\n"
+    "  checkpoint JOB --out FILE [--force]\n"
+    "                              export the job's last committed weights (safetensors);\n"
+    "                              an existing FILE is replaced only with --force\n"
     "  cluster                     members, their leases and tiers, moves in flight,\n"
     "                              replica deficit, drains\n"
     "  cluster drain STORE [--no-wait] [--timeout SECONDS]\n"
@@ -78,7 +80,10 @@ constexpr char kUsage[] =
     "$PITH_HOME or ~/.pith/local; the job commands then find it without flags):\n"
     "  up [--stores N] [--workers N] [--memory_bytes B] [--cache_bytes B] [--ram_bytes B]\n"
     "     [--backend cpu|cuda] [--dir DIR]\n"
-    "  down [--dir DIR]\n";
+    "                              start one; where one is recorded, start again those of\n"
+    "                              its processes that no longer run (after a kill, a crash\n"
+    "                              or a reboot), at the coordinator's old address\n"
+    "  down [--dir DIR]            stop it (data, logs and the coordinator's port kept)\n";
 
 using Command = std::function<absl::Status(const CliContext&, const Args&, std::ostream&)>;
 

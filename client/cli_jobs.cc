@@ -128,19 +128,26 @@ absl::Status Cancel(const CliContext& ctx, const Args& args, std::ostream& out) 
 }
 
 absl::Status Checkpoint(const CliContext& ctx, const Args& args, std::ostream& out) {
-  if (args.size() != 3 || args[1] != "--out") {
-    return UsageError("checkpoint takes a job and a file: pith checkpoint JOB --out FILE");
+  const bool force = args.size() == 4 && args[3] == "--force";
+  if ((args.size() != 3 && !force) || args[1] != "--out") {
+    return UsageError(
+        "checkpoint takes a job and a file: pith checkpoint JOB --out FILE [--force]");
   }
   const std::filesystem::path target = std::filesystem::absolute(args[2]);
   ASSIGN_OR_RETURN(std::unique_ptr<Client> client, Connect(ctx));
   // The coordinator streams the file: the client may be on any host.
-  ASSIGN_OR_RETURN(v1::CheckpointJobResponse r,
-                   client->DownloadCheckpoint(args[0], target.string()));
+  absl::StatusOr<v1::CheckpointJobResponse> r =
+      client->DownloadCheckpoint(args[0], target.string(), force);
+  if (absl::IsAlreadyExists(r.status())) {
+    return absl::AlreadyExistsError(absl::StrCat(r.status().message(), " (--force replaces it)"));
+  }
+  RETURN_IF_ERROR(r.status());
   if (ctx.json) {
     out << absl::StrFormat("{\"path\": \"%s\", \"step\": %d, \"bytes\": %d}\n", target.string(),
-                           r.step(), r.bytes());
+                           r->step(), r->bytes());
   } else {
-    out << "wrote " << target.string() << " (step " << r.step() << ", " << r.bytes() << " bytes)\n";
+    out << "wrote " << target.string() << " (step " << r->step() << ", " << r->bytes()
+        << " bytes)\n";
   }
   return absl::OkStatus();
 }

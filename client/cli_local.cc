@@ -12,14 +12,18 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <map>
 #include <regex>
 #include <sstream>
 #include <thread>
 
+#include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
 #include "client/cli_commands.h"
+#include "client/local_record.h"
 #include "client/prometheus_rules.h"
 #include "common/status.h"
 #include "security/certs.h"
@@ -167,18 +171,18 @@ scrape_configs:
 struct UpFlags {
   int stores = 0, workers = 0;
   uint64_t cache_bytes = 0, memory_bytes = 0, ram_bytes = 0;
-  std::string backend, dir;
+  std::string backend;
 };
 
-absl::StatusOr<UpFlags> ParseUpFlags(const Args& args) {
-  std::map<std::string, std::string> flags = {
-      {"--stores", "2"},       {"--workers", "2"},           {"--cache_bytes", "0"},
-      {"--memory_bytes", "0"}, {"--ram_bytes", "268435456"}, {"--dir", DefaultDir()},
-      {"--backend", "cpu"}};
-  RETURN_IF_ERROR(ParseFlags("up", args, flags));
+// The flags `pith up` takes besides --dir, with their defaults.
+std::map<std::string, std::string> UpDefaults() {
+  return {{"--stores", "2"},       {"--workers", "2"},   {"--cache_bytes", "0"},
+          {"--memory_bytes", "0"}, {"--backend", "cpu"}, {"--ram_bytes", "268435456"}};
+}
+
+absl::StatusOr<UpFlags> CheckUpFlags(std::map<std::string, std::string> flags) {
   UpFlags f;
   f.backend = flags["--backend"];
-  f.dir = flags["--dir"];
   if (f.backend != "cpu" && f.backend != "cuda") {
     return UsageError(absl::StrCat("up: --backend wants cpu or cuda, got \"", f.backend, "\""));
   }
@@ -194,98 +198,222 @@ absl::StatusOr<UpFlags> ParseUpFlags(const Args& args) {
   return f;
 }
 
-}  // namespace
+// The cluster's members in start order: the coordinator, the stores, the workers.
+std::vector<std::string> MemberNames(const UpFlags& f) {
+  std::vector<std::string> names = {"coordinator"};
+  for (int n = 0; n < f.stores; ++n) names.push_back(absl::StrCat("store", n));
+  for (int n = 0; n < f.workers; ++n) names.push_back(absl::StrCat("worker", n));
+  return names;
+}
 
-absl::Status Up(const CliContext& ctx, const Args& args, std::ostream& out) {
-  ASSIGN_OR_RETURN(const UpFlags f, ParseUpFlags(args));
-  const int stores = f.stores, workers = f.workers;
-  const uint64_t cache_bytes = f.cache_bytes, memory_bytes = f.memory_bytes;
-  const uint64_t ram_bytes = f.ram_bytes;
-  const std::string& backend = f.backend;
-  const std::string& dir = f.dir;
-  if (!LocalCoordinator(dir).empty() && std::filesystem::exists(dir + "/pids")) {
-    return absl::AlreadyExistsError(
-        absl::StrCat("a cluster is already up in ", dir, " (pith down --dir ", dir, " first)"));
+// The command line of member `name` of the cluster in `dir`, whose coordinator listens on
+// 127.0.0.1:`coordinator_port` (0 at a first start: any free port).
+std::vector<std::string> MemberCommand(const std::string& name, const UpFlags& f,
+                                       const std::string& dir, int coordinator_port) {
+  const std::string tls = LocalTlsDir(dir) + "/" + name;
+  const std::string address = absl::StrCat("127.0.0.1:", coordinator_port);
+  if (name == "coordinator") {
+    return {FindBinary("pith-coordinator", "server/coordinator"),
+            "--listen=" + address,
+            "--metrics_port=0",
+            "--data_dir=" + dir + "/coordinator",
+            "--tls_dir=" + tls,
+            "--tokens_file=" + LocalTlsDir(dir) + "/tokens"};
   }
-  std::error_code ec;
-  std::filesystem::create_directories(dir, ec);
-  if (ec)
-    return absl::PermissionDeniedError(absl::StrCat("cannot create ", dir, ": ", ec.message()));
-  const std::string tls = LocalTlsDir(dir);
-  RETURN_IF_ERROR(Annotate(LocalCerts(tls, stores, workers), "certificates"));
-  std::vector<std::pair<std::string, pid_t>> started;
-  std::vector<MetricsTarget> targets;
-  auto stop_all = [&] {
-    for (auto it = started.rbegin(); it != started.rend(); ++it) ::kill(it->second, SIGKILL);
-  };
-  auto launch = [&](const std::string& name,
-                    std::vector<std::string> argv) -> absl::StatusOr<std::pair<int, int>> {
-    const std::string log = dir + "/" + name + ".log";
+  if (absl::StartsWith(name, "store")) {
+    return {FindBinary("pith-store", "server/store"),
+            "--listen=127.0.0.1:0",
+            "--metrics_port=0",
+            "--data_dir=" + dir + "/" + name,
+            absl::StrCat("--ram_bytes=", f.ram_bytes),
+            "--coordinator=" + address,
+            "--tls_dir=" + tls};
+  }
+  // The workers share this host's cores (a worker's compute threads spin while waiting),
+  // and its GPUs, round-robin.
+  int n = 0;
+  (void)absl::SimpleAtoi(name.substr(6), &n);
+  const int threads =
+      std::max(1, static_cast<int>(std::thread::hardware_concurrency()) / f.workers);
+  const int gpus = f.backend == "cuda" ? std::max(1, NvidiaGpus()) : 1;
+  return {FindBinary("pith-worker", "worker"),
+          "--coordinator=" + address,
+          "--metrics_port=0",
+          absl::StrCat("--cache_bytes=", f.cache_bytes),
+          absl::StrCat("--memory_bytes=", f.memory_bytes),
+          "--backend=" + f.backend,
+          absl::StrCat("--device=", n % gpus),
+          absl::StrCat("--threads=", threads),
+          "--tls_dir=" + tls};
+}
+
+// Starts members of the cluster in `dir`, each detached with its log at DIR/NAME.log (the
+// previous one kept as NAME.log.prev); Abandon() kills those it started.
+class Launcher {
+ public:
+  explicit Launcher(std::string dir) : dir_(std::move(dir)) {}
+
+  absl::StatusOr<LocalMember> Launch(const std::string& name,
+                                     const std::vector<std::string>& argv) {
+    const std::string log = dir_ + "/" + name + ".log";
+    std::error_code ec;
+    std::filesystem::rename(log, log + ".prev", ec);  // a crashed member's last words
     std::filesystem::remove(log, ec);
-    ASSIGN_OR_RETURN(pid_t pid, Spawn(argv, log));
-    started.push_back({name, pid});
-    ASSIGN_OR_RETURN(auto ports, WaitReady(name, pid, log));
-    targets.push_back({name, ports.second});
-    return ports;
-  };
-  std::vector<std::string> lines;
-  absl::Status status = [&]() -> absl::Status {
-    ASSIGN_OR_RETURN(
-        auto c,
-        launch("coordinator",
-               {FindBinary("pith-coordinator", "server/coordinator"), "--listen=127.0.0.1:0",
-                "--metrics_port=0", "--data_dir=" + dir + "/coordinator",
-                "--tls_dir=" + tls + "/coordinator", "--tokens_file=" + tls + "/tokens"}));
-    const std::string address = absl::StrCat("127.0.0.1:", c.first);
-    lines.push_back(absl::StrFormat("  %-12s %-22s http://127.0.0.1:%d/metrics", "coordinator",
-                                    address, c.second));
-    for (int n = 0; n < stores; ++n) {
-      const std::string name = absl::StrCat("store", n);
-      ASSIGN_OR_RETURN(
-          auto st, launch(name, {FindBinary("pith-store", "server/store"), "--listen=127.0.0.1:0",
-                                 "--metrics_port=0", "--data_dir=" + dir + "/" + name,
-                                 absl::StrCat("--ram_bytes=", ram_bytes),
-                                 "--coordinator=" + address, "--tls_dir=" + tls + "/" + name}));
-      lines.push_back(absl::StrFormat("  %-12s 127.0.0.1:%-12d http://127.0.0.1:%d/metrics", name,
-                                      st.first, st.second));
-    }
-    // The workers share this host's cores (a worker's compute threads spin while waiting),
-    // and its GPUs, round-robin.
-    const int threads =
-        std::max(1, static_cast<int>(std::thread::hardware_concurrency()) / workers);
-    const int gpus = backend == "cuda" ? std::max(1, NvidiaGpus()) : 1;
-    for (int n = 0; n < workers; ++n) {
-      const std::string name = absl::StrCat("worker", n);
-      ASSIGN_OR_RETURN(
-          auto w,
-          launch(name, {FindBinary("pith-worker", "worker"), "--coordinator=" + address,
-                        "--metrics_port=0", absl::StrCat("--cache_bytes=", cache_bytes),
-                        absl::StrCat("--memory_bytes=", memory_bytes), "--backend=" + backend,
-                        absl::StrCat("--device=", n % gpus), absl::StrCat("--threads=", threads),
-                        "--tls_dir=" + tls + "/" + name}));
-      lines.push_back(
-          absl::StrFormat("  %-12s %-22s http://127.0.0.1:%d/metrics", name, "-", w.second));
-    }
-    std::ofstream(dir + "/coordinator.address") << address << "\n";
-    std::ofstream pids(dir + "/pids");
-    for (const auto& [name, pid] : started) pids << name << " " << pid << "\n";
-    return WritePrometheusFiles(dir + "/prometheus", targets);
-  }();
-  if (!status.ok()) {
-    stop_all();
-    return status;
+    ASSIGN_OR_RETURN(const pid_t pid, Spawn(argv, log));
+    started_.push_back(pid);
+    ASSIGN_OR_RETURN(const auto ports, WaitReady(name, pid, log));
+    LocalMember m{name, pid, ProcessStart(pid).value_or(0), ports.first, ports.second};
+    if (absl::StartsWith(name, "worker")) m.grpc_port = 0;  // workers serve no gRPC port
+    return m;
   }
-  out << "Pith local cluster up in " << dir << ":\n";
-  for (const std::string& l : lines) out << l << "\n";
+
+  void Abandon() {
+    for (auto it = started_.rbegin(); it != started_.rend(); ++it) ::kill(*it, SIGKILL);
+  }
+
+ private:
+  const std::string dir_;
+  std::vector<pid_t> started_;
+};
+
+// Records the cluster in `dir` (see local_record.h) and its Prometheus targets.
+absl::Status Record(const std::string& dir, const std::vector<LocalMember>& members,
+                    const std::map<std::string, std::string>& flags) {
+  RETURN_IF_ERROR(WriteMembers(dir, members));
+  RETURN_IF_ERROR(WriteUpFlags(dir, flags));
+  RETURN_IF_ERROR(WriteCoordinatorPort(dir, members.front().grpc_port));
+  std::ofstream(dir + "/coordinator.address") << "127.0.0.1:" << members.front().grpc_port << "\n";
+  std::vector<MetricsTarget> targets;
+  for (const LocalMember& m : members) targets.push_back({m.name, m.metrics_port});
+  return WritePrometheusFiles(dir + "/prometheus", targets);
+}
+
+void PrintCluster(const std::string& dir, const std::vector<LocalMember>& members,
+                  std::ostream& out) {
+  for (const LocalMember& m : members) {
+    const std::string address = m.grpc_port > 0 ? absl::StrCat("127.0.0.1:", m.grpc_port) : "-";
+    out << absl::StrFormat("  %-12s %-22s http://127.0.0.1:%d/metrics\n", m.name, address,
+                           m.metrics_port);
+  }
+  const std::string tls = LocalTlsDir(dir);
   out << "Mutual TLS on every port (certificates in " << tls << "; the CLI uses admin's).\n";
-  for (const auto& t : targets) {
-    if (t.name == "coordinator") out << "Dashboard: http://127.0.0.1:" << t.port << "/\n";
-  }
+  out << "Dashboard: http://127.0.0.1:" << members.front().metrics_port << "/\n";
   out << "Prometheus (targets and alert rules): prometheus --config.file=" << dir
       << "/prometheus/prometheus.yml\n";
   out << "The job commands find it by themselves; stop it with pith down"
       << (dir == DefaultDir() ? "" : " --dir " + dir) << ".\n";
+}
+
+// A first start in `dir` (nothing recorded there): every member, the coordinator on the
+// port it had last time in `dir` when that port is free.
+absl::Status StartFresh(const std::string& dir, const std::map<std::string, std::string>& given,
+                        std::ostream& out) {
+  std::map<std::string, std::string> flags = UpDefaults();
+  for (const auto& [flag, value] : given) flags[flag] = value;
+  ASSIGN_OR_RETURN(const UpFlags f, CheckUpFlags(flags));
+  std::error_code ec;
+  std::filesystem::create_directories(dir, ec);
+  if (ec) {
+    return absl::PermissionDeniedError(absl::StrCat("cannot create ", dir, ": ", ec.message()));
+  }
+  RETURN_IF_ERROR(Annotate(LocalCerts(LocalTlsDir(dir), f.stores, f.workers), "certificates"));
+  int port = ReadCoordinatorPort(dir);
+  if (port != 0 && !LoopbackPortFree(port)) port = 0;
+  Launcher launcher(dir);
+  std::vector<LocalMember> members;
+  absl::Status status = [&]() -> absl::Status {
+    for (const std::string& name : MemberNames(f)) {
+      ASSIGN_OR_RETURN(LocalMember m, launcher.Launch(name, MemberCommand(name, f, dir, port)));
+      if (name == "coordinator") port = m.grpc_port;
+      members.push_back(m);
+    }
+    return Record(dir, members, flags);
+  }();
+  if (!status.ok()) {
+    launcher.Abandon();
+    return status;
+  }
+  out << "Pith local cluster up in " << dir << ":\n";
+  PrintCluster(dir, members, out);
   return absl::OkStatus();
+}
+
+// A cluster recorded in `dir`: starts again, from the record, the members that no longer
+// run (killed, crashed, or all of them after a reboot), at the coordinator's old address.
+absl::Status Restart(const std::string& dir, const std::map<std::string, std::string>& given,
+                     std::vector<LocalMember> members, std::ostream& out) {
+  std::vector<std::string> dead, running;
+  for (const LocalMember& m : members) (Alive(m) ? running : dead).push_back(m.name);
+  if (dead.empty()) {
+    return absl::AlreadyExistsError(
+        absl::StrCat("a cluster is already up in ", dir, " (pith down --dir ", dir, " first)"));
+  }
+  const std::map<std::string, std::string> flags = ReadUpFlags(dir);
+  if (flags.empty() || members.empty() || members.front().name != "coordinator" ||
+      members.front().grpc_port <= 0) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("the cluster in ", dir,
+                     " was started by an older pith and cannot be restarted from "
+                     "its record: pith down --dir ",
+                     dir, ", then pith up"));
+  }
+  for (const auto& [flag, value] : given) {
+    auto it = flags.find(flag);
+    if (it == flags.end() || it->second != value) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("the cluster in ", dir, " was started with ", flag, " ",
+                       it == flags.end() ? "unset" : it->second, "; pith down --dir ", dir,
+                       " first to start it with ", flag, " ", value));
+    }
+  }
+  ASSIGN_OR_RETURN(const UpFlags f, CheckUpFlags(flags));
+  const int port = members.front().grpc_port;
+  if (!Alive(members.front()) && !LoopbackPortFree(port)) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "the coordinator of ", dir, " cannot listen on 127.0.0.1:", port,
+        " again: another process holds the port (pith down --dir ", dir, ", then pith up)"));
+  }
+  Launcher launcher(dir);
+  absl::Status status = [&]() -> absl::Status {
+    for (LocalMember& m : members) {
+      if (Alive(m)) continue;
+      ASSIGN_OR_RETURN(m, launcher.Launch(m.name, MemberCommand(m.name, f, dir, port)));
+    }
+    return Record(dir, members, flags);
+  }();
+  if (!status.ok()) {
+    launcher.Abandon();
+    return status;
+  }
+  out << "Pith local cluster in " << dir << ": restarted " << absl::StrJoin(dead, ", ");
+  if (!running.empty()) out << " (" << absl::StrJoin(running, ", ") << " kept running)";
+  out << ":\n";
+  PrintCluster(dir, members, out);
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::Status Up(const CliContext& ctx, const Args& args, std::ostream& out) {
+  // Only the flags given: a restart checks them against the record.
+  std::map<std::string, std::string> given = UpDefaults();
+  for (auto& [flag, value] : given) value.clear();
+  given["--dir"] = "";
+  RETURN_IF_ERROR(ParseFlags("up", args, given));
+  for (auto it = given.begin(); it != given.end();) {
+    it = it->second.empty() ? given.erase(it) : std::next(it);
+  }
+  std::string dir = DefaultDir();
+  if (auto it = given.find("--dir"); it != given.end()) {
+    dir = it->second;
+    given.erase(it);
+  }
+  if (dir.find_first_of(" \t\n") != std::string::npos) {
+    return UsageError("up: --dir must not hold spaces");
+  }
+  absl::StatusOr<std::vector<LocalMember>> recorded = ReadMembers(dir);
+  if (recorded.ok() && !recorded->empty()) return Restart(dir, given, *std::move(recorded), out);
+  return StartFresh(dir, given, out);
 }
 
 absl::Status Down(const CliContext& ctx, const Args& args, std::ostream& out) {
@@ -295,32 +423,29 @@ absl::Status Down(const CliContext& ctx, const Args& args, std::ostream& out) {
   } else if (!args.empty()) {
     return UsageError("down takes --dir DIR at most");
   }
-  std::ifstream in(dir + "/pids");
-  if (!in) return absl::NotFoundError(absl::StrCat("no cluster is up in ", dir));
-  std::vector<std::pair<std::string, pid_t>> procs;
-  std::string name;
-  pid_t pid;
-  while (in >> name >> pid) procs.push_back({name, pid});
-  // Workers first, then stores, then the coordinator: the reverse of the start order.
+  ASSIGN_OR_RETURN(const std::vector<LocalMember> members, ReadMembers(dir));
+  // Workers first, then stores, then the coordinator: the reverse of the start order. A
+  // recorded pid that now belongs to another process (its start time differs) is left be.
   bool clean = true;
-  for (auto it = procs.rbegin(); it != procs.rend(); ++it) {
-    if (::kill(it->second, SIGTERM) != 0) {
-      out << "  " << it->first << " was not running\n";
+  for (auto it = members.rbegin(); it != members.rend(); ++it) {
+    if (!Alive(*it) || ::kill(it->pid, SIGTERM) != 0) {
+      out << "  " << it->name << " was not running\n";
       continue;
     }
     bool gone = false;
     for (int i = 0; i < 150 && !gone; ++i) {
-      gone = ::kill(it->second, 0) != 0;
+      gone = !Alive(*it);
       if (!gone) std::this_thread::sleep_for(std::chrono::milliseconds(100));
     }
     if (!gone) {
-      ::kill(it->second, SIGKILL);
+      ::kill(it->pid, SIGKILL);
       clean = false;
     }
-    out << "  " << it->first << (gone ? " stopped" : " killed (did not stop within 15 s)") << "\n";
+    out << "  " << it->name << (gone ? " stopped" : " killed (did not stop within 15 s)") << "\n";
   }
   std::error_code ec;
   std::filesystem::remove(dir + "/pids", ec);
+  std::filesystem::remove(dir + "/up.flags", ec);
   std::filesystem::remove(dir + "/coordinator.address", ec);
   std::filesystem::remove(dir + "/prometheus/targets.json", ec);  // nothing left to scrape
   out << "Pith local cluster in " << dir << " is down (data and logs kept there).\n";

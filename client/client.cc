@@ -1,6 +1,8 @@
 #include "client/client.h"
 
 #include <fcntl.h>
+#include <stdio.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <cerrno>
@@ -128,10 +130,29 @@ bool WriteAll(int fd, const std::string& data) {
   return true;
 }
 
+// Renames `from` onto `to`; without `replace`, never over an existing `to` (EEXIST).
+int RenameOnto(const std::string& from, const std::string& to, bool replace) {
+  if (replace) return ::rename(from.c_str(), to.c_str());
+  int rc = ::renameat2(AT_FDCWD, from.c_str(), AT_FDCWD, to.c_str(), RENAME_NOREPLACE);
+  if (rc != 0 && (errno == EINVAL || errno == ENOSYS)) {
+    // File systems without RENAME_NOREPLACE (NFS, some FUSE): link() never replaces.
+    rc = ::link(from.c_str(), to.c_str());
+    if (rc == 0) ::unlink(from.c_str());
+  }
+  return rc;
+}
+
+absl::Status Exists(const std::string& path) {
+  return absl::AlreadyExistsError(absl::StrCat(path, " already exists and is not replaced"));
+}
+
 }  // namespace
 
 absl::StatusOr<v1::CheckpointJobResponse> Client::DownloadCheckpoint(const std::string& job_id,
-                                                                     const std::string& path) {
+                                                                     const std::string& path,
+                                                                     bool replace) {
+  struct stat st;
+  if (!replace && ::lstat(path.c_str(), &st) == 0) return Exists(path);
   const std::string partial = absl::StrCat(path, ".partial-", ::getpid());
   const int fd = ::open(partial.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
   if (fd < 0) {
@@ -167,8 +188,10 @@ absl::StatusOr<v1::CheckpointJobResponse> Client::DownloadCheckpoint(const std::
     s = absl::InternalError(absl::StrCat("cannot sync ", partial, ": ", std::strerror(errno)));
   }
   ::close(fd);
-  if (s.ok() && ::rename(partial.c_str(), path.c_str()) != 0) {
-    s = absl::InternalError(absl::StrCat("cannot write ", path, ": ", std::strerror(errno)));
+  if (s.ok() && RenameOnto(partial, path, replace) != 0) {
+    s = errno == EEXIST
+            ? Exists(path)
+            : absl::InternalError(absl::StrCat("cannot write ", path, ": ", std::strerror(errno)));
   }
   if (!s.ok()) {
     ::unlink(partial.c_str());

@@ -43,9 +43,12 @@ class Client {
   absl::StatusOr<v1::CheckpointJobResponse> Checkpoint(const std::string& job_id,
                                                        const std::string& output_dir);
   // Streams the job's last committed weights from the coordinator into `path` here
-  // (written beside it, synced, then renamed over it). Returns the step and bytes.
+  // (written beside it, synced, then renamed onto it). Returns the step and bytes. An
+  // existing `path` is replaced only with `replace`; otherwise ALREADY_EXISTS, before the
+  // download and again at the rename (a file that appeared meanwhile is kept).
   absl::StatusOr<v1::CheckpointJobResponse> DownloadCheckpoint(const std::string& job_id,
-                                                               const std::string& path);
+                                                               const std::string& path,
+                                                               bool replace = false);
   absl::StatusOr<v1::ClusterStatusResponse> ClusterStatus();
   absl::StatusOr<v1::ExpertHeatResponse> ExpertHeat(const std::string& job_id, int layer = -1);
   // Starts draining a store (ClusterStatus shows the progress and when it can be stopped).

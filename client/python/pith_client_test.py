@@ -102,6 +102,10 @@ class ClientTest(unittest.TestCase):
                        capture_output=True, timeout=60)
         with open(ours, "rb") as a, open(theirs, "rb") as b:
             self.assertEqual(a.read(), b.read())
+        with self.assertRaises(pith.Error) as refused:
+            self.client.checkpoint(self.job.job_id, ours)
+        self.assertEqual(refused.exception.code, grpc.StatusCode.ALREADY_EXISTS)
+        self.assertEqual(self.client.checkpoint(self.job.job_id, ours, replace=True).step, 12)
         ckpt = pith.load_checkpoint(ours, framework="python")
         self.assertEqual(ckpt.spec["model"]["n_expert"], 4)
         self.assertEqual(int(ckpt.spec["train"]["steps"]), 12)

@@ -36,6 +36,10 @@ grep -q "step 15/15" "$E2E_TMP/watch.txt" || fail "no progress line for the last
 # The file came down the stream: the coordinator kept no copy, nothing partial is left.
 [[ -z $(find "$PITH_HOME" -path '*downloads/*' -type f) ]] || fail "the coordinator kept a download"
 [[ -z $(ls "$E2E_TMP"/tiny.safetensors.partial-* 2>/dev/null) ]] || fail "a partial download is left"
+# An existing file is kept, unless --force says to replace it.
+expect_one_line "tiny.safetensors already exists and is not replaced (--force replaces it)" \
+  "$PITH" checkpoint "$job" --out "$E2E_TMP/tiny.safetensors"
+"$PITH" checkpoint "$job" --out "$E2E_TMP/tiny.safetensors" --force >/dev/null || fail "--force"
 # The export records its job's spec: sample and eval need nothing else.
 "$PITH" sample --checkpoint "$E2E_TMP/tiny.safetensors" --prompt "line" --tokens 10 >/dev/null ||
   fail "sample"

@@ -202,11 +202,14 @@ class Client:
         request = job_pb2.CancelJobRequest(job_id=job_id, reason=reason)
         return _rpc(self._stub.CancelJob, request, timeout=self.timeout)
 
-    def checkpoint(self, job, path):
+    def checkpoint(self, job, path, replace=False):
         """Downloads the job's last committed weights as safetensors to `path` (on this
-        host, written whole or not at all). Returns a CheckpointJobResponse (step,
+        host, written whole or not at all). An existing `path` is replaced only with
+        `replace` (else ALREADY_EXISTS). Returns a CheckpointJobResponse (step,
         weights_path, bytes)."""
         path = os.path.abspath(path)
+        if not replace and os.path.lexists(path):
+            raise Error(grpc.StatusCode.ALREADY_EXISTS, f"{path} already exists and is not replaced")
         partial = f"{path}.partial-{os.getpid()}"
         stream = self._stub.DownloadCheckpoint(job_pb2.DownloadCheckpointRequest(job_id=job),
                                                timeout=3600)
@@ -223,7 +226,14 @@ class Client:
             if total is None or got != total:
                 raise Error(grpc.StatusCode.DATA_LOSS,
                             f"the checkpoint stream ended after {got} of {total or 0} bytes")
-            os.replace(partial, path)
+            if replace:
+                os.replace(partial, path)
+            else:
+                try:
+                    os.link(partial, path)  # never over a file that appeared meanwhile
+                except FileExistsError:
+                    raise Error(grpc.StatusCode.ALREADY_EXISTS,
+                                f"{path} already exists and is not replaced") from None
         except grpc.RpcError as e:
             raise Error(e.code(), e.details()) from None
         except OSError as e:

@@ -1,0 +1,82 @@
+#!/usr/bin/env bash
+# `pith up` on a cluster it recorded: members killed with -9 come back from the record
+# while a job trains (and the job finishes), all of them after the whole cluster is killed
+# (as by a reboot), each time at the coordinator's old address; other flags than the
+# record's are refused; `pith down` never signals a process that took a member's pid; a
+# later `pith up` in the same folder listens where the last coordinator did.
+set -euo pipefail
+PITH=$1
+source "$(dirname "$0")/../../deploy/proc-lib.sh"
+export PITH_HOME=$E2E_TMP/home
+trap '"$PITH" down >/dev/null 2>&1 || true; cleanup' EXIT
+
+pid_of() { awk -v n="$1" '$1 == n {print $2}' "$PITH_HOME/pids"; }
+expect_fail() {  # WANT CMD...: exit 1, stderr containing WANT
+  local want=$1 rc=0
+  shift
+  "$@" >"$E2E_TMP/out" 2>"$E2E_TMP/err" || rc=$?
+  [[ $rc == 1 ]] || fail "$* exited $rc, want 1: $(cat "$E2E_TMP/err")"
+  grep -q -- "$want" "$E2E_TMP/err" || fail "$* error lacks '$want': $(cat "$E2E_TMP/err")"
+  echo "  ok: $(cat "$E2E_TMP/err")"
+}
+wait_alive_stores() {  # N: until `pith cluster` shows N stores alive (60 s at most)
+  for _ in $(seq 120); do
+    (($("$PITH" cluster 2>/dev/null | grep -c "store-.*alive") == $1)) && return 0
+    sleep 0.5
+  done
+  fail "not $1 stores alive: $("$PITH" cluster 2>&1)"
+}
+
+"$PITH" up --stores 2 --workers 2 --cache_bytes 4096 >/dev/null || fail "pith up"
+address=$(cat "$PITH_HOME/coordinator.address")
+expect_fail "already up" "$PITH" up
+
+tiny_tokens "$PITH" 300
+tiny_spec restart 150 1 >"$E2E_TMP/spec.json"
+job=$("$PITH" submit "$E2E_TMP/spec.json")
+for _ in $(seq 200); do
+  "$PITH" status "$job" | grep -q "running.*step [1-9]" && break
+  sleep 0.1
+done
+"$PITH" status "$job" | grep -q running || fail "$job is not running: $("$PITH" status "$job")"
+kill -9 "$(pid_of worker1)" "$(pid_of store1)"
+"$PITH" up >"$E2E_TMP/up.txt" || fail "pith up after kill -9: $(cat "$E2E_TMP/up.txt")"
+grep -q "restarted store1, worker1 (coordinator, store0, worker0 kept running)" "$E2E_TMP/up.txt" ||
+  fail "the restart said: $(head -1 "$E2E_TMP/up.txt")"
+[[ $(cat "$PITH_HOME/coordinator.address") == "$address" ]] || fail "the coordinator moved"
+timeout 120 "$PITH" watch "$job" >"$E2E_TMP/watch.txt" 2>&1 ||
+  fail "the job across the restart: $(tail -3 "$E2E_TMP/watch.txt")"
+grep -q "succeeded at step 150" "$E2E_TMP/watch.txt" || fail "watch: $(tail -2 "$E2E_TMP/watch.txt")"
+echo "  ok: store1 and worker1 came back; $job finished"
+
+# The whole cluster at once, as a reboot does: everything comes back at the same address,
+# with the recorded flags.
+kill -9 $(awk '{print $2}' "$PITH_HOME/pids")
+sleep 0.5
+expect_fail "was started with --stores 2" "$PITH" up --stores 3
+"$PITH" up --stores 2 >"$E2E_TMP/up.txt" || fail "pith up after losing all: $(cat "$E2E_TMP/up.txt")"
+grep -q "restarted coordinator, store0, store1, worker0, worker1:" "$E2E_TMP/up.txt" ||
+  fail "the restart said: $(head -1 "$E2E_TMP/up.txt")"
+[[ $(cat "$PITH_HOME/coordinator.address") == "$address" ]] || fail "the coordinator moved"
+"$PITH" status "$job" | grep -q succeeded || fail "the coordinator lost $job: $("$PITH" status "$job")"
+wait_alive_stores 2
+[[ -s $PITH_HOME/coordinator.log.prev ]] || fail "the killed coordinator's log was not kept"
+echo "  ok: the whole cluster came back at $address with its jobs"
+
+"$PITH" down >/dev/null || fail "pith down"
+# A record whose pid now belongs to another process: pith down leaves that process be.
+sleep 300 >/dev/null 2>&1 &
+other=$!
+PIDS+=("$other")
+echo "coordinator $other 1 $((${address##*:})) 1" >"$PITH_HOME/pids"
+"$PITH" down >"$E2E_TMP/down.txt" || fail "pith down of a stale record"
+grep -q "coordinator was not running" "$E2E_TMP/down.txt" || fail "down said: $(cat "$E2E_TMP/down.txt")"
+kill -0 "$other" || fail "pith down signalled a process that was not the cluster's"
+kill "$other"
+echo "  ok: a reused pid is not signalled"
+
+"$PITH" up --stores 1 --workers 1 >/dev/null || fail "pith up after down"
+[[ $(cat "$PITH_HOME/coordinator.address") == "$address" ]] ||
+  fail "a new cluster in the folder listens at $(cat "$PITH_HOME/coordinator.address"), not $address"
+"$PITH" down >/dev/null || fail "pith down"
+echo "PASS"
