@@ -16,6 +16,7 @@
 #include <atomic>
 #include <cerrno>
 #include <chrono>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
@@ -501,7 +502,21 @@ void Worker::Close(ucp_ep_h ep) {
   p.flags = UCP_EP_CLOSE_FLAG_FORCE;
   ucs_status_ptr_t r = ucp_ep_close_nbx(ep, &p);
   if (UCS_PTR_IS_PTR(r)) {
-    while (ucp_request_check_status(r) == UCS_INPROGRESS) ucp_worker_progress(worker_);
+    // A forced close waits for no peer and completes within a few progress calls; the bound
+    // keeps a transport that never completes it from holding the progress thread, and with
+    // it every request of the process. Freed unfinished, UCX releases it when it completes.
+    const auto deadline = std::chrono::steady_clock::now() + kCloseBound;
+    bool done = false;
+    while (!(done = ucp_request_check_status(r) != UCS_INPROGRESS) &&
+           std::chrono::steady_clock::now() < deadline) {
+      ucp_worker_progress(worker_);
+    }
+    if (!done) {
+      std::fprintf(stderr,
+                   "pith ucx: an endpoint close did not complete within %lld ms; left "
+                   "to finish in the background\n",
+                   static_cast<long long>(kCloseBound / std::chrono::milliseconds(1)));
+    }
     ucp_request_free(r);
   }
   closed_states_.push_back(std::move(it->second));

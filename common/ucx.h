@@ -14,6 +14,7 @@
 #include <ucp/api/ucp.h>
 
 #include <atomic>
+#include <chrono>
 #include <cstdint>
 #include <deque>
 #include <functional>
@@ -170,8 +171,10 @@ class Worker {
   absl::StatusOr<ucp_ep_h> Connect(const std::string& address,
                                    std::function<void(absl::Status)> on_error);
   // Closes an endpoint (forcefully: outstanding operations are cancelled). Progresses the
-  // worker until the close completes: not from a send or receive completion.
+  // worker until the close completes, kCloseBound at most: not from a send or receive
+  // completion.
   void Close(ucp_ep_h ep);
+  static constexpr std::chrono::milliseconds kCloseBound{2000};
   // Sends active message `id` with `header` and `size` bytes of payload from `data` (which
   // must stay valid until `done` runs; memh, when given, is its registration). With
   // `want_reply` the receiver gets a reply endpoint.
