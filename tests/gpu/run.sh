@@ -14,6 +14,8 @@
 #   tests/gpu/vendor.sh                 # once, where Debian's archive is reachable
 #   tests/gpu/cluster_bundle.sh build   # optional, where Pith builds with nvcc
 #   tests/gpu/run.sh                    # on the GPU machine, from the repository root
+# Each stage has a time limit (rc 124 when it ran out: a hung kernel), so that one hang
+# leaves the device call time for the rest and for the logs to come back.
 set -uo pipefail
 root=$(cd "$(dirname "$0")/../.." && pwd)
 cd "$root"
@@ -68,7 +70,7 @@ fi
 built=$(date +%s)
 
 echo "== tests (every test of the GPU-only build)"
-ctest --test-dir "$build" --output-on-failure --timeout 300 2>&1 | tee "$out/ctest.log"
+ctest --test-dir "$build" --output-on-failure --timeout 120 2>&1 | tee "$out/ctest.log"
 tests_rc=${PIPESTATUS[0]}
 # The grouped kernel's own checks once more under compute-sanitizer: out-of-bounds
 # accesses (memcheck: a failure fails the run) and shared-memory races between its
@@ -77,7 +79,7 @@ tests_rc=${PIPESTATUS[0]}
 sanitizer=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
 if [[ -x $sanitizer ]]; then
   for tool in memcheck racecheck; do
-    if "$sanitizer" --tool "$tool" --error-exitcode 1 "$build/grouped_gemm_test" \
+    if timeout 120 "$sanitizer" --tool "$tool" --error-exitcode 1 "$build/grouped_gemm_test" \
          --gtest_filter='GroupedGemmTest.*' >"$out/sanitizer-$tool.log" 2>&1; then
       echo "compute-sanitizer $tool: clean" | tee -a "$out/ctest.log"
     else
@@ -92,11 +94,11 @@ fi
 tested=$(date +%s)
 
 echo "== gpu_bench"
-"$build/gpu_bench" 2>&1 | tee "$out/bench.log"
+timeout 240 "$build/gpu_bench" 2>&1 | tee "$out/bench.log"
 bench_rc=${PIPESTATUS[0]}
 echo "== torch_moe_bench (PyTorch's MoE layer on this device: the anchor of moe_layer)"
 if python3 -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null; then
-  PYTHONUNBUFFERED=1 python3 tests/gpu/torch_moe_bench.py 2>&1 | tee "$out/torch.log"
+  PYTHONUNBUFFERED=1 timeout 150 python3 tests/gpu/torch_moe_bench.py 2>&1 | tee "$out/torch.log"
   torch_rc=${PIPESTATUS[0]}
 else
   echo "torch_moe_bench skipped: python3 has no PyTorch that sees this GPU" | tee "$out/torch.log"
@@ -104,7 +106,7 @@ else
 fi
 echo "== cluster (tests/gpu/cluster.sh: a local cluster with GPU workers, from the bundle)"
 if [[ -f .gpu-cluster/pith-cluster.tar.gz ]]; then
-  OUT=$out/cluster bash tests/gpu/cluster.sh 2>&1 | tee "$out/cluster.log"
+  OUT=$out/cluster timeout 200 bash tests/gpu/cluster.sh 2>&1 | tee "$out/cluster.log"
   cluster_rc=${PIPESTATUS[0]}
 else
   echo "cluster skipped: no .gpu-cluster/pith-cluster.tar.gz (tests/gpu/cluster_bundle.sh)" |
