@@ -128,16 +128,19 @@ absl::Status Cancel(const CliContext& ctx, const Args& args, std::ostream& out) 
 }
 
 absl::Status Checkpoint(const CliContext& ctx, const Args& args, std::ostream& out) {
-  const bool force = args.size() == 4 && args[3] == "--force";
-  if ((args.size() != 3 && !force) || args[1] != "--out") {
+  Args rest = args;
+  const auto forced = std::find(rest.begin(), rest.end(), "--force");
+  const bool force = forced != rest.end();
+  if (force) rest.erase(forced);
+  if (rest.size() != 3 || rest[1] != "--out") {
     return UsageError(
         "checkpoint takes a job and a file: pith checkpoint JOB --out FILE [--force]");
   }
-  const std::filesystem::path target = std::filesystem::absolute(args[2]);
+  const std::filesystem::path target = std::filesystem::absolute(rest[2]);
   ASSIGN_OR_RETURN(std::unique_ptr<Client> client, Connect(ctx));
   // The coordinator streams the file: the client may be on any host.
   absl::StatusOr<v1::CheckpointJobResponse> r =
-      client->DownloadCheckpoint(args[0], target.string(), force);
+      client->DownloadCheckpoint(rest[0], target.string(), force);
   if (absl::IsAlreadyExists(r.status())) {
     return absl::AlreadyExistsError(absl::StrCat(r.status().message(), " (--force replaces it)"));
   }

@@ -13,6 +13,7 @@
 #include <filesystem>
 #include <fstream>
 #include <map>
+#include <optional>
 #include <regex>
 #include <sstream>
 #include <thread>
@@ -262,7 +263,11 @@ class Launcher {
     ASSIGN_OR_RETURN(const pid_t pid, Spawn(argv, log));
     started_.push_back(pid);
     ASSIGN_OR_RETURN(const auto ports, WaitReady(name, pid, log));
-    LocalMember m{name, pid, ProcessStart(pid).value_or(0), ports.first, ports.second};
+    const std::optional<uint64_t> start = ProcessStart(pid);
+    if (!start.has_value()) {
+      return absl::InternalError(absl::StrCat(name, " exited after it started; see ", log));
+    }
+    LocalMember m{name, pid, *start, ports.first, ports.second};
     if (absl::StartsWith(name, "worker")) m.grpc_port = 0;  // workers serve no gRPC port
     return m;
   }
@@ -276,16 +281,32 @@ class Launcher {
   std::vector<pid_t> started_;
 };
 
-// Records the cluster in `dir` (see local_record.h) and its Prometheus targets.
+// `dir` absolute and normal: the members' flags name paths under it, which must read the
+// same from wherever `pith up` or `pith down` runs next.
+std::string FolderPath(const std::string& dir) {
+  std::error_code ec;
+  std::string path = std::filesystem::absolute(dir, ec).lexically_normal().string();
+  if (path.size() > 1 && path.back() == '/') path.pop_back();
+  return path;
+}
+
+// Whether member `m` of the cluster in `dir` still runs (see Alive: its pid, start time
+// and its own --tls_dir among its arguments).
+bool Runs(const std::string& dir, const LocalMember& m) {
+  return Alive(m, "--tls_dir=" + LocalTlsDir(dir) + "/" + m.name);
+}
+
+// Records the cluster in `dir` (see local_record.h) and its Prometheus targets; `pids` last,
+// so that a record that could not be written whole names no member.
 absl::Status Record(const std::string& dir, const std::vector<LocalMember>& members,
                     const std::map<std::string, std::string>& flags) {
-  RETURN_IF_ERROR(WriteMembers(dir, members));
   RETURN_IF_ERROR(WriteUpFlags(dir, flags));
   RETURN_IF_ERROR(WriteCoordinatorPort(dir, members.front().grpc_port));
   std::ofstream(dir + "/coordinator.address") << "127.0.0.1:" << members.front().grpc_port << "\n";
   std::vector<MetricsTarget> targets;
   for (const LocalMember& m : members) targets.push_back({m.name, m.metrics_port});
-  return WritePrometheusFiles(dir + "/prometheus", targets);
+  RETURN_IF_ERROR(WritePrometheusFiles(dir + "/prometheus", targets));
+  return WriteMembers(dir, members);
 }
 
 void PrintCluster(const std::string& dir, const std::vector<LocalMember>& members,
@@ -301,7 +322,7 @@ void PrintCluster(const std::string& dir, const std::vector<LocalMember>& member
   out << "Prometheus (targets and alert rules): prometheus --config.file=" << dir
       << "/prometheus/prometheus.yml\n";
   out << "The job commands find it by themselves; stop it with pith down"
-      << (dir == DefaultDir() ? "" : " --dir " + dir) << ".\n";
+      << (dir == FolderPath(DefaultDir()) ? "" : " --dir " + dir) << ".\n";
 }
 
 // A first start in `dir` (nothing recorded there): every member, the coordinator on the
@@ -311,11 +332,6 @@ absl::Status StartFresh(const std::string& dir, const std::map<std::string, std:
   std::map<std::string, std::string> flags = UpDefaults();
   for (const auto& [flag, value] : given) flags[flag] = value;
   ASSIGN_OR_RETURN(const UpFlags f, CheckUpFlags(flags));
-  std::error_code ec;
-  std::filesystem::create_directories(dir, ec);
-  if (ec) {
-    return absl::PermissionDeniedError(absl::StrCat("cannot create ", dir, ": ", ec.message()));
-  }
   RETURN_IF_ERROR(Annotate(LocalCerts(LocalTlsDir(dir), f.stores, f.workers), "certificates"));
   int port = ReadCoordinatorPort(dir);
   if (port != 0 && !LoopbackPortFree(port)) port = 0;
@@ -343,14 +359,15 @@ absl::Status StartFresh(const std::string& dir, const std::map<std::string, std:
 absl::Status Restart(const std::string& dir, const std::map<std::string, std::string>& given,
                      std::vector<LocalMember> members, std::ostream& out) {
   std::vector<std::string> dead, running;
-  for (const LocalMember& m : members) (Alive(m) ? running : dead).push_back(m.name);
+  for (const LocalMember& m : members) (Runs(dir, m) ? running : dead).push_back(m.name);
   if (dead.empty()) {
     return absl::AlreadyExistsError(
         absl::StrCat("a cluster is already up in ", dir, " (pith down --dir ", dir, " first)"));
   }
-  const std::map<std::string, std::string> flags = ReadUpFlags(dir);
-  if (flags.empty() || members.empty() || members.front().name != "coordinator" ||
-      members.front().grpc_port <= 0) {
+  const std::map<std::string, std::string> recorded = ReadUpFlags(dir);
+  std::map<std::string, std::string> flags = UpDefaults();
+  for (const auto& [flag, value] : recorded) flags[flag] = value;
+  if (recorded.empty() || members.front().name != "coordinator" || members.front().grpc_port <= 0) {
     return absl::FailedPreconditionError(
         absl::StrCat("the cluster in ", dir,
                      " was started by an older pith and cannot be restarted from "
@@ -358,26 +375,28 @@ absl::Status Restart(const std::string& dir, const std::map<std::string, std::st
                      dir, ", then pith up"));
   }
   for (const auto& [flag, value] : given) {
-    auto it = flags.find(flag);
-    if (it == flags.end() || it->second != value) {
+    if (flags[flag] != value) {
       return absl::FailedPreconditionError(
-          absl::StrCat("the cluster in ", dir, " was started with ", flag, " ",
-                       it == flags.end() ? "unset" : it->second, "; pith down --dir ", dir,
-                       " first to start it with ", flag, " ", value));
+          absl::StrCat("the cluster in ", dir, " was started with ", flag, " ", flags[flag],
+                       "; pith down --dir ", dir, " first to start it with ", flag, " ", value));
     }
   }
-  ASSIGN_OR_RETURN(const UpFlags f, CheckUpFlags(flags));
+  absl::StatusOr<UpFlags> f = CheckUpFlags(flags);
+  if (!f.ok()) {
+    return absl::FailedPreconditionError(absl::StrCat(dir, "/up.flags: ", f.status().message()));
+  }
   const int port = members.front().grpc_port;
-  if (!Alive(members.front()) && !LoopbackPortFree(port)) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "the coordinator of ", dir, " cannot listen on 127.0.0.1:", port,
-        " again: another process holds the port (pith down --dir ", dir, ", then pith up)"));
+  if (!Runs(dir, members.front()) && !LoopbackPortFree(port)) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("the coordinator of ", dir, " cannot listen on 127.0.0.1:", port,
+                     " again: another process holds the port (ss -ltnp 'sport = :", port,
+                     "' shows it; or pith down --dir ", dir, ", then pith up)"));
   }
   Launcher launcher(dir);
   absl::Status status = [&]() -> absl::Status {
     for (LocalMember& m : members) {
-      if (Alive(m)) continue;
-      ASSIGN_OR_RETURN(m, launcher.Launch(m.name, MemberCommand(m.name, f, dir, port)));
+      if (Runs(dir, m)) continue;
+      ASSIGN_OR_RETURN(m, launcher.Launch(m.name, MemberCommand(m.name, *f, dir, port)));
     }
     return Record(dir, members, flags);
   }();
@@ -408,9 +427,13 @@ absl::Status Up(const CliContext& ctx, const Args& args, std::ostream& out) {
     dir = it->second;
     given.erase(it);
   }
-  if (dir.find_first_of(" \t\n") != std::string::npos) {
-    return UsageError("up: --dir must not hold spaces");
+  dir = FolderPath(dir);
+  std::error_code ec;
+  std::filesystem::create_directories(dir, ec);
+  if (ec) {
+    return absl::PermissionDeniedError(absl::StrCat("cannot create ", dir, ": ", ec.message()));
   }
+  ASSIGN_OR_RETURN(const UniqueFd lock, LockFolder(dir));  // one pith up or down at a time
   absl::StatusOr<std::vector<LocalMember>> recorded = ReadMembers(dir);
   if (recorded.ok() && !recorded->empty()) return Restart(dir, given, *std::move(recorded), out);
   return StartFresh(dir, given, out);
@@ -423,18 +446,28 @@ absl::Status Down(const CliContext& ctx, const Args& args, std::ostream& out) {
   } else if (!args.empty()) {
     return UsageError("down takes --dir DIR at most");
   }
+  dir = FolderPath(dir);
+  if (!std::filesystem::exists(dir + "/pids")) {
+    return absl::NotFoundError(absl::StrCat("no cluster is up in ", dir));
+  }
+  ASSIGN_OR_RETURN(const UniqueFd lock, LockFolder(dir));  // one pith up or down at a time
   ASSIGN_OR_RETURN(const std::vector<LocalMember> members, ReadMembers(dir));
   // Workers first, then stores, then the coordinator: the reverse of the start order. A
-  // recorded pid that now belongs to another process (its start time differs) is left be.
+  // recorded pid that now belongs to another process is left be (see Runs).
   bool clean = true;
   for (auto it = members.rbegin(); it != members.rend(); ++it) {
-    if (!Alive(*it) || ::kill(it->pid, SIGTERM) != 0) {
+    if (!Runs(dir, *it)) {
       out << "  " << it->name << " was not running\n";
+      continue;
+    }
+    if (::kill(it->pid, SIGTERM) != 0) {
+      out << "  " << it->name << " could not be stopped: " << std::strerror(errno) << "\n";
+      clean = false;
       continue;
     }
     bool gone = false;
     for (int i = 0; i < 150 && !gone; ++i) {
-      gone = !Alive(*it);
+      gone = !Runs(dir, *it);
       if (!gone) std::this_thread::sleep_for(std::chrono::milliseconds(100));
     }
     if (!gone) {
@@ -449,7 +482,7 @@ absl::Status Down(const CliContext& ctx, const Args& args, std::ostream& out) {
   std::filesystem::remove(dir + "/coordinator.address", ec);
   std::filesystem::remove(dir + "/prometheus/targets.json", ec);  // nothing left to scrape
   out << "Pith local cluster in " << dir << " is down (data and logs kept there).\n";
-  if (!clean) return absl::InternalError("some processes had to be killed");
+  if (!clean) return absl::InternalError("some processes had to be killed or could not be stopped");
   return absl::OkStatus();
 }
 

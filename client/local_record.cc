@@ -1,12 +1,15 @@
 #include "client/local_record.h"
 
 #include <arpa/inet.h>
+#include <fcntl.h>
 #include <netinet/in.h>
 #include <signal.h>
+#include <sys/file.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
 #include <cerrno>
+#include <cstring>
 #include <fstream>
 #include <sstream>
 
@@ -44,11 +47,32 @@ std::optional<uint64_t> ProcessStart(pid_t pid) {
   return start;
 }
 
-bool Alive(const LocalMember& m) {
+bool Alive(const LocalMember& m, const std::string& mark) {
   if (m.pid <= 0) return false;
   const std::optional<uint64_t> start = ProcessStart(m.pid);
-  if (!start.has_value()) return false;
-  return m.start == 0 || *start == m.start;
+  if (!start.has_value() || (m.start != 0 && *start != m.start)) return false;
+  if (mark.empty()) return true;
+  std::ifstream in(absl::StrCat("/proc/", m.pid, "/cmdline"), std::ios::binary);
+  std::string arg;
+  while (std::getline(in, arg, '\0')) {
+    if (arg == mark) return true;
+  }
+  return false;
+}
+
+absl::StatusOr<UniqueFd> LockFolder(const std::string& dir) {
+  const std::string path = dir + "/.lock";
+  UniqueFd fd(::open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644));
+  if (!fd.valid()) {
+    return absl::PermissionDeniedError(
+        absl::StrCat("cannot open ", path, ": ", std::strerror(errno)));
+  }
+  while (::flock(fd.get(), LOCK_EX) != 0) {
+    if (errno != EINTR) {
+      return absl::InternalError(absl::StrCat("cannot lock ", path, ": ", std::strerror(errno)));
+    }
+  }
+  return fd;
 }
 
 absl::StatusOr<std::vector<LocalMember>> ReadMembers(const std::string& dir) {

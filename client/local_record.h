@@ -9,7 +9,7 @@
 //                         started again in DIR answers at the same address when it can
 // Older records without the last three columns read with start 0 (not checked).
 //
-// Thread safety: plain functions on files; callers serialize on the folder themselves.
+// Thread safety: plain functions on files; callers serialize on the folder with LockFolder.
 #ifndef PITH_CLIENT_LOCAL_RECORD_H_
 #define PITH_CLIENT_LOCAL_RECORD_H_
 
@@ -23,6 +23,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "common/file.h"
 
 namespace pith::cli {
 
@@ -38,8 +39,10 @@ struct LocalMember {
 // a zombie).
 std::optional<uint64_t> ProcessStart(pid_t pid);
 
-// Whether `m` still runs: its pid exists and, when the record has one, with its start time.
-bool Alive(const LocalMember& m);
+// Whether `m` still runs: its pid exists, with its start time when the record has one, and
+// (unless `mark` is empty) with `mark` as one of its arguments (a member's --tls_dir=...),
+// so that neither a pid reused since nor an older record without start times is trusted.
+bool Alive(const LocalMember& m, const std::string& mark);
 
 // DIR/pids; NOT_FOUND when no cluster is recorded in `dir`.
 absl::StatusOr<std::vector<LocalMember>> ReadMembers(const std::string& dir);
@@ -53,6 +56,10 @@ absl::Status WriteUpFlags(const std::string& dir, const std::map<std::string, st
 // DIR/coordinator.port; 0 when none is recorded.
 int ReadCoordinatorPort(const std::string& dir);
 absl::Status WriteCoordinatorPort(const std::string& dir, int port);
+
+// An exclusive lock on the folder's record (flock on DIR/.lock, waiting for it), held by
+// `pith up` and `pith down` while they read and change it; released with the returned fd.
+absl::StatusOr<UniqueFd> LockFolder(const std::string& dir);
 
 // Whether a listener could bind 127.0.0.1:`port` now (nothing listens there).
 bool LoopbackPortFree(int port);

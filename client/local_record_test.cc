@@ -6,9 +6,12 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <csignal>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <iterator>
+#include <string>
 
 #include "common/file.h"
 #include "gtest/gtest.h"
@@ -45,16 +48,46 @@ TEST(LocalRecordTest, AnOlderRecordReadsWithoutStartTimes) {
   ASSERT_TRUE(read.ok()) << read.status();
   ASSERT_EQ(read->size(), 2u);
   EXPECT_EQ((*read)[0].start, 0u);
-  EXPECT_TRUE(Alive((*read)[0]));  // no start time recorded: the pid alone
+  EXPECT_TRUE(Alive((*read)[0], ""));  // no start time recorded, no mark: the pid alone
   std::filesystem::remove_all(dir);
 }
 
 TEST(LocalRecordTest, AReusedPidIsNotTheMember) {
   const std::optional<uint64_t> start = ProcessStart(::getpid());
   ASSERT_TRUE(start.has_value());
-  EXPECT_TRUE(Alive({"me", ::getpid(), *start, 0, 0}));
+  EXPECT_TRUE(Alive({"me", ::getpid(), *start, 0, 0}, ""));
   // The same pid with another start time: a process that took the member's pid.
-  EXPECT_FALSE(Alive({"me", ::getpid(), *start + 1, 0, 0}));
+  EXPECT_FALSE(Alive({"me", ::getpid(), *start + 1, 0, 0}, ""));
+}
+
+TEST(LocalRecordTest, OnlyAProcessWithTheMembersMarkIsTheMember) {
+  // A process with the member's --tls_dir among its arguments, and one without.
+  const pid_t child = ::fork();
+  ASSERT_GE(child, 0);
+  if (child == 0) {
+    ::execl("/bin/sh", "sh", "-c", "sleep 30; true", "sh", "--tls_dir=/x/tls/store0", nullptr);
+    ::_exit(127);
+  }
+  std::optional<uint64_t> start;
+  bool execed = false;
+  for (int i = 0; i < 500 && !execed; ++i) {
+    std::ifstream in("/proc/" + std::to_string(child) + "/cmdline");
+    std::string cmdline((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+    execed = cmdline.find("--tls_dir") != std::string::npos;
+    if (!execed) ::usleep(10000);
+  }
+  ASSERT_TRUE(execed);
+  start = ProcessStart(child);
+  ASSERT_TRUE(start.has_value());
+  const LocalMember m{"store0", child, *start, 0, 0};
+  EXPECT_TRUE(Alive(m, "--tls_dir=/x/tls/store0"));
+  EXPECT_FALSE(Alive(m, "--tls_dir=/x/tls/store1"));
+  EXPECT_FALSE(Alive(m, "--tls_dir=/x/tls/store"));  // a whole argument, not a prefix
+  // An older record (no start time) of a pid some other program now holds.
+  EXPECT_FALSE(Alive({"coordinator", ::getpid(), 0, 0, 0}, "--tls_dir=/x/tls/coordinator"));
+  ::kill(child, SIGKILL);
+  int status = 0;
+  ASSERT_EQ(::waitpid(child, &status, 0), child);
 }
 
 TEST(LocalRecordTest, AnExitedOrZombieProcessIsNotAlive) {
@@ -66,8 +99,8 @@ TEST(LocalRecordTest, AnExitedOrZombieProcessIsNotAlive) {
   EXPECT_FALSE(ProcessStart(child).has_value());
   int status = 0;
   ASSERT_EQ(::waitpid(child, &status, 0), child);
-  EXPECT_FALSE(Alive({"gone", child, 0, 0, 0}));
-  EXPECT_FALSE(Alive({"none", 0, 0, 0, 0}));
+  EXPECT_FALSE(Alive({"gone", child, 0, 0, 0}, ""));
+  EXPECT_FALSE(Alive({"none", 0, 0, 0, 0}, ""));
 }
 
 TEST(LocalRecordTest, FlagsAndCoordinatorPortRoundTrip) {

@@ -49,6 +49,15 @@ timeout 120 "$PITH" watch "$job" >"$E2E_TMP/watch.txt" 2>&1 ||
 grep -q "succeeded at step 150" "$E2E_TMP/watch.txt" || fail "watch: $(tail -2 "$E2E_TMP/watch.txt")"
 echo "  ok: store1 and worker1 came back; $job finished"
 
+# The coordinator alone: it comes back where the stores and workers look for it.
+kill -9 "$(pid_of coordinator)"
+"$PITH" up >"$E2E_TMP/up.txt" || fail "pith up after the coordinator's kill: $(cat "$E2E_TMP/up.txt")"
+grep -q "restarted coordinator (store0, store1, worker0, worker1 kept running)" "$E2E_TMP/up.txt" ||
+  fail "the restart said: $(head -1 "$E2E_TMP/up.txt")"
+wait_alive_stores 2
+"$PITH" status "$job" | grep -q succeeded || fail "the coordinator lost $job: $("$PITH" status "$job")"
+echo "  ok: the coordinator came back at $address and its stores found it"
+
 # The whole cluster at once, as a reboot does: everything comes back at the same address,
 # with the recorded flags.
 kill -9 $(awk '{print $2}' "$PITH_HOME/pids")
@@ -75,7 +84,10 @@ kill -0 "$other" || fail "pith down signalled a process that was not the cluster
 kill "$other"
 echo "  ok: a reused pid is not signalled"
 
-"$PITH" up --stores 1 --workers 1 >/dev/null || fail "pith up after down"
+# Relative folders name the same cluster from anywhere.
+cd "$E2E_TMP" && "$PITH" up --dir home --stores 1 --workers 1 >/dev/null || fail "pith up after down"
+cd / && "$PITH" up --dir "$PITH_HOME/" >"$E2E_TMP/up.txt" 2>&1 && fail "a second up in the same folder"
+grep -q "already up" "$E2E_TMP/up.txt" || fail "the second up said: $(cat "$E2E_TMP/up.txt")"
 [[ $(cat "$PITH_HOME/coordinator.address") == "$address" ]] ||
   fail "a new cluster in the folder listens at $(cat "$PITH_HOME/coordinator.address"), not $address"
 "$PITH" down >/dev/null || fail "pith down"

@@ -234,6 +234,11 @@ class Client:
                 except FileExistsError:
                     raise Error(grpc.StatusCode.ALREADY_EXISTS,
                                 f"{path} already exists and is not replaced") from None
+                except OSError:  # a file system without hard links: checked, then renamed
+                    if os.path.lexists(path):
+                        raise Error(grpc.StatusCode.ALREADY_EXISTS,
+                                    f"{path} already exists and is not replaced") from None
+                    os.replace(partial, path)
         except grpc.RpcError as e:
             raise Error(e.code(), e.details()) from None
         except OSError as e:
