@@ -208,6 +208,15 @@ class SchedulerTest : public ::testing::Test {
     ASSERT_EQ(Job(job).committed_step(), step);
   }
 
+  // 4 s pass with only `alive` heartbeating (at 2 s): every other member's lease runs out,
+  // and the tick at the end loses them.
+  void OnlyTheseLive(const std::vector<std::string>& alive) {
+    now_ += absl::Seconds(2);
+    for (const std::string& id : alive) ASSERT_TRUE(members_->Heartbeat(id, {}).ok());
+    now_ += absl::Seconds(2);
+    scheduler_->Tick();
+  }
+
   std::string dir_;
   absl::Time now_ = absl::FromUnixSeconds(1000);
   FakeStores stores_;
@@ -454,12 +463,7 @@ TEST_F(SchedulerTest, AWorkerWhoseLeaseRunsOutIsReplacedAndTheStepRedone) {
   ASSERT_TRUE(Report(job.job_id(), w0, 1).ok());
 
   // w1 goes silent; the others heartbeat.
-  now_ += absl::Seconds(2);
-  ASSERT_TRUE(members_->Heartbeat(w0, {}).ok());
-  ASSERT_TRUE(members_->Heartbeat(spare, {}).ok());
-  ASSERT_TRUE(members_->Heartbeat(s0, {}).ok());
-  now_ += absl::Seconds(2);
-  scheduler_->Tick();
+  ASSERT_NO_FATAL_FAILURE(OnlyTheseLive({w0, spare, s0}));
   EXPECT_EQ(stores_.aborts, (std::vector<std::string>{s0 + ":" + job.job_id() + ":1"}));
   auto a = scheduler_->GetAssignment(spare);
   ASSERT_TRUE(a.ok());
@@ -481,11 +485,8 @@ TEST_F(SchedulerTest, ALostStoreLeavesThePlacementAndLosingEveryCopyFailsTheJob)
   const std::string w0 = Join(v1::MEMBER_ROLE_WORKER);
   scheduler_->Tick();
   CommitStep(job.job_id(), 0, {w0});
-  now_ += absl::Seconds(2);
-  ASSERT_TRUE(members_->Heartbeat(w0, {}).ok());
-  ASSERT_TRUE(members_->Heartbeat(s0, {}).ok());
-  now_ += absl::Seconds(2);
-  scheduler_->Tick();  // s1 died: one copy of everything is left on s0
+  ASSERT_NO_FATAL_FAILURE(
+      OnlyTheseLive({w0, s0}));  // s1 died: one copy of everything is left on s0
   auto placement = scheduler_->GetPlacement(job.job_id());
   ASSERT_TRUE(placement.ok());
   EXPECT_EQ(placement->epoch(), 2);
@@ -627,10 +628,7 @@ TEST_F(SchedulerTest, AGroupIsNotCopiedToAStoreWhileItIsBeingDeletedThere) {
   const std::string w0 = Join(v1::MEMBER_ROLE_WORKER);
   scheduler_->Tick();
   CommitStep(job.job_id(), 0, {w0});
-  now_ += absl::Seconds(2);  // s1's lease lapses
-  for (const std::string& id : {s0, s2, w0}) ASSERT_TRUE(members_->Heartbeat(id, {}).ok());
-  now_ += absl::Seconds(2);
-  scheduler_->Tick();
+  ASSERT_NO_FATAL_FAILURE(OnlyTheseLive({s0, s2, w0}));  // s1's lease lapses
   for (int step = 1; step <= 3; ++step) {
     CommitStep(job.job_id(), step, {w0});
     while (scheduler_->ReplicateOnce() > 0) {
@@ -868,11 +866,7 @@ TEST_F(SchedulerTest, ALostStoreIsReReplicatedToTheReplicaCount) {
   const std::string w0 = Join(v1::MEMBER_ROLE_WORKER);
   scheduler_->Tick();
   CommitStep(job.job_id(), 0, {w0});
-  // s1 dies.
-  now_ += absl::Seconds(2);
-  for (const std::string& id : {s0, s2, w0}) ASSERT_TRUE(members_->Heartbeat(id, {}).ok());
-  now_ += absl::Seconds(2);
-  scheduler_->Tick();
+  ASSERT_NO_FATAL_FAILURE(OnlyTheseLive({s0, s2, w0}));  // s1 dies
   v1::ClusterStatusResponse status;
   scheduler_->ReplicationStatus(&status);
   EXPECT_GT(status.replica_deficit(), 0u);
@@ -908,11 +902,7 @@ TEST_F(SchedulerTest, TheDeficitCountsCopiesNoStoreIsLeftToHold) {
   scheduler_->ReplicationStatus(&before);
   EXPECT_EQ(before.replica_deficit(), 0u);
   const size_t groups = Copies(*scheduler_->GetPlacement(job.job_id())).size();
-  // s1 dies; nothing is left to re-replicate to.
-  now_ += absl::Seconds(2);
-  for (const std::string& id : {s0, w0}) ASSERT_TRUE(members_->Heartbeat(id, {}).ok());
-  now_ += absl::Seconds(2);
-  scheduler_->Tick();
+  ASSERT_NO_FATAL_FAILURE(OnlyTheseLive({s0, w0}));  // s1 dies; no store is left to copy to
   while (scheduler_->ReplicateOnce() > 0) {
   }
   CommitStep(job.job_id(), 1, {w0});
