@@ -427,6 +427,11 @@ absl::Status Up(const CliContext& ctx, const Args& args, std::ostream& out) {
     dir = it->second;
     given.erase(it);
   }
+  {  // bad values are refused before anything is made
+    std::map<std::string, std::string> flags = UpDefaults();
+    for (const auto& [flag, value] : given) flags[flag] = value;
+    RETURN_IF_ERROR(CheckUpFlags(flags).status());
+  }
   dir = FolderPath(dir);
   std::error_code ec;
   std::filesystem::create_directories(dir, ec);

@@ -19,6 +19,12 @@ std::shared_ptr<grpc::Channel> NewChannel(const std::string& address,
   grpc::ChannelArguments args;
   args.SetMaxReceiveMessageSize(kDefaultMaxMessageBytes);
   args.SetMaxSendMessageSize(kDefaultMaxMessageBytes);
+  // Reconnect within 2 s of a peer's return, however long it was gone: gRPC's default
+  // backoff grows to 120 s, which after a coordinator restart kept members (leases of a
+  // few seconds) and their jobs waiting for minutes. One connection attempt per channel
+  // every 2 s at most is nothing to a Pith server.
+  args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 500);
+  args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 2000);
   return grpc::CreateCustomChannel(address, std::move(credentials), args);
 }
 

@@ -33,7 +33,8 @@ inline constexpr int kDefaultMaxMessageBytes = 64 << 20;
 // A channel to `address` with `credentials` (mutual TLS or plaintext: see
 // security/tls.h) that sends and receives messages up to kDefaultMaxMessageBytes, like
 // Pith's servers (gRPC's own default receive limit is 4 MiB: a large job's assignment
-// would not arrive). Every Pith channel is made here.
+// would not arrive), and that reconnects within 2 s of the peer's return. Every Pith
+// channel is made here.
 std::shared_ptr<grpc::Channel> NewChannel(const std::string& address,
                                           std::shared_ptr<grpc::ChannelCredentials> credentials);
 

@@ -85,6 +85,11 @@ void MemberAgent::Loop() {
     if (status_) status_(req.mutable_status());
     grpc::ClientContext ctx;
     ctx.set_deadline(absl::ToChronoTime(absl::Now() + lease() / 3));
+    // Waits while the channel reconnects (a coordinator restart) rather than failing at
+    // once: a waiting call polls the channel's sockets, which in a process without a gRPC
+    // server of its own (a worker) nothing else does, and a reconnection's TLS handshake
+    // would otherwise move only at gRPC's 5-s backup poll, and time out.
+    ctx.set_wait_for_ready(true);
     v1::HeartbeatResponse resp;
     absl::Status s = FromGrpcStatus(stub_->Heartbeat(&ctx, req, &resp));
     if (!s.ok()) {

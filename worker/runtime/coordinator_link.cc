@@ -10,8 +10,13 @@
 namespace pith::runtime {
 namespace {
 
+// Every call waits for the coordinator until its deadline (through a restart of the
+// coordinator) instead of failing at once while the channel reconnects. A worker serves no
+// gRPC port, so its waiting calls are also what reads its channel's sockets: without one,
+// a reconnection's TLS handshake moves only at gRPC's 5-s backup poll and times out.
 void SetDeadline(grpc::ClientContext& ctx, absl::Duration deadline) {
   ctx.set_deadline(std::chrono::system_clock::now() + absl::ToChronoMilliseconds(deadline));
+  ctx.set_wait_for_ready(true);
 }
 
 }  // namespace
