@@ -4,6 +4,7 @@
 // run the model through worker/model/inference.h.
 #include "client/cli.h"
 
+#include <algorithm>
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
@@ -58,9 +59,10 @@ constexpr char kUsage[] =
     "                              the coordinator's --tokens_file)\n"
     "\n"
     "job commands (coordinator from --coordinator HOST:PORT, else $PITH_COORDINATOR, else\n"
-    "127.0.0.1:7000; mutual TLS with --tls_dir DIR, else $PITH_TLS_DIR, else the local\n"
-    "cluster's admin certificate; --token T or $PITH_TOKEN: a bearer token instead of the\n"
-    "certificate, with DIR's ca.pem; --output json for machine-readable output):\n"
+    "the local cluster's (pith up), else 127.0.0.1:7000; mutual TLS with --tls_dir DIR,\n"
+    "else $PITH_TLS_DIR, else the local cluster's admin certificate; --token T or\n"
+    "$PITH_TOKEN: a bearer token instead of the certificate, with DIR's ca.pem; --output\n"
+    "json for machine-readable output):\n"
     "  submit SPEC.json            submit a job; prints its id\n"
     "  status [JOB]                one job's state and figures, or every job\n"
     "  watch JOB                   follow a job: step, loss, tokens/s, cache hit rate, ETA\n"
@@ -121,7 +123,8 @@ absl::StatusOr<std::unique_ptr<Client>> Connect(const CliContext& ctx) {
     if (env != nullptr && *env != '\0') address = env;
   }
   if (address.empty()) address = LocalCoordinator(DefaultDir());
-  if (address.empty()) address = "127.0.0.1:7000";
+  const bool fallback = address.empty();
+  if (fallback) address = "127.0.0.1:7000";
   std::string tls_dir = ctx.tls_dir;
   if (tls_dir.empty()) {
     const char* env = std::getenv("PITH_TLS_DIR");
@@ -144,7 +147,15 @@ absl::StatusOr<std::unique_ptr<Client>> Connect(const CliContext& ctx) {
     }
     security = security->WithToken(token);
   }
-  return Client::Connect(address, *security, absl::Seconds(5));
+  absl::StatusOr<std::unique_ptr<Client>> client =
+      Client::Connect(address, *security, absl::Seconds(5));
+  if (!client.ok() && fallback) {
+    return absl::Status(client.status().code(),
+                        absl::StrCat(client.status().message(), "; no cluster is up in ",
+                                     DefaultDir(), " (pith up starts one) and no --coordinator ",
+                                     "or $PITH_COORDINATOR names another"));
+  }
+  return client;
 }
 
 std::string LocalTlsDir(const std::string& dir) { return dir + "/tls"; }
@@ -350,7 +361,9 @@ int RunCli(const std::vector<std::string>& raw_args, std::ostream& out, std::ost
       {"certs", cli::Certs},
       {"token", cli::Token},
   };
-  if (args.empty() || args[0] == "help" || args[0] == "--help" || args[0] == "-h") {
+  const bool asks_help = std::any_of(
+      args.begin(), args.end(), [](const std::string& a) { return a == "--help" || a == "-h"; });
+  if (args.empty() || args[0] == "help" || asks_help) {
     (args.empty() ? err : out) << cli::kUsage;
     return args.empty() ? 2 : 0;
   }

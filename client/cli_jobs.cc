@@ -36,9 +36,23 @@ std::string JobLine(const v1::Job& j) {
                          j.failure_reason().empty() ? "" : "  (" + j.failure_reason() + ")");
 }
 
+// A usage error for the first argument of `args` that looks like a flag and is not one of
+// `known`: a mistyped flag is not taken for a job id or a file.
+absl::Status RefuseUnknownFlags(const char* command, const Args& args,
+                                std::initializer_list<absl::string_view> known = {}) {
+  for (const std::string& a : args) {
+    if (a.size() < 2 || a[0] != '-') continue;
+    if (std::find(known.begin(), known.end(), a) == known.end()) {
+      return UsageError(absl::StrCat(command, ": unknown flag ", a, " (pith help lists them)"));
+    }
+  }
+  return absl::OkStatus();
+}
+
 }  // namespace
 
 absl::Status Submit(const CliContext& ctx, const Args& args, std::ostream& out) {
+  RETURN_IF_ERROR(RefuseUnknownFlags("submit", args));
   if (args.size() != 1) return UsageError("submit takes one spec file: pith submit SPEC.json");
   ASSIGN_OR_RETURN(v1::JobSpec spec, LoadJobSpec(args[0]));
   ASSIGN_OR_RETURN(std::unique_ptr<Client> client, Connect(ctx));
@@ -52,6 +66,7 @@ absl::Status Submit(const CliContext& ctx, const Args& args, std::ostream& out) 
 }
 
 absl::Status Status(const CliContext& ctx, const Args& args, std::ostream& out) {
+  RETURN_IF_ERROR(RefuseUnknownFlags("status", args));
   if (args.size() > 1) return UsageError("status takes at most one job id");
   ASSIGN_OR_RETURN(std::unique_ptr<Client> client, Connect(ctx));
   if (args.size() == 1) {
@@ -72,6 +87,7 @@ absl::Status Status(const CliContext& ctx, const Args& args, std::ostream& out) 
 }
 
 absl::Status Watch(const CliContext& ctx, const Args& args, std::ostream& out) {
+  RETURN_IF_ERROR(RefuseUnknownFlags("watch", args));
   if (args.size() != 1) return UsageError("watch takes one job id: pith watch JOB");
   ASSIGN_OR_RETURN(std::unique_ptr<Client> client, Connect(ctx));
   ASSIGN_OR_RETURN(v1::Job job, client->Get(args[0]));
@@ -120,6 +136,7 @@ absl::Status Watch(const CliContext& ctx, const Args& args, std::ostream& out) {
 }
 
 absl::Status Cancel(const CliContext& ctx, const Args& args, std::ostream& out) {
+  RETURN_IF_ERROR(RefuseUnknownFlags("cancel", args));
   if (args.size() != 1) return UsageError("cancel takes one job id: pith cancel JOB");
   ASSIGN_OR_RETURN(std::unique_ptr<Client> client, Connect(ctx));
   ASSIGN_OR_RETURN(v1::Job job, client->Cancel(args[0], "cancelled with pith cancel"));
@@ -128,6 +145,7 @@ absl::Status Cancel(const CliContext& ctx, const Args& args, std::ostream& out) 
 }
 
 absl::Status Checkpoint(const CliContext& ctx, const Args& args, std::ostream& out) {
+  RETURN_IF_ERROR(RefuseUnknownFlags("checkpoint", args, {"--out", "--force"}));
   Args rest = args;
   const auto forced = std::find(rest.begin(), rest.end(), "--force");
   const bool force = forced != rest.end();
@@ -156,6 +174,7 @@ absl::Status Checkpoint(const CliContext& ctx, const Args& args, std::ostream& o
 }
 
 absl::Status Experts(const CliContext& ctx, const Args& args, std::ostream& out) {
+  RETURN_IF_ERROR(RefuseUnknownFlags("experts", args, {"--svg"}));
   std::string svg;
   if (args.size() == 3 && args[1] == "--svg") {
     svg = args[2];

@@ -187,15 +187,19 @@ absl::StatusOr<UpFlags> CheckUpFlags(std::map<std::string, std::string> flags) {
   if (f.backend != "cpu" && f.backend != "cuda") {
     return UsageError(absl::StrCat("up: --backend wants cpu or cuda, got \"", f.backend, "\""));
   }
-  if (!absl::SimpleAtoi(flags["--stores"], &f.stores) || f.stores < 1 ||
-      !absl::SimpleAtoi(flags["--workers"], &f.workers) || f.workers < 1 ||
-      !absl::SimpleAtoi(flags["--cache_bytes"], &f.cache_bytes) ||
-      !absl::SimpleAtoi(flags["--memory_bytes"], &f.memory_bytes) ||
-      !absl::SimpleAtoi(flags["--ram_bytes"], &f.ram_bytes) || f.ram_bytes == 0) {
-    return UsageError(
-        "up: --stores and --workers want numbers >= 1, --cache_bytes, --memory_bytes and "
-        "--ram_bytes byte counts");
-  }
+  // Each count: a whole number of at least `least` (processes, or bytes).
+  auto count = [&](const char* flag, auto& into, int least) -> absl::Status {
+    if (absl::SimpleAtoi(flags[flag], &into) && into >= static_cast<decltype(+into)>(least)) {
+      return absl::OkStatus();
+    }
+    return UsageError(absl::StrCat("up: ", flag, " wants a whole number >= ", least, ", got \"",
+                                   flags[flag], "\""));
+  };
+  RETURN_IF_ERROR(count("--stores", f.stores, 1));
+  RETURN_IF_ERROR(count("--workers", f.workers, 1));
+  RETURN_IF_ERROR(count("--cache_bytes", f.cache_bytes, 0));
+  RETURN_IF_ERROR(count("--memory_bytes", f.memory_bytes, 0));
+  RETURN_IF_ERROR(count("--ram_bytes", f.ram_bytes, 1));
   return f;
 }
 
@@ -208,15 +212,18 @@ std::vector<std::string> MemberNames(const UpFlags& f) {
 }
 
 // The command line of member `name` of the cluster in `dir`, whose coordinator listens on
-// 127.0.0.1:`coordinator_port` (0 at a first start: any free port).
+// 127.0.0.1:`coordinator_port` (0 at a first start: any free port), serving its metrics
+// on `metrics_port` (0: any free port).
 std::vector<std::string> MemberCommand(const std::string& name, const UpFlags& f,
-                                       const std::string& dir, int coordinator_port) {
+                                       const std::string& dir, int coordinator_port,
+                                       int metrics_port) {
   const std::string tls = LocalTlsDir(dir) + "/" + name;
   const std::string address = absl::StrCat("127.0.0.1:", coordinator_port);
+  const std::string metrics = absl::StrCat("--metrics_port=", metrics_port);
   if (name == "coordinator") {
     return {FindBinary("pith-coordinator", "server/coordinator"),
             "--listen=" + address,
-            "--metrics_port=0",
+            metrics,
             "--data_dir=" + dir + "/coordinator",
             "--tls_dir=" + tls,
             "--tokens_file=" + LocalTlsDir(dir) + "/tokens"};
@@ -224,7 +231,7 @@ std::vector<std::string> MemberCommand(const std::string& name, const UpFlags& f
   if (absl::StartsWith(name, "store")) {
     return {FindBinary("pith-store", "server/store"),
             "--listen=127.0.0.1:0",
-            "--metrics_port=0",
+            metrics,
             "--data_dir=" + dir + "/" + name,
             absl::StrCat("--ram_bytes=", f.ram_bytes),
             "--coordinator=" + address,
@@ -239,7 +246,7 @@ std::vector<std::string> MemberCommand(const std::string& name, const UpFlags& f
   const int gpus = f.backend == "cuda" ? std::max(1, NvidiaGpus()) : 1;
   return {FindBinary("pith-worker", "worker"),
           "--coordinator=" + address,
-          "--metrics_port=0",
+          metrics,
           absl::StrCat("--cache_bytes=", f.cache_bytes),
           absl::StrCat("--memory_bytes=", f.memory_bytes),
           "--backend=" + f.backend,
@@ -333,13 +340,14 @@ absl::Status StartFresh(const std::string& dir, const std::map<std::string, std:
   for (const auto& [flag, value] : given) flags[flag] = value;
   ASSIGN_OR_RETURN(const UpFlags f, CheckUpFlags(flags));
   RETURN_IF_ERROR(Annotate(LocalCerts(LocalTlsDir(dir), f.stores, f.workers), "certificates"));
-  int port = ReadCoordinatorPort(dir);
-  if (port != 0 && !LoopbackPortFree(port)) port = 0;
+  const int recorded = ReadCoordinatorPort(dir);
+  const bool moved = recorded != 0 && !LoopbackPortFree(recorded);
+  int port = moved ? 0 : recorded;
   Launcher launcher(dir);
   std::vector<LocalMember> members;
   absl::Status status = [&]() -> absl::Status {
     for (const std::string& name : MemberNames(f)) {
-      ASSIGN_OR_RETURN(LocalMember m, launcher.Launch(name, MemberCommand(name, f, dir, port)));
+      ASSIGN_OR_RETURN(LocalMember m, launcher.Launch(name, MemberCommand(name, f, dir, port, 0)));
       if (name == "coordinator") port = m.grpc_port;
       members.push_back(m);
     }
@@ -350,6 +358,10 @@ absl::Status StartFresh(const std::string& dir, const std::map<std::string, std:
     return status;
   }
   out << "Pith local cluster up in " << dir << ":\n";
+  if (moved) {
+    out << "(its coordinator's port before, " << recorded << ", is taken: it listens on "
+        << members.front().grpc_port << " now)\n";
+  }
   PrintCluster(dir, members, out);
   return absl::OkStatus();
 }
@@ -396,7 +408,10 @@ absl::Status Restart(const std::string& dir, const std::map<std::string, std::st
   absl::Status status = [&]() -> absl::Status {
     for (LocalMember& m : members) {
       if (Runs(dir, m)) continue;
-      ASSIGN_OR_RETURN(m, launcher.Launch(m.name, MemberCommand(m.name, *f, dir, port)));
+      // Its metrics port again where it is free: the dashboard's address stays too.
+      const int metrics =
+          m.metrics_port > 0 && LoopbackPortFree(m.metrics_port) ? m.metrics_port : 0;
+      ASSIGN_OR_RETURN(m, launcher.Launch(m.name, MemberCommand(m.name, *f, dir, port, metrics)));
     }
     return Record(dir, members, flags);
   }();

@@ -1,5 +1,6 @@
 #include "client/cli.h"
 
+#include <filesystem>
 #include <sstream>
 #include <string>
 
@@ -116,6 +117,40 @@ TEST(CliTest, UsageErrors) {
   EXPECT_THAT(r.err, HasSubstr("/nonexistent.json"));
   EXPECT_EQ(RunPith({"help"}).code, 0);
   EXPECT_THAT(RunPith({"version"}).out, StartsWith("Pith "));
+}
+
+TEST(CliTest, AMistypedFlagIsAUsageErrorNotAJobId) {
+  for (const std::vector<std::string>& args :
+       std::vector<std::vector<std::string>>{{"status", "--bogus"},
+                                             {"watch", "--dir", "x"},
+                                             {"cancel", "-x"},
+                                             {"checkpoint", "job", "--out", "f", "--forse"},
+                                             {"experts", "job", "--png", "f"}}) {
+    const Result r = RunPith(args);
+    EXPECT_EQ(r.code, 2) << args[0];
+    EXPECT_THAT(r.err, HasSubstr(args[0] + ": unknown flag -"));
+    ExpectOneErrorLine(r);
+  }
+}
+
+TEST(CliTest, HelpAfterACommandPrintsTheUsage) {
+  for (const char* command : {"up", "checkpoint", "down"}) {
+    const Result r = RunPith({command, "--help"});
+    EXPECT_EQ(r.code, 0) << command;
+    EXPECT_THAT(r.out, HasSubstr("local cluster")) << command;
+  }
+}
+
+TEST(CliTest, UpNamesTheFlagWhoseValueIsWrong) {
+  const std::string dir = ::testing::TempDir() + "/cli_up_flags";
+  for (const auto& [flag, value] : std::vector<std::pair<std::string, std::string>>{
+           {"--stores", "0"}, {"--workers", "-1"}, {"--ram_bytes", "abc"}}) {
+    const Result r = RunPith({"up", "--dir", dir, flag, value});
+    EXPECT_EQ(r.code, 2) << flag;
+    EXPECT_THAT(r.err, HasSubstr("up: " + flag + " wants a whole number >= 1, got \"" + value))
+        << r.err;
+  }
+  EXPECT_FALSE(std::filesystem::exists(dir));  // refused before anything was made
 }
 
 TEST(CliTest, EvalAndSampleUseACheckpointAndRefuseBadInput) {

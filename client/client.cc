@@ -155,9 +155,9 @@ absl::StatusOr<v1::CheckpointJobResponse> Client::DownloadCheckpoint(const std::
   if (!replace && ::lstat(path.c_str(), &st) == 0) return Exists(path);
   const std::string partial = absl::StrCat(path, ".partial-", ::getpid());
   const int fd = ::open(partial.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-  if (fd < 0) {
+  if (fd < 0) {  // named as the caller named it: the partial file is ours
     return absl::PermissionDeniedError(
-        absl::StrCat("cannot write ", partial, ": ", std::strerror(errno)));
+        absl::StrCat("cannot write ", path, ": ", std::strerror(errno)));
   }
   v1::DownloadCheckpointRequest req;
   req.set_job_id(job_id);

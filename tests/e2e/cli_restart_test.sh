@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # `pith up` on a cluster it recorded: members killed with -9 come back from the record
-# while a job trains (and the job finishes), all of them after the whole cluster is killed
-# (as by a reboot), each time at the coordinator's old address; other flags than the
+# while a job trains (and the job finishes), the coordinator alone (its members find it in
+# seconds), all of them after the whole cluster is killed (as by a reboot), each time at
+# the coordinator's old address and their old metrics ports; other flags than the
 # record's are refused; `pith down` never signals a process that took a member's pid; a
 # later `pith up` in the same folder listens where the last coordinator did.
 set -euo pipefail
@@ -11,6 +12,7 @@ export PITH_HOME=$E2E_TMP/home
 trap '"$PITH" down >/dev/null 2>&1 || true; cleanup' EXIT
 
 pid_of() { awk -v n="$1" '$1 == n {print $2}' "$PITH_HOME/pids"; }
+metrics_of() { awk -v n="$1" '$1 == n {print $5}' "$PITH_HOME/pids"; }
 expect_fail() {  # WANT CMD...: exit 1, stderr containing WANT
   local want=$1 rc=0
   shift
@@ -39,11 +41,13 @@ for _ in $(seq 200); do
   sleep 0.1
 done
 "$PITH" status "$job" | grep -q running || fail "$job is not running: $("$PITH" status "$job")"
+store1_metrics=$(metrics_of store1)
 kill -9 "$(pid_of worker1)" "$(pid_of store1)"
 "$PITH" up >"$E2E_TMP/up.txt" || fail "pith up after kill -9: $(cat "$E2E_TMP/up.txt")"
 grep -q "restarted store1, worker1 (coordinator, store0, worker0 kept running)" "$E2E_TMP/up.txt" ||
   fail "the restart said: $(head -1 "$E2E_TMP/up.txt")"
 [[ $(cat "$PITH_HOME/coordinator.address") == "$address" ]] || fail "the coordinator moved"
+[[ $(metrics_of store1) == "$store1_metrics" ]] || fail "store1's metrics moved from $store1_metrics"
 timeout 120 "$PITH" watch "$job" >"$E2E_TMP/watch.txt" 2>&1 ||
   fail "the job across the restart: $(tail -3 "$E2E_TMP/watch.txt")"
 grep -q "succeeded at step 150" "$E2E_TMP/watch.txt" || fail "watch: $(tail -2 "$E2E_TMP/watch.txt")"
@@ -51,11 +55,13 @@ echo "  ok: store1 and worker1 came back; $job finished"
 
 # The coordinator alone: it comes back where the stores and workers look for it, and they
 # find it within a few seconds, however long it was gone (20 s here).
+dashboard=$(metrics_of coordinator)
 kill -9 "$(pid_of coordinator)"
 sleep 20
 "$PITH" up >"$E2E_TMP/up.txt" || fail "pith up after the coordinator's kill: $(cat "$E2E_TMP/up.txt")"
 grep -q "restarted coordinator (store0, store1, worker0, worker1 kept running)" "$E2E_TMP/up.txt" ||
   fail "the restart said: $(head -1 "$E2E_TMP/up.txt")"
+[[ $(metrics_of coordinator) == "$dashboard" ]] || fail "the dashboard moved from port $dashboard"
 start=$(date +%s)
 wait_alive store 2 15
 wait_alive worker 2 15
