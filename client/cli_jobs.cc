@@ -93,14 +93,14 @@ absl::Status Watch(const CliContext& ctx, const Args& args, std::ostream& out) {
   ASSIGN_OR_RETURN(v1::Job job, client->Get(args[0]));
   const int64_t steps = job.spec().train().steps();
   double first_loss = -1, last_loss = 0, tokens_per_second = 0, hit_rate = 0;
-  int64_t last_step = -2;
+  int64_t last_step = -2, first_step = 0;
   v1::JobEvent last;
   RETURN_IF_ERROR(client->Watch(args[0], [&](const v1::JobEvent& e) {
     last = e;
     if (e.step() == last_step && e.state() == v1::JOB_STATE_RUNNING) return true;
     last_step = e.step();
     if (e.step() >= 1) {
-      if (first_loss < 0) first_loss = e.loss();
+      if (first_loss < 0) first_loss = e.loss(), first_step = e.step();
       last_loss = e.loss();
       tokens_per_second = e.tokens_per_second();
       hit_rate = e.cache_hit_rate();
@@ -112,9 +112,10 @@ absl::Status Watch(const CliContext& ctx, const Args& args, std::ostream& out) {
       const int width = 30,
                 filled = static_cast<int>(width * e.step() / std::max<int64_t>(1, steps));
       out << absl::StrFormat(
-          "[%s%s] step %d/%d  loss %.4f  %.0f tokens/s  cache hit %.2f  ETA %.0fs\n",
+          "[%s%s] step %d/%d  loss %.4f  %.0f tokens/s  cache hit %.2f%s\n",
           std::string(filled, '#'), std::string(width - filled, '.'), e.step(), steps, e.loss(),
-          e.tokens_per_second(), e.cache_hit_rate(), eta);
+          e.tokens_per_second(), e.cache_hit_rate(),
+          e.state() == v1::JOB_STATE_RUNNING ? absl::StrFormat("  ETA %.0fs", eta) : "");
     } else {
       out << "job " << e.job_id() << ": " << StateName(e.state())
           << (e.step() == 0 ? " (initial weights written)" : " (waiting for workers)") << "\n";
@@ -123,10 +124,12 @@ absl::Status Watch(const CliContext& ctx, const Args& args, std::ostream& out) {
     return true;
   }));
   if (!ctx.json) {
+    // The loss from the first step this watch saw (a watch begun mid-job names that step).
     out << absl::StrFormat(
-        "job %s %s at step %d: loss %.4f -> %.4f, %.0f tokens/s, cache hit %.2f%s\n", last.job_id(),
-        StateName(last.state()), last.step(), first_loss, last_loss, tokens_per_second, hit_rate,
-        last.message().empty() ? "" : " (" + last.message() + ")");
+        "job %s %s at step %d: loss %.4f%s -> %.4f, %.0f tokens/s, cache hit %.2f%s\n",
+        last.job_id(), StateName(last.state()), last.step(), first_loss,
+        first_step > 1 ? absl::StrFormat(" (step %d)", first_step) : "", last_loss,
+        tokens_per_second, hit_rate, last.message().empty() ? "" : " (" + last.message() + ")");
   }
   if (last.state() != v1::JOB_STATE_SUCCEEDED) {
     return absl::AbortedError(absl::StrCat("job ", args[0], " ended ", StateName(last.state()),

@@ -174,7 +174,7 @@ echo "  ok: Slurm job $id COMPLETED, exit 0, in $((SECONDS - start)) s"
 
 grep -q "pith.sbatch: Pith job slurm-[0-9]* SUCCEEDED" "$out" || report "no SUCCEEDED line"
 summary=$(grep -m1 "succeeded at step 40: loss" "$out") || report "no watch summary for step 40"
-first=$(sed 's/.*loss \([0-9.]*\) -> .*/\1/' <<<"$summary")
+first=$(sed 's/.*loss \([0-9.]*\)\( (step [0-9]*)\)\{0,1\} -> .*/\1/' <<<"$summary")
 last=$(sed 's/.* -> \([0-9.]*\),.*/\1/' <<<"$summary")
 awk -v a="$first" -v b="$last" 'BEGIN {exit !(b < a)}' || report "loss did not go down: $summary"
 run=$E2E_TMP/pith-$id
