@@ -9,6 +9,7 @@
 #include <cerrno>
 #include <chrono>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -23,6 +24,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
 #include "client/cli_commands.h"
 #include "client/local_record.h"
 #include "client/prometheus_rules.h"
@@ -45,9 +47,14 @@ std::string FindBinary(const std::string& name, const std::string& build_subdir)
   return name;  // execvp searches PATH
 }
 
-// The NVIDIA GPUs the driver shows (a folder each under /proc/driver/nvidia/gpus); 0
-// without the driver.
+// The NVIDIA GPUs this process may use: those $CUDA_VISIBLE_DEVICES lists when it is set,
+// else those the driver shows (a folder each under /proc/driver/nvidia/gpus); 0 without
+// the driver.
 int NvidiaGpus() {
+  if (const char* visible = std::getenv("CUDA_VISIBLE_DEVICES"); visible != nullptr) {
+    const std::vector<std::string> ids = absl::StrSplit(visible, ',', absl::SkipWhitespace());
+    return static_cast<int>(ids.size());
+  }
   std::error_code ec;
   int n = 0;
   for (std::filesystem::directory_iterator it("/proc/driver/nvidia/gpus", ec), end;

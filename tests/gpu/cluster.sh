@@ -17,10 +17,23 @@ out=${OUT:-/tmp/pith-gpu-cluster}
 mkdir -p "$out"
 bundle=$root/.gpu-cluster/pith-cluster.tar.gz
 [[ -f $bundle ]] || { echo "cluster.sh: no $bundle: run tests/gpu/cluster_bundle.sh (and carry .gpu-cluster)" >&2; exit 2; }
-work=$(mktemp -d /tmp/pith-gpu-cluster.XXXXXX)
+# Under the repository, not /tmp: a /tmp mounted noexec would refuse the binaries and the
+# module.
+mkdir -p "$root/.gpu-cluster/run"
+work=$(mktemp -d "$root/.gpu-cluster/run/XXXXXX")
 trap 'PITH_HOME=$work/local "$work/bin/pith" down >/dev/null 2>&1; cp "$work"/local/*.log "$out/" 2>/dev/null; rm -rf "$work"' EXIT
 start=$(date +%s)
 tar -C "$work" -xzf "$bundle" || { echo "SUMMARY: FAILED: cannot unpack $bundle"; exit 1; }
+# The bundle's libstdc++ and libgcc_s come from the building machine, whose glibc may be
+# newer than this one's; this machine's own serve where they have every GLIBCXX version
+# the bundle's binaries ask for.
+system_cxx=$(ldconfig -p 2>/dev/null | awk '/libstdc\+\+\.so\.6 .*x86-64/ {print $NF; exit}')
+wanted=$(objdump -T "$work"/bin/* "$work"/lib/*.so* 2>/dev/null | grep -o 'GLIBCXX_[0-9.]*' |
+  sort -uV | tail -1)
+if [[ -n $system_cxx && -n $wanted ]] && grep -qa "$wanted" "$system_cxx"; then
+  rm -f "$work/lib/libstdc++.so.6" "$work/lib/libgcc_s.so.1"
+  echo "cluster.sh: this machine's $system_cxx has $wanted: the bundle uses it"
+fi
 # CUDA's libraries: the toolkit's, else those PyTorch's wheels bring (cuBLAS, the runtime,
 # NCCL); the bundle's own first.
 cuda_libs=$(python3 - <<'PY' 2>/dev/null
@@ -43,6 +56,12 @@ export LD_LIBRARY_PATH=$library_path${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
 export UCX_MODULE_DIR=$work/lib/ucx
 pith=$work/bin/pith
 fail() { echo "SUMMARY: FAILED: $*"; exit 1; }
+# What the CUDA module loads here (cuBLAS, NCCL, the runtime): a missing one is named now,
+# not as "worker0 exited at start".
+ldd "$work/bin/libpith_cuda_backend.so" >"$out/module-ldd.txt" 2>&1
+if grep -q "not found" "$out/module-ldd.txt"; then
+  fail "the CUDA module's libraries: $(grep "not found" "$out/module-ldd.txt" | tr -s ' \t' ' ')"
+fi
 # The bundle's binaries need this machine's glibc to be at least the building one's.
 "$pith" version >"$out/version.txt" 2>&1 || fail "the bundle does not run here: $(head -3 "$out/version.txt")"
 
