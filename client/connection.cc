@@ -18,7 +18,8 @@ absl::StatusOr<std::shared_ptr<grpc::Channel>> Dial(const std::string& address,
         "cannot reach ", address, " within ", absl::FormatDuration(timeout),
         security.tls() ? " (or the TLS handshake failed: is it a TLS server whose certificate "
                          "names this address, from the CA of --tls_dir?)"
-                       : ""));
+                       : " (or it serves TLS, which a plaintext client cannot reach: is "
+                         "--tls_dir missing?)"));
   }
   return channel;
 }

@@ -62,7 +62,10 @@ absl::StatusOr<std::optional<Identity>> TokenIdentity(const grpc::ServerContext&
     return absl::UnauthenticatedError("the authorization header is not \"Bearer TOKEN\"");
   }
   std::optional<Identity> id = tokens(std::string(value));
-  if (!id) return absl::UnauthenticatedError("the bearer token is not valid");
+  if (!id)
+    return absl::UnauthenticatedError(
+        "the bearer token is not valid (one just made with pith token is taken within a few "
+        "seconds)");
   return id;
 }
 
