@@ -355,8 +355,12 @@ absl::Status Cluster(const CliContext& ctx, const Args& args, std::ostream& out)
   auto member = [&](const v1::MemberInfo& m) {
     const std::string state =
         absl::AsciiStrToLower(absl::StripPrefix(v1::MemberState_Name(m.state()), "MEMBER_STATE_"));
-    out << absl::StrFormat("  %-10s %-6s %-21s lease %5.1fs", m.member_id(), state,
-                           m.grpc_address(), (m.lease_expires_unix_ms() - now) / 1e3);
+    // A worker serves no gRPC port: its host alone.
+    const absl::string_view address = absl::StripSuffix(m.grpc_address(), ":0");
+    const double lease = (m.lease_expires_unix_ms() - now) / 1e3;
+    out << absl::StrFormat("  %-10s %-6s %-21s %s", m.member_id(), state, address,
+                           lease >= 0 ? absl::StrFormat("lease %5.1fs", lease)
+                                      : absl::StrFormat("lease over %.0fs ago", -lease));
     if (m.role() == v1::MEMBER_ROLE_STORE) {
       out << absl::StrFormat("  ram %.1f MB / %.1f MB  rocksdb %.1f MB", m.ram_bytes() / 1e6,
                              m.capacity_bytes() / 1e6, m.rocksdb_bytes() / 1e6);
