@@ -127,8 +127,11 @@ absl::Status RunCluster() {
   options.loss_log = absl::GetFlag(FLAGS_loss_log);
   std::atomic<bool> stop{false};
   absl::Status result;
-  // The same ready line as the servers' (a worker serves no gRPC of its own).
-  LOG(INFO) << "pith-worker ready: grpc_port=0 metrics_port=" << metrics_port;
+  // The same ready line as the servers' (a worker serves no gRPC of its own), once it has
+  // joined the coordinator: `pith up` and scripts that wait for it then know it did.
+  options.on_joined = [metrics_port] {
+    LOG(INFO) << "pith-worker ready: grpc_port=0 metrics_port=" << metrics_port;
+  };
   std::thread worker([&] { result = pith::runtime::RunClusterWorker(options, metrics, stop); });
   std::thread watcher([&] {
     signals.Wait();

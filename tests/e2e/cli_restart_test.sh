@@ -101,4 +101,17 @@ grep -q "already up" "$E2E_TMP/up.txt" || fail "the second up said: $(cat "$E2E_
 [[ $(cat "$PITH_HOME/coordinator.address") == "$address" ]] ||
   fail "a new cluster in the folder listens at $(cat "$PITH_HOME/coordinator.address"), not $address"
 "$PITH" down >/dev/null || fail "pith down"
+
+# A worker that cannot join (its certificate is from another CA) never says it is ready:
+# pith up fails, names it, and leaves nothing running or recorded.
+other=$E2E_TMP/other-home
+"$PITH" certs --dir "$E2E_TMP/other-ca" --name worker0 --role member >/dev/null || fail "pith certs"
+mkdir -p "$other/tls" && cp -r "$E2E_TMP/other-ca/worker0" "$other/tls/worker0"
+rc=0
+"$PITH" up --dir "$other" --stores 1 --workers 1 >"$E2E_TMP/up.txt" 2>&1 || rc=$?
+[[ $rc == 1 ]] || fail "pith up with a worker that cannot join exited $rc: $(cat "$E2E_TMP/up.txt")"
+grep -q "worker0 exited at start" "$E2E_TMP/up.txt" || fail "pith up said: $(cat "$E2E_TMP/up.txt")"
+[[ ! -e $other/pids ]] || fail "a failed pith up recorded its cluster"
+pgrep -f -- "--data_dir=$other/" >/dev/null && fail "a failed pith up left processes running"
+echo "  ok: $(cat "$E2E_TMP/up.txt")"
 echo "PASS"

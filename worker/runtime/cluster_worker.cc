@@ -42,6 +42,7 @@ absl::Status RunClusterWorker(const ClusterWorkerOptions& options, MetricsRegist
   const char* devices = std::getenv("UCX_NET_DEVICES");  // set by pith-worker's main
   LOG(INFO) << "worker " << agent->member_id() << " joined " << options.coordinator
             << "; UCX devices: " << (devices != nullptr ? devices : "all");
+  if (options.on_joined) options.on_joined();
   auto coordinator = v1::CoordinatorService::NewStub(
       NewChannel(options.coordinator, options.security.ChannelCredentials()));
   CoordinatorLink link(coordinator.get(), agent->member_id());

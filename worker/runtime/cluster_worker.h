@@ -46,6 +46,9 @@ struct ClusterWorkerOptions {
   // on a CPU backend whatever this is.
   std::function<absl::StatusOr<std::unique_ptr<compute::Backend>>()> make_backend;
   v1::Backend backend_kind = v1::BACKEND_CPU;
+  // Called once the worker has registered with the coordinator (pith-worker's ready line:
+  // a worker that cannot join never says it is ready).
+  std::function<void()> on_joined;
 };
 
 // Runs until `stop` becomes true (checked between steps and while idle). The worker's
