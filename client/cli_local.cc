@@ -1,5 +1,6 @@
 // `pith up` and `pith down`: a local cluster of Pith processes on this machine, started
-// detached with their logs and data under one folder.
+// detached with their logs and data under one folder, and recorded there (local_record.h)
+// so that `pith up` again starts the members that died, and `pith down` stops only its own.
 #include <fcntl.h>
 #include <signal.h>
 #include <sys/wait.h>
