@@ -65,6 +65,7 @@ TEST(LocalRecordTest, OnlyAProcessWithTheMembersMarkIsTheMember) {
   const pid_t child = ::fork();
   ASSERT_GE(child, 0);
   if (child == 0) {
+    ::setpgid(0, 0);  // its own group: the kill below takes the shell's sleep too
     ::execl("/bin/sh", "sh", "-c", "sleep 30; true", "sh", "--tls_dir=/x/tls/store0", nullptr);
     ::_exit(127);
   }
@@ -85,7 +86,7 @@ TEST(LocalRecordTest, OnlyAProcessWithTheMembersMarkIsTheMember) {
   EXPECT_FALSE(Alive(m, "--tls_dir=/x/tls/store"));  // a whole argument, not a prefix
   // An older record (no start time) of a pid some other program now holds.
   EXPECT_FALSE(Alive({"coordinator", ::getpid(), 0, 0, 0}, "--tls_dir=/x/tls/coordinator"));
-  ::kill(child, SIGKILL);
+  ::kill(-child, SIGKILL);
   int status = 0;
   ASSERT_EQ(::waitpid(child, &status, 0), child);
 }

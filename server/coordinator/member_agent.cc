@@ -20,7 +20,8 @@ absl::StatusOr<std::unique_ptr<MemberAgent>> MemberAgent::Start(
   absl::StatusOr<std::shared_ptr<grpc::Channel>> channel = Dial(address, security, timeout);
   if (!channel.ok()) return Annotate(channel.status(), "coordinator");
   std::unique_ptr<MemberAgent> agent(new MemberAgent());
-  agent->stub_ = v1::CoordinatorService::NewStub(*channel);
+  agent->channel_ = *channel;
+  agent->stub_ = v1::CoordinatorService::NewStub(agent->channel_);
   agent->status_ = std::move(status);
   {
     absl::MutexLock lock(&agent->mu_);
@@ -87,8 +88,9 @@ void MemberAgent::Loop() {
     ctx.set_deadline(absl::ToChronoTime(absl::Now() + lease() / 3));
     // Waits while the channel reconnects (a coordinator restart) rather than failing at
     // once: a waiting call polls the channel's sockets, which in a process without a gRPC
-    // server of its own (a worker) nothing else does, and a reconnection's TLS handshake
-    // would otherwise move only at gRPC's 5-s backup poll, and time out.
+    // server of its own (a worker) nothing else may do, and a reconnection's TLS handshake
+    // would otherwise move only at gRPC's 5-s backup poll, and time out. The member's other
+    // calls share this channel (channel()) and fail at once while it is down.
     ctx.set_wait_for_ready(true);
     v1::HeartbeatResponse resp;
     absl::Status s = FromGrpcStatus(stub_->Heartbeat(&ctx, req, &resp));

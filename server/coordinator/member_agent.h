@@ -41,12 +41,16 @@ class MemberAgent {
   MemberAgent& operator=(const MemberAgent&) = delete;
 
   std::string member_id() const;
+  // The channel it heartbeats on. A member's other calls to the coordinator go over it too:
+  // the heartbeat, always in flight or about to be, then keeps it connected (see Loop).
+  const std::shared_ptr<grpc::Channel>& channel() const { return channel_; }
 
  private:
   MemberAgent() = default;
   absl::Status Register();
   void Loop();
 
+  std::shared_ptr<grpc::Channel> channel_;
   std::unique_ptr<v1::CoordinatorService::Stub> stub_;
   StatusFn status_;
   std::thread thread_;

@@ -13,6 +13,12 @@ trap '"$PITH" down >/dev/null 2>&1 || true; cleanup' EXIT
 
 pid_of() { awk -v n="$1" '$1 == n {print $2}' "$PITH_HOME/pids"; }
 metrics_of() { awk -v n="$1" '$1 == n {print $5}' "$PITH_HOME/pids"; }
+kill_and_wait() {  # PID...: kill -9, then wait (5 s at most) until each is gone
+  kill -9 "$@"
+  for pid in "$@"; do
+    for _ in $(seq 50); do kill -0 "$pid" 2>/dev/null || break; sleep 0.1; done
+  done
+}
 expect_fail() {  # WANT CMD...: exit 1, stderr containing WANT
   local want=$1 rc=0
   shift
@@ -42,7 +48,7 @@ for _ in $(seq 200); do
 done
 "$PITH" status "$job" | grep -q running || fail "$job is not running: $("$PITH" status "$job")"
 store1_metrics=$(metrics_of store1)
-kill -9 "$(pid_of worker1)" "$(pid_of store1)"
+kill_and_wait "$(pid_of worker1)" "$(pid_of store1)"
 "$PITH" up >"$E2E_TMP/up.txt" || fail "pith up after kill -9: $(cat "$E2E_TMP/up.txt")"
 grep -q "restarted store1, worker1 (coordinator, store0, worker0 kept running)" "$E2E_TMP/up.txt" ||
   fail "the restart said: $(head -1 "$E2E_TMP/up.txt")"
@@ -56,7 +62,7 @@ echo "  ok: store1 and worker1 came back; $job finished"
 # The coordinator alone: it comes back where the stores and workers look for it, and they
 # find it within a few seconds, however long it was gone (20 s here).
 dashboard=$(metrics_of coordinator)
-kill -9 "$(pid_of coordinator)"
+kill_and_wait "$(pid_of coordinator)"
 sleep 20
 "$PITH" up >"$E2E_TMP/up.txt" || fail "pith up after the coordinator's kill: $(cat "$E2E_TMP/up.txt")"
 grep -q "restarted coordinator (store0, store1, worker0, worker1 kept running)" "$E2E_TMP/up.txt" ||
@@ -70,8 +76,7 @@ echo "  ok: the coordinator came back at $address; its stores and workers found 
 
 # The whole cluster at once, as a reboot does: everything comes back at the same address,
 # with the recorded flags.
-kill -9 $(awk '{print $2}' "$PITH_HOME/pids")
-sleep 0.5
+kill_and_wait $(awk '{print $2}' "$PITH_HOME/pids")
 expect_fail "was started with --stores 2" "$PITH" up --stores 3
 "$PITH" up --stores 2 >"$E2E_TMP/up.txt" || fail "pith up after losing all: $(cat "$E2E_TMP/up.txt")"
 grep -q "restarted coordinator, store0, store1, worker0, worker1:" "$E2E_TMP/up.txt" ||
@@ -95,12 +100,22 @@ kill "$other"
 echo "  ok: a reused pid is not signalled"
 
 # Relative folders name the same cluster from anywhere.
-cd "$E2E_TMP" && "$PITH" up --dir home --stores 1 --workers 1 >/dev/null || fail "pith up after down"
+cd "$E2E_TMP" && "$PITH" up --dir home --stores 1 --workers 2 >/dev/null || fail "pith up after down"
 cd / && "$PITH" up --dir "$PITH_HOME/" >"$E2E_TMP/up.txt" 2>&1 && fail "a second up in the same folder"
 grep -q "already up" "$E2E_TMP/up.txt" || fail "the second up said: $(cat "$E2E_TMP/up.txt")"
 [[ $(cat "$PITH_HOME/coordinator.address") == "$address" ]] ||
   fail "a new cluster in the folder listens at $(cat "$PITH_HOME/coordinator.address"), not $address"
-"$PITH" down >/dev/null || fail "pith down"
+# With the coordinator dead mid-job, pith down still stops every member at its SIGTERM.
+job=$("$PITH" submit "$E2E_TMP/spec.json")
+for _ in $(seq 200); do
+  "$PITH" status "$job" | grep -q "running.*step [1-9]" && break
+  sleep 0.1
+done
+kill_and_wait "$(pid_of coordinator)"
+sleep 2
+"$PITH" down >"$E2E_TMP/down.txt" 2>&1 || fail "pith down without a coordinator: $(cat "$E2E_TMP/down.txt")"
+grep -q killed "$E2E_TMP/down.txt" && fail "pith down had to kill: $(cat "$E2E_TMP/down.txt")"
+echo "  ok: without a coordinator, every member stopped at SIGTERM"
 
 # A worker that cannot join (its certificate is from another CA) never says it is ready:
 # pith up fails, names it, and leaves nothing running or recorded.
@@ -112,6 +127,7 @@ rc=0
 [[ $rc == 1 ]] || fail "pith up with a worker that cannot join exited $rc: $(cat "$E2E_TMP/up.txt")"
 grep -q "worker0 exited at start" "$E2E_TMP/up.txt" || fail "pith up said: $(cat "$E2E_TMP/up.txt")"
 [[ ! -e $other/pids ]] || fail "a failed pith up recorded its cluster"
-pgrep -f -- "--data_dir=$other/" >/dev/null && fail "a failed pith up left processes running"
+for _ in $(seq 20); do pgrep -f -- "$other/" >/dev/null || break; sleep 0.1; done
+pgrep -f -- "$other/" >/dev/null && fail "a failed pith up left processes running"
 echo "  ok: $(cat "$E2E_TMP/up.txt")"
 echo "PASS"

@@ -25,14 +25,21 @@ trap 'PITH_HOME=$work/local "$work/bin/pith" down >/dev/null 2>&1; cp "$work"/lo
 start=$(date +%s)
 tar -C "$work" -xzf "$bundle" || { echo "SUMMARY: FAILED: cannot unpack $bundle"; exit 1; }
 # The bundle's libstdc++ and libgcc_s come from the building machine, whose glibc may be
-# newer than this one's; this machine's own serve where they have every GLIBCXX version
-# the bundle's binaries ask for.
-system_cxx=$(ldconfig -p 2>/dev/null | awk '/libstdc\+\+\.so\.6 .*x86-64/ {print $NF; exit}')
-wanted=$(objdump -T "$work"/bin/* "$work"/lib/*.so* 2>/dev/null | grep -o 'GLIBCXX_[0-9.]*' |
-  sort -uV | tail -1)
-if [[ -n $system_cxx && -n $wanted ]] && grep -qa "$wanted" "$system_cxx"; then
-  rm -f "$work/lib/libstdc++.so.6" "$work/lib/libgcc_s.so.1"
-  echo "cluster.sh: this machine's $system_cxx has $wanted: the bundle uses it"
+# newer than this one's; this machine's own serve where they define every version tag
+# (GLIBCXX_, CXXABI_, GCC_) the bundle's other files ask for.
+wants=$(for f in "$work"/bin/* "$work"/lib/*.so*; do
+          case ${f##*/} in libstdc++.so.6 | libgcc_s.so.1) continue ;; esac
+          objdump -T "$f" 2>/dev/null
+        done | awk '/\*UND\*/' | grep -oE '(GLIBCXX|CXXABI|GCC)_[0-9.]+' | sort -u)
+host_cxx=$(ldconfig -p 2>/dev/null | awk '/libstdc\+\+\.so\.6 .*x86-64/ {print $NF; exit}')
+host_gcc=$(ldconfig -p 2>/dev/null | awk '/libgcc_s\.so\.1 .*x86-64/ {print $NF; exit}')
+if [[ -n $wants && -n $host_cxx && -n $host_gcc ]]; then
+  have=$({ grep -aoE '(GLIBCXX|CXXABI)_[0-9.]+' "$host_cxx"; grep -aoE 'GCC_[0-9.]+' "$host_gcc"; } |
+    sort -u)
+  if [[ -z $(comm -23 <(echo "$wants") <(echo "$have")) ]]; then
+    rm -f "$work/lib/libstdc++.so.6" "$work/lib/libgcc_s.so.1"
+    echo "cluster.sh: this machine's $host_cxx and $host_gcc serve the bundle"
+  fi
 fi
 # CUDA's libraries: the toolkit's, else those PyTorch's wheels bring (cuBLAS, the runtime,
 # NCCL); the bundle's own first.

@@ -70,7 +70,7 @@ fi
 built=$(date +%s)
 
 echo "== tests (every test of the GPU-only build)"
-ctest --test-dir "$build" --output-on-failure --timeout 120 2>&1 | tee "$out/ctest.log"
+timeout 300 ctest --test-dir "$build" --output-on-failure 2>&1 | tee "$out/ctest.log"
 tests_rc=${PIPESTATUS[0]}
 # The grouped kernel's own checks once more under compute-sanitizer: out-of-bounds
 # accesses (memcheck: a failure fails the run) and shared-memory races between its

@@ -43,8 +43,9 @@ absl::Status RunClusterWorker(const ClusterWorkerOptions& options, MetricsRegist
   LOG(INFO) << "worker " << agent->member_id() << " joined " << options.coordinator
             << "; UCX devices: " << (devices != nullptr ? devices : "all");
   if (options.on_joined) options.on_joined();
-  auto coordinator = v1::CoordinatorService::NewStub(
-      NewChannel(options.coordinator, options.security.ChannelCredentials()));
+  // The agent's channel, which its heartbeat keeps connected (a worker serves no gRPC port,
+  // so nothing else would read a channel of its own while it reconnects).
+  auto coordinator = v1::CoordinatorService::NewStub(agent->channel());
   CoordinatorLink link(coordinator.get(), agent->member_id());
   const auto pause = [] {
     std::this_thread::sleep_for(absl::ToChronoMilliseconds(kAssignmentRetry));

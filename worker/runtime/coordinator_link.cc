@@ -10,13 +10,10 @@
 namespace pith::runtime {
 namespace {
 
-// Every call waits for the coordinator until its deadline (through a restart of the
-// coordinator) instead of failing at once while the channel reconnects. A worker serves no
-// gRPC port, so its waiting calls are also what reads its channel's sockets: without one,
-// a reconnection's TLS handshake moves only at gRPC's 5-s backup poll and times out.
+// Calls fail at once while the coordinator is unreachable (the step loop then starts over,
+// and sees a stop); the member agent's heartbeat on the same channel brings it back.
 void SetDeadline(grpc::ClientContext& ctx, absl::Duration deadline) {
   ctx.set_deadline(std::chrono::system_clock::now() + absl::ToChronoMilliseconds(deadline));
-  ctx.set_wait_for_ready(true);
 }
 
 }  // namespace
