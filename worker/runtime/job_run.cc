@@ -24,6 +24,7 @@ JobRun::~JobRun() {
 }
 
 absl::Status JobRun::Run(const std::atomic<bool>& stop) {
+  stop_ = &stop;
   absl::Status s = Setup();
   if (!s.ok()) {
     // The step it could not set up for: the one after the committed one.

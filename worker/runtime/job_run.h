@@ -241,6 +241,8 @@ class JobRun : public StepDriver {
   std::unique_ptr<ExpertCache> cache_;
   std::unique_ptr<ExpertUpdater> updater_;
   std::unique_ptr<AbortWatch> watch_;
+  // Run's stop flag: Finish, waiting for a step to settle, ends the run when it is set.
+  const std::atomic<bool>* stop_ = nullptr;
   // The updates, writes and report of the step written last, going on while the next one
   // computes (Write), waited for by Finish and the destructor.
   UpdateHandle writes_;

@@ -207,7 +207,12 @@ absl::StatusOr<Settled> JobRun::Finish(int64_t s) {
     req.set_step(s);
     req.set_assignment_version(a_.assignment_version());
     absl::StatusOr<v1::StepStatus> st = link_->WaitStep(req, kSettleWaitDeadline);
-    if (absl::IsDeadlineExceeded(st.status())) continue;
+    if (absl::IsDeadlineExceeded(st.status())) {
+      // Not settled yet: wait again, unless this process is stopping (SIGTERM), which must
+      // not wait for the step (a stop starts over from the last commit, like any end).
+      if (stop_ != nullptr && *stop_) return Settled::kStop;
+      continue;
+    }
     RETURN_IF_ERROR(st.status());
     if (st->committed_step() >= s) {
       OnCommitted(s);
