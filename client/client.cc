@@ -1,7 +1,6 @@
 #include "client/client.h"
 
 #include <fcntl.h>
-#include <stdio.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -13,6 +12,7 @@
 #include "absl/strings/str_cat.h"
 #include "client/connection.h"
 #include "common/grpc_util.h"
+#include "common/rename_onto.h"
 #include "common/status.h"
 
 namespace pith {
@@ -130,18 +130,6 @@ bool WriteAll(int fd, const std::string& data) {
   return true;
 }
 
-// Renames `from` onto `to`; without `replace`, never over an existing `to` (EEXIST).
-int RenameOnto(const std::string& from, const std::string& to, bool replace) {
-  if (replace) return ::rename(from.c_str(), to.c_str());
-  int rc = ::renameat2(AT_FDCWD, from.c_str(), AT_FDCWD, to.c_str(), RENAME_NOREPLACE);
-  if (rc != 0 && (errno == EINVAL || errno == ENOSYS)) {
-    // File systems without RENAME_NOREPLACE (NFS, some FUSE): link() never replaces.
-    rc = ::link(from.c_str(), to.c_str());
-    if (rc == 0) ::unlink(from.c_str());
-  }
-  return rc;
-}
-
 absl::Status Exists(const std::string& path) {
   return absl::AlreadyExistsError(absl::StrCat(path, " already exists and is not replaced"));
 }
@@ -188,7 +176,7 @@ absl::StatusOr<v1::CheckpointJobResponse> Client::DownloadCheckpoint(const std::
     s = absl::InternalError(absl::StrCat("cannot sync ", partial, ": ", std::strerror(errno)));
   }
   ::close(fd);
-  if (s.ok() && RenameOnto(partial, path, replace) != 0) {
+  if (s.ok() && RenameOnto(partial.c_str(), path.c_str(), replace) != 0) {
     s = errno == EEXIST
             ? Exists(path)
             : absl::InternalError(absl::StrCat("cannot write ", path, ": ", std::strerror(errno)));

@@ -11,6 +11,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "common/rename_onto.h"
 #include "common/status.h"
 
 namespace pith {
@@ -141,13 +142,7 @@ absl::Status WriteFileAtomically(const std::string& path,
   if (status.ok() && ::fsync(fd.get()) != 0) status = ErrnoError(errno, "cannot fsync", tmp);
   if (status.ok()) status = Annotate(fd.Close(), tmp);
   if (status.ok()) {
-    int rc = replace ? ::rename(tmp.c_str(), path.c_str())
-                     : ::renameat2(AT_FDCWD, tmp.c_str(), AT_FDCWD, path.c_str(), RENAME_NOREPLACE);
-    if (rc != 0 && !replace && (errno == EINVAL || errno == ENOSYS)) {
-      // File systems without RENAME_NOREPLACE (NFS, some FUSE): link() never replaces.
-      rc = ::link(tmp.c_str(), path.c_str());
-      if (rc == 0) ::unlink(tmp.c_str());
-    }
+    const int rc = RenameOnto(tmp.c_str(), path.c_str(), replace);
     if (rc != 0 && errno == EEXIST) {
       status = absl::AlreadyExistsError(
           absl::StrCat(path, " already exists; exports never replace a file"));
