@@ -189,6 +189,13 @@ std::map<std::string, std::string> UpDefaults() {
           {"--memory_bytes", "0"}, {"--backend", "cpu"}, {"--ram_bytes", "268435456"}};
 }
 
+// `over` laid over the defaults.
+std::map<std::string, std::string> OverDefaults(const std::map<std::string, std::string>& over) {
+  std::map<std::string, std::string> flags = UpDefaults();
+  for (const auto& [flag, value] : over) flags[flag] = value;
+  return flags;
+}
+
 absl::StatusOr<UpFlags> CheckUpFlags(std::map<std::string, std::string> flags) {
   UpFlags f;
   f.backend = flags["--backend"];
@@ -340,13 +347,10 @@ void PrintCluster(const std::string& dir, const std::vector<LocalMember>& member
       << (dir == FolderPath(DefaultDir()) ? "" : " --dir " + dir) << ".\n";
 }
 
-// A first start in `dir` (nothing recorded there): every member, the coordinator on the
-// port it had last time in `dir` when that port is free.
-absl::Status StartFresh(const std::string& dir, const std::map<std::string, std::string>& given,
-                        std::ostream& out) {
-  std::map<std::string, std::string> flags = UpDefaults();
-  for (const auto& [flag, value] : given) flags[flag] = value;
-  ASSIGN_OR_RETURN(const UpFlags f, CheckUpFlags(flags));
+// A first start in `dir` (nothing recorded there) with `flags` (checked: `f`): every
+// member, the coordinator on the port it had last time in `dir` when that port is free.
+absl::Status StartFresh(const std::string& dir, const std::map<std::string, std::string>& flags,
+                        const UpFlags& f, std::ostream& out) {
   RETURN_IF_ERROR(Annotate(LocalCerts(LocalTlsDir(dir), f.stores, f.workers), "certificates"));
   const int recorded = ReadCoordinatorPort(dir);
   const bool moved = recorded != 0 && !LoopbackPortFree(recorded);
@@ -379,14 +383,17 @@ absl::Status StartFresh(const std::string& dir, const std::map<std::string, std:
 absl::Status Restart(const std::string& dir, const std::map<std::string, std::string>& given,
                      std::vector<LocalMember> members, std::ostream& out) {
   std::vector<std::string> dead, running;
-  for (const LocalMember& m : members) (Runs(dir, m) ? running : dead).push_back(m.name);
+  std::vector<bool> runs;  // members[i] still runs, looked at once
+  for (const LocalMember& m : members) {
+    runs.push_back(Runs(dir, m));
+    (runs.back() ? running : dead).push_back(m.name);
+  }
   if (dead.empty()) {
     return absl::AlreadyExistsError(
         absl::StrCat("a cluster is already up in ", dir, " (pith down --dir ", dir, " first)"));
   }
   const std::map<std::string, std::string> recorded = ReadUpFlags(dir);
-  std::map<std::string, std::string> flags = UpDefaults();
-  for (const auto& [flag, value] : recorded) flags[flag] = value;
+  std::map<std::string, std::string> flags = OverDefaults(recorded);
   if (recorded.empty() || members.front().name != "coordinator" || members.front().grpc_port <= 0) {
     return absl::FailedPreconditionError(
         absl::StrCat("the cluster in ", dir,
@@ -406,7 +413,7 @@ absl::Status Restart(const std::string& dir, const std::map<std::string, std::st
     return absl::FailedPreconditionError(absl::StrCat(dir, "/up.flags: ", f.status().message()));
   }
   const int port = members.front().grpc_port;
-  if (!Runs(dir, members.front()) && !LoopbackPortFree(port)) {
+  if (!runs.front() && !LoopbackPortFree(port)) {
     return absl::FailedPreconditionError(
         absl::StrCat("the coordinator of ", dir, " cannot listen on 127.0.0.1:", port,
                      " again: another process holds the port (ss -ltnp 'sport = :", port,
@@ -414,8 +421,9 @@ absl::Status Restart(const std::string& dir, const std::map<std::string, std::st
   }
   Launcher launcher(dir);
   absl::Status status = [&]() -> absl::Status {
-    for (LocalMember& m : members) {
-      if (Runs(dir, m)) continue;
+    for (size_t i = 0; i < members.size(); ++i) {
+      if (runs[i]) continue;
+      LocalMember& m = members[i];
       // Its metrics port again where it is free: the dashboard's address stays too.
       const int metrics =
           m.metrics_port > 0 && LoopbackPortFree(m.metrics_port) ? m.metrics_port : 0;
@@ -450,11 +458,9 @@ absl::Status Up(const CliContext& ctx, const Args& args, std::ostream& out) {
     dir = it->second;
     given.erase(it);
   }
-  {  // bad values are refused before anything is made
-    std::map<std::string, std::string> flags = UpDefaults();
-    for (const auto& [flag, value] : given) flags[flag] = value;
-    RETURN_IF_ERROR(CheckUpFlags(flags).status());
-  }
+  // Bad values are refused before anything is made.
+  const std::map<std::string, std::string> flags = OverDefaults(given);
+  ASSIGN_OR_RETURN(const UpFlags f, CheckUpFlags(flags));
   dir = FolderPath(dir);
   std::error_code ec;
   std::filesystem::create_directories(dir, ec);
@@ -464,7 +470,7 @@ absl::Status Up(const CliContext& ctx, const Args& args, std::ostream& out) {
   ASSIGN_OR_RETURN(const UniqueFd lock, LockFolder(dir));  // one pith up or down at a time
   absl::StatusOr<std::vector<LocalMember>> recorded = ReadMembers(dir);
   if (recorded.ok() && !recorded->empty()) return Restart(dir, given, *std::move(recorded), out);
-  return StartFresh(dir, given, out);
+  return StartFresh(dir, flags, f, out);
 }
 
 absl::Status Down(const CliContext& ctx, const Args& args, std::ostream& out) {

@@ -485,8 +485,8 @@ TEST_F(SchedulerTest, ALostStoreLeavesThePlacementAndLosingEveryCopyFailsTheJob)
   const std::string w0 = Join(v1::MEMBER_ROLE_WORKER);
   scheduler_->Tick();
   CommitStep(job.job_id(), 0, {w0});
-  ASSERT_NO_FATAL_FAILURE(
-      OnlyTheseLive({w0, s0}));  // s1 died: one copy of everything is left on s0
+  // s1 dies: one copy of everything is left on s0.
+  ASSERT_NO_FATAL_FAILURE(OnlyTheseLive({w0, s0}));
   auto placement = scheduler_->GetPlacement(job.job_id());
   ASSERT_TRUE(placement.ok());
   EXPECT_EQ(placement->epoch(), 2);
