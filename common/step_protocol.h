@@ -14,13 +14,6 @@ namespace pith {
 // current status (a caller with a shorter deadline is answered by its deadline).
 inline constexpr absl::Duration kWaitStepServerCap = absl::Seconds(30);
 
-// The deadline a worker gives a WaitStep while its step settles. NOTE: it must stay above
-// kWaitStepServerCap, so that the coordinator answers (with the status) before the call
-// times out; the worker then asks again.
-inline constexpr absl::Duration kWaitStepSettleDeadline = absl::Seconds(35);
-static_assert(kWaitStepSettleDeadline > kWaitStepServerCap,
-              "a settling worker's WaitStep must outlast the coordinator's cap");
-
 // Heat reports carry co-activation counts only for layers of at most this many experts
 // (wider layers' packed triangle would outweigh the step); the coordinator refuses them
 // for wider layers, which bounds the pairs it keeps per job.

@@ -4,7 +4,8 @@
 # seconds), all of them after the whole cluster is killed (as by a reboot), each time at
 # the coordinator's old address and their old metrics ports; other flags than the
 # record's are refused; `pith down` never signals a process that took a member's pid; a
-# later `pith up` in the same folder listens where the last coordinator did.
+# later `pith up` in the same folder listens where the last coordinator did; workers end
+# within seconds of SIGTERM with the coordinator frozen or dead.
 set -euo pipefail
 PITH=$1
 source "$(dirname "$0")/../../deploy/proc-lib.sh"
@@ -105,6 +106,31 @@ cd / && "$PITH" up --dir "$PITH_HOME/" >"$E2E_TMP/up.txt" 2>&1 && fail "a second
 grep -q "already up" "$E2E_TMP/up.txt" || fail "the second up said: $(cat "$E2E_TMP/up.txt")"
 [[ $(cat "$PITH_HOME/coordinator.address") == "$address" ]] ||
   fail "a new cluster in the folder listens at $(cat "$PITH_HOME/coordinator.address"), not $address"
+# With the coordinator frozen mid-job (its calls hang instead of failing), each worker
+# still ends within seconds of its SIGTERM: it cancels its calls and its waits on peers.
+job=$("$PITH" submit "$E2E_TMP/spec.json")
+for _ in $(seq 200); do
+  "$PITH" status "$job" | grep -q "running.*step [1-9]" && break
+  sleep 0.1
+done
+coordinator=$(pid_of coordinator)
+workers=("$(pid_of worker0)" "$(pid_of worker1)")
+kill -STOP "$coordinator"
+sleep 1
+kill -TERM "${workers[@]}"
+start=$SECONDS
+for pid in "${workers[@]}"; do
+  for _ in $(seq 150); do kill -0 "$pid" 2>/dev/null || break; sleep 0.1; done
+done
+kill -CONT "$coordinator"
+for pid in "${workers[@]}"; do
+  kill -0 "$pid" 2>/dev/null && fail "a worker outlived its SIGTERM by 15 s with the coordinator frozen"
+done
+echo "  ok: with the coordinator frozen, both workers ended $((SECONDS - start)) s after SIGTERM"
+"$PITH" cancel "$job" >/dev/null || fail "pith cancel $job"
+"$PITH" up >/dev/null || fail "pith up after the workers' SIGTERM"
+wait_alive worker 2 30
+
 # With the coordinator dead mid-job, pith down still stops every member at its SIGTERM.
 job=$("$PITH" submit "$E2E_TMP/spec.json")
 for _ in $(seq 200); do

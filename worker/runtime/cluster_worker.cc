@@ -1,6 +1,8 @@
 #include "worker/runtime/cluster_worker.h"
 
 #include <algorithm>
+#include <atomic>
+#include <chrono>
 #include <cstdlib>
 #include <memory>
 #include <thread>
@@ -22,6 +24,30 @@
 namespace pith::runtime {
 
 using store::StoreClient;
+
+namespace {
+
+// Cancels `link` once `stop` is set (SIGTERM), for as long as it lives.
+class CancelOnStop {
+ public:
+  CancelOnStop(CoordinatorLink* link, const std::atomic<bool>& stop)
+      : thread_([this, link, &stop] {
+          while (!stop && !done_) std::this_thread::sleep_for(std::chrono::milliseconds(50));
+          if (stop) link->Cancel();
+        }) {}
+  ~CancelOnStop() {
+    done_ = true;
+    thread_.join();
+  }
+  CancelOnStop(const CancelOnStop&) = delete;
+  CancelOnStop& operator=(const CancelOnStop&) = delete;
+
+ private:
+  std::atomic<bool> done_{false};
+  std::thread thread_;  // last: it reads done_
+};
+
+}  // namespace
 
 absl::Status RunClusterWorker(const ClusterWorkerOptions& options, MetricsRegistry& registry,
                               const std::atomic<bool>& stop) {
@@ -47,6 +73,7 @@ absl::Status RunClusterWorker(const ClusterWorkerOptions& options, MetricsRegist
   // so nothing else would read a channel of its own while it reconnects).
   auto coordinator = v1::CoordinatorService::NewStub(agent->channel());
   CoordinatorLink link(coordinator.get(), agent->member_id());
+  const CancelOnStop cancel_on_stop(&link, stop);
   const auto pause = [] {
     std::this_thread::sleep_for(absl::ToChronoMilliseconds(kAssignmentRetry));
   };
@@ -62,7 +89,9 @@ absl::Status RunClusterWorker(const ClusterWorkerOptions& options, MetricsRegist
     const absl::Time started = absl::Now();
     absl::Status s = run.Run(stop);
     failures = s.ok() ? 0 : (absl::Now() - started > absl::Seconds(30) ? 1 : failures + 1);
-    if (!s.ok()) {
+    if (!s.ok() && stop) {
+      LOG(INFO) << "job " << a->job_id() << ": stopped (" << s << ")";
+    } else if (!s.ok()) {
       LOG(WARNING) << "job " << a->job_id() << ": " << s;
       for (int i = 0; i < (1 << std::min(failures - 1, 5)) && !stop; ++i) pause();
     }

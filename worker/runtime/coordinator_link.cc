@@ -18,23 +18,48 @@ void SetDeadline(grpc::ClientContext& ctx, absl::Duration deadline) {
 
 }  // namespace
 
+class CoordinatorLink::Call {
+ public:
+  Call(CoordinatorLink* link, absl::Duration deadline) : link_(link) {
+    SetDeadline(ctx_, deadline);
+    absl::MutexLock lock(&link_->mu_);
+    if (link_->cancelled_) ctx_.TryCancel();  // the call ends as it starts
+    link_->calls_.insert(&ctx_);
+  }
+  ~Call() {
+    absl::MutexLock lock(&link_->mu_);
+    link_->calls_.erase(&ctx_);
+  }
+  Call(const Call&) = delete;
+  Call& operator=(const Call&) = delete;
+  grpc::ClientContext* ctx() { return &ctx_; }
+
+ private:
+  CoordinatorLink* const link_;
+  grpc::ClientContext ctx_;
+};
+
+void CoordinatorLink::Cancel() {
+  absl::MutexLock lock(&mu_);
+  cancelled_ = true;
+  for (grpc::ClientContext* ctx : calls_) ctx->TryCancel();
+}
+
 absl::StatusOr<v1::Assignment> CoordinatorLink::GetAssignment(absl::Duration deadline) {
   v1::GetAssignmentRequest req;
   req.set_worker_id(worker_id_);
   v1::Assignment a;
-  grpc::ClientContext ctx;
-  SetDeadline(ctx, deadline);
-  absl::Status s = FromGrpcStatus(stub_->GetAssignment(&ctx, req, &a));
+  Call call(this, deadline);
+  absl::Status s = FromGrpcStatus(stub_->GetAssignment(call.ctx(), req, &a));
   if (!s.ok()) return s;
   return a;
 }
 
 absl::Status CoordinatorLink::ReportStepWritten(v1::StepWrittenRequest request) {
   request.set_worker_id(worker_id_);
-  grpc::ClientContext ctx;
-  SetDeadline(ctx, kReportStepDeadline);
+  Call call(this, kReportStepDeadline);
   v1::StepWrittenResponse resp;
-  return FromGrpcStatus(stub_->ReportStepWritten(&ctx, request, &resp));
+  return FromGrpcStatus(stub_->ReportStepWritten(call.ctx(), request, &resp));
 }
 
 void CoordinatorLink::ReportFailure(const std::string& job_id, int64_t assignment_version,
@@ -47,17 +72,15 @@ void CoordinatorLink::ReportFailure(const std::string& job_id, int64_t assignmen
   r.set_ok(false);
   r.set_failure(std::string(why.message()));
   r.set_fatal(fatal);
-  grpc::ClientContext ctx;
-  SetDeadline(ctx, kReportFailureDeadline);
+  Call call(this, kReportFailureDeadline);
   v1::StepWrittenResponse resp;
-  (void)stub_->ReportStepWritten(&ctx, r, &resp);
+  (void)stub_->ReportStepWritten(call.ctx(), r, &resp);
 }
 
 void CoordinatorLink::ReportHeat(const v1::HeatReport& report) {
-  grpc::ClientContext ctx;
-  SetDeadline(ctx, kHeatReportDeadline);
+  Call call(this, kHeatReportDeadline);
   v1::HeatReportResponse resp;
-  grpc::Status st = stub_->ReportHeat(&ctx, report, &resp);
+  grpc::Status st = stub_->ReportHeat(call.ctx(), report, &resp);
   if (!st.ok()) VLOG(1) << "heat report: " << st.error_message();
 }
 
@@ -71,16 +94,16 @@ absl::StatusOr<v1::StepStatus> CoordinatorLink::WaitStep(const v1::WaitStepReque
 
 grpc::Status CoordinatorLink::WaitStepRaw(const v1::WaitStepRequest& request,
                                           absl::Duration deadline, v1::StepStatus* status) {
-  grpc::ClientContext ctx;
-  SetDeadline(ctx, deadline);
-  return stub_->WaitStep(&ctx, request, status);
+  Call call(this, deadline);
+  return stub_->WaitStep(call.ctx(), request, status);
 }
 
 AbortWatch::AbortWatch(CoordinatorLink* link, std::string job_id, int64_t step, int64_t version,
-                       std::function<void(uint64_t version)> abandon)
+                       std::function<void(uint64_t version)> abandon, const std::atomic<bool>* stop)
     : link_(link),
       job_id_(std::move(job_id)),
       abandon_(std::move(abandon)),
+      stop_(stop),
       step_(step),
       version_(version),
       thread_([this] { Watch(); }) {}
@@ -94,7 +117,15 @@ void AbortWatch::Watch() {
   const auto pause = [](absl::Duration d) {
     std::this_thread::sleep_for(absl::ToChronoMilliseconds(d));
   };
+  const auto stopping = [this] { return stop_ != nullptr && stop_->load(); };
   while (!done_) {
+    if (stopping()) {
+      // Every attempt from now on is abandoned: the run ends at its next wait on a peer.
+      const int64_t version = version_.load();
+      abandon_(static_cast<uint64_t>(version));
+      while (!done_ && version_.load() == version) pause(kAbortWatchIdle);
+      continue;
+    }
     v1::WaitStepRequest req;
     req.set_job_id(job_id_);
     req.set_step(step_.load());
@@ -109,12 +140,12 @@ void AbortWatch::Watch() {
       // Only the attempt it watched (an adopted placement's is already newer); then it
       // waits for the next assignment, adopted in place, or the end of this run.
       abandon_(static_cast<uint64_t>(version));
-      while (!done_ && version_.load() == version) pause(kAbortWatchIdle);
+      while (!done_ && !stopping() && version_.load() == version) pause(kAbortWatchIdle);
       continue;
     }
     if (rpc.ok() && st.committed_step() >= req.step()) {
       // Settled: wait for the next step to start.
-      while (!done_ && step_.load() == req.step()) pause(kAbortWatchIdle);
+      while (!done_ && !stopping() && step_.load() == req.step()) pause(kAbortWatchIdle);
     } else if (!rpc.ok() && rpc.error_code() != grpc::StatusCode::DEADLINE_EXCEEDED) {
       pause(kAbortWatchRetry);
     }

@@ -11,11 +11,13 @@
 #include <atomic>
 #include <cstdint>
 #include <functional>
+#include <set>
 #include <string>
 #include <thread>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "common/step_protocol.h"
 #include "pith/v1/coordinator.grpc.pb.h"
@@ -32,9 +34,11 @@ inline constexpr absl::Duration kReportStepDeadline = absl::Seconds(60);
 inline constexpr absl::Duration kReportFailureDeadline = absl::Seconds(10);
 // ReportHeat (best effort: a lost report only delays a placement).
 inline constexpr absl::Duration kHeatReportDeadline = absl::Seconds(5);
-// WaitStep while a step settles: above the coordinator's cap on one wait (both in
-// common/step_protocol.h, where a static_assert keeps them in that order).
-inline constexpr absl::Duration kSettleWaitDeadline = kWaitStepSettleDeadline;
+// One round of WaitStep while a step settles (the coordinator answers by the caller's
+// deadline, below its own cap kWaitStepServerCap): short, so that a stopping worker
+// (SIGTERM) sees its stop within a round however long the step takes to settle.
+inline constexpr absl::Duration kSettleRound = absl::Seconds(2);
+static_assert(kSettleRound < kWaitStepServerCap);
 // The abort watch's WaitStep: short, so that it sees a new step or version promptly.
 inline constexpr absl::Duration kAbortPollDeadline = absl::Milliseconds(500);
 // The abort watch's wait for the step or version it watches to move on.
@@ -44,12 +48,18 @@ inline constexpr absl::Duration kAbortWatchRetry = absl::Milliseconds(100);
 // The intake loop's pause after no assignment or a failed job run.
 inline constexpr absl::Duration kAssignmentRetry = absl::Milliseconds(200);
 
+// Thread safety: every method may be called from any thread.
 class CoordinatorLink {
  public:
   CoordinatorLink(v1::CoordinatorService::Stub* stub, std::string worker_id)
       : stub_(stub), worker_id_(std::move(worker_id)) {}
 
   const std::string& worker_id() const { return worker_id_; }
+
+  // Ends every call in flight (CANCELLED) and fails every later one at once: the worker
+  // is stopping, and a coordinator that froze or was cut off mid-call would otherwise
+  // hold it up to that call's deadline (a minute for ReportStepWritten).
+  void Cancel() ABSL_LOCKS_EXCLUDED(mu_);
 
   // This worker's assignment (an empty job id: none).
   absl::StatusOr<v1::Assignment> GetAssignment(absl::Duration deadline);
@@ -70,17 +80,24 @@ class CoordinatorLink {
                            v1::StepStatus* status);
 
  private:
+  class Call;  // one call's context, cancelled by Cancel while it runs
+
   v1::CoordinatorService::Stub* stub_;
   const std::string worker_id_;
+  absl::Mutex mu_;
+  std::set<grpc::ClientContext*> calls_ ABSL_GUARDED_BY(mu_);  // in flight
+  bool cancelled_ ABSL_GUARDED_BY(mu_) = false;
 };
 
 // While a step runs, asks the coordinator whether its attempt was aborted (a peer or
 // store died): then `abandon(version)` ends every wait on a peer at once instead of
-// timing out.
+// timing out. So does `stop` (may be null; this process is stopping, SIGTERM), within
+// kAbortPollDeadline, whether or not the coordinator answers: a stopping worker does not
+// wait out a peer that waits for it.
 class AbortWatch {
  public:
   AbortWatch(CoordinatorLink* link, std::string job_id, int64_t step, int64_t version,
-             std::function<void(uint64_t version)> abandon);
+             std::function<void(uint64_t version)> abandon, const std::atomic<bool>* stop);
   ~AbortWatch();  // stops and joins the thread
   AbortWatch(const AbortWatch&) = delete;
   AbortWatch& operator=(const AbortWatch&) = delete;
@@ -94,6 +111,7 @@ class AbortWatch {
   CoordinatorLink* const link_;
   const std::string job_id_;
   const std::function<void(uint64_t)> abandon_;
+  const std::atomic<bool>* const stop_;
   std::atomic<int64_t> step_;
   std::atomic<int64_t> version_;
   std::atomic<bool> done_{false};

@@ -32,11 +32,12 @@ absl::Status JobRun::Run(const std::atomic<bool>& stop) {
                          /*fatal=*/!can_run_);
     return s;
   }
-  watch_ = std::make_unique<AbortWatch>(link_, job_id_, /*step=*/0, a_.assignment_version(),
-                                        [this](uint64_t version) {
-                                          if (peers_->AbandonAttempt(version))
-                                            device_group_.Abort();
-                                        });
+  watch_ = std::make_unique<AbortWatch>(
+      link_, job_id_, /*step=*/0, a_.assignment_version(),
+      [this](uint64_t version) {
+        if (peers_->AbandonAttempt(version)) device_group_.Abort();
+      },
+      &stop);
   return RunSteps(*this, a_.committed_step(), a_.spec().train().steps(), stop);
 }
 

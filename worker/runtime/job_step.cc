@@ -201,18 +201,13 @@ void JobRun::ReportHeat(int64_t s) {
 
 absl::StatusOr<Settled> JobRun::Finish(int64_t s) {
   RETURN_IF_ERROR(JoinWrites(s));
-  while (true) {
-    v1::WaitStepRequest req;
-    req.set_job_id(a_.job_id());
-    req.set_step(s);
-    req.set_assignment_version(a_.assignment_version());
-    absl::StatusOr<v1::StepStatus> st = link_->WaitStep(req, kSettleWaitDeadline);
-    if (absl::IsDeadlineExceeded(st.status())) {
-      // Not settled yet: wait again, unless this process is stopping (SIGTERM), which must
-      // not wait for the step (a stop starts over from the last commit, like any end).
-      if (stop_ != nullptr && *stop_) return Settled::kStop;
-      continue;
-    }
+  v1::WaitStepRequest req;
+  req.set_job_id(a_.job_id());
+  req.set_step(s);
+  req.set_assignment_version(a_.assignment_version());
+  auto round = [&]() -> absl::StatusOr<std::optional<Settled>> {
+    absl::StatusOr<v1::StepStatus> st = link_->WaitStep(req, kSettleRound);
+    if (absl::IsDeadlineExceeded(st.status())) return std::nullopt;  // not settled yet
     RETURN_IF_ERROR(st.status());
     if (st->committed_step() >= s) {
       OnCommitted(s);
@@ -225,7 +220,9 @@ absl::StatusOr<Settled> JobRun::Finish(int64_t s) {
       LOG(INFO) << "step " << s << " of job " << a_.job_id() << " aborted: " << st->abort_reason();
       return Settled::kStop;
     }
-  }
+    return std::nullopt;  // the coordinator's answer at the round's end: not settled yet
+  };
+  return WaitSettled(round, stop_);
 }
 
 void JobRun::OnCommitted(int64_t s) {

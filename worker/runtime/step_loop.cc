@@ -2,6 +2,15 @@
 
 namespace pith::runtime {
 
+absl::StatusOr<Settled> WaitSettled(const SettleRound& round, const std::atomic<bool>* stop) {
+  while (true) {
+    absl::StatusOr<std::optional<Settled>> settled = round();
+    if (!settled.ok()) return settled.status();
+    if (settled->has_value()) return **settled;
+    if (stop != nullptr && *stop) return Settled::kStop;
+  }
+}
+
 absl::Status RunSteps(StepDriver& driver, int64_t committed_step, int64_t steps,
                       const std::atomic<bool>& stop) {
   int64_t step = committed_step;  // the last committed step
@@ -11,8 +20,11 @@ absl::Status RunSteps(StepDriver& driver, int64_t committed_step, int64_t steps,
     step = 0;
     s = driver.WriteInitial();
     reported = true;
-  } else {
-    s = driver.LoadCommitted();
+  } else if (s = driver.LoadCommitted(); !s.ok()) {
+    // Reported for the step it keeps from starting: the coordinator ignores a failure of
+    // a step it has committed, so that report would leave the job running with no end.
+    driver.ReportFailure(step + 1, s);
+    return s;
   }
   // NOTE: step s + 1's compute runs while step s commits (the stores sync it to disk):
   // it needs nothing step s's commit decides. Its writes wait for the commit; if step s
@@ -45,6 +57,7 @@ absl::Status RunSteps(StepDriver& driver, int64_t committed_step, int64_t steps,
     s = computed.ok() ? driver.Write(step) : computed;
     reported = true;
   }
+  if (!s.ok() && stop) return absl::OkStatus();  // a stop abandons the step: no failure of it
   if (!s.ok()) {
     driver.ReportFailure(step, s);
     return s;

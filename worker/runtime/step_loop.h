@@ -12,7 +12,9 @@
 //                                   the last commit)
 //                stopped/aborted -> end (OK: start over from the last commit)
 //                unreachable     -> end with the error (start over)
-//   a failure computing or writing a step is reported for it and ends the run with it.
+//   a failure computing or writing a step is reported for it and ends the run with it;
+//   a failure to load the committed step, for the step after it (the coordinator counts
+//   a step's failed attempts and fails the job after --step_attempts of them).
 //
 // A StepDriver does the work; JobRun (job_run.h) is the real one, tests drive fakes.
 //
@@ -22,6 +24,8 @@
 
 #include <atomic>
 #include <cstdint>
+#include <functional>
+#include <optional>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
@@ -57,6 +61,15 @@ class StepDriver {
   // Step s failed here with `why`.
   virtual void ReportFailure(int64_t s, const absl::Status& why) = 0;
 };
+
+// What one round of waiting for a reported step says: how it settled, not yet (nullopt:
+// the round ended first), or an error (the coordinator is unreachable).
+using SettleRound = std::function<absl::StatusOr<std::optional<Settled>>()>;
+
+// Waits for a reported step to settle: rounds of `round` until one says how, or an error,
+// or `stop` (may be null) is true after a round that did not settle (kStop: a stopping
+// process does not wait for the step, and starts over from the last commit like any end).
+absl::StatusOr<Settled> WaitSettled(const SettleRound& round, const std::atomic<bool>* stop);
 
 // Runs steps from `committed_step` (-1: none yet) up to `steps` until the job ends, the
 // assignment changes, a failure, or `stop` becomes true (checked between steps).

@@ -1,6 +1,8 @@
 #include "worker/runtime/step_loop.h"
 
 #include <deque>
+#include <functional>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -28,7 +30,9 @@ class FakeDriver : public StepDriver {
   void ClearPending() override { calls.push_back("clear"); }
   absl::Status Compute(int64_t s) override {
     calls.push_back(absl::StrCat("compute ", s));
-    return s == fail_compute ? absl::InternalError("compute") : absl::OkStatus();
+    if (s != fail_compute) return absl::OkStatus();
+    if (stop_at_failed_compute) stop->store(true);  // as a stop abandons the peer waits
+    return absl::InternalError("compute");
   }
   absl::StatusOr<Settled> Finish(int64_t s) override {
     calls.push_back(absl::StrCat("finish ", s));
@@ -59,6 +63,7 @@ class FakeDriver : public StepDriver {
   bool adopt = true;
   absl::Status adopt_error;
   int64_t fail_compute = -1, fail_write = -1, stop_after_write = -1;
+  bool stop_at_failed_compute = false;
   std::atomic<bool>* stop = nullptr;
 };
 
@@ -140,6 +145,19 @@ TEST(StepLoopTest, AFailedComputeIsReportedForTheStepOnceTheOneBeforeCommits) {
                                    "finish 1", "clear", "failed 2 compute"));
 }
 
+// A stop (SIGTERM) abandons the attempt's waits on peers, which fails its compute: the
+// step did not fail, so nothing is reported and the run ends cleanly.
+TEST(StepLoopTest, AComputeEndedByAStopIsNotReported) {
+  FakeDriver d;
+  std::atomic<bool> stop{false};
+  d.stop = &stop;
+  d.fail_compute = 2;
+  d.stop_at_failed_compute = true;
+  EXPECT_TRUE(RunSteps(d, 0, 5, stop).ok());
+  EXPECT_THAT(d.calls, ElementsAre("load", "compute 1", "write 1", "pending 1", "compute 2",
+                                   "finish 1", "clear"));
+}
+
 TEST(StepLoopTest, AFailedWriteIsReported) {
   FakeDriver d;
   d.fail_write = 1;
@@ -149,12 +167,14 @@ TEST(StepLoopTest, AFailedWriteIsReported) {
                                    "failed 1 write"));
 }
 
-TEST(StepLoopTest, AFailedStartIsReportedForTheCommittedStep) {
+// A failed load is the next step's failure: the coordinator ignores one for step 7,
+// which it has committed, and the job would then never fail.
+TEST(StepLoopTest, AFailedStartIsReportedForTheStepAfterTheCommittedOne) {
   FakeDriver d;
   d.load_status = absl::DataLossError("load");
   std::atomic<bool> stop{false};
   EXPECT_EQ(RunSteps(d, 7, 9, stop).code(), absl::StatusCode::kDataLoss);
-  EXPECT_THAT(d.calls, ElementsAre("load", "failed 7 load"));
+  EXPECT_THAT(d.calls, ElementsAre("load", "failed 8 load"));
 }
 
 TEST(StepLoopTest, StopIsCheckedBetweenSteps) {
@@ -165,6 +185,55 @@ TEST(StepLoopTest, StopIsCheckedBetweenSteps) {
   EXPECT_TRUE(RunSteps(d, 0, 10, stop).ok());
   EXPECT_THAT(d.calls, ElementsAre("load", "compute 1", "write 1", "pending 1", "compute 2",
                                    "finish 1", "clear", "write 2"));
+}
+
+// Rounds that answer "not yet" (nullopt), then how the step settled.
+struct ScriptedRounds {
+  absl::StatusOr<std::optional<Settled>> operator()() {
+    ++asked;
+    if (answers.empty()) return std::optional<Settled>();
+    auto next = answers.front();
+    answers.pop_front();
+    if (stop != nullptr) stop->store(stop_after_first);
+    return next;
+  }
+  std::deque<absl::StatusOr<std::optional<Settled>>> answers;
+  int asked = 0;
+  std::atomic<bool>* stop = nullptr;
+  bool stop_after_first = false;
+};
+
+TEST(WaitSettledTest, AsksUntilTheStepSettles) {
+  ScriptedRounds r;
+  r.answers = {std::nullopt, std::nullopt, Settled::kReassigned};
+  std::atomic<bool> stop{false};
+  absl::StatusOr<Settled> settled = WaitSettled(std::ref(r), &stop);
+  ASSERT_TRUE(settled.ok()) << settled.status();
+  EXPECT_EQ(*settled, Settled::kReassigned);
+  EXPECT_EQ(r.asked, 3);
+}
+
+// The coordinator's "not settled yet" at a round's end (an OK answer, not a deadline) is
+// where a stopping worker leaves: it does not wait for a step that may never settle.
+TEST(WaitSettledTest, AStopEndsTheWaitAfterTheRoundThatDidNotSettle) {
+  ScriptedRounds r;
+  std::atomic<bool> stop{false};
+  r.stop = &stop;
+  r.stop_after_first = true;
+  r.answers = {std::nullopt, Settled::kCommitted};
+  absl::StatusOr<Settled> settled = WaitSettled(std::ref(r), &stop);
+  ASSERT_TRUE(settled.ok()) << settled.status();
+  EXPECT_EQ(*settled, Settled::kStop);
+  EXPECT_EQ(r.asked, 1);
+}
+
+TEST(WaitSettledTest, ASettledAnswerWinsOverAStopAndAnErrorEndsTheWait) {
+  ScriptedRounds r;
+  std::atomic<bool> stop{true};
+  r.answers = {Settled::kCommitted};
+  EXPECT_EQ(*WaitSettled(std::ref(r), &stop), Settled::kCommitted);
+  r.answers = {absl::UnavailableError("coordinator")};
+  EXPECT_EQ(WaitSettled(std::ref(r), nullptr).status().code(), absl::StatusCode::kUnavailable);
 }
 
 }  // namespace

@@ -1,0 +1,81 @@
+#include "worker/runtime/coordinator_link.h"
+
+#include <atomic>
+#include <memory>
+#include <thread>
+
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
+#include "grpcpp/grpcpp.h"
+#include "gtest/gtest.h"
+
+namespace pith::runtime {
+namespace {
+
+// A coordinator that takes every call and answers none until the caller gives up (as one
+// that froze mid-call, SIGSTOP, would).
+class FrozenCoordinator final : public v1::CoordinatorService::Service {
+ public:
+  grpc::Status ReportStepWritten(grpc::ServerContext* ctx, const v1::StepWrittenRequest*,
+                                 v1::StepWrittenResponse*) override {
+    return Hold(ctx);
+  }
+  grpc::Status GetAssignment(grpc::ServerContext* ctx, const v1::GetAssignmentRequest*,
+                             v1::Assignment*) override {
+    return Hold(ctx);
+  }
+
+  std::atomic<int> calls{0};
+
+ private:
+  grpc::Status Hold(grpc::ServerContext* ctx) {
+    ++calls;
+    while (!ctx->IsCancelled()) absl::SleepFor(absl::Milliseconds(5));
+    return grpc::Status(grpc::StatusCode::UNAVAILABLE, "gave up");
+  }
+};
+
+class CoordinatorLinkTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    grpc::ServerBuilder builder;
+    int port = 0;
+    builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
+    builder.RegisterService(&service_);
+    server_ = builder.BuildAndStart();
+    ASSERT_NE(server_, nullptr);
+    stub_ = v1::CoordinatorService::NewStub(grpc::CreateChannel(
+        "127.0.0.1:" + std::to_string(port), grpc::InsecureChannelCredentials()));
+  }
+  void TearDown() override { server_->Shutdown(absl::ToChronoTime(absl::Now())); }
+
+  FrozenCoordinator service_;
+  std::unique_ptr<grpc::Server> server_;
+  std::unique_ptr<v1::CoordinatorService::Stub> stub_;
+};
+
+// A stopping worker does not wait out a minute-long ReportStepWritten to a coordinator
+// that does not answer: Cancel ends it, and every later call fails at once.
+TEST_F(CoordinatorLinkTest, CancelEndsTheCallInFlightAndEveryLaterOne) {
+  CoordinatorLink link(stub_.get(), "worker-0");
+  absl::Status reported;
+  absl::Time ended;
+  std::thread caller([&] {
+    reported = link.ReportStepWritten(v1::StepWrittenRequest());
+    ended = absl::Now();
+  });
+  for (int i = 0; i < 1000 && service_.calls == 0; ++i) absl::SleepFor(absl::Milliseconds(5));
+  ASSERT_EQ(service_.calls, 1) << "the call never reached the coordinator";
+  const absl::Time cancelled = absl::Now();
+  link.Cancel();
+  caller.join();
+  EXPECT_EQ(reported.code(), absl::StatusCode::kCancelled) << reported;
+  EXPECT_LT(ended - cancelled, absl::Seconds(2));
+
+  const absl::Time start = absl::Now();
+  EXPECT_EQ(link.GetAssignment(absl::Seconds(30)).status().code(), absl::StatusCode::kCancelled);
+  EXPECT_LT(absl::Now() - start, absl::Seconds(2));
+}
+
+}  // namespace
+}  // namespace pith::runtime
