@@ -71,8 +71,9 @@ struct StoreClient::Pending {
   }
 };
 
-absl::StatusOr<std::unique_ptr<StoreClient>> StoreClient::Create() {
+absl::StatusOr<std::unique_ptr<StoreClient>> StoreClient::Create(absl::Duration retired_linger) {
   std::unique_ptr<StoreClient> c(new StoreClient());
+  c->retired_linger_ = retired_linger;
   std::random_device random;
   while (c->client_id_ == 0) {
     c->client_id_ = (static_cast<uint64_t>(random()) << 32) ^ random();
@@ -130,12 +131,14 @@ absl::StatusOr<ucp_ep_h> StoreClient::Endpoint(int peer, bool fail_fast) {
     return absl::InvalidArgumentError(absl::StrCat("no store peer ", peer));
   }
   auto down = down_.find(peer);
-  // Each timeout leaves its endpoint open for good (see FailPeer): past a bound, a store
-  // that failed is not connected again.
+  // Each timeout leaves its endpoint open for a while (see FailPeer): past a bound of
+  // them, a store that failed is not connected again until the oldest closes.
+  CloseLingeredRetired();
   if (down != down_.end() && retired_.size() >= kMaxRetiredEndpoints) {
-    return absl::UnavailableError(absl::StrCat("store connection failed (", down->second.why,
-                                               "); not reconnected after ", retired_.size(),
-                                               " timed-out connections"));
+    return absl::UnavailableError(
+        absl::StrCat("store connection failed (", down->second.why, "); not reconnected while ",
+                     retired_.size(), " connections that timed out in the last ",
+                     absl::FormatDuration(retired_linger_), " stay open"));
   }
   // A fetch from a store that just failed is not tried again before its backoff ends: the
   // caller moves on to a replica at once instead of waiting out a deadline per call. A put
@@ -195,14 +198,22 @@ void StoreClient::FailPeer(int peer, const absl::Status& status) {
   // (which cancels those receives). One that merely has not answered in time is retired:
   // left open, unused, so its late answers arrive on an endpoint that still exists and are
   // dropped (the endpoint ids on the wire are its address: closing it under a live peer
-  // leaves that peer's next message naming freed memory). Retired ones close with the
-  // client.
+  // leaves that peer's next message naming freed memory). Retired ones close once they
+  // are kRetiredLinger old (CloseLingeredRetired), or with the client.
   if (receiving || !absl::IsDeadlineExceeded(status)) {
     worker_->Close(ep->second);
   } else {
-    retired_.push_back(ep->second);
+    retired_.push_back({ep->second, absl::Now()});
   }
   peers_.erase(ep);  // the next request to this peer opens a new one (Endpoint)
+}
+
+void StoreClient::CloseLingeredRetired() {
+  const absl::Time cutoff = absl::Now() - retired_linger_;
+  while (!retired_.empty() && retired_.front().at <= cutoff) {
+    worker_->Close(retired_.front().ep);
+    retired_.pop_front();
+  }
 }
 
 void StoreClient::OnReply(ucx::AmMessage& m, bool is_get) {

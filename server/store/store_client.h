@@ -9,6 +9,7 @@
 
 #include <atomic>
 #include <cstdint>
+#include <deque>
 #include <functional>
 #include <map>
 #include <memory>
@@ -25,7 +26,10 @@ namespace pith::store {
 
 class StoreClient {
  public:
-  static absl::StatusOr<std::unique_ptr<StoreClient>> Create();
+  // `retired_linger`: how long a timed-out endpoint stays open for late answers (see
+  // kRetiredLinger; tests shorten it).
+  static absl::StatusOr<std::unique_ptr<StoreClient>> Create(
+      absl::Duration retired_linger = kRetiredLinger);
   ~StoreClient();
 
   // Opens (or reuses) an endpoint to the store whose packed UCX address this is (from
@@ -34,7 +38,8 @@ class StoreClient {
   // do the fetches of the next kReconnectBackoff (doubling with each failure in a row, up
   // to kMaxReconnectBackoff; UNAVAILABLE at once, so a caller moves on to a replica), and
   // the next call after it, or the next put at once, opens a new endpoint (and says hello
-  // again). After kMaxRetiredEndpoints timeouts in all, a failed store is not reconnected.
+  // again). While kMaxRetiredEndpoints connections have timed out within kRetiredLinger,
+  // a failed store is not reconnected (UNAVAILABLE) until the oldest of them is closed.
   absl::StatusOr<int> Connect(const std::string& ucx_address);
 
   // Registered memory for fetch targets and put sources (see ucx::Worker::Allocate).
@@ -92,6 +97,10 @@ class StoreClient {
   static constexpr absl::Duration kReconnectBackoff = absl::Seconds(1);
   static constexpr absl::Duration kMaxReconnectBackoff = absl::Seconds(30);
   static constexpr size_t kMaxRetiredEndpoints = 64;
+  // A timed-out endpoint is closed this long after its timeout: far past any answer of a
+  // store that is running (a store answers or gives up on a request within seconds), so
+  // the bound above limits the endpoints open at once, not the timeouts in a lifetime.
+  static constexpr absl::Duration kRetiredLinger = absl::Minutes(10);
 
  private:
   struct Pending;
@@ -139,7 +148,16 @@ class StoreClient {
   std::map<int, Down> down_;
   std::map<std::string, int> peer_by_address_;
   std::map<uint64_t, std::shared_ptr<Pending>> pending_;
-  std::vector<ucp_ep_h> retired_;  // timed out, left open (see FailPeer); closed at the end
+  struct Retired {
+    ucp_ep_h ep;
+    absl::Time at;
+  };
+  // Closes the retired endpoints older than retired_linger_.
+  void CloseLingeredRetired();
+  absl::Duration retired_linger_ = kRetiredLinger;
+  // Timed out, left open (see FailPeer), oldest first; closed after retired_linger_, or
+  // with the client.
+  std::deque<Retired> retired_;
   int next_peer_ = 1;
 };
 

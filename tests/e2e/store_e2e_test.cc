@@ -94,7 +94,7 @@ class StoreE2eTest : public ::testing::Test {
     // NOTE: the client's UCX worker is created after the fork, each time: UCX state does
     // not survive a fork of its process.
     client_.reset();
-    auto client = StoreClient::Create();
+    auto client = StoreClient::Create(retired_linger_);
     ASSERT_TRUE(client.ok()) << client.status();
     client_ = std::move(*client);
     channel_ = Tls().CoordinatorChannel("127.0.0.1:" + std::to_string(store_->grpc_port));
@@ -172,6 +172,7 @@ class StoreE2eTest : public ::testing::Test {
   int peer_ = -1;
   std::string ucx_address_;  // the store's, from GetUcxAddress
   int starts_ = 0;
+  absl::Duration retired_linger_ = StoreClient::kRetiredLinger;  // of the next StartStore's client
 };
 
 // 600 blobs: their fetch's keys are far more than one UCX message header holds (the
@@ -668,6 +669,33 @@ TEST_F(StoreE2eTest, AStoreThatAnswersAfterTheDeadlineLeavesTheClientServing) {
     EXPECT_EQ((*region)->data()[(200 << 10) - 1], 0xab);
   }
   EXPECT_EQ(FetchAll({Key(1, 0)}, 200 << 10)[0], data);
+  EXPECT_TRUE(store_->Running()) << store_->Log();
+}
+
+// A client outlives any number of timeouts: each timed-out endpoint closes its linger
+// (here 5 s) after its timeout. While kMaxRetiredEndpoints are open, a failed store is
+// not connected again; once the oldest have closed, it is.
+TEST_F(StoreE2eTest, TimedOutEndpointsCloseAfterTheirLingerAndTheStoreIsReachedAgain) {
+  retired_linger_ = absl::Seconds(5);
+  StartStore();
+  const std::vector<uint8_t> data = Bytes(1000, 7);
+  const absl::Status first = PutBytes(Key(1, 0), 0, data);
+  ASSERT_TRUE(first.ok()) << first;
+  Freeze(store_->pid());
+  // A put tries again at once, over a new endpoint each time (64 in about 2 s here).
+  for (size_t i = 0; i < StoreClient::kMaxRetiredEndpoints; ++i) {
+    const absl::Status s = PutBytes(Key(1, 0), 1, data, absl::Milliseconds(20));
+    ASSERT_TRUE(absl::IsDeadlineExceeded(s)) << "put " << i << ": " << s;
+  }
+  const absl::Status refused = PutBytes(Key(1, 0), 1, data, absl::Milliseconds(20));
+  EXPECT_TRUE(absl::IsUnavailable(refused)) << refused;
+  EXPECT_NE(refused.message().find("not reconnected while 64 connections"), std::string::npos)
+      << refused;
+  ::kill(store_->pid(), SIGCONT);
+  absl::SleepFor(absl::Milliseconds(5200));
+  ASSERT_TRUE(PutBytes(Key(1, 0), 1, data).ok());
+  ASSERT_TRUE(Commit(1).ok());
+  EXPECT_EQ(FetchAll({Key(1, 0)}, data.size())[0], data);
   EXPECT_TRUE(store_->Running()) << store_->Log();
 }
 
