@@ -343,8 +343,12 @@ void PrintCluster(const std::string& dir, const std::vector<LocalMember>& member
   out << "Dashboard: http://127.0.0.1:" << members.front().metrics_port << "/\n";
   out << "Prometheus (targets and alert rules): prometheus --config.file=" << dir
       << "/prometheus/prometheus.yml\n";
-  out << "The job commands find it by themselves; stop it with pith down"
-      << (dir == FolderPath(DefaultDir()) ? "" : " --dir " + dir) << ".\n";
+  if (dir == FolderPath(DefaultDir())) {
+    out << "The job commands find it by themselves; stop it with pith down.\n";
+  } else {
+    out << "The job commands find it with PITH_HOME=" << dir
+        << " in their environment (export it); stop it with pith down --dir " << dir << ".\n";
+  }
 }
 
 // A first start in `dir` (nothing recorded there) with `flags` (checked: `f`): every
@@ -370,6 +374,11 @@ absl::Status StartFresh(const std::string& dir, const std::map<std::string, std:
     return status;
   }
   out << "Pith local cluster up in " << dir << ":\n";
+  std::vector<std::string> own;  // its flags other than the defaults
+  for (const auto& [flag, value] : flags) {
+    if (UpDefaults()[flag] != value) own.push_back(absl::StrCat(flag, " ", value));
+  }
+  if (!own.empty()) out << "(with " << absl::StrJoin(own, " ") << ")\n";
   if (moved) {
     out << "(its coordinator's port before, " << recorded << ", is taken: it listens on "
         << members.front().grpc_port << " now)\n";
@@ -442,6 +451,38 @@ absl::Status Restart(const std::string& dir, const std::map<std::string, std::st
   return absl::OkStatus();
 }
 
+// Stops `members` together: SIGTERM to each that runs, then up to 15 s for them all to
+// end, then SIGKILL to any left. Whether every one ended at its SIGTERM.
+bool StopMembers(const std::string& dir, const std::vector<LocalMember>& members,
+                 std::ostream& out) {
+  bool clean = true;
+  std::vector<const LocalMember*> signalled;
+  for (const LocalMember& m : members) {
+    if (!Runs(dir, m)) {
+      out << "  " << m.name << " was not running\n";
+    } else if (::kill(m.pid, SIGTERM) != 0) {
+      out << "  " << m.name << " could not be stopped: " << std::strerror(errno) << "\n";
+      clean = false;
+    } else {
+      signalled.push_back(&m);
+    }
+  }
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(15);
+  for (const LocalMember* m : signalled) {
+    bool gone = !Runs(dir, *m);
+    while (!gone && std::chrono::steady_clock::now() < deadline) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(100));
+      gone = !Runs(dir, *m);
+    }
+    if (!gone) {
+      ::kill(m->pid, SIGKILL);
+      clean = false;
+    }
+    out << "  " << m->name << (gone ? " stopped" : " killed (did not stop within 15 s)") << "\n";
+  }
+  return clean;
+}
+
 }  // namespace
 
 absl::Status Up(const CliContext& ctx, const Args& args, std::ostream& out) {
@@ -459,8 +500,8 @@ absl::Status Up(const CliContext& ctx, const Args& args, std::ostream& out) {
     given.erase(it);
   }
   // Bad values are refused before anything is made.
-  const std::map<std::string, std::string> flags = OverDefaults(given);
-  ASSIGN_OR_RETURN(const UpFlags f, CheckUpFlags(flags));
+  ASSIGN_OR_RETURN(const UpFlags checked, CheckUpFlags(OverDefaults(given)));
+  (void)checked;
   dir = FolderPath(dir);
   std::error_code ec;
   std::filesystem::create_directories(dir, ec);
@@ -470,6 +511,12 @@ absl::Status Up(const CliContext& ctx, const Args& args, std::ostream& out) {
   ASSIGN_OR_RETURN(const UniqueFd lock, LockFolder(dir));  // one pith up or down at a time
   absl::StatusOr<std::vector<LocalMember>> recorded = ReadMembers(dir);
   if (recorded.ok() && !recorded->empty()) return Restart(dir, given, *std::move(recorded), out);
+  // A folder whose cluster went down (pith down) starts again as it was: the flags given
+  // now laid over the ones it last started with (its stores' data is laid out for them).
+  std::map<std::string, std::string> last = ReadUpFlags(dir);
+  for (const auto& [flag, value] : given) last[flag] = value;
+  const std::map<std::string, std::string> flags = OverDefaults(last);
+  ASSIGN_OR_RETURN(const UpFlags f, CheckUpFlags(flags));
   return StartFresh(dir, flags, f, out);
 }
 
@@ -486,33 +533,20 @@ absl::Status Down(const CliContext& ctx, const Args& args, std::ostream& out) {
   }
   ASSIGN_OR_RETURN(const UniqueFd lock, LockFolder(dir));  // one pith up or down at a time
   ASSIGN_OR_RETURN(const std::vector<LocalMember> members, ReadMembers(dir));
-  // Workers first, then stores, then the coordinator: the reverse of the start order. A
-  // recorded pid that now belongs to another process is left be (see Runs).
+  // The coordinator first, so that no member's leaving is taken for a loss (a job whose
+  // only copy of a group is on a store that stops would fail); then the workers, then the
+  // stores, each kind at once. A recorded pid that now belongs to another process is left
+  // be (see Runs).
   bool clean = true;
-  for (auto it = members.rbegin(); it != members.rend(); ++it) {
-    if (!Runs(dir, *it)) {
-      out << "  " << it->name << " was not running\n";
-      continue;
+  for (const char* kind : {"coordinator", "worker", "store"}) {
+    std::vector<LocalMember> group;
+    for (const LocalMember& m : members) {
+      if (absl::StartsWith(m.name, kind)) group.push_back(m);
     }
-    if (::kill(it->pid, SIGTERM) != 0) {
-      out << "  " << it->name << " could not be stopped: " << std::strerror(errno) << "\n";
-      clean = false;
-      continue;
-    }
-    bool gone = false;
-    for (int i = 0; i < 150 && !gone; ++i) {
-      gone = !Runs(dir, *it);
-      if (!gone) std::this_thread::sleep_for(std::chrono::milliseconds(100));
-    }
-    if (!gone) {
-      ::kill(it->pid, SIGKILL);
-      clean = false;
-    }
-    out << "  " << it->name << (gone ? " stopped" : " killed (did not stop within 15 s)") << "\n";
+    clean &= StopMembers(dir, group, out);
   }
   std::error_code ec;
   std::filesystem::remove(dir + "/pids", ec);
-  std::filesystem::remove(dir + "/up.flags", ec);
   std::filesystem::remove(dir + "/coordinator.address", ec);
   std::filesystem::remove(dir + "/prometheus/targets.json", ec);  // nothing left to scrape
   out << "Pith local cluster in " << dir << " is down (data and logs kept there).\n";

@@ -5,6 +5,7 @@
 //                         (start: the process's start time in clock ticks since boot, from
 //                         /proc/PID/stat, which tells a reused pid from the member)
 //   DIR/up.flags          the `pith up` flags the cluster was started with, one per line
+//                         (kept by `pith down`: the next `pith up` starts with them)
 //   DIR/coordinator.port  the coordinator's port, kept across `pith down`: a cluster
 //                         started again in DIR answers at the same address when it can
 // Older records without the last three columns read with start 0 (not checked).

@@ -100,6 +100,34 @@ kill -0 "$other" || fail "pith down signalled a process that was not the cluster
 kill "$other"
 echo "  ok: a reused pid is not signalled"
 
+# After pith down, a plain pith up starts the cluster as it was (its flags kept), and a
+# job running at the down goes on, even one with a single copy of its data.
+"$PITH" up >"$E2E_TMP/up.txt" || fail "pith up after down"
+grep -q -- "(with --cache_bytes 4096)" "$E2E_TMP/up.txt" ||
+  fail "pith up after down said: $(head -3 "$E2E_TMP/up.txt")"
+tiny_spec single 100000 1 | sed 's/"store_replicas": 2/"store_replicas": 1/' >"$E2E_TMP/single.json"
+job=$("$PITH" submit "$E2E_TMP/single.json")
+step_of() {  # JOB: its committed step (0 while the coordinator does not answer)
+  local n
+  n=$("$PITH" status "$1" 2>/dev/null | sed -n 's|.* step \([0-9]*\)/.*|\1|p') || true
+  echo "${n:-0}"
+}
+for _ in $(seq 200); do
+  (($(step_of "$job") >= 5)) && break
+  sleep 0.1
+done
+"$PITH" down >/dev/null || fail "pith down with $job running"
+"$PITH" up >/dev/null || fail "pith up after down with $job running"
+for _ in $(seq 120); do
+  (($(step_of "$job") >= 20)) && break
+  sleep 0.5
+done
+"$PITH" status "$job" | grep -q running || fail "$job after down and up: $("$PITH" status "$job")"
+(($(step_of "$job") >= 20)) || fail "$job did not go on after down and up: $("$PITH" status "$job")"
+echo "  ok: after down and up, $job (one store copy) went on: $("$PITH" status "$job")"
+"$PITH" cancel "$job" >/dev/null || fail "pith cancel $job"
+"$PITH" down >/dev/null || fail "pith down"
+
 # Relative folders name the same cluster from anywhere.
 cd "$E2E_TMP" && "$PITH" up --dir home --stores 1 --workers 2 >/dev/null || fail "pith up after down"
 cd / && "$PITH" up --dir "$PITH_HOME/" >"$E2E_TMP/up.txt" 2>&1 && fail "a second up in the same folder"
@@ -127,6 +155,11 @@ for pid in "${workers[@]}"; do
   kill -0 "$pid" 2>/dev/null && fail "a worker outlived its SIGTERM by 15 s with the coordinator frozen"
 done
 echo "  ok: with the coordinator frozen, both workers ended $((SECONDS - start)) s after SIGTERM"
+# Woken, the coordinator does not hold its own pause against the store (the job's only
+# copy of its data): the job waits for workers instead of failing.
+sleep 2
+"$PITH" status "$job" | grep -q "failed" && fail "the coordinator woke and failed $job: $("$PITH" status "$job")"
+echo "  ok: the woken coordinator kept $job: $("$PITH" status "$job")"
 "$PITH" cancel "$job" >/dev/null || fail "pith cancel $job"
 "$PITH" up >/dev/null || fail "pith up after the workers' SIGTERM"
 wait_alive worker 2 30
