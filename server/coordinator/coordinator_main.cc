@@ -186,6 +186,7 @@ int main(int argc, char** argv) {
     }
   }
   pith::coordinator::Membership members(absl::Milliseconds(absl::GetFlag(FLAGS_lease_ms)));
+  members.WatchPauses();  // a pause of this process does not cost the members their leases
   // Member identities (a store's data dir -> its id), durable beside the jobs.
   const std::string kIdentityPrefix = "identity/";
   absl::StatusOr<std::map<std::string, std::string>> identities = (*jobs)->Records(kIdentityPrefix);

@@ -1,5 +1,8 @@
 #include "server/coordinator/membership.h"
 
+#include <chrono>
+#include <utility>
+
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "common/status.h"
@@ -10,6 +13,46 @@ namespace pith::coordinator {
 
 Membership::Membership(absl::Duration lease, Clock clock)
     : lease_(lease), clock_(std::move(clock)) {}
+
+Membership::~Membership() {
+  stop_watch_.Notify();
+  if (watch_.joinable()) watch_.join();
+}
+
+absl::Duration Membership::SteadyNow() {
+  return absl::FromChrono(std::chrono::steady_clock::now().time_since_epoch());
+}
+
+void Membership::WatchPauses(MonotonicClock monotonic) {
+  {
+    absl::MutexLock lock(&mu_);
+    if (monotonic_) return;  // watching already
+    monotonic_ = std::move(monotonic);
+    last_ran_ = monotonic_();
+  }
+  watch_ = std::thread([this] {
+    while (!stop_watch_.WaitForNotificationWithTimeout(absl::Milliseconds(100))) {
+      absl::MutexLock lock(&mu_);
+      MovePastPauseLocked();
+    }
+  });
+}
+
+void Membership::MovePastPauseLocked() {
+  if (!monotonic_) return;
+  const absl::Duration now = monotonic_();
+  const absl::Duration paused = now - last_ran_;
+  last_ran_ = now;
+  if (paused <= lease_ / 4) return;
+  const int64_t ms = absl::ToInt64Milliseconds(paused);
+  LOG(WARNING) << "this process did not run for " << absl::FormatDuration(paused)
+               << ": every live member's lease moves on by as much";
+  for (auto& [id, m] : members_) {
+    if (m.state() != v1::MEMBER_STATE_DEAD) {
+      m.set_lease_expires_unix_ms(m.lease_expires_unix_ms() + ms);
+    }
+  }
+}
 
 absl::StatusOr<std::string> Membership::Register(v1::MemberInfo member,
                                                  std::optional<IdentityQuota> quota) {
@@ -189,6 +232,7 @@ std::vector<std::string> Membership::ExpireLeases() {
   const int64_t now = absl::ToUnixMillis(clock_());
   std::vector<std::string> dead;
   absl::MutexLock lock(&mu_);
+  MovePastPauseLocked();  // first: a pause that the watch has not seen yet
   for (auto& [id, m] : members_) {
     if (m.state() != v1::MEMBER_STATE_DEAD && m.lease_expires_unix_ms() < now) {
       m.set_state(v1::MEMBER_STATE_DEAD);

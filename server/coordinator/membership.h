@@ -13,10 +13,12 @@
 #include <optional>
 #include <set>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
+#include "absl/synchronization/notification.h"
 #include "absl/time/time.h"
 #include "pith/v1/common.pb.h"
 
@@ -66,7 +68,19 @@ class Membership {
   // identity holds it.
   void ForgetDrain(const std::string& store_id);
   // Marks members whose lease ran out as dead; returns their ids.
-  std::vector<std::string> ExpireLeases();
+  std::vector<std::string> ExpireLeases() ABSL_LOCKS_EXCLUDED(mu_);
+
+  // Leases do not run while this process does not (SIGSTOP, a paused VM, a machine too
+  // loaded to run it): heartbeats could not be taken meanwhile, and a coordinator that
+  // woke up would otherwise find every lease lapsed and every job's members gone. From
+  // this call on, a thread (stopped by the destructor) looks at `monotonic` every 100 ms;
+  // when more than a quarter lease passed since it or ExpireLeases last looked, every live
+  // member's lease moves on by that long. The thread is not blocked by anything else, so
+  // a scheduler pass that is merely slow (a long commit) is not taken for a pause.
+  using MonotonicClock = std::function<absl::Duration()>;
+  void WatchPauses(MonotonicClock monotonic = SteadyNow) ABSL_LOCKS_EXCLUDED(mu_);
+  static absl::Duration SteadyNow();
+  ~Membership();
 
   // The identity an id is bound to (nullopt for an id without one, or unknown).
   std::optional<std::string> IdentityOf(const std::string& member_id) const;
@@ -84,6 +98,13 @@ class Membership {
   std::map<std::string, std::string> id_of_identity_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, std::string> identity_of_id_ ABSL_GUARDED_BY(mu_);
   PersistIdentity persist_ ABSL_GUARDED_BY(mu_);
+  // WatchPauses: the clock, when it was last looked at, and the thread.
+  MonotonicClock monotonic_ ABSL_GUARDED_BY(mu_);
+  absl::Duration last_ran_ ABSL_GUARDED_BY(mu_);
+  absl::Notification stop_watch_;
+  std::thread watch_;
+  // Moves the live members' leases past a pause of this process (see WatchPauses).
+  void MovePastPauseLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // The id for `member`'s identity (recording a new one); see Register.
   absl::StatusOr<std::string> IdForIdentityLocked(const v1::MemberInfo& member,
                                                   const std::optional<IdentityQuota>& quota)

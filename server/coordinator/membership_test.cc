@@ -2,6 +2,7 @@
 // coordinator restarts; claims that contradict the durable map are refused.
 #include "server/coordinator/membership.h"
 
+#include <atomic>
 #include <map>
 #include <string>
 
@@ -80,6 +81,27 @@ TEST(MembershipTest, ARestartedStoreWaitsForItsOldLeaseToRunOut) {
   EXPECT_EQ(members.Register(second).status().code(), absl::StatusCode::kUnavailable);
   EXPECT_EQ(members.ExpireLeases(), std::vector<std::string>{"store-0"});
   EXPECT_EQ(*members.Register(second), "store-0");
+}
+
+// A coordinator that did not run for 10 s (SIGSTOP, a paused VM) finds every lease lapsed
+// on the wall clock; the time it did not run is not held against its members. A member
+// silent for a lease while the coordinator runs still dies.
+TEST(MembershipTest, APauseOfTheProcessDoesNotCostTheMembersTheirLeases) {
+  absl::Time now = absl::FromUnixSeconds(1000);
+  std::atomic<int64_t> ran_ms{0};  // the monotonic clock; the watch's thread reads it
+  Membership members(absl::Seconds(3), [&] { return now; });
+  members.WatchPauses([&] { return absl::Milliseconds(ran_ms.load()); });
+  ASSERT_EQ(*members.Register(Store(kA)), "store-0");
+  now += absl::Seconds(10);
+  ran_ms += 10000;
+  EXPECT_TRUE(members.ExpireLeases().empty());
+  std::vector<std::string> dead;
+  for (int i = 0; i < 8; ++i) {  // 4 s of running, looked at every 0.5 s
+    now += absl::Milliseconds(500);
+    ran_ms += 500;
+    for (const std::string& id : members.ExpireLeases()) dead.push_back(id);
+  }
+  EXPECT_EQ(dead, std::vector<std::string>{"store-0"});
 }
 
 TEST(MembershipTest, AJunkUcxAddressIsRefusedAtRegistration) {
