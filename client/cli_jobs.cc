@@ -33,7 +33,9 @@ std::string JobLine(const v1::Job& j) {
                          j.job_id(), StateName(j.state()), std::max<int64_t>(0, j.committed_step()),
                          j.spec().train().steps(), j.last_loss(), j.tokens_per_second(),
                          j.cache_hit_rate(),
-                         j.failure_reason().empty() ? "" : "  (" + j.failure_reason() + ")");
+                         j.failure_reason().empty()
+                             ? (j.pending_reason().empty() ? "" : "  (" + j.pending_reason() + ")")
+                             : "  (" + j.failure_reason() + ")");
 }
 
 // A usage error for the first argument of `args` that looks like a flag and is not one of

@@ -70,12 +70,15 @@ absl::Status Client::Watch(const std::string& job_id,
                            const std::function<bool(const v1::JobEvent&)>& on_event) {
   v1::WatchJobRequest req;
   req.set_job_id(job_id);
-  // The stream is long; a dropped connection is resumed (events are the job's state).
-  for (int attempt = 0; attempt < 4; ++attempt) {
+  // The stream is long; a dropped connection is resumed after the last step seen.
+  absl::Time heard = absl::Now();
+  while (true) {
     grpc::ClientContext ctx;
     auto stream = stub_->WatchJob(&ctx, req);
     v1::JobEvent event;
     while (stream->Read(&event)) {
+      heard = absl::Now();
+      req.set_from_step(std::max(req.from_step(), event.step()));
       if (!on_event(event)) {
         ctx.TryCancel();
         stream->Finish();
@@ -89,9 +92,13 @@ absl::Status Client::Watch(const std::string& job_id,
     }
     absl::Status s = FromGrpcStatus(stream->Finish());
     if (!absl::IsUnavailable(s)) return s;
+    if (absl::Now() - heard > kWatchResume) {
+      return absl::UnavailableError(absl::StrCat("coordinator ", address_, " unavailable for ",
+                                                 absl::FormatDuration(kWatchResume), ": ",
+                                                 s.message()));
+    }
     std::this_thread::sleep_for(std::chrono::milliseconds(500));
   }
-  return absl::UnavailableError(absl::StrCat("coordinator ", address_, " unavailable"));
 }
 
 absl::StatusOr<v1::Job> Client::Cancel(const std::string& job_id, const std::string& reason) {

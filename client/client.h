@@ -34,8 +34,11 @@ class Client {
   // Newest first; limit 0: all.
   absl::StatusOr<std::vector<v1::Job>> List(int limit = 0);
   // Calls `on_event` with every event of the job until it ends or `on_event` returns false.
+  // A dropped stream (a coordinator restart) is resumed after the last step seen, for up
+  // to kWatchResume with no event; UNAVAILABLE past that.
   absl::Status Watch(const std::string& job_id,
                      const std::function<bool(const v1::JobEvent&)>& on_event);
+  static constexpr absl::Duration kWatchResume = absl::Seconds(60);
   absl::StatusOr<v1::Job> Cancel(const std::string& job_id, const std::string& reason = "");
   // Writes the job's last committed weights under `output_dir` on the coordinator's host:
   // a path under its --export_root (relative to it, or absolute under it); without one,

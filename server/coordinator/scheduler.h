@@ -81,6 +81,9 @@ class Scheduler {
  public:
   // Whether a job of `spec` trains on CUDA workers only (bf16).
   static bool NeedsCuda(const v1::JobSpec& spec);
+  // Workers alive (idle or not) that a job of `spec` could train on: CUDA ones for a bf16
+  // job, else the most of any one backend (a job does not mix them).
+  static int WorkersFor(const Alive& alive, const v1::JobSpec& spec);
   // None of the pointers is owned; all outlive the scheduler. `metrics` may be null.
   Scheduler(JobRegistry* jobs, Membership* members, HeatRegistry* heat, StoreControl* stores,
             MetricsRegistry* metrics = nullptr, SchedulerOptions options = {});
@@ -236,8 +239,13 @@ class Scheduler {
   // The first group of the job's placement none of whose complete copies is in `holding`,
   // named with why the job lost its store (if it did); empty when every group has one.
   static std::string UnheldGroup(const Run& run, const std::set<std::string>& holding);
-  // Pending jobs, oldest first, get idle workers while there are enough and a store.
+  // Pending jobs, oldest first, get idle workers while there are enough and a store that
+  // takes data. First come, first served, except that a job wanting more workers than are
+  // alive holds back no later job. Each job left waiting records why (pending_reason).
   void SchedulePendingLocked(const Alive& alive) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Records why `job` (pending) waits, when that changed.
+  void SetPendingReasonLocked(const v1::Job& job, const std::string& reason)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Idle workers of one compute backend (a job never mixes backends): that of `job_workers`
   // when it has any (`job_backend`, the run's recorded one, when none of them is alive
   // yet), else CUDA's for a bf16 `job` (it trains on nothing else), else the backend with
@@ -297,6 +305,7 @@ class Scheduler {
   absl::Mutex mu_;
   std::map<std::string, Run> runs_ ABSL_GUARDED_BY(mu_);                // by job id: running jobs
   std::map<std::string, std::string> worker_job_ ABSL_GUARDED_BY(mu_);  // worker -> job
+  std::map<std::string, std::string> pending_reasons_ ABSL_GUARDED_BY(mu_);  // last recorded
   Replication replication_ ABSL_GUARDED_BY(mu_);  // copies in flight, drains, bytes moved
   // Groups being deleted from a store, (job, store, layer, expert): no copy of them there
   // starts until the delete returned.

@@ -324,6 +324,39 @@ TEST_F(SchedulerTest, AWaitingBf16JobDoesNotHoldBackTheCpuWorkers) {
   (void)cpu1;
 }
 
+// First come, first served, except that a job wanting more workers than are alive
+// cannot run until more join, so it holds back no later job. Each waiting job says why.
+TEST_F(SchedulerTest, AJobTooBigForTheClusterHoldsBackNoLaterJobAndEachSaysWhyItWaits) {
+  const v1::Job big = Submit(3), small = Submit(1);
+  scheduler_->Tick();
+  EXPECT_EQ(Job(small.job_id()).pending_reason(), "waiting for a store (none is alive)");
+  const std::string s0 = Join(v1::MEMBER_ROLE_STORE);
+  ASSERT_TRUE(members_->Drain(s0).ok());
+  scheduler_->Tick();
+  EXPECT_EQ(Job(small.job_id()).pending_reason(), "waiting for a store that is not draining");
+  Join(v1::MEMBER_ROLE_STORE);
+  Join(v1::MEMBER_ROLE_WORKER);
+  Join(v1::MEMBER_ROLE_WORKER);
+  scheduler_->Tick();
+  EXPECT_EQ(Job(big.job_id()).state(), v1::JOB_STATE_PENDING);
+  EXPECT_EQ(Job(big.job_id()).pending_reason(),
+            "waiting for 3 workers (2 alive); later jobs go first");
+  EXPECT_EQ(Job(small.job_id()).state(), v1::JOB_STATE_RUNNING);
+  EXPECT_EQ(Job(small.job_id()).pending_reason(), "");
+  const v1::Job pair = Submit(2), last = Submit(1);
+  scheduler_->Tick();
+  EXPECT_EQ(Job(pair.job_id()).pending_reason(),
+            "waiting for 2 idle workers (1 idle; the others train jobs)");
+  EXPECT_EQ(Job(last.job_id()).state(), v1::JOB_STATE_PENDING);  // first come, first served
+  EXPECT_EQ(Job(last.job_id()).pending_reason(), "queued behind " + pair.job_id());
+  Join(v1::MEMBER_ROLE_WORKER);  // now the oldest fits the cluster: it is first in line
+  scheduler_->Tick();
+  EXPECT_EQ(Job(big.job_id()).pending_reason(),
+            "waiting for 3 idle workers (2 idle; the others train jobs)");
+  EXPECT_EQ(Job(pair.job_id()).state(), v1::JOB_STATE_PENDING);
+  EXPECT_EQ(Job(pair.job_id()).pending_reason(), "queued behind " + big.job_id());
+}
+
 TEST_F(SchedulerTest, AStepCommitsOnEveryStoreOnceEveryWorkerReported) {
   const v1::Job job = Submit(2);
   const std::string s0 = Join(v1::MEMBER_ROLE_STORE), s1 = Join(v1::MEMBER_ROLE_STORE);
@@ -501,6 +534,8 @@ TEST_F(SchedulerTest, ALostStoreLeavesThePlacementAndLosingEveryCopyFailsTheJob)
   const v1::Job failed = Job(job.job_id());
   EXPECT_EQ(failed.state(), v1::JOB_STATE_FAILED);
   EXPECT_NE(failed.failure_reason().find("every store copy"), std::string::npos);
+  EXPECT_NE(failed.failure_reason().find("(held by " + s0 + ", which is gone)"), std::string::npos)
+      << failed.failure_reason();
   scheduler_->Tick();
   EXPECT_EQ(scheduler_->AssignmentVersion(w0), 0);  // released
 }

@@ -5,6 +5,7 @@
 #include <map>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "common/compute_dtype.h"
 #include "common/status.h"
 #include "glog/logging.h"
@@ -164,12 +165,18 @@ std::string Scheduler::UnheldGroup(const Run& run, const std::set<std::string>& 
     }
     std::string group = e.layer() < 0 ? "the dense tensors"
                                       : absl::StrCat("layer ", e.layer(), " expert ", e.expert());
+    bool named = false;
     for (const std::string& id : e.store_ids()) {
       auto why = run.record.lost_stores().find(id);
       if (why != run.record.lost_stores().end()) {
         absl::StrAppend(&group, " (store ", id, " ", why->second, ")");
+        named = true;
         break;
       }
+    }
+    if (!named) {  // its stores died (their leases ran out)
+      absl::StrAppend(&group, " (held by ", absl::StrJoin(e.store_ids(), ", "),
+                      e.store_ids().size() == 1 ? ", which is gone)" : ", which are gone)");
     }
     return group;
   }
@@ -180,13 +187,42 @@ void Scheduler::SchedulePendingLocked(const Alive& alive) {
   std::vector<v1::Job> waiting = jobs_->List({v1::JOB_STATE_PENDING, v1::JOB_STATE_RUNNING}, 0);
   std::reverse(waiting.begin(), waiting.end());
   bool cuda_reserved = false;  // a bf16 job waits for CUDA workers: later jobs take others
+  std::string ahead;           // the first job that waits for busy workers: later ones queue
+  const size_t placeable = alive.placeable_ids().size();
+  for (auto it = pending_reasons_.begin(); it != pending_reasons_.end();) {
+    const bool waits = std::any_of(waiting.begin(), waiting.end(),
+                                   [&](const v1::Job& j) { return j.job_id() == it->first; });
+    it = waits ? std::next(it) : pending_reasons_.erase(it);
+  }
   for (const v1::Job& job : waiting) {
-    if (runs_.count(job.job_id()) || alive.stores.empty()) continue;
-    std::vector<std::string> idle = IdleWorkersLocked(alive, job, {}, cuda_reserved);
+    if (runs_.count(job.job_id())) continue;
     const int want = std::max(1, job.spec().cluster().workers());
-    if (static_cast<int>(idle.size()) < want) {
-      if (!NeedsCuda(job.spec())) break;  // first come, first served
-      cuda_reserved = true;
+    if (placeable == 0) {
+      SetPendingReasonLocked(job, alive.stores.empty()
+                                      ? "waiting for a store (none is alive)"
+                                      : "waiting for a store that is not draining");
+      continue;
+    }
+    std::vector<std::string> idle = IdleWorkersLocked(alive, job, {}, cuda_reserved);
+    // Workers of the job's kind alive at all, idle or not: a job that wants more cannot
+    // run until more join, so it does not hold back the jobs behind it.
+    const int could = WorkersFor(alive, job.spec());
+    if (could < want) {
+      SetPendingReasonLocked(job, absl::StrCat("waiting for ", want, " workers (", could,
+                                               " alive); later jobs go first"));
+      cuda_reserved |= NeedsCuda(job.spec());  // the CUDA workers there are wait for it
+      continue;
+    }
+    if (!ahead.empty() || static_cast<int>(idle.size()) < want) {
+      SetPendingReasonLocked(job, !ahead.empty()
+                                      ? absl::StrCat("queued behind ", ahead)
+                                      : absl::StrCat("waiting for ", want, " idle workers (",
+                                                     idle.size(), " idle; the others train jobs)"));
+      if (NeedsCuda(job.spec())) {
+        cuda_reserved = true;
+      } else if (ahead.empty()) {
+        ahead = job.job_id();  // first come, first served
+      }
       continue;
     }
     idle.resize(want);
@@ -206,8 +242,10 @@ void Scheduler::SchedulePendingLocked(const Alive& alive) {
       continue;
     }
     const int64_t epoch = run.record.placement().epoch();
+    pending_reasons_.erase(job.job_id());
     (void)jobs_->Update(job.job_id(), [&](v1::Job& j) {
       j.set_state(v1::JOB_STATE_RUNNING);
+      j.clear_pending_reason();
       if (j.started_unix_ms() == 0) j.set_started_unix_ms(NowMs());
       j.set_placement_epoch(epoch);
       j.set_workers(want);
@@ -218,6 +256,26 @@ void Scheduler::SchedulePendingLocked(const Alive& alive) {
     UpdateMetricsLocked(job, run);
     runs_[job.job_id()] = std::move(run);
   }
+}
+
+void Scheduler::SetPendingReasonLocked(const v1::Job& job, const std::string& reason) {
+  if (job.state() != v1::JOB_STATE_PENDING) return;  // a running job waiting to resume
+  std::string& recorded = pending_reasons_[job.job_id()];
+  if (recorded == reason && job.pending_reason() == reason) return;
+  recorded = reason;
+  (void)jobs_->Update(job.job_id(), [&](v1::Job& j) {
+    j.set_pending_reason(reason);
+    return absl::OkStatus();
+  });
+}
+
+int Scheduler::WorkersFor(const Alive& alive, const v1::JobSpec& spec) {
+  std::map<v1::Backend, int> count;
+  for (const auto& [id, m] : alive.workers) ++count[m.backend()];
+  if (NeedsCuda(spec)) return count[v1::BACKEND_CUDA];
+  int most = 0;
+  for (const auto& [backend, n] : count) most = std::max(most, n);
+  return most;
 }
 
 bool Scheduler::NeedsCuda(const v1::JobSpec& spec) {

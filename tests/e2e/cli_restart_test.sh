@@ -116,6 +116,9 @@ for _ in $(seq 200); do
   (($(step_of "$job") >= 5)) && break
   sleep 0.1
 done
+"$PITH" watch "$job" >"$E2E_TMP/watch-single.txt" 2>&1 &  # it outlives the coordinator's absence
+watcher=$!
+PIDS+=("$watcher")
 "$PITH" down >/dev/null || fail "pith down with $job running"
 "$PITH" up >/dev/null || fail "pith up after down with $job running"
 for _ in $(seq 120); do
@@ -126,6 +129,10 @@ done
 (($(step_of "$job") >= 20)) || fail "$job did not go on after down and up: $("$PITH" status "$job")"
 echo "  ok: after down and up, $job (one store copy) went on: $("$PITH" status "$job")"
 "$PITH" cancel "$job" >/dev/null || fail "pith cancel $job"
+wait "$watcher" || true
+grep -q "cancelled" "$E2E_TMP/watch-single.txt" ||
+  fail "pith watch across down and up: $(tail -2 "$E2E_TMP/watch-single.txt")"
+echo "  ok: a pith watch across down and up saw $job to its end"
 "$PITH" down >/dev/null || fail "pith down"
 
 # Relative folders name the same cluster from anywhere.

@@ -169,19 +169,33 @@ class Client:
         request = job_pb2.ListJobsRequest(states=list(states))
         return list(_rpc(self._stub.ListJobs, request, timeout=self.timeout).jobs)
 
+    WATCH_RESUME_S = 60
+
     def watch(self, job_id, from_step=0, timeout=None):
         """An iterator of the job's JobEvents: one per committed step and one per state
         change; it ends once the job has ended (the last event says how). `timeout`
-        (seconds, default none) bounds the whole watch."""
-        request = job_pb2.WatchJobRequest(job_id=job_id, from_step=from_step)
-        stream = self._stub.WatchJob(request, timeout=timeout)
-        try:
-            for event in stream:
-                yield event
-        except grpc.RpcError as e:
-            raise Error(e.code(), e.details()) from None
-        finally:
-            stream.cancel()
+        (seconds, default none) bounds the whole watch. A dropped stream (a coordinator
+        restart) is resumed after the last step seen, for up to WATCH_RESUME_S seconds
+        without an event."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        heard = time.monotonic()
+        while True:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            request = job_pb2.WatchJobRequest(job_id=job_id, from_step=from_step)
+            stream = self._stub.WatchJob(request, timeout=left)
+            try:
+                for event in stream:
+                    heard = time.monotonic()
+                    from_step = max(from_step, event.step)
+                    yield event
+                return
+            except grpc.RpcError as e:
+                if (e.code() != grpc.StatusCode.UNAVAILABLE
+                        or time.monotonic() - heard > self.WATCH_RESUME_S):
+                    raise Error(e.code(), e.details()) from None
+            finally:
+                stream.cancel()
+            time.sleep(0.5)
 
     def wait(self, job_id, timeout=None):
         """Blocks until the job ends; returns the final Job."""
