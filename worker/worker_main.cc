@@ -39,7 +39,7 @@ ABSL_FLAG(std::string, ucx_net_devices, "auto",
           "every device for 0.0.0.0), all, or a UCX_NET_DEVICES list");
 ABSL_FLAG(uint64_t, cache_bytes, 0,
           "Expert cache budget in bytes (0: unlimited); a gradient pool as large and the "
-          "update scratch come beside it. Ignored with --memory_bytes");
+          "update scratch come beside it. With --memory_bytes: a cap on the cache within it");
 ABSL_FLAG(uint64_t, memory_bytes, 0,
           "Memory for a job's model state here: dense state, activations, expert cache, "
           "gradient pool and update scratch (0: no bound; a job that does not fit fails)");

@@ -95,17 +95,24 @@ absl::StatusOr<MemoryPlan> PlanMemory(const MemoryInput& in) {
         " bytes, gradients and moments of experts of ", in.expert_bytes, " bytes)"));
   }
   const uint64_t room = in.memory_bytes - fixed;
-  if (room >= resident_bytes) {
+  // A cache budget as well (the worker's --cache_bytes, or the job's cluster.cache_bytes)
+  // caps the slots within the memory budget.
+  const int cap =
+      in.cache_bytes == 0
+          ? all_slots
+          : static_cast<int>(std::clamp<int64_t>(static_cast<int64_t>(in.cache_bytes / slot), 2,
+                                                 std::max(all_slots, 2)));
+  if (room >= resident_bytes && cap >= all_slots) {
     p.cache_slots = std::max(all_slots, 2);
     p.grad_buffers = p.cache_slots;
     p.moments = PlanMoments(p.cache_slots, true);
     return Finish(in, p);
   }
   int slots = 2;
-  while (slots < all_slots && PoolBytes(in, slots + 1) <= room) ++slots;
+  while (slots < std::min(all_slots, cap) && PoolBytes(in, slots + 1) <= room) ++slots;
   p.cache_slots = slots;
   p.grad_buffers = GradBuffers(slots);
-  p.moments = PlanMoments(slots, false);
+  p.moments = PlanMoments(slots, room >= resident_bytes);  // resident where all of it fits
   return Finish(in, p);
 }
 

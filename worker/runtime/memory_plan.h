@@ -5,10 +5,11 @@
 // the gradient pool (GradPool) and the updater's moment buffers. Nothing is sized by the
 // model's number of experts, beyond per-expert counters.
 //
-// The budget is --memory_bytes (everything above, for the job), else the cache budget
-// (the job's cluster.cache_bytes or --cache_bytes: the cache's slots, with a gradient
-// pool as large and the updater's scratch beside them), else none: every expert this
-// worker computes stays resident, as do its gradients and moments.
+// The budget is --memory_bytes (everything above, for the job; a cache budget as well
+// caps the cache within it), else the cache budget (the job's cluster.cache_bytes or
+// --cache_bytes: the cache's slots, with a gradient pool as large and the updater's
+// scratch beside them), else none: every expert this worker computes stays resident, as
+// do its gradients and moments.
 //
 // Thread safety: pure functions.
 #ifndef PITH_WORKER_RUNTIME_MEMORY_PLAN_H_
@@ -36,7 +37,7 @@ MomentPlan PlanMoments(int slots, bool resident);
 
 struct MemoryInput {
   uint64_t memory_bytes = 0;  // --memory_bytes; 0: none
-  uint64_t cache_bytes = 0;   // the cache budget; used when memory_bytes is 0; 0: none
+  uint64_t cache_bytes = 0;   // the cache budget (with memory_bytes: a cap); 0: none
   uint64_t dense_bytes = 0;   // the dense state: 4 floats per dense parameter
   uint64_t activation_bytes = 0;
   uint64_t expert_bytes = 0;  // one expert's fp32 parameters (a gradient, a moment)

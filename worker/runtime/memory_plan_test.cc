@@ -44,6 +44,25 @@ TEST(MemoryPlanTest, ALargeBudgetKeepsEverythingResident) {
   EXPECT_EQ(plan->moment_bytes, 2u * 16 * (64 << 10));
 }
 
+// A cache budget beside a memory budget caps the cache within it (the job asked for a
+// small cache: it gets one, however much memory the worker has).
+TEST(MemoryPlanTest, ACacheBudgetCapsTheCacheWithinAMemoryBudget) {
+  MemoryInput in = Input(16);
+  in.memory_bytes = 1ull << 30;
+  in.cache_bytes = 4 * (64 << 10);
+  auto plan = PlanMemory(in);
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  EXPECT_EQ(plan->cache_slots, 4);
+  EXPECT_TRUE(plan->moments.resident);  // the memory budget holds them all
+  EXPECT_LE(plan->total(), in.memory_bytes);
+  in.memory_bytes = 16 << 20;  // and the memory budget caps it in turn
+  in.cache_bytes = 1ull << 30;
+  auto small = PlanMemory(in);
+  ASSERT_TRUE(small.ok()) << small.status();
+  EXPECT_LE(small->total(), in.memory_bytes);
+  EXPECT_GE(small->cache_slots, 2);
+}
+
 TEST(MemoryPlanTest, NoBudgetOrACacheBudget) {
   MemoryInput in = Input(100);
   auto none = PlanMemory(in);
