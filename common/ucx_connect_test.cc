@@ -46,6 +46,12 @@ TEST(UcxConnectTest, AnUnansweringPeerNeitherBlocksTheProgressThreadNorHangs) {
                   "ip link set pc0 up && ip link set pc1 up") != 0) {
     GTEST_SKIP() << "cannot make a veth pair with iproute2 here";
   }
+  // UCX takes a device only once its link is up: a veth's carrier comes a moment after.
+  for (int i = 0; i < 100 && std::system("grep -qx up /sys/class/net/pc0/operstate && "
+                                         "grep -qx up /sys/class/net/pc1/operstate") != 0;
+       ++i) {
+    absl::SleepFor(absl::Milliseconds(50));
+  }
   // Declared before the workers, which may call back into them until they stop.
   absl::Notification failed, send_done, ran;
   absl::Status endpoint_error, send_status;
