@@ -513,11 +513,19 @@ absl::Status Up(const CliContext& ctx, const Args& args, std::ostream& out) {
   if (recorded.ok() && !recorded->empty()) return Restart(dir, given, *std::move(recorded), out);
   // A folder whose cluster went down (pith down) starts again as it was: the flags given
   // now laid over the ones it last started with (its stores' data is laid out for them).
-  std::map<std::string, std::string> last = ReadUpFlags(dir);
+  std::map<std::string, std::string> last;
+  for (const auto& [flag, value] : ReadUpFlags(dir)) {
+    if (UpDefaults().count(flag)) last[flag] = value;  // one this pith still takes
+  }
   for (const auto& [flag, value] : given) last[flag] = value;
   const std::map<std::string, std::string> flags = OverDefaults(last);
-  ASSIGN_OR_RETURN(const UpFlags f, CheckUpFlags(flags));
-  return StartFresh(dir, flags, f, out);
+  absl::StatusOr<UpFlags> f = CheckUpFlags(flags);
+  if (!f.ok()) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        f.status().message(), " (from ", dir, "/up.flags, the flags of the cluster last up ",
+        "there; give that flag to pith up to replace it)"));
+  }
+  return StartFresh(dir, flags, *f, out);
 }
 
 absl::Status Down(const CliContext& ctx, const Args& args, std::ostream& out) {
@@ -538,10 +546,13 @@ absl::Status Down(const CliContext& ctx, const Args& args, std::ostream& out) {
   // stores, each kind at once. A recorded pid that now belongs to another process is left
   // be (see Runs).
   bool clean = true;
-  for (const char* kind : {"coordinator", "worker", "store"}) {
+  std::vector<LocalMember> rest = members;
+  for (const char* kind : {"coordinator", "worker", "store", ""}) {  // "": any other
     std::vector<LocalMember> group;
-    for (const LocalMember& m : members) {
-      if (absl::StartsWith(m.name, kind)) group.push_back(m);
+    for (auto it = rest.begin(); it != rest.end();) {
+      const bool now = absl::StartsWith(it->name, kind);
+      if (now) group.push_back(*it);
+      it = now ? rest.erase(it) : std::next(it);
     }
     clean &= StopMembers(dir, group, out);
   }

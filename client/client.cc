@@ -70,15 +70,14 @@ absl::Status Client::Watch(const std::string& job_id,
                            const std::function<bool(const v1::JobEvent&)>& on_event) {
   v1::WatchJobRequest req;
   req.set_job_id(job_id);
-  // The stream is long; a dropped connection is resumed after the last step seen.
-  absl::Time heard = absl::Now();
-  while (true) {
+  // The stream is long; a dropped connection is taken up again from the job's state.
+  absl::Time heard = absl::InfinitePast();  // the last event; none yet: 4 tries in all
+  for (int attempt = 1;; ++attempt) {
     grpc::ClientContext ctx;
     auto stream = stub_->WatchJob(&ctx, req);
     v1::JobEvent event;
     while (stream->Read(&event)) {
       heard = absl::Now();
-      req.set_from_step(std::max(req.from_step(), event.step()));
       if (!on_event(event)) {
         ctx.TryCancel();
         stream->Finish();
@@ -92,10 +91,9 @@ absl::Status Client::Watch(const std::string& job_id,
     }
     absl::Status s = FromGrpcStatus(stream->Finish());
     if (!absl::IsUnavailable(s)) return s;
-    if (absl::Now() - heard > kWatchResume) {
-      return absl::UnavailableError(absl::StrCat("coordinator ", address_, " unavailable for ",
-                                                 absl::FormatDuration(kWatchResume), ": ",
-                                                 s.message()));
+    if (heard == absl::InfinitePast() ? attempt >= 4 : absl::Now() - heard > kWatchResume) {
+      return absl::UnavailableError(
+          absl::StrCat("coordinator ", address_, " unavailable: ", s.message()));
     }
     std::this_thread::sleep_for(std::chrono::milliseconds(500));
   }

@@ -34,8 +34,9 @@ class Client {
   // Newest first; limit 0: all.
   absl::StatusOr<std::vector<v1::Job>> List(int limit = 0);
   // Calls `on_event` with every event of the job until it ends or `on_event` returns false.
-  // A dropped stream (a coordinator restart) is resumed after the last step seen, for up
-  // to kWatchResume with no event; UNAVAILABLE past that.
+  // A dropped stream (a coordinator restart) is taken up again from the job's current
+  // state (steps committed meanwhile are not replayed) for up to kWatchResume after the
+  // last event; UNAVAILABLE past that, or after 4 tries when no event came at all.
   absl::Status Watch(const std::string& job_id,
                      const std::function<bool(const v1::JobEvent&)>& on_event);
   static constexpr absl::Duration kWatchResume = absl::Seconds(60);

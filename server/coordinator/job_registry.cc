@@ -173,6 +173,7 @@ absl::StatusOr<v1::Job> JobRegistry::Cancel(const std::string& job_id, const std
           absl::StrCat("job ", job_id, " already ended (", v1::JobState_Name(job.state()), ")"));
     }
     job.set_state(v1::JOB_STATE_CANCELLED);
+    job.clear_pending_reason();
     job.set_failure_reason(reason.empty() ? "cancelled" : reason);
     job.set_finished_unix_ms(NowMs());
     return absl::OkStatus();

@@ -82,8 +82,9 @@ class Scheduler {
   // Whether a job of `spec` trains on CUDA workers only (bf16).
   static bool NeedsCuda(const v1::JobSpec& spec);
   // Workers alive (idle or not) that a job of `spec` could train on: CUDA ones for a bf16
-  // job, else the most of any one backend (a job does not mix them).
-  static int WorkersFor(const Alive& alive, const v1::JobSpec& spec);
+  // job, else the most of any one backend (a job does not mix them); with `cuda_reserved`
+  // (an earlier bf16 job waits for them) no CUDA worker.
+  static int WorkersFor(const Alive& alive, const v1::JobSpec& spec, bool cuda_reserved);
   // None of the pointers is owned; all outlive the scheduler. `metrics` may be null.
   Scheduler(JobRegistry* jobs, Membership* members, HeatRegistry* heat, StoreControl* stores,
             MetricsRegistry* metrics = nullptr, SchedulerOptions options = {});

@@ -206,11 +206,10 @@ void Scheduler::SchedulePendingLocked(const Alive& alive) {
     std::vector<std::string> idle = IdleWorkersLocked(alive, job, {}, cuda_reserved);
     // Workers of the job's kind alive at all, idle or not: a job that wants more cannot
     // run until more join, so it does not hold back the jobs behind it.
-    const int could = WorkersFor(alive, job.spec());
+    const int could = WorkersFor(alive, job.spec(), cuda_reserved);
     if (could < want) {
       SetPendingReasonLocked(job, absl::StrCat("waiting for ", want, " workers (", could,
                                                " alive); later jobs go first"));
-      cuda_reserved |= NeedsCuda(job.spec());  // the CUDA workers there are wait for it
       continue;
     }
     if (!ahead.empty() || static_cast<int>(idle.size()) < want) {
@@ -269,10 +268,11 @@ void Scheduler::SetPendingReasonLocked(const v1::Job& job, const std::string& re
   });
 }
 
-int Scheduler::WorkersFor(const Alive& alive, const v1::JobSpec& spec) {
+int Scheduler::WorkersFor(const Alive& alive, const v1::JobSpec& spec, bool cuda_reserved) {
   std::map<v1::Backend, int> count;
   for (const auto& [id, m] : alive.workers) ++count[m.backend()];
-  if (NeedsCuda(spec)) return count[v1::BACKEND_CUDA];
+  if (NeedsCuda(spec)) return cuda_reserved ? 0 : count[v1::BACKEND_CUDA];
+  if (cuda_reserved) count.erase(v1::BACKEND_CUDA);
   int most = 0;
   for (const auto& [backend, n] : count) most = std::max(most, n);
   return most;

@@ -203,13 +203,13 @@ void StoreClient::FailPeer(int peer, const absl::Status& status) {
   if (receiving || !absl::IsDeadlineExceeded(status)) {
     worker_->Close(ep->second);
   } else {
-    retired_.push_back({ep->second, absl::Now()});
+    retired_.push_back({ep->second, std::chrono::steady_clock::now()});
   }
   peers_.erase(ep);  // the next request to this peer opens a new one (Endpoint)
 }
 
 void StoreClient::CloseLingeredRetired() {
-  const absl::Time cutoff = absl::Now() - retired_linger_;
+  const auto cutoff = std::chrono::steady_clock::now() - absl::ToChronoNanoseconds(retired_linger_);
   while (!retired_.empty() && retired_.front().at <= cutoff) {
     worker_->Close(retired_.front().ep);
     retired_.pop_front();

@@ -8,6 +8,7 @@
 #define PITH_SERVER_STORE_STORE_CLIENT_H_
 
 #include <atomic>
+#include <chrono>
 #include <cstdint>
 #include <deque>
 #include <functional>
@@ -150,7 +151,7 @@ class StoreClient {
   std::map<uint64_t, std::shared_ptr<Pending>> pending_;
   struct Retired {
     ucp_ep_h ep;
-    absl::Time at;
+    std::chrono::steady_clock::time_point at;  // its timeout
   };
   // Closes the retired endpoints older than retired_linger_.
   void CloseLingeredRetired();

@@ -26,6 +26,7 @@ JobRun::~JobRun() {
 absl::Status JobRun::Run(const std::atomic<bool>& stop) {
   stop_ = &stop;
   absl::Status s = Setup();
+  if (!s.ok() && stop) return s;  // what the stop interrupted is no failure of the job
   if (!s.ok()) {
     // The step it could not set up for: the one after the committed one.
     link_->ReportFailure(job_id_, a_.assignment_version(), a_.committed_step() + 1, s,

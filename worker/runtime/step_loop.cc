@@ -21,9 +21,12 @@ absl::Status RunSteps(StepDriver& driver, int64_t committed_step, int64_t steps,
     s = driver.WriteInitial();
     reported = true;
   } else if (s = driver.LoadCommitted(); !s.ok()) {
-    // Reported for the step it keeps from starting: the coordinator ignores a failure of
-    // a step it has committed, so that report would leave the job running with no end.
-    driver.ReportFailure(step + 1, s);
+    // A blob missing or failing its checks is reported for the step it keeps from
+    // starting (the coordinator ignores failures of a step it has committed, and the job
+    // would retry with no end); a store that is down or slow for now is only retried.
+    const bool passing = absl::IsUnavailable(s) || absl::IsDeadlineExceeded(s) ||
+                         absl::IsAborted(s) || absl::IsCancelled(s);
+    if (!passing && !stop) driver.ReportFailure(step + 1, s);
     return s;
   }
   // NOTE: step s + 1's compute runs while step s commits (the stores sync it to disk):

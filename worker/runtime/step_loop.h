@@ -13,8 +13,9 @@
 //                stopped/aborted -> end (OK: start over from the last commit)
 //                unreachable     -> end with the error (start over)
 //   a failure computing or writing a step is reported for it and ends the run with it;
-//   a failure to load the committed step, for the step after it (the coordinator counts
-//   a step's failed attempts and fails the job after --step_attempts of them).
+//   a failure to load the committed step (a blob missing or failing its checks; not a
+//   store down or slow for now), for the step after it (the coordinator counts a step's
+//   failed attempts and fails the job after --step_attempts of them).
 //
 // A StepDriver does the work; JobRun (job_run.h) is the real one, tests drive fakes.
 //

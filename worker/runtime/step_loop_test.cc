@@ -177,6 +177,15 @@ TEST(StepLoopTest, AFailedStartIsReportedForTheStepAfterTheCommittedOne) {
   EXPECT_THAT(d.calls, ElementsAre("load", "failed 8 load"));
 }
 
+// A store down or slow for now is retried (the run starts over), not held against the job.
+TEST(StepLoopTest, APassingLoadFailureIsNotReported) {
+  FakeDriver d;
+  d.load_status = absl::UnavailableError("store");
+  std::atomic<bool> stop{false};
+  EXPECT_EQ(RunSteps(d, 7, 9, stop).code(), absl::StatusCode::kUnavailable);
+  EXPECT_THAT(d.calls, ElementsAre("load"));
+}
+
 TEST(StepLoopTest, StopIsCheckedBetweenSteps) {
   FakeDriver d;
   std::atomic<bool> stop{false};

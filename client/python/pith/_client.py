@@ -175,10 +175,10 @@ class Client:
         """An iterator of the job's JobEvents: one per committed step and one per state
         change; it ends once the job has ended (the last event says how). `timeout`
         (seconds, default none) bounds the whole watch. A dropped stream (a coordinator
-        restart) is resumed after the last step seen, for up to WATCH_RESUME_S seconds
-        without an event."""
+        restart) is taken up again from the job's current state (steps committed meanwhile
+        are not replayed) for up to WATCH_RESUME_S seconds after the last event."""
         deadline = None if timeout is None else time.monotonic() + timeout
-        heard = time.monotonic()
+        heard = None  # the last event's time; none yet: the first failure is raised
         while True:
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
             request = job_pb2.WatchJobRequest(job_id=job_id, from_step=from_step)
@@ -186,11 +186,11 @@ class Client:
             try:
                 for event in stream:
                     heard = time.monotonic()
-                    from_step = max(from_step, event.step)
+                    from_step = -1  # taken up again: the current state, no replay
                     yield event
                 return
             except grpc.RpcError as e:
-                if (e.code() != grpc.StatusCode.UNAVAILABLE
+                if (e.code() != grpc.StatusCode.UNAVAILABLE or heard is None
                         or time.monotonic() - heard > self.WATCH_RESUME_S):
                     raise Error(e.code(), e.details()) from None
             finally:
