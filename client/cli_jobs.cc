@@ -119,19 +119,28 @@ absl::Status Watch(const CliContext& ctx, const Args& args, std::ostream& out) {
           e.tokens_per_second(), e.cache_hit_rate(),
           e.state() == v1::JOB_STATE_RUNNING ? absl::StrFormat("  ETA %.0fs", eta) : "");
     } else {
+      const bool ended = e.state() == v1::JOB_STATE_SUCCEEDED ||
+                         e.state() == v1::JOB_STATE_FAILED || e.state() == v1::JOB_STATE_CANCELLED;
       out << "job " << e.job_id() << ": " << StateName(e.state())
-          << (e.step() == 0 ? " (initial weights written)" : " (waiting for workers)") << "\n";
+          << (ended           ? ""
+              : e.step() == 0 ? " (initial weights written)"
+                              : " (waiting for workers)")
+          << "\n";
     }
     out.flush();
     return true;
   }));
-  if (!ctx.json) {
+  const std::string why = last.message().empty() ? "" : " (" + last.message() + ")";
+  if (!ctx.json && first_loss < 0) {  // no training step seen: nothing to sum up but the end
+    out << absl::StrFormat("job %s %s at step %d%s\n", last.job_id(), StateName(last.state()),
+                           std::max<int64_t>(0, last.step()), why);
+  } else if (!ctx.json) {
     // The loss from the first step this watch saw (a watch begun mid-job names that step).
     out << absl::StrFormat(
         "job %s %s at step %d: loss %.4f%s -> %.4f, %.0f tokens/s, cache hit %.2f%s\n",
         last.job_id(), StateName(last.state()), last.step(), first_loss,
         first_step > 1 ? absl::StrFormat(" (step %d)", first_step) : "", last_loss,
-        tokens_per_second, hit_rate, last.message().empty() ? "" : " (" + last.message() + ")");
+        tokens_per_second, hit_rate, why);
   }
   if (last.state() != v1::JOB_STATE_SUCCEEDED) {
     return absl::AbortedError(absl::StrCat("job ", args[0], " ended ", StateName(last.state()),

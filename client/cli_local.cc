@@ -88,6 +88,19 @@ absl::StatusOr<pid_t> Spawn(const std::vector<std::string>& argv, const std::str
   return pid;
 }
 
+// ": WHY" from the last line of `log` that says why a process ended (the one-line error
+// every Pith binary prints, "pith-store: ..."), or "" when there is none.
+std::string LastError(const std::string& log) {
+  std::string why;
+  for (absl::string_view line : absl::StrSplit(log, '\n')) {
+    if (absl::StartsWith(line, "pith-") && absl::StrContains(line, ": ") &&
+        !absl::StrContains(line, "ready:")) {
+      why = std::string(line.substr(line.find(": ") + 2));
+    }
+  }
+  return why.empty() ? "" : ": " + why;
+}
+
 // Waits (20 s at most) for the "ready: grpc_port=G metrics_port=M" line in `log`.
 absl::StatusOr<std::pair<int, int>> WaitReady(const std::string& name, pid_t pid,
                                               const std::string& log) {
@@ -101,7 +114,8 @@ absl::StatusOr<std::pair<int, int>> WaitReady(const std::string& name, pid_t pid
     if (std::regex_search(s, m, ready)) return std::make_pair(std::stoi(m[1]), std::stoi(m[2]));
     int status = 0;
     if (::waitpid(pid, &status, WNOHANG) == pid) {
-      return absl::InternalError(absl::StrCat(name, " exited at start; see ", log));
+      return absl::InternalError(
+          absl::StrCat(name, " exited at start", LastError(s), "; see ", log));
     }
     std::this_thread::sleep_for(std::chrono::milliseconds(100));
   }
