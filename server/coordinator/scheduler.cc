@@ -99,6 +99,14 @@ absl::Status Scheduler::Recover() {
     for (const std::string& w : run.record.workers()) worker_job_[w] = job->job_id();
     runs_[job->job_id()] = std::move(run);
   }
+  // Ended jobs' heat too: `pith experts` shows it after a restart as before.
+  for (const auto& [key, saved] : heats) {
+    const std::string id = key.substr(std::strlen(kHeatPrefix));
+    if (runs_.count(id)) continue;
+    absl::StatusOr<v1::Job> job = jobs_->Get(id);
+    if (!job.ok() || !IsFinal(job->state())) continue;
+    if (absl::Status s = heat_->Restore(*job, saved); !s.ok()) LOG(WARNING) << s;
+  }
   return absl::OkStatus();
 }
 

@@ -883,6 +883,13 @@ TEST_F(SchedulerTest, HeatSurvivesARestart) {
   auto heat = heat_->Heat(job.job_id(), 2);
   ASSERT_TRUE(heat.ok()) << heat.status();
   EXPECT_DOUBLE_EQ(heat->experts(5).heat(), 900);
+  // An ended job's heat survives the next restart too.
+  ASSERT_TRUE(jobs_->Cancel(job.job_id(), "done looking").ok());
+  scheduler_->Tick();
+  Open();
+  heat = heat_->Heat(job.job_id(), 2);
+  ASSERT_TRUE(heat.ok()) << heat.status();
+  EXPECT_DOUBLE_EQ(heat->experts(5).heat(), 900);
 }
 
 // Every group's store list.
