@@ -121,10 +121,15 @@ absl::Status Watch(const CliContext& ctx, const Args& args, std::ostream& out) {
     } else {
       const bool ended = e.state() == v1::JOB_STATE_SUCCEEDED ||
                          e.state() == v1::JOB_STATE_FAILED || e.state() == v1::JOB_STATE_CANCELLED;
+      std::string waits = " (waiting for workers)";
+      if (e.state() == v1::JOB_STATE_PENDING) {  // the scheduler's reason, where it gave one
+        absl::StatusOr<v1::Job> now = client->Get(e.job_id());
+        if (now.ok() && !now->pending_reason().empty()) waits = " (" + now->pending_reason() + ")";
+      }
       out << "job " << e.job_id() << ": " << StateName(e.state())
           << (ended           ? ""
               : e.step() == 0 ? " (initial weights written)"
-                              : " (waiting for workers)")
+                              : waits)
           << "\n";
     }
     out.flush();
