@@ -169,6 +169,8 @@ class Scheduler {
     // Loaded after a restart and waiting for its members to register again (or for the
     // grace period to end); assignments and reports wait too.
     bool recovering = false;
+    // Back after a restart: its stores' steps of the job are checked (VerifyStores).
+    bool verify_stores = false;
     JobCopies copies;  // replication: joins and copies of the job's groups
     int holds = 0;     // checkpoints reading the job: commits wait
     std::string abort_reason;
@@ -193,7 +195,13 @@ class Scheduler {
   struct StoreWork {
     std::vector<StoreCall> aborts;
     std::vector<std::pair<std::string, int64_t>> commits;  // (job, step) to finish
+    std::vector<StoreCall> verifies;  // (store, job, its committed step) for VerifyStores
   };
+  // After a restart, asks each store of a job that came back for its step of the job: a
+  // store behind the job's committed step (one that lost commits, as a power loss under
+  // --sync_interval_ms can) would serve stale versions as current, so the job loses it
+  // (record.lost_stores) and its groups are copied back from the other copies.
+  void VerifyStores(const std::vector<StoreCall>& calls) ABSL_LOCKS_EXCLUDED(mu_);
 
   // A worker's fatal failure: the job fails with it (the next Tick releases its
   // run). In step_commit.cc.

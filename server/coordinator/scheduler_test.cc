@@ -777,6 +777,40 @@ TEST_F(SchedulerTest, ARestartMidCommitFinishesTheCommitAndKeepsTheSchedule) {
   CommitStep(job.job_id(), 2, {w0, w1});
 }
 
+// After a restart, a store that came back behind the job's committed step (it lost
+// commits) would serve stale versions as current: the job loses it, and its groups stay
+// on the other copies.
+TEST_F(SchedulerTest, AStoreBackBehindTheCommittedStepIsLostToTheJob) {
+  const v1::Job job = Submit(1, 300, /*replicas=*/2);
+  const std::string s0 = Join(v1::MEMBER_ROLE_STORE), s1 = Join(v1::MEMBER_ROLE_STORE);
+  const std::string w0 = Join(v1::MEMBER_ROLE_WORKER);
+  scheduler_->Tick();
+  for (int64_t step = 0; step <= 2; ++step) CommitStep(job.job_id(), step, {w0});
+  v1::StoreJob ok, stale;
+  ok.set_job_id(job.job_id());
+  ok.set_committed_step(2);
+  stale.set_job_id(job.job_id());
+  stale.set_committed_step(1);
+  stores_.held[s0] = {ok};
+  stores_.held[s1] = {stale};
+
+  Open();  // the coordinator restarts; every member registers again
+  Join(v1::MEMBER_ROLE_STORE, s0);
+  Join(v1::MEMBER_ROLE_STORE, s1);
+  Join(v1::MEMBER_ROLE_WORKER, w0);
+  scheduler_->Tick();  // back: the attempt is voided and the stores are checked
+  scheduler_->Tick();  // the job re-places its groups without s1
+  EXPECT_EQ(Job(job.job_id()).state(), v1::JOB_STATE_RUNNING);
+  auto placement = scheduler_->GetPlacement(job.job_id());
+  ASSERT_TRUE(placement.ok()) << placement.status();
+  for (const v1::ExpertPlacement& e : placement->experts()) {
+    EXPECT_EQ(std::vector<std::string>(e.store_ids().begin(), e.store_ids().end()),
+              std::vector<std::string>{s0});
+  }
+  CommitStep(job.job_id(), 3, {w0});
+  EXPECT_EQ(stores_.commits.back(), s0 + ":" + job.job_id() + ":3");
+}
+
 TEST_F(SchedulerTest, StepTimesAndTimestampsComeFromTheClock) {
   const v1::Job job = Submit(2);
   Join(v1::MEMBER_ROLE_STORE);

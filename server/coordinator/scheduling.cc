@@ -3,6 +3,7 @@
 // jobs are scheduled; and the workers' view of it, their assignments. See scheduler.h.
 #include <algorithm>
 #include <map>
+#include <utility>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
@@ -30,6 +31,7 @@ void Scheduler::Tick() {
     SchedulePendingLocked(alive);
   }
   RunStoreAborts(work.aborts);
+  VerifyStores(work.verifies);
   for (const auto& [job_id, step] : work.commits) Commit(job_id, step);
 }
 
@@ -50,6 +52,43 @@ void Scheduler::ReviewRunsLocked(const Alive& alive, StoreWork* work) {
       continue;
     }
     RepairRunLocked(job_id, run, *job, alive, &work->aborts);
+    if (std::exchange(run.verify_stores, false)) {
+      for (const std::string& id : JobStores(run)) {
+        auto store = alive.stores.find(id);
+        if (store != alive.stores.end())
+          work->verifies.push_back({store->second, job_id, run.committed});
+      }
+    }
+  }
+}
+
+void Scheduler::VerifyStores(const std::vector<StoreCall>& calls) {
+  std::vector<std::pair<const StoreCall*, int64_t>> behind;  // and the store's step
+  for (const StoreCall& c : calls) {
+    absl::StatusOr<std::vector<v1::StoreJob>> jobs = stores_->ListJobs(c.store);
+    if (!jobs.ok()) {
+      LOG(WARNING) << "job " << c.job_id << ": cannot check store " << c.store.member_id()
+                   << "'s step: " << jobs.status();
+      continue;
+    }
+    for (const v1::StoreJob& j : *jobs) {
+      if (j.job_id() == c.job_id && j.committed_step() >= 0 && j.committed_step() < c.step) {
+        behind.emplace_back(&c, j.committed_step());
+      }
+    }
+  }
+  if (behind.empty()) return;
+  absl::MutexLock lock(&mu_);
+  for (const auto& [c, step] : behind) {
+    auto it = runs_.find(c->job_id);
+    if (it == runs_.end()) continue;
+    const std::string why =
+        absl::StrCat("holds step ", step, " of the job, behind its committed step ", c->step,
+                     " (it lost commits: a power loss with --sync_interval_ms?)");
+    LOG(ERROR) << "job " << c->job_id << " no longer uses store " << c->store.member_id() << ": it "
+               << why;
+    (*it->second.record.mutable_lost_stores())[c->store.member_id()] = why;
+    if (absl::Status s = PersistLocked(it->second); !s.ok()) LOG(ERROR) << s;
   }
 }
 
@@ -84,6 +123,7 @@ void Scheduler::RepairRunLocked(const std::string& job_id, Run& run, const v1::J
     if (!back && lost.empty() && !stores_lost) return;  // still in the grace period
     run.recovering = false;
     if (back) {
+      run.verify_stores = true;
       AbortLocked(run, "the coordinator restarted", aborts);
       absl::Status s = PersistLocked(run);
       if (!s.ok()) LOG(ERROR) << s;
