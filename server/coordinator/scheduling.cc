@@ -98,7 +98,9 @@ void Scheduler::ReleaseRunLocked(const std::string& job_id, Run& run,
   if (run.record.committing_step() < 0) AbortLocked(run, "job ended", aborts);
   for (const std::string& w : run.record.workers()) worker_job_.erase(w);
   (void)jobs_->DeleteRecord(absl::StrCat(kRunPrefix, job_id));
-  (void)jobs_->PutRecord(absl::StrCat(kHeatPrefix, job_id), heat_->Save(job_id));  // kept
+  if (const std::string heat = heat_->Save(job_id); !heat.empty()) {  // kept past a restart
+    (void)jobs_->PutRecord(absl::StrCat(kHeatPrefix, job_id), heat);
+  }
 }
 
 void Scheduler::RepairRunLocked(const std::string& job_id, Run& run, const v1::Job& job,
