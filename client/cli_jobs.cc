@@ -17,6 +17,7 @@
 #include "client/cli_commands.h"
 #include "common/file.h"
 #include "common/job_spec.h"
+#include "common/job_state.h"
 #include "common/status.h"
 
 namespace pith::cli {
@@ -119,17 +120,15 @@ absl::Status Watch(const CliContext& ctx, const Args& args, std::ostream& out) {
           e.tokens_per_second(), e.cache_hit_rate(),
           e.state() == v1::JOB_STATE_RUNNING ? absl::StrFormat("  ETA %.0fs", eta) : "");
     } else {
-      const bool ended = e.state() == v1::JOB_STATE_SUCCEEDED ||
-                         e.state() == v1::JOB_STATE_FAILED || e.state() == v1::JOB_STATE_CANCELLED;
       std::string waits = " (waiting for workers)";
       if (e.state() == v1::JOB_STATE_PENDING) {  // the scheduler's reason, where it gave one
         absl::StatusOr<v1::Job> now = client->Get(e.job_id());
         if (now.ok() && !now->pending_reason().empty()) waits = " (" + now->pending_reason() + ")";
       }
       out << "job " << e.job_id() << ": " << StateName(e.state())
-          << (ended           ? ""
-              : e.step() == 0 ? " (initial weights written)"
-                              : waits)
+          << (IsFinal(e.state()) ? ""
+              : e.step() == 0    ? " (initial weights written)"
+                                 : waits)
           << "\n";
     }
     out.flush();

@@ -514,8 +514,7 @@ absl::Status Up(const CliContext& ctx, const Args& args, std::ostream& out) {
     given.erase(it);
   }
   // Bad values are refused before anything is made.
-  ASSIGN_OR_RETURN(const UpFlags checked, CheckUpFlags(OverDefaults(given)));
-  (void)checked;
+  RETURN_IF_ERROR(CheckUpFlags(OverDefaults(given)).status());
   dir = FolderPath(dir);
   std::error_code ec;
   std::filesystem::create_directories(dir, ec);

@@ -12,6 +12,7 @@
 #include "absl/strings/str_cat.h"
 #include "client/connection.h"
 #include "common/grpc_util.h"
+#include "common/job_state.h"
 #include "common/rename_onto.h"
 #include "common/status.h"
 
@@ -83,8 +84,7 @@ absl::Status Client::Watch(const std::string& job_id,
         stream->Finish();
         return absl::OkStatus();
       }
-      if (event.state() == v1::JOB_STATE_SUCCEEDED || event.state() == v1::JOB_STATE_FAILED ||
-          event.state() == v1::JOB_STATE_CANCELLED) {
+      if (IsFinal(event.state())) {
         stream->Finish();
         return absl::OkStatus();
       }

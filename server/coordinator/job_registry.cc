@@ -31,11 +31,6 @@ absl::Status FromRocks(const rocksdb::Status& s, absl::string_view what) {
 
 }  // namespace
 
-bool IsFinal(v1::JobState state) {
-  return state == v1::JOB_STATE_SUCCEEDED || state == v1::JOB_STATE_FAILED ||
-         state == v1::JOB_STATE_CANCELLED;
-}
-
 absl::StatusOr<std::unique_ptr<JobRegistry>> JobRegistry::Open(const std::string& data_dir,
                                                                uint64_t jobs_memory_bytes) {
   if (data_dir.empty()) return absl::InvalidArgumentError("--data_dir is required");

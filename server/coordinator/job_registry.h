@@ -17,6 +17,7 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+#include "common/job_state.h"
 #include "pith/v1/job.pb.h"
 
 namespace rocksdb {
@@ -83,8 +84,6 @@ class JobRegistry {
   int64_t next_id_ ABSL_GUARDED_BY(mu_) = 1;
   std::function<void(const v1::Job&)> observer_ ABSL_GUARDED_BY(mu_);
 };
-
-bool IsFinal(v1::JobState state);
 
 }  // namespace pith::coordinator
 
