@@ -156,7 +156,14 @@ TEST_F(ExpertCacheTest, OneFailedExpertOfAPrefetchLeavesTheOthers) {
   // the missing one is an error for the consumer that reads it.
   Open(4, absl::Milliseconds(5));
   cache_->SetSchedule({{0, 1}, {-1, 0}, {0, 2}, {0, 3}});
-  absl::SleepFor(absl::Milliseconds(100));
+  // Until the prefetcher has fetched the good ones (a loaded machine may take longer than
+  // the 5 ms a fetch lasts here), then a moment for them to be marked resident.
+  const auto fetched = [&] {
+    absl::MutexLock lock(&fetched_mu_);
+    return fetched_.count({0, 1}) && fetched_.count({0, 2}) && fetched_.count({0, 3});
+  };
+  for (int i = 0; i < 500 && !fetched(); ++i) absl::SleepFor(absl::Milliseconds(10));
+  absl::SleepFor(absl::Milliseconds(50));
   EXPECT_EQ(Read({0, 1}), 1.0f);
   EXPECT_EQ(cache_->Acquire({-1, 0}).status().code(), absl::StatusCode::kNotFound);
   EXPECT_EQ(Read({0, 2}), 2.0f);
