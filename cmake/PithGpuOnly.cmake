@@ -57,7 +57,7 @@ pith_add_library(pith_model
 pith_add_library(pith_cuda
   SOURCES worker/cuda/device_probe.cu worker/cuda/cuda_backend.cu worker/cuda/cuda_dense.cu
           worker/cuda/cuda_moe.cu worker/cuda/cuda_bf16.cu worker/cuda/cuda_grouped.cu
-          worker/cuda/device_slots.cu worker/cuda/nccl_group.cc
+          worker/cuda/cuda_wgmma.cu worker/cuda/device_slots.cu worker/cuda/nccl_group.cc
   PUBLIC_DEPS pith_compute CUDA::cudart absl::time
   DEPS CUDA::cublas pith_nccl)
 

@@ -52,6 +52,8 @@ PY
 arch=${PITH_CUDA_ARCH:-$(nvidia-smi --query-gpu=compute_cap --format=csv,noheader 2>/dev/null \
   | head -1 | tr -d '. ')}
 arch=${arch:-90}
+# sm_90's warpgroup MMA (cuda_wgmma.cu) is in its arch-specific code only.
+[[ $arch == 90 ]] && arch=90a
 nvcc=$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)
 # NCCL: beside the toolkit, else the one PyTorch's wheels bring.
 nccl_root=$(python3 -c 'import nvidia.nccl as n; print(list(n.__path__)[0])' 2>/dev/null || true)

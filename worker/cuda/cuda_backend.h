@@ -201,11 +201,17 @@ class CudaBackend final : public compute::Backend {
   // went through it, with its element-wise passes).
   uint64_t kernel_launches() const { return kernel_launches_; }
   uint64_t epilogue_launches() const { return epilogue_launches_; }
-  // The grouped kernel's output tile per CTA (one warp per 64 x 64 of it): gpu_bench
-  // measures each; 128 x 128 by default.
-  enum class KernelTile { k128x128, k128x256, k256x128 };
+  // The grouped kernel and its output tile per CTA: gpu_bench measures each; 128 x 128
+  // mma.sync by default. The mma.sync kernel (cuda_grouped.cu, sm_80 and later) takes a
+  // warp per 64 x 64 of the tile; the warpgroup-MMA one (cuda_wgmma.cu, sm_90a: wgmma
+  // from 128-byte-swizzled shared memory) a warpgroup per 64 rows of it.
+  enum class KernelTile { k128x128, k128x256, k256x128, kWgmma128x128, kWgmma128x256 };
   KernelTile kernel_tile() const { return kernel_tile_; }
   void set_kernel_tile(KernelTile tile) { kernel_tile_ = tile; }
+  // Whether this device and build run `tile`: the mma.sync shapes on any device here, the
+  // wgmma ones on an sm_90 device with the build's sm_90a code (a probe kernel says, once).
+  // KernelGemmBf16 with a tile that does not run takes nothing (false).
+  bool KernelTileRuns(KernelTile tile);
   // How many CTAs of that tile shape one SM holds at once (registers and shared memory
   // allowing), for gpu_bench; 0 when the query fails.
   int KernelBlocksPerSm(KernelTile tile);
@@ -333,9 +339,26 @@ class CudaBackend final : public compute::Backend {
   bool side_failed_ = false;  // they could not be made: not tried again
   int side_streams_ = 4;
   Bf16Products bf16_products_ = Bf16Products::kFanOut;
-  // KernelGemmBf16 with tile shape T (cuda_grouped.cu).
+  // KernelGemmBf16's problem table for output tiles of bm x bn, on the device (kKernelProblems
+  // scratch): its problems (count 0: nothing to launch, or a failure) and their tiles.
+  struct KernelTable {
+    const void* problems = nullptr;
+    int count = 0;
+    int64_t tiles = 0;
+  };
+  KernelTable UploadKernelTable(const std::vector<Bf16Gemm>& problems, int bm, int bn,
+                                const char* op);
+  // Raises `kernel`'s dynamic shared-memory limit to `bytes`, once per tile shape.
+  bool SetKernelSmem(const void* kernel, int bytes, const char* op);
+  // After a grouped kernel's launch: whether it launched, counted.
+  void CountKernelLaunch(const std::vector<Bf16Gemm>& problems, const char* op);
+  // KernelGemmBf16 with the mma.sync tile shape T (cuda_grouped.cu); with the wgmma tile
+  // shape kernel_tile_ (cuda_wgmma.cu).
   template <typename T>
   bool LaunchGrouped(const std::vector<Bf16Gemm>& problems, const char* op);
+  bool LaunchWgmma(const std::vector<Bf16Gemm>& problems, const char* op);
+  int WgmmaBlocksPerSm(KernelTile tile);
+  int wgmma_runs_ = -1;  // KernelTileRuns' probe: -1 not yet made, else 0 or 1
   KernelTile kernel_tile_ = KernelTile::k128x128;
   unsigned kernel_smem_set_ = 0;  // bit per tile shape: its shared-memory limit was raised
   uint64_t kernel_launches_ = 0;

@@ -22,10 +22,13 @@
 #include <vector>
 
 #include "worker/cuda/cuda_backend.h"
+#include "worker/cuda/cuda_grouped.cuh"
 #include "worker/cuda/cuda_kernels.cuh"
 
 namespace pith::cuda {
 namespace {
+
+using namespace grouped;  // NOLINT: the kernels' shared parts
 
 cudaStream_t S(CUstream_st* s) { return s; }
 
@@ -51,37 +54,6 @@ struct Tile {
 using Tile128x128 = Tile<128, 128, 4>;
 using Tile128x256 = Tile<128, 256, 4>;
 using Tile256x128 = Tile<256, 128, 4>;
-
-enum Flags : int { kTransA = 1, kTransB = 2, kOutFp32 = 4, kPairs = 8 };
-
-// One problem as the kernel reads it. Row-major C[m, n] = alpha op(A) op(B) + beta C.
-struct KernelProblem {
-  const __nv_bfloat16* a;
-  const __nv_bfloat16* b;
-  void* c;
-  int m, n, k, lda, ldb, ldc;
-  float alpha, beta;
-  int flags;
-  int tiles_n;
-  int64_t first_tile;  // tiles of the problems before it
-  // CudaBackend::Epilogue, with C's leading dimension.
-  const float* bias;
-  const float* gelu_grad_of;
-  __nv_bfloat16* c_bf16;
-  float* gelu_out;
-  __nv_bfloat16* gelu_bf16;
-};
-
-__device__ __forceinline__ void CpAsync16(void* shared, const void* global, bool valid) {
-  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(shared));
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(global),
-               "r"(valid ? 16 : 0));
-}
-__device__ __forceinline__ void CpAsyncCommit() { asm volatile("cp.async.commit_group;\n" ::); }
-template <int N>
-__device__ __forceinline__ void CpAsyncWait() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
-}
 
 template <bool kTrans>
 __device__ __forceinline__ void LdMatrixX4(uint32_t (&r)[4], const __nv_bfloat16* p) {
@@ -181,104 +153,19 @@ __device__ __forceinline__ void ComputeStage(float (&acc)[4][8][4], const __nv_b
   }
 }
 
-// The epilogue of CudaBackend::Epilogue on v = alpha acc + beta C at (row, col), and col + 1
-// when `pair` (then each access is one 8-byte (fp32) or 4-byte (bf16) one). C is not read
-// with beta 0. The order and precision of each operation are the element-wise kernels'
-// (BiasGeluKernel, SegmentBiasKernel, GeluBackwardInPlaceKernel, ToBf16).
-__device__ __forceinline__ void StorePair(const KernelProblem& p, int row, int col, float v0,
-                                          float v1, bool pair) {
-  const int64_t at = int64_t{row} * p.ldc + col;
-  v0 *= p.alpha;
-  v1 *= p.alpha;
-  if (!(p.flags & kOutFp32)) {
-    __nv_bfloat16* c = static_cast<__nv_bfloat16*>(p.c) + at;
-    if (pair) {
-      if (p.beta != 0.0f) {
-        const float2 old = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(c));
-        v0 += p.beta * old.x;
-        v1 += p.beta * old.y;
-      }
-      *reinterpret_cast<__nv_bfloat162*>(c) = __floats2bfloat162_rn(v0, v1);
-    } else {
-      if (p.beta != 0.0f) v0 += p.beta * __bfloat162float(c[0]);
-      c[0] = __float2bfloat16_rn(v0);
-    }
-    return;
-  }
-  float* c = static_cast<float*>(p.c) + at;
-  // Two fp32 values at `q`, one 8-byte load for a pair.
-  auto load2 = [pair](const float* q) {
-    return pair ? *reinterpret_cast<const float2*>(q) : make_float2(q[0], 0.0f);
-  };
-  if (p.beta != 0.0f) {
-    const float2 old = load2(c);
-    v0 += p.beta * old.x;
-    v1 += p.beta * old.y;
-  }
-  if (p.bias != nullptr) {
-    v0 += p.bias[col];
-    if (pair) v1 += p.bias[col + 1];
-  }
-  if (p.gelu_grad_of != nullptr) {
-    const float2 pre = load2(p.gelu_grad_of + at);
-    v0 *= GeluTanhGrad(pre.x);
-    if (pair) v1 *= GeluTanhGrad(pre.y);
-  }
-  if (pair) {
-    *reinterpret_cast<float2*>(c) = make_float2(v0, v1);
-  } else {
-    c[0] = v0;
-  }
-  if (p.c_bf16 != nullptr) {
-    if (pair) {
-      *reinterpret_cast<__nv_bfloat162*>(p.c_bf16 + at) = __floats2bfloat162_rn(v0, v1);
-    } else {
-      p.c_bf16[at] = __float2bfloat16_rn(v0);
-    }
-  }
-  if (p.gelu_out != nullptr || p.gelu_bf16 != nullptr) {
-    const float g0 = GeluTanh(v0), g1 = pair ? GeluTanh(v1) : 0.0f;
-    if (p.gelu_out != nullptr) {
-      if (pair) {
-        *reinterpret_cast<float2*>(p.gelu_out + at) = make_float2(g0, g1);
-      } else {
-        p.gelu_out[at] = g0;
-      }
-    }
-    if (p.gelu_bf16 != nullptr) {
-      if (pair) {
-        *reinterpret_cast<__nv_bfloat162*>(p.gelu_bf16 + at) = __floats2bfloat162_rn(g0, g1);
-      } else {
-        p.gelu_bf16[at] = __float2bfloat16_rn(g0);
-      }
-    }
-  }
-}
-
 // The warp's fragments into C: acc[mi][ni] holds rows g and g + 8 of its 16 x 8 block,
-// columns 2t and 2t + 1. A pair is stored whole where C's rows keep it aligned (kPairs:
-// ldc even and C aligned, checked on the host).
+// columns 2t and 2t + 1.
 __device__ __forceinline__ void StoreTile(const KernelProblem& p, const float (&acc)[4][8][4],
                                           int m0, int n0, int lane) {
   const int g = lane / 4, t = lane % 4;
-  const bool pairs = (p.flags & kPairs) != 0;
 #pragma unroll
   for (int mi = 0; mi < 4; ++mi) {
 #pragma unroll
     for (int ni = 0; ni < 8; ++ni) {
-      const int col = n0 + ni * 8 + 2 * t;
-      if (col >= p.n) continue;
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
-        const int row = m0 + mi * 16 + g + half * 8;
-        if (row >= p.m) continue;
-        const float v0 = acc[mi][ni][2 * half], v1 = acc[mi][ni][2 * half + 1];
-        if (col + 1 < p.n && pairs) {
-          StorePair(p, row, col, v0, v1, true);
-        } else {
-          StorePair(p, row, col, v0, 0.0f, false);
-          if (col + 1 < p.n) StorePair(p, row, col + 1, v1, 0.0f, false);
-        }
+        StoreFragment(p, m0 + mi * 16 + g + half * 8, n0 + ni * 8 + 2 * t, acc[mi][ni][2 * half],
+                      acc[mi][ni][2 * half + 1]);
       }
     }
   }
@@ -326,16 +213,7 @@ __global__ void __launch_bounds__(T::kThreads)
   extern __shared__ __align__(16) unsigned char shared_bytes[];
   auto* smem = reinterpret_cast<__nv_bfloat16*>(shared_bytes);
   const int64_t tile = blockIdx.x;
-  int lo = 0, hi = count - 1;  // the last problem whose first tile is <= tile
-  while (lo < hi) {
-    const int mid = (lo + hi + 1) / 2;
-    if (problems[mid].first_tile <= tile) {
-      lo = mid;
-    } else {
-      hi = mid - 1;
-    }
-  }
-  const KernelProblem p = problems[lo];
+  const KernelProblem p = problems[FindProblem(problems, count, tile)];
   const int64_t local = tile - p.first_tile;
   switch (p.flags & (kTransA | kTransB)) {
     case 0:
@@ -374,8 +252,75 @@ bool CudaBackend::KernelGemmBf16(const std::vector<Bf16Gemm>& problems, const ch
       return LaunchGrouped<Tile128x256>(problems, op);
     case KernelTile::k256x128:
       return LaunchGrouped<Tile256x128>(problems, op);
+    case KernelTile::kWgmma128x128:
+    case KernelTile::kWgmma128x256:
+      return KernelTileRuns(kernel_tile_) && LaunchWgmma(problems, op);
     default:
       return LaunchGrouped<Tile128x128>(problems, op);
+  }
+}
+
+CudaBackend::KernelTable CudaBackend::UploadKernelTable(const std::vector<Bf16Gemm>& problems,
+                                                        int bm, int bn, const char* op) {
+  if (!Ready()) return {};
+  std::vector<KernelProblem> table;
+  int64_t tiles = 0;
+  for (const Bf16Gemm& p : problems) {
+    // k = 0 with an epilogue still runs (no k step: the epilogue on zeros plus beta C).
+    if (p.m == 0 || p.n == 0 || (!p.epilogue.any() && EmptyProductBf16(p, op))) continue;
+    const int tiles_m = (p.m + bm - 1) / bm, tiles_n = (p.n + bn - 1) / bn;
+    // Column pairs (2t, 2t + 1) start at even columns: whole accesses where rows stay
+    // aligned, in C and in every epilogue array.
+    const Epilogue& e = p.epilogue;
+    auto aligned = [](const void* q, size_t bytes) {
+      return reinterpret_cast<uintptr_t>(q) % bytes == 0;
+    };
+    const bool pairs = p.ldc % 2 == 0 && aligned(p.c, p.c_fp32 ? 8 : 4) &&
+                       aligned(e.gelu_grad_of, 8) && aligned(e.c_bf16, 4) &&
+                       aligned(e.gelu_out, 8) && aligned(e.gelu_bf16, 4);
+    table.push_back({static_cast<const __nv_bfloat16*>(p.a), static_cast<const __nv_bfloat16*>(p.b),
+                     p.c, p.m, p.n, p.k, p.lda, p.ldb, p.ldc, p.alpha, p.beta,
+                     (p.trans_a ? kTransA : 0) | (p.trans_b ? kTransB : 0) |
+                         (p.c_fp32 ? kOutFp32 : 0) | (pairs ? kPairs : 0),
+                     tiles_n, tiles, e.bias, e.gelu_grad_of, static_cast<__nv_bfloat16*>(e.c_bf16),
+                     e.gelu_out, static_cast<__nv_bfloat16*>(e.gelu_bf16)});
+    tiles += int64_t{tiles_m} * tiles_n;
+  }
+  if (table.empty() || !Ready()) return {};
+  if (tiles > INT32_MAX) {
+    Fail(op, "a grouped product of more than 2^31 tiles");
+    return {};
+  }
+  void* dev = Scratch(kKernelProblems, table.size() * sizeof(KernelProblem));
+  // Pageable source: the copy returns once `table` is staged (see UploadPointers).
+  if (dev == nullptr ||
+      !CheckCuda(cudaMemcpyAsync(dev, table.data(), table.size() * sizeof(KernelProblem),
+                                 cudaMemcpyHostToDevice, S(stream_)),
+                 op)) {
+    return {};
+  }
+  return {dev, static_cast<int>(table.size()), tiles};
+}
+
+bool CudaBackend::SetKernelSmem(const void* kernel, int bytes, const char* op) {
+  const unsigned shape_bit = 1u << static_cast<int>(kernel_tile_);
+  if (kernel_smem_set_ & shape_bit) return true;
+  if (!CheckCuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes),
+                 op)) {
+    return false;
+  }
+  kernel_smem_set_ |= shape_bit;
+  return true;
+}
+
+void CudaBackend::CountKernelLaunch(const std::vector<Bf16Gemm>& problems, const char* op) {
+  if (!CheckLaunch(op)) return;
+  ++kernel_launches_;
+  for (const Bf16Gemm& p : problems) {
+    if (p.epilogue.any()) {
+      ++epilogue_launches_;
+      break;
+    }
   }
 }
 
@@ -404,6 +349,9 @@ int CudaBackend::KernelBlocksPerSm(KernelTile tile) {
       return BlocksPerSm<Tile128x256>();
     case KernelTile::k256x128:
       return BlocksPerSm<Tile256x128>();
+    case KernelTile::kWgmma128x128:
+    case KernelTile::kWgmma128x256:
+      return WgmmaBlocksPerSm(tile);
     default:
       return BlocksPerSm<Tile128x128>();
   }
@@ -411,62 +359,15 @@ int CudaBackend::KernelBlocksPerSm(KernelTile tile) {
 
 template <typename T>
 bool CudaBackend::LaunchGrouped(const std::vector<Bf16Gemm>& problems, const char* op) {
-  if (!Ready()) return true;
-  std::vector<KernelProblem> table;
-  int64_t tiles = 0;
-  for (const Bf16Gemm& p : problems) {
-    // k = 0 with an epilogue still runs (no k step: the epilogue on zeros plus beta C).
-    if (p.m == 0 || p.n == 0 || (!p.epilogue.any() && EmptyProductBf16(p, op))) continue;
-    const int tiles_m = (p.m + T::kBm - 1) / T::kBm, tiles_n = (p.n + T::kBn - 1) / T::kBn;
-    // Column pairs (2t, 2t + 1) start at even columns: whole accesses where rows stay
-    // aligned, in C and in every epilogue array.
-    const Epilogue& e = p.epilogue;
-    auto aligned = [](const void* q, size_t bytes) {
-      return reinterpret_cast<uintptr_t>(q) % bytes == 0;
-    };
-    const bool pairs = p.ldc % 2 == 0 && aligned(p.c, p.c_fp32 ? 8 : 4) &&
-                       aligned(e.gelu_grad_of, 8) && aligned(e.c_bf16, 4) &&
-                       aligned(e.gelu_out, 8) && aligned(e.gelu_bf16, 4);
-    table.push_back({static_cast<const __nv_bfloat16*>(p.a), static_cast<const __nv_bfloat16*>(p.b),
-                     p.c, p.m, p.n, p.k, p.lda, p.ldb, p.ldc, p.alpha, p.beta,
-                     (p.trans_a ? kTransA : 0) | (p.trans_b ? kTransB : 0) |
-                         (p.c_fp32 ? kOutFp32 : 0) | (pairs ? kPairs : 0),
-                     tiles_n, tiles, e.bias, e.gelu_grad_of, static_cast<__nv_bfloat16*>(e.c_bf16),
-                     e.gelu_out, static_cast<__nv_bfloat16*>(e.gelu_bf16)});
-    tiles += int64_t{tiles_m} * tiles_n;
-  }
-  if (table.empty() || !Ready()) return true;
-  if (tiles > INT32_MAX) {
-    Fail(op, "a grouped product of more than 2^31 tiles");
+  const KernelTable table = UploadKernelTable(problems, T::kBm, T::kBn, op);
+  if (table.count == 0 ||
+      !SetKernelSmem(reinterpret_cast<const void*>(GroupedGemmKernel<T>), T::kSharedBytes, op)) {
     return true;
   }
-  const unsigned shape_bit = 1u << static_cast<int>(kernel_tile_);
-  if (!(kernel_smem_set_ & shape_bit) &&
-      !CheckCuda(cudaFuncSetAttribute(GroupedGemmKernel<T>,
-                                      cudaFuncAttributeMaxDynamicSharedMemorySize, T::kSharedBytes),
-                 op)) {
-    return true;
-  }
-  kernel_smem_set_ |= shape_bit;
-  void* dev = Scratch(kKernelProblems, table.size() * sizeof(KernelProblem));
-  // Pageable source: the copy returns once `table` is staged (see UploadPointers).
-  if (dev == nullptr ||
-      !CheckCuda(cudaMemcpyAsync(dev, table.data(), table.size() * sizeof(KernelProblem),
-                                 cudaMemcpyHostToDevice, S(stream_)),
-                 op)) {
-    return true;
-  }
-  GroupedGemmKernel<T><<<static_cast<unsigned>(tiles), T::kThreads, T::kSharedBytes, S(stream_)>>>(
-      static_cast<const KernelProblem*>(dev), static_cast<int>(table.size()));
-  if (CheckLaunch(op)) {
-    ++kernel_launches_;
-    for (const Bf16Gemm& p : problems) {
-      if (p.epilogue.any()) {
-        ++epilogue_launches_;
-        break;
-      }
-    }
-  }
+  GroupedGemmKernel<T>
+      <<<static_cast<unsigned>(table.tiles), T::kThreads, T::kSharedBytes, S(stream_)>>>(
+          static_cast<const KernelProblem*>(table.problems), table.count);
+  CountKernelLaunch(problems, op);
   return true;
 }
 

@@ -358,7 +358,13 @@ int RunBf16Kernel(CudaBackend& b, const Shape& s, int64_t tokens, int iters) {
   using Tile = CudaBackend::KernelTile;
   for (auto [tile, name] :
        {std::pair{Tile::k128x128, "128x128"}, std::pair{Tile::k128x256, "128x256"},
-        std::pair{Tile::k256x128, "256x128"}}) {
+        std::pair{Tile::k256x128, "256x128"}, std::pair{Tile::kWgmma128x128, "wgmma 128x128"},
+        std::pair{Tile::kWgmma128x256, "wgmma 128x256"}}) {
+    if (!b.KernelTileRuns(tile)) {
+      std::printf("expert_gemm_bf16_kernel %-16s tile %s: does not run on this device\n", s.name,
+                  name);
+      continue;
+    }
     b.set_kernel_tile(tile);
     bool taken = true;
     const double kernel = SecondsPerIter(b, iters, [&] {

@@ -8,6 +8,7 @@
 // CUDA device.
 #include <cmath>
 #include <cstdint>
+#include <cstdio>
 #include <utility>
 #include <vector>
 
@@ -26,9 +27,22 @@ using testing_support::Vec;
 
 class GroupedGemmTest : public testing_support::CudaTest {
  protected:
-  static constexpr CudaBackend::KernelTile kTiles[] = {CudaBackend::KernelTile::k128x128,
-                                                       CudaBackend::KernelTile::k128x256,
-                                                       CudaBackend::KernelTile::k256x128};
+  // Every tile shape of both kernels; those this device or build does not run (the wgmma
+  // ones off sm_90, or without the build's sm_90a code) are left out, with a note.
+  std::vector<CudaBackend::KernelTile> Tiles() {
+    std::vector<CudaBackend::KernelTile> runs;
+    for (CudaBackend::KernelTile tile :
+         {CudaBackend::KernelTile::k128x128, CudaBackend::KernelTile::k128x256,
+          CudaBackend::KernelTile::k256x128, CudaBackend::KernelTile::kWgmma128x128,
+          CudaBackend::KernelTile::kWgmma128x256}) {
+      if (gpu_->KernelTileRuns(tile)) {
+        runs.push_back(tile);
+      } else {
+        std::printf("tile shape %d does not run here: not checked\n", static_cast<int>(tile));
+      }
+    }
+    return runs;
+  }
   // Every case of EveryTransposeShapeAndOutputMatchesTheCpu in one launch, checked.
   void CheckCases();
   // Products with the identity, each transpose; `tile` names the shape in failures.
@@ -44,7 +58,7 @@ struct Case {
 };
 
 TEST_F(GroupedGemmTest, EveryTransposeShapeAndOutputMatchesTheCpu) {
-  for (CudaBackend::KernelTile tile : kTiles) {
+  for (CudaBackend::KernelTile tile : Tiles()) {
     SCOPED_TRACE(testing::Message() << "tile shape " << static_cast<int>(tile));
     gpu_->set_kernel_tile(tile);
     CheckCases();
@@ -131,7 +145,7 @@ void GroupedGemmTest::CheckCases() {
 // where it does not, the values (small integers, each naming its source element) show
 // which element went where, the first thing to read if the kernel's fragments are wrong.
 TEST_F(GroupedGemmTest, TheIdentityGivesTheOtherOperandBackForEveryTranspose) {
-  for (CudaBackend::KernelTile tile : kTiles) {
+  for (CudaBackend::KernelTile tile : Tiles()) {
     gpu_->set_kernel_tile(tile);
     CheckIdentity(static_cast<int>(tile));
   }
@@ -212,7 +226,7 @@ TEST_F(GroupedGemmTest, EpiloguesMatchTheCpusPasses) {
       for (int c = 0; c < n; ++c) product_ld[r * ldc + c] = product[r * n + c];
     }
     cpu_.GeluBackward(grad.data(), aux.data(), product_ld.data(), m * ldc);
-    for (CudaBackend::KernelTile tile : kTiles) {
+    for (CudaBackend::KernelTile tile : Tiles()) {
       SCOPED_TRACE(testing::Message()
                    << "ldc " << ldc << ", tile shape " << static_cast<int>(tile));
       gpu_->set_kernel_tile(tile);
@@ -318,6 +332,19 @@ TEST_F(GroupedFfnTest, ThroughTheKernelItMatchesTheFanOut) {
   const std::vector<Vec> kernel = Ffn(128, CudaBackend::Bf16Products::kKernel);
   EXPECT_EQ(gpu_->kernel_launches() - before, 4u);
   EXPECT_EQ(gpu_->epilogue_launches() - epilogues, 3u);  // x @ w1, h @ w2, dH
+  ExpectSame(kernel, fan);
+}
+
+// The same through the warpgroup-MMA kernel, where this device runs it.
+TEST_F(GroupedFfnTest, ThroughTheWgmmaKernelItMatchesTheFanOut) {
+  if (!gpu_->KernelTileRuns(CudaBackend::KernelTile::kWgmma128x128)) {
+    GTEST_SKIP() << "the wgmma kernel needs an sm_90 device and the build's sm_90a code";
+  }
+  const std::vector<Vec> fan = Ffn(128, CudaBackend::Bf16Products::kFanOut);
+  gpu_->set_kernel_tile(CudaBackend::KernelTile::kWgmma128x128);
+  const uint64_t before = gpu_->kernel_launches();
+  const std::vector<Vec> kernel = Ffn(128, CudaBackend::Bf16Products::kKernel);
+  EXPECT_EQ(gpu_->kernel_launches() - before, 4u);
   ExpectSame(kernel, fan);
 }
 

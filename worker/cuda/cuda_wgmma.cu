@@ -1,0 +1,344 @@
+// CudaBackend::KernelGemmBf16 on sm_90a: the grouped bf16 product with the warpgroup MMA
+// (wgmma) that mma.sync leaves unused on sm_90 (cuda_grouped.cu holds the mma.sync kernel,
+// cuda_grouped.cuh what the two share: the problem table, the tile search, the epilogue).
+//
+// One CTA of two warpgroups per 128 x 128 (or 128 x 256) output tile of any problem, each
+// warpgroup 64 rows of it; k in steps of 64 through a cp.async pipeline of kStages stages
+// in shared memory. Each operand's stage is stored as wgmma reads it without a transpose
+// of ours: 1024-byte swizzle atoms of 8 rows of 128 bytes, 16-byte chunk c of row r at
+// chunk c ^ r (the 128-byte swizzle).
+//   K-major (A stored [m][k], B stored [n][k]): a row per m (or n), its 64 k in one atom row;
+//     the atoms of 8 rows follow each other (stride 1024 bytes); a k16 slice starts 32 bytes
+//     further into the row.
+//   MN-major (A stored [k][m], B stored [k][n]): a row per k, 64 of m (or n) in it; the atom
+//     of columns [64b, 64b + 64) and k rows [8j, 8j + 8) is block b * 8 + j (k groups 1024
+//     bytes apart, 64-column blocks 8 KiB apart); the instruction's transpose bit says so.
+// The pipeline: a stage's copies are waited for, fenced into the async proxy (wgmma reads
+// shared memory through it) and barriered; the warpgroups issue its four k16 MMAs and then
+// wait for the previous stage's, so that after the next barrier the stage two back is free
+// and is refilled: kStages - 2 stages load while one computes and one may still be read.
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <vector>
+
+#include "worker/cuda/cuda_backend.h"
+#include "worker/cuda/cuda_grouped.cuh"
+
+// wgmma and the async-proxy fence exist only in sm_90a code; elsewhere the kernel is an
+// empty stub that the host never launches (KernelTileRuns asks the probe).
+#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define PITH_WGMMA 1
+#else
+#define PITH_WGMMA 0
+#endif
+
+namespace pith::cuda {
+namespace {
+
+using namespace grouped;  // NOLINT: the kernels' shared parts
+
+cudaStream_t S(CUstream_st* s) { return s; }
+
+constexpr int kBk = 64;      // k per stage: one 128-byte row of bf16
+constexpr int kAtom = 1024;  // bytes of a swizzle atom: 8 rows of 128 bytes
+
+template <int kBnT, int kStagesT>
+struct WgTile {
+  static constexpr int kBm = 128, kBn = kBnT, kStages = kStagesT;
+  static constexpr int kHalves = kBn / 128;  // m64n128k16 MMAs per k16 slice and warpgroup
+  static constexpr int kThreads = 256;       // two warpgroups: rows 0-63 and 64-127
+  static constexpr int kABytes = kBm * kBk * 2, kBBytes = kBn * kBk * 2;
+  static constexpr int kStageBytes = kABytes + kBBytes;
+  static constexpr int kSharedBytes = kStages * kStageBytes + kAtom;  // + alignment slack
+  static_assert(kStages >= 3, "one stage loading, one computing, one still read");
+  static_assert(kHalves * 128 == kBn, "whole m64n128 MMAs");
+};
+using Wg128x128 = WgTile<128, 5>;  // 161 KiB of shared memory
+using Wg128x256 = WgTile<256, 4>;  // 193 KiB
+
+#if PITH_WGMMA
+constexpr int kKGroups = kBk / 8;  // 8-row groups of k in a stage
+
+// K-major rows [r0, r0 + kRows) x k [k0, k0 + 64) of a row-major [max_r][max_k] matrix.
+template <int kRows, int kThreads>
+__device__ __forceinline__ void LoadKMajor(unsigned char* smem, const __nv_bfloat16* g, int ld,
+                                           int r0, int k0, int max_r, int max_k) {
+  constexpr int kChunks = kRows * kKGroups;
+  static_assert(kChunks % kThreads == 0, "whole chunks per thread");
+#pragma unroll
+  for (int i = 0; i < kChunks / kThreads; ++i) {
+    const int chunk = threadIdx.x + i * kThreads;
+    const int r = chunk / kKGroups, c = chunk % kKGroups;
+    const bool valid = r0 + r < max_r && k0 + c * 8 < max_k;
+    const __nv_bfloat16* src = valid ? g + int64_t{r0 + r} * ld + (k0 + c * 8) : g;
+    CpAsync16(smem + (r / 8) * kAtom + (r % 8) * 128 + ((c ^ (r % 8)) * 16), src, valid);
+  }
+}
+
+// MN-major k rows [k0, k0 + 64) x columns [c0, c0 + kCols) of a row-major [max_k][max_c]
+// matrix.
+template <int kCols, int kThreads>
+__device__ __forceinline__ void LoadMnMajor(unsigned char* smem, const __nv_bfloat16* g, int ld,
+                                            int k0, int c0, int max_k, int max_c) {
+  constexpr int kPerRow = kCols / 8;
+  constexpr int kChunks = kBk * kPerRow;
+  static_assert(kChunks % kThreads == 0, "whole chunks per thread");
+#pragma unroll
+  for (int i = 0; i < kChunks / kThreads; ++i) {
+    const int chunk = threadIdx.x + i * kThreads;
+    const int k = chunk / kPerRow, c = chunk % kPerRow;
+    const bool valid = k0 + k < max_k && c0 + c * 8 < max_c;
+    const __nv_bfloat16* src = valid ? g + int64_t{k0 + k} * ld + (c0 + c * 8) : g;
+    CpAsync16(
+        smem + ((c / 8) * kKGroups + k / 8) * kAtom + (k % 8) * 128 + (((c % 8) ^ (k % 8)) * 16),
+        src, valid);
+  }
+}
+
+template <typename T, bool kTa, bool kTb>
+__device__ __forceinline__ void LoadStage(unsigned char* stage, const KernelProblem& p, int m0,
+                                          int n0, int k0) {
+  if (kTa) {  // A stored [k][m]
+    LoadMnMajor<T::kBm, T::kThreads>(stage, p.a, p.lda, k0, m0, p.k, p.m);
+  } else {  // A stored [m][k]
+    LoadKMajor<T::kBm, T::kThreads>(stage, p.a, p.lda, m0, k0, p.m, p.k);
+  }
+  if (kTb) {  // B stored [n][k]
+    LoadKMajor<T::kBn, T::kThreads>(stage + T::kABytes, p.b, p.ldb, n0, k0, p.n, p.k);
+  } else {  // B stored [k][n]
+    LoadMnMajor<T::kBn, T::kThreads>(stage + T::kABytes, p.b, p.ldb, k0, n0, p.k, p.n);
+  }
+}
+
+// A shared-memory matrix descriptor: start address, leading and stride byte offsets (each
+// in 16-byte units, 14 bits), 128-byte swizzle.
+__device__ __forceinline__ uint64_t Descriptor(const unsigned char* smem, uint32_t leading,
+                                               uint32_t stride) {
+  const uint32_t address = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
+  return uint64_t{(address >> 4) & 0x3FFF} | (uint64_t{(leading >> 4) & 0x3FFF} << 16) |
+         (uint64_t{(stride >> 4) & 0x3FFF} << 32) | (uint64_t{1} << 62);
+}
+
+// The descriptor of an operand's rows (m of A, n of B) from `first` on, k16 slice kk.
+// K-major: the 8-row atoms 1024 bytes apart (the leading offset is unused with a swizzle
+// this wide). MN-major: k groups 1024 bytes apart, 64-column blocks 8 KiB apart.
+template <bool kMnMajor>
+__device__ __forceinline__ uint64_t OperandDescriptor(const unsigned char* tile, int first,
+                                                      int kk) {
+  if (kMnMajor) {
+    return Descriptor(tile + ((first / 64) * kKGroups + kk * 2) * kAtom, kKGroups * kAtom, kAtom);
+  }
+  return Descriptor(tile + (first / 8) * kAtom + kk * 32, 16, kAtom);
+}
+
+__device__ __forceinline__ void WgmmaFence() {
+  asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+}
+__device__ __forceinline__ void WgmmaCommit() {
+  asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+}
+template <int N>
+__device__ __forceinline__ void WgmmaWait() {
+  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
+}
+// Makes this thread's shared-memory writes (its cp.async copies) visible to wgmma.
+__device__ __forceinline__ void FenceAsyncShared() {
+  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+}
+// Keeps the compiler from moving accesses of the accumulators across a wgmma fence or wait.
+template <int N>
+__device__ __forceinline__ void FenceAccumulators(float (&d)[N]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) asm volatile("" : "+f"(d[i])::"memory");
+}
+
+// d (64 rows x 128 columns, fp32) += A (64 x 16) B (16 x 128), both from shared memory;
+// kTransA / kTransB: the operand is MN-major.
+template <int kTransA, int kTransB>
+__device__ __forceinline__ void Wgmma64x128(float (&d)[64], uint64_t a, uint64_t b) {
+  asm volatile(
+      "{\n"
+      ".reg .pred p;\n"
+      "setp.ne.b32 p, %66, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, "
+      "%20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, "
+      "%38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, "
+      "%56, %57, %58, %59, %60, %61, %62, %63}, %64, %65, p, 1, 1, %67, %68;\n"
+      "}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]),
+        "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]),
+        "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]),
+        "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]),
+        "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]),
+        "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]),
+        "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]),
+        "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+        "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]),
+        "+f"(d[63])
+      : "l"(a), "l"(b), "r"(1), "n"(kTransA), "n"(kTransB));
+}
+
+template <typename T, bool kTa, bool kTb>
+__device__ __forceinline__ void RunTile(const KernelProblem& p, int64_t tile, unsigned char* smem) {
+  const int m0 = static_cast<int>(tile / p.tiles_n) * T::kBm;
+  const int n0 = static_cast<int>(tile % p.tiles_n) * T::kBn;
+  const int wg = threadIdx.x / 128;
+  float acc[T::kHalves][64];
+#pragma unroll
+  for (int h = 0; h < T::kHalves; ++h) {
+#pragma unroll
+    for (int i = 0; i < 64; ++i) acc[h][i] = 0.0f;
+    FenceAccumulators(acc[h]);
+  }
+  const int steps = (p.k + kBk - 1) / kBk;
+  constexpr int kStages = T::kStages;
+#pragma unroll
+  for (int s = 0; s < kStages - 2; ++s) {
+    if (s < steps) LoadStage<T, kTa, kTb>(smem + s * T::kStageBytes, p, m0, n0, s * kBk);
+    CpAsyncCommit();  // empty groups keep the count uniform
+  }
+  for (int step = 0; step < steps; ++step) {
+    CpAsyncWait<kStages - 3>();  // step's group has landed (for this thread)
+    FenceAsyncShared();
+    __syncthreads();  // for every thread; and each warpgroup's MMAs of step - 2 are done
+    const int next = step + kStages - 2;
+    if (next < steps) {
+      LoadStage<T, kTa, kTb>(smem + (next % kStages) * T::kStageBytes, p, m0, n0, next * kBk);
+    }
+    CpAsyncCommit();
+    const unsigned char* stage = smem + (step % kStages) * T::kStageBytes;
+    WgmmaFence();
+#pragma unroll
+    for (int kk = 0; kk < kBk / 16; ++kk) {
+      const uint64_t a = OperandDescriptor<kTa>(stage, wg * 64, kk);
+#pragma unroll
+      for (int h = 0; h < T::kHalves; ++h) {
+        Wgmma64x128<kTa ? 1 : 0, kTb ? 0 : 1>(
+            acc[h], a, OperandDescriptor<!kTb>(stage + T::kABytes, h * 128, kk));
+      }
+    }
+    WgmmaCommit();
+    WgmmaWait<1>();  // this warpgroup's MMAs of step - 1 are done
+  }
+  WgmmaWait<0>();
+  CpAsyncWait<0>();
+  // The accumulators as mma.sync's m16n8 blocks: warp w of the warpgroup holds rows
+  // [16w, 16w + 16), acc[h][4j + e] the n8 block j of half h (rows g and g + 8).
+  const int warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+  const int row = m0 + wg * 64 + warp * 16 + g;
+#pragma unroll
+  for (int h = 0; h < T::kHalves; ++h) {
+    FenceAccumulators(acc[h]);
+#pragma unroll
+    for (int j = 0; j < 16; ++j) {
+      const int col = n0 + h * 128 + j * 8 + 2 * t;
+      StoreFragment(p, row, col, acc[h][4 * j], acc[h][4 * j + 1]);
+      StoreFragment(p, row + 8, col, acc[h][4 * j + 2], acc[h][4 * j + 3]);
+    }
+  }
+}
+#endif  // PITH_WGMMA
+
+template <typename T>
+__global__ void __launch_bounds__(T::kThreads, 1)
+    WgmmaGemmKernel(const KernelProblem* __restrict__ problems, int count) {
+#if PITH_WGMMA
+  extern __shared__ __align__(1024) unsigned char shared_raw[];
+  // The swizzle works on address bits: atoms must start 1024-byte aligned, which the
+  // dynamic window does not promise.
+  const uint32_t raw = static_cast<uint32_t>(__cvta_generic_to_shared(shared_raw));
+  unsigned char* smem = shared_raw + (kAtom - raw % kAtom) % kAtom;
+  const int64_t tile = blockIdx.x;
+  const KernelProblem p = problems[FindProblem(problems, count, tile)];
+  const int64_t local = tile - p.first_tile;
+  switch (p.flags & (kTransA | kTransB)) {
+    case 0:
+      RunTile<T, false, false>(p, local, smem);
+      break;
+    case kTransA:
+      RunTile<T, true, false>(p, local, smem);
+      break;
+    case kTransB:
+      RunTile<T, false, true>(p, local, smem);
+      break;
+    default:
+      RunTile<T, true, true>(p, local, smem);
+      break;
+  }
+#endif
+}
+
+// 1 where this device runs the build's sm_90a code, 0 where it runs other code.
+__global__ void WgmmaProbe(int* out) { *out = PITH_WGMMA; }
+
+template <typename T>
+const void* KernelOf() {
+  return reinterpret_cast<const void*>(WgmmaGemmKernel<T>);
+}
+
+}  // namespace
+
+bool CudaBackend::KernelTileRuns(KernelTile tile) {
+  if (tile != KernelTile::kWgmma128x128 && tile != KernelTile::kWgmma128x256) return true;
+  if (wgmma_runs_ >= 0) return wgmma_runs_ == 1;
+  if (!Ready()) return false;
+  int major = 0, minor = 0, runs = 0;
+  int* flag = nullptr;
+  // The probe's own failures (a device without the code) are not the backend's: cleared.
+  const bool asked =
+      cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device_) == cudaSuccess &&
+      cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device_) == cudaSuccess &&
+      major == 9 && minor == 0 && cudaMalloc(&flag, sizeof(int)) == cudaSuccess;
+  if (asked) {
+    WgmmaProbe<<<1, 1, 0, S(stream_)>>>(flag);
+    if (cudaGetLastError() != cudaSuccess ||
+        cudaMemcpyAsync(&runs, flag, sizeof(int), cudaMemcpyDeviceToHost, S(stream_)) !=
+            cudaSuccess ||
+        cudaStreamSynchronize(S(stream_)) != cudaSuccess) {
+      runs = 0;
+    }
+  }
+  if (flag != nullptr) cudaFree(flag);
+  cudaGetLastError();
+  wgmma_runs_ = runs == 1 ? 1 : 0;
+  return wgmma_runs_ == 1;
+}
+
+int CudaBackend::WgmmaBlocksPerSm(KernelTile tile) {
+  const bool wide = tile == KernelTile::kWgmma128x256;
+  const void* kernel = wide ? KernelOf<Wg128x256>() : KernelOf<Wg128x128>();
+  const int smem = wide ? Wg128x256::kSharedBytes : Wg128x128::kSharedBytes;
+  int blocks = 0;
+  if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem) !=
+          cudaSuccess ||
+      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, 256, smem) != cudaSuccess) {
+    cudaGetLastError();  // not sticky: a query's failure leaves the device usable
+    return 0;
+  }
+  return blocks;
+}
+
+bool CudaBackend::LaunchWgmma(const std::vector<Bf16Gemm>& problems, const char* op) {
+  const bool wide = kernel_tile_ == KernelTile::kWgmma128x256;
+  const KernelTable table =
+      UploadKernelTable(problems, 128, wide ? Wg128x256::kBn : Wg128x128::kBn, op);
+  const int smem = wide ? Wg128x256::kSharedBytes : Wg128x128::kSharedBytes;
+  if (table.count == 0 ||
+      !SetKernelSmem(wide ? KernelOf<Wg128x256>() : KernelOf<Wg128x128>(), smem, op)) {
+    return true;
+  }
+  const auto* t = static_cast<const KernelProblem*>(table.problems);
+  const auto tiles = static_cast<unsigned>(table.tiles);
+  if (wide) {
+    WgmmaGemmKernel<Wg128x256><<<tiles, Wg128x256::kThreads, smem, S(stream_)>>>(t, table.count);
+  } else {
+    WgmmaGemmKernel<Wg128x128><<<tiles, Wg128x128::kThreads, smem, S(stream_)>>>(t, table.count);
+  }
+  CountKernelLaunch(problems, op);
+  return true;
+}
+
+}  // namespace pith::cuda
