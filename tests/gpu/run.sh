@@ -127,6 +127,7 @@ for shape in qwen3-30b-a3b deepseek-v2-lite; do
       if ($4 == "bf16") pith16 = t
       if ($4 == "bf16_blobs") blobs = t
       if ($4 == "bf16_kernel") kern = t
+      if ($4 ~ /^bf16_wgmma/ && (wgmma == "" || t + 0 < wgmma + 0)) { wgmma = t; wgmma_tile = $4 }
     }
     $1 == "torch_moe" && $2 == s && $5 == "ms" {
       if ($3 == "loop_fp32") fp32 = $4
@@ -143,6 +144,7 @@ for shape in qwen3-30b-a3b deepseek-v2-lite; do
                               blobs, best / blobs
       if (kern != "") printf "; products through the grouped kernel %.2f ms (x%.2f)", \
                              kern, best / kern
+      if (wgmma != "") printf "; through %s %.2f ms (x%.2f)", wgmma_tile, wgmma, best / wgmma
       printf "\n"
     }' "$out/bench.log" "$out/torch.log" | tee -a "$out/torch.log"
 done

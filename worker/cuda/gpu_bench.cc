@@ -570,11 +570,20 @@ int RunLayerBf16(CudaBackend& b, const Shape& s, int64_t tokens, int iters) {
   return LayerLines(b, s, tokens, iters, "bf16_blobs", /*blobs=*/true) > 0 ? 0 : 1;
 }
 
-// The bf16 layer with its expert products through the grouped kernel.
+// The bf16 layer with its expert products through the grouped kernel: mma.sync's default
+// tile, then the wgmma tiles where the device runs them.
 int RunLayerBf16Kernel(CudaBackend& b, const Shape& s, int64_t tokens, int iters) {
   if (!b.SetComputeDtype(ComputeDtype::kBf16).ok()) return 1;
   b.set_bf16_products(CudaBackend::Bf16Products::kKernel);
-  return LayerLines(b, s, tokens, iters, "bf16_kernel") > 0 ? 0 : 1;
+  using Tile = CudaBackend::KernelTile;
+  for (auto [tile, name] : {std::pair{Tile::k128x128, "bf16_kernel"},
+                            std::pair{Tile::kWgmma128x128, "bf16_wgmma_128x128"},
+                            std::pair{Tile::kWgmma128x256, "bf16_wgmma_128x256"}}) {
+    if (!b.KernelTileRuns(tile)) continue;
+    b.set_kernel_tile(tile);
+    if (LayerLines(b, s, tokens, iters, name) <= 0) return 1;
+  }
+  return 0;
 }
 
 // Expert fetches to the device: one round of uploads of a bf16 weights blob into every
