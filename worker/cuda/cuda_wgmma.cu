@@ -5,14 +5,9 @@
 // One CTA of two warpgroups per 128 x 128 (or 128 x 256) output tile of any problem, each
 // warpgroup 64 rows of it; k in steps of 64 through a cp.async pipeline of kStages stages
 // in shared memory. Each operand's stage is stored as wgmma reads it without a transpose
-// of ours: 1024-byte swizzle atoms of 8 rows of 128 bytes, 16-byte chunk c of row r at
-// chunk c ^ r (the 128-byte swizzle).
-//   K-major (A stored [m][k], B stored [n][k]): a row per m (or n), its 64 k in one atom row;
-//     the atoms of 8 rows follow each other (stride 1024 bytes); a k16 slice starts 32 bytes
-//     further into the row.
-//   MN-major (A stored [k][m], B stored [k][n]): a row per k, 64 of m (or n) in it; the atom
-//     of columns [64b, 64b + 64) and k rows [8j, 8j + 8) is block b * 8 + j (k groups 1024
-//     bytes apart, 64-column blocks 8 KiB apart); the instruction's transpose bit says so.
+// of ours, K-major or MN-major as the operand lies in memory (wgmma_layout.h, checked
+// against the PTX ISA's canonical layouts by wgmma_layout_test); the instruction's
+// transpose bit says which.
 // The pipeline: a stage's copies are waited for, fenced into the async proxy (wgmma reads
 // shared memory through it) and barriered; the warpgroups issue its four k16 MMAs and then
 // wait for the previous stage's, so that after the next barrier the stage two back is free
@@ -25,6 +20,7 @@
 
 #include "worker/cuda/cuda_backend.h"
 #include "worker/cuda/cuda_grouped.cuh"
+#include "worker/cuda/wgmma_layout.h"
 
 // wgmma and the async-proxy fence exist only in sm_90a code; elsewhere the kernel is an
 // empty stub that the host never launches (KernelTileRuns asks the probe).
@@ -41,8 +37,8 @@ using namespace grouped;  // NOLINT: the kernels' shared parts
 
 cudaStream_t S(CUstream_st* s) { return s; }
 
-constexpr int kBk = 64;      // k per stage: one 128-byte row of bf16
-constexpr int kAtom = 1024;  // bytes of a swizzle atom: 8 rows of 128 bytes
+using wgmma::kAtom;
+constexpr int kBk = wgmma::kStageK;
 
 template <int kBnT, int kStagesT>
 struct WgTile {
@@ -59,7 +55,7 @@ using Wg128x128 = WgTile<128, 5>;  // 161 KiB of shared memory
 using Wg128x256 = WgTile<256, 4>;  // 193 KiB
 
 #if PITH_WGMMA
-constexpr int kKGroups = kBk / 8;  // 8-row groups of k in a stage
+using wgmma::kKGroups;
 
 // K-major rows [r0, r0 + kRows) x k [k0, k0 + 64) of a row-major [max_r][max_k] matrix.
 template <int kRows, int kThreads>
@@ -73,7 +69,7 @@ __device__ __forceinline__ void LoadKMajor(unsigned char* smem, const __nv_bfloa
     const int r = chunk / kKGroups, c = chunk % kKGroups;
     const bool valid = r0 + r < max_r && k0 + c * 8 < max_k;
     const __nv_bfloat16* src = valid ? g + int64_t{r0 + r} * ld + (k0 + c * 8) : g;
-    CpAsync16(smem + (r / 8) * kAtom + (r % 8) * 128 + ((c ^ (r % 8)) * 16), src, valid);
+    CpAsync16(smem + wgmma::KMajorOffset(r, c * 8), src, valid);
   }
 }
 
@@ -91,9 +87,7 @@ __device__ __forceinline__ void LoadMnMajor(unsigned char* smem, const __nv_bflo
     const int k = chunk / kPerRow, c = chunk % kPerRow;
     const bool valid = k0 + k < max_k && c0 + c * 8 < max_c;
     const __nv_bfloat16* src = valid ? g + int64_t{k0 + k} * ld + (c0 + c * 8) : g;
-    CpAsync16(
-        smem + ((c / 8) * kKGroups + k / 8) * kAtom + (k % 8) * 128 + (((c % 8) ^ (k % 8)) * 16),
-        src, valid);
+    CpAsync16(smem + wgmma::MnMajorOffset(c * 8, k), src, valid);
   }
 }
 
@@ -112,25 +106,13 @@ __device__ __forceinline__ void LoadStage(unsigned char* stage, const KernelProb
   }
 }
 
-// A shared-memory matrix descriptor: start address, leading and stride byte offsets (each
-// in 16-byte units, 14 bits), 128-byte swizzle.
-__device__ __forceinline__ uint64_t Descriptor(const unsigned char* smem, uint32_t leading,
-                                               uint32_t stride) {
-  const uint32_t address = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
-  return uint64_t{(address >> 4) & 0x3FFF} | (uint64_t{(leading >> 4) & 0x3FFF} << 16) |
-         (uint64_t{(stride >> 4) & 0x3FFF} << 32) | (uint64_t{1} << 62);
-}
-
-// The descriptor of an operand's rows (m of A, n of B) from `first` on, k16 slice kk.
-// K-major: the 8-row atoms 1024 bytes apart (the leading offset is unused with a swizzle
-// this wide). MN-major: k groups 1024 bytes apart, 64-column blocks 8 KiB apart.
+// The descriptor of an operand's rows (m of A, n of B) from `first` on, k16 slice kk, in a
+// stage at `tile` (wgmma_layout.h).
 template <bool kMnMajor>
 __device__ __forceinline__ uint64_t OperandDescriptor(const unsigned char* tile, int first,
                                                       int kk) {
-  if (kMnMajor) {
-    return Descriptor(tile + ((first / 64) * kKGroups + kk * 2) * kAtom, kKGroups * kAtom, kAtom);
-  }
-  return Descriptor(tile + (first / 8) * kAtom + kk * 32, 16, kAtom);
+  const wgmma::DescriptorParts d = wgmma::OperandDescriptor(kMnMajor, first, kk);
+  return wgmma::Descriptor(static_cast<uint32_t>(__cvta_generic_to_shared(tile + d.start)), d);
 }
 
 __device__ __forceinline__ void WgmmaFence() {
