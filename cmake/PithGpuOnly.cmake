@@ -71,6 +71,7 @@ pith_add_test(worker/cuda/cuda_backend_test.cc DEPS pith_cuda LABELS gpu)
 pith_add_test(worker/cuda/device_slots_test.cc DEPS pith_cuda LABELS gpu)
 pith_add_test(worker/cuda/nccl_group_test.cc DEPS pith_cuda LABELS gpu)
 pith_add_test(worker/cuda/grouped_gemm_test.cc DEPS pith_cuda LABELS gpu)
+pith_mark_sm90a(grouped_gemm_test)
 pith_add_test(worker/cuda/cuda_training_test.cc DEPS pith_cuda pith_model LABELS gpu TIMEOUT 300)
 pith_add_test(worker/backend/backend_select_test.cc DEPS pith_backend_select LABELS gpu)
 

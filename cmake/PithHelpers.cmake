@@ -35,3 +35,11 @@ function(pith_add_library name)
   target_link_libraries(${name} PUBLIC ${ARG_PUBLIC_DEPS} PRIVATE ${ARG_DEPS})
   pith_target_warnings(${name})
 endfunction()
+
+# Tells `target` (a GPU test) that the build carries sm_90a code, so that on an sm_90 device
+# it can insist that the code runs there (grouped_gemm_test).
+function(pith_mark_sm90a target)
+  if(CMAKE_CUDA_ARCHITECTURES MATCHES "90a")
+    target_compile_definitions(${target} PRIVATE PITH_BUILT_SM90A)
+  endif()
+endfunction()

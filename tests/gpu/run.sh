@@ -152,6 +152,8 @@ done
 echo "SUMMARY: build $((built - start)) s, tests $((tested - built)) s (rc $tests_rc), bench" \
      "$((end - tested)) s (rc $bench_rc), total $((end - start)) s"
 grep -E "tests passed|tests failed|compute-sanitizer" "$out/ctest.log" | sed 's/^/SUMMARY: /'
+# ptxas' word when it had to serialize the wgmma kernel's MMAs (right, but slow).
+grep -E "wgmma.*serialized|C75[0-9][0-9]" "$out/build.log" | sort -u | head -3 | sed 's/^/SUMMARY: /'
 grep -E "^(expert_|moe_layer)" "$out/bench.log" | sed 's/^/SUMMARY: /'
 grep -E "^moe_layer_vs_torch|failed|unavailable|skipped" "$out/torch.log" | sed 's/^/SUMMARY: /'
 grep -E "^SUMMARY|skipped" "$out/cluster.log" | sed 's/^SUMMARY: //; s/^/SUMMARY: cluster: /'

@@ -192,6 +192,8 @@ __device__ __forceinline__ void RunTile(const KernelProblem& p, int64_t tile, un
     }
     CpAsyncCommit();
     const unsigned char* stage = smem + (step % kStages) * T::kStageBytes;
+#pragma unroll
+    for (int h = 0; h < T::kHalves; ++h) FenceAccumulators(acc[h]);
     WgmmaFence();
 #pragma unroll
     for (int kk = 0; kk < kBk / 16; ++kk) {
@@ -204,6 +206,8 @@ __device__ __forceinline__ void RunTile(const KernelProblem& p, int64_t tile, un
     }
     WgmmaCommit();
     WgmmaWait<1>();  // this warpgroup's MMAs of step - 1 are done
+#pragma unroll
+    for (int h = 0; h < T::kHalves; ++h) FenceAccumulators(acc[h]);
   }
   WgmmaWait<0>();
   CpAsyncWait<0>();
@@ -228,7 +232,9 @@ template <typename T>
 __global__ void __launch_bounds__(T::kThreads, 1)
     WgmmaGemmKernel(const KernelProblem* __restrict__ problems, int count) {
 #if PITH_WGMMA
-  extern __shared__ __align__(1024) unsigned char shared_raw[];
+  // Declared with 16-byte alignment only, so that the compiler cannot assume the 1024 the
+  // code below makes sure of.
+  extern __shared__ __align__(16) unsigned char shared_raw[];
   // The swizzle works on address bits: atoms must start 1024-byte aligned, which the
   // dynamic window does not promise.
   const uint32_t raw = static_cast<uint32_t>(__cvta_generic_to_shared(shared_raw));

@@ -6,6 +6,8 @@
 // FFN in the bf16 compute dtype, which must give the fan-out's results through the kernel
 // and fall back to the fan-out where the kernel cannot load a phase. Skipped without a
 // CUDA device.
+#include <cuda_runtime.h>
+
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
@@ -45,8 +47,9 @@ class GroupedGemmTest : public testing_support::CudaTest {
   }
   // Every case of EveryTransposeShapeAndOutputMatchesTheCpu in one launch, checked.
   void CheckCases();
-  // Products with the identity, each transpose; `tile` names the shape in failures.
-  void CheckIdentity(int tile);
+  // Products of n x n with the identity, each transpose; `tile` names the shape in
+  // failures.
+  void CheckIdentity(int tile, int n);
 };
 
 struct Case {
@@ -144,15 +147,17 @@ void GroupedGemmTest::CheckCases() {
 // A product with the identity gives the other operand back exactly, for every transpose:
 // where it does not, the values (small integers, each naming its source element) show
 // which element went where, the first thing to read if the kernel's fragments are wrong.
+// 48: within one tile, not a multiple of the 16 x 64 warp blocks; 160: past 128 rows and
+// columns (the wgmma kernel's second warpgroup and second 128-column half, a second tile
+// of the others) and three k steps of 64.
 TEST_F(GroupedGemmTest, TheIdentityGivesTheOtherOperandBackForEveryTranspose) {
   for (CudaBackend::KernelTile tile : Tiles()) {
     gpu_->set_kernel_tile(tile);
-    CheckIdentity(static_cast<int>(tile));
+    for (int n : {48, 160}) CheckIdentity(static_cast<int>(tile), n);
   }
 }
 
-void GroupedGemmTest::CheckIdentity(int tile) {
-  constexpr int kN = 48;  // within one tile, not a multiple of 16 x 64 warp blocks
+void GroupedGemmTest::CheckIdentity(int tile, int kN) {
   Vec operand(kN * kN), identity(kN * kN, 0.0f);
   for (int i = 0; i < kN * kN; ++i) operand[i] = static_cast<float>(i % 251 - 125);  // exact
   for (int i = 0; i < kN; ++i) identity[i * kN + i] = 1.0f;
@@ -176,8 +181,8 @@ void GroupedGemmTest::CheckIdentity(int tile) {
     int shown = 0;
     for (int i = 0; i < kN * kN && shown < 8; ++i) {
       if (got[i] == want[i]) continue;
-      ADD_FAILURE() << "tile shape " << tile << ", trans_a " << ta << " trans_b " << tb
-                    << " identity " << (identity_left ? "left" : "right") << ": C[" << i / kN
+      ADD_FAILURE() << "tile shape " << tile << ", n " << kN << ", trans_a " << ta << " trans_b "
+                    << tb << " identity " << (identity_left ? "left" : "right") << ": C[" << i / kN
                     << "][" << i % kN << "] = " << got[i] << ", want " << want[i];
       ++shown;
     }
@@ -265,6 +270,22 @@ TEST_F(GroupedGemmTest, EpiloguesMatchTheCpusPasses) {
       ExpectClose("gelu' in bf16", widen(cb2), grad, 1.0 / 128);
     }
   }
+  // k = 0: no k step, the epilogue on beta C alone (here C + b1).
+  for (CudaBackend::KernelTile tile : Tiles()) {
+    SCOPED_TRACE(testing::Message() << "k = 0, tile shape " << static_cast<int>(tile));
+    gpu_->set_kernel_tile(tile);
+    const Vec start = Random(m * n, 5);
+    Vec want = start;
+    for (int r = 0; r < m; ++r) {
+      for (int c = 0; c < n; ++c) want[r * n + c] += bias[c];
+    }
+    float* dc = Up(start);
+    CudaBackend::Bf16Gemm empty{false, false, m, n, 0, da, 8, db, n, 1.0f, dc, n, true};
+    empty.epilogue.bias = Up(bias);
+    ASSERT_TRUE(gpu_->KernelGemmBf16({empty}, "k = 0 with an epilogue"));
+    ASSERT_TRUE(gpu_->Synchronize().ok()) << gpu_->status();
+    ExpectClose("C + bias", Down(dc, m * n), want);
+  }
   const CudaBackend::Bf16Gemm with_epilogue{false, false,   8, 8,    8,    nullptr,   8, nullptr, 8,
                                             0.0f,  nullptr, 8, true, 1.0f, {Up(bias)}};
   EXPECT_FALSE(CudaBackend::KernelTakes({false, false, 8, 8, 8, da, 8, db, 8, 0.0f,
@@ -341,11 +362,30 @@ TEST_F(GroupedFfnTest, ThroughTheWgmmaKernelItMatchesTheFanOut) {
     GTEST_SKIP() << "the wgmma kernel needs an sm_90 device and the build's sm_90a code";
   }
   const std::vector<Vec> fan = Ffn(128, CudaBackend::Bf16Products::kFanOut);
-  gpu_->set_kernel_tile(CudaBackend::KernelTile::kWgmma128x128);
-  const uint64_t before = gpu_->kernel_launches();
-  const std::vector<Vec> kernel = Ffn(128, CudaBackend::Bf16Products::kKernel);
-  EXPECT_EQ(gpu_->kernel_launches() - before, 4u);
-  ExpectSame(kernel, fan);
+  for (CudaBackend::KernelTile tile :
+       {CudaBackend::KernelTile::kWgmma128x128, CudaBackend::KernelTile::kWgmma128x256}) {
+    SCOPED_TRACE(testing::Message() << "tile shape " << static_cast<int>(tile));
+    gpu_->set_kernel_tile(tile);
+    const uint64_t before = gpu_->kernel_launches();
+    const std::vector<Vec> kernel = Ffn(128, CudaBackend::Bf16Products::kKernel);
+    EXPECT_EQ(gpu_->kernel_launches() - before, 4u);
+    ExpectSame(kernel, fan);
+  }
+}
+
+// A build with sm_90a code runs the wgmma kernel on every sm_90 device: were the probe or
+// the build to lose it, every test above would skip its wgmma tiles and pass.
+TEST_F(GroupedGemmTest, AnSm90aBuildRunsTheWgmmaKernelOnSm90) {
+#ifndef PITH_BUILT_SM90A
+  GTEST_SKIP() << "this build has no sm_90a code";
+#else
+  int major = 0, minor = 0;
+  ASSERT_EQ(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, 0), cudaSuccess);
+  ASSERT_EQ(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, 0), cudaSuccess);
+  if (major != 9 || minor != 0) GTEST_SKIP() << "sm_" << major << minor << ", not sm_90";
+  EXPECT_TRUE(gpu_->KernelTileRuns(CudaBackend::KernelTile::kWgmma128x128));
+  EXPECT_TRUE(gpu_->KernelTileRuns(CudaBackend::KernelTile::kWgmma128x256));
+#endif
 }
 
 // A hidden size of 100 leaves rows of h that are not whole 16-byte chunks: every phase
