@@ -121,9 +121,10 @@ void AbortWatch::Watch() {
   while (!done_) {
     if (stopping()) {
       // Every attempt from now on is abandoned: the run ends at its next wait on a peer.
-      const int64_t version = version_.load();
-      abandon_(static_cast<uint64_t>(version));
-      while (!done_ && version_.load() == version) pause(kAbortWatchIdle);
+      // Again and again: a watch started before the run's setup joined its peer group
+      // abandons an attempt the group has not started yet, which the join then starts.
+      abandon_(static_cast<uint64_t>(version_.load()));
+      pause(kAbortWatchIdle);
       continue;
     }
     v1::WaitStepRequest req;

@@ -89,11 +89,12 @@ class CoordinatorLink {
   bool cancelled_ ABSL_GUARDED_BY(mu_) = false;
 };
 
-// While a step runs, asks the coordinator whether its attempt was aborted (a peer or
-// store died): then `abandon(version)` ends every wait on a peer at once instead of
-// timing out. So does `stop` (may be null; this process is stopping, SIGTERM), within
-// kAbortPollDeadline, whether or not the coordinator answers: a stopping worker does not
-// wait out a peer that waits for it.
+// While a run sets up and its steps run, asks the coordinator whether its attempt was
+// aborted (a peer or store died): then `abandon(version)` ends every wait on a peer at
+// once instead of timing out. So does `stop` (may be null; this process is stopping,
+// SIGTERM), within kAbortPollDeadline, whether or not the coordinator answers, and every
+// kAbortWatchIdle after that, so that an attempt started after the stop is abandoned too:
+// a stopping worker does not wait out a peer that waits for it.
 class AbortWatch {
  public:
   AbortWatch(CoordinatorLink* link, std::string job_id, int64_t step, int64_t version,

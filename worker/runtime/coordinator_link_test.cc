@@ -77,5 +77,26 @@ TEST_F(CoordinatorLinkTest, CancelEndsTheCallInFlightAndEveryLaterOne) {
   EXPECT_LT(absl::Now() - start, absl::Seconds(2));
 }
 
+// A stop before the run's peer group started its attempt (SIGTERM during the setup, before
+// the join) still ends that attempt's waits once the join starts it: the watch keeps
+// abandoning the attempt it watches for as long as it stops.
+TEST_F(CoordinatorLinkTest, AStoppingWatchAbandonsAnAttemptStartedAfterTheStop) {
+  CoordinatorLink link(stub_.get(), "worker-0");
+  std::atomic<uint64_t> current{3};  // the peer group's attempt: the previous run's
+  std::atomic<bool> abandoned{false}, stop{true};
+  AbortWatch watch(
+      &link, "job", /*step=*/0, /*version=*/7,
+      [&](uint64_t version) {
+        if (current.load() == version) abandoned = true;
+      },
+      &stop);
+  absl::SleepFor(absl::Milliseconds(100));
+  EXPECT_FALSE(abandoned) << "attempt 3 is not the watched attempt 7";
+  current = 7;  // the join starts attempt 7
+  for (int i = 0; i < 200 && !abandoned; ++i) absl::SleepFor(absl::Milliseconds(5));
+  EXPECT_TRUE(abandoned) << "attempt 7 went on after the stop";
+  EXPECT_EQ(service_.calls, 0) << "a stopping watch asks the coordinator nothing";
+}
+
 }  // namespace
 }  // namespace pith::runtime

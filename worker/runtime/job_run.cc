@@ -25,6 +25,14 @@ JobRun::~JobRun() {
 
 absl::Status JobRun::Run(const std::atomic<bool>& stop) {
   stop_ = &stop;
+  // Watching from before the setup: its waits on peers (the device group's id, which
+  // rank 0 may be slow to send) end at a stop or an abort instead of their timeouts.
+  watch_ = std::make_unique<AbortWatch>(
+      link_, job_id_, /*step=*/0, a_.assignment_version(),
+      [this](uint64_t version) {
+        if (peers_->AbandonAttempt(version)) device_group_.Abort();
+      },
+      &stop);
   absl::Status s = Setup();
   if (!s.ok() && stop) return s;  // what the stop interrupted is no failure of the job
   if (!s.ok()) {
@@ -33,12 +41,6 @@ absl::Status JobRun::Run(const std::atomic<bool>& stop) {
                          /*fatal=*/!can_run_);
     return s;
   }
-  watch_ = std::make_unique<AbortWatch>(
-      link_, job_id_, /*step=*/0, a_.assignment_version(),
-      [this](uint64_t version) {
-        if (peers_->AbandonAttempt(version)) device_group_.Abort();
-      },
-      &stop);
   return RunSteps(*this, a_.committed_step(), a_.spec().train().steps(), stop);
 }
 
