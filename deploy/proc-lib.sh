@@ -9,13 +9,18 @@ export TMPDIR=$E2E_TMP
 
 cleanup() {
   for pid in "${PIDS[@]}"; do kill -9 "$pid" 2>/dev/null || true; done
-  rm -rf "$E2E_TMP"
+  # E2E_KEEP=1 keeps the folder (logs, data) of a run to read after it.
+  if [[ ${E2E_KEEP:-0} == 1 ]]; then echo "kept $E2E_TMP" >&2; else rm -rf "$E2E_TMP"; fi
 }
 trap cleanup EXIT
 
+# The logs' tails: the test's own processes', and those of a cluster it keeps in a folder
+# of its own (pith up's DIR/NAME.log).
 fail() {
   echo "FAIL: $*" >&2
-  for f in "$E2E_TMP"/*.log; do [[ -f $f ]] && { echo "--- $f" >&2; tail -n 20 "$f" >&2; }; done
+  for f in "$E2E_TMP"/*.log "$E2E_TMP"/*/*.log; do
+    [[ -f $f ]] && { echo "--- $f" >&2; tail -n 20 "$f" >&2; }
+  done
   exit 1
 }
 

@@ -77,6 +77,10 @@ struct SchedulerOptions {
   Membership::Clock clock = [] { return absl::Now(); };
 };
 
+// After a coordinator restart, how long a running job waits at least for its stores to
+// register again before it gives up the missing ones (Scheduler::Gone).
+inline constexpr absl::Duration kStoreRestartGrace = absl::Seconds(30);
+
 class Scheduler {
  public:
   // Whether a job of `spec` trains on CUDA workers only (bf16).
@@ -229,7 +233,10 @@ class Scheduler {
 
   // scheduling.cc: the tick's steps and the repair of a job's assignment.
   // Whether a member that is not alive is gone for good: known dead, or still unknown
-  // once members had time to register again after a restart (3 leases).
+  // once members had time to register again after a restart: 3 leases for a worker, and
+  // for a store at least kStoreRestartGrace (a store may hold a group's only copy: taking
+  // it for gone fails the job, and a whole cluster restarted at once, on a busy machine,
+  // can take longer than 3 leases to bring its stores back).
   bool Gone(const Alive& alive, const std::string& id, bool store) const;
   // Every running job: ended ones are released, decided commits queued, and the
   // assignments of jobs that lost (or can gain) members repaired.

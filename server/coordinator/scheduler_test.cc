@@ -861,6 +861,47 @@ TEST_F(SchedulerTest, ARestartWaitsThreeLeasesForAMissingWorkerThenReplacesIt) {
   CommitStep(job.job_id(), 1, {w0, spare});
 }
 
+// A job with one copy of its data, after a whole-cluster restart on a busy machine: its
+// workers are back at once, its store only after 15 s. Taken for gone after 3 leases
+// (9 s), the store would fail the job ("every store copy ... was lost"); a store is waited
+// for kStoreRestartGrace (30 s), and the job goes on. So does one whose second worker
+// never comes back: the repair waits for the store rather than take it for lost.
+class StoreRestartTest : public SchedulerTest {
+ protected:
+  void StoreBackAfter15s(bool worker_lost) {
+    const v1::Job job = Submit(2, 300, /*replicas=*/1);
+    const std::string s0 = Join(v1::MEMBER_ROLE_STORE);
+    const std::string w0 = Join(v1::MEMBER_ROLE_WORKER), w1 = Join(v1::MEMBER_ROLE_WORKER);
+    scheduler_->Tick();
+    CommitStep(job.job_id(), 0, {w0, w1});
+
+    Open();  // the coordinator restarts; the workers register again, the store not yet
+    std::vector<std::string> back = {w0};
+    if (!worker_lost) back.push_back(w1);
+    for (const std::string& w : back) Join(v1::MEMBER_ROLE_WORKER, w);
+    for (int seconds = 3; seconds <= 15; seconds += 3) {
+      now_ += absl::Seconds(3);
+      for (const std::string& w : back) ASSERT_TRUE(members_->Heartbeat(w, {}).ok());
+      scheduler_->Tick();
+      ASSERT_EQ(Job(job.job_id()).state(), v1::JOB_STATE_RUNNING)
+          << "after " << seconds << " s: " << Job(job.job_id()).failure_reason();
+    }
+    Join(v1::MEMBER_ROLE_STORE, s0);  // at 15 s
+    for (const std::string& w : back) ASSERT_TRUE(members_->Heartbeat(w, {}).ok());
+    scheduler_->Tick();
+    ASSERT_EQ(Job(job.job_id()).state(), v1::JOB_STATE_RUNNING)
+        << Job(job.job_id()).failure_reason();
+    auto a = scheduler_->GetAssignment(w0);
+    ASSERT_TRUE(a.ok()) << a.status();
+    EXPECT_EQ(a->world(), worker_lost ? 1 : 2);
+    EXPECT_EQ(a->committed_step(), 0);
+    CommitStep(job.job_id(), 1, back);
+  }
+};
+
+TEST_F(StoreRestartTest, EveryWorkerBack) { StoreBackAfter15s(/*worker_lost=*/false); }
+TEST_F(StoreRestartTest, AWorkerLostToo) { StoreBackAfter15s(/*worker_lost=*/true); }
+
 // After a restart a CUDA job whose one worker died while the other has not registered
 // again yet takes no idle CPU worker: its recorded backend holds until that worker is back.
 TEST_F(SchedulerTest, ARestartedJobKeepsItsBackendBeforeItsWorkersReturn) {

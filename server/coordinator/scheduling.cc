@@ -16,7 +16,9 @@ namespace pith::coordinator {
 
 bool Scheduler::Gone(const Alive& alive, const std::string& id, bool store) const {
   if ((store ? alive.stores : alive.workers).count(id)) return false;
-  return alive.known.count(id) > 0 || options_.clock() > started_ + 3 * members_->lease();
+  if (alive.known.count(id) > 0) return true;
+  const absl::Duration leases = 3 * members_->lease();
+  return options_.clock() > started_ + (store ? std::max(leases, kStoreRestartGrace) : leases);
 }
 
 void Scheduler::Tick() {
@@ -112,17 +114,21 @@ void Scheduler::RepairRunLocked(const std::string& job_id, Run& run, const v1::J
     (Gone(alive, w, /*store=*/false) ? lost : kept).push_back(w);
     back &= alive.workers.count(w) > 0;
   }
-  bool stores_lost = false;
+  bool stores_lost = false, stores_awaited = false;
   for (const v1::ExpertPlacement& e : run.record.placement().experts()) {
     for (const auto* ids : {&e.store_ids(), &e.joining_store_ids()}) {
       for (const std::string& s : *ids) {
-        stores_lost |= Gone(alive, s, /*store=*/true);  // a lost store is not in `alive`
+        const bool gone = Gone(alive, s, /*store=*/true);  // a lost store is not in `alive`
+        stores_lost |= gone;
+        stores_awaited |= !gone && alive.stores.count(s) == 0;
         back &= alive.stores.count(s) > 0;
       }
     }
   }
   if (run.recovering) {
-    if (!back && lost.empty() && !stores_lost) return;  // still in the grace period
+    // Still in the grace period: members may come back. A worker gone meanwhile waits for
+    // the stores still awaited: the repair would take them for lost.
+    if (!back && (lost.empty() || stores_awaited) && !stores_lost) return;
     run.recovering = false;
     if (back) {
       run.verify_stores = true;
