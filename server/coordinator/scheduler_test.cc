@@ -902,6 +902,64 @@ class StoreRestartTest : public SchedulerTest {
 TEST_F(StoreRestartTest, EveryWorkerBack) { StoreBackAfter15s(/*worker_lost=*/false); }
 TEST_F(StoreRestartTest, AWorkerLostToo) { StoreBackAfter15s(/*worker_lost=*/true); }
 
+// Nor does another store's loss end the wait for one still awaited: two copies, one store
+// back and lost again (its lease lapses), the other back at 15 s; the job goes on from it.
+TEST_F(StoreRestartTest, AnotherStoreLostWhileOneIsAwaited) {
+  const v1::Job job = Submit(2, 300, /*replicas=*/2);
+  const std::string s0 = Join(v1::MEMBER_ROLE_STORE), s1 = Join(v1::MEMBER_ROLE_STORE);
+  const std::string w0 = Join(v1::MEMBER_ROLE_WORKER), w1 = Join(v1::MEMBER_ROLE_WORKER);
+  scheduler_->Tick();
+  CommitStep(job.job_id(), 0, {w0, w1});
+
+  Open();
+  for (const std::string& w : {w0, w1}) Join(v1::MEMBER_ROLE_WORKER, w);
+  Join(v1::MEMBER_ROLE_STORE, s1);  // back, then silent: dead at 3 s
+  for (int seconds = 3; seconds <= 15; seconds += 3) {
+    now_ += absl::Seconds(3);
+    for (const std::string& w : {w0, w1}) ASSERT_TRUE(members_->Heartbeat(w, {}).ok());
+    scheduler_->Tick();
+    ASSERT_EQ(Job(job.job_id()).state(), v1::JOB_STATE_RUNNING)
+        << "after " << seconds << " s: " << Job(job.job_id()).failure_reason();
+  }
+  Join(v1::MEMBER_ROLE_STORE, s0);
+  for (const std::string& w : {w0, w1}) ASSERT_TRUE(members_->Heartbeat(w, {}).ok());
+  scheduler_->Tick();
+  ASSERT_EQ(Job(job.job_id()).state(), v1::JOB_STATE_RUNNING) << Job(job.job_id()).failure_reason();
+  auto a = scheduler_->GetAssignment(w0);
+  ASSERT_TRUE(a.ok()) << a.status();
+  for (const v1::ExpertPlacement& e : a->placement().experts()) {
+    EXPECT_EQ(std::vector<std::string>(e.store_ids().begin(), e.store_ids().end()),
+              std::vector<std::string>{s0});
+  }
+  CommitStep(job.job_id(), 1, {w0, w1});
+}
+
+// The wait has an end: a store that never comes back is given up after the grace, and the
+// job, whose only copy it held, fails naming it.
+TEST_F(StoreRestartTest, AStoreThatNeverReturnsIsGivenUpAfterTheGrace) {
+  const v1::Job job = Submit(2, 300, /*replicas=*/1);
+  const std::string s0 = Join(v1::MEMBER_ROLE_STORE);
+  const std::string w0 = Join(v1::MEMBER_ROLE_WORKER), w1 = Join(v1::MEMBER_ROLE_WORKER);
+  scheduler_->Tick();
+  CommitStep(job.job_id(), 0, {w0, w1});
+
+  Open();
+  for (const std::string& w : {w0, w1}) Join(v1::MEMBER_ROLE_WORKER, w);
+  for (absl::Duration t = absl::Seconds(3); t <= kStoreRestartGrace + absl::Seconds(3);
+       t += absl::Seconds(3)) {
+    now_ += absl::Seconds(3);
+    for (const std::string& w : {w0, w1}) ASSERT_TRUE(members_->Heartbeat(w, {}).ok());
+    scheduler_->Tick();
+    if (t <= kStoreRestartGrace) {
+      ASSERT_EQ(Job(job.job_id()).state(), v1::JOB_STATE_RUNNING) << "after " << t;
+    }
+  }
+  const v1::Job ended = Job(job.job_id());
+  EXPECT_EQ(ended.state(), v1::JOB_STATE_FAILED);
+  EXPECT_NE(ended.failure_reason().find("held by " + s0), std::string::npos)
+      << ended.failure_reason();
+}
+
 // After a restart a CUDA job whose one worker died while the other has not registered
 // again yet takes no idle CPU worker: its recorded backend holds until that worker is back.
 TEST_F(SchedulerTest, ARestartedJobKeepsItsBackendBeforeItsWorkersReturn) {

@@ -126,9 +126,10 @@ void Scheduler::RepairRunLocked(const std::string& job_id, Run& run, const v1::J
     }
   }
   if (run.recovering) {
-    // Still in the grace period: members may come back. A worker gone meanwhile waits for
-    // the stores still awaited: the repair would take them for lost.
-    if (!back && (lost.empty() || stores_awaited) && !stores_lost) return;
+    // Still in the grace period: members may come back. While a store is awaited nothing
+    // ends it (a worker or another store gone meanwhile): the repair would take the
+    // awaited store for lost, and with it maybe a group's last copy.
+    if (!back && (stores_awaited || (lost.empty() && !stores_lost))) return;
     run.recovering = false;
     if (back) {
       run.verify_stores = true;

@@ -95,7 +95,6 @@ TEST_F(CoordinatorLinkTest, AStoppingWatchAbandonsAnAttemptStartedAfterTheStop) 
   current = 7;  // the join starts attempt 7
   for (int i = 0; i < 200 && !abandoned; ++i) absl::SleepFor(absl::Milliseconds(5));
   EXPECT_TRUE(abandoned) << "attempt 7 went on after the stop";
-  EXPECT_EQ(service_.calls, 0) << "a stopping watch asks the coordinator nothing";
 }
 
 }  // namespace

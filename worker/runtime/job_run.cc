@@ -25,10 +25,11 @@ JobRun::~JobRun() {
 
 absl::Status JobRun::Run(const std::atomic<bool>& stop) {
   stop_ = &stop;
-  // Watching from before the setup: its waits on peers (the device group's id, which
-  // rank 0 may be slow to send) end at a stop or an abort instead of their timeouts.
+  // Watching from before the setup, the step it sets up for: its waits on peers (the
+  // device group's id, which rank 0 may be slow to send) end at a stop or an abort instead
+  // of their timeouts (an attempt abandoned before the setup's join starts abandoned).
   watch_ = std::make_unique<AbortWatch>(
-      link_, job_id_, /*step=*/0, a_.assignment_version(),
+      link_, job_id_, /*step=*/a_.committed_step() + 1, a_.assignment_version(),
       [this](uint64_t version) {
         if (peers_->AbandonAttempt(version)) device_group_.Abort();
       },

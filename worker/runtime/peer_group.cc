@@ -1,5 +1,6 @@
 #include "worker/runtime/peer_group.h"
 
+#include <algorithm>
 #include <climits>
 #include <cstdint>
 #include <cstring>
@@ -85,7 +86,7 @@ absl::Status PeerGroup::Join(int rank, const std::vector<std::string>& addresses
 void PeerGroup::SetAttempt(uint64_t attempt) {
   absl::MutexLock lock(&mu_);
   attempt_ = attempt;
-  abandoned_ = false;
+  abandoned_ = attempt <= abandoned_ahead_;
   mailbox_.erase(mailbox_.begin(), mailbox_.lower_bound({attempt, INT32_MIN, 0}));
 }
 
@@ -96,6 +97,7 @@ void PeerGroup::Abandon() {
 
 bool PeerGroup::AbandonAttempt(uint64_t attempt) {
   absl::MutexLock lock(&mu_);
+  if (attempt > attempt_) abandoned_ahead_ = std::max(abandoned_ahead_, attempt);
   if (attempt_ == attempt) abandoned_ = true;
   return attempt_ == attempt;
 }

@@ -104,5 +104,24 @@ TEST(PeerGroupTest, AbandoningAnAttemptReleasesItsWaiters) {
   EXPECT_EQ(g[1]->Send(0, 2, "x").code(), absl::StatusCode::kUnavailable);
 }
 
+// An attempt abandoned before this side started it (the abort watch saw the abort, or
+// the process's stop, before the run's setup joined) starts abandoned: its waits end at
+// once instead of at their timeouts. A later attempt runs.
+TEST(PeerGroupTest, AnAttemptAbandonedBeforeItStartedStartsAbandoned) {
+  auto g = Group(2, /*attempt=*/3);
+  EXPECT_FALSE(g[1]->AbandonAttempt(7));
+  g[1]->SetAttempt(7);
+  const absl::Time start = absl::Now();
+  EXPECT_EQ(g[1]->Receive(0, 1, absl::Seconds(30)).status().code(), absl::StatusCode::kUnavailable);
+  EXPECT_LT(absl::Now() - start, absl::Seconds(10));
+  EXPECT_EQ(g[1]->Send(0, 2, "x").code(), absl::StatusCode::kUnavailable);
+  g[0]->SetAttempt(8);
+  g[1]->SetAttempt(8);
+  ASSERT_TRUE(g[0]->Send(1, 5, "eight").ok());
+  auto got = g[1]->Receive(0, 5);
+  ASSERT_TRUE(got.ok()) << got.status();
+  EXPECT_EQ(*got, "eight");
+}
+
 }  // namespace
 }  // namespace pith::runtime
