@@ -913,7 +913,7 @@ TEST_F(StoreRestartTest, AnotherStoreLostWhileOneIsAwaited) {
 
   Open();
   for (const std::string& w : {w0, w1}) Join(v1::MEMBER_ROLE_WORKER, w);
-  Join(v1::MEMBER_ROLE_STORE, s1);  // back, then silent: dead at 3 s
+  Join(v1::MEMBER_ROLE_STORE, s1);  // back, then silent: dead at the 6-s tick
   for (int seconds = 3; seconds <= 15; seconds += 3) {
     now_ += absl::Seconds(3);
     for (const std::string& w : {w0, w1}) ASSERT_TRUE(members_->Heartbeat(w, {}).ok());

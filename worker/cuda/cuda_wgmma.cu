@@ -9,7 +9,8 @@
 // against the PTX ISA's canonical layouts by wgmma_layout_test); the instruction's
 // transpose bit says which.
 // The pipeline: a stage's copies are waited for, fenced into the async proxy (wgmma reads
-// shared memory through it) and barriered; the warpgroups issue its four k16 MMAs and then
+// shared memory through it) and barriered; the warpgroups issue its k16 MMAs (four per
+// 128 columns) and then
 // wait for the previous stage's, so that after the next barrier the stage two back is free
 // and is refilled: kStages - 2 stages load while one computes and one may still be read.
 #include <cuda_bf16.h>
@@ -273,25 +274,32 @@ bool CudaBackend::KernelTileRuns(KernelTile tile) {
   if (tile != KernelTile::kWgmma128x128 && tile != KernelTile::kWgmma128x256) return true;
   if (wgmma_runs_ >= 0) return wgmma_runs_ == 1;
   if (!Ready()) return false;
-  int major = 0, minor = 0, runs = 0;
-  int* flag = nullptr;
-  // The probe's own failures (a device without the code) are not the backend's: cleared.
-  const bool asked =
-      cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device_) == cudaSuccess &&
-      cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device_) == cudaSuccess &&
-      major == 9 && minor == 0 && cudaMalloc(&flag, sizeof(int)) == cudaSuccess;
-  if (asked) {
-    WgmmaProbe<<<1, 1, 0, S(stream_)>>>(flag);
-    if (cudaGetLastError() != cudaSuccess ||
-        cudaMemcpyAsync(&runs, flag, sizeof(int), cudaMemcpyDeviceToHost, S(stream_)) !=
-            cudaSuccess ||
-        cudaStreamSynchronize(S(stream_)) != cudaSuccess) {
-      runs = 0;
-    }
+  // The probe's own failures are not the backend's: cleared. One that may pass (no memory
+  // for its flag now) is not remembered: the next call asks again.
+  int major = 0, minor = 0;
+  if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device_) != cudaSuccess ||
+      cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device_) != cudaSuccess) {
+    cudaGetLastError();
+    return false;
   }
-  if (flag != nullptr) cudaFree(flag);
-  cudaGetLastError();
-  wgmma_runs_ = runs == 1 ? 1 : 0;
+  if (major != 9 || minor != 0) {
+    wgmma_runs_ = 0;
+    return false;
+  }
+  int* flag = nullptr;
+  if (cudaMalloc(&flag, sizeof(int)) != cudaSuccess) {
+    cudaGetLastError();
+    return false;
+  }
+  int runs = 0;
+  WgmmaProbe<<<1, 1, 0, S(stream_)>>>(flag);
+  const bool ran = cudaGetLastError() == cudaSuccess &&
+                   cudaMemcpyAsync(&runs, flag, sizeof(int), cudaMemcpyDeviceToHost, S(stream_)) ==
+                       cudaSuccess &&
+                   cudaStreamSynchronize(S(stream_)) == cudaSuccess;
+  cudaFree(flag);
+  if (!ran) cudaGetLastError();  // no sm_90 code at all: a launch error
+  wgmma_runs_ = ran && runs == 1 ? 1 : 0;
   return wgmma_runs_ == 1;
 }
 

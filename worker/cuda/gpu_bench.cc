@@ -12,15 +12,17 @@
 //                   streams (FanOutGemmBf16), against a dense bf16 cuBLAS GEMM of the same
 //                   FLOPs and the H200's ~790 TFLOP/s; its detail line has each phase and
 //                   the same products as cuBLAS grouped calls;
-//   expert_gemm_bf16_kernel the same products through Pith's grouped kernel
-//                   (KernelGemmBf16: one launch a phase), one line per tile shape,
-//                   against the same dense GEMM;
+//   expert_gemm_bf16_kernel the same products through Pith's grouped kernels
+//                   (KernelGemmBf16: one launch a phase), one line per tile shape (the
+//                   mma.sync ones, then the wgmma ones where they run), against the same
+//                   dense GEMM;
 //   expert_fetch    uploads of a bf16 expert blob into DeviceSlots from registered pinned
 //                   staging, against a plain pinned cudaMemcpy of the same bytes;
 //   moe_layer       the whole MoE layer fwd+bwd through the backend (router GEMM in fp32,
 //                   Route with its host layout, permute, experts, combine, every backward)
 //                   in ms, in the fp32 and in the bf16 compute dtype (bf16_kernel: its
-//                   products through the grouped kernel), for tests/gpu/run.sh to set
+//                   products through the mma.sync kernel; bf16_wgmma_128x128 and
+//                   bf16_wgmma_128x256: through the wgmma one), for tests/gpu/run.sh to set
 //                   against PyTorch's (torch_moe_bench.py).
 // Tokens in the GEMM benches spread over the experts with a skew (the first expert gets
 // twice the mean, the last half); the layer routes random tokens through a random router.
@@ -361,8 +363,10 @@ int RunBf16Kernel(CudaBackend& b, const Shape& s, int64_t tokens, int iters) {
         std::pair{Tile::k256x128, "256x128"}, std::pair{Tile::kWgmma128x128, "wgmma 128x128"},
         std::pair{Tile::kWgmma128x256, "wgmma 128x256"}}) {
     if (!b.KernelTileRuns(tile)) {
-      std::printf("expert_gemm_bf16_kernel %-16s tile %s: does not run on this device\n", s.name,
-                  name);
+      std::printf(
+          "expert_gemm_bf16_kernel %-16s tile %s: does not run here (an sm_90 device and the "
+          "build's sm_90a code)\n",
+          s.name, name);
       continue;
     }
     b.set_kernel_tile(tile);

@@ -86,7 +86,8 @@ absl::Status PeerGroup::Join(int rank, const std::vector<std::string>& addresses
 void PeerGroup::SetAttempt(uint64_t attempt) {
   absl::MutexLock lock(&mu_);
   attempt_ = attempt;
-  abandoned_ = attempt <= abandoned_ahead_;
+  abandoned_ = abandoned_ahead_ != 0 && attempt == abandoned_ahead_;
+  if (attempt >= abandoned_ahead_) abandoned_ahead_ = 0;  // used, or passed
   mailbox_.erase(mailbox_.begin(), mailbox_.lower_bound({attempt, INT32_MIN, 0}));
 }
 
@@ -97,7 +98,7 @@ void PeerGroup::Abandon() {
 
 bool PeerGroup::AbandonAttempt(uint64_t attempt) {
   absl::MutexLock lock(&mu_);
-  if (attempt > attempt_) abandoned_ahead_ = std::max(abandoned_ahead_, attempt);
+  if (attempt >= attempt_) abandoned_ahead_ = std::max(abandoned_ahead_, attempt);
   if (attempt_ == attempt) abandoned_ = true;
   return attempt_ == attempt;
 }

@@ -46,11 +46,13 @@ class PeerGroup {
   // Starts attempt `attempt` (no older than the current one).
   void SetAttempt(uint64_t attempt);
   // Gives up the current attempt (it was aborted): every Receive waiting on it returns
-  // UNAVAILABLE now, and so does every later one until the next Join or SetAttempt.
+  // UNAVAILABLE now, and so does every later one until the next Join or SetAttempt starts
+  // an attempt that was not abandoned (AbandonAttempt).
   void Abandon();
-  // Abandon() if the current attempt is still `attempt` (a later one is left alone); an
-  // attempt not started yet (newer than the current one) starts abandoned when
-  // SetAttempt or Join starts it (an abort or a stop seen before a run's setup joined).
+  // Abandon() if the current attempt is still `attempt` (a later one is left alone); and
+  // when SetAttempt or Join next starts `attempt` (the current one again, or one not
+  // started yet: an abort or a stop seen before a run's setup joined), it starts
+  // abandoned. Only that attempt: a newer one starts afresh and forgets the mark.
   // True when `attempt` was the current one.
   bool AbandonAttempt(uint64_t attempt);
 
@@ -84,7 +86,7 @@ class PeerGroup {
   absl::Mutex mu_;
   uint64_t attempt_ ABSL_GUARDED_BY(mu_) = 0;
   bool abandoned_ ABSL_GUARDED_BY(mu_) = false;
-  uint64_t abandoned_ahead_ ABSL_GUARDED_BY(mu_) = 0;  // attempts up to it start abandoned
+  uint64_t abandoned_ahead_ ABSL_GUARDED_BY(mu_) = 0;  // starts abandoned (0: none)
   // (attempt, source rank, tag) -> bytes
   std::map<std::tuple<uint64_t, int, uint64_t>, std::string> mailbox_ ABSL_GUARDED_BY(mu_);
   std::vector<bool> failed_ ABSL_GUARDED_BY(mu_);  // by rank: the endpoint failed

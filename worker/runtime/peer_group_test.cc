@@ -115,12 +115,17 @@ TEST(PeerGroupTest, AnAttemptAbandonedBeforeItStartedStartsAbandoned) {
   EXPECT_EQ(g[1]->Receive(0, 1, absl::Seconds(30)).status().code(), absl::StatusCode::kUnavailable);
   EXPECT_LT(absl::Now() - start, absl::Seconds(10));
   EXPECT_EQ(g[1]->Send(0, 2, "x").code(), absl::StatusCode::kUnavailable);
+  // The mark is used up: a newer attempt runs.
   g[0]->SetAttempt(8);
   g[1]->SetAttempt(8);
   ASSERT_TRUE(g[0]->Send(1, 5, "eight").ok());
   auto got = g[1]->Receive(0, 5);
   ASSERT_TRUE(got.ok()) << got.status();
   EXPECT_EQ(*got, "eight");
+  // The current attempt abandoned, then started again by a join (a retried setup).
+  EXPECT_TRUE(g[1]->AbandonAttempt(8));
+  g[1]->SetAttempt(8);
+  EXPECT_EQ(g[1]->Send(0, 6, "x").code(), absl::StatusCode::kUnavailable);
 }
 
 }  // namespace
