@@ -212,23 +212,9 @@ __global__ void __launch_bounds__(T::kThreads)
     GroupedGemmKernel(const KernelProblem* __restrict__ problems, int count) {
   extern __shared__ __align__(16) unsigned char shared_bytes[];
   auto* smem = reinterpret_cast<__nv_bfloat16*>(shared_bytes);
-  const int64_t tile = blockIdx.x;
-  const KernelProblem p = problems[FindProblem(problems, count, tile)];
-  const int64_t local = tile - p.first_tile;
-  switch (p.flags & (kTransA | kTransB)) {
-    case 0:
-      RunTile<T, false, false>(p, local, smem);
-      break;
-    case kTransA:
-      RunTile<T, true, false>(p, local, smem);
-      break;
-    case kTransB:
-      RunTile<T, false, true>(p, local, smem);
-      break;
-    default:
-      RunTile<T, true, true>(p, local, smem);
-      break;
-  }
+  RunThisTile(problems, count, [&](const KernelProblem& p, int64_t local, auto ta, auto tb) {
+    RunTile<T, decltype(ta)::value, decltype(tb)::value>(p, local, smem);
+  });
 }
 
 bool Aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
@@ -329,15 +315,8 @@ namespace {
 // CTAs of tile shape T that fit on one SM of the current device at once (0 after an error).
 template <typename T>
 int BlocksPerSm() {
-  int blocks = 0;
-  if (cudaFuncSetAttribute(GroupedGemmKernel<T>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                           T::kSharedBytes) != cudaSuccess ||
-      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, GroupedGemmKernel<T>, T::kThreads,
-                                                    T::kSharedBytes) != cudaSuccess) {
-    cudaGetLastError();  // not sticky: a query's failure leaves the device usable
-    return 0;
-  }
-  return blocks;
+  return grouped::KernelBlocksPerSm(reinterpret_cast<const void*>(GroupedGemmKernel<T>),
+                                    T::kThreads, T::kSharedBytes);
 }
 
 }  // namespace

@@ -9,6 +9,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <type_traits>
 
 #include "worker/cuda/cuda_kernels.cuh"
 
@@ -60,6 +61,46 @@ __device__ __forceinline__ int FindProblem(const KernelProblem* __restrict__ pro
     }
   }
   return lo;
+}
+
+// This CTA's tile: finds its problem and calls run(problem, the tile's index within it,
+// std::bool_constant<trans_a>, std::bool_constant<trans_b>), so that a kernel's tile code
+// is compiled once per pair of transposes.
+template <typename F>
+__device__ __forceinline__ void RunThisTile(const KernelProblem* __restrict__ problems, int count,
+                                            F&& run) {
+  const int64_t tile = blockIdx.x;
+  const KernelProblem p = problems[FindProblem(problems, count, tile)];
+  const int64_t local = tile - p.first_tile;
+  switch (p.flags & (kTransA | kTransB)) {
+    case 0:
+      run(p, local, std::false_type{}, std::false_type{});
+      break;
+    case kTransA:
+      run(p, local, std::true_type{}, std::false_type{});
+      break;
+    case kTransB:
+      run(p, local, std::false_type{}, std::true_type{});
+      break;
+    default:
+      run(p, local, std::true_type{}, std::true_type{});
+      break;
+  }
+}
+
+// CTAs of `kernel` (with `threads` threads and `smem` bytes of dynamic shared memory) that
+// fit on one SM of the current device at once; 0 after an error, which it clears (a query's
+// failure leaves the device usable).
+inline int KernelBlocksPerSm(const void* kernel, int threads, int smem) {
+  int blocks = 0;
+  if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem) !=
+          cudaSuccess ||
+      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, threads, smem) !=
+          cudaSuccess) {
+    cudaGetLastError();
+    return 0;
+  }
+  return blocks;
 }
 
 // The epilogue of CudaBackend::Epilogue on v = alpha acc + beta C at (row, col), and col + 1

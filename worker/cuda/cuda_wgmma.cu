@@ -240,23 +240,9 @@ __global__ void __launch_bounds__(T::kThreads, 1)
   // dynamic window does not promise.
   const uint32_t raw = static_cast<uint32_t>(__cvta_generic_to_shared(shared_raw));
   unsigned char* smem = shared_raw + (kAtom - raw % kAtom) % kAtom;
-  const int64_t tile = blockIdx.x;
-  const KernelProblem p = problems[FindProblem(problems, count, tile)];
-  const int64_t local = tile - p.first_tile;
-  switch (p.flags & (kTransA | kTransB)) {
-    case 0:
-      RunTile<T, false, false>(p, local, smem);
-      break;
-    case kTransA:
-      RunTile<T, true, false>(p, local, smem);
-      break;
-    case kTransB:
-      RunTile<T, false, true>(p, local, smem);
-      break;
-    default:
-      RunTile<T, true, true>(p, local, smem);
-      break;
-  }
+  RunThisTile(problems, count, [&](const KernelProblem& p, int64_t local, auto ta, auto tb) {
+    RunTile<T, decltype(ta)::value, decltype(tb)::value>(p, local, smem);
+  });
 #endif
 }
 
@@ -307,14 +293,7 @@ int CudaBackend::WgmmaBlocksPerSm(KernelTile tile) {
   const bool wide = tile == KernelTile::kWgmma128x256;
   const void* kernel = wide ? KernelOf<Wg128x256>() : KernelOf<Wg128x128>();
   const int smem = wide ? Wg128x256::kSharedBytes : Wg128x128::kSharedBytes;
-  int blocks = 0;
-  if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem) !=
-          cudaSuccess ||
-      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, 256, smem) != cudaSuccess) {
-    cudaGetLastError();  // not sticky: a query's failure leaves the device usable
-    return 0;
-  }
-  return blocks;
+  return grouped::KernelBlocksPerSm(kernel, Wg128x128::kThreads, smem);
 }
 
 bool CudaBackend::LaunchWgmma(const std::vector<Bf16Gemm>& problems, const char* op) {
