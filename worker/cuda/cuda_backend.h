@@ -299,7 +299,8 @@ class CudaBackend final : public compute::Backend {
     kSumOfSquares,
     kAttention,
     kSegments,
-    kRouting,
+    kRouting,         // Route's results for the host; RouteBackward's global f
+    kRouteTiles,      // Route's per-tile expert counts
     kBf16Ranges,      // ProductsBf16's table of ranges to round
     kBf16,            // ProductsBf16's rounded inputs
     kKernelProblems,  // KernelGemmBf16's problem table
@@ -365,8 +366,7 @@ class CudaBackend final : public compute::Backend {
   uint64_t epilogue_launches_ = 0;
   int launch_threads_ = 1;
   std::unique_ptr<compute::ThreadPool> launch_pool_;  // launch_threads_ > 1 only
-  std::vector<int32_t> host_ints_;                    // routing's host-side layout pass
-  std::vector<float> host_floats_;
+  std::vector<int64_t> host_back_;                    // Route's results, copied back
 };
 
 }  // namespace pith::cuda

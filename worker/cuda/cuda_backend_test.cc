@@ -27,11 +27,22 @@ using testing_support::Random;
 using testing_support::ToBf16;
 using testing_support::Vec;
 
-class CudaBackendTest : public testing_support::CudaTest {};
+class CudaBackendTest : public testing_support::CudaTest {
+ protected:
+  void MoveRows(int channels);
+};
 
-// The token rows' gather and scatter between workers (Dispatch over NCCL): the CPU's bits.
+// The token rows' gather and scatter between workers (Dispatch over NCCL): the CPU's bits,
+// by float (37 channels) and by float4 (40).
 TEST_F(CudaBackendTest, PermuteAndScatterRowsMoveRowsAsTheCpuDoes) {
-  constexpr int kC = 37, kRows = 300, kOut = 512;
+  for (int kC : {37, 40}) {
+    SCOPED_TRACE(testing::Message() << "channels " << kC);
+    MoveRows(kC);
+  }
+}
+
+void CudaBackendTest::MoveRows(int kC) {
+  constexpr int kRows = 300, kOut = 512;
   const Vec src = Random(kRows * kC, 11);
   Ints to(kOut);
   for (int i = 0; i < kOut; ++i) to[i] = (i * 7919) % kOut;  // a permutation of 0..511
@@ -249,6 +260,91 @@ TEST_F(CudaMoeTest, ForwardAndBackwardInBf16) {
   gpu_->set_launch_threads(4);
   EXPECT_EQ(gpu_->launch_threads(), 4);
   MoeBlock(5e-2);
+}
+
+// Routing at a size whose bucket layout spans many of the device's tiles (1024
+// assignments each), with and without capacity drops, then the row ops that follow it by
+// float4 (40 channels) and by float (42): integers equal, sums within kRelative.
+TEST_F(CudaMoeTest, RoutingAcrossManyTilesAndTheRowOpsAfterIt) {
+  const int N = 3000, E = 128, k = 8;
+  Vec logits = Random(N * E, 7, 2.0f);
+  for (int t = 0; t < N; ++t) logits[t * E + t % 3] += 2.5f;  // three crowded experts
+  for (double capacity : {0.9, 0.0}) {
+    SCOPED_TRACE(testing::Message() << "capacity " << capacity);
+    const compute::RouterConfig config{k, capacity, true};
+    Routed want = MakeRouted(N, E, k), got = MakeRouted(N, E, k);
+    cpu_.Route(logits.data(), N, E, config, want.Buffers());
+    compute::RoutingBuffers dev = got.Buffers();
+    dev.probs = Up(got.probs);
+    dev.lse = Up(got.lse);
+    dev.expert = Up(got.expert);
+    dev.gate = Up(got.gate);
+    dev.row = Up(got.row);
+    dev.bucket_token = Up(got.bucket_token);
+    gpu_->Route(Up(logits), N, E, config, dev);
+    ASSERT_TRUE(gpu_->Synchronize().ok()) << gpu_->status();
+    EXPECT_EQ(Down(dev.expert, N * k), want.expert);
+    EXPECT_EQ(Down(dev.row, N * k), want.row);
+    EXPECT_EQ(got.offsets, want.offsets);
+    EXPECT_EQ(got.routed, want.routed);
+    const int64_t A = want.offsets[E];
+    EXPECT_EQ(capacity > 0, A < int64_t{N} * k);  // the crowded experts drop some
+    EXPECT_EQ(Down(dev.bucket_token, A),
+              Ints(want.bucket_token.begin(), want.bucket_token.begin() + A));
+    for (int C : {40, 42}) {
+      SCOPED_TRACE(testing::Message() << "channels " << C);
+      const Vec x = Random(N * C, 8), y = Random(A * C, 9), dout = Random(N * C, 10);
+      const Vec dxperm = Random(A * C, 11);
+      Vec xperm(A * C), out(N * C), dy(A * C), dgate(N * k), dx = Random(N * C, 12);
+      float *xperm_dev = Up(xperm), *out_dev = Up(out), *dy_dev = Up(dy);
+      float *dgate_dev = Up(dgate), *dx_dev = Up(dx);
+      const float* y_dev = Up(y);
+      gpu_->Permute(xperm_dev, Up(x), dev.bucket_token, A, C);
+      gpu_->Combine(out_dev, y_dev, dev.row, dev.gate, N, k, C);
+      gpu_->CombineBackward(dy_dev, dgate_dev, Up(dout), y_dev, dev.row, dev.gate, N, k, C);
+      gpu_->PermuteBackward(dx_dev, Up(dxperm), dev.row, N, k, C);
+      cpu_.Permute(xperm.data(), x.data(), want.bucket_token.data(), A, C);
+      cpu_.Combine(out.data(), y.data(), want.row.data(), want.gate.data(), N, k, C);
+      cpu_.CombineBackward(dy.data(), dgate.data(), dout.data(), y.data(), want.row.data(),
+                           want.gate.data(), N, k, C);
+      cpu_.PermuteBackward(dx.data(), dxperm.data(), want.row.data(), N, k, C);
+      EXPECT_EQ(Down(xperm_dev, xperm.size()), xperm);
+      ExpectClose("combine", Down(out_dev, out.size()), out);
+      ExpectClose("dy", Down(dy_dev, dy.size()), dy);
+      ExpectClose("dgate", Down(dgate_dev, dgate.size()), dgate);
+      ExpectClose("dx", Down(dx_dev, dx.size()), dx);
+    }
+  }
+}
+
+// A token whose logits are NaN (a diverged step) still gets k distinct valid experts, so
+// the layout stays inside its buffers; the step's loss is NaN and the job says so.
+TEST_F(CudaMoeTest, NanLogitsStillRouteToValidExperts) {
+  const int N = 64, E = 16, k = 4;
+  Vec logits = Random(N * E, 13);
+  for (int e = 0; e < E; ++e) logits[5 * E + e] = std::nanf("");
+  Routed got = MakeRouted(N, E, k);
+  compute::RoutingBuffers dev = got.Buffers();
+  dev.probs = Up(got.probs);
+  dev.lse = Up(got.lse);
+  dev.expert = Up(got.expert);
+  dev.gate = Up(got.gate);
+  dev.row = Up(got.row);
+  dev.bucket_token = Up(got.bucket_token);
+  gpu_->Route(Up(logits), N, E, compute::RouterConfig{k, 0.0, true}, dev);
+  ASSERT_TRUE(gpu_->Synchronize().ok()) << gpu_->status();
+  const Ints experts = Down(dev.expert, N * k);
+  for (int t = 0; t < N; ++t) {
+    std::vector<bool> seen(E, false);
+    for (int s = 0; s < k; ++s) {
+      const int e = experts[t * k + s];
+      ASSERT_TRUE(e >= 0 && e < E) << "token " << t << " slot " << s << ": expert " << e;
+      EXPECT_FALSE(seen[e]) << "token " << t << " takes expert " << e << " twice";
+      seen[e] = true;
+    }
+  }
+  EXPECT_EQ(got.offsets[E], int64_t{N} * k);
+  for (int32_t t : Down(dev.bucket_token, N * k)) ASSERT_TRUE(t >= 0 && t < N) << t;
 }
 
 void CudaMoeTest::MoeBlock(double product_rel) {

@@ -1,17 +1,21 @@
 // CudaBackend: routing, token permutation, the grouped expert FFN and the router backward.
 //
-// Route computes the softmax and top-k on the device, then lays out the buckets on the
-// host (the layout is a host output: it sizes the grouped GEMMs), exactly as the CPU
-// backend does, and uploads the rows. The expert FFN is two grouped GEMMs forward and two
-// backward (each one cuBLAS call over the non-empty buckets), with the bias, gelu and
-// bias-gradient kernels addressing the buckets through a small segment table.
+// Route computes the softmax, the top-k and the bucket layout on the device, exactly as
+// the CPU backend does, and copies back only what the host needs (the offsets size the
+// grouped products). Permutation and combination move whole rows, one warp per row, in
+// float4 where the rows allow. The expert FFN is two grouped products forward and two
+// backward over the non-empty buckets, with the bias, gelu and bias-gradient kernels
+// addressing the buckets through a small segment table.
 #include <cublas_v2.h>
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
+#include <initializer_list>
 
+#include "absl/strings/str_cat.h"
 #include "worker/cuda/cuda_backend.h"
 #include "worker/cuda/cuda_kernels.cuh"
 
@@ -26,8 +30,30 @@ int WarpBlocks(int64_t warps) {
   return static_cast<int>((warps + kWarpsPerBlock - 1) / kWarpsPerBlock);
 }
 
+// Blocks for a loop of warps over rows (capped: the loop covers the rest).
+int RowBlocks(int64_t rows) { return std::clamp(WarpBlocks(rows), 1, 1 << 20); }
+
+// Whether rows of `channels` floats at these addresses can move as float4.
+bool ByFloat4(int channels, std::initializer_list<const void*> rows) {
+  if (channels % 4 != 0) return false;
+  for (const void* p : rows) {
+    if (reinterpret_cast<uintptr_t>(p) % alignof(float4) != 0) return false;
+  }
+  return true;
+}
+
+template <typename V, typename T>
+V* As(T* p) {
+  return reinterpret_cast<V*>(p);
+}
+template <typename V, typename T>
+const V* As(const T* p) {
+  return reinterpret_cast<const V*>(p);
+}
+
 // One warp per token: softmax (in double, as the CPU backend), logsumexp, and the top-k
-// by probability (ties: the lower id), renormalized if asked.
+// by probability (ties: the lower id), renormalized if asked. Any expert beats none, so a
+// token whose probabilities are NaN still gets k valid experts.
 __global__ void RouteKernel(const float* logits, int n, int experts, int top_k, bool renormalize,
                             float* probs, float* lse, int32_t* expert, float* gate) {
   const int64_t t = int64_t{blockIdx.x} * kWarpsPerBlock + threadIdx.x / 32;
@@ -53,7 +79,7 @@ __global__ void RouteKernel(const float* logits, int n, int experts, int top_k, 
     for (int e = lane; e < experts; e += 32) {
       bool taken = false;
       for (int j = 0; j < s; ++j) taken |= chosen[j] == e;
-      if (!taken && (p[e] > best_p || (p[e] == best_p && e < best))) {
+      if (!taken && (best == experts || p[e] > best_p || (p[e] == best_p && e < best))) {
         best_p = p[e];
         best = e;
       }
@@ -61,7 +87,7 @@ __global__ void RouteKernel(const float* logits, int n, int experts, int top_k, 
     for (int offset = 16; offset > 0; offset >>= 1) {
       const float op = __shfl_xor_sync(0xffffffffu, best_p, offset);
       const int oe = __shfl_xor_sync(0xffffffffu, best, offset);
-      if (op > best_p || (op == best_p && oe < best)) {
+      if (oe != experts && (best == experts || op > best_p || (op == best_p && oe < best))) {
         best_p = op;
         best = oe;
       }
@@ -87,69 +113,186 @@ __global__ void ProbSumKernel(double* out, const float* probs, int n, int expert
   if (threadIdx.x == 0) out[blockIdx.x] = sum;
 }
 
-__global__ void PermuteKernel(float* bucket, const float* x, const int32_t* bucket_token,
-                              int64_t rows, int channels) {
-  PITH_GRID_STRIDE(i, rows * channels) {
-    bucket[i] = x[int64_t{bucket_token[i / channels]} * channels + i % channels];
+// The bucket layout, in three passes over the assignments in slot-major order (slot 0 of
+// every token first, the order in which capacity keeps them), cut into tiles of
+// kRouteTile: count each tile's assignments per expert; turn the counts into each tile's
+// first rank per expert, and the ranks into offsets; place each assignment at its rank,
+// a warp per tile keeping the order within it.
+constexpr int kRouteTile = 1024;
+
+__device__ __forceinline__ int SlotMajorExpert(const int32_t* expert, int64_t i, int n, int k,
+                                               int64_t* a) {
+  *a = (i % n) * k + i / n;
+  return expert[*a];
+}
+
+// counts[tile][e] = the tile's assignments to expert e. Dynamic shared memory: E ints.
+__global__ void RouteCountKernel(int32_t* counts, const int32_t* expert, int n, int k,
+                                 int experts) {
+  extern __shared__ int32_t count[];
+  for (int e = threadIdx.x; e < experts; e += blockDim.x) count[e] = 0;
+  __syncthreads();
+  const int64_t begin = int64_t{blockIdx.x} * kRouteTile;
+  const int64_t end = min(begin + kRouteTile, int64_t{n} * k);
+  int64_t a;
+  for (int64_t i = begin + threadIdx.x; i < end; i += blockDim.x) {
+    atomicAdd(&count[SlotMajorExpert(expert, i, n, k, &a)], 1);
+  }
+  __syncthreads();
+  for (int e = threadIdx.x; e < experts; e += blockDim.x) {
+    counts[int64_t{blockIdx.x} * experts + e] = count[e];
   }
 }
 
-__global__ void ScatterRowsKernel(float* dst, const float* src, const int32_t* dst_row,
-                                  int64_t rows, int channels) {
-  PITH_GRID_STRIDE(i, rows * channels) {
-    dst[int64_t{dst_row[i / channels]} * channels + i % channels] = src[i];
-  }
-}
-
-__global__ void PermuteBackwardKernel(float* dx, const float* dbucket, const int32_t* row, int n,
-                                      int top_k, int channels) {
-  PITH_GRID_STRIDE(i, int64_t{n} * channels) {
-    const int64_t t = i / channels, c = i % channels;
-    float sum = 0.0f;
-    for (int s = 0; s < top_k; ++s) {
-      const int32_t r = row[t * top_k + s];
-      if (r >= 0) sum += dbucket[int64_t{r} * channels + c];
+// counts[tile][e] becomes the assignments to e before the tile; routed[e] their total,
+// offsets the prefix sums of min(routed, capacity). One block.
+__global__ void RouteScanKernel(int32_t* counts, int tiles, int experts, int64_t capacity,
+                                int64_t* routed, int64_t* offsets) {
+  for (int e = threadIdx.x; e < experts; e += blockDim.x) {
+    int64_t run = 0;
+    for (int tile = 0; tile < tiles; ++tile) {
+      int32_t& c = counts[int64_t{tile} * experts + e];
+      const int32_t here = c;
+      c = static_cast<int32_t>(run);
+      run += here;
     }
-    dx[i] += sum;
+    routed[e] = run;
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    offsets[0] = 0;
+    for (int e = 0; e < experts; ++e) offsets[e + 1] = offsets[e] + min(routed[e], capacity);
   }
 }
 
-__global__ void CombineKernel(float* out, const float* y, const int32_t* row, const float* gate,
-                              int n, int top_k, int channels) {
-  PITH_GRID_STRIDE(i, int64_t{n} * channels) {
-    const int64_t t = i / channels, c = i % channels;
-    float o = 0.0f;
-    for (int s = 0; s < top_k; ++s) {
-      const int32_t r = row[t * top_k + s];
-      if (r >= 0) o += gate[t * top_k + s] * y[int64_t{r} * channels + c];
+// One warp per tile: row[a] = offsets[e] + rank, or -1 past the capacity; bucket_token of
+// each kept row. Lanes with the same expert take consecutive ranks in lane order.
+__global__ void RoutePlaceKernel(int32_t* row, int32_t* bucket_token, const int32_t* counts,
+                                 const int64_t* offsets, const int32_t* expert, int n, int k,
+                                 int experts, int64_t capacity) {
+  extern __shared__ int32_t next[];
+  const int lane = threadIdx.x;
+  for (int e = lane; e < experts; e += 32) next[e] = counts[int64_t{blockIdx.x} * experts + e];
+  __syncwarp();
+  const int64_t begin = int64_t{blockIdx.x} * kRouteTile;
+  const int64_t end = min(begin + kRouteTile, int64_t{n} * k);
+  for (int64_t base = begin; base < end; base += 32) {
+    const int64_t i = base + lane;
+    int64_t a = 0;
+    const int e = i < end ? SlotMajorExpert(expert, i, n, k, &a) : -1;
+    const unsigned same = __match_any_sync(0xffffffffu, e);
+    const int64_t rank = e >= 0 ? next[e] + __popc(same & ((1u << lane) - 1)) : 0;
+    __syncwarp();
+    if (e >= 0 && lane == __ffs(same) - 1) next[e] += __popc(same);
+    __syncwarp();
+    if (e < 0) continue;
+    if (rank < capacity) {
+      const int64_t r = offsets[e] + rank;
+      row[a] = static_cast<int32_t>(r);
+      bucket_token[r] = static_cast<int32_t>(i % n);
+    } else {
+      row[a] = -1;
     }
-    out[i] = o;
+  }
+}
+
+// Row kernels: one warp per row, its lanes across the row in V (float4 where every row
+// starts 16-byte aligned, else float), so a row's index is read once, not per element.
+template <typename V>
+constexpr int kLanes = sizeof(V) / sizeof(float);
+
+__device__ __forceinline__ void AddScaled(float& acc, float g, float v) { acc += g * v; }
+__device__ __forceinline__ void AddScaled(float4& acc, float g, float4 v) {
+  acc.x += g * v.x;
+  acc.y += g * v.y;
+  acc.z += g * v.z;
+  acc.w += g * v.w;
+}
+__device__ __forceinline__ void Add(float& acc, float v) { acc += v; }
+__device__ __forceinline__ void Add(float4& acc, float4 v) {
+  acc.x += v.x;
+  acc.y += v.y;
+  acc.z += v.z;
+  acc.w += v.w;
+}
+__device__ __forceinline__ double Dot(float a, float b) { return double{a} * b; }
+__device__ __forceinline__ double Dot(float4 a, float4 b) {
+  return double{a.x} * b.x + double{a.y} * b.y + double{a.z} * b.z + double{a.w} * b.w;
+}
+
+#define PITH_WARP_ROWS(r, rows)                                                       \
+  for (int64_t r = (int64_t{blockIdx.x} * blockDim.x + threadIdx.x) / 32; r < (rows); \
+       r += int64_t{gridDim.x} * blockDim.x / 32)
+
+// dst[r] = src[src_row[r]] (Permute), or dst[dst_row[r]] = src[r] (ScatterRows).
+template <typename V>
+__global__ void MoveRowsKernel(V* dst, const V* src, const int32_t* index, bool scatter,
+                               int64_t rows, int width) {
+  const int lane = threadIdx.x % 32;
+  PITH_WARP_ROWS(r, rows) {
+    const int64_t to = scatter ? index[r] : r, from = scatter ? r : index[r];
+    for (int c = lane; c < width; c += 32) dst[to * width + c] = src[from * width + c];
+  }
+}
+
+template <typename V>
+__global__ void PermuteBackwardKernel(V* dx, const V* dbucket, const int32_t* row, int n, int top_k,
+                                      int width) {
+  const int lane = threadIdx.x % 32;
+  PITH_WARP_ROWS(t, n) {
+    for (int c = lane; c < width; c += 32) {
+      V sum{};
+      for (int s = 0; s < top_k; ++s) {
+        const int32_t r = row[t * top_k + s];
+        if (r >= 0) Add(sum, dbucket[int64_t{r} * width + c]);
+      }
+      Add(dx[t * width + c], sum);
+    }
+  }
+}
+
+template <typename V>
+__global__ void CombineKernel(V* out, const V* y, const int32_t* row, const float* gate, int n,
+                              int top_k, int width) {
+  const int lane = threadIdx.x % 32;
+  PITH_WARP_ROWS(t, n) {
+    for (int c = lane; c < width; c += 32) {
+      V o{};
+      for (int s = 0; s < top_k; ++s) {
+        const int32_t r = row[t * top_k + s];
+        if (r >= 0) AddScaled(o, gate[t * top_k + s], y[int64_t{r} * width + c]);
+      }
+      out[t * width + c] = o;
+    }
   }
 }
 
 // One warp per assignment (token, slot).
-__global__ void CombineBackwardKernel(float* dy, float* dgate, const float* dout, const float* y,
+template <typename V>
+__global__ void CombineBackwardKernel(V* dy, float* dgate, const V* dout, const V* y,
                                       const int32_t* row, const float* gate, int n, int top_k,
-                                      int channels) {
-  const int64_t a = int64_t{blockIdx.x} * kWarpsPerBlock + threadIdx.x / 32;
+                                      int width) {
   const int lane = threadIdx.x % 32;
-  if (a >= int64_t{n} * top_k) return;
-  const int32_t r = row[a];
-  if (r < 0) {
-    if (lane == 0) dgate[a] = 0.0f;
-    return;
+  PITH_WARP_ROWS(a, int64_t{n} * top_k) {
+    const int32_t r = row[a];
+    if (r < 0) {
+      if (lane == 0) dgate[a] = 0.0f;
+      continue;
+    }
+    const float g = gate[a];
+    const V* d = dout + (a / top_k) * width;
+    const V* yr = y + int64_t{r} * width;
+    V* dyr = dy + int64_t{r} * width;
+    double dot = 0;
+    for (int c = lane; c < width; c += 32) {
+      V scaled{};
+      AddScaled(scaled, g, d[c]);
+      dyr[c] = scaled;
+      dot += Dot(d[c], yr[c]);
+    }
+    dot = WarpSum(dot);
+    if (lane == 0) dgate[a] = static_cast<float>(dot);
   }
-  const float g = gate[a];
-  const float* d = dout + (a / top_k) * channels;
-  const float* yr = y + int64_t{r} * channels;
-  float* dyr = dy + int64_t{r} * channels;
-  double dot = 0;
-  for (int c = lane; c < channels; c += 32) {
-    dyr[c] = g * d[c];
-    dot += double{d[c]} * yr[c];
-  }
-  dot = WarpSum(dot);
-  if (lane == 0) dgate[a] = static_cast<float>(dot);
 }
 
 // The segment (non-empty bucket) holding `row`: offsets[s] <= row < offsets[s + 1].
@@ -244,94 +387,103 @@ void CudaBackend::Route(const float* logits, int n, int experts,
   std::fill(out.prob_sum, out.prob_sum + experts, 0.0);
   std::fill(out.offsets, out.offsets + experts + 1, 0);
   if (n == 0 || !Ready()) return;
-  RouteKernel<<<WarpBlocks(n), kThreads, 0, S(stream_)>>>(logits, n, experts, k, config.renormalize,
-                                                          out.probs, out.lse, out.expert, out.gate);
-  double* prob_sum = static_cast<double*>(Scratch(kRouting, sizeof(double) * experts));
-  if (prob_sum == nullptr) return;
-  ProbSumKernel<<<experts, kThreads, 0, S(stream_)>>>(prob_sum, out.probs, n, experts);
-  if (!CheckLaunch("Route")) return;
-  const int64_t assignments = int64_t{n} * k;
-  host_ints_.resize(2 * assignments);
-  int32_t* chosen = host_ints_.data();
-  int32_t* rows = chosen + assignments;
-  if (!CopyToHost(chosen, out.expert, sizeof(int32_t) * assignments).ok() ||
-      !CopyToHost(out.prob_sum, prob_sum, sizeof(double) * experts).ok()) {
+  const size_t per_expert = sizeof(int32_t) * experts;  // the layout kernels' shared memory
+  if (per_expert > 48 * 1024) {
+    Fail("Route", absl::StrCat(experts, " experts: the bucket layout takes at most 12288"));
     return;
   }
-  // The bucket layout, slot-major as the CPU backend (cpu_backend_moe.cc).
+  RouteKernel<<<WarpBlocks(n), kThreads, 0, S(stream_)>>>(logits, n, experts, k, config.renormalize,
+                                                          out.probs, out.lse, out.expert, out.gate);
+  // What comes back to the host, in one copy: prob_sum [E], routed [E], offsets [E + 1].
+  const size_t back = sizeof(int64_t) * (3 * experts + 1);
+  auto* prob_sum = static_cast<double*>(Scratch(kRouting, back));
+  const int64_t assignments = int64_t{n} * k;
+  const int tiles = static_cast<int>((assignments + kRouteTile - 1) / kRouteTile);
+  auto* counts = static_cast<int32_t*>(Scratch(kRouteTiles, per_expert * tiles));
+  if (prob_sum == nullptr || counts == nullptr) return;
+  auto* routed = reinterpret_cast<int64_t*>(prob_sum + experts);
+  int64_t* offsets = routed + experts;
   const int64_t capacity =
       config.capacity_factor > 0
           ? static_cast<int64_t>(std::ceil(config.capacity_factor * k * n / experts))
           : assignments;
-  std::vector<int64_t> next(experts, 0);
-  for (int s = 0; s < k; ++s) {
-    for (int64_t t = 0; t < n; ++t) {
-      const int e = chosen[t * k + s];
-      ++out.routed[e];
-      rows[t * k + s] = next[e] < capacity ? (++next[e], 0) : -1;
-    }
-  }
-  for (int e = 0; e < experts; ++e) out.offsets[e + 1] = out.offsets[e] + next[e];
-  std::copy(out.offsets, out.offsets + experts, next.begin());
-  std::vector<int32_t> bucket_token(out.offsets[experts]);
-  for (int s = 0; s < k; ++s) {
-    for (int64_t t = 0; t < n; ++t) {
-      int32_t& row = rows[t * k + s];
-      if (row < 0) continue;
-      row = static_cast<int32_t>(next[chosen[t * k + s]]++);
-      bucket_token[row] = static_cast<int32_t>(t);
-    }
-  }
-  // Pageable sources: the copies have read them when cudaMemcpyAsync returns.
-  CheckCuda(cudaMemcpyAsync(out.row, rows, sizeof(int32_t) * assignments, cudaMemcpyHostToDevice,
-                            S(stream_)),
-            "Route (rows)");
-  if (!bucket_token.empty()) {
-    CheckCuda(
-        cudaMemcpyAsync(out.bucket_token, bucket_token.data(),
-                        sizeof(int32_t) * bucket_token.size(), cudaMemcpyHostToDevice, S(stream_)),
-        "Route (bucket tokens)");
-  }
+  ProbSumKernel<<<experts, kThreads, 0, S(stream_)>>>(prob_sum, out.probs, n, experts);
+  RouteCountKernel<<<tiles, kThreads, per_expert, S(stream_)>>>(counts, out.expert, n, k, experts);
+  RouteScanKernel<<<1, kThreads, 0, S(stream_)>>>(counts, tiles, experts, capacity, routed,
+                                                  offsets);
+  RoutePlaceKernel<<<tiles, 32, per_expert, S(stream_)>>>(
+      out.row, out.bucket_token, counts, offsets, out.expert, n, k, experts, capacity);
+  if (!CheckLaunch("Route")) return;
+  host_back_.resize(3 * experts + 1);
+  if (!CopyToHost(host_back_.data(), prob_sum, back).ok()) return;
+  std::memcpy(out.prob_sum, host_back_.data(), sizeof(double) * experts);
+  std::copy_n(host_back_.data() + experts, experts, out.routed);
+  std::copy_n(host_back_.data() + 2 * experts, experts + 1, out.offsets);
 }
 
 void CudaBackend::Permute(float* bucket, const float* x, const int32_t* bucket_token, int64_t rows,
                           int channels) {
   if (rows * channels == 0 || !Ready()) return;
-  PermuteKernel<<<GridFor(rows * channels), kThreads, 0, S(stream_)>>>(bucket, x, bucket_token,
-                                                                       rows, channels);
+  if (ByFloat4(channels, {bucket, x})) {
+    MoveRowsKernel<<<RowBlocks(rows), kThreads, 0, S(stream_)>>>(
+        As<float4>(bucket), As<float4>(x), bucket_token, false, rows, channels / 4);
+  } else {
+    MoveRowsKernel<<<RowBlocks(rows), kThreads, 0, S(stream_)>>>(bucket, x, bucket_token, false,
+                                                                 rows, channels);
+  }
   CheckLaunch("Permute");
 }
 
 void CudaBackend::ScatterRows(float* dst, const float* src, const int32_t* dst_row, int64_t rows,
                               int channels) {
   if (rows * channels == 0 || !Ready()) return;
-  ScatterRowsKernel<<<GridFor(rows * channels), kThreads, 0, S(stream_)>>>(dst, src, dst_row, rows,
-                                                                           channels);
+  if (ByFloat4(channels, {dst, src})) {
+    MoveRowsKernel<<<RowBlocks(rows), kThreads, 0, S(stream_)>>>(As<float4>(dst), As<float4>(src),
+                                                                 dst_row, true, rows, channels / 4);
+  } else {
+    MoveRowsKernel<<<RowBlocks(rows), kThreads, 0, S(stream_)>>>(dst, src, dst_row, true, rows,
+                                                                 channels);
+  }
   CheckLaunch("ScatterRows");
 }
 
 void CudaBackend::PermuteBackward(float* dx, const float* dbucket, const int32_t* row, int n,
                                   int top_k, int channels) {
   if (int64_t{n} * channels == 0 || !Ready()) return;
-  PermuteBackwardKernel<<<GridFor(int64_t{n} * channels), kThreads, 0, S(stream_)>>>(
-      dx, dbucket, row, n, top_k, channels);
+  if (ByFloat4(channels, {dx, dbucket})) {
+    PermuteBackwardKernel<<<RowBlocks(n), kThreads, 0, S(stream_)>>>(
+        As<float4>(dx), As<float4>(dbucket), row, n, top_k, channels / 4);
+  } else {
+    PermuteBackwardKernel<<<RowBlocks(n), kThreads, 0, S(stream_)>>>(dx, dbucket, row, n, top_k,
+                                                                     channels);
+  }
   CheckLaunch("PermuteBackward");
 }
 
 void CudaBackend::Combine(float* out, const float* y, const int32_t* row, const float* gate, int n,
                           int top_k, int channels) {
   if (int64_t{n} * channels == 0 || !Ready()) return;
-  CombineKernel<<<GridFor(int64_t{n} * channels), kThreads, 0, S(stream_)>>>(out, y, row, gate, n,
-                                                                             top_k, channels);
+  if (ByFloat4(channels, {out, y})) {
+    CombineKernel<<<RowBlocks(n), kThreads, 0, S(stream_)>>>(As<float4>(out), As<float4>(y), row,
+                                                             gate, n, top_k, channels / 4);
+  } else {
+    CombineKernel<<<RowBlocks(n), kThreads, 0, S(stream_)>>>(out, y, row, gate, n, top_k, channels);
+  }
   CheckLaunch("Combine");
 }
 
 void CudaBackend::CombineBackward(float* dy, float* dgate, const float* dout, const float* y,
                                   const int32_t* row, const float* gate, int n, int top_k,
                                   int channels) {
-  if (int64_t{n} * top_k == 0 || !Ready()) return;
-  CombineBackwardKernel<<<WarpBlocks(int64_t{n} * top_k), kThreads, 0, S(stream_)>>>(
-      dy, dgate, dout, y, row, gate, n, top_k, channels);
+  const int64_t assignments = int64_t{n} * top_k;
+  if (assignments == 0 || !Ready()) return;
+  if (ByFloat4(channels, {dy, dout, y})) {
+    CombineBackwardKernel<<<RowBlocks(assignments), kThreads, 0, S(stream_)>>>(
+        As<float4>(dy), dgate, As<float4>(dout), As<float4>(y), row, gate, n, top_k, channels / 4);
+  } else {
+    CombineBackwardKernel<<<RowBlocks(assignments), kThreads, 0, S(stream_)>>>(
+        dy, dgate, dout, y, row, gate, n, top_k, channels);
+  }
   CheckLaunch("CombineBackward");
 }
 
