@@ -54,12 +54,15 @@ pith_add_library(pith_model
           worker/model/param_init.cc
   PUBLIC_DEPS pith_compute absl::strings)
 
+pith_add_library(pith_batch_plan SOURCES worker/cuda/batch_plan.cc)
+pith_add_test(worker/cuda/batch_plan_test.cc DEPS pith_batch_plan)
+
 pith_add_library(pith_cuda
   SOURCES worker/cuda/device_probe.cu worker/cuda/cuda_backend.cu worker/cuda/cuda_dense.cu
           worker/cuda/cuda_moe.cu worker/cuda/cuda_bf16.cu worker/cuda/cuda_grouped.cu
           worker/cuda/cuda_wgmma.cu worker/cuda/device_slots.cu worker/cuda/nccl_group.cc
   PUBLIC_DEPS pith_compute CUDA::cudart absl::time
-  DEPS CUDA::cublas pith_nccl)
+  DEPS CUDA::cublas pith_nccl pith_batch_plan)
 
 pith_add_library(pith_backend_select
   SOURCES worker/backend/backend_select.cc

@@ -127,6 +127,7 @@ for shape in qwen3-30b-a3b deepseek-v2-lite; do
       if ($4 == "bf16") pith16 = t
       if ($4 == "bf16_blobs") blobs = t
       if ($4 == "bf16_kernel") kern = t
+      if ($4 == "bf16_batched") batched = t
       if ($4 ~ /^bf16_wgmma/ && (wgmma == "" || t + 0 < wgmma + 0)) { wgmma = t; wgmma_tile = $4 }
     }
     $1 == "torch_moe" && $2 == s && $5 == "ms" {
@@ -142,6 +143,8 @@ for shape in qwen3-30b-a3b deepseek-v2-lite; do
              fp32, fp32 / pith32, pith16, variant, best, best / pith16
       if (blobs != "") printf "; from bf16 weights blobs (a cluster worker) %.2f ms (x%.2f)", \
                               blobs, best / blobs
+      if (batched != "") printf "; products as batched calls %.2f ms (x%.2f)", \
+                                batched, best / batched
       if (kern != "") printf "; products through the grouped kernel %.2f ms (x%.2f)", \
                              kern, best / kern
       if (wgmma != "") printf "; through %s %.2f ms (x%.2f)", wgmma_tile, wgmma, best / wgmma

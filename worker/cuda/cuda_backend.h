@@ -190,6 +190,12 @@ class CudaBackend final : public compute::Backend {
   // One cuBLAS call over every problem (cublasGemmGroupedBatchedEx); c must be bf16 and no
   // problem empty (an error otherwise).
   void GroupedGemmBf16(const std::vector<Bf16Gemm>& problems, const char* op);
+  // The problems as a few cublasGemmBatchedEx calls of equal row chunks (batch_plan.h),
+  // the rest fanned out, so that a phase of many small products fills the device in a few
+  // launches. Problems write disjoint outputs, as for the fan-out; no epilogue. Where this
+  // cuBLAS takes no batched call of these types, everything is fanned out from then on.
+  void BatchedGemmBf16(const std::vector<Bf16Gemm>& problems, const char* op);
+  uint64_t batched_calls() const { return batched_calls_; }  // launched so far
   // Pith's own grouped kernel (cuda_grouped.cu): every problem in one launch, any mix of
   // transposes, fp32 or bf16 C, any alpha and beta, empty problems as FanOutGemmBf16 does
   // them. It takes a problem whose a and b are 16-byte aligned, whose leading dimensions
@@ -215,10 +221,10 @@ class CudaBackend final : public compute::Backend {
   // How many CTAs of that tile shape one SM holds at once (registers and shared memory
   // allowing), for gpu_bench; 0 when the query fails.
   int KernelBlocksPerSm(KernelTile tile);
-  // Which of the two runs the bf16 compute dtype's expert products: the cuBLAS fan-out
-  // (the default) or the grouped kernel (where it takes every problem of a phase; else
-  // the fan-out).
-  enum class Bf16Products { kFanOut, kKernel };
+  // What runs the bf16 compute dtype's expert products: the cuBLAS fan-out (the default),
+  // the grouped kernel (where it takes every problem of a phase; else the fan-out) or
+  // cuBLAS's batched calls (BatchedGemmBf16).
+  enum class Bf16Products { kFanOut, kKernel, kBatched };
   Bf16Products bf16_products() const { return bf16_products_; }
   void set_bf16_products(Bf16Products how) { bf16_products_ = how; }
   void GemmBf16(const Bf16Gemm& p, const char* op);
@@ -337,7 +343,8 @@ class CudaBackend final : public compute::Backend {
   // Whether `p` is empty (m, n or k 0), after doing what an empty product does.
   bool EmptyProductBf16(const Bf16Gemm& p, const char* op);
   SideStreams side_;
-  bool side_failed_ = false;  // they could not be made: not tried again
+  bool side_failed_ = false;          // they could not be made: not tried again
+  bool batched_unsupported_ = false;  // cuBLAS refused a batched call's types: fan out
   int side_streams_ = 4;
   Bf16Products bf16_products_ = Bf16Products::kFanOut;
   // KernelGemmBf16's problem table for output tiles of bm x bn, on the device (kKernelProblems
@@ -364,6 +371,7 @@ class CudaBackend final : public compute::Backend {
   unsigned kernel_smem_set_ = 0;  // bit per tile shape: its shared-memory limit was raised
   uint64_t kernel_launches_ = 0;
   uint64_t epilogue_launches_ = 0;
+  uint64_t batched_calls_ = 0;
   int launch_threads_ = 1;
   std::unique_ptr<compute::ThreadPool> launch_pool_;  // launch_threads_ > 1 only
   std::vector<int64_t> host_back_;                    // Route's results, copied back

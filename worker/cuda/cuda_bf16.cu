@@ -13,6 +13,7 @@
 #include <utility>
 #include <vector>
 
+#include "worker/cuda/batch_plan.h"
 #include "worker/cuda/cuda_backend.h"
 #include "worker/cuda/cuda_kernels.cuh"
 
@@ -233,6 +234,98 @@ void CudaBackend::GroupedGemmBf16(const std::vector<Bf16Gemm>& problems, const c
             op);
 }
 
+namespace {
+
+PlanProduct ToPlan(const CudaBackend::Bf16Gemm& p) {
+  return {p.trans_a,
+          p.trans_b,
+          p.m,
+          p.n,
+          p.k,
+          p.lda,
+          p.ldb,
+          p.ldc,
+          p.alpha,
+          p.beta,
+          p.c_fp32,
+          reinterpret_cast<uintptr_t>(p.a),
+          reinterpret_cast<uintptr_t>(p.b),
+          reinterpret_cast<uintptr_t>(p.c)};
+}
+
+CudaBackend::Bf16Gemm FromPlan(const PlanProduct& p) {
+  return {p.trans_a,
+          p.trans_b,
+          p.m,
+          p.n,
+          p.k,
+          reinterpret_cast<const void*>(p.a),
+          p.lda,
+          reinterpret_cast<const void*>(p.b),
+          p.ldb,
+          p.beta,
+          reinterpret_cast<void*>(p.c),
+          p.ldc,
+          p.c_fp32,
+          p.alpha};
+}
+
+cublasStatus_t GemmBatchedEx(cublasHandle_t h, const BatchedCall& call, const void* const* dev) {
+  const PlanProduct& s = call.shape;
+  const int count = call.count();
+  // As GemmEx: operands swapped; the entries' A's, then B's, then C's at `dev`.
+  return cublasGemmBatchedEx(
+      h, Op(s.trans_b), Op(s.trans_a), s.n, s.m, s.k, &s.alpha, dev + count, CUDA_R_16BF, s.ldb,
+      dev, CUDA_R_16BF, s.lda, &s.beta, const_cast<void* const*>(dev + 2 * count),
+      s.c_fp32 ? CUDA_R_32F : CUDA_R_16BF, s.ldc, count, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
+}
+
+}  // namespace
+
+void CudaBackend::BatchedGemmBf16(const std::vector<Bf16Gemm>& problems, const char* op) {
+  if (problems.empty() || !Ready()) return;
+  std::vector<PlanProduct> work;
+  for (const Bf16Gemm& p : problems) {
+    if (p.epilogue.any()) {
+      Fail(op, "an epilogue needs the grouped kernel");
+      return;
+    }
+    if (!EmptyProductBf16(p, op)) work.push_back(ToPlan(p));
+  }
+  if (work.empty() || !Ready()) return;
+  BatchPlan plan = PlanBatches(work);
+  if (batched_unsupported_) {  // everything as single products
+    plan.single = std::move(work);
+    plan.calls.clear();
+  }
+  std::vector<const void*> pointers;  // per call: its A's, B's, C's
+  for (const BatchedCall& call : plan.calls) {
+    for (const auto* list : {&call.a, &call.b, &call.c}) {
+      for (uintptr_t p : *list) pointers.push_back(reinterpret_cast<const void*>(p));
+    }
+  }
+  const void* const* dev = pointers.empty() ? nullptr : UploadPointers(pointers, op);
+  if (!pointers.empty() && dev == nullptr) return;
+  {
+    DefaultMath math(H(blas_));
+    for (size_t i = 0; i < plan.calls.size(); ++i) {
+      const cublasStatus_t status = GemmBatchedEx(H(blas_), plan.calls[i], dev);
+      if (i == 0 && status == CUBLAS_STATUS_NOT_SUPPORTED) {  // nothing launched yet
+        batched_unsupported_ = true;
+        plan.single = std::move(work);
+        break;
+      }
+      if (!CheckBlas(status, op)) return;
+      ++batched_calls_;
+      dev += 3 * plan.calls[i].count();
+    }
+  }
+  if (plan.single.empty()) return;
+  std::vector<Bf16Gemm> single;
+  for (const PlanProduct& p : plan.single) single.push_back(FromPlan(p));
+  FanOutGemmBf16(single, op);
+}
+
 void CudaBackend::set_launch_threads(int n) {
   n = std::clamp(n, 1, kMaxSideStreams);
   if (n == launch_threads_) return;
@@ -341,6 +434,8 @@ bool CudaBackend::RunBf16Products(const std::vector<GemmProblem>& problems,
   for (Bf16Gemm& p : bf16) p.epilogue = {};  // the caller runs them as passes of their own
   if (bf16.size() == 1) {
     GemmBf16(bf16[0], op);
+  } else if (bf16_products_ == Bf16Products::kBatched) {
+    BatchedGemmBf16(bf16, op);
   } else {
     FanOutGemmBf16(bf16, op);
   }

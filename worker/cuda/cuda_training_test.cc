@@ -130,23 +130,28 @@ TEST(CudaTrainingTest, TwentyBf16StepsStayNearTheFp32Run) {
   EXPECT_LT(got.losses.back(), got.losses.front());  // it learns
 }
 
-// The same bf16 training with the expert products (and their bias, gelu and gelu
-// derivative passes) in the grouped kernel: each step's loss within 5e-3 relative of the
-// fan-out's (the same math summed in another order), and the kernel ran.
-TEST(CudaTrainingTest, TwentyBf16StepsThroughTheGroupedKernel) {
+// The same bf16 training with the expert products in the grouped kernel (with their
+// bias, gelu and gelu derivative passes) and as cuBLAS batched calls of row chunks: each
+// step's loss within 5e-3 relative of the fan-out's (the same math summed in another
+// order), and the kernel or the batched calls ran.
+TEST(CudaTrainingTest, TwentyBf16StepsThroughTheGroupedKernelAndBatchedCalls) {
   absl::StatusOr<std::unique_ptr<CudaBackend>> fan = CudaBackend::Create(0);
   if (!fan.ok()) GTEST_SKIP() << "no CUDA device here: " << fan.status();
-  absl::StatusOr<std::unique_ptr<CudaBackend>> kernel = CudaBackend::Create(0);
-  ASSERT_TRUE(kernel.ok()) << kernel.status();
-  (*kernel)->set_bf16_products(CudaBackend::Bf16Products::kKernel);
   constexpr int kSteps = 20;
   const TrainRun want = Train(**fan, kSteps, ComputeDtype::kBf16);
-  const TrainRun got = Train(**kernel, kSteps, ComputeDtype::kBf16);
-  ASSERT_EQ(got.losses.size(), static_cast<size_t>(kSteps));
   ASSERT_EQ(want.losses.size(), static_cast<size_t>(kSteps));
-  EXPECT_GT((*kernel)->kernel_launches(), 0u);
-  for (int s = 0; s < kSteps; ++s) {
-    EXPECT_NEAR(got.losses[s], want.losses[s], 5e-3 * std::fabs(want.losses[s])) << "step " << s;
+  for (auto how : {CudaBackend::Bf16Products::kKernel, CudaBackend::Bf16Products::kBatched}) {
+    const bool kernel = how == CudaBackend::Bf16Products::kKernel;
+    SCOPED_TRACE(kernel ? "grouped kernel" : "batched calls");
+    absl::StatusOr<std::unique_ptr<CudaBackend>> gpu = CudaBackend::Create(0);
+    ASSERT_TRUE(gpu.ok()) << gpu.status();
+    (*gpu)->set_bf16_products(how);
+    const TrainRun got = Train(**gpu, kSteps, ComputeDtype::kBf16);
+    ASSERT_EQ(got.losses.size(), static_cast<size_t>(kSteps));
+    EXPECT_GT(kernel ? (*gpu)->kernel_launches() : (*gpu)->batched_calls(), 0u);
+    for (int s = 0; s < kSteps; ++s) {
+      EXPECT_NEAR(got.losses[s], want.losses[s], 5e-3 * std::fabs(want.losses[s])) << "step " << s;
+    }
   }
 }
 

@@ -12,6 +12,8 @@
 //                   streams (FanOutGemmBf16), against a dense bf16 cuBLAS GEMM of the same
 //                   FLOPs and the H200's ~790 TFLOP/s; its detail line has each phase and
 //                   the same products as cuBLAS grouped calls;
+//   expert_gemm_bf16_batched the same products as cuBLAS batched calls of row chunks
+//                   (BatchedGemmBf16), against the same dense GEMM;
 //   expert_gemm_bf16_kernel the same products through Pith's grouped kernels
 //                   (KernelGemmBf16: one launch a phase), one line per tile shape (the
 //                   mma.sync ones, then the wgmma ones where they run), against the same
@@ -20,8 +22,9 @@
 //                   staging, against a plain pinned cudaMemcpy of the same bytes;
 //   moe_layer       the whole MoE layer fwd+bwd through the backend (router GEMM in fp32,
 //                   Route with its host layout, permute, experts, combine, every backward)
-//                   in ms, in the fp32 and in the bf16 compute dtype (bf16_kernel: its
-//                   products through the mma.sync kernel; bf16_wgmma_128x128 and
+//                   in ms, in the fp32 and in the bf16 compute dtype (bf16_batched: its
+//                   products as batched calls; bf16_kernel: through the mma.sync kernel;
+//                   bf16_wgmma_128x128 and
 //                   bf16_wgmma_128x256: through the wgmma one), for tests/gpu/run.sh to set
 //                   against PyTorch's (torch_moe_bench.py).
 // Tokens in the GEMM benches spread over the experts with a skew (the first expert gets
@@ -293,6 +296,31 @@ bool MakeFfnProducts(CudaBackend& b, const Shape& s, int64_t tokens, FfnProducts
   return true;
 }
 
+// The same products as cuBLAS batched calls of row chunks (BatchedGemmBf16), against the
+// same dense products.
+int RunBf16Batched(CudaBackend& b, const Shape& s, const FfnProducts& f,
+                   const std::vector<Bf16Call>& calls, double dense_s, int iters) {
+  const uint64_t before = b.batched_calls();
+  const double batched = SecondsPerIter(b, iters, [&] {
+    for (const Bf16Call& call : calls) b.BatchedGemmBf16(*call.second, call.first);
+  });
+  if (batched <= 0) {
+    std::fprintf(stderr, "%s bf16 batched: %s\n", s.name, b.status().ToString().c_str());
+    return 1;
+  }
+  const std::string phases = Bf16Breakdown(
+      b, calls, iters, [&](const std::vector<CudaBackend::Bf16Gemm>& p, const char* op) {
+        b.BatchedGemmBf16(p, op);
+      });
+  std::printf(
+      "expert_gemm_bf16_batched %-16s A=%lld  fwd+bwd %.2f ms %.1f TFLOP/s (%.0f%% of 790)  "
+      "ratio %.3f (target >= 0.8); %llu batched calls; TFLOP/s per phase:%s\n",
+      s.name, static_cast<long long>(f.dense.m), batched * 1e3, f.flops / batched / 1e12,
+      100 * f.flops / batched / 790e12, dense_s / batched,
+      static_cast<unsigned long long>(b.batched_calls() - before), phases.c_str());
+  return 0;
+}
+
 // The products fanned out (FanOutGemmBf16, the default) against six dense bf16 products
 // of the same FLOPs; the detail line has each phase and cuBLAS's grouped calls.
 int RunBf16Gemms(CudaBackend& b, const Shape& s, int64_t tokens, int iters) {
@@ -341,7 +369,7 @@ int RunBf16Gemms(CudaBackend& b, const Shape& s, int64_t tokens, int iters) {
       "grouped calls (cublasGemmGroupedBatchedEx + bf16->fp32 gradient add) %.1f\n",
       s.name, Bf16Breakdown(b, calls, iters).c_str(), other_counts.c_str(), b.side_streams(),
       b.launch_threads(), flops / grouped / 1e12);
-  return 0;
+  return RunBf16Batched(b, s, f, calls, dense_s, iters);
 }
 
 // The products through Pith's grouped kernel (KernelGemmBf16: one launch a phase), with
@@ -571,7 +599,9 @@ int RunLayerBf16(CudaBackend& b, const Shape& s, int64_t tokens, int iters) {
   std::printf("moe_layer_detail %-16s bf16 with 4 launch threads %.2f ms (default %d: %.2f)\n",
               s.name, threaded * 1e3, threads, seconds * 1e3);
   // As a bf16 job's cluster worker computes: the weights already bf16 (no rounding).
-  return LayerLines(b, s, tokens, iters, "bf16_blobs", /*blobs=*/true) > 0 ? 0 : 1;
+  if (LayerLines(b, s, tokens, iters, "bf16_blobs", /*blobs=*/true) <= 0) return 1;
+  b.set_bf16_products(CudaBackend::Bf16Products::kBatched);
+  return LayerLines(b, s, tokens, iters, "bf16_batched") > 0 ? 0 : 1;
 }
 
 // The bf16 layer with its expert products through the grouped kernel: mma.sync's default

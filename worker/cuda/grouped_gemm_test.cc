@@ -297,6 +297,61 @@ TEST_F(GroupedGemmTest, EpiloguesMatchTheCpusPasses) {
             absl::string_view::npos);
 }
 
+// cuBLAS's batched calls over row chunks (BatchedGemmBf16, batch_plan.h) against the CPU:
+// an expert phase's products (rows past whole chunks, buckets under a chunk, one under 16
+// rows, an empty one) into fp32 and into bf16, and weight-gradient-like products that
+// accumulate (beta 1) with rows past the last chunk. With beta 0, C starts as NaN.
+TEST_F(GroupedGemmTest, BatchedCallsMatchTheCpu) {
+  struct Set {
+    bool ta, tb, c_fp32;
+    float beta;
+    int n, k, lda;
+  };
+  const std::vector<int> rows = {300, 128, 77, 5, 1000, 129, 20, 0, 64};
+  const uint64_t before = gpu_->batched_calls();
+  for (const Set& set :
+       {Set{false, false, true, 0.0f, 72, 48, 48}, Set{false, true, false, 0.0f, 40, 56, 56},
+        Set{true, false, true, 1.0f, 24, 32, 1000}}) {
+    SCOPED_TRACE(testing::Message()
+                 << "trans_a " << set.ta << " trans_b " << set.tb << " fp32 C " << set.c_fp32);
+    const int ldb = set.tb ? set.k : set.n;
+    const Bf16Vec b = ToBf16(Random(int64_t{set.k} * set.n, 2));  // shared, as an expert's
+    std::vector<CudaBackend::Bf16Gemm> problems;
+    std::vector<Vec> want;
+    for (size_t i = 0; i < rows.size(); ++i) {
+      const int m = rows[i];
+      const Bf16Vec a = ToBf16(Random(int64_t{set.ta ? set.k : m} * set.lda, 10 + i));
+      Vec out = Random(int64_t{m} * set.n, 30 + i);
+      if (!set.c_fp32) out = ToBf16(out).rounded;
+      const Vec start = set.beta == 0.0f ? Vec(out.size(), std::nanf("")) : out;
+      void* dc =
+          set.c_fp32 ? static_cast<void*>(Up(start)) : static_cast<void*>(Up(ToBf16(start).bits));
+      problems.push_back({set.ta, set.tb, m, set.n, set.k, Up(a.bits), set.lda, Up(b.bits), ldb,
+                          set.beta, dc, set.n, set.c_fp32});
+      cpu_.Gemm(set.ta, set.tb, m, set.n, set.k, 1.0f, a.rounded.data(), set.lda, b.rounded.data(),
+                ldb, set.beta, out.data(), set.n);
+      want.push_back(out);
+    }
+    gpu_->BatchedGemmBf16(problems, "batched test");
+    ASSERT_TRUE(gpu_->Synchronize().ok()) << gpu_->status();
+    for (size_t i = 0; i < rows.size(); ++i) {
+      SCOPED_TRACE(testing::Message() << "rows " << rows[i]);
+      const CudaBackend::Bf16Gemm& p = problems[i];
+      const size_t n = want[i].size();
+      if (set.c_fp32) {
+        ExpectClose("batched", Down(static_cast<float*>(p.c), n), want[i], 1e-4);
+      } else {
+        Vec got;
+        for (uint16_t bits : Down(static_cast<uint16_t*>(p.c), n)) got.push_back(Bf16ToFloat(bits));
+        ExpectClose("batched bf16", got, want[i], 1.0 / 128);
+      }
+    }
+  }
+  // Per set, a call of whole chunks for the 128-row group (300, 128, 1000, 129) and the
+  // 64-row one (77, 64); with beta 0 a call of tails for each as well.
+  EXPECT_EQ(gpu_->batched_calls() - before, 10u) << "cuBLAS took no batched call of these types";
+}
+
 class GroupedFfnTest : public GroupedGemmTest {
  protected:
   // The expert FFN forward and backward in the bf16 compute dtype with hidden size F, its
@@ -354,6 +409,16 @@ TEST_F(GroupedFfnTest, ThroughTheKernelItMatchesTheFanOut) {
   EXPECT_EQ(gpu_->kernel_launches() - before, 4u);
   EXPECT_EQ(gpu_->epilogue_launches() - epilogues, 3u);  // x @ w1, h @ w2, dH
   ExpectSame(kernel, fan);
+}
+
+// The same with the products as cuBLAS batched calls of row chunks: buckets of 150 and
+// 129 rows batch, 21 rows run alone.
+TEST_F(GroupedFfnTest, ThroughBatchedCallsItMatchesTheFanOut) {
+  const std::vector<Vec> fan = Ffn(128, CudaBackend::Bf16Products::kFanOut);
+  const uint64_t before = gpu_->batched_calls();
+  const std::vector<Vec> batched = Ffn(128, CudaBackend::Bf16Products::kBatched);
+  EXPECT_GT(gpu_->batched_calls(), before);
+  ExpectSame(batched, fan);
 }
 
 // The same through the warpgroup-MMA kernel, where this device runs it.
