@@ -23,6 +23,11 @@ int ChunkRows(int m) {
   return chunk <= m ? chunk : 0;
 }
 
+// cuBLAS reads a batched call's bf16 operands in 16-byte loads where it can, and cannot
+// check pointers that sit on the device: every entry's must be 16-byte aligned.
+bool Aligned(uintptr_t address) { return address % 16 == 0; }
+bool Aligned(const PlanProduct& p) { return Aligned(p.a) && Aligned(p.b) && Aligned(p.c); }
+
 struct Group {
   std::vector<int> products;  // indices into the plan's input
   BatchedCall full, tail;
@@ -46,7 +51,8 @@ BatchPlan PlanBatches(const std::vector<PlanProduct>& products) {
   for (int i = 0; i < static_cast<int>(products.size()); ++i) {
     const PlanProduct& p = products[i];
     const int chunk = ChunkRows(p.m);
-    if (chunk == 0) {
+    // Chunk starts are multiples of 16 rows, so aligned bases keep every full chunk so.
+    if (chunk == 0 || !Aligned(p)) {
       plan.single.push_back(p);
       continue;
     }
@@ -75,8 +81,9 @@ BatchPlan PlanBatches(const std::vector<PlanProduct>& products) {
       const int whole = p.m / chunk * chunk;
       for (int r = 0; r < whole; r += chunk) add(g.full, RowsOf(p, r, chunk));
       if (whole == p.m) continue;
-      if (p.beta == 0.0f) {
-        add(g.tail, RowsOf(p, p.m - chunk, chunk));  // overwrites rows the full call wrote
+      const PlanProduct tail = RowsOf(p, p.m - chunk, chunk);
+      if (p.beta == 0.0f && Aligned(tail)) {
+        add(g.tail, tail);  // overwrites rows the full call wrote
       } else {
         plan.single.push_back(RowsOf(p, whole, p.m - whole));
       }

@@ -8,8 +8,9 @@
 // tail chunk ending at its last row, in a second call after the first. The tail
 // recomputes rows of the last full chunk, which is harmless where C is overwritten
 // (beta 0) and wrong where it accumulates: there the remaining rows run as a product of
-// their own. Products no other product shares a shape with, and those under kMinRows rows,
-// run on their own too (the fan-out), where one launch each is no loss.
+// their own, as they do where the tail would start off 16-byte alignment. Products no other
+// product shares a shape with, those under kMinRows rows and those whose A, B or C is not
+// 16-byte aligned run on their own too (the fan-out), where one launch each is no loss.
 #ifndef PITH_WORKER_CUDA_BATCH_PLAN_H_
 #define PITH_WORKER_CUDA_BATCH_PLAN_H_
 

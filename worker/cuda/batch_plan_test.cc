@@ -52,18 +52,19 @@ std::pair<uintptr_t, uintptr_t> OutputBytes(const PlanProduct& p) {
 class Products {
  public:
   explicit Products(uint32_t seed) : rng_(seed) {}
-  // Adds a product over fresh buffers, A and B shared with the last call's where asked.
+  // Adds a product over fresh buffers, A and B shared with the last call's where asked;
+  // `pad` widens A's and C's rows (an odd pad leaves rows past the first off alignment).
   PlanProduct& Add(bool ta, bool tb, int m, int n, int k, float beta, bool c_fp32,
-                   bool share_b = false) {
+                   bool share_b = false, int pad = 0) {
     PlanProduct p;
     p.trans_a = ta;
     p.trans_b = tb;
     p.m = m;
     p.n = n;
     p.k = k;
-    p.lda = (ta ? 512 : k) + 3;  // m is at most 512: A's stored rows span any m
+    p.lda = (ta ? 512 : k) + pad;  // m is at most 512: A's stored rows span any m
     p.ldb = tb ? k : n;
-    p.ldc = n + 1;
+    p.ldc = n + pad;
     p.beta = beta;
     p.c_fp32 = c_fp32;
     p.a = Bf16Buffer(int64_t{p.lda} * (ta ? k : m));
@@ -191,7 +192,34 @@ TEST(BatchPlanTest, ShapesOfTheirOwnRunAloneAndSharedInputsBatch) {
   EXPECT_TRUE(PlanBatches({}).calls.empty());
 }
 
-// A seeded mix of every transpose, output type, beta and size.
+// Entries of a batched call start 16-byte aligned (cuBLAS cannot check pointers on the
+// device): a product whose base is not runs alone, and one whose tail would start off
+// alignment (an odd leading dimension) runs its remaining rows alone instead.
+TEST(BatchPlanTest, EntriesStartAligned) {
+  Products products(5);
+  products.Add(false, false, 300, 8, 16, 0.0f, true, false, /*pad=*/1);
+  products.Add(false, false, 201, 8, 16, 0.0f, true, false, /*pad=*/1);
+  PlanProduct& off = products.Add(false, false, 256, 8, 16, 0.0f, true, false, /*pad=*/1);
+  off.a += 2;  // one bf16 in: the product reads its own buffer one element on
+  off.m = 255;
+  const BatchPlan plan = PlanBatches(products.list());
+  ExpectPlanMatches(products, plan);
+  ASSERT_EQ(plan.calls.size(), 1u);  // whole chunks only: no tail starts aligned
+  EXPECT_EQ(plan.calls[0].count(), 2 + 1);
+  for (const BatchedCall& call : plan.calls) {
+    for (int i = 0; i < call.count(); ++i) {
+      EXPECT_EQ(call.a[i] % 16, 0u);
+      EXPECT_EQ(call.b[i] % 16, 0u);
+      EXPECT_EQ(call.c[i] % 16, 0u);
+    }
+  }
+  ASSERT_EQ(plan.single.size(), 3u);  // the offset one, 300's last 44 rows, 201's last 73
+  EXPECT_EQ(plan.single[0].m, 255);
+  EXPECT_EQ(plan.single[1].m, 44);
+  EXPECT_EQ(plan.single[2].m, 73);
+}
+
+// A seeded mix of every transpose, output type, beta, size and alignment.
 TEST(BatchPlanTest, RandomMixesMatchTheProductsThemselves) {
   std::mt19937 rng(4);
   for (int round = 0; round < 20; ++round) {
@@ -201,7 +229,7 @@ TEST(BatchPlanTest, RandomMixesMatchTheProductsThemselves) {
       const bool ta = rng() % 2, tb = rng() % 2, fp32 = rng() % 2;
       const float beta = rng() % 3 == 0 ? 1.0f : 0.0f;
       const int m = 1 + static_cast<int>(rng() % 400);
-      products.Add(ta, tb, m, 8 + round % 3, 8, fp32 ? beta : 0.0f, fp32);
+      products.Add(ta, tb, m, 8 + round % 3, 8, fp32 ? beta : 0.0f, fp32, false, round % 2);
     }
     SCOPED_TRACE(testing::Message() << "round " << round);
     ExpectPlanMatches(products, PlanBatches(products.list()));

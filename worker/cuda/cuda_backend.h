@@ -24,6 +24,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <utility>
@@ -262,6 +263,7 @@ class CudaBackend final : public compute::Backend {
     int64_t* offsets = nullptr;    // device [count + 1]: the rows of segment i
     const float** bias = nullptr;  // device [count]
     float** bias_grad = nullptr;   // device [count]
+    bool aligned = true;           // every pointer 16-byte aligned (float4 rows)
   };
 
   CudaBackend(int device, CUstream_st* stream, cublasContext* blas, std::string description);
@@ -340,6 +342,10 @@ class CudaBackend final : public compute::Backend {
   };
   bool MakeSideStreams();
   void DestroySideStreams();
+  // FanOutGemmBf16, calling `alongside` (when set) on the backend's stream between the
+  // fork and the join, so that its work runs beside the side streams'.
+  void FanOutBf16(const std::vector<Bf16Gemm>& problems, const char* op,
+                  const std::function<void()>& alongside);
   // Whether `p` is empty (m, n or k 0), after doing what an empty product does.
   bool EmptyProductBf16(const Bf16Gemm& p, const char* op);
   SideStreams side_;

@@ -10,6 +10,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <functional>
 #include <utility>
 #include <vector>
 
@@ -160,6 +161,11 @@ void CudaBackend::DestroySideStreams() {
 }
 
 void CudaBackend::FanOutGemmBf16(const std::vector<Bf16Gemm>& problems, const char* op) {
+  FanOutBf16(problems, op, nullptr);
+}
+
+void CudaBackend::FanOutBf16(const std::vector<Bf16Gemm>& problems, const char* op,
+                             const std::function<void()>& alongside) {
   if (problems.empty() || !Ready()) return;
   std::vector<const Bf16Gemm*> work;
   for (const Bf16Gemm& p : problems) {
@@ -171,10 +177,13 @@ void CudaBackend::FanOutGemmBf16(const std::vector<Bf16Gemm>& problems, const ch
   }
   if (work.empty() || !Ready()) return;
   if (!MakeSideStreams()) {
-    DefaultMath math(H(blas_));
-    for (const Bf16Gemm* p : work) {
-      if (!CheckBlas(GemmEx(H(blas_), *p), op)) return;
+    {
+      DefaultMath math(H(blas_));
+      for (const Bf16Gemm* p : work) {
+        if (!CheckBlas(GemmEx(H(blas_), *p), op)) return;
+      }
     }
+    if (alongside) alongside();
     return;
   }
   const int used = std::min<int>(side_streams_, static_cast<int>(work.size()));
@@ -204,6 +213,7 @@ void CudaBackend::FanOutGemmBf16(const std::vector<Bf16Gemm>& problems, const ch
   for (int i = 0; i < used; ++i) {
     if (!CheckBlas(failed[i], op)) return;
   }
+  if (alongside) alongside();  // on the backend's stream, while the side streams run
   // The join: the backend's stream goes on once every side stream is done.
   for (int i = 0; i < used; ++i) {
     if (!CheckCuda(cudaEventRecord(side_.events[i], S(side_.streams[i])), op) ||
@@ -306,24 +316,45 @@ void CudaBackend::BatchedGemmBf16(const std::vector<Bf16Gemm>& problems, const c
   }
   const void* const* dev = pointers.empty() ? nullptr : UploadPointers(pointers, op);
   if (!pointers.empty() && dev == nullptr) return;
-  {
+  // Launches the calls; `refused` becomes the first one cuBLAS refused for its types (it
+  // and those after it launched nothing), or stays past the last.
+  size_t refused = plan.calls.size();
+  auto calls = [&] {
     DefaultMath math(H(blas_));
     for (size_t i = 0; i < plan.calls.size(); ++i) {
       const cublasStatus_t status = GemmBatchedEx(H(blas_), plan.calls[i], dev);
-      if (i == 0 && status == CUBLAS_STATUS_NOT_SUPPORTED) {  // nothing launched yet
-        batched_unsupported_ = true;
-        plan.single = std::move(work);
-        break;
+      if (status == CUBLAS_STATUS_NOT_SUPPORTED) {
+        refused = i;
+        return;
       }
       if (!CheckBlas(status, op)) return;
       ++batched_calls_;
       dev += 3 * plan.calls[i].count();
     }
-  }
-  if (plan.single.empty()) return;
+  };
   std::vector<Bf16Gemm> single;
   for (const PlanProduct& p : plan.single) single.push_back(FromPlan(p));
-  FanOutGemmBf16(single, op);
+  if (single.empty()) {
+    calls();
+  } else {  // the singles' outputs are disjoint from the calls': run side by side
+    FanOutBf16(single, op, calls);
+  }
+  if (refused == plan.calls.size()) return;
+  // The refused calls' entries as products of their own, each call's after the one
+  // before, as a tail must follow its full chunks.
+  batched_unsupported_ = true;
+  for (size_t c = refused; c < plan.calls.size(); ++c) {
+    const BatchedCall& call = plan.calls[c];
+    std::vector<Bf16Gemm> entries;
+    for (int i = 0; i < call.count(); ++i) {
+      PlanProduct p = call.shape;
+      p.a = call.a[i];
+      p.b = call.b[i];
+      p.c = call.c[i];
+      entries.push_back(FromPlan(p));
+    }
+    FanOutGemmBf16(entries, op);
+  }
 }
 
 void CudaBackend::set_launch_threads(int n) {

@@ -15,7 +15,6 @@
 #include <cstring>
 #include <initializer_list>
 
-#include "absl/strings/str_cat.h"
 #include "worker/cuda/cuda_backend.h"
 #include "worker/cuda/cuda_kernels.cuh"
 
@@ -126,21 +125,15 @@ __device__ __forceinline__ int SlotMajorExpert(const int32_t* expert, int64_t i,
   return expert[*a];
 }
 
-// counts[tile][e] = the tile's assignments to expert e. Dynamic shared memory: E ints.
+// counts[tile][e] += the tile's assignments to expert e (counts zeroed before).
 __global__ void RouteCountKernel(int32_t* counts, const int32_t* expert, int n, int k,
                                  int experts) {
-  extern __shared__ int32_t count[];
-  for (int e = threadIdx.x; e < experts; e += blockDim.x) count[e] = 0;
-  __syncthreads();
   const int64_t begin = int64_t{blockIdx.x} * kRouteTile;
   const int64_t end = min(begin + kRouteTile, int64_t{n} * k);
+  int32_t* count = counts + int64_t{blockIdx.x} * experts;
   int64_t a;
   for (int64_t i = begin + threadIdx.x; i < end; i += blockDim.x) {
     atomicAdd(&count[SlotMajorExpert(expert, i, n, k, &a)], 1);
-  }
-  __syncthreads();
-  for (int e = threadIdx.x; e < experts; e += blockDim.x) {
-    counts[int64_t{blockIdx.x} * experts + e] = count[e];
   }
 }
 
@@ -166,15 +159,16 @@ __global__ void RouteScanKernel(int32_t* counts, int tiles, int experts, int64_t
 }
 
 // One warp per tile: row[a] = offsets[e] + rank, or -1 past the capacity; bucket_token of
-// each kept row. Lanes with the same expert take consecutive ranks in lane order.
-__global__ void RoutePlaceKernel(int32_t* row, int32_t* bucket_token, const int32_t* counts,
+// each kept row. Lanes with the same expert take consecutive ranks in lane order; the
+// tile's row of counts (its first rank per expert) is its next rank per expert.
+__global__ void RoutePlaceKernel(int32_t* row, int32_t* bucket_token, int32_t* counts,
                                  const int64_t* offsets, const int32_t* expert, int n, int k,
-                                 int experts, int64_t capacity) {
-  extern __shared__ int32_t next[];
-  const int lane = threadIdx.x;
-  for (int e = lane; e < experts; e += 32) next[e] = counts[int64_t{blockIdx.x} * experts + e];
-  __syncwarp();
-  const int64_t begin = int64_t{blockIdx.x} * kRouteTile;
+                                 int experts, int64_t capacity, int tiles) {
+  const int64_t tile = (int64_t{blockIdx.x} * blockDim.x + threadIdx.x) / 32;
+  const int lane = threadIdx.x % 32;
+  if (tile >= tiles) return;
+  int32_t* next = counts + tile * experts;
+  const int64_t begin = tile * kRouteTile;
   const int64_t end = min(begin + kRouteTile, int64_t{n} * k);
   for (int64_t base = begin; base < end; base += 32) {
     const int64_t i = base + lane;
@@ -309,21 +303,35 @@ __device__ int SegmentOf(const int64_t* offsets, int count, int64_t row) {
   return lo;
 }
 
-// hpre += b1 of its bucket; h = gelu(hpre).
-__global__ void BiasGeluKernel(float* hpre, float* h, const int64_t* offsets,
-                               const float* const* bias, int count, int hidden) {
-  PITH_GRID_STRIDE(i, offsets[count] * hidden) {
-    const int64_t r = i / hidden;
-    const float v = hpre[i] + bias[SegmentOf(offsets, count, r)][i % hidden];
-    hpre[i] = v;
-    h[i] = GeluTanh(v);
+__device__ __forceinline__ float Gelu(float v) { return GeluTanh(v); }
+__device__ __forceinline__ float4 Gelu(float4 v) {
+  return {GeluTanh(v.x), GeluTanh(v.y), GeluTanh(v.z), GeluTanh(v.w)};
+}
+
+// hpre += b1 of its bucket; h = gelu(hpre). A warp per row, its bucket found once.
+template <typename V>
+__global__ void BiasGeluKernel(V* hpre, V* h, const int64_t* offsets, const float* const* bias,
+                               int count, int width) {
+  const int lane = threadIdx.x % 32;
+  PITH_WARP_ROWS(r, offsets[count]) {
+    const V* b = reinterpret_cast<const V*>(bias[SegmentOf(offsets, count, r)]);
+    for (int c = lane; c < width; c += 32) {
+      V v = hpre[r * width + c];
+      Add(v, b[c]);
+      hpre[r * width + c] = v;
+      h[r * width + c] = Gelu(v);
+    }
   }
 }
 
-__global__ void SegmentBiasKernel(float* out, const int64_t* offsets, const float* const* bias,
-                                  int count, int n) {
-  PITH_GRID_STRIDE(i, offsets[count] * n) {
-    out[i] += bias[SegmentOf(offsets, count, i / n)][i % n];
+// out += the bias of its bucket, a warp per row.
+template <typename V>
+__global__ void SegmentBiasKernel(V* out, const int64_t* offsets, const float* const* bias,
+                                  int count, int width) {
+  const int lane = threadIdx.x % 32;
+  PITH_WARP_ROWS(r, offsets[count]) {
+    const V* b = reinterpret_cast<const V*>(bias[SegmentOf(offsets, count, r)]);
+    for (int c = lane; c < width; c += 32) Add(out[r * width + c], b[c]);
   }
 }
 
@@ -387,11 +395,6 @@ void CudaBackend::Route(const float* logits, int n, int experts,
   std::fill(out.prob_sum, out.prob_sum + experts, 0.0);
   std::fill(out.offsets, out.offsets + experts + 1, 0);
   if (n == 0 || !Ready()) return;
-  const size_t per_expert = sizeof(int32_t) * experts;  // the layout kernels' shared memory
-  if (per_expert > 48 * 1024) {
-    Fail("Route", absl::StrCat(experts, " experts: the bucket layout takes at most 12288"));
-    return;
-  }
   RouteKernel<<<WarpBlocks(n), kThreads, 0, S(stream_)>>>(logits, n, experts, k, config.renormalize,
                                                           out.probs, out.lse, out.expert, out.gate);
   // What comes back to the host, in one copy: prob_sum [E], routed [E], offsets [E + 1].
@@ -399,7 +402,8 @@ void CudaBackend::Route(const float* logits, int n, int experts,
   auto* prob_sum = static_cast<double*>(Scratch(kRouting, back));
   const int64_t assignments = int64_t{n} * k;
   const int tiles = static_cast<int>((assignments + kRouteTile - 1) / kRouteTile);
-  auto* counts = static_cast<int32_t*>(Scratch(kRouteTiles, per_expert * tiles));
+  const size_t count_bytes = sizeof(int32_t) * experts * tiles;
+  auto* counts = static_cast<int32_t*>(Scratch(kRouteTiles, count_bytes));
   if (prob_sum == nullptr || counts == nullptr) return;
   auto* routed = reinterpret_cast<int64_t*>(prob_sum + experts);
   int64_t* offsets = routed + experts;
@@ -408,11 +412,12 @@ void CudaBackend::Route(const float* logits, int n, int experts,
           ? static_cast<int64_t>(std::ceil(config.capacity_factor * k * n / experts))
           : assignments;
   ProbSumKernel<<<experts, kThreads, 0, S(stream_)>>>(prob_sum, out.probs, n, experts);
-  RouteCountKernel<<<tiles, kThreads, per_expert, S(stream_)>>>(counts, out.expert, n, k, experts);
+  if (!CheckCuda(cudaMemsetAsync(counts, 0, count_bytes, S(stream_)), "Route (counts)")) return;
+  RouteCountKernel<<<tiles, kThreads, 0, S(stream_)>>>(counts, out.expert, n, k, experts);
   RouteScanKernel<<<1, kThreads, 0, S(stream_)>>>(counts, tiles, experts, capacity, routed,
                                                   offsets);
-  RoutePlaceKernel<<<tiles, 32, per_expert, S(stream_)>>>(
-      out.row, out.bucket_token, counts, offsets, out.expert, n, k, experts, capacity);
+  RoutePlaceKernel<<<WarpBlocks(tiles), kThreads, 0, S(stream_)>>>(
+      out.row, out.bucket_token, counts, offsets, out.expert, n, k, experts, capacity, tiles);
   if (!CheckLaunch("Route")) return;
   host_back_.resize(3 * experts + 1);
   if (!CopyToHost(host_back_.data(), prob_sum, back).ok()) return;
@@ -497,6 +502,7 @@ CudaBackend::Segments CudaBackend::UploadSegments(const int64_t* offsets, int ex
     if (offsets[e + 1] == offsets[e]) continue;
     rows.push_back(offsets[e]);
     pointers.push_back(bias != nullptr ? bias[e] : bias_grad[e]);
+    seg.aligned &= reinterpret_cast<uintptr_t>(pointers.back()) % alignof(float4) == 0;
   }
   seg.count = static_cast<int>(rows.size());
   if (seg.count == 0) return seg;
@@ -562,15 +568,25 @@ void CudaBackend::ExpertForward(float* y, float* hpre, float* h, const float* x,
   } else {
     Segments seg = UploadSegments(offsets, count, b1.data(), nullptr);
     if (seg.count == 0 || !Ready()) return;
-    BiasGeluKernel<<<GridFor(total * hidden), kThreads, 0, S(stream_)>>>(
-        hpre, h, seg.offsets, seg.bias, seg.count, hidden);
+    if (seg.aligned && ByFloat4(hidden, {hpre, h})) {
+      BiasGeluKernel<<<RowBlocks(total), kThreads, 0, S(stream_)>>>(
+          As<float4>(hpre), As<float4>(h), seg.offsets, seg.bias, seg.count, hidden / 4);
+    } else {
+      BiasGeluKernel<<<RowBlocks(total), kThreads, 0, S(stream_)>>>(hpre, h, seg.offsets, seg.bias,
+                                                                    seg.count, hidden);
+    }
     if (!CheckLaunch("ExpertForward (bias, gelu)")) return;
   }
   if (Products(second, "ExpertForward (h @ w2)") && h_bf16 != nullptr) return;
   Segments seg = UploadSegments(offsets, count, b2.data(), nullptr);
   if (seg.count == 0 || !Ready()) return;
-  SegmentBiasKernel<<<GridFor(total * channels), kThreads, 0, S(stream_)>>>(
-      y, seg.offsets, seg.bias, seg.count, channels);
+  if (seg.aligned && ByFloat4(channels, {y})) {
+    SegmentBiasKernel<<<RowBlocks(total), kThreads, 0, S(stream_)>>>(
+        As<float4>(y), seg.offsets, seg.bias, seg.count, channels / 4);
+  } else {
+    SegmentBiasKernel<<<RowBlocks(total), kThreads, 0, S(stream_)>>>(y, seg.offsets, seg.bias,
+                                                                     seg.count, channels);
+  }
   CheckLaunch("ExpertForward (bias)");
 }
 
