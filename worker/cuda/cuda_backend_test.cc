@@ -247,6 +247,17 @@ Routed MakeRouted(int N, int E, int k) {
 class CudaMoeTest : public CudaBackendTest {
  protected:
   void MoeBlock(double product_rel);
+  // r's buffers, the device outputs on the device (offsets, routed and prob_sum stay host).
+  compute::RoutingBuffers OnDevice(Routed& r) {
+    compute::RoutingBuffers dev = r.Buffers();
+    dev.probs = Up(r.probs);
+    dev.lse = Up(r.lse);
+    dev.expert = Up(r.expert);
+    dev.gate = Up(r.gate);
+    dev.row = Up(r.row);
+    dev.bucket_token = Up(r.bucket_token);
+    return dev;
+  }
 };
 
 TEST_F(CudaMoeTest, ForwardAndBackward) { MoeBlock(kRelative); }
@@ -274,13 +285,7 @@ TEST_F(CudaMoeTest, RoutingAcrossManyTilesAndTheRowOpsAfterIt) {
     const compute::RouterConfig config{k, capacity, true};
     Routed want = MakeRouted(N, E, k), got = MakeRouted(N, E, k);
     cpu_.Route(logits.data(), N, E, config, want.Buffers());
-    compute::RoutingBuffers dev = got.Buffers();
-    dev.probs = Up(got.probs);
-    dev.lse = Up(got.lse);
-    dev.expert = Up(got.expert);
-    dev.gate = Up(got.gate);
-    dev.row = Up(got.row);
-    dev.bucket_token = Up(got.bucket_token);
+    compute::RoutingBuffers dev = OnDevice(got);
     gpu_->Route(Up(logits), N, E, config, dev);
     ASSERT_TRUE(gpu_->Synchronize().ok()) << gpu_->status();
     EXPECT_EQ(Down(dev.expert, N * k), want.expert);
@@ -324,13 +329,7 @@ TEST_F(CudaMoeTest, NanLogitsStillRouteToValidExperts) {
   Vec logits = Random(N * E, 13);
   for (int e = 0; e < E; ++e) logits[5 * E + e] = std::nanf("");
   Routed got = MakeRouted(N, E, k);
-  compute::RoutingBuffers dev = got.Buffers();
-  dev.probs = Up(got.probs);
-  dev.lse = Up(got.lse);
-  dev.expert = Up(got.expert);
-  dev.gate = Up(got.gate);
-  dev.row = Up(got.row);
-  dev.bucket_token = Up(got.bucket_token);
+  compute::RoutingBuffers dev = OnDevice(got);
   gpu_->Route(Up(logits), N, E, compute::RouterConfig{k, 0.0, true}, dev);
   ASSERT_TRUE(gpu_->Synchronize().ok()) << gpu_->status();
   const Ints experts = Down(dev.expert, N * k);
@@ -367,13 +366,7 @@ void CudaMoeTest::MoeBlock(double product_rel) {
     for (int t = 0; t < N; ++t) logits[t * E] += 3.0f;
     Routed want = MakeRouted(N, E, k), got = MakeRouted(N, E, k);
     cpu_.Route(logits.data(), N, E, config, want.Buffers());
-    compute::RoutingBuffers dev = got.Buffers();
-    dev.probs = Up(got.probs);
-    dev.lse = Up(got.lse);
-    dev.expert = Up(got.expert);
-    dev.gate = Up(got.gate);
-    dev.row = Up(got.row);
-    dev.bucket_token = Up(got.bucket_token);
+    compute::RoutingBuffers dev = OnDevice(got);
     gpu_->Route(Up(logits), N, E, config, dev);
     ASSERT_TRUE(gpu_->Synchronize().ok()) << gpu_->status();
     ExpectClose("probs", Down(dev.probs, N * E), want.probs);
