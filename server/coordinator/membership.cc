@@ -259,6 +259,9 @@ Alive Snapshot(const Membership& members) {
       const bool store = role == v1::MEMBER_ROLE_STORE;
       const bool draining =
           m.state() == v1::MEMBER_STATE_DRAINING || m.state() == v1::MEMBER_STATE_DRAINED;
+      if (store && m.state() == v1::MEMBER_STATE_DEAD) {
+        a.stores_down_since_ms[m.member_id()] = m.lease_expires_unix_ms();
+      }
       if (m.state() != v1::MEMBER_STATE_ALIVE && !(store && draining)) continue;
       if (!m.health().empty()) continue;  // a stopped tier: as good as dead
       if (draining) a.draining.insert(m.member_id());

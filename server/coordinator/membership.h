@@ -118,7 +118,9 @@ struct Alive {
   // Live members by id; the stores include draining and drained ones, which still serve
   // what they hold.
   std::map<std::string, v1::MemberInfo> stores, workers;
-  std::set<std::string> known;     // every id, dead ones included
+  std::set<std::string> known;  // every id, dead ones included
+  // Dead stores: when their lease ran out (Unix ms, coordinator clock).
+  std::map<std::string, int64_t> stores_down_since_ms;
   std::set<std::string> draining;  // live stores draining or drained: no new placement
   std::vector<std::string> store_ids() const {
     std::vector<std::string> ids;

@@ -18,7 +18,7 @@ int Scheduler::ReplicateOnce() {
   {
     absl::MutexLock lock(&mu_);
     for (auto& [job_id, run] : runs_) {
-      if (run.recovering || run.committed < 0) continue;
+      if (run.recovering || !run.awaited_store.empty() || run.committed < 0) continue;
       absl::StatusOr<v1::Job> job = jobs_->Get(job_id);
       if (!job.ok()) continue;
       replication_.PlanCopies(*job, run.record.placement(), run.committed, ForJob(alive, run),

@@ -528,9 +528,13 @@ TEST_F(SchedulerTest, ALostStoreLeavesThePlacementAndLosingEveryCopyFailsTheJob)
               std::vector<std::string>{s0});
   }
   CommitStep(job.job_id(), 1, {w0});
-  now_ += absl::Seconds(4);
-  ASSERT_TRUE(members_->Heartbeat(w0, {}).ok());
-  scheduler_->Tick();  // s0 died too
+  // s0 dies too: the job waits kStoreRestartGrace for it (StoreLapseTest), then fails.
+  for (absl::Duration t = absl::Seconds(4); t <= kStoreRestartGrace + absl::Seconds(8);
+       t += absl::Seconds(4)) {
+    now_ += absl::Seconds(4);
+    ASSERT_TRUE(members_->Heartbeat(w0, {}).ok());
+    scheduler_->Tick();
+  }
   const v1::Job failed = Job(job.job_id());
   EXPECT_EQ(failed.state(), v1::JOB_STATE_FAILED);
   EXPECT_NE(failed.failure_reason().find("every store copy"), std::string::npos);
@@ -932,6 +936,71 @@ TEST_F(StoreRestartTest, AnotherStoreLostWhileOneIsAwaited) {
               std::vector<std::string>{s0});
   }
   CommitStep(job.job_id(), 1, {w0, w1});
+}
+
+// A live cluster: a store's lease runs out (a crash, a reboot, a long stall) while it holds
+// the only copy of a job's data. The job does not fail at once, since the store keeps its
+// data on disk: it waits kStoreRestartGrace, its attempt voided and its workers told to
+// retry (no failed attempt counts meanwhile), and goes on once the store is back; after
+// the grace it fails naming the store. A job with another copy goes on without the store
+// at once (ALostStoreLeavesThePlacement...).
+class StoreLapseTest : public SchedulerTest {
+ protected:
+  // A job with one copy on s0_, step 0 committed, then s0_ silent until it lapses.
+  void StartAndLapse() {
+    job_ = Submit(2, 300, /*replicas=*/1).job_id();
+    s0_ = Join(v1::MEMBER_ROLE_STORE);
+    w0_ = Join(v1::MEMBER_ROLE_WORKER);
+    w1_ = Join(v1::MEMBER_ROLE_WORKER);
+    scheduler_->Tick();
+    CommitStep(job_, 0, {w0_, w1_});
+    ASSERT_NO_FATAL_FAILURE(OnlyTheseLive({w0_, w1_}));  // 4 s: s0's 3-s lease ran out
+  }
+  // Advances the clock by `by`, with the workers heartbeating and a tick at the end.
+  void Pass(absl::Duration by) {
+    now_ += by;
+    for (const std::string& w : {w0_, w1_}) ASSERT_TRUE(members_->Heartbeat(w, {}).ok());
+    scheduler_->Tick();
+  }
+  std::string job_, s0_, w0_, w1_;
+};
+
+TEST_F(StoreLapseTest, TheJobWaitsForTheStoreAndGoesOnWhenItIsBack) {
+  ASSERT_NO_FATAL_FAILURE(StartAndLapse());
+  for (int seconds = 0; seconds < 15; seconds += 3) {
+    ASSERT_EQ(Job(job_).state(), v1::JOB_STATE_RUNNING) << Job(job_).failure_reason();
+    auto a = scheduler_->GetAssignment(w0_);
+    EXPECT_EQ(a.status().code(), absl::StatusCode::kUnavailable);
+    EXPECT_THAT(std::string(a.status().message()), ::testing::HasSubstr(s0_));
+    // A worker's failed attempt meanwhile is turned away, not counted.
+    EXPECT_EQ(Report(job_, w0_, 1, /*ok=*/false).status().code(), absl::StatusCode::kUnavailable);
+    ASSERT_NO_FATAL_FAILURE(Pass(absl::Seconds(3)));
+  }
+  Join(v1::MEMBER_ROLE_STORE, s0_);  // restarted in place, its data dir intact
+  ASSERT_NO_FATAL_FAILURE(Pass(absl::Seconds(1)));
+  ASSERT_EQ(Job(job_).state(), v1::JOB_STATE_RUNNING) << Job(job_).failure_reason();
+  auto a = scheduler_->GetAssignment(w0_);
+  ASSERT_TRUE(a.ok()) << a.status();
+  EXPECT_EQ(a->committed_step(), 0);
+  EXPECT_EQ(a->world(), 2);
+  for (const v1::ExpertPlacement& e : a->placement().experts()) {
+    EXPECT_THAT(e.store_ids(), ::testing::ElementsAre(s0_));
+  }
+  CommitStep(job_, 1, {w0_, w1_});
+}
+
+TEST_F(StoreLapseTest, AStoreThatStaysDownFailsTheJobAfterTheGrace) {
+  ASSERT_NO_FATAL_FAILURE(StartAndLapse());
+  for (absl::Duration t = absl::Seconds(3); t < kStoreRestartGrace - absl::Seconds(3);
+       t += absl::Seconds(3)) {
+    ASSERT_NO_FATAL_FAILURE(Pass(absl::Seconds(3)));
+    ASSERT_EQ(Job(job_).state(), v1::JOB_STATE_RUNNING) << "after " << t;
+  }
+  ASSERT_NO_FATAL_FAILURE(Pass(absl::Seconds(6)));
+  const v1::Job failed = Job(job_);
+  EXPECT_EQ(failed.state(), v1::JOB_STATE_FAILED);
+  EXPECT_THAT(failed.failure_reason(),
+              ::testing::HasSubstr("(held by " + s0_ + ", which is gone)"));
 }
 
 // The wait has an end: a store that never comes back is given up after the grace, and the

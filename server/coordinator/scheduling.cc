@@ -21,6 +21,57 @@ bool Scheduler::Gone(const Alive& alive, const std::string& id, bool store) cons
   return options_.clock() > started_ + (store ? std::max(leases, kStoreRestartGrace) : leases);
 }
 
+std::string Scheduler::AwaitedStore(const Run& run, const Alive& alive) const {
+  if (run.committed < 0) return "";  // nothing committed: nothing to lose
+  const int64_t now = NowMs();
+  for (const v1::ExpertPlacement& e : run.record.placement().experts()) {
+    const auto& ids = e.store_ids();
+    if (std::any_of(ids.begin(), ids.end(),
+                    [&](const std::string& id) { return alive.stores.count(id) > 0; })) {
+      continue;
+    }
+    for (const std::string& id : ids) {
+      auto down = alive.stores_down_since_ms.find(id);
+      if (down != alive.stores_down_since_ms.end() && !run.record.lost_stores().contains(id) &&
+          now - down->second < absl::ToInt64Milliseconds(kStoreRestartGrace)) {
+        return id;
+      }
+    }
+  }
+  return "";
+}
+
+bool Scheduler::WaitForStoreLocked(const std::string& job_id, Run& run, const Alive& alive,
+                                   bool stores_lost, std::vector<StoreCall>* aborts) {
+  if (!run.awaited_store.empty() && alive.stores.count(run.awaited_store) > 0) {
+    // Back: its step of the job is checked (a crash may have lost commits) and the job
+    // goes on from a fresh attempt.
+    LOG(INFO) << "job " << job_id << ": store " << run.awaited_store << " is back";
+    run.awaited_store.clear();
+    run.verify_stores = true;
+    AbortLocked(run, "a store it waited for came back", aborts);
+    if (absl::Status s = PersistLocked(run); !s.ok()) LOG(ERROR) << s;
+    return true;
+  }
+  const std::string awaited = stores_lost ? AwaitedStore(run, alive) : "";
+  if (awaited.empty()) {
+    LOG_IF(WARNING, !run.awaited_store.empty())
+        << "job " << job_id << ": store " << run.awaited_store << " did not come back within "
+        << absl::FormatDuration(kStoreRestartGrace);
+    run.awaited_store.clear();
+    return false;
+  }
+  if (run.awaited_store != awaited) {
+    LOG(WARNING) << "job " << job_id << " waits for store " << awaited
+                 << ", which died holding the only copies of some of its data (for at most "
+                 << absl::FormatDuration(kStoreRestartGrace) << ")";
+    run.awaited_store = awaited;
+    AbortLocked(run, absl::StrCat("waiting for store ", awaited), aborts);
+    if (absl::Status s = PersistLocked(run); !s.ok()) LOG(ERROR) << s;
+  }
+  return true;
+}
+
 void Scheduler::Tick() {
   members_->ExpireLeases();
   const Alive alive = Snapshot(*members_);
@@ -139,6 +190,7 @@ void Scheduler::RepairRunLocked(const std::string& job_id, Run& run, const v1::J
       return;
     }
   }
+  if (WaitForStoreLocked(job_id, run, alive, stores_lost, aborts)) return;
   const int want = std::max(1, job.spec().cluster().workers());
   const std::vector<std::string> idle =
       IdleWorkersLocked(alive, job, kept, false, run.record.backend());
@@ -370,6 +422,10 @@ absl::StatusOr<v1::Assignment> Scheduler::GetAssignment(const std::string& worke
     return absl::UnavailableError(absl::StrCat("job ", w->second,
                                                " is waiting for its members after a coordinator "
                                                "restart; retry"));
+  }
+  if (!run.awaited_store.empty()) {
+    return absl::UnavailableError(absl::StrCat("job ", w->second, " is waiting for store ",
+                                               run.awaited_store, " to come back; retry"));
   }
   ASSIGN_OR_RETURN(v1::Job job, jobs_->Get(w->second));
   a.set_assignment_version(run.record.assignment_version());

@@ -40,6 +40,10 @@ absl::StatusOr<v1::StepStatus> Scheduler::ReportStepWritten(const v1::StepWritte
       return absl::UnavailableError(
           absl::StrCat("job ", r.job_id(), " is waiting for its members after a restart; retry"));
     }
+    if (!run.awaited_store.empty()) {  // the attempt was voided: no failure counts now
+      return absl::UnavailableError(absl::StrCat("job ", r.job_id(), " is waiting for store ",
+                                                 run.awaited_store, " to come back; retry"));
+    }
     const auto& workers = run.record.workers();
     const auto pos = std::find(workers.begin(), workers.end(), r.worker_id());
     if (pos == workers.end()) {
