@@ -141,13 +141,20 @@ __global__ void RouteCountKernel(int32_t* counts, const int32_t* expert, int n, 
 // offsets the prefix sums of min(routed, capacity). One block.
 __global__ void RouteScanKernel(int32_t* counts, int tiles, int experts, int64_t capacity,
                                 int64_t* routed, int64_t* offsets) {
+  constexpr int kBatch = 16;  // tiles read before any is written: one wait per batch
   for (int e = threadIdx.x; e < experts; e += blockDim.x) {
     int64_t run = 0;
-    for (int tile = 0; tile < tiles; ++tile) {
-      int32_t& c = counts[int64_t{tile} * experts + e];
-      const int32_t here = c;
-      c = static_cast<int32_t>(run);
-      run += here;
+    for (int first = 0; first < tiles; first += kBatch) {
+      int32_t here[kBatch];
+#pragma unroll
+      for (int j = 0; j < kBatch; ++j) {
+        here[j] = first + j < tiles ? counts[int64_t{first + j} * experts + e] : 0;
+      }
+#pragma unroll
+      for (int j = 0; j < kBatch; ++j) {
+        if (first + j < tiles) counts[int64_t{first + j} * experts + e] = static_cast<int32_t>(run);
+        run += here[j];
+      }
     }
     routed[e] = run;
   }
