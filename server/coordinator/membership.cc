@@ -46,12 +46,10 @@ void Membership::MovePastPauseLocked() {
   if (paused <= lease_ / 4) return;
   const int64_t ms = absl::ToInt64Milliseconds(paused);
   LOG(WARNING) << "this process did not run for " << absl::FormatDuration(paused)
-               << ": every live member's lease moves on by as much";
-  for (auto& [id, m] : members_) {
-    if (m.state() != v1::MEMBER_STATE_DEAD) {
-      m.set_lease_expires_unix_ms(m.lease_expires_unix_ms() + ms);
-    }
-  }
+               << ": every member's lease moves on by as much";
+  // A dead member's too: its lease's end is when it died, and a job waiting for a dead
+  // store (Scheduler::AwaitedStores) counts its wait from there.
+  for (auto& [id, m] : members_) m.set_lease_expires_unix_ms(m.lease_expires_unix_ms() + ms);
 }
 
 absl::StatusOr<std::string> Membership::Register(v1::MemberInfo member,

@@ -176,8 +176,10 @@ class Scheduler {
     // Back after a restart: its stores' steps of the job are checked (VerifyStores).
     bool verify_stores = false;
     // A store that died holding the only copies of a group of the job, within the last
-    // kStoreRestartGrace: the job waits for it (see AwaitedStore) as for a restart.
+    // kStoreRestartGrace: the job waits for it (see AwaitedStores) as for a restart.
     std::string awaited_store;
+    // When the first such wait since the job's last commit began (Unix ms; -1: none).
+    int64_t wait_started_ms = -1;
     JobCopies copies;  // replication: joins and copies of the job's groups
     int holds = 0;     // checkpoints reading the job: commits wait
     std::string abort_reason;
@@ -241,13 +243,15 @@ class Scheduler {
   // it for gone fails the job, and a whole cluster restarted at once, on a busy machine,
   // can take longer than 3 leases to bring its stores back).
   bool Gone(const Alive& alive, const std::string& id, bool store) const;
-  // A store the job waits for rather than take for lost: one that died (its lease ran out)
-  // less than kStoreRestartGrace ago, not lost by the job otherwise, and among the stores
-  // of a group none of whose copies is alive. Empty when there is none: a group with a live
-  // copy goes on without the dead store at once. A store restarted in place (a crash, a
-  // host reboot) keeps its data on disk, so its job goes on once it is back.
-  std::string AwaitedStore(const Run& run, const Alive& alive) const;
-  // Starts, keeps or ends the job's wait for an AwaitedStore (voiding the attempt in flight
+  // The stores the job waits for rather than take for lost: those that died (their lease
+  // ran out) less than kStoreRestartGrace ago, not lost by the job otherwise, among the
+  // stores of a group none of whose copies is alive. Empty when there is none (a group
+  // with a live copy goes on without the dead store at once), when some such group has no
+  // store worth waiting for, and once the job has waited kStoreRestartGrace since its last
+  // commit. A store restarted in place (a crash, a host reboot) keeps its data on disk,
+  // so its job goes on once it is back.
+  std::set<std::string> AwaitedStores(const Run& run, const Alive& alive) const;
+  // Starts, keeps or ends the job's wait for AwaitedStores (voiding the attempt in flight
   // when it starts and when the store is back); true while the repair must wait.
   bool WaitForStoreLocked(const std::string& job_id, Run& run, const Alive& alive, bool stores_lost,
                           std::vector<StoreCall>* aborts) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);

@@ -534,6 +534,9 @@ TEST_F(SchedulerTest, ALostStoreLeavesThePlacementAndLosingEveryCopyFailsTheJob)
     now_ += absl::Seconds(4);
     ASSERT_TRUE(members_->Heartbeat(w0, {}).ok());
     scheduler_->Tick();
+    if (t <= kStoreRestartGrace - absl::Seconds(4)) {
+      ASSERT_EQ(Job(job.job_id()).state(), v1::JOB_STATE_RUNNING) << "after " << t;
+    }
   }
   const v1::Job failed = Job(job.job_id());
   EXPECT_EQ(failed.state(), v1::JOB_STATE_FAILED);
@@ -946,14 +949,18 @@ TEST_F(StoreRestartTest, AnotherStoreLostWhileOneIsAwaited) {
 // at once (ALostStoreLeavesThePlacement...).
 class StoreLapseTest : public SchedulerTest {
  protected:
-  // A job with one copy on s0_, step 0 committed, then s0_ silent until it lapses.
-  void StartAndLapse() {
+  // A job with one copy on s0_, steps 0 and 1 committed, `failures` failed attempts at
+  // step 2 (as a dying store causes), then s0_ silent until it lapses.
+  void StartAndLapse(int failures = 0) {
     job_ = Submit(2, 300, /*replicas=*/1).job_id();
     s0_ = Join(v1::MEMBER_ROLE_STORE);
     w0_ = Join(v1::MEMBER_ROLE_WORKER);
     w1_ = Join(v1::MEMBER_ROLE_WORKER);
     scheduler_->Tick();
     CommitStep(job_, 0, {w0_, w1_});
+    CommitStep(job_, 1, {w0_, w1_});
+    for (int i = 0; i < failures; ++i) ASSERT_TRUE(Report(job_, w0_, 2, /*ok=*/false).ok());
+    stores_.aborts.clear();
     ASSERT_NO_FATAL_FAILURE(OnlyTheseLive({w0_, w1_}));  // 4 s: s0's 3-s lease ran out
   }
   // Advances the clock by `by`, with the workers heartbeating and a tick at the end.
@@ -962,31 +969,59 @@ class StoreLapseTest : public SchedulerTest {
     for (const std::string& w : {w0_, w1_}) ASSERT_TRUE(members_->Heartbeat(w, {}).ok());
     scheduler_->Tick();
   }
+  // s0_ registers again (restarted on its data dir) and a second later the job is told so.
+  void StoreBack() {
+    Join(v1::MEMBER_ROLE_STORE, s0_);
+    ASSERT_NO_FATAL_FAILURE(Pass(absl::Seconds(1)));
+  }
   std::string job_, s0_, w0_, w1_;
 };
 
 TEST_F(StoreLapseTest, TheJobWaitsForTheStoreAndGoesOnWhenItIsBack) {
-  ASSERT_NO_FATAL_FAILURE(StartAndLapse());
+  ASSERT_NO_FATAL_FAILURE(StartAndLapse(/*failures=*/5));
   for (int seconds = 0; seconds < 15; seconds += 3) {
     ASSERT_EQ(Job(job_).state(), v1::JOB_STATE_RUNNING) << Job(job_).failure_reason();
     auto a = scheduler_->GetAssignment(w0_);
     EXPECT_EQ(a.status().code(), absl::StatusCode::kUnavailable);
     EXPECT_THAT(std::string(a.status().message()), ::testing::HasSubstr(s0_));
     // A worker's failed attempt meanwhile is turned away, not counted.
-    EXPECT_EQ(Report(job_, w0_, 1, /*ok=*/false).status().code(), absl::StatusCode::kUnavailable);
+    EXPECT_EQ(Report(job_, w0_, 2, /*ok=*/false).status().code(), absl::StatusCode::kUnavailable);
     ASSERT_NO_FATAL_FAILURE(Pass(absl::Seconds(3)));
   }
-  Join(v1::MEMBER_ROLE_STORE, s0_);  // restarted in place, its data dir intact
-  ASSERT_NO_FATAL_FAILURE(Pass(absl::Seconds(1)));
+  EXPECT_TRUE(stores_.aborts.empty());  // the only store is down
+  ASSERT_NO_FATAL_FAILURE(StoreBack());
   ASSERT_EQ(Job(job_).state(), v1::JOB_STATE_RUNNING) << Job(job_).failure_reason();
+  // The attempt in flight is voided on the store that came back.
+  EXPECT_EQ(stores_.aborts, (std::vector<std::string>{s0_ + ":" + job_ + ":2"}));
   auto a = scheduler_->GetAssignment(w0_);
   ASSERT_TRUE(a.ok()) << a.status();
-  EXPECT_EQ(a->committed_step(), 0);
+  EXPECT_EQ(a->committed_step(), 1);
   EXPECT_EQ(a->world(), 2);
   for (const v1::ExpertPlacement& e : a->placement().experts()) {
     EXPECT_THAT(e.store_ids(), ::testing::ElementsAre(s0_));
   }
-  CommitStep(job_, 1, {w0_, w1_});
+  // The 5 attempts that failed while the store was dying do not count.
+  for (int i = 0; i < SchedulerOptions().step_attempts - 1; ++i) {
+    ASSERT_TRUE(Report(job_, w1_, 2, /*ok=*/false).ok());
+  }
+  ASSERT_EQ(Job(job_).state(), v1::JOB_STATE_RUNNING) << Job(job_).failure_reason();
+  CommitStep(job_, 2, {w0_, w1_});
+}
+
+// The store back is asked for its step of the job, as after a restart: one that lost
+// commits in its crash (behind the job's committed step) is lost, and with it the job.
+TEST_F(StoreLapseTest, AStoreBackBehindTheJobIsLost) {
+  ASSERT_NO_FATAL_FAILURE(StartAndLapse());
+  ASSERT_NO_FATAL_FAILURE(Pass(absl::Seconds(3)));
+  v1::StoreJob behind;
+  behind.set_job_id(job_);
+  behind.set_committed_step(0);
+  stores_.held[s0_] = {behind};
+  ASSERT_NO_FATAL_FAILURE(StoreBack());
+  ASSERT_NO_FATAL_FAILURE(Pass(absl::Seconds(1)));
+  const v1::Job failed = Job(job_);
+  EXPECT_EQ(failed.state(), v1::JOB_STATE_FAILED);
+  EXPECT_THAT(failed.failure_reason(), ::testing::HasSubstr("behind its committed step 1"));
 }
 
 TEST_F(StoreLapseTest, AStoreThatStaysDownFailsTheJobAfterTheGrace) {
@@ -1001,6 +1036,42 @@ TEST_F(StoreLapseTest, AStoreThatStaysDownFailsTheJobAfterTheGrace) {
   EXPECT_EQ(failed.state(), v1::JOB_STATE_FAILED);
   EXPECT_THAT(failed.failure_reason(),
               ::testing::HasSubstr("(held by " + s0_ + ", which is gone)"));
+}
+
+// A store that comes back and dies again and again does not hold the job for ever: the wait
+// is bounded from its first start since the last commit.
+TEST_F(StoreLapseTest, AStoreThatKeepsDyingEndsTheWait) {
+  ASSERT_NO_FATAL_FAILURE(StartAndLapse());
+  for (int round = 0; round < 4 && Job(job_).state() == v1::JOB_STATE_RUNNING; ++round) {
+    ASSERT_NO_FATAL_FAILURE(Pass(absl::Seconds(6)));
+    ASSERT_NO_FATAL_FAILURE(StoreBack());                // back for a moment
+    ASSERT_NO_FATAL_FAILURE(OnlyTheseLive({w0_, w1_}));  // and down again
+  }
+  EXPECT_EQ(Job(job_).state(), v1::JOB_STATE_FAILED);
+  EXPECT_LT(now_ - absl::FromUnixSeconds(1004), kStoreRestartGrace + absl::Seconds(12));
+}
+
+// A store that dies while the job's step is being committed on it holds the commit back,
+// not fails it: the decided step commits once the store is back.
+TEST_F(StoreLapseTest, ACommitInFlightWaitsForTheStore) {
+  job_ = Submit(2, 300, /*replicas=*/1).job_id();
+  s0_ = Join(v1::MEMBER_ROLE_STORE);
+  w0_ = Join(v1::MEMBER_ROLE_WORKER);
+  w1_ = Join(v1::MEMBER_ROLE_WORKER);
+  scheduler_->Tick();
+  CommitStep(job_, 0, {w0_, w1_});
+  stores_.failing[s0_] = absl::UnavailableError("connection refused");  // it is dying
+  for (const std::string& w : {w0_, w1_}) ASSERT_TRUE(Report(job_, w, 1).ok());
+  ASSERT_NO_FATAL_FAILURE(OnlyTheseLive({w0_, w1_}));
+  for (int seconds = 0; seconds < 21; seconds += 3) {
+    ASSERT_EQ(Job(job_).state(), v1::JOB_STATE_RUNNING) << Job(job_).failure_reason();
+    EXPECT_EQ(Job(job_).committed_step(), 0);
+    ASSERT_NO_FATAL_FAILURE(Pass(absl::Seconds(3)));
+  }
+  stores_.failing.erase(s0_);
+  ASSERT_NO_FATAL_FAILURE(StoreBack());
+  ASSERT_EQ(Job(job_).state(), v1::JOB_STATE_RUNNING) << Job(job_).failure_reason();
+  EXPECT_EQ(Job(job_).committed_step(), 1);
 }
 
 // The wait has an end: a store that never comes back is given up after the grace, and the

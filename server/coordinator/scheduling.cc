@@ -21,24 +21,31 @@ bool Scheduler::Gone(const Alive& alive, const std::string& id, bool store) cons
   return options_.clock() > started_ + (store ? std::max(leases, kStoreRestartGrace) : leases);
 }
 
-std::string Scheduler::AwaitedStore(const Run& run, const Alive& alive) const {
-  if (run.committed < 0) return "";  // nothing committed: nothing to lose
-  const int64_t now = NowMs();
+std::set<std::string> Scheduler::AwaitedStores(const Run& run, const Alive& alive) const {
+  std::set<std::string> awaited;
+  if (run.committed < 0) return awaited;  // nothing committed: nothing to lose
+  const int64_t now = NowMs(), grace = absl::ToInt64Milliseconds(kStoreRestartGrace);
+  // The wait has one bound per job, so a store that keeps coming back and dying again
+  // cannot hold it for ever: from the first wait since the last commit.
+  if (run.wait_started_ms >= 0 && now - run.wait_started_ms >= grace) return {};
   for (const v1::ExpertPlacement& e : run.record.placement().experts()) {
     const auto& ids = e.store_ids();
     if (std::any_of(ids.begin(), ids.end(),
                     [&](const std::string& id) { return alive.stores.count(id) > 0; })) {
       continue;
     }
+    bool hope = false;
     for (const std::string& id : ids) {
       auto down = alive.stores_down_since_ms.find(id);
       if (down != alive.stores_down_since_ms.end() && !run.record.lost_stores().contains(id) &&
-          now - down->second < absl::ToInt64Milliseconds(kStoreRestartGrace)) {
-        return id;
+          now - down->second < grace) {
+        awaited.insert(id);
+        hope = true;
       }
     }
+    if (!hope) return {};  // this group is lost whatever comes back: no use waiting
   }
-  return "";
+  return awaited;
 }
 
 bool Scheduler::WaitForStoreLocked(const std::string& job_id, Run& run, const Alive& alive,
@@ -49,11 +56,14 @@ bool Scheduler::WaitForStoreLocked(const std::string& job_id, Run& run, const Al
     LOG(INFO) << "job " << job_id << ": store " << run.awaited_store << " is back";
     run.awaited_store.clear();
     run.verify_stores = true;
+    run.failed_attempts = 0;  // attempts that failed on the store while it was down
     AbortLocked(run, "a store it waited for came back", aborts);
     if (absl::Status s = PersistLocked(run); !s.ok()) LOG(ERROR) << s;
     return true;
   }
-  const std::string awaited = stores_lost ? AwaitedStore(run, alive) : "";
+  const std::set<std::string> stores =
+      stores_lost ? AwaitedStores(run, alive) : std::set<std::string>{};
+  const std::string awaited = stores.empty() ? "" : *stores.begin();
   if (awaited.empty()) {
     LOG_IF(WARNING, !run.awaited_store.empty())
         << "job " << job_id << ": store " << run.awaited_store << " did not come back within "
@@ -66,6 +76,8 @@ bool Scheduler::WaitForStoreLocked(const std::string& job_id, Run& run, const Al
                  << ", which died holding the only copies of some of its data (for at most "
                  << absl::FormatDuration(kStoreRestartGrace) << ")";
     run.awaited_store = awaited;
+    if (run.wait_started_ms < 0) run.wait_started_ms = NowMs();
+    run.failed_attempts = 0;  // those of the store's last seconds do not count
     AbortLocked(run, absl::StrCat("waiting for store ", awaited), aborts);
     if (absl::Status s = PersistLocked(run); !s.ok()) LOG(ERROR) << s;
   }

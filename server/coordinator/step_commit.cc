@@ -178,13 +178,15 @@ void Scheduler::Commit(const std::string& job_id, int64_t step) {
     }
     Run& run = it->second;
     run.committing = true;
-    // The job's stores commit, no other: one not alive yet (after a restart) holds the
-    // commit back until it registers again or is declared gone.
+    // The job's stores commit, no other: one not alive yet (after a restart), or one that
+    // died holding a group's only copy (AwaitedStores), holds the commit back until it
+    // registers again or is declared gone.
+    const std::set<std::string> awaited = AwaitedStores(run, alive);
     for (const std::string& id : JobStores(run)) {
       auto store = alive.stores.find(id);
       if (store != alive.stores.end()) {
         targets.push_back(store->second);
-      } else if (!Gone(alive, id, /*store=*/true)) {
+      } else if (!Gone(alive, id, /*store=*/true) || awaited.contains(id)) {
         all = false;
       }
     }
@@ -307,6 +309,7 @@ void Scheduler::FinishCommitLocked(const std::string& job_id, Run& run) {
   run.written.clear();
   run.written_blobs.clear();
   run.commit_trouble.clear();
+  run.wait_started_ms = -1;
   run.tokens = run.cache_hits = run.cache_misses = 0;
   run.rank0.Clear();
   run.abort_reason.clear();
