@@ -74,8 +74,9 @@ class Membership {
   // loaded to run it): heartbeats could not be taken meanwhile, and a coordinator that
   // woke up would otherwise find every lease lapsed and every job's members gone. From
   // this call on, a thread (stopped by the destructor) looks at `monotonic` every 100 ms;
-  // when more than a quarter lease passed since it or ExpireLeases last looked, every live
-  // member's lease moves on by that long. The thread is not blocked by anything else, so
+  // when more than a quarter lease passed since it or ExpireLeases last looked, every
+  // member's lease moves on by that long (a dead one's: when it died, which a job waiting
+  // for a dead store counts from). The thread is not blocked by anything else, so
   // a scheduler pass that is merely slow (a long commit) is not taken for a pause.
   using MonotonicClock = std::function<absl::Duration()>;
   void WatchPauses(MonotonicClock monotonic = SteadyNow) ABSL_LOCKS_EXCLUDED(mu_);
@@ -103,7 +104,7 @@ class Membership {
   absl::Duration last_ran_ ABSL_GUARDED_BY(mu_);
   absl::Notification stop_watch_;
   std::thread watch_;
-  // Moves the live members' leases past a pause of this process (see WatchPauses).
+  // Moves every member's lease past a pause of this process (see WatchPauses).
   void MovePastPauseLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // The id for `member`'s identity (recording a new one); see Register.
   absl::StatusOr<std::string> IdForIdentityLocked(const v1::MemberInfo& member,

@@ -188,6 +188,7 @@ void Scheduler::Commit(const std::string& job_id, int64_t step) {
         targets.push_back(store->second);
       } else if (!Gone(alive, id, /*store=*/true) || awaited.contains(id)) {
         all = false;
+        run.commit_trouble.erase(id);  // its patience starts again once it is back
       }
     }
     for (const v1::ExpertPlacement& e : run.record.placement().experts()) {
