@@ -65,16 +65,17 @@ echo "  ok: store1 and worker1 came back; $job finished"
 # Stores that stall past their leases and the coordinator's 5-s deadline on store calls
 # (SIGSTOP for 10 s: a stuck disk, a starved machine) while they hold the only copy of a
 # job's data: the job waits for them rather than fail, and goes on once they answer again.
-tiny_spec stall 150 1 | sed 's/"store_replicas": 2/"store_replicas": 1/' >"$E2E_TMP/stall.json"
+tiny_spec stall 300 1 | sed 's/"store_replicas": 2/"store_replicas": 1/' >"$E2E_TMP/stall.json"
 grep -q '"store_replicas": 1' "$E2E_TMP/stall.json" ||
   fail "the stall job's spec: $(cat "$E2E_TMP/stall.json")"
 job=$("$PITH" submit "$E2E_TMP/stall.json")
+mid_job="running.*step ([3-9]|[1-9][0-9]|1[0-9][0-9])/300"  # steps 3 to 199 of 300
 for _ in $(seq 200); do
-  "$PITH" status "$job" | grep -q "running.*step [3-9]" && break
+  "$PITH" status "$job" | grep -Eq "$mid_job" && break
   sleep 0.1
 done
-"$PITH" status "$job" | grep -q "running.*step [3-9]" ||
-  fail "$job is not running at a step from 3 to 9: $("$PITH" status "$job")"
+"$PITH" status "$job" | grep -Eq "$mid_job" ||
+  fail "$job is not running at a step from 3 to 199: $("$PITH" status "$job")"
 stores=("$(pid_of store0)" "$(pid_of store1)")
 trap 'kill -CONT "${stores[@]}" 2>/dev/null || true; '"$on_exit" EXIT  # never left stopped
 waits() { grep -c "waits for store\|commit of step" "$PITH_HOME/coordinator.log" || true; }
@@ -85,7 +86,7 @@ kill -CONT "${stores[@]}"
 trap "$on_exit" EXIT
 timeout 120 "$PITH" watch "$job" >"$E2E_TMP/watch.txt" 2>&1 ||
   fail "the job across the stall: $(tail -3 "$E2E_TMP/watch.txt")"
-grep -q "succeeded at step 150" "$E2E_TMP/watch.txt" || fail "watch: $(tail -2 "$E2E_TMP/watch.txt")"
+grep -q "succeeded at step 300" "$E2E_TMP/watch.txt" || fail "watch: $(tail -2 "$E2E_TMP/watch.txt")"
 # The wait shows in the coordinator's log, unless the stall came with a commit in flight
 # (then the commit was held back, which logs each failed call instead).
 (($(waits) > before)) || fail "the coordinator logged no wait for the stalled stores"
