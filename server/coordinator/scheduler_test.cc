@@ -952,16 +952,20 @@ class StoreLapseTest : public SchedulerTest {
   // A job with one copy on s0_, steps 0 and 1 committed, `failures` failed attempts at
   // step 2 (as a dying store causes), then s0_ silent until it lapses.
   void StartAndLapse(int failures = 0) {
+    Start();
+    CommitStep(job_, 1, {w0_, w1_});
+    for (int i = 0; i < failures; ++i) ASSERT_TRUE(Report(job_, w0_, 2, /*ok=*/false).ok());
+    stores_.aborts.clear();
+    ASSERT_NO_FATAL_FAILURE(OnlyTheseLive({w0_, w1_}));  // 4 s: s0's 3-s lease ran out
+  }
+  // The job on s0_, w0_ and w1_, step 0 committed.
+  void Start() {
     job_ = Submit(2, 300, /*replicas=*/1).job_id();
     s0_ = Join(v1::MEMBER_ROLE_STORE);
     w0_ = Join(v1::MEMBER_ROLE_WORKER);
     w1_ = Join(v1::MEMBER_ROLE_WORKER);
     scheduler_->Tick();
     CommitStep(job_, 0, {w0_, w1_});
-    CommitStep(job_, 1, {w0_, w1_});
-    for (int i = 0; i < failures; ++i) ASSERT_TRUE(Report(job_, w0_, 2, /*ok=*/false).ok());
-    stores_.aborts.clear();
-    ASSERT_NO_FATAL_FAILURE(OnlyTheseLive({w0_, w1_}));  // 4 s: s0's 3-s lease ran out
   }
   // Advances the clock by `by`, with the workers heartbeating and a tick at the end.
   void Pass(absl::Duration by) {
@@ -1054,12 +1058,7 @@ TEST_F(StoreLapseTest, AStoreThatKeepsDyingEndsTheWait) {
 // A store that dies while the job's step is being committed on it holds the commit back,
 // not fails it: the decided step commits once the store is back.
 TEST_F(StoreLapseTest, ACommitInFlightWaitsForTheStore) {
-  job_ = Submit(2, 300, /*replicas=*/1).job_id();
-  s0_ = Join(v1::MEMBER_ROLE_STORE);
-  w0_ = Join(v1::MEMBER_ROLE_WORKER);
-  w1_ = Join(v1::MEMBER_ROLE_WORKER);
-  scheduler_->Tick();
-  CommitStep(job_, 0, {w0_, w1_});
+  ASSERT_NO_FATAL_FAILURE(Start());
   stores_.failing[s0_] = absl::UnavailableError("connection refused");  // it is dying
   for (const std::string& w : {w0_, w1_}) ASSERT_TRUE(Report(job_, w, 1).ok());
   ASSERT_NO_FATAL_FAILURE(OnlyTheseLive({w0_, w1_}));

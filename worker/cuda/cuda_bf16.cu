@@ -293,6 +293,10 @@ cublasStatus_t GemmBatchedEx(cublasHandle_t h, const BatchedCall& call, const vo
 }  // namespace
 
 void CudaBackend::BatchedGemmBf16(const std::vector<Bf16Gemm>& problems, const char* op) {
+  if (batched_unsupported_) {  // cuBLAS refused a batched call's types before
+    FanOutGemmBf16(problems, op);
+    return;
+  }
   if (problems.empty() || !Ready()) return;
   std::vector<PlanProduct> work;
   for (const Bf16Gemm& p : problems) {
@@ -303,11 +307,7 @@ void CudaBackend::BatchedGemmBf16(const std::vector<Bf16Gemm>& problems, const c
     if (!EmptyProductBf16(p, op)) work.push_back(ToPlan(p));
   }
   if (work.empty() || !Ready()) return;
-  BatchPlan plan = PlanBatches(work);
-  if (batched_unsupported_) {  // everything as single products
-    plan.single = std::move(work);
-    plan.calls.clear();
-  }
+  const BatchPlan plan = PlanBatches(work);
   std::vector<const void*> pointers;  // per call: its A's, B's, C's
   for (const BatchedCall& call : plan.calls) {
     for (const auto* list : {&call.a, &call.b, &call.c}) {
