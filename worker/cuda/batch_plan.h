@@ -2,15 +2,17 @@
 // host arithmetic, with no CUDA in it, so it is checked with or without nvcc.
 //
 // A batched call runs many products of one shape, each from its own pointers, in one
-// launch that fills the device. The experts' products differ only in their row counts
-// (tokens per expert), so each is cut into chunks of the same rows: full chunks of all
-// products go in one call; a product whose rows are not a multiple of the chunk adds a
-// tail chunk ending at its last row, in a second call after the first. The tail
-// recomputes rows of the last full chunk, which is harmless where C is overwritten
+// launch that fills the device. The experts' forward, dX and dH products differ only in
+// their row counts (tokens per expert), so each is cut into chunks of the same rows: full
+// chunks of all products go in one call; a product whose rows are not a multiple of the
+// chunk adds a tail chunk ending at its last row, in a second call after the first. The
+// tail recomputes rows of the last full chunk, which is harmless where C is overwritten
 // (beta 0) and wrong where it accumulates: there the remaining rows run as a product of
-// their own, as they do where the tail would start off 16-byte alignment. Products no other
-// product shares a shape with, those under kMinRows rows and those whose A, B or C is not
-// 16-byte aligned run on their own too (the fan-out), where one launch each is no loss.
+// their own, as they do where the tail would start off 16-byte alignment. Products no
+// other product shares a shape with, those under kMinRows rows and those whose A, B or C
+// is not 16-byte aligned run on their own too (the fan-out, beside the calls). A weight
+// gradient's token count is its k, the sum, which is never cut: two experts' share a
+// shape only when their counts are equal, so those mostly run on their own.
 #ifndef PITH_WORKER_CUDA_BATCH_PLAN_H_
 #define PITH_WORKER_CUDA_BATCH_PLAN_H_
 

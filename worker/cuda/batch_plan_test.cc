@@ -110,25 +110,43 @@ class Products {
   std::vector<PlanProduct> list_;
 };
 
-// Runs the plan with Reference and checks each call's entries write disjoint bytes.
+// Runs the plan with Reference and checks what the device's order allows: the entries of
+// one call run at once, and the singles beside every call, so none of those may write
+// bytes another writes; calls run one after the other, so an entry of a later call may
+// write rows an earlier one did only where both overwrite (beta 0: a tail).
 void RunPlan(const BatchPlan& plan) {
-  for (const BatchedCall& call : plan.calls) {
-    std::vector<std::pair<uintptr_t, uintptr_t>> written;
+  struct Written {
+    std::pair<uintptr_t, uintptr_t> bytes;
+    int call;  // -1: a single
+    float beta;
+  };
+  std::vector<Written> written;
+  auto check = [&](const PlanProduct& p, int call) {
+    const auto bytes = OutputBytes(p);
+    for (const Written& other : written) {
+      if (bytes.second <= other.bytes.first || other.bytes.second <= bytes.first) continue;
+      ASSERT_TRUE(call >= 0 && other.call >= 0 && call != other.call && p.beta == 0.0f &&
+                  other.beta == 0.0f)
+          << "call " << call << " and call " << other.call << " (-1: a single) write the "
+          << "same bytes where they may run at once or accumulate";
+    }
+    written.push_back({bytes, call, p.beta});
+  };
+  for (size_t c = 0; c < plan.calls.size(); ++c) {
+    const BatchedCall& call = plan.calls[c];
     for (int i = 0; i < call.count(); ++i) {
       PlanProduct p = call.shape;
       p.a = call.a[i];
       p.b = call.b[i];
       p.c = call.c[i];
-      const auto bytes = OutputBytes(p);
-      for (const auto& other : written) {
-        ASSERT_TRUE(bytes.second <= other.first || other.second <= bytes.first)
-            << "two entries of one call write the same bytes";
-      }
-      written.push_back(bytes);
+      check(p, static_cast<int>(c));
       Reference(p);
     }
   }
-  for (const PlanProduct& p : plan.single) Reference(p);
+  for (const PlanProduct& p : plan.single) {
+    check(p, -1);
+    Reference(p);
+  }
 }
 
 void ExpectPlanMatches(const Products& products, const BatchPlan& plan) {

@@ -6,6 +6,7 @@
 #include <array>
 #include <cmath>
 #include <cstring>
+#include <limits>
 #include <random>
 #include <vector>
 
@@ -274,10 +275,11 @@ TEST_F(CudaMoeTest, ForwardAndBackwardInBf16) {
 }
 
 // Routing at a size whose bucket layout spans many of the device's tiles (1024
-// assignments each), with and without capacity drops, then the row ops that follow it by
-// float4 (40 channels) and by float (42): integers equal, sums within kRelative.
+// assignments each; the last one ends in a partial warp), with and without capacity
+// drops, then the row ops that follow it by float4 (40 channels) and by float (42):
+// integers equal, sums within kRelative.
 TEST_F(CudaMoeTest, RoutingAcrossManyTilesAndTheRowOpsAfterIt) {
-  const int N = 3000, E = 128, k = 8;
+  const int N = 3001, E = 128, k = 8;
   Vec logits = Random(N * E, 7, 2.0f);
   for (int t = 0; t < N; ++t) logits[t * E + t % 3] += 2.5f;  // three crowded experts
   for (double capacity : {0.9, 0.0}) {
@@ -322,17 +324,27 @@ TEST_F(CudaMoeTest, RoutingAcrossManyTilesAndTheRowOpsAfterIt) {
   }
 }
 
-// A token whose logits are NaN (a diverged step) still gets k distinct valid experts, so
-// the layout stays inside its buffers; the step's loss is NaN and the job says so.
+// A token whose logits are NaN (a diverged step), or hold an infinity, still gets k
+// distinct valid experts, the CPU's (0 to k - 1), so the layout stays inside its buffers
+// and matches; the step's loss is NaN and the job says so.
 TEST_F(CudaMoeTest, NanLogitsStillRouteToValidExperts) {
   const int N = 64, E = 16, k = 4;
   Vec logits = Random(N * E, 13);
   for (int e = 0; e < E; ++e) logits[5 * E + e] = std::nanf("");
-  Routed got = MakeRouted(N, E, k);
+  logits[9 * E + 3] = std::numeric_limits<float>::infinity();
+  const compute::RouterConfig config{k, 0.0, true};
+  Routed want = MakeRouted(N, E, k), got = MakeRouted(N, E, k);
+  cpu_.Route(logits.data(), N, E, config, want.Buffers());
   compute::RoutingBuffers dev = OnDevice(got);
-  gpu_->Route(Up(logits), N, E, compute::RouterConfig{k, 0.0, true}, dev);
+  gpu_->Route(Up(logits), N, E, config, dev);
   ASSERT_TRUE(gpu_->Synchronize().ok()) << gpu_->status();
   const Ints experts = Down(dev.expert, N * k);
+  EXPECT_EQ(experts, want.expert);
+  EXPECT_EQ(Down(dev.row, N * k), want.row);
+  EXPECT_EQ(got.offsets, want.offsets);
+  for (int t : {5, 9}) {
+    for (int s = 0; s < k; ++s) EXPECT_EQ(experts[t * k + s], s) << "token " << t;
+  }
   for (int t = 0; t < N; ++t) {
     std::vector<bool> seen(E, false);
     for (int s = 0; s < k; ++s) {
@@ -352,14 +364,19 @@ void CudaMoeTest::MoeBlock(double product_rel) {
     double capacity;
     bool renormalize;
     int hidden;  // 54: biases off 16-byte alignment, so the bias passes go by float
+    int channels = 40;
+    int tokens = 96;
   };
-  // E = 64: lanes of the routing warp scan several experts each.
-  for (const Case& c :
-       {Case{8, 2, 1.0, true, 56}, Case{8, 2, 0.0, false, 54}, Case{5, 5, 0.0, true, 56},
-        Case{16, 1, 0.5, true, 54}, Case{64, 4, 1.25, true, 56}}) {
-    SCOPED_TRACE(testing::Message() << "E=" << c.experts << " k=" << c.top_k
-                                    << " capacity=" << c.capacity << " F=" << c.hidden);
-    const int N = 96, C = 40, F = c.hidden, E = c.experts, k = c.top_k;
+  // E = 64: lanes of the routing warp scan several experts each. 97 tokens: the routing's
+  // last warp is partial. C 42 with F 56: odd experts' b1 sits 8 bytes off 16 while the
+  // rows are float4-sized, so the bias and gelu pass must see the bias pointers.
+  for (const Case& c : {Case{8, 2, 1.0, true, 56}, Case{8, 2, 0.0, false, 54},
+                        Case{5, 5, 0.0, true, 56}, Case{16, 1, 0.5, true, 54},
+                        Case{64, 4, 1.25, true, 56}, Case{8, 2, 1.0, true, 56, 42, 97}}) {
+    SCOPED_TRACE(testing::Message()
+                 << "E=" << c.experts << " k=" << c.top_k << " capacity=" << c.capacity
+                 << " F=" << c.hidden << " C=" << c.channels << " N=" << c.tokens);
+    const int N = c.tokens, C = c.channels, F = c.hidden, E = c.experts, k = c.top_k;
     compute::RouterConfig config{k, c.capacity, c.renormalize};
     // Skewed logits leave some experts with empty buckets.
     Vec logits = Random(N * E, 1, 2.0f);

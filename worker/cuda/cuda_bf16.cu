@@ -10,6 +10,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstdio>
 #include <functional>
 #include <utility>
 #include <vector>
@@ -210,11 +211,11 @@ void CudaBackend::FanOutBf16(const std::vector<Bf16Gemm>& problems, const char* 
   } else {
     launch(0, used);
   }
-  for (int i = 0; i < used; ++i) {
-    if (!CheckBlas(failed[i], op)) return;
-  }
-  if (alongside) alongside();  // on the backend's stream, while the side streams run
-  // The join: the backend's stream goes on once every side stream is done.
+  bool launched = true;
+  for (int i = 0; i < used && launched; ++i) launched = CheckBlas(failed[i], op);
+  if (launched && alongside) alongside();  // on the backend's stream, beside the side streams
+  // The join: the backend's stream goes on once every side stream is done (after a failed
+  // launch too, so that nothing later overtakes what the side streams still run).
   for (int i = 0; i < used; ++i) {
     if (!CheckCuda(cudaEventRecord(side_.events[i], S(side_.streams[i])), op) ||
         !CheckCuda(cudaStreamWaitEvent(S(stream_), side_.events[i], 0), op)) {
@@ -341,8 +342,14 @@ void CudaBackend::BatchedGemmBf16(const std::vector<Bf16Gemm>& problems, const c
   }
   if (refused == plan.calls.size()) return;
   // The refused calls' entries as products of their own, each call's after the one
-  // before, as a tail must follow its full chunks.
+  // before, as a tail must follow its full chunks; every later phase fans out at once.
+  // No glog in the GPU-only build: one line on stderr, as glog's warnings go there too.
   batched_unsupported_ = true;
+  std::fprintf(stderr,
+               "W %s: cuBLAS refused a batched bf16 call (%s C, %d x %d x %d): this backend "
+               "fans its bf16 products out from now on\n",
+               op, plan.calls[refused].shape.c_fp32 ? "fp32" : "bf16", plan.calls[refused].shape.m,
+               plan.calls[refused].shape.n, plan.calls[refused].shape.k);
   for (size_t c = refused; c < plan.calls.size(); ++c) {
     const BatchedCall& call = plan.calls[c];
     std::vector<Bf16Gemm> entries;

@@ -11,10 +11,13 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <climits>
 #include <cmath>
+#include <cstdint>
 #include <cstring>
 #include <initializer_list>
 
+#include "absl/strings/str_cat.h"
 #include "worker/cuda/cuda_backend.h"
 #include "worker/cuda/cuda_kernels.cuh"
 
@@ -50,9 +53,13 @@ const V* As(const T* p) {
   return reinterpret_cast<const V*>(p);
 }
 
+// The top-k's order key: a probability, or -1 for NaN (a token's probabilities are NaN
+// all together or not at all), so that NaN ties and the lower id wins, as on the CPU.
+__device__ __forceinline__ float TopKey(float p) { return isnan(p) ? -1.0f : p; }
+
 // One warp per token: softmax (in double, as the CPU backend), logsumexp, and the top-k
 // by probability (ties: the lower id), renormalized if asked. Any expert beats none, so a
-// token whose probabilities are NaN still gets k valid experts.
+// token whose probabilities are NaN still gets k valid experts: the CPU's, 0 to k - 1.
 __global__ void RouteKernel(const float* logits, int n, int experts, int top_k, bool renormalize,
                             float* probs, float* lse, int32_t* expert, float* gate) {
   const int64_t t = int64_t{blockIdx.x} * kWarpsPerBlock + threadIdx.x / 32;
@@ -78,7 +85,8 @@ __global__ void RouteKernel(const float* logits, int n, int experts, int top_k, 
     for (int e = lane; e < experts; e += 32) {
       bool taken = false;
       for (int j = 0; j < s; ++j) taken |= chosen[j] == e;
-      if (!taken && (best == experts || p[e] > best_p || (p[e] == best_p && e < best))) {
+      const float key = TopKey(p[e]), best_key = TopKey(best_p);
+      if (!taken && (best == experts || key > best_key || (key == best_key && e < best))) {
         best_p = p[e];
         best = e;
       }
@@ -86,7 +94,8 @@ __global__ void RouteKernel(const float* logits, int n, int experts, int top_k, 
     for (int offset = 16; offset > 0; offset >>= 1) {
       const float op = __shfl_xor_sync(0xffffffffu, best_p, offset);
       const int oe = __shfl_xor_sync(0xffffffffu, best, offset);
-      if (oe != experts && (best == experts || op > best_p || (op == best_p && oe < best))) {
+      const float key = TopKey(op), best_key = TopKey(best_p);
+      if (oe != experts && (best == experts || key > best_key || (key == best_key && oe < best))) {
         best_p = op;
         best = oe;
       }
@@ -402,6 +411,12 @@ void CudaBackend::Route(const float* logits, int n, int experts,
   std::fill(out.prob_sum, out.prob_sum + experts, 0.0);
   std::fill(out.offsets, out.offsets + experts + 1, 0);
   if (n == 0 || !Ready()) return;
+  if (k < 1 || k > experts || int64_t{n} * k > INT32_MAX) {
+    // Rows and ranks are int32, like the interface's `row`.
+    Fail("Route", absl::StrCat("top_k ", k, " of ", experts, " experts for ", n,
+                               " tokens: want 1 <= top_k <= experts and tokens * top_k < 2^31"));
+    return;
+  }
   RouteKernel<<<WarpBlocks(n), kThreads, 0, S(stream_)>>>(logits, n, experts, k, config.renormalize,
                                                           out.probs, out.lse, out.expert, out.gate);
   // What comes back to the host, in one copy: prob_sum [E], routed [E], offsets [E + 1].
