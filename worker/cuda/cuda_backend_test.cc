@@ -364,8 +364,7 @@ void CudaMoeTest::MoeBlock(double product_rel) {
     double capacity;
     bool renormalize;
     int hidden;  // 54: biases off 16-byte alignment, so the bias passes go by float
-    int channels = 40;
-    int tokens = 96;
+    int channels = 40, tokens = 96;
   };
   // E = 64: lanes of the routing warp scan several experts each. 97 tokens: the routing's
   // last warp is partial. C 42 with F 56: odd experts' b1 sits 8 bytes off 16 while the
