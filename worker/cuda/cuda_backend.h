@@ -201,7 +201,8 @@ class CudaBackend final : public compute::Backend {
   // transposes, fp32 or bf16 C, any alpha and beta, empty problems as FanOutGemmBf16 does
   // them. It takes a problem whose a and b are 16-byte aligned, whose leading dimensions
   // and stored row lengths (A: trans_a ? m : k; B: trans_b ? k : n) are multiples of 8:
-  // KernelTakes. False (nothing done) when some problem is not taken.
+  // KernelTakes. False (nothing done) when some problem is not taken, or the tile shape
+  // does not run here (KernelTileRuns).
   static bool KernelTakes(const Bf16Gemm& p);
   bool KernelGemmBf16(const std::vector<Bf16Gemm>& problems, const char* op);
   // The grouped kernel's launches so far, and those with an epilogue (tests: that a phase
@@ -215,9 +216,10 @@ class CudaBackend final : public compute::Backend {
   enum class KernelTile { k128x128, k128x256, k256x128, kWgmma128x128, kWgmma128x256 };
   KernelTile kernel_tile() const { return kernel_tile_; }
   void set_kernel_tile(KernelTile tile) { kernel_tile_ = tile; }
-  // Whether this device and build run `tile`: the mma.sync shapes on any device here, the
-  // wgmma ones on an sm_90 device with the build's sm_90a code (a probe kernel says, once).
-  // KernelGemmBf16 with a tile that does not run takes nothing (false).
+  // Whether this device and build run `tile`: a shape whose shared memory a block of this
+  // device cannot have (the 120 KiB mma.sync ones past sm_86's 99 KiB) does not; the
+  // wgmma ones need an sm_90 device and the build's sm_90a code (a probe kernel says,
+  // once). KernelGemmBf16 with a tile that does not run takes nothing (false).
   bool KernelTileRuns(KernelTile tile);
   // How many CTAs of that tile shape one SM holds at once (registers and shared memory
   // allowing), for gpu_bench; 0 when the query fails.
@@ -362,8 +364,16 @@ class CudaBackend final : public compute::Backend {
   };
   KernelTable UploadKernelTable(const std::vector<Bf16Gemm>& problems, int bm, int bn,
                                 const char* op);
-  // Raises `kernel`'s dynamic shared-memory limit to `bytes`, once per tile shape.
-  bool SetKernelSmem(const void* kernel, int bytes, const char* op);
+  // Raises `kernel`'s dynamic shared-memory limit to `bytes`, once per tile shape; false
+  // (the backend unharmed: the caller's products go another way) where the device refuses.
+  bool SetKernelSmem(const void* kernel, int bytes);
+  // Dynamic shared memory of one CTA of `tile` (cuda_grouped.cu; the wgmma shapes' from
+  // WgmmaSharedBytes, cuda_wgmma.cu).
+  static int KernelSharedBytes(KernelTile tile);
+  static int WgmmaSharedBytes(KernelTile tile);
+  // The wgmma probe of KernelTileRuns: 1 when the build's sm_90a code runs here, 0 when
+  // it cannot, -1 when this time did not tell (asked again next time).
+  int ProbeWgmma();
   // After a grouped kernel's launch: whether it launched, counted.
   void CountKernelLaunch(const std::vector<Bf16Gemm>& problems, const char* op);
   // KernelGemmBf16 with the mma.sync tile shape T (cuda_grouped.cu); with the wgmma tile
@@ -372,7 +382,8 @@ class CudaBackend final : public compute::Backend {
   bool LaunchGrouped(const std::vector<Bf16Gemm>& problems, const char* op);
   bool LaunchWgmma(const std::vector<Bf16Gemm>& problems, const char* op);
   int WgmmaBlocksPerSm(KernelTile tile);
-  int wgmma_runs_ = -1;  // KernelTileRuns' probe: -1 not yet made, else 0 or 1
+  int wgmma_runs_ = -1;  // ProbeWgmma's answer once it told: -1 not yet, else 0 or 1
+  unsigned tile_fits_ = 0, tile_fits_known_ = 0;  // bit per tile shape: its shared memory fits
   KernelTile kernel_tile_ = KernelTile::k128x128;
   unsigned kernel_smem_set_ = 0;  // bit per tile shape: its shared-memory limit was raised
   uint64_t kernel_launches_ = 0;

@@ -233,6 +233,7 @@ bool CudaBackend::KernelGemmBf16(const std::vector<Bf16Gemm>& problems, const ch
     const bool runs = p.m != 0 && p.n != 0 && (p.k != 0 || p.epilogue.any());
     if (runs && !KernelTakes(p)) return false;
   }
+  if (!KernelTileRuns(kernel_tile_)) return false;
   switch (kernel_tile_) {
     case KernelTile::k128x256:
       return LaunchGrouped<Tile128x256>(problems, op);
@@ -240,7 +241,7 @@ bool CudaBackend::KernelGemmBf16(const std::vector<Bf16Gemm>& problems, const ch
       return LaunchGrouped<Tile256x128>(problems, op);
     case KernelTile::kWgmma128x128:
     case KernelTile::kWgmma128x256:
-      return KernelTileRuns(kernel_tile_) && LaunchWgmma(problems, op);
+      return LaunchWgmma(problems, op);
     default:
       return LaunchGrouped<Tile128x128>(problems, op);
   }
@@ -288,15 +289,49 @@ CudaBackend::KernelTable CudaBackend::UploadKernelTable(const std::vector<Bf16Ge
   return {dev, static_cast<int>(table.size()), tiles};
 }
 
-bool CudaBackend::SetKernelSmem(const void* kernel, int bytes, const char* op) {
+bool CudaBackend::SetKernelSmem(const void* kernel, int bytes) {
   const unsigned shape_bit = 1u << static_cast<int>(kernel_tile_);
   if (kernel_smem_set_ & shape_bit) return true;
-  if (!CheckCuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes),
-                 op)) {
+  if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes) !=
+      cudaSuccess) {
+    cudaGetLastError();  // not sticky: the products go to cuBLAS instead
     return false;
   }
   kernel_smem_set_ |= shape_bit;
   return true;
+}
+
+int CudaBackend::KernelSharedBytes(KernelTile tile) {
+  switch (tile) {
+    case KernelTile::k128x256:
+      return Tile128x256::kSharedBytes;
+    case KernelTile::k256x128:
+      return Tile256x128::kSharedBytes;
+    case KernelTile::kWgmma128x128:
+    case KernelTile::kWgmma128x256:
+      return WgmmaSharedBytes(tile);
+    default:
+      return Tile128x128::kSharedBytes;
+  }
+}
+
+bool CudaBackend::KernelTileRuns(KernelTile tile) {
+  if (!Ready()) return false;
+  const unsigned bit = 1u << static_cast<int>(tile);
+  if (!(tile_fits_known_ & bit)) {
+    int optin = 0;
+    if (cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device_) !=
+        cudaSuccess) {
+      cudaGetLastError();  // the query's failure is not the backend's: asked again next time
+      return false;
+    }
+    tile_fits_known_ |= bit;
+    if (KernelSharedBytes(tile) <= optin) tile_fits_ |= bit;
+  }
+  if (!(tile_fits_ & bit)) return false;
+  if (tile != KernelTile::kWgmma128x128 && tile != KernelTile::kWgmma128x256) return true;
+  if (wgmma_runs_ < 0) wgmma_runs_ = ProbeWgmma();
+  return wgmma_runs_ == 1;
 }
 
 void CudaBackend::CountKernelLaunch(const std::vector<Bf16Gemm>& problems, const char* op) {
@@ -338,11 +373,11 @@ int CudaBackend::KernelBlocksPerSm(KernelTile tile) {
 
 template <typename T>
 bool CudaBackend::LaunchGrouped(const std::vector<Bf16Gemm>& problems, const char* op) {
-  const KernelTable table = UploadKernelTable(problems, T::kBm, T::kBn, op);
-  if (table.count == 0 ||
-      !SetKernelSmem(reinterpret_cast<const void*>(GroupedGemmKernel<T>), T::kSharedBytes, op)) {
-    return true;
+  if (!SetKernelSmem(reinterpret_cast<const void*>(GroupedGemmKernel<T>), T::kSharedBytes)) {
+    return false;
   }
+  const KernelTable table = UploadKernelTable(problems, T::kBm, T::kBn, op);
+  if (table.count == 0) return true;
   GroupedGemmKernel<T>
       <<<static_cast<unsigned>(table.tiles), T::kThreads, T::kSharedBytes, S(stream_)>>>(
           static_cast<const KernelProblem*>(table.problems), table.count);

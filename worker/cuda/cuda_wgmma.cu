@@ -256,37 +256,39 @@ const void* KernelOf() {
 
 }  // namespace
 
-bool CudaBackend::KernelTileRuns(KernelTile tile) {
-  if (tile != KernelTile::kWgmma128x128 && tile != KernelTile::kWgmma128x256) return true;
-  if (wgmma_runs_ >= 0) return wgmma_runs_ == 1;
-  if (!Ready()) return false;
-  // The probe's own failures are not the backend's: cleared. One that may pass (no memory
-  // for its flag now) is not remembered: the next call asks again.
+int CudaBackend::WgmmaSharedBytes(KernelTile tile) {
+  return tile == KernelTile::kWgmma128x256 ? Wg128x256::kSharedBytes : Wg128x128::kSharedBytes;
+}
+
+int CudaBackend::ProbeWgmma() {
   int major = 0, minor = 0;
   if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device_) != cudaSuccess ||
       cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device_) != cudaSuccess) {
-    cudaGetLastError();
-    return false;
+    cudaGetLastError();  // the query's failure is not the backend's
+    return -1;
   }
-  if (major != 9 || minor != 0) {
-    wgmma_runs_ = 0;
-    return false;
-  }
+  if (major != 9 || minor != 0) return 0;
   int* flag = nullptr;
-  if (cudaMalloc(&flag, sizeof(int)) != cudaSuccess) {
+  if (cudaMalloc(&flag, sizeof(int)) != cudaSuccess) {  // no memory for the flag now
     cudaGetLastError();
-    return false;
+    return -1;
   }
   int runs = 0;
   WgmmaProbe<<<1, 1, 0, S(stream_)>>>(flag);
-  const bool ran = cudaGetLastError() == cudaSuccess &&
-                   cudaMemcpyAsync(&runs, flag, sizeof(int), cudaMemcpyDeviceToHost, S(stream_)) ==
-                       cudaSuccess &&
-                   cudaStreamSynchronize(S(stream_)) == cudaSuccess;
+  const cudaError_t launched = cudaGetLastError();
+  if (launched == cudaErrorNoKernelImageForDevice || launched == cudaErrorInvalidDeviceFunction) {
+    cudaFree(flag);
+    return 0;  // no code for this device in the build at all
+  }
+  // Anything else is the backend's (an earlier kernel's error may surface here): kept.
+  const bool ran =
+      CheckCuda(launched, "wgmma probe") &&
+      CheckCuda(cudaMemcpyAsync(&runs, flag, sizeof(int), cudaMemcpyDeviceToHost, S(stream_)),
+                "wgmma probe") &&
+      CheckCuda(cudaStreamSynchronize(S(stream_)), "wgmma probe");
   cudaFree(flag);
-  if (!ran) cudaGetLastError();  // no sm_90 code at all: a launch error
-  wgmma_runs_ = ran && runs == 1 ? 1 : 0;
-  return wgmma_runs_ == 1;
+  if (!ran) return -1;
+  return runs == 1 ? 1 : 0;
 }
 
 int CudaBackend::WgmmaBlocksPerSm(KernelTile tile) {
@@ -298,13 +300,11 @@ int CudaBackend::WgmmaBlocksPerSm(KernelTile tile) {
 
 bool CudaBackend::LaunchWgmma(const std::vector<Bf16Gemm>& problems, const char* op) {
   const bool wide = kernel_tile_ == KernelTile::kWgmma128x256;
+  const int smem = wide ? Wg128x256::kSharedBytes : Wg128x128::kSharedBytes;
+  if (!SetKernelSmem(wide ? KernelOf<Wg128x256>() : KernelOf<Wg128x128>(), smem)) return false;
   const KernelTable table =
       UploadKernelTable(problems, 128, wide ? Wg128x256::kBn : Wg128x128::kBn, op);
-  const int smem = wide ? Wg128x256::kSharedBytes : Wg128x128::kSharedBytes;
-  if (table.count == 0 ||
-      !SetKernelSmem(wide ? KernelOf<Wg128x256>() : KernelOf<Wg128x128>(), smem, op)) {
-    return true;
-  }
+  if (table.count == 0) return true;
   const auto* t = static_cast<const KernelProblem*>(table.problems);
   const auto tiles = static_cast<unsigned>(table.tiles);
   if (wide) {

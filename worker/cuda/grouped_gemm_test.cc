@@ -81,6 +81,12 @@ void GroupedGemmTest::CheckCases() {
       {true, true, 32, 48, 40, 8, 0, 0, 1.0f, 0.0f, false},      // the same, transposed
       {false, true, 50, 37, 64, 0, 0, 1, 1.0f, 0.0f, true},      // odd n, even ldc: pairs
       {true, true, 40, 33, 24, 8, 0, 0, 1.0f, 0.5f, false},      // odd n and ldc, bf16 out
+      // Past two tiles each way with k over every kernel's pipeline stages (the wgmma
+      // kernel's 5 of 64 at 128 x 128): each stage refilled while the others are read.
+      {false, false, 256, 264, 520, 0, 0, 0, 1.0f, 0.0f, true},
+      {true, false, 264, 256, 520, 0, 0, 2, 1.0f, 0.5f, true},
+      {false, true, 256, 256, 520, 0, 0, 0, 1.0f, 0.0f, false},
+      {true, true, 264, 264, 520, 8, 8, 0, 1.0f, 1.0f, true},
   };
   std::vector<CudaBackend::Bf16Gemm> problems;
   std::vector<Vec> want;
@@ -126,12 +132,15 @@ void GroupedGemmTest::CheckCases() {
         got.push_back(Bf16ToFloat(bits));
       }
     }
-    // Padding columns: left as they were (NaN with beta 0, the CPU's C with beta 1).
+    // Padding columns: left as they were (NaN with beta 0; else the C both sides started
+    // from, which the CPU leaves there).
     for (int r = 0; r < cases[t].m; ++r) {
       for (int col = cases[t].n; col < p.ldc; ++col) {
         const size_t at = static_cast<size_t>(r) * p.ldc + col;
         if (cases[t].beta == 0.0f) {
           EXPECT_TRUE(std::isnan(got[at])) << "padding [" << r << "][" << col << "] written";
+        } else {
+          EXPECT_EQ(got[at], want[t][at]) << "padding [" << r << "][" << col << "] written";
         }
         got[at] = want[t][at];
       }
