@@ -268,7 +268,8 @@ CudaBackend::KernelTable CudaBackend::UploadKernelTable(const std::vector<Bf16Ge
     table.push_back({static_cast<const __nv_bfloat16*>(p.a), static_cast<const __nv_bfloat16*>(p.b),
                      p.c, p.m, p.n, p.k, p.lda, p.ldb, p.ldc, p.alpha, p.beta,
                      (p.trans_a ? kTransA : 0) | (p.trans_b ? kTransB : 0) |
-                         (p.c_fp32 ? kOutFp32 : 0) | (pairs ? kPairs : 0),
+                         (p.c_fp32 ? kOutFp32 : 0) | (pairs ? kPairs : 0) |
+                         (p.beta == 0.0f && !e.any() ? kPlain : 0),
                      tiles_n, tiles, e.bias, e.gelu_grad_of, static_cast<__nv_bfloat16*>(e.c_bf16),
                      e.gelu_out, static_cast<__nv_bfloat16*>(e.gelu_bf16)});
     tiles += int64_t{tiles_m} * tiles_n;

@@ -15,7 +15,8 @@
 
 namespace pith::cuda::grouped {
 
-enum Flags : int { kTransA = 1, kTransB = 2, kOutFp32 = 4, kPairs = 8 };
+// kPlain: beta 0 and no epilogue, so a fragment's store is alpha acc and nothing more.
+enum Flags : int { kTransA = 1, kTransB = 2, kOutFp32 = 4, kPairs = 8, kPlain = 16 };
 
 // One problem as the kernel reads it. Row-major C[m, n] = alpha op(A) op(B) + beta C.
 struct KernelProblem {
@@ -177,18 +178,38 @@ __device__ __forceinline__ void StorePair(const KernelProblem& p, int row, int c
   }
 }
 
-// The accumulators (v0, v1) of C[row][col, col + 1] (col even; rows and columns past C's
-// are dropped). A pair is stored whole where C's rows keep it aligned (kPairs: ldc even and
-// C aligned, checked on the host).
-__device__ __forceinline__ void StoreFragment(const KernelProblem& p, int row, int col, float v0,
-                                              float v1) {
-  if (row >= p.m || col >= p.n) return;
+// StoreFragment's general case: each column through StorePair. Not inlined: a tile's 64
+// fragments share one copy of it (inlined, the epilogue's every branch made each kernel's
+// code megabytes, streamed past the instruction cache once per tile).
+static __device__ __noinline__ void StoreFragmentGeneral(const KernelProblem& p, int row, int col,
+                                                         float v0, float v1) {
   if (col + 1 < p.n && (p.flags & kPairs)) {
     StorePair(p, row, col, v0, v1, true);
   } else {
     StorePair(p, row, col, v0, 0.0f, false);
     if (col + 1 < p.n) StorePair(p, row, col + 1, v1, 0.0f, false);
   }
+}
+
+// The accumulators (v0, v1) of C[row][col, col + 1] (col even; rows and columns past C's
+// are dropped). A pair is stored whole where C's rows keep it aligned (kPairs: ldc even and
+// C aligned, checked on the host); a plain pair (kPlain) in a few instructions here, as
+// StorePair would store it.
+__device__ __forceinline__ void StoreFragment(const KernelProblem& p, int row, int col, float v0,
+                                              float v1) {
+  if (row >= p.m || col >= p.n) return;
+  if ((p.flags & (kPlain | kPairs)) == (kPlain | kPairs) && col + 1 < p.n) {
+    const int64_t at = int64_t{row} * p.ldc + col;
+    if (p.flags & kOutFp32) {
+      *reinterpret_cast<float2*>(static_cast<float*>(p.c) + at) =
+          make_float2(v0 * p.alpha, v1 * p.alpha);
+    } else {
+      *reinterpret_cast<__nv_bfloat162*>(static_cast<__nv_bfloat16*>(p.c) + at) =
+          __floats2bfloat162_rn(v0 * p.alpha, v1 * p.alpha);
+    }
+    return;
+  }
+  StoreFragmentGeneral(p, row, col, v0, v1);
 }
 
 }  // namespace pith::cuda::grouped
