@@ -4,7 +4,9 @@
 //   gpu_bench [--tokens=16384] [--iters=5] [--device=0]
 //
 // Shapes: Qwen3-30B-A3B (d 2048, f 768, E 128, top-8) and DeepSeek-V2-Lite (d 2048,
-// f 1408, E 64, top-6). Per shape, one line each:
+// f 1408, E 64, top-6). Each measurement runs for both shapes before the next, the grouped
+// kernels' last (the wgmma ones after mma.sync's): a fault there ends the process's use of
+// the device, with every other figure in. Per shape, one line each:
 //   expert_ffn      fp32 grouped FFN fwd+bwd (ExpertForward/Backward: the products, bias and
 //                   gelu) against a dense fp32 cuBLAS GEMM of the same FLOPs;
 //   expert_gemm_bf16 the FFN's six products per bucket (2 forward, 4 backward) in bf16 with
@@ -24,9 +26,10 @@
 //                   Route with its device layout, permute, experts, combine, every backward)
 //                   in ms, in the fp32 and in the bf16 compute dtype (bf16_batched: its
 //                   products as batched calls; bf16_kernel: through the mma.sync kernel;
-//                   bf16_wgmma_128x128 and
-//                   bf16_wgmma_128x256: through the wgmma one), for tests/gpu/run.sh to set
-//                   against PyTorch's (torch_moe_bench.py).
+//                   bf16_wgmma_128x128 and bf16_wgmma_128x256: through the wgmma one, each
+//                   with a detail line of kernel launches, or an error where the expert
+//                   phases went to the fan-out), for tests/gpu/run.sh to set against
+//                   PyTorch's (torch_moe_bench.py).
 // Tokens in the GEMM benches spread over the experts with a skew (the first expert gets
 // twice the mean, the last half); the layer routes random tokens through a random router.
 #include <cuda_runtime.h>
@@ -44,6 +47,7 @@
 #include <utility>
 #include <vector>
 
+#include "absl/types/span.h"
 #include "common/bf16.h"
 #include "worker/cuda/cuda_backend.h"
 #include "worker/cuda/device_slots.h"
@@ -315,10 +319,11 @@ int RunBf16Batched(CudaBackend& b, const Shape& s, const FfnProducts& f,
       });
   std::printf(
       "expert_gemm_bf16_batched %-16s A=%lld  fwd+bwd %.2f ms %.1f TFLOP/s (%.0f%% of 790)  "
-      "ratio %.3f (target >= 0.8); %.1f batched calls per iteration; TFLOP/s per phase:%s\n",
+      "ratio %.3f (target >= 0.8); %.1f batched calls per iteration%s; TFLOP/s per phase:%s\n",
       s.name, static_cast<long long>(f.dense.m), batched * 1e3, f.flops / batched / 1e12,
       100 * f.flops / batched / 790e12, dense_s / batched,
-      static_cast<double>(calls_per_run) / (iters + 1), phases.c_str());
+      static_cast<double>(calls_per_run) / (iters + 1),
+      calls_per_run == 0 ? " (cuBLAS refused them: this is the fan-out)" : "", phases.c_str());
   return 0;
 }
 
@@ -338,20 +343,11 @@ int RunBf16Gemms(CudaBackend& b, const Shape& s, int64_t tokens, int iters) {
     b.FanOutGemmBf16(bwd_dw, "bf16 dW1, dW2");
     b.FanOutGemmBf16(bwd_dx, "bf16 dh @ w1^T");
   };
-  const std::string other_counts = OtherFanOuts(b, iters, flops, fan_out);
   const double fanout = SecondsPerIter(b, iters, fan_out);
-  const double grouped = SecondsPerIter(b, iters, [&] {
-    b.GroupedGemmBf16(fwd1, "bf16 x @ w1 (grouped)");
-    b.GroupedGemmBf16(fwd2, "bf16 h @ w2 (grouped)");
-    b.GroupedGemmBf16(bwd_dh, "bf16 dy @ w2^T (grouped)");
-    b.GroupedGemmBf16(bwd_dw_bf16, "bf16 dW1, dW2 (grouped)");
-    b.AccumulateBf16(f.g, f.gb, f.gradient_floats);
-    b.GroupedGemmBf16(bwd_dx, "bf16 dh @ w1^T (grouped)");
-  });
   const double dense_s = SecondsPerIter(b, iters, [&] {
     for (int i = 0; i < 6; ++i) b.GemmBf16(f.dense, "bf16 dense");
   });
-  if (fanout <= 0 || grouped <= 0 || dense_s <= 0) {
+  if (fanout <= 0 || dense_s <= 0) {
     std::fprintf(stderr, "%s bf16: %s\n", s.name, b.status().ToString().c_str());
     return 1;
   }
@@ -365,17 +361,51 @@ int RunBf16Gemms(CudaBackend& b, const Shape& s, int64_t tokens, int iters) {
                                        {"dy@w2T", &bwd_dh},
                                        {"dW1+dW2", &bwd_dw},
                                        {"dh@w1T", &bwd_dx}};
+  // Each line as soon as it is measured: the optional measurements last.
+  const std::string phases = Bf16Breakdown(b, calls, iters);
+  if (RunBf16Batched(b, s, f, calls, dense_s, iters) != 0) return 1;
+  const std::string other_counts = OtherFanOuts(b, iters, flops, fan_out);
+  const double grouped = SecondsPerIter(b, iters, [&] {
+    b.GroupedGemmBf16(fwd1, "bf16 x @ w1 (grouped)");
+    b.GroupedGemmBf16(fwd2, "bf16 h @ w2 (grouped)");
+    b.GroupedGemmBf16(bwd_dh, "bf16 dy @ w2^T (grouped)");
+    b.GroupedGemmBf16(bwd_dw_bf16, "bf16 dW1, dW2 (grouped)");
+    b.AccumulateBf16(f.g, f.gb, f.gradient_floats);
+    b.GroupedGemmBf16(bwd_dx, "bf16 dh @ w1^T (grouped)");
+  });
+  if (grouped <= 0) {
+    std::fprintf(stderr, "%s bf16 grouped calls: %s\n", s.name, b.status().ToString().c_str());
+  }
   std::printf(
       "expert_gemm_bf16_detail %-16s TFLOP/s per phase:%s; with%s (default %d/%d); cuBLAS "
       "grouped calls (cublasGemmGroupedBatchedEx + bf16->fp32 gradient add) %.1f\n",
-      s.name, Bf16Breakdown(b, calls, iters).c_str(), other_counts.c_str(), b.side_streams(),
-      b.launch_threads(), flops / grouped / 1e12);
-  return RunBf16Batched(b, s, f, calls, dense_s, iters);
+      s.name, phases.c_str(), other_counts.c_str(), b.side_streams(), b.launch_threads(),
+      grouped > 0 ? flops / grouped / 1e12 : 0.0);
+  return grouped > 0 ? 0 : 1;
+}
+
+using Tile = CudaBackend::KernelTile;
+using NamedTile = std::pair<Tile, const char*>;
+constexpr NamedTile kMmaTiles[] = {
+    {Tile::k128x128, "128x128"}, {Tile::k128x256, "128x256"}, {Tile::k256x128, "256x128"}};
+constexpr NamedTile kWgmmaTiles[] = {{Tile::kWgmma128x128, "wgmma 128x128"},
+                                     {Tile::kWgmma128x256, "wgmma 128x256"}};
+
+// Whether `tile` runs here; false with the backend's error said when it is not that the
+// tile does not run but that the backend failed (then nothing after it measures).
+bool TileRuns(CudaBackend& b, const Shape& s, Tile tile, const char* name, bool* failed) {
+  if (b.KernelTileRuns(tile)) return true;
+  *failed = !b.status().ok();
+  if (*failed) {
+    std::fprintf(stderr, "%s tile %s: %s\n", s.name, name, b.status().ToString().c_str());
+  }
+  return false;
 }
 
 // The products through Pith's grouped kernel (KernelGemmBf16: one launch a phase), with
-// each of its tile shapes, against the same dense products; each phase's TFLOP/s.
-int RunBf16Kernel(CudaBackend& b, const Shape& s, int64_t tokens, int iters) {
+// each of `tiles`, against the same dense products; each phase's TFLOP/s.
+int RunBf16Kernel(CudaBackend& b, const Shape& s, int64_t tokens, int iters,
+                  absl::Span<const NamedTile> tiles) {
   FfnProducts f;
   if (!MakeFfnProducts(b, s, tokens, f)) return 1;
   const std::vector<Bf16Call> calls = {{"x@w1", &f.fwd1},
@@ -386,15 +416,13 @@ int RunBf16Kernel(CudaBackend& b, const Shape& s, int64_t tokens, int iters) {
   const double dense_s = SecondsPerIter(b, iters, [&] {
     for (int i = 0; i < 6; ++i) b.GemmBf16(f.dense, "bf16 dense");
   });
-  using Tile = CudaBackend::KernelTile;
-  for (auto [tile, name] :
-       {std::pair{Tile::k128x128, "128x128"}, std::pair{Tile::k128x256, "128x256"},
-        std::pair{Tile::k256x128, "256x128"}, std::pair{Tile::kWgmma128x128, "wgmma 128x128"},
-        std::pair{Tile::kWgmma128x256, "wgmma 128x256"}}) {
-    if (!b.KernelTileRuns(tile)) {
+  for (auto [tile, name] : tiles) {
+    bool failed = false;
+    if (!TileRuns(b, s, tile, name, &failed)) {
+      if (failed) return 1;
       std::printf(
-          "expert_gemm_bf16_kernel %-16s tile %s: does not run here (an sm_90 device and the "
-          "build's sm_90a code)\n",
+          "expert_gemm_bf16_kernel %-16s tile %s: does not run here (its shared memory, or for "
+          "wgmma an sm_90 device and the build's sm_90a code)\n",
           s.name, name);
       continue;
     }
@@ -403,9 +431,13 @@ int RunBf16Kernel(CudaBackend& b, const Shape& s, int64_t tokens, int iters) {
     const double kernel = SecondsPerIter(b, iters, [&] {
       for (const Bf16Call& call : calls) taken &= b.KernelGemmBf16(*call.second, call.first);
     });
-    if (!taken || kernel <= 0 || dense_s <= 0) {
-      std::fprintf(stderr, "%s bf16 kernel %s: %s\n", s.name, name,
-                   taken ? b.status().ToString().c_str() : "a problem the kernel does not take");
+    if (!taken && b.status().ok()) {  // nothing failed: the next tile may take them
+      std::printf("expert_gemm_bf16_kernel %-16s tile %s: a problem it does not take\n", s.name,
+                  name);
+      continue;
+    }
+    if (kernel <= 0 || dense_s <= 0) {
+      std::fprintf(stderr, "%s bf16 kernel %s: %s\n", s.name, name, b.status().ToString().c_str());
       return 1;
     }
     const std::string phases = Bf16Breakdown(
@@ -586,21 +618,15 @@ int RunLayer(CudaBackend& b, const Shape& s, int64_t tokens, int iters) {
   return LayerLines(b, s, tokens, iters, "fp32") > 0 ? 0 : 1;
 }
 
-// The layer in bf16 with the backend's defaults, and with the fan-outs' launches spread
-// over 4 host threads (the detail line).
+// The layer in bf16 with the backend's defaults, from bf16 weights blobs, with batched
+// products, and last (optional) with the fan-outs' launches spread over 4 host threads.
 int RunLayerBf16(CudaBackend& b, const Shape& s, int64_t tokens, int iters) {
   if (!b.SetComputeDtype(ComputeDtype::kBf16).ok()) return 1;
   const double seconds = LayerLines(b, s, tokens, iters, "bf16");
   if (seconds <= 0) return 1;
-  const int threads = b.launch_threads();
-  b.set_launch_threads(4);
-  const double threaded = LayerSeconds(b, s, tokens, iters);
-  b.set_launch_threads(threads);
-  if (threaded <= 0) return 1;
-  std::printf("moe_layer_detail %-16s bf16 with 4 launch threads %.2f ms (default %d: %.2f)\n",
-              s.name, threaded * 1e3, threads, seconds * 1e3);
   // As a bf16 job's cluster worker computes: the weights already bf16 (no rounding).
   if (LayerLines(b, s, tokens, iters, "bf16_blobs", /*blobs=*/true) <= 0) return 1;
+  const CudaBackend::Bf16Products products = b.bf16_products();
   b.set_bf16_products(CudaBackend::Bf16Products::kBatched);
   const uint64_t before = b.batched_calls();
   if (LayerLines(b, s, tokens, iters, "bf16_batched") <= 0) return 1;
@@ -608,23 +634,63 @@ int RunLayerBf16(CudaBackend& b, const Shape& s, int64_t tokens, int iters) {
   std::printf("moe_layer_detail %-16s bf16_batched %.1f batched calls per iteration%s\n", s.name,
               static_cast<double>(b.batched_calls() - before) / (iters + 2),
               b.batched_calls() == before ? " (cuBLAS refused them: these are the fan-out's)" : "");
+  b.set_bf16_products(products);
+  const int threads = b.launch_threads();
+  b.set_launch_threads(4);
+  const double threaded = LayerSeconds(b, s, tokens, iters);
+  b.set_launch_threads(threads);
+  if (threaded <= 0) return 1;
+  std::printf("moe_layer_detail %-16s bf16 with 4 launch threads %.2f ms (default %d: %.2f)\n",
+              s.name, threaded * 1e3, threads, seconds * 1e3);
   return 0;
 }
 
-// The bf16 layer with its expert products through the grouped kernel: mma.sync's default
-// tile, then the wgmma tiles where the device runs them.
-int RunLayerBf16Kernel(CudaBackend& b, const Shape& s, int64_t tokens, int iters) {
+// The bf16 layer with its expert products through the grouped kernel with each of
+// `tiles` (labels as run.sh reads them), where the device runs it; a layer whose expert
+// phases did not go through the kernel (its epilogues never ran) fails, rather than
+// printing the fan-out's time under the kernel's label.
+int RunLayerBf16Kernel(CudaBackend& b, const Shape& s, int64_t tokens, int iters,
+                       absl::Span<const NamedTile> tiles) {
   if (!b.SetComputeDtype(ComputeDtype::kBf16).ok()) return 1;
   b.set_bf16_products(CudaBackend::Bf16Products::kKernel);
-  using Tile = CudaBackend::KernelTile;
-  for (auto [tile, name] : {std::pair{Tile::k128x128, "bf16_kernel"},
-                            std::pair{Tile::kWgmma128x128, "bf16_wgmma_128x128"},
-                            std::pair{Tile::kWgmma128x256, "bf16_wgmma_128x256"}}) {
-    if (!b.KernelTileRuns(tile)) continue;
+  for (auto [tile, name] : tiles) {
+    bool failed = false;
+    if (!TileRuns(b, s, tile, name, &failed)) {
+      if (failed) return 1;
+      continue;
+    }
     b.set_kernel_tile(tile);
+    const uint64_t launches = b.kernel_launches(), epilogues = b.epilogue_launches();
     if (LayerLines(b, s, tokens, iters, name) <= 0) return 1;
+    // LayerSeconds runs a warm-up, `iters` timed iterations and one broken down.
+    const double per = iters + 2;
+    std::printf(
+        "moe_layer_detail %-16s %s %.1f kernel launches per iteration, %.1f with an "
+        "epilogue\n",
+        s.name, name, (b.kernel_launches() - launches) / per,
+        (b.epilogue_launches() - epilogues) / per);
+    if (b.epilogue_launches() == epilogues) {
+      std::fprintf(stderr, "%s %s: the expert phases went to the fan-out\n", s.name, name);
+      return 1;
+    }
   }
   return 0;
+}
+
+constexpr NamedTile kMmaLayer[] = {{Tile::k128x128, "bf16_kernel"}};
+constexpr NamedTile kWgmmaLayer[] = {{Tile::kWgmma128x128, "bf16_wgmma_128x128"},
+                                     {Tile::kWgmma128x256, "bf16_wgmma_128x256"}};
+int RunMmaKernel(CudaBackend& b, const Shape& s, int64_t tokens, int iters) {
+  return RunBf16Kernel(b, s, tokens, iters, kMmaTiles);
+}
+int RunMmaLayer(CudaBackend& b, const Shape& s, int64_t tokens, int iters) {
+  return RunLayerBf16Kernel(b, s, tokens, iters, kMmaLayer);
+}
+int RunWgmmaKernel(CudaBackend& b, const Shape& s, int64_t tokens, int iters) {
+  return RunBf16Kernel(b, s, tokens, iters, kWgmmaTiles);
+}
+int RunWgmmaLayer(CudaBackend& b, const Shape& s, int64_t tokens, int iters) {
+  return RunLayerBf16Kernel(b, s, tokens, iters, kWgmmaLayer);
 }
 
 // Expert fetches to the device: one round of uploads of a bf16 weights blob into every
@@ -680,13 +746,14 @@ int main(int argc, char** argv) {
   const int iters = static_cast<int>(pith::cuda::Flag(argc, argv, "iters", 5));
   int rc = 0;
   bool first = true;
-  for (const pith::cuda::Shape& s : {pith::cuda::Shape{"qwen3-30b-a3b", 2048, 768, 128, 8},
-                                     pith::cuda::Shape{"deepseek-v2-lite", 2048, 1408, 64, 6}}) {
-    // The grouped kernel's runs come last: a fault on the device would end the process's
-    // use of it, and the figures before them are then in already.
-    for (auto* run : {pith::cuda::RunShape, pith::cuda::RunBf16Gemms, pith::cuda::RunLayer,
-                      pith::cuda::RunLayerBf16, pith::cuda::RunFetch, pith::cuda::RunBf16Kernel,
-                      pith::cuda::RunLayerBf16Kernel}) {
+  // Each measurement for both shapes before the next: the grouped kernel's come last, the
+  // wgmma ones (the newest) after mma.sync's, since a fault on the device ends the
+  // process's use of it, and the figures before them are then in already.
+  namespace pc = pith::cuda;
+  for (auto* run : {pc::RunShape, pc::RunBf16Gemms, pc::RunLayer, pc::RunLayerBf16, pc::RunFetch,
+                    pc::RunMmaKernel, pc::RunMmaLayer, pc::RunWgmmaKernel, pc::RunWgmmaLayer}) {
+    for (const pc::Shape& s : {pc::Shape{"qwen3-30b-a3b", 2048, 768, 128, 8},
+                               pc::Shape{"deepseek-v2-lite", 2048, 1408, 64, 6}}) {
       // A backend per measurement: a failed one stays failed, and the others still run.
       auto backend = CudaBackend::Create(device);
       if (!backend.ok()) {
