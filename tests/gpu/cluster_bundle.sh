@@ -24,7 +24,11 @@ stage=$(mktemp -d)
 trap 'rm -rf "$stage"' EXIT
 mkdir -p "$stage/bin" "$stage/lib/ucx"
 cp "${bins[@]}" "$plugin" "$stage/bin/"
-ucx_modules=(/usr/lib/x86_64-linux-gnu/ucx/libuct_*.so.0)
+# UCX's transport modules: cma only. The RDMA ones (ib, rdmacm) would need this machine's
+# verbs providers, which are not shipped, and rdmacm names ib as a library, which put a
+# second copy of it beside the binaries' libraries; the bundle's cluster talks TCP on lo
+# (tests/gpu/cluster.sh).
+ucx_modules=(/usr/lib/x86_64-linux-gnu/ucx/libuct_cma.so.0)
 cp -L "${ucx_modules[@]}" "$stage/lib/ucx/"
 # Everything the binaries and modules load, but glibc's own (the GPU machine's glibc must
 # be at least as new as this one's) and CUDA's (it has its driver and toolkit).
