@@ -82,6 +82,11 @@ void Refresh(MetricsRegistry& metrics, const Membership& members, const JobRegis
       continue;
     }
     SetGauge(metrics, kRunning, "1 while the job runs, 0 once it ended", {{"job", it->first}}, 0);
+    // Its last step, committed after the scrape before it ended (the final one).
+    if (absl::StatusOr<v1::Job> job = jobs.Get(it->first); job.ok()) {
+      SetGauge(metrics, kCommitted, "The job's last committed step", {{"job", it->first}},
+               static_cast<double>(job->committed_step()));
+    }
     ++it;
   }
   seen.running = std::move(running);
