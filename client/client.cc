@@ -26,6 +26,14 @@ absl::StatusOr<std::unique_ptr<Client>> Client::Connect(const std::string& addre
                                             v1::CoordinatorService::NewStub(channel)));
 }
 
+absl::Status Client::Said(const grpc::Status& status) const {
+  absl::Status s = FromGrpcStatus(status);
+  if (!absl::IsUnimplemented(s)) return s;
+  return absl::UnimplementedError(absl::StrCat(
+      address_, " does not serve the coordinator's API (a store's or a worker's port?)",
+      s.message().empty() ? "" : ": ", s.message()));
+}
+
 absl::Status Client::Call(absl::Duration deadline,
                           const std::function<grpc::Status(grpc::ClientContext*)>& call) {
   absl::Status status;
@@ -33,7 +41,7 @@ absl::Status Client::Call(absl::Duration deadline,
     if (attempt > 0) std::this_thread::sleep_for(std::chrono::milliseconds(200 << attempt));
     grpc::ClientContext ctx;
     ctx.set_deadline(absl::ToChronoTime(absl::Now() + deadline));
-    status = FromGrpcStatus(call(&ctx));
+    status = Said(call(&ctx));
     if (!absl::IsUnavailable(status)) return status;
   }
   return absl::UnavailableError(
@@ -89,7 +97,7 @@ absl::Status Client::Watch(const std::string& job_id,
         return absl::OkStatus();
       }
     }
-    absl::Status s = FromGrpcStatus(stream->Finish());
+    absl::Status s = Said(stream->Finish());
     if (!absl::IsUnavailable(s)) return s;
     if (heard == absl::InfinitePast() ? attempt >= 4 : absl::Now() - heard > kWatchResume) {
       return absl::UnavailableError(
@@ -171,7 +179,7 @@ absl::StatusOr<v1::CheckpointJobResponse> Client::DownloadCheckpoint(const std::
     got += chunk.data().size();
   }
   if (!written) ctx.TryCancel();
-  absl::Status s = FromGrpcStatus(stream->Finish());
+  absl::Status s = Said(stream->Finish());
   if (s.ok() && !written) s = absl::InternalError(absl::StrCat("cannot write ", partial));
   if (s.ok() && (first || got != total)) {
     s = absl::DataLossError(

@@ -11,6 +11,7 @@
 #include "gmock/gmock.h"
 #include "google/protobuf/util/json_util.h"
 #include "gtest/gtest.h"
+#include "pith/v1/store.grpc.pb.h"
 #include "server/coordinator/coordinator_service.h"
 #include "server/coordinator/job_service.h"
 #include "server/coordinator/store_control_testing.h"
@@ -119,6 +120,24 @@ TEST(ClientConnectTest, AnUnreachableCoordinatorIsUnavailableWithinTheDeadline) 
   EXPECT_EQ(client.status().code(), absl::StatusCode::kUnavailable);
   EXPECT_THAT(std::string(client.status().message()), HasSubstr("127.0.0.1:1"));
   EXPECT_LT(absl::Now() - start, absl::Seconds(5));
+}
+
+// An address that serves gRPC but not the coordinator's API (a store's port, say): every
+// call names the address and what it is not, rather than gRPC's empty UNIMPLEMENTED.
+TEST(ClientConnectTest, AnotherServiceIsNamedAsNotTheCoordinator) {
+  v1::StoreService::Service store;  // every method UNIMPLEMENTED: the API, not a store
+  auto server = GrpcServer::Start({.listen_address = "127.0.0.1:0", .services = {&store}});
+  ASSERT_TRUE(server.ok()) << server.status();
+  const std::string address = "127.0.0.1:" + std::to_string((*server)->port());
+  auto client = Client::Connect(address, security::TransportSecurity::Insecure());
+  ASSERT_TRUE(client.ok()) << client.status();
+  for (const absl::Status& s :
+       {(*client)->List().status(), (*client)->Get("demo-1").status(),
+        (*client)->Watch("demo-1", [](const v1::JobEvent&) { return true; })}) {
+    EXPECT_EQ(s.code(), absl::StatusCode::kUnimplemented);
+    EXPECT_THAT(std::string(s.message()),
+                HasSubstr(address + " does not serve the coordinator's API"));
+  }
 }
 
 }  // namespace

@@ -47,11 +47,21 @@ def _read(path):
         return f.read()
 
 
+def _error(e):
+    """A grpc.RpcError as a pith.Error; UNIMPLEMENTED (an address that serves gRPC but
+    not the coordinator's API, such as a store's port) says so."""
+    details = e.details() or ""
+    if e.code() == grpc.StatusCode.UNIMPLEMENTED:
+        details = ("the address does not serve the coordinator's API (a store's or a "
+                   "worker's port?)" + (": " + details if details else ""))
+    return Error(e.code(), details)
+
+
 def _rpc(call, *args, **kwargs):
     try:
         return call(*args, **kwargs)
     except grpc.RpcError as e:
-        raise Error(e.code(), e.details()) from None
+        raise _error(e) from None
 
 
 class Client:
@@ -192,7 +202,7 @@ class Client:
             except grpc.RpcError as e:
                 if (e.code() != grpc.StatusCode.UNAVAILABLE or heard is None
                         or time.monotonic() - heard > self.WATCH_RESUME_S):
-                    raise Error(e.code(), e.details()) from None
+                    raise _error(e) from None
             finally:
                 stream.cancel()
             time.sleep(0.5)
@@ -254,7 +264,7 @@ class Client:
                                     f"{path} already exists and is not replaced") from None
                     os.replace(partial, path)
         except grpc.RpcError as e:
-            raise Error(e.code(), e.details()) from None
+            raise _error(e) from None
         except OSError as e:
             raise Error(grpc.StatusCode.INVALID_ARGUMENT,
                         f"cannot write {e.filename or path}: {e.strerror}") from None
