@@ -4,6 +4,7 @@
 #include <string>
 
 #include "absl/status/status.h"
+#include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
 #include "common/compute_dtype.h"
 #include "common/file.h"
@@ -176,8 +177,16 @@ absl::StatusOr<v1::JobSpec> ParseJobSpec(absl::string_view json) {
   auto status = google::protobuf::util::JsonStringToMessage(
       google::protobuf::StringPiece(json.data(), json.size()), &spec, options);
   if (!status.ok()) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("JobSpec JSON: ", std::string(status.message())));
+    // protobuf's parser ends its message with the text it stopped at and a caret under
+    // it, on lines of their own: one line here, the text quoted.
+    std::string message(status.message());
+    if (const size_t nl = message.find('\n'); nl != std::string::npos) {
+      std::string near = message.substr(nl + 1);
+      near = std::string(absl::StripAsciiWhitespace(near.substr(0, near.find('\n'))));
+      message = absl::StrCat(message.substr(0, nl), near.empty() ? "" : " (at: ", near,
+                             near.empty() ? "" : ")");
+    }
+    return absl::InvalidArgumentError(absl::StrCat("JobSpec JSON: ", message));
   }
   ApplyJobSpecDefaults(&spec);
   RETURN_IF_ERROR(ValidateJobSpec(spec));

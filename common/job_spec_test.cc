@@ -136,6 +136,11 @@ TEST(JobSpecTest, MalformedJsonIsOneClearError) {
   EXPECT_THAT(ErrorFor("\"cluster\"", "\"clusters\""), HasSubstr("clusters"));
   absl::StatusOr<v1::JobSpec> spec = ParseJobSpec("{\"name\": ");
   EXPECT_THAT(std::string(spec.status().message()), StartsWith("JobSpec JSON: "));
+  // A file cut short: one line, with the text the parser stopped at quoted.
+  spec = ParseJobSpec("{\"model\": {\"n_layer\": 2");
+  EXPECT_THAT(std::string(spec.status().message()), StartsWith("JobSpec JSON: "));
+  EXPECT_THAT(std::string(spec.status().message()), HasSubstr("(at: 2)"));
+  EXPECT_EQ(std::string(spec.status().message()).find('\n'), std::string::npos) << spec.status();
   spec = ParseJobSpec("");
   EXPECT_EQ(spec.status().code(), absl::StatusCode::kInvalidArgument);
 }
