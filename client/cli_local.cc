@@ -411,11 +411,22 @@ absl::Status Restart(const std::string& dir, const std::map<std::string, std::st
     runs.push_back(Runs(dir, m));
     (runs.back() ? running : dead).push_back(m.name);
   }
-  if (dead.empty()) {
-    return absl::AlreadyExistsError(
-        absl::StrCat("a cluster is already up in ", dir, " (pith down --dir ", dir, " first)"));
-  }
   const std::map<std::string, std::string> recorded = ReadUpFlags(dir);
+  if (dead.empty()) {  // up is idempotent: nothing to start, unless asked for other flags
+    const std::map<std::string, std::string> flags = OverDefaults(recorded);
+    for (const auto& [flag, value] : given) {
+      auto it = flags.find(flag);
+      if (!recorded.empty() && (it == flags.end() || it->second != value)) {
+        return absl::FailedPreconditionError(
+            absl::StrCat("the cluster in ", dir, " is already up with ", flag, " ",
+                         it == flags.end() ? "unset" : it->second, "; pith down --dir ", dir,
+                         " first to start it with ", flag, " ", value));
+      }
+    }
+    out << "the cluster in " << dir << " is already up: every process runs, nothing to start\n";
+    PrintCluster(dir, members, out);
+    return absl::OkStatus();
+  }
   std::map<std::string, std::string> flags = OverDefaults(recorded);
   if (recorded.empty() || members.front().name != "coordinator" || members.front().grpc_port <= 0) {
     return absl::FailedPreconditionError(

@@ -340,7 +340,7 @@ TEST_F(SchedulerTest, AJobTooBigForTheClusterHoldsBackNoLaterJobAndEachSaysWhyIt
   scheduler_->Tick();
   EXPECT_EQ(Job(big.job_id()).state(), v1::JOB_STATE_PENDING);
   EXPECT_EQ(Job(big.job_id()).pending_reason(),
-            "waiting for 3 workers (2 alive); later jobs go first");
+            "waiting for 3 workers (2 alive); jobs that fit start before it");
   EXPECT_EQ(Job(small.job_id()).state(), v1::JOB_STATE_RUNNING);
   EXPECT_EQ(Job(small.job_id()).pending_reason(), "");
   const v1::Job pair = Submit(2), last = Submit(1);
@@ -747,6 +747,14 @@ TEST_F(SchedulerTest, TheLastStepEndsTheJobAndCancellingReleasesTheWorkers) {
   scheduler_->Tick();
   EXPECT_EQ(scheduler_->AssignmentVersion(w0), 0);
   EXPECT_TRUE(scheduler_->GetAssignment(w0)->job_id().empty());
+  // A worker still waiting on the ended job is told why it ended (what it logs).
+  wait.set_job_id(next.job_id());
+  wait.set_step(0);
+  waited = scheduler_->WaitStep(wait, absl::Seconds(5));
+  ASSERT_TRUE(waited.ok());
+  EXPECT_TRUE(waited->job_ended());
+  EXPECT_NE(waited->abort_reason().find("the job ended cancelled"), std::string::npos)
+      << waited->abort_reason();
   EXPECT_EQ(stores_.aborts.size(), 1u);  // the attempt in flight
 }
 

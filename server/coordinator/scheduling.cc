@@ -323,7 +323,7 @@ void Scheduler::SchedulePendingLocked(const Alive& alive) {
     const int could = WorkersFor(alive, job.spec(), cuda_reserved);
     if (could < want) {
       SetPendingReasonLocked(job, absl::StrCat("waiting for ", want, " workers (", could,
-                                               " alive); later jobs go first"));
+                                               " alive); jobs that fit start before it"));
       continue;
     }
     if (!ahead.empty() || static_cast<int>(idle.size()) < want) {

@@ -6,6 +6,7 @@
 #include <set>
 #include <thread>
 
+#include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
 #include "common/status.h"
 #include "glog/logging.h"
@@ -385,6 +386,10 @@ absl::StatusOr<v1::StepStatus> Scheduler::WaitStep(const v1::WaitStepRequest& re
     if (!s.job_ended() && job.committed_step() < request.step()) {
       s.set_aborted(true);
       s.set_abort_reason("the job is waiting for workers");
+    } else if (s.job_ended()) {  // what its workers log on the way out
+      s.set_abort_reason(absl::StrCat(
+          "the job ended ", absl::AsciiStrToLower(v1::JobState_Name(job.state()).substr(10)),
+          job.failure_reason().empty() ? "" : ": ", job.failure_reason()));
     }
     return s;
   }

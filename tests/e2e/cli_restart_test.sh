@@ -40,7 +40,12 @@ wait_alive() {  # KIND N SECONDS: until `pith cluster` shows N KIND-s alive
 
 "$PITH" up --stores 2 --workers 2 --cache_bytes 4096 >/dev/null || fail "pith up"
 address=$(cat "$PITH_HOME/coordinator.address")
-expect_fail "already up" "$PITH" up
+# up again with nothing dead: says so and starts nothing; asked for other flags, refuses.
+"$PITH" up >"$E2E_TMP/again.txt" 2>&1 || fail "a second up: $(cat "$E2E_TMP/again.txt")"
+grep -q "already up: every process runs, nothing to start" "$E2E_TMP/again.txt" ||
+  fail "the second up said: $(cat "$E2E_TMP/again.txt")"
+[[ $(cat "$PITH_HOME/coordinator.address") == "$address" ]] || fail "the second up moved it"
+expect_fail "already up with --stores 2" "$PITH" up --stores 3
 
 tiny_tokens "$PITH" 300
 tiny_spec restart 150 1 >"$E2E_TMP/spec.json"
@@ -169,7 +174,8 @@ echo "  ok: a pith watch across down and up saw $job to its end"
 
 # Relative folders name the same cluster from anywhere.
 cd "$E2E_TMP" && "$PITH" up --dir home --stores 1 --workers 2 >/dev/null || fail "pith up after down"
-cd / && "$PITH" up --dir "$PITH_HOME/" >"$E2E_TMP/up.txt" 2>&1 && fail "a second up in the same folder"
+cd / && { "$PITH" up --dir "$PITH_HOME/" >"$E2E_TMP/up.txt" 2>&1 ||
+  fail "a second up in the same folder: $(cat "$E2E_TMP/up.txt")"; }
 grep -q "already up" "$E2E_TMP/up.txt" || fail "the second up said: $(cat "$E2E_TMP/up.txt")"
 [[ $(cat "$PITH_HOME/coordinator.address") == "$address" ]] ||
   fail "a new cluster in the folder listens at $(cat "$PITH_HOME/coordinator.address"), not $address"
