@@ -28,10 +28,13 @@ absl::StatusOr<std::unique_ptr<Client>> Client::Connect(const std::string& addre
 
 absl::Status Client::Said(const grpc::Status& status) const {
   absl::Status s = FromGrpcStatus(status);
-  if (!absl::IsUnimplemented(s)) return s;
+  // gRPC's own answer for a method the server does not have has no text; the
+  // coordinator's UNIMPLEMENTED answers say what they refuse.
+  if (!absl::IsUnimplemented(s) || !s.message().empty()) return s;
   return absl::UnimplementedError(absl::StrCat(
-      address_, " does not serve the coordinator's API (a store's or a worker's port?)",
-      s.message().empty() ? "" : ": ", s.message()));
+      address_,
+      " does not serve this call of the coordinator's API (a store's or a worker's port, or a "
+      "coordinator older than this pith?)"));
 }
 
 absl::Status Client::Call(absl::Duration deadline,
@@ -98,7 +101,9 @@ absl::Status Client::Watch(const std::string& job_id,
       }
     }
     absl::Status s = Said(stream->Finish());
-    if (!absl::IsUnavailable(s)) return s;
+    // A coordinator going down ends the stream UNAVAILABLE or, when its server cancels the
+    // call on the way out, CANCELLED (this side cancels only once on_event said stop).
+    if (!absl::IsUnavailable(s) && !absl::IsCancelled(s)) return s;
     if (heard == absl::InfinitePast() ? attempt >= 4 : absl::Now() - heard > kWatchResume) {
       return absl::UnavailableError(
           absl::StrCat("coordinator ", address_, " unavailable: ", s.message()));

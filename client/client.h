@@ -69,8 +69,8 @@ class Client {
   // Runs `call` with a fresh context and `deadline`, retrying on UNAVAILABLE.
   absl::Status Call(absl::Duration deadline,
                     const std::function<grpc::Status(grpc::ClientContext*)>& call);
-  // An RPC's status as this client says it: UNIMPLEMENTED (an address that serves gRPC
-  // but not the coordinator's API, such as a store's port) names the address.
+  // An RPC's status as this client says it: gRPC's UNIMPLEMENTED without text (an
+  // address that serves gRPC but not this call, such as a store's port) names the address.
   absl::Status Said(const grpc::Status& status) const;
 
   const std::string address_;

@@ -136,7 +136,7 @@ TEST(ClientConnectTest, AnotherServiceIsNamedAsNotTheCoordinator) {
         (*client)->Watch("demo-1", [](const v1::JobEvent&) { return true; })}) {
     EXPECT_EQ(s.code(), absl::StatusCode::kUnimplemented);
     EXPECT_THAT(std::string(s.message()),
-                HasSubstr(address + " does not serve the coordinator's API"));
+                HasSubstr(address + " does not serve this call of the coordinator's API"));
   }
 }
 

@@ -1,5 +1,6 @@
 #include "common/job_spec.h"
 
+#include <algorithm>
 #include <cmath>
 #include <string>
 
@@ -177,12 +178,20 @@ absl::StatusOr<v1::JobSpec> ParseJobSpec(absl::string_view json) {
   auto status = google::protobuf::util::JsonStringToMessage(
       google::protobuf::StringPiece(json.data(), json.size()), &spec, options);
   if (!status.ok()) {
-    // protobuf's parser ends its message with the text it stopped at and a caret under
-    // it, on lines of their own: one line here, the text quoted.
+    // protobuf's parser ends its message with the text around where it stopped (which
+    // may span lines of the file) and a caret line under it: one line here, the text
+    // quoted with its line breaks as spaces.
     std::string message(status.message());
     if (const size_t nl = message.find('\n'); nl != std::string::npos) {
       std::string near = message.substr(nl + 1);
-      near = std::string(absl::StripAsciiWhitespace(near.substr(0, near.find('\n'))));
+      const size_t caret = near.rfind('\n');
+      if (caret != std::string::npos &&
+          absl::StripAsciiWhitespace(near.substr(caret + 1)).find_first_not_of('^') ==
+              absl::string_view::npos) {
+        near.resize(caret);
+      }
+      std::replace(near.begin(), near.end(), '\n', ' ');
+      near = std::string(absl::StripAsciiWhitespace(near));
       message = absl::StrCat(message.substr(0, nl), near.empty() ? "" : " (at: ", near,
                              near.empty() ? "" : ")");
     }

@@ -141,6 +141,10 @@ TEST(JobSpecTest, MalformedJsonIsOneClearError) {
   EXPECT_THAT(std::string(spec.status().message()), StartsWith("JobSpec JSON: "));
   EXPECT_THAT(std::string(spec.status().message()), HasSubstr("(at: 2)"));
   EXPECT_EQ(std::string(spec.status().message()).find('\n'), std::string::npos) << spec.status();
+  // Cut short in a file of many lines: still one line, the lines around it quoted.
+  spec = ParseJobSpec("{\n  \"model\": {\n    \"n_layer\": 2,\n    \"d_model\": 1");
+  EXPECT_THAT(std::string(spec.status().message()), HasSubstr("(at: "));
+  EXPECT_EQ(std::string(spec.status().message()).find('\n'), std::string::npos) << spec.status();
   spec = ParseJobSpec("");
   EXPECT_EQ(spec.status().code(), absl::StatusCode::kInvalidArgument);
 }

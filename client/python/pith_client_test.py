@@ -167,11 +167,13 @@ class ClientTest(unittest.TestCase):
     def test_another_service_is_named_as_not_the_coordinator(self):
         with open(os.path.join(HOME, "pids")) as f:  # name pid start grpc_port metrics_port
             port = next(line.split()[3] for line in f if line.startswith("store0 "))
-        with pith.Client(coordinator="127.0.0.1:" + port, timeout=10) as store:
+        address = "127.0.0.1:" + port
+        with pith.Client(coordinator=address, timeout=10) as store:
             with self.assertRaises(pith.Error) as e:
                 store.status()
         self.assertEqual(e.exception.code, grpc.StatusCode.UNIMPLEMENTED)
-        self.assertIn("does not serve the coordinator's API", e.exception.message)
+        self.assertIn(address + " does not serve this call of the coordinator's API",
+                      e.exception.message)
 
     def test_a_caller_without_a_certificate_is_refused(self):
         ca_only = os.path.join(self.tmp, "ca-only")

@@ -19,8 +19,8 @@ namespace pith::coordinator {
 //   pith_coordinator_job_running{job}         1 while the job runs, 0 once it ended
 //   pith_coordinator_job_committed_step{job}  the job's last committed step
 // An ended job's two series stay (running at 0, the committed step its last) for 12
-// scrapes, then go: the
-// exposition holds the running jobs and those that ended lately, never every job.
+// scrapes, then go: the exposition holds the running jobs and those that ended lately,
+// never every job.
 // `members` and `jobs` must outlive every scrape of `metrics`.
 void ExportClusterGauges(MetricsRegistry& metrics, const Membership* members,
                          const JobRegistry* jobs);

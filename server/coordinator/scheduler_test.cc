@@ -753,7 +753,7 @@ TEST_F(SchedulerTest, TheLastStepEndsTheJobAndCancellingReleasesTheWorkers) {
   waited = scheduler_->WaitStep(wait, absl::Seconds(5));
   ASSERT_TRUE(waited.ok());
   EXPECT_TRUE(waited->job_ended());
-  EXPECT_NE(waited->abort_reason().find("the job ended cancelled"), std::string::npos)
+  EXPECT_NE(waited->abort_reason().find("the job ended (cancelled)"), std::string::npos)
       << waited->abort_reason();
   EXPECT_EQ(stores_.aborts.size(), 1u);  // the attempt in flight
 }

@@ -388,7 +388,7 @@ absl::StatusOr<v1::StepStatus> Scheduler::WaitStep(const v1::WaitStepRequest& re
       s.set_abort_reason("the job is waiting for workers");
     } else if (s.job_ended()) {  // what its workers log on the way out
       s.set_abort_reason(absl::StrCat(
-          "the job ended ", absl::AsciiStrToLower(v1::JobState_Name(job.state()).substr(10)),
+          "the job ended (", absl::AsciiStrToLower(v1::JobState_Name(job.state()).substr(10)), ")",
           job.failure_reason().empty() ? "" : ": ", job.failure_reason()));
     }
     return s;

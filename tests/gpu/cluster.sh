@@ -75,15 +75,14 @@ for d in /usr/local/cuda/lib64 /usr/local/cuda/lib $cuda_libs; do
   [[ -d $d ]] && library_path+=:$d
 done
 export LD_LIBRARY_PATH=$library_path${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
-export UCX_MODULE_DIR=$work/lib/ucx
 # The processes talk over TCP on lo, whatever this machine's fabric and the environment
 # say: the bundle's UCX has no RDMA provider of this machine's, and the test is of Pith.
 while read -r name; do unset "$name"; done < <(env | sed -n 's/^\(UCX_[A-Z_]*\)=.*/\1/p')
-export UCX_TLS=tcp,self UCX_NET_DEVICES=lo NCCL_SOCKET_IFNAME=lo NCCL_IB_DISABLE=1
+export UCX_MODULE_DIR=$work/lib/ucx UCX_TLS=tcp,self UCX_NET_DEVICES=lo NCCL_SOCKET_IFNAME=lo NCCL_IB_DISABLE=1
 pith=$work/bin/pith
 # One line in the summary, however many the reason has.
-fail() { echo "SUMMARY: FAILED: $(echo "$*" | tr -s '\n\t' '| ')"; exit 1; }
-skip() { echo "SUMMARY: skipped: $(echo "$*" | tr -s '\n\t' '| ')"; exit 3; }
+fail() { echo "SUMMARY: FAILED: $(printf '%s' "$*" | tr -s '\n\t' '| ')"; exit 1; }
+skip() { echo "SUMMARY: skipped: $(printf '%s' "$*" | tr -s '\n\t' '| ')"; exit 3; }
 # What the CUDA module loads here (cuBLAS, NCCL, the runtime, CUDA 13's): where this
 # machine has no such libraries or an older driver, the bundle cannot run here at all.
 driver=$(nvidia-smi --query-gpu=driver_version --format=csv,noheader 2>/dev/null | head -1)
@@ -91,9 +90,14 @@ if [[ -n $driver && ${driver%%.*} -lt 580 ]]; then
   skip "driver $driver: the bundle's CUDA module is built with CUDA 13 (driver 580 or later)"
 fi
 ldd -r "$work/bin/libpith_cuda_backend.so" >"$out/module-ldd.txt" 2>&1
-if grep -q "not found" "$out/module-ldd.txt"; then
+cuda_missing='lib(cudart|cublas|cublasLt|nccl)\.so[^ ]* => not found'
+if grep -qE "$cuda_missing" "$out/module-ldd.txt"; then
   skip "no CUDA 13 libraries here for the bundle's module:" \
-    "$(grep "not found" "$out/module-ldd.txt" | tr -s ' \t' ' ' | head -5)"
+    "$(grep -E "$cuda_missing" "$out/module-ldd.txt" | tr -s ' \t' ' ' | head -5)"
+fi
+# Anything else missing (a library, a glibc or libstdc++ version) is the bundle's fault.
+if grep -q "not found" "$out/module-ldd.txt"; then
+  fail "the bundle's module does not load here: $(grep "not found" "$out/module-ldd.txt" | head -5)"
 fi
 # The bundle's binaries need this machine's glibc to be at least the building one's.
 "$pith" version >"$out/version.txt" 2>&1 || fail "the bundle does not run here: $(head -3 "$out/version.txt")"

@@ -6,18 +6,21 @@
 # portable sgemm; the grouped kernel's again under compute-sanitizer), then gpu_bench and,
 # where python3 has a CUDA PyTorch, PyTorch's MoE layer on the same device
 # (torch_moe_bench.py), then, where .gpu-cluster/ holds a bundle (cluster_bundle.sh), a
-# local cluster with GPU workers (tests/gpu/cluster.sh), and prints a summary. Logs go to $OUT when it is set (the device tool brings them back),
-# else to build-gpu/out. Exit status: 0 only when every test passed, gpu_bench ran,
-# PyTorch's layer ran or python3 has no CUDA PyTorch, and the cluster agreed or had no
-# bundle (the summary says what was skipped).
+# local cluster with GPU workers (tests/gpu/cluster.sh), and prints a summary. Logs go to
+# $OUT when it is set (the device tool brings them back), else to build-gpu/out. Exit
+# status: 0 only when every test passed, gpu_bench ran, PyTorch's layer ran or python3 has
+# no CUDA PyTorch, and the cluster agreed, had no bundle, or could not run the bundle here
+# (no CUDA 13: cluster.sh's exit 3); the summary says what was skipped.
 #
 #   tests/gpu/vendor.sh                 # once, where Debian's archive is reachable
 #   tests/gpu/cluster_bundle.sh build   # optional, where Pith builds with nvcc
 #   tests/gpu/run.sh                    # on the GPU machine, from the repository root
-# Each stage has a time limit (rc 124 when it ran out: a hung kernel), so that one hang
-# leaves the device call time for the rest and for the logs to come back; and no stage
-# runs past PITH_GPU_BUDGET_S (540 s) from the start, the device call's 600 s less the
-# logs' way back: a stage with under 10 s left is skipped, and the summary says so.
+# Each stage has a time limit (rc 124 when it ran out: a hung kernel; 137 when it did
+# not stop within 30 s of that and was killed), so that one hang leaves the device call
+# time for the rest and for the logs to come back; and no stage is given more than what
+# is left of PITH_GPU_BUDGET_S (540 s, counted from the start, the build included: the
+# device call's 600 s less the logs' way back; 0: no budget): a stage with under 10 s
+# left is skipped (rc 124, "skipped: out of the run's ... s" in its log).
 set -uo pipefail
 root=$(cd "$(dirname "$0")/../.." && pwd)
 cd "$root"
@@ -29,6 +32,7 @@ budget=${PITH_GPU_BUDGET_S:-540}
 # Seconds a stage may run: its own limit, or what is left of the budget if less; 0 (skip
 # it) under 10 s.
 stage_limit() {
+  ((budget > 0)) || { echo "$1"; return; }
   local left=$((start + budget - $(date +%s)))
   if ((left < 10)); then echo 0; elif ((left < $1)); then echo "$left"; else echo "$1"; fi
 }
@@ -107,7 +111,7 @@ if [[ -x $sanitizer ]]; then
     rc=$?
     if ((rc == 0)); then
       echo "compute-sanitizer $tool: clean" | tee -a "$out/ctest.log"
-    elif ((rc == 124)); then  # slow under the tool, or out of the budget: not a finding
+    elif ((rc == 124 || rc == 137)); then  # slow under the tool, or out of the budget
       echo "compute-sanitizer $tool: timed out or skipped, not counted" | tee -a "$out/ctest.log"
     else
       echo "compute-sanitizer $tool: FAILED" | tee -a "$out/ctest.log"

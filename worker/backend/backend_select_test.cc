@@ -98,8 +98,8 @@ TEST(BackendSelectTest, ModuleCheckedFromACopy) {
 // `module` (a path; empty: none) copied beside it under the module's name. True when it
 // passed.
 bool RunCopy(const std::string& module, const std::string& want) {
-  char dir_template[] = "/tmp/pith-module-XXXXXX";
-  const char* dir = ::mkdtemp(dir_template);
+  std::string dir_template = ::testing::TempDir() + "pith-module-XXXXXX";
+  const char* dir = ::mkdtemp(dir_template.data());
   if (dir == nullptr) return false;
   const std::filesystem::path folder(dir);
   std::error_code ec;

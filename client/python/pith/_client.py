@@ -47,21 +47,21 @@ def _read(path):
         return f.read()
 
 
-def _error(e):
-    """A grpc.RpcError as a pith.Error; UNIMPLEMENTED (an address that serves gRPC but
-    not the coordinator's API, such as a store's port) says so."""
+def _error(e, address):
+    """A grpc.RpcError as a pith.Error; gRPC's UNIMPLEMENTED without text (an address
+    that serves gRPC but not this call, such as a store's port) names the address."""
     details = e.details() or ""
-    if e.code() == grpc.StatusCode.UNIMPLEMENTED:
-        details = ("the address does not serve the coordinator's API (a store's or a "
-                   "worker's port?)" + (": " + details if details else ""))
+    if e.code() == grpc.StatusCode.UNIMPLEMENTED and not details:
+        details = (f"{address} does not serve this call of the coordinator's API (a store's "
+                   "or a worker's port, or a coordinator older than this client?)")
     return Error(e.code(), details)
 
 
-def _rpc(call, *args, **kwargs):
+def _rpc(address, call, *args, **kwargs):
     try:
         return call(*args, **kwargs)
     except grpc.RpcError as e:
-        raise _error(e) from None
+        raise _error(e, address) from None
 
 
 class Client:
@@ -168,16 +168,16 @@ class Client:
             except json_format.ParseError as e:
                 raise Error(grpc.StatusCode.INVALID_ARGUMENT, f"JobSpec JSON: {e}") from None
         request = job_pb2.SubmitJobRequest(spec=message)
-        return _rpc(self._stub.SubmitJob, request, timeout=self.timeout).job
+        return _rpc(self.address, self._stub.SubmitJob, request, timeout=self.timeout).job
 
     def status(self, job_id=None, states=()):
         """The Job `job_id`; without one, every job (newest first), optionally only those
         in `states` (JobState values)."""
         if job_id is not None:
-            return _rpc(self._stub.GetJob, job_pb2.GetJobRequest(job_id=job_id),
+            return _rpc(self.address, self._stub.GetJob, job_pb2.GetJobRequest(job_id=job_id),
                         timeout=self.timeout)
         request = job_pb2.ListJobsRequest(states=list(states))
-        return list(_rpc(self._stub.ListJobs, request, timeout=self.timeout).jobs)
+        return list(_rpc(self.address, self._stub.ListJobs, request, timeout=self.timeout).jobs)
 
     WATCH_RESUME_S = 60
 
@@ -200,9 +200,12 @@ class Client:
                     yield event
                 return
             except grpc.RpcError as e:
-                if (e.code() != grpc.StatusCode.UNAVAILABLE or heard is None
+                # A coordinator going down ends the stream UNAVAILABLE or, when its
+                # server cancels the call on the way out, CANCELLED.
+                resumable = e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
+                if (not resumable or heard is None
                         or time.monotonic() - heard > self.WATCH_RESUME_S):
-                    raise _error(e) from None
+                    raise _error(e, self.address) from None
             finally:
                 stream.cancel()
             time.sleep(0.5)
@@ -224,7 +227,7 @@ class Client:
     def cancel(self, job_id, reason="cancelled from the Python client"):
         """Stops a job; returns it."""
         request = job_pb2.CancelJobRequest(job_id=job_id, reason=reason)
-        return _rpc(self._stub.CancelJob, request, timeout=self.timeout)
+        return _rpc(self.address, self._stub.CancelJob, request, timeout=self.timeout)
 
     def checkpoint(self, job, path, replace=False):
         """Downloads the job's last committed weights as safetensors to `path` (on this
@@ -264,7 +267,7 @@ class Client:
                                     f"{path} already exists and is not replaced") from None
                     os.replace(partial, path)
         except grpc.RpcError as e:
-            raise _error(e) from None
+            raise _error(e, self.address) from None
         except OSError as e:
             raise Error(grpc.StatusCode.INVALID_ARGUMENT,
                         f"cannot write {e.filename or path}: {e.strerror}") from None
@@ -277,11 +280,11 @@ class Client:
     def cluster(self):
         """Members (stores and workers with tiers, bytes, state), moves, drains and the
         replica deficit: a ClusterStatusResponse."""
-        return _rpc(self._stub.ClusterStatus, job_pb2.ClusterStatusRequest(),
+        return _rpc(self.address, self._stub.ClusterStatus, job_pb2.ClusterStatusRequest(),
                     timeout=self.timeout)
 
     def experts(self, job_id, layer=-1):
         """The job's expert heat map with replica counts (every layer, or one): an
         ExpertHeatResponse."""
         request = job_pb2.ExpertHeatRequest(job_id=job_id, layer=layer)
-        return _rpc(self._stub.ExpertHeat, request, timeout=self.timeout)
+        return _rpc(self.address, self._stub.ExpertHeat, request, timeout=self.timeout)
