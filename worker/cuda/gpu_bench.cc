@@ -655,13 +655,14 @@ int RunLayerBf16Kernel(CudaBackend& b, const Shape& s, int64_t tokens, int iters
                        absl::Span<const NamedTile> tiles) {
   if (!b.SetComputeDtype(ComputeDtype::kBf16).ok()) return 1;
   b.set_bf16_products(CudaBackend::Bf16Products::kKernel);
-  for (auto [tile, name] : tiles) {
+  for (const NamedTile& named : tiles) {
+    const char* name = named.second;  // a plain local: lambdas capture it (not a binding)
     bool failed = false;
-    if (!TileRuns(b, s, tile, name, &failed)) {
+    if (!TileRuns(b, s, named.first, name, &failed)) {
       if (failed) return 1;
       continue;
     }
-    b.set_kernel_tile(tile);
+    b.set_kernel_tile(named.first);
     const uint64_t launches = b.kernel_launches(), epilogues = b.epilogue_launches();
     // No moe_layer line under the kernel's label for a layer the fan-out ran.
     const auto through_kernel = [&] {
