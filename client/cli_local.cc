@@ -560,8 +560,9 @@ absl::Status Down(const CliContext& ctx, const Args& args, std::ostream& out) {
     return UsageError("down takes --dir DIR at most");
   }
   dir = FolderPath(dir);
-  if (!std::filesystem::exists(dir + "/pids")) {
-    return absl::NotFoundError(absl::StrCat("no cluster is up in ", dir));
+  if (!std::filesystem::exists(dir + "/pids")) {  // down is idempotent, as up is
+    out << "no cluster is up in " << dir << ": nothing to stop\n";
+    return absl::OkStatus();
   }
   ASSIGN_OR_RETURN(const UniqueFd lock, LockFolder(dir));  // one pith up or down at a time
   ASSIGN_OR_RETURN(const std::vector<LocalMember> members, ReadMembers(dir));

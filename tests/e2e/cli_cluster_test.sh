@@ -108,6 +108,9 @@ expect_one_line "127.0.0.1:1" "$PITH" --coordinator 127.0.0.1:1 status
 
 "$PITH" down >/dev/null || fail "pith down"
 [[ ! -f $PITH_HOME/pids ]] || fail "down left the cluster recorded"
+# down again: nothing to stop, said, exit 0 (as up with everything running)
+"$PITH" down >"$E2E_TMP/down2.txt" || fail "a second pith down: $(cat "$E2E_TMP/down2.txt")"
+grep -q "nothing to stop" "$E2E_TMP/down2.txt" || fail "a second down said: $(cat "$E2E_TMP/down2.txt")"
 
 # A coordinator that could not hold a second job refuses it at submit, with the reason;
 # the first job is untouched.
