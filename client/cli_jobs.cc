@@ -24,11 +24,6 @@ namespace pith::cli {
 
 namespace {
 
-std::string StateName(v1::JobState s) {
-  std::string name = v1::JobState_Name(s);
-  return absl::AsciiStrToLower(absl::StripPrefix(name, "JOB_STATE_"));
-}
-
 std::string JobLine(const v1::Job& j) {
   return absl::StrFormat("%-24s %-10s step %d/%d  loss %.4f  %.0f tokens/s  cache hit %.2f%s",
                          j.job_id(), StateName(j.state()), std::max<int64_t>(0, j.committed_step()),

@@ -6,8 +6,8 @@
 #include <set>
 #include <thread>
 
-#include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
+#include "common/job_state.h"
 #include "common/status.h"
 #include "glog/logging.h"
 #include "server/coordinator/scheduler.h"
@@ -387,9 +387,9 @@ absl::StatusOr<v1::StepStatus> Scheduler::WaitStep(const v1::WaitStepRequest& re
       s.set_aborted(true);
       s.set_abort_reason("the job is waiting for workers");
     } else if (s.job_ended()) {  // what its workers log on the way out
-      s.set_abort_reason(absl::StrCat(
-          "the job ended (", absl::AsciiStrToLower(v1::JobState_Name(job.state()).substr(10)), ")",
-          job.failure_reason().empty() ? "" : ": ", job.failure_reason()));
+      s.set_abort_reason(absl::StrCat("the job ended (", StateName(job.state()), ")",
+                                      job.failure_reason().empty() ? "" : ": ",
+                                      job.failure_reason()));
     }
     return s;
   }

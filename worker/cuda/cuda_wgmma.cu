@@ -294,13 +294,13 @@ int CudaBackend::ProbeWgmma() {
 int CudaBackend::WgmmaBlocksPerSm(KernelTile tile) {
   const bool wide = tile == KernelTile::kWgmma128x256;
   const void* kernel = wide ? KernelOf<Wg128x256>() : KernelOf<Wg128x128>();
-  const int smem = wide ? Wg128x256::kSharedBytes : Wg128x128::kSharedBytes;
+  const int smem = WgmmaSharedBytes(tile);
   return grouped::KernelBlocksPerSm(kernel, Wg128x128::kThreads, smem);
 }
 
 bool CudaBackend::LaunchWgmma(const std::vector<Bf16Gemm>& problems, const char* op) {
   const bool wide = kernel_tile_ == KernelTile::kWgmma128x256;
-  const int smem = wide ? Wg128x256::kSharedBytes : Wg128x128::kSharedBytes;
+  const int smem = WgmmaSharedBytes(kernel_tile_);
   if (!SetKernelSmem(wide ? KernelOf<Wg128x256>() : KernelOf<Wg128x128>(), smem)) return false;
   const KernelTable table =
       UploadKernelTable(problems, 128, wide ? Wg128x256::kBn : Wg128x128::kBn, op);
