@@ -45,6 +45,18 @@ class GrpcStoreControl final : public StoreControl {
     return s;
   }
 
+  absl::StatusOr<uint64_t> PrepareStep(const v1::MemberInfo& store, const std::string& job_id,
+                                       int64_t step) override {
+    v1::PrepareStepRequest request;
+    request.set_job_id(job_id);
+    request.set_step(step);
+    v1::PrepareStepResponse reply;
+    grpc::ClientContext ctx;
+    ctx.set_deadline(absl::ToChronoTime(absl::Now() + timeout_));
+    RETURN_IF_ERROR(Annotate(Stub(store)->PrepareStep(&ctx, request, &reply), store));
+    return reply.blobs_prepared();
+  }
+
   absl::StatusOr<v1::CommitStepResponse> CommitStep(const v1::MemberInfo& store,
                                                     const std::string& job_id,
                                                     int64_t step) override {

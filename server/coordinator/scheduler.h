@@ -293,6 +293,19 @@ class Scheduler {
   // step_commit.cc: the step-commit protocol.
   v1::StepStatus StatusLocked(const std::string& job_id, const Run& run, int64_t step) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Voids the attempt after a failure and counts it: the reason the job fails with when
+  // the step has failed step_attempts attempts in a row, else empty.
+  std::string FailAttemptLocked(Run& run, int64_t step, const std::string& reason,
+                                std::vector<StoreCall>* aborts) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Blobs of the step in flight written to each store's complete copies: what its
+  // prepare and its commit must count at least.
+  static std::map<std::string, uint64_t> ExpectedBlobsLocked(const Run& run);
+  // Once every worker wrote `report`'s step under `attempt`: every live store of the job
+  // prepares it (its pending versions survive the store's crash), and when each group has
+  // a complete copy that did, the commit is decided, durably (true: the caller commits).
+  // Otherwise the attempt is voided (counted as failed when a store answered wrongly).
+  absl::StatusOr<bool> PrepareAndDecide(const v1::StepWrittenRequest& report, int64_t attempt)
+      ABSL_LOCKS_EXCLUDED(mu_);
   // Commits `step` of `job_id` on every live store of the job, checks each answer, then
   // advances the job.
   void Commit(const std::string& job_id, int64_t step) ABSL_LOCKS_EXCLUDED(mu_);

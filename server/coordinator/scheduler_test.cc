@@ -23,9 +23,19 @@ namespace pith::coordinator {
 namespace {
 
 // Records every call; CommitStep fails while `fail_commits` is set (or for the stores in
-// `failing`), and answers the blob counts of `blobs_answered` (else plenty).
+// `failing`), and answers the blob counts of `blobs_answered` (else plenty). PrepareStep
+// fails for the stores in `failing_prepares` and answers the counts of `prepared_answered`.
 class FakeStores final : public StoreControl {
  public:
+  absl::StatusOr<uint64_t> PrepareStep(const v1::MemberInfo& store, const std::string& job_id,
+                                       int64_t step) override {
+    absl::MutexLock lock(&mu_);
+    prepares.push_back(absl::StrCat(store.member_id(), ":", job_id, ":", step));
+    auto failure = failing_prepares.find(store.member_id());
+    if (failure != failing_prepares.end()) return failure->second;
+    auto n = prepared_answered.find(store.member_id());
+    return n != prepared_answered.end() ? n->second : 1000000;
+  }
   absl::StatusOr<v1::CommitStepResponse> CommitStep(const v1::MemberInfo& store,
                                                     const std::string& job_id,
                                                     int64_t step) override {
@@ -118,7 +128,9 @@ class FakeStores final : public StoreControl {
   bool fail_commits = false;
   std::map<std::string, absl::Status> failing;
   std::map<std::string, uint64_t> blobs_answered;
-  std::vector<std::string> commits, aborts, pulls;
+  std::map<std::string, absl::Status> failing_prepares;
+  std::map<std::string, uint64_t> prepared_answered;
+  std::vector<std::string> prepares, commits, aborts, pulls;
   // Runs (without the lock) inside the next DeleteJob, before it is recorded.
   std::function<void(const v1::MemberInfo&, const v1::DeleteJobRequest&)> during_delete;
 };
@@ -398,6 +410,64 @@ TEST_F(SchedulerTest, AStepCommitsOnEveryStoreOnceEveryWorkerReported) {
   EXPECT_DOUBLE_EQ(j.last_loss(), 4.5);
   EXPECT_DOUBLE_EQ(j.cache_hit_rate(), 0.75);
   EXPECT_GT(j.tokens_per_second(), 0);
+}
+
+// The job's stores prepare a step (its versions survive their crash) before the commit is
+// decided: a group with no copy that prepared it is redone, and counts as a failed attempt
+// when its store answered wrongly.
+TEST_F(SchedulerTest, AStepIsPreparedOnItsStoresBeforeItsCommitIsDecided) {
+  const v1::Job job = Submit(1, 300, /*replicas=*/1);
+  const std::string s0 = Join(v1::MEMBER_ROLE_STORE);
+  const std::string w0 = Join(v1::MEMBER_ROLE_WORKER);
+  scheduler_->Tick();
+  CommitStep(job.job_id(), 0, {w0});
+  const std::string at = s0 + ":" + job.job_id() + ":";
+  EXPECT_EQ(stores_.prepares, std::vector<std::string>{at + "0"});
+  EXPECT_EQ(stores_.commits, std::vector<std::string>{at + "0"});
+
+  stores_.failing_prepares[s0] = absl::InternalError("disk stopped");
+  auto report = Report(job.job_id(), w0, 1);
+  ASSERT_TRUE(report.ok()) << report.status();
+  EXPECT_TRUE(report->aborted());
+  EXPECT_THAT(report->abort_reason(), ::testing::HasSubstr("step 1 was prepared on no copy of"));
+  EXPECT_THAT(report->abort_reason(), ::testing::HasSubstr("store " + s0 + ": disk stopped"));
+  EXPECT_EQ(stores_.commits.size(), 1u);
+  EXPECT_THAT(stores_.aborts, ::testing::Contains(at + "1"));
+  // The store lost versions written to it: the same, before anything is decided.
+  stores_.failing_prepares.clear();
+  stores_.prepared_answered[s0] = 2;
+  report = Report(job.job_id(), w0, 1, true, 4.0, /*dense_blobs_written=*/3);
+  ASSERT_TRUE(report.ok()) << report.status();
+  EXPECT_TRUE(report->aborted());
+  EXPECT_THAT(report->abort_reason(), ::testing::HasSubstr("it holds 2 of the 3 blobs"));
+  EXPECT_EQ(Job(job.job_id()).committed_step(), 0);
+  stores_.prepared_answered.clear();
+  CommitStep(job.job_id(), 1, {w0});
+  EXPECT_EQ(stores_.commits.back(), at + "1");
+
+  // A store that never prepares fails the job once the step's attempts are spent.
+  stores_.failing_prepares[s0] = absl::InternalError("disk stopped");
+  for (int i = 0; i < SchedulerOptions().step_attempts; ++i) {
+    ASSERT_TRUE(Report(job.job_id(), w0, 2).ok());
+  }
+  const v1::Job failed = Job(job.job_id());
+  EXPECT_EQ(failed.state(), v1::JOB_STATE_FAILED);
+  EXPECT_THAT(failed.failure_reason(), ::testing::HasSubstr("step 2 failed 8 attempts in a row"));
+  EXPECT_THAT(failed.failure_reason(), ::testing::HasSubstr("disk stopped"));
+}
+
+// With two copies, a store that cannot prepare does not hold the step back: the other copy
+// did, and the commit goes to both (the one that answers wrongly then is lost to the job).
+TEST_F(SchedulerTest, AStepPreparedOnOneCopyOfEveryGroupIsDecided) {
+  const v1::Job job = Submit(1, 300, /*replicas=*/2);
+  const std::string s0 = Join(v1::MEMBER_ROLE_STORE), s1 = Join(v1::MEMBER_ROLE_STORE);
+  const std::string w0 = Join(v1::MEMBER_ROLE_WORKER);
+  scheduler_->Tick();
+  CommitStep(job.job_id(), 0, {w0});
+  stores_.failing_prepares[s1] = absl::UnavailableError("no answer");
+  CommitStep(job.job_id(), 1, {w0});
+  EXPECT_THAT(stores_.commits, ::testing::IsSupersetOf({s0 + ":" + job.job_id() + ":1",
+                                                        s1 + ":" + job.job_id() + ":1"}));
 }
 
 // A step that fails every attempt (a data file no worker can read, a put every store

@@ -47,8 +47,8 @@ TEST(ServicePolicyTest, RolesDoWhatTheyAreFor) {
   EXPECT_EQ(members.at("Register"), std::set<Role>{Role::kMember});
   EXPECT_EQ(members.at("DrainStore"), std::set<Role>{Role::kAdmin});
   EXPECT_EQ(jobs.at("SubmitJob"), (std::set<Role>{Role::kAdmin, Role::kUser}));
-  for (const char* control :
-       {"CommitStep", "AbortStep", "DeleteBlob", "DeleteJob", "Checkpoint", "PullBlobs"}) {
+  for (const char* control : {"PrepareStep", "CommitStep", "AbortStep", "DeleteBlob", "DeleteJob",
+                              "Checkpoint", "PullBlobs"}) {
     EXPECT_EQ(stores.at(control), std::set<Role>{Role::kCoordinator}) << control;
   }
 }

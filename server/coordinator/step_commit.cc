@@ -1,11 +1,14 @@
 // The step-commit protocol (DESIGN §5, §6): workers report a step written, the last
-// report decides the commit (durably), every live store commits it, and the job advances:
-// its figures, its end, its placement for the next step. See scheduler.h.
+// report has the job's stores prepare it and decides the commit (durably), every live
+// store commits it, and the job advances: its figures, its end, its placement for the
+// next step. See scheduler.h.
 #include <algorithm>
 #include <map>
+#include <optional>
 #include <set>
 #include <thread>
 
+#include "absl/functional/function_ref.h"
 #include "absl/strings/str_cat.h"
 #include "common/job_state.h"
 #include "common/status.h"
@@ -13,6 +16,23 @@
 #include "server/coordinator/scheduler.h"
 
 namespace pith::coordinator {
+namespace {
+
+// `call` on each of `stores` at once (each syncs or writes to its disk); the answers in
+// their order.
+template <typename Answer>
+std::vector<Answer> OnEachStore(const std::vector<v1::MemberInfo>& stores,
+                                absl::FunctionRef<Answer(const v1::MemberInfo&)> call) {
+  std::vector<Answer> answers(stores.size());
+  std::vector<std::thread> callers;
+  for (size_t i = 0; i < stores.size(); ++i) {
+    callers.emplace_back([&answers, &stores, &call, i] { answers[i] = call(stores[i]); });
+  }
+  for (std::thread& t : callers) t.join();
+  return answers;
+}
+
+}  // namespace
 
 v1::StepStatus Scheduler::StatusLocked(const std::string& job_id, const Run& run,
                                        int64_t step) const {
@@ -28,8 +48,8 @@ v1::StepStatus Scheduler::StatusLocked(const std::string& job_id, const Run& run
 absl::StatusOr<v1::StepStatus> Scheduler::ReportStepWritten(const v1::StepWrittenRequest& r) {
   if (!r.ok() && r.fatal()) return FailJob(r);
   std::vector<StoreCall> aborts;
-  bool commit = false;
-  std::string give_up;  // the job fails with this reason
+  std::optional<int64_t> prepare;  // the attempt whose step every worker wrote
+  std::string give_up;             // the job fails with this reason
   {
     absl::MutexLock lock(&mu_);
     auto it = runs_.find(r.job_id());
@@ -65,13 +85,7 @@ absl::StatusOr<v1::StepStatus> Scheduler::ReportStepWritten(const v1::StepWritte
     if (!r.ok()) {
       const std::string reason = absl::StrCat("worker ", r.worker_id(), ": ",
                                               r.failure().empty() ? "step failed" : r.failure());
-      AbortLocked(run, reason, &aborts);
-      run.failed_attempts = run.failed_step == r.step() ? run.failed_attempts + 1 : 1;
-      run.failed_step = r.step();
-      if (run.failed_attempts >= options_.step_attempts) {
-        give_up = absl::StrCat("step ", r.step(), " failed ", run.failed_attempts,
-                               " attempts in a row; the last: ", reason);
-      }
+      give_up = FailAttemptLocked(run, r.step(), reason, &aborts);
       absl::Status s = PersistLocked(run);
       if (!s.ok()) LOG(ERROR) << s;
     } else if (run.written.insert(r.worker_id()).second) {
@@ -86,20 +100,15 @@ absl::StatusOr<v1::StepStatus> Scheduler::ReportStepWritten(const v1::StepWritte
       run.cache_misses += r.cache_misses();
       if (pos == workers.begin()) run.rank0 = r;
       if (run.written.size() == static_cast<size_t>(workers.size())) {
-        run.record.set_committing_step(r.step());
-        // The decision is durable before any store hears of it; if it cannot be made
-        // durable, it is not made.
-        if (absl::Status persisted = PersistLocked(run); !persisted.ok()) {
-          run.record.set_committing_step(-1);
-          run.written.erase(r.worker_id());
-          return persisted;
-        }
-        commit = true;
+        prepare = run.record.assignment_version();
       }
     }
   }
   RunStoreAborts(aborts);
-  if (commit) Commit(r.job_id(), r.step());
+  if (prepare) {
+    ASSIGN_OR_RETURN(const bool decided, PrepareAndDecide(r, *prepare));
+    if (decided) Commit(r.job_id(), r.step());
+  }
   if (!give_up.empty()) {
     RETURN_IF_ERROR(MarkFailed(r.job_id(), give_up));
   }
@@ -114,11 +123,110 @@ absl::StatusOr<v1::StepStatus> Scheduler::ReportStepWritten(const v1::StepWritte
     status.set_committed_step(r.step());
     status.set_job_ended(true);
   }
-  if (!r.ok()) {
+  // Voided by this report, or by the prepare it started.
+  const bool voided = it != runs_.end() && it->second.committed < r.step() &&
+                      it->second.record.assignment_version() != r.assignment_version();
+  if (!r.ok() || voided) {
     status.set_aborted(true);
     status.set_abort_reason(it != runs_.end() ? it->second.abort_reason : r.failure());
   }
   return status;
+}
+
+std::string Scheduler::FailAttemptLocked(Run& run, int64_t step, const std::string& reason,
+                                         std::vector<StoreCall>* aborts) {
+  AbortLocked(run, reason, aborts);
+  run.failed_attempts = run.failed_step == step ? run.failed_attempts + 1 : 1;
+  run.failed_step = step;
+  if (run.failed_attempts < options_.step_attempts) return "";
+  return absl::StrCat("step ", step, " failed ", run.failed_attempts,
+                      " attempts in a row; the last: ", reason);
+}
+
+std::map<std::string, uint64_t> Scheduler::ExpectedBlobsLocked(const Run& run) {
+  std::map<std::string, uint64_t> expected;
+  for (const v1::ExpertPlacement& e : run.record.placement().experts()) {
+    auto written = run.written_blobs.find(GroupOf(e.layer(), e.expert()));
+    if (written == run.written_blobs.end()) continue;
+    for (const std::string& id : e.store_ids()) expected[id] += written->second.size();
+  }
+  return expected;
+}
+
+absl::StatusOr<bool> Scheduler::PrepareAndDecide(const v1::StepWrittenRequest& r, int64_t attempt) {
+  const Alive alive = Snapshot(*members_);
+  std::vector<v1::MemberInfo> targets;
+  std::map<std::string, uint64_t> expected;
+  {
+    absl::MutexLock lock(&mu_);
+    auto it = runs_.find(r.job_id());
+    if (it == runs_.end() || it->second.record.assignment_version() != attempt) return false;
+    for (const std::string& id : JobStores(it->second)) {
+      if (auto store = alive.stores.find(id); store != alive.stores.end()) {
+        targets.push_back(store->second);
+      }
+    }
+    expected = ExpectedBlobsLocked(it->second);
+  }
+  const std::vector<absl::StatusOr<uint64_t>> answers =
+      OnEachStore<absl::StatusOr<uint64_t>>(targets, [&](const v1::MemberInfo& store) {
+        return stores_->PrepareStep(store, r.job_id(), r.step());
+      });
+  std::set<std::string> prepared_on;
+  std::string problems;  // of the stores that answered wrongly
+  for (size_t i = 0; i < targets.size(); ++i) {
+    const std::string& id = targets[i].member_id();
+    std::string problem;
+    if (!answers[i].ok()) {
+      problem = std::string(answers[i].status().message());
+    } else if (*answers[i] < expected[id]) {
+      problem =
+          absl::StrCat("it holds ", *answers[i], " of the ", expected[id], " blobs written to it");
+    } else {
+      prepared_on.insert(id);
+      continue;
+    }
+    absl::StrAppend(&problems, problems.empty() ? "" : "; ", "store ", id, ": ", problem);
+  }
+  std::vector<StoreCall> aborts;
+  std::string give_up;
+  {
+    absl::MutexLock lock(&mu_);
+    auto it = runs_.find(r.job_id());
+    if (it == runs_.end() || it->second.record.assignment_version() != attempt ||
+        it->second.record.committing_step() >= 0) {
+      return false;  // voided (or decided) meanwhile
+    }
+    Run& run = it->second;
+    const std::string unheld = UnheldGroup(run, prepared_on);
+    if (unheld.empty()) {
+      LOG_IF(WARNING, !problems.empty()) << "job " << r.job_id() << ": step " << r.step()
+                                         << " goes on without a prepare on " << problems;
+      run.record.set_committing_step(r.step());
+      // The decision is durable before any store hears of it; if it cannot be made
+      // durable, it is not made.
+      if (absl::Status persisted = PersistLocked(run); !persisted.ok()) {
+        run.record.set_committing_step(-1);
+        run.written.erase(r.worker_id());
+        return persisted;
+      }
+      return true;
+    }
+    // A copy no store could make crash-proof: the step is redone. A store that answered
+    // wrongly counts as a failed attempt; one that is down is the membership's to judge.
+    const std::string reason =
+        absl::StrCat("step ", r.step(), " was prepared on no copy of ", unheld,
+                     problems.empty() ? " (its stores are down)" : ": ", problems);
+    if (problems.empty()) {
+      AbortLocked(run, reason, &aborts);
+    } else {
+      give_up = FailAttemptLocked(run, r.step(), reason, &aborts);
+    }
+    if (absl::Status s = PersistLocked(run); !s.ok()) LOG(ERROR) << s;
+  }
+  RunStoreAborts(aborts);
+  if (!give_up.empty()) RETURN_IF_ERROR(MarkFailed(r.job_id(), give_up));
+  return false;
 }
 
 absl::StatusOr<v1::StepStatus> Scheduler::FailJob(const v1::StepWrittenRequest& r) {
@@ -192,23 +300,13 @@ void Scheduler::Commit(const std::string& job_id, int64_t step) {
         run.commit_trouble.erase(id);  // its patience starts again once it is back
       }
     }
-    for (const v1::ExpertPlacement& e : run.record.placement().experts()) {
-      auto written = run.written_blobs.find(GroupOf(e.layer(), e.expert()));
-      if (written == run.written_blobs.end()) continue;
-      for (const std::string& id : e.store_ids()) expected[id] += written->second.size();
-    }
+    expected = ExpectedBlobsLocked(run);
   }
   // The stores commit side by side: each syncs the step's bytes to its disk.
-  std::vector<absl::StatusOr<v1::CommitStepResponse>> results(targets.size());
-  {
-    std::vector<std::thread> committers;
-    for (size_t i = 0; i < targets.size(); ++i) {
-      committers.emplace_back([this, &results, &targets, i, &job_id, step] {
-        results[i] = stores_->CommitStep(targets[i], job_id, step);
-      });
-    }
-    for (std::thread& t : committers) t.join();
-  }
+  const std::vector<absl::StatusOr<v1::CommitStepResponse>> results =
+      OnEachStore<absl::StatusOr<v1::CommitStepResponse>>(
+          targets,
+          [&](const v1::MemberInfo& store) { return stores_->CommitStep(store, job_id, step); });
   absl::MutexLock lock(&mu_);
   auto it = runs_.find(job_id);
   if (it == runs_.end()) return;

@@ -1,5 +1,5 @@
-// For tests: a StoreControl for coordinators that reach no stores. Commits (of every blob
-// written) and aborts succeed, listings and pulls are empty, reads are UNAVAILABLE.
+// For tests: a StoreControl for coordinators that reach no stores. Prepares and commits
+// (of every blob written) and aborts succeed, listings and pulls are empty, reads are UNAVAILABLE.
 // Stateless: thread-safe.
 #ifndef PITH_SERVER_COORDINATOR_STORE_CONTROL_TESTING_H_
 #define PITH_SERVER_COORDINATOR_STORE_CONTROL_TESTING_H_
@@ -13,6 +13,10 @@ namespace pith::coordinator::testing {
 
 class NoStores final : public StoreControl {
  public:
+  absl::StatusOr<uint64_t> PrepareStep(const v1::MemberInfo&, const std::string&,
+                                       int64_t) override {
+    return uint64_t{1} << 40;  // every blob the workers wrote, and more
+  }
   absl::StatusOr<v1::CommitStepResponse> CommitStep(const v1::MemberInfo&, const std::string&,
                                                     int64_t step) override {
     v1::CommitStepResponse r;

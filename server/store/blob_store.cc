@@ -12,16 +12,6 @@
 #include "server/store/blob_key.h"
 
 namespace pith::store {
-namespace {
-
-// What a job's kept weights are (DeleteJob's keep_weights): its weights and master blobs,
-// the master being what a checkpoint reads of a bf16 job's experts.
-bool IsWeightsOrMaster(const v1::BlobKey& key) {
-  return key.kind() == v1::BLOB_KIND_WEIGHTS || key.kind() == v1::BLOB_KIND_MASTER;
-}
-
-}  // namespace
-
 struct BlobStore::Metrics {
   prometheus::Gauge* ram_bytes = nullptr;
   prometheus::Gauge* rocksdb_bytes = nullptr;
@@ -105,17 +95,43 @@ absl::Status BlobStore::Recover() {
     blob.committed = record.version;
     blob.versions[record.version] = Version{record.version, record.size, record.crc, nullptr, {}};
   }
-  // Keep exactly the committed versions; anything else is a pending version of a step
+  // Prepared versions of a step the job has not committed here stay pending: the
+  // coordinator may have decided to commit it.
+  std::set<std::pair<std::string, int64_t>> stored, kept;
+  for (const auto& d : contents.data) stored.emplace(d.key, d.version);
+  for (const auto& [at, record] : contents.pending) {
+    const auto& [key, version] = at;
+    ASSIGN_OR_RETURN(v1::BlobKey decoded, DecodeBlobKey(key));
+    auto step = contents.job_steps.find(decoded.job_id());
+    auto committed = contents.records.find(key);
+    if (!stored.contains(at) || (step != contents.job_steps.end() && step->second >= version) ||
+        (committed != contents.records.end() && committed->second.version >= version)) {
+      discard.delete_pending.push_back({key, version});
+      continue;
+    }
+    Blob& blob = blobs_[key];
+    if (blob.versions.empty()) blob.key = std::move(decoded);
+    Version& v = blob.versions[version];
+    v = Version{record.version, record.size, record.crc, nullptr, {}};
+    v.prepared = true;
+    kept.insert(at);
+  }
+  // Keep those and the committed versions; anything else is a pending version of a step
   // that never committed, or one a commit replaced.
   for (const auto& d : contents.data) {
     auto it = contents.records.find(d.key);
-    if (it == contents.records.end() || it->second.version != d.version) {
+    if ((it == contents.records.end() || it->second.version != d.version) &&
+        !kept.contains({d.key, d.version})) {
       discard.delete_data.push_back(d);
     }
   }
-  for (const auto& [key, blob] : blobs_) cold_bytes_ += blob.versions.begin()->second.size;
+  for (const auto& [key, blob] : blobs_) {
+    for (const auto& [version, v] : blob.versions) cold_bytes_ += v.size;
+  }
   job_steps_ = contents.job_steps;
-  if (!discard.delete_data.empty()) RETURN_IF_ERROR(cold_->Apply(discard, true));
+  if (!discard.delete_data.empty() || !discard.delete_pending.empty()) {
+    RETURN_IF_ERROR(cold_->Apply(discard, true));
+  }
   UpdateGaugesLocked();
   return absl::OkStatus();
 }
@@ -264,14 +280,54 @@ absl::StatusOr<v1::BlobInfo> BlobStore::FinishPut(PutReservation r,
     return absl::DataLossError(absl::StrCat(BlobKeyDebugString(r.key_), ": checksum mismatch"));
   }
   const std::string encoded = EncodeBlobKey(r.key_);
-  // The bytes go to the cold tier before the version exists anywhere, so every version a
-  // reader can see survives a crash once its step commits. fp32 weights are their own
-  // master copy: bytes equal to the other kind's of the same version are stored once.
-  if (!LinkToSibling(r, encoded, crc)) {
-    RETURN_IF_ERROR(cold_->PutData(encoded, r.version_, {r.data_, r.size_}));
+  return FencedPut(encoded, r.version_, [&]() -> absl::StatusOr<v1::BlobInfo> {
+    // The bytes go to the cold tier before the version exists anywhere, so every version
+    // a reader can see survives a crash once its step commits. fp32 weights are their own
+    // master copy: bytes equal to the other kind's of the same version are stored once.
+    if (!LinkToSibling(r, encoded, crc)) {
+      RETURN_IF_ERROR(cold_->PutData(encoded, r.version_, {r.data_, r.size_}));
+    }
+    absl::MutexLock lock(&mu_);
+    return AddPendingLocked(r.key_, encoded, r.version_, r.size_, crc, std::move(r.block_));
+  });
+}
+
+absl::StatusOr<v1::BlobInfo> BlobStore::FencedPut(
+    const std::string& encoded, int64_t version,
+    absl::FunctionRef<absl::StatusOr<v1::BlobInfo>()> put) {
+  {
+    absl::ReaderMutexLock fence(&prepare_mu_);
+    if (!IsPrepared(encoded, version)) return put();
   }
+  // A retried step writes a prepared version again: the new bytes replace it. The old ones
+  // leave the cold tier first (its location is written, and written bytes never change),
+  // with commits, prepares and other puts held off.
+  absl::MutexLock commit_lock(&commit_mu_);
+  absl::MutexLock fence(&prepare_mu_);
+  RETURN_IF_ERROR(DropPrepared(encoded, version));
+  return put();
+}
+
+bool BlobStore::IsPrepared(const std::string& encoded, int64_t version) {
   absl::MutexLock lock(&mu_);
-  return AddPendingLocked(r.key_, encoded, r.version_, r.size_, crc, std::move(r.block_));
+  auto it = blobs_.find(encoded);
+  if (it == blobs_.end()) return false;
+  auto v = it->second.versions.find(version);
+  return v != it->second.versions.end() && v->second.prepared;
+}
+
+absl::Status BlobStore::DropPrepared(const std::string& encoded, int64_t version) {
+  ColdBatch batch;
+  {
+    absl::MutexLock lock(&mu_);
+    auto it = blobs_.find(encoded);
+    if (it == blobs_.end()) return absl::OkStatus();
+    auto v = it->second.versions.find(version);
+    if (v == it->second.versions.end() || !v->second.prepared) return absl::OkStatus();
+    EraseVersionLocked(encoded, it->second, version, &batch);
+    UpdateGaugesLocked();
+  }
+  return cold_->Apply(batch, /*sync=*/false);
 }
 
 absl::StatusOr<v1::BlobInfo> BlobStore::AddPendingLocked(const v1::BlobKey& key,
@@ -344,13 +400,15 @@ absl::StatusOr<v1::BlobInfo> BlobStore::PutSibling(const v1::BlobKey& key, int64
       return missing();
     }
   }
-  // The sibling's bytes stay in the cold tier while either version is there.
-  if (absl::Status linked = cold_->LinkData(encoded, version, sibling, version, size);
-      !linked.ok()) {
-    return absl::IsNotFound(linked) ? missing() : linked;
-  }
-  absl::MutexLock lock(&mu_);
-  return AddPendingLocked(key, encoded, version, size, crc, nullptr);
+  return FencedPut(encoded, version, [&]() -> absl::StatusOr<v1::BlobInfo> {
+    // The sibling's bytes stay in the cold tier while either version is there.
+    if (absl::Status linked = cold_->LinkData(encoded, version, sibling, version, size);
+        !linked.ok()) {
+      return absl::IsNotFound(linked) ? missing() : linked;
+    }
+    absl::MutexLock lock(&mu_);
+    return AddPendingLocked(key, encoded, version, size, crc, nullptr);
+  });
 }
 
 bool BlobStore::LinkToSibling(const PutReservation& r, const std::string& encoded, uint32_t crc) {
@@ -392,6 +450,7 @@ absl::StatusOr<v1::BlobInfo> BlobStore::InstallCommitted(const v1::BlobKey& key,
   const uint32_t crc = Crc32c(bytes.data(), bytes.size());
   // No commit, abort or delete changes the blob's committed version meanwhile.
   absl::MutexLock commit_lock(&commit_mu_);
+  RETURN_IF_ERROR(DropPrepared(encoded, version));  // its written bytes would stay
   {
     absl::MutexLock lock(&mu_);
     auto it = blobs_.find(encoded);
@@ -544,195 +603,6 @@ absl::StatusOr<std::vector<v1::BlobInfo>> BlobStore::List(const std::string& job
     out.push_back(InfoLocked(blob, blob.versions.at(blob.committed)));
   }
   return out;
-}
-
-void BlobStore::EraseVersionLocked(const std::string& key, Blob& blob, int64_t version,
-                                   ColdBatch* batch) {
-  auto it = blob.versions.find(version);
-  if (it == blob.versions.end()) return;
-  DropRamLocked(key, it->second);
-  cold_bytes_ -= it->second.size;
-  batch->delete_data.push_back({key, version});
-  blob.versions.erase(it);
-}
-
-absl::StatusOr<BlobStore::CommitResult> BlobStore::CommitStep(const std::string& job_id,
-                                                              int64_t step,
-                                                              std::optional<int64_t> previous) {
-  if (job_id.empty() || step < 0)
-    return absl::InvalidArgumentError("job_id and step >= 0 required");
-  if (previous && step != *previous + 1) {
-    return absl::InvalidArgumentError(absl::StrCat("commit of step ", step, " of job ", job_id,
-                                                   " after step ", *previous,
-                                                   ": not the next step"));
-  }
-  const std::string prefix = JobKeyPrefix(job_id);
-  absl::MutexLock commit_lock(&commit_mu_);
-  ColdBatch batch;
-  uint64_t committed = 0;
-  {
-    absl::MutexLock lock(&mu_);
-    auto job_it = job_steps_.find(job_id);
-    if (job_it != job_steps_.end() && job_it->second == step) {
-      return CommitResult{step, 0, /*already=*/true};  // a retry: idempotent
-    }
-    if (job_it != job_steps_.end() && job_it->second > step) {
-      return absl::FailedPreconditionError(
-          absl::StrCat("job ", job_id, " is at step ", job_it->second,
-                       " on this store, past the commit of step ", step));
-    }
-    // First the metadata batch (nothing in memory changes until it is durable).
-    for (auto it = blobs_.lower_bound(prefix);
-         it != blobs_.end() && absl::StartsWith(it->first, prefix); ++it) {
-      Blob& blob = it->second;
-      auto v = blob.versions.find(step);
-      if (v == blob.versions.end()) continue;
-      batch.set_records.push_back({it->first, {v->second.version, v->second.size, v->second.crc}});
-      ++committed;
-    }
-    batch.set_job_steps[job_id] = step;
-  }
-  // NOTE: the sync (the step's bytes to disk) runs without mu_: gets (of the committed
-  // versions, or of this step's by version) go on meanwhile. The step's pending versions
-  // cannot go away under it: the coordinator never aborts a step it is committing, and a
-  // copy installed meanwhile carries the same bytes.
-  RETURN_IF_ERROR(cold_->Apply(batch, /*sync=*/true));
-
-  // Then free what the commit replaced, and any stale pending version below it.
-  std::set<std::string> recorded;
-  for (const auto& r : batch.set_records) recorded.insert(r.key);
-  absl::MutexLock lock(&mu_);
-  ColdBatch cleanup;
-  for (auto it = blobs_.lower_bound(prefix);
-       it != blobs_.end() && absl::StartsWith(it->first, prefix); ++it) {
-    Blob& blob = it->second;
-    if (blob.versions.count(step) && recorded.count(it->first)) blob.committed = step;
-    std::vector<int64_t> drop;
-    for (const auto& [version, unused] : blob.versions) {
-      if (version < blob.committed || (version <= step && version != blob.committed)) {
-        drop.push_back(version);
-      }
-    }
-    for (int64_t version : drop) EraseVersionLocked(it->first, blob, version, &cleanup);
-  }
-  job_steps_[job_id] = step;
-  if (!cleanup.delete_data.empty()) RETURN_IF_ERROR(cold_->Apply(cleanup, false));
-  UpdateGaugesLocked();
-  return CommitResult{step, committed};
-}
-
-absl::StatusOr<uint64_t> BlobStore::AbortStep(const std::string& job_id, int64_t step) {
-  if (job_id.empty()) return absl::InvalidArgumentError("job_id is required");
-  const std::string prefix = JobKeyPrefix(job_id);
-  absl::MutexLock commit_lock(&commit_mu_);  // not inside a commit's sync
-  absl::MutexLock lock(&mu_);
-  ColdBatch batch;
-  uint64_t discarded = 0;
-  for (auto it = blobs_.lower_bound(prefix);
-       it != blobs_.end() && absl::StartsWith(it->first, prefix); ++it) {
-    Blob& blob = it->second;
-    if (blob.committed == step || !blob.versions.count(step)) continue;
-    EraseVersionLocked(it->first, blob, step, &batch);
-    ++discarded;
-  }
-  // Blobs that only ever had the aborted version disappear.
-  for (auto it = blobs_.lower_bound(prefix);
-       it != blobs_.end() && absl::StartsWith(it->first, prefix);) {
-    it = it->second.versions.empty() ? blobs_.erase(it) : std::next(it);
-  }
-  if (!batch.delete_data.empty()) RETURN_IF_ERROR(cold_->Apply(batch, false));
-  UpdateGaugesLocked();
-  return discarded;
-}
-
-absl::StatusOr<uint64_t> BlobStore::DeleteBlob(const v1::BlobKey& key) {
-  RETURN_IF_ERROR(ValidateBlobKey(key));
-  const std::string encoded = EncodeBlobKey(key);
-  absl::MutexLock commit_lock(&commit_mu_);  // not inside a commit's sync
-  absl::MutexLock lock(&mu_);
-  auto it = blobs_.find(encoded);
-  if (it == blobs_.end())
-    return absl::NotFoundError(absl::StrCat("no blob ", BlobKeyDebugString(key)));
-  ColdBatch batch;
-  uint64_t bytes = 0;
-  while (!it->second.versions.empty()) {
-    bytes += it->second.versions.begin()->second.size;
-    EraseVersionLocked(encoded, it->second, it->second.versions.begin()->first, &batch);
-  }
-  batch.delete_records.push_back(encoded);
-  blobs_.erase(it);
-  RETURN_IF_ERROR(cold_->Apply(batch, true));
-  UpdateGaugesLocked();
-  return bytes;
-}
-
-absl::StatusOr<std::pair<uint64_t, uint64_t>> BlobStore::DeleteJob(const std::string& job_id,
-                                                                   const DeleteScope& scope) {
-  if (job_id.empty()) return absl::InvalidArgumentError("job_id is required");
-  const std::string prefix = JobKeyPrefix(job_id);
-  absl::MutexLock commit_lock(&commit_mu_);  // not inside a commit's sync
-  absl::MutexLock lock(&mu_);
-  ColdBatch batch;
-  uint64_t blobs = 0, bytes = 0;
-  for (auto it = blobs_.lower_bound(prefix);
-       it != blobs_.end() && absl::StartsWith(it->first, prefix);) {
-    Blob& blob = it->second;
-    const v1::BlobKey& k = blob.key;
-    if (scope.group && (k.layer() != scope.group->first ||
-                        (k.layer() >= 0 && k.expert() != scope.group->second))) {
-      ++it;
-      continue;
-    }
-    const bool keep = scope.keep_weights && IsWeightsOrMaster(k) && blob.committed >= 0;
-    std::vector<int64_t> drop;
-    for (const auto& [version, unused] : blob.versions) {
-      if (!keep || version != blob.committed) drop.push_back(version);
-    }
-    for (int64_t version : drop) {
-      bytes += blob.versions.at(version).size;
-      EraseVersionLocked(it->first, blob, version, &batch);
-    }
-    if (keep) {
-      ++it;
-      continue;
-    }
-    batch.delete_records.push_back(it->first);
-    ++blobs;
-    it = blobs_.erase(it);
-  }
-  if (!scope.keep_weights && !scope.group) {
-    batch.delete_job_steps.push_back(job_id);
-    job_steps_.erase(job_id);
-  }
-  RETURN_IF_ERROR(cold_->Apply(batch, true));
-  UpdateGaugesLocked();
-  return std::make_pair(blobs, bytes);
-}
-
-std::vector<v1::StoreJob> BlobStore::Jobs() {
-  absl::MutexLock lock(&mu_);
-  std::vector<v1::StoreJob> out;
-  for (const auto& [encoded, blob] : blobs_) {
-    if (out.empty() || out.back().job_id() != blob.key.job_id()) {
-      v1::StoreJob& job = out.emplace_back();
-      job.set_job_id(blob.key.job_id());
-      auto step = job_steps_.find(blob.key.job_id());
-      job.set_committed_step(step == job_steps_.end() ? -1 : step->second);
-    }
-    v1::StoreJob& job = out.back();
-    job.set_blobs(job.blobs() + 1);
-    const bool weights_only =
-        IsWeightsOrMaster(blob.key) && blob.committed >= 0 && blob.versions.size() == 1;
-    if (!weights_only) job.set_blobs_besides_weights(job.blobs_besides_weights() + 1);
-    for (const auto& [version, v] : blob.versions) job.set_bytes(job.bytes() + v.size);
-  }
-  return out;
-}
-
-int64_t BlobStore::CommittedStep(const std::string& job_id) {
-  absl::MutexLock lock(&mu_);
-  auto it = job_steps_.find(job_id);
-  return it == job_steps_.end() ? -1 : it->second;
 }
 
 v1::StoreStats BlobStore::Stats() {

@@ -3,9 +3,9 @@
 // It knows nothing of gRPC or UCX; the transports call it.
 //
 // Versions (DESIGN §4): a blob is written as version s+1 (pending) while version s stays
-// the committed one; CommitStep(job, s+1) makes every pending s+1 of the job current in
-// one synced batch and frees what it replaces; AbortStep, or a crash before the commit,
-// discards them.
+// the committed one; PrepareStep(job, s+1) makes the job's pending s+1 outlive the
+// process; CommitStep(job, s+1) makes them current in one synced batch and frees what
+// they replace; AbortStep, or a crash before the prepare, discards them.
 //
 // Thread safety: all methods are thread-safe. BlobRef and PutReservation may be released
 // from any thread.
@@ -22,6 +22,7 @@
 
 #include "absl/base/thread_annotations.h"
 #include "absl/container/btree_map.h"
+#include "absl/functional/function_ref.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/types/span.h"
@@ -166,6 +167,12 @@ class BlobStore {
   // turn every later real one into a no-op).
   absl::StatusOr<CommitResult> CommitStep(const std::string& job_id, int64_t step,
                                           std::optional<int64_t> previous = std::nullopt);
+  // Makes the job's pending versions of `step` survive a crash of the process (a kill -9
+  // between the coordinator's decision to commit and the commit): their records go
+  // through the cold tier's WAL, and the restarted store has them pending. A put of a
+  // prepared version replaces it, as any retried write does. Returns how many there are;
+  // FAILED_PRECONDITION when the job is at `step` or past it here.
+  absl::StatusOr<uint64_t> PrepareStep(const std::string& job_id, int64_t step);
   // Discards the job's pending versions of `step`; returns how many.
   absl::StatusOr<uint64_t> AbortStep(const std::string& job_id, int64_t step);
   // Deletes every version; returns the bytes freed.
@@ -207,6 +214,7 @@ class BlobStore {
     std::list<std::pair<std::string, int64_t>>::iterator lru;  // valid when ram is set
     uint64_t last_use = 0;        // clock_ at the last read or write; 0: never
     uint64_t last_cold_read = 0;  // cold_gets_ at the last read from the cold tier; 0: never
+    bool prepared = false;        // pending, with its record in the cold tier (PrepareStep)
   };
   struct Blob {
     v1::BlobKey key;
@@ -238,6 +246,15 @@ class BlobStore {
   void EraseVersionLocked(const std::string& key, Blob& blob, int64_t version, ColdBatch* batch)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void UpdateGaugesLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Runs `put` (the cold-tier write and pending record of (encoded, version)) so that no
+  // prepare falls between the two; a prepared version is dropped from the cold tier first.
+  absl::StatusOr<v1::BlobInfo> FencedPut(const std::string& encoded, int64_t version,
+                                         absl::FunctionRef<absl::StatusOr<v1::BlobInfo>()> put)
+      ABSL_LOCKS_EXCLUDED(commit_mu_, prepare_mu_, mu_);
+  bool IsPrepared(const std::string& encoded, int64_t version) ABSL_LOCKS_EXCLUDED(mu_);
+  // Drops (encoded, version) from memory and the cold tier if it is prepared.
+  absl::Status DropPrepared(const std::string& encoded, int64_t version)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(commit_mu_) ABSL_LOCKS_EXCLUDED(mu_);
   // Stores the bytes of `r` by sharing those of the same version of its other kind
   // (weights <-> master) when they are equal; false when they are not (or not there).
   bool LinkToSibling(const PutReservation& r, const std::string& encoded, uint32_t crc)
@@ -262,6 +279,10 @@ class BlobStore {
   // without mu_ (reads and puts go on meanwhile) and nothing else changes a record under
   // them. Before mu_ in the lock order.
   absl::Mutex commit_mu_;
+  // Held shared by puts across their cold-tier write and pending record, and exclusively
+  // by PrepareStep and the put of a prepared version: a prepare names the bytes of the
+  // version it records. Between commit_mu_ and mu_ in the lock order.
+  absl::Mutex prepare_mu_;
   absl::Mutex mu_;
   absl::btree_map<std::string, Blob> blobs_ ABSL_GUARDED_BY(mu_);  // by encoded key
   // RAM-resident, most recent first.

@@ -481,6 +481,74 @@ void Commit(ColdTier& tier, const std::vector<std::string>& keys, int64_t versio
   ASSERT_TRUE(tier.Apply(cleanup, false).ok());
 }
 
+// A prepared step outlives the process (not a power cut: the prepare is not synced), so a
+// commit the coordinator decided meanwhile finds it after the restart.
+TEST_F(BlobStoreTest, APreparedStepOutlivesTheProcessAndCommitsAfterIt) {
+  for (int e = 0; e < 3; ++e) ASSERT_TRUE(store_->Put(Expert(0, e), 0, Bytes(5000, e)).ok());
+  ASSERT_TRUE(store_->CommitStep("job-1", 0).ok());
+  for (int e = 0; e < 3; ++e) ASSERT_TRUE(store_->Put(Expert(0, e), 1, Bytes(5000, 10 + e)).ok());
+  auto prepared = store_->PrepareStep("job-1", 1);
+  ASSERT_TRUE(prepared.ok()) << prepared.status();
+  EXPECT_EQ(*prepared, 3u);
+  EXPECT_EQ(*store_->PrepareStep("job-1", 1), 3u);                  // a retry: the same
+  ASSERT_TRUE(store_->Put(Expert(0, 7), 1, Bytes(5000, 17)).ok());  // after it: not prepared
+  store_.reset();  // the process dies; what went through the tier's WAL stays
+  Open();
+  EXPECT_EQ(store_->Stats().pending_blobs(), 3u);
+  EXPECT_EQ(store_->Stat(Expert(0, 7), 1).status().code(), absl::StatusCode::kNotFound);
+  auto committed = store_->CommitStep("job-1", 1, /*previous=*/0);
+  ASSERT_TRUE(committed.ok()) << committed.status();
+  EXPECT_EQ(committed->blobs_committed, 3u);
+  for (int e = 0; e < 3; ++e) EXPECT_EQ(Read(Expert(0, e)), Bytes(5000, 10 + e)) << e;
+  EXPECT_TRUE(cold_.Load()->pending.empty());
+
+  // A step written again after its prepare (a retried attempt) keeps the new bytes; the
+  // prepare of the retry makes them the ones that survive.
+  for (int e = 0; e < 3; ++e) ASSERT_TRUE(store_->Put(Expert(0, e), 2, Bytes(5000, 20 + e)).ok());
+  ASSERT_TRUE(store_->PrepareStep("job-1", 2).ok());
+  ASSERT_TRUE(store_->Put(Expert(0, 0), 2, Bytes(5000, 30)).ok());
+  EXPECT_EQ(Read(Expert(0, 0), 2), Bytes(5000, 30));
+  EXPECT_EQ(cold_.Load()->pending.size(), 2u);
+  EXPECT_EQ(*store_->PrepareStep("job-1", 2), 3u);
+  store_.reset();
+  Open();
+  ASSERT_TRUE(store_->CommitStep("job-1", 2).ok());
+  EXPECT_EQ(Read(Expert(0, 0)), Bytes(5000, 30));
+  EXPECT_EQ(Read(Expert(0, 1)), Bytes(5000, 21));
+
+  // An aborted prepared step is gone, across a restart too; a committed step is not
+  // prepared again; a power cut takes an unsynced prepare with it.
+  ASSERT_TRUE(store_->Put(Expert(0, 1), 3, Bytes(5000, 40)).ok());
+  ASSERT_TRUE(store_->PrepareStep("job-1", 3).ok());
+  EXPECT_EQ(*store_->AbortStep("job-1", 3), 1u);
+  store_.reset();
+  Open();
+  EXPECT_EQ(store_->Stats().pending_blobs(), 0u);
+  EXPECT_TRUE(cold_.Load()->pending.empty());
+  EXPECT_EQ(store_->PrepareStep("job-1", 2).status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(store_->PrepareStep("", 3).status().code(), absl::StatusCode::kInvalidArgument);
+  ASSERT_TRUE(store_->Put(Expert(0, 1), 3, Bytes(5000, 41)).ok());
+  ASSERT_TRUE(store_->PrepareStep("job-1", 3).ok());
+  store_.reset();
+  cold_.Crash();
+  Open();
+  EXPECT_EQ(store_->Stats().pending_blobs(), 0u);
+  EXPECT_EQ(store_->CommittedStep("job-1"), 2);
+}
+
+// A copy installed over a prepared version of the same number replaces it whole.
+TEST_F(BlobStoreTest, AnInstalledCopyReplacesAPreparedVersion) {
+  ASSERT_TRUE(store_->Put(Expert(0, 0), 1, Bytes(5000, 1)).ok());
+  ASSERT_TRUE(store_->PrepareStep("job-1", 1).ok());
+  ASSERT_TRUE(store_->InstallCommitted(Expert(0, 0), 1, Bytes(5000, 2)).ok());
+  EXPECT_EQ(Read(Expert(0, 0)), Bytes(5000, 2));
+  EXPECT_TRUE(cold_.Load()->pending.empty());
+  store_.reset();
+  Open();
+  EXPECT_EQ(Read(Expert(0, 0)), Bytes(5000, 2));
+  EXPECT_EQ(store_->Stats().pending_blobs(), 0u);
+}
+
 TEST(RocksColdTierTest, LogFilesGoWithTheirVersionsAndUnnamedVersionsDoNotSurviveReopen) {
   const std::string dir = testing::TempDir() + "/rocks_tier_log";
   std::filesystem::remove_all(dir);
@@ -716,6 +784,52 @@ TEST(RocksColdTierTest, ASharedVersionOutlivesTheOneItWasLinkedTo) {
   ASSERT_TRUE(ref.ok()) << ref.status();
   EXPECT_EQ(ref->version(), 1);
   EXPECT_EQ(std::vector<uint8_t>(ref->data(), ref->data() + ref->size()), w1);
+}
+
+// kill -9 between a step's prepare and its commit: the restarted store has the prepared
+// versions (a weights/master pair sharing bytes among them) and commits them; what was
+// written after the prepare is gone.
+TEST(RocksColdTierTest, APreparedStepSurvivesKillDashNineAndCommits) {
+  const std::string dir = testing::TempDir() + "/rocks_tier_prepare";
+  std::filesystem::remove_all(dir);
+  Buffer arena = *Buffer::Allocate(4 << 20);
+  const BlobStoreOptions options = SmallStoreOptions();
+  const auto weights = Expert(0, 1, v1::BLOB_KIND_WEIGHTS),
+             master = Expert(0, 1, v1::BLOB_KIND_MASTER),
+             moment = Expert(0, 1, v1::BLOB_KIND_ADAM_M), late = Expert(0, 2);
+  RunAndKill([&] {
+    auto store = BlobStore::Open(options, *OpenRocksColdTier(dir), arena.data());
+    if (!store.ok()) _exit(1);
+    if (!(*store)->Put(weights, 0, Bytes(50000, 1)).ok()) _exit(2);
+    if (!(*store)->CommitStep("job-1", 0).ok()) _exit(3);
+    const auto w1 = Bytes(50000, 2);
+    if (!(*store)->Put(weights, 1, w1).ok()) _exit(4);
+    if (!(*store)->PutSibling(master, 1, w1.size(), Crc32c(w1.data(), w1.size())).ok()) _exit(5);
+    if (!(*store)->Put(moment, 1, Bytes(50000, 3)).ok()) _exit(6);
+    auto prepared = (*store)->PrepareStep("job-1", 1);
+    if (!prepared.ok() || *prepared != 3) _exit(7);
+    if (!(*store)->Put(late, 1, Bytes(50000, 4)).ok()) _exit(8);
+  });
+  {
+    auto store = BlobStore::Open(options, *OpenRocksColdTier(dir), arena.data());
+    ASSERT_TRUE(store.ok()) << store.status();
+    EXPECT_EQ((*store)->Stats().pending_blobs(), 3u);
+    EXPECT_EQ((*store)->Stat(late, 1).status().code(), absl::StatusCode::kNotFound);
+    auto committed = (*store)->CommitStep("job-1", 1, /*previous=*/0);
+    ASSERT_TRUE(committed.ok()) << committed.status();
+    EXPECT_EQ(committed->blobs_committed, 3u);
+  }
+  auto store = BlobStore::Open(options, *OpenRocksColdTier(dir), arena.data());
+  ASSERT_TRUE(store.ok()) << store.status();
+  for (const auto& [key, want] : std::vector<std::pair<v1::BlobKey, std::vector<uint8_t>>>{
+           {weights, Bytes(50000, 2)}, {master, Bytes(50000, 2)}, {moment, Bytes(50000, 3)}}) {
+    auto ref = (*store)->Get(key);
+    ASSERT_TRUE(ref.ok()) << ref.status();
+    EXPECT_EQ(ref->version(), 1);
+    EXPECT_EQ(std::vector<uint8_t>(ref->data(), ref->data() + ref->size()), want);
+  }
+  EXPECT_EQ((*store)->Stats().pending_blobs(), 0u);
+  EXPECT_TRUE((*store)->cold().Load()->pending.empty());
 }
 
 }  // namespace

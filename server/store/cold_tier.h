@@ -1,8 +1,8 @@
 // ColdTier: the durable home of every blob version (DESIGN §4). Data lives under
-// (encoded key, version); a small record per blob names its committed version, and one
-// per job its committed step. Batches apply atomically, so a step's versions become
-// current together or not at all. RocksColdTier is the real one; MemoryColdTier is the
-// seam for unit tests (and can simulate a crash by dropping unsynced writes).
+// (encoded key, version); a small record per blob names its committed version, one per
+// prepared pending version names it, and one per job its committed step. Batches apply atomically,
+// so a step's versions become current together or not at all. RocksColdTier is the real one;
+// MemoryColdTier is the seam for unit tests (and can simulate a crash by dropping unsynced writes).
 //
 // Thread safety: implementations are thread-safe.
 #ifndef PITH_SERVER_STORE_COLD_TIER_H_
@@ -12,6 +12,7 @@
 #include <map>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
@@ -53,6 +54,10 @@ struct ColdBatch {
   std::vector<DataRef> delete_data;
   std::map<std::string, int64_t> set_job_steps;  // job id -> committed step
   std::vector<std::string> delete_job_steps;
+  // Pending versions made to outlive the process (a prepared step): each record names its
+  // version, whose bytes must be stored; the restart finds them (ColdContents::pending).
+  std::vector<SetRecord> set_pending;
+  std::vector<DataRef> delete_pending;
 };
 
 // Everything the tier holds, for recovery at start-up.
@@ -60,6 +65,8 @@ struct ColdContents {
   std::map<std::string, BlobRecord> records;  // encoded key -> committed version
   std::vector<ColdBatch::DataRef> data;       // every stored (key, version)
   std::map<std::string, int64_t> job_steps;   // job id -> committed step
+  // Prepared pending versions: (encoded key, version) -> record.
+  std::map<std::pair<std::string, int64_t>, BlobRecord> pending;
 };
 
 // Bytes read from the cold tier in place: valid while `pin` lives.

@@ -49,6 +49,11 @@ absl::StatusOr<ColdRead> MemoryColdTier::ReadPinned(absl::string_view key, int64
 
 absl::Status MemoryColdTier::Apply(const ColdBatch& batch, bool sync) {
   absl::MutexLock lock(&mu_);
+  for (const auto& r : batch.set_pending) {
+    if (!live_.data.contains({r.key, r.record.version})) {
+      return absl::FailedPreconditionError("a pending record names bytes the tier lacks");
+    }
+  }
   for (const auto& p : batch.put_data) {
     live_.data[{p.key, p.version}] =
         std::string(reinterpret_cast<const char*>(p.bytes.data()), p.bytes.size());
@@ -59,6 +64,8 @@ absl::Status MemoryColdTier::Apply(const ColdBatch& batch, bool sync) {
   for (const auto& d : batch.delete_data) live_.data.erase({d.key, d.version});
   for (const auto& [job, step] : batch.set_job_steps) m.job_steps[job] = step;
   for (const auto& job : batch.delete_job_steps) m.job_steps.erase(job);
+  for (const auto& r : batch.set_pending) m.pending[{r.key, r.record.version}] = r.record;
+  for (const auto& d : batch.delete_pending) m.pending.erase({d.key, d.version});
   if (sync) durable_ = live_;
   return absl::OkStatus();
 }

@@ -2,6 +2,7 @@
 // separation, as RocksDB's own BlobDB does for large values). Key space (one column family):
 //   'L' + blob key + big-endian version -> where its bytes are (log file, offset, size)
 //   'M' + blob key                      -> committed record (version, size, crc)
+//   'P' + blob key + big-endian version -> a prepared pending version's record
 //   'J' + job id                        -> committed step
 //   'S'                                 -> the sync marker (which log bytes are on disk)
 // The bytes go once, by a buffered pwrite, into the append-only files of a BlobLog under
@@ -25,12 +26,13 @@
 // records reached the disk: the restart checks every committed version past the marker
 // against its CRC and refuses to start (DATA_LOSS, one line saying what to do) rather
 // than serve them. A version's location is written with the record that makes it
-// committed (or, copied forward, renamed by the next sync point); a committed version's
-// bytes never change. Log files are deleted only after a sync point covers the batch
-// that emptied them; the unsynced bytes of a version dropped before then are punched out
-// of its file (nothing names them), so the sync point does not write them either. A
-// failed sync or batch write stops the tier (every later call fails) until a restart
-// recovers from what the disk holds.
+// committed or prepared (or, copied forward, renamed by the next sync point); the bytes
+// of a version whose location is written never change (a prepared version written again
+// is deleted first, by the blob store). Log files are deleted only after a sync point covers the
+// batch that emptied them; the unsynced bytes of a version dropped before then are punched out of
+// its file (nothing names them), so the sync point does not write them either. A failed sync or
+// batch write stops the tier (every later call fails) until a restart recovers from what the disk
+// holds.
 //
 // Space: a log file is deleted once none of its versions is indexed, after the synced
 // write that dropped the last one. A closed file whose live bytes fall under a quarter of
@@ -72,13 +74,19 @@
 namespace pith::store {
 namespace {
 
-std::string LocationKey(absl::string_view key, int64_t version) {
-  std::string out(1, 'L');
+std::string VersionedKey(char prefix, absl::string_view key, int64_t version) {
+  std::string out(1, prefix);
   out.append(key.data(), key.size());
   for (int shift = 56; shift >= 0; shift -= 8) {
     out.push_back(static_cast<char>((static_cast<uint64_t>(version) >> shift) & 0xff));
   }
   return out;
+}
+std::string LocationKey(absl::string_view key, int64_t version) {
+  return VersionedKey('L', key, version);
+}
+std::string PendingKey(absl::string_view key, int64_t version) {
+  return VersionedKey('P', key, version);
 }
 std::string RecordKey(absl::string_view key) { return absl::StrCat("M", key); }
 std::string JobKey(absl::string_view job) { return absl::StrCat("J", job); }
@@ -251,6 +259,17 @@ class RocksColdTier final : public ColdTier {
     {
       absl::MutexLock lock(&mu_);
       RETURN_IF_ERROR(log_.Stopped());
+      for (const auto& r : batch.set_pending) {
+        if (!index_.contains({r.key, r.record.version})) {
+          return absl::FailedPreconditionError("a pending record names bytes the tier lacks");
+        }
+      }
+      for (const auto& r : batch.set_pending) {
+        wb.Put(PendingKey(r.key, r.record.version), EncodeRecord(r.record));
+        auto it = index_.find({r.key, r.record.version});
+        NameLocked(it->first, it->second, &wb);
+      }
+      for (const auto& d : batch.delete_pending) wb.Delete(PendingKey(d.key, d.version));
       for (const auto& r : batch.set_records) {
         wb.Put(RecordKey(r.key), EncodeRecord(r.record));
         auto it = index_.find({r.key, r.record.version});
@@ -292,6 +311,16 @@ class RocksColdTier final : public ColdTier {
           DecodeRecord(absl::string_view(it->value().data(), it->value().size()));
       if (!r) return absl::DataLossError("rocksdb: bad blob record");
       out.records[std::string(Rest(it->key()))] = *r;
+    }
+    for (it->Seek("P"); it->Valid() && it->key()[0] == 'P'; it->Next()) {
+      std::string key;
+      int64_t version;
+      std::optional<BlobRecord> r =
+          DecodeRecord(absl::string_view(it->value().data(), it->value().size()));
+      if (!SplitVersioned(Rest(it->key()), &key, &version) || !r || r->version != version) {
+        return absl::DataLossError("rocksdb: bad pending record");
+      }
+      out.pending[{std::move(key), version}] = *r;
     }
     if (!it->status().ok()) return ToStatus(it->status(), "scan");
     absl::MutexLock lock(&mu_);
@@ -387,15 +416,16 @@ class RocksColdTier final : public ColdTier {
       std::memcpy(&l.offset, it->value().data() + 8, 8);
       std::memcpy(&l.size, it->value().data() + 16, 8);
       l.persisted = true;
-      // The record naming this version as committed, if one does (looked up only where
-      // the bytes are missing or past the last sync point).
-      const auto committed = [&]() -> std::optional<BlobRecord> {
+      // The record naming this version as committed (or prepared), if one does (looked up
+      // only where the bytes are missing or past the last sync point).
+      const auto named = [&](const std::string& record_key) -> std::optional<BlobRecord> {
         std::string value;
-        if (!db_->Get(rocksdb::ReadOptions(), RecordKey(key), &value).ok()) return std::nullopt;
+        if (!db_->Get(rocksdb::ReadOptions(), record_key, &value).ok()) return std::nullopt;
         std::optional<BlobRecord> r = DecodeRecord(value);
         if (!r || r->version != version) return std::nullopt;
         return r;
       };
+      const auto committed = [&] { return named(RecordKey(key)); };
       const BlobLog::SpanState state = log_.Check(l);
       if (state == BlobLog::SpanState::kMissing) {
         if (committed()) {
@@ -411,6 +441,10 @@ class RocksColdTier final : public ColdTier {
         // on disk after the machine stopped.
         if (std::optional<BlobRecord> r = committed()) {
           RETURN_IF_ERROR(VerifyUnsynced(l, key, *r));
+        } else if (std::optional<BlobRecord> p = named(PendingKey(key, version));
+                   p && !VerifyUnsynced(l, key, *p).ok()) {
+          dangling->Delete(it->key());  // a prepared version the disk lost: the store drops it
+          continue;
         }
       }
       RETURN_IF_ERROR(log_.Ref({key, version}, l));

@@ -18,8 +18,8 @@ namespace pith::store {
 security::Policy StoreServiceImpl::StorePolicy(bool enforce) {
   using security::Role;
   std::map<std::string, std::set<Role>> rules;
-  for (const char* method :
-       {"CommitStep", "AbortStep", "DeleteBlob", "DeleteJob", "Checkpoint", "PullBlobs"}) {
+  for (const char* method : {"PrepareStep", "CommitStep", "AbortStep", "DeleteBlob", "DeleteJob",
+                             "Checkpoint", "PullBlobs"}) {
     rules[method] = {Role::kCoordinator};
   }
   for (const char* method :
@@ -64,6 +64,16 @@ grpc::Status StoreServiceImpl::ListBlobs(grpc::ServerContext* context,
   if (!blobs.ok()) return ToGrpcStatus(blobs.status());
   for (v1::BlobInfo& b : *blobs) *reply->add_blobs() = std::move(b);
   if (!next.empty()) reply->set_next_page_token(absl::WebSafeBase64Escape(next));
+  return grpc::Status::OK;
+}
+
+grpc::Status StoreServiceImpl::PrepareStep(grpc::ServerContext* context,
+                                           const v1::PrepareStepRequest* request,
+                                           v1::PrepareStepResponse* reply) {
+  if (grpc::Status denied = policy_.Admit(*context, "PrepareStep"); !denied.ok()) return denied;
+  absl::StatusOr<uint64_t> n = store_->PrepareStep(request->job_id(), request->step());
+  if (!n.ok()) return ToGrpcStatus(n.status());
+  reply->set_blobs_prepared(*n);
   return grpc::Status::OK;
 }
 

@@ -39,6 +39,8 @@ class StoreServiceImpl final : public v1::StoreService::Service {
                         v1::BlobInfo* reply) override;
   grpc::Status ListBlobs(grpc::ServerContext* context, const v1::ListBlobsRequest* request,
                          v1::ListBlobsResponse* reply) override;
+  grpc::Status PrepareStep(grpc::ServerContext* context, const v1::PrepareStepRequest* request,
+                           v1::PrepareStepResponse* reply) override;
   grpc::Status CommitStep(grpc::ServerContext* context, const v1::CommitStepRequest* request,
                           v1::CommitStepResponse* reply) override;
   grpc::Status AbortStep(grpc::ServerContext* context, const v1::AbortStepRequest* request,

@@ -367,6 +367,45 @@ TEST_F(StoreE2eTest, KillDashNineMidStepLosesNoCommittedVersion) {
   EXPECT_EQ(Stats().pending_blobs(), 0u);
 }
 
+// The coordinator decides a step's commit only once the job's stores prepared it: a store
+// process killed between the decision and its commit has the step after the restart and
+// commits it, so the decision holds.
+TEST_F(StoreE2eTest, KillDashNineBetweenPrepareAndCommitLosesNothingPrepared) {
+  StartStore();
+  const int kBlobs = 12;
+  for (int e = 0; e < kBlobs; ++e) ASSERT_TRUE(PutBytes(Key(1, e), 0, Bytes(200 << 10, e)).ok());
+  ASSERT_TRUE(Commit(0).ok());
+  for (int e = 0; e < kBlobs; ++e) {
+    ASSERT_TRUE(PutBytes(Key(1, e), 1, Bytes(200 << 10, 100 + e)).ok());
+  }
+  {
+    grpc::ClientContext ctx;
+    v1::PrepareStepRequest req;
+    req.set_job_id("job");
+    req.set_step(1);
+    v1::PrepareStepResponse resp;
+    ASSERT_TRUE(stub_->PrepareStep(&ctx, req, &resp).ok());
+    EXPECT_EQ(resp.blobs_prepared(), static_cast<uint64_t>(kBlobs));
+  }
+  store_->Kill();
+
+  StartStore();
+  EXPECT_EQ(Stats().pending_blobs(), static_cast<uint64_t>(kBlobs));
+  grpc::ClientContext ctx;
+  v1::CommitStepRequest req;
+  req.set_job_id("job");
+  req.set_step(1);
+  req.set_previous_step(0);
+  v1::CommitStepResponse resp;
+  ASSERT_TRUE(stub_->CommitStep(&ctx, req, &resp).ok());
+  EXPECT_EQ(resp.blobs_committed(), static_cast<uint64_t>(kBlobs));
+  std::vector<v1::BlobKey> keys;
+  for (int e = 0; e < kBlobs; ++e) keys.push_back(Key(1, e));
+  auto got = FetchAll(keys, 200 << 10);
+  for (int e = 0; e < kBlobs; ++e) EXPECT_EQ(got[e], Bytes(200 << 10, 100 + e)) << e;
+  EXPECT_EQ(Stats().pending_blobs(), 0u);
+}
+
 // An ext4 file system on a loop device over an image file: the image is the disk, so a
 // copy of it taken after the store was killed holds what a power cut would have left
 // (the file system's dirty pages, written by the store but not synced, are not in it).

@@ -3,7 +3,8 @@
 // An input is a sequence of up to 32 operations: a handler with a request of the fuzzer's
 // bytes merged over a valid one, or a blob written as the data plane writes them. Every
 // answer is OK or a named error (rpc_fuzz.h), and what a commit answers holds after it:
-// the job is at that step, and the RAM tier never holds more than its budget.
+// the job is at that step, a prepared step is past the job's, and the RAM tier never holds
+// more than its budget.
 //
 // Not here: PullBlobs (it dials the source's UCX address; its address check is
 // ucx_address_fuzz's), and the mutual-TLS policy (security/authorize_test).
@@ -73,11 +74,60 @@ std::unique_ptr<World> NewWorld() {
   return world;
 }
 
+// The step calls of RunOne: commit, abort and prepare (op 3, 4, 10).
+void StepCall(World& w, FuzzedDataProvider& in, int op) {
+  grpc::ServerContext ctx;
+  pith::store::StoreServiceImpl& s = *w.service;
+  switch (op) {
+    case 3: {
+      v1::CommitStepRequest base;
+      base.set_job_id("j");
+      base.set_step(in.ConsumeIntegralInRange<int64_t>(0, 8));
+      v1::CommitStepRequest req = Request(base, in);
+      v1::CommitStepResponse reply;
+      grpc::Status st = s.CommitStep(&ctx, &req, &reply);
+      CheckAnswer("CommitStep", st);
+      if (st.ok()) {
+        Require(reply.committed_step() == req.step(), "a commit answers the step asked");
+        Require(w.store->CommittedStep(req.job_id()) == req.step(),
+                "a job is at the step its commit answered");
+      }
+      return;
+    }
+    case 4: {
+      v1::AbortStepRequest base;
+      base.set_job_id("j");
+      base.set_step(in.ConsumeIntegralInRange<int64_t>(0, 8));
+      v1::AbortStepRequest req = Request(base, in);
+      v1::AbortStepResponse reply;
+      CheckAnswer("AbortStep", s.AbortStep(&ctx, &req, &reply));
+      return;
+    }
+    case 10: {
+      v1::PrepareStepRequest base;
+      base.set_job_id("j");
+      base.set_step(in.ConsumeIntegralInRange<int64_t>(0, 8));
+      v1::PrepareStepRequest req = Request(base, in);
+      v1::PrepareStepResponse reply;
+      grpc::Status st = s.PrepareStep(&ctx, &req, &reply);
+      CheckAnswer("PrepareStep", st);
+      if (st.ok()) {
+        Require(w.store->CommittedStep(req.job_id()) < req.step(),
+                "a prepared step is one the job has not committed");
+      }
+      return;
+    }
+    default:
+      return;
+  }
+}
+
 // One operation of the input on `w`.
 void RunOne(World& w, FuzzedDataProvider& in) {
   grpc::ServerContext ctx;
   pith::store::StoreServiceImpl& s = *w.service;
-  switch (in.ConsumeIntegralInRange(0, 10)) {
+  const int op = in.ConsumeIntegralInRange(0, 11);
+  switch (op) {
     case 0: {  // a write, as the data plane makes it (its own parser: data_plane_fuzz)
       v1::BlobKey key = Request(BaseKey(), in);
       const int64_t version = in.ConsumeIntegralInRange<int64_t>(-2, 8);
@@ -103,30 +153,10 @@ void RunOne(World& w, FuzzedDataProvider& in) {
       CheckAnswer("ListBlobs", s.ListBlobs(&ctx, &req, &reply));
       return;
     }
-    case 3: {
-      v1::CommitStepRequest base;
-      base.set_job_id("j");
-      base.set_step(in.ConsumeIntegralInRange<int64_t>(0, 8));
-      v1::CommitStepRequest req = Request(base, in);
-      v1::CommitStepResponse reply;
-      grpc::Status st = s.CommitStep(&ctx, &req, &reply);
-      CheckAnswer("CommitStep", st);
-      if (st.ok()) {
-        Require(reply.committed_step() == req.step(), "a commit answers the step asked");
-        Require(w.store->CommittedStep(req.job_id()) == req.step(),
-                "a job is at the step its commit answered");
-      }
-      return;
-    }
-    case 4: {
-      v1::AbortStepRequest base;
-      base.set_job_id("j");
-      base.set_step(in.ConsumeIntegralInRange<int64_t>(0, 8));
-      v1::AbortStepRequest req = Request(base, in);
-      v1::AbortStepResponse reply;
-      CheckAnswer("AbortStep", s.AbortStep(&ctx, &req, &reply));
-      return;
-    }
+    case 3:
+    case 4:
+    case 10:
+      return StepCall(w, in, op);
     case 5: {
       v1::DeleteBlobRequest req;
       *req.mutable_key() = Request(BaseKey(), in);
