@@ -46,10 +46,11 @@ class GrpcStoreControl final : public StoreControl {
   }
 
   absl::StatusOr<uint64_t> PrepareStep(const v1::MemberInfo& store, const std::string& job_id,
-                                       int64_t step) override {
+                                       int64_t step, int64_t attempt) override {
     v1::PrepareStepRequest request;
     request.set_job_id(job_id);
     request.set_step(step);
+    request.set_attempt(attempt);
     v1::PrepareStepResponse reply;
     grpc::ClientContext ctx;
     ctx.set_deadline(absl::ToChronoTime(absl::Now() + timeout_));
@@ -58,12 +59,13 @@ class GrpcStoreControl final : public StoreControl {
   }
 
   absl::StatusOr<v1::CommitStepResponse> CommitStep(const v1::MemberInfo& store,
-                                                    const std::string& job_id,
-                                                    int64_t step) override {
+                                                    const std::string& job_id, int64_t step,
+                                                    int64_t attempt) override {
     v1::CommitStepRequest request;
     request.set_job_id(job_id);
     request.set_step(step);
     request.set_previous_step(step - 1);
+    request.set_attempt(attempt);
     v1::CommitStepResponse reply;
     grpc::ClientContext ctx;
     ctx.set_deadline(absl::ToChronoTime(absl::Now() + timeout_));

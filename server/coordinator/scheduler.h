@@ -188,8 +188,8 @@ class Scheduler {
     // The step in flight's blobs the workers wrote (their primary stores recorded them),
     // by group ((-1, 0): dense): a store's commit must make at least these current.
     std::map<std::pair<int, int>, std::set<std::string>> written_blobs;
-    // Stores whose commits of this job fail, since when: after several leases of it, the
-    // job loses them (record.lost_stores).
+    // Stores whose commits (or prepares) of this job fail, since when: after several
+    // leases of it, the job loses them (record.lost_stores).
     std::map<std::string, absl::Time> commit_trouble;
     // Groups stores left ((store, layer, expert); layer -1: dense), with the first step of
     // the placement without them: their blobs there are deleted once it committed.
@@ -314,6 +314,12 @@ class Scheduler {
   // answer is a refusal or a wrong count, or its commits have failed for several leases.
   bool CheckCommitLocked(Run& run, const std::string& store, int64_t step,
                          const absl::StatusOr<v1::CommitStepResponse>& answer, uint64_t expected)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // A store of the job whose calls (`calls`: "commits", "prepares") fail: noted since
+  // when; the job loses it at once when it `refused` (answered wrongly), else once it has
+  // failed for three leases (record.lost_stores, with why).
+  void StoreTroubleLocked(Run& run, const std::string& store, const std::string& calls,
+                          const std::string& problem, bool refused)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void FinishCommitLocked(const std::string& job_id, Run& run) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // After a commit of `step` (not the last): copies join or leave the placement, and at

@@ -28,18 +28,20 @@ namespace {
 class FakeStores final : public StoreControl {
  public:
   absl::StatusOr<uint64_t> PrepareStep(const v1::MemberInfo& store, const std::string& job_id,
-                                       int64_t step) override {
+                                       int64_t step, int64_t attempt) override {
     absl::MutexLock lock(&mu_);
     prepares.push_back(absl::StrCat(store.member_id(), ":", job_id, ":", step));
+    prepare_attempts.push_back(attempt);
     auto failure = failing_prepares.find(store.member_id());
     if (failure != failing_prepares.end()) return failure->second;
     auto n = prepared_answered.find(store.member_id());
     return n != prepared_answered.end() ? n->second : 1000000;
   }
   absl::StatusOr<v1::CommitStepResponse> CommitStep(const v1::MemberInfo& store,
-                                                    const std::string& job_id,
-                                                    int64_t step) override {
+                                                    const std::string& job_id, int64_t step,
+                                                    int64_t attempt) override {
     absl::MutexLock lock(&mu_);
+    commit_attempts.push_back(attempt);
     auto failure = failing.find(store.member_id());
     if (failure != failing.end()) return failure->second;
     if (fail_commits) return absl::UnavailableError("store down");
@@ -131,6 +133,7 @@ class FakeStores final : public StoreControl {
   std::map<std::string, absl::Status> failing_prepares;
   std::map<std::string, uint64_t> prepared_answered;
   std::vector<std::string> prepares, commits, aborts, pulls;
+  std::vector<int64_t> prepare_attempts, commit_attempts;
   // Runs (without the lock) inside the next DeleteJob, before it is recorded.
   std::function<void(const v1::MemberInfo&, const v1::DeleteJobRequest&)> during_delete;
 };
@@ -454,6 +457,36 @@ TEST_F(SchedulerTest, AStepIsPreparedOnItsStoresBeforeItsCommitIsDecided) {
   EXPECT_EQ(failed.state(), v1::JOB_STATE_FAILED);
   EXPECT_THAT(failed.failure_reason(), ::testing::HasSubstr("step 2 failed 8 attempts in a row"));
   EXPECT_THAT(failed.failure_reason(), ::testing::HasSubstr("disk stopped"));
+}
+
+// A store that does not answer its prepares is not counted against the step's attempts
+// (it may be dying: the membership judges that); after three leases of it the job loses
+// the store, as for commits, and with its only copy the job fails naming why.
+TEST_F(SchedulerTest, AStoreSilentOnPreparesIsLostAfterThreeLeases) {
+  const v1::Job job = Submit(1, 300, /*replicas=*/1);
+  const std::string s0 = Join(v1::MEMBER_ROLE_STORE);
+  const std::string w0 = Join(v1::MEMBER_ROLE_WORKER);
+  scheduler_->Tick();
+  CommitStep(job.job_id(), 0, {w0});
+  // The attempt the workers wrote is the one prepared and committed.
+  EXPECT_EQ(stores_.prepare_attempts.back(), stores_.commit_attempts.back());
+  stores_.failing_prepares[s0] = absl::DeadlineExceededError("no answer");
+  for (int i = 0; i < SchedulerOptions().step_attempts + 2; ++i) {
+    auto report = Report(job.job_id(), w0, 1);
+    ASSERT_TRUE(report.ok()) << report.status();
+    EXPECT_TRUE(report->aborted());
+  }
+  EXPECT_EQ(Job(job.job_id()).state(), v1::JOB_STATE_RUNNING);
+  for (int i = 0; i < 5; ++i) {
+    now_ += absl::Seconds(2);
+    for (const std::string& m : {s0, w0}) ASSERT_TRUE(members_->Heartbeat(m, {}).ok());
+    ASSERT_TRUE(Report(job.job_id(), w0, 1).ok());
+    scheduler_->Tick();
+  }
+  const v1::Job failed = Job(job.job_id());
+  EXPECT_EQ(failed.state(), v1::JOB_STATE_FAILED);
+  EXPECT_THAT(failed.failure_reason(), ::testing::HasSubstr("failed the job's prepares for"));
+  EXPECT_THAT(failed.failure_reason(), ::testing::HasSubstr("no answer"));
 }
 
 // With two copies, a store that cannot prepare does not hold the step back: the other copy

@@ -32,6 +32,43 @@ std::vector<Answer> OnEachStore(const std::vector<v1::MemberInfo>& stores,
   return answers;
 }
 
+// What the job's stores answered to a step's prepare.
+struct PrepareAnswers {
+  std::set<std::string> prepared_on;          // stores that prepared what was written to them
+  std::string problems;                       // every other store, and why
+  std::map<std::string, std::string> silent;  // stores that did not answer, and why
+  bool answered_wrongly = false;              // a store answered, and had not prepared
+};
+
+PrepareAnswers TakePrepareAnswers(const std::vector<v1::MemberInfo>& stores,
+                                  std::map<std::string, uint64_t> expected,
+                                  const std::vector<absl::StatusOr<uint64_t>>& answers) {
+  PrepareAnswers out;
+  for (size_t i = 0; i < stores.size(); ++i) {
+    const std::string& id = stores[i].member_id();
+    std::string problem;
+    if (!answers[i].ok()) {
+      problem = std::string(answers[i].status().message());
+      const absl::StatusCode code = answers[i].status().code();
+      if (code == absl::StatusCode::kUnavailable || code == absl::StatusCode::kDeadlineExceeded ||
+          code == absl::StatusCode::kCancelled) {
+        out.silent[id] = problem;
+      } else {
+        out.answered_wrongly = true;
+      }
+    } else if (*answers[i] < expected[id]) {
+      problem =
+          absl::StrCat("it holds ", *answers[i], " of the ", expected[id], " blobs written to it");
+      out.answered_wrongly = true;
+    } else {
+      out.prepared_on.insert(id);
+      continue;
+    }
+    absl::StrAppend(&out.problems, out.problems.empty() ? "" : "; ", "store ", id, ": ", problem);
+  }
+  return out;
+}
+
 }  // namespace
 
 v1::StepStatus Scheduler::StatusLocked(const std::string& job_id, const Run& run,
@@ -157,37 +194,26 @@ absl::StatusOr<bool> Scheduler::PrepareAndDecide(const v1::StepWrittenRequest& r
   const Alive alive = Snapshot(*members_);
   std::vector<v1::MemberInfo> targets;
   std::map<std::string, uint64_t> expected;
+  bool stores_down = false;  // a store of the job is not alive: it cannot prepare
   {
     absl::MutexLock lock(&mu_);
     auto it = runs_.find(r.job_id());
     if (it == runs_.end() || it->second.record.assignment_version() != attempt) return false;
     for (const std::string& id : JobStores(it->second)) {
-      if (auto store = alive.stores.find(id); store != alive.stores.end()) {
+      auto store = alive.stores.find(id);
+      if (store != alive.stores.end()) {
         targets.push_back(store->second);
+      } else {
+        stores_down = true;
       }
     }
     expected = ExpectedBlobsLocked(it->second);
   }
-  const std::vector<absl::StatusOr<uint64_t>> answers =
+  const PrepareAnswers answers = TakePrepareAnswers(
+      targets, expected,
       OnEachStore<absl::StatusOr<uint64_t>>(targets, [&](const v1::MemberInfo& store) {
-        return stores_->PrepareStep(store, r.job_id(), r.step());
-      });
-  std::set<std::string> prepared_on;
-  std::string problems;  // of the stores that answered wrongly
-  for (size_t i = 0; i < targets.size(); ++i) {
-    const std::string& id = targets[i].member_id();
-    std::string problem;
-    if (!answers[i].ok()) {
-      problem = std::string(answers[i].status().message());
-    } else if (*answers[i] < expected[id]) {
-      problem =
-          absl::StrCat("it holds ", *answers[i], " of the ", expected[id], " blobs written to it");
-    } else {
-      prepared_on.insert(id);
-      continue;
-    }
-    absl::StrAppend(&problems, problems.empty() ? "" : "; ", "store ", id, ": ", problem);
-  }
+        return stores_->PrepareStep(store, r.job_id(), r.step(), attempt);
+      }));
   std::vector<StoreCall> aborts;
   std::string give_up;
   {
@@ -198,10 +224,14 @@ absl::StatusOr<bool> Scheduler::PrepareAndDecide(const v1::StepWrittenRequest& r
       return false;  // voided (or decided) meanwhile
     }
     Run& run = it->second;
-    const std::string unheld = UnheldGroup(run, prepared_on);
+    for (const std::string& id : answers.prepared_on) run.commit_trouble.erase(id);
+    for (const auto& [id, why] : answers.silent)
+      StoreTroubleLocked(run, id, "prepares", why, false);
+    const std::string unheld = UnheldGroup(run, answers.prepared_on);
     if (unheld.empty()) {
-      LOG_IF(WARNING, !problems.empty()) << "job " << r.job_id() << ": step " << r.step()
-                                         << " goes on without a prepare on " << problems;
+      LOG_IF(WARNING, !answers.problems.empty())
+          << "job " << r.job_id() << ": step " << r.step() << " goes on without a prepare on "
+          << answers.problems;
       run.record.set_committing_step(r.step());
       // The decision is durable before any store hears of it; if it cannot be made
       // durable, it is not made.
@@ -212,15 +242,16 @@ absl::StatusOr<bool> Scheduler::PrepareAndDecide(const v1::StepWrittenRequest& r
       }
       return true;
     }
-    // A copy no store could make crash-proof: the step is redone. A store that answered
-    // wrongly counts as a failed attempt; one that is down is the membership's to judge.
+    // A group no store made crash-proof: the step is redone. Stores that answered wrongly,
+    // all of the job's alive and answering, count as a failed attempt; a store that is
+    // down or silent is the membership's (or the patience's) to judge.
     const std::string reason =
         absl::StrCat("step ", r.step(), " was prepared on no copy of ", unheld,
-                     problems.empty() ? " (its stores are down)" : ": ", problems);
-    if (problems.empty()) {
-      AbortLocked(run, reason, &aborts);
-    } else {
+                     answers.problems.empty() ? " (its stores are down)" : ": ", answers.problems);
+    if (answers.answered_wrongly && answers.silent.empty() && !stores_down) {
       give_up = FailAttemptLocked(run, r.step(), reason, &aborts);
+    } else {
+      AbortLocked(run, reason, &aborts);
     }
     if (absl::Status s = PersistLocked(run); !s.ok()) LOG(ERROR) << s;
   }
@@ -277,6 +308,7 @@ void Scheduler::Commit(const std::string& job_id, int64_t step) {
   const Alive alive = Snapshot(*members_);
   std::vector<v1::MemberInfo> targets;
   std::map<std::string, uint64_t> expected;  // blobs written to each store's complete copies
+  int64_t attempt = 0;
   bool all = true;
   {
     absl::MutexLock lock(&mu_);
@@ -287,6 +319,8 @@ void Scheduler::Commit(const std::string& job_id, int64_t step) {
     }
     Run& run = it->second;
     run.committing = true;
+    // The decided attempt: nothing moves the assignment version on before the commit ends.
+    attempt = run.record.assignment_version();
     // The job's stores commit, no other: one not alive yet (after a restart), or one that
     // died holding a group's only copy (AwaitedStores), holds the commit back until it
     // registers again or is declared gone.
@@ -305,8 +339,9 @@ void Scheduler::Commit(const std::string& job_id, int64_t step) {
   // The stores commit side by side: each syncs the step's bytes to its disk.
   const std::vector<absl::StatusOr<v1::CommitStepResponse>> results =
       OnEachStore<absl::StatusOr<v1::CommitStepResponse>>(
-          targets,
-          [&](const v1::MemberInfo& store) { return stores_->CommitStep(store, job_id, step); });
+          targets, [&](const v1::MemberInfo& store) {
+            return stores_->CommitStep(store, job_id, step, attempt);
+          });
   absl::MutexLock lock(&mu_);
   auto it = runs_.find(job_id);
   if (it == runs_.end()) return;
@@ -352,21 +387,26 @@ bool Scheduler::CheckCommitLocked(Run& run, const std::string& store, int64_t st
     run.commit_trouble.erase(store);
     return true;
   }
-  const absl::Time now = options_.clock();
-  const absl::Time since = run.commit_trouble.emplace(store, now).first->second;
   LOG(WARNING) << "job " << run.record.job_id() << ": commit of step " << step << " on store "
                << store << ": " << problem;
+  StoreTroubleLocked(run, store, "commits", problem, refused);
+  return false;
+}
+
+void Scheduler::StoreTroubleLocked(Run& run, const std::string& store, const std::string& calls,
+                                   const std::string& problem, bool refused) {
+  const absl::Time now = options_.clock();
+  const absl::Time since = run.commit_trouble.emplace(store, now).first->second;
   const absl::Duration patience = 3 * members_->lease();
-  if (!refused && now - since < patience) return false;
+  if (!refused && now - since < patience) return;
   const std::string why = refused ? problem
-                                  : absl::StrCat("failed the job's commits for ",
+                                  : absl::StrCat("failed the job's ", calls, " for ",
                                                  absl::FormatDuration(now - since), ": ", problem);
   LOG(ERROR) << "job " << run.record.job_id() << " no longer uses store " << store << ": " << why;
   (*run.record.mutable_lost_stores())[store] = why;
   run.commit_trouble.erase(store);
   absl::Status s = PersistLocked(run);
   if (!s.ok()) LOG(ERROR) << s;
-  return false;
 }
 
 void Scheduler::FinishCommitLocked(const std::string& job_id, Run& run) {

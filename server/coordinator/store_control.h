@@ -22,16 +22,18 @@ namespace pith::coordinator {
 class StoreControl {
  public:
   virtual ~StoreControl() = default;
-  // Makes the job's pending versions of `step` on `store` survive a crash of its process;
-  // returns how many there are (the caller checks them against what was written there).
+  // Makes the job's pending versions of `step` on `store` survive a crash of its process,
+  // for `attempt` (the assignment version that wrote them); returns how many there are
+  // (the caller checks them against what was written there).
   virtual absl::StatusOr<uint64_t> PrepareStep(const v1::MemberInfo& store,
-                                               const std::string& job_id, int64_t step) = 0;
-  // Makes the job's pending versions of `step` current on `store`, the step after
-  // step - 1 (idempotent: a retry answers already_committed). The answer says what the
-  // store did; the caller checks it.
+                                               const std::string& job_id, int64_t step,
+                                               int64_t attempt) = 0;
+  // Makes the job's pending versions of `step` (those `attempt` wrote) current on `store`,
+  // the step after step - 1 (idempotent: a retry answers already_committed). The answer
+  // says what the store did; the caller checks it.
   virtual absl::StatusOr<v1::CommitStepResponse> CommitStep(const v1::MemberInfo& store,
-                                                            const std::string& job_id,
-                                                            int64_t step) = 0;
+                                                            const std::string& job_id, int64_t step,
+                                                            int64_t attempt) = 0;
   // Drops the job's pending versions of `step` on `store`.
   virtual absl::Status AbortStep(const v1::MemberInfo& store, const std::string& job_id,
                                  int64_t step) = 0;

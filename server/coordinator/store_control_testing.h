@@ -13,12 +13,12 @@ namespace pith::coordinator::testing {
 
 class NoStores final : public StoreControl {
  public:
-  absl::StatusOr<uint64_t> PrepareStep(const v1::MemberInfo&, const std::string&,
+  absl::StatusOr<uint64_t> PrepareStep(const v1::MemberInfo&, const std::string&, int64_t,
                                        int64_t) override {
     return uint64_t{1} << 40;  // every blob the workers wrote, and more
   }
   absl::StatusOr<v1::CommitStepResponse> CommitStep(const v1::MemberInfo&, const std::string&,
-                                                    int64_t step) override {
+                                                    int64_t step, int64_t) override {
     v1::CommitStepResponse r;
     r.set_committed_step(step);
     r.set_blobs_committed(uint64_t{1} << 40);  // every blob the workers wrote, and more

@@ -112,8 +112,9 @@ absl::Status BlobStore::Recover() {
     Blob& blob = blobs_[key];
     if (blob.versions.empty()) blob.key = std::move(decoded);
     Version& v = blob.versions[version];
-    v = Version{record.version, record.size, record.crc, nullptr, {}};
+    v = Version{record.record.version, record.record.size, record.record.crc, nullptr, {}};
     v.prepared = true;
+    v.attempt = record.attempt;
     kept.insert(at);
   }
   // Keep those and the committed versions; anything else is a pending version of a step

@@ -164,15 +164,21 @@ class BlobStore {
   // committed step as the coordinator knows it), `step` must be previous + 1
   // (INVALID_ARGUMENT). A job already at `step` here answers `already`; one past it is
   // FAILED_PRECONDITION (this copy is not the job's history: a far-future commit must not
-  // turn every later real one into a no-op).
+  // turn every later real one into a no-op). With `attempt` (the decided attempt), a
+  // version another attempt prepared and nobody wrote since is dropped, not committed.
   absl::StatusOr<CommitResult> CommitStep(const std::string& job_id, int64_t step,
-                                          std::optional<int64_t> previous = std::nullopt);
+                                          std::optional<int64_t> previous = std::nullopt,
+                                          std::optional<int64_t> attempt = std::nullopt);
   // Makes the job's pending versions of `step` survive a crash of the process (a kill -9
-  // between the coordinator's decision to commit and the commit): their records go
-  // through the cold tier's WAL, and the restarted store has them pending. A put of a
-  // prepared version replaces it, as any retried write does. Returns how many there are;
-  // FAILED_PRECONDITION when the job is at `step` or past it here.
-  absl::StatusOr<uint64_t> PrepareStep(const std::string& job_id, int64_t step);
+  // between the coordinator's decision to commit and the commit): their records, tagged
+  // with `attempt` (the coordinator's assignment version), go through the cold tier's
+  // WAL, and the restarted store has them pending. Versions another attempt prepared and
+  // nobody wrote since belong to a voided attempt whose abort this store missed: they are
+  // dropped. A put of a prepared version replaces it, as any retried write does (and
+  // waits for a commit in progress: rare, a put after its step's prepare). Returns how
+  // many versions there are; FAILED_PRECONDITION when the job is at `step` or past it.
+  absl::StatusOr<uint64_t> PrepareStep(const std::string& job_id, int64_t step,
+                                       int64_t attempt = 0);
   // Discards the job's pending versions of `step`; returns how many.
   absl::StatusOr<uint64_t> AbortStep(const std::string& job_id, int64_t step);
   // Deletes every version; returns the bytes freed.
@@ -215,6 +221,7 @@ class BlobStore {
     uint64_t last_use = 0;        // clock_ at the last read or write; 0: never
     uint64_t last_cold_read = 0;  // cold_gets_ at the last read from the cold tier; 0: never
     bool prepared = false;        // pending, with its record in the cold tier (PrepareStep)
+    int64_t attempt = 0;          // the attempt that prepared it
   };
   struct Blob {
     v1::BlobKey key;

@@ -33,7 +33,8 @@ void BlobStore::EraseVersionLocked(const std::string& key, Blob& blob, int64_t v
 
 absl::StatusOr<BlobStore::CommitResult> BlobStore::CommitStep(const std::string& job_id,
                                                               int64_t step,
-                                                              std::optional<int64_t> previous) {
+                                                              std::optional<int64_t> previous,
+                                                              std::optional<int64_t> attempt) {
   if (job_id.empty() || step < 0)
     return absl::InvalidArgumentError("job_id and step >= 0 required");
   if (previous && step != *previous + 1) {
@@ -62,6 +63,9 @@ absl::StatusOr<BlobStore::CommitResult> BlobStore::CommitStep(const std::string&
       Blob& blob = it->second;
       auto v = blob.versions.find(step);
       if (v == blob.versions.end()) continue;
+      // Prepared by another attempt and not written since: a voided attempt's (its abort
+      // missed this store), dropped below with what the commit replaces.
+      if (attempt && v->second.prepared && v->second.attempt != *attempt) continue;
       batch.set_records.push_back({it->first, {v->second.version, v->second.size, v->second.crc}});
       if (v->second.prepared) batch.delete_pending.push_back({it->first, step});
       ++committed;
@@ -100,7 +104,8 @@ absl::StatusOr<BlobStore::CommitResult> BlobStore::CommitStep(const std::string&
   return CommitResult{step, committed};
 }
 
-absl::StatusOr<uint64_t> BlobStore::PrepareStep(const std::string& job_id, int64_t step) {
+absl::StatusOr<uint64_t> BlobStore::PrepareStep(const std::string& job_id, int64_t step,
+                                                int64_t attempt) {
   if (job_id.empty() || step < 0)
     return absl::InvalidArgumentError("job_id and step >= 0 required");
   const std::string prefix = JobKeyPrefix(job_id);
@@ -116,23 +121,39 @@ absl::StatusOr<uint64_t> BlobStore::PrepareStep(const std::string& job_id, int64
                                                         " is not pending"));
     }
     for (auto it = blobs_.lower_bound(prefix);
-         it != blobs_.end() && absl::StartsWith(it->first, prefix); ++it) {
-      auto v = it->second.versions.find(step);
-      if (v == it->second.versions.end() || it->second.committed == step) continue;
+         it != blobs_.end() && absl::StartsWith(it->first, prefix);) {
+      Blob& blob = it->second;
+      auto v = blob.versions.find(step);
+      if (v == blob.versions.end() || blob.committed == step) {
+        ++it;
+        continue;
+      }
+      if (v->second.prepared && v->second.attempt != attempt) {
+        // A voided attempt's, not written again by this one (the abort missed this store,
+        // down at the time): not part of this step.
+        EraseVersionLocked(it->first, blob, step, &batch);
+        it = blob.versions.empty() ? blobs_.erase(it) : std::next(it);
+        continue;
+      }
       ++pending;
       if (!v->second.prepared) {
-        batch.set_pending.push_back({it->first, {step, v->second.size, v->second.crc}});
+        batch.set_pending.push_back({it->first, {{step, v->second.size, v->second.crc}, attempt}});
       }
+      ++it;
     }
+    UpdateGaugesLocked();
   }
   // Through the WAL, not synced: a process crash keeps it (DESIGN §4, the prepare).
-  if (!batch.set_pending.empty()) RETURN_IF_ERROR(cold_->Apply(batch, /*sync=*/false));
+  if (!batch.set_pending.empty() || !batch.delete_data.empty()) {
+    RETURN_IF_ERROR(cold_->Apply(batch, /*sync=*/false));
+  }
   absl::MutexLock lock(&mu_);
   for (const auto& r : batch.set_pending) {
     auto it = blobs_.find(r.key);
     if (it == blobs_.end()) continue;
     if (auto v = it->second.versions.find(step); v != it->second.versions.end()) {
       v->second.prepared = true;
+      v->second.attempt = attempt;
     }
   }
   return pending;

@@ -56,8 +56,8 @@ class BlobStoreTest : public ::testing::Test {
     options_.admission_window = admission_window;
     options_.max_blob_bytes = 1 << 20;
     if (arena_.size() < ram_bytes) arena_ = *Buffer::Allocate(ram_bytes);
-    auto cold = std::make_unique<ForwardingTier>(&cold_);
-    auto store = BlobStore::Open(options_, std::move(cold), arena_.data());
+    // The tier outlives the store: a restart opens a store over what it holds.
+    auto store = BlobStore::Open(options_, ForwardTo(&cold_), arena_.data());
     ASSERT_TRUE(store.ok()) << store.status();
     store_ = std::move(*store);
   }
@@ -69,31 +69,6 @@ class BlobStoreTest : public ::testing::Test {
     if (!ref.ok()) return {};
     return std::vector<uint8_t>(ref->data(), ref->data() + ref->size());
   }
-
-  // Lets the test keep the MemoryColdTier across store restarts.
-  class ForwardingTier final : public ColdTier {
-   public:
-    explicit ForwardingTier(MemoryColdTier* t) : t_(t) {}
-    absl::Status PutData(absl::string_view k, int64_t v, absl::Span<const uint8_t> b) override {
-      return t_->PutData(k, v, b);
-    }
-    absl::Status LinkData(absl::string_view k, int64_t v, absl::string_view sk, int64_t sv,
-                          uint64_t n) override {
-      return t_->LinkData(k, v, sk, sv, n);
-    }
-    absl::Status ReadData(absl::string_view k, int64_t v, absl::Span<uint8_t> o) override {
-      return t_->ReadData(k, v, o);
-    }
-    absl::StatusOr<ColdRead> ReadPinned(absl::string_view k, int64_t v) override {
-      return t_->ReadPinned(k, v);
-    }
-    absl::Status Apply(const ColdBatch& b, bool sync) override { return t_->Apply(b, sync); }
-    absl::StatusOr<ColdContents> Load() override { return t_->Load(); }
-    absl::Status Checkpoint(const std::string& d) override { return t_->Checkpoint(d); }
-
-   private:
-    MemoryColdTier* t_;
-  };
 
   MemoryColdTier cold_;
   Buffer arena_;
@@ -534,6 +509,39 @@ TEST_F(BlobStoreTest, APreparedStepOutlivesTheProcessAndCommitsAfterIt) {
   Open();
   EXPECT_EQ(store_->Stats().pending_blobs(), 0u);
   EXPECT_EQ(store_->CommittedStep("job-1"), 2);
+}
+
+// Versions one attempt prepared and nobody wrote since belong to a voided attempt (its
+// abort missed the store, down at the time): the next attempt's prepare drops them, and a
+// commit of another attempt does not make them current.
+TEST_F(BlobStoreTest, AVoidedAttemptsPreparedVersionsAreDroppedNotCommitted) {
+  for (int e = 0; e < 3; ++e) ASSERT_TRUE(store_->Put(Expert(0, e), 0, Bytes(5000, e)).ok());
+  ASSERT_TRUE(store_->CommitStep("job-1", 0).ok());
+  for (int e = 0; e < 3; ++e) ASSERT_TRUE(store_->Put(Expert(0, e), 1, Bytes(5000, 10 + e)).ok());
+  EXPECT_EQ(*store_->PrepareStep("job-1", 1, /*attempt=*/7), 3u);
+  store_.reset();
+  Open();
+  // Attempt 8 writes experts 0 and 1 again (not 2) and prepares.
+  for (int e = 0; e < 2; ++e) ASSERT_TRUE(store_->Put(Expert(0, e), 1, Bytes(5000, 20 + e)).ok());
+  EXPECT_EQ(*store_->PrepareStep("job-1", 1, /*attempt=*/8), 2u);
+  EXPECT_EQ(store_->Stat(Expert(0, 2), 1).status().code(), absl::StatusCode::kNotFound);
+  auto committed = store_->CommitStep("job-1", 1, 0, /*attempt=*/8);
+  ASSERT_TRUE(committed.ok()) << committed.status();
+  EXPECT_EQ(committed->blobs_committed, 2u);
+  EXPECT_EQ(Read(Expert(0, 0)), Bytes(5000, 20));
+  EXPECT_EQ(Read(Expert(0, 2)), Bytes(5000, 2));
+
+  // A commit of attempt 10 over versions attempt 9 prepared commits none of them.
+  ASSERT_TRUE(store_->Put(Expert(0, 2), 2, Bytes(5000, 32)).ok());
+  ASSERT_TRUE(store_->PrepareStep("job-1", 2, /*attempt=*/9).ok());
+  ASSERT_TRUE(store_->Put(Expert(0, 1), 2, Bytes(5000, 31)).ok());  // unprepared: attempt 10's
+  committed = store_->CommitStep("job-1", 2, 1, /*attempt=*/10);
+  ASSERT_TRUE(committed.ok()) << committed.status();
+  EXPECT_EQ(committed->blobs_committed, 1u);
+  EXPECT_EQ(Read(Expert(0, 1)), Bytes(5000, 31));
+  EXPECT_EQ(Read(Expert(0, 2)), Bytes(5000, 2));
+  EXPECT_EQ(store_->Stats().pending_blobs(), 0u);
+  EXPECT_TRUE(cold_.Load()->pending.empty());
 }
 
 // A copy installed over a prepared version of the same number replaces it whole.

@@ -32,6 +32,13 @@ struct BlobRecord {
   uint32_t crc = 0;
 };
 
+// A prepared pending version (BlobStore::PrepareStep): its record, and the attempt (the
+// coordinator's assignment version) that prepared it.
+struct PendingRecord {
+  BlobRecord record;
+  int64_t attempt = 0;
+};
+
 // An atomic group of metadata changes.
 struct ColdBatch {
   struct SetRecord {
@@ -56,7 +63,11 @@ struct ColdBatch {
   std::vector<std::string> delete_job_steps;
   // Pending versions made to outlive the process (a prepared step): each record names its
   // version, whose bytes must be stored; the restart finds them (ColdContents::pending).
-  std::vector<SetRecord> set_pending;
+  struct SetPending {
+    std::string key;
+    PendingRecord pending;
+  };
+  std::vector<SetPending> set_pending;
   std::vector<DataRef> delete_pending;
 };
 
@@ -66,7 +77,7 @@ struct ColdContents {
   std::vector<ColdBatch::DataRef> data;       // every stored (key, version)
   std::map<std::string, int64_t> job_steps;   // job id -> committed step
   // Prepared pending versions: (encoded key, version) -> record.
-  std::map<std::pair<std::string, int64_t>, BlobRecord> pending;
+  std::map<std::pair<std::string, int64_t>, PendingRecord> pending;
 };
 
 // Bytes read from the cold tier in place: valid while `pin` lives.
@@ -157,6 +168,11 @@ class MemoryColdTier final : public ColdTier {
   State live_ ABSL_GUARDED_BY(mu_);
   State durable_ ABSL_GUARDED_BY(mu_);
 };
+
+// A ColdTier forwarding every call to `tier`, which outlives it: a store opened over it
+// can be dropped and opened again over what `tier` holds, as a restart would (after a
+// process crash; MemoryColdTier::Crash makes it a power cut).
+std::unique_ptr<ColdTier> ForwardTo(MemoryColdTier* tier);
 
 }  // namespace pith::store
 

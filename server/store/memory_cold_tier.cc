@@ -1,5 +1,6 @@
 #include <algorithm>
 #include <cstring>
+#include <memory>
 
 #include "absl/strings/str_cat.h"
 #include "server/store/cold_tier.h"
@@ -50,7 +51,7 @@ absl::StatusOr<ColdRead> MemoryColdTier::ReadPinned(absl::string_view key, int64
 absl::Status MemoryColdTier::Apply(const ColdBatch& batch, bool sync) {
   absl::MutexLock lock(&mu_);
   for (const auto& r : batch.set_pending) {
-    if (!live_.data.contains({r.key, r.record.version})) {
+    if (!live_.data.contains({r.key, r.pending.record.version})) {
       return absl::FailedPreconditionError("a pending record names bytes the tier lacks");
     }
   }
@@ -64,7 +65,7 @@ absl::Status MemoryColdTier::Apply(const ColdBatch& batch, bool sync) {
   for (const auto& d : batch.delete_data) live_.data.erase({d.key, d.version});
   for (const auto& [job, step] : batch.set_job_steps) m.job_steps[job] = step;
   for (const auto& job : batch.delete_job_steps) m.job_steps.erase(job);
-  for (const auto& r : batch.set_pending) m.pending[{r.key, r.record.version}] = r.record;
+  for (const auto& r : batch.set_pending) m.pending[{r.key, r.pending.record.version}] = r.pending;
   for (const auto& d : batch.delete_pending) m.pending.erase({d.key, d.version});
   if (sync) durable_ = live_;
   return absl::OkStatus();
@@ -81,6 +82,38 @@ absl::StatusOr<ColdContents> MemoryColdTier::Load() {
 void MemoryColdTier::Crash() {
   absl::MutexLock lock(&mu_);
   live_ = durable_;
+}
+
+namespace {
+
+class ForwardingTier final : public ColdTier {
+ public:
+  explicit ForwardingTier(MemoryColdTier* t) : t_(t) {}
+  absl::Status PutData(absl::string_view k, int64_t v, absl::Span<const uint8_t> b) override {
+    return t_->PutData(k, v, b);
+  }
+  absl::Status LinkData(absl::string_view k, int64_t v, absl::string_view sk, int64_t sv,
+                        uint64_t n) override {
+    return t_->LinkData(k, v, sk, sv, n);
+  }
+  absl::Status ReadData(absl::string_view k, int64_t v, absl::Span<uint8_t> o) override {
+    return t_->ReadData(k, v, o);
+  }
+  absl::StatusOr<ColdRead> ReadPinned(absl::string_view k, int64_t v) override {
+    return t_->ReadPinned(k, v);
+  }
+  absl::Status Apply(const ColdBatch& b, bool sync) override { return t_->Apply(b, sync); }
+  absl::StatusOr<ColdContents> Load() override { return t_->Load(); }
+  absl::Status Checkpoint(const std::string& d) override { return t_->Checkpoint(d); }
+
+ private:
+  MemoryColdTier* const t_;
+};
+
+}  // namespace
+
+std::unique_ptr<ColdTier> ForwardTo(MemoryColdTier* tier) {
+  return std::make_unique<ForwardingTier>(tier);
 }
 
 }  // namespace pith::store

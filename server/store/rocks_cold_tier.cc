@@ -2,7 +2,7 @@
 // separation, as RocksDB's own BlobDB does for large values). Key space (one column family):
 //   'L' + blob key + big-endian version -> where its bytes are (log file, offset, size)
 //   'M' + blob key                      -> committed record (version, size, crc)
-//   'P' + blob key + big-endian version -> a prepared pending version's record
+//   'P' + blob key + big-endian version -> a prepared pending version's record, attempt
 //   'J' + job id                        -> committed step
 //   'S'                                 -> the sync marker (which log bytes are on disk)
 // The bytes go once, by a buffered pwrite, into the append-only files of a BlobLog under
@@ -120,6 +120,22 @@ std::optional<BlobRecord> DecodeRecord(absl::string_view in) {
   std::memcpy(&r.size, in.data() + 8, 8);
   std::memcpy(&r.crc, in.data() + 16, 4);
   return r;
+}
+
+std::string EncodePending(const PendingRecord& p) {
+  std::string out = EncodeRecord(p.record);
+  out.append(reinterpret_cast<const char*>(&p.attempt), 8);
+  return out;
+}
+
+// A pending record's 28 bytes; nullopt when they are not 28.
+std::optional<PendingRecord> DecodePending(absl::string_view in) {
+  if (in.size() != 28) return std::nullopt;
+  std::optional<BlobRecord> r = DecodeRecord(in.substr(0, 20));
+  if (!r) return std::nullopt;
+  PendingRecord p{*r, 0};
+  std::memcpy(&p.attempt, in.data() + 20, 8);
+  return p;
 }
 
 absl::Status ToStatus(const rocksdb::Status& s, absl::string_view what) {
@@ -260,13 +276,13 @@ class RocksColdTier final : public ColdTier {
       absl::MutexLock lock(&mu_);
       RETURN_IF_ERROR(log_.Stopped());
       for (const auto& r : batch.set_pending) {
-        if (!index_.contains({r.key, r.record.version})) {
+        if (!index_.contains({r.key, r.pending.record.version})) {
           return absl::FailedPreconditionError("a pending record names bytes the tier lacks");
         }
       }
       for (const auto& r : batch.set_pending) {
-        wb.Put(PendingKey(r.key, r.record.version), EncodeRecord(r.record));
-        auto it = index_.find({r.key, r.record.version});
+        wb.Put(PendingKey(r.key, r.pending.record.version), EncodePending(r.pending));
+        auto it = index_.find({r.key, r.pending.record.version});
         NameLocked(it->first, it->second, &wb);
       }
       for (const auto& d : batch.delete_pending) wb.Delete(PendingKey(d.key, d.version));
@@ -315,9 +331,9 @@ class RocksColdTier final : public ColdTier {
     for (it->Seek("P"); it->Valid() && it->key()[0] == 'P'; it->Next()) {
       std::string key;
       int64_t version;
-      std::optional<BlobRecord> r =
-          DecodeRecord(absl::string_view(it->value().data(), it->value().size()));
-      if (!SplitVersioned(Rest(it->key()), &key, &version) || !r || r->version != version) {
+      std::optional<PendingRecord> r =
+          DecodePending(absl::string_view(it->value().data(), it->value().size()));
+      if (!SplitVersioned(Rest(it->key()), &key, &version) || !r || r->record.version != version) {
         return absl::DataLossError("rocksdb: bad pending record");
       }
       out.pending[{std::move(key), version}] = *r;
@@ -421,7 +437,12 @@ class RocksColdTier final : public ColdTier {
       const auto named = [&](const std::string& record_key) -> std::optional<BlobRecord> {
         std::string value;
         if (!db_->Get(rocksdb::ReadOptions(), record_key, &value).ok()) return std::nullopt;
-        std::optional<BlobRecord> r = DecodeRecord(value);
+        std::optional<BlobRecord> r;
+        if (record_key[0] == 'P') {
+          if (std::optional<PendingRecord> p = DecodePending(value)) r = p->record;
+        } else {
+          r = DecodeRecord(value);
+        }
         if (!r || r->version != version) return std::nullopt;
         return r;
       };
@@ -557,8 +578,10 @@ class RocksColdTier final : public ColdTier {
       absl::MutexLock lock(&mu_);
       const std::string marker = log_.MarkSynced(p.log);
       for (const IndexKey& key : p.moved) {
+        // Still the copy: a version dropped and written again meanwhile (a prepared one a
+        // retry replaced) is named by its own batch, not here.
         auto it = index_.find(key);
-        if (it != index_.end()) NameLocked(it->first, it->second, wb);
+        if (it != index_.end() && it->second.moved) NameLocked(it->first, it->second, wb);
       }
       wb->Put(kSyncedKey, marker);
     }

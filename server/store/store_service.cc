@@ -71,7 +71,8 @@ grpc::Status StoreServiceImpl::PrepareStep(grpc::ServerContext* context,
                                            const v1::PrepareStepRequest* request,
                                            v1::PrepareStepResponse* reply) {
   if (grpc::Status denied = policy_.Admit(*context, "PrepareStep"); !denied.ok()) return denied;
-  absl::StatusOr<uint64_t> n = store_->PrepareStep(request->job_id(), request->step());
+  absl::StatusOr<uint64_t> n =
+      store_->PrepareStep(request->job_id(), request->step(), request->attempt());
   if (!n.ok()) return ToGrpcStatus(n.status());
   reply->set_blobs_prepared(*n);
   return grpc::Status::OK;
@@ -84,7 +85,8 @@ grpc::Status StoreServiceImpl::CommitStep(grpc::ServerContext* context,
   absl::StatusOr<BlobStore::CommitResult> r = store_->CommitStep(
       request->job_id(), request->step(),
       request->has_previous_step() ? std::optional<int64_t>(request->previous_step())
-                                   : std::nullopt);
+                                   : std::nullopt,
+      request->has_attempt() ? std::optional<int64_t>(request->attempt()) : std::nullopt);
   if (!r.ok()) return ToGrpcStatus(r.status());
   reply->set_committed_step(r->committed_step);
   reply->set_blobs_committed(r->blobs_committed);

@@ -3,8 +3,9 @@
 // An input is a sequence of up to 32 operations: a handler with a request of the fuzzer's
 // bytes merged over a valid one, or a blob written as the data plane writes them. Every
 // answer is OK or a named error (rpc_fuzz.h), and what a commit answers holds after it:
-// the job is at that step, a prepared step is past the job's, and the RAM tier never holds
-// more than its budget.
+// the job is at that step, a prepared step is past the job's, the RAM tier never holds
+// more than its budget, and a restart (the store opened again over its tier) keeps the
+// committed step and brings back exactly the prepared versions.
 //
 // Not here: PullBlobs (it dials the source's UCX address; its address check is
 // ucx_address_fuzz's), and the mutual-TLS policy (security/authorize_test).
@@ -56,22 +57,36 @@ v1::BlobKey BaseKey() {
 struct World {
   std::unique_ptr<uint8_t, decltype(&std::free)> arena{
       static_cast<uint8_t*>(std::aligned_alloc(4096, kRamBytes)), &std::free};
+  pith::store::MemoryColdTier tier;  // outlives the store: a restart opens it again
   std::unique_ptr<pith::store::BlobStore> store;
   std::unique_ptr<pith::store::StoreServiceImpl> service;
 };
 
-std::unique_ptr<World> NewWorld() {
-  auto world = std::make_unique<World>();
+// (Re)opens the store over the world's tier, as a restart after a process crash would.
+void OpenStore(World& w) {
+  w.service.reset();
+  w.store.reset();
   pith::store::BlobStoreOptions options;
   options.ram_bytes = kRamBytes;
   options.max_blob_bytes = 1 << 20;
-  auto store = pith::store::BlobStore::Open(
-      options, std::make_unique<pith::store::MemoryColdTier>(), world->arena.get());
-  Require(store.ok(), "a fresh store opens");
-  world->store = *std::move(store);
-  world->service = std::make_unique<pith::store::StoreServiceImpl>(
-      world->store.get(), "not-a-ucx-address", ExportRoot());
-  return world;
+  auto store =
+      pith::store::BlobStore::Open(options, pith::store::ForwardTo(&w.tier), w.arena.get());
+  Require(store.ok(), "a store opens over what its tier holds");
+  w.store = *std::move(store);
+  w.service = std::make_unique<pith::store::StoreServiceImpl>(w.store.get(), "not-a-ucx-address",
+                                                              ExportRoot());
+}
+
+// The store dies and starts again: the job keeps its committed step, and exactly the
+// prepared versions come back pending.
+void Restart(World& w) {
+  const int64_t step = w.store->CommittedStep("j");
+  OpenStore(w);
+  Require(w.store->CommittedStep("j") == step, "a restart keeps the committed step");
+  auto contents = w.tier.Load();
+  Require(contents.ok(), "the tier loads");
+  Require(w.store->Stats().pending_blobs() == contents->pending.size(),
+          "a restart keeps the prepared versions pending, and no other");
 }
 
 // The step calls of RunOne: commit, abort and prepare (op 3, 4, 10).
@@ -126,7 +141,7 @@ void StepCall(World& w, FuzzedDataProvider& in, int op) {
 void RunOne(World& w, FuzzedDataProvider& in) {
   grpc::ServerContext ctx;
   pith::store::StoreServiceImpl& s = *w.service;
-  const int op = in.ConsumeIntegralInRange(0, 11);
+  const int op = in.ConsumeIntegralInRange(0, 12);
   switch (op) {
     case 0: {  // a write, as the data plane makes it (its own parser: data_plane_fuzz)
       v1::BlobKey key = Request(BaseKey(), in);
@@ -196,6 +211,8 @@ void RunOne(World& w, FuzzedDataProvider& in) {
       if (st.error_code() != grpc::StatusCode::UNIMPLEMENTED) CheckAnswer("Checkpoint", st);
       return;
     }
+    case 11:
+      return Restart(w);
     default: {
       v1::GetUcxAddressRequest req;
       v1::UcxAddress reply;
@@ -217,7 +234,8 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   std::filesystem::remove_all(ExportRoot());
   std::filesystem::create_directories(ExportRoot());
   FuzzedDataProvider in(data, size);
-  std::unique_ptr<World> world = NewWorld();
+  auto world = std::make_unique<World>();
+  OpenStore(*world);
   for (int op = 0; op < 32 && in.remaining_bytes() > 0; ++op) RunOne(*world, in);
   return 0;
 }
