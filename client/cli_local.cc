@@ -332,6 +332,20 @@ bool Runs(const std::string& dir, const LocalMember& m) {
   return Alive(m, "--tls_dir=" + LocalTlsDir(dir) + "/" + m.name);
 }
 
+// A store of `dir` that was drained, then stopped: its folder says so (pith-store writes
+// the file when it leaves drained, and refuses to start on it). Such a store is retired:
+// `pith up` starts it no more and drops it from the record, saying so on `out`.
+bool Retired(const std::string& dir, const std::string& name, std::ostream& out) {
+  const std::string marker = absl::StrCat(dir, "/", name, "/DRAINED");
+  std::error_code ec;
+  if (!absl::StartsWith(name, "store") || !std::filesystem::exists(marker, ec)) return false;
+  out << name << " was drained and stopped: not started again (remove " << marker
+      << " to start it anyway)\n";
+  return true;
+}
+
+absl::Status RecordMembers(const std::string& dir, const std::vector<LocalMember>& members);
+
 // Records the cluster in `dir` (see local_record.h) and its Prometheus targets; `pids` last,
 // so that a record that could not be written whole names no member.
 absl::Status Record(const std::string& dir, const std::vector<LocalMember>& members,
@@ -339,6 +353,10 @@ absl::Status Record(const std::string& dir, const std::vector<LocalMember>& memb
   RETURN_IF_ERROR(WriteUpFlags(dir, flags));
   RETURN_IF_ERROR(WriteCoordinatorPort(dir, members.front().grpc_port));
   std::ofstream(dir + "/coordinator.address") << "127.0.0.1:" << members.front().grpc_port << "\n";
+  return RecordMembers(dir, members);
+}
+
+absl::Status RecordMembers(const std::string& dir, const std::vector<LocalMember>& members) {
   std::vector<MetricsTarget> targets;
   for (const LocalMember& m : members) targets.push_back({m.name, m.metrics_port});
   RETURN_IF_ERROR(WritePrometheusFiles(dir + "/prometheus", targets));
@@ -377,6 +395,7 @@ absl::Status StartFresh(const std::string& dir, const std::map<std::string, std:
   std::vector<LocalMember> members;
   absl::Status status = [&]() -> absl::Status {
     for (const std::string& name : MemberNames(f)) {
+      if (Retired(dir, name, out)) continue;
       ASSIGN_OR_RETURN(LocalMember m, launcher.Launch(name, MemberCommand(name, f, dir, port, 0)));
       if (name == "coordinator") port = m.grpc_port;
       members.push_back(m);
@@ -407,10 +426,19 @@ absl::Status Restart(const std::string& dir, const std::map<std::string, std::st
                      std::vector<LocalMember> members, std::ostream& out) {
   std::vector<std::string> dead, running;
   std::vector<bool> runs;  // members[i] still runs, looked at once
-  for (const LocalMember& m : members) {
-    runs.push_back(Runs(dir, m));
-    (runs.back() ? running : dead).push_back(m.name);
+  bool retired = false;
+  for (auto m = members.begin(); m != members.end();) {
+    const bool alive = Runs(dir, *m);
+    if (!alive && Retired(dir, m->name, out)) {
+      m = members.erase(m);
+      retired = true;
+      continue;
+    }
+    runs.push_back(alive);
+    (alive ? running : dead).push_back(m->name);
+    ++m;
   }
+  if (retired) RETURN_IF_ERROR(RecordMembers(dir, members));
   const std::map<std::string, std::string> recorded = ReadUpFlags(dir);
   if (dead.empty()) {  // up is idempotent: nothing to start, unless asked for other flags
     const std::map<std::string, std::string> flags = OverDefaults(recorded);

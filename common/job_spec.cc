@@ -155,20 +155,27 @@ void ApplyJobSpecDefaults(v1::JobSpec* spec) {
   if (r->replan_every() == 0) r->set_replan_every(10);
 }
 
-absl::Status ValidateJobSpec(const v1::JobSpec& spec) {
-  if (spec.name().empty() || spec.name().size() > 64) {
-    return FieldError("name",
-                      absl::StrCat("must have 1 to 64 characters, got ", spec.name().size()));
+static absl::Status ValidateName(const std::string& name) {
+  if (name.empty() || name.size() > 64) {
+    return FieldError("name", absl::StrCat("must have 1 to 64 characters, got ", name.size()));
   }
-  for (char ch : spec.name()) {
+  for (char ch : name) {
     if (!IsNameChar(ch)) {
       return FieldError("name", "may hold only letters, digits, '-', '_' and '.'");
     }
   }
-  RETURN_IF_ERROR(ValidateModel(spec.model()));
-  RETURN_IF_ERROR(ValidateTrain(spec.train()));
-  RETURN_IF_ERROR(ValidateCluster(spec.cluster()));
   return absl::OkStatus();
+}
+
+absl::Status ValidateJobSpec(const v1::JobSpec& spec) {
+  // The first bad field of each part, all in one answer: one fix-and-retry round per part
+  // at most.
+  std::string problems;
+  for (const absl::Status& s : {ValidateName(spec.name()), ValidateModel(spec.model()),
+                                ValidateTrain(spec.train()), ValidateCluster(spec.cluster())}) {
+    if (!s.ok()) absl::StrAppend(&problems, problems.empty() ? "" : "; ", s.message());
+  }
+  return problems.empty() ? absl::OkStatus() : absl::InvalidArgumentError(problems);
 }
 
 absl::StatusOr<v1::JobSpec> ParseJobSpec(absl::string_view json) {

@@ -25,8 +25,8 @@ absl::StatusOr<v1::JobSpec> LoadJobSpec(const std::string& path);
 // Fills in the documented defaults of absent or zero fields (see spec.proto).
 void ApplyJobSpecDefaults(v1::JobSpec* spec);
 
-// Checks every field of a spec that already has its defaults. The first bad field is
-// named in the error.
+// Checks every field of a spec that already has its defaults. The error names the first
+// bad field of each part (name, model, train, cluster), joined by "; ".
 absl::Status ValidateJobSpec(const v1::JobSpec& spec);
 
 // The spec as JSON (snake_case names, defaults included), the form ParseJobSpec reads.

@@ -84,13 +84,16 @@ grpc::Status CoordinatorServiceImpl::Heartbeat(grpc::ServerContext* context,
 
 grpc::Status CoordinatorServiceImpl::Deregister(grpc::ServerContext* context,
                                                 const v1::DeregisterRequest* request,
-                                                v1::DeregisterResponse*) {
+                                                v1::DeregisterResponse* reply) {
   std::optional<security::Identity> caller;
   if (grpc::Status denied = policy_.Admit(*context, "Deregister", &caller); !denied.ok()) {
     return denied;
   }
   if (grpc::Status s = CheckOwnId(caller, request->member_id()); !s.ok()) return s;
-  return ToGrpcStatus(members_->Deregister(request->member_id()));
+  absl::StatusOr<bool> drained = members_->Deregister(request->member_id());
+  if (!drained.ok()) return ToGrpcStatus(drained.status());
+  reply->set_drained(*drained);
+  return grpc::Status::OK;
 }
 
 grpc::Status CoordinatorServiceImpl::ReportHeat(grpc::ServerContext* context,

@@ -8,6 +8,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "common/job_spec.h"
+#include "common/job_state.h"
 #include "common/status.h"
 #include "rocksdb/db.h"
 #include "server/coordinator/job_memory.h"
@@ -165,7 +166,7 @@ absl::StatusOr<v1::Job> JobRegistry::Cancel(const std::string& job_id, const std
   return Update(job_id, [&](v1::Job& job) -> absl::Status {
     if (IsFinal(job.state())) {
       return absl::FailedPreconditionError(
-          absl::StrCat("job ", job_id, " already ended (", v1::JobState_Name(job.state()), ")"));
+          absl::StrCat("job ", job_id, " already ended (", StateName(job.state()), ")"));
     }
     job.set_state(v1::JOB_STATE_CANCELLED);
     job.clear_pending_reason();

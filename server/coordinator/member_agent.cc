@@ -41,7 +41,10 @@ absl::StatusOr<std::unique_ptr<MemberAgent>> MemberAgent::Start(
   return agent;
 }
 
-MemberAgent::~MemberAgent() {
+MemberAgent::~MemberAgent() { Leave(); }
+
+bool MemberAgent::Leave() {
+  if (stop_.HasBeenNotified()) return false;  // left before
   stop_.Notify();
   if (thread_.joinable()) thread_.join();
   grpc::ClientContext ctx;
@@ -49,7 +52,8 @@ MemberAgent::~MemberAgent() {
   v1::DeregisterRequest req;
   req.set_member_id(member_id());
   v1::DeregisterResponse resp;
-  stub_->Deregister(&ctx, req, &resp);  // best effort: the lease expires otherwise
+  // Best effort: the lease expires otherwise.
+  return stub_->Deregister(&ctx, req, &resp).ok() && resp.drained();
 }
 
 std::string MemberAgent::member_id() const {

@@ -35,7 +35,10 @@ class MemberAgent {
   static absl::StatusOr<std::unique_ptr<MemberAgent>> Start(
       const std::string& address, const security::TransportSecurity& security, v1::MemberInfo self,
       StatusFn status, absl::Duration timeout = absl::Seconds(10));
-  // Stops heartbeating and deregisters (best effort).
+  // Stops heartbeating and deregisters (best effort), once: true when the coordinator
+  // answered that this member is a drained store.
+  bool Leave();
+  // Leave().
   ~MemberAgent();
   MemberAgent(const MemberAgent&) = delete;
   MemberAgent& operator=(const MemberAgent&) = delete;

@@ -181,12 +181,15 @@ absl::Status Membership::Heartbeat(const std::string& member_id, const v1::Membe
   return absl::OkStatus();
 }
 
-absl::Status Membership::Deregister(const std::string& member_id) {
+absl::StatusOr<bool> Membership::Deregister(const std::string& member_id) {
   absl::MutexLock lock(&mu_);
-  if (members_.erase(member_id) == 0) {
+  auto it = members_.find(member_id);
+  if (it == members_.end()) {
     return absl::NotFoundError(absl::StrCat("unknown member ", member_id));
   }
-  return absl::OkStatus();  // a drain is forgotten by the scheduler once it is over
+  const bool drained = it->second.state() == v1::MEMBER_STATE_DRAINED;
+  members_.erase(it);
+  return drained;  // a drain is forgotten by the scheduler once it is over
 }
 
 absl::Status Membership::Drain(const std::string& store_id) {

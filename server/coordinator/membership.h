@@ -54,8 +54,9 @@ class Membership {
   // it is unhealthy is left out of every Snapshot, as if dead). NOT_FOUND for an unknown or
   // dead member: it must register again.
   absl::Status Heartbeat(const std::string& member_id, const v1::MemberInfo& status);
-  // Removes a member that leaves cleanly (its drain, if any, lasts until ForgetDrain).
-  absl::Status Deregister(const std::string& member_id);
+  // Removes a member that leaves cleanly (its drain, if any, lasts until ForgetDrain);
+  // true when it was a drained store.
+  absl::StatusOr<bool> Deregister(const std::string& member_id);
   // Marks a live store as draining: it takes no new placement, and keeps the state across
   // re-registration. NOT_FOUND for an unknown member, FAILED_PRECONDITION for a worker or a
   // dead store. Draining a draining or drained store changes nothing.

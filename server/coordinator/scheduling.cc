@@ -235,7 +235,12 @@ void Scheduler::ReplaceLocked(Run& run, const v1::Job& job,
   const std::set<std::string> live(live_stores.begin(), live_stores.end());
   if (run.committed >= 0) {
     if (const std::string lost = UnheldGroup(run, live); !lost.empty()) {
-      const std::string reason = absl::StrCat("every store copy of ", lost, " was lost");
+      // The store's disk may well hold the data still: say how to get it back.
+      const std::string reason = absl::StrCat(
+          "every store copy of ", lost,
+          " was lost to the job (a store that died keeps its data on disk: start it again "
+          "on its --data_dir, then pith checkpoint this job and resubmit from the file with "
+          "train.init_path)");
       (void)MarkFailed(job.job_id(), reason);
       return;  // the next Tick releases the run
     }

@@ -8,10 +8,12 @@
 #include <system_error>
 #include <tuple>
 
+#include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
+#include "common/file.h"
 #include "common/member_identity.h"
 #include "common/status.h"
 #include "common/ucx_auth.h"
@@ -62,12 +64,22 @@ absl::StatusOr<std::unique_ptr<StoreServer>> StoreServer::Start(const StoreServe
     return absl::InvalidArgumentError(
         absl::StrCat("cannot create --data_dir ", options.data_dir, ": ", ec.message()));
   }
+  if (absl::StatusOr<Buffer> why = ReadFile(DrainedMarker(options.data_dir)); why.ok()) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "--data_dir ", options.data_dir, " holds a store that was drained and stopped (",
+        DrainedMarker(options.data_dir), ": ",
+        absl::StripAsciiWhitespace(
+            absl::string_view(reinterpret_cast<const char*>(why->data()), why->size())),
+        "); start a new store on an empty --data_dir, or remove that file to start this "
+        "one again"));
+  }
   if (!options.export_root.empty()) std::filesystem::create_directories(options.export_root, ec);
   if (ec) {
     return absl::InvalidArgumentError(
         absl::StrCat("cannot create --export_root ", options.export_root, ": ", ec.message()));
   }
   std::unique_ptr<StoreServer> s(new StoreServer());
+  s->data_dir_ = options.data_dir;
   ASSIGN_OR_RETURN(s->worker_, ucx::Worker::Create());
   // The RAM tier lives in UCX-registered memory: blobs leave from it and arrive in it
   // with no copy on this side.
@@ -154,7 +166,21 @@ StoreServer::~StoreServer() {
     mark = now;
   };
   const absl::Time start = mark;
-  agent_.reset();  // leave the cluster first
+  // Leave the cluster first. A drained store marks its folder: its data is no longer the
+  // cluster's, and `pith up` (or anyone) must not start it again by mistake.
+  if (agent_ != nullptr) {
+    const std::string id = agent_->member_id();
+    if (agent_->Leave()) {
+      const std::string text =
+          absl::StrCat(id, " was drained, then stopped at ", absl::FormatTime(absl::Now()), "\n");
+      const absl::Status marked = WriteFileAtomically(DrainedMarker(data_dir_), [&](int fd) {
+        return WriteAll(fd, {reinterpret_cast<const uint8_t*>(text.data()), text.size()},
+                        DrainedMarker(data_dir_));
+      });
+      LOG_IF(WARNING, !marked.ok()) << "drained store: " << marked;
+    }
+    agent_.reset();
+  }
   if (probe_) {
     absl::MutexLock lock(&probe_->mu);
     probe_->store = nullptr;

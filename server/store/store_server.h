@@ -42,8 +42,11 @@ class StoreServiceImpl;
 
 class StoreServer {
  public:
+  // FAILED_PRECONDITION on a --data_dir whose store was drained and stopped (the file
+  // DrainedMarker names is there: the stop of a drained store writes it).
   static absl::StatusOr<std::unique_ptr<StoreServer>> Start(const StoreServerOptions& options,
                                                             MetricsRegistry* metrics);
+  static std::string DrainedMarker(const std::string& data_dir) { return data_dir + "/DRAINED"; }
   // Stops gRPC, then the data plane, then closes the store.
   ~StoreServer();
 
@@ -62,6 +65,7 @@ class StoreServer {
   std::unique_ptr<StoreServiceImpl> service_;
   std::unique_ptr<GrpcServer> grpc_;
   std::unique_ptr<MemberAgent> agent_;  // when --coordinator is given
+  std::string data_dir_;
   // What the metrics scrape hook reads; the hook outlives the server, so the store is
   // unset (under the probe's lock) before it closes.
   struct Probe;

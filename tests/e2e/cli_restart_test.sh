@@ -7,7 +7,8 @@
 # the coordinator's old address and their old metrics ports; other flags than the
 # record's are refused; `pith down` never signals a process that took a member's pid; a
 # later `pith up` in the same folder listens where the last coordinator did; workers end
-# within seconds of SIGTERM with the coordinator frozen or dead.
+# within seconds of SIGTERM with the coordinator frozen or dead; a store drained and
+# stopped is not started again.
 set -euo pipefail
 PITH=$1
 source "$(dirname "$0")/../../deploy/proc-lib.sh"
@@ -236,4 +237,29 @@ grep -q "worker0 exited at start" "$E2E_TMP/up.txt" || fail "pith up said: $(cat
 for _ in $(seq 20); do pgrep -f -- "$other/" >/dev/null || break; sleep 0.1; done
 pgrep -f -- "$other/" >/dev/null && fail "a failed pith up left processes running"
 echo "  ok: $(cat "$E2E_TMP/up.txt")"
+
+# A store drained, then stopped, is retired: its folder says so, and pith up starts it no
+# more (nor does pith-store on that folder).
+"$PITH" up --stores 2 >"$E2E_TMP/up.txt" 2>&1 || fail "pith up: $(cat "$E2E_TMP/up.txt")"
+wait_alive store 2 30
+"$PITH" cancel "$job" >/dev/null 2>&1 || true
+# The drain counts running jobs' stores: the cancelled job's run ends at a tick.
+for _ in $(seq 20); do
+  "$PITH" cluster drain store-0 --timeout 60 >"$E2E_TMP/drain.txt" 2>&1 && break
+  grep -q "would leave" "$E2E_TMP/drain.txt" || break
+  sleep 0.5
+done
+grep -q "can be stopped now" "$E2E_TMP/drain.txt" ||
+  fail "pith cluster drain: $(cat "$E2E_TMP/drain.txt")"
+store0=$(pid_of store0)
+kill "$store0"
+for _ in $(seq 100); do kill -0 "$store0" 2>/dev/null || break; sleep 0.1; done
+[[ -e $PITH_HOME/store0/DRAINED ]] || fail "the drained store0 left no mark in its folder"
+"$PITH" up >"$E2E_TMP/up.txt" 2>&1 || fail "pith up after the drain: $(cat "$E2E_TMP/up.txt")"
+grep -q "store0 was drained and stopped: not started again" "$E2E_TMP/up.txt" ||
+  fail "pith up after the drain said: $(cat "$E2E_TMP/up.txt")"
+grep -q "already up" "$E2E_TMP/up.txt" || fail "pith up started something: $(cat "$E2E_TMP/up.txt")"
+[[ -z $(pid_of store0) ]] || fail "store0 stayed in the record"
+echo "  ok: $(head -1 "$E2E_TMP/up.txt")"
+"$PITH" down >/dev/null || fail "pith down"
 echo "PASS"

@@ -679,6 +679,14 @@ class ClusterRun {
         scale_log_ += out;
         EXPECT_EQ(stores_[0]->Terminate(), 0) << stores_[0]->Log();
         scale_log_ += "store 0 drained and stopped" + at_step + "\n";
+        {  // its folder says so, and no store starts there again by mistake
+          EXPECT_TRUE(std::filesystem::exists(dir_ + "/store0/DRAINED"));
+          std::unique_ptr<ChildProcess> again = NewStore(0, ".again");
+          EXPECT_EQ(again->Wait(20), 1) << again->Log();
+          EXPECT_NE(again->Log().find("holds a store that was drained and stopped"),
+                    std::string::npos)
+              << again->Log();
+        }
         scale_phase_ = 3;
         return;
       }
