@@ -175,6 +175,8 @@ std::string Json(const google::protobuf::Message& m) {
   std::string out;
   google::protobuf::util::JsonPrintOptions options;
   options.preserve_proto_field_names = true;
+  // Zeros too: layer 0, expert 0 and step 0 are values, not absent fields.
+  options.always_print_primitive_fields = true;
   (void)google::protobuf::util::MessageToJsonString(m, &out, options);
   return out;
 }
@@ -277,7 +279,9 @@ absl::Status Sample(const CliContext& ctx, const Args& args, std::ostream& out) 
                                               {"--temperature", "0.8"}, {"--seed", "1"}};
   RETURN_IF_ERROR(ParseFlags("sample", args, flags));
   for (const char* required : {"--checkpoint", "--prompt"}) {
-    if (flags[required].empty()) return UsageError(absl::StrCat("sample needs ", required));
+    if (flags[required].empty()) {
+      return UsageError(absl::StrCat("sample needs ", required, " (not empty)"));
+    }
   }
   model::SampleOptions options;
   if (!absl::SimpleAtoi(flags["--tokens"], &options.tokens) || options.tokens < 0 ||

@@ -192,6 +192,12 @@ TEST(CliTest, EvalAndSampleUseACheckpointAndRefuseBadInput) {
   r = RunPith({"eval", "--spec", spec, "--checkpoint", tokens, "--tokens", tokens});
   EXPECT_EQ(r.code, 1);
   ExpectOneErrorLine(r);
+  // 500 tokens hold 31 batches of 2 rows of 8: a 32nd would score text again.
+  r = RunPith(
+      {"eval", "--spec", spec, "--checkpoint", weights, "--tokens", tokens, "--batches", "32"});
+  EXPECT_EQ(r.code, 1);
+  EXPECT_THAT(r.err, HasSubstr("hold 31 batches of 2 rows of 8 tokens; ask for at most 31"));
+  ExpectOneErrorLine(r);
   r = RunPith(
       {"eval", "--spec", spec, "--checkpoint", weights, "--tokens", tokens, "--batches", "zero"});
   EXPECT_EQ(r.code, 2);

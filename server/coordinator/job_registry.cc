@@ -16,6 +16,18 @@
 namespace pith::coordinator {
 namespace {
 
+// A job id the registry does not know; a name alone (the spec's) is the usual mistake.
+absl::Status NoJob(const std::string& job_id) {
+  const size_t dash = job_id.rfind('-');
+  const bool numbered = dash != std::string::npos && dash + 1 < job_id.size() &&
+                        job_id.find_first_not_of("0123456789", dash + 1) == std::string::npos;
+  return absl::NotFoundError(absl::StrCat(
+      "no job ", job_id,
+      numbered ? ""
+               : absl::StrCat(" (a job's id is its spec's name and a number, as submit ",
+                              "answered: ", job_id, "-1, ", job_id, "-2, ...)")));
+}
+
 constexpr char kJobPrefix[] = "job/";
 constexpr char kNextIdKey[] = "meta/next_job_id";
 
@@ -121,7 +133,7 @@ absl::Status JobRegistry::AdmitLocked(const v1::JobSpec& spec) const {
 absl::StatusOr<v1::Job> JobRegistry::Get(const std::string& job_id) const {
   absl::MutexLock lock(&mu_);
   auto it = jobs_.find(job_id);
-  if (it == jobs_.end()) return absl::NotFoundError(absl::StrCat("no job ", job_id));
+  if (it == jobs_.end()) return NoJob(job_id);
   return it->second;
 }
 
@@ -152,7 +164,7 @@ absl::StatusOr<v1::Job> JobRegistry::Update(const std::string& job_id,
                                             const std::function<absl::Status(v1::Job&)>& update) {
   absl::MutexLock lock(&mu_);
   auto it = jobs_.find(job_id);
-  if (it == jobs_.end()) return absl::NotFoundError(absl::StrCat("no job ", job_id));
+  if (it == jobs_.end()) return NoJob(job_id);
   v1::Job job = it->second;
   RETURN_IF_ERROR(update(job));
   RETURN_IF_ERROR(Persist(job));
@@ -185,7 +197,7 @@ int64_t JobRegistry::Version(const std::string& job_id) const {
 absl::StatusOr<v1::Job> JobRegistry::WaitForChange(const std::string& job_id, int64_t seen_version,
                                                    absl::Duration timeout) const {
   absl::MutexLock lock(&mu_);
-  if (!jobs_.count(job_id)) return absl::NotFoundError(absl::StrCat("no job ", job_id));
+  if (!jobs_.count(job_id)) return NoJob(job_id);
   auto changed = [&]() ABSL_SHARED_LOCKS_REQUIRED(mu_) {
     return versions_.at(job_id) != seen_version;
   };

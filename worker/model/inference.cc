@@ -6,6 +6,7 @@
 #include <random>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "common/param_layout.h"
 #include "common/status.h"
 #include "worker/compute/cpu_backend.h"
@@ -35,6 +36,15 @@ absl::StatusOr<EvalResult> Evaluate(const SafetensorsFile& weights, const v1::Jo
   ASSIGN_OR_RETURN(std::unique_ptr<MoeGpt> m, MoeGpt::Create(&backend, shape, B));
   RETURN_IF_ERROR(LoadWeights(backend, m->layout(), weights, m->params()));
   ASSIGN_OR_RETURN(data::TokenDataset tokens, data::TokenDataset::Open(tokens_path, shape.vocab));
+  // Rows wrap around the file (the training order does): past one pass, an evaluation
+  // would score the same text again.
+  const int64_t one_pass = std::max<int64_t>(1, tokens.size() / (int64_t{B} * T));
+  if (batches > one_pass) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--batches ", batches, " reads past the end of ", tokens_path, ": its ",
+                     tokens.size(), " tokens hold ", one_pass, " batches of ", B, " rows of ", T,
+                     " tokens; ask for at most ", one_pass));
+  }
   std::vector<int32_t> inputs(int64_t{B} * T), targets(int64_t{B} * T);
   EvalResult result;
   for (int s = 0; s < batches; ++s) {

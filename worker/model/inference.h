@@ -26,7 +26,8 @@ struct EvalResult {
 
 // Evaluates the weights in `weights` (a model of `spec`) on the token file at
 // `tokens_path`: batch s = 0..batches-1 takes global rows s*B..s*B+B-1 in the DESIGN §3
-// order. Errors name the missing or mis-shaped tensor, or the bad token file.
+// order. Errors name the missing or mis-shaped tensor, or the bad token file; batches past
+// one pass over the file (rows would wrap around to text already scored) are refused.
 absl::StatusOr<EvalResult> Evaluate(const SafetensorsFile& weights, const v1::JobSpec& spec,
                                     const std::string& tokens_path, int batches);
 
