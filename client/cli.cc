@@ -175,8 +175,6 @@ std::string Json(const google::protobuf::Message& m) {
   std::string out;
   google::protobuf::util::JsonPrintOptions options;
   options.preserve_proto_field_names = true;
-  // Zeros too: layer 0, expert 0 and step 0 are values, not absent fields.
-  options.always_print_primitive_fields = true;
   (void)google::protobuf::util::MessageToJsonString(m, &out, options);
   return out;
 }

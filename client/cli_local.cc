@@ -124,14 +124,20 @@ absl::StatusOr<std::pair<int, int>> WaitReady(const std::string& name, pid_t pid
 
 // The local cluster's CA and certificates in DIR/tls (kept across `pith up`s): one per
 // process, and the admin's the CLI uses.
-absl::Status LocalCerts(const std::string& tls, int stores, int workers) {
+// Whether store `name` of the cluster in `dir` was drained, then stopped: its folder says
+// so (pith-store writes DRAINED there when it leaves drained, and refuses to start on it).
+bool Drained(const std::string& dir, const std::string& name) {
+  std::error_code ec;
+  return absl::StartsWith(name, "store") &&
+         std::filesystem::exists(absl::StrCat(dir, "/", name, "/DRAINED"), ec);
+}
+
+absl::Status LocalCerts(const std::string& tls, const std::vector<std::string>& members) {
   RETURN_IF_ERROR(security::EnsureCa(tls).status());
-  std::vector<security::Identity> ids = {{security::Role::kCoordinator, "coordinator"},
-                                         {security::Role::kAdmin, "admin"}};
-  for (int n = 0; n < stores; ++n)
-    ids.push_back({security::Role::kMember, absl::StrCat("store", n)});
-  for (int n = 0; n < workers; ++n) {
-    ids.push_back({security::Role::kMember, absl::StrCat("worker", n)});
+  std::vector<security::Identity> ids = {{security::Role::kAdmin, "admin"}};
+  for (const std::string& name : members) {
+    ids.push_back(
+        {name == "coordinator" ? security::Role::kCoordinator : security::Role::kMember, name});
   }
   for (const security::Identity& id : ids) {
     absl::Status s = security::Issue(tls, id);
@@ -233,9 +239,15 @@ absl::StatusOr<UpFlags> CheckUpFlags(std::map<std::string, std::string> flags) {
 }
 
 // The cluster's members in start order: the coordinator, the stores, the workers.
-std::vector<std::string> MemberNames(const UpFlags& f) {
+std::vector<std::string> MemberNames(const UpFlags& f, const std::string& dir) {
   std::vector<std::string> names = {"coordinator"};
-  for (int n = 0; n < f.stores; ++n) names.push_back(absl::StrCat("store", n));
+  // A retired store's name is skipped: the cluster still gets f.stores stores.
+  for (int n = 0, stores = 0; stores < f.stores; ++n) {
+    const std::string name = absl::StrCat("store", n);
+    if (Drained(dir, name)) continue;
+    names.push_back(name);
+    ++stores;
+  }
   for (int n = 0; n < f.workers; ++n) names.push_back(absl::StrCat("worker", n));
   return names;
 }
@@ -336,11 +348,9 @@ bool Runs(const std::string& dir, const LocalMember& m) {
 // the file when it leaves drained, and refuses to start on it). Such a store is retired:
 // `pith up` starts it no more and drops it from the record, saying so on `out`.
 bool Retired(const std::string& dir, const std::string& name, std::ostream& out) {
-  const std::string marker = absl::StrCat(dir, "/", name, "/DRAINED");
-  std::error_code ec;
-  if (!absl::StartsWith(name, "store") || !std::filesystem::exists(marker, ec)) return false;
-  out << name << " was drained and stopped: not started again (remove " << marker
-      << " to start it anyway)\n";
+  if (!Drained(dir, name)) return false;
+  out << name << " was drained and stopped: not started again (remove " << dir << "/" << name
+      << "/DRAINED to start it anyway)\n";
   return true;
 }
 
@@ -387,15 +397,20 @@ void PrintCluster(const std::string& dir, const std::vector<LocalMember>& member
 // member, the coordinator on the port it had last time in `dir` when that port is free.
 absl::Status StartFresh(const std::string& dir, const std::map<std::string, std::string>& flags,
                         const UpFlags& f, std::ostream& out) {
-  RETURN_IF_ERROR(Annotate(LocalCerts(LocalTlsDir(dir), f.stores, f.workers), "certificates"));
+  const std::vector<std::string> names = MemberNames(f, dir);
+  for (int n = 0; Drained(dir, absl::StrCat("store", n)) ||
+                  std::find(names.begin(), names.end(), absl::StrCat("store", n)) != names.end();
+       ++n) {
+    (void)Retired(dir, absl::StrCat("store", n), out);  // says so for the skipped ones
+  }
+  RETURN_IF_ERROR(Annotate(LocalCerts(LocalTlsDir(dir), names), "certificates"));
   const int recorded = ReadCoordinatorPort(dir);
   const bool moved = recorded != 0 && !LoopbackPortFree(recorded);
   int port = moved ? 0 : recorded;
   Launcher launcher(dir);
   std::vector<LocalMember> members;
   absl::Status status = [&]() -> absl::Status {
-    for (const std::string& name : MemberNames(f)) {
-      if (Retired(dir, name, out)) continue;
+    for (const std::string& name : names) {
       ASSIGN_OR_RETURN(LocalMember m, launcher.Launch(name, MemberCommand(name, f, dir, port, 0)));
       if (name == "coordinator") port = m.grpc_port;
       members.push_back(m);

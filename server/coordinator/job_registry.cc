@@ -24,8 +24,9 @@ absl::Status NoJob(const std::string& job_id) {
   return absl::NotFoundError(absl::StrCat(
       "no job ", job_id,
       numbered ? ""
-               : absl::StrCat(" (a job's id is its spec's name and a number, as submit ",
-                              "answered: ", job_id, "-1, ", job_id, "-2, ...)")));
+               : absl::StrCat(" (a job's id is its spec's name and a number, as submit "
+                              "answered, e.g. ",
+                              job_id, "-7; pith status lists them)")));
 }
 
 constexpr char kJobPrefix[] = "job/";

@@ -37,8 +37,13 @@ absl::StatusOr<EvalResult> Evaluate(const SafetensorsFile& weights, const v1::Jo
   RETURN_IF_ERROR(LoadWeights(backend, m->layout(), weights, m->params()));
   ASSIGN_OR_RETURN(data::TokenDataset tokens, data::TokenDataset::Open(tokens_path, shape.vocab));
   // Rows wrap around the file (the training order does): past one pass, an evaluation
-  // would score the same text again.
-  const int64_t one_pass = std::max<int64_t>(1, tokens.size() / (int64_t{B} * T));
+  // would score the same text again. A row reads T + 1 tokens (its inputs and targets).
+  const int64_t one_pass = (tokens.size() - 1) / (int64_t{B} * T);
+  if (one_pass < 1) {
+    return absl::InvalidArgumentError(absl::StrCat(tokens_path, " holds ", tokens.size(),
+                                                   " tokens: one batch of ", B, " rows of ", T,
+                                                   " needs ", int64_t{B} * T + 1));
+  }
   if (batches > one_pass) {
     return absl::InvalidArgumentError(
         absl::StrCat("--batches ", batches, " reads past the end of ", tokens_path, ": its ",
