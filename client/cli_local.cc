@@ -29,6 +29,7 @@
 #include "client/cli_commands.h"
 #include "client/local_record.h"
 #include "client/prometheus_rules.h"
+#include "common/member_identity.h"
 #include "common/status.h"
 #include "security/certs.h"
 
@@ -122,16 +123,20 @@ absl::StatusOr<std::pair<int, int>> WaitReady(const std::string& name, pid_t pid
   return absl::DeadlineExceededError(absl::StrCat(name, " did not start within 20 s; see ", log));
 }
 
-// The local cluster's CA and certificates in DIR/tls (kept across `pith up`s): one per
-// process, and the admin's the CLI uses.
-// Whether store `name` of the cluster in `dir` was drained, then stopped: its folder says
-// so (pith-store writes DRAINED there when it leaves drained, and refuses to start on it).
-bool Drained(const std::string& dir, const std::string& name) {
+// A store of `dir` that was drained, then stopped: its folder says so (pith-store writes
+// DRAINED there when it leaves drained, and refuses to start on it). Such a store is
+// retired: `pith up` starts it no more and drops it from the record, saying so on `out`.
+bool Retired(const std::string& dir, const std::string& name, std::ostream& out) {
+  const std::string marker = DrainedMarker(absl::StrCat(dir, "/", name));  // its --data_dir
   std::error_code ec;
-  return absl::StartsWith(name, "store") &&
-         std::filesystem::exists(absl::StrCat(dir, "/", name, "/DRAINED"), ec);
+  if (!absl::StartsWith(name, "store") || !std::filesystem::exists(marker, ec)) return false;
+  out << name << " was drained and stopped: not started again (remove " << marker
+      << " to start it anyway)\n";
+  return true;
 }
 
+// The local cluster's CA and certificates in DIR/tls (kept across `pith up`s): one per
+// process, and the admin's the CLI uses.
 absl::Status LocalCerts(const std::string& tls, const std::vector<std::string>& members) {
   RETURN_IF_ERROR(security::EnsureCa(tls).status());
   std::vector<security::Identity> ids = {{security::Role::kAdmin, "admin"}};
@@ -239,12 +244,12 @@ absl::StatusOr<UpFlags> CheckUpFlags(std::map<std::string, std::string> flags) {
 }
 
 // The cluster's members in start order: the coordinator, the stores, the workers.
-std::vector<std::string> MemberNames(const UpFlags& f, const std::string& dir) {
+std::vector<std::string> MemberNames(const UpFlags& f, const std::string& dir, std::ostream& out) {
   std::vector<std::string> names = {"coordinator"};
-  // A retired store's name is skipped: the cluster still gets f.stores stores.
+  // A retired store's name is skipped (saying so): the cluster still gets f.stores stores.
   for (int n = 0, stores = 0; stores < f.stores; ++n) {
     const std::string name = absl::StrCat("store", n);
-    if (Drained(dir, name)) continue;
+    if (Retired(dir, name, out)) continue;
     names.push_back(name);
     ++stores;
   }
@@ -344,16 +349,6 @@ bool Runs(const std::string& dir, const LocalMember& m) {
   return Alive(m, "--tls_dir=" + LocalTlsDir(dir) + "/" + m.name);
 }
 
-// A store of `dir` that was drained, then stopped: its folder says so (pith-store writes
-// the file when it leaves drained, and refuses to start on it). Such a store is retired:
-// `pith up` starts it no more and drops it from the record, saying so on `out`.
-bool Retired(const std::string& dir, const std::string& name, std::ostream& out) {
-  if (!Drained(dir, name)) return false;
-  out << name << " was drained and stopped: not started again (remove " << dir << "/" << name
-      << "/DRAINED to start it anyway)\n";
-  return true;
-}
-
 absl::Status RecordMembers(const std::string& dir, const std::vector<LocalMember>& members);
 
 // Records the cluster in `dir` (see local_record.h) and its Prometheus targets; `pids` last,
@@ -397,12 +392,7 @@ void PrintCluster(const std::string& dir, const std::vector<LocalMember>& member
 // member, the coordinator on the port it had last time in `dir` when that port is free.
 absl::Status StartFresh(const std::string& dir, const std::map<std::string, std::string>& flags,
                         const UpFlags& f, std::ostream& out) {
-  const std::vector<std::string> names = MemberNames(f, dir);
-  for (int n = 0; Drained(dir, absl::StrCat("store", n)) ||
-                  std::find(names.begin(), names.end(), absl::StrCat("store", n)) != names.end();
-       ++n) {
-    (void)Retired(dir, absl::StrCat("store", n), out);  // says so for the skipped ones
-  }
+  const std::vector<std::string> names = MemberNames(f, dir, out);
   RETURN_IF_ERROR(Annotate(LocalCerts(LocalTlsDir(dir), names), "certificates"));
   const int recorded = ReadCoordinatorPort(dir);
   const bool moved = recorded != 0 && !LoopbackPortFree(recorded);

@@ -17,6 +17,10 @@ namespace pith {
 // naming the file when it holds anything but an identity.
 absl::StatusOr<std::string> LoadOrCreateIdentity(const std::string& data_dir);
 
+// The file a store writes into its data dir when it stops drained (saying which store and
+// when): pith-store refuses to start on that dir, and `pith up` starts that store no more.
+inline std::string DrainedMarker(const std::string& data_dir) { return data_dir + "/DRAINED"; }
+
 }  // namespace pith
 
 #endif  // PITH_COMMON_MEMBER_IDENTITY_H_

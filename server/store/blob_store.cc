@@ -326,6 +326,7 @@ absl::Status BlobStore::DropPrepared(const std::string& encoded, int64_t version
     auto v = it->second.versions.find(version);
     if (v == it->second.versions.end() || !v->second.prepared) return absl::OkStatus();
     EraseVersionLocked(encoded, it->second, version, &batch);
+    if (it->second.versions.empty()) blobs_.erase(it);  // as AbortStep leaves none empty
     UpdateGaugesLocked();
   }
   return cold_->Apply(batch, /*sync=*/false);

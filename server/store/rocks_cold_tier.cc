@@ -434,19 +434,19 @@ class RocksColdTier final : public ColdTier {
       l.persisted = true;
       // The record naming this version as committed (or prepared), if one does (looked up
       // only where the bytes are missing or past the last sync point).
-      const auto named = [&](const std::string& record_key) -> std::optional<BlobRecord> {
-        std::string value;
-        if (!db_->Get(rocksdb::ReadOptions(), record_key, &value).ok()) return std::nullopt;
-        std::optional<BlobRecord> r;
-        if (record_key[0] == 'P') {
-          if (std::optional<PendingRecord> p = DecodePending(value)) r = p->record;
-        } else {
-          r = DecodeRecord(value);
-        }
-        if (!r || r->version != version) return std::nullopt;
-        return r;
+      const auto stored = [&](const std::string& record_key) -> std::string {
+        std::string value;  // empty (no record decodes from it) when there is none
+        (void)db_->Get(rocksdb::ReadOptions(), record_key, &value);
+        return value;
       };
-      const auto committed = [&] { return named(RecordKey(key)); };
+      const auto of_version = [&](std::optional<BlobRecord> r) {
+        return r && r->version == version ? r : std::nullopt;
+      };
+      const auto committed = [&] { return of_version(DecodeRecord(stored(RecordKey(key)))); };
+      const auto prepared = [&] {
+        std::optional<PendingRecord> p = DecodePending(stored(PendingKey(key, version)));
+        return of_version(p ? std::optional<BlobRecord>(p->record) : std::nullopt);
+      };
       const BlobLog::SpanState state = log_.Check(l);
       if (state == BlobLog::SpanState::kMissing) {
         if (committed()) {
@@ -462,7 +462,7 @@ class RocksColdTier final : public ColdTier {
         // on disk after the machine stopped.
         if (std::optional<BlobRecord> r = committed()) {
           RETURN_IF_ERROR(VerifyUnsynced(l, key, *r));
-        } else if (std::optional<BlobRecord> p = named(PendingKey(key, version));
+        } else if (std::optional<BlobRecord> p = prepared();
                    p && !VerifyUnsynced(l, key, *p).ok()) {
           dangling->Delete(it->key());  // a prepared version the disk lost: the store drops it
           continue;

@@ -42,11 +42,10 @@ class StoreServiceImpl;
 
 class StoreServer {
  public:
-  // FAILED_PRECONDITION on a --data_dir whose store was drained and stopped (the file
-  // DrainedMarker names is there: the stop of a drained store writes it).
+  // FAILED_PRECONDITION on a --data_dir whose store was drained and stopped (its
+  // DrainedMarker file is there: the stop of a drained store writes it).
   static absl::StatusOr<std::unique_ptr<StoreServer>> Start(const StoreServerOptions& options,
                                                             MetricsRegistry* metrics);
-  static std::string DrainedMarker(const std::string& data_dir) { return data_dir + "/DRAINED"; }
   // Stops gRPC, then the data plane, then closes the store.
   ~StoreServer();
 
