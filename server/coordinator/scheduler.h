@@ -105,7 +105,11 @@ class Scheduler {
   void Tick() ABSL_LOCKS_EXCLUDED(mu_);
 
   // A worker's assignment (an idle worker gets an empty job_id). NOT_FOUND for an
-  // unknown or dead worker.
+  // unknown or dead worker. UNAVAILABLE (retry) while the job commits a step: its workers
+  // already compute the next one, which a run starting from the committed step would
+  // not. A new process of a worker (it restarted within its lease, so the job never saw
+  // it die) voids the attempt in flight, which its predecessor began: every worker of the
+  // job starts the next one together.
   absl::StatusOr<v1::Assignment> GetAssignment(const std::string& worker_id)
       ABSL_LOCKS_EXCLUDED(mu_);
   // The assignment version of the worker's job (0 when idle), for heartbeats.
@@ -194,6 +198,11 @@ class Scheduler {
     // Groups stores left ((store, layer, expert); layer -1: dense), with the first step of
     // the placement without them: their blobs there are deleted once it committed.
     std::map<std::tuple<std::string, int, int>, int64_t> left;
+    // The workers that took assignment version `issued_version`, with the UCX address of
+    // the process that took it: another process of the same worker (it restarted within
+    // its lease) cannot join an attempt its predecessor began (GetAssignment).
+    int64_t issued_version = 0;
+    std::map<std::string, std::string> issued;
   };
   struct StoreCall {
     v1::MemberInfo store;
@@ -288,6 +297,16 @@ class Scheduler {
                                              const std::vector<std::string>& job_workers,
                                              bool cuda_reserved = false,
                                              v1::Backend job_backend = v1::BACKEND_AUTO) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // GetAssignment's work under the lock (an abort it causes goes to `aborts`).
+  absl::StatusOr<v1::Assignment> AssignmentLocked(const std::string& worker_id,
+                                                  const v1::MemberInfo& worker, const Alive& alive,
+                                                  std::vector<StoreCall>* aborts)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // GetAssignment's checks of the asking worker's process against the attempt in flight
+  // (an abort it causes goes to `aborts`).
+  absl::Status AdmitToAttemptLocked(const std::string& worker_id, const v1::MemberInfo& worker,
+                                    Run& run, std::vector<StoreCall>* aborts)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   // step_commit.cc: the step-commit protocol.

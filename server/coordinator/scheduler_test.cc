@@ -15,6 +15,7 @@
 #include "common/job_spec_testing.h"
 #include "common/param_layout.h"
 #include "common/safetensors.h"
+#include "common/ucx_address.h"
 #include "gmock/gmock.h"
 #include "google/protobuf/util/json_util.h"
 #include "gtest/gtest.h"
@@ -585,6 +586,64 @@ TEST_F(SchedulerTest, WaitStepReturnsWhenTheStepCommits) {
   EXPECT_FALSE(waited->aborted());
   EXPECT_EQ(waited->committed_step(), 0);
   EXPECT_LT(absl::Now() - start, absl::Seconds(10));
+}
+
+// A worker killed and started again within its lease (so the job never saw it die) asks
+// for its assignment: never while a step commits (its peers already compute the next one),
+// and then it voids the attempt its predecessor began, so that every worker starts the next
+// one together; the same process asking again changes nothing.
+TEST_F(SchedulerTest, AWorkerRestartedWithinItsLeaseVoidsTheAttemptInFlight) {
+  const v1::Job job = Submit(2);
+  const std::string s0 = Join(v1::MEMBER_ROLE_STORE);
+  auto join_at = [&](const std::string& id, const std::string& ucx) {
+    v1::MemberInfo m;
+    m.set_member_id(id);
+    m.set_role(v1::MEMBER_ROLE_WORKER);
+    m.set_backend(v1::BACKEND_CPU);
+    m.set_grpc_address("127.0.0.1:1");
+    m.set_ucx_address(WrapUcxAddress(ucx));
+    auto got = members_->Register(m);
+    EXPECT_TRUE(got.ok()) << got.status();
+    return *got;
+  };
+  const std::string w0 = join_at("", "process a"), w1 = join_at("", "process b");
+  scheduler_->Tick();
+  ASSERT_TRUE(scheduler_->GetAssignment(w0).ok());
+  ASSERT_TRUE(scheduler_->GetAssignment(w1).ok());
+  CommitStep(job.job_id(), 0, {w0, w1});
+  const int64_t version = scheduler_->AssignmentVersion(w0);
+  ASSERT_EQ(scheduler_->GetAssignment(w1)->assignment_version(), version);  // same process
+  stores_.fail_commits = true;  // step 1 is decided; its commit waits for the store
+  ASSERT_TRUE(Report(job.job_id(), w0, 1).ok());
+  ASSERT_TRUE(Report(job.job_id(), w1, 1).ok());
+  ASSERT_EQ(Job(job.job_id()).committed_step(), 0);
+
+  join_at(w1, "process c");  // w1 again, a new process
+  auto committing = scheduler_->GetAssignment(w1);
+  EXPECT_EQ(committing.status().code(), absl::StatusCode::kUnavailable);
+  EXPECT_THAT(committing.status().message(), ::testing::HasSubstr("is committing step 1"));
+  EXPECT_EQ(scheduler_->AssignmentVersion(w0), version);  // no abort mid-commit
+  stores_.fail_commits = false;
+  scheduler_->Tick();  // the commit finishes
+  ASSERT_EQ(Job(job.job_id()).committed_step(), 1);
+  stores_.aborts.clear();
+
+  auto a = scheduler_->GetAssignment(w1);
+  ASSERT_TRUE(a.ok()) << a.status();
+  EXPECT_GT(a->assignment_version(), version);
+  EXPECT_EQ(a->committed_step(), 1);
+  EXPECT_EQ(stores_.aborts, (std::vector<std::string>{s0 + ":" + job.job_id() + ":2"}));
+  v1::WaitStepRequest wait;  // w0, computing step 2 under the old attempt
+  wait.set_job_id(job.job_id());
+  wait.set_step(2);
+  wait.set_assignment_version(version);
+  auto waited = scheduler_->WaitStep(wait, absl::Seconds(1));
+  ASSERT_TRUE(waited.ok());
+  EXPECT_TRUE(waited->aborted());
+  EXPECT_EQ(waited->abort_reason(), "worker " + w1 + " restarted");
+  EXPECT_EQ(scheduler_->GetAssignment(w0)->assignment_version(), a->assignment_version());
+  EXPECT_EQ(scheduler_->GetAssignment(w1)->assignment_version(), a->assignment_version());
+  CommitStep(job.job_id(), 2, {w0, w1});
 }
 
 TEST_F(SchedulerTest, AWorkerWhoseLeaseRunsOutIsReplacedAndTheStepRedone) {

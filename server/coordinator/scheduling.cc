@@ -425,16 +425,53 @@ std::vector<std::string> Scheduler::IdleWorkersLocked(const Alive& alive, const 
   return best != nullptr ? *best : std::vector<std::string>{};
 }
 
+absl::Status Scheduler::AdmitToAttemptLocked(const std::string& worker_id,
+                                             const v1::MemberInfo& worker, Run& run,
+                                             std::vector<StoreCall>* aborts) {
+  if (run.record.committing_step() >= 0) {
+    return absl::UnavailableError(absl::StrCat("job ", run.record.job_id(), " is committing step ",
+                                               run.record.committing_step(), "; retry"));
+  }
+  if (run.issued_version != run.record.assignment_version()) {
+    run.issued.clear();
+    run.issued_version = run.record.assignment_version();
+  }
+  auto [issued, first] = run.issued.emplace(worker_id, worker.ucx_address());
+  if (first || issued->second == worker.ucx_address()) return absl::OkStatus();
+  // The attempt's other workers wait on messages the dead process was to send, or sent
+  // theirs to it: all of them start the next attempt together.
+  AbortLocked(run, absl::StrCat("worker ", worker_id, " restarted"), aborts);
+  if (absl::Status s = PersistLocked(run); !s.ok()) LOG(ERROR) << s;
+  run.issued.clear();
+  run.issued_version = run.record.assignment_version();
+  run.issued[worker_id] = worker.ucx_address();
+  return absl::OkStatus();
+}
+
 absl::StatusOr<v1::Assignment> Scheduler::GetAssignment(const std::string& worker_id) {
   const Alive alive = Snapshot(*members_);
-  if (!alive.workers.count(worker_id)) {
+  auto self = alive.workers.find(worker_id);
+  if (self == alive.workers.end()) {
     return absl::NotFoundError(absl::StrCat("unknown worker ", worker_id, ": register again"));
   }
-  absl::MutexLock lock(&mu_);
+  std::vector<StoreCall> aborts;
+  absl::StatusOr<v1::Assignment> a;
+  {
+    absl::MutexLock lock(&mu_);
+    a = AssignmentLocked(worker_id, self->second, alive, &aborts);
+  }
+  RunStoreAborts(aborts);
+  return a;
+}
+
+absl::StatusOr<v1::Assignment> Scheduler::AssignmentLocked(const std::string& worker_id,
+                                                           const v1::MemberInfo& worker,
+                                                           const Alive& alive,
+                                                           std::vector<StoreCall>* aborts) {
   v1::Assignment a;
   auto w = worker_job_.find(worker_id);
   if (w == worker_job_.end()) return a;  // idle
-  const Run& run = runs_.at(w->second);
+  Run& run = runs_.at(w->second);
   if (run.recovering) {
     return absl::UnavailableError(absl::StrCat("job ", w->second,
                                                " is waiting for its members after a coordinator "
@@ -444,6 +481,7 @@ absl::StatusOr<v1::Assignment> Scheduler::GetAssignment(const std::string& worke
     return absl::UnavailableError(absl::StrCat("job ", w->second, " is waiting for store ",
                                                run.awaited_store, " to come back; retry"));
   }
+  RETURN_IF_ERROR(AdmitToAttemptLocked(worker_id, worker, run, aborts));
   ASSIGN_OR_RETURN(v1::Job job, jobs_->Get(w->second));
   a.set_assignment_version(run.record.assignment_version());
   a.set_job_id(job.job_id());
@@ -453,12 +491,13 @@ absl::StatusOr<v1::Assignment> Scheduler::GetAssignment(const std::string& worke
     const std::string& id = run.record.workers(rank);
     if (id == worker_id) a.set_rank(rank);
     auto peer = alive.workers.find(id);
-    v1::MemberInfo* p = a.add_peers();
-    if (peer != alive.workers.end()) {
-      *p = peer->second;
-    } else {
-      p->set_member_id(id);
+    if (peer == alive.workers.end()) {
+      // Dead: the next pass replaces it (or shrinks the job) under a new attempt; a run
+      // joining this one would fail on the missing address.
+      return absl::UnavailableError(
+          absl::StrCat("job ", job.job_id(), " is replacing worker ", id, "; retry"));
     }
+    *a.add_peers() = peer->second;
   }
   for (const auto& [id, store] : alive.stores) *a.add_stores() = store;
   *a.mutable_placement() = run.record.placement();
