@@ -115,6 +115,8 @@ absl::Status BlobStore::Recover() {
     v = Version{record.record.version, record.record.size, record.record.crc, nullptr, {}};
     v.prepared = true;
     v.attempt = record.attempt;
+    int64_t& newest = job_attempts_[blob.key.job_id()];
+    newest = std::max(newest, record.attempt);
     kept.insert(at);
   }
   // Keep those and the committed versions; anything else is a pending version of a step
@@ -248,8 +250,20 @@ void BlobStore::UpdateGaugesLocked() {
   metrics_->rocksdb_bytes->Set(static_cast<double>(cold_bytes_));
 }
 
+absl::Status BlobStore::AdmitAttemptLocked(const std::string& job_id, int64_t attempt,
+                                           const char* what) {
+  if (attempt == 0) return absl::OkStatus();
+  int64_t& newest = job_attempts_[job_id];
+  if (attempt < newest) {
+    return absl::AbortedError(absl::StrCat(what, " of attempt ", attempt, " of job ", job_id,
+                                           ": attempt ", newest, " replaced it"));
+  }
+  newest = attempt;
+  return absl::OkStatus();
+}
+
 absl::StatusOr<PutReservation> BlobStore::BeginPut(const v1::BlobKey& key, int64_t version,
-                                                   uint64_t size) {
+                                                   uint64_t size, int64_t attempt) {
   RETURN_IF_ERROR(ValidateBlobKey(key));
   if (size > options_.max_blob_bytes) {
     return absl::ResourceExhaustedError(
@@ -264,10 +278,12 @@ absl::StatusOr<PutReservation> BlobStore::BeginPut(const v1::BlobKey& key, int64
         absl::StrCat(BlobKeyDebugString(key), ": version ", version,
                      " is not newer than the committed version ", it->second.committed));
   }
+  RETURN_IF_ERROR(AdmitAttemptLocked(key.job_id(), attempt, "a put"));
   PutReservation r;
   ASSIGN_OR_RETURN(r.block_, AllocateLocked(std::max<uint64_t>(size, 1)));
   r.key_ = key;
   r.version_ = version;
+  r.attempt_ = attempt;
   r.data_ = arena_ + r.block_->offset();
   r.size_ = size;
   return r;
@@ -285,11 +301,18 @@ absl::StatusOr<v1::BlobInfo> BlobStore::FinishPut(PutReservation r,
     // The bytes go to the cold tier before the version exists anywhere, so every version
     // a reader can see survives a crash once its step commits. fp32 weights are their own
     // master copy: bytes equal to the other kind's of the same version are stored once.
+    // A voided attempt's bytes never go there: the version's location may be its
+    // successor's.
+    {
+      absl::MutexLock lock(&mu_);
+      RETURN_IF_ERROR(AdmitAttemptLocked(r.key_.job_id(), r.attempt_, "a put"));
+    }
     if (!LinkToSibling(r, encoded, crc)) {
       RETURN_IF_ERROR(cold_->PutData(encoded, r.version_, {r.data_, r.size_}));
     }
     absl::MutexLock lock(&mu_);
-    return AddPendingLocked(r.key_, encoded, r.version_, r.size_, crc, std::move(r.block_));
+    return AddPendingLocked(r.key_, encoded, r.version_, r.size_, crc, r.attempt_,
+                            std::move(r.block_));
   });
 }
 
@@ -335,8 +358,9 @@ absl::Status BlobStore::DropPrepared(const std::string& encoded, int64_t version
 absl::StatusOr<v1::BlobInfo> BlobStore::AddPendingLocked(const v1::BlobKey& key,
                                                          const std::string& encoded,
                                                          int64_t version, uint64_t size,
-                                                         uint32_t crc,
+                                                         uint32_t crc, int64_t attempt,
                                                          std::shared_ptr<RamBlock> ram) {
+  RETURN_IF_ERROR(AdmitAttemptLocked(key.job_id(), attempt, "a put"));
   Blob& blob = blobs_[encoded];
   if (blob.versions.empty() && blob.committed < 0) blob.key = key;
   if (blob.committed >= version) {
@@ -353,6 +377,7 @@ absl::StatusOr<v1::BlobInfo> BlobStore::AddPendingLocked(const v1::BlobKey& key,
   v.version = version;
   v.size = size;
   v.crc = crc;
+  v.attempt = attempt;
   v.last_use = ++clock_;
   if (ram != nullptr) {
     v.ram = std::move(ram);
@@ -382,7 +407,7 @@ std::optional<v1::BlobKey> SiblingKey(const v1::BlobKey& key) {
 }  // namespace
 
 absl::StatusOr<v1::BlobInfo> BlobStore::PutSibling(const v1::BlobKey& key, int64_t version,
-                                                   uint64_t size, uint32_t crc) {
+                                                   uint64_t size, uint32_t crc, int64_t attempt) {
   RETURN_IF_ERROR(ValidateBlobKey(key));
   const std::optional<v1::BlobKey> sibling_key = SiblingKey(key);
   if (!sibling_key)
@@ -395,6 +420,7 @@ absl::StatusOr<v1::BlobInfo> BlobStore::PutSibling(const v1::BlobKey& key, int64
   };
   {
     absl::MutexLock lock(&mu_);
+    RETURN_IF_ERROR(AdmitAttemptLocked(key.job_id(), attempt, "a put"));
     auto it = blobs_.find(sibling);
     if (it == blobs_.end()) return missing();
     auto v = it->second.versions.find(version);
@@ -409,7 +435,7 @@ absl::StatusOr<v1::BlobInfo> BlobStore::PutSibling(const v1::BlobKey& key, int64
       return absl::IsNotFound(linked) ? missing() : linked;
     }
     absl::MutexLock lock(&mu_);
-    return AddPendingLocked(key, encoded, version, size, crc, nullptr);
+    return AddPendingLocked(key, encoded, version, size, crc, attempt, nullptr);
   });
 }
 
@@ -435,8 +461,8 @@ bool BlobStore::LinkToSibling(const PutReservation& r, const std::string& encode
 }
 
 absl::StatusOr<v1::BlobInfo> BlobStore::Put(const v1::BlobKey& key, int64_t version,
-                                            absl::Span<const uint8_t> bytes) {
-  ASSIGN_OR_RETURN(PutReservation r, BeginPut(key, version, bytes.size()));
+                                            absl::Span<const uint8_t> bytes, int64_t attempt) {
+  ASSIGN_OR_RETURN(PutReservation r, BeginPut(key, version, bytes.size(), attempt));
   if (!bytes.empty()) std::memcpy(r.data(), bytes.data(), bytes.size());
   return FinishPut(std::move(r));
 }

@@ -7,6 +7,13 @@
 // process; CommitStep(job, s+1) makes them current in one synced batch and frees what
 // they replace; AbortStep, or a crash before the prepare, discards them.
 //
+// Attempts (the coordinator's assignment versions, which only grow): puts, prepares and
+// commits may name the attempt of the step they belong to (0: none). The newest one a job
+// named here fences the older ones off: their puts and prepares are refused (ABORTED),
+// and their pending versions are left out of a later attempt's prepare and commit. So a
+// put from a voided attempt (a stalled worker's, landing late) never becomes part of the
+// step its successor commits.
+//
 // Thread safety: all methods are thread-safe. BlobRef and PutReservation may be released
 // from any thread.
 #ifndef PITH_SERVER_STORE_BLOB_STORE_H_
@@ -103,6 +110,7 @@ class PutReservation {
   friend class BlobStore;
   v1::BlobKey key_;
   int64_t version_ = 0;
+  int64_t attempt_ = 0;
   std::shared_ptr<RamBlock> block_;
   uint8_t* data_ = nullptr;
   uint64_t size_ = 0;
@@ -123,23 +131,26 @@ class BlobStore {
   // (the largest power of two not above ram_bytes),
   // UNAVAILABLE while every RAM block is held by reads and receives in flight (it frees
   // as they end: the caller waits and asks again), FAILED_PRECONDITION when `version` is
-  // not newer than the committed one. Resident versions, pending or committed, are always
-  // in the cold tier too: they are demoted (least recently used first) to make room.
-  absl::StatusOr<PutReservation> BeginPut(const v1::BlobKey& key, int64_t version, uint64_t size);
+  // not newer than the committed one, ABORTED for an `attempt` older than one the job
+  // named here. Resident versions, pending or committed, are always in the cold tier too:
+  // they are demoted (least recently used first) to make room.
+  absl::StatusOr<PutReservation> BeginPut(const v1::BlobKey& key, int64_t version, uint64_t size,
+                                          int64_t attempt = 0);
   // Checksums the received bytes, stores them in the cold tier and records the pending
-  // version. `expected_crc`, when given, must match (DATA_LOSS otherwise).
+  // version. `expected_crc`, when given, must match (DATA_LOSS otherwise); ABORTED when a
+  // newer attempt of the job came meanwhile.
   absl::StatusOr<v1::BlobInfo> FinishPut(PutReservation reservation,
                                          std::optional<uint32_t> expected_crc = std::nullopt);
   // Records (key, version) as a pending version with the bytes of the same version of the
   // sibling kind (weights <-> master), which must be on this store with `size` bytes and
   // checksum `crc`: shared in the cold tier, not copied (reads come from there).
   // FAILED_PRECONDITION when there is no such sibling version, or `version` is not newer
-  // than the committed one.
+  // than the committed one; ABORTED as BeginPut.
   absl::StatusOr<v1::BlobInfo> PutSibling(const v1::BlobKey& key, int64_t version, uint64_t size,
-                                          uint32_t crc);
+                                          uint32_t crc, int64_t attempt = 0);
   // BeginPut + copy + FinishPut.
   absl::StatusOr<v1::BlobInfo> Put(const v1::BlobKey& key, int64_t version,
-                                   absl::Span<const uint8_t> bytes);
+                                   absl::Span<const uint8_t> bytes, int64_t attempt = 0);
 
   // Installs `bytes` as the committed `version` of `key` at once (a replica copied from a
   // peer store): durable on return. FAILED_PRECONDITION when a newer version is committed.
@@ -165,18 +176,20 @@ class BlobStore {
   // (INVALID_ARGUMENT). A job already at `step` here answers `already`; one past it is
   // FAILED_PRECONDITION (this copy is not the job's history: a far-future commit must not
   // turn every later real one into a no-op). With `attempt` (the decided attempt), a
-  // version another attempt prepared and nobody wrote since is dropped, not committed.
+  // version another attempt wrote or prepared (and nobody wrote since) is dropped, not
+  // committed.
   absl::StatusOr<CommitResult> CommitStep(const std::string& job_id, int64_t step,
                                           std::optional<int64_t> previous = std::nullopt,
                                           std::optional<int64_t> attempt = std::nullopt);
   // Makes the job's pending versions of `step` survive a crash of the process (a kill -9
   // between the coordinator's decision to commit and the commit): their records, tagged
   // with `attempt` (the coordinator's assignment version), go through the cold tier's
-  // WAL, and the restarted store has them pending. Versions another attempt prepared and
-  // nobody wrote since belong to a voided attempt whose abort this store missed: they are
-  // dropped. A put of a prepared version replaces it, as any retried write does (and
-  // waits for a commit in progress: rare, a put after its step's prepare). Returns how
-  // many versions there are; FAILED_PRECONDITION when the job is at `step` or past it.
+  // WAL, and the restarted store has them pending. Versions another attempt wrote or
+  // prepared (and nobody wrote since) belong to a voided attempt whose abort this store
+  // missed, or came after it: they are dropped. A put of a prepared version replaces it,
+  // as any retried write does (and waits for a commit in progress: rare, a put after its
+  // step's prepare). Returns how many versions there are; FAILED_PRECONDITION when the
+  // job is at `step` or past it, ABORTED for an attempt older than one the job named.
   absl::StatusOr<uint64_t> PrepareStep(const std::string& job_id, int64_t step,
                                        int64_t attempt = 0);
   // Discards the job's pending versions of `step`; returns how many.
@@ -221,7 +234,7 @@ class BlobStore {
     uint64_t last_use = 0;        // clock_ at the last read or write; 0: never
     uint64_t last_cold_read = 0;  // cold_gets_ at the last read from the cold tier; 0: never
     bool prepared = false;        // pending, with its record in the cold tier (PrepareStep)
-    int64_t attempt = 0;          // the attempt that prepared it
+    int64_t attempt = 0;          // the attempt that wrote or prepared it (0: not named)
   };
   struct Blob {
     v1::BlobKey key;
@@ -231,6 +244,15 @@ class BlobStore {
   struct Metrics;
 
   BlobStore(const BlobStoreOptions& options, std::unique_ptr<ColdTier> cold, uint8_t* arena);
+  // Whether pending `v` is no part of `attempt`'s step: another attempt named it (with
+  // `attempt` 0, one that prepared it).
+  static bool Voided(const Version& v, int64_t attempt) {
+    return v.attempt != 0 && v.attempt != attempt && (attempt != 0 || v.prepared);
+  }
+  // `what` (a put, a prepare) of `attempt` of the job: ABORTED when the job named a newer
+  // attempt here, else OK, and `attempt` is the newest. Attempt 0 passes.
+  absl::Status AdmitAttemptLocked(const std::string& job_id, int64_t attempt, const char* what)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::Status Recover();
   // A RAM block of `size` bytes, demoting unpinned LRU blobs as needed; UNAVAILABLE
   // (saying what holds the RAM) when every block is held, RESOURCE_EXHAUSTED at once for
@@ -266,11 +288,11 @@ class BlobStore {
   // (weights <-> master) when they are equal; false when they are not (or not there).
   bool LinkToSibling(const PutReservation& r, const std::string& encoded, uint32_t crc)
       ABSL_LOCKS_EXCLUDED(mu_);
-  // Records a pending version of (key, version) whose bytes are in the cold tier, and in
-  // `ram` when not null.
+  // Records a pending version of (key, version), written by `attempt`, whose bytes are in
+  // the cold tier, and in `ram` when not null. ABORTED as AdmitAttemptLocked.
   absl::StatusOr<v1::BlobInfo> AddPendingLocked(const v1::BlobKey& key, const std::string& encoded,
                                                 int64_t version, uint64_t size, uint32_t crc,
-                                                std::shared_ptr<RamBlock> ram)
+                                                int64_t attempt, std::shared_ptr<RamBlock> ram)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   const BlobStoreOptions options_;
@@ -295,6 +317,9 @@ class BlobStore {
   // RAM-resident, most recent first.
   std::list<std::pair<std::string, int64_t>> lru_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, int64_t> job_steps_ ABSL_GUARDED_BY(mu_);
+  // The newest attempt each job named here (puts, prepares, commits; recovered from the
+  // prepared records).
+  std::map<std::string, int64_t> job_attempts_ ABSL_GUARDED_BY(mu_);
   uint64_t clock_ ABSL_GUARDED_BY(mu_) = 0;  // ticks on every read and write (admission)
   uint64_t cold_bytes_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t ram_gets_ ABSL_GUARDED_BY(mu_) = 0;

@@ -63,14 +63,17 @@ absl::StatusOr<BlobStore::CommitResult> BlobStore::CommitStep(const std::string&
       Blob& blob = it->second;
       auto v = blob.versions.find(step);
       if (v == blob.versions.end()) continue;
-      // Prepared by another attempt and not written since: a voided attempt's (its abort
-      // missed this store), dropped below with what the commit replaces.
-      if (attempt && v->second.prepared && v->second.attempt != *attempt) continue;
+      // Written or prepared by another attempt and not written since: a voided attempt's
+      // (its abort missed this store, or it came late), dropped below with what the
+      // commit replaces.
+      if (attempt && Voided(v->second, *attempt)) continue;
       batch.set_records.push_back({it->first, {v->second.version, v->second.size, v->second.crc}});
       if (v->second.prepared) batch.delete_pending.push_back({it->first, step});
       ++committed;
     }
     batch.set_job_steps[job_id] = step;
+    // The decided attempt: nothing older is part of the job's later steps either.
+    if (attempt) (void)AdmitAttemptLocked(job_id, *attempt, "a commit");
   }
   // NOTE: the sync (the step's bytes to disk) runs without mu_: gets (of the committed
   // versions, or of this step's by version) go on meanwhile. The step's pending versions
@@ -120,6 +123,7 @@ absl::StatusOr<uint64_t> BlobStore::PrepareStep(const std::string& job_id, int64
                                                         " on this store: step ", step,
                                                         " is not pending"));
     }
+    RETURN_IF_ERROR(AdmitAttemptLocked(job_id, attempt, "a prepare"));
     for (auto it = blobs_.lower_bound(prefix);
          it != blobs_.end() && absl::StartsWith(it->first, prefix);) {
       Blob& blob = it->second;
@@ -128,9 +132,9 @@ absl::StatusOr<uint64_t> BlobStore::PrepareStep(const std::string& job_id, int64
         ++it;
         continue;
       }
-      if (v->second.prepared && v->second.attempt != attempt) {
+      if (Voided(v->second, attempt)) {
         // A voided attempt's, not written again by this one (the abort missed this store,
-        // down at the time): not part of this step.
+        // down at the time, or its put came late): not part of this step.
         EraseVersionLocked(it->first, blob, step, &batch);
         it = blob.versions.empty() ? blobs_.erase(it) : std::next(it);
         continue;
@@ -241,6 +245,7 @@ absl::StatusOr<std::pair<uint64_t, uint64_t>> BlobStore::DeleteJob(const std::st
   if (!scope.keep_weights && !scope.group) {
     batch.delete_job_steps.push_back(job_id);
     job_steps_.erase(job_id);
+    job_attempts_.erase(job_id);
   }
   RETURN_IF_ERROR(cold_->Apply(batch, true));
   UpdateGaugesLocked();

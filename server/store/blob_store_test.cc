@@ -544,6 +544,52 @@ TEST_F(BlobStoreTest, AVoidedAttemptsPreparedVersionsAreDroppedNotCommitted) {
   EXPECT_TRUE(cold_.Load()->pending.empty());
 }
 
+// Puts name their attempt: once a job named a newer one here, an older attempt's put and
+// prepare are refused (a stalled worker's late write never joins its successor's step),
+// across a restart too; a late put that lands before the newer attempt wrote that blob
+// is left out of the newer attempt's prepare and commit. Puts naming none are not fenced.
+TEST_F(BlobStoreTest, AVoidedAttemptsLatePutsNeverJoinTheStep) {
+  for (int e = 0; e < 3; ++e) ASSERT_TRUE(store_->Put(Expert(0, e), 0, Bytes(5000, e), 4).ok());
+  ASSERT_TRUE(store_->CommitStep("job-1", 0, std::nullopt, /*attempt=*/4).ok());
+  // Attempt 5 writes expert 0 of step 1, and is voided; attempt 6 writes experts 0 and 1.
+  ASSERT_TRUE(store_->Put(Expert(0, 0), 1, Bytes(5000, 50), 5).ok());
+  ASSERT_TRUE(store_->Put(Expert(0, 0), 1, Bytes(5000, 60), 6).ok());
+  ASSERT_TRUE(store_->Put(Expert(0, 1), 1, Bytes(5000, 61), 6).ok());
+  // Attempt 5's late puts: refused, whether or not attempt 6 wrote the blob.
+  for (int e : {0, 2}) {
+    auto late = store_->Put(Expert(0, e), 1, Bytes(5000, 70 + e), 5);
+    EXPECT_EQ(late.status().code(), absl::StatusCode::kAborted) << e;
+    EXPECT_THAT(late.status().message(),
+                ::testing::HasSubstr("a put of attempt 5 of job job-1: attempt 6 replaced it"));
+  }
+  EXPECT_EQ(Read(Expert(0, 0), 1), Bytes(5000, 60));
+  EXPECT_EQ(store_->Stat(Expert(0, 2), 1).status().code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(store_->PrepareStep("job-1", 1, 5).status().code(), absl::StatusCode::kAborted);
+  EXPECT_EQ(*store_->PrepareStep("job-1", 1, 6), 2u);
+  store_.reset();  // the fence outlives the process, in the prepared records
+  Open();
+  EXPECT_EQ(store_->Put(Expert(0, 2), 1, Bytes(5000, 72), 5).status().code(),
+            absl::StatusCode::kAborted);
+  ASSERT_TRUE(store_->CommitStep("job-1", 1, 0, 6).ok());
+  EXPECT_EQ(Read(Expert(0, 0)), Bytes(5000, 60));
+
+  // A late put of attempt 7 (voided: its abort missed the store) lands before attempt 8
+  // names itself here: attempt 8 writes another blob, prepares and commits without it.
+  ASSERT_TRUE(store_->Put(Expert(0, 2), 2, Bytes(5000, 72), 7).ok());
+  ASSERT_TRUE(store_->Put(Expert(0, 1), 2, Bytes(5000, 81), 8).ok());
+  ASSERT_TRUE(store_->Put(Expert(0, 0), 2, Bytes(5000, 80)).ok());  // naming none
+  EXPECT_EQ(*store_->PrepareStep("job-1", 2, 8), 2u);
+  EXPECT_EQ(store_->Stat(Expert(0, 2), 2).status().code(), absl::StatusCode::kNotFound);
+  auto committed = store_->CommitStep("job-1", 2, 1, 8);
+  ASSERT_TRUE(committed.ok()) << committed.status();
+  EXPECT_EQ(committed->blobs_committed, 2u);
+  EXPECT_EQ(Read(Expert(0, 0)), Bytes(5000, 80));
+  EXPECT_EQ(Read(Expert(0, 1)), Bytes(5000, 81));
+  EXPECT_EQ(Read(Expert(0, 2)), Bytes(5000, 2));
+  // Other jobs have fences of their own.
+  EXPECT_TRUE(store_->Put(Expert(0, 0, v1::BLOB_KIND_WEIGHTS, "job-2"), 0, Bytes(100, 1), 1).ok());
+}
+
 // A copy installed over a prepared version of the same number replaces it whole.
 TEST_F(BlobStoreTest, AnInstalledCopyReplacesAPreparedVersion) {
   ASSERT_TRUE(store_->Put(Expert(0, 0), 1, Bytes(5000, 1)).ok());

@@ -219,8 +219,8 @@ void DataPlane::OnPut(ucx::AmMessage& m) {
     absl::StatusOr<v1::BlobInfo> info =
         request.key().kind() == request.same_as_kind()
             ? absl::InvalidArgumentError("a put cannot be the same as its own kind")
-            : store_->PutSibling(request.key(), request.version(), request.size(),
-                                 request.crc32c());
+            : store_->PutSibling(request.key(), request.version(), request.size(), request.crc32c(),
+                                 request.attempt());
     v1::UcxBlobReply reply = ErrorReply(request.request_id(), 0, info.status());
     if (info.ok()) {
       *reply.mutable_info() = *info;
@@ -239,7 +239,7 @@ void DataPlane::OnPut(ucx::AmMessage& m) {
 bool DataPlane::TryPut(ucx::AmMessage& m, const v1::UcxPutRequest& request,
                        std::chrono::steady_clock::time_point start) {
   absl::StatusOr<PutReservation> reservation =
-      store_->BeginPut(request.key(), request.version(), request.size());
+      store_->BeginPut(request.key(), request.version(), request.size(), request.attempt());
   if (absl::IsUnavailable(reservation.status()) &&
       std::chrono::steady_clock::now() - start < absl::ToChronoNanoseconds(kPutWaitLimit)) {
     return false;

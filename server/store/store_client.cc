@@ -511,6 +511,7 @@ absl::Status StoreClient::PutRound(absl::Span<PutItem> items, const std::vector<
     request.set_client_id(client_id_);
     *request.mutable_key() = item.key;
     request.set_version(item.version);
+    request.set_attempt(item.attempt);
     request.set_size(item.size);
     const bool reference = source[i] >= 0;
     if (reference) {

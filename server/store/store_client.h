@@ -73,6 +73,7 @@ class StoreClient {
     int peer = -1;
     v1::BlobKey key;
     int64_t version = 0;
+    int64_t attempt = 0;         // of the step it belongs to (UcxPutRequest.attempt); 0: none
     const void* data = nullptr;  // valid until PutMany returns (or calls buffers_free)
     size_t size = 0;
     ucp_mem_h memh = nullptr;

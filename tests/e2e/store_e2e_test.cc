@@ -16,6 +16,7 @@
 #include <thread>
 #include <vector>
 
+#include "absl/strings/match.h"
 #include "absl/synchronization/notification.h"
 #include "absl/time/clock.h"
 #include "child_process.h"
@@ -370,6 +371,42 @@ TEST_F(StoreE2eTest, KillDashNineMidStepLosesNoCommittedVersion) {
 // The coordinator decides a step's commit only once the job's stores prepared it: a store
 // process killed between the decision and its commit has the step after the restart and
 // commits it, so the decision holds.
+// A put names its step's attempt: once attempt 6 wrote here, attempt 5's late puts (a
+// stalled worker of a voided attempt) are refused, sent or as references alike.
+TEST_F(StoreE2eTest, AVoidedAttemptsLatePutsAreRefused) {
+  StartStore();
+  const std::vector<uint8_t> now = Bytes(30000, 1), late = Bytes(30000, 2);
+  auto put = [&](int64_t attempt, const std::vector<uint8_t>& bytes, bool with_master) {
+    std::vector<StoreClient::PutItem> items;
+    for (v1::BlobKind kind : {v1::BLOB_KIND_WEIGHTS, v1::BLOB_KIND_MASTER}) {
+      if (kind == v1::BLOB_KIND_MASTER && !with_master) continue;
+      StoreClient::PutItem item;
+      item.peer = peer_;
+      item.key = Key(0, 0, kind);
+      item.version = 1;
+      item.attempt = attempt;
+      item.data = bytes.data();
+      item.size = bytes.size();
+      items.push_back(item);
+    }
+    (void)client_->PutMany(absl::MakeSpan(items));
+    return items;
+  };
+  for (const auto& item : put(6, now, true)) ASSERT_TRUE(item.status.ok()) << item.status;
+  for (const auto& item : put(5, late, true)) {
+    EXPECT_EQ(item.status.code(), absl::StatusCode::kAborted) << item.status;
+    EXPECT_TRUE(absl::StrContains(item.status.message(), "attempt 6 replaced it")) << item.status;
+  }
+  for (const auto& item : put(7, late, false)) ASSERT_TRUE(item.status.ok()) << item.status;
+  // The master of attempt 7, as a reference to its weights: accepted; one of attempt 6's
+  // after it is not.
+  std::vector<StoreClient::PutItem> refs = put(7, late, true);
+  EXPECT_TRUE(refs[1].status.ok()) << refs[1].status;
+  refs = put(6, late, true);
+  EXPECT_EQ(refs[0].status.code(), absl::StatusCode::kAborted);
+  EXPECT_EQ(refs[1].status.code(), absl::StatusCode::kAborted);
+}
+
 TEST_F(StoreE2eTest, KillDashNineBetweenPrepareAndCommitLosesNothingPrepared) {
   StartStore();
   const int kBlobs = 12;

@@ -34,6 +34,7 @@ StoreClient::FetchItem FetchItemOf(const v1::BlobKey& key, void* buffer, size_t 
 absl::Status StoreIo::ApplyPlacement(const v1::Assignment& a) {
   {
     absl::MutexLock lock(&mu_);  // the cache's prefetch thread reads them
+    attempt_ = a.assignment_version();
     for (const v1::ExpertPlacement& e : a.placement().experts()) {
       const StoreGroup group = e.layer() < 0 ? kDenseGroup : StoreGroup{e.layer(), e.expert()};
       std::vector<std::string>& read = read_stores_[group];
@@ -119,6 +120,7 @@ absl::Status StoreIo::Put(const std::vector<std::string>& stores, const v1::Blob
     item.peer = it->second;
     item.key = key;
     item.version = version;
+    item.attempt = attempt_;
     item.data = data;
     item.size = bytes;
     item.memh = Registration(data, bytes);

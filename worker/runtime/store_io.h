@@ -93,7 +93,9 @@ class StoreIo : public BlobIo {
   StoreIo(store::StoreClient* client, WorkerMetrics* metrics, std::string job_id, int experts)
       : client_(client), metrics_(metrics), job_id_(std::move(job_id)), experts_(experts) {}
 
-  // Takes the placement's store groups and connects to its stores not connected yet.
+  // Takes the placement's store groups and connects to its stores not connected yet. The
+  // puts from now on name the assignment's version as their attempt (the stores fence off
+  // a voided attempt's late writes with it).
   absl::Status ApplyPlacement(const v1::Assignment& a) ABSL_LOCKS_EXCLUDED(mu_);
 
   std::vector<std::string> ReadStores(StoreGroup group) override ABSL_LOCKS_EXCLUDED(mu_);
@@ -161,6 +163,7 @@ class StoreIo : public BlobIo {
   const int experts_;  // E, for pending_written_
 
   absl::Mutex mu_;
+  int64_t attempt_ ABSL_GUARDED_BY(mu_) = 0;  // the assignment version puts name
   std::map<StoreGroup, std::vector<std::string>> read_stores_ ABSL_GUARDED_BY(mu_);
   std::map<StoreGroup, std::vector<std::string>> write_stores_ ABSL_GUARDED_BY(mu_);
   // Member id -> its StoreClient peer (which reconnects by itself after a failure) and
