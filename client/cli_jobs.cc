@@ -25,10 +25,15 @@ namespace pith::cli {
 namespace {
 
 std::string JobLine(const v1::Job& j) {
-  return absl::StrFormat("%-24s %-10s step %d/%d  loss %.4f  %.0f tokens/s  cache hit %.2f%s",
-                         j.job_id(), StateName(j.state()), std::max<int64_t>(0, j.committed_step()),
-                         j.spec().train().steps(), j.last_loss(), j.tokens_per_second(),
-                         j.cache_hit_rate(),
+  // Before its first training step commits a job has no figures to show (not zeros).
+  const std::string figures =
+      j.committed_step() >= 1
+          ? absl::StrFormat("loss %.4f  %.0f tokens/s  cache hit %.2f", j.last_loss(),
+                            j.tokens_per_second(), j.cache_hit_rate())
+          : "no step trained yet";
+  return absl::StrFormat("%-24s %-10s step %d/%d  %s%s", j.job_id(), StateName(j.state()),
+                         std::max<int64_t>(0, j.committed_step()), j.spec().train().steps(),
+                         figures,
                          j.failure_reason().empty()
                              ? (j.pending_reason().empty() ? "" : "  (" + j.pending_reason() + ")")
                              : "  (" + j.failure_reason() + ")");
@@ -94,8 +99,21 @@ absl::Status Watch(const CliContext& ctx, const Args& args, std::ostream& out) {
   int64_t last_step = -2, first_step = 0;
   v1::JobEvent last;
   RETURN_IF_ERROR(client->Watch(args[0], [&](const v1::JobEvent& e) {
+    // A running job's event without a new step: news only when its note changed (it
+    // waits for a store that died, or no longer does).
+    const bool same_step = e.step() == last_step && e.state() == v1::JOB_STATE_RUNNING;
+    const bool news = e.message() != last.message();
     last = e;
-    if (e.step() == last_step && e.state() == v1::JOB_STATE_RUNNING) return true;
+    if (same_step && !news) return true;
+    if (same_step) {
+      if (ctx.json) {
+        out << Json(e) << "\n";
+      } else if (!e.message().empty()) {
+        out << "job " << e.job_id() << ": " << e.message() << "\n";
+      }
+      out.flush();
+      return true;
+    }
     last_step = e.step();
     if (e.step() >= 1) {
       if (first_loss < 0) first_loss = e.loss(), first_step = e.step();
@@ -115,11 +133,9 @@ absl::Status Watch(const CliContext& ctx, const Args& args, std::ostream& out) {
           e.tokens_per_second(), e.cache_hit_rate(),
           e.state() == v1::JOB_STATE_RUNNING ? absl::StrFormat("  ETA %.0fs", eta) : "");
     } else {
-      std::string waits = " (waiting for workers)";
-      if (e.state() == v1::JOB_STATE_PENDING) {  // the scheduler's reason, where it gave one
-        absl::StatusOr<v1::Job> now = client->Get(e.job_id());
-        if (now.ok() && !now->pending_reason().empty()) waits = " (" + now->pending_reason() + ")";
-      }
+      // The scheduler's reason, where it gave one.
+      const std::string waits =
+          " (" + (e.message().empty() ? std::string("waiting for workers") : e.message()) + ")";
       out << "job " << e.job_id() << ": " << StateName(e.state())
           << (IsFinal(e.state()) ? ""
               : e.step() == 0    ? " (initial weights written)"
@@ -368,7 +384,7 @@ absl::Status Cluster(const CliContext& ctx, const Args& args, std::ostream& out)
     // A worker serves no gRPC port: its host alone.
     const absl::string_view address = absl::StripSuffix(m.grpc_address(), ":0");
     const double lease = (m.lease_expires_unix_ms() - now) / 1e3;
-    out << absl::StrFormat("  %-10s %-6s %-21s %s", m.member_id(), state, address,
+    out << absl::StrFormat("  %-10s %-8s %-21s %s", m.member_id(), state, address,
                            lease >= 0 ? absl::StrFormat("lease %5.1fs", lease)
                                       : absl::StrFormat("lease over %.0fs ago", -lease));
     if (m.role() == v1::MEMBER_ROLE_STORE) {

@@ -34,7 +34,7 @@ v1::JobEvent EventOf(const v1::Job& job, const HeatRegistry& heat) {
   e.set_cache_hit_rate(job.cache_hit_rate());
   e.set_step_seconds(job.step_seconds());
   e.set_placement_epoch(job.placement_epoch());
-  e.set_message(job.failure_reason());
+  e.set_message(!job.failure_reason().empty() ? job.failure_reason() : job.pending_reason());
   absl::StatusOr<v1::ExpertHeatResponse> h = heat.Heat(job.job_id(), -1, /*max_pairs=*/0);
   if (h.ok()) {
     std::vector<v1::ExpertHeatEntry> all(h->experts().begin(), h->experts().end());

@@ -288,6 +288,9 @@ class Scheduler {
   // Records why `job` (pending) waits, when that changed.
   void SetPendingReasonLocked(const v1::Job& job, const std::string& reason)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // A running job's wait for a store (Job.pending_reason; empty: none), for `pith status`.
+  void NoteWaitLocked(const std::string& job_id, const std::string& reason)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Idle workers of one compute backend (a job never mixes backends): that of `job_workers`
   // when it has any (`job_backend`, the run's recorded one, when none of them is alive
   // yet), else CUDA's for a bf16 `job` (it trains on nothing else), else the backend with

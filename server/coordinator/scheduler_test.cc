@@ -1155,6 +1155,9 @@ TEST_F(StoreLapseTest, TheJobWaitsForTheStoreAndGoesOnWhenItIsBack) {
   ASSERT_NO_FATAL_FAILURE(StartAndLapse(/*failures=*/5));
   for (int seconds = 0; seconds < 15; seconds += 3) {
     ASSERT_EQ(Job(job_).state(), v1::JOB_STATE_RUNNING) << Job(job_).failure_reason();
+    EXPECT_EQ(Job(job_).pending_reason(),
+              "waiting up to 30s for store " + s0_ +
+                  ", which died holding the only copies of some of its data");  // pith status
     auto a = scheduler_->GetAssignment(w0_);
     EXPECT_EQ(a.status().code(), absl::StatusCode::kUnavailable);
     EXPECT_THAT(std::string(a.status().message()), ::testing::HasSubstr(s0_));
@@ -1165,6 +1168,7 @@ TEST_F(StoreLapseTest, TheJobWaitsForTheStoreAndGoesOnWhenItIsBack) {
   EXPECT_TRUE(stores_.aborts.empty());  // the only store is down
   ASSERT_NO_FATAL_FAILURE(StoreBack());
   ASSERT_EQ(Job(job_).state(), v1::JOB_STATE_RUNNING) << Job(job_).failure_reason();
+  EXPECT_EQ(Job(job_).pending_reason(), "");
   // The attempt in flight is voided on the store that came back.
   EXPECT_EQ(stores_.aborts, (std::vector<std::string>{s0_ + ":" + job_ + ":2"}));
   auto a = scheduler_->GetAssignment(w0_);

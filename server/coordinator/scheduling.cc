@@ -55,6 +55,7 @@ bool Scheduler::WaitForStoreLocked(const std::string& job_id, Run& run, const Al
     // goes on from a fresh attempt.
     LOG(INFO) << "job " << job_id << ": store " << run.awaited_store << " is back";
     run.awaited_store.clear();
+    NoteWaitLocked(job_id, "");
     run.verify_stores = true;
     run.failed_attempts = 0;  // attempts that failed on the store while it was down
     AbortLocked(run, "a store it waited for came back", aborts);
@@ -68,6 +69,7 @@ bool Scheduler::WaitForStoreLocked(const std::string& job_id, Run& run, const Al
     LOG_IF(WARNING, !run.awaited_store.empty())
         << "job " << job_id << ": store " << run.awaited_store << " did not come back within "
         << absl::FormatDuration(kStoreRestartGrace);
+    if (!run.awaited_store.empty()) NoteWaitLocked(job_id, "");
     run.awaited_store.clear();
     return false;
   }
@@ -76,6 +78,10 @@ bool Scheduler::WaitForStoreLocked(const std::string& job_id, Run& run, const Al
                  << ", which died holding the only copies of some of its data (for at most "
                  << absl::FormatDuration(kStoreRestartGrace) << ")";
     run.awaited_store = awaited;
+    NoteWaitLocked(
+        job_id,
+        absl::StrCat("waiting up to ", absl::FormatDuration(kStoreRestartGrace), " for store ",
+                     awaited, ", which died holding the only copies of some of its data"));
     if (run.wait_started_ms < 0) run.wait_started_ms = NowMs();
     run.failed_attempts = 0;  // those of the store's last seconds do not count
     AbortLocked(run, absl::StrCat("waiting for store ", awaited), aborts);
@@ -374,6 +380,13 @@ void Scheduler::SchedulePendingLocked(const Alive& alive) {
     UpdateMetricsLocked(job, run);
     runs_[job.job_id()] = std::move(run);
   }
+}
+
+void Scheduler::NoteWaitLocked(const std::string& job_id, const std::string& reason) {
+  (void)jobs_->Update(job_id, [&](v1::Job& j) {
+    if (j.state() == v1::JOB_STATE_RUNNING) j.set_pending_reason(reason);
+    return absl::OkStatus();
+  });
 }
 
 void Scheduler::SetPendingReasonLocked(const v1::Job& job, const std::string& reason) {

@@ -422,6 +422,7 @@ void Scheduler::FinishCommitLocked(const std::string& job_id, Run& run) {
   bool ended = false;
   absl::StatusOr<v1::Job> job = jobs_->Update(job_id, [&](v1::Job& j) {
     j.set_committed_step(step);
+    j.clear_pending_reason();  // a wait for a store (even one from before a restart) is over
     if (step >= 1) {
       j.set_last_loss(run.rank0.loss());
       j.set_last_ce(run.rank0.ce());

@@ -87,10 +87,19 @@ stores=("$(pid_of store0)" "$(pid_of store1)")
 trap 'kill -CONT "${stores[@]}" 2>/dev/null || true; '"$on_exit" EXIT  # never left stopped
 waits() { grep -c "waits for store\|commit of step" "$PITH_HOME/coordinator.log" || true; }
 before=$(waits)
+awaited=$(grep -c "waits for store" "$PITH_HOME/coordinator.log" || true)
 kill -STOP "${stores[@]}"
-sleep 10
+for _ in $(seq 20); do  # 10 s, asking `pith status` what the job does meanwhile
+  "$PITH" status "$job" >>"$E2E_TMP/stall-status.txt" 2>&1 || true
+  sleep 0.5
+done
 kill -CONT "${stores[@]}"
 trap "$on_exit" EXIT
+if (($(grep -c "waits for store" "$PITH_HOME/coordinator.log" || true) > awaited)); then
+  grep -q "waiting up to 30s for store store-.*, which died holding the only copies" \
+    "$E2E_TMP/stall-status.txt" ||
+    fail "pith status did not say the job waits for a store: $(tail -2 "$E2E_TMP/stall-status.txt")"
+fi
 timeout 120 "$PITH" watch "$job" >"$E2E_TMP/watch.txt" 2>&1 ||
   fail "the job across the stall: $(tail -3 "$E2E_TMP/watch.txt")"
 grep -q "succeeded at step 300" "$E2E_TMP/watch.txt" || fail "watch: $(tail -2 "$E2E_TMP/watch.txt")"
