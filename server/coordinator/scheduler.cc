@@ -93,6 +93,12 @@ absl::Status Scheduler::Recover() {
       if (!s.ok()) LOG(WARNING) << s;  // heat is advisory: start afresh
     }
     run.committed = job->committed_step();
+    if (!job->pending_reason().empty()) {  // a wait for a store: the new process's to judge
+      (void)jobs_->Update(job->job_id(), [](v1::Job& j) {
+        j.clear_pending_reason();
+        return absl::OkStatus();
+      });
+    }
     // Whatever attempt was in flight is void (its reports died with the old process); it
     // is aborted once the job's members are back (Tick).
     run.recovering = true;

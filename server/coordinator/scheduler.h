@@ -107,9 +107,9 @@ class Scheduler {
   // A worker's assignment (an idle worker gets an empty job_id). NOT_FOUND for an
   // unknown or dead worker. UNAVAILABLE (retry) while the job commits a step: its workers
   // already compute the next one, which a run starting from the committed step would
-  // not. A new process of a worker (it restarted within its lease, so the job never saw
-  // it die) voids the attempt in flight, which its predecessor began: every worker of the
-  // job starts the next one together.
+  // not; and while one of the job's workers is dead. A new process of a worker (its
+  // restart came before the scheduler saw the death) voids the attempt in flight, which
+  // its predecessor was part of: every worker of the job starts the next one together.
   absl::StatusOr<v1::Assignment> GetAssignment(const std::string& worker_id)
       ABSL_LOCKS_EXCLUDED(mu_);
   // The assignment version of the worker's job (0 when idle), for heartbeats.
@@ -198,9 +198,10 @@ class Scheduler {
     // Groups stores left ((store, layer, expert); layer -1: dense), with the first step of
     // the placement without them: their blobs there are deleted once it committed.
     std::map<std::tuple<std::string, int, int>, int64_t> left;
-    // The workers that took assignment version `issued_version`, with the UCX address of
-    // the process that took it: another process of the same worker (it restarted within
-    // its lease) cannot join an attempt its predecessor began (GetAssignment).
+    // The workers of assignment version `issued_version` with the UCX address of the
+    // process that took it, or that another worker was told to connect to: another process
+    // of the same worker (a restart the scheduler did not see as a death) cannot join an
+    // attempt its predecessor was part of (GetAssignment).
     int64_t issued_version = 0;
     std::map<std::string, std::string> issued;
   };

@@ -643,6 +643,17 @@ TEST_F(SchedulerTest, AWorkerRestartedWithinItsLeaseVoidsTheAttemptInFlight) {
   EXPECT_EQ(waited->abort_reason(), "worker " + w1 + " restarted");
   EXPECT_EQ(scheduler_->GetAssignment(w0)->assignment_version(), a->assignment_version());
   EXPECT_EQ(scheduler_->GetAssignment(w1)->assignment_version(), a->assignment_version());
+
+  // The next attempt: w0 takes it first, told to connect to w1's process c; then w1 is
+  // restarted again, and its new process d asks for that attempt: void too.
+  ASSERT_TRUE(Report(job.job_id(), w0, 2, /*ok=*/false).ok());
+  const int64_t told = scheduler_->GetAssignment(w0)->assignment_version();
+  EXPECT_GT(told, a->assignment_version());
+  join_at(w1, "process d");
+  auto d = scheduler_->GetAssignment(w1);
+  ASSERT_TRUE(d.ok()) << d.status();
+  EXPECT_GT(d->assignment_version(), told);
+  EXPECT_EQ(scheduler_->GetAssignment(w0)->assignment_version(), d->assignment_version());
   CommitStep(job.job_id(), 2, {w0, w1});
 }
 

@@ -512,6 +512,10 @@ absl::StatusOr<v1::Assignment> Scheduler::AssignmentLocked(const std::string& wo
     }
     *a.add_peers() = peer->second;
   }
+  // The processes this attempt's workers were told of, as well as those that asked: a
+  // process that took none of them yet but whose address a peer holds (it died, and a new
+  // one registered before its death was seen) is the attempt's too.
+  for (const v1::MemberInfo& p : a.peers()) run.issued.emplace(p.member_id(), p.ucx_address());
   for (const auto& [id, store] : alive.stores) *a.add_stores() = store;
   *a.mutable_placement() = run.record.placement();
   a.set_committed_step(run.committed);

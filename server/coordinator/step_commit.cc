@@ -295,6 +295,7 @@ absl::Status Scheduler::MarkFailed(const std::string& job_id, const std::string&
                                   if (IsFinal(j.state())) return absl::OkStatus();
                                   j.set_state(v1::JOB_STATE_FAILED);
                                   j.set_failure_reason(reason);
+                                  j.clear_pending_reason();
                                   j.set_finished_unix_ms(NowMs());
                                   failed = true;
                                   return absl::OkStatus();

@@ -301,8 +301,10 @@ absl::StatusOr<v1::BlobInfo> BlobStore::FinishPut(PutReservation r,
     // The bytes go to the cold tier before the version exists anywhere, so every version
     // a reader can see survives a crash once its step commits. fp32 weights are their own
     // master copy: bytes equal to the other kind's of the same version are stored once.
-    // A voided attempt's bytes never go there: the version's location may be its
-    // successor's.
+    // A voided attempt's bytes do not go there (the version's location may be its
+    // successor's), but for one that passes this check just before a newer attempt's put
+    // of the same blob begins: then the cold copy fails its checksum (DATA_LOSS on a cold
+    // read, a replica serves it), never silently.
     {
       absl::MutexLock lock(&mu_);
       RETURN_IF_ERROR(AdmitAttemptLocked(r.key_.job_id(), r.attempt_, "a put"));
