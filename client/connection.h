@@ -17,9 +17,10 @@ namespace pith {
 
 // A connected channel to `address` ("host:port") with `security` (mutual TLS, or
 // plaintext to loopback only). UNAVAILABLE, naming the address and the deadline, when no
-// connection is up within `timeout` (with TLS, a failed handshake looks the same to the
-// client, and the message says so); INVALID_ARGUMENT for an empty address or a plaintext
-// one off this host.
+// connection is up within `timeout`, and why: the host does not resolve, nothing listens
+// (refused), nothing answers, or something takes TCP connections but no handshake comes
+// up (a TLS server for a plaintext client, a certificate that does not fit). INVALID_ARGUMENT
+// for an address that is not HOST:PORT (port 1 to 65535) or a plaintext one off this host.
 absl::StatusOr<std::shared_ptr<grpc::Channel>> Dial(const std::string& address,
                                                     const security::TransportSecurity& security,
                                                     absl::Duration timeout);
