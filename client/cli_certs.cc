@@ -1,6 +1,7 @@
 // `pith certs`: a cluster's CA and its processes' and people's certificates (mutual TLS,
 // security/certs.h).
 #include <filesystem>
+#include <iostream>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
@@ -44,16 +45,36 @@ absl::Status Certs(const CliContext& ctx, const Args& args, std::ostream& out) {
 }
 
 absl::Status Token(const CliContext& ctx, const Args& args, std::ostream& out) {
+  Args rest;
+  bool revoke = false;
+  for (const std::string& a : args) {
+    if (a == "--revoke") {
+      revoke = true;
+    } else {
+      rest.push_back(a);
+    }
+  }
   std::map<std::string, std::string> flags = {{"--file", ""}, {"--name", ""}, {"--role", "user"}};
-  RETURN_IF_ERROR(ParseFlags("token", args, flags));
+  RETURN_IF_ERROR(ParseFlags("token", rest, flags));
   if (flags["--file"].empty() || flags["--name"].empty()) {
     return UsageError("token needs --file FILE and --name NAME");
   }
+  if (revoke) {
+    ASSIGN_OR_RETURN(const int revoked, security::RevokeTokens(flags["--file"], flags["--name"]));
+    out << "revoked " << flags["--name"] << "'s token" << (revoked > 1 ? "s" : "")
+        << " (the coordinator stops taking it within a second)\n";
+    return absl::OkStatus();
+  }
   absl::StatusOr<security::Role> role = security::ParseRole(flags["--role"]);
   if (!role.ok()) return UsageError(std::string(role.status().message()));
+  int replaced = 0;
   ASSIGN_OR_RETURN(std::string token,
-                   security::AddToken(flags["--file"], {*role, flags["--name"]}));
+                   security::AddToken(flags["--file"], {*role, flags["--name"]}, &replaced));
   out << token << "\n";
+  // Beside the token (stdout, for PITH_TOKEN=$(pith token ...)): what it replaced.
+  if (replaced > 0) {
+    std::cerr << "pith: " << flags["--name"] << "'s earlier token no longer works\n";
+  }
   return absl::OkStatus();
 }
 

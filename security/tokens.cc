@@ -15,6 +15,8 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
+#include "common/file.h"
+#include "common/status.h"
 #include "glog/logging.h"
 
 namespace pith::security {
@@ -50,6 +52,36 @@ absl::StatusOr<std::map<std::string, Identity>> Parse(const std::string& path,
   return out;
 }
 
+// Rewrites `path` (atomically, 0600) without the token lines of `name`, with `add` (a
+// whole line, or empty) after the rest; returns how many lines of `name` went.
+absl::StatusOr<int> RewriteWithout(const std::string& path, const std::string& name,
+                                   const std::string& add) {
+  std::string kept;
+  int dropped = 0;
+  absl::StatusOr<Buffer> old = ReadFile(path);
+  if (!old.ok() && !absl::IsNotFound(old.status())) return old.status();
+  if (old.ok()) {
+    const absl::string_view text(reinterpret_cast<const char*>(old->data()), old->size());
+    for (absl::string_view line : absl::StrSplit(text, '\n', absl::SkipEmpty())) {
+      const absl::string_view body = absl::StripAsciiWhitespace(line.substr(0, line.find('#')));
+      const std::vector<absl::string_view> fields = absl::StrSplit(body, ' ', absl::SkipEmpty());
+      if (!fields.empty() && fields[0] == name) {
+        ++dropped;
+        continue;
+      }
+      absl::StrAppend(&kept, line, "\n");
+    }
+  }
+  kept += add;
+  RETURN_IF_ERROR(WriteFileAtomically(path, [&](int fd) -> absl::Status {
+    if (::fchmod(fd, 0600) != 0) {
+      return absl::InternalError(absl::StrCat("cannot chmod ", path, ": ", std::strerror(errno)));
+    }
+    return WriteAll(fd, {reinterpret_cast<const uint8_t*>(kept.data()), kept.size()}, path);
+  }));
+  return dropped;
+}
+
 }  // namespace
 
 std::string TokenHash(const std::string& token) {
@@ -59,7 +91,8 @@ std::string TokenHash(const std::string& token) {
       absl::string_view(reinterpret_cast<const char*>(digest), sizeof(digest)));
 }
 
-absl::StatusOr<std::string> AddToken(const std::string& path, const Identity& identity) {
+absl::StatusOr<std::string> AddToken(const std::string& path, const Identity& identity,
+                                     int* replaced) {
   if (absl::Status s = ValidateName(identity.name); !s.ok()) return s;
   if (identity.role != Role::kUser && identity.role != Role::kAdmin) {
     return absl::InvalidArgumentError("tokens are for the user and admin roles only");
@@ -73,18 +106,19 @@ absl::StatusOr<std::string> AddToken(const std::string& path, const Identity& id
                                 reinterpret_cast<const char*>(random), sizeof(random))));
   const std::string line =
       absl::StrCat(identity.name, " ", RoleName(identity.role), " ", TokenHash(token), "\n");
-  const int fd = ::open(path.c_str(), O_WRONLY | O_APPEND | O_CREAT | O_NOFOLLOW | O_CLOEXEC, 0600);
-  if (fd < 0) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("cannot open ", path, ": ", std::strerror(errno)));
-  }
-  const ssize_t n = ::write(fd, line.data(), line.size());
-  const bool synced = ::fsync(fd) == 0;
-  ::close(fd);
-  if (n != static_cast<ssize_t>(line.size()) || !synced) {
-    return absl::InternalError(absl::StrCat("cannot write ", path, ": ", std::strerror(errno)));
-  }
+  ASSIGN_OR_RETURN(const int dropped, RewriteWithout(path, identity.name, line));
+  if (replaced != nullptr) *replaced = dropped;
   return token;
+}
+
+absl::StatusOr<int> RevokeTokens(const std::string& path, const std::string& name) {
+  if (absl::Status s = ValidateName(name); !s.ok()) return s;
+  if (::access(path.c_str(), F_OK) != 0) {
+    return absl::NotFoundError(absl::StrCat("no tokens file ", path));
+  }
+  ASSIGN_OR_RETURN(const int dropped, RewriteWithout(path, name, ""));
+  if (dropped == 0) return absl::NotFoundError(absl::StrCat(path, " has no token of ", name));
+  return dropped;
 }
 
 absl::StatusOr<std::unique_ptr<TokenTable>> TokenTable::Open(const std::string& path) {

@@ -27,9 +27,15 @@
 
 namespace pith::security {
 
-// A new random token for `identity` (user or admin role; INVALID_ARGUMENT otherwise),
-// its hash appended to `path` (created 0600 when missing). Returns the token.
-absl::StatusOr<std::string> AddToken(const std::string& path, const Identity& identity);
+// A new random token for `identity` (user or admin role; INVALID_ARGUMENT otherwise), its
+// hash written to `path` (created 0600 when missing) in place of the name's earlier
+// tokens, which stop working (`replaced`, when given: how many). The file is rewritten
+// whole and renamed over the old one. Returns the token.
+absl::StatusOr<std::string> AddToken(const std::string& path, const Identity& identity,
+                                     int* replaced = nullptr);
+// Removes every token of `name` from `path` (they stop working); how many. NOT_FOUND when
+// the file or the name's tokens are not there.
+absl::StatusOr<int> RevokeTokens(const std::string& path, const std::string& name);
 
 // SHA-256 of `token`, lowercase hex.
 std::string TokenHash(const std::string& token);

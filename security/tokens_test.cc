@@ -77,5 +77,38 @@ TEST(TokensTest, ARemovalBesideABadEditStillRevokes) {
   EXPECT_EQ((*table)->Lookup(*bob), (Identity{Role::kUser, "bob"}));
 }
 
+// A second token for a name replaces the first (a leaked token is rotated by issuing a new
+// one); a revocation removes the name's tokens; other lines and comments stay.
+TEST(TokensTest, ANewTokenReplacesTheNamesEarlierOneAndARevocationRemovesIt) {
+  const std::string path = TempFile("rotate");
+  std::ofstream(path) << "# the team's tokens\n";
+  int replaced = -1;
+  auto bob1 = AddToken(path, {Role::kUser, "bob"}, &replaced);
+  EXPECT_EQ(replaced, 0);
+  auto alice = AddToken(path, {Role::kAdmin, "alice"});
+  auto bob2 = AddToken(path, {Role::kUser, "bob"}, &replaced);
+  ASSERT_TRUE(bob1.ok() && alice.ok() && bob2.ok());
+  EXPECT_EQ(replaced, 1);
+  EXPECT_EQ(std::filesystem::status(path).permissions() & std::filesystem::perms::all,
+            std::filesystem::perms::owner_read | std::filesystem::perms::owner_write);
+  auto table = TokenTable::Open(path);
+  ASSERT_TRUE(table.ok()) << table.status();
+  EXPECT_EQ((*table)->Lookup(*bob1), std::nullopt);
+  EXPECT_EQ((*table)->Lookup(*bob2), (Identity{Role::kUser, "bob"}));
+  EXPECT_EQ((*table)->Lookup(*alice), (Identity{Role::kAdmin, "alice"}));
+
+  auto revoked = RevokeTokens(path, "bob");
+  ASSERT_TRUE(revoked.ok()) << revoked.status();
+  EXPECT_EQ(*revoked, 1);
+  absl::SleepFor(absl::Milliseconds(1100));
+  EXPECT_EQ((*table)->Lookup(*bob2), std::nullopt);
+  EXPECT_EQ((*table)->Lookup(*alice), (Identity{Role::kAdmin, "alice"}));
+  std::ifstream in(path);
+  const std::string text((std::istreambuf_iterator<char>(in)), {});
+  EXPECT_EQ(text.rfind("# the team's tokens\n", 0), 0u) << text;
+  EXPECT_EQ(RevokeTokens(path, "bob").status().code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(RevokeTokens(path + ".missing", "bob").status().code(), absl::StatusCode::kNotFound);
+}
+
 }  // namespace
 }  // namespace pith::security

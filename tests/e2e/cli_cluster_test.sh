@@ -96,6 +96,20 @@ expect_one_line "the bearer token is not valid" \
   "$PITH" --tls_dir "$E2E_TMP/ca-only" --token "${token}x" status "$job"
 expect_one_line "DrainStore needs the admin role; the caller is bob (user)" \
   "$PITH" --tls_dir "$E2E_TMP/ca-only" --token "$token" cluster drain store-0 --no-wait
+# A new token for bob replaces the old one; a revocation ends the new one.
+rotated=$("$PITH" token --file "$tls/tokens" --name bob 2>"$E2E_TMP/rotate.err") || fail "pith token again"
+grep -q "bob's earlier token no longer works" "$E2E_TMP/rotate.err" ||
+  fail "the rotation said: $(cat "$E2E_TMP/rotate.err")"
+sleep 1.2
+expect_one_line "the bearer token is not valid" \
+  "$PITH" --tls_dir "$E2E_TMP/ca-only" --token "$token" status "$job"
+PITH_TOKEN=$rotated "$PITH" --tls_dir "$E2E_TMP/ca-only" status "$job" | grep succeeded >/dev/null ||
+  fail "bob's new token cannot read a job"
+"$PITH" token --revoke --file "$tls/tokens" --name bob | grep -q "revoked bob's token" ||
+  fail "pith token --revoke"
+sleep 1.2
+expect_one_line "the bearer token is not valid" \
+  "$PITH" --tls_dir "$E2E_TMP/ca-only" --token "$rotated" status "$job"
 
 expect_one_line "no job nope" "$PITH" status nope
 expect_one_line "no job nope" "$PITH" checkpoint nope --out "$E2E_TMP/nope.safetensors"
