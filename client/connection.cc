@@ -6,6 +6,7 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 
 #include "absl/status/status.h"
@@ -37,8 +38,13 @@ int TryConnect(const addrinfo& a, absl::Duration timeout) {
   if (s.fd < 0) return errno;
   if (::connect(s.fd, a.ai_addr, a.ai_addrlen) == 0) return 0;
   if (errno != EINPROGRESS) return errno;
+  const absl::Time deadline = absl::Now() + timeout;
   pollfd p{s.fd, POLLOUT, 0};
-  if (::poll(&p, 1, static_cast<int>(absl::ToInt64Milliseconds(timeout))) != 1) return ETIMEDOUT;
+  int ready;
+  do {
+    ready = ::poll(&p, 1, static_cast<int>(absl::ToInt64Milliseconds(deadline - absl::Now())));
+  } while (ready < 0 && errno == EINTR && absl::Now() < deadline);
+  if (ready != 1) return ETIMEDOUT;
   int error = 0;
   socklen_t len = sizeof(error);
   if (::getsockopt(s.fd, SOL_SOCKET, SO_ERROR, &error, &len) != 0) return errno;
@@ -50,14 +56,16 @@ int TryConnect(const addrinfo& a, absl::Duration timeout) {
 std::string WhyUnreached(const std::string& host, const std::string& port) {
   addrinfo hints{};
   hints.ai_socktype = SOCK_STREAM;
+  hints.ai_flags = AI_ADDRCONFIG | AI_NUMERICSERV;
   addrinfo* found = nullptr;
   if (const int rc = ::getaddrinfo(host.c_str(), port.c_str(), &hints, &found); rc != 0) {
     return absl::StrCat("cannot resolve ", host, " (", ::gai_strerror(rc), ")");
   }
   std::unique_ptr<addrinfo, decltype(&::freeaddrinfo)> own(found, &::freeaddrinfo);
   bool refused = false;
-  for (const addrinfo* a = found; a != nullptr; a = a->ai_next) {
-    const int error = TryConnect(*a, absl::Seconds(1));
+  const absl::Time deadline = absl::Now() + absl::Seconds(1);  // for all of them
+  for (const addrinfo* a = found; a != nullptr && absl::Now() < deadline; a = a->ai_next) {
+    const int error = TryConnect(*a, deadline - absl::Now());
     if (error == 0) return "";
     refused = refused || error == ECONNREFUSED;
   }
@@ -71,12 +79,18 @@ absl::Status SplitHostPort(const std::string& address, std::string* host, std::s
   const bool bracketed = absl::StartsWith(address, "[");
   if (colon == std::string::npos || colon == 0 ||
       (bracketed ? address[colon - 1] != ']' : address.find(':') != colon)) {
-    return absl::InvalidArgumentError(absl::StrCat(address, " is not HOST:PORT"));
+    return absl::InvalidArgumentError(
+        absl::StrCat(address, " is not HOST:PORT",
+                     std::count(address.begin(), address.end(), ':') > 1
+                         ? " (an IPv6 address goes in brackets: [ADDRESS]:PORT)"
+                         : ""));
   }
   *host = bracketed ? address.substr(1, colon - 2) : address.substr(0, colon);
   *port = address.substr(colon + 1);
   int number = 0;
-  if (!absl::SimpleAtoi(*port, &number) || number < 1 || number > 65535) {
+  if (port->empty() || port->size() > 5 ||
+      port->find_first_not_of("0123456789") != std::string::npos ||
+      !absl::SimpleAtoi(*port, &number) || number < 1 || number > 65535) {
     return absl::InvalidArgumentError(
         absl::StrCat("the port of ", address, " is not a number from 1 to 65535"));
   }

@@ -71,7 +71,7 @@ TEST(DialTest, AListenerThatNeverHandshakesIsNamedAsSuch) {
 
 TEST(DialTest, AnAddressThatIsNotHostPortIsInvalidAtOnce) {
   for (const char* bad : {"127.0.0.1", "127.0.0.1:", ":7000", "127.0.0.1:99999", "host:port",
-                          "::1:7000", "[::1]7000"}) {
+                          "::1:7000", "[::1]7000", "127.0.0.1:+7000", "127.0.0.1:7000\r"}) {
     auto channel = Dial(bad, security::TransportSecurity::Insecure(), absl::Seconds(5));
     EXPECT_EQ(channel.status().code(), absl::StatusCode::kInvalidArgument) << bad;
   }

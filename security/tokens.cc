@@ -3,6 +3,7 @@
 #include <fcntl.h>
 #include <openssl/rand.h>
 #include <openssl/sha.h>
+#include <sys/file.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -56,13 +57,29 @@ absl::StatusOr<std::map<std::string, Identity>> Parse(const std::string& path,
 // whole line, or empty) after the rest; returns how many lines of `name` went.
 absl::StatusOr<int> RewriteWithout(const std::string& path, const std::string& name,
                                    const std::string& add) {
+  // One rewrite at a time (two at once would each drop the other's line): a lock file
+  // beside it, as the file itself is replaced.
+  const UniqueFd lock(
+      ::open((path + ".lock").c_str(), O_RDWR | O_CREAT | O_NOFOLLOW | O_CLOEXEC, 0600));
+  if (lock.get() < 0 || ::flock(lock.get(), LOCK_EX) != 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("cannot lock ", path, ".lock: ", std::strerror(errno)));
+  }
+  // The new file keeps the old one's owner, group and mode (group-readable at most): the
+  // coordinator's user must still read it after an administrator rotated a token.
+  struct stat st {};
+  const bool existed = ::lstat(path.c_str(), &st) == 0;
+  if (existed && !S_ISREG(st.st_mode)) {
+    return absl::InvalidArgumentError(absl::StrCat(path, " is not a regular file (a symlink?)"));
+  }
   std::string kept;
   int dropped = 0;
-  absl::StatusOr<Buffer> old = ReadFile(path);
-  if (!old.ok() && !absl::IsNotFound(old.status())) return old.status();
-  if (old.ok()) {
-    const absl::string_view text(reinterpret_cast<const char*>(old->data()), old->size());
-    for (absl::string_view line : absl::StrSplit(text, '\n', absl::SkipEmpty())) {
+  if (existed) {
+    ASSIGN_OR_RETURN(Buffer old, ReadFile(path));
+    const absl::string_view text(reinterpret_cast<const char*>(old.data()), old.size());
+    std::vector<absl::string_view> lines = absl::StrSplit(text, '\n');
+    if (!lines.empty() && lines.back().empty()) lines.pop_back();  // the last line's end
+    for (absl::string_view line : lines) {
       const absl::string_view body = absl::StripAsciiWhitespace(line.substr(0, line.find('#')));
       const std::vector<absl::string_view> fields = absl::StrSplit(body, ' ', absl::SkipEmpty());
       if (!fields.empty() && fields[0] == name) {
@@ -72,10 +89,13 @@ absl::StatusOr<int> RewriteWithout(const std::string& path, const std::string& n
       absl::StrAppend(&kept, line, "\n");
     }
   }
+  if (dropped == 0 && add.empty()) return 0;  // nothing to change
   kept += add;
+  const mode_t mode = existed ? (st.st_mode & 0640) : 0600;
   RETURN_IF_ERROR(WriteFileAtomically(path, [&](int fd) -> absl::Status {
-    if (::fchmod(fd, 0600) != 0) {
-      return absl::InternalError(absl::StrCat("cannot chmod ", path, ": ", std::strerror(errno)));
+    if ((existed && ::fchown(fd, st.st_uid, st.st_gid) != 0) || ::fchmod(fd, mode) != 0) {
+      return absl::PermissionDeniedError(absl::StrCat(
+          "cannot give the new ", path, " the old one's owner and mode: ", std::strerror(errno)));
     }
     return WriteAll(fd, {reinterpret_cast<const uint8_t*>(kept.data()), kept.size()}, path);
   }));
@@ -136,7 +156,9 @@ absl::Status TokenTable::RefreshLocked() {
     mtime_ = {};
     return absl::OkStatus();
   }
-  if (st.st_mtim.tv_sec == mtime_.tv_sec && st.st_mtim.tv_nsec == mtime_.tv_nsec) {
+  // A rewrite renames a new file over it: a new inode, whatever the clock's grain.
+  if (st.st_mtim.tv_sec == mtime_.tv_sec && st.st_mtim.tv_nsec == mtime_.tv_nsec &&
+      st.st_ino == inode_ && st.st_size == size_) {
     return absl::OkStatus();
   }
   std::ifstream in(path_);
@@ -153,6 +175,8 @@ absl::Status TokenTable::RefreshLocked() {
   if (!parsed.ok()) return parsed.status();
   by_hash_ = *std::move(parsed);
   mtime_ = st.st_mtim;
+  inode_ = st.st_ino;
+  size_ = st.st_size;
   if (skipped > 0) {
     return absl::InvalidArgumentError(
         absl::StrCat(path_, ": ", skipped, " malformed line(s) left out"));

@@ -14,6 +14,8 @@
 #ifndef PITH_SECURITY_TOKENS_H_
 #define PITH_SECURITY_TOKENS_H_
 
+#include <sys/types.h>
+
 #include <ctime>
 #include <map>
 #include <optional>
@@ -30,7 +32,9 @@ namespace pith::security {
 // A new random token for `identity` (user or admin role; INVALID_ARGUMENT otherwise), its
 // hash written to `path` (created 0600 when missing) in place of the name's earlier
 // tokens, which stop working (`replaced`, when given: how many). The file is rewritten
-// whole and renamed over the old one. Returns the token.
+// whole and renamed over the old one, with its owner, group and mode (group-read at
+// most), one rewrite at a time (a lock on `path`.lock); a symlink is refused. Returns the
+// token.
 absl::StatusOr<std::string> AddToken(const std::string& path, const Identity& identity,
                                      int* replaced = nullptr);
 // Removes every token of `name` from `path` (they stop working); how many. NOT_FOUND when
@@ -59,6 +63,8 @@ class TokenTable {
   absl::Mutex mu_;
   std::map<std::string, Identity> by_hash_ ABSL_GUARDED_BY(mu_);
   struct timespec mtime_ ABSL_GUARDED_BY(mu_) = {};
+  ino_t inode_ ABSL_GUARDED_BY(mu_) = 0;
+  off_t size_ ABSL_GUARDED_BY(mu_) = 0;
   absl::Time checked_ ABSL_GUARDED_BY(mu_) = absl::InfinitePast();
 };
 

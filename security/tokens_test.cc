@@ -81,7 +81,11 @@ TEST(TokensTest, ARemovalBesideABadEditStillRevokes) {
 // one); a revocation removes the name's tokens; other lines and comments stay.
 TEST(TokensTest, ANewTokenReplacesTheNamesEarlierOneAndARevocationRemovesIt) {
   const std::string path = TempFile("rotate");
-  std::ofstream(path) << "# the team's tokens\n";
+  std::ofstream(path) << "# the team's tokens\n\n";
+  // The mode the operator gave it stays (the coordinator's group may read it).
+  const auto mode = std::filesystem::perms::owner_read | std::filesystem::perms::owner_write |
+                    std::filesystem::perms::group_read;
+  std::filesystem::permissions(path, mode);
   int replaced = -1;
   auto bob1 = AddToken(path, {Role::kUser, "bob"}, &replaced);
   EXPECT_EQ(replaced, 0);
@@ -89,8 +93,7 @@ TEST(TokensTest, ANewTokenReplacesTheNamesEarlierOneAndARevocationRemovesIt) {
   auto bob2 = AddToken(path, {Role::kUser, "bob"}, &replaced);
   ASSERT_TRUE(bob1.ok() && alice.ok() && bob2.ok());
   EXPECT_EQ(replaced, 1);
-  EXPECT_EQ(std::filesystem::status(path).permissions() & std::filesystem::perms::all,
-            std::filesystem::perms::owner_read | std::filesystem::perms::owner_write);
+  EXPECT_EQ(std::filesystem::status(path).permissions() & std::filesystem::perms::all, mode);
   auto table = TokenTable::Open(path);
   ASSERT_TRUE(table.ok()) << table.status();
   EXPECT_EQ((*table)->Lookup(*bob1), std::nullopt);
@@ -105,9 +108,16 @@ TEST(TokensTest, ANewTokenReplacesTheNamesEarlierOneAndARevocationRemovesIt) {
   EXPECT_EQ((*table)->Lookup(*alice), (Identity{Role::kAdmin, "alice"}));
   std::ifstream in(path);
   const std::string text((std::istreambuf_iterator<char>(in)), {});
-  EXPECT_EQ(text.rfind("# the team's tokens\n", 0), 0u) << text;
+  EXPECT_EQ(text.rfind("# the team's tokens\n\nalice admin ", 0), 0u) << text;
   EXPECT_EQ(RevokeTokens(path, "bob").status().code(), absl::StatusCode::kNotFound);
   EXPECT_EQ(RevokeTokens(path + ".missing", "bob").status().code(), absl::StatusCode::kNotFound);
+  // A symlink is not replaced by a file of its own (the coordinator reads its target).
+  const std::string link = path + ".link";
+  std::filesystem::remove(link);
+  std::filesystem::create_symlink(path, link);
+  EXPECT_EQ(AddToken(link, {Role::kUser, "carol"}).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_TRUE(std::filesystem::is_symlink(link));
 }
 
 }  // namespace
