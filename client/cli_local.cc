@@ -349,7 +349,13 @@ bool Runs(const std::string& dir, const LocalMember& m) {
   return Alive(m, "--tls_dir=" + LocalTlsDir(dir) + "/" + m.name);
 }
 
-absl::Status RecordMembers(const std::string& dir, const std::vector<LocalMember>& members);
+// Records the members (`pids`, last) and their Prometheus targets in `dir`.
+absl::Status RecordMembers(const std::string& dir, const std::vector<LocalMember>& members) {
+  std::vector<MetricsTarget> targets;
+  for (const LocalMember& m : members) targets.push_back({m.name, m.metrics_port});
+  RETURN_IF_ERROR(WritePrometheusFiles(dir + "/prometheus", targets));
+  return WriteMembers(dir, members);
+}
 
 // Records the cluster in `dir` (see local_record.h) and its Prometheus targets; `pids` last,
 // so that a record that could not be written whole names no member.
@@ -359,13 +365,6 @@ absl::Status Record(const std::string& dir, const std::vector<LocalMember>& memb
   RETURN_IF_ERROR(WriteCoordinatorPort(dir, members.front().grpc_port));
   std::ofstream(dir + "/coordinator.address") << "127.0.0.1:" << members.front().grpc_port << "\n";
   return RecordMembers(dir, members);
-}
-
-absl::Status RecordMembers(const std::string& dir, const std::vector<LocalMember>& members) {
-  std::vector<MetricsTarget> targets;
-  for (const LocalMember& m : members) targets.push_back({m.name, m.metrics_port});
-  RETURN_IF_ERROR(WritePrometheusFiles(dir + "/prometheus", targets));
-  return WriteMembers(dir, members);
 }
 
 void PrintCluster(const std::string& dir, const std::vector<LocalMember>& members,

@@ -218,6 +218,16 @@ class SchedulerTest : public ::testing::Test {
     return scheduler_->ReportStepWritten(r);
   }
 
+  // WaitStep for `step` of `job` under assignment version `version`.
+  absl::StatusOr<v1::StepStatus> Wait(const std::string& job, int64_t step, int64_t version,
+                                      absl::Duration timeout) {
+    v1::WaitStepRequest wait;
+    wait.set_job_id(job);
+    wait.set_step(step);
+    wait.set_assignment_version(version);
+    return scheduler_->WaitStep(wait, timeout);
+  }
+
   // Every worker of the job reports `step` written.
   void CommitStep(const std::string& job, int64_t step, const std::vector<std::string>& workers) {
     for (const std::string& w : workers) ASSERT_TRUE(Report(job, w, step, true, 5.0 - step).ok());
@@ -553,11 +563,7 @@ TEST_F(SchedulerTest, AFailedReportAbortsTheStepEverywhereAndItIsRedone) {
   EXPECT_NE(scheduler_->AssignmentVersion(w0), before);
   // The old attempt is void: its reports are refused, waiting on it returns at once.
   EXPECT_EQ(scheduler_->ReportStepWritten(stale).status().code(), absl::StatusCode::kAborted);
-  v1::WaitStepRequest wait;
-  wait.set_job_id(job.job_id());
-  wait.set_step(1);
-  wait.set_assignment_version(before);
-  auto waited = scheduler_->WaitStep(wait, absl::Seconds(10));
+  auto waited = Wait(job.job_id(), 1, before, absl::Seconds(10));
   ASSERT_TRUE(waited.ok());
   EXPECT_TRUE(waited->aborted());
   EXPECT_EQ(waited->committed_step(), 0);
@@ -571,16 +577,13 @@ TEST_F(SchedulerTest, WaitStepReturnsWhenTheStepCommits) {
   const std::string w0 = Join(v1::MEMBER_ROLE_WORKER), w1 = Join(v1::MEMBER_ROLE_WORKER);
   scheduler_->Tick();
   ASSERT_TRUE(Report(job.job_id(), w0, 0).ok());
-  v1::WaitStepRequest wait;
-  wait.set_job_id(job.job_id());
-  wait.set_step(0);
-  wait.set_assignment_version(scheduler_->AssignmentVersion(w0));
+  const int64_t version = scheduler_->AssignmentVersion(w0);
   std::thread other([&] {
     absl::SleepFor(absl::Milliseconds(100));
     ASSERT_TRUE(Report(job.job_id(), w1, 0).ok());
   });
   const absl::Time start = absl::Now();
-  auto waited = scheduler_->WaitStep(wait, absl::Seconds(20));
+  auto waited = Wait(job.job_id(), 0, version, absl::Seconds(20));
   other.join();
   ASSERT_TRUE(waited.ok());
   EXPECT_FALSE(waited->aborted());
@@ -633,11 +636,7 @@ TEST_F(SchedulerTest, AWorkerRestartedWithinItsLeaseVoidsTheAttemptInFlight) {
   EXPECT_GT(a->assignment_version(), version);
   EXPECT_EQ(a->committed_step(), 1);
   EXPECT_EQ(stores_.aborts, (std::vector<std::string>{s0 + ":" + job.job_id() + ":2"}));
-  v1::WaitStepRequest wait;  // w0, computing step 2 under the old attempt
-  wait.set_job_id(job.job_id());
-  wait.set_step(2);
-  wait.set_assignment_version(version);
-  auto waited = scheduler_->WaitStep(wait, absl::Seconds(1));
+  auto waited = Wait(job.job_id(), 2, version, absl::Seconds(1));  // w0's, on step 2
   ASSERT_TRUE(waited.ok());
   EXPECT_TRUE(waited->aborted());
   EXPECT_EQ(waited->abort_reason(), "worker " + w1 + " restarted");
@@ -906,10 +905,7 @@ TEST_F(SchedulerTest, TheLastStepEndsTheJobAndCancellingReleasesTheWorkers) {
   for (int step = 0; step <= 2; ++step) CommitStep(job.job_id(), step, {w0});
   EXPECT_EQ(Job(job.job_id()).state(), v1::JOB_STATE_SUCCEEDED);
   EXPECT_EQ(scheduler_->AssignmentVersion(w0), 0);
-  v1::WaitStepRequest wait;
-  wait.set_job_id(job.job_id());
-  wait.set_step(3);
-  auto waited = scheduler_->WaitStep(wait, absl::Seconds(5));
+  auto waited = Wait(job.job_id(), 3, /*version=*/0, absl::Seconds(5));
   ASSERT_TRUE(waited.ok());
   EXPECT_TRUE(waited->job_ended());
 
@@ -921,9 +917,7 @@ TEST_F(SchedulerTest, TheLastStepEndsTheJobAndCancellingReleasesTheWorkers) {
   EXPECT_EQ(scheduler_->AssignmentVersion(w0), 0);
   EXPECT_TRUE(scheduler_->GetAssignment(w0)->job_id().empty());
   // A worker still waiting on the ended job is told why it ended (what it logs).
-  wait.set_job_id(next.job_id());
-  wait.set_step(0);
-  waited = scheduler_->WaitStep(wait, absl::Seconds(5));
+  waited = Wait(next.job_id(), 0, /*version=*/0, absl::Seconds(5));
   ASSERT_TRUE(waited.ok());
   EXPECT_TRUE(waited->job_ended());
   EXPECT_NE(waited->abort_reason().find("the job ended (cancelled)"), std::string::npos)
