@@ -167,6 +167,10 @@ done
 "$PITH" watch "$job" >"$E2E_TMP/watch-single.txt" 2>&1 &  # it outlives the coordinator's absence
 watcher=$!
 PIDS+=("$watcher")
+# The watch must have heard the job before the coordinator goes: one that heard nothing
+# yet gives up after four tries (the job or the coordinator may not exist at all).
+for _ in $(seq 100); do [[ -s $E2E_TMP/watch-single.txt ]] && break; sleep 0.1; done
+[[ -s $E2E_TMP/watch-single.txt ]] || fail "pith watch printed nothing within 10 s"
 "$PITH" down >/dev/null || fail "pith down with $job running"
 "$PITH" up >/dev/null || fail "pith up after down with $job running"
 for _ in $(seq 120); do
