@@ -1,6 +1,7 @@
 #include "worker/data/token_dataset.h"
 
 #include <cstring>
+#include <string>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -8,6 +9,18 @@
 #include "common/status.h"
 
 namespace pith::data {
+
+namespace {
+
+// How the vocab decides the token width, for the errors a file of the other width meets.
+std::string WidthHint(int vocab) {
+  if (vocab == 256) return " (model.vocab_size 256 reads one byte per token)";
+  return absl::StrCat(" (model.vocab_size ", vocab,
+                      " reads little-endian uint16 tokens; pith data prepare writes byte-level "
+                      "files, one byte per token, for vocab_size 256)");
+}
+
+}  // namespace
 
 absl::StatusOr<TokenDataset> TokenDataset::Open(const std::string& path, int vocab) {
   TokenDataset ds;
@@ -17,7 +30,8 @@ absl::StatusOr<TokenDataset> TokenDataset::Open(const std::string& path, int voc
   ds.wide_ = vocab != 256;
   if (ds.wide_ && ds.bytes_.size() % 2 != 0) {
     return absl::InvalidArgumentError(absl::StrCat("token file ", path, " has an odd size (",
-                                                   ds.bytes_.size(), " bytes) for uint16 tokens"));
+                                                   ds.bytes_.size(), " bytes) for uint16 tokens",
+                                                   WidthHint(vocab)));
   }
   ds.size_ = static_cast<int64_t>(ds.bytes_.size() / (ds.wide_ ? 2 : 1));
   if (ds.size_ < 2) {
@@ -27,7 +41,8 @@ absl::StatusOr<TokenDataset> TokenDataset::Open(const std::string& path, int voc
   for (int64_t i = 0; i < ds.size_; ++i) {
     if (ds.token(i) >= vocab) {
       return absl::InvalidArgumentError(absl::StrCat("token file ", path, ": token ", ds.token(i),
-                                                     " at index ", i, " is outside vocab ", vocab));
+                                                     " at index ", i, " is outside vocab ", vocab,
+                                                     WidthHint(vocab)));
     }
   }
   return ds;
