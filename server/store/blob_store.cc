@@ -262,6 +262,21 @@ absl::Status BlobStore::AdmitAttemptLocked(const std::string& job_id, int64_t at
   return absl::OkStatus();
 }
 
+BlobStore::VersionWrite::VersionWrite(BlobStore* store, std::string encoded, int64_t version)
+    : store_(store), id_(std::move(encoded), version) {
+  absl::MutexLock lock(&store_->mu_);
+  auto free = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(store_->mu_) {
+    return store_->writing_.count(id_) == 0;
+  };
+  store_->mu_.Await(absl::Condition(&free));
+  store_->writing_.insert(id_);
+}
+
+BlobStore::VersionWrite::~VersionWrite() {
+  absl::MutexLock lock(&store_->mu_);
+  store_->writing_.erase(id_);
+}
+
 absl::StatusOr<PutReservation> BlobStore::BeginPut(const v1::BlobKey& key, int64_t version,
                                                    uint64_t size, int64_t attempt) {
   RETURN_IF_ERROR(ValidateBlobKey(key));
@@ -302,9 +317,8 @@ absl::StatusOr<v1::BlobInfo> BlobStore::FinishPut(PutReservation r,
     // a reader can see survives a crash once its step commits. fp32 weights are their own
     // master copy: bytes equal to the other kind's of the same version are stored once.
     // A voided attempt's bytes do not go there (the version's location may be its
-    // successor's), but for one that passes this check just before a newer attempt's put
-    // of the same blob begins: then the cold copy fails its checksum (DATA_LOSS on a cold
-    // read, a replica serves it), never silently.
+    // successor's): the check and the write are one put of the version at a time.
+    const VersionWrite writing(this, encoded, r.version_);
     {
       absl::MutexLock lock(&mu_);
       RETURN_IF_ERROR(AdmitAttemptLocked(r.key_.job_id(), r.attempt_, "a put"));
@@ -432,6 +446,11 @@ absl::StatusOr<v1::BlobInfo> BlobStore::PutSibling(const v1::BlobKey& key, int64
   }
   return FencedPut(encoded, version, [&]() -> absl::StatusOr<v1::BlobInfo> {
     // The sibling's bytes stay in the cold tier while either version is there.
+    const VersionWrite writing(this, encoded, version);
+    {
+      absl::MutexLock lock(&mu_);
+      RETURN_IF_ERROR(AdmitAttemptLocked(key.job_id(), attempt, "a put"));
+    }
     if (absl::Status linked = cold_->LinkData(encoded, version, sibling, version, size);
         !linked.ok()) {
       return absl::IsNotFound(linked) ? missing() : linked;

@@ -24,7 +24,9 @@
 #include <map>
 #include <memory>
 #include <optional>
+#include <set>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
@@ -288,6 +290,22 @@ class BlobStore {
   // (weights <-> master) when they are equal; false when they are not (or not there).
   bool LinkToSibling(const PutReservation& r, const std::string& encoded, uint32_t crc)
       ABSL_LOCKS_EXCLUDED(mu_);
+  // Held by a put from its attempt check to its pending record: one put of a (key,
+  // version) at a time, so a put of an attempt fenced meanwhile never leaves its bytes in
+  // the cold tier under the record of a newer attempt's put of the same version.
+  class VersionWrite {
+   public:
+    // Waits for the put of (encoded, version) in flight, if any. Requires no mu_.
+    VersionWrite(BlobStore* store, std::string encoded, int64_t version);
+    ~VersionWrite();
+    VersionWrite(const VersionWrite&) = delete;
+    VersionWrite& operator=(const VersionWrite&) = delete;
+
+   private:
+    BlobStore* const store_;
+    const std::pair<std::string, int64_t> id_;
+  };
+
   // Records a pending version of (key, version), written by `attempt`, whose bytes are in
   // the cold tier, and in `ram` when not null. ABORTED as AdmitAttemptLocked.
   absl::StatusOr<v1::BlobInfo> AddPendingLocked(const v1::BlobKey& key, const std::string& encoded,
@@ -320,6 +338,8 @@ class BlobStore {
   // The newest attempt each job named here (puts, prepares, commits; recovered from the
   // prepared records).
   std::map<std::string, int64_t> job_attempts_ ABSL_GUARDED_BY(mu_);
+  // (encoded key, version) of the puts holding a VersionWrite.
+  std::set<std::pair<std::string, int64_t>> writing_ ABSL_GUARDED_BY(mu_);
   uint64_t clock_ ABSL_GUARDED_BY(mu_) = 0;  // ticks on every read and write (admission)
   uint64_t cold_bytes_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t ram_gets_ ABSL_GUARDED_BY(mu_) = 0;

@@ -11,8 +11,10 @@
 #include <functional>
 #include <memory>
 #include <random>
+#include <thread>
 #include <vector>
 
+#include "absl/synchronization/notification.h"
 #include "common/buffer.h"
 #include "common/crc32c.h"
 #include "gmock/gmock.h"
@@ -588,6 +590,73 @@ TEST_F(BlobStoreTest, AVoidedAttemptsLatePutsNeverJoinTheStep) {
   EXPECT_EQ(Read(Expert(0, 2)), Bytes(5000, 2));
   // Other jobs have fences of their own.
   EXPECT_TRUE(store_->Put(Expert(0, 0, v1::BLOB_KIND_WEIGHTS, "job-2"), 0, Bytes(100, 1), 1).ok());
+}
+
+// Forwards to a MemoryColdTier, calling `before_put` with the bytes of each PutData first.
+class HookedTier final : public ColdTier {
+ public:
+  HookedTier(MemoryColdTier* tier, std::function<void(absl::Span<const uint8_t>)> before_put)
+      : tier_(ForwardTo(tier)), before_put_(std::move(before_put)) {}
+  absl::Status PutData(absl::string_view k, int64_t v, absl::Span<const uint8_t> b) override {
+    before_put_(b);
+    return tier_->PutData(k, v, b);
+  }
+  absl::Status LinkData(absl::string_view k, int64_t v, absl::string_view sk, int64_t sv,
+                        uint64_t n) override {
+    return tier_->LinkData(k, v, sk, sv, n);
+  }
+  absl::Status ReadData(absl::string_view k, int64_t v, absl::Span<uint8_t> o) override {
+    return tier_->ReadData(k, v, o);
+  }
+  absl::StatusOr<ColdRead> ReadPinned(absl::string_view k, int64_t v) override {
+    return tier_->ReadPinned(k, v);
+  }
+  absl::Status Apply(const ColdBatch& b, bool sync) override { return tier_->Apply(b, sync); }
+  absl::StatusOr<ColdContents> Load() override { return tier_->Load(); }
+  absl::Status Checkpoint(const std::string& d) override { return tier_->Checkpoint(d); }
+
+ private:
+  const std::unique_ptr<ColdTier> tier_;
+  const std::function<void(absl::Span<const uint8_t>)> before_put_;
+};
+
+// A voided attempt's put that passed its check stalls before its bytes reach the cold
+// tier; a newer attempt's put of the same version comes meanwhile. The newer one waits for
+// it, so the cold tier ends up with the bytes its record names (before, the stalled write
+// landed last, under the newer record: a cold read failed its checksum).
+TEST_F(BlobStoreTest, AStalledVoidedPutNeverOverwritesANewerAttemptsBytes) {
+  const std::vector<uint8_t> late = Bytes(5000, 50), newer = Bytes(5000, 60);
+  absl::Notification late_writing, newer_writing;
+  store_.reset();
+  auto store =
+      BlobStore::Open(options_,
+                      std::make_unique<HookedTier>(
+                          &cold_,
+                          [&](absl::Span<const uint8_t> b) {
+                            if (std::equal(b.begin(), b.end(), late.begin(), late.end())) {
+                              late_writing.Notify();
+                              // Held until the newer put writes (before the fix),
+                              // or for a second (it waits for this one).
+                              newer_writing.WaitForNotificationWithTimeout(absl::Seconds(1));
+                            } else if (std::equal(b.begin(), b.end(), newer.begin(), newer.end())) {
+                              newer_writing.Notify();
+                            }
+                          }),
+                      arena_.data());
+  ASSERT_TRUE(store.ok()) << store.status();
+  store_ = std::move(*store);
+  absl::StatusOr<v1::BlobInfo> late_put, newer_put;
+  std::thread stalled([&] { late_put = store_->Put(Expert(0, 0), 1, late, 5); });
+  late_writing.WaitForNotification();
+  std::thread successor([&] { newer_put = store_->Put(Expert(0, 0), 1, newer, 6); });
+  stalled.join();
+  successor.join();
+  EXPECT_EQ(late_put.status().code(), absl::StatusCode::kAborted) << late_put.status();
+  ASSERT_TRUE(newer_put.ok()) << newer_put.status();
+  std::vector<uint8_t> cold(newer.size());
+  ASSERT_TRUE(cold_.ReadData(EncodeBlobKey(Expert(0, 0)), 1, absl::MakeSpan(cold)).ok());
+  EXPECT_EQ(cold, newer);
+  EXPECT_EQ(Read(Expert(0, 0), 1), newer);
 }
 
 // A copy installed over a prepared version of the same number replaces it whole.
