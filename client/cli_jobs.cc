@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <filesystem>
+#include <iostream>
 #include <sstream>
 
 #include "absl/strings/ascii.h"
@@ -52,6 +53,23 @@ absl::Status RefuseUnknownFlags(const char* command, const Args& args,
   return absl::OkStatus();
 }
 
+// A note on stderr when fewer stores are alive than the copies `spec` asks of each group:
+// the job keeps one per store until more join (pith cluster counts the copies missing).
+// Nothing when the cluster cannot be read (the submit stands).
+void NoteStoreCopies(Client& client, const v1::JobSpec& spec) {
+  const int want = spec.cluster().store_replicas();
+  if (want <= 1) return;
+  absl::StatusOr<v1::ClusterStatusResponse> c = client.ClusterStatus();
+  if (!c.ok()) return;
+  const int alive = static_cast<int>(
+      std::count_if(c->stores().begin(), c->stores().end(),
+                    [](const v1::MemberInfo& m) { return m.state() == v1::MEMBER_STATE_ALIVE; }));
+  if (alive >= want || alive == 0) return;  // with none, the job waits for one (pith status)
+  std::cerr << "pith: note: the spec asks " << want << " store copies of each group and " << alive
+            << (alive == 1 ? " store is" : " stores are")
+            << " alive: the job keeps one copy per store until more join\n";
+}
+
 }  // namespace
 
 absl::Status Submit(const CliContext& ctx, const Args& args, std::ostream& out) {
@@ -60,6 +78,7 @@ absl::Status Submit(const CliContext& ctx, const Args& args, std::ostream& out) 
   ASSIGN_OR_RETURN(v1::JobSpec spec, LoadJobSpec(args[0]));
   ASSIGN_OR_RETURN(std::unique_ptr<Client> client, Connect(ctx));
   ASSIGN_OR_RETURN(v1::Job job, client->Submit(spec));
+  NoteStoreCopies(*client, spec);
   if (ctx.json) {
     out << "{\"job_id\": \"" << job.job_id() << "\"}\n";
   } else {

@@ -22,7 +22,7 @@ expect_one_line() {  # WANT CMD...: exit 1, one stderr line containing WANT
 "$PITH" up --stores 2 --workers 2 --cache_bytes 4096 || fail "pith up"
 tiny_tokens "$PITH" 300
 tiny_spec tiny 15 1 >"$E2E_TMP/tiny.json"
-tiny_spec long 1000000 1 >"$E2E_TMP/long.json"
+tiny_spec long 1000000 1 | sed 's/"store_replicas": 2/"store_replicas": 3/' >"$E2E_TMP/long.json"
 
 job=$("$PITH" submit "$E2E_TMP/tiny.json")
 [[ -n $job ]] || fail "submit printed no job id"
@@ -50,8 +50,12 @@ grep -q "layer  0: hottest expert" "$E2E_TMP/experts.txt" || fail "experts: $(ca
 grep -q "<svg" "$E2E_TMP/heat.svg" && grep -q "layer 0" "$E2E_TMP/heat.svg" || fail "no heat map svg"
 echo "  ok: trained, watched, checkpointed, sampled and drew the experts of $job"
 
-long=$("$PITH" --output json submit "$E2E_TMP/long.json" | sed 's/.*"job_id": "\([^"]*\)".*/\1/')
+long=$("$PITH" --output json submit "$E2E_TMP/long.json" 2>"$E2E_TMP/long.err" |
+  sed 's/.*"job_id": "\([^"]*\)".*/\1/')
 [[ -n $long ]] || fail "submit --output json"
+# Three store copies asked of two stores: the job runs, and submit says what it keeps.
+grep -q "asks 3 store copies of each group and 2 stores are alive" "$E2E_TMP/long.err" ||
+  fail "no note on the store copies: $(cat "$E2E_TMP/long.err")"
 for _ in $(seq 100); do
   "$PITH" status "$long" | grep running >/dev/null && break
   sleep 0.1
