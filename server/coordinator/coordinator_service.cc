@@ -72,13 +72,17 @@ grpc::Status CoordinatorServiceImpl::Heartbeat(grpc::ServerContext* context,
     return denied;
   }
   if (grpc::Status s = CheckOwnId(caller, request->member_id()); !s.ok()) return s;
-  absl::Status s = members_->Heartbeat(request->member_id(), request->status());
+  absl::StatusOr<v1::MemberState> state =
+      members_->Heartbeat(request->member_id(), request->status());
   // An unknown member is told to register again rather than failed: after a coordinator
   // restart every member is unknown.
-  reply->set_reregister(absl::IsNotFound(s));
-  if (!s.ok() && !absl::IsNotFound(s)) return ToGrpcStatus(s);
+  reply->set_reregister(absl::IsNotFound(state.status()));
+  if (!state.ok() && !absl::IsNotFound(state.status())) return ToGrpcStatus(state.status());
   reply->set_lease_ms(absl::ToInt64Milliseconds(members_->lease()));
-  if (s.ok()) reply->set_assignment_version(scheduler_->AssignmentVersion(request->member_id()));
+  if (state.ok()) {
+    reply->set_assignment_version(scheduler_->AssignmentVersion(request->member_id()));
+    reply->set_drained(*state == v1::MEMBER_STATE_DRAINED);
+  }
   return grpc::Status::OK;
 }
 

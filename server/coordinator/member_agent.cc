@@ -53,7 +53,11 @@ bool MemberAgent::Leave() {
   req.set_member_id(member_id());
   v1::DeregisterResponse resp;
   // Best effort: the lease expires otherwise.
-  return stub_->Deregister(&ctx, req, &resp).ok() && resp.drained();
+  if (stub_->Deregister(&ctx, req, &resp).ok()) return resp.drained();
+  absl::MutexLock lock(&mu_);
+  LOG_IF(INFO, drained_) << "the coordinator did not answer the leave; its last heartbeat said "
+                         << self_.member_id() << " is drained";
+  return drained_;
 }
 
 std::string MemberAgent::member_id() const {
@@ -101,6 +105,12 @@ void MemberAgent::Loop() {
     if (!s.ok()) {
       LOG(WARNING) << "heartbeat to the coordinator failed: " << s.message();
       continue;
+    }
+    {
+      absl::MutexLock lock(&mu_);
+      LOG_IF(INFO, resp.drained() && !drained_)
+          << "the coordinator says " << self_.member_id() << " is drained: it can be stopped";
+      drained_ = resp.drained();
     }
     if (resp.reregister()) {
       LOG(INFO) << "the coordinator does not know " << member_id() << "; registering again";

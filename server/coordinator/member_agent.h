@@ -36,7 +36,8 @@ class MemberAgent {
       const std::string& address, const security::TransportSecurity& security, v1::MemberInfo self,
       StatusFn status, absl::Duration timeout = absl::Seconds(10));
   // Stops heartbeating and deregisters (best effort), once: true when the coordinator
-  // answered that this member is a drained store.
+  // answered that this member is a drained store, or (the coordinator did not answer)
+  // when its last heartbeat said so.
   bool Leave();
   // Leave().
   ~MemberAgent();
@@ -61,6 +62,7 @@ class MemberAgent {
   mutable absl::Mutex mu_;
   v1::MemberInfo self_ ABSL_GUARDED_BY(mu_);
   absl::Duration lease_ ABSL_GUARDED_BY(mu_) = absl::Seconds(3);
+  bool drained_ ABSL_GUARDED_BY(mu_) = false;  // the last heartbeat's answer
 };
 
 }  // namespace pith

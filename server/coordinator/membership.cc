@@ -161,7 +161,8 @@ std::optional<std::string> Membership::IdentityOf(const std::string& member_id) 
   return it->second;
 }
 
-absl::Status Membership::Heartbeat(const std::string& member_id, const v1::MemberInfo& status) {
+absl::StatusOr<v1::MemberState> Membership::Heartbeat(const std::string& member_id,
+                                                      const v1::MemberInfo& status) {
   absl::MutexLock lock(&mu_);
   auto it = members_.find(member_id);
   if (it == members_.end() || it->second.state() == v1::MEMBER_STATE_DEAD) {
@@ -178,7 +179,7 @@ absl::Status Membership::Heartbeat(const std::string& member_id, const v1::Membe
         << m.member_id() << " is unhealthy and counts as dead: " << status.health();
     m.set_health(status.health());
   }
-  return absl::OkStatus();
+  return m.state();
 }
 
 absl::StatusOr<bool> Membership::Deregister(const std::string& member_id) {

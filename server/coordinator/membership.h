@@ -52,8 +52,9 @@ class Membership {
                                        std::optional<IdentityQuota> quota = std::nullopt);
   // Renews the lease and takes fresh figures and health from `status` (a member that says
   // it is unhealthy is left out of every Snapshot, as if dead). NOT_FOUND for an unknown or
-  // dead member: it must register again.
-  absl::Status Heartbeat(const std::string& member_id, const v1::MemberInfo& status);
+  // dead member: it must register again. Returns the member's state.
+  absl::StatusOr<v1::MemberState> Heartbeat(const std::string& member_id,
+                                            const v1::MemberInfo& status);
   // Removes a member that leaves cleanly (its drain, if any, lasts until ForgetDrain);
   // true when it was a drained store.
   absl::StatusOr<bool> Deregister(const std::string& member_id);
