@@ -30,14 +30,15 @@ using pith::testing::ChildProcess;
 constexpr uint64_t kWorkerMemory = 24ull << 20;
 constexpr uint64_t kStoreRam = 64ull << 20;
 
-std::string Spec(const std::string& data, int experts, int steps) {
+std::string Spec(const std::string& data, int experts, int steps, uint64_t cache_bytes) {
   return R"({"name": "memory", "model": {"vocab_size": 256, "seq_len": 32, "d_model": 64,
   "n_layer": 2, "n_head": 4, "n_expert": )" +
          std::to_string(experts) + R"(, "top_k": 2, "d_ff": 128, "capacity_factor": 2.0,
   "aux_loss_coef": 0.01, "z_loss_coef": 0.001}, "train": {"data_path": ")" +
          data + R"(", "batch": 8, "steps": )" + std::to_string(steps) +
          R"(, "lr": 0.003, "warmup": 2, "grad_clip": 1.0, "seed": 7}, "cluster": {"workers": 2,
-  "store_replicas": 2}})";
+  "store_replicas": 2, "cache_bytes": )" +
+         std::to_string(cache_bytes) + "}}";
 }
 
 // One local cluster and one job on it.
@@ -92,10 +93,10 @@ class MemoryRun {
   }
 
   // Submits the job and polls it until it ends; the workers' peak RSS is read meanwhile.
-  v1::Job Train(int experts, int steps, int seconds = 300) {
+  v1::Job Train(int experts, int steps, int seconds = 300, uint64_t cache_bytes = 0) {
     v1::SubmitJobRequest submit;
     EXPECT_TRUE(google::protobuf::util::JsonStringToMessage(
-                    Spec(dir_ + "/tokens.bin", experts, steps), submit.mutable_spec())
+                    Spec(dir_ + "/tokens.bin", experts, steps, cache_bytes), submit.mutable_spec())
                     .ok());
     v1::SubmitJobResponse submitted;
     {
@@ -167,6 +168,19 @@ TEST(WorkerMemoryTest, PeakRssIsFlatAsExpertsGrowAndStoresSpillToDisk) {
 #endif
   // The state is over 4x a store's RAM tier: the rest went to RocksDB, and trained.
   EXPECT_GT(state, 4 * kStoreRam);
+}
+
+// A job's small cache (cluster.cache_bytes: 4 slots for the 16 experts each worker
+// updates) within a memory budget that would hold every moment: the moments are fetched
+// each step, as the slots cannot all be held while the next step computes. (Kept resident,
+// every step failed with "every one of the 4 expert cache slots is in use".)
+TEST(WorkerMemoryTest, AJobsSmallCacheWithinALargeBudgetTrains) {
+  const uint64_t expert_blob = (2 * 64 * 128 + 128 + 64) * sizeof(float);
+  MemoryRun run("small_cache", 256ull << 20);
+  ASSERT_NO_FATAL_FAILURE(run.Start());
+  const v1::Job job = run.Train(16, 3, /*seconds=*/120, /*cache_bytes=*/4 * expert_blob);
+  ASSERT_EQ(job.state(), v1::JOB_STATE_SUCCEEDED) << job.ShortDebugString() << run.Logs();
+  EXPECT_EQ(job.committed_step(), 3);
 }
 
 TEST(WorkerMemoryTest, AJobWhoseDenseStateDoesNotFitFailsWithTheReason) {

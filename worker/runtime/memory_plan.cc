@@ -112,7 +112,10 @@ absl::StatusOr<MemoryPlan> PlanMemory(const MemoryInput& in) {
   while (slots < std::min(all_slots, cap) && PoolBytes(in, slots + 1) <= room) ++slots;
   p.cache_slots = slots;
   p.grad_buffers = GradBuffers(slots);
-  p.moments = PlanMoments(slots, room >= resident_bytes);  // resident where all of it fits
+  // Resident moments where all of them fit, and where the cache has a slot for every
+  // expert updated here and one more: their writes go with every updated slot held while
+  // the next step computes (ExpertUpdater's kAll).
+  p.moments = PlanMoments(slots, room >= resident_bytes && slots > in.updated);
   return Finish(in, p);
 }
 
