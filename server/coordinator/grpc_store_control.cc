@@ -73,11 +73,12 @@ class GrpcStoreControl final : public StoreControl {
     return reply;
   }
 
-  absl::Status AbortStep(const v1::MemberInfo& store, const std::string& job_id,
-                         int64_t step) override {
+  absl::Status AbortStep(const v1::MemberInfo& store, const std::string& job_id, int64_t step,
+                         int64_t successor) override {
     v1::AbortStepRequest request;
     request.set_job_id(job_id);
     request.set_step(step);
+    request.set_successor(successor);
     v1::AbortStepResponse reply;
     grpc::ClientContext ctx;
     ctx.set_deadline(absl::ToChronoTime(absl::Now() + timeout_));

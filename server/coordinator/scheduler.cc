@@ -154,12 +154,14 @@ Alive Scheduler::ForJob(const Alive& alive, const Run& run) {
 
 void Scheduler::AbortLocked(Run& run, const std::string& reason, std::vector<StoreCall>* aborts) {
   const Alive alive = Snapshot(*members_);
+  const int64_t successor = NextVersion(run.record.assignment_version());
   // Only the job's stores hold its pending versions: a store the job does not use (or one
-  // that does not answer) delays no other job's abort.
+  // that does not answer) delays no other job's abort. The successor's writes that land
+  // before a late abort are kept.
   for (const std::string& id : JobStores(run)) {
     auto store = alive.stores.find(id);
     if (store != alive.stores.end()) {
-      aborts->push_back({store->second, run.record.job_id(), step_in_flight(run)});
+      aborts->push_back({store->second, run.record.job_id(), step_in_flight(run), successor});
     }
   }
   run.written.clear();
@@ -169,7 +171,7 @@ void Scheduler::AbortLocked(Run& run, const std::string& reason, std::vector<Sto
   run.abort_reason = reason;
   // The redone step reports its heat again.
   heat_->DropStep(run.record.job_id(), step_in_flight(run));
-  run.record.set_assignment_version(NextVersion(run.record.assignment_version()));
+  run.record.set_assignment_version(successor);
   if (steps_aborted_ != nullptr) steps_aborted_->Increment();
   LOG(INFO) << "job " << run.record.job_id() << ": step " << step_in_flight(run)
             << " aborted: " << reason;
@@ -177,7 +179,7 @@ void Scheduler::AbortLocked(Run& run, const std::string& reason, std::vector<Sto
 
 void Scheduler::RunStoreAborts(const std::vector<StoreCall>& aborts) {
   for (const StoreCall& call : aborts) {
-    absl::Status s = stores_->AbortStep(call.store, call.job_id, call.step);
+    absl::Status s = stores_->AbortStep(call.store, call.job_id, call.step, call.successor);
     // Best effort: a store that missed it replaces the pending versions on the retry's
     // writes, and a dead one is dropped from the placement.
     if (!s.ok()) LOG(WARNING) << "abort of step " << call.step << ": " << s;

@@ -209,6 +209,7 @@ class Scheduler {
     v1::MemberInfo store;
     std::string job_id;
     int64_t step;
+    int64_t successor = 0;  // an abort's: the attempt replacing the aborted one
   };
   // Store calls a pass decided under mu_, made once it is released.
   struct StoreWork {

@@ -53,8 +53,8 @@ class FakeStores final : public StoreControl {
     r.set_blobs_committed(n != blobs_answered.end() ? n->second : 1000000);
     return r;
   }
-  absl::Status AbortStep(const v1::MemberInfo& store, const std::string& job_id,
-                         int64_t step) override {
+  absl::Status AbortStep(const v1::MemberInfo& store, const std::string& job_id, int64_t step,
+                         int64_t) override {
     absl::MutexLock lock(&mu_);
     aborts.push_back(absl::StrCat(store.member_id(), ":", job_id, ":", step));
     return absl::OkStatus();

@@ -34,9 +34,10 @@ class StoreControl {
   virtual absl::StatusOr<v1::CommitStepResponse> CommitStep(const v1::MemberInfo& store,
                                                             const std::string& job_id, int64_t step,
                                                             int64_t attempt) = 0;
-  // Drops the job's pending versions of `step` on `store`.
+  // Drops the job's pending versions of `step` on `store` that attempts older than
+  // `successor` (the attempt replacing the aborted one) wrote, and fences those attempts.
   virtual absl::Status AbortStep(const v1::MemberInfo& store, const std::string& job_id,
-                                 int64_t step) = 0;
+                                 int64_t step, int64_t successor) = 0;
   // The committed blobs of one group on `store` (layer -1: every dense tensor).
   virtual absl::StatusOr<std::vector<v1::BlobInfo>> ListGroup(const v1::MemberInfo& store,
                                                               const std::string& job_id, int layer,

@@ -24,7 +24,7 @@ class NoStores final : public StoreControl {
     r.set_blobs_committed(uint64_t{1} << 40);  // every blob the workers wrote, and more
     return r;
   }
-  absl::Status AbortStep(const v1::MemberInfo&, const std::string&, int64_t) override {
+  absl::Status AbortStep(const v1::MemberInfo&, const std::string&, int64_t, int64_t) override {
     return absl::OkStatus();
   }
   absl::StatusOr<std::vector<v1::BlobInfo>> ListGroup(const v1::MemberInfo&, const std::string&,

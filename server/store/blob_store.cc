@@ -312,28 +312,30 @@ absl::StatusOr<v1::BlobInfo> BlobStore::FinishPut(PutReservation r,
     return absl::DataLossError(absl::StrCat(BlobKeyDebugString(r.key_), ": checksum mismatch"));
   }
   const std::string encoded = EncodeBlobKey(r.key_);
-  return FencedPut(encoded, r.version_, [&]() -> absl::StatusOr<v1::BlobInfo> {
-    // The bytes go to the cold tier before the version exists anywhere, so every version
-    // a reader can see survives a crash once its step commits. fp32 weights are their own
-    // master copy: bytes equal to the other kind's of the same version are stored once.
-    // A voided attempt's bytes do not go there (the version's location may be its
-    // successor's): the check and the write are one put of the version at a time.
-    const VersionWrite writing(this, encoded, r.version_);
-    {
-      absl::MutexLock lock(&mu_);
-      RETURN_IF_ERROR(AdmitAttemptLocked(r.key_.job_id(), r.attempt_, "a put"));
-    }
-    if (!LinkToSibling(r, encoded, crc)) {
-      RETURN_IF_ERROR(cold_->PutData(encoded, r.version_, {r.data_, r.size_}));
-    }
-    absl::MutexLock lock(&mu_);
-    return AddPendingLocked(r.key_, encoded, r.version_, r.size_, crc, r.attempt_,
-                            std::move(r.block_));
-  });
+  return FencedPut(encoded, r.version_, r.key_.job_id(), r.attempt_,
+                   [&]() -> absl::StatusOr<v1::BlobInfo> {
+                     // The bytes go to the cold tier before the version exists anywhere, so every
+                     // version a reader can see survives a crash once its step commits. fp32
+                     // weights are their own master copy: bytes equal to the other kind's of the
+                     // same version are stored once. A voided attempt's bytes do not go there (the
+                     // version's location may be its successor's): the check and the write are one
+                     // put of the version at a time.
+                     const VersionWrite writing(this, encoded, r.version_);
+                     {
+                       absl::MutexLock lock(&mu_);
+                       RETURN_IF_ERROR(AdmitAttemptLocked(r.key_.job_id(), r.attempt_, "a put"));
+                     }
+                     if (!LinkToSibling(r, encoded, crc)) {
+                       RETURN_IF_ERROR(cold_->PutData(encoded, r.version_, {r.data_, r.size_}));
+                     }
+                     absl::MutexLock lock(&mu_);
+                     return AddPendingLocked(r.key_, encoded, r.version_, r.size_, crc, r.attempt_,
+                                             std::move(r.block_));
+                   });
 }
 
 absl::StatusOr<v1::BlobInfo> BlobStore::FencedPut(
-    const std::string& encoded, int64_t version,
+    const std::string& encoded, int64_t version, const std::string& job_id, int64_t attempt,
     absl::FunctionRef<absl::StatusOr<v1::BlobInfo>()> put) {
   {
     absl::ReaderMutexLock fence(&prepare_mu_);
@@ -344,6 +346,10 @@ absl::StatusOr<v1::BlobInfo> BlobStore::FencedPut(
   // with commits, prepares and other puts held off.
   absl::MutexLock commit_lock(&commit_mu_);
   absl::MutexLock fence(&prepare_mu_);
+  {
+    absl::MutexLock lock(&mu_);
+    RETURN_IF_ERROR(AdmitAttemptLocked(job_id, attempt, "a put"));
+  }
   RETURN_IF_ERROR(DropPrepared(encoded, version));
   return put();
 }
@@ -444,7 +450,7 @@ absl::StatusOr<v1::BlobInfo> BlobStore::PutSibling(const v1::BlobKey& key, int64
       return missing();
     }
   }
-  return FencedPut(encoded, version, [&]() -> absl::StatusOr<v1::BlobInfo> {
+  return FencedPut(encoded, version, key.job_id(), attempt, [&]() -> absl::StatusOr<v1::BlobInfo> {
     // The sibling's bytes stay in the cold tier while either version is there.
     const VersionWrite writing(this, encoded, version);
     {

@@ -194,8 +194,12 @@ class BlobStore {
   // job is at `step` or past it, ABORTED for an attempt older than one the job named.
   absl::StatusOr<uint64_t> PrepareStep(const std::string& job_id, int64_t step,
                                        int64_t attempt = 0);
-  // Discards the job's pending versions of `step`; returns how many.
-  absl::StatusOr<uint64_t> AbortStep(const std::string& job_id, int64_t step);
+  // Discards the job's pending versions of `step`; returns how many. With `successor`
+  // (the attempt that replaces the aborted one), only those older attempts wrote (or that
+  // name none): a late abort keeps what the successor wrote already; and the successor
+  // fences the older attempts' puts off from now on.
+  absl::StatusOr<uint64_t> AbortStep(const std::string& job_id, int64_t step,
+                                     int64_t successor = 0);
   // Deletes every version; returns the bytes freed.
   absl::StatusOr<uint64_t> DeleteBlob(const v1::BlobKey& key);
   // What DeleteJob deletes: everything of the job, or only one group's blobs (layer -1:
@@ -277,9 +281,12 @@ class BlobStore {
   void EraseVersionLocked(const std::string& key, Blob& blob, int64_t version, ColdBatch* batch)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void UpdateGaugesLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Runs `put` (the cold-tier write and pending record of (encoded, version)) so that no
-  // prepare falls between the two; a prepared version is dropped from the cold tier first.
+  // Runs `put` (the cold-tier write and pending record of (encoded, version), of `attempt`
+  // of `job_id`) so that no prepare falls between the two; a prepared version is dropped
+  // from the cold tier first, once the attempt is admitted (ABORTED as AdmitAttemptLocked:
+  // a voided attempt's late put never drops its successor's prepared version).
   absl::StatusOr<v1::BlobInfo> FencedPut(const std::string& encoded, int64_t version,
+                                         const std::string& job_id, int64_t attempt,
                                          absl::FunctionRef<absl::StatusOr<v1::BlobInfo>()> put)
       ABSL_LOCKS_EXCLUDED(commit_mu_, prepare_mu_, mu_);
   bool IsPrepared(const std::string& encoded, int64_t version) ABSL_LOCKS_EXCLUDED(mu_);
@@ -322,13 +329,15 @@ class BlobStore {
   BuddyAllocator allocator_ ABSL_GUARDED_BY(alloc_mu_);
 
   // Held by whatever changes committed versions or their records (CommitStep,
-  // InstallCommitted, AbortStep, DeleteBlob, DeleteJob): commits and installs sync to disk
-  // without mu_ (reads and puts go on meanwhile) and nothing else changes a record under
-  // them. Before mu_ in the lock order.
+  // InstallCommitted, AbortStep, DeleteBlob, DeleteJob): commits, installs and deletes
+  // sync to disk without mu_ (reads go on meanwhile) and nothing else changes a record
+  // under them. Before mu_ in the lock order.
   absl::Mutex commit_mu_;
   // Held shared by puts across their cold-tier write and pending record, and exclusively
-  // by PrepareStep and the put of a prepared version: a prepare names the bytes of the
-  // version it records. Between commit_mu_ and mu_ in the lock order.
+  // by PrepareStep, the put of a prepared version, AbortStep, DeleteBlob and DeleteJob: a
+  // prepare names the bytes of the version it records, and a discard never takes the bytes
+  // of a put between its write and its record. Between commit_mu_ and mu_ in the lock
+  // order.
   absl::Mutex prepare_mu_;
   absl::Mutex mu_;
   absl::btree_map<std::string, Blob> blobs_ ABSL_GUARDED_BY(mu_);  // by encoded key

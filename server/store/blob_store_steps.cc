@@ -1,5 +1,6 @@
 // BlobStore's step and job operations: prepare, commit, abort and delete, over the
 // versions the puts recorded (blob_store.cc). See blob_store.h.
+#include <algorithm>
 #include <set>
 #include <utility>
 
@@ -163,17 +164,25 @@ absl::StatusOr<uint64_t> BlobStore::PrepareStep(const std::string& job_id, int64
   return pending;
 }
 
-absl::StatusOr<uint64_t> BlobStore::AbortStep(const std::string& job_id, int64_t step) {
+absl::StatusOr<uint64_t> BlobStore::AbortStep(const std::string& job_id, int64_t step,
+                                              int64_t successor) {
   if (job_id.empty()) return absl::InvalidArgumentError("job_id is required");
   const std::string prefix = JobKeyPrefix(job_id);
   absl::MutexLock commit_lock(&commit_mu_);  // not inside a commit's sync
+  absl::MutexLock fence(&prepare_mu_);       // no put between its write and its record
   absl::MutexLock lock(&mu_);
+  if (successor != 0) {
+    int64_t& newest = job_attempts_[job_id];
+    newest = std::max(newest, successor);
+  }
   ColdBatch batch;
   uint64_t discarded = 0;
   for (auto it = blobs_.lower_bound(prefix);
        it != blobs_.end() && absl::StartsWith(it->first, prefix); ++it) {
     Blob& blob = it->second;
-    if (blob.committed == step || !blob.versions.count(step)) continue;
+    auto v = blob.versions.find(step);
+    if (blob.committed == step || v == blob.versions.end()) continue;
+    if (successor != 0 && v->second.attempt >= successor) continue;  // the successor's
     EraseVersionLocked(it->first, blob, step, &batch);
     ++discarded;
   }
@@ -191,20 +200,24 @@ absl::StatusOr<uint64_t> BlobStore::DeleteBlob(const v1::BlobKey& key) {
   RETURN_IF_ERROR(ValidateBlobKey(key));
   const std::string encoded = EncodeBlobKey(key);
   absl::MutexLock commit_lock(&commit_mu_);  // not inside a commit's sync
-  absl::MutexLock lock(&mu_);
-  auto it = blobs_.find(encoded);
-  if (it == blobs_.end())
-    return absl::NotFoundError(absl::StrCat("no blob ", BlobKeyDebugString(key)));
+  absl::MutexLock fence(&prepare_mu_);       // no put between its write and its record
   ColdBatch batch;
   uint64_t bytes = 0;
-  while (!it->second.versions.empty()) {
-    bytes += it->second.versions.begin()->second.size;
-    EraseVersionLocked(encoded, it->second, it->second.versions.begin()->first, &batch);
+  {
+    absl::MutexLock lock(&mu_);
+    auto it = blobs_.find(encoded);
+    if (it == blobs_.end())
+      return absl::NotFoundError(absl::StrCat("no blob ", BlobKeyDebugString(key)));
+    while (!it->second.versions.empty()) {
+      bytes += it->second.versions.begin()->second.size;
+      EraseVersionLocked(encoded, it->second, it->second.versions.begin()->first, &batch);
+    }
+    batch.delete_records.push_back(encoded);
+    blobs_.erase(it);
+    UpdateGaugesLocked();
   }
-  batch.delete_records.push_back(encoded);
-  blobs_.erase(it);
+  // The sync without mu_: reads go on (the blob is gone from them already).
   RETURN_IF_ERROR(cold_->Apply(batch, true));
-  UpdateGaugesLocked();
   return bytes;
 }
 
@@ -213,9 +226,10 @@ absl::StatusOr<std::pair<uint64_t, uint64_t>> BlobStore::DeleteJob(const std::st
   if (job_id.empty()) return absl::InvalidArgumentError("job_id is required");
   const std::string prefix = JobKeyPrefix(job_id);
   absl::MutexLock commit_lock(&commit_mu_);  // not inside a commit's sync
-  absl::MutexLock lock(&mu_);
+  absl::MutexLock fence(&prepare_mu_);       // no put between its write and its record
   ColdBatch batch;
   uint64_t blobs = 0, bytes = 0;
+  absl::ReleasableMutexLock lock(&mu_);
   for (auto it = blobs_.lower_bound(prefix);
        it != blobs_.end() && absl::StartsWith(it->first, prefix);) {
     Blob& blob = it->second;
@@ -247,8 +261,10 @@ absl::StatusOr<std::pair<uint64_t, uint64_t>> BlobStore::DeleteJob(const std::st
     job_steps_.erase(job_id);
     job_attempts_.erase(job_id);
   }
-  RETURN_IF_ERROR(cold_->Apply(batch, true));
   UpdateGaugesLocked();
+  lock.Release();
+  // The sync without mu_: reads go on (the blobs are gone from them already).
+  RETURN_IF_ERROR(cold_->Apply(batch, true));
   return std::make_pair(blobs, bytes);
 }
 

@@ -659,6 +659,46 @@ TEST_F(BlobStoreTest, AStalledVoidedPutNeverOverwritesANewerAttemptsBytes) {
   EXPECT_EQ(Read(Expert(0, 0), 1), newer);
 }
 
+// A put of a voided attempt, admitted before its successor named itself here, lands after
+// the successor wrote and prepared the same version: it is refused before it can drop the
+// prepared version (it used to drop it first, and the commit then missed the blob).
+TEST_F(BlobStoreTest, ALateVoidedPutLeavesItsSuccessorsPreparedVersion) {
+  ASSERT_TRUE(store_->Put(Expert(0, 0), 0, Bytes(5000, 1), 4).ok());
+  ASSERT_TRUE(store_->CommitStep("job-1", 0, std::nullopt, 4).ok());
+  auto late = store_->BeginPut(Expert(0, 0), 1, 5000, /*attempt=*/5);
+  ASSERT_TRUE(late.ok()) << late.status();
+  ASSERT_TRUE(store_->Put(Expert(0, 0), 1, Bytes(5000, 60), 6).ok());
+  ASSERT_EQ(*store_->PrepareStep("job-1", 1, 6), 1u);
+  const std::vector<uint8_t> stale = Bytes(5000, 50);
+  std::memcpy(late->data(), stale.data(), stale.size());
+  EXPECT_EQ(store_->FinishPut(std::move(*late)).status().code(), absl::StatusCode::kAborted);
+  auto committed = store_->CommitStep("job-1", 1, 0, 6);
+  ASSERT_TRUE(committed.ok()) << committed.status();
+  EXPECT_EQ(committed->blobs_committed, 1u);
+  EXPECT_EQ(Read(Expert(0, 0)), Bytes(5000, 60));
+}
+
+// An abort that names the attempt replacing the aborted one, arriving after that attempt
+// wrote: the successor's versions stay, the older ones (and those naming no attempt) go,
+// and the aborted attempt's later puts are refused.
+TEST_F(BlobStoreTest, ALateAbortKeepsWhatItsSuccessorWrote) {
+  ASSERT_TRUE(store_->Put(Expert(0, 0), 1, Bytes(5000, 50), 5).ok());
+  ASSERT_TRUE(store_->Put(Expert(0, 1), 1, Bytes(5000, 51)).ok());  // naming none
+  ASSERT_TRUE(store_->Put(Expert(0, 2), 1, Bytes(5000, 62), 6).ok());
+  auto discarded = store_->AbortStep("job-1", 1, /*successor=*/6);
+  ASSERT_TRUE(discarded.ok()) << discarded.status();
+  EXPECT_EQ(*discarded, 2u);
+  EXPECT_EQ(store_->Stat(Expert(0, 0), 1).status().code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(store_->Stat(Expert(0, 1), 1).status().code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(Read(Expert(0, 2), 1), Bytes(5000, 62));
+  EXPECT_EQ(store_->Put(Expert(0, 0), 1, Bytes(5000, 52), 5).status().code(),
+            absl::StatusCode::kAborted);
+  // The successor itself is admitted (no newer attempt named itself), and an abort naming
+  // none still takes every pending version of the step.
+  ASSERT_TRUE(store_->Put(Expert(0, 0), 1, Bytes(5000, 60), 6).ok());
+  EXPECT_EQ(*store_->AbortStep("job-1", 1), 2u);
+}
+
 // A copy installed over a prepared version of the same number replaces it whole.
 TEST_F(BlobStoreTest, AnInstalledCopyReplacesAPreparedVersion) {
   ASSERT_TRUE(store_->Put(Expert(0, 0), 1, Bytes(5000, 1)).ok());

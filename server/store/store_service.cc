@@ -98,7 +98,8 @@ grpc::Status StoreServiceImpl::AbortStep(grpc::ServerContext* context,
                                          const v1::AbortStepRequest* request,
                                          v1::AbortStepResponse* reply) {
   if (grpc::Status denied = policy_.Admit(*context, "AbortStep"); !denied.ok()) return denied;
-  absl::StatusOr<uint64_t> n = store_->AbortStep(request->job_id(), request->step());
+  absl::StatusOr<uint64_t> n =
+      store_->AbortStep(request->job_id(), request->step(), request->successor());
   if (!n.ok()) return ToGrpcStatus(n.status());
   reply->set_blobs_discarded(*n);
   return grpc::Status::OK;
