@@ -5,6 +5,7 @@
 #include "client/cli.h"
 
 #include <algorithm>
+#include <cmath>
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
@@ -166,7 +167,9 @@ absl::Status ParseFlags(const std::string& command, const Args& args,
   for (size_t i = 0; i < args.size(); ++i) {
     auto it = flags.find(args[i]);
     if (it == flags.end()) return UsageError(command + ": unknown argument " + args[i]);
-    if (i + 1 == args.size()) return UsageError(args[i] + " needs a value");
+    if (i + 1 == args.size() || args[i + 1].empty()) {
+      return UsageError(args[i] + " needs a value");
+    }
     it->second = args[++i];
   }
   return absl::OkStatus();
@@ -287,7 +290,8 @@ absl::Status Sample(const CliContext& ctx, const Args& args, std::ostream& out) 
       options.tokens > 100000) {
     return UsageError("--tokens wants a number in [0, 100000], got " + flags["--tokens"]);
   }
-  if (!absl::SimpleAtod(flags["--temperature"], &options.temperature) || options.temperature < 0) {
+  if (!absl::SimpleAtod(flags["--temperature"], &options.temperature) ||
+      !(options.temperature >= 0) || std::isinf(options.temperature)) {
     return UsageError("--temperature wants a number >= 0, got " + flags["--temperature"]);
   }
   if (!absl::SimpleAtoi(flags["--seed"], &options.seed)) {
@@ -328,6 +332,10 @@ int RunCli(const std::vector<std::string>& raw_args, std::ostream& out, std::ost
           value = a.substr(std::strlen(flag) + 1);
         }
         has_value = true;
+        if (value.empty()) {
+          err << "pith: " << flag << " needs a value, not an empty one\n";
+          return 2;
+        }
         if (std::string(flag) == "--coordinator") {
           ctx.coordinator = value;
         } else if (std::string(flag) == "--tls_dir") {
@@ -342,7 +350,15 @@ int RunCli(const std::vector<std::string>& raw_args, std::ostream& out, std::ost
         }
       }
     }
-    if (!has_value) args.push_back(a);
+    if (has_value) continue;
+    // A command's --flag=value is --flag value (as the servers' flags are written).
+    const size_t eq = a.find('=');
+    if (absl::StartsWith(a, "--") && eq != std::string::npos) {
+      args.push_back(a.substr(0, eq));
+      args.push_back(a.substr(eq + 1));
+    } else {
+      args.push_back(a == "--version" ? "version" : a);
+    }
   }
   // Commands are named by one or two words ("version", "spec check").
   static const std::map<std::string, cli::Command> kCommands = {

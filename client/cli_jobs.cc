@@ -204,7 +204,10 @@ absl::Status Checkpoint(const CliContext& ctx, const Args& args, std::ostream& o
     return UsageError(
         "checkpoint takes a job and a file: pith checkpoint JOB --out FILE [--force]");
   }
-  const std::filesystem::path target = std::filesystem::absolute(rest[2]);
+  if (rest[2].empty()) return UsageError("checkpoint --out needs a file name");
+  std::error_code ec;
+  const std::filesystem::path target = std::filesystem::absolute(rest[2], ec);
+  if (ec) return UsageError(absl::StrCat("checkpoint --out ", rest[2], ": ", ec.message()));
   ASSIGN_OR_RETURN(std::unique_ptr<Client> client, Connect(ctx));
   // The coordinator streams the file: the client may be on any host.
   absl::StatusOr<v1::CheckpointJobResponse> r =
@@ -228,6 +231,7 @@ absl::Status Experts(const CliContext& ctx, const Args& args, std::ostream& out)
   std::string svg;
   if (args.size() == 3 && args[1] == "--svg") {
     svg = args[2];
+    if (svg.empty()) return UsageError("experts --svg needs a file name");
   } else if (args.size() != 1) {
     return UsageError(
         "experts takes a job and optionally --svg FILE: pith experts JOB [--svg FILE]");

@@ -42,9 +42,9 @@ std::string FindBinary(const std::string& name, const std::string& build_subdir)
   const std::filesystem::path self = std::filesystem::read_symlink("/proc/self/exe", ec);
   if (!ec) {
     const std::filesystem::path candidate = self.parent_path().parent_path() / build_subdir / name;
-    if (std::filesystem::exists(candidate)) return candidate.string();
+    if (std::filesystem::exists(candidate, ec)) return candidate.string();
     const std::filesystem::path sibling = self.parent_path() / name;
-    if (std::filesystem::exists(sibling)) return sibling.string();
+    if (std::filesystem::exists(sibling, ec)) return sibling.string();
   }
   return name;  // execvp searches PATH
 }
@@ -586,13 +586,14 @@ absl::Status Up(const CliContext& ctx, const Args& args, std::ostream& out) {
 
 absl::Status Down(const CliContext& ctx, const Args& args, std::ostream& out) {
   std::string dir = DefaultDir();
-  if (args.size() == 2 && args[0] == "--dir") {
+  if (args.size() == 2 && args[0] == "--dir" && !args[1].empty()) {
     dir = args[1];
   } else if (!args.empty()) {
     return UsageError("down takes --dir DIR at most");
   }
   dir = FolderPath(dir);
-  if (!std::filesystem::exists(dir + "/pids")) {  // down is idempotent, as up is
+  std::error_code ec;
+  if (!std::filesystem::exists(dir + "/pids", ec)) {  // down is idempotent, as up is
     out << "no cluster is up in " << dir << ": nothing to stop\n";
     return absl::OkStatus();
   }
@@ -613,7 +614,6 @@ absl::Status Down(const CliContext& ctx, const Args& args, std::ostream& out) {
     }
     clean &= StopMembers(dir, group, out);
   }
-  std::error_code ec;
   std::filesystem::remove(dir + "/pids", ec);
   std::filesystem::remove(dir + "/coordinator.address", ec);
   std::filesystem::remove(dir + "/prometheus/targets.json", ec);  // nothing left to scrape

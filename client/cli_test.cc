@@ -4,6 +4,7 @@
 #include <sstream>
 #include <string>
 
+#include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "common/file.h"
 #include "common/job_spec.h"
@@ -102,6 +103,53 @@ TEST(CliTest, DataPrepareWritesByteTokens) {
   r = RunPith({"data", "prepare", text});
   EXPECT_EQ(r.code, 2);  // used wrongly
   EXPECT_THAT(r.err, HasSubstr("--out"));
+}
+
+// Outputs go to new or regular files only: a symlink, a device or a directory at the name
+// is refused, never replaced (as root, --out /dev/null would have replaced the device).
+TEST(CliTest, OutputsNeverReplaceALinkOrADevice) {
+  const std::string text = WriteTemp("corpus2.txt", "abcabc");
+  const std::string target = WriteTemp("kept.txt", "kept");
+  const std::string link = testing::TempDir() + "/link.bin";
+  std::filesystem::remove(link);
+  std::filesystem::create_symlink(target, link);
+  for (const std::string& out : {link, testing::TempDir(), std::string("/dev/null")}) {
+    const Result r = RunPith({"data", "prepare", "--out", out, text});
+    EXPECT_EQ(r.code, 1) << out;
+    EXPECT_THAT(r.err, HasSubstr("is not a regular file")) << out;
+    ExpectOneErrorLine(r);
+  }
+  EXPECT_TRUE(std::filesystem::is_symlink(link));
+  EXPECT_TRUE(std::filesystem::is_character_file("/dev/null"));
+  // Empty names are usage errors (checkpoint's used to abort on an exception).
+  for (const std::vector<std::string>& args : std::vector<std::vector<std::string>>{
+           {"checkpoint", "job", "--out", ""}, {"experts", "job", "--svg", ""}}) {
+    const Result r = RunPith(args);
+    EXPECT_EQ(r.code, 2) << args[0];
+    EXPECT_THAT(r.err, HasSubstr("needs a file name")) << args[0];
+    ExpectOneErrorLine(r);
+  }
+}
+
+// --flag=value works for a command's flags as for the global ones; empty values and a NaN
+// temperature are refused.
+TEST(CliTest, FlagsTakeEqualsAndRefuseEmptyValues) {
+  const std::string text = WriteTemp("corpus3.txt", "abcabc");
+  const std::string out = testing::TempDir() + "/corpus3.bin";
+  Result r = RunPith({"data", "prepare", "--out=" + out, text});
+  EXPECT_EQ(r.code, 0) << r.err;
+  EXPECT_TRUE(std::filesystem::exists(out));
+  EXPECT_THAT(RunPith({"--version"}).out, StartsWith("Pith "));
+  for (const std::vector<std::string>& args : std::vector<std::vector<std::string>>{
+           {"--coordinator", "", "status"},
+           {"down", "--dir", ""},
+           {"up", "--dir", ""},
+           {"sample", "--checkpoint", "m.safetensors", "--prompt", "a", "--temperature", "nan"},
+           {"sample", "--checkpoint", "m.safetensors", "--prompt", "a", "--temperature=inf"}}) {
+    r = RunPith(args);
+    EXPECT_EQ(r.code, 2) << absl::StrJoin(args, " ") << ": " << r.err;
+    ExpectOneErrorLine(r);
+  }
 }
 
 TEST(CliTest, UsageErrors) {

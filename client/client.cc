@@ -159,6 +159,10 @@ absl::StatusOr<v1::CheckpointJobResponse> Client::DownloadCheckpoint(const std::
                                                                      bool replace) {
   struct stat st;
   if (!replace && ::lstat(path.c_str(), &st) == 0) return Exists(path);
+  if (!RegularOrMissing(path.c_str())) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        path, " is not a regular file (a directory, a link or a device): not replaced"));
+  }
   const std::string partial = absl::StrCat(path, ".partial-", ::getpid());
   const int fd = ::open(partial.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
   if (fd < 0) {  // named as the caller named it: the partial file is ours

@@ -132,6 +132,10 @@ absl::Status PreadAll(int fd, absl::Span<uint8_t> bytes, uint64_t offset,
 
 absl::Status WriteFileAtomically(const std::string& path,
                                  const std::function<absl::Status(int fd)>& fill, bool replace) {
+  if (!RegularOrMissing(path.c_str())) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        path, " is not a regular file (a directory, a link or a device): not replaced"));
+  }
   // One name per call: two writers of one path in a process must not share a temporary.
   static std::atomic<uint64_t> calls{0};
   const std::string tmp = absl::StrCat(path, ".tmp.", ::getpid(), ".", ++calls);

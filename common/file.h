@@ -60,7 +60,9 @@ absl::Status CheckDiskRoom(const std::string& dir, uint64_t reserve, uint64_t in
 // Creates `path` atomically: `fill` writes the content to a temporary file beside it
 // (created new, never through a symlink), which is fsynced and renamed over `path`; with
 // `replace` false an existing `path` is left alone (ALREADY_EXISTS, renameat2's
-// RENAME_NOREPLACE). On any error `path` is left as it was.
+// RENAME_NOREPLACE). FAILED_PRECONDITION when `path` is there and not a regular file (a
+// directory, a symlink, a device: renaming would replace it). On any error `path` is left
+// as it was.
 absl::Status WriteFileAtomically(const std::string& path,
                                  const std::function<absl::Status(int fd)>& fill,
                                  bool replace = true);

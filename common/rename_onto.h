@@ -8,6 +8,7 @@
 
 #include <fcntl.h>
 #include <stdio.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <cerrno>
@@ -25,6 +26,14 @@ inline int RenameOnto(const char* from, const char* to, bool replace) {
     if (rc == 0) ::unlink(from);
   }
   return rc;
+}
+
+// Whether a file may be renamed onto `path`: nothing is there, or a regular file. Never a
+// directory, a device, a pipe, a socket or a symlink (renaming onto /dev/null replaces the
+// device; onto a link, the link, not what it names).
+inline bool RegularOrMissing(const char* path) {
+  struct stat st;
+  return ::lstat(path, &st) != 0 ? errno == ENOENT : S_ISREG(st.st_mode);
 }
 
 }  // namespace pith
