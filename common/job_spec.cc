@@ -167,12 +167,24 @@ static absl::Status ValidateName(const std::string& name) {
   return absl::OkStatus();
 }
 
+// What no single part can see: every worker trains rows of its own.
+absl::Status ValidateAcrossParts(const v1::JobSpec& spec) {
+  const int workers = spec.cluster().workers();
+  if (workers > 0 && spec.train().batch() > 0 && spec.train().batch() < workers) {
+    return FieldError("train.batch", absl::StrCat("must be at least cluster.workers (", workers,
+                                                  "): each worker trains rows of its own, got ",
+                                                  spec.train().batch()));
+  }
+  return absl::OkStatus();
+}
+
 absl::Status ValidateJobSpec(const v1::JobSpec& spec) {
   // The first bad field of each part, all in one answer: one fix-and-retry round per part
   // at most.
   std::string problems;
-  for (const absl::Status& s : {ValidateName(spec.name()), ValidateModel(spec.model()),
-                                ValidateTrain(spec.train()), ValidateCluster(spec.cluster())}) {
+  for (const absl::Status& s :
+       {ValidateName(spec.name()), ValidateModel(spec.model()), ValidateTrain(spec.train()),
+        ValidateCluster(spec.cluster()), ValidateAcrossParts(spec)}) {
     if (!s.ok()) absl::StrAppend(&problems, problems.empty() ? "" : "; ", s.message());
   }
   return problems.empty() ? absl::OkStatus() : absl::InvalidArgumentError(problems);

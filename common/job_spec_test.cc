@@ -118,6 +118,9 @@ TEST(JobSpecTest, NamesTheBadField) {
       {"\"grad_clip\": 1.0", "\"grad_clip\": -1", "JobSpec train.grad_clip: "},
       {"\"grad_clip\": 1.0", "\"grad_clip\": 1.0, \"beta2\": 1.0", "JobSpec train.beta2: "},
       {"\"workers\": 2", "\"workers\": -1", "JobSpec cluster.workers: "},
+      {"\"batch\": 16", "\"batch\": 1",
+       "JobSpec train.batch: must be at least cluster.workers (2): each worker trains rows of its "
+       "own, got 1"},
       {"\"store_replicas\": 2", "\"store_replicas\": 17", "JobSpec cluster.store_replicas: "},
       {"\"cache_bytes\": 0", "\"cache_bytes\": -1", "JobSpec cluster.cache_bytes: "},
       {"\"cache_bytes\": 0", "\"cache_bytes\": 0, \"replication\": {\"max_compute_replicas\": 3}",

@@ -184,6 +184,9 @@ class Scheduler {
     std::string awaited_store;
     // When the first such wait since the job's last commit began (Unix ms; -1: none).
     int64_t wait_started_ms = -1;
+    // Every worker of the job died and none was free to take over: it waits for one
+    // (Job.pending_reason says so).
+    bool no_workers = false;
     JobCopies copies;  // replication: joins and copies of the job's groups
     int holds = 0;     // checkpoints reading the job: commits wait
     std::string abort_reason;

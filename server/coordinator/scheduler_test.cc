@@ -684,6 +684,26 @@ TEST_F(SchedulerTest, AWorkerWhoseLeaseRunsOutIsReplacedAndTheStepRedone) {
   CommitStep(job.job_id(), 1, {w0, spare});
 }
 
+// Every worker of a job dies and none is free: the job waits, and says so, until one joins.
+TEST_F(SchedulerTest, AJobWhoseWorkersAllDiedSaysItWaitsForOne) {
+  const v1::Job job = Submit(1);
+  const std::string s0 = Join(v1::MEMBER_ROLE_STORE);
+  const std::string w0 = Join(v1::MEMBER_ROLE_WORKER);
+  scheduler_->Tick();
+  CommitStep(job.job_id(), 0, {w0});
+  ASSERT_NO_FATAL_FAILURE(OnlyTheseLive({s0}));
+  EXPECT_EQ(Job(job.job_id()).state(), v1::JOB_STATE_RUNNING);
+  EXPECT_THAT(Job(job.job_id()).pending_reason(),
+              ::testing::StartsWith("waiting for a worker: worker " + w0 + " died"));
+  const std::string w1 = Join(v1::MEMBER_ROLE_WORKER);
+  scheduler_->Tick();
+  EXPECT_EQ(Job(job.job_id()).pending_reason(), "");
+  auto a = scheduler_->GetAssignment(w1);
+  ASSERT_TRUE(a.ok()) << a.status();
+  EXPECT_EQ(a->job_id(), job.job_id());
+  CommitStep(job.job_id(), 1, {w1});
+}
+
 TEST_F(SchedulerTest, ALostStoreLeavesThePlacementAndLosingEveryCopyFailsTheJob) {
   const v1::Job job = Submit(1, 300, /*replicas=*/2);
   const std::string s0 = Join(v1::MEMBER_ROLE_STORE), s1 = Join(v1::MEMBER_ROLE_STORE);

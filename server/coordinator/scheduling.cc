@@ -223,6 +223,13 @@ void Scheduler::RepairRunLocked(const std::string& job_id, Run& run, const v1::J
     kept.push_back(idle[i]);
     worker_job_[idle[i]] = job_id;
   }
+  if (kept.empty() != run.no_workers) {  // a job no worker trains says so (pith status)
+    run.no_workers = kept.empty();
+    NoteWaitLocked(job_id, kept.empty() ? absl::StrCat("waiting for a worker: ", reason,
+                                                       ", no other is free, and the job goes "
+                                                       "on from its last step when one joins")
+                                        : "");
+  }
   run.record.clear_workers();
   for (const std::string& w : kept) {
     run.record.add_workers(w);

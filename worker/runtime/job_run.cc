@@ -1,6 +1,8 @@
 // JobRun: setup, placement, memory, the initial and committed state (job_run.h).
 #include "worker/runtime/job_run.h"
 
+#include <unistd.h>
+
 #include <algorithm>
 #include <optional>
 #include <string>
@@ -44,6 +46,25 @@ absl::Status JobRun::Run(const std::atomic<bool>& stop) {
   }
   return RunSteps(*this, a_.committed_step(), a_.spec().train().steps(), stop);
 }
+
+namespace {
+
+// Past the machine's memory the kernel would kill the worker mid-step (and the next one
+// the job lands on): a job that cannot fit fails at its setup, with what to do.
+absl::Status FitsTheMachine(const MemoryPlan& plan, uint64_t memory_bytes) {
+  const uint64_t machine = static_cast<uint64_t>(::sysconf(_SC_PHYS_PAGES)) *
+                           static_cast<uint64_t>(::sysconf(_SC_PAGESIZE));
+  if (plan.total() <= machine) return absl::OkStatus();
+  return absl::ResourceExhaustedError(absl::StrCat(
+      "the job needs ", plan.total(), " bytes on this worker (dense state, activations",
+      memory_bytes == 0 ? " and every expert it computes: no --memory_bytes"
+                        : " and the expert pools",
+      "), more than the machine's ", machine,
+      " bytes of memory; give the workers --memory_bytes (the experts then stream through a "
+      "cache within it), or shrink model.seq_len or train.batch"));
+}
+
+}  // namespace
 
 absl::Status JobRun::Setup() {
   const v1::JobSpec& spec = a_.spec();
@@ -98,6 +119,9 @@ absl::Status JobRun::Setup() {
       PlanMemory(MemoryNeeds(static_cast<int>(owned_.size()), static_cast<int>(updated_.size())));
   can_run_ = plan.ok();
   RETURN_IF_ERROR(plan.status());
+  const absl::Status fits = FitsTheMachine(*plan, options_.memory_bytes);
+  can_run_ = fits.ok();
+  RETURN_IF_ERROR(fits);
   plan_ = *plan;
   ReportMemory();
   ASSIGN_OR_RETURN(
