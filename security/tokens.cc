@@ -77,6 +77,12 @@ absl::StatusOr<int> RewriteWithout(const std::string& path, const std::string& n
   if (existed) {
     ASSIGN_OR_RETURN(Buffer old, ReadFile(path));
     const absl::string_view text(reinterpret_cast<const char*>(old.data()), old.size());
+    // Only a token file is rewritten (a mistyped --file must not take a token line, nor
+    // lose its mode).
+    if (absl::Status parsed = Parse(path, std::string(text)).status(); !parsed.ok()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(parsed.message(), "; not a token file, left as it was"));
+    }
     std::vector<absl::string_view> lines = absl::StrSplit(text, '\n');
     if (!lines.empty() && lines.back().empty()) lines.pop_back();  // the last line's end
     for (absl::string_view line : lines) {

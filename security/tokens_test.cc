@@ -2,6 +2,7 @@
 
 #include <filesystem>
 #include <fstream>
+#include <iterator>
 
 #include "absl/time/clock.h"
 #include "gtest/gtest.h"
@@ -60,6 +61,14 @@ TEST(TokensTest, MembersGetNoTokensAndABrokenFileIsNamed) {
   auto table = TokenTable::Open(path);
   EXPECT_EQ(table.status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_NE(table.status().message().find("line 3"), std::string::npos) << table.status();
+  // pith token never writes into a file that is not a token file (a mistyped --file).
+  const std::string spec = TempFile("spec.json");
+  std::ofstream(spec) << "{\"name\": \"demo\"}\n";
+  auto added = AddToken(spec, {Role::kUser, "bob"});
+  EXPECT_EQ(added.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(added.status().message().find("not a token file"), std::string::npos) << added.status();
+  std::ifstream in(spec);
+  EXPECT_EQ(std::string(std::istreambuf_iterator<char>(in), {}), "{\"name\": \"demo\"}\n");
 }
 
 TEST(TokensTest, ARemovalBesideABadEditStillRevokes) {

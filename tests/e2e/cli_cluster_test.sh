@@ -76,6 +76,15 @@ timeout 120 "$PITH" watch "$nodata" >"$E2E_TMP/nodata.txt" 2>&1 || rc=$?
 grep -q failed "$E2E_TMP/nodata.status" && grep -q "missing.bin" "$E2E_TMP/nodata.status" ||
   fail "status of a job without data: $(cat "$E2E_TMP/nodata.status")"
 (($(date +%s) - start <= 60)) || fail "the job without data took over 60 s to fail"
+# So does one whose train.init_path is no file: at its first attempt, not its eighth.
+sed "s|\"lr\": 0.01|\"lr\": 0.01, \"init_path\": \"$E2E_TMP/missing.safetensors\"|" \
+  "$E2E_TMP/tiny.json" >"$E2E_TMP/noinit.json"
+noinit=$("$PITH" submit "$E2E_TMP/noinit.json")
+rc=0
+timeout 60 "$PITH" watch "$noinit" >"$E2E_TMP/noinit.txt" 2>&1 || rc=$?
+[[ $rc == 1 ]] || fail "watch of a job without its init file exited $rc"
+"$PITH" status "$noinit" | grep -q "failed .*(worker worker-[01]: train.init_path: no file" ||
+  fail "status of a job without its init file: $("$PITH" status "$noinit")"
 echo "  ok: $nodata failed in $(($(date +%s) - start)) s: $(grep -o "step.*" "$E2E_TMP/nodata.status" | head -1)"
 
 # Mutual TLS on every port (pith up made the certificates; the CLI used admin's): a

@@ -73,7 +73,8 @@ absl::StatusOr<std::string> Sample(const SafetensorsFile& weights, const v1::Job
   const ModelShape shape = InferenceShape(spec);
   if (shape.vocab != 256) {
     return absl::InvalidArgumentError(
-        "sample: the model's vocabulary is not bytes (vocab_size 256)");
+        absl::StrCat("sample: generates bytes, which needs model.vocab_size 256; this model's is ",
+                     shape.vocab));
   }
   if (prompt.empty()) return absl::InvalidArgumentError("sample: the prompt is empty");
   compute::CpuBackend backend(0);

@@ -264,8 +264,11 @@ absl::Status JobRun::WriteInitial() {
   const std::string& init = a_.spec().train().init_path();
   std::optional<SafetensorsReader> file;  // read an expert at a time, never whole
   if (!init.empty()) {
-    ASSIGN_OR_RETURN(file, SafetensorsReader::Open(init));
-    RETURN_IF_ERROR(model::LoadDenseWeights(*backend_, model_->layout(), *file, model_->params()));
+    absl::Status loaded = [&]() -> absl::Status {
+      ASSIGN_OR_RETURN(file, SafetensorsReader::Open(init));
+      return model::LoadDenseWeights(*backend_, model_->layout(), *file, model_->params());
+    }();
+    if (!loaded.ok()) return InitFileFailed(loaded);
   } else {
     RETURN_IF_ERROR(model_->InitWeights(a_.spec().train().seed()));
   }
@@ -273,6 +276,17 @@ absl::Status JobRun::WriteInitial() {
   RETURN_IF_ERROR(WriteDense(0));
   RETURN_IF_ERROR(WriteInitialExperts(file ? &*file : nullptr));
   return Report(0, model::StepLoss(), 0);
+}
+
+absl::Status JobRun::InitFileFailed(const absl::Status& why) {
+  // Missing, unreadable, malformed or another model's is for good: no retry reads it
+  // better (an I/O error may pass).
+  const absl::StatusCode code = why.code();
+  can_run_ = code != absl::StatusCode::kNotFound && code != absl::StatusCode::kPermissionDenied &&
+             code != absl::StatusCode::kInvalidArgument &&
+             code != absl::StatusCode::kFailedPrecondition && code != absl::StatusCode::kDataLoss &&
+             code != absl::StatusCode::kOutOfRange;
+  return Annotate(why, "train.init_path");
 }
 
 absl::Status JobRun::WriteInitialExperts(const SafetensorsReader* file) {
@@ -292,7 +306,9 @@ absl::Status JobRun::WriteInitialExperts(const SafetensorsReader* file) {
       if (!Owns(l, e)) continue;
       float* w = weights.data() + queued * floats;
       if (file != nullptr) {
-        RETURN_IF_ERROR(model::ReadExpertWeights(layout, *file, l, e, w));
+        if (absl::Status read = model::ReadExpertWeights(layout, *file, l, e, w); !read.ok()) {
+          return InitFileFailed(read);
+        }
       } else {
         init.FillExpert(l, e, w);
       }

@@ -114,6 +114,9 @@ class JobRun : public StepDriver {
   // Step 0's experts owned here, made and written a few at a time (with the dense writes
   // queued before them): a worker never holds more than kInitialBatch of them.
   absl::Status WriteInitialExperts(const SafetensorsReader* file);
+  // `why` a read of train.init_path failed, named so; the job cannot run (can_run_) when
+  // no retry can read the file better.
+  absl::Status InitFileFailed(const absl::Status& why);
 
   // Queues version `version` of this worker's share of the dense tensors (their moments
   // zero at step 0); they go with the next flush (the experts' first).
@@ -230,8 +233,8 @@ class JobRun : public StepDriver {
   // empty before the first.
   std::vector<uint8_t> last_used_;
   MemoryPlan plan_;  // Setup's (Adopt changes its moments)
-  // False: the job cannot run here whatever is retried (its data file is missing or bad,
-  // it does not fit the memory budget): a fatal failure.
+  // False: the job cannot run here whatever is retried (its data file or train.init_path
+  // is missing or bad, it does not fit the memory budget): a fatal failure.
   bool can_run_ = true;
   // Thread-safe parts, in the order they must be destroyed in reverse: the cache's
   // prefetch thread and the updater's threads use the store I/O, the updater the cache
