@@ -240,6 +240,21 @@ absl::StatusOr<UpFlags> CheckUpFlags(std::map<std::string, std::string> flags) {
   RETURN_IF_ERROR(count("--cache_bytes", f.cache_bytes, 0));
   RETURN_IF_ERROR(count("--memory_bytes", f.memory_bytes, 0));
   RETURN_IF_ERROR(count("--ram_bytes", f.ram_bytes, 1));
+  // One machine's processes: past this, use a real deployment (deploy/).
+  constexpr int kMost = 64;
+  if (f.stores > kMost || f.workers > kMost) {
+    return UsageError(absl::StrCat("up: a local cluster takes at most ", kMost, " stores and ",
+                                   kMost, " workers, got --stores ", f.stores, " --workers ",
+                                   f.workers));
+  }
+  // Each store's RAM tier is held from its start: they must fit the machine together.
+  const uint64_t machine = static_cast<uint64_t>(::sysconf(_SC_PHYS_PAGES)) *
+                           static_cast<uint64_t>(::sysconf(_SC_PAGESIZE));
+  if (static_cast<uint64_t>(f.stores) * f.ram_bytes > machine / 2) {
+    return UsageError(absl::StrCat("up: --stores ", f.stores, " x --ram_bytes ", f.ram_bytes,
+                                   " is more than half of this machine's ", machine,
+                                   " bytes of memory"));
+  }
   return f;
 }
 
@@ -303,9 +318,30 @@ std::vector<std::string> MemberCommand(const std::string& name, const UpFlags& f
 
 // Starts members of the cluster in `dir`, each detached with its log at DIR/NAME.log (the
 // previous one kept as NAME.log.prev); Abandon() kills those it started.
+// The members a Launcher started, for its signal handler: a pith up interrupted (^C, a
+// timeout's SIGTERM) kills what it started and recorded nowhere yet.
+constexpr int kMaxStarted = 256;  // members of a local cluster: CheckUpFlags bounds them
+pid_t g_started[kMaxStarted];
+volatile sig_atomic_t g_started_count = 0;
+
+extern "C" void KillStartedAndExit(int sig) {
+  for (int i = g_started_count - 1; i >= 0; --i) ::kill(g_started[i], SIGKILL);
+  ::_exit(128 + sig);
+}
+
+// Starts members; they die with it (Abandon, or a signal) until it is destroyed.
 class Launcher {
  public:
-  explicit Launcher(std::string dir) : dir_(std::move(dir)) {}
+  explicit Launcher(std::string dir) : dir_(std::move(dir)) {
+    g_started_count = 0;
+    for (int sig : {SIGINT, SIGTERM, SIGHUP}) ::signal(sig, KillStartedAndExit);
+  }
+  ~Launcher() {
+    for (int sig : {SIGINT, SIGTERM, SIGHUP}) ::signal(sig, SIG_DFL);
+    g_started_count = 0;
+  }
+  Launcher(const Launcher&) = delete;
+  Launcher& operator=(const Launcher&) = delete;
 
   absl::StatusOr<LocalMember> Launch(const std::string& name,
                                      const std::vector<std::string>& argv) {
@@ -315,6 +351,10 @@ class Launcher {
     std::filesystem::remove(log, ec);
     ASSIGN_OR_RETURN(const pid_t pid, Spawn(argv, log));
     started_.push_back(pid);
+    if (g_started_count < kMaxStarted) {
+      g_started[g_started_count] = pid;
+      g_started_count = g_started_count + 1;  // after the pid: the handler reads up to it
+    }
     ASSIGN_OR_RETURN(const auto ports, WaitReady(name, pid, log));
     const std::optional<uint64_t> start = ProcessStart(pid);
     if (!start.has_value()) {

@@ -249,6 +249,27 @@ grep -q "worker0 exited at start" "$E2E_TMP/up.txt" || fail "pith up said: $(cat
 for _ in $(seq 20); do pgrep -f -- "$other/" >/dev/null || break; sleep 0.1; done
 pgrep -f -- "$other/" >/dev/null && fail "a failed pith up left processes running"
 echo "  ok: $(cat "$E2E_TMP/up.txt")"
+# An interrupted pith up (^C, a timeout) takes down what it started: nothing is left
+# running that no record names.
+partial=$E2E_TMP/partial-home
+"$PITH" up --dir "$partial" --stores 40 --workers 20 --ram_bytes 1048576 >"$E2E_TMP/up.txt" 2>&1 &
+up=$!
+for _ in $(seq 100); do [[ -e $partial/store1.log ]] && break; sleep 0.05; done
+kill -INT "$up"
+rc=0
+wait "$up" || rc=$?
+if [[ -e $partial/pids ]]; then  # it was up before the signal: nothing to check
+  "$PITH" down --dir "$partial" >/dev/null
+else
+  [[ $rc == 130 ]] || fail "the interrupted pith up exited $rc: $(cat "$E2E_TMP/up.txt")"
+  for _ in $(seq 20); do pgrep -f -- "$partial/" >/dev/null || break; sleep 0.1; done
+  pgrep -f -- "$partial/" >/dev/null && fail "an interrupted pith up left processes running"
+  echo "  ok: an interrupted pith up left nothing running"
+fi
+rc=0
+"$PITH" up --dir "$partial" --stores 1000 2>"$E2E_TMP/err" || rc=$?
+[[ $rc == 2 ]] && grep -q "a local cluster takes at most 64 stores" "$E2E_TMP/err" ||
+  fail "pith up --stores 1000 exited $rc: $(cat "$E2E_TMP/err")"
 
 # A store drained, then stopped, is retired: its folder says so, and pith up starts it no
 # more (nor does pith-store on that folder).
