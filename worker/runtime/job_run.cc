@@ -25,7 +25,7 @@ JobRun::~JobRun() {
   dispatch_.reset();  // its device copies of the cache's slots go before the slots do
 }
 
-absl::Status JobRun::Run(const std::atomic<bool>& stop) {
+absl::Status JobRun::Run(const std::atomic<bool>& stop, bool report_passing) {
   stop_ = &stop;
   // Watching from before the setup, the step it sets up for: its waits on peers (the
   // device group's id, which rank 0 may be slow to send) end at a stop or an abort instead
@@ -44,7 +44,7 @@ absl::Status JobRun::Run(const std::atomic<bool>& stop) {
                          /*fatal=*/!can_run_);
     return s;
   }
-  return RunSteps(*this, a_.committed_step(), a_.spec().train().steps(), stop);
+  return RunSteps(*this, a_.committed_step(), a_.spec().train().steps(), stop, report_passing);
 }
 
 namespace {

@@ -64,8 +64,9 @@ class JobRun : public StepDriver {
   ~JobRun() override;
 
   // Trains until the job ends or the assignment changes (OK: fetch it again), or a
-  // failure (reported to the coordinator, which aborts the step).
-  absl::Status Run(const std::atomic<bool>& stop);
+  // failure (reported to the coordinator, which aborts the step). `report_passing`: see
+  // RunSteps.
+  absl::Status Run(const std::atomic<bool>& stop, bool report_passing = false);
 
  private:
   absl::Status Setup();

@@ -12,7 +12,7 @@ absl::StatusOr<Settled> WaitSettled(const SettleRound& round, const std::atomic<
 }
 
 absl::Status RunSteps(StepDriver& driver, int64_t committed_step, int64_t steps,
-                      const std::atomic<bool>& stop) {
+                      const std::atomic<bool>& stop, bool report_passing) {
   int64_t step = committed_step;  // the last committed step
   bool reported = false;          // step `step` is written and reported, not committed
   absl::Status s;
@@ -26,7 +26,7 @@ absl::Status RunSteps(StepDriver& driver, int64_t committed_step, int64_t steps,
     // would retry with no end); a store that is down or slow for now is only retried.
     const bool passing = absl::IsUnavailable(s) || absl::IsDeadlineExceeded(s) ||
                          absl::IsAborted(s) || absl::IsCancelled(s);
-    if (!passing && !stop) driver.ReportFailure(step + 1, s);
+    if ((!passing || report_passing) && !stop) driver.ReportFailure(step + 1, s);
     return s;
   }
   // NOTE: step s + 1's compute runs while step s commits (the stores sync it to disk):

@@ -73,9 +73,11 @@ using SettleRound = std::function<absl::StatusOr<std::optional<Settled>>()>;
 absl::StatusOr<Settled> WaitSettled(const SettleRound& round, const std::atomic<bool>* stop);
 
 // Runs steps from `committed_step` (-1: none yet) up to `steps` until the job ends, the
-// assignment changes, a failure, or `stop` becomes true (checked between steps).
+// assignment changes, a failure, or `stop` becomes true (checked between steps). A failure
+// to load the committed step that may pass (a store down or slow for now) is retried
+// unreported, unless `report_passing` (the same attempt failed so again and again).
 absl::Status RunSteps(StepDriver& driver, int64_t committed_step, int64_t steps,
-                      const std::atomic<bool>& stop);
+                      const std::atomic<bool>& stop, bool report_passing = false);
 
 }  // namespace pith::runtime
 

@@ -184,6 +184,12 @@ TEST(StepLoopTest, APassingLoadFailureIsNotReported) {
   std::atomic<bool> stop{false};
   EXPECT_EQ(RunSteps(d, 7, 9, stop).code(), absl::StatusCode::kUnavailable);
   EXPECT_THAT(d.calls, ElementsAre("load"));
+  // Unless the same attempt failed so again and again: then the coordinator hears of it.
+  FakeDriver again;
+  again.load_status = absl::DeadlineExceededError("store");
+  EXPECT_EQ(RunSteps(again, 7, 9, stop, /*report_passing=*/true).code(),
+            absl::StatusCode::kDeadlineExceeded);
+  EXPECT_THAT(again.calls, ElementsAre("load", "failed 8 store"));
 }
 
 TEST(StepLoopTest, StopIsCheckedBetweenSteps) {
