@@ -14,6 +14,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <iterator>
 #include <map>
 #include <optional>
 #include <regex>
@@ -66,11 +67,14 @@ int NvidiaGpus() {
   return n;
 }
 
-// Starts `argv` detached (its own session), output to `log`; returns its pid.
-absl::StatusOr<pid_t> Spawn(const std::vector<std::string>& argv, const std::string& log) {
+// Starts `argv` detached (its own session), output to `log`, with the signal mask
+// `mask`; returns its pid.
+absl::StatusOr<pid_t> Spawn(const std::vector<std::string>& argv, const std::string& log,
+                            const sigset_t& mask) {
   const pid_t pid = ::fork();
   if (pid < 0) return absl::InternalError(absl::StrCat("fork: ", std::strerror(errno)));
   if (pid == 0) {
+    ::sigprocmask(SIG_SETMASK, &mask, nullptr);
     ::setsid();
     const int fd = ::open(log.c_str(), O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0644);
     if (fd >= 0) {
@@ -250,7 +254,7 @@ absl::StatusOr<UpFlags> CheckUpFlags(std::map<std::string, std::string> flags) {
   // Each store's RAM tier is held from its start: they must fit the machine together.
   const uint64_t machine = static_cast<uint64_t>(::sysconf(_SC_PHYS_PAGES)) *
                            static_cast<uint64_t>(::sysconf(_SC_PAGESIZE));
-  if (static_cast<uint64_t>(f.stores) * f.ram_bytes > machine / 2) {
+  if (f.ram_bytes > machine / 2 / static_cast<uint64_t>(f.stores)) {
     return UsageError(absl::StrCat("up: --stores ", f.stores, " x --ram_bytes ", f.ram_bytes,
                                    " is more than half of this machine's ", machine,
                                    " bytes of memory"));
@@ -316,32 +320,44 @@ std::vector<std::string> MemberCommand(const std::string& name, const UpFlags& f
           "--tls_dir=" + tls};
 }
 
-// Starts members of the cluster in `dir`, each detached with its log at DIR/NAME.log (the
-// previous one kept as NAME.log.prev); Abandon() kills those it started.
-// The members a Launcher started, for its signal handler: a pith up interrupted (^C, a
-// timeout's SIGTERM) kills what it started and recorded nowhere yet.
+// The members a Launcher started and nothing records yet, for its signal handler: a pith
+// up interrupted (^C, a timeout's SIGTERM) kills them.
 constexpr int kMaxStarted = 256;  // members of a local cluster: CheckUpFlags bounds them
-pid_t g_started[kMaxStarted];
+volatile pid_t g_started[kMaxStarted];
 volatile sig_atomic_t g_started_count = 0;
+constexpr int kStopSignals[] = {SIGINT, SIGTERM, SIGHUP};
 
 extern "C" void KillStartedAndExit(int sig) {
   for (int i = g_started_count - 1; i >= 0; --i) ::kill(g_started[i], SIGKILL);
   ::_exit(128 + sig);
 }
 
-// Starts members; they die with it (Abandon, or a signal) until it is destroyed.
+// Starts members of the cluster in `dir`, each detached with its log at DIR/NAME.log (the
+// previous one kept as NAME.log.prev). Until Keep(), those it started die with it: by
+// Abandon(), or at SIGINT, SIGTERM or SIGHUP (those not ignored: nohup keeps its word).
 class Launcher {
  public:
   explicit Launcher(std::string dir) : dir_(std::move(dir)) {
     g_started_count = 0;
-    for (int sig : {SIGINT, SIGTERM, SIGHUP}) ::signal(sig, KillStartedAndExit);
+    struct sigaction kill_started {};
+    kill_started.sa_handler = KillStartedAndExit;
+    sigemptyset(&kill_started.sa_mask);
+    for (size_t i = 0; i < std::size(kStopSignals); ++i) {
+      ::sigaction(kStopSignals[i], nullptr, &old_[i]);
+      if (old_[i].sa_handler != SIG_IGN) ::sigaction(kStopSignals[i], &kill_started, nullptr);
+    }
   }
   ~Launcher() {
-    for (int sig : {SIGINT, SIGTERM, SIGHUP}) ::signal(sig, SIG_DFL);
-    g_started_count = 0;
+    Keep();
+    for (size_t i = 0; i < std::size(kStopSignals); ++i) {
+      ::sigaction(kStopSignals[i], &old_[i], nullptr);
+    }
   }
   Launcher(const Launcher&) = delete;
   Launcher& operator=(const Launcher&) = delete;
+
+  // What it started is recorded: a signal kills nothing more.
+  void Keep() { g_started_count = 0; }
 
   absl::StatusOr<LocalMember> Launch(const std::string& name,
                                      const std::vector<std::string>& argv) {
@@ -349,12 +365,19 @@ class Launcher {
     std::error_code ec;
     std::filesystem::rename(log, log + ".prev", ec);  // a crashed member's last words
     std::filesystem::remove(log, ec);
-    ASSIGN_OR_RETURN(const pid_t pid, Spawn(argv, log));
-    started_.push_back(pid);
-    if (g_started_count < kMaxStarted) {
-      g_started[g_started_count] = pid;
-      g_started_count = g_started_count + 1;  // after the pid: the handler reads up to it
+    // No stop signal between the fork and the pid's note: the handler kills what it names.
+    sigset_t stops, mask;
+    sigemptyset(&stops);
+    for (int sig : kStopSignals) sigaddset(&stops, sig);
+    ::sigprocmask(SIG_BLOCK, &stops, &mask);
+    absl::StatusOr<pid_t> spawned = Spawn(argv, log, mask);
+    if (spawned.ok() && g_started_count < kMaxStarted) {
+      g_started[g_started_count] = *spawned;
+      g_started_count = g_started_count + 1;
     }
+    ::sigprocmask(SIG_SETMASK, &mask, nullptr);
+    ASSIGN_OR_RETURN(const pid_t pid, spawned);
+    started_.push_back(pid);
     ASSIGN_OR_RETURN(const auto ports, WaitReady(name, pid, log));
     const std::optional<uint64_t> start = ProcessStart(pid);
     if (!start.has_value()) {
@@ -372,6 +395,7 @@ class Launcher {
  private:
   const std::string dir_;
   std::vector<pid_t> started_;
+  struct sigaction old_[std::size(kStopSignals)]{};
 };
 
 // `dir` absolute and normal: the members' flags name paths under it, which must read the
@@ -450,6 +474,7 @@ absl::Status StartFresh(const std::string& dir, const std::map<std::string, std:
     launcher.Abandon();
     return status;
   }
+  launcher.Keep();
   out << "Pith local cluster up in " << dir << ":\n";
   std::vector<std::string> own;  // its flags other than the defaults
   for (const auto& [flag, value] : flags) {
@@ -541,6 +566,7 @@ absl::Status Restart(const std::string& dir, const std::map<std::string, std::st
     launcher.Abandon();
     return status;
   }
+  launcher.Keep();
   out << "Pith local cluster in " << dir << ": restarted " << absl::StrJoin(dead, ", ");
   if (!running.empty()) out << " (" << absl::StrJoin(running, ", ") << " kept running)";
   out << ":\n";

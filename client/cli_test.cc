@@ -1,5 +1,7 @@
 #include "client/cli.h"
 
+#include <sys/stat.h>
+
 #include <filesystem>
 #include <sstream>
 #include <string>
@@ -105,22 +107,25 @@ TEST(CliTest, DataPrepareWritesByteTokens) {
   EXPECT_THAT(r.err, HasSubstr("--out"));
 }
 
-// Outputs go to new or regular files only: a symlink, a device or a directory at the name
-// is refused, never replaced (as root, --out /dev/null would have replaced the device).
+// Outputs go to new or regular files only: a symlink, a FIFO or a directory at the name is
+// refused, never replaced (as root, --out /dev/null would have replaced the device).
 TEST(CliTest, OutputsNeverReplaceALinkOrADevice) {
   const std::string text = WriteTemp("corpus2.txt", "abcabc");
   const std::string target = WriteTemp("kept.txt", "kept");
   const std::string link = testing::TempDir() + "/link.bin";
   std::filesystem::remove(link);
   std::filesystem::create_symlink(target, link);
-  for (const std::string& out : {link, testing::TempDir(), std::string("/dev/null")}) {
+  const std::string fifo = testing::TempDir() + "/fifo.bin";
+  std::filesystem::remove(fifo);
+  ASSERT_EQ(::mkfifo(fifo.c_str(), 0600), 0);
+  for (const std::string& out : {link, testing::TempDir(), fifo}) {
     const Result r = RunPith({"data", "prepare", "--out", out, text});
     EXPECT_EQ(r.code, 1) << out;
     EXPECT_THAT(r.err, HasSubstr("is not a regular file")) << out;
     ExpectOneErrorLine(r);
   }
   EXPECT_TRUE(std::filesystem::is_symlink(link));
-  EXPECT_TRUE(std::filesystem::is_character_file("/dev/null"));
+  EXPECT_TRUE(std::filesystem::is_fifo(fifo));
   // Empty names are usage errors (checkpoint's used to abort on an exception).
   for (const std::vector<std::string>& args : std::vector<std::vector<std::string>>{
            {"checkpoint", "job", "--out", ""}, {"experts", "job", "--svg", ""}}) {

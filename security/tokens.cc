@@ -78,10 +78,13 @@ absl::StatusOr<int> RewriteWithout(const std::string& path, const std::string& n
     ASSIGN_OR_RETURN(Buffer old, ReadFile(path));
     const absl::string_view text(reinterpret_cast<const char*>(old.data()), old.size());
     // Only a token file is rewritten (a mistyped --file must not take a token line, nor
-    // lose its mode).
-    if (absl::Status parsed = Parse(path, std::string(text)).status(); !parsed.ok()) {
-      return absl::InvalidArgumentError(
-          absl::StrCat(parsed.message(), "; not a token file, left as it was"));
+    // lose its mode): one with no token record but other lines is not one. A bad line
+    // beside token records is kept as it is (a revocation must not wait for its fix).
+    int skipped = 0;
+    ASSIGN_OR_RETURN(const auto records, Parse(path, std::string(text), &skipped));
+    if (records.empty() && skipped > 0) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          path, " has no line NAME user|admin SHA256HEX: not a token file, left as it was"));
     }
     std::vector<absl::string_view> lines = absl::StrSplit(text, '\n');
     if (!lines.empty() && lines.back().empty()) lines.pop_back();  // the last line's end

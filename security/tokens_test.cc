@@ -69,6 +69,16 @@ TEST(TokensTest, MembersGetNoTokensAndABrokenFileIsNamed) {
   EXPECT_NE(added.status().message().find("not a token file"), std::string::npos) << added.status();
   std::ifstream in(spec);
   EXPECT_EQ(std::string(std::istreambuf_iterator<char>(in), {}), "{\"name\": \"demo\"}\n");
+  // A token file with a bad line still takes a revocation (and a new token).
+  const std::string tokens = TempFile("typo");
+  auto carol = AddToken(tokens, {Role::kUser, "carol"});
+  ASSERT_TRUE(carol.ok()) << carol.status();
+  ASSERT_TRUE(AddToken(tokens, {Role::kAdmin, "frank"}).ok());
+  std::ofstream(tokens, std::ios::app) << "dave usr oops\n";
+  auto revoked = RevokeTokens(tokens, "carol");
+  ASSERT_TRUE(revoked.ok()) << revoked.status();
+  EXPECT_EQ(*revoked, 1);
+  EXPECT_TRUE(AddToken(tokens, {Role::kUser, "erin"}).ok());
 }
 
 TEST(TokensTest, ARemovalBesideABadEditStillRevokes) {

@@ -648,7 +648,11 @@ TEST_F(BlobStoreTest, AStalledVoidedPutNeverOverwritesANewerAttemptsBytes) {
   absl::StatusOr<v1::BlobInfo> late_put, newer_put;
   std::thread stalled([&] { late_put = store_->Put(Expert(0, 0), 1, late, 5); });
   late_writing.WaitForNotification();
-  std::thread successor([&] { newer_put = store_->Put(Expert(0, 0), 1, newer, 6); });
+  // The successor names itself before the stalled put goes on (whenever that is).
+  auto reserved = store_->BeginPut(Expert(0, 0), 1, newer.size(), 6);
+  ASSERT_TRUE(reserved.ok()) << reserved.status();
+  std::memcpy(reserved->data(), newer.data(), newer.size());
+  std::thread successor([&] { newer_put = store_->FinishPut(std::move(*reserved)); });
   stalled.join();
   successor.join();
   EXPECT_EQ(late_put.status().code(), absl::StatusCode::kAborted) << late_put.status();

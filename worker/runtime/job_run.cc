@@ -253,7 +253,9 @@ MemoryInput JobRun::MemoryNeeds(int owned, int updated) const {
 
 absl::StatusOr<MemoryPlan> JobRun::PlanFor(const v1::Assignment& next) const {
   const auto [owned, updated] = ComputedAndUpdated(next.placement(), next.rank());
-  return PlanMemory(MemoryNeeds(owned, updated));
+  ASSIGN_OR_RETURN(MemoryPlan plan, PlanMemory(MemoryNeeds(owned, updated)));
+  RETURN_IF_ERROR(FitsTheMachine(plan, options_.memory_bytes));
+  return plan;
 }
 
 v1::BlobKey JobRun::Key(int layer, int expert, const std::string& tensor, v1::BlobKind kind) const {

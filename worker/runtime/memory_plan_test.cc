@@ -57,11 +57,19 @@ TEST(MemoryPlanTest, ACacheBudgetCapsTheCacheWithinAMemoryBudget) {
   // updated while the next step computes: with 4 slots for 16 experts they are fetched.
   EXPECT_FALSE(plan->moments.resident);
   EXPECT_LE(plan->total(), in.memory_bytes);
-  in.cache_bytes = 17 * (64 << 10);  // a slot for each, and one more: resident
+  // 20 computed, 16 updated: a slot for each updated one and one more is enough.
+  in.owned = 20;
+  in.cache_bytes = 17 * (64 << 10);
   auto roomy = PlanMemory(in);
   ASSERT_TRUE(roomy.ok()) << roomy.status();
   EXPECT_EQ(roomy->cache_slots, 17);
   EXPECT_TRUE(roomy->moments.resident);
+  in.cache_bytes = 16 * (64 << 10);
+  auto tight = PlanMemory(in);
+  ASSERT_TRUE(tight.ok()) << tight.status();
+  EXPECT_EQ(tight->cache_slots, 16);
+  EXPECT_FALSE(tight->moments.resident);
+  in.owned = 16;
   in.memory_bytes = 16 << 20;  // and the memory budget caps it in turn
   in.cache_bytes = 1ull << 30;
   auto small = PlanMemory(in);
