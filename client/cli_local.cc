@@ -30,6 +30,7 @@
 #include "client/cli_commands.h"
 #include "client/local_record.h"
 #include "client/prometheus_rules.h"
+#include "common/file.h"
 #include "common/member_identity.h"
 #include "common/status.h"
 #include "security/certs.h"
@@ -252,9 +253,8 @@ absl::StatusOr<UpFlags> CheckUpFlags(std::map<std::string, std::string> flags) {
                                    f.workers));
   }
   // Each store's RAM tier is held from its start: they must fit the machine together.
-  const uint64_t machine = static_cast<uint64_t>(::sysconf(_SC_PHYS_PAGES)) *
-                           static_cast<uint64_t>(::sysconf(_SC_PAGESIZE));
-  if (f.ram_bytes > machine / 2 / static_cast<uint64_t>(f.stores)) {
+  const uint64_t machine = PhysicalMemoryBytes();
+  if (machine > 0 && f.ram_bytes > machine / 2 / static_cast<uint64_t>(f.stores)) {
     return UsageError(absl::StrCat("up: --stores ", f.stores, " x --ram_bytes ", f.ram_bytes,
                                    " is more than half of this machine's ", machine,
                                    " bytes of memory"));

@@ -158,6 +158,11 @@ absl::Status WriteFileAtomically(const std::string& path,
   return status;
 }
 
+uint64_t PhysicalMemoryBytes() {
+  const long pages = ::sysconf(_SC_PHYS_PAGES), page = ::sysconf(_SC_PAGESIZE);
+  return pages > 0 && page > 0 ? static_cast<uint64_t>(pages) * static_cast<uint64_t>(page) : 0;
+}
+
 absl::StatusOr<uint64_t> FreeBytes(const std::string& path) {
   struct statvfs st;
   if (::statvfs(path.c_str(), &st) != 0)

@@ -51,6 +51,8 @@ absl::Status PwriteAll(int fd, absl::Span<const uint8_t> bytes, uint64_t offset,
 absl::Status PreadAll(int fd, absl::Span<uint8_t> bytes, uint64_t offset,
                       const std::string& path_for_errors);
 
+// The machine's physical memory in bytes; 0 when the system does not say.
+uint64_t PhysicalMemoryBytes();
 // Bytes an unprivileged writer may still write to the file system holding `path`.
 absl::StatusOr<uint64_t> FreeBytes(const std::string& path);
 // OK when the file system holding `dir` keeps `reserve` bytes free after `incoming` more;

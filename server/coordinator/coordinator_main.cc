@@ -1,6 +1,4 @@
 // pith-coordinator: membership, placement, heat and the job API (DESIGN §1, §5).
-#include <unistd.h>
-
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
@@ -10,6 +8,7 @@
 
 #include "absl/flags/flag.h"
 #include "absl/strings/str_cat.h"
+#include "common/file.h"
 #include "common/metrics.h"
 #include "common/process.h"
 #include "common/server_process.h"
@@ -104,8 +103,7 @@ int Simulate() {
 uint64_t JobsMemoryBytes() {
   const uint64_t flag = absl::GetFlag(FLAGS_jobs_memory_bytes);
   if (flag > 0) return flag;
-  const long pages = ::sysconf(_SC_PHYS_PAGES), page = ::sysconf(_SC_PAGESIZE);
-  return pages > 0 && page > 0 ? static_cast<uint64_t>(pages) * page / 2 : 0;
+  return pith::PhysicalMemoryBytes() / 2;
 }
 
 // The cluster's data-plane key (DESIGN §8), made once and kept beside the jobs so that

@@ -277,6 +277,11 @@ BlobStore::VersionWrite::~VersionWrite() {
   store_->writing_.erase(id_);
 }
 
+absl::Status BlobStore::AdmitPut(const std::string& job_id, int64_t attempt) {
+  absl::MutexLock lock(&mu_);
+  return AdmitAttemptLocked(job_id, attempt, "a put");
+}
+
 absl::StatusOr<PutReservation> BlobStore::BeginPut(const v1::BlobKey& key, int64_t version,
                                                    uint64_t size, int64_t attempt) {
   RETURN_IF_ERROR(ValidateBlobKey(key));
@@ -321,10 +326,7 @@ absl::StatusOr<v1::BlobInfo> BlobStore::FinishPut(PutReservation r,
                      // version's location may be its successor's): the check and the write are one
                      // put of the version at a time.
                      const VersionWrite writing(this, encoded, r.version_);
-                     {
-                       absl::MutexLock lock(&mu_);
-                       RETURN_IF_ERROR(AdmitAttemptLocked(r.key_.job_id(), r.attempt_, "a put"));
-                     }
+                     RETURN_IF_ERROR(AdmitPut(r.key_.job_id(), r.attempt_));
                      if (!LinkToSibling(r, encoded, crc)) {
                        RETURN_IF_ERROR(cold_->PutData(encoded, r.version_, {r.data_, r.size_}));
                      }
@@ -346,10 +348,7 @@ absl::StatusOr<v1::BlobInfo> BlobStore::FencedPut(
   // with commits, prepares and other puts held off.
   absl::MutexLock commit_lock(&commit_mu_);
   absl::MutexLock fence(&prepare_mu_);
-  {
-    absl::MutexLock lock(&mu_);
-    RETURN_IF_ERROR(AdmitAttemptLocked(job_id, attempt, "a put"));
-  }
+  RETURN_IF_ERROR(AdmitPut(job_id, attempt));
   RETURN_IF_ERROR(DropPrepared(encoded, version));
   return put();
 }
@@ -453,10 +452,7 @@ absl::StatusOr<v1::BlobInfo> BlobStore::PutSibling(const v1::BlobKey& key, int64
   return FencedPut(encoded, version, key.job_id(), attempt, [&]() -> absl::StatusOr<v1::BlobInfo> {
     // The sibling's bytes stay in the cold tier while either version is there.
     const VersionWrite writing(this, encoded, version);
-    {
-      absl::MutexLock lock(&mu_);
-      RETURN_IF_ERROR(AdmitAttemptLocked(key.job_id(), attempt, "a put"));
-    }
+    RETURN_IF_ERROR(AdmitPut(key.job_id(), attempt));
     if (absl::Status linked = cold_->LinkData(encoded, version, sibling, version, size);
         !linked.ok()) {
       return absl::IsNotFound(linked) ? missing() : linked;

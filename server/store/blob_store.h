@@ -259,6 +259,8 @@ class BlobStore {
   // attempt here, else OK, and `attempt` is the newest. Attempt 0 passes.
   absl::Status AdmitAttemptLocked(const std::string& job_id, int64_t attempt, const char* what)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // AdmitAttemptLocked of a put, under mu_.
+  absl::Status AdmitPut(const std::string& job_id, int64_t attempt) ABSL_LOCKS_EXCLUDED(mu_);
   absl::Status Recover();
   // A RAM block of `size` bytes, demoting unpinned LRU blobs as needed; UNAVAILABLE
   // (saying what holds the RAM) when every block is held, RESOURCE_EXHAUSTED at once for

@@ -593,30 +593,16 @@ TEST_F(BlobStoreTest, AVoidedAttemptsLatePutsNeverJoinTheStep) {
 }
 
 // Forwards to a MemoryColdTier, calling `before_put` with the bytes of each PutData first.
-class HookedTier final : public ColdTier {
+class HookedTier final : public ForwardingColdTier {
  public:
   HookedTier(MemoryColdTier* tier, std::function<void(absl::Span<const uint8_t>)> before_put)
-      : tier_(ForwardTo(tier)), before_put_(std::move(before_put)) {}
+      : ForwardingColdTier(tier), before_put_(std::move(before_put)) {}
   absl::Status PutData(absl::string_view k, int64_t v, absl::Span<const uint8_t> b) override {
     before_put_(b);
-    return tier_->PutData(k, v, b);
+    return ForwardingColdTier::PutData(k, v, b);
   }
-  absl::Status LinkData(absl::string_view k, int64_t v, absl::string_view sk, int64_t sv,
-                        uint64_t n) override {
-    return tier_->LinkData(k, v, sk, sv, n);
-  }
-  absl::Status ReadData(absl::string_view k, int64_t v, absl::Span<uint8_t> o) override {
-    return tier_->ReadData(k, v, o);
-  }
-  absl::StatusOr<ColdRead> ReadPinned(absl::string_view k, int64_t v) override {
-    return tier_->ReadPinned(k, v);
-  }
-  absl::Status Apply(const ColdBatch& b, bool sync) override { return tier_->Apply(b, sync); }
-  absl::StatusOr<ColdContents> Load() override { return tier_->Load(); }
-  absl::Status Checkpoint(const std::string& d) override { return tier_->Checkpoint(d); }
 
  private:
-  const std::unique_ptr<ColdTier> tier_;
   const std::function<void(absl::Span<const uint8_t>)> before_put_;
 };
 

@@ -171,7 +171,25 @@ class MemoryColdTier final : public ColdTier {
 
 // A ColdTier forwarding every call to `tier`, which outlives it: a store opened over it
 // can be dropped and opened again over what `tier` holds, as a restart would (after a
-// process crash; MemoryColdTier::Crash makes it a power cut).
+// process crash; MemoryColdTier::Crash makes it a power cut). Tests override a call to
+// step into it.
+class ForwardingColdTier : public ColdTier {
+ public:
+  explicit ForwardingColdTier(MemoryColdTier* tier) : t_(tier) {}
+  absl::Status PutData(absl::string_view key, int64_t version,
+                       absl::Span<const uint8_t> bytes) override;
+  absl::Status LinkData(absl::string_view key, int64_t version, absl::string_view source_key,
+                        int64_t source_version, uint64_t size) override;
+  absl::Status ReadData(absl::string_view key, int64_t version, absl::Span<uint8_t> out) override;
+  absl::StatusOr<ColdRead> ReadPinned(absl::string_view key, int64_t version) override;
+  absl::Status Apply(const ColdBatch& batch, bool sync) override;
+  absl::StatusOr<ColdContents> Load() override;
+  absl::Status Checkpoint(const std::string& dir) override;
+
+ private:
+  MemoryColdTier* const t_;
+};
+
 std::unique_ptr<ColdTier> ForwardTo(MemoryColdTier* tier);
 
 }  // namespace pith::store

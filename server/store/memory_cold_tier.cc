@@ -84,36 +84,26 @@ void MemoryColdTier::Crash() {
   live_ = durable_;
 }
 
-namespace {
-
-class ForwardingTier final : public ColdTier {
- public:
-  explicit ForwardingTier(MemoryColdTier* t) : t_(t) {}
-  absl::Status PutData(absl::string_view k, int64_t v, absl::Span<const uint8_t> b) override {
-    return t_->PutData(k, v, b);
-  }
-  absl::Status LinkData(absl::string_view k, int64_t v, absl::string_view sk, int64_t sv,
-                        uint64_t n) override {
-    return t_->LinkData(k, v, sk, sv, n);
-  }
-  absl::Status ReadData(absl::string_view k, int64_t v, absl::Span<uint8_t> o) override {
-    return t_->ReadData(k, v, o);
-  }
-  absl::StatusOr<ColdRead> ReadPinned(absl::string_view k, int64_t v) override {
-    return t_->ReadPinned(k, v);
-  }
-  absl::Status Apply(const ColdBatch& b, bool sync) override { return t_->Apply(b, sync); }
-  absl::StatusOr<ColdContents> Load() override { return t_->Load(); }
-  absl::Status Checkpoint(const std::string& d) override { return t_->Checkpoint(d); }
-
- private:
-  MemoryColdTier* const t_;
-};
-
-}  // namespace
+absl::Status ForwardingColdTier::PutData(absl::string_view k, int64_t v,
+                                         absl::Span<const uint8_t> b) {
+  return t_->PutData(k, v, b);
+}
+absl::Status ForwardingColdTier::LinkData(absl::string_view k, int64_t v, absl::string_view sk,
+                                          int64_t sv, uint64_t n) {
+  return t_->LinkData(k, v, sk, sv, n);
+}
+absl::Status ForwardingColdTier::ReadData(absl::string_view k, int64_t v, absl::Span<uint8_t> o) {
+  return t_->ReadData(k, v, o);
+}
+absl::StatusOr<ColdRead> ForwardingColdTier::ReadPinned(absl::string_view k, int64_t v) {
+  return t_->ReadPinned(k, v);
+}
+absl::Status ForwardingColdTier::Apply(const ColdBatch& b, bool sync) { return t_->Apply(b, sync); }
+absl::StatusOr<ColdContents> ForwardingColdTier::Load() { return t_->Load(); }
+absl::Status ForwardingColdTier::Checkpoint(const std::string& d) { return t_->Checkpoint(d); }
 
 std::unique_ptr<ColdTier> ForwardTo(MemoryColdTier* tier) {
-  return std::make_unique<ForwardingTier>(tier);
+  return std::make_unique<ForwardingColdTier>(tier);
 }
 
 }  // namespace pith::store

@@ -1,8 +1,6 @@
 // JobRun: setup, placement, memory, the initial and committed state (job_run.h).
 #include "worker/runtime/job_run.h"
 
-#include <unistd.h>
-
 #include <algorithm>
 #include <optional>
 #include <string>
@@ -12,6 +10,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/bf16.h"
+#include "common/file.h"
 #include "common/status.h"
 #include "glog/logging.h"
 #include "worker/model/checkpoint.h"
@@ -52,9 +51,8 @@ namespace {
 // Past the machine's memory the kernel would kill the worker mid-step (and the next one
 // the job lands on): a job that cannot fit fails at its setup, with what to do.
 absl::Status FitsTheMachine(const MemoryPlan& plan, uint64_t memory_bytes) {
-  const uint64_t machine = static_cast<uint64_t>(::sysconf(_SC_PHYS_PAGES)) *
-                           static_cast<uint64_t>(::sysconf(_SC_PAGESIZE));
-  if (plan.total() <= machine) return absl::OkStatus();
+  const uint64_t machine = PhysicalMemoryBytes();
+  if (machine == 0 || plan.total() <= machine) return absl::OkStatus();
   return absl::ResourceExhaustedError(absl::StrCat(
       "the job needs ", plan.total(), " bytes on this worker (dense state, activations",
       memory_bytes == 0 ? " and every expert it computes: no --memory_bytes"
