@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <set>
 #include <string>
 
 #include "absl/status/status.h"
@@ -25,6 +26,109 @@ constexpr int64_t kMaxExperts = int64_t{1} << 17;
 absl::Status FieldError(absl::string_view field, absl::string_view what) {
   return absl::InvalidArgumentError(absl::StrCat("JobSpec ", field, ": ", what));
 }
+
+// Finds a key given twice in one object of JSON that protobuf's parser accepted (which
+// keeps the last silently: a spec edited by adding a line would train with whichever
+// came last). Keys are compared as protobuf maps them to fields: "n_layer" and "nLayer"
+// are the same field. Anything unexpected ends the scan: the parser has judged the syntax.
+class DuplicateKeyScan {
+ public:
+  explicit DuplicateKeyScan(absl::string_view json) : s_(json) {}
+
+  // The dotted path of the first key given twice ("model.n_layer"), or "" when none is.
+  std::string Run() {
+    Value("", 0);
+    return found_;
+  }
+
+ private:
+  static constexpr int kMaxDepth = 64;
+
+  void Space() {
+    while (i_ < s_.size() && absl::ascii_isspace(static_cast<unsigned char>(s_[i_]))) ++i_;
+  }
+  bool Stop() const { return !found_.empty() || failed_; }
+
+  // A quoted key or string (either quote; escapes kept as written), or a bare key.
+  bool Key(std::string* out) {
+    if (i_ >= s_.size()) return false;
+    const char quote = s_[i_];
+    if (quote != '"' && quote != '\'') {
+      while (i_ < s_.size() && (absl::ascii_isalnum(static_cast<unsigned char>(s_[i_])) ||
+                                s_[i_] == '_' || s_[i_] == '$')) {
+        out->push_back(s_[i_++]);
+      }
+      return !out->empty();
+    }
+    for (++i_; i_ < s_.size() && s_[i_] != quote; ++i_) {
+      if (s_[i_] == '\\' && i_ + 1 < s_.size()) out->push_back(s_[i_++]);
+      out->push_back(s_[i_]);
+    }
+    if (i_ >= s_.size()) return false;
+    ++i_;
+    return true;
+  }
+
+  static std::string FieldOf(absl::string_view key) {
+    std::string field;
+    for (char c : key) {
+      if (c != '_') field.push_back(absl::ascii_tolower(static_cast<unsigned char>(c)));
+    }
+    return field;
+  }
+
+  void Object(const std::string& path, int depth) {
+    ++i_;  // '{'
+    std::set<std::string> fields;
+    for (Space(); !Stop() && i_ < s_.size() && s_[i_] != '}'; Space()) {
+      std::string key;
+      if (!Key(&key)) return void(failed_ = true);
+      const std::string at = path.empty() ? key : absl::StrCat(path, ".", key);
+      if (!fields.insert(FieldOf(key)).second) return void(found_ = at);
+      Space();
+      if (i_ >= s_.size() || s_[i_] != ':') return void(failed_ = true);
+      ++i_;
+      Value(at, depth + 1);
+      Space();
+      if (i_ < s_.size() && s_[i_] == ',') ++i_;
+    }
+    ++i_;  // '}'
+  }
+
+  void Value(const std::string& path, int depth) {
+    Space();
+    if (Stop() || i_ >= s_.size() || depth > kMaxDepth) return void(failed_ = true);
+    const char c = s_[i_];
+    if (c == '{') return Object(path, depth);
+    if (c == '"' || c == '\'') {
+      std::string ignored;
+      if (!Key(&ignored)) failed_ = true;
+      return;
+    }
+    if (c == '[') {
+      ++i_;
+      for (Space(); !Stop() && i_ < s_.size() && s_[i_] != ']'; Space()) {
+        Value(path, depth + 1);
+        Space();
+        if (i_ < s_.size() && s_[i_] == ',') ++i_;
+      }
+      ++i_;
+      return;
+    }
+    // A number, true, false or null.
+    const size_t start = i_;
+    while (i_ < s_.size() && s_[i_] != ',' && s_[i_] != '}' && s_[i_] != ']' &&
+           !absl::ascii_isspace(static_cast<unsigned char>(s_[i_]))) {
+      ++i_;
+    }
+    if (i_ == start) failed_ = true;
+  }
+
+  absl::string_view s_;
+  size_t i_ = 0;
+  std::string found_;
+  bool failed_ = false;
+};
 
 absl::Status CheckRange(absl::string_view field, int64_t v, int64_t lo, int64_t hi) {
   if (v < lo || v > hi) {
@@ -215,6 +319,9 @@ absl::StatusOr<v1::JobSpec> ParseJobSpec(absl::string_view json) {
                              near.empty() ? "" : ")");
     }
     return absl::InvalidArgumentError(absl::StrCat("JobSpec JSON: ", message));
+  }
+  if (const std::string twice = DuplicateKeyScan(json).Run(); !twice.empty()) {
+    return FieldError(twice, "given twice; JSON keeps only one of them, so remove the other");
   }
   ApplyJobSpecDefaults(&spec);
   RETURN_IF_ERROR(ValidateJobSpec(spec));

@@ -152,6 +152,28 @@ TEST(JobSpecTest, MalformedJsonIsOneClearError) {
   EXPECT_EQ(spec.status().code(), absl::StatusCode::kInvalidArgument);
 }
 
+TEST(JobSpecTest, AKeyGivenTwiceIsRefused) {
+  // JSON parsers keep one of the two silently; a spec edited by adding a line would train
+  // with whichever came last.
+  EXPECT_THAT(ErrorFor("\"steps\": 300", "\"steps\": 7, \"steps\": 300"),
+              StartsWith("JobSpec train.steps: given twice"));
+  // protobuf maps the lowerCamelCase name to the same field.
+  EXPECT_THAT(ErrorFor("\"n_layer\": 4", "\"n_layer\": 4, \"nLayer\": 3"),
+              StartsWith("JobSpec model.nLayer: given twice"));
+  EXPECT_THAT(ErrorFor("\"name\": \"demo\"", "\"name\": \"a\", \"name\": \"b\""),
+              StartsWith("JobSpec name: given twice"));
+  EXPECT_THAT(ErrorFor("\"cluster\": {", "\"cluster\": {}, \"cluster\": {"),
+              StartsWith("JobSpec cluster: given twice"));
+  // The same name in two different objects is no duplicate; strings holding braces, quotes
+  // and key-like text are not keys.
+  const std::string tricky =
+      absl::StrReplaceAll(kDesignExample, {{"\"tokens.bin\"", "\"{\\\"data_path\\\": 1, }.bin\""}});
+  ASSERT_NE(tricky, kDesignExample);
+  absl::StatusOr<v1::JobSpec> spec = ParseJobSpec(tricky);
+  ASSERT_TRUE(spec.ok()) << spec.status();
+  EXPECT_EQ(spec->train().data_path(), "{\"data_path\": 1, }.bin");
+}
+
 TEST(JobSpecTest, LoadNamesTheFile) {
   absl::StatusOr<v1::JobSpec> spec = LoadJobSpec("/nonexistent/spec.json");
   EXPECT_EQ(spec.status().code(), absl::StatusCode::kNotFound);
