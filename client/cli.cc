@@ -27,6 +27,7 @@
 #include "common/status.h"
 #include "common/version.h"
 #include "google/protobuf/util/json_util.h"
+#include "google/protobuf/util/message_differencer.h"
 #include "worker/data/token_dataset.h"
 #include "worker/model/inference.h"
 
@@ -47,7 +48,8 @@ constexpr char kUsage[] =
     "                              data: rows as DESIGN §3 orders them, batch s = 0..N-1)\n"
     "  sample --checkpoint FILE --prompt TEXT [--tokens N] [--temperature T] [--seed S]\n"
     "         [--spec SPEC.json]   generate text from a checkpoint (byte-level vocab)\n"
-    "                              (--spec: for files that do not record their job's spec)\n"
+    "                              (--spec: for files that do not record their job's spec;\n"
+    "                              with one that does, its model must be the same)\n"
     "  version                     print the Pith version\n"
     "\n"
     "  certs --dir DIR [--name NAME[,NAME...] --role ROLE] [--hosts HOST[,HOST...]]\n"
@@ -234,22 +236,45 @@ absl::Status DataPrepare(const CliContext& ctx, const Args& args, std::ostream& 
   return absl::OkStatus();
 }
 
-// The spec of a checkpoint: --spec when given, else the one a job export records in the
-// file's metadata.
+// The first field of `model` whose value differs between two specs ("" when none does).
+std::string FirstModelDifference(const v1::ModelConfig& a, const v1::ModelConfig& b) {
+  const google::protobuf::Descriptor* d = v1::ModelConfig::descriptor();
+  for (int i = 0; i < d->field_count(); ++i) {
+    const std::vector<const google::protobuf::FieldDescriptor*> only = {d->field(i)};
+    google::protobuf::util::MessageDifferencer differ;
+    if (!differ.CompareWithFields(a, b, only, only)) return d->field(i)->name();
+  }
+  return "";
+}
+
+// The spec of a checkpoint: the one a job export records in the file's metadata, else
+// --spec. Where both are there, --spec may change what eval reads (train.batch, seed) but
+// not the model: a model field the weights' shapes do not show (n_head, top_k, ...) would
+// otherwise run the weights as a model they were never trained as, without a word.
 absl::StatusOr<v1::JobSpec> SpecOf(const std::string& spec_flag, const SafetensorsFile& file,
                                    const std::string& path) {
-  if (!spec_flag.empty()) return LoadJobSpec(spec_flag);
   auto it = file.metadata().find(model::kSpecMetadataKey);
-  if (it == file.metadata().end()) {
+  if (it == file.metadata().end() && spec_flag.empty()) {
     return UsageError(absl::StrCat(path, " records no job spec: give --spec SPEC.json"));
   }
-  v1::JobSpec spec;
-  if (!google::protobuf::util::JsonStringToMessage(it->second, &spec).ok()) {
-    return absl::DataLossError(absl::StrCat(path, ": unreadable job spec in its metadata"));
+  v1::JobSpec recorded;
+  if (it != file.metadata().end()) {
+    if (!google::protobuf::util::JsonStringToMessage(it->second, &recorded).ok()) {
+      return absl::DataLossError(absl::StrCat(path, ": unreadable job spec in its metadata"));
+    }
+    ApplyJobSpecDefaults(&recorded);
+    RETURN_IF_ERROR(ValidateJobSpec(recorded));
+    if (spec_flag.empty()) return recorded;
   }
-  ApplyJobSpecDefaults(&spec);
-  RETURN_IF_ERROR(ValidateJobSpec(spec));
-  return spec;
+  ASSIGN_OR_RETURN(v1::JobSpec given, LoadJobSpec(spec_flag));
+  if (it == file.metadata().end()) return given;
+  if (const std::string field = FirstModelDifference(given.model(), recorded.model());
+      !field.empty()) {
+    return UsageError(absl::StrCat("--spec ", spec_flag, " has another model.", field, " than ",
+                                   path, " was trained with; leave out --spec to use the ",
+                                   "spec the file records"));
+  }
+  return given;
 }
 
 // Evaluates a weights file: the mean cross-entropy (and total loss) over `batches` global
@@ -299,9 +324,14 @@ absl::Status Sample(const CliContext& ctx, const Args& args, std::ostream& out) 
   }
   ASSIGN_OR_RETURN(SafetensorsFile file, SafetensorsFile::Read(flags["--checkpoint"]));
   ASSIGN_OR_RETURN(v1::JobSpec spec, SpecOf(flags["--spec"], file, flags["--checkpoint"]));
-  ASSIGN_OR_RETURN(std::string text, model::Sample(file, spec, flags["--prompt"], options));
-  out << text << "\n";
-  return absl::OkStatus();
+  bool shown = false;  // the text shows as it grows
+  options.on_text = [&out, &shown](absl::string_view more) {
+    out << more << std::flush;
+    shown = true;
+  };
+  const absl::Status status = model::Sample(file, spec, flags["--prompt"], options).status();
+  if (shown) out << "\n";  // ends the text, also before an error line
+  return status;
 }
 
 absl::Status Version(const CliContext& ctx, const Args& args, std::ostream& out) {

@@ -7,6 +7,7 @@
 #include <string>
 
 #include "absl/strings/str_join.h"
+#include "absl/strings/str_replace.h"
 #include "absl/strings/str_split.h"
 #include "common/file.h"
 #include "common/job_spec.h"
@@ -207,10 +208,11 @@ TEST(CliTest, UpNamesTheFlagWhoseValueIsWrong) {
 }
 
 TEST(CliTest, EvalAndSampleUseACheckpointAndRefuseBadInput) {
-  const std::string spec = WriteTemp("eval_spec.json", R"({"name": "tiny",
+  const std::string spec_json = R"({"name": "tiny",
     "model": {"vocab_size": 256, "seq_len": 8, "d_model": 16, "n_layer": 1, "n_head": 2,
               "n_expert": 4, "top_k": 2, "d_ff": 32},
-    "train": {"data_path": "tokens.bin", "batch": 2, "steps": 1, "lr": 0.003}})");
+    "train": {"data_path": "tokens.bin", "batch": 2, "steps": 1, "lr": 0.003}})";
+  const std::string spec = WriteTemp("eval_spec.json", spec_json);
   const std::string tokens = WriteTemp("eval_tokens.bin", std::string(500, 'a'));
   // Weights: every tensor of the model, zero (every logit equal: ce = ln 256).
   const model::ParamLayout layout(model::ModelShape::FromSpec(LoadJobSpec(spec)->model()));
@@ -237,6 +239,31 @@ TEST(CliTest, EvalAndSampleUseACheckpointAndRefuseBadInput) {
   r = RunPith({"sample", "--spec", spec, "--prompt", "abc"});
   EXPECT_EQ(r.code, 2);
   EXPECT_THAT(r.err, HasSubstr("--checkpoint"));
+
+  // A file that records its spec: --spec may change what eval reads, not the model.
+  const std::string recorded = testing::TempDir() + "/eval_recorded.safetensors";
+  ASSERT_TRUE(model::SaveHostWeights(layout, zeros.data(), recorded,
+                                     {{model::kSpecMetadataKey, JobSpecToJson(*LoadJobSpec(spec))}})
+                  .ok());
+  const std::string wider = WriteTemp(
+      "eval_spec_batch.json", absl::StrReplaceAll(spec_json, {{"\"batch\": 2", "\"batch\": 1"}}));
+  r = RunPith(
+      {"eval", "--spec", wider, "--checkpoint", recorded, "--tokens", tokens, "--batches", "2"});
+  ASSERT_EQ(r.code, 0) << r.err;
+  EXPECT_THAT(r.out, HasSubstr("eval rows=2 tokens=16"));
+  // n_head 1 keeps every tensor's shape: before, the weights ran as another model.
+  const std::string heads = WriteTemp(
+      "eval_spec_heads.json", absl::StrReplaceAll(spec_json, {{"\"n_head\": 2", "\"n_head\": 1"}}));
+  for (const std::vector<std::string>& args :
+       {std::vector<std::string>{"eval", "--tokens", tokens},
+        std::vector<std::string>{"sample", "--prompt", "abc"}}) {
+    std::vector<std::string> line = args;
+    line.insert(line.end(), {"--spec", heads, "--checkpoint", recorded});
+    r = RunPith(line);
+    EXPECT_EQ(r.code, 2) << args[0];
+    EXPECT_THAT(r.err, HasSubstr("has another model.n_head than")) << r.err;
+    ExpectOneErrorLine(r);
+  }
 
   r = RunPith({"eval", "--spec", spec});
   EXPECT_EQ(r.code, 2);

@@ -85,6 +85,7 @@ absl::StatusOr<std::string> Sample(const SafetensorsFile& weights, const v1::Job
   std::vector<int32_t> window(T, ' ');
   std::vector<float> logits(int64_t{T} * V);
   std::mt19937_64 rng(options.seed);
+  if (options.on_text) options.on_text(text);
   for (int n = 0; n < options.tokens; ++n) {
     // The last T bytes at the start of the window; later positions cannot affect them.
     const size_t from = text.size() > static_cast<size_t>(T) ? text.size() - T : 0;
@@ -102,6 +103,7 @@ absl::StatusOr<std::string> Sample(const SafetensorsFile& weights, const v1::Job
       next = std::discrete_distribution<int>(p.begin(), p.end())(rng);
     }
     text.push_back(static_cast<char>(next));
+    if (options.on_text) options.on_text(absl::string_view(&text.back(), 1));
   }
   return text;
 }

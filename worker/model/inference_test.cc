@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "common/job_spec.h"
 #include "common/param_layout.h"
 #include "gmock/gmock.h"
@@ -138,6 +139,19 @@ TEST(InferenceTest, SampleIsReproducibleForASeed) {
   EXPECT_EQ(a->substr(0, prompt.size()), prompt);
   EXPECT_EQ(*a, *b);
   EXPECT_NE(*a, *c);
+}
+
+TEST(InferenceTest, SampleShowsTheTextAsItGrows) {
+  const v1::JobSpec spec = TinySpec();
+  const SafetensorsFile weights = SeededWeights(spec, 3);
+  std::vector<std::string> pieces;
+  SampleOptions options{.tokens = 6, .temperature = 1.0, .seed = 5};
+  options.on_text = [&pieces](absl::string_view more) { pieces.emplace_back(more); };
+  auto text = Sample(weights, spec, "abc", options);
+  ASSERT_TRUE(text.ok()) << text.status();
+  ASSERT_EQ(pieces.size(), 7u);  // the prompt, then one piece per byte
+  EXPECT_EQ(pieces[0], "abc");
+  EXPECT_EQ(absl::StrJoin(pieces, ""), *text);
 }
 
 TEST(InferenceTest, BadInputsAreErrors) {
