@@ -226,6 +226,62 @@ absl::Status Checkpoint(const CliContext& ctx, const Args& args, std::ostream& o
   return absl::OkStatus();
 }
 
+namespace {
+
+// The heat as an SVG: a layer x expert grid, darker = hotter (per layer), each cell
+// labelled with its compute and store replica counts.
+std::string HeatSvg(const v1::ExpertHeatResponse& heat) {
+  int layers = 0, experts = 0;
+  for (const auto& e : heat.experts()) {
+    layers = std::max(layers, e.expert().layer() + 1);
+    experts = std::max(experts, e.expert().expert() + 1);
+  }
+  // A placed expert has a store; an ended job's placement is gone (every count 0), so its
+  // cells show how often each expert was fetched instead of replicas it no longer has.
+  bool placed = false;
+  for (const auto& e : heat.experts()) placed = placed || e.store_replicas() > 0;
+  std::vector<double> layer_max(layers, 0);
+  for (const auto& e : heat.experts()) {
+    layer_max[e.expert().layer()] = std::max(layer_max[e.expert().layer()], e.heat());
+  }
+  const int cell = 36, left = 70, top = 40;
+  std::ostringstream doc;
+  doc << absl::StrFormat(
+      "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"%d\" height=\"%d\" "
+      "font-family=\"sans-serif\" font-size=\"10\">\n",
+      left + experts * cell + 10, top + layers * cell + 30);
+  doc << absl::StrFormat(
+      "<text x=\"%d\" y=\"20\" font-size=\"13\">%s: expert heat after step "
+      "%d (label: %s)</text>\n",
+      left, heat.job_id(), heat.step(),
+      placed ? "compute/store replicas" : "fetches into caches; the job has no placement now");
+  for (int l = 0; l < layers; ++l) {
+    doc << absl::StrFormat("<text x=\"5\" y=\"%d\">layer %d</text>\n", top + l * cell + 22, l);
+  }
+  for (int x = 0; x < experts; ++x) {
+    doc << absl::StrFormat("<text x=\"%d\" y=\"%d\">e%d</text>\n", left + x * cell + 10,
+                           top + layers * cell + 15, x);
+  }
+  for (const auto& e : heat.experts()) {
+    const int l = e.expert().layer(), x = e.expert().expert();
+    const double t = layer_max[l] > 0 ? e.heat() / layer_max[l] : 0;
+    const int shade = static_cast<int>(255 - 200 * t);
+    doc << absl::StrFormat(
+        "<rect x=\"%d\" y=\"%d\" width=\"%d\" height=\"%d\" fill=\"rgb(255,%d,%d)\" "
+        "stroke=\"#888\"><title>layer %d expert %d: heat %.1f</title></rect>\n",
+        left + x * cell, top + l * cell, cell, cell, shade, shade, l, x, e.heat());
+    const std::string label =
+        placed ? absl::StrFormat("%d/%d", e.compute_replicas(), e.store_replicas())
+               : absl::StrCat(e.fetches());
+    doc << absl::StrFormat("<text x=\"%d\" y=\"%d\">%s</text>\n", left + x * cell + 8,
+                           top + l * cell + 22, label);
+  }
+  doc << "</svg>\n";
+  return doc.str();
+}
+
+}  // namespace
+
 absl::Status Experts(const CliContext& ctx, const Args& args, std::ostream& out) {
   RETURN_IF_ERROR(RefuseUnknownFlags("experts", args, {"--svg"}));
   std::string svg;
@@ -268,47 +324,7 @@ absl::Status Experts(const CliContext& ctx, const Args& args, std::ostream& out)
     }
   }
   if (!svg.empty()) {
-    // A layer x expert grid, darker = hotter (per layer), each cell labelled with its
-    // compute and store replica counts.
-    int layers = 0, experts = 0;
-    for (const auto& e : heat.experts()) {
-      layers = std::max(layers, e.expert().layer() + 1);
-      experts = std::max(experts, e.expert().expert() + 1);
-    }
-    std::vector<double> layer_max(layers, 0);
-    for (const auto& e : heat.experts()) {
-      layer_max[e.expert().layer()] = std::max(layer_max[e.expert().layer()], e.heat());
-    }
-    const int cell = 36, left = 70, top = 40;
-    std::ostringstream doc;
-    doc << absl::StrFormat(
-        "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"%d\" height=\"%d\" "
-        "font-family=\"sans-serif\" font-size=\"10\">\n",
-        left + experts * cell + 10, top + layers * cell + 30);
-    doc << absl::StrFormat(
-        "<text x=\"%d\" y=\"20\" font-size=\"13\">%s: expert heat after step "
-        "%d (label: compute/store replicas)</text>\n",
-        left, heat.job_id(), heat.step());
-    for (int l = 0; l < layers; ++l) {
-      doc << absl::StrFormat("<text x=\"5\" y=\"%d\">layer %d</text>\n", top + l * cell + 22, l);
-    }
-    for (int x = 0; x < experts; ++x) {
-      doc << absl::StrFormat("<text x=\"%d\" y=\"%d\">e%d</text>\n", left + x * cell + 10,
-                             top + layers * cell + 15, x);
-    }
-    for (const auto& e : heat.experts()) {
-      const int l = e.expert().layer(), x = e.expert().expert();
-      const double t = layer_max[l] > 0 ? e.heat() / layer_max[l] : 0;
-      const int shade = static_cast<int>(255 - 200 * t);
-      doc << absl::StrFormat(
-          "<rect x=\"%d\" y=\"%d\" width=\"%d\" height=\"%d\" fill=\"rgb(255,%d,%d)\" "
-          "stroke=\"#888\"><title>layer %d expert %d: heat %.1f</title></rect>\n",
-          left + x * cell, top + l * cell, cell, cell, shade, shade, l, x, e.heat());
-      doc << absl::StrFormat("<text x=\"%d\" y=\"%d\">%d/%d</text>\n", left + x * cell + 8,
-                             top + l * cell + 22, e.compute_replicas(), e.store_replicas());
-    }
-    doc << "</svg>\n";
-    const std::string text = doc.str();
+    const std::string text = HeatSvg(heat);
     RETURN_IF_ERROR(WriteFileAtomically(svg, [&](int fd) {
       return WriteAll(fd, {reinterpret_cast<const uint8_t*>(text.data()), text.size()}, svg);
     }));

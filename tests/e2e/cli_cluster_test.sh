@@ -48,6 +48,9 @@ expect_one_line "tiny.safetensors already exists and is not replaced (--force re
 "$PITH" experts "$job" --svg "$E2E_TMP/heat.svg" >"$E2E_TMP/experts.txt" || fail "experts"
 grep -q "layer  0: hottest expert" "$E2E_TMP/experts.txt" || fail "experts: $(cat "$E2E_TMP/experts.txt")"
 grep -q "<svg" "$E2E_TMP/heat.svg" && grep -q "layer 0" "$E2E_TMP/heat.svg" || fail "no heat map svg"
+# The job has ended: its cells count fetches, not the replicas of a placement that is gone.
+grep -q "label: fetches into caches; the job has no placement now" "$E2E_TMP/heat.svg" ||
+  fail "the ended job's heat map labels replicas: $(grep -m1 label "$E2E_TMP/heat.svg")"
 echo "  ok: trained, watched, checkpointed, sampled and drew the experts of $job"
 
 long=$("$PITH" --output json submit "$E2E_TMP/long.json" 2>"$E2E_TMP/long.err" |
