@@ -704,6 +704,31 @@ TEST_F(SchedulerTest, AJobWhoseWorkersAllDiedSaysItWaitsForOne) {
   CommitStep(job.job_id(), 1, {w1});
 }
 
+// The same wait across a coordinator restart: the reloaded job says again that it waits.
+TEST_F(SchedulerTest, AJobWaitingForAWorkerSaysSoAfterARestart) {
+  const v1::Job job = Submit(1);
+  const std::string s0 = Join(v1::MEMBER_ROLE_STORE);
+  const std::string w0 = Join(v1::MEMBER_ROLE_WORKER);
+  scheduler_->Tick();
+  CommitStep(job.job_id(), 0, {w0});
+  ASSERT_NO_FATAL_FAILURE(OnlyTheseLive({s0}));
+  ASSERT_THAT(Job(job.job_id()).pending_reason(), ::testing::StartsWith("waiting for a worker"));
+
+  Open();  // the coordinator restarts; its store is back, no worker is
+  Join(v1::MEMBER_ROLE_STORE, s0);
+  for (int seconds = 2; seconds <= 12; seconds += 2) {
+    now_ += absl::Seconds(2);
+    ASSERT_TRUE(members_->Heartbeat(s0, {}).ok());
+    scheduler_->Tick();
+  }
+  EXPECT_EQ(Job(job.job_id()).state(), v1::JOB_STATE_RUNNING);
+  EXPECT_THAT(Job(job.job_id()).pending_reason(), ::testing::StartsWith("waiting for a worker"));
+  const std::string w1 = Join(v1::MEMBER_ROLE_WORKER);
+  scheduler_->Tick();
+  EXPECT_EQ(Job(job.job_id()).pending_reason(), "");
+  EXPECT_EQ(scheduler_->GetAssignment(w1)->job_id(), job.job_id());
+}
+
 TEST_F(SchedulerTest, ALostStoreLeavesThePlacementAndLosingEveryCopyFailsTheJob) {
   const v1::Job job = Submit(1, 300, /*replicas=*/2);
   const std::string s0 = Join(v1::MEMBER_ROLE_STORE), s1 = Join(v1::MEMBER_ROLE_STORE);

@@ -213,7 +213,15 @@ void Scheduler::RepairRunLocked(const std::string& job_id, Run& run, const v1::J
   const std::vector<std::string> idle =
       IdleWorkersLocked(alive, job, kept, false, run.record.backend());
   const bool grow = static_cast<int>(kept.size()) < want && !idle.empty();
-  if (lost.empty() && !stores_lost && !grow) return;
+  if (lost.empty() && !stores_lost && !grow) {
+    if (kept.empty() && !run.no_workers) {  // reloaded by a restarted coordinator so
+      run.no_workers = true;
+      NoteWaitLocked(job_id,
+                     "waiting for a worker: none is free, and the job goes on from its "
+                     "last step when one joins");
+    }
+    return;
+  }
   std::string reason = lost.empty() ? (stores_lost ? "a store died or was lost" : "a worker joined")
                                     : absl::StrCat("worker ", lost.front(), " died");
   AbortLocked(run, reason, aborts);
