@@ -259,6 +259,15 @@ absl::StatusOr<UpFlags> CheckUpFlags(std::map<std::string, std::string> flags) {
                                    " is more than half of this machine's ", machine,
                                    " bytes of memory"));
   }
+  // A worker holds what --memory_bytes grants it (each checks only its own plan): the
+  // workers and the stores share the machine.
+  const uint64_t stores_hold = f.ram_bytes * static_cast<uint64_t>(f.stores);
+  if (machine > 0 && f.memory_bytes > (machine - stores_hold) / static_cast<uint64_t>(f.workers)) {
+    return UsageError(absl::StrCat("up: --workers ", f.workers, " x --memory_bytes ",
+                                   f.memory_bytes, " and --stores ", f.stores, " x --ram_bytes ",
+                                   f.ram_bytes, " are more than this machine's ", machine,
+                                   " bytes of memory"));
+  }
   return f;
 }
 

@@ -6,6 +6,7 @@
 #include <sstream>
 #include <string>
 
+#include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_replace.h"
 #include "absl/strings/str_split.h"
@@ -204,6 +205,26 @@ TEST(CliTest, UpNamesTheFlagWhoseValueIsWrong) {
     EXPECT_THAT(r.err, HasSubstr("up: " + flag + " wants a whole number >= 1, got \"" + value))
         << r.err;
   }
+  EXPECT_FALSE(std::filesystem::exists(dir));  // refused before anything was made
+}
+
+TEST(CliTest, UpRefusesAClusterLargerThanTheMachine) {
+  const std::string dir = ::testing::TempDir() + "/cli_up_memory";
+  const uint64_t machine = PhysicalMemoryBytes();
+  ASSERT_GT(machine, 0u);
+  // The stores' RAM tiers alone: at most half of the machine.
+  Result r =
+      RunPith({"up", "--dir", dir, "--stores", "2", "--ram_bytes", absl::StrCat(machine / 3)});
+  EXPECT_EQ(r.code, 2);
+  EXPECT_THAT(r.err, HasSubstr("is more than half of this machine's")) << r.err;
+  ExpectOneErrorLine(r);
+  // Workers each granted a third of the machine, beside stores that hold a quarter.
+  r = RunPith({"up", "--dir", dir, "--stores", "1", "--ram_bytes", absl::StrCat(machine / 4),
+               "--workers", "3", "--memory_bytes", absl::StrCat(machine / 3)});
+  EXPECT_EQ(r.code, 2);
+  EXPECT_THAT(r.err, HasSubstr("up: --workers 3 x --memory_bytes " + absl::StrCat(machine / 3)))
+      << r.err;
+  ExpectOneErrorLine(r);
   EXPECT_FALSE(std::filesystem::exists(dir));  // refused before anything was made
 }
 
