@@ -8,9 +8,12 @@
 #include <cstdio>
 #include <cstdlib>
 #include <functional>
+#include <iostream>
 #include <utility>
 
 #include "absl/flags/flag.h"
+#include "absl/flags/internal/parse.h"
+#include "absl/flags/internal/usage.h"
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
 #include "absl/flags/usage_config.h"
@@ -33,7 +36,16 @@ std::vector<std::string> InitProcess(int argc, char** argv, absl::string_view us
     return file.find("absl/") == absl::string_view::npos;
   };
   absl::SetFlagsUsageConfig(usage_config);
-  std::vector<char*> positional = absl::ParseCommandLine(argc, argv);
+  // absl::ParseCommandLine, but --help and --version exit 0: asked for, they are no
+  // failure (Abseil exits 1 after help). Bad flags still exit 1 with Abseil's message.
+  std::vector<char*> positional = absl::flags_internal::ParseCommandLineImpl(
+      argc, argv, absl::flags_internal::ArgvListAction::kRemoveParsedArgs,
+      absl::flags_internal::UsageFlagsAction::kIgnoreUsage,
+      absl::flags_internal::OnUndefinedFlag::kAbortIfUndefined);
+  if (absl::flags_internal::HandleUsageFlags(std::cout, absl::ProgramUsageMessage()) >= 0) {
+    std::cout.flush();
+    std::exit(EXIT_SUCCESS);
+  }
 
   FLAGS_logtostderr = true;
   FLAGS_v = absl::GetFlag(FLAGS_log_verbosity);

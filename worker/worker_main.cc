@@ -181,7 +181,8 @@ int main(int argc, char** argv) {
   pith::InitProcess(
       argc, argv,
       "runs Pith training steps.\n"
-      "Usage: pith-worker --coordinator=HOST:PORT [--metrics_port=PORT "
+      "Usage: pith-worker --coordinator=HOST:PORT (--tls_dir=DIR | --insecure) "
+      "[--metrics_port=PORT "
       "--memory_bytes=N --cache_bytes=N --scratch_dir=DIR]\n"
       "       pith-worker --standalone --spec=SPEC.json [--backend=auto|cpu|cuda --device=N] "
       "[--init=FILE] "

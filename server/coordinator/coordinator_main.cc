@@ -155,7 +155,8 @@ int main(int argc, char** argv) {
   pith::ShutdownSignals signals;
   pith::InitProcess(argc, argv,
                     "the brain of a Pith cluster.\n"
-                    "Usage: pith-coordinator --listen=HOST:PORT --metrics_port=PORT\n"
+                    "Usage: pith-coordinator --data_dir=DIR (--tls_dir=DIR | --insecure) "
+                    "[--listen=HOST:PORT] [--metrics_port=PORT]\n"
                     "       pith-coordinator --simulate [--layers --experts --top_k --workers "
                     "--stores --zipf --steps | --trace FILE]");
   pith::ucx::RestrictUcxDevices(absl::GetFlag(FLAGS_listen), absl::GetFlag(FLAGS_ucx_net_devices));

@@ -95,7 +95,8 @@ int main(int argc, char** argv) {
   pith::ShutdownSignals signals;
   pith::InitProcess(argc, argv,
                     "holds expert weights and optimizer state for Pith workers.\n"
-                    "Usage: pith-store --data_dir=DIR [--listen=HOST:PORT] [--ram_bytes=N] "
+                    "Usage: pith-store --data_dir=DIR [--coordinator=HOST:PORT] "
+                    "(--tls_dir=DIR | --insecure) [--listen=HOST:PORT] [--ram_bytes=N] "
                     "[--metrics_port=PORT]");
   pith::ucx::RestrictUcxDevices(absl::GetFlag(FLAGS_listen), absl::GetFlag(FLAGS_ucx_net_devices));
   return pith::ExitStatus("pith-store", Run(signals));

@@ -93,7 +93,7 @@ fi
 grep -q "needs one with the member role" <<<"$out" || fail "wrong-role error unclear: $out"
 
 # --help describes the process and its flags.
-help=$("$STORE" --help 2>&1 || true)
+help=$("$STORE" --help 2>&1) || fail "pith-store --help exited $? (asked for, help is no failure)"
 grep -q "holds expert weights" <<<"$help" || fail "pith-store --help: $help"
 grep -q -- "--metrics_port" <<<"$help" || fail "pith-store --help lists no flags: $help"
 
