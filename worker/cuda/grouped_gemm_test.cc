@@ -360,7 +360,15 @@ TEST_F(GroupedGemmTest, BatchedCallsMatchTheCpu) {
   // 64-row one (77, 64); with beta 0 a call of tails for each as well (4 + 4 + 2). With A
   // transposed a tail moves A by columns: only 1000's (column 872, 1744 bytes) starts
   // 16-byte aligned, so one tail call, the other remainders alone (+ 3).
-  EXPECT_EQ(gpu_->batched_calls() - before, 13u) << "cuBLAS took no batched call of these types";
+  // The figures above hold either way (a refused call's products run one by one); this
+  // says apart a cuBLAS that takes no batched bf16 call with fp32 C, a fact of the
+  // library, from a wrong count of calls.
+  const uint64_t calls = gpu_->batched_calls() - before;
+  EXPECT_NE(calls, 0u) << "this cuBLAS refused every batched call (bf16 A and B, fp32 or bf16 "
+                          "C): the products ran one call each, right but not batched";
+  if (calls != 0) {
+    EXPECT_EQ(calls, 13u) << "batched calls other than planned";
+  }
 }
 
 class GroupedFfnTest : public GroupedGemmTest {
