@@ -282,6 +282,20 @@ absl::Status BlobStore::AdmitPut(const std::string& job_id, int64_t attempt) {
   return AdmitAttemptLocked(job_id, attempt, "a put");
 }
 
+absl::Status BlobStore::AdmitPut(const v1::BlobKey& key, const std::string& encoded,
+                                 int64_t version, int64_t attempt) {
+  absl::MutexLock lock(&mu_);
+  RETURN_IF_ERROR(AdmitAttemptLocked(key.job_id(), attempt, "a put"));
+  // Reserved before its version was committed (a commit, an installed copy): its bytes
+  // would replace the committed ones where they are stored.
+  auto it = blobs_.find(encoded);
+  if (it != blobs_.end() && it->second.committed >= version) {
+    return absl::FailedPreconditionError(
+        absl::StrCat(BlobKeyDebugString(key), ": version ", version, " was committed meanwhile"));
+  }
+  return absl::OkStatus();
+}
+
 absl::StatusOr<PutReservation> BlobStore::BeginPut(const v1::BlobKey& key, int64_t version,
                                                    uint64_t size, int64_t attempt) {
   RETURN_IF_ERROR(ValidateBlobKey(key));
@@ -326,7 +340,7 @@ absl::StatusOr<v1::BlobInfo> BlobStore::FinishPut(PutReservation r,
                      // version's location may be its successor's): the check and the write are one
                      // put of the version at a time.
                      const VersionWrite writing(this, encoded, r.version_);
-                     RETURN_IF_ERROR(AdmitPut(r.key_.job_id(), r.attempt_));
+                     RETURN_IF_ERROR(AdmitPut(r.key_, encoded, r.version_, r.attempt_));
                      if (!LinkToSibling(r, encoded, crc)) {
                        RETURN_IF_ERROR(cold_->PutData(encoded, r.version_, {r.data_, r.size_}));
                      }
@@ -452,7 +466,7 @@ absl::StatusOr<v1::BlobInfo> BlobStore::PutSibling(const v1::BlobKey& key, int64
   return FencedPut(encoded, version, key.job_id(), attempt, [&]() -> absl::StatusOr<v1::BlobInfo> {
     // The sibling's bytes stay in the cold tier while either version is there.
     const VersionWrite writing(this, encoded, version);
-    RETURN_IF_ERROR(AdmitPut(key.job_id(), attempt));
+    RETURN_IF_ERROR(AdmitPut(key, encoded, version, attempt));
     if (absl::Status linked = cold_->LinkData(encoded, version, sibling, version, size);
         !linked.ok()) {
       return absl::IsNotFound(linked) ? missing() : linked;
@@ -502,6 +516,8 @@ absl::StatusOr<v1::BlobInfo> BlobStore::InstallCommitted(const v1::BlobKey& key,
   // No commit, abort or delete changes the blob's committed version meanwhile.
   absl::MutexLock commit_lock(&commit_mu_);
   RETURN_IF_ERROR(DropPrepared(encoded, version));  // its written bytes would stay
+  // A put of the version in flight writes first; one after finds the version committed.
+  const VersionWrite writing(this, encoded, version);
   {
     absl::MutexLock lock(&mu_);
     auto it = blobs_.find(encoded);

@@ -261,6 +261,10 @@ class BlobStore {
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // AdmitAttemptLocked of a put, under mu_.
   absl::Status AdmitPut(const std::string& job_id, int64_t attempt) ABSL_LOCKS_EXCLUDED(mu_);
+  // The same for the bytes of (key, version) about to be written, which must not be
+  // committed meanwhile: FAILED_PRECONDITION when it was.
+  absl::Status AdmitPut(const v1::BlobKey& key, const std::string& encoded, int64_t version,
+                        int64_t attempt) ABSL_LOCKS_EXCLUDED(mu_);
   absl::Status Recover();
   // A RAM block of `size` bytes, demoting unpinned LRU blobs as needed; UNAVAILABLE
   // (saying what holds the RAM) when every block is held, RESOURCE_EXHAUSTED at once for

@@ -702,6 +702,21 @@ TEST_F(BlobStoreTest, AnInstalledCopyReplacesAPreparedVersion) {
   EXPECT_EQ(store_->Stats().pending_blobs(), 0u);
 }
 
+// A put reserved before its version was committed (here by an installed copy) and
+// finished after: its bytes never replace the committed ones, on disk or in RAM.
+TEST_F(BlobStoreTest, APutFinishedAfterItsVersionWasCommittedLeavesTheCommittedBytes) {
+  auto late = store_->BeginPut(Expert(0, 0), 1, 5000, 0);
+  ASSERT_TRUE(late.ok()) << late.status();
+  std::memcpy(late->data(), Bytes(5000, 7).data(), 5000);
+  ASSERT_TRUE(store_->InstallCommitted(Expert(0, 0), 1, Bytes(5000, 2)).ok());
+  EXPECT_EQ(store_->FinishPut(*std::move(late)).status().code(),
+            absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(Read(Expert(0, 0)), Bytes(5000, 2));
+  store_.reset();
+  Open();
+  EXPECT_EQ(Read(Expert(0, 0)), Bytes(5000, 2));
+}
+
 TEST(RocksColdTierTest, LogFilesGoWithTheirVersionsAndUnnamedVersionsDoNotSurviveReopen) {
   const std::string dir = testing::TempDir() + "/rocks_tier_log";
   std::filesystem::remove_all(dir);
