@@ -289,7 +289,9 @@ absl::Status BlobStore::AdmitPut(const v1::BlobKey& key, const std::string& enco
   // Reserved before its version was committed (a commit, an installed copy): its bytes
   // would replace the committed ones where they are stored.
   auto it = blobs_.find(encoded);
-  if (it != blobs_.end() && it->second.committed >= version) {
+  auto committing = committing_.find(key.job_id());
+  if ((it != blobs_.end() && it->second.committed >= version) ||
+      (committing != committing_.end() && committing->second >= version)) {
     return absl::FailedPreconditionError(
         absl::StrCat(BlobKeyDebugString(key), ": version ", version, " was committed meanwhile"));
   }

@@ -355,6 +355,9 @@ class BlobStore {
   std::map<std::string, int64_t> job_attempts_ ABSL_GUARDED_BY(mu_);
   // (encoded key, version) of the puts holding a VersionWrite.
   std::set<std::pair<std::string, int64_t>> writing_ ABSL_GUARDED_BY(mu_);
+  // The step each job is committing now (CommitStep from its scan to its records): a put
+  // of that version is refused as one of a committed version.
+  std::map<std::string, int64_t> committing_ ABSL_GUARDED_BY(mu_);
   uint64_t clock_ ABSL_GUARDED_BY(mu_) = 0;  // ticks on every read and write (admission)
   uint64_t cold_bytes_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t ram_gets_ ABSL_GUARDED_BY(mu_) = 0;

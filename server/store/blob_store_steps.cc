@@ -4,6 +4,7 @@
 #include <set>
 #include <utility>
 
+#include "absl/cleanup/cleanup.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "common/status.h"
@@ -48,6 +49,10 @@ absl::StatusOr<BlobStore::CommitResult> BlobStore::CommitStep(const std::string&
   ColdBatch batch;
   uint64_t committed = 0;
   {
+    // The puts in flight write first (a put of the step's version that passed its check
+    // would otherwise write its bytes under the record this commit makes); one after
+    // the scan finds the version committing and writes nothing.
+    absl::MutexLock fence(&prepare_mu_);
     absl::MutexLock lock(&mu_);
     auto job_it = job_steps_.find(job_id);
     if (job_it != job_steps_.end() && job_it->second == step) {
@@ -75,7 +80,12 @@ absl::StatusOr<BlobStore::CommitResult> BlobStore::CommitStep(const std::string&
     batch.set_job_steps[job_id] = step;
     // The decided attempt: nothing older is part of the job's later steps either.
     if (attempt) (void)AdmitAttemptLocked(job_id, *attempt, "a commit");
+    committing_[job_id] = step;
   }
+  absl::Cleanup committing = [this, &job_id] {  // a commit that failed its sync
+    absl::MutexLock lock(&mu_);
+    committing_.erase(job_id);
+  };
   // NOTE: the sync (the step's bytes to disk) runs without mu_: gets (of the committed
   // versions, or of this step's by version) go on meanwhile. The step's pending versions
   // cannot go away under it: the coordinator never aborts a step it is committing, and a
@@ -103,6 +113,8 @@ absl::StatusOr<BlobStore::CommitResult> BlobStore::CommitStep(const std::string&
     for (int64_t version : drop) EraseVersionLocked(it->first, blob, version, &cleanup);
   }
   job_steps_[job_id] = step;
+  committing_.erase(job_id);  // the versions are committed now: that check takes over
+  std::move(committing).Cancel();
   if (!cleanup.delete_data.empty()) RETURN_IF_ERROR(cold_->Apply(cleanup, false));
   UpdateGaugesLocked();
   return CommitResult{step, committed};

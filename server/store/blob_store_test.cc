@@ -649,6 +649,44 @@ TEST_F(BlobStoreTest, AStalledVoidedPutNeverOverwritesANewerAttemptsBytes) {
   EXPECT_EQ(Read(Expert(0, 0), 1), newer);
 }
 
+// A second put of a version (a retry) passed its checks and stalls before its bytes reach
+// the cold tier while the step commits. The commit waits for it and commits what it
+// wrote; before, the put wrote its bytes under the committed record of the first put's
+// (a cold read failed its checksum).
+TEST_F(BlobStoreTest, APutInFlightWhileItsStepCommitsLeavesBytesAndRecordAgreeing) {
+  const std::vector<uint8_t> first = Bytes(5000, 30), retry = Bytes(5000, 31);
+  absl::Notification retry_writing, committed;
+  store_.reset();
+  auto store =
+      BlobStore::Open(options_,
+                      std::make_unique<HookedTier>(
+                          &cold_,
+                          [&](absl::Span<const uint8_t> b) {
+                            if (std::equal(b.begin(), b.end(), retry.begin(), retry.end())) {
+                              retry_writing.Notify();
+                              committed.WaitForNotificationWithTimeout(absl::Seconds(1));
+                            }
+                          }),
+                      arena_.data());
+  ASSERT_TRUE(store.ok()) << store.status();
+  store_ = std::move(*store);
+  ASSERT_TRUE(store_->Put(Expert(0, 0), 1, first, 3).ok());
+  absl::StatusOr<v1::BlobInfo> retried;
+  std::thread put([&] { retried = store_->Put(Expert(0, 0), 1, retry, 3); });
+  retry_writing.WaitForNotification();
+  ASSERT_TRUE(store_->CommitStep("job-1", 1, std::nullopt, 3).ok());
+  committed.Notify();
+  put.join();
+  store_.reset();
+  Open();
+  const std::vector<uint8_t> got = Read(Expert(0, 0));
+  EXPECT_TRUE(got == first || got == retry) << "the committed bytes are neither put's";
+  // A put of the committed step after the commit writes nothing.
+  EXPECT_EQ(store_->Put(Expert(0, 0), 1, Bytes(5000, 32), 3).status().code(),
+            absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(Read(Expert(0, 0)), got);
+}
+
 // A put of a voided attempt, admitted before its successor named itself here, lands after
 // the successor wrote and prepared the same version: it is refused before it can drop the
 // prepared version (it used to drop it first, and the commit then missed the blob).
