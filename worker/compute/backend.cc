@@ -44,7 +44,8 @@ absl::StatusOr<std::string> Backend::NewGroupId() {
 }
 
 absl::StatusOr<std::unique_ptr<DeviceGroup>> Backend::JoinGroup(const std::string&, int, int,
-                                                                absl::Duration) {
+                                                                absl::Duration,
+                                                                const std::atomic<bool>&) {
   return absl::UnimplementedError(absl::StrCat("the ", name(), " backend has no device group"));
 }
 

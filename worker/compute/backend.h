@@ -13,6 +13,7 @@
 #ifndef PITH_WORKER_COMPUTE_BACKEND_H_
 #define PITH_WORKER_COMPUTE_BACKEND_H_
 
+#include <atomic>
 #include <cstddef>
 #include <cstdint>
 #include <memory>
@@ -197,11 +198,13 @@ class Backend {
   virtual absl::StatusOr<std::unique_ptr<SlotMirror>> MakeSlotMirror(size_t slot_bytes, int slots,
                                                                      void* host, size_t host_bytes);
   // A new device group's id (on rank 0), and this rank's join of the group `id` of
-  // `world` ranks, waiting at most `timeout` for the others (UNIMPLEMENTED on a backend
-  // without one: the job's peer group carries its sums instead).
+  // `world` ranks, waiting at most `timeout` for the others, or until `abandon` is set
+  // (from any thread: the attempt was aborted; ABORTED). UNIMPLEMENTED on a backend
+  // without one: the job's peer group carries its sums instead.
   virtual absl::StatusOr<std::string> NewGroupId();
   virtual absl::StatusOr<std::unique_ptr<DeviceGroup>> JoinGroup(const std::string& id, int rank,
-                                                                 int world, absl::Duration timeout);
+                                                                 int world, absl::Duration timeout,
+                                                                 const std::atomic<bool>& abandon);
   virtual absl::Status CopyToHost(void* dst, const void* src, size_t bytes) = 0;
   virtual void Zero(void* dst, size_t bytes) = 0;
   // Waits for every op issued so far; reports an asynchronous failure.

@@ -43,7 +43,8 @@ class OpaqueBackend : public Backend {
   // rank-order sums through host copies, with NCCL's deadlines and aborts.
   absl::StatusOr<std::string> NewGroupId() override;
   absl::StatusOr<std::unique_ptr<DeviceGroup>> JoinGroup(const std::string& id, int rank, int world,
-                                                         absl::Duration timeout) override;
+                                                         absl::Duration timeout,
+                                                         const std::atomic<bool>& abandon) override;
   // Its uploads copy at once but check at WaitCopies that the host bytes did not change
   // meanwhile (aborting, naming it), as a GPU's copy stream may read them late; its
   // downloads leave NaNs in the host memory until WaitSlot or WaitCopies lands them, and

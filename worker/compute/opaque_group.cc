@@ -206,9 +206,9 @@ absl::StatusOr<std::string> OpaqueBackend::NewGroupId() {
   return absl::StrCat("opaque-group-", ++next);
 }
 
-absl::StatusOr<std::unique_ptr<DeviceGroup>> OpaqueBackend::JoinGroup(const std::string& id,
-                                                                      int rank, int world,
-                                                                      absl::Duration timeout) {
+absl::StatusOr<std::unique_ptr<DeviceGroup>> OpaqueBackend::JoinGroup(
+    const std::string& id, int rank, int world, absl::Duration timeout,
+    const std::atomic<bool>& abandon) {
   if (world < 1 || rank < 0 || rank >= world) {
     return absl::InvalidArgumentError(absl::StrCat("opaque group: rank ", rank, " of ", world));
   }
@@ -222,8 +222,7 @@ absl::StatusOr<std::unique_ptr<DeviceGroup>> OpaqueBackend::JoinGroup(const std:
       entry = hub;
     }
   }
-  const std::atomic<bool> never{false};
-  RETURN_IF_ERROR(hub->Join(absl::Now() + timeout, never));
+  RETURN_IF_ERROR(hub->Join(absl::Now() + timeout, abandon));
   return std::unique_ptr<DeviceGroup>(new OpaqueDeviceGroup(this, std::move(hub), rank));
 }
 

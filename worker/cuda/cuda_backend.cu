@@ -220,9 +220,10 @@ absl::Status CudaBackend::CopyToHost(void* dst, const void* src, size_t bytes) {
 absl::StatusOr<std::string> CudaBackend::NewGroupId() { return NcclGroup::NewId(); }
 
 absl::StatusOr<std::unique_ptr<compute::DeviceGroup>> CudaBackend::JoinGroup(
-    const std::string& id, int rank, int world, absl::Duration timeout) {
+    const std::string& id, int rank, int world, absl::Duration timeout,
+    const std::atomic<bool>& abandon) {
   absl::StatusOr<std::unique_ptr<NcclGroup>> joined =
-      NcclGroup::Join(id, rank, world, device_, timeout);
+      NcclGroup::Join(id, rank, world, device_, timeout, &abandon);
   if (!joined.ok()) return joined.status();
   return AsDeviceGroup(std::move(*joined), stream_);
 }

@@ -66,9 +66,9 @@ class CudaBackend final : public compute::Backend {
   uint64_t device_bytes() const override { return held_->load(std::memory_order_relaxed); }
   // An NCCL communicator (NcclGroup) on this backend's device and stream.
   absl::StatusOr<std::string> NewGroupId() override;
-  absl::StatusOr<std::unique_ptr<compute::DeviceGroup>> JoinGroup(const std::string& id, int rank,
-                                                                  int world,
-                                                                  absl::Duration timeout) override;
+  absl::StatusOr<std::unique_ptr<compute::DeviceGroup>> JoinGroup(
+      const std::string& id, int rank, int world, absl::Duration timeout,
+      const std::atomic<bool>& abandon) override;
   // DeviceSlots on this backend's device, its uploads ordered before this stream's ops.
   absl::StatusOr<std::unique_ptr<compute::SlotMirror>> MakeSlotMirror(size_t slot_bytes, int slots,
                                                                       void* host,

@@ -47,7 +47,8 @@ absl::StatusOr<std::string> NcclGroup::NewId() {
 
 absl::StatusOr<std::unique_ptr<NcclGroup>> NcclGroup::Join(const std::string& id, int rank,
                                                            int world, int device,
-                                                           absl::Duration timeout) {
+                                                           absl::Duration timeout,
+                                                           const std::atomic<bool>* abandon) {
   const absl::Time deadline = absl::Now() + timeout;
   ncclUniqueId uid;
   if (id.size() != sizeof(uid.internal)) {
@@ -73,7 +74,9 @@ absl::StatusOr<std::unique_ptr<NcclGroup>> NcclGroup::Join(const std::string& id
         absl::StrCat("nccl: rank ", rank, " of ", world, " cannot join: ", NcclError(r)));
   }
   std::unique_ptr<NcclGroup> group(new NcclGroup(comm, rank, world, device));
+  group->join_abandon_ = abandon;  // an aborted attempt's join ends at once
   if (absl::Status ready = group->WaitReady("join", deadline); !ready.ok()) return ready;
+  group->join_abandon_ = nullptr;
   return group;
 }
 
@@ -145,7 +148,7 @@ absl::Status NcclGroup::Poll(const char* op, bool* in_progress) {
 }
 
 absl::Status NcclGroup::StopIfDue(const char* op, absl::Time deadline) {
-  if (abort_requested_) {
+  if (abort_requested_ || (join_abandon_ != nullptr && join_abandon_->load())) {
     return AbortWith(absl::AbortedError(absl::StrCat("nccl: ", op, ": aborted on request")));
   }
   if (absl::Now() >= deadline) {

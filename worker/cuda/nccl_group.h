@@ -37,9 +37,10 @@ class NcclGroup {
   // A new communicator id (128 bytes), made once per group by its rank 0.
   static absl::StatusOr<std::string> NewId();
   // Joins the group `id` as `rank` of `world` on CUDA device `device`; waits until every
-  // rank has joined, at most `timeout`.
-  static absl::StatusOr<std::unique_ptr<NcclGroup>> Join(const std::string& id, int rank, int world,
-                                                         int device, absl::Duration timeout);
+  // rank has joined, at most `timeout`, or until `*abandon` (when given) is set: ABORTED.
+  static absl::StatusOr<std::unique_ptr<NcclGroup>> Join(
+      const std::string& id, int rank, int world, int device, absl::Duration timeout,
+      const std::atomic<bool>* abandon = nullptr);
   ~NcclGroup();
   NcclGroup(const NcclGroup&) = delete;
   NcclGroup& operator=(const NcclGroup&) = delete;
@@ -60,8 +61,8 @@ class NcclGroup {
                         CUstream_st* stream, absl::Duration timeout);
 
   // Asks the thread inside a call to abort the communicator now, or the next call to
-  // abort it before it issues anything (any thread). A Join in progress is not affected:
-  // its deadline bounds it.
+  // abort it before it issues anything (any thread). A Join in progress ends at its
+  // deadline or its `abandon`.
   void RequestAbort() { abort_requested_ = true; }
 
  private:
@@ -90,6 +91,7 @@ class NcclGroup {
   int rank_, world_, device_;
   bool aborted_ = false;
   std::atomic<bool> abort_requested_{false};
+  const std::atomic<bool>* join_abandon_ = nullptr;  // during Join only
 };
 
 // The CUDA backend's compute::DeviceGroup: `group`'s sums and exchanges on `stream` (the

@@ -158,7 +158,7 @@ TEST_F(NcclGroupTest, TheBackendsGroupSumsAndExchangesOnItsStream) {
   absl::StatusOr<std::string> id = b.NewGroupId();
   ASSERT_TRUE(id.ok()) << id.status();
   absl::StatusOr<std::unique_ptr<compute::DeviceGroup>> group =
-      b.JoinGroup(*id, 0, 1, absl::Seconds(60));
+      b.JoinGroup(*id, 0, 1, absl::Seconds(60), std::atomic<bool>{false});
   ASSERT_TRUE(group.ok()) << group.status();
   constexpr int kRows = 64, kC = 48;
   constexpr size_t kBytes = sizeof(float) * kRows * kC;
@@ -200,6 +200,24 @@ TEST_F(NcclGroupTest, AJoinTheOthersNeverMakeEndsAtItsDeadline) {
   });
   EXPECT_EQ(code, absl::StatusCode::kDeadlineExceeded);
   EXPECT_GE(absl::Now() - start, absl::Seconds(2));
+}
+
+// The same join abandoned from another thread (its attempt was aborted): it ends then.
+TEST_F(NcclGroupTest, AnAbandonedJoinEndsAtOnce) {
+  absl::StatusOr<std::string> id = NcclGroup::NewId();
+  ASSERT_TRUE(id.ok()) << id.status();
+  std::atomic<bool> abandon{false};
+  std::thread abandoner([&] {
+    absl::SleepFor(absl::Milliseconds(300));
+    abandon = true;
+  });
+  const absl::Time start = absl::Now();
+  const absl::StatusCode code = Within<absl::StatusCode>(absl::Seconds(60), [&] {
+    return NcclGroup::Join(*id, 0, 2, 0, absl::Seconds(30), &abandon).status().code();
+  });
+  abandoner.join();
+  EXPECT_EQ(code, absl::StatusCode::kAborted);
+  EXPECT_LT(absl::Now() - start, absl::Seconds(15));
 }
 
 // Work the group waits for that does not come (a stream held back): the call ends at its

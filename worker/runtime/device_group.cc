@@ -9,9 +9,9 @@
 
 namespace pith::runtime {
 
-absl::StatusOr<std::unique_ptr<compute::DeviceGroup>> JoinDeviceGroup(compute::Backend& backend,
-                                                                      PeerGroup& peers,
-                                                                      absl::Duration timeout) {
+absl::StatusOr<std::unique_ptr<compute::DeviceGroup>> JoinDeviceGroup(
+    compute::Backend& backend, PeerGroup& peers, absl::Duration timeout,
+    const std::atomic<bool>& abandon) {
   const int world = peers.world(), rank = peers.rank();
   if (world < 2 || backend.host_addressable()) return nullptr;
   std::string id;  // empty: rank 0 has no group to offer
@@ -27,7 +27,7 @@ absl::StatusOr<std::unique_ptr<compute::DeviceGroup>> JoinDeviceGroup(compute::B
   std::unique_ptr<compute::DeviceGroup> group;
   if (!id.empty()) {
     absl::StatusOr<std::unique_ptr<compute::DeviceGroup>> joined =
-        backend.JoinGroup(id, rank, world, timeout);
+        backend.JoinGroup(id, rank, world, timeout, abandon);
     if (joined.ok()) {
       group = std::move(*joined);
     } else {
@@ -54,9 +54,12 @@ absl::Status DeviceGroupSlot::Rejoin(compute::Backend& backend, PeerGroup& peers
   {
     absl::MutexLock lock(&mu_);
     group_.reset();
+    // An abort before this point was the previous attempt's (this one's own ends its peer
+    // group's exchanges below as well).
+    abandon_join_ = false;
   }
   ASSIGN_OR_RETURN(std::unique_ptr<compute::DeviceGroup> group,
-                   JoinDeviceGroup(backend, peers, timeout));
+                   JoinDeviceGroup(backend, peers, timeout, abandon_join_));
   absl::MutexLock lock(&mu_);
   group_ = std::move(group);
   return absl::OkStatus();
@@ -64,6 +67,7 @@ absl::Status DeviceGroupSlot::Rejoin(compute::Backend& backend, PeerGroup& peers
 
 void DeviceGroupSlot::Abort() {
   absl::MutexLock lock(&mu_);
+  abandon_join_ = true;
   if (group_ != nullptr) group_->RequestAbort();
 }
 

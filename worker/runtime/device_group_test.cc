@@ -12,6 +12,7 @@
 #include "gtest/gtest.h"
 #include "worker/compute/cpu_backend.h"
 #include "worker/compute/opaque_backend.h"
+#include "worker/runtime/peer_channels.h"
 #include "worker/runtime/peer_group_testing.h"
 
 namespace pith::runtime {
@@ -20,11 +21,13 @@ namespace {
 // An OpaqueBackend whose joins fail (a second worker on the same GPU, as NCCL sees it).
 class NoJoinBackend : public compute::OpaqueBackend {
  public:
-  absl::StatusOr<std::unique_ptr<compute::DeviceGroup>> JoinGroup(const std::string&, int, int,
-                                                                  absl::Duration) override {
+  absl::StatusOr<std::unique_ptr<compute::DeviceGroup>> JoinGroup(
+      const std::string&, int, int, absl::Duration, const std::atomic<bool>&) override {
     return absl::InvalidArgumentError("duplicate GPU");
   }
 };
+
+const std::atomic<bool> kNever{false};
 
 // Runs `body(rank)` on one thread per rank.
 void OnEveryRank(int n, const std::function<void(int)>& body) {
@@ -38,7 +41,7 @@ TEST(DeviceGroupTest, EveryRankJoinsAndSumsInRankOrder) {
   auto peers = JoinedPeerGroups(kRanks);
   OnEveryRank(kRanks, [&](int r) {
     compute::OpaqueBackend backend(1);
-    auto group = JoinDeviceGroup(backend, *peers[r], absl::Seconds(10));
+    auto group = JoinDeviceGroup(backend, *peers[r], absl::Seconds(10), kNever);
     ASSERT_TRUE(group.ok()) << group.status();
     ASSERT_NE(*group, nullptr);
     auto buffer = backend.Allocate(4 * sizeof(float));
@@ -64,7 +67,7 @@ TEST(DeviceGroupTest, AnExchangeDeliversEachPairsTransfersInOrder) {
   auto value = [](int from, int to, int which) { return 100.0f * from + 10.0f * to + which; };
   OnEveryRank(kRanks, [&](int r) {
     compute::OpaqueBackend backend(1);
-    auto group = JoinDeviceGroup(backend, *peers[r], absl::Seconds(10));
+    auto group = JoinDeviceGroup(backend, *peers[r], absl::Seconds(10), kNever);
     ASSERT_TRUE(group.ok() && *group != nullptr) << group.status();
     std::vector<compute::DeviceBuffer> keep;
     std::vector<compute::DeviceTransfer> sends, recvs;
@@ -124,13 +127,13 @@ TEST(DeviceGroupTest, OneRankThatCannotJoinLeavesEveryRankOnThePeerGroup) {
       backend = std::make_unique<compute::OpaqueBackend>(1);
     }
     // Rank 0's join waits for rank 1 until its deadline: short here.
-    auto group = JoinDeviceGroup(*backend, *peers[r], absl::Milliseconds(300));
+    auto group = JoinDeviceGroup(*backend, *peers[r], absl::Milliseconds(300), kNever);
     ASSERT_TRUE(group.ok()) << group.status();
     EXPECT_EQ(*group, nullptr) << "rank " << r;
   });
   // A backend reading host memory has none, whatever the world.
   compute::CpuBackend cpu(1);
-  auto group = JoinDeviceGroup(cpu, *peers[0], absl::Seconds(1));
+  auto group = JoinDeviceGroup(cpu, *peers[0], absl::Seconds(1), kNever);
   ASSERT_TRUE(group.ok());
   EXPECT_EQ(*group, nullptr);
 }
@@ -141,7 +144,7 @@ TEST(DeviceGroupTest, ASumAPeerNeverJoinsEndsAtItsDeadlineOrAnAbort) {
   ASSERT_TRUE(id.ok());
   std::unique_ptr<compute::DeviceGroup> ga, gb;
   OnEveryRank(2, [&](int r) {
-    auto joined = (r == 0 ? a : b).JoinGroup(*id, r, 2, absl::Seconds(10));
+    auto joined = (r == 0 ? a : b).JoinGroup(*id, r, 2, absl::Seconds(10), kNever);
     ASSERT_TRUE(joined.ok()) << joined.status();
     (r == 0 ? ga : gb) = std::move(*joined);
   });
@@ -163,7 +166,7 @@ TEST(DeviceGroupTest, ASumAPeerNeverJoinsEndsAtItsDeadlineOrAnAbort) {
   auto id2 = a.NewGroupId();
   ASSERT_TRUE(id2.ok());
   OnEveryRank(2, [&](int r) {
-    auto joined = (r == 0 ? a : b).JoinGroup(*id2, r, 2, absl::Seconds(10));
+    auto joined = (r == 0 ? a : b).JoinGroup(*id2, r, 2, absl::Seconds(10), kNever);
     ASSERT_TRUE(joined.ok()) << joined.status();
     (r == 0 ? ga : gb) = std::move(*joined);
   });
@@ -174,6 +177,33 @@ TEST(DeviceGroupTest, ASumAPeerNeverJoinsEndsAtItsDeadlineOrAnAbort) {
   EXPECT_EQ(ga->AllReduceSum(buffer->f32(), 1, absl::Seconds(30)).code(),
             absl::StatusCode::kAborted);
   aborter.join();
+}
+
+// A rank whose attempt is aborted while it waits in the join for a peer that never comes
+// ends the join at once, not at its timeout, and the run goes on without a group.
+TEST(DeviceGroupTest, AnAbortEndsAJoinInProgress) {
+  auto peers = JoinedPeerGroups(2);
+  DeviceGroupSlot slot;
+  OnEveryRank(2, [&](int r) {
+    if (r == 1) {
+      // Rank 1 takes the id and never joins: it says at once that it has no group.
+      auto id = peers[1]->Broadcast(0, channels::DeviceGroupId(), "");
+      ASSERT_TRUE(id.ok()) << id.status();
+      double joined = 0;
+      ASSERT_TRUE(peers[1]->AllReduceSum(&joined, 1, channels::DeviceGroupJoined()).ok());
+      return;
+    }
+    compute::OpaqueBackend backend(1);
+    std::thread aborter([&] {
+      absl::SleepFor(absl::Milliseconds(300));
+      slot.Abort();
+    });
+    const absl::Time start = absl::Now();
+    EXPECT_TRUE(slot.Rejoin(backend, *peers[0], absl::Seconds(30)).ok());
+    EXPECT_LT(absl::Now() - start, absl::Seconds(10)) << "the join waited for its timeout";
+    EXPECT_EQ(slot.group(), nullptr);
+    aborter.join();
+  });
 }
 
 }  // namespace
