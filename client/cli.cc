@@ -242,10 +242,12 @@ absl::Status DataPrepare(const CliContext& ctx, const Args& args, std::ostream& 
   return absl::OkStatus();
 }
 
-// The first field of `model` whose value differs between two specs ("" when none does).
+// The first field of `model` whose value differs between two specs ("" when none does),
+// but compute_dtype: eval and sample compute in fp32 whatever the job trained in.
 std::string FirstModelDifference(const v1::ModelConfig& a, const v1::ModelConfig& b) {
   const google::protobuf::Descriptor* d = v1::ModelConfig::descriptor();
   for (int i = 0; i < d->field_count(); ++i) {
+    if (d->field(i)->name() == "compute_dtype") continue;
     const std::vector<const google::protobuf::FieldDescriptor*> only = {d->field(i)};
     google::protobuf::util::MessageDifferencer differ;
     if (!differ.CompareWithFields(a, b, only, only)) return d->field(i)->name();
@@ -264,16 +266,19 @@ absl::StatusOr<v1::JobSpec> SpecOf(const std::string& spec_flag, const Safetenso
     return UsageError(absl::StrCat(path, " records no job spec: give --spec SPEC.json"));
   }
   v1::JobSpec recorded;
+  absl::Status readable = absl::OkStatus();
   if (it != file.metadata().end()) {
     if (!google::protobuf::util::JsonStringToMessage(it->second, &recorded).ok()) {
-      return absl::DataLossError(absl::StrCat(path, ": unreadable job spec in its metadata"));
+      readable = absl::DataLossError(absl::StrCat(path, ": unreadable job spec in its metadata"));
+    } else {
+      ApplyJobSpecDefaults(&recorded);
+      readable = Annotate(ValidateJobSpec(recorded), absl::StrCat(path, "'s recorded spec"));
     }
-    ApplyJobSpecDefaults(&recorded);
-    RETURN_IF_ERROR(ValidateJobSpec(recorded));
-    if (spec_flag.empty()) return recorded;
+    if (spec_flag.empty()) return readable.ok() ? absl::StatusOr<v1::JobSpec>(recorded) : readable;
   }
   ASSIGN_OR_RETURN(v1::JobSpec given, LoadJobSpec(spec_flag));
-  if (it == file.metadata().end()) return given;
+  // No spec recorded, or one this Pith cannot read (another version's): --spec decides.
+  if (it == file.metadata().end() || !readable.ok()) return given;
   if (const std::string field = FirstModelDifference(given.model(), recorded.model());
       !field.empty()) {
     return UsageError(absl::StrCat("--spec ", spec_flag, " has another model.", field, " than ",

@@ -285,6 +285,23 @@ TEST(CliTest, EvalAndSampleUseACheckpointAndRefuseBadInput) {
     EXPECT_THAT(r.err, HasSubstr("has another model.n_head than")) << r.err;
     ExpectOneErrorLine(r);
   }
+  // compute_dtype is no other model here (eval and sample compute in fp32).
+  const std::string fp32 =
+      WriteTemp("eval_spec_fp32.json",
+                absl::StrReplaceAll(
+                    spec_json, {{"\"d_ff\": 32", "\"d_ff\": 32, \"compute_dtype\": \"fp32\""}}));
+  r = RunPith({"eval", "--spec", fp32, "--checkpoint", recorded, "--tokens", tokens});
+  EXPECT_EQ(r.code, 0) << r.err;
+  // A recorded spec this Pith cannot read (another version's): --spec decides.
+  const std::string unreadable = testing::TempDir() + "/eval_unreadable.safetensors";
+  ASSERT_TRUE(model::SaveHostWeights(layout, zeros.data(), unreadable,
+                                     {{model::kSpecMetadataKey, "{\"model\": {\"future\": 1}}"}})
+                  .ok());
+  r = RunPith({"eval", "--checkpoint", unreadable, "--tokens", tokens});
+  EXPECT_EQ(r.code, 1);
+  EXPECT_THAT(r.err, HasSubstr("unreadable job spec")) << r.err;
+  r = RunPith({"eval", "--spec", spec, "--checkpoint", unreadable, "--tokens", tokens});
+  EXPECT_EQ(r.code, 0) << r.err;
 
   r = RunPith({"eval", "--spec", spec});
   EXPECT_EQ(r.code, 2);

@@ -7,6 +7,7 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/ascii.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "common/compute_dtype.h"
 #include "common/file.h"
@@ -49,7 +50,8 @@ class DuplicateKeyScan {
   }
   bool Stop() const { return !found_.empty() || failed_; }
 
-  // A quoted key or string (either quote; escapes kept as written), or a bare key.
+  // A quoted key or string (either quote; an escape of an ASCII character decoded, as
+  // protobuf decodes it: "\u0073teps" is "steps"), or a bare key.
   bool Key(std::string* out) {
     if (i_ >= s_.size()) return false;
     const char quote = s_[i_];
@@ -61,8 +63,20 @@ class DuplicateKeyScan {
       return !out->empty();
     }
     for (++i_; i_ < s_.size() && s_[i_] != quote; ++i_) {
-      if (s_[i_] == '\\' && i_ + 1 < s_.size()) out->push_back(s_[i_++]);
-      out->push_back(s_[i_]);
+      if (s_[i_] != '\\' || i_ + 1 >= s_.size()) {
+        out->push_back(s_[i_]);
+        continue;
+      }
+      const char e = s_[++i_];
+      unsigned code = 0;
+      if (e == 'u' && i_ + 4 < s_.size() && absl::SimpleHexAtoi(s_.substr(i_ + 1, 4), &code) &&
+          code < 0x80) {
+        out->push_back(static_cast<char>(code));
+        i_ += 4;
+      } else {
+        out->push_back('\\');  // any other escape: kept as written (no field has one)
+        out->push_back(e);
+      }
     }
     if (i_ >= s_.size()) return false;
     ++i_;

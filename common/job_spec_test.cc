@@ -162,6 +162,9 @@ TEST(JobSpecTest, AKeyGivenTwiceIsRefused) {
               StartsWith("JobSpec model.nLayer: given twice"));
   EXPECT_THAT(ErrorFor("\"name\": \"demo\"", "\"name\": \"a\", \"name\": \"b\""),
               StartsWith("JobSpec name: given twice"));
+  // An escaped name is the same name to protobuf.
+  EXPECT_THAT(ErrorFor("\"steps\": 300", "\"steps\": 7, \"\\u0073teps\": 300"),
+              StartsWith("JobSpec train.steps: given twice"));
   EXPECT_THAT(ErrorFor("\"cluster\": {", "\"cluster\": {}, \"cluster\": {"),
               StartsWith("JobSpec cluster: given twice"));
   // The same name in two different objects is no duplicate; strings holding braces, quotes

@@ -38,6 +38,8 @@ std::vector<std::string> InitProcess(int argc, char** argv, absl::string_view us
   absl::SetFlagsUsageConfig(usage_config);
   // absl::ParseCommandLine, but --help and --version exit 0: asked for, they are no
   // failure (Abseil exits 1 after help). Bad flags still exit 1 with Abseil's message.
+  // ParseCommandLineImpl is Abseil's internal API as of Debian 12's 20220623 (newer
+  // releases offer absl::ParseAbseilFlagsOnly for this).
   std::vector<char*> positional = absl::flags_internal::ParseCommandLineImpl(
       argc, argv, absl::flags_internal::ArgvListAction::kRemoveParsedArgs,
       absl::flags_internal::UsageFlagsAction::kIgnoreUsage,

@@ -107,7 +107,7 @@ echo "== tests (every test of the GPU-only build)"
 limited 300 ctest --test-dir "$build" --output-on-failure 2>&1 | tee "$out/ctest.log"
 tests_rc=${PIPESTATUS[0]}
 grep -E "tests passed|tests failed" "$out/ctest.log" | while read -r line; do said "$line"; done
-grep -E "^[[:space:]]*[0-9]+ - .*\(Failed|Timeout|Not Run" "$out/ctest.log" |
+grep -E '^[[:space:]]*[0-9]+ - .*\((Failed|Timeout|Not Run)\)' "$out/ctest.log" |
   while read -r line; do said "failed: $line"; done
 sanitizer=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
 # The hand-written kernels' own checks once more under compute-sanitizer (the cuBLAS
@@ -124,8 +124,12 @@ sanitize() {
     >"$out/sanitizer-$tool.log" 2>&1
   local rc=$? errors
   errors=$(grep -oE "ERROR SUMMARY: [0-9]+" "$out/sanitizer-$tool.log" | tail -1 | grep -oE "[0-9]+$")
-  if ((rc == 124 || rc == 137)) || [[ -z $errors ]]; then  # slow under the tool, or no budget
+  if ((rc == 124 || rc == 137)); then  # slow under the tool, or out of the budget
     said "compute-sanitizer $tool: timed out or skipped (rc $rc), not counted"
+  elif [[ -z $errors ]]; then  # it did not run (a launch failure, a driver it cannot use)
+    said "compute-sanitizer $tool: no ERROR SUMMARY (rc $rc; sanitizer-$tool.log)"
+    tail -5 "$out/sanitizer-$tool.log"
+    return 1
   elif ((errors == 0)); then
     said "compute-sanitizer $tool: clean"
   else
@@ -135,7 +139,7 @@ sanitize() {
   fi
 }
 # Out-of-bounds accesses fail the run; shared-memory races (racecheck: slow on the deep
-# cp.async pipelines) run last, with what time is left, reported only.
+# cp.async pipelines) are looked for last, with what time is left, reported only.
 sanitize memcheck 120 || tests_rc=1
 tested=$(date +%s)
 said "tests $((tested - built)) s (rc $tests_rc)"
@@ -168,11 +172,10 @@ if [[ -f .gpu-cluster/pith-cluster.tar.gz ]]; then
 else
   echo "cluster skipped: no .gpu-cluster/pith-cluster.tar.gz (tests/gpu/cluster_bundle.sh)" |
     tee "$out/cluster.log"
+  said "cluster: skipped, no bundle"
   cluster_rc=0
 fi
 end=$(date +%s)
-PITH_GPU_RACECHECK=${PITH_GPU_RACECHECK:-1}
-((PITH_GPU_RACECHECK)) && { sanitize racecheck 90 || true; }
 
 # Pith's fp32 layer against PyTorch's fp32 loop (the same precision); Pith's bf16 layer
 # against PyTorch's best (bf16 torch._grouped_mm where it exists).
@@ -224,6 +227,8 @@ grep -vE "^(expert_|moe_layer|gpu_bench on)" "$out/bench.log" | head -20 |
   while read -r line; do said "bench: $line"; done
 grep -E "^moe_layer_vs_torch|failed|unavailable|skipped" "$out/torch.log" |
   while read -r line; do said "$line"; done
+# Last: nothing after it is lost when the device call's limit cuts it short.
+[[ ${PITH_GPU_RACECHECK:-1} != 0 ]] && { sanitize racecheck 90 || true; }
 echo "== summary (also in summary.txt)"
 cat "$out/summary.txt"
 [[ $tests_rc == 0 && $bench_rc == 0 && $torch_rc == 0 && $cluster_rc == 0 ]]
