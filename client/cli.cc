@@ -12,6 +12,7 @@
 #include <fstream>
 #include <functional>
 #include <map>
+#include <set>
 
 #include "absl/status/status.h"
 #include "absl/strings/cord.h"
@@ -353,54 +354,74 @@ absl::Status Version(const CliContext& ctx, const Args& args, std::ostream& out)
 }  // namespace
 }  // namespace cli
 
-int RunCli(const std::vector<std::string>& raw_args, std::ostream& out, std::ostream& err) {
-  // Flags of every job command, anywhere on the line.
-  cli::CliContext ctx;
+namespace cli {
+namespace {
+
+// A job commands' flag (--coordinator, --output, --tls_dir, --token) into `ctx`.
+absl::Status SetJobFlag(CliContext& ctx, const std::string& flag, const std::string& value) {
+  if (value.empty()) return UsageError(flag + " needs a value, not an empty one");
+  if (flag == "--coordinator") {
+    ctx.coordinator = value;
+  } else if (flag == "--tls_dir") {
+    ctx.tls_dir = value;
+  } else if (flag == "--token") {
+    ctx.token = value;
+  } else if (value == "json" || value == "text") {
+    ctx.json = value == "json";
+  } else {
+    return UsageError("--output is json or text, not " + value);
+  }
+  return absl::OkStatus();
+}
+
+// The command line as a command and its arguments: the job commands' flags, anywhere,
+// go to `ctx`; a command's --flag=value becomes --flag value (as the servers' flags are
+// written); what follows a command's flag that takes a value is that value as written,
+// whatever it looks like (`--prompt "--token=x"`, `--prompt --help`): `values` gets the
+// indices of those.
+absl::StatusOr<std::vector<std::string>> CommandLine(const std::vector<std::string>& raw,
+                                                     CliContext& ctx, std::set<size_t>& values) {
+  static const std::set<std::string> kSwitches = {"--force", "--no-wait", "--revoke", "--help"};
   std::vector<std::string> args;
-  for (size_t i = 0; i < raw_args.size(); ++i) {
-    const std::string& a = raw_args[i];
-    std::string value;
-    bool has_value = false;
-    for (const char* flag : {"--coordinator", "--output", "--tls_dir", "--token"}) {
-      if (a == flag || absl::StartsWith(a, std::string(flag) + "=")) {
-        if (a == flag) {
-          if (i + 1 == raw_args.size()) {
-            err << "pith: " << flag << " needs a value\n";
-            return 2;
-          }
-          value = raw_args[++i];
-        } else {
-          value = a.substr(std::strlen(flag) + 1);
-        }
-        has_value = true;
-        if (value.empty()) {
-          err << "pith: " << flag << " needs a value, not an empty one\n";
-          return 2;
-        }
-        if (std::string(flag) == "--coordinator") {
-          ctx.coordinator = value;
-        } else if (std::string(flag) == "--tls_dir") {
-          ctx.tls_dir = value;
-        } else if (std::string(flag) == "--token") {
-          ctx.token = value;
-        } else if (value == "json" || value == "text") {
-          ctx.json = value == "json";
-        } else {
-          err << "pith: --output is json or text, not " << value << "\n";
-          return 2;
-        }
-      }
+  bool value_next = false;
+  for (size_t i = 0; i < raw.size(); ++i) {
+    const std::string& a = raw[i];
+    if (value_next) {
+      values.insert(args.size());
+      args.push_back(a);
+      value_next = false;
+      continue;
     }
-    if (has_value) continue;
-    // A command's --flag=value is --flag value (as the servers' flags are written).
     const size_t eq = a.find('=');
-    if (absl::StartsWith(a, "--") && eq != std::string::npos) {
-      args.push_back(a.substr(0, eq));
+    const std::string name = a.substr(0, eq);
+    if (name == "--coordinator" || name == "--output" || name == "--tls_dir" || name == "--token") {
+      if (eq == std::string::npos && i + 1 == raw.size())
+        return UsageError(name + " needs a value");
+      RETURN_IF_ERROR(SetJobFlag(ctx, name, eq == std::string::npos ? raw[++i] : a.substr(eq + 1)));
+    } else if (absl::StartsWith(a, "--") && eq != std::string::npos) {
+      args.push_back(name);
+      values.insert(args.size());
       args.push_back(a.substr(eq + 1));
     } else {
+      value_next = absl::StartsWith(a, "--") && a != "--version" && !kSwitches.count(a);
       args.push_back(a == "--version" ? "version" : a);
     }
   }
+  return args;
+}
+
+}  // namespace
+}  // namespace cli
+
+int RunCli(const std::vector<std::string>& raw_args, std::ostream& out, std::ostream& err) {
+  cli::CliContext ctx;
+  std::set<size_t> values;  // the arguments that are a flag's value
+  absl::StatusOr<std::vector<std::string>> line = cli::CommandLine(raw_args, ctx, values);
+  if (!line.ok()) {
+    err << "pith: " << line.status().message() << "\n";
+    return 2;
+  }
+  const std::vector<std::string>& args = *line;
   // Commands are named by one or two words ("version", "spec check").
   static const std::map<std::string, cli::Command> kCommands = {
       {"spec check", cli::SpecCheck},
@@ -421,8 +442,10 @@ int RunCli(const std::vector<std::string>& raw_args, std::ostream& out, std::ost
       {"certs", cli::Certs},
       {"token", cli::Token},
   };
-  const bool asks_help = std::any_of(
-      args.begin(), args.end(), [](const std::string& a) { return a == "--help" || a == "-h"; });
+  bool asks_help = false;
+  for (size_t i = 0; i < args.size(); ++i) {
+    asks_help |= !values.count(i) && (args[i] == "--help" || args[i] == "-h");
+  }
   if (args.empty() || args[0] == "help" || asks_help) {
     (args.empty() ? err : out) << cli::kUsage;
     return args.empty() ? 2 : 0;

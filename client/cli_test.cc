@@ -250,6 +250,13 @@ TEST(CliTest, EvalAndSampleUseACheckpointAndRefuseBadInput) {
                "5", "--temperature", "0"});
   ASSERT_EQ(r.code, 0) << r.err;
   EXPECT_EQ(r.out, std::string("abc") + std::string(5, '\0') + "\n");
+  // A flag's value is taken as written, whatever it looks like.
+  for (const char* prompt : {"--token=x", "--help", "--coordinator", "--x=y", "--version"}) {
+    r = RunPith(
+        {"sample", "--spec", spec, "--checkpoint", weights, "--prompt", prompt, "--tokens", "0"});
+    EXPECT_EQ(r.code, 0) << prompt << ": " << r.err;
+    EXPECT_EQ(r.out, std::string(prompt) + "\n");
+  }
   r = RunPith({"sample", "--spec", spec, "--checkpoint", weights, "--prompt", "abc",
                "--temperature", "-1"});
   EXPECT_EQ(r.code, 2);
