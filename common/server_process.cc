@@ -31,6 +31,7 @@ absl::Status RunServerProcess(const ServerProcessOptions& options, MetricsRegist
 
   const int sig = signals.Wait();
   LOG(INFO) << "pith-" << options.component << " stopping on signal " << sig;
+  if (options.on_stopping) options.on_stopping();
   server->Shutdown();
   return absl::OkStatus();
 }

@@ -32,6 +32,9 @@ struct ServerProcessOptions {
   std::map<std::string, HttpHandler> http_routes;
   // Called once both endpoints are up, with their bound ports.
   std::function<void(int grpc_port, int metrics_port)> on_ready;
+  // Called at the shutdown signal, before the gRPC server stops taking calls (its running
+  // calls get 5 s): what must not go on without them (the coordinator's lease checks).
+  std::function<void()> on_stopping;
 };
 
 // Runs the server until `signals` reports SIGTERM or SIGINT (`signals` must have been

@@ -242,7 +242,10 @@ int main(int argc, char** argv) {
        .metrics_host = absl::GetFlag(FLAGS_metrics_listen),
        .credentials = security->ServerCredentials(),
        .services = {&job_service, &coordinator_service},
-       .http_routes = pith::coordinator::DashboardRoutes(jobs->get(), &history, &job_service)},
+       .http_routes = pith::coordinator::DashboardRoutes(jobs->get(), &history, &job_service),
+       // No member is judged once heartbeats go unanswered: the restarted coordinator
+       // finds the schedule as it was (a job is not aborted for stores that were alive).
+       .on_stopping = [&scheduler] { scheduler.Stop(); }},
       metrics, signals);
   return pith::ExitStatus("pith-coordinator", status);
 }

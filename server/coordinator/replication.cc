@@ -124,15 +124,20 @@ Replication::Replication(MetricsRegistry* metrics) {
 
 bool Replication::ApplyCopies(const v1::Job& job, int64_t committed, const Alive& alive,
                               const std::optional<HeatMap>& heat, JobCopies& copies,
-                              v1::PlacementTable& placement) {
+                              v1::PlacementTable& placement, std::string* why) {
   Entries entries;
   for (v1::ExpertPlacement& e : *placement.mutable_experts()) {
     entries[GroupOf(e.layer(), e.expert())] = &e;
   }
-  bool changed = DropMissedJoins(copies, entries);
-  changed |= PromoteFinishedCopies(alive, copies, entries);
-  changed |= AddRequestedJoins(committed, alive, copies, entries);
-  changed |= DropSurplusCopies(job, alive, heat, entries);
+  bool changed = false;
+  const auto step = [&](bool step_changed, const char* what) {
+    changed |= step_changed;
+    if (step_changed && why != nullptr) absl::StrAppend(why, why->empty() ? "" : ", ", what);
+  };
+  step(DropMissedJoins(copies, entries), "joins that missed a commit dropped");
+  step(PromoteFinishedCopies(alive, copies, entries), "finished copies joined");
+  step(AddRequestedJoins(committed, alive, copies, entries), "stores joined groups");
+  step(DropSurplusCopies(job, alive, heat, entries), "surplus copies dropped");
   return changed;
 }
 

@@ -77,10 +77,11 @@ class Replication {
   // At a step boundary of `job` (its step `committed` just committed on
   // `copies.committed_on`): joining stores that missed the commit leave, finished copies
   // join `placement` as readers, requested joins are added, surplus copies leave. `heat`
-  // is the job's heat snapshot (for hot experts). Returns whether `placement` changed.
+  // is the job's heat snapshot (for hot experts). Returns whether `placement` changed;
+  // `why`, when given, gets what changed ("2 joins added, 1 copy done", for the log).
   static bool ApplyCopies(const v1::Job& job, int64_t committed, const Alive& alive,
                           const std::optional<HeatMap>& heat, JobCopies& copies,
-                          v1::PlacementTable& placement);
+                          v1::PlacementTable& placement, std::string* why = nullptr);
 
   // For a running job at committed step `committed`: a group short of a desired store gets
   // a join request for it (one new copy of a group at a time), and a joining store with no

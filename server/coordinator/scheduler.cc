@@ -30,8 +30,10 @@ Scheduler::Scheduler(JobRegistry* jobs, Membership* members, HeatRegistry* heat,
   }
 }
 
-Scheduler::~Scheduler() {
-  stop_.Notify();
+Scheduler::~Scheduler() { Stop(); }
+
+void Scheduler::Stop() {
+  if (!stop_.HasBeenNotified()) stop_.Notify();
   if (loop_.joinable()) loop_.join();
   if (replicator_.joinable()) replicator_.join();
   if (collector_.joinable()) collector_.join();

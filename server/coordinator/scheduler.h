@@ -98,8 +98,13 @@ class Scheduler {
   // version is bumped and its heat restored. Call once, before Start.
   absl::Status Recover() ABSL_LOCKS_EXCLUDED(mu_);
   // Runs Tick every `period` on its own thread, the replicator on another and the garbage
-  // collector (every gc_period) on a third, until destruction.
+  // collector (every gc_period) on a third, until Stop or destruction.
   void Start(absl::Duration period);
+  // Ends those threads (after the pass in progress); idempotent. A coordinator that is
+  // shutting down stops them first: once it serves no heartbeat, every member's lease
+  // would lapse and be judged a death, and that judgment would outlive the restart.
+  // Not from one of those threads.
+  void Stop();
   // One pass: expires leases, reacts to dead members and ended jobs, finishes pending
   // commits, schedules pending jobs.
   void Tick() ABSL_LOCKS_EXCLUDED(mu_);

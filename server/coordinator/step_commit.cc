@@ -469,9 +469,10 @@ void Scheduler::FinishCommitLocked(const std::string& job_id, Run& run) {
 void Scheduler::AdvancePlacementLocked(const std::string& job_id, Run& run, const v1::Job& job,
                                        int64_t step) {
   const v1::PlacementTable before = run.record.placement();
+  std::string why;
   bool changed = Replication::ApplyCopies(job, run.committed, ForJob(Snapshot(*members_), run),
                                           heat_->Snapshot(job_id), run.copies,
-                                          *run.record.mutable_placement());
+                                          *run.record.mutable_placement(), &why);
   const int every = std::max(1, job.spec().cluster().replication().replan_every());
   if (step >= 1 && step % every == 0) {
     // Heat is durable at each re-plan boundary; a new placement applies from the next step.
@@ -486,6 +487,7 @@ void Scheduler::AdvancePlacementLocked(const std::string& job_id, Run& run, cons
     if (ReplanPays(run.record.placement(), next, heat)) {
       *run.record.mutable_placement() = std::move(next);
       changed = true;
+      absl::StrAppend(&why, why.empty() ? "" : ", ", "compute re-planned from the heat");
     }
   }
   if (changed) {
@@ -498,7 +500,8 @@ void Scheduler::AdvancePlacementLocked(const std::string& job_id, Run& run, cons
       j.set_placement_epoch(epoch);
       return absl::OkStatus();
     });
-    LOG(INFO) << "job " << job_id << ": placement epoch " << epoch << " from step " << step + 1;
+    LOG(INFO) << "job " << job_id << ": placement epoch " << epoch << " from step " << step + 1
+              << " (" << why << ")";
   }
   if (changed || (step >= 1 && step % every == 0)) UpdateMetricsLocked(job, run);
   absl::Status s = PersistLocked(run);

@@ -172,6 +172,11 @@ PIDS+=("$watcher")
 for _ in $(seq 100); do [[ -s $E2E_TMP/watch-single.txt ]] && break; sleep 0.1; done
 [[ -s $E2E_TMP/watch-single.txt ]] || fail "pith watch printed nothing within 10 s"
 "$PITH" down >/dev/null || fail "pith down with $job running"
+# The coordinator judged no member while it stopped (the watch's stream kept its gRPC
+# server up to 5 s without heartbeats: every store's lease lapsed, and the job used to be
+# aborted for "dead" stores, that judgment kept across the restart).
+judged=$(sed -n '/stopping on signal/,$p' "$PITH_HOME/coordinator.log" | grep -E "aborted|waits for" || true)
+[[ -z $judged ]] || fail "the stopping coordinator judged members: $judged"
 "$PITH" up >/dev/null || fail "pith up after down with $job running"
 for _ in $(seq 120); do
   (($(step_of "$job") >= 20)) && break
