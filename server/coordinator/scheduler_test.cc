@@ -1004,6 +1004,33 @@ TEST_F(SchedulerTest, ARestartMidCommitFinishesTheCommitAndKeepsTheSchedule) {
   CommitStep(job.job_id(), 2, {w0, w1});
 }
 
+// The commit a restart finishes has no figures (its reports went to the process before):
+// the job keeps those of its last step, not zeros that `pith watch` would show.
+TEST_F(SchedulerTest, ACommitARestartFinishedKeepsTheJobsFigures) {
+  const v1::Job job = Submit(1, 300);
+  const std::string s0 = Join(v1::MEMBER_ROLE_STORE);
+  const std::string w0 = Join(v1::MEMBER_ROLE_WORKER);
+  scheduler_->Tick();
+  CommitStep(job.job_id(), 0, {w0});
+  now_ += absl::Seconds(1);
+  CommitStep(job.job_id(), 1, {w0});  // loss 4
+  const v1::Job before = Job(job.job_id());
+  ASSERT_EQ(before.last_loss(), 4.0);
+  ASSERT_GT(before.tokens_per_second(), 0);
+  stores_.fail_commits = true;
+  ASSERT_TRUE(Report(job.job_id(), w0, 2, true, 3.0).ok());
+
+  Open();
+  stores_.fail_commits = false;
+  Join(v1::MEMBER_ROLE_STORE, s0);
+  Join(v1::MEMBER_ROLE_WORKER, w0);
+  scheduler_->Tick();  // finishes the commit
+  const v1::Job after = Job(job.job_id());
+  EXPECT_EQ(after.committed_step(), 2);
+  EXPECT_EQ(after.last_loss(), before.last_loss());
+  EXPECT_EQ(after.tokens_per_second(), before.tokens_per_second());
+}
+
 // After a restart, a store that came back behind the job's committed step (it lost
 // commits) would serve stale versions as current: the job loses it, and its groups stay
 // on the other copies.
@@ -1207,7 +1234,7 @@ TEST_F(StoreLapseTest, TheJobWaitsForTheStoreAndGoesOnWhenItIsBack) {
     ASSERT_EQ(Job(job_).state(), v1::JOB_STATE_RUNNING) << Job(job_).failure_reason();
     EXPECT_EQ(Job(job_).pending_reason(),
               "waiting up to 30s for store " + s0_ +
-                  ", which died holding the only copies of some of its data");  // pith status
+                  ", which died holding data no live store has a copy of");  // pith status
     auto a = scheduler_->GetAssignment(w0_);
     EXPECT_EQ(a.status().code(), absl::StatusCode::kUnavailable);
     EXPECT_THAT(std::string(a.status().message()), ::testing::HasSubstr(s0_));
