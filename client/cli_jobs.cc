@@ -32,9 +32,15 @@ std::string JobLine(const v1::Job& j) {
           ? absl::StrFormat("loss %.4f  %.0f tokens/s  cache hit %.2f", j.last_loss(),
                             j.tokens_per_second(), j.cache_hit_rate())
           : "no step trained yet";
-  return absl::StrFormat("%-24s %-10s step %d/%d  %s%s", j.job_id(), StateName(j.state()),
+  // A job running on fewer workers than it asks (one died and no other was free) says so.
+  const int want = std::max(1, j.spec().cluster().workers());
+  const std::string short_of =
+      j.state() == v1::JOB_STATE_RUNNING && j.workers() > 0 && j.workers() < want
+          ? absl::StrFormat("  (%d of %d workers)", j.workers(), want)
+          : "";
+  return absl::StrFormat("%-24s %-10s step %d/%d  %s%s%s", j.job_id(), StateName(j.state()),
                          std::max<int64_t>(0, j.committed_step()), j.spec().train().steps(),
-                         figures,
+                         figures, short_of,
                          j.failure_reason().empty()
                              ? (j.pending_reason().empty() ? "" : "  (" + j.pending_reason() + ")")
                              : "  (" + j.failure_reason() + ")");

@@ -1,5 +1,6 @@
 #include "client/cli.h"
 
+#include <stdlib.h>
 #include <sys/stat.h>
 
 #include <filesystem>
@@ -11,16 +12,19 @@
 #include "absl/strings/str_replace.h"
 #include "absl/strings/str_split.h"
 #include "common/file.h"
+#include "common/grpc_util.h"
 #include "common/job_spec.h"
 #include "common/param_layout.h"
 #include "common/safetensors.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "pith/v1/job.grpc.pb.h"
 
 namespace pith {
 namespace {
 
 using ::testing::HasSubstr;
+using ::testing::Not;
 using ::testing::StartsWith;
 
 struct Result {
@@ -186,6 +190,38 @@ TEST(CliTest, AMistypedFlagIsAUsageErrorNotAJobId) {
     EXPECT_THAT(r.err, HasSubstr(args[0] + ": unknown flag -"));
     ExpectOneErrorLine(r);
   }
+}
+
+// A coordinator that knows one job.
+class OneJobService final : public v1::JobService::Service {
+ public:
+  grpc::Status GetJob(grpc::ServerContext*, const v1::GetJobRequest*, v1::Job* reply) override {
+    *reply = job;
+    return grpc::Status::OK;
+  }
+  v1::Job job;
+};
+
+TEST(CliTest, StatusSaysAJobRunsShortOfWorkers) {
+  ::setenv("PITH_HOME", (::testing::TempDir() + "/cli_status_home").c_str(), 1);  // no cluster
+  OneJobService service;
+  service.job.set_job_id("demo-1");
+  service.job.set_state(v1::JOB_STATE_RUNNING);
+  service.job.set_committed_step(5);
+  service.job.mutable_spec()->mutable_train()->set_steps(10);
+  service.job.mutable_spec()->mutable_cluster()->set_workers(2);
+  service.job.set_workers(1);
+  auto server = GrpcServer::Start({.listen_address = "127.0.0.1:0", .services = {&service}});
+  ASSERT_TRUE(server.ok()) << server.status();
+  const std::string address = absl::StrCat("127.0.0.1:", (*server)->port());
+  Result r = RunPith({"--coordinator", address, "status", "demo-1"});
+  ASSERT_EQ(r.code, 0) << r.err;
+  EXPECT_THAT(r.out, HasSubstr("step 5/10  loss 0.0000"));
+  EXPECT_THAT(r.out, HasSubstr("(1 of 2 workers)")) << r.out;
+  service.job.set_workers(2);
+  r = RunPith({"--coordinator", address, "status", "demo-1"});
+  EXPECT_THAT(r.out, Not(HasSubstr("workers)"))) << r.out;
+  ::unsetenv("PITH_HOME");
 }
 
 TEST(CliTest, HelpAfterACommandPrintsTheUsage) {
