@@ -75,13 +75,12 @@ bool Scheduler::WaitForStoreLocked(const std::string& job_id, Run& run, const Al
   }
   if (run.awaited_store != awaited) {
     LOG(WARNING) << "job " << job_id << " waits for store " << awaited
-                 << ", which died holding the only copies of some of its data (for at most "
+                 << ", which died holding data no live store has a copy of (for at most "
                  << absl::FormatDuration(kStoreRestartGrace) << ")";
     run.awaited_store = awaited;
-    NoteWaitLocked(
-        job_id,
-        absl::StrCat("waiting up to ", absl::FormatDuration(kStoreRestartGrace), " for store ",
-                     awaited, ", which died holding the only copies of some of its data"));
+    NoteWaitLocked(job_id, absl::StrCat("waiting up to ", absl::FormatDuration(kStoreRestartGrace),
+                                        " for store ", awaited,
+                                        ", which died holding data no live store has a copy of"));
     if (run.wait_started_ms < 0) run.wait_started_ms = NowMs();
     run.failed_attempts = 0;  // those of the store's last seconds do not count
     AbortLocked(run, absl::StrCat("waiting for store ", awaited), aborts);

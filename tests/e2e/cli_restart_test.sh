@@ -96,7 +96,7 @@ done
 kill -CONT "${stores[@]}"
 trap "$on_exit" EXIT
 if (($(grep -c "waits for store" "$PITH_HOME/coordinator.log" || true) > awaited)); then
-  grep -q "waiting up to 30s for store store-.*, which died holding the only copies" \
+  grep -q "waiting up to 30s for store store-.*, which died holding data no live store has" \
     "$E2E_TMP/stall-status.txt" ||
     fail "pith status did not say the job waits for a store: $(tail -2 "$E2E_TMP/stall-status.txt")"
 fi
