@@ -424,10 +424,10 @@ void Scheduler::FinishCommitLocked(const std::string& job_id, Run& run) {
   absl::StatusOr<v1::Job> job = jobs_->Update(job_id, [&](v1::Job& j) {
     j.set_committed_step(step);
     j.clear_pending_reason();  // a wait for a store (even one from before a restart) is over
-    // The step's figures, where its workers' reports reached this process: a commit a
-    // restart finished has none (its reports went to the process before), and its job
-    // keeps the figures it had, not zeros (a watch would show loss 0.0000, 0 tokens/s).
-    if (step >= 1 && run.tokens > 0) {
+    // The step's figures, where rank 0's report reached this process: a commit a restart
+    // finished may have none (the reports went to the process before), and its job keeps
+    // the figures it had, not zeros (a watch would show loss 0.0000, 0 tokens/s).
+    if (step >= 1 && !run.rank0.worker_id().empty()) {
       j.set_last_loss(run.rank0.loss());
       j.set_last_ce(run.rank0.ce());
       j.set_last_lr(run.rank0.lr());
