@@ -234,14 +234,20 @@ absl::Status Checkpoint(const CliContext& ctx, const Args& args, std::ostream& o
 
 namespace {
 
-// The heat as an SVG: a layer x expert grid, darker = hotter (per layer), each cell
-// labelled with its compute and store replica counts.
-std::string HeatSvg(const v1::ExpertHeatResponse& heat) {
+// (layers, experts) of the heat's layer x expert grid.
+std::pair<int, int> GridOf(const v1::ExpertHeatResponse& heat) {
   int layers = 0, experts = 0;
   for (const auto& e : heat.experts()) {
     layers = std::max(layers, e.expert().layer() + 1);
     experts = std::max(experts, e.expert().expert() + 1);
   }
+  return {layers, experts};
+}
+
+// The heat as an SVG: a layer x expert grid, darker = hotter (per layer), each cell
+// labelled with its compute and store replica counts.
+std::string HeatSvg(const v1::ExpertHeatResponse& heat) {
+  const auto [layers, experts] = GridOf(heat);
   // A placed expert has a store; an ended job's placement is gone (every count 0), so its
   // cells show how often each expert was fetched instead of replicas it no longer has.
   bool placed = false;
@@ -303,11 +309,7 @@ absl::Status Experts(const CliContext& ctx, const Args& args, std::ostream& out)
   if (ctx.json) {
     out << Json(heat) << "\n";
   } else {
-    int layers = 0, experts = 0;
-    for (const auto& e : heat.experts()) {
-      layers = std::max(layers, e.expert().layer() + 1);
-      experts = std::max(experts, e.expert().expert() + 1);
-    }
+    const int layers = GridOf(heat).first;
     out << absl::StrFormat("job %s, heat after step %d, placement epoch %d\n", heat.job_id(),
                            heat.step(), heat.placement_epoch());
     for (int l = 0; l < layers; ++l) {

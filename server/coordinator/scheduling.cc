@@ -212,13 +212,17 @@ void Scheduler::RepairRunLocked(const std::string& job_id, Run& run, const v1::J
   const std::vector<std::string> idle =
       IdleWorkersLocked(alive, job, kept, false, run.record.backend());
   const bool grow = static_cast<int>(kept.size()) < want && !idle.empty();
+  // A job no worker trains says so (pith status); `why`: how it came to have none.
+  const auto note_workers = [&](const std::string& why) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    if (kept.empty() == run.no_workers) return;
+    run.no_workers = kept.empty();
+    NoteWaitLocked(job_id, kept.empty() ? absl::StrCat("waiting for a worker: ", why,
+                                                       ", and the job goes on from its last "
+                                                       "step when one joins")
+                                        : "");
+  };
   if (lost.empty() && !stores_lost && !grow) {
-    if (kept.empty() && !run.no_workers) {  // reloaded by a restarted coordinator so
-      run.no_workers = true;
-      NoteWaitLocked(job_id,
-                     "waiting for a worker: none is free, and the job goes on from its "
-                     "last step when one joins");
-    }
+    note_workers("none is free");  // a job a restarted coordinator reloaded with none
     return;
   }
   std::string reason = lost.empty() ? (stores_lost ? "a store died or was lost" : "a worker joined")
@@ -230,13 +234,7 @@ void Scheduler::RepairRunLocked(const std::string& job_id, Run& run, const v1::J
     kept.push_back(idle[i]);
     worker_job_[idle[i]] = job_id;
   }
-  if (kept.empty() != run.no_workers) {  // a job no worker trains says so (pith status)
-    run.no_workers = kept.empty();
-    NoteWaitLocked(job_id, kept.empty() ? absl::StrCat("waiting for a worker: ", reason,
-                                                       ", no other is free, and the job goes "
-                                                       "on from its last step when one joins")
-                                        : "");
-  }
+  note_workers(absl::StrCat(reason, ", no other is free"));
   run.record.clear_workers();
   for (const std::string& w : kept) {
     run.record.add_workers(w);

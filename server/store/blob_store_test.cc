@@ -50,6 +50,20 @@ std::vector<uint8_t> Bytes(size_t n, uint32_t seed) {
   return v;
 }
 
+// Forwards to a MemoryColdTier, calling `before_put` with the bytes of each PutData first.
+class HookedTier final : public ForwardingColdTier {
+ public:
+  HookedTier(MemoryColdTier* tier, std::function<void(absl::Span<const uint8_t>)> before_put)
+      : ForwardingColdTier(tier), before_put_(std::move(before_put)) {}
+  absl::Status PutData(absl::string_view k, int64_t v, absl::Span<const uint8_t> b) override {
+    before_put_(b);
+    return ForwardingColdTier::PutData(k, v, b);
+  }
+
+ private:
+  const std::function<void(absl::Span<const uint8_t>)> before_put_;
+};
+
 class BlobStoreTest : public ::testing::Test {
  protected:
   void Open(uint64_t ram_bytes = 4 << 20, uint64_t admission_window = 4096) {
@@ -64,6 +78,15 @@ class BlobStoreTest : public ::testing::Test {
     store_ = std::move(*store);
   }
   void SetUp() override { Open(); }
+  // Open's store again over the same tier, each PutData first passing its bytes to
+  // `before_put` (a write held inside the cold tier).
+  void OpenHooked(std::function<void(absl::Span<const uint8_t>)> before_put) {
+    store_.reset();
+    auto store = BlobStore::Open(
+        options_, std::make_unique<HookedTier>(&cold_, std::move(before_put)), arena_.data());
+    ASSERT_TRUE(store.ok()) << store.status();
+    store_ = std::move(*store);
+  }
 
   std::vector<uint8_t> Read(const v1::BlobKey& key, int64_t version = -1) {
     auto ref = store_->Get(key, version);
@@ -592,20 +615,6 @@ TEST_F(BlobStoreTest, AVoidedAttemptsLatePutsNeverJoinTheStep) {
   EXPECT_TRUE(store_->Put(Expert(0, 0, v1::BLOB_KIND_WEIGHTS, "job-2"), 0, Bytes(100, 1), 1).ok());
 }
 
-// Forwards to a MemoryColdTier, calling `before_put` with the bytes of each PutData first.
-class HookedTier final : public ForwardingColdTier {
- public:
-  HookedTier(MemoryColdTier* tier, std::function<void(absl::Span<const uint8_t>)> before_put)
-      : ForwardingColdTier(tier), before_put_(std::move(before_put)) {}
-  absl::Status PutData(absl::string_view k, int64_t v, absl::Span<const uint8_t> b) override {
-    before_put_(b);
-    return ForwardingColdTier::PutData(k, v, b);
-  }
-
- private:
-  const std::function<void(absl::Span<const uint8_t>)> before_put_;
-};
-
 // A voided attempt's put that passed its check stalls before its bytes reach the cold
 // tier; a newer attempt's put of the same version comes meanwhile. The newer one waits for
 // it, so the cold tier ends up with the bytes its record names (before, the stalled write
@@ -613,24 +622,16 @@ class HookedTier final : public ForwardingColdTier {
 TEST_F(BlobStoreTest, AStalledVoidedPutNeverOverwritesANewerAttemptsBytes) {
   const std::vector<uint8_t> late = Bytes(5000, 50), newer = Bytes(5000, 60);
   absl::Notification late_writing, newer_writing;
-  store_.reset();
-  auto store =
-      BlobStore::Open(options_,
-                      std::make_unique<HookedTier>(
-                          &cold_,
-                          [&](absl::Span<const uint8_t> b) {
-                            if (std::equal(b.begin(), b.end(), late.begin(), late.end())) {
-                              late_writing.Notify();
-                              // Held until the newer put writes (before the fix),
-                              // or for a second (it waits for this one).
-                              newer_writing.WaitForNotificationWithTimeout(absl::Seconds(1));
-                            } else if (std::equal(b.begin(), b.end(), newer.begin(), newer.end())) {
-                              newer_writing.Notify();
-                            }
-                          }),
-                      arena_.data());
-  ASSERT_TRUE(store.ok()) << store.status();
-  store_ = std::move(*store);
+  ASSERT_NO_FATAL_FAILURE(OpenHooked([&](absl::Span<const uint8_t> b) {
+    if (std::equal(b.begin(), b.end(), late.begin(), late.end())) {
+      late_writing.Notify();
+      // Held until the newer put writes (before the fix), or for a second (it waits for
+      // this one).
+      newer_writing.WaitForNotificationWithTimeout(absl::Seconds(1));
+    } else if (std::equal(b.begin(), b.end(), newer.begin(), newer.end())) {
+      newer_writing.Notify();
+    }
+  }));
   absl::StatusOr<v1::BlobInfo> late_put, newer_put;
   std::thread stalled([&] { late_put = store_->Put(Expert(0, 0), 1, late, 5); });
   late_writing.WaitForNotification();
@@ -656,20 +657,12 @@ TEST_F(BlobStoreTest, AStalledVoidedPutNeverOverwritesANewerAttemptsBytes) {
 TEST_F(BlobStoreTest, APutInFlightWhileItsStepCommitsLeavesBytesAndRecordAgreeing) {
   const std::vector<uint8_t> first = Bytes(5000, 30), retry = Bytes(5000, 31);
   absl::Notification retry_writing, committed;
-  store_.reset();
-  auto store =
-      BlobStore::Open(options_,
-                      std::make_unique<HookedTier>(
-                          &cold_,
-                          [&](absl::Span<const uint8_t> b) {
-                            if (std::equal(b.begin(), b.end(), retry.begin(), retry.end())) {
-                              retry_writing.Notify();
-                              committed.WaitForNotificationWithTimeout(absl::Seconds(1));
-                            }
-                          }),
-                      arena_.data());
-  ASSERT_TRUE(store.ok()) << store.status();
-  store_ = std::move(*store);
+  ASSERT_NO_FATAL_FAILURE(OpenHooked([&](absl::Span<const uint8_t> b) {
+    if (std::equal(b.begin(), b.end(), retry.begin(), retry.end())) {
+      retry_writing.Notify();
+      committed.WaitForNotificationWithTimeout(absl::Seconds(1));
+    }
+  }));
   ASSERT_TRUE(store_->Put(Expert(0, 0), 1, first, 3).ok());
   absl::StatusOr<v1::BlobInfo> retried;
   std::thread put([&] { retried = store_->Put(Expert(0, 0), 1, retry, 3); });
