@@ -82,7 +82,8 @@ absl::Status JobRegistry::Persist(const v1::Job& job) {
                    "put job");
 }
 
-absl::StatusOr<v1::Job> JobRegistry::Submit(v1::JobSpec spec) {
+absl::StatusOr<v1::Job> JobRegistry::Submit(v1::JobSpec spec, std::string owner) {
+  spec.DiscardUnknownFields();  // a newer client's fields mean nothing here; never kept
   ApplyJobSpecDefaults(&spec);
   RETURN_IF_ERROR(ValidateJobSpec(spec));
   absl::MutexLock lock(&mu_);
@@ -93,6 +94,7 @@ absl::StatusOr<v1::Job> JobRegistry::Submit(v1::JobSpec spec) {
   job.set_state(v1::JOB_STATE_PENDING);
   job.set_committed_step(-1);  // no initial weights yet
   job.set_created_unix_ms(NowMs());
+  job.set_owner(std::move(owner));
   rocksdb::WriteOptions sync;
   sync.sync = true;
   RETURN_IF_ERROR(FromRocks(db_->Put(sync, kNextIdKey, absl::StrCat(next_id_ + 1)), "put id"));
@@ -138,10 +140,12 @@ absl::StatusOr<v1::Job> JobRegistry::Get(const std::string& job_id) const {
   return it->second;
 }
 
-std::vector<v1::Job> JobRegistry::List(const std::vector<v1::JobState>& states, int limit) const {
+std::vector<v1::Job> JobRegistry::List(const std::vector<v1::JobState>& states, int limit,
+                                       const std::optional<std::string>& owner) const {
   absl::MutexLock lock(&mu_);
   std::vector<v1::Job> out;
   for (const auto& [id, job] : jobs_) {
+    if (owner.has_value() && job.owner() != *owner) continue;
     if (states.empty() || std::find(states.begin(), states.end(), job.state()) != states.end()) {
       out.push_back(job);
     }

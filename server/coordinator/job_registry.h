@@ -11,6 +11,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -37,11 +38,13 @@ class JobRegistry {
 
   // Fills defaults, validates (INVALID_ARGUMENT naming the field) and records a new job in
   // JOB_STATE_PENDING. RESOURCE_EXHAUSTED when the coordinator could not hold it beside
-  // the unfinished jobs (the job is not recorded).
-  absl::StatusOr<v1::Job> Submit(v1::JobSpec spec);
+  // the unfinished jobs (the job is not recorded). `owner`: who submitted it (Job.owner).
+  absl::StatusOr<v1::Job> Submit(v1::JobSpec spec, std::string owner = "");
   absl::StatusOr<v1::Job> Get(const std::string& job_id) const;
-  // Newest first; `states` empty means all; `limit` 0 means no limit.
-  std::vector<v1::Job> List(const std::vector<v1::JobState>& states, int limit) const;
+  // Newest first; `states` empty means all; `limit` 0 means no limit; with `owner`, only
+  // the jobs it submitted.
+  std::vector<v1::Job> List(const std::vector<v1::JobState>& states, int limit,
+                            const std::optional<std::string>& owner = std::nullopt) const;
   // How many jobs are in each state (without copying them).
   std::map<v1::JobState, int> CountByState() const;
   // Ends a pending or running job as cancelled. FAILED_PRECONDITION for a finished one.

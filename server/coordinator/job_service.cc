@@ -95,14 +95,32 @@ security::Policy JobServiceImpl::JobPolicy(bool enforce, security::Policy::Token
   return security::Policy(enforce, std::move(rules), std::move(tokens), std::move(limits));
 }
 
+grpc::Status JobServiceImpl::AdmitForJob(const grpc::ServerContext& context,
+                                         const std::string& method, const std::string& job_id,
+                                         std::optional<security::Identity>* caller) const {
+  std::optional<security::Identity> who;
+  if (grpc::Status denied = policy_.Admit(context, method, &who); !denied.ok()) return denied;
+  if (caller != nullptr) *caller = who;
+  if (!who.has_value() || who->role != security::Role::kUser) return grpc::Status::OK;
+  absl::StatusOr<v1::Job> job = jobs_->Get(job_id);
+  if (!job.ok() || job->owner() == who->name) return grpc::Status::OK;
+  return grpc::Status(
+      grpc::StatusCode::PERMISSION_DENIED,
+      absl::StrCat(method, ": job ", job_id, " was not submitted by the caller, ",
+                   security::DebugString(*who), "; a user reaches only the jobs it submitted"));
+}
+
 grpc::Status JobServiceImpl::SubmitJob(grpc::ServerContext* context,
                                        const v1::SubmitJobRequest* request,
                                        v1::SubmitJobResponse* reply) {
-  if (grpc::Status denied = policy_.Admit(*context, "SubmitJob"); !denied.ok()) return denied;
+  std::optional<security::Identity> caller;
+  if (grpc::Status denied = policy_.Admit(*context, "SubmitJob", &caller); !denied.ok())
+    return denied;
   if (!request->has_spec())
     return ToGrpcStatus(absl::InvalidArgumentError("JobSpec: spec is required"));
   if (absl::Status can = CanRun(request->spec()); !can.ok()) return ToGrpcStatus(can);
-  absl::StatusOr<v1::Job> job = jobs_->Submit(request->spec());
+  absl::StatusOr<v1::Job> job =
+      jobs_->Submit(request->spec(), caller.has_value() ? caller->name : "");
   if (!job.ok()) return ToGrpcStatus(job.status());
   *reply->mutable_job() = *std::move(job);
   return grpc::Status::OK;
@@ -110,18 +128,25 @@ grpc::Status JobServiceImpl::SubmitJob(grpc::ServerContext* context,
 
 grpc::Status JobServiceImpl::GetJob(grpc::ServerContext* context, const v1::GetJobRequest* request,
                                     v1::Job* reply) {
-  if (grpc::Status denied = policy_.Admit(*context, "GetJob"); !denied.ok()) return denied;
+  if (grpc::Status denied = AdmitForJob(*context, "GetJob", request->job_id()); !denied.ok())
+    return denied;
   return ToGrpcReply(jobs_->Get(request->job_id()), reply);
 }
 
 grpc::Status JobServiceImpl::ListJobs(grpc::ServerContext* context,
                                       const v1::ListJobsRequest* request,
                                       v1::ListJobsResponse* reply) {
-  if (grpc::Status denied = policy_.Admit(*context, "ListJobs"); !denied.ok()) return denied;
+  std::optional<security::Identity> caller;
+  if (grpc::Status denied = policy_.Admit(*context, "ListJobs", &caller); !denied.ok())
+    return denied;
   if (request->limit() < 0) return ToGrpcStatus(absl::InvalidArgumentError("limit must be >= 0"));
   std::vector<v1::JobState> states;
   for (int s : request->states()) states.push_back(static_cast<v1::JobState>(s));
-  for (v1::Job& job : jobs_->List(states, request->limit())) *reply->add_jobs() = std::move(job);
+  std::optional<std::string> owner;  // a user lists its own jobs
+  if (caller.has_value() && caller->role == security::Role::kUser) owner = caller->name;
+  for (v1::Job& job : jobs_->List(states, request->limit(), owner)) {
+    *reply->add_jobs() = std::move(job);
+  }
   return grpc::Status::OK;
 }
 
@@ -129,7 +154,8 @@ grpc::Status JobServiceImpl::WatchJob(grpc::ServerContext* context,
                                       const v1::WatchJobRequest* request,
                                       grpc::ServerWriter<v1::JobEvent>* writer) {
   std::optional<security::Identity> caller;
-  if (grpc::Status denied = policy_.Admit(*context, "WatchJob", &caller); !denied.ok())
+  if (grpc::Status denied = AdmitForJob(*context, "WatchJob", request->job_id(), &caller);
+      !denied.ok())
     return denied;
   absl::StatusOr<security::ClientLimits::StreamSlot> stream = policy_.OpenStream(*context, caller);
   if (!stream.ok()) return ToGrpcStatus(stream.status());
@@ -150,14 +176,16 @@ grpc::Status JobServiceImpl::WatchJob(grpc::ServerContext* context,
 
 grpc::Status JobServiceImpl::CancelJob(grpc::ServerContext* context,
                                        const v1::CancelJobRequest* request, v1::Job* reply) {
-  if (grpc::Status denied = policy_.Admit(*context, "CancelJob"); !denied.ok()) return denied;
+  if (grpc::Status denied = AdmitForJob(*context, "CancelJob", request->job_id()); !denied.ok())
+    return denied;
   return ToGrpcReply(jobs_->Cancel(request->job_id(), request->reason()), reply);
 }
 
 grpc::Status JobServiceImpl::CheckpointJob(grpc::ServerContext* context,
                                            const v1::CheckpointJobRequest* request,
                                            v1::CheckpointJobResponse* reply) {
-  if (grpc::Status denied = policy_.Admit(*context, "CheckpointJob"); !denied.ok()) return denied;
+  if (grpc::Status denied = AdmitForJob(*context, "CheckpointJob", request->job_id()); !denied.ok())
+    return denied;
   if (scheduler_ == nullptr) {
     return ToGrpcStatus(absl::UnavailableError("this coordinator reaches no stores"));
   }
@@ -183,7 +211,8 @@ grpc::Status JobServiceImpl::DownloadCheckpoint(grpc::ServerContext* context,
                                                 const v1::DownloadCheckpointRequest* request,
                                                 grpc::ServerWriter<v1::CheckpointChunk>* writer) {
   std::optional<security::Identity> caller;
-  if (grpc::Status denied = policy_.Admit(*context, "DownloadCheckpoint", &caller); !denied.ok())
+  if (grpc::Status denied = AdmitForJob(*context, "DownloadCheckpoint", request->job_id(), &caller);
+      !denied.ok())
     return denied;
   absl::StatusOr<security::ClientLimits::StreamSlot> stream = policy_.OpenStream(*context, caller);
   if (!stream.ok()) return ToGrpcStatus(stream.status());
@@ -245,14 +274,19 @@ v1::ClusterStatusResponse JobServiceImpl::ClusterView() const {
 grpc::Status JobServiceImpl::ExpertHeat(grpc::ServerContext* context,
                                         const v1::ExpertHeatRequest* request,
                                         v1::ExpertHeatResponse* reply) {
-  if (grpc::Status denied = policy_.Admit(*context, "ExpertHeat"); !denied.ok()) return denied;
+  if (grpc::Status denied = AdmitForJob(*context, "ExpertHeat", request->job_id()); !denied.ok())
+    return denied;
   return ToGrpcReply(HeatView(request->job_id(), request->layer()), reply);
 }
 
 absl::StatusOr<v1::ExpertHeatResponse> JobServiceImpl::HeatView(const std::string& job_id,
                                                                 int layer) const {
   ASSIGN_OR_RETURN(v1::Job job, jobs_->Get(job_id));
-  ASSIGN_OR_RETURN(v1::ExpertHeatResponse reply, heat_->Heat(job_id, layer));
+  absl::StatusOr<v1::ExpertHeatResponse> heat = heat_->Heat(job_id, layer);
+  if (absl::IsNotFound(heat.status()) && IsFinal(job.state())) {  // no "yet" for an ended job
+    return absl::NotFoundError(absl::StrCat("job ", job_id, " ended with no heat recorded"));
+  }
+  ASSIGN_OR_RETURN(v1::ExpertHeatResponse reply, std::move(heat));
   reply.set_placement_epoch(job.placement_epoch());
   if (scheduler_ == nullptr) return reply;
   absl::StatusOr<v1::PlacementTable> placement = scheduler_->GetPlacement(job_id);

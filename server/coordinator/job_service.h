@@ -35,7 +35,8 @@ class JobServiceImpl final : public v1::JobService::Service {
         export_root_(std::move(export_root)),
         policy_(JobPolicy(enforce, std::move(tokens), std::move(limits))) {}
 
-  // Users and admins call every method of the job API.
+  // Users and admins call every method of the job API; a user reaches only the jobs it
+  // submitted (Job.owner), which the handlers check (AdmitForJob, ListJobs).
   // `limits`: each client's request rate and open streams (watches, downloads).
   static security::Policy JobPolicy(bool enforce, security::Policy::TokenLookup tokens = nullptr,
                                     std::shared_ptr<security::ClientLimits> limits = nullptr);
@@ -66,6 +67,13 @@ class JobServiceImpl final : public v1::JobService::Service {
   absl::StatusOr<v1::ExpertHeatResponse> HeatView(const std::string& job_id, int layer) const;
 
  private:
+  // Admit, and then for a caller of the user role, that job `job_id` is its own:
+  // PERMISSION_DENIED naming the method, the job and the caller otherwise. An unknown job
+  // passes here (the handler answers NOT_FOUND). `caller`: as Admit's.
+  grpc::Status AdmitForJob(const grpc::ServerContext& context, const std::string& method,
+                           const std::string& job_id,
+                           std::optional<security::Identity>* caller = nullptr) const;
+
   JobRegistry* jobs_;
   Membership* members_;
   // Whether the cluster can run a submitted spec (defaults filled; an invalid one passes

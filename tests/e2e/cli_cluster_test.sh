@@ -31,6 +31,10 @@ grep -q "succeeded at step 15" "$E2E_TMP/watch.txt" || fail "watch summary: $(ta
 grep -q "step 15/15" "$E2E_TMP/watch.txt" || fail "no progress line for the last step"
 "$PITH" status "$job" --output json | grep '"state":"JOB_STATE_SUCCEEDED"' >/dev/null ||
   fail "status --output json: $("$PITH" status "$job" --output json)"
+# Its submitter (pith up's admin certificate) and the token file it trained on, pinned.
+data_bytes=$(stat -c %s "$E2E_TMP/tokens.bin")
+"$PITH" status "$job" --output json | grep '"owner":"admin"' | grep -q "\"data\":{\"bytes\":\"$data_bytes\"" ||
+  fail "owner and data: $("$PITH" status "$job" --output json)"
 "$PITH" checkpoint "$job" --out "$E2E_TMP/tiny.safetensors" >/dev/null || fail "checkpoint"
 "$PITH" safetensors inspect "$E2E_TMP/tiny.safetensors" >/dev/null || fail "checkpoint unreadable"
 # The file came down the stream: the coordinator kept no copy, nothing partial is left.
@@ -91,14 +95,21 @@ timeout 60 "$PITH" watch "$noinit" >"$E2E_TMP/noinit.txt" 2>&1 || rc=$?
 echo "  ok: $nodata failed in $(($(date +%s) - start)) s: $(grep -o "step.*" "$E2E_TMP/nodata.status" | head -1)"
 
 # Mutual TLS on every port (pith up made the certificates; the CLI used admin's): a
-# member's certificate cannot submit or drain, a user's can watch but not drain.
+# member's certificate cannot submit or drain; a user's reaches its own jobs only, and
+# cannot drain.
 tls=$PITH_HOME/tls
 expect_one_line "SubmitJob needs the admin or user role; the caller is worker0 (member)" \
   "$PITH" --tls_dir "$tls/worker0" submit "$E2E_TMP/tiny.json"
 expect_one_line "DrainStore needs the admin role; the caller is worker0 (member)" \
   "$PITH" --tls_dir "$tls/worker0" cluster drain store-0 --no-wait
 "$PITH" certs --dir "$tls" --name alice --role user >/dev/null || fail "pith certs"
-"$PITH" --tls_dir "$tls/alice" status "$job" | grep succeeded >/dev/null || fail "a user cannot read a job"
+expect_one_line "GetJob: job $job was not submitted by the caller, alice (user)" \
+  "$PITH" --tls_dir "$tls/alice" status "$job"
+[[ $("$PITH" --tls_dir "$tls/alice" status) == "no jobs" ]] || fail "a user lists another's jobs"
+own=$("$PITH" --tls_dir "$tls/alice" submit "$E2E_TMP/tiny.json") || fail "a user cannot submit"
+"$PITH" --tls_dir "$tls/alice" watch "$own" >/dev/null || fail "a user cannot watch its job"
+"$PITH" --tls_dir "$tls/alice" status | grep "^$own .*succeeded" >/dev/null ||
+  fail "a user's own job: $("$PITH" --tls_dir "$tls/alice" status)"
 expect_one_line "DrainStore needs the admin role; the caller is alice (user)" \
   "$PITH" --tls_dir "$tls/alice" cluster drain store-0 --no-wait
 "$PITH" cluster | grep "store-0.*alive" >/dev/null || fail "a refused drain changed the store: $("$PITH" cluster)"
@@ -106,8 +117,8 @@ expect_one_line "DrainStore needs the admin role; the caller is alice (user)" \
 mkdir -p "$E2E_TMP/ca-only" && cp "$tls/ca.pem" "$E2E_TMP/ca-only/"
 token=$("$PITH" token --file "$tls/tokens" --name bob) || fail "pith token"
 sleep 1.2  # the coordinator looks at its tokens file once a second
-PITH_TOKEN=$token "$PITH" --tls_dir "$E2E_TMP/ca-only" status "$job" | grep succeeded >/dev/null ||
-  fail "a user's token cannot read a job"
+expect_one_line "was not submitted by the caller, bob (user)" \
+  env PITH_TOKEN="$token" "$PITH" --tls_dir "$E2E_TMP/ca-only" status "$job"
 expect_one_line "the bearer token is not valid" \
   "$PITH" --tls_dir "$E2E_TMP/ca-only" --token "${token}x" status "$job"
 expect_one_line "DrainStore needs the admin role; the caller is bob (user)" \
@@ -119,8 +130,8 @@ grep -q "bob's earlier token no longer works" "$E2E_TMP/rotate.err" ||
 sleep 1.2
 expect_one_line "the bearer token is not valid" \
   "$PITH" --tls_dir "$E2E_TMP/ca-only" --token "$token" status "$job"
-PITH_TOKEN=$rotated "$PITH" --tls_dir "$E2E_TMP/ca-only" status "$job" | grep succeeded >/dev/null ||
-  fail "bob's new token cannot read a job"
+[[ $(PITH_TOKEN=$rotated "$PITH" --tls_dir "$E2E_TMP/ca-only" status) == "no jobs" ]] ||
+  fail "bob's new token cannot list his jobs"
 "$PITH" token --revoke --file "$tls/tokens" --name bob | grep -q "revoked bob's token" ||
   fail "pith token --revoke"
 sleep 1.2

@@ -8,7 +8,9 @@
 #include <string>
 
 #include "child_process.h"
+#include "common/job_spec_testing.h"
 #include "common/ucx_auth.h"
+#include "google/protobuf/util/json_util.h"
 #include "gtest/gtest.h"
 #include "pith/v1/coordinator.grpc.pb.h"
 #include "pith/v1/job.grpc.pb.h"
@@ -186,6 +188,88 @@ TEST_F(SecurityE2eTest, StrangersAndWrongRolesGetNothingAndChangeNothing) {
                     ->ListStoreJobs(&ctx, v1::ListStoreJobsRequest(), &held)
                     .ok());
     EXPECT_EQ(held.jobs_size(), 0);
+  }
+  EXPECT_EQ(store_->Terminate(), 0) << store_->Log();
+  EXPECT_EQ(coordinator_->Terminate(), 0) << coordinator_->Log();
+}
+
+// Jobs belong to who submitted them: another user can neither read, watch, cancel, export
+// nor download one, nor see it listed; an admin reaches every job.
+TEST_F(SecurityE2eTest, AUserReachesOnlyTheJobsItSubmitted) {
+  const auto alice = As(Role::kUser, "alice"), bob = As(Role::kUser, "bob");
+  const auto admin = As(Role::kAdmin, "admin");
+  v1::SubmitJobRequest submit;
+  ASSERT_TRUE(google::protobuf::util::JsonStringToMessage(pith::testing::kDesignExampleSpecJson,
+                                                          submit.mutable_spec())
+                  .ok());
+  v1::SubmitJobResponse submitted;
+  {
+    grpc::ClientContext ctx;
+    const grpc::Status s = Jobs(alice)->SubmitJob(&ctx, submit, &submitted);
+    ASSERT_TRUE(s.ok()) << s.error_message();
+  }
+  const std::string id = submitted.job().job_id();
+  EXPECT_EQ(submitted.job().owner(), "alice");
+  const std::string says = "job " + id + " was not submitted by the caller, bob (user)";
+
+  v1::GetJobRequest get;
+  get.set_job_id(id);
+  v1::Job job;
+  EXPECT_REFUSED(Jobs(bob)->GetJob(&ctx, get, &job), PERMISSION_DENIED, "GetJob: " + says);
+  v1::CancelJobRequest cancel;
+  cancel.set_job_id(id);
+  EXPECT_REFUSED(Jobs(bob)->CancelJob(&ctx, cancel, &job), PERMISSION_DENIED, "CancelJob: " + says);
+  v1::CheckpointJobRequest checkpoint;
+  checkpoint.set_job_id(id);
+  checkpoint.set_output_dir("stolen");
+  v1::CheckpointJobResponse exported;
+  EXPECT_REFUSED(Jobs(bob)->CheckpointJob(&ctx, checkpoint, &exported), PERMISSION_DENIED,
+                 "CheckpointJob: " + says);
+  v1::ExpertHeatRequest heat;
+  heat.set_job_id(id);
+  v1::ExpertHeatResponse heated;
+  EXPECT_REFUSED(Jobs(bob)->ExpertHeat(&ctx, heat, &heated), PERMISSION_DENIED,
+                 "ExpertHeat: " + says);
+  // A stream refused: nothing read, then the refusal naming `method`.
+  auto refused_stream = [&](auto open, auto item, const std::string& method) {
+    grpc::ClientContext ctx;
+    auto reader = open(&ctx);
+    EXPECT_FALSE(reader->Read(&item));
+    const grpc::Status s = reader->Finish();
+    EXPECT_EQ(s.error_code(), grpc::StatusCode::PERMISSION_DENIED) << s.error_message();
+    EXPECT_NE(s.error_message().find(method + ": " + says), std::string::npos) << s.error_message();
+  };
+  v1::WatchJobRequest watch;
+  watch.set_job_id(id);
+  refused_stream([&](grpc::ClientContext* c) { return Jobs(bob)->WatchJob(c, watch); },
+                 v1::JobEvent(), "WatchJob");
+  v1::DownloadCheckpointRequest download;
+  download.set_job_id(id);
+  refused_stream([&](grpc::ClientContext* c) { return Jobs(bob)->DownloadCheckpoint(c, download); },
+                 v1::CheckpointChunk(), "DownloadCheckpoint");
+  get.set_job_id("no-such-job");  // an unknown job is unknown to everyone
+  EXPECT_REFUSED(Jobs(bob)->GetJob(&ctx, get, &job), NOT_FOUND, "no-such-job");
+  get.set_job_id(id);
+
+  // Listed for its owner and an admin only; still pending: bob's cancel changed nothing.
+  auto listed = [&](std::shared_ptr<grpc::ChannelCredentials> who) {
+    grpc::ClientContext ctx;
+    v1::ListJobsResponse jobs;
+    EXPECT_TRUE(Jobs(std::move(who))->ListJobs(&ctx, v1::ListJobsRequest(), &jobs).ok());
+    return jobs.jobs_size();
+  };
+  EXPECT_EQ(listed(bob), 0);
+  EXPECT_EQ(listed(alice), 1);
+  EXPECT_EQ(listed(admin), 1);
+  for (const auto& who : {alice, admin}) {
+    grpc::ClientContext ctx;
+    ASSERT_TRUE(Jobs(who)->GetJob(&ctx, get, &job).ok());
+    EXPECT_EQ(job.state(), v1::JOB_STATE_PENDING);
+  }
+  {
+    grpc::ClientContext ctx;
+    ASSERT_TRUE(Jobs(alice)->CancelJob(&ctx, cancel, &job).ok());
+    EXPECT_EQ(job.state(), v1::JOB_STATE_CANCELLED);
   }
   EXPECT_EQ(store_->Terminate(), 0) << store_->Log();
   EXPECT_EQ(coordinator_->Terminate(), 0) << coordinator_->Log();
