@@ -1,7 +1,9 @@
 #include "common/export_path.h"
 
 #include <fcntl.h>
+#include <linux/openat2.h>
 #include <sys/stat.h>
+#include <sys/syscall.h>
 #include <unistd.h>
 
 #include <cerrno>
@@ -12,6 +14,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "absl/strings/str_replace.h"
 #include "absl/strings/str_split.h"
 
 namespace pith {
@@ -112,6 +115,96 @@ absl::StatusOr<ExportPath> ExportPath::Open(const std::string& root_flag,
     absl::StrAppend(&out.path_, "/", parts.back());
   }
   return out;
+}
+
+absl::Status ReadPath::CheckRoots(const std::vector<std::string>& roots) {
+  for (const std::string& root : roots) {
+    struct stat st;
+    if (root.empty() || root[0] != '/') {
+      return absl::InvalidArgumentError(
+          absl::StrCat("--data_root: ", root.empty() ? "an empty entry" : root,
+                       " is not an absolute directory path"));
+    }
+    if (::stat(root.c_str(), &st) != 0 || !S_ISDIR(st.st_mode)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("--data_root: ", root, " is not a directory this process can reach"));
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<ReadPath> ReadPath::Open(const std::string& requested,
+                                        const std::vector<std::string>& roots,
+                                        absl::string_view field) {
+  ReadPath out;
+  out.path_ = out.requested_ = requested;
+  if (roots.empty()) return out;
+  const std::string allowed =
+      absl::StrCat("this worker's --data_root (", absl::StrJoin(roots, ","), ")");
+  if (requested.empty() || requested.find('\0') != std::string::npos) {
+    return absl::InvalidArgumentError(absl::StrCat(field, ": not a file name"));
+  }
+  const std::string* root = &roots[0];
+  std::string relative = requested;
+  if (requested[0] == '/') {  // absolute: the root it lies under, lexically
+    root = nullptr;
+    const std::vector<std::string> parts = Components(requested);
+    for (const std::string& r : roots) {
+      const std::vector<std::string> root_parts = Components(r);
+      if (parts.size() > root_parts.size() &&
+          std::equal(root_parts.begin(), root_parts.end(), parts.begin())) {
+        root = &r;
+        relative =
+            absl::StrJoin(parts.begin() + static_cast<long>(root_parts.size()), parts.end(), "/");
+        break;
+      }
+    }
+    if (root == nullptr) {
+      return absl::PermissionDeniedError(
+          absl::StrCat(field, ": ", requested, " is not beneath ", allowed));
+    }
+  }
+  UniqueFd dir(::open(root->c_str(), O_PATH | O_DIRECTORY | O_CLOEXEC));
+  if (!dir.valid()) {
+    return absl::FailedPreconditionError(
+        absl::StrCat(field, ": --data_root ", *root, " cannot be opened: ", std::strerror(errno)));
+  }
+  struct open_how how {};
+  how.flags = O_RDONLY | O_NONBLOCK | O_CLOEXEC;  // a FIFO must not block the open
+  how.resolve = RESOLVE_BENEATH | RESOLVE_NO_MAGICLINKS;
+  long fd = -1;
+  for (int attempt = 0; attempt < 8; ++attempt) {  // EAGAIN: a rename raced the walk
+    fd = ::syscall(SYS_openat2, dir.get(), relative.c_str(), &how, sizeof(how));
+    if (fd >= 0 || (errno != EAGAIN && errno != EINTR)) break;
+  }
+  if (fd < 0) {
+    const int error = errno;
+    if (error == ENOENT) return absl::NotFoundError(absl::StrCat(field, ": no file ", requested));
+    if (error == EXDEV || error == ELOOP) {
+      return absl::PermissionDeniedError(absl::StrCat(field, ": ", requested, " leads out of ",
+                                                      allowed, " (through .. or a symlink)"));
+    }
+    if (error == ENOSYS) {
+      return absl::FailedPreconditionError(
+          "--data_root needs openat2 (Linux 5.6 or later), which this kernel lacks");
+    }
+    const std::string why = absl::StrCat(field, ": ", requested, ": ", std::strerror(error));
+    return error == EACCES || error == EPERM ? absl::PermissionDeniedError(why)
+                                             : absl::UnavailableError(why);
+  }
+  out.file_ = UniqueFd(static_cast<int>(fd));
+  struct stat st;
+  if (::fstat(out.file_.get(), &st) != 0 || !S_ISREG(st.st_mode)) {
+    return absl::PermissionDeniedError(
+        absl::StrCat(field, ": ", requested, " is not a regular file"));
+  }
+  out.path_ = absl::StrCat("/proc/self/fd/", out.file_.get());
+  return out;
+}
+
+absl::Status ReadPath::Named(const absl::Status& status) const {
+  if (status.ok() || path_ == requested_) return status;
+  return absl::Status(status.code(), absl::StrReplaceAll(status.message(), {{path_, requested_}}));
 }
 
 }  // namespace pith

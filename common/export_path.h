@@ -1,3 +1,6 @@
+// ExportPath and ReadPath: paths a caller names for a process to write or read, confined
+// to the directories its operator allows.
+//
 // ExportPath: where a server writes a file or directory a caller named (a checkpoint
 // export), confined to the server's export root (--export_root). The caller's path is
 // relative to the root, or absolute under it; `..` is refused, and so is a symlink at
@@ -12,8 +15,10 @@
 #define PITH_COMMON_EXPORT_PATH_H_
 
 #include <string>
+#include <vector>
 
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 #include "common/file.h"
 
 namespace pith {
@@ -38,6 +43,38 @@ class ExportPath {
                                          bool new_entry);
   UniqueFd dir_;
   std::string path_, shown_;
+};
+
+// ReadPath: a file a caller named for a process to read (a job's train.data_path or
+// train.init_path, which a worker reads), confined to the process's read roots
+// (pith-worker --data_root). An absolute path must lie under one of the roots; a relative
+// one is taken under the first. It is opened from its root with openat2(RESOLVE_BENEATH),
+// so `..` or a symlink that leads out of the root is refused (symlinks that stay beneath
+// it are followed), and read through the opened descriptor (/proc/self/fd/N), so a path
+// swapped after the check changes nothing. Only a regular file is opened. Without roots
+// the path is read as given.
+//
+// Thread safety: as ExportPath.
+class ReadPath {
+ public:
+  // PERMISSION_DENIED (naming `field`) for a path outside every root or not a regular
+  // file; NOT_FOUND for a missing one; FAILED_PRECONDITION where the kernel lacks openat2
+  // (Linux 5.6).
+  static absl::StatusOr<ReadPath> Open(const std::string& requested,
+                                       const std::vector<std::string>& roots,
+                                       absl::string_view field);
+  // Checks a process's roots at its start: each an existing directory, given absolutely.
+  static absl::Status CheckRoots(const std::vector<std::string>& roots);
+
+  // What to open. Valid while this object lives.
+  const std::string& path() const { return path_; }
+  // `status` with this object's path() written as the caller named it: for errors of the
+  // reader that opened path().
+  absl::Status Named(const absl::Status& status) const;
+
+ private:
+  UniqueFd file_;
+  std::string path_, requested_;
 };
 
 }  // namespace pith

@@ -210,8 +210,21 @@ absl::Status ValidateModel(const v1::ModelConfig& m) {
   return absl::OkStatus();
 }
 
+// A file name a worker will open: at most PATH_MAX bytes, no NUL.
+absl::Status CheckPath(absl::string_view field, const std::string& path) {
+  constexpr size_t kMaxPath = 4096;
+  if (path.size() > kMaxPath) {
+    return FieldError(
+        field, absl::StrCat("is ", path.size(), " bytes long, more than the limit of ", kMaxPath));
+  }
+  if (path.find('\0') != std::string::npos) return FieldError(field, "holds a NUL byte");
+  return absl::OkStatus();
+}
+
 absl::Status ValidateTrain(const v1::TrainConfig& t) {
   if (t.data_path().empty()) return FieldError("train.data_path", "is required");
+  RETURN_IF_ERROR(CheckPath("train.data_path", t.data_path()));
+  RETURN_IF_ERROR(CheckPath("train.init_path", t.init_path()));
   RETURN_IF_ERROR(CheckRange("train.batch", t.batch(), 1, kMaxDim));
   RETURN_IF_ERROR(CheckRange("train.steps", t.steps(), 1, int64_t{1} << 30));
   RETURN_IF_ERROR(CheckInterval("train.lr", t.lr(), 0, true, 10, false));

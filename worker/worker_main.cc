@@ -9,9 +9,11 @@
 #include <cstdlib>
 #include <string>
 #include <thread>
+#include <vector>
 
 #include "absl/flags/flag.h"
 #include "absl/strings/str_cat.h"
+#include "common/export_path.h"
 #include "common/job_spec.h"
 #include "common/metrics.h"
 #include "common/process.h"
@@ -46,6 +48,10 @@ ABSL_FLAG(uint64_t, memory_bytes, 0,
 ABSL_FLAG(std::string, scratch_dir, "",
           "Directory for the gradients that wait beyond the gradient pool (an unlinked file; "
           "default $TMPDIR or /tmp)");
+ABSL_FLAG(std::vector<std::string>, data_root, {},
+          "Directories (comma-separated, absolute) a job's train.data_path and train.init_path "
+          "must lie beneath (a relative path is taken under the first; symlinks out of them "
+          "are refused); empty: any file this process can read");
 ABSL_FLAG(bool, standalone, false, "Train the job of --spec alone, in this process");
 ABSL_FLAG(std::string, spec, "", "Job spec (JSON) for --standalone");
 ABSL_FLAG(std::string, init, "", "Start from these weights (safetensors)");
@@ -125,6 +131,8 @@ absl::Status RunCluster() {
   }
   options.threads = absl::GetFlag(FLAGS_threads);
   options.loss_log = absl::GetFlag(FLAGS_loss_log);
+  options.data_roots = absl::GetFlag(FLAGS_data_root);
+  RETURN_IF_ERROR(pith::ReadPath::CheckRoots(options.data_roots));
   std::atomic<bool> stop{false};
   absl::Status result;
   // The same ready line as the servers' (a worker serves no gRPC of its own), once it has

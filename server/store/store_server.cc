@@ -55,24 +55,42 @@ void StoreServer::ExportDiskGauges(const std::string& data_dir, MetricsRegistry*
   });
 }
 
-absl::StatusOr<std::unique_ptr<StoreServer>> StoreServer::Start(const StoreServerOptions& options,
-                                                                MetricsRegistry* metrics) {
-  if (options.data_dir.empty()) return absl::InvalidArgumentError("--data_dir is required");
+namespace {
+
+// Creates --data_dir, readable by its owner only (it holds every job's weights and
+// optimizer state); FAILED_PRECONDITION for a drained store's.
+absl::Status PrepareDataDir(const std::string& dir) {
+  if (dir.empty()) return absl::InvalidArgumentError("--data_dir is required");
   std::error_code ec;
-  std::filesystem::create_directories(options.data_dir, ec);
+  std::filesystem::create_directories(dir, ec);
   if (ec) {
     return absl::InvalidArgumentError(
-        absl::StrCat("cannot create --data_dir ", options.data_dir, ": ", ec.message()));
+        absl::StrCat("cannot create --data_dir ", dir, ": ", ec.message()));
   }
-  if (absl::StatusOr<Buffer> why = ReadFile(DrainedMarker(options.data_dir)); why.ok()) {
+  std::filesystem::permissions(dir, std::filesystem::perms::owner_all,
+                               std::filesystem::perm_options::replace, ec);
+  if (ec) {
+    return absl::InternalError(
+        absl::StrCat("cannot restrict --data_dir ", dir, " to its owner: ", ec.message()));
+  }
+  if (absl::StatusOr<Buffer> why = ReadFile(DrainedMarker(dir)); why.ok()) {
     return absl::FailedPreconditionError(absl::StrCat(
-        "--data_dir ", options.data_dir, " holds a store that was drained and stopped (",
-        DrainedMarker(options.data_dir), ": ",
+        "--data_dir ", dir, " holds a store that was drained and stopped (", DrainedMarker(dir),
+        ": ",
         absl::StripAsciiWhitespace(
             absl::string_view(reinterpret_cast<const char*>(why->data()), why->size())),
         "); start a new store on an empty --data_dir, or remove that file to start this "
         "one again"));
   }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<StoreServer>> StoreServer::Start(const StoreServerOptions& options,
+                                                                MetricsRegistry* metrics) {
+  RETURN_IF_ERROR(PrepareDataDir(options.data_dir));
+  std::error_code ec;
   if (!options.export_root.empty()) std::filesystem::create_directories(options.export_root, ec);
   if (ec) {
     return absl::InvalidArgumentError(

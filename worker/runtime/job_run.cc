@@ -10,6 +10,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/bf16.h"
+#include "common/export_path.h"
 #include "common/file.h"
 #include "common/status.h"
 #include "glog/logging.h"
@@ -75,8 +76,13 @@ absl::Status JobRun::Setup() {
   }
   // The data file first, before the model and the cache: a job whose data this worker
   // cannot read fails at once, with the reason, instead of retrying step 0.
-  absl::StatusOr<data::TokenDataset> dataset =
-      data::TokenDataset::Open(spec.train().data_path(), shape_.vocab);
+  absl::StatusOr<data::TokenDataset> dataset = [&]() -> absl::StatusOr<data::TokenDataset> {
+    ASSIGN_OR_RETURN(ReadPath data, ReadPath::Open(spec.train().data_path(), options_.data_roots,
+                                                   "train.data_path"));
+    absl::StatusOr<data::TokenDataset> opened = data::TokenDataset::Open(data.path(), shape_.vocab);
+    if (!opened.ok()) return data.Named(opened.status());
+    return opened;
+  }();
   if (!dataset.ok()) {
     // Missing, unreadable or malformed is for good; anything else (an I/O error, no
     // memory for it now, a file changing under the read) may pass: retried.
@@ -265,7 +271,11 @@ absl::Status JobRun::WriteInitial() {
   std::optional<SafetensorsReader> file;  // read an expert at a time, never whole
   if (!init.empty()) {
     absl::Status loaded = [&]() -> absl::Status {
-      ASSIGN_OR_RETURN(file, SafetensorsReader::Open(init));
+      ASSIGN_OR_RETURN(ReadPath path, ReadPath::Open(init, options_.data_roots, "train.init_path"));
+      absl::StatusOr<SafetensorsReader> opened = SafetensorsReader::Open(path.path());
+      if (!opened.ok()) return path.Named(opened.status());
+      file = *std::move(opened);
+      RETURN_IF_ERROR(model::CheckInitModel(file->metadata(), a_.spec().model()));
       return model::LoadDenseWeights(*backend_, model_->layout(), *file, model_->params());
     }();
     if (!loaded.ok()) return InitFileFailed(loaded);
