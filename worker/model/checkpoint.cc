@@ -8,6 +8,8 @@
 #include "absl/strings/str_cat.h"
 #include "common/checkpoint_names.h"
 #include "common/status.h"
+#include "google/protobuf/util/json_util.h"
+#include "pith/v1/spec.pb.h"
 
 namespace pith::model {
 namespace {
@@ -158,6 +160,25 @@ absl::StatusOr<int64_t> LoadOptimizer(compute::Backend& backend, const ParamLayo
   RETURN_IF_ERROR(backend.CopyToDevice(optimizer.v(), v.data(), v.size() * sizeof(float)));
   optimizer.update_counts() = std::move(counts);
   return step;
+}
+
+absl::Status CheckInitModel(const std::map<std::string, std::string>& metadata,
+                            const v1::ModelConfig& model) {
+  auto it = metadata.find(kSpecMetadataKey);
+  if (it == metadata.end()) return absl::OkStatus();
+  v1::JobSpec recorded;
+  google::protobuf::util::JsonParseOptions lenient;
+  lenient.ignore_unknown_fields = true;  // a newer Pith's fields
+  if (!google::protobuf::util::JsonStringToMessage(it->second, &recorded, lenient).ok() ||
+      recorded.model().n_head() <= 0) {
+    return absl::OkStatus();
+  }
+  if (recorded.model().n_head() == model.n_head()) return absl::OkStatus();
+  return absl::FailedPreconditionError(
+      absl::StrCat("the file was trained with model.n_head=", recorded.model().n_head(),
+                   " and this job has ", model.n_head(),
+                   ": the same weights split into other heads are another model; give the "
+                   "job the file's n_head"));
 }
 
 }  // namespace pith::model

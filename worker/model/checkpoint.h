@@ -21,6 +21,15 @@
 
 namespace pith::model {
 
+// A weights file to start a job from, against the job's model: where the file records the
+// spec it was trained with (kSpecMetadataKey, as job exports do), its model.n_head must be
+// the job's. The tensors' shapes cannot show it, and other heads would split the attention
+// weights into a model they never were (FAILED_PRECONDITION naming both). Training
+// choices (top_k, capacity, loss coefficients) may change; a file recording no spec, or
+// one this Pith cannot read, passes.
+absl::Status CheckInitModel(const std::map<std::string, std::string>& metadata,
+                            const v1::ModelConfig& model);
+
 // Writes the parameters in `arena` (device memory) as a weights file.
 absl::Status SaveWeights(compute::Backend& backend, const ParamLayout& layout, const float* arena,
                          const std::string& path);

@@ -13,6 +13,7 @@
 
 #include "common/safetensors.h"
 #include "gtest/gtest.h"
+#include "pith/v1/spec.pb.h"
 #include "worker/compute/cpu_backend.h"
 #include "worker/model/checkpoint.h"
 #include "worker/model/optimizer.h"
@@ -217,6 +218,24 @@ TEST(MoeGptTest, TrainedWeightsRoundTripBitExactly) {
   absl::Status bad = LoadWeights(backend, (*d)->layout(), *wf, (*d)->params());
   EXPECT_EQ(bad.code(), absl::StatusCode::kInvalidArgument);
   EXPECT_NE(bad.message().find("h.0.moe.e0.w1"), absl::string_view::npos) << bad;
+}
+
+// A file that records its spec starts a job only of its own n_head (the shapes cannot
+// tell); other training choices may change, and a file without a spec passes.
+TEST(MoeGptTest, AnInitFileOfOtherHeadsIsRefused) {
+  v1::ModelConfig job;
+  job.set_n_head(4);
+  job.set_top_k(2);
+  const std::string recorded = R"({"model": {"n_head": 4, "top_k": 1, "future_field": 3}})";
+  EXPECT_TRUE(CheckInitModel({{kSpecMetadataKey, recorded}}, job).ok());
+  EXPECT_TRUE(CheckInitModel({}, job).ok());
+  EXPECT_TRUE(CheckInitModel({{kSpecMetadataKey, "not json"}}, job).ok());
+  job.set_n_head(2);
+  const absl::Status other = CheckInitModel({{kSpecMetadataKey, recorded}}, job);
+  EXPECT_EQ(other.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_NE(other.message().find("trained with model.n_head=4 and this job has 2"),
+            std::string::npos)
+      << other;
 }
 
 TEST(MoeGptTest, ExpertsWithoutTokensAreNotUpdated) {

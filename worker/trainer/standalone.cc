@@ -39,6 +39,8 @@ absl::StatusOr<StandaloneResult> RunStandalone(const StandaloneOptions& options,
       !options.init_path.empty() ? options.init_path : spec.train().init_path();
   if (!init.empty()) {
     ASSIGN_OR_RETURN(SafetensorsFile file, SafetensorsFile::Read(init));
+    RETURN_IF_ERROR(Annotate(model::CheckInitModel(file.metadata(), spec.model()),
+                             absl::StrCat("init ", init)));
     RETURN_IF_ERROR(Annotate(model::LoadWeights(backend, moe->layout(), file, moe->params()),
                              absl::StrCat("init ", init)));
   } else {
