@@ -188,6 +188,20 @@ void Scheduler::RunStoreAborts(const std::vector<StoreCall>& aborts) {
   }
 }
 
+void Scheduler::RemoveMetricsLocked(const std::string& job_id, const Run& run) {
+  if (metrics_ == nullptr) return;
+  for (const v1::ExpertPlacement& e : run.record.placement().experts()) {
+    if (e.layer() < 0) continue;
+    MetricLabels labels = {
+        {"job", job_id}, {"layer", absl::StrCat(e.layer())}, {"expert", absl::StrCat(e.expert())}};
+    metrics_->RemoveGauge("pith_coordinator_expert_heat", labels);
+    for (const char* kind : {"store", "compute"}) {
+      labels["kind"] = kind;
+      metrics_->RemoveGauge("pith_coordinator_replicas", labels);
+    }
+  }
+}
+
 void Scheduler::UpdateMetricsLocked(const v1::Job& job, const Run& run) {
   if (metrics_ == nullptr) return;
   std::optional<HeatMap> heat = heat_->Snapshot(job.job_id());

@@ -235,6 +235,9 @@ class Scheduler {
   // run). In step_commit.cc.
   absl::StatusOr<v1::StepStatus> FailJob(const v1::StepWrittenRequest& report)
       ABSL_LOCKS_EXCLUDED(mu_);
+  // Pins the job's data to the first report's (Job.data); FAILED_PRECONDITION naming both
+  // when a report read other bytes. In step_commit.cc.
+  absl::Status PinData(const v1::StepWrittenRequest& report) ABSL_LOCKS_EXCLUDED(mu_);
   // Records the job as failed with `reason` and logs it (a finished job stays as it is); the
   // next Tick releases its run. Locks only the job registry: callable with mu_ held or not.
   absl::Status MarkFailed(const std::string& job_id, const std::string& reason);
@@ -253,7 +256,10 @@ class Scheduler {
   static std::set<std::string> JobStores(const Run& run);
   // `alive` without the stores the job lost: what its placement may use.
   static Alive ForJob(const Alive& alive, const Run& run);
+  // The job's heat and replica gauges, set at every commit and removed when its run ends.
   void UpdateMetricsLocked(const v1::Job& job, const Run& run) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void RemoveMetricsLocked(const std::string& job_id, const Run& run)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   // scheduling.cc: the tick's steps and the repair of a job's assignment.
   // Whether a member that is not alive is gone for good: known dead, or still unknown

@@ -12,6 +12,7 @@
 #include <thread>
 
 #include "absl/strings/match.h"
+#include "absl/strings/str_split.h"
 #include "common/job_spec_testing.h"
 #include "common/param_layout.h"
 #include "common/safetensors.h"
@@ -161,7 +162,7 @@ class SchedulerTest : public ::testing::Test {
     SchedulerOptions options;
     options.clock = [this] { return now_; };  // the membership's fake clock
     scheduler_ = std::make_unique<Scheduler>(jobs_.get(), members_.get(), heat_.get(), &stores_,
-                                             nullptr, options);
+                                             &metrics_, options);
     ASSERT_TRUE(scheduler_->Recover().ok());
   }
 
@@ -246,11 +247,81 @@ class SchedulerTest : public ::testing::Test {
   std::string dir_;
   absl::Time now_ = absl::FromUnixSeconds(1000);
   FakeStores stores_;
+  MetricsRegistry metrics_;
   std::unique_ptr<Membership> members_;
   std::unique_ptr<HeatRegistry> heat_;
   std::unique_ptr<JobRegistry> jobs_;
   std::unique_ptr<Scheduler> scheduler_;
 };
+
+// A job's data is pinned by its first report: a worker that reads other bytes (the file
+// changed since, or its host has another copy) fails the job, naming both, and nothing it
+// trained is committed.
+TEST_F(SchedulerTest, AWorkerReadingOtherDataFailsTheJobWithBothFigures) {
+  const v1::Job job = Submit(/*workers=*/2);
+  Join(v1::MEMBER_ROLE_STORE);
+  Join(v1::MEMBER_ROLE_STORE);
+  const std::string w0 = Join(v1::MEMBER_ROLE_WORKER), w1 = Join(v1::MEMBER_ROLE_WORKER);
+  scheduler_->Tick();
+  ASSERT_EQ(Job(job.job_id()).state(), v1::JOB_STATE_RUNNING);
+  auto report = [&](const std::string& worker, int64_t step, uint64_t bytes, uint32_t crc) {
+    v1::StepWrittenRequest r;
+    r.set_job_id(job.job_id());
+    r.set_worker_id(worker);
+    r.set_step(step);
+    r.set_ok(true);
+    r.set_assignment_version(scheduler_->AssignmentVersion(worker));
+    r.mutable_data()->set_bytes(bytes);
+    r.mutable_data()->set_crc32c(crc);
+    return scheduler_->ReportStepWritten(r);
+  };
+  ASSERT_TRUE(report(w0, 0, 303456, 0xabcdef01).ok());
+  ASSERT_TRUE(report(w1, 0, 303456, 0xabcdef01).ok());
+  ASSERT_EQ(Job(job.job_id()).committed_step(), 0);
+  EXPECT_EQ(Job(job.job_id()).data().bytes(), 303456u);
+  ASSERT_TRUE(report(w0, 1, 303456, 0xabcdef01).ok());
+  absl::StatusOr<v1::StepStatus> other = report(w1, 1, 1000, 0x12345678);
+  ASSERT_TRUE(other.ok()) << other.status();
+  EXPECT_TRUE(other->job_ended());
+  const v1::Job failed = Job(job.job_id());
+  EXPECT_EQ(failed.state(), v1::JOB_STATE_FAILED);
+  EXPECT_EQ(failed.committed_step(), 0);
+  EXPECT_NE(failed.failure_reason().find(
+                absl::StrCat("worker ", w1,
+                             ": train.data_path: this worker read 1000 bytes (CRC32C 12345678), "
+                             "but the job has trained on 303456 bytes (CRC32C abcdef01)")),
+            std::string::npos)
+      << failed.failure_reason();
+}
+
+// A job's heat and replica series live while it runs: an ended job, finished or
+// cancelled, leaves none behind.
+TEST_F(SchedulerTest, AJobsExpertSeriesGoWithIt) {
+  const v1::Job done = Submit(/*workers=*/1, /*steps=*/1), cancelled = Submit(1, 300);
+  Join(v1::MEMBER_ROLE_STORE);
+  Join(v1::MEMBER_ROLE_STORE);
+  const std::string w0 = Join(v1::MEMBER_ROLE_WORKER), w1 = Join(v1::MEMBER_ROLE_WORKER);
+  scheduler_->Tick();
+  auto series = [&](const v1::Job& job) {
+    const std::string text = metrics_.Serialize();
+    const std::string label = absl::StrCat("job=\"", job.job_id(), "\"");
+    int n = 0;
+    for (absl::string_view line : absl::StrSplit(text, '\n')) {
+      n += absl::StartsWith(line, "pith_coordinator_replicas{") && absl::StrContains(line, label);
+    }
+    return n;
+  };
+  EXPECT_EQ(series(done), 2 * 4 * 16);  // store and compute copies of each expert
+  EXPECT_EQ(series(cancelled), 2 * 4 * 16);
+  const std::string w_done = scheduler_->GetAssignment(w0)->job_id() == done.job_id() ? w0 : w1;
+  CommitStep(done.job_id(), 0, {w_done});
+  CommitStep(done.job_id(), 1, {w_done});
+  EXPECT_EQ(Job(done.job_id()).state(), v1::JOB_STATE_SUCCEEDED);
+  EXPECT_EQ(series(done), 0);
+  ASSERT_TRUE(jobs_->Cancel(cancelled.job_id(), "enough").ok());
+  scheduler_->Tick();
+  EXPECT_EQ(series(cancelled), 0);
+}
 
 TEST_F(SchedulerTest, AJobWaitsForItsWorkersThenGetsRanksAndAPlacement) {
   const v1::Job job = Submit(/*workers=*/2);

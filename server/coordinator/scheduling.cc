@@ -166,6 +166,7 @@ void Scheduler::ReleaseRunLocked(const std::string& job_id, Run& run,
                                  std::vector<StoreCall>* aborts) {
   // Cancelled or failed: drop the attempt in flight and free the workers.
   if (run.record.committing_step() < 0) AbortLocked(run, "job ended", aborts);
+  RemoveMetricsLocked(job_id, run);
   for (const std::string& w : run.record.workers()) worker_job_.erase(w);
   (void)jobs_->DeleteRecord(absl::StrCat(kRunPrefix, job_id));
   if (const std::string heat = heat_->Save(job_id); !heat.empty()) {  // kept past a restart
@@ -345,15 +346,17 @@ void Scheduler::SchedulePendingLocked(const Alive& alive) {
     // run until more join, so it does not hold back the jobs behind it.
     const int could = WorkersFor(alive, job.spec(), cuda_reserved);
     if (could < want) {
-      SetPendingReasonLocked(job, absl::StrCat("waiting for ", want, " workers (", could,
-                                               " alive); jobs that fit start before it"));
+      SetPendingReasonLocked(
+          job, absl::StrCat("waiting for ", want, want == 1 ? " worker (" : " workers (", could,
+                            " alive); jobs that fit start before it"));
       continue;
     }
     if (!ahead.empty() || static_cast<int>(idle.size()) < want) {
-      SetPendingReasonLocked(job, !ahead.empty()
-                                      ? absl::StrCat("queued behind ", ahead)
-                                      : absl::StrCat("waiting for ", want, " idle workers (",
-                                                     idle.size(), " idle; the others train jobs)"));
+      SetPendingReasonLocked(
+          job, !ahead.empty() ? absl::StrCat("queued behind ", ahead)
+                              : absl::StrCat("waiting for ", want,
+                                             want == 1 ? " idle worker (" : " idle workers (",
+                                             idle.size(), " idle; the others train jobs)"));
       if (NeedsCuda(job.spec())) {
         cuda_reserved = true;
       } else if (ahead.empty()) {

@@ -10,6 +10,7 @@
 
 #include "absl/functional/function_ref.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "common/job_state.h"
 #include "common/status.h"
 #include "glog/logging.h"
@@ -82,8 +83,41 @@ v1::StepStatus Scheduler::StatusLocked(const std::string& job_id, const Run& run
   return s;
 }
 
+absl::Status Scheduler::PinData(const v1::StepWrittenRequest& r) {
+  if (!r.has_data()) return absl::OkStatus();  // a worker that names no data
+  auto same = [&](const v1::Job& job) {
+    return job.data().bytes() == r.data().bytes() && job.data().crc32c() == r.data().crc32c();
+  };
+  absl::StatusOr<v1::Job> job = jobs_->Get(r.job_id());
+  if (!job.ok() || (job->has_data() && same(*job))) return absl::OkStatus();  // the usual case
+  absl::StatusOr<v1::Job> pinned = jobs_->Update(r.job_id(), [&](v1::Job& j) -> absl::Status {
+    if (!j.has_data()) {
+      *j.mutable_data() = r.data();  // the first report pins it
+      return absl::OkStatus();
+    }
+    if (same(j)) return absl::OkStatus();
+    return absl::FailedPreconditionError(absl::StrFormat(
+        "train.data_path: this worker read %d bytes (CRC32C %08x), but the job has trained on "
+        "%d bytes (CRC32C %08x): the file changed since the job started, or this worker's "
+        "host holds another copy",
+        r.data().bytes(), r.data().crc32c(), j.data().bytes(), j.data().crc32c()));
+  });
+  return pinned.status();
+}
+
 absl::StatusOr<v1::StepStatus> Scheduler::ReportStepWritten(const v1::StepWrittenRequest& r) {
   if (!r.ok() && r.fatal()) return FailJob(r);
+  if (r.ok()) {
+    if (absl::Status data = PinData(r); absl::IsFailedPrecondition(data)) {
+      v1::StepWrittenRequest failed = r;  // no step is worth more than the right data
+      failed.set_ok(false);
+      failed.set_fatal(true);
+      failed.set_failure(std::string(data.message()));
+      return FailJob(failed);
+    } else if (!data.ok()) {
+      return data;
+    }
+  }
   std::vector<StoreCall> aborts;
   std::optional<int64_t> prepare;  // the attempt whose step every worker wrote
   std::string give_up;             // the job fails with this reason
@@ -460,6 +494,7 @@ void Scheduler::FinishCommitLocked(const std::string& job_id, Run& run) {
   run.abort_reason.clear();
   if (steps_committed_ != nullptr) steps_committed_->Increment();
   if (ended) {
+    RemoveMetricsLocked(job_id, run);
     for (const std::string& w : run.record.workers()) worker_job_.erase(w);
     (void)jobs_->DeleteRecord(absl::StrCat(kRunPrefix, job_id));
     (void)jobs_->PutRecord(absl::StrCat(kHeatPrefix, job_id), heat_->Save(job_id));
@@ -506,7 +541,7 @@ void Scheduler::AdvancePlacementLocked(const std::string& job_id, Run& run, cons
     LOG(INFO) << "job " << job_id << ": placement epoch " << epoch << " from step " << step + 1
               << " (" << why << ")";
   }
-  if (changed || (step >= 1 && step % every == 0)) UpdateMetricsLocked(job, run);
+  UpdateMetricsLocked(job, run);  // the heat moves every step, as ExpertHeat shows it
   absl::Status s = PersistLocked(run);
   if (!s.ok()) LOG(ERROR) << s;
 }

@@ -5,6 +5,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "common/crc32c.h"
 #include "common/file.h"
 #include "common/status.h"
 
@@ -27,6 +28,7 @@ absl::StatusOr<TokenDataset> TokenDataset::Open(const std::string& path, int voc
   absl::StatusOr<Buffer> bytes = ReadFile(path);
   if (!bytes.ok()) return Annotate(bytes.status(), "token file");
   ds.bytes_ = std::move(*bytes);
+  ds.crc32c_ = Crc32c(ds.bytes_.data(), ds.bytes_.size());
   ds.wide_ = vocab != 256;
   if (ds.wide_ && ds.bytes_.size() % 2 != 0) {
     return absl::InvalidArgumentError(absl::StrCat("token file ", path, " has an odd size (",

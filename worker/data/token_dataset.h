@@ -24,6 +24,9 @@ class TokenDataset {
   static absl::StatusOr<TokenDataset> Open(const std::string& path, int vocab);
 
   int64_t size() const { return size_; }
+  // The file as read: its size in bytes and CRC32C (what pins a job's data, Job.data).
+  uint64_t file_bytes() const { return bytes_.size(); }
+  uint32_t file_crc32c() const { return crc32c_; }
   int32_t token(int64_t i) const;
 
   // Fills inputs[T] and targets[T] for global row `row` (= s*B + i).
@@ -33,6 +36,7 @@ class TokenDataset {
   Buffer bytes_;
   bool wide_ = false;
   int64_t size_ = 0;
+  uint32_t crc32c_ = 0;
 };
 
 // Concatenates text files byte by byte into a vocab-256 token file (atomic write). Returns

@@ -175,6 +175,10 @@ absl::Status JobRun::Report(int64_t s, const model::StepLoss& loss, uint64_t tok
   r.set_tokens(tokens);
   r.set_cache_hits(step_hits_);
   r.set_cache_misses(step_misses_);
+  if (dataset_.has_value()) {
+    r.mutable_data()->set_bytes(dataset_->file_bytes());
+    r.mutable_data()->set_crc32c(dataset_->file_crc32c());
+  }
   last_loss_ = loss;
   return link_->ReportStepWritten(std::move(r));
 }
