@@ -257,16 +257,17 @@ std::string HeatSvg(const v1::ExpertHeatResponse& heat) {
     layer_max[e.expert().layer()] = std::max(layer_max[e.expert().layer()], e.heat());
   }
   const int cell = 36, left = 70, top = 40;
+  const std::string title = absl::StrFormat(
+      "%s: expert heat after step %d (label: %s)", heat.job_id(), heat.step(),
+      placed ? "compute/store replicas" : "fetches into caches; the job has no placement now");
+  // Wide enough for the title too: 13-px sans-serif averages under 8 px a character.
+  const int width = std::max(left + experts * cell + 10, 5 + 8 * static_cast<int>(title.size()));
   std::ostringstream doc;
   doc << absl::StrFormat(
       "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"%d\" height=\"%d\" "
       "font-family=\"sans-serif\" font-size=\"10\">\n",
-      left + experts * cell + 10, top + layers * cell + 30);
-  doc << absl::StrFormat(
-      "<text x=\"%d\" y=\"20\" font-size=\"13\">%s: expert heat after step "
-      "%d (label: %s)</text>\n",
-      left, heat.job_id(), heat.step(),
-      placed ? "compute/store replicas" : "fetches into caches; the job has no placement now");
+      width, top + layers * cell + 30);
+  doc << absl::StrFormat("<text x=\"5\" y=\"20\" font-size=\"13\">%s</text>\n", title);
   for (int l = 0; l < layers; ++l) {
     doc << absl::StrFormat("<text x=\"5\" y=\"%d\">layer %d</text>\n", top + l * cell + 22, l);
   }

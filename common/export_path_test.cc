@@ -2,11 +2,13 @@
 // replace a file; without a root they are off.
 #include "common/export_path.h"
 
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <filesystem>
 #include <fstream>
 #include <string>
+#include <vector>
 
 #include "common/file.h"
 #include "gmock/gmock.h"
@@ -88,6 +90,49 @@ TEST_F(ExportPathTest, WithoutARootExportsAreOff) {
   EXPECT_THAT(std::string(p.status().message()), HasSubstr("--export_root"));
   EXPECT_EQ(ExportPath::NewEntry(root_, "").status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(ExportPath::NewEntry(root_, root_).status().code(), absl::StatusCode::kInvalidArgument);
+}
+
+// ReadPath: with roots, a file is read only from beneath them, whatever path leads to it.
+TEST_F(ExportPathTest, ReadsStayBeneathTheReadRoots) {
+  const std::string data = root_ + "/data.bin", outside = base_ + "/elsewhere/secret";
+  std::ofstream(data) << "tokens";
+  std::ofstream(outside) << "secret";
+  std::filesystem::create_directories(root_ + "/sub");
+  std::filesystem::create_directories(base_ + "/other");
+  std::filesystem::create_symlink("../data.bin", root_ + "/sub/inside");  // stays beneath
+  std::filesystem::create_symlink(outside, root_ + "/out");               // leads out
+  ASSERT_EQ(::mkfifo((root_ + "/fifo").c_str(), 0600), 0);
+  const std::vector<std::string> roots = {base_ + "/other", root_};
+  auto read = [&](const std::string& path) -> absl::StatusOr<std::string> {
+    absl::StatusOr<ReadPath> opened = ReadPath::Open(path, roots, "train.data_path");
+    if (!opened.ok()) return opened.status();
+    absl::StatusOr<Buffer> bytes = ReadFile(opened->path());
+    if (!bytes.ok()) return opened->Named(bytes.status());
+    return std::string(reinterpret_cast<const char*>(bytes->data()), bytes->size());
+  };
+  EXPECT_EQ(read(data).value_or("?"), "tokens");  // absolute, under the second root
+  EXPECT_EQ(read(root_ + "/./sub/../data.bin").value_or("?"), "tokens");
+  EXPECT_EQ(read(root_ + "/sub/inside").value_or("?"), "tokens");
+  for (const std::string& escape :
+       {outside, root_ + "/../elsewhere/secret", root_ + "/out", std::string("/etc/passwd")}) {
+    absl::StatusOr<std::string> got = read(escape);
+    EXPECT_EQ(got.status().code(), absl::StatusCode::kPermissionDenied) << escape;
+    EXPECT_THAT(got.status().message(), HasSubstr("train.data_path: ")) << got.status();
+    EXPECT_THAT(got.status().message(), HasSubstr("--data_root")) << got.status();
+  }
+  EXPECT_EQ(read(root_ + "/fifo").status().code(), absl::StatusCode::kPermissionDenied);
+  EXPECT_EQ(read(root_ + "/missing").status().code(), absl::StatusCode::kNotFound);
+  // A relative path lies under the first root (here one without the file).
+  EXPECT_EQ(read("data.bin").status().code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(read("../root/data.bin").status().code(), absl::StatusCode::kPermissionDenied);
+  // Without roots a path is read as given.
+  absl::StatusOr<ReadPath> free = ReadPath::Open(outside, {}, "train.data_path");
+  ASSERT_TRUE(free.ok()) << free.status();
+  EXPECT_EQ(free->path(), outside);
+  // A process's roots are checked at its start.
+  EXPECT_TRUE(ReadPath::CheckRoots({root_}).ok());
+  EXPECT_FALSE(ReadPath::CheckRoots({"relative/dir"}).ok());
+  EXPECT_FALSE(ReadPath::CheckRoots({data}).ok());
 }
 
 }  // namespace

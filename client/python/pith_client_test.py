@@ -66,6 +66,8 @@ class ClientTest(unittest.TestCase):
         self.assertEqual(listed[self.job.job_id], pith.to_dict(job))
         cli_listed = {j["job_id"]: j for j in cli_json("status")["jobs"]}
         self.assertEqual(cli_listed[self.job.job_id], listed[self.job.job_id])
+        everything = pith.to_dict(self.client.status())  # a list, as `pith status` prints it
+        self.assertEqual({j["job_id"] for j in everything["jobs"]}, set(cli_listed))
         # An ended job's watch is its final event, the same from both.
         cli_events = subprocess.run([CLI, "watch", self.job.job_id, "--output", "json"],
                                     check=True, capture_output=True, text=True,
@@ -134,6 +136,10 @@ class ClientTest(unittest.TestCase):
         for e in self.client.watch(job.job_id, timeout=120):
             if e.step >= 2:
                 break
+        with self.assertRaises(pith.Error) as late:  # its own words, not gRPC's
+            self.client.wait(job.job_id, timeout=1)
+        self.assertEqual(late.exception.code, grpc.StatusCode.DEADLINE_EXCEEDED)
+        self.assertIn(f"job {job.job_id} still running at step", late.exception.message)
         cancelled = self.client.cancel(job.job_id, reason="enough")
         self.assertEqual(pith.state_name(cancelled.state), "cancelled")
         last = list(self.client.watch(job.job_id, timeout=60))[-1]

@@ -470,6 +470,7 @@ absl::Status StoreClient::PutMany(absl::Span<PutItem> items, absl::Duration time
     if (source[i] < 0) continue;
     if (items[source[i]].status.ok()) {
       second_round.push_back(i);
+      items[i].by_reference = true;
     } else {
       items[i].status = items[source[i]].status;  // nothing to refer to
     }

@@ -80,6 +80,7 @@ class StoreClient {
     // Filled in:
     absl::Status status;
     v1::BlobInfo info;
+    bool by_reference = false;  // sent as a reference to a sibling's bytes: no payload
   };
   // Writes every item, all in flight at once (to one store or several); returns when all
   // are answered: OK when all are, else the first error, each item's status set. An item

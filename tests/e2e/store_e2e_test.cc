@@ -243,10 +243,13 @@ TEST_F(StoreE2eTest, AMasterFromTheWeightsBufferGoesAsAReferenceToThem) {
                   .ok());
   EXPECT_EQ(freed, 1);
   EXPECT_EQ(answered_then, 12);  // 11 weights and the master sent from its own buffer
+  int references = 0;
   for (const auto& item : items) {
     ASSERT_TRUE(item.status.ok()) << item.status;
     EXPECT_EQ(item.info.size_bytes(), kSize);
+    references += item.by_reference;
   }
+  EXPECT_EQ(references, 10);  // what the worker's put_bytes leaves out
   // RAM holds the 11 weights and the one master that was sent; the ten references share
   // their weights' bytes on disk.
   const uint64_t ram = Stats().ram_bytes();

@@ -138,7 +138,9 @@ absl::Status StoreIo::Flush(PutQueue& queue,
     for (size_t i = 0; i < queue.items.size(); ++i) {
       if (!queue.items[i].status.ok()) continue;
       if (queue.primary[i]) *written_.Add() = queue.items[i].info;
-      metrics_->put_bytes->Increment(static_cast<double>(queue.items[i].size));
+      if (!queue.items[i].by_reference) {  // a reference sends no payload
+        metrics_->put_bytes->Increment(static_cast<double>(queue.items[i].size));
+      }
     }
   }
   queue.clear();

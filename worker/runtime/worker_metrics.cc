@@ -48,7 +48,9 @@ absl::StatusOr<WorkerMetrics> MakeWorkerMetrics(MetricsRegistry& r) {
                                                 "Time of one batched fetch from a store",
                                                 MetricsRegistry::LatencyBuckets()));
   ASSIGN_OR_RETURN(m.put_bytes,
-                   r.Counter("pith_worker_put_bytes_total", "Bytes written to stores"));
+                   r.Counter("pith_worker_put_bytes_total",
+                             "Payload bytes sent to stores (a blob sent as a reference to "
+                             "its sibling's bytes counts none)"));
   ASSIGN_OR_RETURN(
       m.rows_sent,
       r.Counter("pith_worker_dispatch_rows_sent_total",

@@ -26,7 +26,10 @@ class Error(Exception):
 
 def to_dict(message):
     """The message as `pith ... --output json` prints it (proto field names, enums by
-    name, 64-bit integers as strings, default values left out)."""
+    name, 64-bit integers as strings, default values left out); a list of messages (what
+    `status()` returns without a job) as `{"jobs": [...]}`, as `pith status` prints it."""
+    if isinstance(message, (list, tuple)):
+        return {"jobs": [to_dict(m) for m in message]}
     return json_format.MessageToDict(message, preserving_proto_field_name=True)
 
 
@@ -211,15 +214,28 @@ class Client:
             time.sleep(0.5)
 
     def wait(self, job_id, timeout=None):
-        """Blocks until the job ends; returns the final Job."""
+        """Blocks until the job ends; returns the final Job. `timeout` (seconds): past it,
+        pith.Error DEADLINE_EXCEEDED saying where the job stands."""
         deadline = None if timeout is None else time.monotonic() + timeout
-        for _ in self.watch(job_id, timeout=timeout):
-            pass
+
+        def still(job):
+            return Error(grpc.StatusCode.DEADLINE_EXCEEDED,
+                         f"job {job_id} still {state_name(job.state)} at step "
+                         f"{job.committed_step} after {timeout:g} s")
+
+        try:
+            for _ in self.watch(job_id, timeout=timeout):
+                pass
+        except Error as e:
+            if e.code != grpc.StatusCode.DEADLINE_EXCEEDED or deadline is None:
+                raise
+            job = self.status(job_id)
+            if job.state not in _FINAL_STATES:
+                raise still(job) from None
         job = self.status(job_id)
         while job.state not in _FINAL_STATES:
             if deadline is not None and time.monotonic() > deadline:
-                raise Error(grpc.StatusCode.DEADLINE_EXCEEDED,
-                            f"job {job_id} still {state_name(job.state)} after {timeout:g} s")
+                raise still(job)
             time.sleep(0.2)
             job = self.status(job_id)
         return job
