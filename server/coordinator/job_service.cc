@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_replace.h"
 #include "common/export_path.h"
 #include "common/file.h"
 #include "common/grpc_util.h"
@@ -103,7 +104,10 @@ grpc::Status JobServiceImpl::AdmitForJob(const grpc::ServerContext& context,
   if (caller != nullptr) *caller = who;
   if (!who.has_value() || who->role != security::Role::kUser) return grpc::Status::OK;
   absl::StatusOr<v1::Job> job = jobs_->Get(job_id);
-  if (!job.ok() || job->owner() == who->name) return grpc::Status::OK;
+  // Unknown now is unknown to this call: a job submitted after this check (ids are
+  // predictable) is not reached through it. Owners never change.
+  if (!job.ok()) return ToGrpcStatus(job.status());
+  if (job->owner() == who->name) return grpc::Status::OK;
   return grpc::Status(
       grpc::StatusCode::PERMISSION_DENIED,
       absl::StrCat(method, ": job ", job_id, " was not submitted by the caller, ",
@@ -203,6 +207,10 @@ grpc::Status JobServiceImpl::CheckpointJob(grpc::ServerContext* context,
   if (exported.ok()) {  // named as the caller knows it, not through the open directory
     exported->set_weights_path(absl::StrCat(
         dir->shown(), "/", std::filesystem::path(exported->weights_path()).filename().string()));
+  } else {  // so are errors
+    exported = absl::Status(
+        exported.status().code(),
+        absl::StrReplaceAll(exported.status().message(), {{dir->path(), dir->shown()}}));
   }
   return ToGrpcReply(std::move(exported), reply);
 }
@@ -255,8 +263,29 @@ grpc::Status JobServiceImpl::DownloadCheckpoint(grpc::ServerContext* context,
 grpc::Status JobServiceImpl::ClusterStatus(grpc::ServerContext* context,
                                            const v1::ClusterStatusRequest*,
                                            v1::ClusterStatusResponse* reply) {
-  if (grpc::Status denied = policy_.Admit(*context, "ClusterStatus"); !denied.ok()) return denied;
+  std::optional<security::Identity> caller;
+  if (grpc::Status denied = policy_.Admit(*context, "ClusterStatus", &caller); !denied.ok())
+    return denied;
   *reply = ClusterView();
+  if (caller.has_value() && caller->role == security::Role::kUser) {
+    // A user sees the cluster, not other users' jobs: their ids are left out.
+    std::map<std::string, bool> mine;
+    auto others = [&](const std::string& job_id) {
+      if (job_id.empty()) return false;
+      auto [it, added] = mine.emplace(job_id, false);
+      if (added) {
+        absl::StatusOr<v1::Job> job = jobs_->Get(job_id);
+        it->second = job.ok() && job->owner() == caller->name;
+      }
+      return !it->second;
+    };
+    for (v1::MemberInfo& w : *reply->mutable_workers()) {
+      if (others(w.job_id())) w.clear_job_id();
+    }
+    for (v1::BlobMove& m : *reply->mutable_moves()) {
+      if (others(m.key().job_id())) m.mutable_key()->clear_job_id();
+    }
+  }
   return grpc::Status::OK;
 }
 

@@ -68,8 +68,8 @@ class JobServiceImpl final : public v1::JobService::Service {
 
  private:
   // Admit, and then for a caller of the user role, that job `job_id` is its own:
-  // PERMISSION_DENIED naming the method, the job and the caller otherwise. An unknown job
-  // passes here (the handler answers NOT_FOUND). `caller`: as Admit's.
+  // PERMISSION_DENIED naming the method, the job and the caller otherwise, NOT_FOUND for
+  // an unknown job (admins: the handler answers). `caller`: as Admit's.
   grpc::Status AdmitForJob(const grpc::ServerContext& context, const std::string& method,
                            const std::string& job_id,
                            std::optional<security::Identity>* caller = nullptr) const;

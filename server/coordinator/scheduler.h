@@ -177,6 +177,7 @@ class Scheduler {
     std::set<std::string> written;  // workers that reported the step in flight
     v1::StepWrittenRequest rank0;   // rank 0's figures for the step in flight
     uint64_t tokens = 0, cache_hits = 0, cache_misses = 0;
+    std::optional<v1::DataFingerprint> data;        // Job.data once known (PinDataLocked)
     bool committing = false;                        // a thread is running the store commits
     absl::Time last_commit = absl::InfinitePast();  // of this process; step timing
     // Loaded after a restart and waiting for its members to register again (or for the
@@ -235,9 +236,11 @@ class Scheduler {
   // run). In step_commit.cc.
   absl::StatusOr<v1::StepStatus> FailJob(const v1::StepWrittenRequest& report)
       ABSL_LOCKS_EXCLUDED(mu_);
-  // Pins the job's data to the first report's (Job.data); FAILED_PRECONDITION naming both
-  // when a report read other bytes. In step_commit.cc.
-  absl::Status PinData(const v1::StepWrittenRequest& report) ABSL_LOCKS_EXCLUDED(mu_);
+  // Pins the job's data to the first report's (Job.data, naming its worker);
+  // FAILED_PRECONDITION naming both when a report of the run's current attempt read other
+  // bytes. In step_commit.cc.
+  absl::Status PinDataLocked(Run& run, const v1::StepWrittenRequest& report)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Records the job as failed with `reason` and logs it (a finished job stays as it is); the
   // next Tick releases its run. Locks only the job registry: callable with mu_ held or not.
   absl::Status MarkFailed(const std::string& job_id, const std::string& reason);

@@ -275,21 +275,27 @@ TEST_F(SchedulerTest, AWorkerReadingOtherDataFailsTheJobWithBothFigures) {
     r.mutable_data()->set_crc32c(crc);
     return scheduler_->ReportStepWritten(r);
   };
+  // A member outside the job pins nothing (nor would a stale attempt's report).
+  const std::string stranger = Join(v1::MEMBER_ROLE_WORKER);
+  EXPECT_EQ(report(stranger, 0, 99, 0x99).status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_FALSE(Job(job.job_id()).has_data());
   ASSERT_TRUE(report(w0, 0, 303456, 0xabcdef01).ok());
   ASSERT_TRUE(report(w1, 0, 303456, 0xabcdef01).ok());
   ASSERT_EQ(Job(job.job_id()).committed_step(), 0);
   EXPECT_EQ(Job(job.job_id()).data().bytes(), 303456u);
+  EXPECT_EQ(Job(job.job_id()).data().worker_id(), w0);
   ASSERT_TRUE(report(w0, 1, 303456, 0xabcdef01).ok());
   absl::StatusOr<v1::StepStatus> other = report(w1, 1, 1000, 0x12345678);
   ASSERT_TRUE(other.ok()) << other.status();
-  EXPECT_TRUE(other->job_ended());
+  EXPECT_TRUE(other->aborted());
   const v1::Job failed = Job(job.job_id());
   EXPECT_EQ(failed.state(), v1::JOB_STATE_FAILED);
   EXPECT_EQ(failed.committed_step(), 0);
   EXPECT_NE(failed.failure_reason().find(
                 absl::StrCat("worker ", w1,
                              ": train.data_path: this worker read 1000 bytes (CRC32C 12345678), "
-                             "but the job has trained on 303456 bytes (CRC32C abcdef01)")),
+                             "but the job has trained on 303456 bytes (CRC32C abcdef01, as worker ",
+                             w0, " read it)")),
             std::string::npos)
       << failed.failure_reason();
 }

@@ -83,41 +83,38 @@ v1::StepStatus Scheduler::StatusLocked(const std::string& job_id, const Run& run
   return s;
 }
 
-absl::Status Scheduler::PinData(const v1::StepWrittenRequest& r) {
-  if (!r.has_data()) return absl::OkStatus();  // a worker that names no data
-  auto same = [&](const v1::Job& job) {
-    return job.data().bytes() == r.data().bytes() && job.data().crc32c() == r.data().crc32c();
-  };
-  absl::StatusOr<v1::Job> job = jobs_->Get(r.job_id());
-  if (!job.ok() || (job->has_data() && same(*job))) return absl::OkStatus();  // the usual case
-  absl::StatusOr<v1::Job> pinned = jobs_->Update(r.job_id(), [&](v1::Job& j) -> absl::Status {
-    if (!j.has_data()) {
-      *j.mutable_data() = r.data();  // the first report pins it
-      return absl::OkStatus();
-    }
-    if (same(j)) return absl::OkStatus();
-    return absl::FailedPreconditionError(absl::StrFormat(
-        "train.data_path: this worker read %d bytes (CRC32C %08x), but the job has trained on "
-        "%d bytes (CRC32C %08x): the file changed since the job started, or this worker's "
-        "host holds another copy",
-        r.data().bytes(), r.data().crc32c(), j.data().bytes(), j.data().crc32c()));
-  });
-  return pinned.status();
+absl::Status Scheduler::PinDataLocked(Run& run, const v1::StepWrittenRequest& r) {
+  if (!r.has_data()) return absl::OkStatus();  // a worker of an earlier build names none
+  if (!run.data.has_value()) {
+    ASSIGN_OR_RETURN(const v1::Job job, jobs_->Get(r.job_id()));
+    if (job.has_data()) run.data = job.data();
+  }
+  if (!run.data.has_value()) {  // the first report pins it
+    v1::DataFingerprint pin = r.data();
+    pin.set_worker_id(r.worker_id());
+    RETURN_IF_ERROR(jobs_
+                        ->Update(r.job_id(),
+                                 [&](v1::Job& j) {
+                                   *j.mutable_data() = pin;
+                                   return absl::OkStatus();
+                                 })
+                        .status());
+    run.data = pin;
+    return absl::OkStatus();
+  }
+  if (run.data->bytes() == r.data().bytes() && run.data->crc32c() == r.data().crc32c()) {
+    return absl::OkStatus();
+  }
+  return absl::FailedPreconditionError(absl::StrFormat(
+      "train.data_path: this worker read %d bytes (CRC32C %08x), but the job has trained on "
+      "%d bytes (CRC32C %08x, as worker %s read it): the file changed since the job started, "
+      "or the workers' hosts hold different copies",
+      r.data().bytes(), r.data().crc32c(), run.data->bytes(), run.data->crc32c(),
+      run.data->worker_id().empty() ? "?" : run.data->worker_id()));
 }
 
 absl::StatusOr<v1::StepStatus> Scheduler::ReportStepWritten(const v1::StepWrittenRequest& r) {
   if (!r.ok() && r.fatal()) return FailJob(r);
-  if (r.ok()) {
-    if (absl::Status data = PinData(r); absl::IsFailedPrecondition(data)) {
-      v1::StepWrittenRequest failed = r;  // no step is worth more than the right data
-      failed.set_ok(false);
-      failed.set_fatal(true);
-      failed.set_failure(std::string(data.message()));
-      return FailJob(failed);
-    } else if (!data.ok()) {
-      return data;
-    }
-  }
   std::vector<StoreCall> aborts;
   std::optional<int64_t> prepare;  // the attempt whose step every worker wrote
   std::string give_up;             // the job fails with this reason
@@ -157,6 +154,13 @@ absl::StatusOr<v1::StepStatus> Scheduler::ReportStepWritten(const v1::StepWritte
       const std::string reason = absl::StrCat("worker ", r.worker_id(), ": ",
                                               r.failure().empty() ? "step failed" : r.failure());
       give_up = FailAttemptLocked(run, r.step(), reason, &aborts);
+      absl::Status s = PersistLocked(run);
+      if (!s.ok()) LOG(ERROR) << s;
+    } else if (absl::Status data = PinDataLocked(run, r); !data.ok()) {
+      if (!absl::IsFailedPrecondition(data)) return data;  // not recorded: the report retries
+      // Other bytes than the job trained on: no retry reads the right ones.
+      give_up = absl::StrCat("worker ", r.worker_id(), ": ", data.message());
+      AbortLocked(run, give_up, &aborts);
       absl::Status s = PersistLocked(run);
       if (!s.ok()) LOG(ERROR) << s;
     } else if (run.written.insert(r.worker_id()).second) {
