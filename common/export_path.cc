@@ -6,9 +6,11 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstring>
 #include <filesystem>
+#include <tuple>
 #include <vector>
 
 #include "absl/strings/match.h"
@@ -133,6 +135,49 @@ absl::Status ReadPath::CheckRoots(const std::vector<std::string>& roots) {
   return absl::OkStatus();
 }
 
+namespace {
+
+// `relative` opened beneath `root` (ReadPath's rules); `shown` names it in errors.
+absl::StatusOr<UniqueFd> OpenBeneath(const std::string& root, const std::string& relative,
+                                     absl::string_view field, const std::string& shown,
+                                     const std::string& allowed) {
+  UniqueFd dir(::open(root.c_str(), O_PATH | O_DIRECTORY | O_CLOEXEC));
+  if (!dir.valid()) {
+    return absl::FailedPreconditionError(
+        absl::StrCat(field, ": --data_root ", root, " cannot be opened: ", std::strerror(errno)));
+  }
+  struct open_how how {};
+  how.flags = O_RDONLY | O_NONBLOCK | O_CLOEXEC;  // a FIFO must not block the open
+  how.resolve = RESOLVE_BENEATH | RESOLVE_NO_MAGICLINKS;
+  long fd = -1;
+  for (int attempt = 0; attempt < 8; ++attempt) {  // EAGAIN: a rename raced the walk
+    fd = ::syscall(SYS_openat2, dir.get(), relative.c_str(), &how, sizeof(how));
+    if (fd >= 0 || (errno != EAGAIN && errno != EINTR)) break;
+  }
+  if (fd >= 0) return UniqueFd(static_cast<int>(fd));
+  const int error = errno;
+  if (error == ENOENT || error == ENOTDIR) {
+    return absl::NotFoundError(absl::StrCat(field, ": no file ", shown));
+  }
+  if (error == ENAMETOOLONG) {
+    return absl::InvalidArgumentError(absl::StrCat(field, ": a name in it is too long"));
+  }
+  if (error == EXDEV || error == ELOOP) {
+    return absl::PermissionDeniedError(
+        absl::StrCat(field, ": ", shown, " leads out of ", allowed,
+                     " (through .., or a symlink that is absolute or leaves it)"));
+  }
+  if (error == ENOSYS) {
+    return absl::FailedPreconditionError(
+        "--data_root needs openat2 (Linux 5.6 or later), which this kernel lacks");
+  }
+  const std::string why = absl::StrCat(field, ": ", shown, ": ", std::strerror(error));
+  return error == EACCES || error == EPERM ? absl::PermissionDeniedError(why)
+                                           : absl::UnavailableError(why);
+}
+
+}  // namespace
+
 absl::StatusOr<ReadPath> ReadPath::Open(const std::string& requested,
                                         const std::vector<std::string>& roots,
                                         absl::string_view field) {
@@ -144,55 +189,39 @@ absl::StatusOr<ReadPath> ReadPath::Open(const std::string& requested,
   if (requested.empty() || requested.find('\0') != std::string::npos) {
     return absl::InvalidArgumentError(absl::StrCat(field, ": not a file name"));
   }
-  const std::string* root = &roots[0];
-  std::string relative = requested;
-  if (requested[0] == '/') {  // absolute: the root it lies under, lexically
-    root = nullptr;
+  // (depth, root, the path beneath it): a relative path under the first root; an absolute
+  // one under every root it lies under, lexically, the deepest first.
+  std::vector<std::tuple<size_t, const std::string*, std::string>> candidates;
+  if (requested[0] != '/') {
+    candidates.emplace_back(0, &roots[0], requested);
+  } else {
     const std::vector<std::string> parts = Components(requested);
     for (const std::string& r : roots) {
       const std::vector<std::string> root_parts = Components(r);
       if (parts.size() > root_parts.size() &&
           std::equal(root_parts.begin(), root_parts.end(), parts.begin())) {
-        root = &r;
-        relative =
-            absl::StrJoin(parts.begin() + static_cast<long>(root_parts.size()), parts.end(), "/");
-        break;
+        candidates.emplace_back(
+            root_parts.size(), &r,
+            absl::StrJoin(parts.begin() + static_cast<long>(root_parts.size()), parts.end(), "/"));
       }
     }
-    if (root == nullptr) {
+    if (candidates.empty()) {
       return absl::PermissionDeniedError(
           absl::StrCat(field, ": ", requested, " is not beneath ", allowed));
     }
+    std::stable_sort(candidates.begin(), candidates.end(),
+                     [](const auto& a, const auto& b) { return std::get<0>(a) > std::get<0>(b); });
   }
-  UniqueFd dir(::open(root->c_str(), O_PATH | O_DIRECTORY | O_CLOEXEC));
-  if (!dir.valid()) {
-    return absl::FailedPreconditionError(
-        absl::StrCat(field, ": --data_root ", *root, " cannot be opened: ", std::strerror(errno)));
-  }
-  struct open_how how {};
-  how.flags = O_RDONLY | O_NONBLOCK | O_CLOEXEC;  // a FIFO must not block the open
-  how.resolve = RESOLVE_BENEATH | RESOLVE_NO_MAGICLINKS;
-  long fd = -1;
-  for (int attempt = 0; attempt < 8; ++attempt) {  // EAGAIN: a rename raced the walk
-    fd = ::syscall(SYS_openat2, dir.get(), relative.c_str(), &how, sizeof(how));
-    if (fd >= 0 || (errno != EAGAIN && errno != EINTR)) break;
-  }
-  if (fd < 0) {
-    const int error = errno;
-    if (error == ENOENT) return absl::NotFoundError(absl::StrCat(field, ": no file ", requested));
-    if (error == EXDEV || error == ELOOP) {
-      return absl::PermissionDeniedError(absl::StrCat(field, ": ", requested, " leads out of ",
-                                                      allowed, " (through .. or a symlink)"));
+  absl::Status first;
+  for (const auto& [depth, root, relative] : candidates) {
+    absl::StatusOr<UniqueFd> fd = OpenBeneath(*root, relative, field, requested, allowed);
+    if (fd.ok()) {
+      out.file_ = *std::move(fd);
+      break;
     }
-    if (error == ENOSYS) {
-      return absl::FailedPreconditionError(
-          "--data_root needs openat2 (Linux 5.6 or later), which this kernel lacks");
-    }
-    const std::string why = absl::StrCat(field, ": ", requested, ": ", std::strerror(error));
-    return error == EACCES || error == EPERM ? absl::PermissionDeniedError(why)
-                                             : absl::UnavailableError(why);
+    if (first.ok()) first = fd.status();
   }
-  out.file_ = UniqueFd(static_cast<int>(fd));
+  if (!out.file_.valid()) return first;
   struct stat st;
   if (::fstat(out.file_.get(), &st) != 0 || !S_ISREG(st.st_mode)) {
     return absl::PermissionDeniedError(

@@ -47,10 +47,11 @@ class ExportPath {
 
 // ReadPath: a file a caller named for a process to read (a job's train.data_path or
 // train.init_path, which a worker reads), confined to the process's read roots
-// (pith-worker --data_root). An absolute path must lie under one of the roots; a relative
-// one is taken under the first. It is opened from its root with openat2(RESOLVE_BENEATH),
-// so `..` or a symlink that leads out of the root is refused (symlinks that stay beneath
-// it are followed), and read through the opened descriptor (/proc/self/fd/N), so a path
+// (pith-worker --data_root). An absolute path must lie under one of the roots (tried from
+// the deepest it lies under), a relative one is taken under the first. It is opened from its root
+// with openat2(RESOLVE_BENEATH): `..` or a symlink that leads out of the root is refused,
+// and so is any absolute symlink (relative ones that stay beneath it are followed); it is
+// read through the opened descriptor (/proc/self/fd/N), so a path
 // swapped after the check changes nothing. Only a regular file is opened. Without roots
 // the path is read as given.
 //

@@ -102,7 +102,8 @@ TEST_F(ExportPathTest, ReadsStayBeneathTheReadRoots) {
   std::filesystem::create_symlink("../data.bin", root_ + "/sub/inside");  // stays beneath
   std::filesystem::create_symlink(outside, root_ + "/out");               // leads out
   ASSERT_EQ(::mkfifo((root_ + "/fifo").c_str(), 0600), 0);
-  const std::vector<std::string> roots = {base_ + "/other", root_};
+  std::filesystem::create_symlink(root_ + "/data.bin", root_ + "/absolute");  // refused too
+  const std::vector<std::string> roots = {base_ + "/other", root_, root_ + "/sub/"};
   auto read = [&](const std::string& path) -> absl::StatusOr<std::string> {
     absl::StatusOr<ReadPath> opened = ReadPath::Open(path, roots, "train.data_path");
     if (!opened.ok()) return opened.status();
@@ -113,8 +114,8 @@ TEST_F(ExportPathTest, ReadsStayBeneathTheReadRoots) {
   EXPECT_EQ(read(data).value_or("?"), "tokens");  // absolute, under the second root
   EXPECT_EQ(read(root_ + "/./sub/../data.bin").value_or("?"), "tokens");
   EXPECT_EQ(read(root_ + "/sub/inside").value_or("?"), "tokens");
-  for (const std::string& escape :
-       {outside, root_ + "/../elsewhere/secret", root_ + "/out", std::string("/etc/passwd")}) {
+  for (const std::string& escape : {outside, root_ + "/../elsewhere/secret", root_ + "/out",
+                                    root_ + "/absolute", std::string("/etc/passwd")}) {
     absl::StatusOr<std::string> got = read(escape);
     EXPECT_EQ(got.status().code(), absl::StatusCode::kPermissionDenied) << escape;
     EXPECT_THAT(got.status().message(), HasSubstr("train.data_path: ")) << got.status();
@@ -122,6 +123,7 @@ TEST_F(ExportPathTest, ReadsStayBeneathTheReadRoots) {
   }
   EXPECT_EQ(read(root_ + "/fifo").status().code(), absl::StatusCode::kPermissionDenied);
   EXPECT_EQ(read(root_ + "/missing").status().code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(read(data + "/under-a-file").status().code(), absl::StatusCode::kNotFound);
   // A relative path lies under the first root (here one without the file).
   EXPECT_EQ(read("data.bin").status().code(), absl::StatusCode::kNotFound);
   EXPECT_EQ(read("../root/data.bin").status().code(), absl::StatusCode::kPermissionDenied);

@@ -57,8 +57,8 @@ void StoreServer::ExportDiskGauges(const std::string& data_dir, MetricsRegistry*
 
 namespace {
 
-// Creates --data_dir, readable by its owner only (it holds every job's weights and
-// optimizer state); FAILED_PRECONDITION for a drained store's.
+// Creates --data_dir, readable by its owner only where this process may say so (it holds
+// every job's weights and optimizer state); FAILED_PRECONDITION for a drained store's.
 absl::Status PrepareDataDir(const std::string& dir) {
   if (dir.empty()) return absl::InvalidArgumentError("--data_dir is required");
   std::error_code ec;
@@ -69,9 +69,9 @@ absl::Status PrepareDataDir(const std::string& dir) {
   }
   std::filesystem::permissions(dir, std::filesystem::perms::owner_all,
                                std::filesystem::perm_options::replace, ec);
-  if (ec) {
-    return absl::InternalError(
-        absl::StrCat("cannot restrict --data_dir ", dir, " to its owner: ", ec.message()));
+  if (ec) {  // another user's folder this one writes through its group: its owner decides
+    LOG(WARNING) << "cannot restrict --data_dir " << dir << " to its owner (" << ec.message()
+                 << "); every job's weights are as readable as the folder is";
   }
   if (absl::StatusOr<Buffer> why = ReadFile(DrainedMarker(dir)); why.ok()) {
     return absl::FailedPreconditionError(absl::StrCat(

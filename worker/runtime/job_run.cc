@@ -268,23 +268,24 @@ v1::BlobKey JobRun::Key(int layer, int expert, const std::string& tensor, v1::Bl
 
 absl::Status JobRun::WriteInitial() {
   const std::string& init = a_.spec().train().init_path();
+  std::optional<ReadPath> path;           // open while `file` is read
   std::optional<SafetensorsReader> file;  // read an expert at a time, never whole
   if (!init.empty()) {
     absl::Status loaded = [&]() -> absl::Status {
-      ASSIGN_OR_RETURN(ReadPath path, ReadPath::Open(init, options_.data_roots, "train.init_path"));
-      absl::StatusOr<SafetensorsReader> opened = SafetensorsReader::Open(path.path());
-      if (!opened.ok()) return path.Named(opened.status());
-      file = *std::move(opened);
+      ASSIGN_OR_RETURN(path, ReadPath::Open(init, options_.data_roots, "train.init_path"));
+      ASSIGN_OR_RETURN(file, SafetensorsReader::Open(path->path()));
       RETURN_IF_ERROR(model::CheckInitModel(file->metadata(), a_.spec().model()));
       return model::LoadDenseWeights(*backend_, model_->layout(), *file, model_->params());
     }();
-    if (!loaded.ok()) return InitFileFailed(loaded);
+    if (!loaded.ok()) return InitFileFailed(path ? path->Named(loaded) : loaded);
   } else {
     RETURN_IF_ERROR(model_->InitWeights(a_.spec().train().seed()));
   }
   store_io_->ClearWritten();
   RETURN_IF_ERROR(WriteDense(0));
-  RETURN_IF_ERROR(WriteInitialExperts(file ? &*file : nullptr));
+  if (absl::Status experts = WriteInitialExperts(file ? &*file : nullptr); !experts.ok()) {
+    return path ? path->Named(experts) : experts;  // the file as the spec names it
+  }
   return Report(0, model::StepLoss(), 0);
 }
 
