@@ -69,8 +69,9 @@ constexpr char kUsage[] =
     "job commands (coordinator from --coordinator HOST:PORT, else $PITH_COORDINATOR, else\n"
     "the local cluster's (pith up), else 127.0.0.1:7000; mutual TLS with --tls_dir DIR,\n"
     "else $PITH_TLS_DIR, else the local cluster's admin certificate; --token T or\n"
-    "$PITH_TOKEN: a bearer token instead of the certificate, with DIR's ca.pem; --output\n"
-    "json for machine-readable output):\n"
+    "$PITH_TOKEN: a bearer token instead of the certificate, with DIR's ca.pem; --insecure:\n"
+    "plaintext to a loopback coordinator started --insecure; --output json for\n"
+    "machine-readable output):\n"
     "  submit SPEC.json            submit a job; prints its id\n"
     "  status [JOB]                one job's state and figures, or every job\n"
     "  watch JOB                   follow a job: step, loss, tokens/s, cache hit rate, ETA\n"
@@ -137,13 +138,16 @@ absl::StatusOr<std::unique_ptr<Client>> Connect(const CliContext& ctx) {
   const bool fallback = address.empty();
   if (fallback) address = "127.0.0.1:7000";
   std::string tls_dir = ctx.tls_dir;
-  if (tls_dir.empty()) {
+  if (ctx.insecure && (!tls_dir.empty() || !ctx.token.empty())) {
+    return UsageError("--insecure is plaintext: it takes neither --tls_dir nor --token");
+  }
+  if (tls_dir.empty() && !ctx.insecure) {
     const char* env = std::getenv("PITH_TLS_DIR");
     if (env != nullptr && *env != '\0') tls_dir = env;
   }
   std::error_code ec;
   if (const std::string local = LocalTlsDir(DefaultDir()) + "/admin";
-      tls_dir.empty() && std::filesystem::exists(local + "/cert.pem", ec)) {
+      tls_dir.empty() && !ctx.insecure && std::filesystem::exists(local + "/cert.pem", ec)) {
     tls_dir = local;
   }
   absl::StatusOr<security::TransportSecurity> security =
@@ -151,7 +155,8 @@ absl::StatusOr<std::unique_ptr<Client>> Connect(const CliContext& ctx) {
                       : security::TransportSecurity::Tls(tls_dir);
   if (!security.ok()) return Annotate(security.status(), "--tls_dir");
   std::string token = ctx.token;
-  if (const char* env = std::getenv("PITH_TOKEN"); token.empty() && env != nullptr) token = env;
+  if (const char* env = std::getenv("PITH_TOKEN"); token.empty() && env != nullptr && !ctx.insecure)
+    token = env;
   if (!token.empty()) {
     if (!security->tls()) {
       return UsageError("a bearer token needs --tls_dir DIR with the cluster's ca.pem");
@@ -394,7 +399,10 @@ absl::StatusOr<std::vector<std::string>> CommandLine(const std::vector<std::stri
     }
     const size_t eq = a.find('=');
     const std::string name = a.substr(0, eq);
-    if (name == "--coordinator" || name == "--output" || name == "--tls_dir" || name == "--token") {
+    if (a == "--insecure") {
+      ctx.insecure = true;
+    } else if (name == "--coordinator" || name == "--output" || name == "--tls_dir" ||
+               name == "--token") {
       if (eq == std::string::npos && i + 1 == raw.size())
         return UsageError(name + " needs a value");
       RETURN_IF_ERROR(SetJobFlag(ctx, name, eq == std::string::npos ? raw[++i] : a.substr(eq + 1)));
@@ -458,6 +466,10 @@ int RunCli(const std::vector<std::string>& raw_args, std::ostream& out, std::ost
     if (status.ok()) return 0;
     err << "pith: " << status.message() << "\n";
     return cli::IsUsageError(status) ? 2 : 1;
+  }
+  if (absl::StartsWith(args[0], "-")) {  // not a command: a flag pith does not know
+    err << "pith: unknown flag " << args[0] << " (try pith help)\n";
+    return 2;
   }
   err << "pith: unknown command \"" << absl::StrJoin(args, " ") << "\" (try pith help)\n";
   return 2;

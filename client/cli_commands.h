@@ -28,6 +28,7 @@ struct CliContext {
   std::string tls_dir;  // --tls_dir; see Connect
   std::string token;    // --token (else $PITH_TOKEN): a bearer token instead of a certificate
   bool json = false;
+  bool insecure = false;  // --insecure: plaintext to a loopback coordinator
 };
 
 // A command used wrongly (exit 2), as opposed to one that failed (exit 1).

@@ -176,6 +176,9 @@ TEST(CliTest, UsageErrors) {
   EXPECT_THAT(r.err, HasSubstr("/nonexistent.json"));
   EXPECT_EQ(RunPith({"help"}).code, 0);
   EXPECT_THAT(RunPith({"version"}).out, StartsWith("Pith "));
+  r = RunPith({"--bogus", "status"});  // a flag before the command is not a command
+  EXPECT_EQ(r.code, 2);
+  EXPECT_EQ(r.err, "pith: unknown flag --bogus (try pith help)\n");
 }
 
 TEST(CliTest, AMistypedFlagIsAUsageErrorNotAJobId) {
@@ -221,6 +224,15 @@ TEST(CliTest, StatusSaysAJobRunsShortOfWorkers) {
   service.job.set_workers(2);
   r = RunPith({"--coordinator", address, "status", "demo-1"});
   EXPECT_THAT(r.out, Not(HasSubstr("workers)"))) << r.out;
+  // --insecure: plaintext whatever certificates the environment names.
+  ::setenv("PITH_TLS_DIR", "/nonexistent-tls", 1);
+  EXPECT_EQ(RunPith({"--coordinator", address, "status", "demo-1"}).code, 1);
+  r = RunPith({"--insecure", "--coordinator", address, "status", "demo-1"});
+  EXPECT_EQ(r.code, 0) << r.err;
+  r = RunPith({"--insecure", "--token", "t", "--coordinator", address, "status", "demo-1"});
+  EXPECT_EQ(r.code, 2);
+  EXPECT_THAT(r.err, HasSubstr("--insecure is plaintext"));
+  ::unsetenv("PITH_TLS_DIR");
   ::unsetenv("PITH_HOME");
 }
 
