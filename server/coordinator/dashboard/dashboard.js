@@ -147,6 +147,9 @@ function renderHeat(heat) {
   const cell = Math.max(4, Math.min(28, Math.floor(960 / width)));
   const left = 64, top = 8;
   const value = (e) => Number(view.colorBy === "heat" ? e.heat : e.fetches);
+  // A placed expert has a store; an ended job's placement is gone (every count 0), so its
+  // cells show how often each expert was fetched instead, as pith experts --svg does.
+  const placed = experts.some((e) => Number(e.store_replicas || 0) > 0);
   const layerMax = new Array(layers).fill(0), layerFetches = new Array(layers).fill(0);
   for (const e of experts) {
     const l = e.expert.layer || 0;
@@ -172,7 +175,7 @@ function renderHeat(heat) {
     if (cell >= 16) {
       svg.append(svgEl("text", { x: left + x * cell + cell / 2, y: top + l * cell + cell * 0.68,
                                  "text-anchor": "middle", style: v > 0.6 ? "fill: #fff" : "" },
-                       e.store_replicas));
+                       String(Number((placed ? e.store_replicas : e.fetches) || 0))));
     }
   }
   return svg;
