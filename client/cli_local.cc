@@ -320,7 +320,8 @@ std::vector<std::string> MemberCommand(const std::string& name, const UpFlags& f
   const int gpus = f.backend == "cuda" ? std::max(1, NvidiaGpus()) : 1;
   return {FindBinary("pith-worker", "worker"),
           "--coordinator=" + address,
-          "--listen=127.0.0.1:0",  // UCX and /metrics on loopback, as every member's
+          "--listen=127.0.0.1:0",   // UCX and /metrics on loopback, as every member's
+          "--data_exclude=" + dir,  // no job reads the cluster's keys, data or logs
           metrics,
           absl::StrCat("--cache_bytes=", f.cache_bytes),
           absl::StrCat("--memory_bytes=", f.memory_bytes),
@@ -636,13 +637,17 @@ absl::Status Up(const CliContext& ctx, const Args& args, std::ostream& out) {
   RETURN_IF_ERROR(CheckUpFlags(OverDefaults(given)).status());
   dir = FolderPath(dir);
   std::error_code ec;
-  // A folder made here is its user's alone: it gathers the members' logs, data and keys.
-  if (std::filesystem::create_directories(dir, ec) && !ec) {
-    std::filesystem::permissions(dir, std::filesystem::perms::owner_all,
-                                 std::filesystem::perm_options::replace, ec);
-  }
+  // The folder is its user's alone (made here, or before by pith certs or mkdir): it
+  // gathers the members' logs, data and keys.
+  std::filesystem::create_directories(dir, ec);
   if (ec) {
     return absl::PermissionDeniedError(absl::StrCat("cannot create ", dir, ": ", ec.message()));
+  }
+  std::filesystem::permissions(dir, std::filesystem::perms::owner_all,
+                               std::filesystem::perm_options::replace, ec);
+  if (ec) {
+    return absl::PermissionDeniedError(
+        absl::StrCat("cannot make ", dir, " its owner's alone: ", ec.message()));
   }
   ASSIGN_OR_RETURN(const UniqueFd lock, LockFolder(dir));  // one pith up or down at a time
   absl::StatusOr<std::vector<LocalMember>> recorded = ReadMembers(dir);

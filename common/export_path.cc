@@ -18,6 +18,7 @@
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_replace.h"
 #include "absl/strings/str_split.h"
+#include "common/status.h"
 
 namespace pith {
 namespace {
@@ -176,19 +177,49 @@ absl::StatusOr<UniqueFd> OpenBeneath(const std::string& root, const std::string&
                                            : absl::UnavailableError(why);
 }
 
-}  // namespace
+// `requested` opened as given (no roots): the errors OpenBeneath gives.
+absl::StatusOr<UniqueFd> OpenAnywhere(const std::string& requested, absl::string_view field) {
+  UniqueFd fd(::open(requested.c_str(), O_RDONLY | O_NONBLOCK | O_CLOEXEC));
+  if (fd.valid()) return fd;
+  const int error = errno;
+  const std::string why = absl::StrCat(field, ": ", requested, ": ", std::strerror(error));
+  if (error == ENOENT || error == ENOTDIR) {
+    return absl::NotFoundError(absl::StrCat(field, ": no file ", requested));
+  }
+  if (error == ENAMETOOLONG) return absl::InvalidArgumentError(why);
+  return error == EACCES || error == EPERM || error == ELOOP ? absl::PermissionDeniedError(why)
+                                                             : absl::UnavailableError(why);
+}
 
-absl::StatusOr<ReadPath> ReadPath::Open(const std::string& requested,
+// PERMISSION_DENIED when the open file `fd` lies in one of `excluded` (by the path the
+// kernel resolved it to).
+absl::Status NotExcluded(int fd, const std::vector<std::string>& excluded,
+                         const std::string& requested, absl::string_view field) {
+  if (excluded.empty()) return absl::OkStatus();
+  char target[PATH_MAX + 1];
+  const std::string link = absl::StrCat("/proc/self/fd/", fd);
+  const ssize_t n = ::readlink(link.c_str(), target, PATH_MAX);
+  if (n <= 0) return absl::UnavailableError(absl::StrCat(field, ": cannot resolve ", requested));
+  const std::string resolved(target, static_cast<size_t>(n));
+  for (const std::string& e : excluded) {
+    char real[PATH_MAX + 1];
+    if (::realpath(e.c_str(), real) == nullptr) continue;  // not there: nothing in it
+    const std::string dir = real;
+    if (dir == "/" || resolved == dir || absl::StartsWith(resolved, dir + "/")) {
+      return absl::PermissionDeniedError(
+          absl::StrCat(field, ": ", requested, " lies in ", e,
+                       ", which this worker keeps from jobs (--data_exclude, its own --tls_dir)"));
+    }
+  }
+  return absl::OkStatus();
+}
+
+// `requested` beneath one of `roots` (ReadPath's rules).
+absl::StatusOr<UniqueFd> OpenUnderRoots(const std::string& requested,
                                         const std::vector<std::string>& roots,
                                         absl::string_view field) {
-  ReadPath out;
-  out.path_ = out.requested_ = requested;
-  if (roots.empty()) return out;
   const std::string allowed =
       absl::StrCat("this worker's --data_root (", absl::StrJoin(roots, ","), ")");
-  if (requested.empty() || requested.find('\0') != std::string::npos) {
-    return absl::InvalidArgumentError(absl::StrCat(field, ": not a file name"));
-  }
   // (depth, root, the path beneath it): a relative path under the first root; an absolute
   // one under every root it lies under, lexically, the deepest first.
   std::vector<std::tuple<size_t, const std::string*, std::string>> candidates;
@@ -215,18 +246,33 @@ absl::StatusOr<ReadPath> ReadPath::Open(const std::string& requested,
   absl::Status first;
   for (const auto& [depth, root, relative] : candidates) {
     absl::StatusOr<UniqueFd> fd = OpenBeneath(*root, relative, field, requested, allowed);
-    if (fd.ok()) {
-      out.file_ = *std::move(fd);
-      break;
-    }
+    if (fd.ok()) return fd;
     if (first.ok()) first = fd.status();
   }
-  if (!out.file_.valid()) return first;
+  return first;
+}
+
+}  // namespace
+
+absl::StatusOr<ReadPath> ReadPath::Open(const std::string& requested, const ReadRules& rules,
+                                        absl::string_view field) {
+  ReadPath out;
+  out.path_ = out.requested_ = requested;
+  if (rules.roots.empty() && rules.excluded.empty()) return out;
+  if (requested.empty() || requested.find('\0') != std::string::npos) {
+    return absl::InvalidArgumentError(absl::StrCat(field, ": not a file name"));
+  }
+  if (rules.roots.empty()) {
+    ASSIGN_OR_RETURN(out.file_, OpenAnywhere(requested, field));
+  } else {
+    ASSIGN_OR_RETURN(out.file_, OpenUnderRoots(requested, rules.roots, field));
+  }
   struct stat st;
   if (::fstat(out.file_.get(), &st) != 0 || !S_ISREG(st.st_mode)) {
     return absl::PermissionDeniedError(
         absl::StrCat(field, ": ", requested, " is not a regular file"));
   }
+  RETURN_IF_ERROR(NotExcluded(out.file_.get(), rules.excluded, requested, field));
   out.path_ = absl::StrCat("/proc/self/fd/", out.file_.get());
   return out;
 }

@@ -53,16 +53,22 @@ class ExportPath {
 // and so is any absolute symlink (relative ones that stay beneath it are followed); it is
 // read through the opened descriptor (/proc/self/fd/N), so a path
 // swapped after the check changes nothing. Only a regular file is opened. Without roots
-// the path is read as given.
+// the path is opened as given. A file that resolves into an excluded folder (a worker's
+// own --tls_dir, pith up's cluster folder with its CA key: --data_exclude) is refused,
+// roots or not. With neither, the path is read as given.
 //
 // Thread safety: as ExportPath.
+struct ReadRules {
+  std::vector<std::string> roots;     // --data_root
+  std::vector<std::string> excluded;  // --data_exclude and the worker's --tls_dir
+};
+
 class ReadPath {
  public:
-  // PERMISSION_DENIED (naming `field`) for a path outside every root or not a regular
-  // file; NOT_FOUND for a missing one; FAILED_PRECONDITION where the kernel lacks openat2
-  // (Linux 5.6).
-  static absl::StatusOr<ReadPath> Open(const std::string& requested,
-                                       const std::vector<std::string>& roots,
+  // PERMISSION_DENIED (naming `field`) for a path outside every root, in an excluded
+  // folder, or not a regular file; NOT_FOUND for a missing one; FAILED_PRECONDITION where the
+  // kernel lacks openat2 (Linux 5.6).
+  static absl::StatusOr<ReadPath> Open(const std::string& requested, const ReadRules& rules,
                                        absl::string_view field);
   // Checks a process's roots at its start: each an existing directory, given absolutely.
   static absl::Status CheckRoots(const std::vector<std::string>& roots);

@@ -105,7 +105,7 @@ TEST_F(ExportPathTest, ReadsStayBeneathTheReadRoots) {
   std::filesystem::create_symlink(root_ + "/data.bin", root_ + "/absolute");  // refused too
   const std::vector<std::string> roots = {base_ + "/other", root_, root_ + "/sub/"};
   auto read = [&](const std::string& path) -> absl::StatusOr<std::string> {
-    absl::StatusOr<ReadPath> opened = ReadPath::Open(path, roots, "train.data_path");
+    absl::StatusOr<ReadPath> opened = ReadPath::Open(path, {.roots = roots}, "train.data_path");
     if (!opened.ok()) return opened.status();
     absl::StatusOr<Buffer> bytes = ReadFile(opened->path());
     if (!bytes.ok()) return opened->Named(bytes.status());
@@ -135,6 +135,30 @@ TEST_F(ExportPathTest, ReadsStayBeneathTheReadRoots) {
   EXPECT_TRUE(ReadPath::CheckRoots({root_}).ok());
   EXPECT_FALSE(ReadPath::CheckRoots({"relative/dir"}).ok());
   EXPECT_FALSE(ReadPath::CheckRoots({data}).ok());
+}
+
+// An excluded folder (a worker's keys, pith up's cluster with its CA key) is out of reach
+// however the path gets there, with roots or without.
+TEST_F(ExportPathTest, ExcludedFoldersAreOutOfReach) {
+  const std::string keys = base_ + "/elsewhere/tls", key = keys + "/ca.key";
+  std::filesystem::create_directories(keys);
+  std::ofstream(key) << "secret";
+  std::ofstream(root_ + "/data.bin") << "tokens";
+  std::filesystem::create_symlink(key, base_ + "/elsewhere/innocent");
+  const ReadRules anywhere = {.excluded = {base_ + "/elsewhere/./tls/"}};
+  for (const std::string& path : {key, base_ + "/elsewhere/innocent", keys + "/../tls/ca.key"}) {
+    absl::StatusOr<ReadPath> got = ReadPath::Open(path, anywhere, "train.init_path");
+    EXPECT_EQ(got.status().code(), absl::StatusCode::kPermissionDenied) << path;
+    EXPECT_THAT(got.status().message(), HasSubstr("which this worker keeps from jobs"));
+  }
+  absl::StatusOr<ReadPath> fine = ReadPath::Open(root_ + "/data.bin", anywhere, "train.data_path");
+  ASSERT_TRUE(fine.ok()) << fine.status();
+  EXPECT_NE(fine->path(), root_ + "/data.bin");  // read through its descriptor
+  // Beneath a root too: the root lets it in, the exclusion keeps it out.
+  const ReadRules both = {.roots = {base_}, .excluded = {keys}};
+  EXPECT_EQ(ReadPath::Open(key, both, "train.data_path").status().code(),
+            absl::StatusCode::kPermissionDenied);
+  EXPECT_TRUE(ReadPath::Open(root_ + "/data.bin", both, "train.data_path").ok());
 }
 
 }  // namespace

@@ -210,14 +210,18 @@ absl::Status ValidateModel(const v1::ModelConfig& m) {
   return absl::OkStatus();
 }
 
-// A file name a worker will open: at most PATH_MAX bytes, no NUL.
+// A file name a worker will open: at most PATH_MAX bytes, no control characters.
 absl::Status CheckPath(absl::string_view field, const std::string& path) {
   constexpr size_t kMaxPath = 4096;
   if (path.size() > kMaxPath) {
     return FieldError(
         field, absl::StrCat("is ", path.size(), " bytes long, more than the limit of ", kMaxPath));
   }
-  if (path.find('\0') != std::string::npos) return FieldError(field, "holds a NUL byte");
+  for (const char c : path) {  // a newline would forge log lines that quote it
+    if (static_cast<unsigned char>(c) < 0x20 || c == 0x7f) {
+      return FieldError(field, "holds a control character");
+    }
+  }
   return absl::OkStatus();
 }
 

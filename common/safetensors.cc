@@ -202,12 +202,14 @@ absl::StatusOr<uint64_t> SafetensorsHeaderLength(absl::Span<const uint8_t> first
   }
   uint64_t header_len;
   std::memcpy(&header_len, first8.data(), 8);
+  // The value read is not quoted: the file may be anything a caller named (a job's
+  // init_path), and its first bytes are not the caller's to see.
   if (header_len > kMaxSafetensorsHeaderBytes) {
-    return Invalid(absl::StrCat("header length ", header_len, " exceeds the limit of ",
-                                kMaxSafetensorsHeaderBytes, " bytes"));
+    return Invalid(absl::StrCat("header length (its first 8 bytes) exceeds the limit of ",
+                                kMaxSafetensorsHeaderBytes, " bytes: not a safetensors file"));
   }
   if (header_len > file_size - 8) {
-    return Invalid(absl::StrCat("header length ", header_len, " exceeds the ", file_size - 8,
+    return Invalid(absl::StrCat("header length (its first 8 bytes) exceeds the ", file_size - 8,
                                 " bytes after the length field"));
   }
   return header_len;

@@ -112,7 +112,7 @@ TEST(SafetensorsTest, RejectsABadHeaderLength) {
   const uint64_t n = 1000;
   std::memcpy(too_long.data(), &n, 8);
   EXPECT_THAT(std::string(ParseStatus(too_long).message()),
-              HasSubstr("header length 1000 exceeds"));
+              HasSubstr("header length (its first 8 bytes) exceeds"));
   const uint64_t huge = ~uint64_t{0};
   std::memcpy(too_long.data(), &huge, 8);
   EXPECT_THAT(std::string(ParseStatus(too_long).message()), HasSubstr("exceeds the limit"));

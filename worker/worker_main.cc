@@ -52,6 +52,10 @@ ABSL_FLAG(std::vector<std::string>, data_root, {},
           "Directories (comma-separated, absolute) a job's train.data_path and train.init_path "
           "must lie beneath (a relative path is taken under the first; symlinks out of them "
           "are refused); empty: any file this process can read");
+ABSL_FLAG(std::vector<std::string>, data_exclude, {},
+          "Directories (comma-separated) whose files no job may read, whatever --data_root "
+          "says: keys, other services' data (pith up gives its cluster folder; the worker's "
+          "own --tls_dir is always excluded)");
 ABSL_FLAG(bool, standalone, false, "Train the job of --spec alone, in this process");
 ABSL_FLAG(std::string, spec, "", "Job spec (JSON) for --standalone");
 ABSL_FLAG(std::string, init, "", "Start from these weights (safetensors)");
@@ -131,8 +135,10 @@ absl::Status RunCluster() {
   }
   options.threads = absl::GetFlag(FLAGS_threads);
   options.loss_log = absl::GetFlag(FLAGS_loss_log);
-  options.data_roots = absl::GetFlag(FLAGS_data_root);
-  RETURN_IF_ERROR(pith::ReadPath::CheckRoots(options.data_roots));
+  options.data_rules.roots = absl::GetFlag(FLAGS_data_root);
+  RETURN_IF_ERROR(pith::ReadPath::CheckRoots(options.data_rules.roots));
+  options.data_rules.excluded = absl::GetFlag(FLAGS_data_exclude);
+  if (options.security.tls()) options.data_rules.excluded.push_back(options.security.dir());
   std::atomic<bool> stop{false};
   absl::Status result;
   // The same ready line as the servers' (a worker serves no gRPC of its own), once it has

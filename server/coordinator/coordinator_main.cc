@@ -127,6 +127,15 @@ absl::StatusOr<std::string> DataPlaneKey(pith::coordinator::JobRegistry& jobs) {
   return key;
 }
 
+// Without TLS there is no key, but the jobs (specs, owners, failure reasons) are still
+// nobody else's to read.
+void RestrictDataDir() {
+  std::error_code ec;
+  std::filesystem::permissions(absl::GetFlag(FLAGS_data_dir), std::filesystem::perms::owner_all,
+                               std::filesystem::perm_options::replace, ec);
+  if (ec) LOG(WARNING) << "cannot restrict --data_dir to its owner: " << ec.message();
+}
+
 // The bearer tokens of --tokens_file; null without one.
 absl::StatusOr<std::unique_ptr<pith::security::TokenTable>> OpenTokens() {
   const std::string path = absl::GetFlag(FLAGS_tokens_file);
@@ -170,6 +179,7 @@ int main(int argc, char** argv) {
   pith::coordinator::JobHistory history;
   (*jobs)->OnChange([&history](const pith::v1::Job& job) { history.Observe(job); });
   std::string data_plane_key;  // with TLS: set before any store is called (DESIGN §8)
+  RestrictDataDir();
   if (security->tls()) {
     absl::StatusOr<std::string> key = DataPlaneKey(**jobs);
     if (!key.ok()) return pith::ExitStatus("pith-coordinator", key.status());

@@ -143,6 +143,7 @@ TEST_F(JobServiceTest, EveryInvalidFieldIsNamed) {
       {"\"data_path\": \"tokens.bin\"", "\"data_path\": " + long_path, "train.data_path"},
       {"\"init_path\": \"\"", "\"init_path\": " + long_path, "train.init_path"},
       {"\"data_path\": \"tokens.bin\"", "\"data_path\": \"a\\u0000b\"", "train.data_path"},
+      {"\"data_path\": \"tokens.bin\"", "\"data_path\": \"a\\nE1207 forged\"", "train.data_path"},
       {"\"vocab_size\": 256", "\"vocab_size\": 1", "model.vocab_size"},
       {"\"seq_len\": 64", "\"seq_len\": 0", "model.seq_len"},
       {"\"d_model\": 128", "\"d_model\": 0", "model.d_model"},

@@ -93,6 +93,12 @@ timeout 60 "$PITH" watch "$noinit" >"$E2E_TMP/noinit.txt" 2>&1 || rc=$?
 "$PITH" status "$noinit" | grep -q "failed .*(worker worker-[01]: train.init_path: no file" ||
   fail "status of a job without its init file: $("$PITH" status "$noinit")"
 echo "  ok: $nodata failed in $(($(date +%s) - start)) s: $(grep -o "step.*" "$E2E_TMP/nodata.status" | head -1)"
+# No job reads the cluster's own folder: its CA key trained on would be sampled back.
+sed "s|$E2E_TMP/tokens.bin|$PITH_HOME/tls/ca.key|" "$E2E_TMP/tiny.json" >"$E2E_TMP/steal.json"
+steal=$("$PITH" submit "$E2E_TMP/steal.json")
+timeout 60 "$PITH" watch "$steal" >/dev/null 2>&1 || true
+"$PITH" status "$steal" | grep -q "failed .*ca.key lies in .*, which this worker keeps from jobs" ||
+  fail "a job read the cluster's CA key: $("$PITH" status "$steal")"
 
 # Mutual TLS on every port (pith up made the certificates; the CLI used admin's): a
 # member's certificate cannot submit or drain; a user's reaches its own jobs only, and

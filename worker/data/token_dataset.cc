@@ -42,8 +42,9 @@ absl::StatusOr<TokenDataset> TokenDataset::Open(const std::string& path, int voc
   }
   for (int64_t i = 0; i < ds.size_; ++i) {
     if (ds.token(i) >= vocab) {
-      return absl::InvalidArgumentError(absl::StrCat("token file ", path, ": token ", ds.token(i),
-                                                     " at index ", i, " is outside vocab ", vocab,
+      // The token's value is not quoted: the file may be anything a job named.
+      return absl::InvalidArgumentError(absl::StrCat("token file ", path, ": the token at index ",
+                                                     i, " is outside vocab ", vocab,
                                                      WidthHint(vocab)));
     }
   }

@@ -22,6 +22,7 @@
 #include <string>
 
 #include "absl/status/status.h"
+#include "common/export_path.h"
 #include "common/metrics.h"
 #include "pith/v1/common.pb.h"
 #include "security/tls.h"
@@ -40,9 +41,9 @@ struct ClusterWorkerOptions {
   std::string scratch_dir;      // where gradients beyond the pool wait (GradPool)
   int threads = 0;              // CPU backend threads; 0 = one per core
   std::string loss_log;         // "<step> <loss> <ce>" per committed step (rank 0 only)
-  // Where a job's train.data_path and train.init_path may lie (ReadPath); empty: anywhere
-  // this process can read.
-  std::vector<std::string> data_roots;
+  // Where a job's train.data_path and train.init_path may lie and may not (ReadPath);
+  // empty: anywhere this process can read.
+  ReadRules data_rules;
   // The training backend of each job run (a failed backend stays failed, so each run
   // makes its own), and its kind as the coordinator sees it. Empty: the CPU backend with
   // `threads`. Host-memory work (the expert updates, norms over the gradient pool) runs

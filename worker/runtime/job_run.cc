@@ -8,6 +8,7 @@
 #include <utility>
 #include <vector>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "common/bf16.h"
 #include "common/export_path.h"
@@ -77,7 +78,7 @@ absl::Status JobRun::Setup() {
   // The data file first, before the model and the cache: a job whose data this worker
   // cannot read fails at once, with the reason, instead of retrying step 0.
   absl::StatusOr<data::TokenDataset> dataset = [&]() -> absl::StatusOr<data::TokenDataset> {
-    ASSIGN_OR_RETURN(ReadPath data, ReadPath::Open(spec.train().data_path(), options_.data_roots,
+    ASSIGN_OR_RETURN(ReadPath data, ReadPath::Open(spec.train().data_path(), options_.data_rules,
                                                    "train.data_path"));
     absl::StatusOr<data::TokenDataset> opened = data::TokenDataset::Open(data.path(), shape_.vocab);
     if (!opened.ok()) return data.Named(opened.status());
@@ -272,7 +273,7 @@ absl::Status JobRun::WriteInitial() {
   std::optional<SafetensorsReader> file;  // read an expert at a time, never whole
   if (!init.empty()) {
     absl::Status loaded = [&]() -> absl::Status {
-      ASSIGN_OR_RETURN(path, ReadPath::Open(init, options_.data_roots, "train.init_path"));
+      ASSIGN_OR_RETURN(path, ReadPath::Open(init, options_.data_rules, "train.init_path"));
       ASSIGN_OR_RETURN(file, SafetensorsReader::Open(path->path()));
       RETURN_IF_ERROR(model::CheckInitModel(file->metadata(), a_.spec().model()));
       return model::LoadDenseWeights(*backend_, model_->layout(), *file, model_->params());
@@ -297,7 +298,9 @@ absl::Status JobRun::InitFileFailed(const absl::Status& why) {
              code != absl::StatusCode::kInvalidArgument &&
              code != absl::StatusCode::kFailedPrecondition && code != absl::StatusCode::kDataLoss &&
              code != absl::StatusCode::kOutOfRange;
-  return Annotate(why, "train.init_path");
+  // ReadPath's errors name the field already.
+  return absl::StartsWith(why.message(), "train.init_path") ? why
+                                                            : Annotate(why, "train.init_path");
 }
 
 absl::Status JobRun::WriteInitialExperts(const SafetensorsReader* file) {
