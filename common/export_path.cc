@@ -120,6 +120,11 @@ absl::StatusOr<ExportPath> ExportPath::Open(const std::string& root_flag,
   return out;
 }
 
+absl::Status ExportPath::Named(const absl::Status& status) const {
+  if (status.ok()) return status;
+  return absl::Status(status.code(), absl::StrReplaceAll(status.message(), {{path_, shown_}}));
+}
+
 absl::Status ReadPath::CheckRoots(const std::vector<std::string>& roots) {
   for (const std::string& root : roots) {
     struct stat st;
@@ -137,6 +142,19 @@ absl::Status ReadPath::CheckRoots(const std::vector<std::string>& roots) {
 }
 
 namespace {
+
+// A failed open's errno as ReadPath answers it; `shown` names the file.
+absl::Status OpenError(int error, absl::string_view field, const std::string& shown) {
+  if (error == ENOENT || error == ENOTDIR) {
+    return absl::NotFoundError(absl::StrCat(field, ": no file ", shown));
+  }
+  if (error == ENAMETOOLONG) {
+    return absl::InvalidArgumentError(absl::StrCat(field, ": a name in it is too long"));
+  }
+  const std::string why = absl::StrCat(field, ": ", shown, ": ", std::strerror(error));
+  return error == EACCES || error == EPERM || error == ELOOP ? absl::PermissionDeniedError(why)
+                                                             : absl::UnavailableError(why);
+}
 
 // `relative` opened beneath `root` (ReadPath's rules); `shown` names it in errors.
 absl::StatusOr<UniqueFd> OpenBeneath(const std::string& root, const std::string& relative,
@@ -157,12 +175,6 @@ absl::StatusOr<UniqueFd> OpenBeneath(const std::string& root, const std::string&
   }
   if (fd >= 0) return UniqueFd(static_cast<int>(fd));
   const int error = errno;
-  if (error == ENOENT || error == ENOTDIR) {
-    return absl::NotFoundError(absl::StrCat(field, ": no file ", shown));
-  }
-  if (error == ENAMETOOLONG) {
-    return absl::InvalidArgumentError(absl::StrCat(field, ": a name in it is too long"));
-  }
   if (error == EXDEV || error == ELOOP) {
     return absl::PermissionDeniedError(
         absl::StrCat(field, ": ", shown, " leads out of ", allowed,
@@ -172,23 +184,14 @@ absl::StatusOr<UniqueFd> OpenBeneath(const std::string& root, const std::string&
     return absl::FailedPreconditionError(
         "--data_root needs openat2 (Linux 5.6 or later), which this kernel lacks");
   }
-  const std::string why = absl::StrCat(field, ": ", shown, ": ", std::strerror(error));
-  return error == EACCES || error == EPERM ? absl::PermissionDeniedError(why)
-                                           : absl::UnavailableError(why);
+  return OpenError(error, field, shown);
 }
 
 // `requested` opened as given (no roots): the errors OpenBeneath gives.
 absl::StatusOr<UniqueFd> OpenAnywhere(const std::string& requested, absl::string_view field) {
   UniqueFd fd(::open(requested.c_str(), O_RDONLY | O_NONBLOCK | O_CLOEXEC));
   if (fd.valid()) return fd;
-  const int error = errno;
-  const std::string why = absl::StrCat(field, ": ", requested, ": ", std::strerror(error));
-  if (error == ENOENT || error == ENOTDIR) {
-    return absl::NotFoundError(absl::StrCat(field, ": no file ", requested));
-  }
-  if (error == ENAMETOOLONG) return absl::InvalidArgumentError(why);
-  return error == EACCES || error == EPERM || error == ELOOP ? absl::PermissionDeniedError(why)
-                                                             : absl::UnavailableError(why);
+  return OpenError(errno, field, requested);
 }
 
 // PERMISSION_DENIED when the open file `fd` lies in one of `excluded` (by the path the

@@ -37,6 +37,8 @@ class ExportPath {
   const std::string& path() const { return path_; }
   // What to tell the caller: the root joined with the relative path.
   const std::string& shown() const { return shown_; }
+  // `status` with path() written as shown(): for errors of the writer that used path().
+  absl::Status Named(const absl::Status& status) const;
 
  private:
   static absl::StatusOr<ExportPath> Open(const std::string& root, const std::string& requested,

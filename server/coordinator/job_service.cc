@@ -10,7 +10,6 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
-#include "absl/strings/str_replace.h"
 #include "common/export_path.h"
 #include "common/file.h"
 #include "common/grpc_util.h"
@@ -208,9 +207,7 @@ grpc::Status JobServiceImpl::CheckpointJob(grpc::ServerContext* context,
     exported->set_weights_path(absl::StrCat(
         dir->shown(), "/", std::filesystem::path(exported->weights_path()).filename().string()));
   } else {  // so are errors
-    exported = absl::Status(
-        exported.status().code(),
-        absl::StrReplaceAll(exported.status().message(), {{dir->path(), dir->shown()}}));
+    exported = dir->Named(exported.status());
   }
   return ToGrpcReply(std::move(exported), reply);
 }
