@@ -47,30 +47,34 @@ absl::Status PeerGroup::Join(int rank, const std::vector<std::string>& addresses
     return absl::InvalidArgumentError(
         absl::StrCat("rank ", rank, " outside a group of ", addresses.size()));
   }
-  {
-    // Reset before connecting: a peer that fails while we connect must stay failed.
-    absl::MutexLock lock(&mu_);
-    failed_.assign(addresses.size(), false);
-  }
   absl::Status status;
   worker_->RunSync([&] {
-    for (ucp_ep_h ep : endpoints_) {
-      if (ep != nullptr) worker_->Close(ep);
+    ++joins_;
+    group_ = addresses;
+    {
+      // Reset before connecting: a peer that fails while we connect must stay failed.
+      absl::MutexLock lock(&mu_);
+      failed_.assign(addresses.size(), false);
     }
     endpoints_.assign(addresses.size(), nullptr);
     for (size_t r = 0; r < addresses.size() && status.ok(); ++r) {
       if (static_cast<int>(r) == rank) continue;
-      const int peer = static_cast<int>(r);
-      absl::StatusOr<ucp_ep_h> ep = worker_->Connect(addresses[r], [this, peer](absl::Status s) {
-        LOG(WARNING) << "peer " << peer << " failed: " << s;
-        absl::MutexLock lock(&mu_);
-        if (peer < static_cast<int>(failed_.size())) failed_[peer] = true;
-      });
+      absl::StatusOr<ucp_ep_h> ep = ConnectionTo(addresses[r]);
       if (!ep.ok()) {
         status = ep.status();
       } else {
         endpoints_[r] = *ep;
       }
+    }
+    // Beyond the bound, the connections least recently used by a group go.
+    while (connections_.size() > kMaxConnections) {
+      auto oldest = connections_.begin();
+      for (auto it = connections_.begin(); it != connections_.end(); ++it) {
+        if (it->second.used < oldest->second.used) oldest = it;
+      }
+      if (oldest->second.used == joins_) break;  // all in this group
+      worker_->Close(oldest->second.ep);
+      connections_.erase(oldest);
     }
   });
   RETURN_IF_ERROR(status);
@@ -81,6 +85,39 @@ absl::Status PeerGroup::Join(int rank, const std::vector<std::string>& addresses
   }
   SetAttempt(attempt);
   return absl::OkStatus();
+}
+
+absl::StatusOr<ucp_ep_h> PeerGroup::ConnectionTo(const std::string& address) {
+  auto it = connections_.find(address);
+  if (it != connections_.end()) {
+    it->second.used = joins_;
+    return it->second.ep;
+  }
+  ASSIGN_OR_RETURN(ucp_ep_h ep, worker_->Connect(address, [this, address](absl::Status s) {
+    OnPeerFailed(address, s);
+  }));
+  connections_[address] = Connection{ep, joins_};
+  return ep;
+}
+
+void PeerGroup::OnPeerFailed(const std::string& address, const absl::Status& status) {
+  auto it = connections_.find(address);
+  if (it == connections_.end()) return;
+  const ucp_ep_h ep = it->second.ep;
+  connections_.erase(it);
+  std::vector<int> ranks;
+  for (size_t r = 0; r < group_.size(); ++r) {
+    if (group_[r] != address || endpoints_[r] != ep) continue;
+    ranks.push_back(static_cast<int>(r));
+    endpoints_[r] = nullptr;
+  }
+  worker_->Close(ep);
+  if (ranks.empty()) return;  // a peer of an earlier group
+  LOG(WARNING) << "peer " << ranks.front() << " failed: " << status;
+  absl::MutexLock lock(&mu_);
+  for (int r : ranks) {
+    if (r < static_cast<int>(failed_.size())) failed_[r] = true;
+  }
 }
 
 void PeerGroup::SetAttempt(uint64_t attempt) {

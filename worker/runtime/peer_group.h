@@ -38,8 +38,9 @@ class PeerGroup {
   // The packed UCX address peers connect to (published as MemberInfo.ucx_address).
   const std::string& address() const { return worker_->address(); }
 
-  // Joins a group: this worker is `rank` of `addresses.size()`; endpoints to the others
-  // are opened (and those of a previous group closed). Starts attempt `attempt`.
+  // Joins a group: this worker is `rank` of `addresses.size()`; the others are reached
+  // through the connections kept from earlier groups, or new ones. Starts attempt
+  // `attempt`.
   absl::Status Join(int rank, const std::vector<std::string>& addresses, uint64_t attempt);
   int rank() const { return rank_; }
   int world() const { return world_; }
@@ -79,9 +80,29 @@ class PeerGroup {
   template <typename T>
   absl::Status AllReduce(T* values, size_t n, uint64_t tag);
 
+  // Progress thread only: the connection to `address` (one made now, or the one kept).
+  absl::StatusOr<ucp_ep_h> ConnectionTo(const std::string& address);
+  // Progress thread only: the connection to `address` failed; its ranks in the current
+  // group fail with it, and the next group that has it connects afresh.
+  void OnPeerFailed(const std::string& address, const absl::Status& status);
+
   std::unique_ptr<ucx::Worker> worker_;
   int rank_ = 0, world_ = 1;
   std::vector<ucp_ep_h> endpoints_;  // by rank; progress thread only
+  std::vector<std::string> group_;   // the current group's addresses by rank; progress thread
+  // Connections by peer address, kept across groups until the peer fails (progress thread
+  // only). A closed endpoint between two live workers leaves its TCP connection open on
+  // both sides (UCX keeps a connection its remote end may still send on, and without
+  // peer-failure mode no close reaches the remote end): closing at every join left a socket
+  // per job behind. Kept, they number the peers a worker has met: the least recently used
+  // beyond kMaxConnections are closed.
+  struct Connection {
+    ucp_ep_h ep;
+    uint64_t used;  // the join that last used it
+  };
+  static constexpr size_t kMaxConnections = 256;
+  std::map<std::string, Connection> connections_;
+  uint64_t joins_ = 0;  // progress thread only
 
   absl::Mutex mu_;
   uint64_t attempt_ ABSL_GUARDED_BY(mu_) = 0;

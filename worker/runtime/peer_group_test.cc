@@ -2,6 +2,7 @@
 // all-reduce, attempts dropping stale messages, and timeouts.
 #include "worker/runtime/peer_group.h"
 
+#include <filesystem>
 #include <thread>
 #include <vector>
 
@@ -126,6 +127,70 @@ TEST(PeerGroupTest, AnAttemptAbandonedBeforeItStartedStartsAbandoned) {
   EXPECT_TRUE(g[1]->AbandonAttempt(8));
   g[1]->SetAttempt(8);
   EXPECT_EQ(g[1]->Send(0, 6, "x").code(), absl::StatusCode::kUnavailable);
+}
+
+int OpenFiles() {
+  int n = 0;
+  for ([[maybe_unused]] const auto& e : std::filesystem::directory_iterator("/proc/self/fd")) ++n;
+  return n;
+}
+
+// Workers join a group per job, with the same peers again and again: the connections
+// between them must not pile up (each join once left a socket behind on both sides, and
+// a worker ran out of descriptors after some thousands of jobs).
+TEST(PeerGroupTest, JoiningAgainAndAgainKeepsTheConnectionsItHas) {
+  auto g = Group(2);
+  const std::vector<std::string> addresses = {g[0]->address(), g[1]->address()};
+  auto exchange = [&](uint64_t attempt) {
+    ASSERT_TRUE(g[0]->Send(1, 1, "ping").ok());
+    ASSERT_TRUE(g[1]->Send(0, 1, "pong").ok());
+    auto a = g[1]->Receive(0, 1);
+    auto b = g[0]->Receive(1, 1);
+    ASSERT_TRUE(a.ok()) << a.status() << " attempt " << attempt;
+    ASSERT_TRUE(b.ok()) << b.status() << " attempt " << attempt;
+    EXPECT_EQ(*a, "ping");
+    EXPECT_EQ(*b, "pong");
+  };
+  exchange(1);
+  const int before = OpenFiles();
+  for (uint64_t attempt = 2; attempt < 40; ++attempt) {
+    for (int r = 0; r < 2; ++r) ASSERT_TRUE(g[r]->Join(r, addresses, attempt).ok());
+    exchange(attempt);
+  }
+  EXPECT_LE(OpenFiles(), before + 2);
+  // Ranks may swap between jobs: the same connections serve.
+  const std::vector<std::string> swapped = {addresses[1], addresses[0]};
+  ASSERT_TRUE(g[1]->Join(0, swapped, 50).ok());
+  ASSERT_TRUE(g[0]->Join(1, swapped, 50).ok());
+  ASSERT_TRUE(g[1]->Send(1, 2, "from rank 0").ok());
+  ASSERT_TRUE(g[0]->Send(0, 2, "from rank 1").ok());
+  auto at1 = g[0]->Receive(0, 2);
+  auto at0 = g[1]->Receive(1, 2);
+  ASSERT_TRUE(at1.ok()) << at1.status();
+  ASSERT_TRUE(at0.ok()) << at0.status();
+  EXPECT_EQ(*at1, "from rank 0");
+  EXPECT_EQ(*at0, "from rank 1");
+  EXPECT_LE(OpenFiles(), before + 2);
+}
+
+// A peer that goes away fails the ranks it holds in the current group, and a later group
+// with a new peer in its place connects to it.
+TEST(PeerGroupTest, APeerThatGoesAwayFailsItsRankAndTheNextGroupConnectsAfresh) {
+  auto g = Group(2);
+  g[1].reset();  // its process ended: its connections close
+  const absl::Time start = absl::Now();
+  const auto r = g[0]->Receive(1, 1, absl::Seconds(30));
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kUnavailable) << r.status();
+  EXPECT_LT(absl::Now() - start, absl::Seconds(20));
+  auto fresh = PeerGroup::Create();
+  ASSERT_TRUE(fresh.ok()) << fresh.status();
+  g[1] = std::move(*fresh);
+  const std::vector<std::string> addresses = {g[0]->address(), g[1]->address()};
+  for (int r = 0; r < 2; ++r) ASSERT_TRUE(g[r]->Join(r, addresses, 2).ok());
+  ASSERT_TRUE(g[0]->Send(1, 1, "again").ok());
+  auto got = g[1]->Receive(0, 1);
+  ASSERT_TRUE(got.ok()) << got.status();
+  EXPECT_EQ(*got, "again");
 }
 
 }  // namespace
