@@ -338,7 +338,7 @@ absl::StatusOr<bool> BlobLog::CopyForward(const Relocate& relocate) {
     absl::MutexLock lock(&mu_);
     for (auto& [number, file] : files_) {
       // Only a file closed for a while: versions of recent steps go away by themselves.
-      if (file == current_ || file->writers > 0 || file->live * 4 >= file->end ||
+      if (file == current_ || file->writers > 0 || file->live * 2 >= file->end ||
           syncs_ - file->closed_at < kCopyForwardAge) {
         continue;
       }
