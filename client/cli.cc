@@ -76,6 +76,8 @@ constexpr char kUsage[] =
     "  status [JOB]                one job's state and figures, or every job\n"
     "  watch JOB                   follow a job: step, loss, tokens/s, cache hit rate, ETA\n"
     "  cancel JOB                  cancel a job\n"
+    "  remove JOB...               forget ended jobs: records, heat and stored weights\n"
+    "                              (export first); ids are not reused\n"
     "  checkpoint JOB --out FILE [--force]\n"
     "                              export the job's last committed weights (safetensors);\n"
     "                              an existing FILE is replaced only with --force\n"
@@ -441,6 +443,7 @@ int RunCli(const std::vector<std::string>& raw_args, std::ostream& out, std::ost
       {"status", cli::Status},
       {"watch", cli::Watch},
       {"cancel", cli::Cancel},
+      {"remove", cli::Remove},
       {"checkpoint", cli::Checkpoint},
       {"cluster", cli::Cluster},
       {"sample", cli::Sample},

@@ -59,6 +59,7 @@ absl::Status Submit(const CliContext& ctx, const Args& args, std::ostream& out);
 absl::Status Status(const CliContext& ctx, const Args& args, std::ostream& out);
 absl::Status Watch(const CliContext& ctx, const Args& args, std::ostream& out);
 absl::Status Cancel(const CliContext& ctx, const Args& args, std::ostream& out);
+absl::Status Remove(const CliContext& ctx, const Args& args, std::ostream& out);
 absl::Status Checkpoint(const CliContext& ctx, const Args& args, std::ostream& out);
 absl::Status Experts(const CliContext& ctx, const Args& args, std::ostream& out);
 absl::Status Cluster(const CliContext& ctx, const Args& args, std::ostream& out);

@@ -200,6 +200,22 @@ absl::Status Cancel(const CliContext& ctx, const Args& args, std::ostream& out) 
   return absl::OkStatus();
 }
 
+absl::Status Remove(const CliContext& ctx, const Args& args, std::ostream& out) {
+  RETURN_IF_ERROR(RefuseUnknownFlags("remove", args));
+  if (args.empty()) return UsageError("remove takes job ids: pith remove JOB...");
+  ASSIGN_OR_RETURN(std::unique_ptr<Client> client, Connect(ctx));
+  // One by one, each said as it goes: the first that cannot be removed stops the rest.
+  for (const std::string& id : args) {
+    ASSIGN_OR_RETURN(v1::Job job, client->Remove(id));
+    if (ctx.json) {
+      out << Json(job) << "\n";
+    } else {
+      out << "removed " << job.job_id() << " (" << StateName(job.state()) << ")\n";
+    }
+  }
+  return absl::OkStatus();
+}
+
 absl::Status Checkpoint(const CliContext& ctx, const Args& args, std::ostream& out) {
   RETURN_IF_ERROR(RefuseUnknownFlags("checkpoint", args, {"--out", "--force"}));
   Args rest = args;

@@ -186,6 +186,7 @@ TEST(CliTest, AMistypedFlagIsAUsageErrorNotAJobId) {
        std::vector<std::vector<std::string>>{{"status", "--bogus"},
                                              {"watch", "--dir", "x"},
                                              {"cancel", "-x"},
+                                             {"remove", "job", "--all"},
                                              {"checkpoint", "job", "--out", "f", "--forse"},
                                              {"experts", "job", "--png", "f"}}) {
     const Result r = RunPith(args);

@@ -122,6 +122,15 @@ absl::StatusOr<v1::Job> Client::Cancel(const std::string& job_id, const std::str
   return job;
 }
 
+absl::StatusOr<v1::Job> Client::Remove(const std::string& job_id) {
+  v1::RemoveJobRequest req;
+  req.set_job_id(job_id);
+  v1::Job job;
+  RETURN_IF_ERROR(Call(absl::Seconds(10),
+                       [&](grpc::ClientContext* c) { return stub_->RemoveJob(c, req, &job); }));
+  return job;
+}
+
 absl::StatusOr<v1::CheckpointJobResponse> Client::Checkpoint(const std::string& job_id,
                                                              const std::string& output_dir) {
   v1::CheckpointJobRequest req;

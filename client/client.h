@@ -41,6 +41,8 @@ class Client {
                      const std::function<bool(const v1::JobEvent&)>& on_event);
   static constexpr absl::Duration kWatchResume = absl::Seconds(60);
   absl::StatusOr<v1::Job> Cancel(const std::string& job_id, const std::string& reason = "");
+  // Forgets an ended job (its record, heat and stored weights); returns its last record.
+  absl::StatusOr<v1::Job> Remove(const std::string& job_id);
   // Writes the job's last committed weights under `output_dir` on the coordinator's host:
   // a path under its --export_root (relative to it, or absolute under it); without one,
   // FAILED_PRECONDITION (DownloadCheckpoint needs none).

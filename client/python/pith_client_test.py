@@ -140,12 +140,22 @@ class ClientTest(unittest.TestCase):
             self.client.wait(job.job_id, timeout=1)
         self.assertEqual(late.exception.code, grpc.StatusCode.DEADLINE_EXCEEDED)
         self.assertIn(f"job {job.job_id} still running at step", late.exception.message)
+        with self.assertRaises(pith.Error) as running:  # only an ended job goes
+            self.client.remove(job.job_id)
+        self.assertEqual(running.exception.code, grpc.StatusCode.FAILED_PRECONDITION)
         cancelled = self.client.cancel(job.job_id, reason="enough")
         self.assertEqual(pith.state_name(cancelled.state), "cancelled")
         last = list(self.client.watch(job.job_id, timeout=60))[-1]
         self.assertEqual(pith.state_name(last.state), "cancelled")
         self.assertEqual(pith.state_name(self.client.wait(job.job_id, timeout=60).state),
                          "cancelled")
+        removed = self.client.remove(job.job_id)
+        self.assertEqual(removed.job_id, job.job_id)
+        with self.assertRaises(pith.Error) as gone:
+            self.client.status(job.job_id)
+        self.assertEqual(gone.exception.code, grpc.StatusCode.NOT_FOUND)
+        self.assertIn("was removed", gone.exception.message)
+        self.assertNotIn(job.job_id, [j.job_id for j in self.client.status()])
 
     def test_errors_name_their_cause(self):
         with self.assertRaises(pith.Error) as e:

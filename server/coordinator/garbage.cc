@@ -70,18 +70,24 @@ int Scheduler::CollectGarbageOnce() {
       }
     }
   }
-  std::map<std::string, bool> ended;  // by job id: looked up once a pass, not once a store
+  // By job id, looked up once a pass (not once a store): what goes of the job's blobs.
+  enum class Fate { kKeep, kAllButWeights, kAll };
+  std::map<std::string, Fate> fates;
   for (const auto& [id, store] : alive.stores) {
     absl::StatusOr<std::vector<v1::StoreJob>> held = stores_->ListJobs(store);
     if (!held.ok()) continue;  // its lease, not the collector, decides about it
     for (const v1::StoreJob& j : *held) {
-      auto [known, fresh] = ended.try_emplace(j.job_id(), false);
+      auto [known, fresh] = fates.try_emplace(j.job_id(), Fate::kKeep);
       if (fresh) {
         absl::StatusOr<v1::Job> job = jobs_->Get(j.job_id());
-        known->second = job.ok() && IsFinal(job->state());
+        if (job.ok() && IsFinal(job->state())) {
+          known->second = options_.keep_ended_weights ? Fate::kAllButWeights : Fate::kAll;
+        } else if (!job.ok() && jobs_->Removed(j.job_id())) {
+          known->second = Fate::kAll;
+        }
       }
-      if (!known->second) continue;  // unknown, or still going
-      const bool keep = options_.keep_ended_weights;
+      if (known->second == Fate::kKeep) continue;  // unknown, or still going
+      const bool keep = known->second == Fate::kAllButWeights;
       if (keep ? j.blobs_besides_weights() == 0 : j.blobs() == 0) continue;
       Deletion& d = deletions.emplace_back();
       d.store = store;

@@ -6,6 +6,11 @@ namespace pith::coordinator {
 
 void JobHistory::Observe(const v1::Job& job) {
   const int64_t step = job.committed_step();
+  if (job.removed_unix_ms() != 0) {  // its curve goes with it
+    absl::MutexLock lock(&mu_);
+    if (curves_.erase(job.job_id()) > 0) std::erase(order_, job.job_id());
+    return;
+  }
   if (step < 1) return;
   absl::MutexLock lock(&mu_);
   auto [it, fresh] = curves_.try_emplace(job.job_id());

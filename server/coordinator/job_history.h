@@ -3,7 +3,7 @@
 // coordinator restart starts the curves afresh from the next commit) and bounded: past
 // kMaxPoints a job's curve keeps every other point, so a job of any length costs at most
 // kMaxPoints points, spread over its whole run. Past kMaxJobs curves, the first seen of
-// the ended jobs goes (running jobs keep theirs).
+// the ended jobs goes (running jobs keep theirs); a removed job's goes at once.
 //
 // Thread safety: all methods are thread-safe.
 #ifndef PITH_SERVER_COORDINATOR_JOB_HISTORY_H_

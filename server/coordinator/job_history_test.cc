@@ -31,6 +31,18 @@ TEST(JobHistoryTest, RecordsEachCommitOnce) {
   EXPECT_TRUE(h.Curve("b").empty());
 }
 
+TEST(JobHistoryTest, ARemovedJobsCurveGoes) {
+  JobHistory h;
+  h.Observe(Committed("a", 1));
+  h.Observe(Committed("b", 1));
+  v1::Job tombstone;
+  tombstone.set_job_id("a");
+  tombstone.set_removed_unix_ms(1);
+  h.Observe(tombstone);
+  EXPECT_TRUE(h.Curve("a").empty());
+  EXPECT_EQ(h.Curve("b").size(), 1u);
+}
+
 TEST(JobHistoryTest, ALongJobKeepsABoundedCurveOverItsWholeRun) {
   JobHistory h;
   const int64_t steps = 100000;

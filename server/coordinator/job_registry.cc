@@ -62,6 +62,10 @@ absl::StatusOr<std::unique_ptr<JobRegistry>> JobRegistry::Open(const std::string
     if (!job.ParseFromArray(it->value().data(), static_cast<int>(it->value().size()))) {
       return absl::DataLossError(absl::StrCat("unreadable job record ", it->key().ToString()));
     }
+    if (job.removed_unix_ms() != 0) {
+      r->removed_[job.job_id()] = std::move(job);
+      continue;
+    }
     r->versions_[job.job_id()] = 0;
     r->jobs_[job.job_id()] = std::move(job);
   }
@@ -136,8 +140,46 @@ absl::Status JobRegistry::AdmitLocked(const v1::JobSpec& spec) const {
 absl::StatusOr<v1::Job> JobRegistry::Get(const std::string& job_id) const {
   absl::MutexLock lock(&mu_);
   auto it = jobs_.find(job_id);
-  if (it == jobs_.end()) return NoJob(job_id);
+  if (it == jobs_.end()) return NoJobLocked(job_id);
   return it->second;
+}
+
+absl::Status JobRegistry::NoJobLocked(const std::string& job_id) const {
+  auto removed = removed_.find(job_id);
+  if (removed == removed_.end()) return NoJob(job_id);
+  return absl::NotFoundError(
+      absl::StrCat("job ", job_id, " was removed (", StateName(removed->second.state()), ")"));
+}
+
+bool JobRegistry::Removed(const std::string& job_id) const {
+  absl::MutexLock lock(&mu_);
+  return removed_.count(job_id) > 0;
+}
+
+absl::StatusOr<v1::Job> JobRegistry::Remove(const std::string& job_id) {
+  absl::MutexLock lock(&mu_);
+  auto it = jobs_.find(job_id);
+  if (it == jobs_.end()) return NoJobLocked(job_id);
+  const v1::Job& job = it->second;
+  if (!IsFinal(job.state())) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("job ", job_id, " is ", StateName(job.state()),
+                     "; only an ended job is removed (pith cancel ", job_id, " first)"));
+  }
+  v1::Job tombstone;
+  tombstone.set_job_id(job.job_id());
+  tombstone.set_owner(job.owner());
+  tombstone.set_state(job.state());
+  tombstone.set_created_unix_ms(job.created_unix_ms());
+  tombstone.set_finished_unix_ms(job.finished_unix_ms());
+  tombstone.set_removed_unix_ms(NowMs());
+  RETURN_IF_ERROR(Persist(tombstone));
+  v1::Job last = std::move(it->second);
+  jobs_.erase(it);
+  removed_[job_id] = tombstone;
+  ++versions_[job_id];  // wakes its waiters, who find it gone
+  if (observer_) observer_(tombstone);
+  return last;
 }
 
 std::vector<v1::Job> JobRegistry::List(const std::vector<v1::JobState>& states, int limit,
@@ -169,7 +211,7 @@ absl::StatusOr<v1::Job> JobRegistry::Update(const std::string& job_id,
                                             const std::function<absl::Status(v1::Job&)>& update) {
   absl::MutexLock lock(&mu_);
   auto it = jobs_.find(job_id);
-  if (it == jobs_.end()) return NoJob(job_id);
+  if (it == jobs_.end()) return NoJobLocked(job_id);
   v1::Job job = it->second;
   RETURN_IF_ERROR(update(job));
   RETURN_IF_ERROR(Persist(job));
@@ -202,12 +244,14 @@ int64_t JobRegistry::Version(const std::string& job_id) const {
 absl::StatusOr<v1::Job> JobRegistry::WaitForChange(const std::string& job_id, int64_t seen_version,
                                                    absl::Duration timeout) const {
   absl::MutexLock lock(&mu_);
-  if (!jobs_.count(job_id)) return NoJob(job_id);
+  if (!jobs_.count(job_id)) return NoJobLocked(job_id);
   auto changed = [&]() ABSL_SHARED_LOCKS_REQUIRED(mu_) {
     return versions_.at(job_id) != seen_version;
   };
   mu_.AwaitWithTimeout(absl::Condition(&changed), timeout);
-  return jobs_.at(job_id);
+  auto it = jobs_.find(job_id);
+  if (it == jobs_.end()) return NoJobLocked(job_id);  // removed meanwhile
+  return it->second;
 }
 
 absl::Status JobRegistry::PutRecord(const std::string& key, const std::string& value) {

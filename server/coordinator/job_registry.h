@@ -49,6 +49,15 @@ class JobRegistry {
   std::map<v1::JobState, int> CountByState() const;
   // Ends a pending or running job as cancelled. FAILED_PRECONDITION for a finished one.
   absl::StatusOr<v1::Job> Cancel(const std::string& job_id, const std::string& reason);
+  // Removes an ended job: Get, List, Update, Cancel and WaitForChange no longer find it
+  // (NOT_FOUND, saying it was removed). FAILED_PRECONDITION for a job still pending or
+  // running, NOT_FOUND for an unknown or removed one. A durable tombstone stays (the id,
+  // owner, state and times, a few dozen bytes): the garbage collector deletes the job's
+  // blobs from a store that was away when it is back, and ids are never reused. Returns
+  // the job's last record.
+  absl::StatusOr<v1::Job> Remove(const std::string& job_id);
+  // True when `job_id` names a removed job.
+  bool Removed(const std::string& job_id) const;
   // Applies `update` to a job and records it (for the scheduler and step commits).
   absl::StatusOr<v1::Job> Update(const std::string& job_id,
                                  const std::function<absl::Status(v1::Job&)>& update);
@@ -82,7 +91,11 @@ class JobRegistry {
   std::unique_ptr<rocksdb::DB> db_;
   uint64_t jobs_memory_bytes_ = 0;  // set once at Open
   mutable absl::Mutex mu_;
+  // NOT_FOUND for `job_id`: removed, or never known.
+  absl::Status NoJobLocked(const std::string& job_id) const ABSL_SHARED_LOCKS_REQUIRED(mu_);
+
   std::map<std::string, v1::Job> jobs_ ABSL_GUARDED_BY(mu_);
+  std::map<std::string, v1::Job> removed_ ABSL_GUARDED_BY(mu_);  // tombstones
   std::map<std::string, int64_t> versions_ ABSL_GUARDED_BY(mu_);
   int64_t next_id_ ABSL_GUARDED_BY(mu_) = 1;
   std::function<void(const v1::Job&)> observer_ ABSL_GUARDED_BY(mu_);

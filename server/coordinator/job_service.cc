@@ -88,7 +88,7 @@ security::Policy JobServiceImpl::JobPolicy(bool enforce, security::Policy::Token
   const std::set<security::Role> people = {security::Role::kUser, security::Role::kAdmin};
   std::map<std::string, std::set<security::Role>> rules;
   for (const char* method :
-       {"SubmitJob", "GetJob", "ListJobs", "WatchJob", "CancelJob", "CheckpointJob",
+       {"SubmitJob", "GetJob", "ListJobs", "WatchJob", "CancelJob", "RemoveJob", "CheckpointJob",
         "DownloadCheckpoint", "ClusterStatus", "ExpertHeat"}) {
     rules[method] = people;
   }
@@ -182,6 +182,15 @@ grpc::Status JobServiceImpl::CancelJob(grpc::ServerContext* context,
   if (grpc::Status denied = AdmitForJob(*context, "CancelJob", request->job_id()); !denied.ok())
     return denied;
   return ToGrpcReply(jobs_->Cancel(request->job_id(), request->reason()), reply);
+}
+
+grpc::Status JobServiceImpl::RemoveJob(grpc::ServerContext* context,
+                                       const v1::RemoveJobRequest* request, v1::Job* reply) {
+  if (grpc::Status denied = AdmitForJob(*context, "RemoveJob", request->job_id()); !denied.ok())
+    return denied;
+  absl::StatusOr<v1::Job> last = jobs_->Remove(request->job_id());
+  if (last.ok() && scheduler_ != nullptr) scheduler_->ForgetJob(request->job_id());
+  return ToGrpcReply(std::move(last), reply);
 }
 
 grpc::Status JobServiceImpl::CheckpointJob(grpc::ServerContext* context,

@@ -51,6 +51,8 @@ class JobServiceImpl final : public v1::JobService::Service {
                         grpc::ServerWriter<v1::JobEvent>* writer) override;
   grpc::Status CancelJob(grpc::ServerContext* context, const v1::CancelJobRequest* request,
                          v1::Job* reply) override;
+  grpc::Status RemoveJob(grpc::ServerContext* context, const v1::RemoveJobRequest* request,
+                         v1::Job* reply) override;
   grpc::Status CheckpointJob(grpc::ServerContext* context, const v1::CheckpointJobRequest* request,
                              v1::CheckpointJobResponse* reply) override;
   grpc::Status DownloadCheckpoint(grpc::ServerContext* context,

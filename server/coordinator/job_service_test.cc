@@ -10,6 +10,7 @@
 #include "absl/strings/str_replace.h"
 #include "common/grpc_util.h"
 #include "common/job_spec_testing.h"
+#include "gmock/gmock.h"
 #include "google/protobuf/util/json_util.h"
 #include "gtest/gtest.h"
 #include "server/coordinator/coordinator_service.h"
@@ -372,6 +373,55 @@ TEST_F(JobServiceTest, JobsSurviveAReopen) {
   auto next = Submit(SpecFrom(kSpec));
   ASSERT_TRUE(next.ok());
   EXPECT_NE(next->job_id(), job->job_id());  // ids are not reused
+}
+
+// An ended job is removed for good (a reopened registry does not bring it back, and its
+// id is not handed out again); one still pending is refused, and so is a second removal.
+TEST_F(JobServiceTest, RemoveForgetsAnEndedJobForGood) {
+  auto job = Submit(SpecFrom(kSpec));
+  ASSERT_TRUE(job.ok());
+  auto kept = Submit(SpecFrom(kSpec));
+  ASSERT_TRUE(kept.ok());
+  auto remove = [&](const std::string& id, v1::Job* out) {
+    grpc::ClientContext ctx;
+    v1::RemoveJobRequest req;
+    req.set_job_id(id);
+    return stub_->RemoveJob(&ctx, req, out);
+  };
+  v1::Job last;
+  grpc::Status pending = remove(job->job_id(), &last);
+  EXPECT_EQ(pending.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
+  EXPECT_THAT(pending.error_message(), ::testing::HasSubstr("is pending; only an ended job"));
+  // A watcher of the job (it has ended) sees it go.
+  ASSERT_TRUE(jobs_->Cancel(job->job_id(), "done").ok());
+  const int64_t seen = jobs_->Version(job->job_id());
+  absl::StatusOr<v1::Job> woken;
+  std::thread watcher(
+      [&] { woken = jobs_->WaitForChange(job->job_id(), seen, absl::Seconds(30)); });
+  ASSERT_TRUE(remove(job->job_id(), &last).ok());
+  watcher.join();
+  EXPECT_EQ(woken.status().code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(last.job_id(), job->job_id());
+  EXPECT_EQ(last.state(), v1::JOB_STATE_CANCELLED);
+  EXPECT_EQ(last.spec().name(), "demo");  // its last record, whole
+  for (int reopen = 0; reopen < 2; ++reopen) {
+    absl::StatusOr<v1::Job> gone = jobs_->Get(job->job_id());
+    EXPECT_EQ(gone.status().code(), absl::StatusCode::kNotFound);
+    EXPECT_THAT(gone.status().message(), ::testing::HasSubstr("was removed (cancelled)"));
+    EXPECT_TRUE(jobs_->Removed(job->job_id()));
+    EXPECT_FALSE(jobs_->Removed(kept->job_id()));
+    const std::vector<v1::Job> all = jobs_->List({}, 0);
+    ASSERT_EQ(all.size(), 1u);
+    EXPECT_EQ(all[0].job_id(), kept->job_id());
+    EXPECT_EQ(jobs_->CountByState()[v1::JOB_STATE_CANCELLED], 0);
+    EXPECT_EQ(jobs_->Cancel(job->job_id(), "again").status().code(), absl::StatusCode::kNotFound);
+    EXPECT_EQ(remove(job->job_id(), &last).error_code(), grpc::StatusCode::NOT_FOUND);
+    Start();  // a new registry over the same directory
+  }
+  auto next = Submit(SpecFrom(kSpec));
+  ASSERT_TRUE(next.ok());
+  EXPECT_NE(next->job_id(), job->job_id());
+  EXPECT_EQ(remove("nope", &last).error_code(), grpc::StatusCode::NOT_FOUND);
 }
 
 TEST_F(JobServiceTest, CheckpointAndTheMemberRpcsRefuseBadRequests) {

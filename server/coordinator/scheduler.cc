@@ -111,6 +111,10 @@ absl::Status Scheduler::Recover() {
   for (const auto& [key, saved] : heats) {
     const std::string id = key.substr(std::strlen(kHeatPrefix));
     if (runs_.count(id)) continue;
+    if (jobs_->Removed(id)) {  // removed while its heat was being written
+      RETURN_IF_ERROR(jobs_->DeleteRecord(key));
+      continue;
+    }
     absl::StatusOr<v1::Job> job = jobs_->Get(id);
     if (!job.ok() || !IsFinal(job->state())) continue;
     if (absl::Status s = heat_->Restore(*job, saved); !s.ok()) LOG(WARNING) << s;

@@ -146,11 +146,14 @@ class Scheduler {
   int ReplicateOnce() ABSL_LOCKS_EXCLUDED(mu_);
   // Garbage collection, one pass: each live store loses the groups it left (once the job
   // committed a step under the placement without it) and the blobs of ended jobs (all,
-  // or all but their committed weights: keep_ended_weights). Jobs the registry does not
-  // know are left alone. A group's copy to a store waits while the group is being deleted
-  // there (a copy pulled before the delete lands would be deleted with the old blobs).
+  // or all but their committed weights: keep_ended_weights; removed jobs' all). Jobs the
+  // registry does not know are left alone. A group's copy to a store waits while the group is being
+  // deleted there (a copy pulled before the delete lands would be deleted with the old blobs).
   // Returns the deletions made.
   int CollectGarbageOnce() ABSL_LOCKS_EXCLUDED(mu_);
+  // A job was removed (JobRegistry::Remove): its heat map goes now, its blobs at the next
+  // garbage collection (every blob: removed jobs keep no weights).
+  void ForgetJob(const std::string& job_id) ABSL_LOCKS_EXCLUDED(mu_);
 
   // Moves in flight, blobs and bytes moved so far, the replica deficit (copies missing
   // to reach every group's replica count) and the drains' progress, into `out`.
@@ -287,6 +290,9 @@ class Scheduler {
   // assignments of jobs that lost (or can gain) members repaired.
   void ReviewRunsLocked(const Alive& alive, StoreWork* work) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // A job that ended (cancelled, failed): drops its attempt in flight, frees its workers.
+  // A run ended: its heat is kept past a restart (for `pith experts`), or goes with the
+  // job when it was removed meanwhile.
+  void KeepHeatLocked(const std::string& job_id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void ReleaseRunLocked(const std::string& job_id, Run& run, std::vector<StoreCall>* aborts)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Replaces the job's dead workers and stores (and adds idle workers it lacks); a job

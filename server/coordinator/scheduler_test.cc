@@ -951,6 +951,25 @@ TEST_F(SchedulerTest, StoresLoseTheGroupsTheyLeftAndEndedJobsBlobs) {
   stores_.held[s0] = {held};
   stores_.held[s1] = {held};
   EXPECT_EQ(scheduler_->CollectGarbageOnce(), 0);
+  // Removed, it keeps nothing: its weights go too, from a store that was away when it is
+  // back (and after a coordinator restart), and never again once they are gone.
+  ASSERT_TRUE(jobs_->Remove(job.job_id()).ok());
+  scheduler_->ForgetJob(job.job_id());
+  stores_.deletes.clear();
+  stores_.held[s1] = {};
+  EXPECT_EQ(scheduler_->CollectGarbageOnce(), 1);
+  EXPECT_THAT(stores_.deletes, ::testing::ElementsAre(s0 + ":" + job.job_id()));
+  Open();
+  now_ += absl::Seconds(1);
+  Join(v1::MEMBER_ROLE_STORE, s0);
+  Join(v1::MEMBER_ROLE_STORE, s1);
+  stores_.deletes.clear();
+  stores_.held[s0] = {};
+  stores_.held[s1] = {held};
+  EXPECT_EQ(scheduler_->CollectGarbageOnce(), 1);
+  EXPECT_THAT(stores_.deletes, ::testing::ElementsAre(s1 + ":" + job.job_id()));
+  stores_.held[s1] = {};
+  EXPECT_EQ(scheduler_->CollectGarbageOnce(), 0);
 }
 
 // A store declared dead comes back: the groups it left are deleted there, while the
@@ -1490,6 +1509,15 @@ TEST_F(SchedulerTest, HeatSurvivesARestart) {
   heat = heat_->Heat(job.job_id(), 2);
   ASSERT_TRUE(heat.ok()) << heat.status();
   EXPECT_DOUBLE_EQ(heat->experts(5).heat(), 900);
+  // A removed job's heat goes, now and for good.
+  ASSERT_TRUE(jobs_->Remove(job.job_id()).ok());
+  scheduler_->ForgetJob(job.job_id());
+  EXPECT_FALSE(heat_->Heat(job.job_id(), 2).ok());
+  auto saved = jobs_->Records(absl::StrCat("heat/", job.job_id()));  // the scheduler's key
+  ASSERT_TRUE(saved.ok());
+  EXPECT_TRUE(saved->empty());
+  Open();
+  EXPECT_FALSE(heat_->Heat(job.job_id(), 2).ok());
 }
 
 // Every group's store list.

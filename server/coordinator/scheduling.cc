@@ -169,8 +169,27 @@ void Scheduler::ReleaseRunLocked(const std::string& job_id, Run& run,
   RemoveMetricsLocked(job_id, run);
   for (const std::string& w : run.record.workers()) worker_job_.erase(w);
   (void)jobs_->DeleteRecord(absl::StrCat(kRunPrefix, job_id));
-  if (const std::string heat = heat_->Save(job_id); !heat.empty()) {  // kept past a restart
+  KeepHeatLocked(job_id);
+}
+
+void Scheduler::KeepHeatLocked(const std::string& job_id) {
+  if (jobs_->Removed(job_id)) {
+    heat_->Drop(job_id);
+    (void)jobs_->DeleteRecord(absl::StrCat(kHeatPrefix, job_id));
+    return;
+  }
+  if (const std::string heat = heat_->Save(job_id); !heat.empty()) {
     (void)jobs_->PutRecord(absl::StrCat(kHeatPrefix, job_id), heat);
+  }
+}
+
+void Scheduler::ForgetJob(const std::string& job_id) {
+  absl::MutexLock lock(&mu_);
+  // A run still here (a job cancelled since the last tick) is released by the next tick,
+  // which drops its heat again: reports of its last attempt may land until then.
+  heat_->Drop(job_id);
+  if (absl::Status s = jobs_->DeleteRecord(absl::StrCat(kHeatPrefix, job_id)); !s.ok()) {
+    LOG(WARNING) << "removing job " << job_id << ": " << s;
   }
 }
 

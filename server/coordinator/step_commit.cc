@@ -501,7 +501,7 @@ void Scheduler::FinishCommitLocked(const std::string& job_id, Run& run) {
     RemoveMetricsLocked(job_id, run);
     for (const std::string& w : run.record.workers()) worker_job_.erase(w);
     (void)jobs_->DeleteRecord(absl::StrCat(kRunPrefix, job_id));
-    (void)jobs_->PutRecord(absl::StrCat(kHeatPrefix, job_id), heat_->Save(job_id));
+    KeepHeatLocked(job_id);
     runs_.erase(job_id);
     return;
   }

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The `pith` CLI against a real local cluster: up, submit (text and --output json),
-# watch, status, checkpoint, sample, cancel, cluster, down; and bad input — an unknown job,
+# watch, status, checkpoint, sample, cancel, remove, cluster, down; and bad input — an unknown job,
 # an invalid spec (the bad field named), an unreachable coordinator (one line, exit 1,
 # within the deadline).
 set -euo pipefail
@@ -67,6 +67,7 @@ for _ in $(seq 100); do
   "$PITH" status "$long" | grep running >/dev/null && break
   sleep 0.1
 done
+expect_one_line "job $long is running; only an ended job is removed" "$PITH" remove "$long"
 "$PITH" cancel "$long" >/dev/null || fail "cancel"
 "$PITH" status "$long" | grep cancelled >/dev/null || fail "not cancelled: $("$PITH" status "$long")"
 "$PITH" cluster --output json | grep '"workers"' >/dev/null || fail "cluster --output json"
@@ -152,6 +153,26 @@ expect_one_line "model.n_head" "$PITH" submit "$E2E_TMP/bad.json"
 start=$(date +%s)
 expect_one_line "127.0.0.1:1" "$PITH" --coordinator 127.0.0.1:1 status
 (($(date +%s) - start <= 10)) || fail "the unreachable coordinator took over 10 s"
+
+# Every job removed (all have ended): gone from status, and every byte of theirs from
+# the stores (the succeeded one's kept weights too), soon.
+store_bytes() {
+  "$PITH" cluster --output json | grep -o '"\(ram\|rocksdb\)_bytes":"[0-9]*"' |
+    grep -o '[0-9]*' | awk '{ s += $1 } END { print s + 0 }'
+}
+(($(store_bytes) > 0)) || fail "the stores hold nothing of the ended jobs: $("$PITH" cluster --output json)"
+mapfile -t jobs < <("$PITH" status --output json | grep -o '"job_id":"[^"]*"' | cut -d'"' -f4)
+((${#jobs[@]} >= 5)) || fail "status listed ${#jobs[@]} jobs"
+"$PITH" remove "${jobs[@]}" >"$E2E_TMP/removed.txt" || fail "remove: $(cat "$E2E_TMP/removed.txt")"
+grep -q "removed $job (succeeded)" "$E2E_TMP/removed.txt" || fail "remove said $(cat "$E2E_TMP/removed.txt")"
+expect_one_line "job $job was removed" "$PITH" status "$job"
+[[ $("$PITH" status) == "no jobs" ]] || fail "removed jobs are listed: $("$PITH" status)"
+for _ in $(seq 60); do
+  [[ $(store_bytes) == 0 ]] && break
+  sleep 1
+done
+[[ $(store_bytes) == 0 ]] || fail "the stores still hold $(store_bytes) bytes of removed jobs"
+echo "  ok: removed ${#jobs[@]} jobs; the stores hold none of their bytes"
 
 "$PITH" down >/dev/null || fail "pith down"
 [[ ! -f $PITH_HOME/pids ]] || fail "down left the cluster recorded"

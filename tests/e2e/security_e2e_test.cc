@@ -193,8 +193,8 @@ TEST_F(SecurityE2eTest, StrangersAndWrongRolesGetNothingAndChangeNothing) {
   EXPECT_EQ(coordinator_->Terminate(), 0) << coordinator_->Log();
 }
 
-// Jobs belong to who submitted them: another user can neither read, watch, cancel, export
-// nor download one, nor see it listed; an admin reaches every job.
+// Jobs belong to who submitted them: another user can neither read, watch, cancel, remove,
+// export nor download one, nor see it listed; an admin reaches every job.
 TEST_F(SecurityE2eTest, AUserReachesOnlyTheJobsItSubmitted) {
   const auto alice = As(Role::kUser, "alice"), bob = As(Role::kUser, "bob");
   const auto admin = As(Role::kAdmin, "admin");
@@ -219,6 +219,9 @@ TEST_F(SecurityE2eTest, AUserReachesOnlyTheJobsItSubmitted) {
   v1::CancelJobRequest cancel;
   cancel.set_job_id(id);
   EXPECT_REFUSED(Jobs(bob)->CancelJob(&ctx, cancel, &job), PERMISSION_DENIED, "CancelJob: " + says);
+  v1::RemoveJobRequest remove;
+  remove.set_job_id(id);
+  EXPECT_REFUSED(Jobs(bob)->RemoveJob(&ctx, remove, &job), PERMISSION_DENIED, "RemoveJob: " + says);
   v1::CheckpointJobRequest checkpoint;
   checkpoint.set_job_id(id);
   checkpoint.set_output_dir("stolen");
@@ -271,6 +274,13 @@ TEST_F(SecurityE2eTest, AUserReachesOnlyTheJobsItSubmitted) {
     ASSERT_TRUE(Jobs(alice)->CancelJob(&ctx, cancel, &job).ok());
     EXPECT_EQ(job.state(), v1::JOB_STATE_CANCELLED);
   }
+  // Ended, it is still alice's alone to remove.
+  EXPECT_REFUSED(Jobs(bob)->RemoveJob(&ctx, remove, &job), PERMISSION_DENIED, "RemoveJob: " + says);
+  {
+    grpc::ClientContext ctx;
+    ASSERT_TRUE(Jobs(alice)->RemoveJob(&ctx, remove, &job).ok());
+  }
+  EXPECT_EQ(listed(alice), 0);
   EXPECT_EQ(store_->Terminate(), 0) << store_->Log();
   EXPECT_EQ(coordinator_->Terminate(), 0) << coordinator_->Log();
 }

@@ -97,7 +97,7 @@ std::unique_ptr<World> NewWorld() {
   return w;
 }
 
-// The job API: submit, get, list, cancel, checkpoint, cluster status, expert heat.
+// The job API: submit, get, list, cancel, remove, checkpoint, cluster status, expert heat.
 void JobOp(World& w, int op, FuzzedDataProvider& in) {
   grpc::ServerContext ctx;
   co::JobServiceImpl& api = *w.job_api;
@@ -127,11 +127,16 @@ void JobOp(World& w, int op, FuzzedDataProvider& in) {
     v1::ListJobsRequest req = Request(v1::ListJobsRequest(), in);
     v1::ListJobsResponse reply;
     CheckAnswer("ListJobs", api.ListJobs(&ctx, &req, &reply));
-  } else if (op == 3) {
+  } else if (op == 3 && in.ConsumeBool()) {
     v1::CancelJobRequest base;
     base.set_job_id(w.Pick(w.job_ids, in));
     v1::CancelJobRequest req = Request(base, in);
     CheckAnswer("CancelJob", api.CancelJob(&ctx, &req, &job_reply));
+  } else if (op == 3) {
+    v1::RemoveJobRequest base;
+    base.set_job_id(w.Pick(w.job_ids, in));
+    v1::RemoveJobRequest req = Request(base, in);
+    CheckAnswer("RemoveJob", api.RemoveJob(&ctx, &req, &job_reply));
   } else if (op == 4) {
     v1::CheckpointJobRequest base;
     base.set_job_id(w.Pick(w.job_ids, in));

@@ -245,6 +245,12 @@ class Client:
         request = job_pb2.CancelJobRequest(job_id=job_id, reason=reason)
         return _rpc(self.address, self._stub.CancelJob, request, timeout=self.timeout)
 
+    def remove(self, job_id):
+        """Forgets an ended job: its record, heat map and stored weights (export them
+        first). FAILED_PRECONDITION for a job still running. Returns its last record."""
+        request = job_pb2.RemoveJobRequest(job_id=job_id)
+        return _rpc(self.address, self._stub.RemoveJob, request, timeout=self.timeout)
+
     def checkpoint(self, job, path, replace=False):
         """Downloads the job's last committed weights as safetensors to `path` (on this
         host, written whole or not at all). An existing `path` is replaced only with
