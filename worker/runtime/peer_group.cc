@@ -49,7 +49,6 @@ absl::Status PeerGroup::Join(int rank, const std::vector<std::string>& addresses
   }
   absl::Status status;
   worker_->RunSync([&] {
-    ++joins_;
     group_ = addresses;
     {
       // Reset before connecting: a peer that fails while we connect must stay failed.
@@ -66,16 +65,6 @@ absl::Status PeerGroup::Join(int rank, const std::vector<std::string>& addresses
         endpoints_[r] = *ep;
       }
     }
-    // Beyond the bound, the connections least recently used by a group go.
-    while (connections_.size() > kMaxConnections) {
-      auto oldest = connections_.begin();
-      for (auto it = connections_.begin(); it != connections_.end(); ++it) {
-        if (it->second.used < oldest->second.used) oldest = it;
-      }
-      if (oldest->second.used == joins_) break;  // all in this group
-      worker_->Close(oldest->second.ep);
-      connections_.erase(oldest);
-    }
   });
   RETURN_IF_ERROR(status);
   {
@@ -89,21 +78,18 @@ absl::Status PeerGroup::Join(int rank, const std::vector<std::string>& addresses
 
 absl::StatusOr<ucp_ep_h> PeerGroup::ConnectionTo(const std::string& address) {
   auto it = connections_.find(address);
-  if (it != connections_.end()) {
-    it->second.used = joins_;
-    return it->second.ep;
-  }
+  if (it != connections_.end()) return it->second;
   ASSIGN_OR_RETURN(ucp_ep_h ep, worker_->Connect(address, [this, address](absl::Status s) {
     OnPeerFailed(address, s);
   }));
-  connections_[address] = Connection{ep, joins_};
+  connections_[address] = ep;
   return ep;
 }
 
 void PeerGroup::OnPeerFailed(const std::string& address, const absl::Status& status) {
   auto it = connections_.find(address);
   if (it == connections_.end()) return;
-  const ucp_ep_h ep = it->second.ep;
+  const ucp_ep_h ep = it->second;
   connections_.erase(it);
   std::vector<int> ranks;
   for (size_t r = 0; r < group_.size(); ++r) {

@@ -94,15 +94,12 @@ class PeerGroup {
   // only). A closed endpoint between two live workers leaves its TCP connection open on
   // both sides (UCX keeps a connection its remote end may still send on, and without
   // peer-failure mode no close reaches the remote end): closing at every join left a socket
-  // per job behind. Kept, they number the peers a worker has met: the least recently used
-  // beyond kMaxConnections are closed.
-  struct Connection {
-    ucp_ep_h ep;
-    uint64_t used;  // the join that last used it
-  };
-  static constexpr size_t kMaxConnections = 256;
-  std::map<std::string, Connection> connections_;
-  uint64_t joins_ = 0;  // progress thread only
+  // per job behind. Nor is a live peer's connection ever closed from one side: the peer
+  // would go on sending on its own, whose messages name ours (in this error mode endpoint
+  // ids on the wire are addresses). A peer that dies fails its connection (its socket
+  // closes, or TCP keepalive, on by default in UCX, gives up on its host), which closes
+  // it here: the map holds the live peers this worker has met.
+  std::map<std::string, ucp_ep_h> connections_;
 
   absl::Mutex mu_;
   uint64_t attempt_ ABSL_GUARDED_BY(mu_) = 0;
