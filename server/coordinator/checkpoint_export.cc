@@ -8,6 +8,7 @@
 #include <utility>
 #include <vector>
 
+#include "absl/cleanup/cleanup.h"
 #include "absl/strings/str_cat.h"
 #include "common/checkpoint_names.h"
 #include "common/file.h"
@@ -223,6 +224,14 @@ absl::StatusOr<v1::CheckpointJobResponse> Scheduler::Checkpoint(
         "include_optimizer: exporting the optimizer state is not supported yet; export the "
         "weights only");
   }
+  {
+    absl::MutexLock lock(&mu_);  // no Remove from here on: its blobs stay while read
+    ++exporting_[request.job_id()];
+  }
+  absl::Cleanup exported = [this, &request] {
+    absl::MutexLock lock(&mu_);
+    if (--exporting_[request.job_id()] == 0) exporting_.erase(request.job_id());
+  };
   ASSIGN_OR_RETURN(v1::Job job, jobs_->Get(request.job_id()));
   // Hold the job's commits (after any in progress) so every blob read is of one step.
   const bool held = HoldCommits(job.job_id());

@@ -110,7 +110,10 @@ grpc::Status CoordinatorServiceImpl::ReportHeat(grpc::ServerContext* context,
   if (grpc::Status s = CheckOwnId(caller, request->worker_id()); !s.ok()) return s;
   absl::StatusOr<v1::Job> job = jobs_->Get(request->job_id());
   if (!job.ok()) return ToGrpcStatus(job.status());
-  return ToGrpcStatus(heat_->Report(*job, *request));
+  absl::Status reported = heat_->Report(*job, *request);
+  // Removed meanwhile (after the Get, before or after its heat was dropped): it goes.
+  if (jobs_->Removed(request->job_id())) heat_->Drop(request->job_id());
+  return ToGrpcStatus(reported);
 }
 
 grpc::Status CoordinatorServiceImpl::GetAssignment(grpc::ServerContext* context,

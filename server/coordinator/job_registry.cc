@@ -74,6 +74,15 @@ absl::StatusOr<std::unique_ptr<JobRegistry>> JobRegistry::Open(const std::string
   if (r->db_->Get(rocksdb::ReadOptions(), kNextIdKey, &next).ok()) {
     (void)absl::SimpleAtoi(next, &r->next_id_);
   }
+  // Past every id recorded, whatever the counter says: an id is never handed out twice.
+  for (const auto* jobs : {&r->jobs_, &r->removed_}) {
+    for (const auto& [id, job] : *jobs) {
+      int64_t number = 0;
+      if (absl::SimpleAtoi(absl::string_view(id).substr(id.rfind('-') + 1), &number)) {
+        r->next_id_ = std::max(r->next_id_, number + 1);
+      }
+    }
+  }
   return r;
 }
 
@@ -149,6 +158,13 @@ absl::Status JobRegistry::NoJobLocked(const std::string& job_id) const {
   if (removed == removed_.end()) return NoJob(job_id);
   return absl::NotFoundError(
       absl::StrCat("job ", job_id, " was removed (", StateName(removed->second.state()), ")"));
+}
+
+absl::StatusOr<std::string> JobRegistry::Owner(const std::string& job_id) const {
+  absl::MutexLock lock(&mu_);
+  if (auto it = jobs_.find(job_id); it != jobs_.end()) return it->second.owner();
+  if (auto it = removed_.find(job_id); it != removed_.end()) return it->second.owner();
+  return NoJob(job_id);
 }
 
 bool JobRegistry::Removed(const std::string& job_id) const {

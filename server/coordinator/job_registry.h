@@ -58,6 +58,8 @@ class JobRegistry {
   absl::StatusOr<v1::Job> Remove(const std::string& job_id);
   // True when `job_id` names a removed job.
   bool Removed(const std::string& job_id) const;
+  // Who submitted the job (Job.owner), removed or not; NOT_FOUND for an unknown id.
+  absl::StatusOr<std::string> Owner(const std::string& job_id) const;
   // Applies `update` to a job and records it (for the scheduler and step commits).
   absl::StatusOr<v1::Job> Update(const std::string& job_id,
                                  const std::function<absl::Status(v1::Job&)>& update);

@@ -102,11 +102,12 @@ grpc::Status JobServiceImpl::AdmitForJob(const grpc::ServerContext& context,
   if (grpc::Status denied = policy_.Admit(context, method, &who); !denied.ok()) return denied;
   if (caller != nullptr) *caller = who;
   if (!who.has_value() || who->role != security::Role::kUser) return grpc::Status::OK;
-  absl::StatusOr<v1::Job> job = jobs_->Get(job_id);
+  absl::StatusOr<std::string> owner = jobs_->Owner(job_id);
   // Unknown now is unknown to this call: a job submitted after this check (ids are
-  // predictable) is not reached through it. Owners never change.
-  if (!job.ok()) return ToGrpcStatus(job.status());
-  if (job->owner() == who->name) return grpc::Status::OK;
+  // predictable) is not reached through it. Owners never change, a removed job's neither
+  // (another user learns nothing of it, its end included).
+  if (!owner.ok()) return ToGrpcStatus(owner.status());
+  if (*owner == who->name) return grpc::Status::OK;
   return grpc::Status(
       grpc::StatusCode::PERMISSION_DENIED,
       absl::StrCat(method, ": job ", job_id, " was not submitted by the caller, ",
@@ -188,9 +189,9 @@ grpc::Status JobServiceImpl::RemoveJob(grpc::ServerContext* context,
                                        const v1::RemoveJobRequest* request, v1::Job* reply) {
   if (grpc::Status denied = AdmitForJob(*context, "RemoveJob", request->job_id()); !denied.ok())
     return denied;
-  absl::StatusOr<v1::Job> last = jobs_->Remove(request->job_id());
-  if (last.ok() && scheduler_ != nullptr) scheduler_->ForgetJob(request->job_id());
-  return ToGrpcReply(std::move(last), reply);
+  return ToGrpcReply(scheduler_ != nullptr ? scheduler_->Remove(request->job_id())
+                                           : jobs_->Remove(request->job_id()),
+                     reply);
 }
 
 grpc::Status JobServiceImpl::CheckpointJob(grpc::ServerContext* context,

@@ -378,10 +378,10 @@ TEST_F(JobServiceTest, JobsSurviveAReopen) {
 // An ended job is removed for good (a reopened registry does not bring it back, and its
 // id is not handed out again); one still pending is refused, and so is a second removal.
 TEST_F(JobServiceTest, RemoveForgetsAnEndedJobForGood) {
-  auto job = Submit(SpecFrom(kSpec));
-  ASSERT_TRUE(job.ok());
   auto kept = Submit(SpecFrom(kSpec));
   ASSERT_TRUE(kept.ok());
+  auto job = Submit(SpecFrom(kSpec));  // the newest: its id is the counter's last
+  ASSERT_TRUE(job.ok());
   auto remove = [&](const std::string& id, v1::Job* out) {
     grpc::ClientContext ctx;
     v1::RemoveJobRequest req;

@@ -151,9 +151,13 @@ class Scheduler {
   // deleted there (a copy pulled before the delete lands would be deleted with the old blobs).
   // Returns the deletions made.
   int CollectGarbageOnce() ABSL_LOCKS_EXCLUDED(mu_);
-  // A job was removed (JobRegistry::Remove): its heat map goes now, its blobs at the next
-  // garbage collection (every blob: removed jobs keep no weights).
-  void ForgetJob(const std::string& job_id) ABSL_LOCKS_EXCLUDED(mu_);
+  // Removes an ended job (JobRegistry::Remove; its errors): its heat map goes now, its
+  // blobs at the next garbage collection (every blob: removed jobs keep no weights).
+  // FAILED_PRECONDITION while a checkpoint of it is being exported (its blobs would go
+  // from under the reads). Returns the job's last record.
+  // Waits up to kRemoveWait for an ended job's run to be released.
+  absl::StatusOr<v1::Job> Remove(const std::string& job_id) ABSL_LOCKS_EXCLUDED(mu_);
+  static constexpr absl::Duration kRemoveWait = absl::Seconds(10);
 
   // Moves in flight, blobs and bytes moved so far, the replica deficit (copies missing
   // to reach every group's replica count) and the drains' progress, into `out`.
@@ -290,11 +294,11 @@ class Scheduler {
   // assignments of jobs that lost (or can gain) members repaired.
   void ReviewRunsLocked(const Alive& alive, StoreWork* work) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // A job that ended (cancelled, failed): drops its attempt in flight, frees its workers.
+  void ReleaseRunLocked(const std::string& job_id, Run& run, std::vector<StoreCall>* aborts)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // A run ended: its heat is kept past a restart (for `pith experts`), or goes with the
   // job when it was removed meanwhile.
   void KeepHeatLocked(const std::string& job_id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  void ReleaseRunLocked(const std::string& job_id, Run& run, std::vector<StoreCall>* aborts)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Replaces the job's dead workers and stores (and adds idle workers it lacks); a job
   // back from a restart with all its members only has its attempt in flight voided.
   void RepairRunLocked(const std::string& job_id, Run& run, const v1::Job& job, const Alive& alive,
@@ -404,6 +408,7 @@ class Scheduler {
   absl::Mutex mu_;
   std::map<std::string, Run> runs_ ABSL_GUARDED_BY(mu_);                // by job id: running jobs
   std::map<std::string, std::string> worker_job_ ABSL_GUARDED_BY(mu_);  // worker -> job
+  std::map<std::string, int> exporting_ ABSL_GUARDED_BY(mu_);  // job -> checkpoints in flight
   std::map<std::string, std::string> pending_reasons_ ABSL_GUARDED_BY(mu_);  // last recorded
   Replication replication_ ABSL_GUARDED_BY(mu_);  // copies in flight, drains, bytes moved
   // Groups being deleted from a store, (job, store, layer, expert): no copy of them there

@@ -98,6 +98,7 @@ class FakeStores final : public StoreControl {
   }
   // Fills each buffer with the float layer * 1000 + expert (dense: -1 - tensor name length).
   absl::Status Fetch(const v1::MemberInfo&, std::vector<Read>& reads) override {
+    if (during_fetch) std::exchange(during_fetch, nullptr)();  // once
     for (Read& r : reads) {
       const float value = r.key.layer() < 0 ? -1.0f - static_cast<float>(r.key.tensor().size())
                                             : r.key.layer() * 1000.0f + r.key.expert();
@@ -136,6 +137,7 @@ class FakeStores final : public StoreControl {
   std::map<std::string, uint64_t> prepared_answered;
   std::vector<std::string> prepares, commits, aborts, pulls;
   std::vector<int64_t> prepare_attempts, commit_attempts;
+  std::function<void()> during_fetch;  // runs inside the next Fetch, once
   // Runs (without the lock) inside the next DeleteJob, before it is recorded.
   std::function<void(const v1::MemberInfo&, const v1::DeleteJobRequest&)> during_delete;
 };
@@ -953,8 +955,7 @@ TEST_F(SchedulerTest, StoresLoseTheGroupsTheyLeftAndEndedJobsBlobs) {
   EXPECT_EQ(scheduler_->CollectGarbageOnce(), 0);
   // Removed, it keeps nothing: its weights go too, from a store that was away when it is
   // back (and after a coordinator restart), and never again once they are gone.
-  ASSERT_TRUE(jobs_->Remove(job.job_id()).ok());
-  scheduler_->ForgetJob(job.job_id());
+  ASSERT_TRUE(scheduler_->Remove(job.job_id()).ok());
   stores_.deletes.clear();
   stores_.held[s1] = {};
   EXPECT_EQ(scheduler_->CollectGarbageOnce(), 1);
@@ -1510,8 +1511,7 @@ TEST_F(SchedulerTest, HeatSurvivesARestart) {
   ASSERT_TRUE(heat.ok()) << heat.status();
   EXPECT_DOUBLE_EQ(heat->experts(5).heat(), 900);
   // A removed job's heat goes, now and for good.
-  ASSERT_TRUE(jobs_->Remove(job.job_id()).ok());
-  scheduler_->ForgetJob(job.job_id());
+  ASSERT_TRUE(scheduler_->Remove(job.job_id()).ok());
   EXPECT_FALSE(heat_->Heat(job.job_id(), 2).ok());
   auto saved = jobs_->Records(absl::StrCat("heat/", job.job_id()));  // the scheduler's key
   ASSERT_TRUE(saved.ok());
@@ -1697,11 +1697,58 @@ TEST_F(SchedulerTest, ACheckpointIsTheCommittedWeightsUnderTheirDesignNames) {
   EXPECT_EQ(reinterpret_cast<const float*>(qkv->bytes.data())[0], -1.0f - 14);  // its name length
   EXPECT_EQ(file->entries().size(), layout.tensors().size());
 
+  // Ended, the job cannot be removed while a checkpoint reads its blobs.
+  ASSERT_TRUE(jobs_->Cancel(job.job_id(), "enough").ok());
+  scheduler_->Tick();  // its run is released
+  absl::StatusOr<v1::Job> removed;
+  stores_.during_fetch = [&] { removed = scheduler_->Remove(job.job_id()); };
+  request.set_output_dir(dir_ + "/export-ended");
+  const auto exported = scheduler_->Checkpoint(request);
+  ASSERT_TRUE(exported.ok()) << exported.status();
+  EXPECT_EQ(removed.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(removed.status().message(), ::testing::HasSubstr("is being exported"));
+
   // A blob on no store is a clear error, not a file with holes.
   stores_.contents.erase(stores_.contents.begin());
   EXPECT_EQ(scheduler_->Checkpoint(request).status().code(), absl::StatusCode::kFailedPrecondition);
   request.set_include_optimizer(true);
   EXPECT_EQ(scheduler_->Checkpoint(request).status().code(), absl::StatusCode::kUnimplemented);
+  // Once no export reads it, it goes; an export after that finds no job.
+  ASSERT_TRUE(scheduler_->Remove(job.job_id()).ok());
+  request.set_include_optimizer(false);
+  request.set_output_dir(dir_ + "/export-removed");
+  EXPECT_EQ(scheduler_->Checkpoint(request).status().code(), absl::StatusCode::kNotFound);
+}
+
+// A job cancelled while it runs is removed once the scheduler has released its run (its
+// workers then hear that it ended); a running one is refused at once.
+TEST_F(SchedulerTest, ACancelledJobIsRemovedOnceItsRunIsReleased) {
+  const v1::Job job = Submit(1, 300, 1);
+  Join(v1::MEMBER_ROLE_STORE);
+  const std::string w0 = Join(v1::MEMBER_ROLE_WORKER);
+  scheduler_->Tick();
+  CommitStep(job.job_id(), 0, {w0});
+  const absl::Time start = absl::Now();
+  EXPECT_EQ(scheduler_->Remove(job.job_id()).status().code(),
+            absl::StatusCode::kFailedPrecondition);
+  EXPECT_LT(absl::Now() - start, absl::Seconds(5));
+  ASSERT_TRUE(jobs_->Cancel(job.job_id(), "enough").ok());
+  absl::StatusOr<v1::Job> removed;
+  std::thread remover([&] { removed = scheduler_->Remove(job.job_id()); });
+  absl::SleepFor(absl::Milliseconds(200));
+  scheduler_->Tick();
+  remover.join();
+  ASSERT_TRUE(removed.ok()) << removed.status();
+  EXPECT_EQ(removed->state(), v1::JOB_STATE_CANCELLED);
+  v1::WaitStepRequest wait;
+  wait.set_job_id(job.job_id());
+  wait.set_step(1);
+  absl::StatusOr<v1::StepStatus> status = scheduler_->WaitStep(wait, absl::Seconds(1));
+  ASSERT_TRUE(status.ok()) << status.status();
+  EXPECT_TRUE(status->job_ended());
+  absl::StatusOr<v1::Assignment> idle = scheduler_->GetAssignment(w0);
+  ASSERT_TRUE(idle.ok()) << idle.status();
+  EXPECT_TRUE(idle->job_id().empty());
 }
 
 TEST_F(SchedulerTest, ADrainedStoreHoldsNothingAndEveryGroupKeepsItsCopies) {

@@ -183,14 +183,32 @@ void Scheduler::KeepHeatLocked(const std::string& job_id) {
   }
 }
 
-void Scheduler::ForgetJob(const std::string& job_id) {
+absl::StatusOr<v1::Job> Scheduler::Remove(const std::string& job_id) {
   absl::MutexLock lock(&mu_);
+  {
+    ASSIGN_OR_RETURN(const v1::Job job, jobs_->Get(job_id));
+    if (!IsFinal(job.state())) return jobs_->Remove(job_id);  // refused, saying why
+  }
+  // An ended job's run goes at the next tick (a cancelled job's last commit may still be
+  // landing): its workers then learn it ended, not that it is unknown.
+  auto released = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return !runs_.count(job_id); };
+  if (!mu_.AwaitWithTimeout(absl::Condition(&released), kRemoveWait)) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "job ", job_id, " has ended but its workers are still being released; try again"));
+  }
+  if (auto e = exporting_.find(job_id); e != exporting_.end()) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("job ", job_id, " is being exported (", e->second,
+                     " checkpoint(s) in flight); remove it once they end"));
+  }
+  ASSIGN_OR_RETURN(v1::Job last, jobs_->Remove(job_id));
   // A run still here (a job cancelled since the last tick) is released by the next tick,
   // which drops its heat again: reports of its last attempt may land until then.
   heat_->Drop(job_id);
   if (absl::Status s = jobs_->DeleteRecord(absl::StrCat(kHeatPrefix, job_id)); !s.ok()) {
     LOG(WARNING) << "removing job " << job_id << ": " << s;
   }
+  return last;
 }
 
 void Scheduler::RepairRunLocked(const std::string& job_id, Run& run, const v1::Job& job,

@@ -562,6 +562,14 @@ absl::StatusOr<v1::StepStatus> Scheduler::WaitStep(const v1::WaitStepRequest& re
   mu_.AwaitWithTimeout(absl::Condition(&settled), timeout);
   auto it = runs_.find(request.job_id());
   if (it == runs_.end()) {
+    if (jobs_->Removed(request.job_id())) {
+      v1::StepStatus s;
+      s.set_job_id(request.job_id());
+      s.set_step(request.step());
+      s.set_job_ended(true);
+      s.set_abort_reason("the job ended and was removed");
+      return s;
+    }
     ASSIGN_OR_RETURN(v1::Job job, jobs_->Get(request.job_id()));
     v1::StepStatus s;
     s.set_job_id(job.job_id());

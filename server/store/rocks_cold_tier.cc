@@ -38,7 +38,8 @@
 // write that dropped the last one. A closed file whose live bytes fall under half of it
 // has them copied forward into the open one (at most one file per synced Apply), so a
 // version that is never replaced pins no more than its own bytes for long, and the log
-// holds at most about twice the live bytes (plus the open file and the young ones).
+// holds about twice the live bytes at most in a steady state (plus the open file and the
+// young ones).
 //
 // Thread safety: thread-safe. Lock order: apply_mu_ (one RocksDB batch at a time), then
 // mu_ (the index), then the log's own lock; sync_mu_ is taken under apply_mu_ only.

@@ -281,6 +281,9 @@ TEST_F(SecurityE2eTest, AUserReachesOnlyTheJobsItSubmitted) {
     ASSERT_TRUE(Jobs(alice)->RemoveJob(&ctx, remove, &job).ok());
   }
   EXPECT_EQ(listed(alice), 0);
+  // Removed, it is still not bob's to learn about (not even that it was removed).
+  EXPECT_REFUSED(Jobs(bob)->GetJob(&ctx, get, &job), PERMISSION_DENIED, "GetJob: " + says);
+  EXPECT_REFUSED(Jobs(alice)->GetJob(&ctx, get, &job), NOT_FOUND, "was removed (cancelled)");
   EXPECT_EQ(store_->Terminate(), 0) << store_->Log();
   EXPECT_EQ(coordinator_->Terminate(), 0) << coordinator_->Log();
 }
