@@ -3,8 +3,12 @@
 #include <filesystem>
 #include <iostream>
 
+#include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
 #include "client/cli_commands.h"
 #include "common/status.h"
 #include "security/certs.h"
@@ -44,6 +48,26 @@ absl::Status Certs(const CliContext& ctx, const Args& args, std::ostream& out) {
   return absl::OkStatus();
 }
 
+namespace {
+
+// A token's lifetime: "90d", "12h", "30m" (days, or any absl duration), at least a minute.
+absl::StatusOr<absl::Duration> ParseLifetime(const std::string& text) {
+  absl::Duration d;
+  int64_t days = 0;
+  const bool parsed =
+      (absl::EndsWith(text, "d") && absl::SimpleAtoi(text.substr(0, text.size() - 1), &days) &&
+       days > 0 && days <= 36500 && (d = absl::Hours(24 * days), true)) ||
+      absl::ParseDuration(text, &d);
+  if (!parsed || d < absl::Minutes(1) || d > absl::Hours(24 * 36500)) {
+    return UsageError(
+        absl::StrCat("token --expires_in ", text,
+                     ": want a lifetime such as 90d, 12h or 30m (a minute at least)"));
+  }
+  return d;
+}
+
+}  // namespace
+
 absl::Status Token(const CliContext& ctx, const Args& args, std::ostream& out) {
   Args rest;
   bool revoke = false;
@@ -54,7 +78,8 @@ absl::Status Token(const CliContext& ctx, const Args& args, std::ostream& out) {
       rest.push_back(a);
     }
   }
-  std::map<std::string, std::string> flags = {{"--file", ""}, {"--name", ""}, {"--role", "user"}};
+  std::map<std::string, std::string> flags = {
+      {"--file", ""}, {"--name", ""}, {"--role", "user"}, {"--expires_in", ""}};
   RETURN_IF_ERROR(ParseFlags("token", rest, flags));
   if (flags["--file"].empty() || flags["--name"].empty()) {
     return UsageError("token needs --file FILE and --name NAME");
@@ -67,13 +92,23 @@ absl::Status Token(const CliContext& ctx, const Args& args, std::ostream& out) {
   }
   absl::StatusOr<security::Role> role = security::ParseRole(flags["--role"]);
   if (!role.ok()) return UsageError(std::string(role.status().message()));
+  absl::Time expires = absl::InfiniteFuture();
+  if (!flags["--expires_in"].empty()) {
+    ASSIGN_OR_RETURN(const absl::Duration d, ParseLifetime(flags["--expires_in"]));
+    expires = absl::FromUnixSeconds(absl::ToUnixSeconds(absl::Now() + d));
+  }
   int replaced = 0;
-  ASSIGN_OR_RETURN(std::string token,
-                   security::AddToken(flags["--file"], {*role, flags["--name"]}, &replaced));
+  ASSIGN_OR_RETURN(std::string token, security::AddToken(flags["--file"], {*role, flags["--name"]},
+                                                         &replaced, expires));
   out << token << "\n";
-  // Beside the token (stdout, for PITH_TOKEN=$(pith token ...)): what it replaced.
+  // Beside the token (stdout, for PITH_TOKEN=$(pith token ...)): what it replaced, and
+  // when it ends.
   if (replaced > 0) {
     std::cerr << "pith: " << flags["--name"] << "'s earlier token no longer works\n";
+  }
+  if (expires != absl::InfiniteFuture()) {
+    std::cerr << "pith: the token expires at "
+              << absl::FormatTime("%Y-%m-%d %H:%M:%S UTC", expires, absl::UTCTimeZone()) << "\n";
   }
   return absl::OkStatus();
 }

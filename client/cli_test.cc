@@ -181,6 +181,16 @@ TEST(CliTest, UsageErrors) {
   EXPECT_EQ(r.err, "pith: unknown flag --bogus (try pith help)\n");
 }
 
+TEST(CliTest, ATokenLifetimeIsADurationOfAMinuteAtLeast) {
+  for (const char* lifetime : {"soon", "30s", "0d", "-5m", "1.5d"}) {
+    const Result r = RunPith({"token", "--file", ::testing::TempDir() + "/cli_test_tokens",
+                              "--name", "carol", "--expires_in", lifetime});
+    EXPECT_EQ(r.code, 2) << lifetime;
+    EXPECT_THAT(r.err, HasSubstr("want a lifetime such as 90d, 12h or 30m")) << lifetime;
+    ExpectOneErrorLine(r);
+  }
+}
+
 TEST(CliTest, AMistypedFlagIsAUsageErrorNotAJobId) {
   for (const std::vector<std::string>& args :
        std::vector<std::vector<std::string>>{{"status", "--bogus"},

@@ -5,6 +5,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/strip.h"
+#include "common/status.h"
 
 namespace pith::security {
 
@@ -61,12 +62,8 @@ absl::StatusOr<std::optional<Identity>> TokenIdentity(const grpc::ServerContext&
   if (!absl::ConsumePrefix(&value, "Bearer ")) {
     return absl::UnauthenticatedError("the authorization header is not \"Bearer TOKEN\"");
   }
-  std::optional<Identity> id = tokens(std::string(value));
-  if (!id)
-    return absl::UnauthenticatedError(
-        "the bearer token is not valid (one just made with pith token is taken within a few "
-        "seconds)");
-  return id;
+  ASSIGN_OR_RETURN(Identity id, tokens(std::string(value)));
+  return std::optional<Identity>(std::move(id));
 }
 
 }  // namespace

@@ -31,8 +31,9 @@ absl::StatusOr<Identity> PeerIdentity(const grpc::ServerContext& context);
 
 class Policy {
  public:
-  // The identity of a bearer token, if it is a valid one (security/tokens.h).
-  using TokenLookup = std::function<std::optional<Identity>(const std::string& token)>;
+  // The identity of a bearer token: UNAUTHENTICATED, saying why, when it is not a valid
+  // one (security/tokens.h).
+  using TokenLookup = std::function<absl::StatusOr<Identity>(const std::string& token)>;
 
   // `enforce` false (a server without TLS): every call is admitted and Check returns no
   // identity. `rules`: method name -> the roles admitted. `tokens`, when set: a caller

@@ -20,9 +20,11 @@ class Service final : public v1::StoreService::Service {
  public:
   explicit Service(bool enforce)
       : policy_(enforce, {{"GetStats", {Role::kCoordinator, Role::kAdmin}}},
-                [](const std::string& token) {
-                  return token == "t0ken" ? std::optional<Identity>(Identity{Role::kAdmin, "ops"})
-                                          : std::nullopt;
+                [](const std::string& token) -> absl::StatusOr<Identity> {
+                  if (token == "t0ken") return Identity{Role::kAdmin, "ops"};
+                  return absl::UnauthenticatedError(
+                      "the bearer token is not valid (one just made with pith token is taken "
+                      "within a few seconds)");
                 }) {}
   grpc::Status GetStats(grpc::ServerContext* ctx, const v1::GetStatsRequest*,
                         v1::StoreStats* reply) override {

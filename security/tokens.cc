@@ -23,32 +23,54 @@
 namespace pith::security {
 namespace {
 
-// The tokens of `text`; a line that is not "NAME user|admin SHA256HEX" is an error, or,
-// with `skipped` given, is counted there and left out (the other lines still count: a
-// token removed beside a bad edit is revoked all the same).
-absl::StatusOr<std::map<std::string, Identity>> Parse(const std::string& path,
-                                                      const std::string& text,
-                                                      int* skipped = nullptr) {
-  std::map<std::string, Identity> out;
+constexpr char kExpires[] = "expires=";
+
+// The expiry of a line's optional fourth field ("expires=RFC3339").
+std::optional<absl::Time> ParseExpiry(absl::string_view field) {
+  absl::Time t;
+  std::string error;
+  if (!absl::ConsumePrefix(&field, kExpires) ||
+      !absl::ParseTime(absl::RFC3339_full, field, &t, &error)) {
+    return std::nullopt;
+  }
+  return t;
+}
+
+struct Record {
+  Identity identity;
+  absl::Time expires = absl::InfiniteFuture();
+};
+
+// The tokens of `text`; a line that is not "NAME user|admin SHA256HEX [expires=T]" is an
+// error, or, with `skipped` given, is counted there and left out (the other lines still
+// count: a token removed beside a bad edit is revoked all the same).
+absl::StatusOr<std::map<std::string, Record>> Parse(const std::string& path,
+                                                    const std::string& text,
+                                                    int* skipped = nullptr) {
+  std::map<std::string, Record> out;
   int number = 0;
   for (absl::string_view line : absl::StrSplit(text, '\n')) {
     ++number;
     line = absl::StripAsciiWhitespace(line.substr(0, line.find('#')));
     if (line.empty()) continue;
     std::vector<std::string> fields = absl::StrSplit(line, ' ', absl::SkipEmpty());
-    absl::StatusOr<Role> role =
-        fields.size() == 3 ? ParseRole(fields[1]) : absl::InvalidArgumentError("");
-    if (fields.size() != 3 || !ValidateName(fields[0]).ok() || !role.ok() ||
+    const bool sized = fields.size() == 3 || fields.size() == 4;
+    absl::StatusOr<Role> role = sized ? ParseRole(fields[1]) : absl::InvalidArgumentError("");
+    const std::optional<absl::Time> expires =
+        fields.size() == 4 ? ParseExpiry(fields[3]) : absl::InfiniteFuture();
+    if (!sized || !ValidateName(fields[0]).ok() || !role.ok() ||
         (*role != Role::kUser && *role != Role::kAdmin) || fields[2].size() != 64 ||
-        fields[2].find_first_not_of("0123456789abcdef") != std::string::npos) {
+        fields[2].find_first_not_of("0123456789abcdef") != std::string::npos || !expires) {
       if (skipped != nullptr) {
         ++*skipped;
         continue;
       }
-      return absl::InvalidArgumentError(absl::StrCat(
-          path, " line ", number, ": want NAME user|admin SHA256HEX (as pith token writes)"));
+      return absl::InvalidArgumentError(
+          absl::StrCat(path, " line ", number,
+                       ": want NAME user|admin SHA256HEX [expires=RFC3339] (as pith token "
+                       "writes)"));
     }
-    out[fields[2]] = Identity{*role, fields[0]};
+    out[fields[2]] = Record{Identity{*role, fields[0]}, *expires};
   }
   return out;
 }
@@ -121,7 +143,7 @@ std::string TokenHash(const std::string& token) {
 }
 
 absl::StatusOr<std::string> AddToken(const std::string& path, const Identity& identity,
-                                     int* replaced) {
+                                     int* replaced, absl::Time expires) {
   if (absl::Status s = ValidateName(identity.name); !s.ok()) return s;
   if (identity.role != Role::kUser && identity.role != Role::kAdmin) {
     return absl::InvalidArgumentError("tokens are for the user and admin roles only");
@@ -133,8 +155,13 @@ absl::StatusOr<std::string> AddToken(const std::string& path, const Identity& id
   const std::string token =
       absl::StrCat("pith_", absl::BytesToHexString(absl::string_view(
                                 reinterpret_cast<const char*>(random), sizeof(random))));
-  const std::string line =
-      absl::StrCat(identity.name, " ", RoleName(identity.role), " ", TokenHash(token), "\n");
+  std::string line =
+      absl::StrCat(identity.name, " ", RoleName(identity.role), " ", TokenHash(token));
+  if (expires != absl::InfiniteFuture()) {
+    absl::StrAppend(&line, " ", kExpires,
+                    absl::FormatTime(absl::RFC3339_sec, expires, absl::UTCTimeZone()));
+  }
+  line += "\n";
   ASSIGN_OR_RETURN(const int dropped, RewriteWithout(path, identity.name, line));
   if (replaced != nullptr) *replaced = dropped;
   return token;
@@ -179,10 +206,11 @@ absl::Status TokenTable::RefreshLocked() {
   }
   const bool first = mtime_.tv_sec == 0 && mtime_.tv_nsec == 0 && by_hash_.empty();
   int skipped = 0;
-  absl::StatusOr<std::map<std::string, Identity>> parsed =
+  absl::StatusOr<std::map<std::string, Record>> parsed =
       Parse(path_, text.str(), first ? nullptr : &skipped);
   if (!parsed.ok()) return parsed.status();
-  by_hash_ = *std::move(parsed);
+  by_hash_.clear();
+  for (auto& [hash, record] : *parsed) by_hash_[hash] = Entry{record.identity, record.expires};
   mtime_ = st.st_mtim;
   inode_ = st.st_ino;
   size_ = st.st_size;
@@ -193,7 +221,7 @@ absl::Status TokenTable::RefreshLocked() {
   return absl::OkStatus();
 }
 
-std::optional<Identity> TokenTable::Lookup(const std::string& token) {
+absl::StatusOr<Identity> TokenTable::Lookup(const std::string& token) {
   const std::string hash = TokenHash(token);
   absl::MutexLock lock(&mu_);
   if (absl::Now() - checked_ >= absl::Seconds(1)) {
@@ -204,8 +232,19 @@ std::optional<Identity> TokenTable::Lookup(const std::string& token) {
     }
   }
   auto it = by_hash_.find(hash);
-  if (it == by_hash_.end()) return std::nullopt;
-  return it->second;
+  if (it == by_hash_.end()) {
+    return absl::UnauthenticatedError(
+        "the bearer token is not valid (one just made with pith token is taken within a few "
+        "seconds)");
+  }
+  const Entry& e = it->second;
+  if (absl::Now() >= e.expires) {
+    return absl::UnauthenticatedError(
+        absl::StrCat("the bearer token of ", e.identity.name, " expired at ",
+                     absl::FormatTime("%Y-%m-%d %H:%M:%S UTC", e.expires, absl::UTCTimeZone()),
+                     " (pith token --name ", e.identity.name, " makes a new one)"));
+  }
+  return e.identity;
 }
 
 }  // namespace pith::security

@@ -5,7 +5,8 @@
 // checked against the cluster CA). Tokens carry the user or admin role only: members and
 // the coordinator always use certificates.
 //
-// File format: one "NAME ROLE SHA256HEX" line per token; '#' starts a comment.
+// File format: one "NAME ROLE SHA256HEX [expires=RFC3339]" line per token; '#' starts a
+// comment. A token past its expiry is refused (with that reason) as if it were not there.
 //
 // Thread safety: a TokenTable is thread-safe; it re-reads its file when the file changes
 // (checked at most once a second), so tokens added or removed need no restart. After the
@@ -33,10 +34,11 @@ namespace pith::security {
 // hash written to `path` (created 0600 when missing) in place of the name's earlier
 // tokens, which stop working (`replaced`, when given: how many). The file is rewritten
 // whole and renamed over the old one, with its owner, group and mode (group-read at
-// most), one rewrite at a time (a lock on `path`.lock); a symlink is refused. Returns the
-// token.
+// most), one rewrite at a time (a lock on `path`.lock); a symlink is refused. The token
+// stops working at `expires` (whole seconds; InfiniteFuture: never). Returns the token.
 absl::StatusOr<std::string> AddToken(const std::string& path, const Identity& identity,
-                                     int* replaced = nullptr);
+                                     int* replaced = nullptr,
+                                     absl::Time expires = absl::InfiniteFuture());
 // Removes every token of `name` from `path` (they stop working); how many. NOT_FOUND when
 // the file or the name's tokens are not there.
 absl::StatusOr<int> RevokeTokens(const std::string& path, const std::string& name);
@@ -51,8 +53,9 @@ class TokenTable {
   // PERMISSION_DENIED.
   static absl::StatusOr<std::unique_ptr<TokenTable>> Open(const std::string& path);
 
-  // The identity a token was made for, if it is in the file now.
-  std::optional<Identity> Lookup(const std::string& token) ABSL_LOCKS_EXCLUDED(mu_);
+  // The identity a token was made for, if it is in the file now and has not expired:
+  // UNAUTHENTICATED otherwise, saying which (an expired token names its owner and when).
+  absl::StatusOr<Identity> Lookup(const std::string& token) ABSL_LOCKS_EXCLUDED(mu_);
 
  private:
   explicit TokenTable(std::string path) : path_(std::move(path)) {}
@@ -61,7 +64,11 @@ class TokenTable {
 
   const std::string path_;
   absl::Mutex mu_;
-  std::map<std::string, Identity> by_hash_ ABSL_GUARDED_BY(mu_);
+  struct Entry {
+    Identity identity;
+    absl::Time expires;
+  };
+  std::map<std::string, Entry> by_hash_ ABSL_GUARDED_BY(mu_);
   struct timespec mtime_ ABSL_GUARDED_BY(mu_) = {};
   ino_t inode_ ABSL_GUARDED_BY(mu_) = 0;
   off_t size_ ABSL_GUARDED_BY(mu_) = 0;

@@ -10,6 +10,12 @@
 namespace pith::security {
 namespace {
 
+std::optional<Identity> Find(TokenTable& table, const std::string& token) {
+  absl::StatusOr<Identity> id = table.Lookup(token);
+  if (!id.ok()) return std::nullopt;
+  return *id;
+}
+
 std::string TempFile(const std::string& name) {
   const std::string path = ::testing::TempDir() + "/tokens_test_" + name;
   std::filesystem::remove(path);
@@ -31,10 +37,10 @@ TEST(TokensTest, ATokenIsItsOwnersAndOnlyItsHashIsKept) {
 
   auto table = TokenTable::Open(path);
   ASSERT_TRUE(table.ok()) << table.status();
-  EXPECT_EQ((*table)->Lookup(*alice), (Identity{Role::kUser, "alice"}));
-  EXPECT_EQ((*table)->Lookup(*ops), (Identity{Role::kAdmin, "ops"}));
-  EXPECT_EQ((*table)->Lookup(*alice + "x"), std::nullopt);
-  EXPECT_EQ((*table)->Lookup(""), std::nullopt);
+  EXPECT_EQ(Find(**table, *alice), (Identity{Role::kUser, "alice"}));
+  EXPECT_EQ(Find(**table, *ops), (Identity{Role::kAdmin, "ops"}));
+  EXPECT_EQ(Find(**table, *alice + "x"), std::nullopt);
+  EXPECT_EQ(Find(**table, ""), std::nullopt);
 }
 
 TEST(TokensTest, TokensAddedOrRemovedLaterCountWithoutARestart) {
@@ -44,10 +50,39 @@ TEST(TokensTest, TokensAddedOrRemovedLaterCountWithoutARestart) {
   auto bob = AddToken(path, {Role::kUser, "bob"});
   ASSERT_TRUE(bob.ok());
   absl::SleepFor(absl::Milliseconds(1100));  // the file is looked at once a second
-  EXPECT_EQ((*table)->Lookup(*bob), (Identity{Role::kUser, "bob"}));
+  EXPECT_EQ(Find(**table, *bob), (Identity{Role::kUser, "bob"}));
   std::filesystem::remove(path);
   absl::SleepFor(absl::Milliseconds(1100));
-  EXPECT_EQ((*table)->Lookup(*bob), std::nullopt);
+  EXPECT_EQ(Find(**table, *bob), std::nullopt);
+}
+
+// A token made to expire works until then, and is refused after with its owner and time
+// named; a file's expiry is read as written, and a malformed one is a malformed line.
+TEST(TokensTest, AnExpiredTokenIsRefusedSayingWhen) {
+  const std::string path = TempFile("expiry");
+  const absl::Time soon = absl::FromUnixSeconds(absl::ToUnixSeconds(absl::Now()) + 2);
+  auto carol = AddToken(path, {Role::kUser, "carol"}, nullptr, soon);
+  ASSERT_TRUE(carol.ok()) << carol.status();
+  std::ifstream in(path);
+  const std::string text((std::istreambuf_iterator<char>(in)), {});
+  EXPECT_NE(text.find(" expires=" + absl::FormatTime(absl::RFC3339_sec, soon, absl::UTCTimeZone())),
+            std::string::npos)
+      << text;
+  auto table = TokenTable::Open(path);
+  ASSERT_TRUE(table.ok()) << table.status();
+  EXPECT_EQ(Find(**table, *carol), (Identity{Role::kUser, "carol"}));
+  absl::SleepFor(soon - absl::Now());
+  absl::StatusOr<Identity> late = (*table)->Lookup(*carol);
+  EXPECT_EQ(late.status().code(), absl::StatusCode::kUnauthenticated);
+  EXPECT_NE(late.status().message().find(
+                "the bearer token of carol expired at " +
+                absl::FormatTime("%Y-%m-%d %H:%M:%S UTC", soon, absl::UTCTimeZone())),
+            std::string::npos)
+      << late.status();
+  std::ofstream(path) << "dave user " << std::string(64, 'a') << " expires=2030-01-02T03:04:05Z\n";
+  EXPECT_TRUE(TokenTable::Open(path).ok());
+  std::ofstream(path) << "dave user " << std::string(64, 'a') << " expires=soon\n";
+  EXPECT_EQ(TokenTable::Open(path).status().code(), absl::StatusCode::kInvalidArgument);
 }
 
 TEST(TokensTest, MembersGetNoTokensAndABrokenFileIsNamed) {
@@ -88,12 +123,12 @@ TEST(TokensTest, ARemovalBesideABadEditStillRevokes) {
   ASSERT_TRUE(alice.ok() && bob.ok());
   auto table = TokenTable::Open(path);
   ASSERT_TRUE(table.ok()) << table.status();
-  ASSERT_TRUE((*table)->Lookup(*alice).has_value());
+  ASSERT_TRUE(Find(**table, *alice).has_value());
   // alice's line removed, and a typo left behind: bob still counts, alice no longer.
   std::ofstream(path) << "bob user " << TokenHash(*bob) << "\nalice usr oops\n";
   absl::SleepFor(absl::Milliseconds(1100));
-  EXPECT_EQ((*table)->Lookup(*alice), std::nullopt);
-  EXPECT_EQ((*table)->Lookup(*bob), (Identity{Role::kUser, "bob"}));
+  EXPECT_EQ(Find(**table, *alice), std::nullopt);
+  EXPECT_EQ(Find(**table, *bob), (Identity{Role::kUser, "bob"}));
 }
 
 // A second token for a name replaces the first (a leaked token is rotated by issuing a new
@@ -115,16 +150,16 @@ TEST(TokensTest, ANewTokenReplacesTheNamesEarlierOneAndARevocationRemovesIt) {
   EXPECT_EQ(std::filesystem::status(path).permissions() & std::filesystem::perms::all, mode);
   auto table = TokenTable::Open(path);
   ASSERT_TRUE(table.ok()) << table.status();
-  EXPECT_EQ((*table)->Lookup(*bob1), std::nullopt);
-  EXPECT_EQ((*table)->Lookup(*bob2), (Identity{Role::kUser, "bob"}));
-  EXPECT_EQ((*table)->Lookup(*alice), (Identity{Role::kAdmin, "alice"}));
+  EXPECT_EQ(Find(**table, *bob1), std::nullopt);
+  EXPECT_EQ(Find(**table, *bob2), (Identity{Role::kUser, "bob"}));
+  EXPECT_EQ(Find(**table, *alice), (Identity{Role::kAdmin, "alice"}));
 
   auto revoked = RevokeTokens(path, "bob");
   ASSERT_TRUE(revoked.ok()) << revoked.status();
   EXPECT_EQ(*revoked, 1);
   absl::SleepFor(absl::Milliseconds(1100));
-  EXPECT_EQ((*table)->Lookup(*bob2), std::nullopt);
-  EXPECT_EQ((*table)->Lookup(*alice), (Identity{Role::kAdmin, "alice"}));
+  EXPECT_EQ(Find(**table, *bob2), std::nullopt);
+  EXPECT_EQ(Find(**table, *alice), (Identity{Role::kAdmin, "alice"}));
   std::ifstream in(path);
   const std::string text((std::istreambuf_iterator<char>(in)), {});
   EXPECT_EQ(text.rfind("# the team's tokens\n\nalice admin ", 0), 0u) << text;

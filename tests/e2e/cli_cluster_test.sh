@@ -144,6 +144,18 @@ expect_one_line "the bearer token is not valid" \
 sleep 1.2
 expect_one_line "the bearer token is not valid" \
   "$PITH" --tls_dir "$E2E_TMP/ca-only" --token "$rotated" status "$job"
+# A token made to expire works until then; one past its expiry is refused saying when.
+carol=$("$PITH" token --file "$tls/tokens" --name carol --expires_in 30m 2>"$E2E_TMP/carol.err") ||
+  fail "pith token --expires_in"
+grep -q "the token expires at $(date -u -d '+30 min' '+%Y-%m-%d')" "$E2E_TMP/carol.err" ||
+  fail "the expiring token said: $(cat "$E2E_TMP/carol.err")"
+echo "dave user $(printf %s pith_old | sha256sum | cut -c1-64) expires=2020-01-02T03:04:05Z" \
+  >>"$tls/tokens"
+sleep 1.2
+[[ $("$PITH" --tls_dir "$E2E_TMP/ca-only" --token "$carol" status) == "no jobs" ]] ||
+  fail "carol's token (30 minutes left) does not work"
+expect_one_line "the bearer token of dave expired at 2020-01-02 03:04:05 UTC" \
+  "$PITH" --tls_dir "$E2E_TMP/ca-only" --token pith_old status
 
 expect_one_line "no job nope" "$PITH" status nope
 expect_one_line "no job nope" "$PITH" checkpoint nope --out "$E2E_TMP/nope.safetensors"
