@@ -14,6 +14,7 @@
 
 #include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
 #include "common/file.h"
@@ -42,11 +43,11 @@ struct Record {
 };
 
 // The tokens of `text`; a line that is not "NAME user|admin SHA256HEX [expires=T]" is an
-// error, or, with `skipped` given, is counted there and left out (the other lines still
+// error, or, with `skipped` given, is listed there (its number) and left out (the other lines still
 // count: a token removed beside a bad edit is revoked all the same).
 absl::StatusOr<std::map<std::string, Record>> Parse(const std::string& path,
                                                     const std::string& text,
-                                                    int* skipped = nullptr) {
+                                                    std::vector<int>* skipped = nullptr) {
   std::map<std::string, Record> out;
   int number = 0;
   for (absl::string_view line : absl::StrSplit(text, '\n')) {
@@ -62,7 +63,7 @@ absl::StatusOr<std::map<std::string, Record>> Parse(const std::string& path,
         (*role != Role::kUser && *role != Role::kAdmin) || fields[2].size() != 64 ||
         fields[2].find_first_not_of("0123456789abcdef") != std::string::npos || !expires) {
       if (skipped != nullptr) {
-        ++*skipped;
+        skipped->push_back(number);
         continue;
       }
       return absl::InvalidArgumentError(
@@ -102,9 +103,9 @@ absl::StatusOr<int> RewriteWithout(const std::string& path, const std::string& n
     // Only a token file is rewritten (a mistyped --file must not take a token line, nor
     // lose its mode): one with no token record but other lines is not one. A bad line
     // beside token records is kept as it is (a revocation must not wait for its fix).
-    int skipped = 0;
+    std::vector<int> skipped;
     ASSIGN_OR_RETURN(const auto records, Parse(path, std::string(text), &skipped));
-    if (records.empty() && skipped > 0) {
+    if (records.empty() && !skipped.empty()) {
       return absl::InvalidArgumentError(absl::StrCat(
           path, " has no line NAME user|admin SHA256HEX: not a token file, left as it was"));
     }
@@ -205,7 +206,7 @@ absl::Status TokenTable::RefreshLocked() {
         absl::StrCat("cannot read the tokens file ", path_, ": ", std::strerror(errno)));
   }
   const bool first = mtime_.tv_sec == 0 && mtime_.tv_nsec == 0 && by_hash_.empty();
-  int skipped = 0;
+  std::vector<int> skipped;
   absl::StatusOr<std::map<std::string, Record>> parsed =
       Parse(path_, text.str(), first ? nullptr : &skipped);
   if (!parsed.ok()) return parsed.status();
@@ -214,9 +215,10 @@ absl::Status TokenTable::RefreshLocked() {
   mtime_ = st.st_mtim;
   inode_ = st.st_ino;
   size_ = st.st_size;
-  if (skipped > 0) {
+  if (!skipped.empty()) {
     return absl::InvalidArgumentError(
-        absl::StrCat(path_, ": ", skipped, " malformed line(s) left out"));
+        absl::StrCat(path_, ": malformed line(s) ", absl::StrJoin(skipped, ", "),
+                     " left out (want NAME user|admin SHA256HEX [expires=RFC3339])"));
   }
   return absl::OkStatus();
 }

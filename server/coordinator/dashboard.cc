@@ -112,6 +112,9 @@ std::map<std::string, HttpHandler> DashboardRoutes(const JobRegistry* jobs,
   routes["/api/experts"] = [=](const std::string& query) {
     const std::string job = QueryValue(query, "job");
     if (job.empty()) return JsonError(400, "the query needs job=ID");
+    // Anyone who reaches the dashboard reads it: a removed job is as unknown as any other
+    // (only its owner learns it was removed, through the job API).
+    if (jobs->Removed(job)) return JsonError(404, absl::StrCat("no job ", job));
     absl::StatusOr<v1::ExpertHeatResponse> heat = views->HeatView(job, -1);
     if (absl::IsNotFound(heat.status()) && jobs->Get(job).ok()) {
       v1::ExpertHeatResponse none;  // a job whose workers have not reported yet

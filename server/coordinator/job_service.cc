@@ -101,6 +101,19 @@ grpc::Status JobServiceImpl::AdmitForJob(const grpc::ServerContext& context,
   std::optional<security::Identity> who;
   if (grpc::Status denied = policy_.Admit(context, method, &who); !denied.ok()) return denied;
   if (caller != nullptr) *caller = who;
+  // Ids are a spec name (64 bytes at most) and a number: anything else is refused before
+  // it is echoed back in an error (a 4000-byte id overflowed gRPC's metadata; a newline or
+  // an escape sequence reached the caller's terminal).
+  constexpr size_t kMaxJobIdBytes = 96;
+  if (job_id.size() > kMaxJobIdBytes) {
+    return ToGrpcStatus(absl::InvalidArgumentError(absl::StrCat(
+        method, ": a job id of ", job_id.size(), " bytes; ids are at most ", kMaxJobIdBytes)));
+  }
+  if (std::any_of(job_id.begin(), job_id.end(),
+                  [](char c) { return static_cast<unsigned char>(c) < 0x20 || c == 0x7f; })) {
+    return ToGrpcStatus(absl::InvalidArgumentError(
+        absl::StrCat(method, ": a job id with control characters; ids have none")));
+  }
   if (!who.has_value() || who->role != security::Role::kUser) return grpc::Status::OK;
   absl::StatusOr<std::string> owner = jobs_->Owner(job_id);
   // Unknown now is unknown to this call: a job submitted after this check (ids are
@@ -168,6 +181,12 @@ grpc::Status JobServiceImpl::WatchJob(grpc::ServerContext* context,
   int64_t seen = jobs_->Version(request->job_id());
   if (!writer->Write(EventOf(*job, *heat_))) return grpc::Status::OK;
   while (!IsFinal(job->state()) && !context->IsCancelled()) {
+    // The caller's token may expire or be revoked while it watches: the stream ends then.
+    if (absl::StatusOr<std::optional<security::Identity>> still =
+            policy_.Check(*context, "WatchJob");
+        !still.ok()) {
+      return ToGrpcStatus(still.status());
+    }
     job = jobs_->WaitForChange(request->job_id(), seen, absl::Milliseconds(500));
     if (!job.ok()) return ToGrpcStatus(job.status());
     const int64_t now = jobs_->Version(request->job_id());

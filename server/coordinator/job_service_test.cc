@@ -424,6 +424,21 @@ TEST_F(JobServiceTest, RemoveForgetsAnEndedJobForGood) {
   EXPECT_EQ(remove("nope", &last).error_code(), grpc::StatusCode::NOT_FOUND);
 }
 
+// A job id that is no id is refused before it is echoed in an error: a 4000-byte one
+// overflowed gRPC's metadata, control characters reached the caller's terminal.
+TEST_F(JobServiceTest, AnIdThatIsNoIdIsRefusedWithoutBeingEchoed) {
+  for (const std::string& id : {std::string(4000, 'a'), std::string("x\ny\x1b[31m")}) {
+    grpc::ClientContext ctx;
+    v1::RemoveJobRequest req;
+    req.set_job_id(id);
+    v1::Job job;
+    const grpc::Status s = stub_->RemoveJob(&ctx, req, &job);
+    EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << s.error_message();
+    EXPECT_LT(s.error_message().size(), 100u);
+    EXPECT_EQ(s.error_message().find('\n'), std::string::npos);
+  }
+}
+
 TEST_F(JobServiceTest, CheckpointAndTheMemberRpcsRefuseBadRequests) {
   auto job = Submit(SpecFrom(kSpec));
   ASSERT_TRUE(job.ok());

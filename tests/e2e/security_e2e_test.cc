@@ -7,6 +7,7 @@
 #include <fstream>
 #include <string>
 
+#include "absl/time/clock.h"
 #include "child_process.h"
 #include "common/job_spec_testing.h"
 #include "common/ucx_auth.h"
@@ -15,6 +16,7 @@
 #include "pith/v1/coordinator.grpc.pb.h"
 #include "pith/v1/job.grpc.pb.h"
 #include "pith/v1/store.grpc.pb.h"
+#include "security/tokens.h"
 #include "server/store/store_client.h"
 #include "test_tls.h"
 
@@ -35,7 +37,8 @@ class SecurityE2eTest : public ::testing::Test {
     coordinator_ = std::make_unique<ChildProcess>(
         PITH_COORDINATOR_BINARY,
         std::vector<std::string>{"--listen=127.0.0.1:0", "--metrics_port=-1",
-                                 "--data_dir=" + dir_ + "/coordinator", tls_->CoordinatorFlag()},
+                                 "--data_dir=" + dir_ + "/coordinator", tls_->CoordinatorFlag(),
+                                 "--tokens_file=" + dir_ + "/tokens"},
         dir_ + "/coordinator.log");
     ASSERT_TRUE(coordinator_->WaitReady()) << coordinator_->Log();
     address_ = "127.0.0.1:" + std::to_string(coordinator_->grpc_port);
@@ -286,6 +289,48 @@ TEST_F(SecurityE2eTest, AUserReachesOnlyTheJobsItSubmitted) {
   EXPECT_REFUSED(Jobs(alice)->GetJob(&ctx, get, &job), NOT_FOUND, "was removed (cancelled)");
   EXPECT_EQ(store_->Terminate(), 0) << store_->Log();
   EXPECT_EQ(coordinator_->Terminate(), 0) << coordinator_->Log();
+}
+
+// A watch opened with a bearer token ends when the token is revoked (or expires), not
+// when the job does: every new call is refused at once, and so is a stream already open.
+TEST_F(SecurityE2eTest, AWatchEndsWhenItsTokenIsRevoked) {
+  const std::string tokens = dir_ + "/tokens";
+  absl::StatusOr<std::string> token = security::AddToken(tokens, {Role::kUser, "erin"});
+  ASSERT_TRUE(token.ok()) << token.status();
+  absl::SleepFor(absl::Milliseconds(1100));  // the coordinator looks at the file once a second
+  auto bearer = [&](grpc::ClientContext* ctx) {
+    ctx->AddMetadata("authorization", "Bearer " + *token);
+    ctx->set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(60));
+  };
+  v1::SubmitJobRequest submit;
+  ASSERT_TRUE(google::protobuf::util::JsonStringToMessage(pith::testing::kDesignExampleSpecJson,
+                                                          submit.mutable_spec())
+                  .ok());
+  v1::SubmitJobResponse submitted;
+  {
+    grpc::ClientContext ctx;
+    bearer(&ctx);
+    const grpc::Status s = Jobs(Anonymous())->SubmitJob(&ctx, submit, &submitted);
+    ASSERT_TRUE(s.ok()) << s.error_message();
+  }
+  EXPECT_EQ(submitted.job().owner(), "erin");
+  grpc::ClientContext ctx;
+  bearer(&ctx);
+  v1::WatchJobRequest watch;
+  watch.set_job_id(submitted.job().job_id());
+  auto stub = Jobs(Anonymous());
+  auto reader = stub->WatchJob(&ctx, watch);
+  v1::JobEvent event;
+  ASSERT_TRUE(reader->Read(&event));  // the job as it is: pending (no worker here)
+  ASSERT_TRUE(security::RevokeTokens(tokens, "erin").ok());
+  const absl::Time revoked = absl::Now();
+  while (reader->Read(&event)) {
+  }
+  const grpc::Status s = reader->Finish();
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::UNAUTHENTICATED) << s.error_message();
+  EXPECT_NE(s.error_message().find("the bearer token is not valid"), std::string::npos)
+      << s.error_message();
+  EXPECT_LT(absl::Now() - revoked, absl::Seconds(10));
 }
 
 TEST_F(SecurityE2eTest, OneCertificateRegistersABoundedNumberOfMembers) {
