@@ -47,6 +47,9 @@ ABSL_FLAG(uint64_t, jobs_memory_bytes, 0,
           "Memory the coordinator gives its unfinished jobs' state (placement, heat, step "
           "records; estimated per job from its spec): a job past it is refused at submit. "
           "0: half of this host's RAM");
+ABSL_FLAG(int, max_jobs_per_user, 0,
+          "Unfinished (pending or running) jobs a caller of the user role may have at once; "
+          "one more is refused at submit with the count. 0: no limit. Admins have none");
 ABSL_FLAG(std::string, export_root, "",
           "Directory under which CheckpointJob may write exports (never over a file, never "
           "through '..' or symlinks). Empty: server-side exports are off; pith checkpoint "
@@ -242,6 +245,7 @@ int main(int argc, char** argv) {
           .requests_per_second = absl::GetFlag(FLAGS_client_requests_per_second),
           .burst = std::max(1, absl::GetFlag(FLAGS_client_burst)),
           .streams = absl::GetFlag(FLAGS_client_streams)}));
+  job_service.set_max_jobs_per_user(std::max(0, absl::GetFlag(FLAGS_max_jobs_per_user)));
   pith::coordinator::CoordinatorServiceImpl coordinator_service(
       &members, jobs->get(), &heat, &scheduler, security->tls(), lookup);
   coordinator_service.set_data_plane_key(data_plane_key);

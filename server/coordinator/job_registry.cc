@@ -95,12 +95,25 @@ absl::Status JobRegistry::Persist(const v1::Job& job) {
                    "put job");
 }
 
-absl::StatusOr<v1::Job> JobRegistry::Submit(v1::JobSpec spec, std::string owner) {
+absl::StatusOr<v1::Job> JobRegistry::Submit(v1::JobSpec spec, std::string owner, int owner_limit) {
   spec.DiscardUnknownFields();  // a newer client's fields mean nothing here; never kept
   ApplyJobSpecDefaults(&spec);
   RETURN_IF_ERROR(ValidateJobSpec(spec));
   absl::MutexLock lock(&mu_);
   RETURN_IF_ERROR(AdmitLocked(spec));
+  if (owner_limit > 0) {
+    const int unfinished =
+        static_cast<int>(std::count_if(jobs_.begin(), jobs_.end(), [&](const auto& j) {
+          return j.second.owner() == owner && !IsFinal(j.second.state());
+        }));
+    if (unfinished >= owner_limit) {
+      return absl::ResourceExhaustedError(
+          absl::StrCat(owner, " has ", unfinished,
+                       " unfinished job(s), the most this coordinator allows a user "
+                       "(--max_jobs_per_user=",
+                       owner_limit, "); wait for one to end, or cancel one"));
+    }
+  }
   v1::Job job;
   job.set_job_id(absl::StrCat(spec.name(), "-", next_id_));
   *job.mutable_spec() = std::move(spec);

@@ -38,8 +38,9 @@ class JobRegistry {
 
   // Fills defaults, validates (INVALID_ARGUMENT naming the field) and records a new job in
   // JOB_STATE_PENDING. RESOURCE_EXHAUSTED when the coordinator could not hold it beside
-  // the unfinished jobs (the job is not recorded). `owner`: who submitted it (Job.owner).
-  absl::StatusOr<v1::Job> Submit(v1::JobSpec spec, std::string owner = "");
+  // the unfinished jobs, or when `owner` has `owner_limit` unfinished jobs already (0: no
+  // limit); the job is not recorded. `owner`: who submitted it (Job.owner).
+  absl::StatusOr<v1::Job> Submit(v1::JobSpec spec, std::string owner = "", int owner_limit = 0);
   absl::StatusOr<v1::Job> Get(const std::string& job_id) const;
   // Newest first; `states` empty means all; `limit` 0 means no limit; with `owner`, only
   // the jobs it submitted.

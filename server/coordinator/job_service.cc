@@ -136,8 +136,9 @@ grpc::Status JobServiceImpl::SubmitJob(grpc::ServerContext* context,
   if (!request->has_spec())
     return ToGrpcStatus(absl::InvalidArgumentError("JobSpec: spec is required"));
   if (absl::Status can = CanRun(request->spec()); !can.ok()) return ToGrpcStatus(can);
-  absl::StatusOr<v1::Job> job =
-      jobs_->Submit(request->spec(), caller.has_value() ? caller->name : "");
+  const bool user = caller.has_value() && caller->role == security::Role::kUser;
+  absl::StatusOr<v1::Job> job = jobs_->Submit(
+      request->spec(), caller.has_value() ? caller->name : "", user ? max_jobs_per_user_ : 0);
   if (!job.ok()) return ToGrpcStatus(job.status());
   *reply->mutable_job() = *std::move(job);
   return grpc::Status::OK;

@@ -35,6 +35,10 @@ class JobServiceImpl final : public v1::JobService::Service {
         export_root_(std::move(export_root)),
         policy_(JobPolicy(enforce, std::move(tokens), std::move(limits))) {}
 
+  // A caller of the user role may have at most `n` unfinished jobs (0: no limit); set
+  // before the service serves.
+  void set_max_jobs_per_user(int n) { max_jobs_per_user_ = n; }
+
   // Users and admins call every method of the job API; a user reaches only the jobs it
   // submitted (Job.owner), which the handlers check (AdmitForJob, ListJobs).
   // `limits`: each client's request rate and open streams (watches, downloads).
@@ -92,6 +96,7 @@ class JobServiceImpl final : public v1::JobService::Service {
   const std::string staging_dir_;
   const std::string export_root_;
   const security::Policy policy_;
+  int max_jobs_per_user_ = 0;  // set before serving
 };
 
 }  // namespace pith::coordinator

@@ -38,7 +38,7 @@ class SecurityE2eTest : public ::testing::Test {
         PITH_COORDINATOR_BINARY,
         std::vector<std::string>{"--listen=127.0.0.1:0", "--metrics_port=-1",
                                  "--data_dir=" + dir_ + "/coordinator", tls_->CoordinatorFlag(),
-                                 "--tokens_file=" + dir_ + "/tokens"},
+                                 "--tokens_file=" + dir_ + "/tokens", "--max_jobs_per_user=2"},
         dir_ + "/coordinator.log");
     ASSERT_TRUE(coordinator_->WaitReady()) << coordinator_->Log();
     address_ = "127.0.0.1:" + std::to_string(coordinator_->grpc_port);
@@ -289,6 +289,38 @@ TEST_F(SecurityE2eTest, AUserReachesOnlyTheJobsItSubmitted) {
   EXPECT_REFUSED(Jobs(alice)->GetJob(&ctx, get, &job), NOT_FOUND, "was removed (cancelled)");
   EXPECT_EQ(store_->Terminate(), 0) << store_->Log();
   EXPECT_EQ(coordinator_->Terminate(), 0) << coordinator_->Log();
+}
+
+// A user may have --max_jobs_per_user unfinished jobs at once: one more is refused with
+// the count until one ends; other users and admins are not held by it.
+TEST_F(SecurityE2eTest, AUserHasABoundedNumberOfUnfinishedJobs) {
+  v1::SubmitJobRequest submit;
+  ASSERT_TRUE(google::protobuf::util::JsonStringToMessage(pith::testing::kDesignExampleSpecJson,
+                                                          submit.mutable_spec())
+                  .ok());
+  auto submit_as = [&](std::shared_ptr<grpc::ChannelCredentials> who, v1::Job* job) {
+    grpc::ClientContext ctx;
+    v1::SubmitJobResponse reply;
+    const grpc::Status s = Jobs(std::move(who))->SubmitJob(&ctx, submit, &reply);
+    *job = reply.job();
+    return s;
+  };
+  const auto alice = As(Role::kUser, "alice");
+  v1::Job first, job;
+  ASSERT_TRUE(submit_as(alice, &first).ok());
+  ASSERT_TRUE(submit_as(alice, &job).ok());
+  EXPECT_REFUSED(submit_as(alice, &job), RESOURCE_EXHAUSTED,
+                 "alice has 2 unfinished job(s), the most this coordinator allows a user "
+                 "(--max_jobs_per_user=2)");
+  ASSERT_TRUE(submit_as(As(Role::kUser, "bob"), &job).ok());
+  for (int i = 0; i < 3; ++i) ASSERT_TRUE(submit_as(As(Role::kAdmin, "admin"), &job).ok());
+  {
+    grpc::ClientContext ctx;
+    v1::CancelJobRequest cancel;
+    cancel.set_job_id(first.job_id());
+    ASSERT_TRUE(Jobs(alice)->CancelJob(&ctx, cancel, &job).ok());
+  }
+  EXPECT_TRUE(submit_as(alice, &job).ok());  // one ended: room for one more
 }
 
 // A watch opened with a bearer token ends when the token is revoked (or expires), not
