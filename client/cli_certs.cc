@@ -84,6 +84,9 @@ absl::Status Token(const CliContext& ctx, const Args& args, std::ostream& out) {
   if (flags["--file"].empty() || flags["--name"].empty()) {
     return UsageError("token needs --file FILE and --name NAME");
   }
+  if (revoke && !flags["--expires_in"].empty()) {
+    return UsageError("token --revoke takes no --expires_in");
+  }
   if (revoke) {
     ASSIGN_OR_RETURN(const int revoked, security::RevokeTokens(flags["--file"], flags["--name"]));
     out << "revoked " << flags["--name"] << "'s token" << (revoked > 1 ? "s" : "")

@@ -227,9 +227,13 @@ absl::StatusOr<Identity> TokenTable::Lookup(const std::string& token) {
   const std::string hash = TokenHash(token);
   absl::MutexLock lock(&mu_);
   if (absl::Now() - checked_ >= absl::Seconds(1)) {
-    // Malformed lines are left out, the rest apply (and it is said, now and then).
+    // Malformed lines are left out, the rest apply: said once per change of the file (a
+    // refresh parses a changed file once). A file that cannot be read fails every second:
+    // said now and then.
     absl::Status s = RefreshLocked();
-    if (!s.ok()) {
+    if (absl::IsInvalidArgument(s)) {
+      LOG(WARNING) << s.message();
+    } else if (!s.ok()) {
       LOG_EVERY_N(WARNING, 60) << s.message();
     }
   }

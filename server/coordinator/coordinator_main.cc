@@ -161,6 +161,15 @@ absl::StatusOr<pith::security::TransportSecurity> Security() {
   return security;
 }
 
+// --max_jobs_per_user, which holds callers of the user role: without TLS there are none.
+void SetUserLimit(pith::coordinator::JobServiceImpl& job_service, bool tls) {
+  const int limit = std::max(0, absl::GetFlag(FLAGS_max_jobs_per_user));
+  job_service.set_max_jobs_per_user(limit);
+  if (limit > 0 && !tls) {
+    LOG(WARNING) << "--max_jobs_per_user holds no one without TLS: callers have no role";
+  }
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -245,7 +254,7 @@ int main(int argc, char** argv) {
           .requests_per_second = absl::GetFlag(FLAGS_client_requests_per_second),
           .burst = std::max(1, absl::GetFlag(FLAGS_client_burst)),
           .streams = absl::GetFlag(FLAGS_client_streams)}));
-  job_service.set_max_jobs_per_user(std::max(0, absl::GetFlag(FLAGS_max_jobs_per_user)));
+  SetUserLimit(job_service, security->tls());
   pith::coordinator::CoordinatorServiceImpl coordinator_service(
       &members, jobs->get(), &heat, &scheduler, security->tls(), lookup);
   coordinator_service.set_data_plane_key(data_plane_key);

@@ -9,6 +9,7 @@
 #include <map>
 #include <vector>
 
+#include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
 #include "common/export_path.h"
 #include "common/file.h"
@@ -109,10 +110,12 @@ grpc::Status JobServiceImpl::AdmitForJob(const grpc::ServerContext& context,
     return ToGrpcStatus(absl::InvalidArgumentError(absl::StrCat(
         method, ": a job id of ", job_id.size(), " bytes; ids are at most ", kMaxJobIdBytes)));
   }
-  if (std::any_of(job_id.begin(), job_id.end(),
-                  [](char c) { return static_cast<unsigned char>(c) < 0x20 || c == 0x7f; })) {
-    return ToGrpcStatus(absl::InvalidArgumentError(
-        absl::StrCat(method, ": a job id with control characters; ids have none")));
+  if (std::any_of(job_id.begin(), job_id.end(), [](char c) {
+        return !absl::ascii_isalnum(c) && c != '-' && c != '_' && c != '.';
+      })) {
+    return ToGrpcStatus(absl::InvalidArgumentError(absl::StrCat(
+        method,
+        ": a job id holds only letters, digits, '-', '_' and '.' (a spec name and a number)")));
   }
   if (!who.has_value() || who->role != security::Role::kUser) return grpc::Status::OK;
   absl::StatusOr<std::string> owner = jobs_->Owner(job_id);
@@ -202,6 +205,15 @@ grpc::Status JobServiceImpl::CancelJob(grpc::ServerContext* context,
                                        const v1::CancelJobRequest* request, v1::Job* reply) {
   if (grpc::Status denied = AdmitForJob(*context, "CancelJob", request->job_id()); !denied.ok())
     return denied;
+  // Recorded and shown to whoever reads the job (an admin's terminal included).
+  constexpr size_t kMaxReasonBytes = 512;
+  const std::string& reason = request->reason();
+  if (reason.size() > kMaxReasonBytes || std::any_of(reason.begin(), reason.end(), [](char c) {
+        return static_cast<unsigned char>(c) < 0x20 || c == 0x7f;
+      })) {
+    return ToGrpcStatus(absl::InvalidArgumentError(absl::StrCat(
+        "CancelJob: a reason is at most ", kMaxReasonBytes, " bytes, without control characters")));
+  }
   return ToGrpcReply(jobs_->Cancel(request->job_id(), request->reason()), reply);
 }
 

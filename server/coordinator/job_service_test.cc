@@ -427,7 +427,8 @@ TEST_F(JobServiceTest, RemoveForgetsAnEndedJobForGood) {
 // A job id that is no id is refused before it is echoed in an error: a 4000-byte one
 // overflowed gRPC's metadata, control characters reached the caller's terminal.
 TEST_F(JobServiceTest, AnIdThatIsNoIdIsRefusedWithoutBeingEchoed) {
-  for (const std::string& id : {std::string(4000, 'a'), std::string("x\ny\x1b[31m")}) {
+  for (const std::string& id : {std::string(4000, 'a'), std::string("x\ny\x1b[31m"),
+                                std::string("../demo-1"), std::string("d\xc2\x9b-1")}) {
     grpc::ClientContext ctx;
     v1::RemoveJobRequest req;
     req.set_job_id(id);
@@ -437,6 +438,37 @@ TEST_F(JobServiceTest, AnIdThatIsNoIdIsRefusedWithoutBeingEchoed) {
     EXPECT_LT(s.error_message().size(), 100u);
     EXPECT_EQ(s.error_message().find('\n'), std::string::npos);
   }
+  // A cancel's reason is shown to whoever reads the job: bounded, no control characters.
+  auto job = Submit(SpecFrom(kSpec));
+  ASSERT_TRUE(job.ok());
+  for (const std::string& reason : {std::string(600, 'r'), std::string("done\x1b]0;pwned\x07")}) {
+    grpc::ClientContext ctx;
+    v1::CancelJobRequest req;
+    req.set_job_id(job->job_id());
+    req.set_reason(reason);
+    v1::Job cancelled;
+    EXPECT_EQ(stub_->CancelJob(&ctx, req, &cancelled).error_code(),
+              grpc::StatusCode::INVALID_ARGUMENT);
+  }
+  EXPECT_EQ(jobs_->Get(job->job_id())->state(), v1::JOB_STATE_PENDING);
+}
+
+// An owner's unfinished jobs are counted under the registry's lock with the submit; an
+// ended one makes room, other owners are not held.
+TEST_F(JobServiceTest, AnOwnersUnfinishedJobsAreBounded) {
+  const v1::JobSpec spec = SpecFrom(kSpec);
+  auto first = jobs_->Submit(spec, "alice", 2);
+  ASSERT_TRUE(first.ok());
+  ASSERT_TRUE(jobs_->Submit(spec, "alice", 2).ok());
+  absl::StatusOr<v1::Job> third = jobs_->Submit(spec, "alice", 2);
+  EXPECT_EQ(third.status().code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_THAT(third.status().message(), ::testing::HasSubstr("alice has 2 unfinished job(s)"));
+  EXPECT_TRUE(jobs_->Submit(spec, "bob", 2).ok());
+  EXPECT_TRUE(jobs_->Submit(spec, "alice").ok());  // no limit given: none applies
+  ASSERT_TRUE(jobs_->Cancel(first->job_id(), "room").ok());
+  // Unfinished now: the second and the one submitted without a limit.
+  EXPECT_EQ(jobs_->Submit(spec, "alice", 2).status().code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_TRUE(jobs_->Submit(spec, "alice", 3).ok());
 }
 
 TEST_F(JobServiceTest, CheckpointAndTheMemberRpcsRefuseBadRequests) {
