@@ -168,11 +168,6 @@ absl::Status CheckInterval(absl::string_view field, double v, double lo, bool op
   return absl::OkStatus();
 }
 
-bool IsNameChar(char c) {
-  return (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') || c == '-' ||
-         c == '_' || c == '.';
-}
-
 absl::Status ValidateModel(const v1::ModelConfig& m) {
   RETURN_IF_ERROR(CheckRange("model.vocab_size", m.vocab_size(), 2, 65536));
   RETURN_IF_ERROR(CheckRange("model.seq_len", m.seq_len(), 1, kMaxDim));
@@ -217,11 +212,7 @@ absl::Status CheckPath(absl::string_view field, const std::string& path) {
     return FieldError(
         field, absl::StrCat("is ", path.size(), " bytes long, more than the limit of ", kMaxPath));
   }
-  for (const char c : path) {  // a newline would forge log lines that quote it
-    if (static_cast<unsigned char>(c) < 0x20 || c == 0x7f) {
-      return FieldError(field, "holds a control character");
-    }
-  }
+  if (HasControlCharacter(path)) return FieldError(field, "holds a control character");
   return absl::OkStatus();
 }
 
@@ -262,6 +253,16 @@ absl::Status ValidateCluster(const v1::ClusterConfig& c) {
 }
 
 }  // namespace
+
+bool IsNameChar(char c) {
+  return (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') || c == '-' ||
+         c == '_' || c == '.';
+}
+
+bool HasControlCharacter(absl::string_view text) {
+  return std::any_of(text.begin(), text.end(),
+                     [](char c) { return static_cast<unsigned char>(c) < 0x20 || c == 0x7f; });
+}
 
 void ApplyJobSpecDefaults(v1::JobSpec* spec) {
   // -0 means 0 everywhere in a spec; keeping the sign would make equal specs differ.

@@ -32,6 +32,13 @@ absl::Status ValidateJobSpec(const v1::JobSpec& spec);
 // The spec as JSON (snake_case names, defaults included), the form ParseJobSpec reads.
 std::string JobSpecToJson(const v1::JobSpec& spec);
 
+// A character a spec's name may hold (and so a job id, the name and a number): a letter, a
+// digit, '-', '_' or '.'.
+bool IsNameChar(char c);
+// Whether `text` holds a control character (below 0x20, or 0x7f): text that is logged or
+// shown to others must not, as a newline forges log lines and escapes drive terminals.
+bool HasControlCharacter(absl::string_view text);
+
 }  // namespace pith
 
 #endif  // PITH_COMMON_JOB_SPEC_H_

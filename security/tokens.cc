@@ -37,18 +37,13 @@ std::optional<absl::Time> ParseExpiry(absl::string_view field) {
   return t;
 }
 
-struct Record {
-  Identity identity;
-  absl::Time expires = absl::InfiniteFuture();
-};
-
 // The tokens of `text`; a line that is not "NAME user|admin SHA256HEX [expires=T]" is an
 // error, or, with `skipped` given, is listed there (its number) and left out (the other lines still
 // count: a token removed beside a bad edit is revoked all the same).
-absl::StatusOr<std::map<std::string, Record>> Parse(const std::string& path,
-                                                    const std::string& text,
-                                                    std::vector<int>* skipped = nullptr) {
-  std::map<std::string, Record> out;
+absl::StatusOr<std::map<std::string, TokenRecord>> Parse(const std::string& path,
+                                                         const std::string& text,
+                                                         std::vector<int>* skipped = nullptr) {
+  std::map<std::string, TokenRecord> out;
   int number = 0;
   for (absl::string_view line : absl::StrSplit(text, '\n')) {
     ++number;
@@ -71,7 +66,7 @@ absl::StatusOr<std::map<std::string, Record>> Parse(const std::string& path,
                        ": want NAME user|admin SHA256HEX [expires=RFC3339] (as pith token "
                        "writes)"));
     }
-    out[fields[2]] = Record{Identity{*role, fields[0]}, *expires};
+    out[fields[2]] = TokenRecord{Identity{*role, fields[0]}, *expires};
   }
   return out;
 }
@@ -207,11 +202,10 @@ absl::Status TokenTable::RefreshLocked() {
   }
   const bool first = mtime_.tv_sec == 0 && mtime_.tv_nsec == 0 && by_hash_.empty();
   std::vector<int> skipped;
-  absl::StatusOr<std::map<std::string, Record>> parsed =
+  absl::StatusOr<std::map<std::string, TokenRecord>> parsed =
       Parse(path_, text.str(), first ? nullptr : &skipped);
   if (!parsed.ok()) return parsed.status();
-  by_hash_.clear();
-  for (auto& [hash, record] : *parsed) by_hash_[hash] = Entry{record.identity, record.expires};
+  by_hash_ = *std::move(parsed);
   mtime_ = st.st_mtim;
   inode_ = st.st_ino;
   size_ = st.st_size;
@@ -243,7 +237,7 @@ absl::StatusOr<Identity> TokenTable::Lookup(const std::string& token) {
         "the bearer token is not valid (one just made with pith token is taken within a few "
         "seconds)");
   }
-  const Entry& e = it->second;
+  const TokenRecord& e = it->second;
   if (absl::Now() >= e.expires) {
     return absl::UnauthenticatedError(
         absl::StrCat("the bearer token of ", e.identity.name, " expired at ",

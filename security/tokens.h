@@ -43,6 +43,12 @@ absl::StatusOr<std::string> AddToken(const std::string& path, const Identity& id
 // the file or the name's tokens are not there.
 absl::StatusOr<int> RevokeTokens(const std::string& path, const std::string& name);
 
+// One line of a tokens file: whom the token names, and when it stops working.
+struct TokenRecord {
+  Identity identity;
+  absl::Time expires = absl::InfiniteFuture();
+};
+
 // SHA-256 of `token`, lowercase hex.
 std::string TokenHash(const std::string& token);
 
@@ -64,11 +70,7 @@ class TokenTable {
 
   const std::string path_;
   absl::Mutex mu_;
-  struct Entry {
-    Identity identity;
-    absl::Time expires;
-  };
-  std::map<std::string, Entry> by_hash_ ABSL_GUARDED_BY(mu_);
+  std::map<std::string, TokenRecord> by_hash_ ABSL_GUARDED_BY(mu_);
   struct timespec mtime_ ABSL_GUARDED_BY(mu_) = {};
   ino_t inode_ ABSL_GUARDED_BY(mu_) = 0;
   off_t size_ ABSL_GUARDED_BY(mu_) = 0;

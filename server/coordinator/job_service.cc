@@ -9,7 +9,6 @@
 #include <map>
 #include <vector>
 
-#include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
 #include "common/export_path.h"
 #include "common/file.h"
@@ -110,9 +109,7 @@ grpc::Status JobServiceImpl::AdmitForJob(const grpc::ServerContext& context,
     return ToGrpcStatus(absl::InvalidArgumentError(absl::StrCat(
         method, ": a job id of ", job_id.size(), " bytes; ids are at most ", kMaxJobIdBytes)));
   }
-  if (std::any_of(job_id.begin(), job_id.end(), [](char c) {
-        return !absl::ascii_isalnum(c) && c != '-' && c != '_' && c != '.';
-      })) {
+  if (!std::all_of(job_id.begin(), job_id.end(), IsNameChar)) {
     return ToGrpcStatus(absl::InvalidArgumentError(absl::StrCat(
         method,
         ": a job id holds only letters, digits, '-', '_' and '.' (a spec name and a number)")));
@@ -208,9 +205,7 @@ grpc::Status JobServiceImpl::CancelJob(grpc::ServerContext* context,
   // Recorded and shown to whoever reads the job (an admin's terminal included).
   constexpr size_t kMaxReasonBytes = 512;
   const std::string& reason = request->reason();
-  if (reason.size() > kMaxReasonBytes || std::any_of(reason.begin(), reason.end(), [](char c) {
-        return static_cast<unsigned char>(c) < 0x20 || c == 0x7f;
-      })) {
+  if (reason.size() > kMaxReasonBytes || HasControlCharacter(reason)) {
     return ToGrpcStatus(absl::InvalidArgumentError(absl::StrCat(
         "CancelJob: a reason is at most ", kMaxReasonBytes, " bytes, without control characters")));
   }

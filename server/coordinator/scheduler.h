@@ -296,8 +296,8 @@ class Scheduler {
   // A job that ended (cancelled, failed): drops its attempt in flight, frees its workers.
   void ReleaseRunLocked(const std::string& job_id, Run& run, std::vector<StoreCall>* aborts)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // A run ended: its heat is kept past a restart (for `pith experts`), or goes with the
-  // job when it was removed meanwhile.
+  // A run ended, or its job was removed: its heat is kept past a restart (for `pith
+  // experts`), or goes with the job once it was removed.
   void KeepHeatLocked(const std::string& job_id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Replaces the job's dead workers and stores (and adds idle workers it lacks); a job
   // back from a restart with all its members only has its attempt in flight voided.

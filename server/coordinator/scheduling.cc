@@ -175,7 +175,9 @@ void Scheduler::ReleaseRunLocked(const std::string& job_id, Run& run,
 void Scheduler::KeepHeatLocked(const std::string& job_id) {
   if (jobs_->Removed(job_id)) {
     heat_->Drop(job_id);
-    (void)jobs_->DeleteRecord(absl::StrCat(kHeatPrefix, job_id));
+    if (absl::Status s = jobs_->DeleteRecord(absl::StrCat(kHeatPrefix, job_id)); !s.ok()) {
+      LOG(WARNING) << "removed job " << job_id << ": " << s;
+    }
     return;
   }
   if (const std::string heat = heat_->Save(job_id); !heat.empty()) {
@@ -202,12 +204,7 @@ absl::StatusOr<v1::Job> Scheduler::Remove(const std::string& job_id) {
                      " checkpoint(s) in flight); remove it once they end"));
   }
   ASSIGN_OR_RETURN(v1::Job last, jobs_->Remove(job_id));
-  // A run still here (a job cancelled since the last tick) is released by the next tick,
-  // which drops its heat again: reports of its last attempt may land until then.
-  heat_->Drop(job_id);
-  if (absl::Status s = jobs_->DeleteRecord(absl::StrCat(kHeatPrefix, job_id)); !s.ok()) {
-    LOG(WARNING) << "removing job " << job_id << ": " << s;
-  }
+  KeepHeatLocked(job_id);  // removed: its heat goes
   return last;
 }
 

@@ -76,6 +76,14 @@ class SecurityE2eTest : public ::testing::Test {
   std::unique_ptr<v1::StoreService::Stub> StoreStub(std::shared_ptr<grpc::ChannelCredentials> c) {
     return v1::StoreService::NewStub(NewChannel(store_address_, std::move(c)));
   }
+  // A submit of DESIGN's example spec.
+  static v1::SubmitJobRequest DesignSubmit() {
+    v1::SubmitJobRequest submit;
+    EXPECT_TRUE(google::protobuf::util::JsonStringToMessage(pith::testing::kDesignExampleSpecJson,
+                                                            submit.mutable_spec())
+                    .ok());
+    return submit;
+  }
   // The store as the coordinator sees it (asked as an admin).
   v1::MemberInfo Store() {
     grpc::ClientContext ctx;
@@ -201,10 +209,7 @@ TEST_F(SecurityE2eTest, StrangersAndWrongRolesGetNothingAndChangeNothing) {
 TEST_F(SecurityE2eTest, AUserReachesOnlyTheJobsItSubmitted) {
   const auto alice = As(Role::kUser, "alice"), bob = As(Role::kUser, "bob");
   const auto admin = As(Role::kAdmin, "admin");
-  v1::SubmitJobRequest submit;
-  ASSERT_TRUE(google::protobuf::util::JsonStringToMessage(pith::testing::kDesignExampleSpecJson,
-                                                          submit.mutable_spec())
-                  .ok());
+  const v1::SubmitJobRequest submit = DesignSubmit();
   v1::SubmitJobResponse submitted;
   {
     grpc::ClientContext ctx;
@@ -294,10 +299,7 @@ TEST_F(SecurityE2eTest, AUserReachesOnlyTheJobsItSubmitted) {
 // A user may have --max_jobs_per_user unfinished jobs at once: one more is refused with
 // the count until one ends; other users and admins are not held by it.
 TEST_F(SecurityE2eTest, AUserHasABoundedNumberOfUnfinishedJobs) {
-  v1::SubmitJobRequest submit;
-  ASSERT_TRUE(google::protobuf::util::JsonStringToMessage(pith::testing::kDesignExampleSpecJson,
-                                                          submit.mutable_spec())
-                  .ok());
+  const v1::SubmitJobRequest submit = DesignSubmit();
   auto submit_as = [&](std::shared_ptr<grpc::ChannelCredentials> who, v1::Job* job) {
     grpc::ClientContext ctx;
     v1::SubmitJobResponse reply;
@@ -334,10 +336,7 @@ TEST_F(SecurityE2eTest, AWatchEndsWhenItsTokenIsRevoked) {
     ctx->AddMetadata("authorization", "Bearer " + *token);
     ctx->set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(60));
   };
-  v1::SubmitJobRequest submit;
-  ASSERT_TRUE(google::protobuf::util::JsonStringToMessage(pith::testing::kDesignExampleSpecJson,
-                                                          submit.mutable_spec())
-                  .ok());
+  const v1::SubmitJobRequest submit = DesignSubmit();
   v1::SubmitJobResponse submitted;
   {
     grpc::ClientContext ctx;
