@@ -50,6 +50,22 @@ v1::JobEvent EventOf(const v1::Job& job, const HeatRegistry& heat) {
 
 }  // namespace
 
+absl::Status StreamFile(int fd, const std::string& path, uint64_t bytes, size_t chunk_bytes,
+                        const std::function<absl::Status()>& may_go_on,
+                        const std::function<bool(absl::string_view chunk)>& send) {
+  if (chunk_bytes == 0) return absl::InvalidArgumentError("StreamFile: chunks of 0 bytes");
+  std::string buffer(std::min<uint64_t>(chunk_bytes, bytes), '\0');
+  uint64_t sent = 0;
+  while (sent < bytes) {
+    RETURN_IF_ERROR(may_go_on());
+    const size_t n = std::min<uint64_t>(buffer.size(), bytes - sent);
+    RETURN_IF_ERROR(PreadAll(fd, {reinterpret_cast<uint8_t*>(buffer.data()), n}, sent, path));
+    if (!send(absl::string_view(buffer.data(), n))) return absl::CancelledError("client gone");
+    sent += n;
+  }
+  return absl::OkStatus();
+}
+
 absl::Status JobServiceImpl::CanRun(const v1::JobSpec& submitted) const {
   v1::JobSpec spec = submitted;
   ApplyJobSpecDefaults(&spec);
@@ -278,20 +294,20 @@ grpc::Status JobServiceImpl::DownloadCheckpoint(grpc::ServerContext* context,
   v1::CheckpointChunk chunk;
   chunk.set_step(exported->step());
   chunk.set_total_bytes(exported->bytes());
-  std::string buffer(1 << 20, '\0');
-  uint64_t sent = 0;
-  while (sent < exported->bytes()) {
-    if (context->IsCancelled()) return grpc::Status(grpc::StatusCode::CANCELLED, "cancelled");
-    const size_t n = std::min<uint64_t>(buffer.size(), exported->bytes() - sent);
-    absl::Status read = PreadAll(fd.get(), {reinterpret_cast<uint8_t*>(buffer.data()), n}, sent,
-                                 exported->weights_path());
-    if (!read.ok()) return ToGrpcStatus(read);
-    chunk.set_data(buffer.data(), n);
-    if (!writer->Write(chunk)) return grpc::Status(grpc::StatusCode::CANCELLED, "client gone");
+  // The caller is checked again at every chunk: a token revoked or expired mid-download
+  // ends it (as it ends a watch).
+  auto may_go_on = [&]() -> absl::Status {
+    if (context->IsCancelled()) return absl::CancelledError("cancelled");
+    return policy_.Check(*context, "DownloadCheckpoint").status();
+  };
+  auto send = [&](absl::string_view data) {
+    chunk.set_data(data.data(), data.size());
+    const bool written = writer->Write(chunk);
     chunk.Clear();
-    sent += n;
-  }
-  return grpc::Status::OK;
+    return written;
+  };
+  return ToGrpcStatus(
+      StreamFile(fd.get(), exported->weights_path(), exported->bytes(), 1 << 20, may_go_on, send));
 }
 
 grpc::Status JobServiceImpl::ClusterStatus(grpc::ServerContext* context,

@@ -6,6 +6,12 @@
 #ifndef PITH_SERVER_COORDINATOR_JOB_SERVICE_H_
 #define PITH_SERVER_COORDINATOR_JOB_SERVICE_H_
 
+#include <cstdint>
+#include <functional>
+#include <string>
+
+#include "absl/status/status.h"
+#include "absl/strings/string_view.h"
 #include "pith/v1/job.grpc.pb.h"
 #include "security/authorize.h"
 #include "server/coordinator/heat_registry.h"
@@ -14,6 +20,15 @@
 #include "server/coordinator/scheduler.h"
 
 namespace pith::coordinator {
+
+// A download's body: `bytes` bytes of `fd` (`path` names it in errors) from offset 0,
+// handed to `send` in chunks of at most `chunk_bytes`. `may_go_on` is asked before every
+// chunk (a caller whose token was revoked or expired mid-stream, a cancelled call): its
+// first error ends the stream with that error; a `send` that fails (the client is gone)
+// ends it CANCELLED.
+absl::Status StreamFile(int fd, const std::string& path, uint64_t bytes, size_t chunk_bytes,
+                        const std::function<absl::Status()>& may_go_on,
+                        const std::function<bool(absl::string_view chunk)>& send);
 
 class JobServiceImpl final : public v1::JobService::Service {
  public:

@@ -2,7 +2,11 @@
 // cancel, watch, and the registry surviving a reopen.
 #include "server/coordinator/job_service.h"
 
+#include <fcntl.h>
+#include <unistd.h>
+
 #include <filesystem>
+#include <fstream>
 #include <memory>
 #include <string>
 #include <thread>
@@ -581,6 +585,53 @@ TEST_F(JobServiceTest, AClientPastItsRateOrStreamsIsRefusedWithTheReason) {
       << over.error_message();
   watch_ctx.TryCancel();
   (void)reader->Finish();
+}
+
+// A download is the file's bytes in order, and the caller is asked about before every
+// chunk: a token revoked mid-stream ends it with that refusal, a client gone with CANCELLED.
+TEST(StreamFileTest, SendsTheBytesAndStopsAtTheFirstRefusal) {
+  const std::string path = ::testing::TempDir() + "/stream_" + std::to_string(getpid());
+  std::string bytes(2500, '\0');
+  for (size_t i = 0; i < bytes.size(); ++i) bytes[i] = static_cast<char>(i * 7);
+  {
+    std::ofstream out(path, std::ios::binary);
+    out << bytes;
+  }
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  ASSERT_GE(fd, 0);
+  std::string got;
+  int asked = 0;
+  auto send = [&](absl::string_view chunk) {
+    EXPECT_LE(chunk.size(), 1000u);
+    got.append(chunk.data(), chunk.size());
+    return true;
+  };
+  auto allowed = [&] {
+    ++asked;
+    return absl::OkStatus();
+  };
+  ASSERT_TRUE(StreamFile(fd, path, bytes.size(), 1000, allowed, send).ok());
+  EXPECT_EQ(got, bytes);
+  EXPECT_EQ(asked, 3);
+
+  got.clear();
+  asked = 0;
+  auto revoked_after_one = [&] {
+    return ++asked > 1 ? absl::UnauthenticatedError("the bearer token is not valid")
+                       : absl::OkStatus();
+  };
+  const absl::Status revoked = StreamFile(fd, path, bytes.size(), 1000, revoked_after_one, send);
+  EXPECT_EQ(revoked.code(), absl::StatusCode::kUnauthenticated) << revoked;
+  EXPECT_EQ(got, bytes.substr(0, 1000));
+
+  const absl::Status gone =
+      StreamFile(fd, path, bytes.size(), 1000, allowed, [](absl::string_view) { return false; });
+  EXPECT_EQ(gone.code(), absl::StatusCode::kCancelled) << gone;
+  // A file shorter than its export said is an error, not a short download.
+  const absl::Status short_file = StreamFile(fd, path, bytes.size() + 1, 1000, allowed, send);
+  EXPECT_FALSE(short_file.ok());
+  ::close(fd);
+  std::filesystem::remove(path);
 }
 
 }  // namespace

@@ -102,7 +102,14 @@ absl::Status RunClusterWorker(const ClusterWorkerOptions& options, MetricsRegist
     if (!s.ok() && stop) {
       LOG(INFO) << "job " << a->job_id() << ": stopped (" << s << ")";
     } else if (!s.ok()) {
-      LOG(WARNING) << "job " << a->job_id() << ": " << s;
+      // ABORTED: the attempt ended under the run (a store saw a newer attempt, the step was
+      // aborted, the job cancelled or placed anew): news, not a failure of this worker.
+      if (absl::IsAborted(s)) {
+        LOG(INFO) << "job " << a->job_id() << ": attempt " << a->assignment_version()
+                  << " ended under this run (" << s.message() << ")";
+      } else {
+        LOG(WARNING) << "job " << a->job_id() << ": " << s;
+      }
       for (int i = 0; i < (1 << std::min(failures - 1, 5)) && !stop; ++i) pause();
     }
   }
