@@ -163,7 +163,10 @@ void* CudaBackend::Scratch(ScratchSlot slot, size_t bytes) {
   ScratchBuffer& s = scratch_[slot];
   if (s.bytes >= bytes) return s.ptr;
   if (s.ptr != nullptr) {
-    cudaStreamSynchronize(S(stream_));
+    // Its last reader must be done; an error here is an earlier op's, named as such.
+    if (!CheckCuda(cudaStreamSynchronize(S(stream_)), "an op before a scratch buffer grew")) {
+      return nullptr;
+    }
     cudaFree(s.ptr);
     *held_ -= s.bytes;
     s = {};

@@ -127,6 +127,7 @@ absl::Status DeviceSlots::MakeVisible(int i, CUstream_st* compute) {
   if (i < 0 || i >= slots()) {
     return absl::InvalidArgumentError(absl::StrCat("device slots: no slot ", i));
   }
+  if (absl::Status st = Check(cudaSetDevice(device_), "cudaSetDevice"); !st.ok()) return st;
   return Check(cudaStreamWaitEvent(compute, events_[i], 0), "MakeVisible (cudaStreamWaitEvent)");
 }
 
