@@ -12,6 +12,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
 #include "absl/strings/strip.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
@@ -204,16 +205,28 @@ absl::Status Remove(const CliContext& ctx, const Args& args, std::ostream& out) 
   RETURN_IF_ERROR(RefuseUnknownFlags("remove", args));
   if (args.empty()) return UsageError("remove takes job ids: pith remove JOB...");
   ASSIGN_OR_RETURN(std::unique_ptr<Client> client, Connect(ctx));
-  // One by one, each said as it goes: the first that cannot be removed stops the rest.
+  // One by one, each said as it goes; one that cannot be removed does not stop the rest,
+  // and the error line names every one that was not (with the first one's code).
+  absl::Status first;
+  std::vector<std::string> refused;
   for (const std::string& id : args) {
-    ASSIGN_OR_RETURN(v1::Job job, client->Remove(id));
+    absl::StatusOr<v1::Job> job = client->Remove(id);
+    if (!job.ok()) {
+      if (first.ok()) first = job.status();
+      refused.push_back(std::string(job.status().message()));
+      continue;
+    }
     if (ctx.json) {
-      out << Json(job) << "\n";
+      out << Json(*job) << "\n";
     } else {
-      out << "removed " << job.job_id() << " (" << StateName(job.state()) << ")\n";
+      out << "removed " << job->job_id() << " (" << StateName(job->state()) << ")\n";
     }
   }
-  return absl::OkStatus();
+  if (refused.empty()) return absl::OkStatus();
+  if (args.size() == 1) return first;
+  return absl::Status(first.code(),
+                      absl::StrCat(refused.size(), " of ", args.size(),
+                                   " jobs not removed: ", absl::StrJoin(refused, "; ")));
 }
 
 absl::Status Checkpoint(const CliContext& ctx, const Args& args, std::ostream& out) {
