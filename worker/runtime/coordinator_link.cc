@@ -3,6 +3,7 @@
 #include <chrono>
 #include <utility>
 
+#include "absl/strings/str_cat.h"
 #include "common/grpc_util.h"
 #include "glog/logging.h"
 #include "grpcpp/grpcpp.h"
@@ -134,10 +135,18 @@ void AbortWatch::Watch() {
     req.set_assignment_version(version);
     v1::StepStatus st;
     const grpc::Status rpc = link_->WaitStepRaw(req, kAbortPollDeadline, &st);
-    if (rpc.ok() && st.committed_step() < req.step() &&
-        (st.aborted() || st.assignment_version() != version)) {
-      LOG(INFO) << "step " << req.step() << " of job " << job_id_
-                << " was aborted: " << st.abort_reason();
+    // Abandoned: the step was aborted, or the job went on under another assignment (a
+    // worker paused past its lease finds its step long committed without it, and its
+    // peers gone to the new attempt: nothing would answer its waits), or it ended.
+    const bool aborted = st.committed_step() < req.step() && st.aborted();
+    const bool moved_on = st.assignment_version() != version || st.job_ended();
+    if (rpc.ok() && (aborted || moved_on)) {
+      LOG(INFO) << "step " << req.step() << " of job " << job_id_ << " was "
+                << (aborted ? absl::StrCat("aborted: ", st.abort_reason())
+                            : absl::StrCat("left behind: the job is at step ", st.committed_step(),
+                                           st.job_ended() ? ", ended"
+                                                          : absl::StrCat(" under attempt ",
+                                                                         st.assignment_version())));
       // Only the attempt it watched (an adopted placement's is already newer); then it
       // waits for the next assignment, adopted in place, or the end of this run.
       abandon_(static_cast<uint64_t>(version));

@@ -90,8 +90,9 @@ class CoordinatorLink {
 };
 
 // While a run sets up and its steps run, asks the coordinator whether its attempt was
-// aborted (a peer or store died): then `abandon(version)` ends every wait on a peer at
-// once instead of timing out. So does `stop` (may be null; this process is stopping,
+// aborted (a peer or store died) or left behind (the job went on under a newer attempt or
+// ended, as for a worker paused past its lease): then `abandon(version)` ends every wait
+// on a peer at once instead of timing out. So does `stop` (may be null; this process is stopping,
 // SIGTERM), within kAbortPollDeadline, whether or not the coordinator answers, and every
 // kAbortWatchIdle after that, so that an attempt started after the stop is abandoned too:
 // a stopping worker does not wait out a peer that waits for it.

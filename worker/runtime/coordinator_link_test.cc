@@ -97,5 +97,54 @@ TEST_F(CoordinatorLinkTest, AStoppingWatchAbandonsAnAttemptStartedAfterTheStop) 
   EXPECT_TRUE(abandoned) << "attempt 7 went on after the stop";
 }
 
+// A coordinator whose job went on without the caller: step 331 committed under attempt
+// 5 (or, `same_attempt`, under the caller's attempt 3).
+class MovedOnCoordinator final : public v1::CoordinatorService::Service {
+ public:
+  grpc::Status WaitStep(grpc::ServerContext*, const v1::WaitStepRequest* req,
+                        v1::StepStatus* st) override {
+    st->set_job_id(req->job_id());
+    st->set_step(req->step());
+    st->set_committed_step(331);
+    st->set_assignment_version(same_attempt ? 3 : 5);
+    return grpc::Status::OK;
+  }
+  std::atomic<bool> same_attempt{false};
+};
+
+// A worker paused past its lease (SIGSTOP) and resumed finds the step it computes long
+// committed under a newer attempt: its peers went on to that attempt, so its waits on them
+// are abandoned at once (they waited out kPeerReceiveTimeout, 120 s, holding the job).
+// A step committed under the same attempt is only settled.
+TEST(AbortWatchTest, AWorkerLeftBehindAbandonsItsAttempt) {
+  MovedOnCoordinator service;
+  grpc::ServerBuilder builder;
+  int port = 0;
+  builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
+  builder.RegisterService(&service);
+  std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
+  ASSERT_NE(server, nullptr);
+  auto stub = v1::CoordinatorService::NewStub(
+      grpc::CreateChannel("127.0.0.1:" + std::to_string(port), grpc::InsecureChannelCredentials()));
+  CoordinatorLink link(stub.get(), "worker-0");
+  for (const bool same : {true, false}) {
+    SCOPED_TRACE(same ? "same attempt" : "newer attempt");
+    service.same_attempt = same;
+    std::atomic<int> abandoned{0};
+    {
+      AbortWatch watch(
+          &link, "job", /*step=*/58, /*version=*/3,
+          [&](uint64_t version) {
+            EXPECT_EQ(version, 3u);
+            ++abandoned;
+          },
+          nullptr);
+      for (int i = 0; i < 200 && abandoned == 0; ++i) absl::SleepFor(absl::Milliseconds(5));
+    }
+    EXPECT_EQ(abandoned > 0, !same);
+  }
+  server->Shutdown(absl::ToChronoTime(absl::Now()));
+}
+
 }  // namespace
 }  // namespace pith::runtime
