@@ -146,15 +146,17 @@ absl::StatusOr<v1::CheckpointJobResponse> Client::Checkpoint(const std::string& 
 namespace {
 
 // Writes all of `data` to `fd`.
-bool WriteAll(int fd, const std::string& data) {
+// 0, or the errno of the write that failed (ENOSPC for a zero-byte write).
+int WriteAll(int fd, const std::string& data) {
   size_t done = 0;
   while (done < data.size()) {
     const ssize_t n = ::write(fd, data.data() + done, data.size() - done);
     if (n < 0 && errno == EINTR) continue;
-    if (n <= 0) return false;
+    if (n < 0) return errno;
+    if (n == 0) return ENOSPC;
     done += static_cast<size_t>(n);
   }
-  return true;
+  return 0;
 }
 
 absl::Status Exists(const std::string& path) {
@@ -186,25 +188,30 @@ absl::StatusOr<v1::CheckpointJobResponse> Client::DownloadCheckpoint(const std::
   v1::CheckpointChunk chunk;
   v1::CheckpointJobResponse out;
   uint64_t total = 0, got = 0;
-  bool first = true, written = true;
-  while (written && stream->Read(&chunk)) {
+  bool first = true;
+  int write_error = 0;
+  while (write_error == 0 && stream->Read(&chunk)) {
     if (first) {
       out.set_step(chunk.step());
       total = chunk.total_bytes();
       first = false;
     }
-    written = WriteAll(fd, chunk.data());
+    write_error = WriteAll(fd, chunk.data());
     got += chunk.data().size();
   }
-  if (!written) ctx.TryCancel();
+  if (write_error != 0) ctx.TryCancel();  // the stream then ends CANCELLED: ours is the error
   absl::Status s = Said(stream->Finish());
-  if (s.ok() && !written) s = absl::InternalError(absl::StrCat("cannot write ", partial));
+  if (write_error != 0) {
+    s = absl::ResourceExhaustedError(
+        absl::StrCat("cannot write ", path, " (", total, " bytes): ", std::strerror(write_error)));
+  }
   if (s.ok() && (first || got != total)) {
     s = absl::DataLossError(
         absl::StrCat("the checkpoint stream ended after ", got, " of ", total, " bytes"));
   }
   if (s.ok() && ::fsync(fd) != 0) {
-    s = absl::InternalError(absl::StrCat("cannot sync ", partial, ": ", std::strerror(errno)));
+    s = absl::ResourceExhaustedError(
+        absl::StrCat("cannot write ", path, " (", total, " bytes): ", std::strerror(errno)));
   }
   ::close(fd);
   if (s.ok() && RenameOnto(partial.c_str(), path.c_str(), replace) != 0) {

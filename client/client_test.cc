@@ -3,6 +3,9 @@
 // coordinator reported within the deadline.
 #include "client/client.h"
 
+#include <sys/resource.h>
+
+#include <csignal>
 #include <filesystem>
 #include <thread>
 
@@ -138,6 +141,59 @@ TEST(ClientConnectTest, AnotherServiceIsNamedAsNotTheCoordinator) {
     EXPECT_THAT(std::string(s.message()),
                 HasSubstr(address + " does not serve this call of the coordinator's API"));
   }
+}
+
+// A coordinator that streams a 3 MiB checkpoint in 1 MiB chunks.
+class ThreeMiBCheckpoint final : public v1::JobService::Service {
+ public:
+  grpc::Status DownloadCheckpoint(grpc::ServerContext*, const v1::DownloadCheckpointRequest*,
+                                  grpc::ServerWriter<v1::CheckpointChunk>* writer) override {
+    for (int i = 0; i < 3; ++i) {
+      v1::CheckpointChunk chunk;
+      if (i == 0) {
+        chunk.set_step(7);
+        chunk.set_total_bytes(3 << 20);
+      }
+      chunk.set_data(std::string(1 << 20, static_cast<char>('a' + i)));
+      if (!writer->Write(chunk)) return grpc::Status(grpc::StatusCode::CANCELLED, "gone");
+    }
+    return grpc::Status::OK;
+  }
+};
+
+// A download onto a disk that fills (here a 1 MiB file-size limit, EFBIG) says which file
+// and why, not the CANCELLED of the stream it then ends, and leaves no file behind; with
+// room, the file is the stream's bytes.
+TEST(ClientDownloadTest, AFullDiskIsNamedAndLeavesNothing) {
+  ThreeMiBCheckpoint service;
+  auto server = GrpcServer::Start({.listen_address = "127.0.0.1:0", .services = {&service}});
+  ASSERT_TRUE(server.ok()) << server.status();
+  auto client = Client::Connect("127.0.0.1:" + std::to_string((*server)->port()),
+                                security::TransportSecurity::Insecure());
+  ASSERT_TRUE(client.ok()) << client.status();
+  const std::string dir = ::testing::TempDir() + "/download_" + std::to_string(getpid());
+  std::filesystem::remove_all(dir);
+  std::filesystem::create_directories(dir);
+  const std::string path = dir + "/model.safetensors";
+
+  struct rlimit before;
+  ASSERT_EQ(::getrlimit(RLIMIT_FSIZE, &before), 0);
+  ::signal(SIGXFSZ, SIG_IGN);
+  struct rlimit small = before;
+  small.rlim_cur = 1 << 20;
+  ASSERT_EQ(::setrlimit(RLIMIT_FSIZE, &small), 0);
+  const auto full = (*client)->DownloadCheckpoint("demo-1", path, /*replace=*/false);
+  ASSERT_EQ(::setrlimit(RLIMIT_FSIZE, &before), 0);
+  EXPECT_EQ(full.status().code(), absl::StatusCode::kResourceExhausted) << full.status();
+  EXPECT_THAT(std::string(full.status().message()),
+              HasSubstr("cannot write " + path + " (3145728 bytes): File too large"));
+  EXPECT_TRUE(std::filesystem::is_empty(dir)) << "a partial file was left";
+
+  const auto whole = (*client)->DownloadCheckpoint("demo-1", path, /*replace=*/false);
+  ASSERT_TRUE(whole.ok()) << whole.status();
+  EXPECT_EQ(whole->step(), 7);
+  EXPECT_EQ(std::filesystem::file_size(path), 3u << 20);
+  std::filesystem::remove_all(dir);
 }
 
 }  // namespace

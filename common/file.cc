@@ -178,8 +178,15 @@ absl::Status CheckDiskRoom(const std::string& dir, uint64_t reserve, uint64_t in
       incoming > 0 ? absl::StrCat("; a write of ", incoming, " bytes would leave less than")
                    : std::string(", less than"),
       " the reserve of ", reserve,
-      " bytes (--disk_reserve_bytes) that keeps the store's index writable; free space or move "
-      "the store to a larger disk"));
+      " bytes (--disk_reserve_bytes) that keeps its RocksDB writable; free space or move "
+      "--data_dir to a larger disk"));
+}
+
+absl::Status CheckDiskReserve(uint64_t reserve) {
+  if (reserve >= kMinDiskReserveBytes) return absl::OkStatus();
+  return absl::InvalidArgumentError(absl::StrCat(
+      "--disk_reserve_bytes=", reserve, " is under ", kMinDiskReserveBytes,
+      ": RocksDB needs that much free disk to recover after a crash (it aborts without)"));
 }
 
 }  // namespace pith

@@ -58,6 +58,10 @@ absl::StatusOr<uint64_t> FreeBytes(const std::string& path);
 // OK when the file system holding `dir` keeps `reserve` bytes free after `incoming` more;
 // otherwise RESOURCE_EXHAUSTED saying how full it is and what the reserve is for.
 absl::Status CheckDiskRoom(const std::string& dir, uint64_t reserve, uint64_t incoming);
+// The least --disk_reserve_bytes a process with a RocksDB takes (Debian's RocksDB aborts
+// when it recovers onto a full disk); CheckDiskReserve: INVALID_ARGUMENT under it.
+inline constexpr uint64_t kMinDiskReserveBytes = 4ull << 20;
+absl::Status CheckDiskReserve(uint64_t reserve);
 
 // Creates `path` atomically: `fill` writes the content to a temporary file beside it
 // (created new, never through a symlink), which is fsynced and renamed over `path`; with

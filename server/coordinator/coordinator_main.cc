@@ -38,6 +38,9 @@ ABSL_FLAG(std::string, ucx_net_devices, "auto",
           "Network devices UCX may use: auto (those of --listen's address, plus RDMA ports; "
           "every device for 0.0.0.0), all, or a UCX_NET_DEVICES list");
 ABSL_FLAG(std::string, data_dir, "", "Directory of the coordinator's embedded RocksDB (required)");
+ABSL_FLAG(uint64_t, disk_reserve_bytes, 64ull << 20,
+          "Free bytes the coordinator needs on its --data_dir's disk to start (4 MiB at least): "
+          "its RocksDB cannot recover onto a full disk");
 ABSL_FLAG(int64_t, lease_ms, 3000, "Member lease: a member silent this long is marked dead");
 ABSL_FLAG(uint64_t, replication_bytes_per_second, 256ull << 20,
           "Throttle of each store-to-store copy (re-replication, hot replicas, rebalancing), "
@@ -111,6 +114,20 @@ uint64_t JobsMemoryBytes() {
 
 // The cluster's data-plane key (DESIGN §8), made once and kept beside the jobs so that
 // members keep theirs across a coordinator restart; this process tags with it too.
+// The job registry, opened only with room on its disk (Debian's RocksDB aborts when it
+// recovers onto a full one).
+absl::StatusOr<std::unique_ptr<pith::coordinator::JobRegistry>> OpenJobs() {
+  const std::string dir = absl::GetFlag(FLAGS_data_dir);
+  const uint64_t reserve = absl::GetFlag(FLAGS_disk_reserve_bytes);
+  RETURN_IF_ERROR(pith::CheckDiskReserve(reserve));
+  if (!dir.empty()) {
+    std::error_code ec;
+    std::filesystem::create_directories(dir, ec);
+    RETURN_IF_ERROR(pith::CheckDiskRoom(dir, reserve, 0));
+  }
+  return pith::coordinator::JobRegistry::Open(dir, JobsMemoryBytes());
+}
+
 absl::StatusOr<std::string> DataPlaneKey(pith::coordinator::JobRegistry& jobs) {
   constexpr char kRecord[] = "security/data_plane_key";
   ASSIGN_OR_RETURN(auto records, jobs.Records(kRecord));
@@ -184,8 +201,7 @@ int main(int argc, char** argv) {
   if (absl::GetFlag(FLAGS_simulate)) return Simulate();
   absl::StatusOr<pith::security::TransportSecurity> security = Security();
   if (!security.ok()) return pith::ExitStatus("pith-coordinator", security.status());
-  absl::StatusOr<std::unique_ptr<pith::coordinator::JobRegistry>> jobs =
-      pith::coordinator::JobRegistry::Open(absl::GetFlag(FLAGS_data_dir), JobsMemoryBytes());
+  absl::StatusOr<std::unique_ptr<pith::coordinator::JobRegistry>> jobs = OpenJobs();
   if (!jobs.ok()) return pith::ExitStatus("pith-coordinator", jobs.status());
   // The dashboard's loss curves; outlives everything that changes jobs (declared first).
   pith::coordinator::JobHistory history;

@@ -9,7 +9,9 @@
 #include <map>
 #include <vector>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_replace.h"
 #include "common/export_path.h"
 #include "common/file.h"
 #include "common/grpc_util.h"
@@ -289,7 +291,16 @@ grpc::Status JobServiceImpl::DownloadCheckpoint(grpc::ServerContext* context,
   if (exported.ok()) fd = UniqueFd(::open(exported->weights_path().c_str(), O_RDONLY | O_CLOEXEC));
   std::error_code ec;
   std::filesystem::remove_all(dir, ec);
-  if (!exported.ok()) return ToGrpcStatus(exported.status());
+  if (!exported.ok()) {
+    // A path in the staging folder is the coordinator's, not one the caller gave: said so
+    // (a full disk under the coordinator reads otherwise as the caller's own).
+    const std::string message(exported.status().message());
+    if (!absl::StrContains(message, dir)) return ToGrpcStatus(exported.status());
+    return ToGrpcStatus(absl::Status(
+        exported.status().code(),
+        absl::StrCat("the coordinator cannot stage the checkpoint under its --data_dir (",
+                     staging_dir_, "): ", absl::StrReplaceAll(message, {{dir + "/", ""}}))));
+  }
   if (!fd.valid()) return ToGrpcStatus(absl::InternalError("cannot reopen the exported file"));
   v1::CheckpointChunk chunk;
   chunk.set_step(exported->step());

@@ -5,6 +5,7 @@
 
 #include "absl/flags/flag.h"
 #include "absl/strings/str_cat.h"
+#include "common/file.h"
 #include "common/metrics.h"
 #include "common/process.h"
 #include "common/server_process.h"
@@ -39,8 +40,9 @@ ABSL_FLAG(int, sync_interval_ms, 0,
           "commit makes this store refuse to start, and its groups are copied back from "
           "their replicas");
 ABSL_FLAG(uint64_t, disk_reserve_bytes, 64ull << 20,
-          "Free bytes kept on the data disk: the store does not start with less, and refuses "
-          "a put that would leave less (RESOURCE_EXHAUSTED), so its index stays writable");
+          "Free bytes kept on the data disk (4 MiB at least): the store does not start with "
+          "less, and refuses a put that would leave less (RESOURCE_EXHAUSTED), so its index "
+          "stays writable");
 ABSL_FLAG(std::string, export_root, "",
           "Directory under which Checkpoint RPCs may write (RocksDB checkpoints, safetensors "
           "exports); never over a file, never through '..' or symlinks. Empty: exports are off");
@@ -73,6 +75,7 @@ absl::Status Run(pith::ShutdownSignals& signals) {
   }
   options.sync_interval = absl::Milliseconds(absl::GetFlag(FLAGS_sync_interval_ms));
   options.disk_reserve_bytes = absl::GetFlag(FLAGS_disk_reserve_bytes);
+  RETURN_IF_ERROR(pith::CheckDiskReserve(options.disk_reserve_bytes));
   options.export_root = absl::GetFlag(FLAGS_export_root);
   options.metrics_port = exposer ? exposer->port() : -1;
   ASSIGN_OR_RETURN(options.security, pith::security::TransportSecurityFromFlags(

@@ -92,6 +92,23 @@ if out=$("$STORE" --listen=127.0.0.1:0 --metrics_port=-1 --data_dir="$E2E_TMP/x"
 fi
 grep -q "needs one with the member role" <<<"$out" || fail "wrong-role error unclear: $out"
 
+# A disk without the reserve: both refuse to start (RocksDB aborts recovering onto a full
+# disk), in one line; a reserve under 4 MiB is refused as such. (A reserve larger than any
+# disk stands for a full one.)
+for bin in "$COORDINATOR" "$STORE"; do
+  if out=$(timeout 30 "$bin" --listen=127.0.0.1:0 --metrics_port=-1 --data_dir="$E2E_TMP/full" --insecure \
+    --disk_reserve_bytes=1152921504606846976 2>&1); then
+    fail "$bin started on a disk without its reserve"
+  fi
+  grep -q "the disk under $E2E_TMP/full.* is full: .* bytes free, less than the reserve" <<<"$out" ||
+    fail "$bin: full-disk error unclear: $out"
+  if out=$(timeout 30 "$bin" --listen=127.0.0.1:0 --metrics_port=-1 --data_dir="$E2E_TMP/full" --insecure \
+    --disk_reserve_bytes=0 2>&1); then
+    fail "$bin started with no disk reserve"
+  fi
+  grep -q -- "--disk_reserve_bytes=0 is under 4194304" <<<"$out" || fail "$bin: reserve 0 unclear: $out"
+done
+
 # --help describes the process and its flags.
 help=$("$STORE" --help 2>&1) || fail "pith-store --help exited $? (asked for, help is no failure)"
 grep -q "holds expert weights" <<<"$help" || fail "pith-store --help: $help"
