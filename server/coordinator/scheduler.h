@@ -200,6 +200,9 @@ class Scheduler {
     // Every worker of the job died and none was free to take over: it waits for one
     // (Job.pending_reason says so).
     bool no_workers = false;
+    // Fewer workers did not fit one's --memory_bytes (WaitForMoreWorkers): the job runs
+    // with at least this many, or waits for them. In memory only.
+    int min_workers = 0;
     JobCopies copies;  // replication: joins and copies of the job's groups
     int holds = 0;     // checkpoints reading the job: commits wait
     std::string abort_reason;
@@ -243,6 +246,15 @@ class Scheduler {
   // run). In step_commit.cc.
   absl::StatusOr<v1::StepStatus> FailJob(const v1::StepWrittenRequest& report)
       ABSL_LOCKS_EXCLUDED(mu_);
+  // A worker's share did not fit its memory at the attempt's worker count
+  // (needs_more_workers): with fewer workers than the job asked for, the job frees them
+  // and waits for one more than it had (Run.min_workers); with all of them, FailJob.
+  absl::StatusOr<v1::StepStatus> WaitForMoreWorkers(const v1::StepWrittenRequest& report)
+      ABSL_LOCKS_EXCLUDED(mu_);
+  // OK when the report's worker trains the job under its current assignment;
+  // FAILED_PRECONDITION (not its worker) or ABORTED (an older assignment) otherwise.
+  absl::Status CheckReporterLocked(const v1::StepWrittenRequest& report)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Pins the job's data to the first report's (Job.data, naming its worker);
   // FAILED_PRECONDITION naming both when a report of the run's current attempt read other
   // bytes. In step_commit.cc.

@@ -783,6 +783,62 @@ TEST_F(SchedulerTest, AJobWhoseWorkersAllDiedSaysItWaitsForOne) {
   CommitStep(job.job_id(), 1, {w1});
 }
 
+// A job down to fewer workers than it asked for, whose share no longer fits a survivor's
+// --memory_bytes (needs_more_workers), is not failed: it frees its workers and waits for
+// as many as it had, then goes on from its last step. With every worker it asked for, the
+// same report fails it.
+TEST_F(SchedulerTest, AJobThatFitsOnlyMoreWorkersWaitsForThem) {
+  const v1::Job job = Submit(2);
+  const std::string s0 = Join(v1::MEMBER_ROLE_STORE);
+  const std::string w0 = Join(v1::MEMBER_ROLE_WORKER);
+  const std::string w1 = Join(v1::MEMBER_ROLE_WORKER);
+  scheduler_->Tick();
+  CommitStep(job.job_id(), 0, {w0, w1});
+  ASSERT_NO_FATAL_FAILURE(OnlyTheseLive({s0, w0}));
+  ASSERT_EQ(scheduler_->GetAssignment(w0)->world(), 1);
+  auto short_of = [&](const std::string& w) {
+    v1::StepWrittenRequest r;
+    r.set_job_id(job.job_id());
+    r.set_worker_id(w);
+    r.set_step(1);
+    r.set_ok(false);
+    r.set_needs_more_workers(true);
+    r.set_failure("the job does not fit this worker's --memory_bytes=37748736");
+    r.set_assignment_version(scheduler_->AssignmentVersion(w));
+    return scheduler_->ReportStepWritten(r);
+  };
+  auto st = short_of(w0);
+  ASSERT_TRUE(st.ok()) << st.status();
+  EXPECT_TRUE(st->aborted());
+  EXPECT_EQ(Job(job.job_id()).state(), v1::JOB_STATE_RUNNING);
+  EXPECT_EQ(Job(job.job_id()).pending_reason(),
+            "waiting for 2 workers (with 1 of its 2 workers, worker " + w0 +
+                ": the job does not fit this worker's --memory_bytes=37748736); the job goes on "
+                "from its last step when they are free");
+  EXPECT_EQ(scheduler_->GetAssignment(w0)->job_id(), "");  // freed
+  now_ += absl::Seconds(1);
+  ASSERT_TRUE(members_->Heartbeat(w0, {}).ok());
+  ASSERT_TRUE(members_->Heartbeat(s0, {}).ok());
+  scheduler_->Tick();
+  EXPECT_EQ(scheduler_->GetAssignment(w0)->job_id(), "");  // one is not enough
+  EXPECT_EQ(Job(job.job_id()).state(), v1::JOB_STATE_RUNNING);
+
+  const std::string w2 = Join(v1::MEMBER_ROLE_WORKER);
+  scheduler_->Tick();
+  EXPECT_EQ(Job(job.job_id()).pending_reason(), "");
+  auto a = scheduler_->GetAssignment(w2);
+  ASSERT_TRUE(a.ok()) << a.status();
+  EXPECT_EQ(a->job_id(), job.job_id());
+  EXPECT_EQ(a->world(), 2);
+  EXPECT_EQ(a->committed_step(), 0);
+  CommitStep(job.job_id(), 1, {w0, w2});
+
+  ASSERT_TRUE(short_of(w2).ok());  // with both of its workers: it cannot fit
+  EXPECT_EQ(Job(job.job_id()).state(), v1::JOB_STATE_FAILED);
+  EXPECT_THAT(Job(job.job_id()).failure_reason(),
+              ::testing::HasSubstr("worker " + w2 + ": the job does not fit"));
+}
+
 // The same wait across a coordinator restart: the reloaded job says again that it waits.
 TEST_F(SchedulerTest, AJobWaitingForAWorkerSaysSoAfterARestart) {
   const v1::Job job = Submit(1);

@@ -246,7 +246,9 @@ void Scheduler::RepairRunLocked(const std::string& job_id, Run& run, const v1::J
   const int want = std::max(1, job.spec().cluster().workers());
   const std::vector<std::string> idle =
       IdleWorkersLocked(alive, job, kept, false, run.record.backend());
-  const bool grow = static_cast<int>(kept.size()) < want && !idle.empty();
+  // Fewer than min_workers did not fit a worker's memory: it waits until that many are free.
+  const bool grow = static_cast<int>(kept.size()) < want && !idle.empty() &&
+                    static_cast<int>(kept.size() + idle.size()) >= run.min_workers;
   // A job no worker trains says so (pith status); `why`: how it came to have none.
   const auto note_workers = [&](const std::string& why) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     if (kept.empty() == run.no_workers) return;

@@ -115,6 +115,7 @@ absl::Status Scheduler::PinDataLocked(Run& run, const v1::StepWrittenRequest& r)
 
 absl::StatusOr<v1::StepStatus> Scheduler::ReportStepWritten(const v1::StepWrittenRequest& r) {
   if (!r.ok() && r.fatal()) return FailJob(r);
+  if (!r.ok() && r.needs_more_workers()) return WaitForMoreWorkers(r);
   std::vector<StoreCall> aborts;
   std::optional<int64_t> prepare;  // the attempt whose step every worker wrote
   std::string give_up;             // the job fails with this reason
@@ -298,21 +299,63 @@ absl::StatusOr<bool> Scheduler::PrepareAndDecide(const v1::StepWrittenRequest& r
   return false;
 }
 
+absl::Status Scheduler::CheckReporterLocked(const v1::StepWrittenRequest& r) {
+  auto it = runs_.find(r.job_id());
+  const auto& workers = it != runs_.end() ? it->second.record.workers()
+                                          : google::protobuf::RepeatedPtrField<std::string>();
+  if (std::find(workers.begin(), workers.end(), r.worker_id()) == workers.end()) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("worker ", r.worker_id(), " is not training job ", r.job_id()));
+  }
+  // A report about an older assignment (a placement since replaced) changes nothing.
+  if (r.assignment_version() != it->second.record.assignment_version()) {
+    return absl::AbortedError(
+        absl::StrCat("job ", r.job_id(), " has a newer assignment; fetch it"));
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<v1::StepStatus> Scheduler::WaitForMoreWorkers(const v1::StepWrittenRequest& r) {
+  ASSIGN_OR_RETURN(const v1::Job job, jobs_->Get(r.job_id()));
+  const int want = std::max(1, job.spec().cluster().workers());
+  std::vector<StoreCall> aborts;
+  std::optional<v1::StepStatus> status;
+  {
+    absl::MutexLock lock(&mu_);
+    RETURN_IF_ERROR(CheckReporterLocked(r));
+    Run& run = runs_.at(r.job_id());
+    const int have = run.record.workers_size();
+    if (have < want) {
+      // Its workers go back to the pool (other jobs may take them) until enough are idle.
+      const std::string why = absl::StrCat("with ", have, " of its ", want, " workers, worker ",
+                                           r.worker_id(), ": ", r.failure());
+      run.min_workers = std::max(run.min_workers, have + 1);
+      AbortLocked(run, why, &aborts);
+      for (const std::string& w : run.record.workers()) worker_job_.erase(w);
+      run.record.clear_workers();
+      run.no_workers = true;
+      (void)jobs_->Update(r.job_id(), [](v1::Job& j) {
+        j.set_workers(0);
+        return absl::OkStatus();
+      });
+      NoteWaitLocked(r.job_id(),
+                     absl::StrCat("waiting for ", run.min_workers, " workers (", why,
+                                  "); the job goes on from its last step when they are free"));
+      if (absl::Status s = PersistLocked(run); !s.ok()) LOG(ERROR) << s;
+      status = StatusLocked(r.job_id(), run, r.step());
+      status->set_aborted(true);
+      status->set_abort_reason(why);
+    }
+  }
+  if (!status.has_value()) return FailJob(r);  // every worker it asked for: it cannot fit
+  RunStoreAborts(aborts);
+  return *status;
+}
+
 absl::StatusOr<v1::StepStatus> Scheduler::FailJob(const v1::StepWrittenRequest& r) {
   {
     absl::MutexLock lock(&mu_);
-    auto it = runs_.find(r.job_id());
-    const auto& workers = it != runs_.end() ? it->second.record.workers()
-                                            : google::protobuf::RepeatedPtrField<std::string>();
-    if (std::find(workers.begin(), workers.end(), r.worker_id()) == workers.end()) {
-      return absl::FailedPreconditionError(
-          absl::StrCat("worker ", r.worker_id(), " is not training job ", r.job_id()));
-    }
-    // A report about an older assignment (a placement since replaced) fails nothing.
-    if (r.assignment_version() != it->second.record.assignment_version()) {
-      return absl::AbortedError(
-          absl::StrCat("job ", r.job_id(), " has a newer assignment; fetch it"));
-    }
+    RETURN_IF_ERROR(CheckReporterLocked(r));
   }
   const std::string reason = absl::StrCat("worker ", r.worker_id(), ": ", r.failure());
   RETURN_IF_ERROR(MarkFailed(r.job_id(), reason));

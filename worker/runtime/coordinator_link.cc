@@ -64,7 +64,7 @@ absl::Status CoordinatorLink::ReportStepWritten(v1::StepWrittenRequest request) 
 }
 
 void CoordinatorLink::ReportFailure(const std::string& job_id, int64_t assignment_version,
-                                    int64_t step, const absl::Status& why, bool fatal) {
+                                    int64_t step, const absl::Status& why, Failure kind) {
   v1::StepWrittenRequest r;
   r.set_job_id(job_id);
   r.set_worker_id(worker_id_);
@@ -72,7 +72,8 @@ void CoordinatorLink::ReportFailure(const std::string& job_id, int64_t assignmen
   r.set_assignment_version(assignment_version);
   r.set_ok(false);
   r.set_failure(std::string(why.message()));
-  r.set_fatal(fatal);
+  r.set_fatal(kind == Failure::kFatal);
+  r.set_needs_more_workers(kind == Failure::kNeedsMoreWorkers);
   Call call(this, kReportFailureDeadline);
   v1::StepWrittenResponse resp;
   (void)stub_->ReportStepWritten(call.ctx(), r, &resp);

@@ -65,10 +65,15 @@ class CoordinatorLink {
   absl::StatusOr<v1::Assignment> GetAssignment(absl::Duration deadline);
   // Step `request.step()` is written (request's worker id is set here).
   absl::Status ReportStepWritten(v1::StepWrittenRequest request);
+  // What a failure means for the job (StepWrittenRequest.fatal, .needs_more_workers).
+  enum class Failure {
+    kRetry,             // another attempt may pass
+    kFatal,             // no retry can fix it: the coordinator fails the job
+    kNeedsMoreWorkers,  // this worker's share does not fit at this worker count
+  };
   // Step `step` failed here with `why`; best effort.
-  // `fatal`: no retry can fix it; the coordinator fails the job.
   void ReportFailure(const std::string& job_id, int64_t assignment_version, int64_t step,
-                     const absl::Status& why, bool fatal = false);
+                     const absl::Status& why, Failure kind = Failure::kRetry);
   // Best effort.
   void ReportHeat(const v1::HeatReport& report);
   // The step's status, waiting up to `deadline` (and the coordinator's cap) for it to

@@ -42,7 +42,7 @@ absl::Status JobRun::Run(const std::atomic<bool>& stop, bool report_passing) {
   if (!s.ok()) {
     // The step it could not set up for: the one after the committed one.
     link_->ReportFailure(job_id_, a_.assignment_version(), a_.committed_step() + 1, s,
-                         /*fatal=*/!can_run_);
+                         FailureKind());
     return s;
   }
   return RunSteps(*this, a_.committed_step(), a_.spec().train().steps(), stop, report_passing);
@@ -65,6 +65,16 @@ absl::Status FitsTheMachine(const MemoryPlan& plan, uint64_t memory_bytes) {
 }
 
 }  // namespace
+
+void JobRun::JudgeFit(const absl::Status& fits) {
+  short_of_workers_ = !fits.ok() && a_.world() < std::max(1, a_.spec().cluster().workers());
+  can_run_ = fits.ok() || short_of_workers_;
+}
+
+CoordinatorLink::Failure JobRun::FailureKind() const {
+  if (short_of_workers_) return CoordinatorLink::Failure::kNeedsMoreWorkers;
+  return can_run_ ? CoordinatorLink::Failure::kRetry : CoordinatorLink::Failure::kFatal;
+}
 
 absl::Status JobRun::Setup() {
   const v1::JobSpec& spec = a_.spec();
@@ -122,10 +132,10 @@ absl::Status JobRun::Setup() {
   RETURN_IF_ERROR(ApplyPlacement());
   absl::StatusOr<MemoryPlan> plan =
       PlanMemory(MemoryNeeds(static_cast<int>(owned_.size()), static_cast<int>(updated_.size())));
-  can_run_ = plan.ok();
+  JudgeFit(plan.status());
   RETURN_IF_ERROR(plan.status());
   const absl::Status fits = FitsTheMachine(*plan, options_.memory_bytes);
-  can_run_ = fits.ok();
+  JudgeFit(fits);
   RETURN_IF_ERROR(fits);
   plan_ = *plan;
   ReportMemory();

@@ -118,6 +118,10 @@ class JobRun : public StepDriver {
   // `why` a read of train.init_path failed, named so; the job cannot run (can_run_) when
   // no retry can read the file better.
   absl::Status InitFileFailed(const absl::Status& why);
+  // Sets can_run_ and short_of_workers_ from whether the memory plan fits; FailureKind:
+  // what a failure of this run tells the coordinator.
+  void JudgeFit(const absl::Status& fits);
+  CoordinatorLink::Failure FailureKind() const;
 
   // Queues version `version` of this worker's share of the dense tensors (their moments
   // zero at step 0); they go with the next flush (the experts' first).
@@ -237,6 +241,9 @@ class JobRun : public StepDriver {
   // False: the job cannot run here whatever is retried (its data file or train.init_path
   // is missing or bad, it does not fit the memory budget): a fatal failure.
   bool can_run_ = true;
+  // This worker's share does not fit its budget at this attempt's worker count, fewer than
+  // the job asked for: with more workers (smaller shares) it may (JudgeFit).
+  bool short_of_workers_ = false;
   // Thread-safe parts, in the order they must be destroyed in reverse: the cache's
   // prefetch thread and the updater's threads use the store I/O, the updater the cache
   // and the gradient pool.

@@ -184,7 +184,7 @@ absl::Status JobRun::Report(int64_t s, const model::StepLoss& loss, uint64_t tok
 }
 
 void JobRun::ReportFailure(int64_t s, const absl::Status& why) {
-  link_->ReportFailure(a_.job_id(), a_.assignment_version(), s, why, /*fatal=*/!can_run_);
+  link_->ReportFailure(a_.job_id(), a_.assignment_version(), s, why, FailureKind());
 }
 
 void JobRun::ReportHeat(int64_t s) {
