@@ -331,17 +331,21 @@ absl::StatusOr<ColdRead> BlobLog::Map(LogPin pin, const LogSpan& l) {
                   std::move(mapping)};
 }
 
-absl::StatusOr<bool> BlobLog::CopyForward(const Relocate& relocate) {
+absl::StatusOr<bool> BlobLog::CopyForward(const Relocate& relocate, std::optional<uint64_t> room) {
   std::shared_ptr<LogFile> victim;
   std::vector<std::pair<LogEntry, LogSpan>> moving;
   {
     absl::MutexLock lock(&mu_);
     for (auto& [number, file] : files_) {
-      // Only a file closed for a while: versions of recent steps go away by themselves.
-      if (file == current_ || file->writers > 0 || file->live * 2 >= file->end ||
-          syncs_ - file->closed_at < kCopyForwardAge) {
+      if (file == current_ || file->writers > 0 || file->live * 2 >= file->end) continue;
+      if (room.has_value()) {  // a full disk: the cheapest copy that frees the most
+        if (file->live <= *room && (victim == nullptr || file->live < victim->live)) {
+          victim = file;
+        }
         continue;
       }
+      // Only a file closed for a while: versions of recent steps go away by themselves.
+      if (syncs_ - file->closed_at < kCopyForwardAge) continue;
       victim = file;
       break;
     }

@@ -20,6 +20,7 @@
 #include <functional>
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
 #include <thread>
 #include <utility>
@@ -134,8 +135,12 @@ class BlobLog {
 
   // Copies the live versions of one mostly-dead file, closed for a while, into the open
   // one, calling `relocate` for each; the file goes once nothing is left in it. False when
-  // no file qualified.
-  absl::StatusOr<bool> CopyForward(const Relocate& relocate) ABSL_LOCKS_EXCLUDED(mu_);
+  // no file qualified. `room` (disk pressure: the bytes the disk can still take above its
+  // reserve): any closed file under half live whose live bytes fit in it, however young,
+  // the one with the least live bytes first.
+  absl::StatusOr<bool> CopyForward(const Relocate& relocate,
+                                   std::optional<uint64_t> room = std::nullopt)
+      ABSL_LOCKS_EXCLUDED(mu_);
 
   // A sync point: Take what it covers, Sync it (fdatasync; a failure stops the log),
   // Mark it synced (returns the marker to write), once the marker is durable Finish it

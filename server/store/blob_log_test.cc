@@ -196,6 +196,31 @@ TEST(BlobLogTest, CopiesForwardTheLiveBytesOfAMostlyDeadFile) {
   EXPECT_FALSE(*log->CopyForward(relocate_into(&to)));
 }
 
+// On a full disk (`room`: the bytes above the reserve), age does not matter: the closed
+// file under half live with the fewest live bytes that fit is copied first.
+TEST(BlobLogTest, ANearlyFullDiskCopiesForwardYoungFilesToo) {
+  auto log = OpenLog(FreshDir("copy-full"), /*file_bytes=*/4000);
+  const LogSpan a = Put(*log, {"a", 1}, Bytes(1500, 1));  // file 1: 1500 of 4000 live
+  log->Unref({"a-dead", 1}, Put(*log, {"a-dead", 1}, Bytes(2500, 2)));
+  const LogSpan b = Put(*log, {"b", 1}, Bytes(900, 3));  // file 2: 900 of 4000 live
+  log->Unref({"b-dead", 1}, Put(*log, {"b-dead", 1}, Bytes(3100, 4)));
+  Put(*log, {"new", 1}, Bytes(100, 5));  // file 3, open
+  std::vector<LogSpan> moved;
+  const auto relocate = [&](const LogEntry& entry, const LogSpan& f, const LogSpan& t) {
+    log->Unref(entry, f);
+    ASSERT_TRUE(log->Ref(entry, t, /*shared=*/false).ok());
+    moved.push_back(f);
+  };
+  EXPECT_FALSE(*log->CopyForward(relocate));  // young: left alone with room on the disk
+  EXPECT_FALSE(*log->CopyForward(relocate, /*room=*/800));  // neither fits in 800 bytes
+  ASSERT_TRUE(*log->CopyForward(relocate, /*room=*/10000));
+  ASSERT_EQ(moved.size(), 1u);
+  EXPECT_EQ(moved[0].file, b.file);  // the fewest live bytes first
+  ASSERT_TRUE(*log->CopyForward(relocate, /*room=*/10000));
+  ASSERT_EQ(moved.size(), 2u);
+  EXPECT_EQ(moved[1].file, a.file);
+}
+
 TEST(BlobLogTest, LeavesAFileThatIsStillMostlyLive) {
   auto log = OpenLog(FreshDir("copy-live"), /*file_bytes=*/4000);
   Put(*log, {"live", 1}, Bytes(2100, 1));

@@ -171,7 +171,8 @@ class RocksColdTier final : public ColdTier {
         log_(BlobLog::Options{std::move(log_dir), options.log_file_bytes,
                               /*writeback=*/options.sync_interval == absl::ZeroDuration()}),
         sync_interval_(absl::ToChronoMilliseconds(options.sync_interval)),
-        disk_reserve_bytes_(options.disk_reserve_bytes) {}
+        disk_reserve_bytes_(options.disk_reserve_bytes),
+        log_file_bytes_(options.log_file_bytes) {}
 
   // A clean stop leaves nothing to check at the next start: one last sync point. (The
   // log's disposer stops after it, with the log.)
@@ -639,10 +640,18 @@ class RocksColdTier final : public ColdTier {
 
   // Copies the live versions of one mostly-dead file, closed for a while, into the open
   // one and names the copies durably; the file goes with that write.
+  // Under disk pressure (less than 4 log files above the reserve), a young file too: the
+  // dead versions a job leaves behind would otherwise fill a small disk within a few steps.
   absl::Status CopyForwardLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(apply_mu_) {
+    std::optional<uint64_t> room;
+    if (absl::StatusOr<uint64_t> free = FreeBytes(log_.dir());
+        free.ok() && *free < disk_reserve_bytes_ + 4 * log_file_bytes_) {
+      room = *free > disk_reserve_bytes_ ? *free - disk_reserve_bytes_ : 0;
+    }
     ASSIGN_OR_RETURN(bool copied,
                      log_.CopyForward([this](const IndexKey& key, const LogSpan& from,
-                                             const LogSpan& to) { Relocate(key, from, to); }));
+                                             const LogSpan& to) { Relocate(key, from, to); },
+                                      room));
     if (!copied || !EveryCommitSynced()) return absl::OkStatus();  // the group sync names them
     rocksdb::WriteBatch wb;
     return SyncPointLocked(&wb);
@@ -676,6 +685,7 @@ class RocksColdTier final : public ColdTier {
   // The group sync (a nonzero interval).
   const std::chrono::milliseconds sync_interval_;
   const uint64_t disk_reserve_bytes_;
+  const uint64_t log_file_bytes_;
   absl::Mutex sync_mu_;
   absl::CondVar sync_cv_;
   bool sync_due_ ABSL_GUARDED_BY(sync_mu_) = false;  // a synced Apply since the last sync point
