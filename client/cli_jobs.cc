@@ -467,8 +467,13 @@ absl::Status Cluster(const CliContext& ctx, const Args& args, std::ostream& out)
                            lease >= 0 ? absl::StrFormat("lease %5.1fs", lease)
                                       : absl::StrFormat("lease over %.0fs ago", -lease));
     if (m.role() == v1::MEMBER_ROLE_STORE) {
-      out << absl::StrFormat("  ram %.1f MB / %.1f MB  rocksdb %.1f MB", m.ram_bytes() / 1e6,
-                             m.capacity_bytes() / 1e6, m.rocksdb_bytes() / 1e6);
+      out << absl::StrFormat("  ram %.1f MB / %.1f MB  rocksdb %.1f MB  disk free %.1f MB",
+                             m.ram_bytes() / 1e6, m.capacity_bytes() / 1e6, m.rocksdb_bytes() / 1e6,
+                             m.disk_free_bytes() / 1e6);
+      if (m.disk_reserve_bytes() > 0 && m.disk_free_bytes() < m.disk_reserve_bytes()) {
+        out << absl::StrFormat("  DISK FULL (under --disk_reserve_bytes, %.1f MB: puts refused)",
+                               m.disk_reserve_bytes() / 1e6);
+      }
     } else {
       out << "  " << (m.backend() == v1::BACKEND_CUDA ? "cuda" : "cpu");
       if (!m.job_id().empty()) out << "  job " << m.job_id();

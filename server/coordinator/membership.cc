@@ -172,6 +172,8 @@ absl::StatusOr<v1::MemberState> Membership::Heartbeat(const std::string& member_
   m.set_lease_expires_unix_ms(absl::ToUnixMillis(clock_() + lease_));
   m.set_ram_bytes(status.ram_bytes());
   m.set_rocksdb_bytes(status.rocksdb_bytes());
+  m.set_disk_free_bytes(status.disk_free_bytes());
+  m.set_disk_reserve_bytes(status.disk_reserve_bytes());
   if (status.capacity_bytes() != 0) m.set_capacity_bytes(status.capacity_bytes());
   if (!status.job_id().empty()) m.set_job_id(status.job_id());
   if (status.health() != m.health()) {

@@ -120,6 +120,9 @@ own=$("$PITH" --tls_dir "$tls/alice" submit "$E2E_TMP/tiny.json") || fail "a use
 expect_one_line "DrainStore needs the admin role; the caller is alice (user)" \
   "$PITH" --tls_dir "$tls/alice" cluster drain store-0 --no-wait
 "$PITH" cluster | grep "store-0.*alive" >/dev/null || fail "a refused drain changed the store: $("$PITH" cluster)"
+# Each store's free disk, as its heartbeat last said (a real figure, not a zero).
+"$PITH" cluster | grep -E "store-0 .*disk free [1-9][0-9.]* MB" >/dev/null ||
+  fail "no disk figure for store-0: $("$PITH" cluster)"
 # A bearer token instead of a certificate (the CA alone beside it, to check the server).
 mkdir -p "$E2E_TMP/ca-only" && cp "$tls/ca.pem" "$E2E_TMP/ca-only/"
 token=$("$PITH" token --file "$tls/tokens" --name bob) || fail "pith token"

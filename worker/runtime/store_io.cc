@@ -135,6 +135,17 @@ absl::Status StoreIo::Flush(PutQueue& queue,
   absl::Status s = client_->PutMany(absl::MakeSpan(queue.items), kStoreTimeout, buffers_free);
   {
     absl::MutexLock lock(&mu_);
+    // The first failure names its store (a full disk's path says nothing of which store,
+    // and stores on several hosts often share their --data_dir paths).
+    for (size_t i = 0; !s.ok() && i < queue.items.size(); ++i) {
+      if (queue.items[i].status.ok()) continue;
+      for (const auto& [id, peer] : store_peer_) {
+        if (peer != queue.items[i].peer) continue;
+        s = absl::Status(s.code(), absl::StrCat("store ", id, ": ", s.message()));
+        break;
+      }
+      break;
+    }
     for (size_t i = 0; i < queue.items.size(); ++i) {
       if (!queue.items[i].status.ok()) continue;
       if (queue.primary[i]) *written_.Add() = queue.items[i].info;

@@ -113,8 +113,10 @@ function renderMembers(cluster) {
       el("td", {}, m.member_id),
       el("td", {}, words(m.role, "MEMBER_ROLE_")),
       el("td", { class: `state-${state}` }, state),
-      el("td", {}, m.health || "ok"),
-      el("td", {}, store ? `${bytes(m.ram_bytes)} RAM · ${bytes(m.rocksdb_bytes)} disk`
+      el("td", {}, m.health || (store && Number(m.disk_free_bytes || 0) <
+                                Number(m.disk_reserve_bytes || 0) ? "disk full" : "ok")),
+      el("td", {}, store ? `${bytes(m.ram_bytes)} RAM · ${bytes(m.rocksdb_bytes)} disk · ` +
+                           `${bytes(m.disk_free_bytes)} free`
                          : words(m.backend, "BACKEND_")),
       el("td", {}, store ? bytes(m.capacity_bytes) : (m.job_id || "–")));
   });
