@@ -122,6 +122,7 @@ absl::Status Watch(const CliContext& ctx, const Args& args, std::ostream& out) {
   ASSIGN_OR_RETURN(v1::Job job, client->Get(args[0]));
   const int64_t steps = job.spec().train().steps();
   double first_loss = -1, last_loss = 0, tokens_per_second = 0, hit_rate = 0;
+  double step_seconds = 0;  // the ETA's: the steps' times smoothed over the watch
   int64_t last_step = -2, first_step = 0;
   v1::JobEvent last;
   RETURN_IF_ERROR(client->Watch(args[0], [&](const v1::JobEvent& e) {
@@ -146,11 +147,15 @@ absl::Status Watch(const CliContext& ctx, const Args& args, std::ostream& out) {
       last_loss = e.loss();
       tokens_per_second = e.tokens_per_second();
       hit_rate = e.cache_hit_rate();
+      // One step's time swings (commits, placement epochs, a slow store): the ETA follows
+      // their moving average, not the last one alone.
+      step_seconds =
+          step_seconds == 0 ? e.step_seconds() : 0.8 * step_seconds + 0.2 * e.step_seconds();
     }
     if (ctx.json) {
       out << Json(e) << "\n";
     } else if (e.step() >= 1) {
-      const double eta = e.step_seconds() * static_cast<double>(steps - e.step());
+      const double eta = step_seconds * static_cast<double>(steps - e.step());
       const int width = 30,
                 filled = static_cast<int>(width * e.step() / std::max<int64_t>(1, steps));
       out << absl::StrFormat(
