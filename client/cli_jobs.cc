@@ -216,6 +216,11 @@ absl::Status Remove(const CliContext& ctx, const Args& args, std::ostream& out) 
   std::vector<std::string> refused;
   for (const std::string& id : args) {
     absl::StatusOr<v1::Job> job = client->Remove(id);
+    // The coordinator unreachable, or the caller not admitted: the same for every id.
+    if (absl::IsUnavailable(job.status()) || absl::IsDeadlineExceeded(job.status()) ||
+        absl::IsUnauthenticated(job.status())) {
+      return job.status();
+    }
     if (!job.ok()) {
       if (first.ok()) first = job.status();
       refused.push_back(std::string(job.status().message()));

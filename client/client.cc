@@ -159,6 +159,16 @@ int WriteAll(int fd, const std::string& data) {
   return 0;
 }
 
+// A download's file could not be written: RESOURCE_EXHAUSTED for a full disk or quota,
+// INTERNAL otherwise.
+absl::Status CannotWrite(const std::string& path, uint64_t bytes, int error) {
+  const std::string message =
+      absl::StrCat("cannot write ", path, " (", bytes, " bytes): ", std::strerror(error));
+  return error == ENOSPC || error == EDQUOT || error == EFBIG
+             ? absl::ResourceExhaustedError(message)
+             : absl::InternalError(message);
+}
+
 absl::Status Exists(const std::string& path) {
   return absl::AlreadyExistsError(absl::StrCat(path, " already exists and is not replaced"));
 }
@@ -201,19 +211,13 @@ absl::StatusOr<v1::CheckpointJobResponse> Client::DownloadCheckpoint(const std::
   }
   if (write_error != 0) ctx.TryCancel();  // the stream then ends CANCELLED: ours is the error
   absl::Status s = Said(stream->Finish());
-  if (write_error != 0) {
-    s = absl::ResourceExhaustedError(
-        absl::StrCat("cannot write ", path, " (", total, " bytes): ", std::strerror(write_error)));
-  }
+  if (write_error != 0) s = CannotWrite(path, total, write_error);
   if (s.ok() && (first || got != total)) {
     s = absl::DataLossError(
         absl::StrCat("the checkpoint stream ended after ", got, " of ", total, " bytes"));
   }
-  if (s.ok() && ::fsync(fd) != 0) {
-    s = absl::ResourceExhaustedError(
-        absl::StrCat("cannot write ", path, " (", total, " bytes): ", std::strerror(errno)));
-  }
-  ::close(fd);
+  if (s.ok() && ::fsync(fd) != 0) s = CannotWrite(path, total, errno);
+  if (::close(fd) != 0 && s.ok()) s = CannotWrite(path, total, errno);
   if (s.ok() && RenameOnto(partial.c_str(), path.c_str(), replace) != 0) {
     s = errno == EEXIST
             ? Exists(path)

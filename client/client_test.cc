@@ -178,12 +178,13 @@ TEST(ClientDownloadTest, AFullDiskIsNamedAndLeavesNothing) {
 
   struct rlimit before;
   ASSERT_EQ(::getrlimit(RLIMIT_FSIZE, &before), 0);
-  ::signal(SIGXFSZ, SIG_IGN);
+  const auto previous = ::signal(SIGXFSZ, SIG_IGN);
   struct rlimit small = before;
   small.rlim_cur = 1 << 20;
   ASSERT_EQ(::setrlimit(RLIMIT_FSIZE, &small), 0);
   const auto full = (*client)->DownloadCheckpoint("demo-1", path, /*replace=*/false);
   ASSERT_EQ(::setrlimit(RLIMIT_FSIZE, &before), 0);
+  ::signal(SIGXFSZ, previous);
   EXPECT_EQ(full.status().code(), absl::StatusCode::kResourceExhausted) << full.status();
   EXPECT_THAT(std::string(full.status().message()),
               HasSubstr("cannot write " + path + " (3145728 bytes): File too large"));

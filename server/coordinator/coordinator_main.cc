@@ -112,8 +112,6 @@ uint64_t JobsMemoryBytes() {
   return pith::PhysicalMemoryBytes() / 2;
 }
 
-// The cluster's data-plane key (DESIGN §8), made once and kept beside the jobs so that
-// members keep theirs across a coordinator restart; this process tags with it too.
 // The job registry, opened only with room on its disk (Debian's RocksDB aborts when it
 // recovers onto a full one).
 absl::StatusOr<std::unique_ptr<pith::coordinator::JobRegistry>> OpenJobs() {
@@ -123,11 +121,15 @@ absl::StatusOr<std::unique_ptr<pith::coordinator::JobRegistry>> OpenJobs() {
   if (!dir.empty()) {
     std::error_code ec;
     std::filesystem::create_directories(dir, ec);
+    // Downloads a killed process was staging: nothing reads them any more.
+    std::filesystem::remove_all(dir + "/downloads", ec);
     RETURN_IF_ERROR(pith::CheckDiskRoom(dir, reserve, 0));
   }
   return pith::coordinator::JobRegistry::Open(dir, JobsMemoryBytes());
 }
 
+// The cluster's data-plane key (DESIGN §8), made once and kept beside the jobs so that
+// members keep theirs across a coordinator restart; this process tags with it too.
 absl::StatusOr<std::string> DataPlaneKey(pith::coordinator::JobRegistry& jobs) {
   constexpr char kRecord[] = "security/data_plane_key";
   ASSIGN_OR_RETURN(auto records, jobs.Records(kRecord));
@@ -271,6 +273,7 @@ int main(int argc, char** argv) {
           .burst = std::max(1, absl::GetFlag(FLAGS_client_burst)),
           .streams = absl::GetFlag(FLAGS_client_streams)}));
   SetUserLimit(job_service, security->tls());
+  job_service.set_disk_reserve_bytes(absl::GetFlag(FLAGS_disk_reserve_bytes));
   pith::coordinator::CoordinatorServiceImpl coordinator_service(
       &members, jobs->get(), &heat, &scheduler, security->tls(), lookup);
   coordinator_service.set_data_plane_key(data_plane_key);

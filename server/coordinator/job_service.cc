@@ -279,6 +279,23 @@ grpc::Status JobServiceImpl::DownloadCheckpoint(grpc::ServerContext* context,
   if (scheduler_ == nullptr || staging_dir_.empty()) {
     return ToGrpcStatus(absl::UnavailableError("this coordinator reaches no stores"));
   }
+  // The whole export lands on the coordinator's disk first: it must leave the reserve its
+  // RocksDB needs (a job's weights are 4 bytes a parameter).
+  if (disk_reserve_bytes_ > 0) {
+    absl::StatusOr<v1::Job> job = jobs_->Get(request->job_id());
+    if (!job.ok()) return ToGrpcStatus(job.status());
+    const uint64_t weights =
+        4 *
+        static_cast<uint64_t>(
+            model::ParamLayout(model::ModelShape::FromSpec(job->spec().model())).total_floats());
+    std::error_code made;
+    std::filesystem::create_directories(staging_dir_, made);
+    if (absl::Status room = CheckDiskRoom(staging_dir_, disk_reserve_bytes_, weights); !room.ok()) {
+      return ToGrpcStatus(absl::Status(
+          room.code(), absl::StrCat("the coordinator cannot stage the checkpoint (", weights,
+                                    " bytes) under its --data_dir: ", room.message())));
+    }
+  }
   // Exported into a folder of its own, opened, and removed before the first byte goes
   // out: the open descriptor keeps the file until the stream ends, however it ends.
   static std::atomic<uint64_t> downloads{0};

@@ -53,6 +53,9 @@ class JobServiceImpl final : public v1::JobService::Service {
   // A caller of the user role may have at most `n` unfinished jobs (0: no limit); set
   // before the service serves.
   void set_max_jobs_per_user(int n) { max_jobs_per_user_ = n; }
+  // Free bytes a download's staging must leave on the staging disk (0: unchecked); set
+  // before the service serves.
+  void set_disk_reserve_bytes(uint64_t bytes) { disk_reserve_bytes_ = bytes; }
 
   // Users and admins call every method of the job API; a user reaches only the jobs it
   // submitted (Job.owner), which the handlers check (AdmitForJob, ListJobs).
@@ -111,7 +114,8 @@ class JobServiceImpl final : public v1::JobService::Service {
   const std::string staging_dir_;
   const std::string export_root_;
   const security::Policy policy_;
-  int max_jobs_per_user_ = 0;  // set before serving
+  int max_jobs_per_user_ = 0;        // set before serving
+  uint64_t disk_reserve_bytes_ = 0;  // set before serving
 };
 
 }  // namespace pith::coordinator

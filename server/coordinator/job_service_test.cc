@@ -587,6 +587,26 @@ TEST_F(JobServiceTest, AClientPastItsRateOrStreamsIsRefusedWithTheReason) {
   (void)reader->Finish();
 }
 
+// A download is staged whole on the coordinator's disk: without room for it beside the
+// reserve (here a reserve larger than any disk), it is refused before anything is written,
+// saying whose disk.
+TEST_F(JobServiceTest, ADownloadWithoutRoomOnTheCoordinatorsDiskIsRefused) {
+  auto job = Submit(SpecFrom(kSpec));
+  ASSERT_TRUE(job.ok()) << job.status();
+  service_->set_disk_reserve_bytes(1ull << 60);
+  grpc::ClientContext ctx;
+  v1::DownloadCheckpointRequest request;
+  request.set_job_id(job->job_id());
+  auto reader = stub_->DownloadCheckpoint(&ctx, request);
+  v1::CheckpointChunk chunk;
+  EXPECT_FALSE(reader->Read(&chunk));
+  const grpc::Status s = reader->Finish();
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED) << s.error_message();
+  EXPECT_THAT(s.error_message(),
+              ::testing::HasSubstr("the coordinator cannot stage the checkpoint ("));
+  EXPECT_THAT(s.error_message(), ::testing::HasSubstr("under its --data_dir: the disk under"));
+}
+
 // A download is the file's bytes in order, and the caller is asked about before every
 // chunk: a token revoked mid-stream ends it with that refusal, a client gone with CANCELLED.
 TEST(StreamFileTest, SendsTheBytesAndStopsAtTheFirstRefusal) {

@@ -788,13 +788,17 @@ TEST_F(SchedulerTest, AJobWhoseWorkersAllDiedSaysItWaitsForOne) {
 // as many as it had, then goes on from its last step. With every worker it asked for, the
 // same report fails it.
 TEST_F(SchedulerTest, AJobThatFitsOnlyMoreWorkersWaitsForThem) {
-  const v1::Job job = Submit(2);
   const std::string s0 = Join(v1::MEMBER_ROLE_STORE);
   const std::string w0 = Join(v1::MEMBER_ROLE_WORKER);
   const std::string w1 = Join(v1::MEMBER_ROLE_WORKER);
+  const v1::Job job = Submit(2);
   scheduler_->Tick();
+  const v1::Job busy = Submit(1);  // another job's worker
+  const std::string w3 = Join(v1::MEMBER_ROLE_WORKER);
+  scheduler_->Tick();
+  ASSERT_EQ(scheduler_->GetAssignment(w3)->job_id(), busy.job_id());
   CommitStep(job.job_id(), 0, {w0, w1});
-  ASSERT_NO_FATAL_FAILURE(OnlyTheseLive({s0, w0}));
+  ASSERT_NO_FATAL_FAILURE(OnlyTheseLive({s0, w0, w3}));
   ASSERT_EQ(scheduler_->GetAssignment(w0)->world(), 1);
   auto short_of = [&](const std::string& w) {
     v1::StepWrittenRequest r;
@@ -816,27 +820,29 @@ TEST_F(SchedulerTest, AJobThatFitsOnlyMoreWorkersWaitsForThem) {
                 ": the job does not fit this worker's --memory_bytes=37748736); the job goes on "
                 "from its last step when they are free");
   EXPECT_EQ(scheduler_->GetAssignment(w0)->job_id(), "");  // freed
-  now_ += absl::Seconds(1);
-  ASSERT_TRUE(members_->Heartbeat(w0, {}).ok());
-  ASSERT_TRUE(members_->Heartbeat(s0, {}).ok());
+  // One idle worker is not enough; nor does a job submitted since take it: with two
+  // workers in the cluster, the waiting job comes first.
+  const v1::Job later = Submit(1);
   scheduler_->Tick();
-  EXPECT_EQ(scheduler_->GetAssignment(w0)->job_id(), "");  // one is not enough
+  EXPECT_EQ(scheduler_->GetAssignment(w0)->job_id(), "");
   EXPECT_EQ(Job(job.job_id()).state(), v1::JOB_STATE_RUNNING);
+  EXPECT_EQ(Job(later.job_id()).pending_reason(), "queued behind " + job.job_id());
 
-  const std::string w2 = Join(v1::MEMBER_ROLE_WORKER);
+  ASSERT_TRUE(jobs_->Cancel(busy.job_id(), "done").ok());  // its worker is freed
+  scheduler_->Tick();
   scheduler_->Tick();
   EXPECT_EQ(Job(job.job_id()).pending_reason(), "");
-  auto a = scheduler_->GetAssignment(w2);
+  auto a = scheduler_->GetAssignment(w3);
   ASSERT_TRUE(a.ok()) << a.status();
   EXPECT_EQ(a->job_id(), job.job_id());
   EXPECT_EQ(a->world(), 2);
   EXPECT_EQ(a->committed_step(), 0);
-  CommitStep(job.job_id(), 1, {w0, w2});
+  CommitStep(job.job_id(), 1, {w0, w3});
 
-  ASSERT_TRUE(short_of(w2).ok());  // with both of its workers: it cannot fit
+  ASSERT_TRUE(short_of(w3).ok());  // with both of its workers: it cannot fit
   EXPECT_EQ(Job(job.job_id()).state(), v1::JOB_STATE_FAILED);
   EXPECT_THAT(Job(job.job_id()).failure_reason(),
-              ::testing::HasSubstr("worker " + w2 + ": the job does not fit"));
+              ::testing::HasSubstr("worker " + w3 + ": the job does not fit"));
 }
 
 // The same wait across a coordinator restart: the reloaded job says again that it waits.

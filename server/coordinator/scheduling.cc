@@ -362,6 +362,14 @@ void Scheduler::SchedulePendingLocked(const Alive& alive) {
   std::reverse(waiting.begin(), waiting.end());
   bool cuda_reserved = false;  // a bf16 job waits for CUDA workers: later jobs take others
   std::string ahead;           // the first job that waits for busy workers: later ones queue
+  // A running job that gave its workers back to wait for more (Run.min_workers) comes
+  // first, where the cluster has that many of its kind: pending jobs would otherwise take
+  // each worker as it frees up, and it would never resume.
+  for (const auto& [id, run] : runs_) {
+    if (!run.no_workers || run.min_workers < 2 || !ahead.empty()) continue;
+    absl::StatusOr<v1::Job> job = jobs_->Get(id);
+    if (job.ok() && WorkersFor(alive, job->spec(), false) >= run.min_workers) ahead = id;
+  }
   const size_t placeable = alive.placeable_ids().size();
   for (auto it = pending_reasons_.begin(); it != pending_reasons_.end();) {
     const bool waits = std::any_of(waiting.begin(), waiting.end(),

@@ -324,6 +324,13 @@ absl::StatusOr<v1::StepStatus> Scheduler::WaitForMoreWorkers(const v1::StepWritt
     absl::MutexLock lock(&mu_);
     RETURN_IF_ERROR(CheckReporterLocked(r));
     Run& run = runs_.at(r.job_id());
+    // As for any report: nothing counts while the job waits for its members or a store,
+    // and a commit under way is not aborted.
+    if (run.recovering || !run.awaited_store.empty()) {
+      return absl::UnavailableError(
+          absl::StrCat("job ", r.job_id(), " is waiting for its members; retry"));
+    }
+    if (run.record.committing_step() >= 0) return StatusLocked(r.job_id(), run, r.step());
     const int have = run.record.workers_size();
     if (have < want) {
       // Its workers go back to the pool (other jobs may take them) until enough are idle.

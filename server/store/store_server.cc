@@ -160,8 +160,8 @@ absl::StatusOr<std::unique_ptr<StoreServer>> StoreServer::Start(const StoreServe
                              status->set_rocksdb_bytes(st.rocksdb_bytes());
                              if (absl::StatusOr<uint64_t> free = FreeBytes(dir); free.ok()) {
                                status->set_disk_free_bytes(*free);
+                               status->set_disk_reserve_bytes(reserve);
                              }
-                             status->set_disk_reserve_bytes(reserve);
                              const absl::Status health = store->cold().Health();
                              status->set_health(health.ok() ? "" : health.ToString());
                            }));

@@ -140,8 +140,10 @@ void AbortWatch::Watch() {
     // worker paused past its lease finds its step long committed without it, and its
     // peers gone to the new attempt: nothing would answer its waits), or it ended.
     const bool aborted = st.committed_step() < req.step() && st.aborted();
+    // An ended job's run is gone (its answer carries no assignment version): only a worker
+    // whose step is its last committed one ended with it.
     const bool moved_on =
-        st.assignment_version() != version || (st.job_ended() && st.committed_step() < req.step());
+        st.job_ended() ? st.committed_step() != req.step() : st.assignment_version() != version;
     if (rpc.ok() && (aborted || moved_on)) {
       LOG(INFO) << "step " << req.step() << " of job " << job_id_ << " was "
                 << (aborted ? absl::StrCat("aborted: ", st.abort_reason())

@@ -2,8 +2,10 @@
 
 #include <atomic>
 #include <memory>
+#include <string>
 #include <thread>
 
+#include "absl/strings/match.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "grpcpp/grpcpp.h"
@@ -107,15 +109,22 @@ class MovedOnCoordinator final : public v1::CoordinatorService::Service {
     st->set_step(req->step());
     st->set_committed_step(331);
     st->set_assignment_version(same_attempt ? 3 : 5);
+    if (ended) {  // as the coordinator answers once the run is gone: no assignment
+      st->set_job_ended(true);
+      st->set_assignment_version(0);
+    }
     return grpc::Status::OK;
   }
   std::atomic<bool> same_attempt{false};
+  std::atomic<bool> ended{false};
 };
 
 // A worker paused past its lease (SIGSTOP) and resumed finds the step it computes long
 // committed under a newer attempt: its peers went on to that attempt, so its waits on them
 // are abandoned at once (they waited out kPeerReceiveTimeout, 120 s, holding the job).
-// A step committed under the same attempt is only settled.
+// A step committed under the same attempt is only settled, and so is a job that ended
+// with the step (its normal end: nothing is abandoned); one that ended before or after
+// the worker's step is left.
 TEST(AbortWatchTest, AWorkerLeftBehindAbandonsItsAttempt) {
   MovedOnCoordinator service;
   grpc::ServerBuilder builder;
@@ -127,13 +136,16 @@ TEST(AbortWatchTest, AWorkerLeftBehindAbandonsItsAttempt) {
   auto stub = v1::CoordinatorService::NewStub(
       grpc::CreateChannel("127.0.0.1:" + std::to_string(port), grpc::InsecureChannelCredentials()));
   CoordinatorLink link(stub.get(), "worker-0");
-  for (const bool same : {true, false}) {
-    SCOPED_TRACE(same ? "same attempt" : "newer attempt");
-    service.same_attempt = same;
+  for (const std::string kind :
+       {"same attempt", "newer attempt", "ended after it", "ended with it", "ended before it"}) {
+    SCOPED_TRACE(kind);
+    service.same_attempt = kind == "same attempt";
+    service.ended = absl::StartsWith(kind, "ended");
+    const int64_t step = kind == "ended with it" ? 331 : kind == "ended before it" ? 332 : 58;
     std::atomic<int> abandoned{0};
     {
       AbortWatch watch(
-          &link, "job", /*step=*/58, /*version=*/3,
+          &link, "job", step, /*version=*/3,
           [&](uint64_t version) {
             EXPECT_EQ(version, 3u);
             ++abandoned;
@@ -141,7 +153,7 @@ TEST(AbortWatchTest, AWorkerLeftBehindAbandonsItsAttempt) {
           nullptr);
       for (int i = 0; i < 200 && abandoned == 0; ++i) absl::SleepFor(absl::Milliseconds(5));
     }
-    EXPECT_EQ(abandoned > 0, !same);
+    EXPECT_EQ(abandoned > 0, kind != "same attempt" && kind != "ended with it");
   }
   server->Shutdown(absl::ToChronoTime(absl::Now()));
 }
