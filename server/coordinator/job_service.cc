@@ -7,6 +7,7 @@
 #include <atomic>
 #include <filesystem>
 #include <map>
+#include <optional>
 #include <vector>
 
 #include "absl/strings/match.h"
@@ -51,6 +52,25 @@ v1::JobEvent EventOf(const v1::Job& job, const HeatRegistry& heat) {
 }
 
 }  // namespace
+
+absl::StatusOr<StagingLedger::Promise> StagingLedger::Take(const std::string& dir, uint64_t reserve,
+                                                           uint64_t bytes) {
+  absl::MutexLock lock(&mu_);
+  // The others' promises count as writes to come (their files may not be on disk yet).
+  if (absl::Status room = CheckDiskRoom(dir, reserve, bytes + promised_); !room.ok()) {
+    if (promised_ == 0) return room;
+    return absl::Status(room.code(), absl::StrCat(room.message(), " (", promised_,
+                                                  " bytes of that write promised to downloads "
+                                                  "being staged)"));
+  }
+  promised_ += bytes;
+  return Promise(this, bytes);
+}
+
+void StagingLedger::GiveBack(uint64_t bytes) {
+  absl::MutexLock lock(&mu_);
+  promised_ -= bytes;
+}
 
 absl::Status StreamFile(int fd, const std::string& path, uint64_t bytes, size_t chunk_bytes,
                         const std::function<absl::Status()>& may_go_on,
@@ -280,7 +300,8 @@ grpc::Status JobServiceImpl::DownloadCheckpoint(grpc::ServerContext* context,
     return ToGrpcStatus(absl::UnavailableError("this coordinator reaches no stores"));
   }
   // The whole export lands on the coordinator's disk first: it must leave the reserve its
-  // RocksDB needs (a job's weights are 4 bytes a parameter).
+  // RocksDB needs (a job's weights are 4 bytes a parameter), beside downloads being staged.
+  std::optional<StagingLedger::Promise> room;
   if (disk_reserve_bytes_ > 0) {
     absl::StatusOr<v1::Job> job = jobs_->Get(request->job_id());
     if (!job.ok()) return ToGrpcStatus(job.status());
@@ -290,11 +311,15 @@ grpc::Status JobServiceImpl::DownloadCheckpoint(grpc::ServerContext* context,
             model::ParamLayout(model::ModelShape::FromSpec(job->spec().model())).total_floats());
     std::error_code made;
     std::filesystem::create_directories(staging_dir_, made);
-    if (absl::Status room = CheckDiskRoom(staging_dir_, disk_reserve_bytes_, weights); !room.ok()) {
+    absl::StatusOr<StagingLedger::Promise> promised =
+        staging_.Take(staging_dir_, disk_reserve_bytes_, weights);
+    if (!promised.ok()) {
       return ToGrpcStatus(absl::Status(
-          room.code(), absl::StrCat("the coordinator cannot stage the checkpoint (", weights,
-                                    " bytes) under its --data_dir: ", room.message())));
+          promised.status().code(),
+          absl::StrCat("the coordinator cannot stage the checkpoint (", weights,
+                       " bytes) under its --data_dir: ", promised.status().message())));
     }
+    room.emplace(std::move(*promised));
   }
   // Exported into a folder of its own, opened, and removed before the first byte goes
   // out: the open descriptor keeps the file until the stream ends, however it ends.
@@ -308,6 +333,7 @@ grpc::Status JobServiceImpl::DownloadCheckpoint(grpc::ServerContext* context,
   if (exported.ok()) fd = UniqueFd(::open(exported->weights_path().c_str(), O_RDONLY | O_CLOEXEC));
   std::error_code ec;
   std::filesystem::remove_all(dir, ec);
+  room.reset();  // the file is written (and open), or gone: the disk's figures count it
   if (!exported.ok()) {
     // A path in the staging folder is the coordinator's, not one the caller gave: said so
     // (a full disk under the coordinator reads otherwise as the caller's own).

@@ -9,9 +9,13 @@
 #include <cstdint>
 #include <functional>
 #include <string>
+#include <utility>
 
+#include "absl/base/thread_annotations.h"
 #include "absl/status/status.h"
+#include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
+#include "absl/synchronization/mutex.h"
 #include "pith/v1/job.grpc.pb.h"
 #include "security/authorize.h"
 #include "server/coordinator/heat_registry.h"
@@ -29,6 +33,40 @@ namespace pith::coordinator {
 absl::Status StreamFile(int fd, const std::string& path, uint64_t bytes, size_t chunk_bytes,
                         const std::function<absl::Status()>& may_go_on,
                         const std::function<bool(absl::string_view chunk)>& send);
+
+// Disk room promised to downloads being staged: a download's check counts what the others
+// were promised (their files may not be written yet), so that downloads begun together
+// do not between them eat into the coordinator's reserve.
+//
+// Thread safety: thread-safe; mu_ guards the bytes promised.
+class StagingLedger {
+ public:
+  // Promised bytes, given back when it goes (its staging is on disk, or gone, by then).
+  class Promise {
+   public:
+    Promise(Promise&& other) noexcept
+        : ledger_(std::exchange(other.ledger_, nullptr)), bytes_(other.bytes_) {}
+    Promise& operator=(Promise&&) = delete;
+    ~Promise() {
+      if (ledger_ != nullptr) ledger_->GiveBack(bytes_);
+    }
+
+   private:
+    friend class StagingLedger;
+    Promise(StagingLedger* ledger, uint64_t bytes) : ledger_(ledger), bytes_(bytes) {}
+    StagingLedger* ledger_;
+    uint64_t bytes_;
+  };
+  // `bytes` more under `dir`, promised while the Promise lives, where the disk keeps
+  // `reserve` free beside them and every promise outstanding; else RESOURCE_EXHAUSTED.
+  absl::StatusOr<Promise> Take(const std::string& dir, uint64_t reserve, uint64_t bytes)
+      ABSL_LOCKS_EXCLUDED(mu_);
+
+ private:
+  void GiveBack(uint64_t bytes) ABSL_LOCKS_EXCLUDED(mu_);
+  absl::Mutex mu_;
+  uint64_t promised_ ABSL_GUARDED_BY(mu_) = 0;
+};
 
 class JobServiceImpl final : public v1::JobService::Service {
  public:
@@ -116,6 +154,7 @@ class JobServiceImpl final : public v1::JobService::Service {
   const security::Policy policy_;
   int max_jobs_per_user_ = 0;        // set before serving
   uint64_t disk_reserve_bytes_ = 0;  // set before serving
+  StagingLedger staging_;            // downloads being staged
 };
 
 }  // namespace pith::coordinator

@@ -8,10 +8,12 @@
 #include <filesystem>
 #include <fstream>
 #include <memory>
+#include <optional>
 #include <string>
 #include <thread>
 
 #include "absl/strings/str_replace.h"
+#include "common/file.h"
 #include "common/grpc_util.h"
 #include "common/job_spec_testing.h"
 #include "gmock/gmock.h"
@@ -605,6 +607,29 @@ TEST_F(JobServiceTest, ADownloadWithoutRoomOnTheCoordinatorsDiskIsRefused) {
   EXPECT_THAT(s.error_message(),
               ::testing::HasSubstr("the coordinator cannot stage the checkpoint ("));
   EXPECT_THAT(s.error_message(), ::testing::HasSubstr("under its --data_dir: the disk under"));
+}
+
+// Downloads checked together count each other's promised bytes: two that each fit the
+// disk but not both are not both admitted; the room comes back with the first's promise.
+TEST(StagingLedgerTest, PromisesCountAgainstTheRoomUntilTheyGo) {
+  const std::string dir = ::testing::TempDir();
+  const absl::StatusOr<uint64_t> free = FreeBytes(dir);
+  ASSERT_TRUE(free.ok()) << free.status();
+  const uint64_t share = *free / 5 * 3;  // 60%: one fits, two do not
+  StagingLedger ledger;
+  std::optional<StagingLedger::Promise> first;
+  {
+    absl::StatusOr<StagingLedger::Promise> p = ledger.Take(dir, 0, share);
+    ASSERT_TRUE(p.ok()) << p.status();
+    first.emplace(std::move(*p));
+  }
+  const absl::StatusOr<StagingLedger::Promise> second = ledger.Take(dir, 0, share);
+  EXPECT_EQ(second.status().code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_THAT(
+      std::string(second.status().message()),
+      ::testing::HasSubstr(absl::StrCat(share, " bytes of that write promised to downloads")));
+  first.reset();
+  EXPECT_TRUE(ledger.Take(dir, 0, share).ok());
 }
 
 // A download is the file's bytes in order, and the caller is asked about before every
