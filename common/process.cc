@@ -2,11 +2,13 @@
 
 #include <fcntl.h>
 #include <signal.h>
+#include <sys/resource.h>
 #include <unistd.h>
 
 #include <cerrno>
 #include <cstdio>
 #include <cstdlib>
+#include <filesystem>
 #include <functional>
 #include <iostream>
 #include <utility>
@@ -17,6 +19,7 @@
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
 #include "absl/flags/usage_config.h"
+#include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "common/version.h"
 #include "glog/logging.h"
@@ -66,6 +69,34 @@ int ExitStatus(absl::string_view program, const absl::Status& status) {
   if (status.ok()) return EXIT_SUCCESS;
   fprintf(stderr, "%s: %s\n", std::string(program).c_str(), std::string(status.message()).c_str());
   return EXIT_FAILURE;
+}
+
+absl::Status CheckFdHeadroom(int want) {
+  rlimit limit{};
+  if (::getrlimit(RLIMIT_NOFILE, &limit) != 0 || limit.rlim_cur == RLIM_INFINITY) {
+    return absl::OkStatus();
+  }
+  std::error_code ec;
+  uint64_t open = 0;
+  for (std::filesystem::directory_iterator it("/proc/self/fd", ec), end; !ec && it != end;
+       it.increment(ec)) {
+    ++open;
+  }
+  if (ec == std::errc::too_many_files_open) {  // not even the listing's own descriptor
+    return absl::ResourceExhaustedError(
+        absl::StrCat("no file descriptor free (RLIMIT_NOFILE ", limit.rlim_cur,
+                     "): raise its open-file limit (ulimit -n, or LimitNOFILE= under systemd)"));
+  }
+  if (ec == std::errc::too_many_files_open_in_system) {
+    return absl::ResourceExhaustedError(
+        "the machine has no file descriptor free (ENFILE): raise fs.file-max, or stop what "
+        "holds them");
+  }
+  if (ec) return absl::OkStatus();  // no /proc to count in: nothing known against it
+  if (open + want <= limit.rlim_cur) return absl::OkStatus();
+  return absl::ResourceExhaustedError(absl::StrCat(
+      "fewer than ", want, " file descriptors free (", open, " open of RLIMIT_NOFILE ",
+      limit.rlim_cur, "): raise its open-file limit (ulimit -n, or LimitNOFILE= under systemd)"));
 }
 
 namespace {

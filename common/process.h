@@ -26,6 +26,12 @@ int ExitStatus(absl::string_view program, const absl::Status& status);
 // files are checked and put in use at once, security/flags.h). Replaces any earlier one.
 void OnReloadSignal(std::function<void()> reload);
 
+// OK when this process may open `want` more file descriptors (its open ones, counted in
+// /proc/self/fd, against RLIMIT_NOFILE); otherwise RESOURCE_EXHAUSTED with both figures
+// and what to raise. A member that fails it says so in its heartbeat (health): it counts
+// as dead until it has room again, instead of failing every job given to it.
+absl::Status CheckFdHeadroom(int want);
+
 // Catches SIGTERM and SIGINT (whichever thread they land on) so that Wait() returns them
 // instead of the process dying; SIGHUP runs the OnReloadSignal hook (or is logged) and
 // Wait() goes on. Construct once, in main(), before anything can take long.

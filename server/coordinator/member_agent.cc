@@ -71,6 +71,10 @@ absl::Status MemberAgent::Register() {
     absl::MutexLock lock(&mu_);
     *req.mutable_member() = self_;
   }
+  // What a heartbeat would say (its health above all: an unhealthy member is not taken
+  // for a healthy one until its first heartbeat). Start's registration ends before the
+  // loop's thread begins, so status_ is never called from two threads at once.
+  if (status_) status_(req.mutable_member());
   grpc::ClientContext ctx;
   ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(5)));
   v1::RegisterResponse resp;

@@ -90,6 +90,8 @@ absl::StatusOr<std::string> Membership::Register(v1::MemberInfo member,
   member.set_state(drain != drains_.end() ? drain->second : v1::MEMBER_STATE_ALIVE);
   member.set_lease_expires_unix_ms(absl::ToUnixMillis(clock_() + lease_));
   const std::string id = member.member_id();
+  LOG_IF(ERROR, !member.health().empty())
+      << id << " registered unhealthy and counts as dead: " << member.health();
   members_[id] = std::move(member);
   return id;
 }

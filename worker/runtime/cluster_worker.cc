@@ -12,6 +12,7 @@
 #include "absl/time/time.h"
 #include "common/grpc_status.h"
 #include "common/metrics.h"
+#include "common/process.h"
 #include "common/status.h"
 #include "glog/logging.h"
 #include "grpcpp/grpcpp.h"
@@ -49,6 +50,23 @@ class CancelOnStop {
   std::thread thread_;  // last: it reads done_
 };
 
+// File descriptors a worker keeps free to take a job: its data and scratch files, its
+// connections to peers and stores.
+constexpr int kFdHeadroom = 64;
+
+// A worker short of file descriptors would fail every job given to it (its data file, its
+// peers' connections): its heartbeat's health says so (empty: well), and it counts as
+// dead until it has room. `before`: what the last one said (a change is logged).
+std::string FdHealth(const std::string& before) {
+  const absl::Status fds = CheckFdHeadroom(kFdHeadroom);
+  std::string health = fds.ok() ? "" : std::string(fds.message());
+  if (health.empty() != before.empty()) {
+    LOG_IF(INFO, health.empty()) << "file descriptors free again: this worker takes jobs";
+    LOG_IF(ERROR, !health.empty()) << "this worker takes no jobs: " << health;
+  }
+  return health;
+}
+
 }  // namespace
 
 absl::Status RunClusterWorker(const ClusterWorkerOptions& options, MetricsRegistry& registry,
@@ -64,9 +82,15 @@ absl::Status RunClusterWorker(const ClusterWorkerOptions& options, MetricsRegist
   self.set_ucx_address(peers->address());
   self.set_capacity_bytes(options.memory_bytes > 0 ? options.memory_bytes : options.cache_bytes);
   self.set_backend(options.backend_kind);
+  // Judged while idle only: a job's own descriptors do not make its worker drop it.
+  std::atomic<bool> busy{false};
   ASSIGN_OR_RETURN(
       std::unique_ptr<MemberAgent> agent,
-      MemberAgent::Start(options.coordinator, options.security, self, [](v1::MemberInfo*) {}));
+      MemberAgent::Start(options.coordinator, options.security, self,
+                         [&busy, health = std::string()](v1::MemberInfo* status) mutable {
+                           if (!busy) health = FdHealth(health);
+                           status->set_health(health);
+                         }));
   const char* devices = std::getenv("UCX_NET_DEVICES");  // set by pith-worker's main
   LOG(INFO) << "worker " << agent->member_id() << " joined " << options.coordinator
             << "; UCX devices: " << (devices != nullptr ? devices : "all");
@@ -97,7 +121,9 @@ absl::Status RunClusterWorker(const ClusterWorkerOptions& options, MetricsRegist
     attempt_runs = this_attempt == attempt ? attempt_runs + 1 : 1;
     attempt = this_attempt;
     const absl::Time started = absl::Now();
+    busy = true;
     absl::Status s = run.Run(stop, /*report_passing=*/attempt_runs >= 3);
+    busy = false;
     failures = s.ok() ? 0 : (absl::Now() - started > absl::Seconds(30) ? 1 : failures + 1);
     if (!s.ok() && stop) {
       LOG(INFO) << "job " << a->job_id() << ": stopped (" << s << ")";
