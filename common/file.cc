@@ -27,7 +27,7 @@ absl::Status ErrnoError(int err, absl::string_view what, const std::string& path
       return absl::PermissionDeniedError(msg);
     case ENOSPC:
     case EDQUOT:
-      return absl::ResourceExhaustedError(msg);
+      return DiskFullError(msg);
     default:
       return absl::InternalError(msg);
   }
@@ -173,7 +173,7 @@ absl::StatusOr<uint64_t> FreeBytes(const std::string& path) {
 absl::Status CheckDiskRoom(const std::string& dir, uint64_t reserve, uint64_t incoming) {
   ASSIGN_OR_RETURN(const uint64_t free, FreeBytes(dir));
   if (free >= reserve && free - reserve >= incoming) return absl::OkStatus();
-  return absl::ResourceExhaustedError(absl::StrCat(
+  return DiskFullError(absl::StrCat(
       "the disk under ", dir, " is full: ", free, " bytes free",
       incoming > 0 ? absl::StrCat("; a write of ", incoming, " bytes would leave less than")
                    : std::string(", less than"),

@@ -3,10 +3,12 @@
 #ifndef PITH_COMMON_STATUS_H_
 #define PITH_COMMON_STATUS_H_
 
+#include <string>
 #include <utility>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/cord.h"
 #include "absl/strings/str_cat.h"
 
 // Returns from the enclosing function when `expr` (an absl::Status) is not OK.
@@ -33,10 +35,36 @@
 namespace pith {
 
 // Returns `status` with `context` prepended to its message ("context: message"), keeping
-// the code. OK stays OK.
+// the code and the payloads. OK stays OK.
 inline absl::Status Annotate(const absl::Status& status, absl::string_view context) {
   if (status.ok()) return status;
-  return absl::Status(status.code(), absl::StrCat(context, ": ", status.message()));
+  absl::Status out(status.code(), absl::StrCat(context, ": ", status.message()));
+  status.ForEachPayload(
+      [&out](absl::string_view url, const absl::Cord& payload) { out.SetPayload(url, payload); });
+  return out;
+}
+
+// A full disk (ENOSPC, EDQUOT, or under a --disk_reserve_bytes): RESOURCE_EXHAUSTED with
+// a payload that tells it from other exhaustion (a wait for RAM, a blob over a limit), so
+// that a store's refusal for want of disk is known as such across its data plane (the
+// reply's disk_full) and up to the worker's failure report. The payload's value names the
+// store once one is known.
+inline constexpr absl::string_view kDiskFullPayload = "pith.dev/disk-full";
+
+inline absl::Status DiskFullError(absl::string_view message, absl::string_view store_id = "") {
+  absl::Status s = absl::ResourceExhaustedError(message);
+  s.SetPayload(kDiskFullPayload, absl::Cord(store_id));
+  return s;
+}
+
+inline bool IsDiskFull(const absl::Status& status) {
+  return status.GetPayload(kDiskFullPayload).has_value();
+}
+
+// The store a disk-full status names; empty where it names none or is not one.
+inline std::string DiskFullStore(const absl::Status& status) {
+  const auto store = status.GetPayload(kDiskFullPayload);  // an absl::optional<absl::Cord>
+  return store ? std::string(*store) : std::string();
 }
 
 }  // namespace pith

@@ -125,16 +125,23 @@ struct Alive {
   // Dead stores: when their lease ran out (Unix ms, coordinator clock).
   std::map<std::string, int64_t> stores_down_since_ms;
   std::set<std::string> draining;  // live stores draining or drained: no new placement
+  // Live stores whose disk is under their --disk_reserve_bytes (they refuse puts): no new
+  // copies go to them until they have room again.
+  std::set<std::string> full;
   std::vector<std::string> store_ids() const {
     std::vector<std::string> ids;
     for (const auto& [id, m] : stores) ids.push_back(id);
     return ids;
   }
+  // Whether new copies may go to store `id`.
+  bool placeable(const std::string& id) const {
+    return stores.count(id) > 0 && !draining.count(id) && !full.count(id);
+  }
   // The stores new copies may go to.
   std::vector<std::string> placeable_ids() const {
     std::vector<std::string> ids;
     for (const auto& [id, m] : stores) {
-      if (!draining.count(id)) ids.push_back(id);
+      if (placeable(id)) ids.push_back(id);
     }
     return ids;
   }

@@ -67,9 +67,7 @@ bool AddRequestedJoins(int64_t committed, const Alive& alive, JobCopies& copies,
   bool changed = false;
   for (const auto& [group, target] : copies.join_requests) {
     auto it = entries.find(group);
-    if (it == entries.end() || !alive.stores.count(target) || alive.draining.count(target)) {
-      continue;
-    }
+    if (it == entries.end() || !alive.placeable(target)) continue;
     const auto& ids = it->second->store_ids();
     const auto& joining = it->second->joining_store_ids();
     if (std::find(ids.begin(), ids.end(), target) != ids.end() ||

@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cstring>
 
+#include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "common/status.h"
@@ -95,7 +96,14 @@ absl::Status Scheduler::Recover() {
       if (!s.ok()) LOG(WARNING) << s;  // heat is advisory: start afresh
     }
     run.committed = job->committed_step();
-    if (!job->pending_reason().empty()) {  // a wait for a store: the new process's to judge
+    // A job that gave its workers back to wait for more still waits, and says so.
+    run.no_workers = run.record.workers().empty() && run.record.min_workers() > 0;
+    const bool waits_for_workers =
+        run.no_workers &&
+        absl::StartsWith(job->pending_reason(),
+                         absl::StrCat("waiting for ", run.record.min_workers(), " workers"));
+    if (!job->pending_reason().empty() && !waits_for_workers) {
+      // A wait for a store: the new process's to judge.
       (void)jobs_->Update(job->job_id(), [](v1::Job& j) {
         j.clear_pending_reason();
         return absl::OkStatus();
@@ -154,6 +162,7 @@ Alive Scheduler::ForJob(const Alive& alive, const Run& run) {
   for (const auto& [id, why] : run.record.lost_stores()) {
     out.stores.erase(id);
     out.draining.erase(id);
+    out.full.erase(id);
   }
   return out;
 }

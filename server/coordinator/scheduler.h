@@ -200,9 +200,6 @@ class Scheduler {
     // Every worker of the job died and none was free to take over: it waits for one
     // (Job.pending_reason says so).
     bool no_workers = false;
-    // Fewer workers did not fit one's --memory_bytes (WaitForMoreWorkers): the job runs
-    // with at least this many, or waits for them. In memory only.
-    int min_workers = 0;
     JobCopies copies;  // replication: joins and copies of the job's groups
     int holds = 0;     // checkpoints reading the job: commits wait
     std::string abort_reason;
@@ -248,7 +245,7 @@ class Scheduler {
       ABSL_LOCKS_EXCLUDED(mu_);
   // A worker's share did not fit its memory at the attempt's worker count
   // (needs_more_workers): with fewer workers than the job asked for, the job frees them
-  // and waits for one more than it had (Run.min_workers); with all of them, FailJob.
+  // and waits for one more than it had (its record.min_workers); with all of them, FailJob.
   absl::StatusOr<v1::StepStatus> WaitForMoreWorkers(const v1::StepWrittenRequest& report)
       ABSL_LOCKS_EXCLUDED(mu_);
   // OK when the report's worker trains the job under its current assignment;
@@ -360,6 +357,12 @@ class Scheduler {
   // the step has failed step_attempts attempts in a row, else empty.
   std::string FailAttemptLocked(Run& run, int64_t step, const std::string& reason,
                                 std::vector<StoreCall>* aborts) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // A worker's put to `store` was refused for want of disk (`why`): the job stops using
+  // the store (record.lost_stores; the next tick's repair copies its groups to stores
+  // with room) where the job's other live stores with room hold every group; true if it
+  // did (or had).
+  bool DropFullStoreLocked(Run& run, const std::string& store, const std::string& why)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Blobs of the step in flight written to each store's complete copies: what its
   // prepare and its commit must count at least.
   static std::map<std::string, uint64_t> ExpectedBlobsLocked(const Run& run);

@@ -870,6 +870,48 @@ TEST_F(SchedulerTest, AJobWaitingForAWorkerSaysSoAfterARestart) {
   EXPECT_EQ(scheduler_->GetAssignment(w1)->job_id(), job.job_id());
 }
 
+// A wait for more workers (needs_more_workers) outlasts a coordinator restart: one idle
+// worker still does not take the job (it would not fit again), and the job says why it
+// waits; with two, it goes on.
+TEST_F(SchedulerTest, AJobWaitingForMoreWorkersStillWaitsAfterARestart) {
+  const std::string s0 = Join(v1::MEMBER_ROLE_STORE);
+  const std::string w0 = Join(v1::MEMBER_ROLE_WORKER), w1 = Join(v1::MEMBER_ROLE_WORKER);
+  const v1::Job job = Submit(2);
+  scheduler_->Tick();
+  CommitStep(job.job_id(), 0, {w0, w1});
+  ASSERT_NO_FATAL_FAILURE(OnlyTheseLive({s0, w0}));  // w1 dies
+  v1::StepWrittenRequest r;
+  r.set_job_id(job.job_id());
+  r.set_worker_id(w0);
+  r.set_step(1);
+  r.set_ok(false);
+  r.set_needs_more_workers(true);
+  r.set_failure("the job does not fit this worker's --memory_bytes=37748736");
+  r.set_assignment_version(scheduler_->AssignmentVersion(w0));
+  ASSERT_TRUE(scheduler_->ReportStepWritten(r).ok());
+  const std::string waiting = Job(job.job_id()).pending_reason();
+  ASSERT_THAT(waiting, ::testing::StartsWith("waiting for 2 workers"));
+
+  Open();  // the coordinator restarts; its store and the idle worker are back
+  Join(v1::MEMBER_ROLE_STORE, s0);
+  Join(v1::MEMBER_ROLE_WORKER, w0);
+  for (int seconds = 2; seconds <= 12; seconds += 2) {
+    now_ += absl::Seconds(2);
+    ASSERT_TRUE(members_->Heartbeat(s0, {}).ok());
+    ASSERT_TRUE(members_->Heartbeat(w0, {}).ok());
+    scheduler_->Tick();
+    EXPECT_EQ(scheduler_->GetAssignment(w0)->job_id(), "") << seconds << " s";
+    EXPECT_EQ(Job(job.job_id()).pending_reason(), waiting) << seconds << " s";
+  }
+  const std::string w2 = Join(v1::MEMBER_ROLE_WORKER);
+  scheduler_->Tick();
+  auto a = scheduler_->GetAssignment(w0);
+  ASSERT_TRUE(a.ok()) << a.status();
+  EXPECT_EQ(a->job_id(), job.job_id());
+  EXPECT_EQ(a->world(), 2);
+  EXPECT_EQ(Job(job.job_id()).pending_reason(), "");
+}
+
 TEST_F(SchedulerTest, ALostStoreLeavesThePlacementAndLosingEveryCopyFailsTheJob) {
   const v1::Job job = Submit(1, 300, /*replicas=*/2);
   const std::string s0 = Join(v1::MEMBER_ROLE_STORE), s1 = Join(v1::MEMBER_ROLE_STORE);
@@ -903,6 +945,82 @@ TEST_F(SchedulerTest, ALostStoreLeavesThePlacementAndLosingEveryCopyFailsTheJob)
       << failed.failure_reason();
   scheduler_->Tick();
   EXPECT_EQ(scheduler_->AssignmentVersion(w0), 0);  // released
+}
+
+// A worker's put refused for want of disk names the store (full_store_id): a job whose
+// other stores with room hold every group stops using it at once, without counting the
+// attempt, and its groups are copied to a store with room, never to a full one. Refused
+// by a store that holds a group's only copy with room, the step retries, and the job
+// fails with the reason after step_attempts.
+TEST_F(SchedulerTest, AFullStoreIsDroppedFromAJobWithOtherCopies) {
+  const v1::Job job = Submit(1, 300, /*replicas=*/2);
+  const std::string s0 = Join(v1::MEMBER_ROLE_STORE), s1 = Join(v1::MEMBER_ROLE_STORE);
+  const std::string w0 = Join(v1::MEMBER_ROLE_WORKER);
+  scheduler_->Tick();
+  CommitStep(job.job_id(), 0, {w0});
+  v1::MemberInfo full;
+  full.set_disk_reserve_bytes(64 << 20);
+  full.set_disk_free_bytes(1 << 20);
+  ASSERT_TRUE(members_->Heartbeat(s1, full).ok());
+  const std::string s2 = Join(v1::MEMBER_ROLE_STORE);
+  ASSERT_TRUE(members_->Heartbeat(s2, full).ok());
+  auto refused = [&](const std::string& store) {
+    v1::StepWrittenRequest r;
+    r.set_job_id(job.job_id());
+    r.set_worker_id(w0);
+    r.set_step(Job(job.job_id()).committed_step() + 1);
+    r.set_ok(false);
+    r.set_failure("store " + store + ": the disk under /data is full");
+    r.set_full_store_id(store);
+    r.set_assignment_version(scheduler_->AssignmentVersion(w0));
+    return scheduler_->ReportStepWritten(r);
+  };
+  auto placed = [&]() {
+    std::set<std::string> out;
+    const absl::StatusOr<v1::PlacementTable> p = scheduler_->GetPlacement(job.job_id());
+    EXPECT_TRUE(p.ok()) << p.status();
+    if (!p.ok()) return out;
+    for (const v1::ExpertPlacement& e : p->experts()) {
+      out.insert(e.store_ids().begin(), e.store_ids().end());
+      out.insert(e.joining_store_ids().begin(), e.joining_store_ids().end());
+    }
+    return out;
+  };
+  auto steps = [&](int n) {  // n steps commit, copies joining and pulled between them
+    for (int i = 0; i < n; ++i) {
+      while (scheduler_->ReplicateOnce() > 0) {
+      }
+      CommitStep(job.job_id(), Job(job.job_id()).committed_step() + 1, {w0});
+    }
+  };
+  for (int i = 0; i < SchedulerOptions().step_attempts + 1; ++i) {  // none counts
+    auto st = refused(s1);
+    ASSERT_TRUE(st.ok()) << st.status();
+    EXPECT_TRUE(st->aborted());
+  }
+  scheduler_->Tick();
+  ASSERT_NO_FATAL_FAILURE(steps(2));
+  EXPECT_EQ(placed(), std::set<std::string>{s0}) << "the full s2 took copies";
+  const std::string s3 = Join(v1::MEMBER_ROLE_STORE);  // with room
+  scheduler_->Tick();
+  ASSERT_NO_FATAL_FAILURE(steps(2));
+  EXPECT_EQ(placed(), (std::set<std::string>{s0, s3}));
+  // A full store's copies do not count as holders: s0 is not dropped for a full s3.
+  ASSERT_TRUE(members_->Heartbeat(s3, full).ok());
+  ASSERT_TRUE(refused(s0).ok());
+  scheduler_->Tick();
+  EXPECT_EQ(placed(), (std::set<std::string>{s0, s3}));
+  ASSERT_TRUE(members_->Heartbeat(s3, {}).ok());  // room again: s0 goes
+  ASSERT_TRUE(refused(s0).ok());
+  scheduler_->Tick();
+  EXPECT_EQ(placed(), std::set<std::string>{s3});
+  for (int i = 0; i < SchedulerOptions().step_attempts; ++i) {  // the only copies: counted
+    EXPECT_EQ(Job(job.job_id()).state(), v1::JOB_STATE_RUNNING);
+    ASSERT_TRUE(refused(s3).ok());
+  }
+  EXPECT_EQ(Job(job.job_id()).state(), v1::JOB_STATE_FAILED);
+  EXPECT_THAT(Job(job.job_id()).failure_reason(),
+              ::testing::HasSubstr("store " + s3 + ": the disk under /data is full"));
 }
 
 // Item: commits go to the job's stores only, and each answer is checked. A store that

@@ -248,7 +248,7 @@ void Scheduler::RepairRunLocked(const std::string& job_id, Run& run, const v1::J
       IdleWorkersLocked(alive, job, kept, false, run.record.backend());
   // Fewer than min_workers did not fit a worker's memory: it waits until that many are free.
   const bool grow = static_cast<int>(kept.size()) < want && !idle.empty() &&
-                    static_cast<int>(kept.size() + idle.size()) >= run.min_workers;
+                    static_cast<int>(kept.size() + idle.size()) >= run.record.min_workers();
   // A job no worker trains says so (pith status); `why`: how it came to have none.
   const auto note_workers = [&](const std::string& why) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     if (kept.empty() == run.no_workers) return;
@@ -362,13 +362,13 @@ void Scheduler::SchedulePendingLocked(const Alive& alive) {
   std::reverse(waiting.begin(), waiting.end());
   bool cuda_reserved = false;  // a bf16 job waits for CUDA workers: later jobs take others
   std::string ahead;           // the first job that waits for busy workers: later ones queue
-  // A running job that gave its workers back to wait for more (Run.min_workers) comes
+  // A running job that gave its workers back to wait for more (its min_workers) comes
   // first, where the cluster has that many of its kind: pending jobs would otherwise take
   // each worker as it frees up, and it would never resume.
   for (const auto& [id, run] : runs_) {
-    if (!run.no_workers || run.min_workers < 2 || !ahead.empty()) continue;
+    if (!run.no_workers || run.record.min_workers() < 2 || !ahead.empty()) continue;
     absl::StatusOr<v1::Job> job = jobs_->Get(id);
-    if (job.ok() && WorkersFor(alive, job->spec(), false) >= run.min_workers) ahead = id;
+    if (job.ok() && WorkersFor(alive, job->spec(), false) >= run.record.min_workers()) ahead = id;
   }
   const size_t placeable = alive.placeable_ids().size();
   for (auto it = pending_reasons_.begin(); it != pending_reasons_.end();) {
@@ -380,9 +380,11 @@ void Scheduler::SchedulePendingLocked(const Alive& alive) {
     if (runs_.count(job.job_id())) continue;
     const int want = std::max(1, job.spec().cluster().workers());
     if (placeable == 0) {
-      SetPendingReasonLocked(job, alive.stores.empty()
-                                      ? "waiting for a store (none is alive)"
-                                      : "waiting for a store that is not draining");
+      SetPendingReasonLocked(job, alive.stores.empty() ? "waiting for a store (none is alive)"
+                                  : alive.full.empty()
+                                      ? "waiting for a store that is not draining"
+                                      : "waiting for a store that is not draining and has disk "
+                                        "room (pith cluster: DISK FULL)");
       continue;
     }
     std::vector<std::string> idle = IdleWorkersLocked(alive, job, {}, cuda_reserved);

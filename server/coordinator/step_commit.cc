@@ -154,7 +154,11 @@ absl::StatusOr<v1::StepStatus> Scheduler::ReportStepWritten(const v1::StepWritte
     if (!r.ok()) {
       const std::string reason = absl::StrCat("worker ", r.worker_id(), ": ",
                                               r.failure().empty() ? "step failed" : r.failure());
-      give_up = FailAttemptLocked(run, r.step(), reason, &aborts);
+      if (!r.full_store_id().empty() && DropFullStoreLocked(run, r.full_store_id(), reason)) {
+        AbortLocked(run, reason, &aborts);  // no attempt counts: the next tick re-places
+      } else {
+        give_up = FailAttemptLocked(run, r.step(), reason, &aborts);
+      }
       absl::Status s = PersistLocked(run);
       if (!s.ok()) LOG(ERROR) << s;
     } else if (absl::Status data = PinDataLocked(run, r); !data.ok()) {
@@ -217,6 +221,23 @@ std::string Scheduler::FailAttemptLocked(Run& run, int64_t step, const std::stri
   if (run.failed_attempts < options_.step_attempts) return "";
   return absl::StrCat("step ", step, " failed ", run.failed_attempts,
                       " attempts in a row; the last: ", reason);
+}
+
+bool Scheduler::DropFullStoreLocked(Run& run, const std::string& store, const std::string& why) {
+  // Dropped already (a report of an attempt before the next tick's repair re-placed it).
+  if (run.record.lost_stores().contains(store)) return true;
+  std::set<std::string> others = JobStores(run);
+  if (!others.erase(store)) return false;  // not the job's
+  const Alive alive = Snapshot(*members_);
+  // Holders that count: live, with room (a job that drops one full store for another
+  // keeps its last copies on a disk that refuses them).
+  for (auto it = others.begin(); it != others.end();) {
+    it = alive.stores.count(*it) > 0 && !alive.full.count(*it) ? std::next(it) : others.erase(it);
+  }
+  if (!UnheldGroup(run, others).empty()) return false;  // it holds a group's only copy
+  StoreTroubleLocked(run, store, "puts", absl::StrCat("its disk is full (", why, ")"),
+                     /*refused=*/true);
+  return true;
 }
 
 std::map<std::string, uint64_t> Scheduler::ExpectedBlobsLocked(const Run& run) {
@@ -336,7 +357,7 @@ absl::StatusOr<v1::StepStatus> Scheduler::WaitForMoreWorkers(const v1::StepWritt
       // Its workers go back to the pool (other jobs may take them) until enough are idle.
       const std::string why = absl::StrCat("with ", have, " of its ", want, " workers, worker ",
                                            r.worker_id(), ": ", r.failure());
-      run.min_workers = std::max(run.min_workers, have + 1);
+      run.record.set_min_workers(std::max(run.record.min_workers(), have + 1));
       AbortLocked(run, why, &aborts);
       for (const std::string& w : run.record.workers()) worker_job_.erase(w);
       run.record.clear_workers();
@@ -346,7 +367,7 @@ absl::StatusOr<v1::StepStatus> Scheduler::WaitForMoreWorkers(const v1::StepWritt
         return absl::OkStatus();
       });
       NoteWaitLocked(r.job_id(),
-                     absl::StrCat("waiting for ", run.min_workers, " workers (", why,
+                     absl::StrCat("waiting for ", run.record.min_workers(), " workers (", why,
                                   "); the job goes on from its last step when they are free"));
       if (absl::Status s = PersistLocked(run); !s.ok()) LOG(ERROR) << s;
       status = StatusLocked(r.job_id(), run, r.step());

@@ -107,7 +107,7 @@ void PunchDead(const std::vector<LogPunch>& punches) {
 absl::Status ErrnoError(absl::string_view what, const std::string& path) {
   const int e = errno;
   const std::string msg = absl::StrCat(what, " ", path, ": ", std::strerror(e));
-  if (e == ENOSPC || e == EDQUOT) return absl::ResourceExhaustedError(msg);
+  if (e == ENOSPC || e == EDQUOT) return DiskFullError(msg);
   if (e == ENOENT) return absl::NotFoundError(msg);
   return absl::InternalError(msg);
 }

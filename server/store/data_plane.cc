@@ -23,6 +23,7 @@ v1::UcxBlobReply ErrorReply(uint64_t request_id, uint32_t index, const absl::Sta
   r.set_index(index);
   r.set_code(static_cast<int32_t>(status.code()));
   r.set_message(std::string(status.message()));
+  r.set_disk_full(IsDiskFull(status));
   return r;
 }
 

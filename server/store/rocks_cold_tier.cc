@@ -145,7 +145,7 @@ absl::Status ToStatus(const rocksdb::Status& s, absl::string_view what) {
   const std::string msg = absl::StrCat("rocksdb ", what, ": ", s.ToString());
   if (s.IsNotFound()) return absl::NotFoundError(msg);
   if (s.IsCorruption()) return absl::DataLossError(msg);
-  if (s.IsNoSpace()) return absl::ResourceExhaustedError(msg);
+  if (s.IsNoSpace()) return DiskFullError(msg);
   return absl::InternalError(msg);
 }
 

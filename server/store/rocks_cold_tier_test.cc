@@ -21,6 +21,7 @@
 
 #include "common/crc32c.h"
 #include "common/file.h"
+#include "common/status.h"
 #include "gtest/gtest.h"
 #include "server/store/cold_tier.h"
 
@@ -217,6 +218,7 @@ TEST(RocksColdTierDiskTest, AFullDiskRefusesPutsKeepsCommitsAndIsNamedAtStart) {
     const std::vector<uint8_t> big = Bytes(1 << 20, 7);
     for (int i = 0; i < 64 && put.ok(); ++i) put = (*tier)->PutData("filler", 100 + i, big);
     EXPECT_EQ(put.code(), absl::StatusCode::kResourceExhausted) << put;
+    EXPECT_TRUE(IsDiskFull(put)) << put;  // told from other exhaustion
     EXPECT_NE(put.message().find("--disk_reserve_bytes"), std::string::npos) << put;
     // The index is still writable: a step commits, the tier is healthy.
     Step(**tier, kKeys, 2);

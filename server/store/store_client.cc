@@ -223,7 +223,11 @@ void StoreClient::OnReply(ucx::AmMessage& m, bool is_get) {
   if (it == pending_.end()) return;  // a request that timed out
   std::shared_ptr<Pending> p = it->second;
   down_.erase(p->peer);  // it answers: a later failure backs off from the start
-  const absl::Status status(static_cast<absl::StatusCode>(reply.code()), reply.message());
+  const absl::Status status =
+      reply.disk_full() &&
+              reply.code() == static_cast<int32_t>(absl::StatusCode::kResourceExhausted)
+          ? DiskFullError(reply.message())
+          : absl::Status(static_cast<absl::StatusCode>(reply.code()), reply.message());
   if (!is_get) {
     p->Fail(status);
     p->put_info = reply.info();

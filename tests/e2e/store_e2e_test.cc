@@ -1,6 +1,8 @@
 // A real pith-store process over UCX loopback: put, get, commit, abort, batched get, a RAM
 // budget far below the data, kill -9 mid-step and restart, a power cut right after a
 // commit (root: ext4 on a loop device), and bad input on both planes.
+#include <sys/mount.h>
+
 #include <atomic>
 #include <csignal>
 #include <cstdlib>
@@ -23,6 +25,7 @@
 #include "common/crc32c.h"
 #include "common/grpc_util.h"
 #include "common/safetensors.h"
+#include "common/status.h"
 #include "gtest/gtest.h"
 #include "pith/v1/store.grpc.pb.h"
 #include "scratch_dir.h"
@@ -479,6 +482,40 @@ class LoopDisk {
 // takes the disk as a power cut would leave it; then starts a store on that disk and
 // returns how many blobs it has at step 1 (-1: the store did not start).
 int BlobsAtStepOneAfterAPowerCut(StoreE2eTest* t, const std::vector<std::string>& flags);
+
+// A put refused for want of disk reaches the client as such (the reply's disk_full: a
+// worker names the store to the coordinator, which stops using it for jobs with other
+// copies); a put refused for another limit does not. The store keeps serving.
+TEST_F(StoreE2eTest, APutRefusedForWantOfDiskIsToldFromOtherLimits) {
+  const std::string mnt = dir_ + "/mnt";
+  std::filesystem::create_directories(mnt);
+  if (::mount("tmpfs", mnt.c_str(), "tmpfs", 0, "size=160m") != 0) {
+    GTEST_SKIP() << "cannot mount a small tmpfs here (needs root): " << std::strerror(errno);
+  }
+  struct Unmount {
+    std::string path;
+    ~Unmount() { ::umount2(path.c_str(), MNT_DETACH); }
+  } unmount{mnt};
+  ASSERT_NO_FATAL_FAILURE(StartStore(64 << 20, 4 << 20, mnt + "/data",
+                                     {"--disk_reserve_bytes=" + std::to_string(8 << 20)}));
+  const std::vector<uint8_t> blob = Bytes(1 << 20, 3);
+  absl::Status put;
+  int landed = 0;
+  for (; landed < 256; ++landed) {
+    put = PutBytes(Key(0, landed), 0, blob);
+    if (!put.ok()) break;
+  }
+  EXPECT_EQ(put.code(), absl::StatusCode::kResourceExhausted) << put;
+  EXPECT_TRUE(IsDiskFull(put)) << put;
+  EXPECT_NE(put.message().find("--disk_reserve_bytes"), std::string::npos) << put;
+  EXPECT_GT(landed, 40);  // the log files' 64 MiB and the reserve aside
+  const absl::Status big = PutBytes(Key(1, 0), 0, Bytes(5 << 20, 4));  // over --max_blob_bytes
+  EXPECT_EQ(big.code(), absl::StatusCode::kResourceExhausted) << big;
+  EXPECT_FALSE(IsDiskFull(big)) << big;
+  EXPECT_TRUE(Commit(0).ok());  // the reserve keeps its index writable
+  EXPECT_TRUE(Stat(Key(0, 0)).ok());
+  store_.reset();  // before the unmount
+}
 
 // A step is reported committed only once it is on disk: cut the power (the disk as the
 // kernel had written it when the store died) right after the commit returns, and the

@@ -5,6 +5,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/grpc_util.h"
+#include "common/status.h"
 #include "glog/logging.h"
 #include "grpcpp/grpcpp.h"
 
@@ -74,6 +75,7 @@ void CoordinatorLink::ReportFailure(const std::string& job_id, int64_t assignmen
   r.set_failure(std::string(why.message()));
   r.set_fatal(kind == Failure::kFatal);
   r.set_needs_more_workers(kind == Failure::kNeedsMoreWorkers);
+  r.set_full_store_id(DiskFullStore(why));  // a store that refused a put for want of disk
   Call call(this, kReportFailureDeadline);
   v1::StepWrittenResponse resp;
   (void)stub_->ReportStepWritten(call.ctx(), r, &resp);

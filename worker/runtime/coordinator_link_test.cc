@@ -1,15 +1,20 @@
 #include "worker/runtime/coordinator_link.h"
 
 #include <atomic>
+#include <map>
 #include <memory>
 #include <string>
 #include <thread>
+#include <vector>
 
 #include "absl/strings/match.h"
+#include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
+#include "common/status.h"
 #include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"
+#include "worker/runtime/store_io.h"
 
 namespace pith::runtime {
 namespace {
@@ -156,6 +161,56 @@ TEST(AbortWatchTest, AWorkerLeftBehindAbandonsItsAttempt) {
     EXPECT_EQ(abandoned > 0, kind != "same attempt" && kind != "ended with it");
   }
   server->Shutdown(absl::ToChronoTime(absl::Now()));
+}
+
+// A put refused for want of disk is named after the store of the put it came from (not
+// the first failed put's: a reference put to another store that missed its deadline), and
+// the failure report carries that store (full_store_id) for the coordinator to drop it.
+TEST(FullStoreReportTest, TheFailureNamesTheStoreThatRefusedThePut) {
+  const std::map<std::string, int> store_peer = {{"store-1", 4}, {"store-2", 7}};
+  std::vector<store::StoreClient::PutItem> items(3);
+  items[0].peer = 4;
+  items[0].status = absl::DeadlineExceededError("not sent: the deadline passed");
+  items[1].peer = 7;
+  items[1].status = DiskFullError("the disk under /data/blobs is full");
+  items[2].peer = 4;  // landed
+  const absl::Status named = NamePutFailure(items, store_peer, items[1].status);
+  EXPECT_EQ(named.code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_EQ(named.message(), "store store-2: the disk under /data/blobs is full");
+  EXPECT_EQ(DiskFullStore(Annotate(named, "step 5")), "store-2");  // survives on its way up
+  const absl::Status late = NamePutFailure(items, store_peer, items[0].status);
+  EXPECT_EQ(late.message(), "store store-1: not sent: the deadline passed");
+  EXPECT_FALSE(IsDiskFull(late));
+  EXPECT_EQ(DiskFullStore(late), "");
+
+  class Recorder final : public v1::CoordinatorService::Service {
+   public:
+    grpc::Status ReportStepWritten(grpc::ServerContext*, const v1::StepWrittenRequest* r,
+                                   v1::StepWrittenResponse*) override {
+      absl::MutexLock lock(&mu);
+      reports.push_back(*r);
+      return grpc::Status::OK;
+    }
+    absl::Mutex mu;
+    std::vector<v1::StepWrittenRequest> reports ABSL_GUARDED_BY(mu);
+  } service;
+  grpc::ServerBuilder builder;
+  int port = 0;
+  builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
+  builder.RegisterService(&service);
+  std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
+  ASSERT_NE(server, nullptr);
+  auto stub = v1::CoordinatorService::NewStub(
+      grpc::CreateChannel("127.0.0.1:" + std::to_string(port), grpc::InsecureChannelCredentials()));
+  CoordinatorLink link(stub.get(), "worker-0");
+  link.ReportFailure("job", 3, 5, named);
+  link.ReportFailure("job", 3, 5, late);
+  server->Shutdown(absl::ToChronoTime(absl::Now()));
+  absl::MutexLock lock(&service.mu);
+  ASSERT_EQ(service.reports.size(), 2u);
+  EXPECT_EQ(service.reports[0].full_store_id(), "store-2");
+  EXPECT_EQ(service.reports[0].failure(), "store store-2: the disk under /data/blobs is full");
+  EXPECT_EQ(service.reports[1].full_store_id(), "");
 }
 
 }  // namespace

@@ -130,22 +130,34 @@ absl::Status StoreIo::Put(const std::vector<std::string>& stores, const v1::Blob
   return absl::OkStatus();
 }
 
+absl::Status NamePutFailure(absl::Span<const store::StoreClient::PutItem> items,
+                            const std::map<std::string, int>& store_peer, absl::Status failure) {
+  if (failure.ok()) return failure;
+  for (const store::StoreClient::PutItem& item : items) {
+    if (item.status != failure) continue;
+    for (const auto& [id, peer] : store_peer) {
+      if (peer != item.peer) continue;
+      const std::string named = absl::StrCat("store ", id, ": ", failure.message());
+      return IsDiskFull(failure) ? DiskFullError(named, id) : absl::Status(failure.code(), named);
+    }
+    break;
+  }
+  return failure;
+}
+
 absl::Status StoreIo::Flush(PutQueue& queue,
                             const std::function<void(const absl::Status&)>& buffers_free) {
-  absl::Status s = client_->PutMany(absl::MakeSpan(queue.items), kStoreTimeout, buffers_free);
+  // Failures name their store, both the one the buffers' release is told of (a caller
+  // may report that one first) and the one returned.
+  const auto named = [&](const absl::Status& s) ABSL_LOCKS_EXCLUDED(mu_) {
+    absl::MutexLock lock(&mu_);
+    return NamePutFailure(queue.items, store_peer_, s);
+  };
+  std::function<void(const absl::Status&)> free_named;
+  if (buffers_free) free_named = [&](const absl::Status& sent) { buffers_free(named(sent)); };
+  absl::Status s = named(client_->PutMany(absl::MakeSpan(queue.items), kStoreTimeout, free_named));
   {
     absl::MutexLock lock(&mu_);
-    // The first failure names its store (a full disk's path says nothing of which store,
-    // and stores on several hosts often share their --data_dir paths).
-    for (size_t i = 0; !s.ok() && i < queue.items.size(); ++i) {
-      if (queue.items[i].status.ok()) continue;
-      for (const auto& [id, peer] : store_peer_) {
-        if (peer != queue.items[i].peer) continue;
-        s = absl::Status(s.code(), absl::StrCat("store ", id, ": ", s.message()));
-        break;
-      }
-      break;
-    }
     for (size_t i = 0; i < queue.items.size(); ++i) {
       if (!queue.items[i].status.ok()) continue;
       if (queue.primary[i]) *written_.Add() = queue.items[i].info;

@@ -48,6 +48,14 @@ v1::BlobKey BlobKeyOf(const std::string& job_id, int layer, int expert, const st
 // A fetch of `key` into `buffer` (`bytes` of it), the committed version.
 store::StoreClient::FetchItem FetchItemOf(const v1::BlobKey& key, void* buffer, size_t bytes);
 
+// `failure` of the puts of `items` with the store it came from named ("store ID: ..."):
+// that of the item whose status it is (`store_peer`: store id -> peer). A full disk's
+// store goes in its payload too (DiskFullStore: the failure report's full_store_id).
+// A full disk's path says nothing of which store it is, and stores on several hosts often
+// share their --data_dir paths.
+absl::Status NamePutFailure(absl::Span<const store::StoreClient::PutItem> items,
+                            const std::map<std::string, int>& store_peer, absl::Status failure);
+
 // Puts queued by BlobIo::Put, sent by BlobIo::Flush.
 struct PutQueue {
   std::vector<store::StoreClient::PutItem> items;
