@@ -483,6 +483,8 @@ absl::Status Cluster(const CliContext& ctx, const Args& args, std::ostream& out)
       if (m.disk_reserve_bytes() > 0 && m.disk_free_bytes() < m.disk_reserve_bytes()) {
         out << absl::StrFormat("  DISK FULL (under --disk_reserve_bytes, %.1f MB: puts refused)",
                                m.disk_reserve_bytes() / 1e6);
+      } else if (m.disk_reserve_bytes() > 0 && m.disk_free_bytes() / 2 < m.disk_reserve_bytes()) {
+        out << "  disk low (under twice --disk_reserve_bytes: no new copies)";
       }
     } else {
       out << "  " << (m.backend() == v1::BACKEND_CUDA ? "cuda" : "cpu");

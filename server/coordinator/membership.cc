@@ -271,7 +271,7 @@ Alive Snapshot(const Membership& members) {
       if (m.state() != v1::MEMBER_STATE_ALIVE && !(store && draining)) continue;
       if (!m.health().empty()) continue;  // a stopped tier: as good as dead
       if (draining) a.draining.insert(m.member_id());
-      if (store && m.disk_reserve_bytes() > 0 && m.disk_free_bytes() < m.disk_reserve_bytes()) {
+      if (store && m.disk_reserve_bytes() > 0 && m.disk_free_bytes() / 2 < m.disk_reserve_bytes()) {
         a.full.insert(m.member_id());
       }
       (store ? a.stores : a.workers)[m.member_id()] = std::move(m);

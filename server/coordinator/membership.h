@@ -125,8 +125,10 @@ struct Alive {
   // Dead stores: when their lease ran out (Unix ms, coordinator clock).
   std::map<std::string, int64_t> stores_down_since_ms;
   std::set<std::string> draining;  // live stores draining or drained: no new placement
-  // Live stores whose disk is under their --disk_reserve_bytes (they refuse puts): no new
-  // copies go to them until they have room again.
+  // Live stores with less than twice their --disk_reserve_bytes free (under once, they
+  // refuse puts; just above it, every put bigger than what is left): no new copies go to
+  // them until they have room again, nor do their copies count as room for a job's
+  // groups when another store of the job refuses puts for want of disk.
   std::set<std::string> full;
   std::vector<std::string> store_ids() const {
     std::vector<std::string> ids;

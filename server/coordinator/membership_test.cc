@@ -153,18 +153,19 @@ TEST(MembershipTest, AnUnhealthyStoreCountsAsDead) {
   EXPECT_EQ(Snapshot(members).stores.count(*id), 1u);
 }
 
-// A store under its disk reserve still serves what it holds, but takes no new copies
-// until it has room again.
+// A store with less than twice its disk reserve free still serves what it holds, but
+// takes no new copies until it has room again (just above the reserve, every put bigger
+// than what is left is refused).
 TEST(MembershipTest, AFullStoreServesButTakesNoNewCopies) {
   Membership members(absl::Seconds(3));
   auto id = members.Register(Store(kA));
   ASSERT_TRUE(id.ok()) << id.status();
   v1::MemberInfo status;
   status.set_disk_reserve_bytes(64 << 20);
-  status.set_disk_free_bytes(64 << 20);  // at the reserve: room still
+  status.set_disk_free_bytes(128 << 20);  // twice the reserve: room still
   ASSERT_TRUE(members.Heartbeat(*id, status).ok());
   EXPECT_TRUE(Snapshot(members).placeable(*id));
-  status.set_disk_free_bytes((64 << 20) - 1);
+  status.set_disk_free_bytes((128 << 20) - 1);
   ASSERT_TRUE(members.Heartbeat(*id, status).ok());
   Alive alive = Snapshot(members);
   EXPECT_EQ(alive.stores.count(*id), 1u);

@@ -81,6 +81,9 @@ struct SchedulerOptions {
 // register again before it gives up the missing ones (Scheduler::Gone).
 inline constexpr absl::Duration kStoreRestartGrace = absl::Seconds(30);
 
+// How long a job keeps off a store it dropped for a full disk (Scheduler::DropFullStore).
+inline constexpr absl::Duration kFullStoreCooldown = absl::Minutes(5);
+
 class Scheduler {
  public:
   // Whether a job of `spec` trains on CUDA workers only (bf16).
@@ -211,6 +214,9 @@ class Scheduler {
     // Stores whose commits (or prepares) of this job fail, since when: after several
     // leases of it, the job loses them (record.lost_stores).
     std::map<std::string, absl::Time> commit_trouble;
+    // Stores the job dropped for a full disk (DropFullStoreLocked), since when (after a
+    // coordinator restart: since the restart).
+    std::map<std::string, absl::Time> full_since;
     // Groups stores left ((store, layer, expert); layer -1: dense), with the first step of
     // the placement without them: their blobs there are deleted once it committed.
     std::map<std::tuple<std::string, int, int>, int64_t> left;
@@ -363,6 +369,14 @@ class Scheduler {
   // did (or had).
   bool DropFullStoreLocked(Run& run, const std::string& store, const std::string& why)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Why a store dropped that way is lost to the job (record.lost_stores), for
+  // kFullStoreCooldown and until the job's placement no longer names it: then it is
+  // forgotten (its blobs of the job went, as any store's that left a group), and it may
+  // take copies of the job again once it has room. The wait keeps a store that fills
+  // again with the job's copies from cycling in and out of it at every step.
+  static constexpr char kFullDiskLoss[] = "its disk is full";
+  // True when it forgot one (the record is to be persisted).
+  bool ForgetFullStoresLocked(Run& run) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Blobs of the step in flight written to each store's complete copies: what its
   // prepare and its commit must count at least.
   static std::map<std::string, uint64_t> ExpectedBlobsLocked(const Run& run);

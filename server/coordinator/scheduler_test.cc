@@ -949,9 +949,10 @@ TEST_F(SchedulerTest, ALostStoreLeavesThePlacementAndLosingEveryCopyFailsTheJob)
 
 // A worker's put refused for want of disk names the store (full_store_id): a job whose
 // other stores with room hold every group stops using it at once, without counting the
-// attempt, and its groups are copied to a store with room, never to a full one. Refused
-// by a store that holds a group's only copy with room, the step retries, and the job
-// fails with the reason after step_attempts.
+// attempt, and its groups are copied to a store with room, never to a full one; with room
+// again, the dropped store takes copies again. Refused by a store that holds a group's
+// only copy with room, the step retries, and the job fails with the reason after
+// step_attempts.
 TEST_F(SchedulerTest, AFullStoreIsDroppedFromAJobWithOtherCopies) {
   const v1::Job job = Submit(1, 300, /*replicas=*/2);
   const std::string s0 = Join(v1::MEMBER_ROLE_STORE), s1 = Join(v1::MEMBER_ROLE_STORE);
@@ -1011,9 +1012,25 @@ TEST_F(SchedulerTest, AFullStoreIsDroppedFromAJobWithOtherCopies) {
   scheduler_->Tick();
   EXPECT_EQ(placed(), (std::set<std::string>{s0, s3}));
   ASSERT_TRUE(members_->Heartbeat(s3, {}).ok());  // room again: s0 goes
+  ASSERT_TRUE(members_->Heartbeat(s0, full).ok());
   ASSERT_TRUE(refused(s0).ok());
   scheduler_->Tick();
   EXPECT_EQ(placed(), std::set<std::string>{s3});
+  // s1, dropped for its full disk, has room again: it takes copies of the job again, once
+  // kFullStoreCooldown has passed since it was dropped (not at once: a store that fills
+  // again with the job's copies would cycle in and out).
+  ASSERT_TRUE(members_->Heartbeat(s1, {}).ok());
+  ASSERT_NO_FATAL_FAILURE(steps(2));
+  EXPECT_EQ(placed(), std::set<std::string>{s3});
+  for (absl::Duration t; t < kFullStoreCooldown; t += absl::Seconds(2)) {
+    now_ += absl::Seconds(2);
+    for (const std::string& m : {s1, s3, w0}) ASSERT_TRUE(members_->Heartbeat(m, {}).ok());
+    for (const std::string& m : {s0, s2}) ASSERT_TRUE(members_->Heartbeat(m, full).ok());
+    scheduler_->Tick();
+  }
+  ASSERT_NO_FATAL_FAILURE(steps(2));
+  EXPECT_EQ(placed(), (std::set<std::string>{s1, s3}));
+  ASSERT_TRUE(members_->Heartbeat(s1, full).ok());  // full again: no room for s3's copies
   for (int i = 0; i < SchedulerOptions().step_attempts; ++i) {  // the only copies: counted
     EXPECT_EQ(Job(job.job_id()).state(), v1::JOB_STATE_RUNNING);
     ASSERT_TRUE(refused(s3).ok());

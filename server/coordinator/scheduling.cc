@@ -5,6 +5,7 @@
 #include <map>
 #include <utility>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "common/compute_dtype.h"
@@ -122,6 +123,9 @@ void Scheduler::ReviewRunsLocked(const Alive& alive, StoreWork* work) {
       continue;
     }
     RepairRunLocked(job_id, run, *job, alive, &work->aborts);
+    if (ForgetFullStoresLocked(run)) {
+      if (absl::Status s = PersistLocked(run); !s.ok()) LOG(ERROR) << s;
+    }
     if (std::exchange(run.verify_stores, false)) {
       for (const std::string& id : JobStores(run)) {
         auto store = alive.stores.find(id);
@@ -262,8 +266,9 @@ void Scheduler::RepairRunLocked(const std::string& job_id, Run& run, const v1::J
     note_workers("none is free");  // a job a restarted coordinator reloaded with none
     return;
   }
-  std::string reason = lost.empty() ? (stores_lost ? "a store died or was lost" : "a worker joined")
-                                    : absl::StrCat("worker ", lost.front(), " died");
+  std::string reason =
+      lost.empty() ? (stores_lost ? "a store died or was lost to the job" : "a worker joined")
+                   : absl::StrCat("worker ", lost.front(), " died");
   AbortLocked(run, reason, aborts);
   run.failed_attempts = 0;  // failures while a member was dying do not count against the job
   for (const std::string& w : lost) worker_job_.erase(w);
@@ -281,6 +286,34 @@ void Scheduler::RepairRunLocked(const std::string& job_id, Run& run, const v1::J
   ReplaceLocked(run, job, alive.store_ids(), alive.placeable_ids());
   absl::Status s = PersistLocked(run);
   if (!s.ok()) LOG(ERROR) << s;
+}
+
+bool Scheduler::ForgetFullStoresLocked(Run& run) {
+  const absl::Time now = options_.clock();
+  std::set<std::string> placed;
+  for (const v1::ExpertPlacement& e : run.record.placement().experts()) {
+    placed.insert(e.store_ids().begin(), e.store_ids().end());
+    placed.insert(e.joining_store_ids().begin(), e.joining_store_ids().end());
+  }
+  bool forgot = false;
+  auto* lost = run.record.mutable_lost_stores();
+  for (auto it = lost->begin(); it != lost->end();) {
+    if (!absl::StartsWith(it->second, kFullDiskLoss)) {
+      ++it;
+      continue;
+    }
+    const absl::Time since = run.full_since.emplace(it->first, now).first->second;
+    if (now - since < kFullStoreCooldown || placed.count(it->first)) {
+      ++it;
+      continue;
+    }
+    LOG(INFO) << "job " << run.record.job_id() << " may use store " << it->first
+              << " again once it has disk room";
+    run.full_since.erase(it->first);
+    it = lost->erase(it);
+    forgot = true;
+  }
+  return forgot;
 }
 
 void Scheduler::ReplaceLocked(Run& run, const v1::Job& job,

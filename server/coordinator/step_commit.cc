@@ -235,8 +235,9 @@ bool Scheduler::DropFullStoreLocked(Run& run, const std::string& store, const st
     it = alive.stores.count(*it) > 0 && !alive.full.count(*it) ? std::next(it) : others.erase(it);
   }
   if (!UnheldGroup(run, others).empty()) return false;  // it holds a group's only copy
-  StoreTroubleLocked(run, store, "puts", absl::StrCat("its disk is full (", why, ")"),
+  StoreTroubleLocked(run, store, "puts", absl::StrCat(kFullDiskLoss, " (", why, ")"),
                      /*refused=*/true);
+  run.full_since[store] = options_.clock();
   return true;
 }
 

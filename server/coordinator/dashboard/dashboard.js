@@ -35,6 +35,14 @@ function words(enumName, prefix) {
   return String(enumName || "").replace(prefix, "").toLowerCase();
 }
 
+// A store's disk: "disk full" under its reserve (puts refused), "disk low" under twice
+// it (no new copies), else "ok"; a worker's: "ok".
+function diskWord(store, m) {
+  const free = Number(m.disk_free_bytes || 0), reserve = Number(m.disk_reserve_bytes || 0);
+  if (!store || reserve === 0) return "ok";
+  return free < reserve ? "disk full" : free < 2 * reserve ? "disk low" : "ok";
+}
+
 function bytes(n) {
   n = Number(n || 0);
   const units = ["B", "KiB", "MiB", "GiB", "TiB"];
@@ -113,8 +121,7 @@ function renderMembers(cluster) {
       el("td", {}, m.member_id),
       el("td", {}, words(m.role, "MEMBER_ROLE_")),
       el("td", { class: `state-${state}` }, state),
-      el("td", {}, m.health || (store && Number(m.disk_free_bytes || 0) <
-                                Number(m.disk_reserve_bytes || 0) ? "disk full" : "ok")),
+      el("td", {}, m.health || diskWord(store, m)),
       el("td", {}, store ? `${bytes(m.ram_bytes)} RAM · ${bytes(m.rocksdb_bytes)} disk · ` +
                            `${bytes(m.disk_free_bytes)} free`
                          : words(m.backend, "BACKEND_")),
