@@ -430,6 +430,16 @@ absl::Status ClusterDrain(const CliContext& ctx, const Args& args, std::ostream&
       } else if (drain->can_stop()) {
         out << store << " is drained: nothing is placed on it any more; its process can be "
             << "stopped now\n";
+        // A drain moves running jobs' blobs only: an ended job's weights stay where they
+        // were, and may be on this store alone.
+        for (const v1::MemberInfo& m : c.stores()) {
+          if (m.member_id() != store || m.rocksdb_bytes() == 0) continue;
+          out << absl::StrFormat(
+              "note: it still holds %.1f MB on disk: ended jobs' weights (a drain moves running "
+              "jobs' only) or blobs being deleted; pith checkpoint the ended jobs you keep "
+              "before stopping it\n",
+              m.rocksdb_bytes() / 1e6);
+        }
       } else {
         out << "the drain goes on; pith cluster shows its progress and when " << store
             << " can be stopped\n";
