@@ -428,17 +428,20 @@ absl::Status ClusterDrain(const CliContext& ctx, const Args& args, std::ostream&
       if (ctx.json) {
         out << Json(*drain) << "\n";
       } else if (drain->can_stop()) {
-        out << store << " is drained: nothing is placed on it any more; its process can be "
-            << "stopped now\n";
         // A drain moves running jobs' blobs only: an ended job's weights stay where they
         // were, and may be on this store alone.
+        uint64_t held = 0;
         for (const v1::MemberInfo& m : c.stores()) {
-          if (m.member_id() != store || m.rocksdb_bytes() == 0) continue;
+          if (m.member_id() == store) held = m.rocksdb_bytes();
+        }
+        out << store << " is drained: nothing is placed on it any more; its process can be "
+            << "stopped now\n";
+        if (held > 0) {
           out << absl::StrFormat(
-              "note: it still holds %.1f MB on disk: ended jobs' weights (a drain moves running "
-              "jobs' only) or blobs being deleted; pith checkpoint the ended jobs you keep "
-              "before stopping it\n",
-              m.rocksdb_bytes() / 1e6);
+              "but first: it still holds %.1f MB of blob versions, ended jobs' weights (a "
+              "drain moves running jobs' only) or blobs being deleted; pith checkpoint the "
+              "ended jobs you keep\n",
+              held / 1e6);
         }
       } else {
         out << "the drain goes on; pith cluster shows its progress and when " << store
@@ -493,8 +496,8 @@ absl::Status Cluster(const CliContext& ctx, const Args& args, std::ostream& out)
       if (m.disk_reserve_bytes() > 0 && m.disk_free_bytes() < m.disk_reserve_bytes()) {
         out << absl::StrFormat("  DISK FULL (under --disk_reserve_bytes, %.1f MB: puts refused)",
                                m.disk_reserve_bytes() / 1e6);
-      } else if (m.disk_reserve_bytes() > 0 && m.disk_free_bytes() / 2 < m.disk_reserve_bytes()) {
-        out << "  disk low (under twice --disk_reserve_bytes: no new copies)";
+      } else if (m.disk_low()) {
+        out << "  disk low (no new copies; its copies move to stores with room)";
       }
     } else {
       out << "  " << (m.backend() == v1::BACKEND_CUDA ? "cuda" : "cpu");

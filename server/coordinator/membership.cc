@@ -92,6 +92,7 @@ absl::StatusOr<std::string> Membership::Register(v1::MemberInfo member,
   const std::string id = member.member_id();
   LOG_IF(ERROR, !member.health().empty())
       << id << " registered unhealthy and counts as dead: " << member.health();
+  NoteDiskLocked(member);
   members_[id] = std::move(member);
   return id;
 }
@@ -176,6 +177,7 @@ absl::StatusOr<v1::MemberState> Membership::Heartbeat(const std::string& member_
   m.set_rocksdb_bytes(status.rocksdb_bytes());
   m.set_disk_free_bytes(status.disk_free_bytes());
   m.set_disk_reserve_bytes(status.disk_reserve_bytes());
+  NoteDiskLocked(m);
   if (status.capacity_bytes() != 0) m.set_capacity_bytes(status.capacity_bytes());
   if (!status.job_id().empty()) m.set_job_id(status.job_id());
   if (status.health() != m.health()) {
@@ -248,11 +250,33 @@ std::vector<std::string> Membership::ExpireLeases() {
   return dead;
 }
 
+void Membership::NoteDiskLocked(const v1::MemberInfo& m) {
+  const uint64_t free = m.disk_free_bytes(), reserve = m.disk_reserve_bytes();
+  auto low = low_disk_.find(m.member_id());
+  if (reserve > 0 && free / 2 < reserve) {
+    if (low == low_disk_.end()) {
+      LOG(WARNING) << "store " << m.member_id() << " is low on disk (" << free
+                   << " bytes free, reserve " << reserve << "): it takes no new copies";
+      low_disk_.emplace(m.member_id(), clock_());
+    }
+    return;
+  }
+  if (low == low_disk_.end()) return;
+  // No figures (a store without a disk tier), or room with a margin for long enough.
+  if (reserve == 0 || (free / 3 >= reserve && clock_() - low->second >= kLowDiskCooldown)) {
+    LOG(INFO) << "store " << m.member_id() << " has disk room again (" << free
+              << " bytes free): it takes new copies";
+    low_disk_.erase(low);
+  }
+}
+
 std::vector<v1::MemberInfo> Membership::Members(v1::MemberRole role) const {
   absl::MutexLock lock(&mu_);
   std::vector<v1::MemberInfo> out;
   for (const auto& [id, m] : members_) {
-    if (m.role() == role) out.push_back(m);
+    if (m.role() != role) continue;
+    out.push_back(m);
+    out.back().set_disk_low(low_disk_.count(id) > 0);
   }
   return out;
 }
@@ -271,9 +295,7 @@ Alive Snapshot(const Membership& members) {
       if (m.state() != v1::MEMBER_STATE_ALIVE && !(store && draining)) continue;
       if (!m.health().empty()) continue;  // a stopped tier: as good as dead
       if (draining) a.draining.insert(m.member_id());
-      if (store && m.disk_reserve_bytes() > 0 && m.disk_free_bytes() / 2 < m.disk_reserve_bytes()) {
-        a.full.insert(m.member_id());
-      }
+      if (store && m.disk_low()) a.full.insert(m.member_id());
       (store ? a.stores : a.workers)[m.member_id()] = std::move(m);
     }
   }

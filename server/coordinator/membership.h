@@ -88,7 +88,7 @@ class Membership {
   // The identity an id is bound to (nullopt for an id without one, or unknown).
   std::optional<std::string> IdentityOf(const std::string& member_id) const;
 
-  // Every member of a role (dead ones included), by id.
+  // Every member of a role (dead ones included), by id; stores with disk_low set.
   std::vector<v1::MemberInfo> Members(v1::MemberRole role) const;
 
  private:
@@ -98,6 +98,13 @@ class Membership {
   std::map<std::string, v1::MemberInfo> members_ ABSL_GUARDED_BY(mu_);
   std::map<v1::MemberRole, int> next_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, v1::MemberState> drains_ ABSL_GUARDED_BY(mu_);  // DRAINING or DRAINED
+  std::map<std::string, absl::Time> low_disk_ ABSL_GUARDED_BY(mu_);     // since when
+  // Judges a store's disk from its figures (MemberInfo.disk_low: it takes no new copies,
+  // Alive::full). A store becomes low under twice its --disk_reserve_bytes free, and is
+  // low until it has three times its reserve free and kLowDiskCooldown has passed:
+  // without the margin and the wait, a store that sheds its copies to other stores and so
+  // frees its disk would take them back at once, and the copies would go back and forth.
+  void NoteDiskLocked(const v1::MemberInfo& m) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   std::map<std::string, std::string> id_of_identity_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, std::string> identity_of_id_ ABSL_GUARDED_BY(mu_);
   PersistIdentity persist_ ABSL_GUARDED_BY(mu_);
@@ -115,6 +122,9 @@ class Membership {
   std::string NewIdLocked(v1::MemberRole role) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 };
 
+// How long a store low on disk stays so at least (MemberInfo.disk_low).
+inline constexpr absl::Duration kLowDiskCooldown = absl::Minutes(5);
+
 // The members alive at one moment: every decision of a scheduler pass is made on one
 // snapshot, so that a member dying meanwhile is seen by the next pass, not half of this one.
 struct Alive {
@@ -125,9 +135,9 @@ struct Alive {
   // Dead stores: when their lease ran out (Unix ms, coordinator clock).
   std::map<std::string, int64_t> stores_down_since_ms;
   std::set<std::string> draining;  // live stores draining or drained: no new placement
-  // Live stores with less than twice their --disk_reserve_bytes free (under once, they
-  // refuse puts; just above it, every put bigger than what is left): no new copies go to
-  // them until they have room again, nor do their copies count as room for a job's
+  // Live stores low on disk (MemberInfo.disk_low; under their --disk_reserve_bytes they
+  // refuse puts, and just above it every put bigger than what is left): no new copies go
+  // to them until they have room again, nor do their copies count as room for a job's
   // groups when another store of the job refuses puts for want of disk.
   std::set<std::string> full;
   std::vector<std::string> store_ids() const {

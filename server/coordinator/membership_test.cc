@@ -153,25 +153,42 @@ TEST(MembershipTest, AnUnhealthyStoreCountsAsDead) {
   EXPECT_EQ(Snapshot(members).stores.count(*id), 1u);
 }
 
-// A store with less than twice its disk reserve free still serves what it holds, but
-// takes no new copies until it has room again (just above the reserve, every put bigger
-// than what is left is refused).
-TEST(MembershipTest, AFullStoreServesButTakesNoNewCopies) {
-  Membership members(absl::Seconds(3));
+// A store with less than twice its disk reserve free is low on disk: it still serves
+// what it holds, but takes no new copies (just above the reserve, every put bigger than
+// what is left is refused). It is low until it has three times its reserve free and five
+// minutes have passed, so that copies do not go back and forth as it sheds them.
+TEST(MembershipTest, AStoreLowOnDiskServesButTakesNoNewCopies) {
+  absl::Time now = absl::FromUnixSeconds(1000);
+  Membership members(absl::Seconds(3), [&] { return now; });
   auto id = members.Register(Store(kA));
   ASSERT_TRUE(id.ok()) << id.status();
-  v1::MemberInfo status;
-  status.set_disk_reserve_bytes(64 << 20);
-  status.set_disk_free_bytes(128 << 20);  // twice the reserve: room still
-  ASSERT_TRUE(members.Heartbeat(*id, status).ok());
+  auto heartbeat = [&](uint64_t free, uint64_t reserve) {
+    v1::MemberInfo status;
+    status.set_disk_reserve_bytes(reserve);
+    status.set_disk_free_bytes(free);
+    return members.Heartbeat(*id, status).ok();
+  };
+  const uint64_t reserve = 64 << 20;
+  ASSERT_TRUE(heartbeat(2 * reserve, reserve));  // twice the reserve: room still
   EXPECT_TRUE(Snapshot(members).placeable(*id));
-  status.set_disk_free_bytes((128 << 20) - 1);
-  ASSERT_TRUE(members.Heartbeat(*id, status).ok());
+  ASSERT_TRUE(heartbeat(2 * reserve - 1, reserve));
   Alive alive = Snapshot(members);
   EXPECT_EQ(alive.stores.count(*id), 1u);
   EXPECT_FALSE(alive.placeable(*id));
   EXPECT_TRUE(alive.placeable_ids().empty());
-  ASSERT_TRUE(members.Heartbeat(*id, v1::MemberInfo()).ok());  // no disk figures: not full
+  EXPECT_TRUE(members.Members(v1::MEMBER_ROLE_STORE).front().disk_low());
+  ASSERT_TRUE(heartbeat(2 * reserve, reserve));  // not yet three times
+  EXPECT_FALSE(Snapshot(members).placeable(*id));
+  now += kLowDiskCooldown - absl::Seconds(2);
+  ASSERT_TRUE(heartbeat(3 * reserve, reserve));  // not yet five minutes
+  EXPECT_FALSE(Snapshot(members).placeable(*id));
+  now += absl::Seconds(2);
+  ASSERT_TRUE(heartbeat(3 * reserve, reserve));
+  EXPECT_TRUE(Snapshot(members).placeable(*id));
+  EXPECT_FALSE(members.Members(v1::MEMBER_ROLE_STORE).front().disk_low());
+  ASSERT_TRUE(heartbeat(reserve - 1, reserve));  // under the reserve itself
+  EXPECT_FALSE(Snapshot(members).placeable(*id));
+  ASSERT_TRUE(members.Heartbeat(*id, v1::MemberInfo()).ok());  // no disk figures: not low
   EXPECT_EQ(Snapshot(members).placeable_ids(), std::vector<std::string>{*id});
 }
 

@@ -97,11 +97,11 @@ absl::Status Scheduler::Recover() {
     }
     run.committed = job->committed_step();
     // A job that gave its workers back to wait for more still waits, and says so.
-    run.no_workers = run.record.workers().empty() && run.record.min_workers() > 0;
     const bool waits_for_workers =
-        run.no_workers &&
+        run.record.workers().empty() && run.record.min_workers() > 0 &&
         absl::StartsWith(job->pending_reason(),
                          absl::StrCat("waiting for ", run.record.min_workers(), " workers"));
+    run.no_workers = waits_for_workers;
     if (!job->pending_reason().empty() && !waits_for_workers) {
       // A wait for a store: the new process's to judge.
       (void)jobs_->Update(job->job_id(), [](v1::Job& j) {

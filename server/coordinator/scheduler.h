@@ -371,8 +371,8 @@ class Scheduler {
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Why a store dropped that way is lost to the job (record.lost_stores), for
   // kFullStoreCooldown and until the job's placement no longer names it: then it is
-  // forgotten (its blobs of the job went, as any store's that left a group), and it may
-  // take copies of the job again once it has room. The wait keeps a store that fills
+  // forgotten (its blobs of the job go as any store's that left a group), and it may take
+  // copies of the job again once it has room. The wait keeps a store that fills
   // again with the job's copies from cycling in and out of it at every step.
   static constexpr char kFullDiskLoss[] = "its disk is full";
   // True when it forgot one (the record is to be persisted).

@@ -297,6 +297,9 @@ bool Scheduler::ForgetFullStoresLocked(Run& run) {
   }
   bool forgot = false;
   auto* lost = run.record.mutable_lost_stores();
+  for (auto it = run.full_since.begin(); it != run.full_since.end();) {
+    it = lost->contains(it->first) ? std::next(it) : run.full_since.erase(it);
+  }
   for (auto it = lost->begin(); it != lost->end();) {
     if (!absl::StartsWith(it->second, kFullDiskLoss)) {
       ++it;
@@ -417,7 +420,7 @@ void Scheduler::SchedulePendingLocked(const Alive& alive) {
                                   : alive.full.empty()
                                       ? "waiting for a store that is not draining"
                                       : "waiting for a store that is not draining and has disk "
-                                        "room (pith cluster: DISK FULL)");
+                                        "room (pith cluster: disk low or DISK FULL)");
       continue;
     }
     std::vector<std::string> idle = IdleWorkersLocked(alive, job, {}, cuda_reserved);

@@ -35,12 +35,12 @@ function words(enumName, prefix) {
   return String(enumName || "").replace(prefix, "").toLowerCase();
 }
 
-// A store's disk: "disk full" under its reserve (puts refused), "disk low" under twice
-// it (no new copies), else "ok"; a worker's: "ok".
+// A store's disk: "disk full" under its reserve (puts refused), "disk low" while the
+// coordinator says so (no new copies), else "ok"; a worker's: "ok".
 function diskWord(store, m) {
   const free = Number(m.disk_free_bytes || 0), reserve = Number(m.disk_reserve_bytes || 0);
   if (!store || reserve === 0) return "ok";
-  return free < reserve ? "disk full" : free < 2 * reserve ? "disk low" : "ok";
+  return free < reserve ? "disk full" : m.disk_low ? "disk low" : "ok";
 }
 
 function bytes(n) {
