@@ -5,7 +5,6 @@
 // RocksDB meets it, commits go on, and a start says so in one line.
 #include <fcntl.h>
 #include <signal.h>
-#include <sys/mount.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -22,6 +21,7 @@
 #include "common/crc32c.h"
 #include "common/file.h"
 #include "common/status.h"
+#include "common/tmpfs_testing.h"
 #include "gtest/gtest.h"
 #include "server/store/cold_tier.h"
 
@@ -127,7 +127,7 @@ void ExpectStep(ColdTier& tier, const std::vector<std::string>& keys, int64_t st
 }
 
 TEST(RocksColdTierSyncTest, CommitsSurviveKillBeforeAnySyncPoint) {
-  const std::string dir = testing::TempDir() + "/rocks_sync_kill";
+  const std::string dir = ::testing::TempDir() + "/rocks_sync_kill";
   CommitStepsAndKill(dir, absl::Hours(1), 8);  // no sync point comes
   auto tier = OpenRocksColdTier(dir, Interval(absl::Hours(1)));
   ASSERT_TRUE(tier.ok()) << tier.status();
@@ -135,7 +135,7 @@ TEST(RocksColdTierSyncTest, CommitsSurviveKillBeforeAnySyncPoint) {
 }
 
 TEST(RocksColdTierSyncTest, AStopBeforeTheSyncPointIsRefusedNotServed) {
-  const std::string dir = testing::TempDir() + "/rocks_sync_lost";
+  const std::string dir = ::testing::TempDir() + "/rocks_sync_lost";
   CommitStepsAndKill(dir, absl::Hours(1), 3);
   // The records reached the disk, the log bytes did not: the restart says so.
   ZeroLogFiles(dir);
@@ -150,7 +150,7 @@ TEST(RocksColdTierSyncTest, AStopBeforeTheSyncPointIsRefusedNotServed) {
 }
 
 TEST(RocksColdTierSyncTest, ASyncPointCoversEveryCommitBeforeIt) {
-  const std::string dir = testing::TempDir() + "/rocks_sync_point";
+  const std::string dir = ::testing::TempDir() + "/rocks_sync_point";
   // The group sync runs within the half second.
   CommitStepsAndKill(dir, absl::Milliseconds(20), 4, absl::Milliseconds(500));
   // Every committed byte was on disk before the kill, as the marker says: nothing to
@@ -161,7 +161,7 @@ TEST(RocksColdTierSyncTest, ASyncPointCoversEveryCommitBeforeIt) {
 }
 
 TEST(RocksColdTierSyncTest, AVersionDroppedBeforeTheSyncPointLeavesNoBytesToWrite) {
-  const std::string dir = testing::TempDir() + "/rocks_sync_punch";
+  const std::string dir = ::testing::TempDir() + "/rocks_sync_punch";
   std::filesystem::remove_all(dir);
   auto tier = OpenRocksColdTier(dir, Interval(absl::Hours(1)));
   ASSERT_TRUE(tier.ok()) << tier.status();
@@ -190,22 +190,16 @@ TEST(RocksColdTierSyncTest, AVersionDroppedBeforeTheSyncPointLeavesNoBytesToWrit
 }
 
 TEST(RocksColdTierSyncTest, EveryCommitSyncedWithAZeroInterval) {
-  const std::string dir = testing::TempDir() + "/rocks_sync_zero";
+  const std::string dir = ::testing::TempDir() + "/rocks_sync_zero";
   CommitStepsAndKill(dir, absl::ZeroDuration(), 3);
   ZeroLogFiles(dir);  // on disk at each commit: nothing left to check
   EXPECT_TRUE(OpenRocksColdTier(dir, Interval(absl::ZeroDuration())).ok());
 }
 
 TEST(RocksColdTierDiskTest, AFullDiskRefusesPutsKeepsCommitsAndIsNamedAtStart) {
-  const std::string mnt = testing::TempDir() + "/rocks_full_" + std::to_string(getpid());
-  std::filesystem::create_directories(mnt);
-  if (::mount("tmpfs", mnt.c_str(), "tmpfs", 0, "size=24m") != 0) {
-    GTEST_SKIP() << "cannot mount a small tmpfs here (needs root): " << std::strerror(errno);
-  }
-  struct Unmount {
-    std::string path;
-    ~Unmount() { ::umount2(path.c_str(), MNT_DETACH); }
-  } unmount{mnt};
+  const std::string mnt = ::testing::TempDir() + "/rocks_full_" + std::to_string(getpid());
+  const pith::testing::ScopedTmpfs tmpfs(mnt, "24m");
+  if (!tmpfs.mounted()) GTEST_SKIP() << tmpfs.why();
   const std::string dir = mnt + "/store";
   RocksColdTierOptions options = Interval(absl::ZeroDuration());
   options.disk_reserve_bytes = 8 << 20;

@@ -1,7 +1,6 @@
 // A real pith-store process over UCX loopback: put, get, commit, abort, batched get, a RAM
 // budget far below the data, kill -9 mid-step and restart, a power cut right after a
 // commit (root: ext4 on a loop device), and bad input on both planes.
-#include <sys/mount.h>
 
 #include <atomic>
 #include <csignal>
@@ -26,6 +25,7 @@
 #include "common/grpc_util.h"
 #include "common/safetensors.h"
 #include "common/status.h"
+#include "common/tmpfs_testing.h"
 #include "gtest/gtest.h"
 #include "pith/v1/store.grpc.pb.h"
 #include "scratch_dir.h"
@@ -488,14 +488,8 @@ int BlobsAtStepOneAfterAPowerCut(StoreE2eTest* t, const std::vector<std::string>
 // copies); a put refused for another limit does not. The store keeps serving.
 TEST_F(StoreE2eTest, APutRefusedForWantOfDiskIsToldFromOtherLimits) {
   const std::string mnt = dir_ + "/mnt";
-  std::filesystem::create_directories(mnt);
-  if (::mount("tmpfs", mnt.c_str(), "tmpfs", 0, "size=160m") != 0) {
-    GTEST_SKIP() << "cannot mount a small tmpfs here (needs root): " << std::strerror(errno);
-  }
-  struct Unmount {
-    std::string path;
-    ~Unmount() { ::umount2(path.c_str(), MNT_DETACH); }
-  } unmount{mnt};
+  const pith::testing::ScopedTmpfs tmpfs(mnt, "160m");
+  if (!tmpfs.mounted()) GTEST_SKIP() << tmpfs.why();
   ASSERT_NO_FATAL_FAILURE(StartStore(64 << 20, 4 << 20, mnt + "/data",
                                      {"--disk_reserve_bytes=" + std::to_string(8 << 20)}));
   const std::vector<uint8_t> blob = Bytes(1 << 20, 3);

@@ -42,29 +42,38 @@ class FrozenCoordinator final : public v1::CoordinatorService::Service {
   }
 };
 
-class CoordinatorLinkTest : public ::testing::Test {
- protected:
-  void SetUp() override {
+// `service` served on a loopback port, and a stub to it; shut down when it goes.
+struct LocalCoordinator {
+  explicit LocalCoordinator(grpc::Service* service) {
     grpc::ServerBuilder builder;
     int port = 0;
     builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
-    builder.RegisterService(&service_);
-    server_ = builder.BuildAndStart();
-    ASSERT_NE(server_, nullptr);
-    stub_ = v1::CoordinatorService::NewStub(grpc::CreateChannel(
-        "127.0.0.1:" + std::to_string(port), grpc::InsecureChannelCredentials()));
+    builder.RegisterService(service);
+    server = builder.BuildAndStart();
+    if (server == nullptr) return;  // the test checks
+    stub = v1::CoordinatorService::NewStub(grpc::CreateChannel("127.0.0.1:" + std::to_string(port),
+                                                               grpc::InsecureChannelCredentials()));
   }
-  void TearDown() override { server_->Shutdown(absl::ToChronoTime(absl::Now())); }
+  ~LocalCoordinator() {
+    if (server != nullptr) server->Shutdown(absl::ToChronoTime(absl::Now()));
+  }
+  std::unique_ptr<grpc::Server> server;
+  std::unique_ptr<v1::CoordinatorService::Stub> stub;
+};
+
+class CoordinatorLinkTest : public ::testing::Test {
+ protected:
+  void SetUp() override { ASSERT_NE(local_.server, nullptr); }
 
   FrozenCoordinator service_;
-  std::unique_ptr<grpc::Server> server_;
-  std::unique_ptr<v1::CoordinatorService::Stub> stub_;
+  LocalCoordinator local_{&service_};
+  v1::CoordinatorService::Stub* const stub_ = local_.stub.get();
 };
 
 // A stopping worker does not wait out a minute-long ReportStepWritten to a coordinator
 // that does not answer: Cancel ends it, and every later call fails at once.
 TEST_F(CoordinatorLinkTest, CancelEndsTheCallInFlightAndEveryLaterOne) {
-  CoordinatorLink link(stub_.get(), "worker-0");
+  CoordinatorLink link(stub_, "worker-0");
   absl::Status reported;
   absl::Time ended;
   std::thread caller([&] {
@@ -88,7 +97,7 @@ TEST_F(CoordinatorLinkTest, CancelEndsTheCallInFlightAndEveryLaterOne) {
 // the join) still ends that attempt's waits once the join starts it: the watch keeps
 // abandoning the attempt it watches for as long as it stops.
 TEST_F(CoordinatorLinkTest, AStoppingWatchAbandonsAnAttemptStartedAfterTheStop) {
-  CoordinatorLink link(stub_.get(), "worker-0");
+  CoordinatorLink link(stub_, "worker-0");
   std::atomic<uint64_t> current{3};  // the peer group's attempt: the previous run's
   std::atomic<bool> abandoned{false}, stop{true};
   AbortWatch watch(
@@ -132,15 +141,9 @@ class MovedOnCoordinator final : public v1::CoordinatorService::Service {
 // the worker's step is left.
 TEST(AbortWatchTest, AWorkerLeftBehindAbandonsItsAttempt) {
   MovedOnCoordinator service;
-  grpc::ServerBuilder builder;
-  int port = 0;
-  builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
-  builder.RegisterService(&service);
-  std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
-  ASSERT_NE(server, nullptr);
-  auto stub = v1::CoordinatorService::NewStub(
-      grpc::CreateChannel("127.0.0.1:" + std::to_string(port), grpc::InsecureChannelCredentials()));
-  CoordinatorLink link(stub.get(), "worker-0");
+  LocalCoordinator local(&service);
+  ASSERT_NE(local.server, nullptr);
+  CoordinatorLink link(local.stub.get(), "worker-0");
   for (const std::string kind :
        {"same attempt", "newer attempt", "ended after it", "ended with it", "ended before it"}) {
     SCOPED_TRACE(kind);
@@ -160,7 +163,6 @@ TEST(AbortWatchTest, AWorkerLeftBehindAbandonsItsAttempt) {
     }
     EXPECT_EQ(abandoned > 0, kind != "same attempt" && kind != "ended with it");
   }
-  server->Shutdown(absl::ToChronoTime(absl::Now()));
 }
 
 // A put refused for want of disk is named after the store of the put it came from (not
@@ -194,18 +196,11 @@ TEST(FullStoreReportTest, TheFailureNamesTheStoreThatRefusedThePut) {
     absl::Mutex mu;
     std::vector<v1::StepWrittenRequest> reports ABSL_GUARDED_BY(mu);
   } service;
-  grpc::ServerBuilder builder;
-  int port = 0;
-  builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
-  builder.RegisterService(&service);
-  std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
-  ASSERT_NE(server, nullptr);
-  auto stub = v1::CoordinatorService::NewStub(
-      grpc::CreateChannel("127.0.0.1:" + std::to_string(port), grpc::InsecureChannelCredentials()));
-  CoordinatorLink link(stub.get(), "worker-0");
+  LocalCoordinator local(&service);
+  ASSERT_NE(local.server, nullptr);
+  CoordinatorLink link(local.stub.get(), "worker-0");
   link.ReportFailure("job", 3, 5, named);
   link.ReportFailure("job", 3, 5, late);
-  server->Shutdown(absl::ToChronoTime(absl::Now()));
   absl::MutexLock lock(&service.mu);
   ASSERT_EQ(service.reports.size(), 2u);
   EXPECT_EQ(service.reports[0].full_store_id(), "store-2");

@@ -137,8 +137,9 @@ absl::Status NamePutFailure(absl::Span<const store::StoreClient::PutItem> items,
     if (item.status != failure) continue;
     for (const auto& [id, peer] : store_peer) {
       if (peer != item.peer) continue;
-      const std::string named = absl::StrCat("store ", id, ": ", failure.message());
-      return IsDiskFull(failure) ? DiskFullError(named, id) : absl::Status(failure.code(), named);
+      absl::Status named = Annotate(failure, absl::StrCat("store ", id));
+      if (IsDiskFull(named)) named.SetPayload(kDiskFullPayload, absl::Cord(id));
+      return named;
     }
     break;
   }
