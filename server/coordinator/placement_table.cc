@@ -51,7 +51,11 @@ v1::PlacementTable BuildPlacement(const v1::Job& job, const std::vector<std::str
         e->add_store_ids(std::move(id));
       }
     }
-    if (layer < 0 || workers.empty()) return;
+    if (layer < 0) return;
+    if (workers.empty()) {  // its owners' ranks wait for the workers that take them
+      if (it != before.end()) *e->mutable_owners() = it->second->owners();
+      return;
+    }
     for (const auto& [rank, share] : plan.at(layer).at(expert)) {
       v1::ComputeOwner* o = e->add_owners();
       o->set_worker_id(workers.at(rank));
@@ -137,21 +141,22 @@ std::vector<std::string> DesiredStores(const v1::Job& job, int layer, int expert
   return RendezvousStores(GroupName(job.job_id(), layer, expert), live, want);
 }
 
-std::optional<ComputePlan> KeptPlan(const v1::PlacementTable& placement,
-                                    const std::vector<std::string>& workers,
+std::optional<ComputePlan> KeptPlan(const v1::PlacementTable& placement, int workers,
                                     const v1::ModelConfig& m) {
+  if (workers <= 0) return std::nullopt;
   ComputePlan plan(m.n_layer(), std::vector<Owners>(m.n_expert()));
+  std::vector<bool> owns(workers, false);
   for (const v1::ExpertPlacement& e : placement.experts()) {
     if (e.layer() < 0) continue;
     if (e.layer() >= m.n_layer() || e.expert() >= m.n_expert()) return std::nullopt;
     for (const v1::ComputeOwner& o : e.owners()) {
-      if (o.rank() < 0 || o.rank() >= static_cast<int>(workers.size()) ||
-          workers[o.rank()] != o.worker_id()) {
-        return std::nullopt;
-      }
+      if (o.rank() < 0 || o.rank() >= workers) return std::nullopt;
+      owns[o.rank()] = true;
       plan[e.layer()][e.expert()].push_back({o.rank(), o.token_share()});
     }
   }
+  // A plan made for fewer ranks (the job grew) leaves the new ones idle: plan afresh.
+  if (std::find(owns.begin(), owns.end(), false) != owns.end()) return std::nullopt;
   for (const auto& layer : plan) {
     for (const Owners& owners : layer) {
       if (owners.empty()) return std::nullopt;

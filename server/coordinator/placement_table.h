@@ -29,7 +29,8 @@ std::pair<int, int> GroupOf(int layer, int expert);
 
 // The placement of a job over `workers` (member ids by rank) and `stores`: every expert
 // group keeps the store copies `previous` lists, new groups get RendezvousStores over
-// `stores` with the spec's replica count; compute owners come from `plan`. The dense
+// `stores` with the spec's replica count; compute owners come from `plan` (with no
+// workers, from `previous`: a job waiting for workers keeps its plan by rank). The dense
 // tensors are one group (layer -1, empty tensor name): every dense blob of the job lives
 // on its stores.
 v1::PlacementTable BuildPlacement(const v1::Job& job, const std::vector<std::string>& workers,
@@ -67,10 +68,11 @@ std::vector<std::string> DesiredStores(const v1::Job& job, int layer, int expert
                                        const std::vector<std::string>& live, const HeatMap* heat,
                                        const std::vector<double>& means);
 
-// The compute owners of `placement` as a plan, when every owner is still the worker of its
-// rank in `workers` (and every expert has owners); nullopt otherwise.
-std::optional<ComputePlan> KeptPlan(const v1::PlacementTable& placement,
-                                    const std::vector<std::string>& workers,
+// The compute owners of `placement` as a plan for `workers` ranks, by rank (whichever
+// worker now holds a rank takes its experts), when that plan was made for as many ranks:
+// every rank below `workers` owns an expert, none above, and every expert has owners.
+// nullopt otherwise (the job's worker count changed, or it has no owners).
+std::optional<ComputePlan> KeptPlan(const v1::PlacementTable& placement, int workers,
                                     const v1::ModelConfig& m);
 
 }  // namespace pith::coordinator

@@ -69,14 +69,28 @@ TEST(PlacementTableTest, ComputeOwnersComeFromThePlanByRank) {
     EXPECT_EQ(e.owners(0).worker_id(), rank == 0 ? "w0" : "w1");
     EXPECT_DOUBLE_EQ(e.owners(0).token_share(), 1.0);
   }
-  // The same workers keep the same plan; a replaced worker voids it.
-  const std::optional<ComputePlan> kept = KeptPlan(t, {"w0", "w1"}, job.spec().model());
+  // As many workers keep the plan by rank (a spare in a dead worker's rank takes its
+  // experts); fewer or more void it.
+  const std::optional<ComputePlan> kept = KeptPlan(t, 2, job.spec().model());
   ASSERT_TRUE(kept.has_value());
   EXPECT_EQ(*kept, plan);
-  EXPECT_FALSE(KeptPlan(t, {"w0", "w9"}, job.spec().model()).has_value());
-  EXPECT_FALSE(KeptPlan(t, {"w0"}, job.spec().model()).has_value());
+  const v1::PlacementTable spare = BuildPlacement(job, {"w9", "w1"}, {}, *kept, &t, 2, 0);
+  for (const v1::ExpertPlacement& e : spare.experts()) {
+    if (e.layer() < 0) continue;
+    EXPECT_EQ(e.owners(0).worker_id(), e.owners(0).rank() == 0 ? "w9" : "w1");
+  }
+  EXPECT_FALSE(KeptPlan(t, 1, job.spec().model()).has_value());
+  EXPECT_FALSE(KeptPlan(t, 0, job.spec().model()).has_value());
+  // A plan made for one worker leaves a second idle: a grown job plans afresh.
+  const v1::PlacementTable one =
+      BuildPlacement(job, {"w0"}, {"s0"}, RoundRobinPlan(2, 4, 1), nullptr, 1, 0);
+  EXPECT_TRUE(KeptPlan(one, 1, job.spec().model()).has_value());
+  EXPECT_FALSE(KeptPlan(one, 2, job.spec().model()).has_value());
+  // With no workers the owners wait in the table, ranks and all, for the next ones.
+  const v1::PlacementTable waiting = BuildPlacement(job, {}, {}, {}, &t, 2, 0);
+  EXPECT_EQ(KeptPlan(waiting, 2, job.spec().model()), plan);
   const v1::PlacementTable no_workers = BuildPlacement(job, {}, {"s0"}, {}, nullptr, 1, 0);
-  EXPECT_FALSE(KeptPlan(no_workers, {"w0", "w1"}, job.spec().model()).has_value());
+  EXPECT_FALSE(KeptPlan(no_workers, 2, job.spec().model()).has_value());
 }
 
 TEST(PlacementTableTest, NoHeatPlansEveryExpertAsAverage) {

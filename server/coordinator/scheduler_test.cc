@@ -20,6 +20,7 @@
 #include "gmock/gmock.h"
 #include "google/protobuf/util/json_util.h"
 #include "gtest/gtest.h"
+#include "server/coordinator/placement_table.h"
 
 namespace pith::coordinator {
 namespace {
@@ -761,6 +762,67 @@ TEST_F(SchedulerTest, AWorkerWhoseLeaseRunsOutIsReplacedAndTheStepRedone) {
   }
   EXPECT_EQ(scheduler_->GetAssignment(w1).status().code(), absl::StatusCode::kNotFound);
   CommitStep(job.job_id(), 1, {w0, spare});
+}
+
+// A placement's compute plan: (layer, expert) -> its owners' (rank, token share).
+std::map<std::pair<int, int>, std::vector<std::pair<int, double>>> PlanByRank(
+    const v1::PlacementTable& t) {
+  std::map<std::pair<int, int>, std::vector<std::pair<int, double>>> out;
+  for (const v1::ExpertPlacement& e : t.experts()) {
+    for (const v1::ComputeOwner& o : e.owners()) {
+      out[{e.layer(), e.expert()}].emplace_back(o.rank(), o.token_share());
+    }
+  }
+  return out;
+}
+
+// A spare takes a dead worker's rank and its experts (the survivor keeps its own), and
+// with every worker gone the plan waits for the next ones: the job computes what an
+// undisturbed run would, whatever heat a fresh plan would follow.
+TEST_F(SchedulerTest, ASpareTakesADeadWorkersRankAndThePlanIsKept) {
+  const v1::Job job = Submit(2);
+  const std::string s0 = Join(v1::MEMBER_ROLE_STORE);
+  const std::string w0 = Join(v1::MEMBER_ROLE_WORKER), w1 = Join(v1::MEMBER_ROLE_WORKER);
+  scheduler_->Tick();
+  const auto plan = PlanByRank(scheduler_->GetAssignment(w0)->placement());
+  CommitStep(job.job_id(), 0, {w0, w1});
+  // Heat a fresh plan would follow: one expert of each layer takes nearly every token.
+  const v1::ModelConfig& m = job.spec().model();
+  v1::HeatReport report;
+  report.set_job_id(job.job_id());
+  report.set_worker_id(w0);
+  report.set_step(0);
+  for (int l = 0; l < m.n_layer(); ++l) {
+    v1::LayerRouting* routing = report.add_layers();
+    routing->set_layer(l);
+    for (int e = 0; e < m.n_expert(); ++e) routing->add_tokens_per_expert(e == l ? 900 : 1);
+  }
+  ASSERT_TRUE(heat_->Report(Job(job.job_id()), report).ok());
+  const ComputePlan fresh = PlanJobCompute(Job(job.job_id()), 2, heat_->Snapshot(job.job_id()));
+  ASSERT_NE(*KeptPlan(scheduler_->GetAssignment(w0)->placement(), 2, m), fresh);
+
+  const std::string spare = Join(v1::MEMBER_ROLE_WORKER);
+  ASSERT_NO_FATAL_FAILURE(OnlyTheseLive({w1, spare, s0}));  // rank 0 dies
+  auto a = scheduler_->GetAssignment(spare);
+  ASSERT_TRUE(a.ok()) << a.status();
+  EXPECT_EQ(a->rank(), 0);
+  EXPECT_EQ(scheduler_->GetAssignment(w1)->rank(), 1);
+  EXPECT_EQ(PlanByRank(a->placement()), plan);
+  CommitStep(job.job_id(), 1, {spare, w1});
+
+  ASSERT_NO_FATAL_FAILURE(OnlyTheseLive({s0}));  // both die: the plan waits with the job
+  const std::string w3 = Join(v1::MEMBER_ROLE_WORKER), w4 = Join(v1::MEMBER_ROLE_WORKER);
+  scheduler_->Tick();
+  a = scheduler_->GetAssignment(w3);
+  ASSERT_TRUE(a.ok()) << a.status();
+  EXPECT_EQ(a->world(), 2);
+  EXPECT_EQ(PlanByRank(a->placement()), plan);
+  for (const v1::ExpertPlacement& e : a->placement().experts()) {
+    for (const v1::ComputeOwner& o : e.owners()) {
+      EXPECT_EQ(o.worker_id(), a->peers(o.rank()).member_id());
+    }
+  }
+  CommitStep(job.job_id(), 2, {w3, w4});
 }
 
 // Every worker of a job dies and none is free: the job waits, and says so, until one joins.

@@ -272,10 +272,23 @@ void Scheduler::RepairRunLocked(const std::string& job_id, Run& run, const v1::J
   AbortLocked(run, reason, aborts);
   run.failed_attempts = 0;  // failures while a member was dying do not count against the job
   for (const std::string& w : lost) worker_job_.erase(w);
-  for (size_t i = 0; static_cast<int>(kept.size()) < want && i < idle.size(); ++i) {
-    kept.push_back(idle[i]);
-    worker_job_[idle[i]] = job_id;
+  // A spare takes a lost worker's rank (the others keep theirs: their experts, their rows);
+  // further spares join after them.
+  std::vector<std::string> ranks;
+  size_t spare = 0;
+  const auto take_spare = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    worker_job_[idle[spare]] = job_id;
+    ranks.push_back(idle[spare++]);
+  };
+  for (const std::string& w : run.record.workers()) {
+    if (std::find(lost.begin(), lost.end(), w) == lost.end()) {
+      ranks.push_back(w);
+    } else if (spare < idle.size() && static_cast<int>(kept.size() + spare) < want) {
+      take_spare();
+    }
   }
+  while (static_cast<int>(ranks.size()) < want && spare < idle.size()) take_spare();
+  kept = std::move(ranks);
   note_workers(absl::StrCat(reason, ", no other is free"));
   run.record.clear_workers();
   for (const std::string& w : kept) {
@@ -347,9 +360,11 @@ void Scheduler::ReplaceLocked(Run& run, const v1::Job& job,
                    joining->end());
   }
   std::vector<std::string> workers(run.record.workers().begin(), run.record.workers().end());
-  // The same workers keep their experts (only stores changed): no cache moves, and the
-  // job's math stays that of an undisturbed run. Otherwise the compute is re-planned.
-  std::optional<ComputePlan> kept = KeptPlan(previous, workers, job.spec().model());
+  // As many workers as before keep the plan by rank (only stores changed, or a spare took
+  // a dead worker's rank): the survivors' caches stay, and the job's math stays that of an
+  // undisturbed run. Otherwise the compute is re-planned.
+  std::optional<ComputePlan> kept =
+      KeptPlan(previous, static_cast<int>(workers.size()), job.spec().model());
   const ComputePlan plan =
       kept ? *std::move(kept)
            : PlanJobCompute(job, static_cast<int>(workers.size()), heat_->Snapshot(job.job_id()));
