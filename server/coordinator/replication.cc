@@ -123,6 +123,18 @@ Replication::Replication(MetricsRegistry* metrics) {
 bool Replication::ApplyCopies(const v1::Job& job, int64_t committed, const Alive& alive,
                               const std::optional<HeatMap>& heat, JobCopies& copies,
                               v1::PlacementTable& placement, std::string* why) {
+  return Apply(job, committed, alive, heat, copies, placement, why, /*paused=*/false);
+}
+
+bool Replication::ApplyCopiesWhilePaused(const v1::Job& job, int64_t committed, const Alive& alive,
+                                         const std::optional<HeatMap>& heat, JobCopies& copies,
+                                         v1::PlacementTable& placement, std::string* why) {
+  return Apply(job, committed, alive, heat, copies, placement, why, /*paused=*/true);
+}
+
+bool Replication::Apply(const v1::Job& job, int64_t committed, const Alive& alive,
+                        const std::optional<HeatMap>& heat, JobCopies& copies,
+                        v1::PlacementTable& placement, std::string* why, bool paused) {
   Entries entries;
   for (v1::ExpertPlacement& e : *placement.mutable_experts()) {
     entries[GroupOf(e.layer(), e.expert())] = &e;
@@ -132,7 +144,7 @@ bool Replication::ApplyCopies(const v1::Job& job, int64_t committed, const Alive
     changed |= step_changed;
     if (step_changed && why != nullptr) absl::StrAppend(why, why->empty() ? "" : ", ", what);
   };
-  step(DropMissedJoins(copies, entries), "joins that missed a commit dropped");
+  if (!paused) step(DropMissedJoins(copies, entries), "joins that missed a commit dropped");
   step(PromoteFinishedCopies(alive, copies, entries), "finished copies joined");
   step(AddRequestedJoins(committed, alive, copies, entries), "stores joined groups");
   step(DropSurplusCopies(job, alive, heat, entries), "surplus copies dropped");

@@ -82,6 +82,12 @@ class Replication {
   static bool ApplyCopies(const v1::Job& job, int64_t committed, const Alive& alive,
                           const std::optional<HeatMap>& heat, JobCopies& copies,
                           v1::PlacementTable& placement, std::string* why = nullptr);
+  // The same for a job that trains no step (it waits, at committed step `committed`, with
+  // no attempt writing): no commit to miss, so no join leaves; a copy pulled since its
+  // store joined holds the group's committed state whole, and joins as a reader.
+  static bool ApplyCopiesWhilePaused(const v1::Job& job, int64_t committed, const Alive& alive,
+                                     const std::optional<HeatMap>& heat, JobCopies& copies,
+                                     v1::PlacementTable& placement, std::string* why);
 
   // For a running job at committed step `committed`: a group short of a desired store gets
   // a join request for it (one new copy of a group at a time), and a joining store with no
@@ -112,6 +118,9 @@ class Replication {
   void Report(uint64_t deficit, v1::ClusterStatusResponse* out) const;
 
  private:
+  static bool Apply(const v1::Job& job, int64_t committed, const Alive& alive,
+                    const std::optional<HeatMap>& heat, JobCopies& copies,
+                    v1::PlacementTable& placement, std::string* why, bool paused);
   void SetMovesGauge();
 
   std::vector<v1::BlobMove> moves_;         // copies in flight

@@ -84,6 +84,10 @@ inline constexpr absl::Duration kStoreRestartGrace = absl::Seconds(30);
 // How long a job keeps off a store it dropped for a full disk (Scheduler::DropFullStore).
 inline constexpr absl::Duration kFullStoreCooldown = absl::Minutes(5);
 
+// How long a job whose only copy of a group is on a full disk waits, at one step, for
+// room there or for its copies to move to stores with room (Scheduler::WaitForRoom).
+inline constexpr absl::Duration kRoomWait = absl::Minutes(10);
+
 class Scheduler {
  public:
   // Whether a job of `spec` trains on CUDA workers only (bf16).
@@ -214,6 +218,13 @@ class Scheduler {
     // Stores whose commits (or prepares) of this job fail, since when: after several
     // leases of it, the job loses them (record.lost_stores).
     std::map<std::string, absl::Time> commit_trouble;
+    // A store of the job that refused the step's puts for want of disk while it held a
+    // group's only copy (WaitForRoomLocked): until it has room, or its copies moved to
+    // stores with room, the job trains no step; assignments and reports wait too.
+    std::string room_store;
+    std::string room_why;                          // the refusal
+    int64_t room_step = -1;                        // the step whose attempts it refused,
+    absl::Time room_since = absl::InfinitePast();  // since when
     // Stores the job dropped for a full disk (DropFullStoreLocked), since when (after a
     // coordinator restart: since the restart).
     std::map<std::string, absl::Time> full_since;
@@ -359,6 +370,11 @@ class Scheduler {
   // step_commit.cc: the step-commit protocol.
   v1::StepStatus StatusLocked(const std::string& job_id, const Run& run, int64_t step) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // A worker's report that the step in flight failed: a full store is dropped or waited
+  // for (a put refused for want of disk), any other failure counts (FailAttemptLocked).
+  // The reason the job fails with, else empty.
+  std::string FailedReportLocked(Run& run, const v1::StepWrittenRequest& report,
+                                 std::vector<StoreCall>* aborts) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Voids the attempt after a failure and counts it: the reason the job fails with when
   // the step has failed step_attempts attempts in a row, else empty.
   std::string FailAttemptLocked(Run& run, int64_t step, const std::string& reason,
@@ -369,6 +385,25 @@ class Scheduler {
   // did (or had).
   bool DropFullStoreLocked(Run& run, const std::string& store, const std::string& why)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // room_wait.cc. A put refused for want of disk by `store`, which holds the only copy of
+  // a group with room (DropFullStoreLocked said no): the attempt is voided without
+  // counting, and the job waits (Run.room_store, its pending reason says so). Returns the
+  // reason the job fails with once this step has waited kRoomWait, else "".
+  std::string WaitForRoomLocked(const std::string& job_id, Run& run, const std::string& store,
+                                const std::string& why, std::vector<StoreCall>* aborts)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Each tick, for a job waiting for room: the wait ends when the store has room (twice
+  // its reserve free), is gone (a lost store's repair takes over), or no longer holds the
+  // job's only copies (copies pulled meanwhile join as readers, ApplyCopiesWhilePaused,
+  // and the full store leaves); after kRoomWait the job fails with the refusal.
+  void ReviewRoomWaitLocked(const std::string& job_id, Run& run, const v1::Job& job,
+                            const Alive& alive) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The pending reason of a job waiting for room on `store`.
+  std::string RoomWaitReason(const Run& run, const Alive& alive) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The placement changed (`why`): a new epoch from step `from`, a new assignment version.
+  void NewEpochLocked(const std::string& job_id, Run& run, const v1::PlacementTable& before,
+                      int64_t from, const std::string& why) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Why a store dropped that way is lost to the job (record.lost_stores), for
   // kFullStoreCooldown and until the job's placement no longer names it: then it is
   // forgotten (its blobs of the job go as any store's that left a group), and it may take

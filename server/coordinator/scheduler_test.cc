@@ -238,6 +238,34 @@ class SchedulerTest : public ::testing::Test {
     ASSERT_EQ(Job(job).committed_step(), step);
   }
 
+  // `worker` reports the step in flight failed: its put to `store` was refused for want
+  // of disk.
+  absl::StatusOr<v1::StepStatus> RefusedForDisk(const std::string& job, const std::string& worker,
+                                                const std::string& store) {
+    v1::StepWrittenRequest r;
+    r.set_job_id(job);
+    r.set_worker_id(worker);
+    r.set_step(Job(job).committed_step() + 1);
+    r.set_ok(false);
+    r.set_failure("store " + store + ": the disk under /data is full");
+    r.set_full_store_id(store);
+    r.set_assignment_version(scheduler_->AssignmentVersion(worker));
+    return scheduler_->ReportStepWritten(r);
+  }
+
+  // The stores the job's placement names (complete or joining copies).
+  std::set<std::string> Placed(const std::string& job) {
+    std::set<std::string> out;
+    const absl::StatusOr<v1::PlacementTable> p = scheduler_->GetPlacement(job);
+    EXPECT_TRUE(p.ok()) << p.status();
+    if (!p.ok()) return out;
+    for (const v1::ExpertPlacement& e : p->experts()) {
+      out.insert(e.store_ids().begin(), e.store_ids().end());
+      out.insert(e.joining_store_ids().begin(), e.joining_store_ids().end());
+    }
+    return out;
+  }
+
   // 4 s pass with only `alive` heartbeating (at 2 s): every other member's lease runs out,
   // and the tick at the end loses them.
   void OnlyTheseLive(const std::vector<std::string>& alive) {
@@ -1013,8 +1041,7 @@ TEST_F(SchedulerTest, ALostStoreLeavesThePlacementAndLosingEveryCopyFailsTheJob)
 // other stores with room hold every group stops using it at once, without counting the
 // attempt, and its groups are copied to a store with room, never to a full one; with room
 // again, the dropped store takes copies again. Refused by a store that holds a group's
-// only copy with room, the step retries, and the job fails with the reason after
-// step_attempts.
+// only copy with room, the job waits for room (AJobWhoseOnlyCopyIsOnAFullDiskWaitsForRoom).
 TEST_F(SchedulerTest, AFullStoreIsDroppedFromAJobWithOtherCopies) {
   const v1::Job job = Submit(1, 300, /*replicas=*/2);
   const std::string s0 = Join(v1::MEMBER_ROLE_STORE), s1 = Join(v1::MEMBER_ROLE_STORE);
@@ -1027,28 +1054,8 @@ TEST_F(SchedulerTest, AFullStoreIsDroppedFromAJobWithOtherCopies) {
   ASSERT_TRUE(members_->Heartbeat(s1, full).ok());
   const std::string s2 = Join(v1::MEMBER_ROLE_STORE);
   ASSERT_TRUE(members_->Heartbeat(s2, full).ok());
-  auto refused = [&](const std::string& store) {
-    v1::StepWrittenRequest r;
-    r.set_job_id(job.job_id());
-    r.set_worker_id(w0);
-    r.set_step(Job(job.job_id()).committed_step() + 1);
-    r.set_ok(false);
-    r.set_failure("store " + store + ": the disk under /data is full");
-    r.set_full_store_id(store);
-    r.set_assignment_version(scheduler_->AssignmentVersion(w0));
-    return scheduler_->ReportStepWritten(r);
-  };
-  auto placed = [&]() {
-    std::set<std::string> out;
-    const absl::StatusOr<v1::PlacementTable> p = scheduler_->GetPlacement(job.job_id());
-    EXPECT_TRUE(p.ok()) << p.status();
-    if (!p.ok()) return out;
-    for (const v1::ExpertPlacement& e : p->experts()) {
-      out.insert(e.store_ids().begin(), e.store_ids().end());
-      out.insert(e.joining_store_ids().begin(), e.joining_store_ids().end());
-    }
-    return out;
-  };
+  auto refused = [&](const std::string& store) { return RefusedForDisk(job.job_id(), w0, store); };
+  auto placed = [&]() { return Placed(job.job_id()); };
   auto steps = [&](int n) {  // n steps commit, copies joining and pulled between them
     for (int i = 0; i < n; ++i) {
       while (scheduler_->ReplicateOnce() > 0) {
@@ -1092,14 +1099,83 @@ TEST_F(SchedulerTest, AFullStoreIsDroppedFromAJobWithOtherCopies) {
   }
   ASSERT_NO_FATAL_FAILURE(steps(2));
   EXPECT_EQ(placed(), (std::set<std::string>{s1, s3}));
-  ASSERT_TRUE(members_->Heartbeat(s1, full).ok());  // full again: no room for s3's copies
-  for (int i = 0; i < SchedulerOptions().step_attempts; ++i) {  // the only copies: counted
+  ASSERT_TRUE(members_->Heartbeat(s1, full).ok());  // full again: s3 holds the only copies
+  ASSERT_TRUE(refused(s3).ok());
+  EXPECT_EQ(Job(job.job_id()).state(), v1::JOB_STATE_RUNNING);  // it waits for room
+  EXPECT_THAT(Job(job.job_id()).pending_reason(), ::testing::HasSubstr("disk room on store " + s3));
+}
+
+// A put refused for want of disk by the store holding a group's only copy: the attempt is
+// voided without counting and the job trains no step (assignments and reports wait),
+// saying why, until the store has room again, or until its copies moved to a store with
+// room (pulled while the job waits, they join as readers and the full store leaves); with
+// neither for kRoomWait it fails with the refusal.
+TEST_F(SchedulerTest, AJobWhoseOnlyCopyIsOnAFullDiskWaitsForRoom) {
+  const v1::Job job = Submit(1, 300, /*replicas=*/1);
+  const std::string s0 = Join(v1::MEMBER_ROLE_STORE), s1 = Join(v1::MEMBER_ROLE_STORE);
+  const std::string w0 = Join(v1::MEMBER_ROLE_WORKER);
+  scheduler_->Tick();
+  CommitStep(job.job_id(), 0, {w0});
+  ASSERT_EQ(Placed(job.job_id()), (std::set<std::string>{s0, s1}));  // each some groups
+  v1::MemberInfo full;
+  full.set_disk_reserve_bytes(64 << 20);
+  full.set_disk_free_bytes(1 << 20);
+  const auto heartbeats = [&](const std::set<std::string>& full_ones) {
+    for (const std::string& m : {s0, s1, w0}) {
+      ASSERT_TRUE(members_->Heartbeat(m, full_ones.count(m) ? full : v1::MemberInfo()).ok());
+    }
+  };
+  const auto waits = [&]() {
     EXPECT_EQ(Job(job.job_id()).state(), v1::JOB_STATE_RUNNING);
-    ASSERT_TRUE(refused(s3).ok());
+    EXPECT_THAT(Job(job.job_id()).pending_reason(),
+                ::testing::HasSubstr("for disk room on store " + s0 +
+                                     ", which holds the only "
+                                     "copy of "));
+    EXPECT_EQ(scheduler_->GetAssignment(w0).status().code(), absl::StatusCode::kUnavailable);
+  };
+
+  // Room again on the store.
+  ASSERT_NO_FATAL_FAILURE(heartbeats({s0}));
+  auto st = RefusedForDisk(job.job_id(), w0, s0);
+  ASSERT_TRUE(st.ok()) << st.status();
+  EXPECT_TRUE(st->aborted());
+  ASSERT_NO_FATAL_FAILURE(waits());
+  EXPECT_EQ(RefusedForDisk(job.job_id(), w0, s0).status().code(), absl::StatusCode::kUnavailable);
+  scheduler_->Tick();
+  ASSERT_NO_FATAL_FAILURE(waits());
+  ASSERT_NO_FATAL_FAILURE(heartbeats({}));
+  scheduler_->Tick();
+  EXPECT_EQ(Job(job.job_id()).pending_reason(), "");
+  ASSERT_TRUE(scheduler_->GetAssignment(w0).ok());
+  CommitStep(job.job_id(), 1, {w0});
+
+  // Its copies move to a store with room while the job waits.
+  ASSERT_NO_FATAL_FAILURE(heartbeats({s0}));
+  ASSERT_TRUE(RefusedForDisk(job.job_id(), w0, s0).ok());
+  for (int i = 0; i < 4 && Placed(job.job_id()).count(s0); ++i) {
+    ASSERT_NO_FATAL_FAILURE(waits());
+    while (scheduler_->ReplicateOnce() > 0) {
+    }
+    scheduler_->Tick();
+  }
+  EXPECT_EQ(Placed(job.job_id()), std::set<std::string>{s1});
+  EXPECT_EQ(Job(job.job_id()).pending_reason(), "");
+  ASSERT_TRUE(scheduler_->GetAssignment(w0).ok());
+  CommitStep(job.job_id(), 2, {w0});
+
+  // Neither: after kRoomWait the job fails with the refusal; none of its attempts counted.
+  ASSERT_NO_FATAL_FAILURE(heartbeats({s0, s1}));
+  ASSERT_TRUE(RefusedForDisk(job.job_id(), w0, s1).ok());
+  for (absl::Duration t; t < kRoomWait; t += absl::Seconds(2)) {
+    EXPECT_EQ(Job(job.job_id()).state(), v1::JOB_STATE_RUNNING);
+    now_ += absl::Seconds(2);
+    ASSERT_NO_FATAL_FAILURE(heartbeats({s0, s1}));
+    scheduler_->Tick();
   }
   EXPECT_EQ(Job(job.job_id()).state(), v1::JOB_STATE_FAILED);
   EXPECT_THAT(Job(job.job_id()).failure_reason(),
-              ::testing::HasSubstr("store " + s3 + ": the disk under /data is full"));
+              ::testing::HasSubstr("step 3: worker " + w0 + ": store " + s1 +
+                                   ": the disk under /data is full (no room for 10m"));
 }
 
 // Item: commits go to the job's stores only, and each answer is checked. A store that

@@ -122,6 +122,7 @@ void Scheduler::ReviewRunsLocked(const Alive& alive, StoreWork* work) {
       if (!run.committing) work->commits.emplace_back(job_id, run.record.committing_step());
       continue;
     }
+    ReviewRoomWaitLocked(job_id, run, *job, alive);  // before a repair: a drop re-places
     RepairRunLocked(job_id, run, *job, alive, &work->aborts);
     if (ForgetFullStoresLocked(run)) {
       if (absl::Status s = PersistLocked(run); !s.ok()) LOG(ERROR) << s;
@@ -605,6 +606,12 @@ absl::StatusOr<v1::Assignment> Scheduler::AssignmentLocked(const std::string& wo
   if (!run.awaited_store.empty()) {
     return absl::UnavailableError(absl::StrCat("job ", w->second, " is waiting for store ",
                                                run.awaited_store, " to come back; retry"));
+  }
+  if (!run.room_store.empty()) {
+    return absl::UnavailableError(absl::StrCat("job ", w->second,
+                                               " is waiting for disk room on "
+                                               "store ",
+                                               run.room_store, "; retry"));
   }
   RETURN_IF_ERROR(AdmitToAttemptLocked(worker_id, worker, run, aborts));
   ASSIGN_OR_RETURN(v1::Job job, jobs_->Get(w->second));

@@ -134,6 +134,12 @@ absl::StatusOr<v1::StepStatus> Scheduler::ReportStepWritten(const v1::StepWritte
       return absl::UnavailableError(absl::StrCat("job ", r.job_id(), " is waiting for store ",
                                                  run.awaited_store, " to come back; retry"));
     }
+    if (!run.room_store.empty()) {
+      return absl::UnavailableError(absl::StrCat("job ", r.job_id(),
+                                                 " is waiting for disk room "
+                                                 "on store ",
+                                                 run.room_store, "; retry"));
+    }
     const auto& workers = run.record.workers();
     const auto pos = std::find(workers.begin(), workers.end(), r.worker_id());
     if (pos == workers.end()) {
@@ -152,15 +158,7 @@ absl::StatusOr<v1::StepStatus> Scheduler::ReportStepWritten(const v1::StepWritte
     }
     if (run.record.committing_step() >= 0) return StatusLocked(r.job_id(), run, r.step());
     if (!r.ok()) {
-      const std::string reason = absl::StrCat("worker ", r.worker_id(), ": ",
-                                              r.failure().empty() ? "step failed" : r.failure());
-      if (!r.full_store_id().empty() && DropFullStoreLocked(run, r.full_store_id(), reason)) {
-        AbortLocked(run, reason, &aborts);  // no attempt counts: the next tick re-places
-      } else {
-        give_up = FailAttemptLocked(run, r.step(), reason, &aborts);
-      }
-      absl::Status s = PersistLocked(run);
-      if (!s.ok()) LOG(ERROR) << s;
+      give_up = FailedReportLocked(run, r, &aborts);
     } else if (absl::Status data = PinDataLocked(run, r); !data.ok()) {
       if (!absl::IsFailedPrecondition(data)) return data;  // not recorded: the report retries
       // Other bytes than the job trained on: no retry reads the right ones.
@@ -211,6 +209,22 @@ absl::StatusOr<v1::StepStatus> Scheduler::ReportStepWritten(const v1::StepWritte
     status.set_abort_reason(it != runs_.end() ? it->second.abort_reason : r.failure());
   }
   return status;
+}
+
+std::string Scheduler::FailedReportLocked(Run& run, const v1::StepWrittenRequest& r,
+                                          std::vector<StoreCall>* aborts) {
+  const std::string reason = absl::StrCat("worker ", r.worker_id(), ": ",
+                                          r.failure().empty() ? "step failed" : r.failure());
+  std::string give_up;
+  if (!r.full_store_id().empty() && DropFullStoreLocked(run, r.full_store_id(), reason)) {
+    AbortLocked(run, reason, aborts);       // no attempt counts: the next tick re-places
+  } else if (!r.full_store_id().empty()) {  // it holds a group's only copy
+    give_up = WaitForRoomLocked(r.job_id(), run, r.full_store_id(), reason, aborts);
+  } else {
+    give_up = FailAttemptLocked(run, r.step(), reason, aborts);
+  }
+  if (absl::Status s = PersistLocked(run); !s.ok()) LOG(ERROR) << s;
+  return give_up;
 }
 
 std::string Scheduler::FailAttemptLocked(Run& run, int64_t step, const std::string& reason,
@@ -604,19 +618,7 @@ void Scheduler::AdvancePlacementLocked(const std::string& job_id, Run& run, cons
       absl::StrAppend(&why, why.empty() ? "" : ", ", "compute re-planned from the heat");
     }
   }
-  if (changed) {
-    run.record.mutable_placement()->set_epoch(before.epoch() + 1);
-    run.record.mutable_placement()->set_effective_step(step + 1);
-    run.record.set_assignment_version(NextVersion(run.record.assignment_version()));
-    NoteLeftLocked(run, before);
-    const int64_t epoch = run.record.placement().epoch();
-    (void)jobs_->Update(job_id, [&](v1::Job& j) {
-      j.set_placement_epoch(epoch);
-      return absl::OkStatus();
-    });
-    LOG(INFO) << "job " << job_id << ": placement epoch " << epoch << " from step " << step + 1
-              << " (" << why << ")";
-  }
+  if (changed) NewEpochLocked(job_id, run, before, step + 1, why);
   UpdateMetricsLocked(job, run);  // the heat moves every step, as ExpertHeat shows it
   absl::Status s = PersistLocked(run);
   if (!s.ok()) LOG(ERROR) << s;

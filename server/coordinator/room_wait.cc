@@ -1,0 +1,138 @@
+// A job whose only copy of a group is on a store that refuses puts for want of disk
+// (DESIGN §5.5): it waits, training no step, for room on that store or for its copies to
+// move to stores with room, and fails with the refusal after kRoomWait.
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
+#include "glog/logging.h"
+#include "server/coordinator/replication.h"
+#include "server/coordinator/scheduler.h"
+
+namespace pith::coordinator {
+namespace {
+
+// The groups whose complete copies are all on `store` or on stores without room.
+std::vector<std::string> OnlyCopiesOn(const v1::PlacementTable& placement, const std::string& store,
+                                      const Alive& alive) {
+  std::vector<std::string> groups;
+  for (const v1::ExpertPlacement& e : placement.experts()) {
+    bool elsewhere = false, here = false;
+    for (const std::string& id : e.store_ids()) {
+      here |= id == store;
+      elsewhere |= id != store && alive.stores.count(id) > 0 && !alive.full.count(id);
+    }
+    if (!here || elsewhere) continue;
+    groups.push_back(e.layer() < 0 ? "the dense tensors"
+                                   : absl::StrCat("layer ", e.layer(), " expert ", e.expert()));
+  }
+  return groups;
+}
+
+// What a job that waited in vain fails with.
+std::string RoomWaitFailure(int64_t step, const std::string& why, absl::Duration waited) {
+  return absl::StrCat("step ", step, ": ", why, " (no room for ", absl::FormatDuration(waited),
+                      " on the store holding the job's only copy, nor a store with room to "
+                      "move it to)");
+}
+
+// Twice its reserve free: room for a step's puts (a store refuses them under its reserve).
+bool HasRoom(const v1::MemberInfo& store) {
+  return store.disk_free_bytes() >= 2 * store.disk_reserve_bytes();
+}
+
+}  // namespace
+
+std::string Scheduler::WaitForRoomLocked(const std::string& job_id, Run& run,
+                                         const std::string& store, const std::string& why,
+                                         std::vector<StoreCall>* aborts) {
+  AbortLocked(run, why, aborts);  // not counted: no retry has room before the wait ends
+  const absl::Time now = options_.clock();
+  if (run.room_step != step_in_flight(run)) {
+    run.room_step = step_in_flight(run);
+    run.room_since = now;
+  }
+  if (now - run.room_since >= kRoomWait) {
+    run.room_store.clear();
+    return RoomWaitFailure(run.room_step, why, now - run.room_since);
+  }
+  if (run.room_store != store) {
+    LOG(WARNING) << "job " << job_id << " waits for disk room on store " << store
+                 << ", which holds the only copy of some of its groups (" << why << ")";
+  }
+  run.room_store = store;
+  run.room_why = why;
+  NoteWaitLocked(job_id, RoomWaitReason(run, Snapshot(*members_)));
+  return "";
+}
+
+std::string Scheduler::RoomWaitReason(const Run& run, const Alive& alive) const {
+  const std::vector<std::string> groups =
+      OnlyCopiesOn(run.record.placement(), run.room_store, alive);
+  std::string which = groups.size() == 1 ? groups[0]
+                                         : absl::StrCat(groups.size(), " groups (",
+                                                        groups.empty() ? "" : groups[0], ", ...)");
+  return absl::StrCat(
+      "waiting until ",
+      absl::FormatTime("%H:%M:%S UTC", run.room_since + kRoomWait, absl::UTCTimeZone()), " (",
+      absl::FormatDuration(kRoomWait),
+      " from its first refusal) for disk "
+      "room on store ",
+      run.room_store, ", which holds the only copy of ", which, " (", run.room_why,
+      "): free space on its disk, or add a store with room and its copies "
+      "move there (pith cluster shows both)");
+}
+
+void Scheduler::ReviewRoomWaitLocked(const std::string& job_id, Run& run, const v1::Job& job,
+                                     const Alive& alive) {
+  if (run.room_store.empty()) return;
+  const std::string store = run.room_store;
+  const auto member = alive.stores.find(store);
+  std::string ended;
+  if (!JobStores(run).count(store)) {
+    ended = "holds none of its groups now";
+  } else if (member == alive.stores.end()) {
+    ended = "is gone";  // the repair of a lost store takes over
+  } else if (HasRoom(member->second)) {
+    ended = "has room again";
+  } else {
+    const v1::PlacementTable before = run.record.placement();
+    std::string why;
+    if (Replication::ApplyCopiesWhilePaused(job, run.committed, ForJob(alive, run),
+                                            heat_->Snapshot(job_id), run.copies,
+                                            *run.record.mutable_placement(), &why)) {
+      NewEpochLocked(job_id, run, before, step_in_flight(run), why);
+      if (absl::Status s = PersistLocked(run); !s.ok()) LOG(ERROR) << s;
+    }
+    if (JobStores(run).count(store) && !DropFullStoreLocked(run, store, run.room_why)) {
+      if (options_.clock() - run.room_since < kRoomWait) return;  // waits on
+      (void)MarkFailed(
+          job_id, RoomWaitFailure(run.room_step, run.room_why, options_.clock() - run.room_since));
+      run.room_store.clear();
+      return;  // the next tick releases the run
+    }
+    ended = "holds no group's only copy now";
+  }
+  LOG(INFO) << "job " << job_id << ": store " << store << " " << ended << "; the job goes on";
+  run.room_store.clear();
+  NoteWaitLocked(job_id, "");
+}
+
+void Scheduler::NewEpochLocked(const std::string& job_id, Run& run,
+                               const v1::PlacementTable& before, int64_t from,
+                               const std::string& why) {
+  run.record.mutable_placement()->set_epoch(before.epoch() + 1);
+  run.record.mutable_placement()->set_effective_step(from);
+  run.record.set_assignment_version(NextVersion(run.record.assignment_version()));
+  NoteLeftLocked(run, before);
+  const int64_t epoch = run.record.placement().epoch();
+  (void)jobs_->Update(job_id, [&](v1::Job& j) {
+    j.set_placement_epoch(epoch);
+    return absl::OkStatus();
+  });
+  LOG(INFO) << "job " << job_id << ": placement epoch " << epoch << " from step " << from << " ("
+            << why << ")";
+}
+
+}  // namespace pith::coordinator
