@@ -142,8 +142,8 @@ std::vector<std::string> DesiredStores(const v1::Job& job, int layer, int expert
 }
 
 std::optional<ComputePlan> KeptPlan(const v1::PlacementTable& placement, int workers,
-                                    const v1::ModelConfig& m) {
-  if (workers <= 0) return std::nullopt;
+                                    int planned_for, const v1::ModelConfig& m) {
+  if (workers <= 0 || (planned_for > 0 && planned_for != workers)) return std::nullopt;
   ComputePlan plan(m.n_layer(), std::vector<Owners>(m.n_expert()));
   std::vector<bool> owns(workers, false);
   for (const v1::ExpertPlacement& e : placement.experts()) {
@@ -155,8 +155,10 @@ std::optional<ComputePlan> KeptPlan(const v1::PlacementTable& placement, int wor
       plan[e.layer()][e.expert()].push_back({o.rank(), o.token_share()});
     }
   }
-  // A plan made for fewer ranks (the job grew) leaves the new ones idle: plan afresh.
-  if (std::find(owns.begin(), owns.end(), false) != owns.end()) return std::nullopt;
+  // A plan made for fewer ranks (the job grew) would leave the new ones idle: plan afresh.
+  if (planned_for == 0 && std::find(owns.begin(), owns.end(), false) != owns.end()) {
+    return std::nullopt;
+  }
   for (const auto& layer : plan) {
     for (const Owners& owners : layer) {
       if (owners.empty()) return std::nullopt;

@@ -70,10 +70,11 @@ std::vector<std::string> DesiredStores(const v1::Job& job, int layer, int expert
 
 // The compute owners of `placement` as a plan for `workers` ranks, by rank (whichever
 // worker now holds a rank takes its experts), when that plan was made for as many ranks:
-// every rank below `workers` owns an expert, none above, and every expert has owners.
-// nullopt otherwise (the job's worker count changed, or it has no owners).
+// `planned_for` (the job's worker count before; 0 when not known: then every rank below
+// `workers` must own an expert) equals `workers`, no owner's rank is `workers` or above,
+// and every expert has owners. nullopt otherwise (the count changed, or no owners).
 std::optional<ComputePlan> KeptPlan(const v1::PlacementTable& placement, int workers,
-                                    const v1::ModelConfig& m);
+                                    int planned_for, const v1::ModelConfig& m);
 
 }  // namespace pith::coordinator
 

@@ -71,7 +71,7 @@ TEST(PlacementTableTest, ComputeOwnersComeFromThePlanByRank) {
   }
   // As many workers keep the plan by rank (a spare in a dead worker's rank takes its
   // experts); fewer or more void it.
-  const std::optional<ComputePlan> kept = KeptPlan(t, 2, job.spec().model());
+  const std::optional<ComputePlan> kept = KeptPlan(t, 2, 2, job.spec().model());
   ASSERT_TRUE(kept.has_value());
   EXPECT_EQ(*kept, plan);
   const v1::PlacementTable spare = BuildPlacement(job, {"w9", "w1"}, {}, *kept, &t, 2, 0);
@@ -79,18 +79,26 @@ TEST(PlacementTableTest, ComputeOwnersComeFromThePlanByRank) {
     if (e.layer() < 0) continue;
     EXPECT_EQ(e.owners(0).worker_id(), e.owners(0).rank() == 0 ? "w9" : "w1");
   }
-  EXPECT_FALSE(KeptPlan(t, 1, job.spec().model()).has_value());
-  EXPECT_FALSE(KeptPlan(t, 0, job.spec().model()).has_value());
-  // A plan made for one worker leaves a second idle: a grown job plans afresh.
+  EXPECT_FALSE(KeptPlan(t, 1, 2, job.spec().model()).has_value());
+  EXPECT_FALSE(KeptPlan(t, 0, 2, job.spec().model()).has_value());
+  EXPECT_FALSE(KeptPlan(t, 2, 3, job.spec().model()).has_value());
+  // A plan for one worker grown to two: planned afresh, also where the count before is
+  // not known (every rank must own an expert then).
   const v1::PlacementTable one =
       BuildPlacement(job, {"w0"}, {"s0"}, RoundRobinPlan(2, 4, 1), nullptr, 1, 0);
-  EXPECT_TRUE(KeptPlan(one, 1, job.spec().model()).has_value());
-  EXPECT_FALSE(KeptPlan(one, 2, job.spec().model()).has_value());
+  EXPECT_TRUE(KeptPlan(one, 1, 1, job.spec().model()).has_value());
+  EXPECT_FALSE(KeptPlan(one, 2, 1, job.spec().model()).has_value());
+  EXPECT_FALSE(KeptPlan(one, 2, 0, job.spec().model()).has_value());
+  // More workers than experts: the last rank owns none, and its plan is kept all the same
+  // for as many workers.
+  const v1::PlacementTable many = BuildPlacement(job, {"w0", "w1", "w2", "w3", "w4"}, {"s0"},
+                                                 RoundRobinPlan(2, 4, 4), nullptr, 1, 0);
+  EXPECT_TRUE(KeptPlan(many, 5, 5, job.spec().model()).has_value());
   // With no workers the owners wait in the table, ranks and all, for the next ones.
   const v1::PlacementTable waiting = BuildPlacement(job, {}, {}, {}, &t, 2, 0);
-  EXPECT_EQ(KeptPlan(waiting, 2, job.spec().model()), plan);
+  EXPECT_EQ(KeptPlan(waiting, 2, 0, job.spec().model()), plan);
   const v1::PlacementTable no_workers = BuildPlacement(job, {}, {"s0"}, {}, nullptr, 1, 0);
-  EXPECT_FALSE(KeptPlan(no_workers, 2, job.spec().model()).has_value());
+  EXPECT_FALSE(KeptPlan(no_workers, 2, 0, job.spec().model()).has_value());
 }
 
 TEST(PlacementTableTest, NoHeatPlansEveryExpertAsAverage) {

@@ -3,9 +3,10 @@
 // move to stores with room, and fails with the refusal after kRoomWait.
 #include <vector>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
-#include "absl/strings/str_join.h"
+#include "common/job_state.h"
 #include "glog/logging.h"
 #include "server/coordinator/replication.h"
 #include "server/coordinator/scheduler.h"
@@ -13,11 +14,32 @@
 namespace pith::coordinator {
 namespace {
 
-// The groups whose complete copies are all on `store` or on stores without room.
-std::vector<std::string> OnlyCopiesOn(const v1::PlacementTable& placement, const std::string& store,
-                                      const Alive& alive) {
+// Words of the wait's pending reason: a wait that ends clears only its own.
+constexpr char kRoomWaitWords[] = "for disk room on store";
+
+// What a job that waited in vain fails with.
+std::string RoomWaitFailure(int64_t step, const std::string& why, absl::Duration waited) {
+  return absl::StrCat("step ", step, ": ", why, " (no room for ", absl::FormatDuration(waited),
+                      " on the store holding the job's only copy, nor a store with room to "
+                      "move it to)");
+}
+
+// Whether `store` (alive) has room for the job's puts again: it is not low on disk (the
+// membership's judgment, with its margin), or, with no store to move its copies to, it
+// has twice its reserve free.
+bool HasRoom(const std::string& store, const Alive& alive) {
+  if (!alive.full.count(store)) return true;
+  const std::vector<std::string> room = alive.placeable_ids();
+  const v1::MemberInfo& m = alive.stores.at(store);
+  return room.empty() && m.disk_free_bytes() >= 2 * m.disk_reserve_bytes();
+}
+
+}  // namespace
+
+std::vector<std::string> Scheduler::OnlyCopiesOn(const Run& run, const std::string& store,
+                                                 const Alive& alive) {
   std::vector<std::string> groups;
-  for (const v1::ExpertPlacement& e : placement.experts()) {
+  for (const v1::ExpertPlacement& e : run.record.placement().experts()) {
     bool elsewhere = false, here = false;
     for (const std::string& id : e.store_ids()) {
       here |= id == store;
@@ -30,20 +52,6 @@ std::vector<std::string> OnlyCopiesOn(const v1::PlacementTable& placement, const
   return groups;
 }
 
-// What a job that waited in vain fails with.
-std::string RoomWaitFailure(int64_t step, const std::string& why, absl::Duration waited) {
-  return absl::StrCat("step ", step, ": ", why, " (no room for ", absl::FormatDuration(waited),
-                      " on the store holding the job's only copy, nor a store with room to "
-                      "move it to)");
-}
-
-// Twice its reserve free: room for a step's puts (a store refuses them under its reserve).
-bool HasRoom(const v1::MemberInfo& store) {
-  return store.disk_free_bytes() >= 2 * store.disk_reserve_bytes();
-}
-
-}  // namespace
-
 std::string Scheduler::WaitForRoomLocked(const std::string& job_id, Run& run,
                                          const std::string& store, const std::string& why,
                                          std::vector<StoreCall>* aborts) {
@@ -53,70 +61,66 @@ std::string Scheduler::WaitForRoomLocked(const std::string& job_id, Run& run,
     run.room_step = step_in_flight(run);
     run.room_since = now;
   }
-  if (now - run.room_since >= kRoomWait) {
-    run.room_store.clear();
-    return RoomWaitFailure(run.room_step, why, now - run.room_since);
-  }
   if (run.room_store != store) {
     LOG(WARNING) << "job " << job_id << " waits for disk room on store " << store
                  << ", which holds the only copy of some of its groups (" << why << ")";
   }
+  // Set also when the job fails: its workers wait for the run's release.
   run.room_store = store;
   run.room_why = why;
-  NoteWaitLocked(job_id, RoomWaitReason(run, Snapshot(*members_)));
+  if (now - run.room_since >= kRoomWait) {
+    return RoomWaitFailure(run.room_step, why, now - run.room_since);
+  }
+  NoteWaitLocked(job_id, RoomWaitReason(run, ForJob(Snapshot(*members_), run)));
   return "";
 }
 
 std::string Scheduler::RoomWaitReason(const Run& run, const Alive& alive) const {
-  const std::vector<std::string> groups =
-      OnlyCopiesOn(run.record.placement(), run.room_store, alive);
-  std::string which = groups.size() == 1 ? groups[0]
-                                         : absl::StrCat(groups.size(), " groups (",
-                                                        groups.empty() ? "" : groups[0], ", ...)");
+  const std::vector<std::string> groups = OnlyCopiesOn(run, run.room_store, alive);
+  const std::string which = groups.empty() ? "some of the job's groups"
+                            : groups.size() == 1
+                                ? groups[0]
+                                : absl::StrCat(groups.size(), " groups (", groups[0], ", ...)");
   return absl::StrCat(
       "waiting until ",
       absl::FormatTime("%H:%M:%S UTC", run.room_since + kRoomWait, absl::UTCTimeZone()), " (",
-      absl::FormatDuration(kRoomWait),
-      " from its first refusal) for disk "
-      "room on store ",
+      absl::FormatDuration(kRoomWait), " from its first refusal) ", kRoomWaitWords, " ",
       run.room_store, ", which holds the only copy of ", which, " (", run.room_why,
       "): free space on its disk, or add a store with room and its copies "
       "move there (pith cluster shows both)");
 }
 
 void Scheduler::ReviewRoomWaitLocked(const std::string& job_id, Run& run, const v1::Job& job,
-                                     const Alive& alive) {
-  if (run.room_store.empty()) return;
+                                     const Alive& all) {
+  if (run.room_store.empty() || IsFinal(job.state())) return;
   const std::string store = run.room_store;
-  const auto member = alive.stores.find(store);
+  const Alive alive = ForJob(all, run);
+  // Copies pulled while the job waits join as readers, and the full store may leave.
+  const v1::PlacementTable before = run.record.placement();
+  std::string why;
+  if (Replication::ApplyCopiesWhilePaused(job, run.committed, alive, heat_->Snapshot(job_id),
+                                          run.copies, *run.record.mutable_placement(), &why)) {
+    NewEpochLocked(job_id, run, before, step_in_flight(run), why);
+    if (absl::Status s = PersistLocked(run); !s.ok()) LOG(ERROR) << s;
+  }
   std::string ended;
   if (!JobStores(run).count(store)) {
     ended = "holds none of its groups now";
-  } else if (member == alive.stores.end()) {
+  } else if (!alive.stores.count(store)) {
     ended = "is gone";  // the repair of a lost store takes over
-  } else if (HasRoom(member->second)) {
+  } else if (HasRoom(store, alive)) {
     ended = "has room again";
-  } else {
-    const v1::PlacementTable before = run.record.placement();
-    std::string why;
-    if (Replication::ApplyCopiesWhilePaused(job, run.committed, ForJob(alive, run),
-                                            heat_->Snapshot(job_id), run.copies,
-                                            *run.record.mutable_placement(), &why)) {
-      NewEpochLocked(job_id, run, before, step_in_flight(run), why);
-      if (absl::Status s = PersistLocked(run); !s.ok()) LOG(ERROR) << s;
-    }
-    if (JobStores(run).count(store) && !DropFullStoreLocked(run, store, run.room_why)) {
-      if (options_.clock() - run.room_since < kRoomWait) return;  // waits on
-      (void)MarkFailed(
-          job_id, RoomWaitFailure(run.room_step, run.room_why, options_.clock() - run.room_since));
-      run.room_store.clear();
-      return;  // the next tick releases the run
-    }
+  } else if (DropFullStoreLocked(run, store, run.room_why)) {
     ended = "holds no group's only copy now";
+  } else {
+    if (options_.clock() - run.room_since < kRoomWait) return;  // waits on
+    (void)MarkFailed(
+        job_id, RoomWaitFailure(run.room_step, run.room_why, options_.clock() - run.room_since));
+    return;  // the next tick releases the run
   }
   LOG(INFO) << "job " << job_id << ": store " << store << " " << ended << "; the job goes on";
   run.room_store.clear();
-  NoteWaitLocked(job_id, "");
+  if (absl::StrContains(job.pending_reason(), kRoomWaitWords)) NoteWaitLocked(job_id, "");
 }
 
 void Scheduler::NewEpochLocked(const std::string& job_id, Run& run,

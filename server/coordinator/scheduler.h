@@ -329,10 +329,13 @@ class Scheduler {
   // back from a restart with all its members only has its attempt in flight voided.
   void RepairRunLocked(const std::string& job_id, Run& run, const v1::Job& job, const Alive& alive,
                        std::vector<StoreCall>* aborts) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Re-plans compute owners under a new epoch: store copies not on `live_stores` are
-  // gone; a group left with none is placed on `stores` (those taking new copies).
+  // A new placement epoch for the run's workers: store copies not on `live_stores` are
+  // gone; a group left with none is placed on `stores` (those taking new copies). The
+  // compute plan is kept by rank when the job had `planned_for` workers, as many as now
+  // (0: not known; see KeptPlan), else made afresh.
   void ReplaceLocked(Run& run, const v1::Job& job, const std::vector<std::string>& live_stores,
-                     const std::vector<std::string>& stores) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+                     const std::vector<std::string>& stores, int planned_for)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // The first group of the job's placement none of whose complete copies is in `holding`,
   // named with why the job lost its store (if it did); empty when every group has one.
   static std::string UnheldGroup(const Run& run, const std::set<std::string>& holding);
@@ -398,6 +401,10 @@ class Scheduler {
   // and the full store leaves); after kRoomWait the job fails with the refusal.
   void ReviewRoomWaitLocked(const std::string& job_id, Run& run, const v1::Job& job,
                             const Alive& alive) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The groups (named as in a failure) whose complete copies on live stores with room are
+  // all on `store`: none but its own (`alive`: ForJob's).
+  static std::vector<std::string> OnlyCopiesOn(const Run& run, const std::string& store,
+                                               const Alive& alive);
   // The pending reason of a job waiting for room on `store`.
   std::string RoomWaitReason(const Run& run, const Alive& alive) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);

@@ -827,7 +827,7 @@ TEST_F(SchedulerTest, ASpareTakesADeadWorkersRankAndThePlanIsKept) {
   }
   ASSERT_TRUE(heat_->Report(Job(job.job_id()), report).ok());
   const ComputePlan fresh = PlanJobCompute(Job(job.job_id()), 2, heat_->Snapshot(job.job_id()));
-  ASSERT_NE(*KeptPlan(scheduler_->GetAssignment(w0)->placement(), 2, m), fresh);
+  ASSERT_NE(*KeptPlan(scheduler_->GetAssignment(w0)->placement(), 2, 2, m), fresh);
 
   const std::string spare = Join(v1::MEMBER_ROLE_WORKER);
   ASSERT_NO_FATAL_FAILURE(OnlyTheseLive({w1, spare, s0}));  // rank 0 dies
@@ -1103,6 +1103,27 @@ TEST_F(SchedulerTest, AFullStoreIsDroppedFromAJobWithOtherCopies) {
   ASSERT_TRUE(refused(s3).ok());
   EXPECT_EQ(Job(job.job_id()).state(), v1::JOB_STATE_RUNNING);  // it waits for room
   EXPECT_THAT(Job(job.job_id()).pending_reason(), ::testing::HasSubstr("disk room on store " + s3));
+}
+
+// Before the first commit there is nothing to keep: a full store leaves the job at once,
+// and its groups start again on a store with room.
+TEST_F(SchedulerTest, AFullStoreBeforeTheFirstCommitLeavesTheJob) {
+  const v1::Job job = Submit(1, 300, /*replicas=*/1);
+  const std::string s0 = Join(v1::MEMBER_ROLE_STORE), s1 = Join(v1::MEMBER_ROLE_STORE);
+  const std::string w0 = Join(v1::MEMBER_ROLE_WORKER);
+  scheduler_->Tick();
+  ASSERT_EQ(Placed(job.job_id()), (std::set<std::string>{s0, s1}));
+  v1::MemberInfo full;
+  full.set_disk_reserve_bytes(64 << 20);
+  full.set_disk_free_bytes(1 << 20);
+  ASSERT_TRUE(members_->Heartbeat(s0, full).ok());
+  auto st = RefusedForDisk(job.job_id(), w0, s0);
+  ASSERT_TRUE(st.ok()) << st.status();
+  EXPECT_TRUE(st->aborted());
+  scheduler_->Tick();
+  EXPECT_EQ(Job(job.job_id()).pending_reason(), "");
+  EXPECT_EQ(Placed(job.job_id()), std::set<std::string>{s1});
+  CommitStep(job.job_id(), 0, {w0});
 }
 
 // A put refused for want of disk by the store holding a group's only copy: the attempt is

@@ -216,6 +216,8 @@ absl::StatusOr<v1::Job> Scheduler::Remove(const std::string& job_id) {
 void Scheduler::RepairRunLocked(const std::string& job_id, Run& run, const v1::Job& job,
                                 const Alive& all, std::vector<StoreCall>* aborts) {
   const Alive alive = ForJob(all, run);  // a store the job lost is as good as dead to it
+  // The worker count its plan was made for (0 when it gave its workers back to wait).
+  const int planned_for = run.record.workers_size();
   std::vector<std::string> kept, lost;
   bool back = true;  // every member of the job is alive
   for (const std::string& w : run.record.workers()) {
@@ -297,7 +299,7 @@ void Scheduler::RepairRunLocked(const std::string& job_id, Run& run, const v1::J
     auto it = alive.workers.find(w);
     if (it != alive.workers.end()) run.record.set_backend(it->second.backend());
   }
-  ReplaceLocked(run, job, alive.store_ids(), alive.placeable_ids());
+  ReplaceLocked(run, job, alive.store_ids(), alive.placeable_ids(), planned_for);
   absl::Status s = PersistLocked(run);
   if (!s.ok()) LOG(ERROR) << s;
 }
@@ -335,7 +337,7 @@ bool Scheduler::ForgetFullStoresLocked(Run& run) {
 
 void Scheduler::ReplaceLocked(Run& run, const v1::Job& job,
                               const std::vector<std::string>& live_stores,
-                              const std::vector<std::string>& stores) {
+                              const std::vector<std::string>& stores, int planned_for) {
   v1::PlacementTable previous = run.record.placement();
   const std::set<std::string> live(live_stores.begin(), live_stores.end());
   if (run.committed >= 0) {
@@ -362,10 +364,10 @@ void Scheduler::ReplaceLocked(Run& run, const v1::Job& job,
   }
   std::vector<std::string> workers(run.record.workers().begin(), run.record.workers().end());
   // As many workers as before keep the plan by rank (only stores changed, or a spare took
-  // a dead worker's rank): the survivors' caches stay, and the job's math stays that of an
-  // undisturbed run. Otherwise the compute is re-planned.
+  // a dead worker's rank): no expert moves between ranks, and the job's math stays that
+  // of an undisturbed run. Otherwise the compute is re-planned.
   std::optional<ComputePlan> kept =
-      KeptPlan(previous, static_cast<int>(workers.size()), job.spec().model());
+      KeptPlan(previous, static_cast<int>(workers.size()), planned_for, job.spec().model());
   const ComputePlan plan =
       kept ? *std::move(kept)
            : PlanJobCompute(job, static_cast<int>(workers.size()), heat_->Snapshot(job.job_id()));

@@ -240,15 +240,16 @@ std::string Scheduler::FailAttemptLocked(Run& run, int64_t step, const std::stri
 bool Scheduler::DropFullStoreLocked(Run& run, const std::string& store, const std::string& why) {
   // Dropped already (a report of an attempt before the next tick's repair re-placed it).
   if (run.record.lost_stores().contains(store)) return true;
-  std::set<std::string> others = JobStores(run);
-  if (!others.erase(store)) return false;  // not the job's
-  const Alive alive = Snapshot(*members_);
-  // Holders that count: live, with room (a job that drops one full store for another
-  // keeps its last copies on a disk that refuses them).
-  for (auto it = others.begin(); it != others.end();) {
-    it = alive.stores.count(*it) > 0 && !alive.full.count(*it) ? std::next(it) : others.erase(it);
+  if (!JobStores(run).count(store)) return false;  // not the job's
+  const Alive alive = ForJob(Snapshot(*members_), run);
+  if (run.committed >= 0) {
+    // Holders that count: live, with room (a job that drops one full store for another
+    // keeps its last copies on a disk that refuses them).
+    if (!OnlyCopiesOn(run, store, alive).empty()) return false;  // it holds one's only copy
+  } else {  // nothing committed to keep: its groups start again where there is room
+    const std::vector<std::string> room = alive.placeable_ids();
+    if (room.empty() || (room.size() == 1 && room[0] == store)) return false;
   }
-  if (!UnheldGroup(run, others).empty()) return false;  // it holds a group's only copy
   StoreTroubleLocked(run, store, "puts", absl::StrCat(kFullDiskLoss, " (", why, ")"),
                      /*refused=*/true);
   run.full_since[store] = options_.clock();

@@ -209,7 +209,7 @@ class BlobStore {
     std::optional<std::pair<int, int>> group;  // (layer, expert)
   };
   // Deletes the job's blobs in `scope`; returns (blobs deleted, bytes freed). The job's
-  // committed step goes only with everything.
+  // committed step goes with everything, or with the job's last group here.
   absl::StatusOr<std::pair<uint64_t, uint64_t>> DeleteJob(const std::string& job_id,
                                                           const DeleteScope& scope);
   absl::StatusOr<std::pair<uint64_t, uint64_t>> DeleteJob(const std::string& job_id) {

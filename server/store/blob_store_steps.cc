@@ -268,10 +268,16 @@ absl::StatusOr<std::pair<uint64_t, uint64_t>> BlobStore::DeleteJob(const std::st
     ++blobs;
     it = blobs_.erase(it);
   }
+  const auto rest = blobs_.lower_bound(prefix);
+  const bool none_left = rest == blobs_.end() || !absl::StartsWith(rest->first, prefix);
   if (!scope.keep_weights && !scope.group) {
     batch.delete_job_steps.push_back(job_id);
     job_steps_.erase(job_id);
     job_attempts_.erase(job_id);
+  } else if (scope.group && none_left && job_steps_.erase(job_id) > 0) {
+    // Its last group of the job went: the step it committed is no longer its step of the
+    // job (ListJobs), should it take a copy of a group again without committing one.
+    batch.delete_job_steps.push_back(job_id);
   }
   UpdateGaugesLocked();
   lock.Release();

@@ -205,6 +205,20 @@ TEST_F(BlobStoreTest, DeleteJobTakesAGroupOrKeepsTheWeightsOrTakesAll) {
   EXPECT_EQ(store_->CommittedStep("job-1"), -1);
 }
 
+// A store that left every group of a job forgets its step of the job, durably: a copy of
+// a group it takes later (pulled, not committed here) does not make it look behind.
+TEST_F(BlobStoreTest, TheLastGroupOfAJobTakesItsStepWithIt) {
+  ASSERT_TRUE(store_->Put(Expert(0, 0), 3, Bytes(100, 1)).ok());
+  ASSERT_TRUE(store_->Put(Dense("wte"), 3, Bytes(100, 2)).ok());
+  ASSERT_TRUE(store_->CommitStep("job-1", 3, 2).ok());
+  ASSERT_TRUE(store_->DeleteJob("job-1", {.group = std::make_pair(0, 0)}).ok());
+  EXPECT_EQ(store_->CommittedStep("job-1"), 3);  // it holds the dense group still
+  ASSERT_TRUE(store_->DeleteJob("job-1", {.group = std::make_pair(-1, 0)}).ok());
+  EXPECT_EQ(store_->CommittedStep("job-1"), -1);
+  Open();  // and after a restart
+  EXPECT_EQ(store_->CommittedStep("job-1"), -1);
+}
+
 TEST_F(BlobStoreTest, AbortDiscardsPendingVersions) {
   ASSERT_TRUE(store_->Put(Dense("wte"), 0, Bytes(100, 1)).ok());
   ASSERT_TRUE(store_->CommitStep("job-1", 0).ok());
