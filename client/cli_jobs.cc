@@ -158,13 +158,16 @@ absl::Status Watch(const CliContext& ctx, const Args& args, std::ostream& out) {
       const double eta = step_seconds * static_cast<double>(steps - e.step());
       const int width = 30,
                 filled = static_cast<int>(width * e.step() / std::max<int64_t>(1, steps));
-      out << absl::StrFormat(
-          "[%s%s] step %d/%d  loss %.4f  %.0f tokens/s  cache hit %.2f%s%s\n",
-          std::string(filled, '#'), std::string(width - filled, '.'), e.step(), steps, e.loss(),
-          e.tokens_per_second(), e.cache_hit_rate(),
-          e.state() == v1::JOB_STATE_RUNNING ? absl::StrFormat("  ETA %.0fs", eta) : "",
-          e.state() == v1::JOB_STATE_RUNNING && !e.message().empty() ? "  (" + e.message() + ")"
-                                                                     : "");
+      out << absl::StrFormat("[%s%s] step %d/%d  loss %.4f  %.0f tokens/s  cache hit %.2f%s%s\n",
+                             std::string(filled, '#'), std::string(width - filled, '.'), e.step(),
+                             steps, e.loss(), e.tokens_per_second(), e.cache_hit_rate(),
+                             // A job that waits (its message says for what) has no ETA.
+                             e.state() == v1::JOB_STATE_RUNNING && e.message().empty()
+                                 ? absl::StrFormat("  ETA %.0fs", eta)
+                                 : "",
+                             e.state() == v1::JOB_STATE_RUNNING && !e.message().empty()
+                                 ? "  (" + e.message() + ")"
+                                 : "");
     } else {
       // The scheduler's reason, where it gave one.
       const std::string waits =

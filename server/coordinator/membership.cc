@@ -253,17 +253,24 @@ std::vector<std::string> Membership::ExpireLeases() {
 void Membership::NoteDiskLocked(const v1::MemberInfo& m) {
   const uint64_t free = m.disk_free_bytes(), reserve = m.disk_reserve_bytes();
   auto low = low_disk_.find(m.member_id());
+  const absl::Time now = clock_();
   if (reserve > 0 && free / 2 < reserve) {
     if (low == low_disk_.end()) {
       LOG(WARNING) << "store " << m.member_id() << " is low on disk (" << free
                    << " bytes free, reserve " << reserve << "): it takes no new copies";
-      low_disk_.emplace(m.member_id(), clock_());
+      low_disk_.emplace(m.member_id(), LowDisk{.since = now});
+    } else {
+      low->second.above_since = absl::InfiniteFuture();
     }
     return;
   }
   if (low == low_disk_.end()) return;
-  // No figures (a store without a disk tier), or room with a margin for long enough.
-  if (reserve == 0 || (free / 3 >= reserve && clock_() - low->second >= kLowDiskCooldown)) {
+  LowDisk& l = low->second;
+  if (l.above_since == absl::InfiniteFuture()) l.above_since = now;
+  // No figures (a store without a disk tier), or room with a margin for long enough, or
+  // over the low line for long enough.
+  if (reserve == 0 || (free / 3 >= reserve && now - l.since >= kLowDiskCooldown) ||
+      now - l.above_since >= kLowDiskCooldown) {
     LOG(INFO) << "store " << m.member_id() << " has disk room again (" << free
               << " bytes free): it takes new copies";
     low_disk_.erase(low);

@@ -98,12 +98,18 @@ class Membership {
   std::map<std::string, v1::MemberInfo> members_ ABSL_GUARDED_BY(mu_);
   std::map<v1::MemberRole, int> next_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, v1::MemberState> drains_ ABSL_GUARDED_BY(mu_);  // DRAINING or DRAINED
-  std::map<std::string, absl::Time> low_disk_ ABSL_GUARDED_BY(mu_);     // since when
+  struct LowDisk {
+    absl::Time since;                                 // low since
+    absl::Time above_since = absl::InfiniteFuture();  // back over the low line since
+  };
+  std::map<std::string, LowDisk> low_disk_ ABSL_GUARDED_BY(mu_);
   // Judges a store's disk from its figures (MemberInfo.disk_low: it takes no new copies,
   // Alive::full). A store becomes low under twice its --disk_reserve_bytes free, and is
-  // low until it has three times its reserve free and kLowDiskCooldown has passed:
-  // without the margin and the wait, a store that sheds its copies to other stores and so
-  // frees its disk would take them back at once, and the copies would go back and forth.
+  // low until it has three times its reserve free and kLowDiskCooldown has passed since
+  // it became low, or until it has stayed over twice its reserve for kLowDiskCooldown (a
+  // small disk may never free three times its reserve): without the margin and the
+  // wait, a store that sheds its copies to other stores and so frees its disk would take
+  // them back at once, and the copies would go back and forth.
   void NoteDiskLocked(const v1::MemberInfo& m) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   std::map<std::string, std::string> id_of_identity_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, std::string> identity_of_id_ ABSL_GUARDED_BY(mu_);

@@ -188,6 +188,19 @@ TEST(MembershipTest, AStoreLowOnDiskServesButTakesNoNewCopies) {
   EXPECT_FALSE(members.Members(v1::MEMBER_ROLE_STORE).front().disk_low());
   ASSERT_TRUE(heartbeat(reserve - 1, reserve));  // under the reserve itself
   EXPECT_FALSE(Snapshot(members).placeable(*id));
+  // A small disk that never frees three times its reserve: over twice it for five
+  // minutes in a row will do (a dip under the line starts the five minutes again).
+  now += kLowDiskCooldown;
+  ASSERT_TRUE(heartbeat(5 * reserve / 2, reserve));
+  now += kLowDiskCooldown - absl::Seconds(2);
+  ASSERT_TRUE(heartbeat(2 * reserve - 1, reserve));
+  ASSERT_TRUE(heartbeat(5 * reserve / 2, reserve));
+  now += absl::Seconds(2);
+  ASSERT_TRUE(heartbeat(5 * reserve / 2, reserve));
+  EXPECT_FALSE(Snapshot(members).placeable(*id));
+  now += kLowDiskCooldown - absl::Seconds(2);
+  ASSERT_TRUE(heartbeat(5 * reserve / 2, reserve));
+  EXPECT_TRUE(Snapshot(members).placeable(*id));
   ASSERT_TRUE(members.Heartbeat(*id, v1::MemberInfo()).ok());  // no disk figures: not low
   EXPECT_EQ(Snapshot(members).placeable_ids(), std::vector<std::string>{*id});
 }

@@ -77,6 +77,8 @@ std::string Scheduler::WaitForRoomLocked(const std::string& job_id, Run& run,
 
 std::string Scheduler::RoomWaitReason(const Run& run, const Alive& alive) const {
   const std::vector<std::string> groups = OnlyCopiesOn(run, run.room_store, alive);
+  const auto member = alive.stores.find(run.room_store);
+  const uint64_t reserve = member == alive.stores.end() ? 0 : member->second.disk_reserve_bytes();
   const std::string which = groups.empty() ? "some of the job's groups"
                             : groups.size() == 1
                                 ? groups[0]
@@ -86,8 +88,10 @@ std::string Scheduler::RoomWaitReason(const Run& run, const Alive& alive) const 
       absl::FormatTime("%H:%M:%S UTC", run.room_since + kRoomWait, absl::UTCTimeZone()), " (",
       absl::FormatDuration(kRoomWait), " from its first refusal) ", kRoomWaitWords, " ",
       run.room_store, ", which holds the only copy of ", which, " (", run.room_why,
-      "): free space on its disk, or add a store with room and its copies "
-      "move there (pith cluster shows both)");
+      "): free space on its disk (",
+      absl::StrFormat("%.1f MB", 2e-6 * static_cast<double>(reserve)),
+      " free, twice its reserve, for 5 minutes), or add a store with room and its copies move "
+      "there (pith cluster shows both)");
 }
 
 void Scheduler::ReviewRoomWaitLocked(const std::string& job_id, Run& run, const v1::Job& job,

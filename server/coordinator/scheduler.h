@@ -207,6 +207,15 @@ class Scheduler {
     // Every worker of the job died and none was free to take over: it waits for one
     // (Job.pending_reason says so).
     bool no_workers = false;
+    // The placement of a job before it lost workers none could replace, with its worker
+    // count and committed step then: as many workers back before a step commits on
+    // fewer take that compute plan again, and the bits stay an undisturbed run's.
+    struct WiderPlan {
+      int workers = 0;
+      int64_t committed = -1;
+      v1::PlacementTable placement;
+    };
+    std::optional<WiderPlan> wider;
     JobCopies copies;  // replication: joins and copies of the job's groups
     int holds = 0;     // checkpoints reading the job: commits wait
     std::string abort_reason;

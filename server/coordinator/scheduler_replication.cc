@@ -116,6 +116,8 @@ absl::StatusOr<v1::DrainStoreResponse> Scheduler::Drain(const std::string& store
     // The others must be able to hold every running job's copies.
     std::vector<std::string> others = alive.placeable_ids();
     others.erase(std::remove(others.begin(), others.end(), store_id), others.end());
+    size_t low = 0;  // live stores that take no copies for want of disk
+    for (const std::string& id : alive.full) low += id != store_id && !alive.draining.count(id);
     for (const auto& [job_id, run] : runs_) {
       absl::StatusOr<v1::Job> job = jobs_->Get(job_id);
       if (!job.ok()) continue;
@@ -123,7 +125,12 @@ absl::StatusOr<v1::DrainStoreResponse> Scheduler::Drain(const std::string& store
       if (!alive.draining.count(store_id) && static_cast<int>(others.size()) < want) {
         return absl::FailedPreconditionError(absl::StrCat(
             "draining ", store_id, " would leave ", others.size(), " store(s) for job ", job_id,
-            ", which keeps ", want, " copies of every blob; add a store first"));
+            ", which keeps ", want, " copies of every blob",
+            low == 0 ? ""
+                     : absl::StrCat(" (", low,
+                                    " other store(s) are low on disk and take no "
+                                    "copies: pith cluster)"),
+            "; add a store first"));
       }
       for (const v1::ExpertPlacement& e : run.record.placement().experts()) {
         if (std::count(e.store_ids().begin(), e.store_ids().end(), store_id)) {

@@ -266,6 +266,24 @@ class SchedulerTest : public ::testing::Test {
     return out;
   }
 
+  // Heat reported for `step` by `worker` under which a fresh compute plan differs from
+  // the job's first (one expert of each layer takes nearly every token).
+  void SkewHeat(const std::string& job_id, const std::string& worker, int64_t step) {
+    const v1::Job job = Job(job_id);
+    const v1::ModelConfig& m = job.spec().model();
+    v1::HeatReport report;
+    report.set_job_id(job_id);
+    report.set_worker_id(worker);
+    report.set_step(step);
+    for (int l = 0; l < m.n_layer(); ++l) {
+      v1::LayerRouting* routing = report.add_layers();
+      routing->set_layer(l);
+      for (int e = 0; e < m.n_expert(); ++e) routing->add_tokens_per_expert(e == l ? 900 : 1);
+    }
+    ASSERT_TRUE(heat_->Report(job, report).ok());
+    ASSERT_NE(PlanJobCompute(job, 2, heat_->Snapshot(job_id)), PlanJobCompute(job, 2, {}));
+  }
+
   // 4 s pass with only `alive` heartbeating (at 2 s): every other member's lease runs out,
   // and the tick at the end loses them.
   void OnlyTheseLive(const std::vector<std::string>& alive) {
@@ -804,6 +822,36 @@ std::map<std::pair<int, int>, std::vector<std::pair<int, double>>> PlanByRank(
   return out;
 }
 
+// A worker none could replace leaves the job with one; another joins before any step
+// trained on one: the job takes its plan for two again, whatever a fresh plan would be.
+TEST_F(SchedulerTest, AJobBackToItsWorkerCountBeforeAStepKeepsItsPlan) {
+  const v1::Job job = Submit(2);
+  const std::string s0 = Join(v1::MEMBER_ROLE_STORE);
+  const std::string w0 = Join(v1::MEMBER_ROLE_WORKER), w1 = Join(v1::MEMBER_ROLE_WORKER);
+  scheduler_->Tick();
+  const auto plan = PlanByRank(scheduler_->GetAssignment(w0)->placement());
+  CommitStep(job.job_id(), 0, {w0, w1});
+  ASSERT_NO_FATAL_FAILURE(SkewHeat(job.job_id(), w0, 0));
+  ASSERT_NO_FATAL_FAILURE(OnlyTheseLive({w0, s0}));
+  ASSERT_EQ(scheduler_->GetAssignment(w0)->world(), 1);
+  const std::string w2 = Join(v1::MEMBER_ROLE_WORKER);
+  scheduler_->Tick();
+  auto a = scheduler_->GetAssignment(w2);
+  ASSERT_TRUE(a.ok()) << a.status();
+  EXPECT_EQ(a->world(), 2);
+  EXPECT_EQ(PlanByRank(a->placement()), plan);
+  CommitStep(job.job_id(), 1, {w0, w2});
+  // Once a step commits on fewer workers, growing back plans afresh.
+  ASSERT_NO_FATAL_FAILURE(OnlyTheseLive({w0, s0}));
+  CommitStep(job.job_id(), 2, {w0});
+  const std::string w3 = Join(v1::MEMBER_ROLE_WORKER);
+  scheduler_->Tick();
+  a = scheduler_->GetAssignment(w3);
+  ASSERT_TRUE(a.ok()) << a.status();
+  EXPECT_EQ(a->world(), 2);
+  EXPECT_NE(PlanByRank(a->placement()), plan);
+}
+
 // A spare takes a dead worker's rank and its experts (the survivor keeps its own), and
 // with every worker gone the plan waits for the next ones: the job computes what an
 // undisturbed run would, whatever heat a fresh plan would follow.
@@ -814,20 +862,7 @@ TEST_F(SchedulerTest, ASpareTakesADeadWorkersRankAndThePlanIsKept) {
   scheduler_->Tick();
   const auto plan = PlanByRank(scheduler_->GetAssignment(w0)->placement());
   CommitStep(job.job_id(), 0, {w0, w1});
-  // Heat a fresh plan would follow: one expert of each layer takes nearly every token.
-  const v1::ModelConfig& m = job.spec().model();
-  v1::HeatReport report;
-  report.set_job_id(job.job_id());
-  report.set_worker_id(w0);
-  report.set_step(0);
-  for (int l = 0; l < m.n_layer(); ++l) {
-    v1::LayerRouting* routing = report.add_layers();
-    routing->set_layer(l);
-    for (int e = 0; e < m.n_expert(); ++e) routing->add_tokens_per_expert(e == l ? 900 : 1);
-  }
-  ASSERT_TRUE(heat_->Report(Job(job.job_id()), report).ok());
-  const ComputePlan fresh = PlanJobCompute(Job(job.job_id()), 2, heat_->Snapshot(job.job_id()));
-  ASSERT_NE(*KeptPlan(scheduler_->GetAssignment(w0)->placement(), 2, 2, m), fresh);
+  ASSERT_NO_FATAL_FAILURE(SkewHeat(job.job_id(), w0, 0));
 
   const std::string spare = Join(v1::MEMBER_ROLE_WORKER);
   ASSERT_NO_FATAL_FAILURE(OnlyTheseLive({w1, spare, s0}));  // rank 0 dies

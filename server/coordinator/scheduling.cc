@@ -366,8 +366,17 @@ void Scheduler::ReplaceLocked(Run& run, const v1::Job& job,
   // As many workers as before keep the plan by rank (only stores changed, or a spare took
   // a dead worker's rank): no expert moves between ranks, and the job's math stays that
   // of an undisturbed run. Otherwise the compute is re-planned.
-  std::optional<ComputePlan> kept =
-      KeptPlan(previous, static_cast<int>(workers.size()), planned_for, job.spec().model());
+  const int n = static_cast<int>(workers.size());
+  std::optional<ComputePlan> kept = KeptPlan(previous, n, planned_for, job.spec().model());
+  if (run.wider && run.wider->committed != run.committed) run.wider.reset();  // trained since
+  if (!kept && run.wider && run.wider->workers == n) {
+    kept = KeptPlan(run.wider->placement, n, n, job.spec().model());
+  }
+  if (n < planned_for && !run.wider) {
+    run.wider = Run::WiderPlan{planned_for, run.committed, run.record.placement()};
+  } else if (run.wider && n >= run.wider->workers) {
+    run.wider.reset();
+  }
   const ComputePlan plan =
       kept ? *std::move(kept)
            : PlanJobCompute(job, static_cast<int>(workers.size()), heat_->Snapshot(job.job_id()));
