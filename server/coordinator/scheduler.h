@@ -382,8 +382,10 @@ class Scheduler {
   // step_commit.cc: the step-commit protocol.
   v1::StepStatus StatusLocked(const std::string& job_id, const Run& run, int64_t step) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // A worker's report that the step in flight failed: a full store is dropped or waited
-  // for (a put refused for want of disk), any other failure counts (FailAttemptLocked).
+  // A worker's report that the step in flight failed: a full store is dropped or, where
+  // the membership judges it low on disk, waited for (a put refused for want of disk);
+  // any other failure counts (FailAttemptLocked), as does a refusal by a store not (yet)
+  // judged low (a put bigger than its reserve, or before its heartbeat told its disk).
   // The reason the job fails with, else empty.
   std::string FailedReportLocked(Run& run, const v1::StepWrittenRequest& report,
                                  std::vector<StoreCall>* aborts) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -404,8 +406,9 @@ class Scheduler {
   std::string WaitForRoomLocked(const std::string& job_id, Run& run, const std::string& store,
                                 const std::string& why, std::vector<StoreCall>* aborts)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Each tick, for a job waiting for room: the wait ends when the store has room (twice
-  // its reserve free), is gone (a lost store's repair takes over), or no longer holds the
+  // Each tick, for a job waiting for room: the wait ends when the store has room (it is
+  // no longer low on disk; where no store could take its copies, twice its reserve
+  // free will do), is gone (a lost store's repair takes over), or no longer holds the
   // job's only copies (copies pulled meanwhile join as readers, ApplyCopiesWhilePaused,
   // and the full store leaves); after kRoomWait the job fails with the refusal.
   void ReviewRoomWaitLocked(const std::string& job_id, Run& run, const v1::Job& job,

@@ -217,8 +217,9 @@ std::string Scheduler::FailedReportLocked(Run& run, const v1::StepWrittenRequest
                                           r.failure().empty() ? "step failed" : r.failure());
   std::string give_up;
   if (!r.full_store_id().empty() && DropFullStoreLocked(run, r.full_store_id(), reason)) {
-    AbortLocked(run, reason, aborts);       // no attempt counts: the next tick re-places
-  } else if (!r.full_store_id().empty()) {  // it holds a group's only copy
+    AbortLocked(run, reason, aborts);  // no attempt counts: the next tick re-places
+  } else if (!r.full_store_id().empty() && JobStores(run).count(r.full_store_id()) &&
+             Snapshot(*members_).full.count(r.full_store_id())) {  // it holds an only copy
     give_up = WaitForRoomLocked(r.job_id(), run, r.full_store_id(), reason, aborts);
   } else {
     give_up = FailAttemptLocked(run, r.step(), reason, aborts);
