@@ -54,7 +54,7 @@ std::vector<std::string> Scheduler::OnlyCopiesOn(const Run& run, const std::stri
 
 std::string Scheduler::WaitForRoomLocked(const std::string& job_id, Run& run,
                                          const std::string& store, const std::string& why,
-                                         std::vector<StoreCall>* aborts) {
+                                         const Alive& alive, std::vector<StoreCall>* aborts) {
   AbortLocked(run, why, aborts);  // not counted: no retry has room before the wait ends
   const absl::Time now = options_.clock();
   if (run.room_step != step_in_flight(run)) {
@@ -71,7 +71,7 @@ std::string Scheduler::WaitForRoomLocked(const std::string& job_id, Run& run,
   if (now - run.room_since >= kRoomWait) {
     return RoomWaitFailure(run.room_step, why, now - run.room_since);
   }
-  NoteWaitLocked(job_id, RoomWaitReason(run, ForJob(Snapshot(*members_), run)));
+  NoteWaitLocked(job_id, RoomWaitReason(run, alive));
   return "";
 }
 
@@ -114,7 +114,7 @@ void Scheduler::ReviewRoomWaitLocked(const std::string& job_id, Run& run, const 
     ended = "is gone";  // the repair of a lost store takes over
   } else if (HasRoom(store, alive)) {
     ended = "has room again";
-  } else if (DropFullStoreLocked(run, store, run.room_why)) {
+  } else if (DropFullStoreLocked(run, store, run.room_why, alive)) {
     ended = "holds no group's only copy now";
   } else {
     if (options_.clock() - run.room_since < kRoomWait) return;  // waits on

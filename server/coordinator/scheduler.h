@@ -396,16 +396,16 @@ class Scheduler {
   // A worker's put to `store` was refused for want of disk (`why`): the job stops using
   // the store (record.lost_stores; the next tick's repair copies its groups to stores
   // with room) where the job's other live stores with room hold every group; true if it
-  // did (or had).
-  bool DropFullStoreLocked(Run& run, const std::string& store, const std::string& why)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // did (or had). `alive`: the members, as ForJob gives them for the run.
+  bool DropFullStoreLocked(Run& run, const std::string& store, const std::string& why,
+                           const Alive& alive) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // room_wait.cc. A put refused for want of disk by `store`, which holds the only copy of
   // a group with room (DropFullStoreLocked said no): the attempt is voided without
   // counting, and the job waits (Run.room_store, its pending reason says so). Returns the
   // reason the job fails with once this step has waited kRoomWait, else "".
   std::string WaitForRoomLocked(const std::string& job_id, Run& run, const std::string& store,
-                                const std::string& why, std::vector<StoreCall>* aborts)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+                                const std::string& why, const Alive& alive,
+                                std::vector<StoreCall>* aborts) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Each tick, for a job waiting for room: the wait ends when the store has room (it is
   // no longer low on disk; where no store could take its copies, twice its reserve
   // free will do), is gone (a lost store's repair takes over), or no longer holds the

@@ -143,6 +143,26 @@ class FakeStores final : public StoreControl {
   std::function<void(const v1::MemberInfo&, const v1::DeleteJobRequest&)> during_delete;
 };
 
+// A placement's compute plan: (layer, expert) -> its owners' (rank, token share).
+using RankPlan = std::map<std::pair<int, int>, std::vector<std::pair<int, double>>>;
+RankPlan PlanByRank(const v1::PlacementTable& t) {
+  RankPlan out;
+  for (const v1::ExpertPlacement& e : t.experts()) {
+    for (const v1::ComputeOwner& o : e.owners()) {
+      out[{e.layer(), e.expert()}].emplace_back(o.rank(), o.token_share());
+    }
+  }
+  return out;
+}
+
+// A job of two workers on one store that committed step 0, its first plan, and heat
+// under which a fresh plan would differ from it (SchedulerTest::StartTwoWorkerJob).
+struct TwoWorkerJob {
+  v1::Job job;
+  std::string s0, w0, w1;
+  RankPlan plan;
+};
+
 class SchedulerTest : public ::testing::Test {
  protected:
   void SetUp() override {
@@ -282,6 +302,17 @@ class SchedulerTest : public ::testing::Test {
     }
     ASSERT_TRUE(heat_->Report(job, report).ok());
     ASSERT_NE(PlanJobCompute(job, 2, heat_->Snapshot(job_id)), PlanJobCompute(job, 2, {}));
+  }
+
+  void StartTwoWorkerJob(TwoWorkerJob& t) {
+    t.job = Submit(2);
+    t.s0 = Join(v1::MEMBER_ROLE_STORE);
+    t.w0 = Join(v1::MEMBER_ROLE_WORKER);
+    t.w1 = Join(v1::MEMBER_ROLE_WORKER);
+    scheduler_->Tick();
+    t.plan = PlanByRank(scheduler_->GetAssignment(t.w0)->placement());
+    CommitStep(t.job.job_id(), 0, {t.w0, t.w1});
+    ASSERT_NO_FATAL_FAILURE(SkewHeat(t.job.job_id(), t.w0, 0));
   }
 
   // 4 s pass with only `alive` heartbeating (at 2 s): every other member's lease runs out,
@@ -810,28 +841,14 @@ TEST_F(SchedulerTest, AWorkerWhoseLeaseRunsOutIsReplacedAndTheStepRedone) {
   CommitStep(job.job_id(), 1, {w0, spare});
 }
 
-// A placement's compute plan: (layer, expert) -> its owners' (rank, token share).
-std::map<std::pair<int, int>, std::vector<std::pair<int, double>>> PlanByRank(
-    const v1::PlacementTable& t) {
-  std::map<std::pair<int, int>, std::vector<std::pair<int, double>>> out;
-  for (const v1::ExpertPlacement& e : t.experts()) {
-    for (const v1::ComputeOwner& o : e.owners()) {
-      out[{e.layer(), e.expert()}].emplace_back(o.rank(), o.token_share());
-    }
-  }
-  return out;
-}
-
 // A worker none could replace leaves the job with one; another joins before any step
 // trained on one: the job takes its plan for two again, whatever a fresh plan would be.
 TEST_F(SchedulerTest, AJobBackToItsWorkerCountBeforeAStepKeepsItsPlan) {
-  const v1::Job job = Submit(2);
-  const std::string s0 = Join(v1::MEMBER_ROLE_STORE);
-  const std::string w0 = Join(v1::MEMBER_ROLE_WORKER), w1 = Join(v1::MEMBER_ROLE_WORKER);
-  scheduler_->Tick();
-  const auto plan = PlanByRank(scheduler_->GetAssignment(w0)->placement());
-  CommitStep(job.job_id(), 0, {w0, w1});
-  ASSERT_NO_FATAL_FAILURE(SkewHeat(job.job_id(), w0, 0));
+  TwoWorkerJob t;
+  ASSERT_NO_FATAL_FAILURE(StartTwoWorkerJob(t));
+  const v1::Job& job = t.job;
+  const std::string &s0 = t.s0, &w0 = t.w0;
+  const auto& plan = t.plan;
   ASSERT_NO_FATAL_FAILURE(OnlyTheseLive({w0, s0}));
   ASSERT_EQ(scheduler_->GetAssignment(w0)->world(), 1);
   const std::string w2 = Join(v1::MEMBER_ROLE_WORKER);
@@ -856,13 +873,11 @@ TEST_F(SchedulerTest, AJobBackToItsWorkerCountBeforeAStepKeepsItsPlan) {
 // with every worker gone the plan waits for the next ones: the job computes what an
 // undisturbed run would, whatever heat a fresh plan would follow.
 TEST_F(SchedulerTest, ASpareTakesADeadWorkersRankAndThePlanIsKept) {
-  const v1::Job job = Submit(2);
-  const std::string s0 = Join(v1::MEMBER_ROLE_STORE);
-  const std::string w0 = Join(v1::MEMBER_ROLE_WORKER), w1 = Join(v1::MEMBER_ROLE_WORKER);
-  scheduler_->Tick();
-  const auto plan = PlanByRank(scheduler_->GetAssignment(w0)->placement());
-  CommitStep(job.job_id(), 0, {w0, w1});
-  ASSERT_NO_FATAL_FAILURE(SkewHeat(job.job_id(), w0, 0));
+  TwoWorkerJob t;
+  ASSERT_NO_FATAL_FAILURE(StartTwoWorkerJob(t));
+  const v1::Job& job = t.job;
+  const std::string &s0 = t.s0, &w1 = t.w1;
+  const auto& plan = t.plan;
 
   const std::string spare = Join(v1::MEMBER_ROLE_WORKER);
   ASSERT_NO_FATAL_FAILURE(OnlyTheseLive({w1, spare, s0}));  // rank 0 dies

@@ -378,8 +378,7 @@ void Scheduler::ReplaceLocked(Run& run, const v1::Job& job,
     run.wider.reset();
   }
   const ComputePlan plan =
-      kept ? *std::move(kept)
-           : PlanJobCompute(job, static_cast<int>(workers.size()), heat_->Snapshot(job.job_id()));
+      kept ? *std::move(kept) : PlanJobCompute(job, n, heat_->Snapshot(job.job_id()));
   const v1::PlacementTable before = run.record.placement();
   *run.record.mutable_placement() = BuildPlacement(job, workers, stores, plan, &previous,
                                                    previous.epoch() + 1, step_in_flight(run));

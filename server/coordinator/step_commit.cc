@@ -216,11 +216,12 @@ std::string Scheduler::FailedReportLocked(Run& run, const v1::StepWrittenRequest
   const std::string reason = absl::StrCat("worker ", r.worker_id(), ": ",
                                           r.failure().empty() ? "step failed" : r.failure());
   std::string give_up;
-  if (!r.full_store_id().empty() && DropFullStoreLocked(run, r.full_store_id(), reason)) {
+  const std::string& full = r.full_store_id();
+  const Alive alive = full.empty() ? Alive() : ForJob(Snapshot(*members_), run);
+  if (!full.empty() && DropFullStoreLocked(run, full, reason, alive)) {
     AbortLocked(run, reason, aborts);  // no attempt counts: the next tick re-places
-  } else if (!r.full_store_id().empty() && JobStores(run).count(r.full_store_id()) &&
-             Snapshot(*members_).full.count(r.full_store_id())) {  // it holds an only copy
-    give_up = WaitForRoomLocked(r.job_id(), run, r.full_store_id(), reason, aborts);
+  } else if (!full.empty() && JobStores(run).count(full) && alive.full.count(full)) {
+    give_up = WaitForRoomLocked(r.job_id(), run, full, reason, alive, aborts);  // an only copy
   } else {
     give_up = FailAttemptLocked(run, r.step(), reason, aborts);
   }
@@ -238,11 +239,11 @@ std::string Scheduler::FailAttemptLocked(Run& run, int64_t step, const std::stri
                       " attempts in a row; the last: ", reason);
 }
 
-bool Scheduler::DropFullStoreLocked(Run& run, const std::string& store, const std::string& why) {
+bool Scheduler::DropFullStoreLocked(Run& run, const std::string& store, const std::string& why,
+                                    const Alive& alive) {
   // Dropped already (a report of an attempt before the next tick's repair re-placed it).
   if (run.record.lost_stores().contains(store)) return true;
   if (!JobStores(run).count(store)) return false;  // not the job's
-  const Alive alive = ForJob(Snapshot(*members_), run);
   if (run.committed >= 0) {
     // Holders that count: live, with room (a job that drops one full store for another
     // keeps its last copies on a disk that refuses them).
