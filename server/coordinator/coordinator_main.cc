@@ -59,7 +59,8 @@ ABSL_FLAG(std::string, export_root, "",
           "--out downloads instead");
 ABSL_FLAG(int, step_attempts, 8,
           "Failed attempts of one step (reported by its workers) after which the job fails "
-          "with the last reason");
+          "with the last reason (a worker that could not reach a peer still holding its lease "
+          "counts only once that peer heartbeats again)");
 ABSL_FLAG(bool, keep_ended_weights, true,
           "An ended job's committed weights stay on the stores (for `pith checkpoint`); its "
           "optimizer state goes. false: everything of an ended job is deleted");

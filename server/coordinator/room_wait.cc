@@ -94,9 +94,9 @@ std::string Scheduler::RoomWaitReason(const Run& run, const Alive& alive) const 
       "there (pith cluster shows both)");
 }
 
-void Scheduler::ReviewRoomWaitLocked(const std::string& job_id, Run& run, const v1::Job& job,
+bool Scheduler::ReviewRoomWaitLocked(const std::string& job_id, Run& run, const v1::Job& job,
                                      const Alive& all) {
-  if (run.room_store.empty() || IsFinal(job.state())) return;
+  if (run.room_store.empty() || IsFinal(job.state())) return false;
   const std::string store = run.room_store;
   const Alive alive = ForJob(all, run);
   // Copies pulled while the job waits join as readers, and the full store may leave.
@@ -117,14 +117,15 @@ void Scheduler::ReviewRoomWaitLocked(const std::string& job_id, Run& run, const 
   } else if (DropFullStoreLocked(run, store, run.room_why, alive)) {
     ended = "holds no group's only copy now";
   } else {
-    if (options_.clock() - run.room_since < kRoomWait) return;  // waits on
+    if (options_.clock() - run.room_since < kRoomWait) return false;  // waits on
     (void)MarkFailed(
         job_id, RoomWaitFailure(run.room_step, run.room_why, options_.clock() - run.room_since));
-    return;  // the next tick releases the run
+    return true;  // the next tick releases the run
   }
   LOG(INFO) << "job " << job_id << ": store " << store << " " << ended << "; the job goes on";
   run.room_store.clear();
   if (absl::StrContains(job.pending_reason(), kRoomWaitWords)) NoteWaitLocked(job_id, "");
+  return false;
 }
 
 void Scheduler::NewEpochLocked(const std::string& job_id, Run& run,

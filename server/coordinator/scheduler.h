@@ -119,7 +119,9 @@ class Scheduler {
   // A worker's assignment (an idle worker gets an empty job_id). NOT_FOUND for an
   // unknown or dead worker. UNAVAILABLE (retry) while the job commits a step: its workers
   // already compute the next one, which a run starting from the committed step would
-  // not; and while one of the job's workers is dead. A new process of a worker (its
+  // not; while one of the job's workers is dead; and while the job waits (PausedLocked:
+  // after a coordinator restart, for a store, for disk room, for a peer's fate). A new
+  // process of a worker (its
   // restart came before the scheduler saw the death) voids the attempt in flight, which
   // its predecessor was part of: every worker of the job starts the next one together.
   absl::StatusOr<v1::Assignment> GetAssignment(const std::string& worker_id)
@@ -234,6 +236,16 @@ class Scheduler {
     std::string room_why;                          // the refusal
     int64_t room_step = -1;                        // the step whose attempts it refused,
     absl::Time room_since = absl::InfinitePast();  // since when
+    // A worker of the job that another could not reach in step `peer_step` (its endpoint
+    // failed, or it fell silent) while it held its lease (WaitForPeerLocked): the attempt
+    // was voided without counting, and the job waits, as for room, until the worker
+    // heartbeats after the report (alive: the attempt counts then) or its lease lapses
+    // (dead: the repair gives its rank to a spare, or shrinks the job).
+    std::string peer_worker;
+    std::string peer_address;                      // its UCX address at the report
+    std::string peer_why;                          // the report
+    int64_t peer_step = -1;                        // the step it failed
+    absl::Time peer_since = absl::InfinitePast();  // the report's time
     // Stores the job dropped for a full disk (DropFullStoreLocked), since when (after a
     // coordinator restart: since the restart).
     std::map<std::string, absl::Time> full_since;
@@ -393,6 +405,27 @@ class Scheduler {
   // the step has failed step_attempts attempts in a row, else empty.
   std::string FailAttemptLocked(Run& run, int64_t step, const std::string& reason,
                                 std::vector<StoreCall>* aborts) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Counts a failed attempt of `step` (voided already): as FailAttemptLocked.
+  std::string CountAttemptLocked(Run& run, int64_t step, const std::string& reason)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Why assignments and reports of the job wait ("is waiting for ..."), empty when they
+  // do not: after a coordinator restart, for a store, for disk room, for a peer's fate.
+  static std::string PausedLocked(const Run& run);
+  // peer_wait.cc. A worker's report that it could not reach `peer`, a worker of the job,
+  // in the step in flight (`why`). When the peer still holds its lease, the attempt is
+  // voided without counting and the job waits (Run.peer_worker; its pending reason says
+  // so); when it holds none, only voided (the next tick's repair replaces it). True in
+  // both cases; false when `peer` is not another worker of the job (the caller counts).
+  bool WaitForPeerLocked(const std::string& job_id, Run& run, const std::string& reporter,
+                         const std::string& peer, const std::string& why,
+                         std::vector<StoreCall>* aborts) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Each tick, for a job waiting for a peer's fate: a peer that died (or left the job)
+  // ends the wait uncounted, the repair following; one that heartbeated since the report
+  // is alive, and the attempt counts (the job fails once step_attempts did); so it does
+  // after two leases without either, which membership does not allow.
+  // True when the job failed (as ReviewRoomWaitLocked).
+  bool ReviewPeerWaitLocked(const std::string& job_id, Run& run, const v1::Job& job,
+                            const Alive& alive) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // A worker's put to `store` was refused for want of disk (`why`): the job stops using
   // the store (record.lost_stores; the next tick's repair copies its groups to stores
   // with room) where the job's other live stores with room hold every group; true if it
@@ -411,7 +444,8 @@ class Scheduler {
   // free will do), is gone (a lost store's repair takes over), or no longer holds the
   // job's only copies (copies pulled meanwhile join as readers, ApplyCopiesWhilePaused,
   // and the full store leaves); after kRoomWait the job fails with the refusal.
-  void ReviewRoomWaitLocked(const std::string& job_id, Run& run, const v1::Job& job,
+  // True when the job failed (its run keeps waiting until the next tick releases it).
+  bool ReviewRoomWaitLocked(const std::string& job_id, Run& run, const v1::Job& job,
                             const Alive& alive) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // The groups (named as in a failure) whose complete copies on live stores with room are
   // all on `store`: none but its own (`alive`: ForJob's).

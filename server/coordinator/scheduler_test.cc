@@ -273,6 +273,21 @@ class SchedulerTest : public ::testing::Test {
     return scheduler_->ReportStepWritten(r);
   }
 
+  // `worker` reports the step in flight failed: it could not reach `peer` (a worker of the
+  // job whose endpoint failed, or that fell silent).
+  absl::StatusOr<v1::StepStatus> PeerFailed(const std::string& job, const std::string& worker,
+                                            const std::string& peer) {
+    v1::StepWrittenRequest r;
+    r.set_job_id(job);
+    r.set_worker_id(worker);
+    r.set_step(Job(job).committed_step() + 1);
+    r.set_ok(false);
+    r.set_failure("dispatch of layer 0: peer 1 failed");
+    r.set_unreachable_worker_id(peer);
+    r.set_assignment_version(scheduler_->AssignmentVersion(worker));
+    return scheduler_->ReportStepWritten(r);
+  }
+
   // The stores the job's placement names (complete or joining copies).
   std::set<std::string> Placed(const std::string& job) {
     std::set<std::string> out;
@@ -839,6 +854,97 @@ TEST_F(SchedulerTest, AWorkerWhoseLeaseRunsOutIsReplacedAndTheStepRedone) {
   }
   EXPECT_EQ(scheduler_->GetAssignment(w1).status().code(), absl::StatusCode::kNotFound);
   CommitStep(job.job_id(), 1, {w0, spare});
+}
+
+// A worker's endpoints fail at once when it dies, its lease seconds later: the report of
+// a survivor that could not reach it does not count against the job (it would fail with a
+// long lease); the job waits until the lease lapses, and a spare takes the dead rank.
+TEST_F(SchedulerTest, AReportOfAnUnreachablePeerWaitsForItsFateUncounted) {
+  TwoWorkerJob t;
+  ASSERT_NO_FATAL_FAILURE(StartTwoWorkerJob(t));
+  const v1::Job& job = t.job;
+  const std::string &s0 = t.s0, &w0 = t.w0, &w1 = t.w1;
+  const std::string spare = Join(v1::MEMBER_ROLE_WORKER);
+  for (int i = 0; i < SchedulerOptions().step_attempts - 1; ++i) {
+    ASSERT_TRUE(Report(job.job_id(), w0, 1, /*ok=*/false).ok());
+  }
+  stores_.aborts.clear();
+  auto failed = PeerFailed(job.job_id(), w0, w1);  // w1 was killed
+  ASSERT_TRUE(failed.ok()) << failed.status();
+  EXPECT_TRUE(failed->aborted());
+  EXPECT_EQ(stores_.aborts, (std::vector<std::string>{s0 + ":" + job.job_id() + ":1"}));
+  EXPECT_EQ(Job(job.job_id()).state(), v1::JOB_STATE_RUNNING);  // the 8th did not count
+  EXPECT_NE(Job(job.job_id()).pending_reason().find("to learn whether worker " + w1),
+            std::string::npos)
+      << Job(job.job_id()).pending_reason();
+  // Assignments and reports wait meanwhile: the attempt would fail on the same peer.
+  EXPECT_EQ(scheduler_->GetAssignment(w0).status().code(), absl::StatusCode::kUnavailable);
+  EXPECT_EQ(Report(job.job_id(), w0, 1, /*ok=*/false).status().code(),
+            absl::StatusCode::kUnavailable);
+  scheduler_->Tick();  // no heartbeat since the report, no lapse: it waits on
+  EXPECT_EQ(scheduler_->GetAssignment(w0).status().code(), absl::StatusCode::kUnavailable);
+
+  ASSERT_NO_FATAL_FAILURE(OnlyTheseLive({w0, spare, s0}));  // w1's lease lapses
+  auto a = scheduler_->GetAssignment(spare);
+  ASSERT_TRUE(a.ok()) << a.status();
+  EXPECT_EQ(a->job_id(), job.job_id());
+  EXPECT_EQ(a->rank(), 1);
+  EXPECT_EQ(Job(job.job_id()).pending_reason(), "");
+  CommitStep(job.job_id(), 1, {w0, spare});
+}
+
+// The peer a report names is restarted (a new process takes its id, as `pith up` does):
+// the one the report named died, and the attempt does not count.
+TEST_F(SchedulerTest, AReportOfAPeerRestartedSinceDoesNotCount) {
+  TwoWorkerJob t;
+  ASSERT_NO_FATAL_FAILURE(StartTwoWorkerJob(t));
+  for (int i = 0; i < SchedulerOptions().step_attempts - 1; ++i) {
+    ASSERT_TRUE(Report(t.job.job_id(), t.w0, 1, /*ok=*/false).ok());
+  }
+  ASSERT_TRUE(PeerFailed(t.job.job_id(), t.w0, t.w1).ok());
+  v1::MemberInfo again;
+  again.set_member_id(t.w1);
+  again.set_role(v1::MEMBER_ROLE_WORKER);
+  again.set_backend(v1::BACKEND_CPU);
+  again.set_grpc_address("127.0.0.1:1");
+  again.set_ucx_address(WrapUcxAddress("the new process"));
+  const auto registered = members_->Register(again);
+  ASSERT_TRUE(registered.ok()) << registered.status();
+  scheduler_->Tick();
+  EXPECT_EQ(Job(t.job.job_id()).state(), v1::JOB_STATE_RUNNING);
+  EXPECT_EQ(Job(t.job.job_id()).pending_reason(), "");
+  EXPECT_TRUE(scheduler_->GetAssignment(t.w0).ok());
+}
+
+// The peer a report names heartbeats after it: alive, the failure was real (a network
+// between the two), and the attempt counts; the job fails once step_attempts did.
+TEST_F(SchedulerTest, AReportOfAPeerThatIsAliveCountsOnceItHeartbeats) {
+  TwoWorkerJob t;
+  ASSERT_NO_FATAL_FAILURE(StartTwoWorkerJob(t));
+  const v1::Job& job = t.job;
+  const std::string &s0 = t.s0, &w0 = t.w0, &w1 = t.w1;
+  for (int i = 0; i < SchedulerOptions().step_attempts - 2; ++i) {
+    ASSERT_TRUE(Report(job.job_id(), w0, 1, /*ok=*/false).ok());
+  }
+  const auto heartbeat_all = [&] {
+    now_ += absl::Seconds(1);
+    for (const std::string& id : {s0, w0, w1}) ASSERT_TRUE(members_->Heartbeat(id, {}).ok());
+    scheduler_->Tick();
+  };
+  ASSERT_TRUE(PeerFailed(job.job_id(), w0, w1).ok());
+  EXPECT_EQ(scheduler_->GetAssignment(w0).status().code(), absl::StatusCode::kUnavailable);
+  ASSERT_NO_FATAL_FAILURE(heartbeat_all());  // alive: the 7th attempt counts, the job goes on
+  EXPECT_EQ(Job(job.job_id()).state(), v1::JOB_STATE_RUNNING);
+  EXPECT_EQ(Job(job.job_id()).pending_reason(), "");
+  ASSERT_TRUE(scheduler_->GetAssignment(w0).ok());
+
+  ASSERT_TRUE(PeerFailed(job.job_id(), w1, w0).ok());
+  ASSERT_NO_FATAL_FAILURE(heartbeat_all());  // the 8th
+  const v1::Job ended = Job(job.job_id());
+  EXPECT_EQ(ended.state(), v1::JOB_STATE_FAILED);
+  EXPECT_NE(ended.failure_reason().find("step 1 failed 8 attempts in a row"), std::string::npos)
+      << ended.failure_reason();
+  EXPECT_NE(ended.failure_reason().find("peer 1 failed"), std::string::npos);
 }
 
 // A worker none could replace leaves the job with one; another joins before any step

@@ -122,7 +122,12 @@ void Scheduler::ReviewRunsLocked(const Alive& alive, StoreWork* work) {
       if (!run.committing) work->commits.emplace_back(job_id, run.record.committing_step());
       continue;
     }
-    ReviewRoomWaitLocked(job_id, run, *job, alive);  // before a repair: a drop re-places
+    // Before a repair: a drop re-places, a dead peer is replaced. A job either failed is
+    // left as it is: the next tick releases its run.
+    if (ReviewRoomWaitLocked(job_id, run, *job, alive) ||
+        ReviewPeerWaitLocked(job_id, run, *job, alive)) {
+      continue;
+    }
     RepairRunLocked(job_id, run, *job, alive, &work->aborts);
     if (ForgetFullStoresLocked(run)) {
       if (absl::Status s = PersistLocked(run); !s.ok()) LOG(ERROR) << s;
@@ -608,20 +613,8 @@ absl::StatusOr<v1::Assignment> Scheduler::AssignmentLocked(const std::string& wo
   auto w = worker_job_.find(worker_id);
   if (w == worker_job_.end()) return a;  // idle
   Run& run = runs_.at(w->second);
-  if (run.recovering) {
-    return absl::UnavailableError(absl::StrCat("job ", w->second,
-                                               " is waiting for its members after a coordinator "
-                                               "restart; retry"));
-  }
-  if (!run.awaited_store.empty()) {
-    return absl::UnavailableError(absl::StrCat("job ", w->second, " is waiting for store ",
-                                               run.awaited_store, " to come back; retry"));
-  }
-  if (!run.room_store.empty()) {
-    return absl::UnavailableError(absl::StrCat("job ", w->second,
-                                               " is waiting for disk room on "
-                                               "store ",
-                                               run.room_store, "; retry"));
+  if (const std::string paused = PausedLocked(run); !paused.empty()) {
+    return absl::UnavailableError(absl::StrCat("job ", w->second, " ", paused, "; retry"));
   }
   RETURN_IF_ERROR(AdmitToAttemptLocked(worker_id, worker, run, aborts));
   ASSIGN_OR_RETURN(v1::Job job, jobs_->Get(w->second));

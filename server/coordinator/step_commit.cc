@@ -126,19 +126,9 @@ absl::StatusOr<v1::StepStatus> Scheduler::ReportStepWritten(const v1::StepWritte
       return absl::FailedPreconditionError(absl::StrCat("job ", r.job_id(), " is not running"));
     }
     Run& run = it->second;
-    if (run.recovering) {
-      return absl::UnavailableError(
-          absl::StrCat("job ", r.job_id(), " is waiting for its members after a restart; retry"));
-    }
-    if (!run.awaited_store.empty()) {  // the attempt was voided: no failure counts now
-      return absl::UnavailableError(absl::StrCat("job ", r.job_id(), " is waiting for store ",
-                                                 run.awaited_store, " to come back; retry"));
-    }
-    if (!run.room_store.empty()) {
-      return absl::UnavailableError(absl::StrCat("job ", r.job_id(),
-                                                 " is waiting for disk room "
-                                                 "on store ",
-                                                 run.room_store, "; retry"));
+    // The attempt was voided: no failure counts now.
+    if (const std::string paused = PausedLocked(run); !paused.empty()) {
+      return absl::UnavailableError(absl::StrCat("job ", r.job_id(), " ", paused, "; retry"));
     }
     const auto& workers = run.record.workers();
     const auto pos = std::find(workers.begin(), workers.end(), r.worker_id());
@@ -222,6 +212,10 @@ std::string Scheduler::FailedReportLocked(Run& run, const v1::StepWrittenRequest
     AbortLocked(run, reason, aborts);  // no attempt counts: the next tick re-places
   } else if (!full.empty() && JobStores(run).count(full) && alive.full.count(full)) {
     give_up = WaitForRoomLocked(r.job_id(), run, full, reason, alive, aborts);  // an only copy
+  } else if (!r.unreachable_worker_id().empty() &&
+             WaitForPeerLocked(r.job_id(), run, r.worker_id(), r.unreachable_worker_id(), reason,
+                               aborts)) {
+    // not counted: the peer's fate decides (ReviewPeerWaitLocked)
   } else {
     give_up = FailAttemptLocked(run, r.step(), reason, aborts);
   }
@@ -232,6 +226,10 @@ std::string Scheduler::FailedReportLocked(Run& run, const v1::StepWrittenRequest
 std::string Scheduler::FailAttemptLocked(Run& run, int64_t step, const std::string& reason,
                                          std::vector<StoreCall>* aborts) {
   AbortLocked(run, reason, aborts);
+  return CountAttemptLocked(run, step, reason);
+}
+
+std::string Scheduler::CountAttemptLocked(Run& run, int64_t step, const std::string& reason) {
   run.failed_attempts = run.failed_step == step ? run.failed_attempts + 1 : 1;
   run.failed_step = step;
   if (run.failed_attempts < options_.step_attempts) return "";

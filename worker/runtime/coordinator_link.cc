@@ -65,7 +65,8 @@ absl::Status CoordinatorLink::ReportStepWritten(v1::StepWrittenRequest request) 
 }
 
 void CoordinatorLink::ReportFailure(const std::string& job_id, int64_t assignment_version,
-                                    int64_t step, const absl::Status& why, Failure kind) {
+                                    int64_t step, const absl::Status& why, Failure kind,
+                                    const std::string& unreachable_worker) {
   v1::StepWrittenRequest r;
   r.set_job_id(job_id);
   r.set_worker_id(worker_id_);
@@ -76,6 +77,7 @@ void CoordinatorLink::ReportFailure(const std::string& job_id, int64_t assignmen
   r.set_fatal(kind == Failure::kFatal);
   r.set_needs_more_workers(kind == Failure::kNeedsMoreWorkers);
   r.set_full_store_id(DiskFullStore(why));  // a store that refused a put for want of disk
+  r.set_unreachable_worker_id(unreachable_worker);
   Call call(this, kReportFailureDeadline);
   v1::StepWrittenResponse resp;
   (void)stub_->ReportStepWritten(call.ctx(), r, &resp);

@@ -71,9 +71,11 @@ class CoordinatorLink {
     kFatal,             // no retry can fix it: the coordinator fails the job
     kNeedsMoreWorkers,  // this worker's share does not fit at this worker count
   };
-  // Step `step` failed here with `why`; best effort.
+  // Step `step` failed here with `why`; best effort. `unreachable_worker`: the peer the
+  // failure came from, if one (StepWrittenRequest.unreachable_worker_id).
   void ReportFailure(const std::string& job_id, int64_t assignment_version, int64_t step,
-                     const absl::Status& why, Failure kind = Failure::kRetry);
+                     const absl::Status& why, Failure kind = Failure::kRetry,
+                     const std::string& unreachable_worker = "");
   // Best effort.
   void ReportHeat(const v1::HeatReport& report);
   // The step's status, waiting up to `deadline` (and the coordinator's cap) for it to

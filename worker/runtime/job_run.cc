@@ -40,9 +40,9 @@ absl::Status JobRun::Run(const std::atomic<bool>& stop, bool report_passing) {
   absl::Status s = Setup();
   if (!s.ok() && stop) return s;  // what the stop interrupted is no failure of the job
   if (!s.ok()) {
-    // The step it could not set up for: the one after the committed one.
-    link_->ReportFailure(job_id_, a_.assignment_version(), a_.committed_step() + 1, s,
-                         FailureKind());
+    // The step it could not set up for: the one after the committed one (a peer it could
+    // not join is named, as in a step).
+    ReportFailure(a_.committed_step() + 1, s);
     return s;
   }
   return RunSteps(*this, a_.committed_step(), a_.spec().train().steps(), stop, report_passing);

@@ -184,7 +184,10 @@ absl::Status JobRun::Report(int64_t s, const model::StepLoss& loss, uint64_t tok
 }
 
 void JobRun::ReportFailure(int64_t s, const absl::Status& why) {
-  link_->ReportFailure(a_.job_id(), a_.assignment_version(), s, why, FailureKind());
+  const int peer = UnreachablePeer(why);
+  const std::string unreachable =
+      peer >= 0 && peer < a_.peers_size() && peer != a_.rank() ? a_.peers(peer).member_id() : "";
+  link_->ReportFailure(a_.job_id(), a_.assignment_version(), s, why, FailureKind(), unreachable);
 }
 
 void JobRun::ReportHeat(int64_t s) {

@@ -5,6 +5,7 @@
 #include <cstdint>
 #include <cstring>
 
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "common/status.h"
 #include "glog/logging.h"
@@ -27,6 +28,20 @@ std::string Pack(const Header& h) {
 }
 
 }  // namespace
+
+absl::Status WithUnreachablePeer(absl::Status status, int rank) {
+  if (!status.ok() && !status.GetPayload(kUnreachablePeerPayload).has_value()) {
+    status.SetPayload(kUnreachablePeerPayload, absl::Cord(absl::StrCat(rank)));
+  }
+  return status;
+}
+
+int UnreachablePeer(const absl::Status& status) {
+  const auto rank = status.GetPayload(kUnreachablePeerPayload);  // an absl::optional<absl::Cord>
+  int out = -1;
+  if (!rank || !absl::SimpleAtoi(std::string(*rank), &out) || out < 0) return -1;
+  return out;
+}
 
 absl::StatusOr<std::unique_ptr<PeerGroup>> PeerGroup::Create() {
   std::unique_ptr<PeerGroup> g(new PeerGroup());
@@ -60,7 +75,7 @@ absl::Status PeerGroup::Join(int rank, const std::vector<std::string>& addresses
       if (static_cast<int>(r) == rank) continue;
       absl::StatusOr<ucp_ep_h> ep = ConnectionTo(addresses[r]);
       if (!ep.ok()) {
-        status = ep.status();
+        status = WithUnreachablePeer(ep.status(), static_cast<int>(r));
       } else {
         endpoints_[r] = *ep;
       }
@@ -133,7 +148,10 @@ absl::Status PeerGroup::Send(int peer, uint64_t tag, std::string bytes) {
     if (peer < 0 || peer >= world_ || peer == rank_) {
       return absl::InvalidArgumentError(absl::StrCat("no peer ", peer));
     }
-    if (failed_[peer]) return absl::UnavailableError(absl::StrCat("peer ", peer, " failed"));
+    if (failed_[peer]) {
+      return WithUnreachablePeer(absl::UnavailableError(absl::StrCat("peer ", peer, " failed")),
+                                 peer);
+    }
     if (abandoned_) return absl::UnavailableError("the step attempt was abandoned");
     attempt = attempt_;
   }
@@ -180,15 +198,19 @@ absl::StatusOr<std::string> PeerGroup::Receive(int peer, uint64_t tag, absl::Dur
     return mailbox_.count(key) > 0 || attempt_ != attempt || abandoned_ ||
            (peer >= 0 && peer < static_cast<int>(failed_.size()) && failed_[peer]);
   };
-  if (!mu_.AwaitWithTimeout(absl::Condition(&ready), timeout)) {
-    return absl::DeadlineExceededError(absl::StrCat("no message ", tag, " from peer ", peer,
-                                                    " within ", absl::FormatDuration(timeout)));
+  if (!mu_.AwaitWithTimeout(absl::Condition(&ready), timeout)) {  // a silent peer
+    return WithUnreachablePeer(
+        absl::DeadlineExceededError(absl::StrCat("no message ", tag, " from peer ", peer,
+                                                 " within ", absl::FormatDuration(timeout))),
+        peer);
   }
   auto it = mailbox_.find(key);
   if (it == mailbox_.end() || abandoned_) {
-    return absl::UnavailableError(attempt_ != attempt || abandoned_
-                                      ? std::string("the step attempt was abandoned")
-                                      : absl::StrCat("peer ", peer, " failed"));
+    if (attempt_ != attempt || abandoned_) {
+      return absl::UnavailableError("the step attempt was abandoned");
+    }
+    return WithUnreachablePeer(absl::UnavailableError(absl::StrCat("peer ", peer, " failed")),
+                               peer);
   }
   std::string out = std::move(it->second);
   mailbox_.erase(it);

@@ -30,6 +30,16 @@ namespace pith::runtime {
 // watch usually ends the wait sooner: AbandonAttempt).
 inline constexpr absl::Duration kPeerReceiveTimeout = absl::Seconds(120);
 
+// A step's failure that a peer caused (its endpoint failed, or it sent nothing within
+// the wait) carries the peer's rank as a payload: the failure report names that worker
+// (StepWrittenRequest.unreachable_worker_id), and the coordinator holds the job until it
+// knows whether the worker is dead instead of counting the attempt against the job.
+inline constexpr char kUnreachablePeerPayload[] = "pith.dev/unreachable-peer";
+// `status` (not OK) marked as caused by rank `rank`; the first rank marked stays.
+absl::Status WithUnreachablePeer(absl::Status status, int rank);
+// The rank a status was marked with; -1 for none.
+int UnreachablePeer(const absl::Status& status);
+
 class PeerGroup {
  public:
   static absl::StatusOr<std::unique_ptr<PeerGroup>> Create();

@@ -6,6 +6,7 @@
 #include <thread>
 #include <vector>
 
+#include "common/status.h"
 #include "gtest/gtest.h"
 #include "worker/runtime/peer_group_testing.h"
 
@@ -102,7 +103,20 @@ TEST(PeerGroupTest, AbandoningAnAttemptReleasesItsWaiters) {
   EXPECT_EQ(g[1]->Receive(0, 1, absl::Seconds(30)).status().code(), absl::StatusCode::kUnavailable);
   EXPECT_LT(absl::Now() - start, absl::Seconds(10));
   abort.join();
-  EXPECT_EQ(g[1]->Send(0, 2, "x").code(), absl::StatusCode::kUnavailable);
+  const absl::Status sent = g[1]->Send(0, 2, "x");
+  EXPECT_EQ(sent.code(), absl::StatusCode::kUnavailable);
+  EXPECT_EQ(UnreachablePeer(sent), -1);  // an abort is no peer's doing
+}
+
+// A failure a peer caused names its rank (the failure report names the worker), through
+// the annotations on its way up; the first rank marked stays.
+TEST(PeerGroupTest, ASilentPeerIsNamedInTheFailure) {
+  auto g = Group(3);
+  const auto r = g[0]->Receive(2, 1, absl::Milliseconds(50));
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kDeadlineExceeded);
+  EXPECT_EQ(UnreachablePeer(r.status()), 2);
+  EXPECT_EQ(UnreachablePeer(WithUnreachablePeer(Annotate(r.status(), "layer 0"), 1)), 2);
+  EXPECT_EQ(UnreachablePeer(absl::UnavailableError("x")), -1);
 }
 
 // An attempt abandoned before this side started it (the abort watch saw the abort, or
@@ -182,6 +196,8 @@ TEST(PeerGroupTest, APeerThatGoesAwayFailsItsRankAndTheNextGroupConnectsAfresh) 
   const auto r = g[0]->Receive(1, 1, absl::Seconds(30));
   EXPECT_EQ(r.status().code(), absl::StatusCode::kUnavailable) << r.status();
   EXPECT_LT(absl::Now() - start, absl::Seconds(20));
+  EXPECT_EQ(UnreachablePeer(r.status()), 1);
+  EXPECT_EQ(UnreachablePeer(g[0]->Send(1, 2, "x")), 1);
   auto fresh = PeerGroup::Create();
   ASSERT_TRUE(fresh.ok()) << fresh.status();
   g[1] = std::move(*fresh);
