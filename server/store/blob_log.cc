@@ -255,6 +255,17 @@ absl::StatusOr<std::shared_ptr<LogFile>> BlobLog::OpenFileLocked() {
   return current_;
 }
 
+std::shared_ptr<LogFile> BlobLog::CloseMostlyDeadLocked(uint64_t room) {
+  const std::shared_ptr<LogFile> open = current_;
+  if (open == nullptr || open->writers > 0 || open->live * 2 >= open->end ||
+      open->end - open->live < options_.file_bytes / 4 || open->live > room) {
+    return nullptr;
+  }
+  current_ = nullptr;  // the next append opens a new file
+  open->closed_at = syncs_;
+  return open;
+}
+
 // A closed file nothing points into is deleted after the next sync point.
 void BlobLog::MaybeEmptyLocked(LogFile& file) {
   if (&file == current_.get() || file.writers > 0 || !file.entries.empty()) return;
@@ -349,6 +360,7 @@ absl::StatusOr<bool> BlobLog::CopyForward(const Relocate& relocate, std::optiona
       victim = file;
       break;
     }
+    if (victim == nullptr && room.has_value()) victim = CloseMostlyDeadLocked(*room);
     if (victim == nullptr) return false;
     moving.assign(victim->entries.begin(), victim->entries.end());
     ++victim->writers;  // stays while its bytes are read

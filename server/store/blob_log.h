@@ -137,7 +137,8 @@ class BlobLog {
   // one, calling `relocate` for each; the file goes once nothing is left in it. False when
   // no file qualified. `room` (disk pressure: the bytes the disk can still take above its
   // reserve): any closed file under half live whose live bytes fit in it, however young,
-  // the one with the least live bytes first.
+  // the one with the least live bytes first; with none, the open file under the same
+  // rule once a quarter of a file's bytes in it are dead (it is closed for it).
   absl::StatusOr<bool> CopyForward(const Relocate& relocate,
                                    std::optional<uint64_t> room = std::nullopt)
       ABSL_LOCKS_EXCLUDED(mu_);
@@ -162,6 +163,11 @@ class BlobLog {
 
  private:
   absl::StatusOr<std::shared_ptr<LogFile>> OpenFileLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Under disk pressure (CopyForward's `room`) with no closed file to copy: the open file,
+  // closed, when it is under half live with a quarter of a file's bytes dead and its live
+  // bytes fit in `room` (a removed job's versions, synced, would otherwise hold the disk
+  // until the file fills); else null.
+  std::shared_ptr<LogFile> CloseMostlyDeadLocked(uint64_t room) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void MaybeEmptyLocked(LogFile& file) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void Dispose(std::vector<LogPunch> punches, std::vector<std::shared_ptr<LogFile>> files)
       ABSL_LOCKS_EXCLUDED(dispose_mu_);

@@ -221,6 +221,40 @@ TEST(BlobLogTest, ANearlyFullDiskCopiesForwardYoungFilesToo) {
   EXPECT_EQ(moved[1].file, a.file);
 }
 
+// On a full disk with no closed file to copy, the open one's dead bytes count too (a
+// removed job's synced versions would otherwise stay until it fills): it is closed, its
+// live bytes copied forward, and it goes at the next sync point.
+TEST(BlobLogTest, ANearlyFullDiskCopiesForwardTheOpenFileOnceMostlyDead) {
+  const std::string dir = FreshDir("copy-open");
+  auto log = OpenLog(dir, /*file_bytes=*/4000);
+  const auto live = Bytes(300, 1);
+  const LogSpan kept = Put(*log, {"kept", 1}, live);
+  const LogSpan removed = Put(*log, {"removed", 1}, Bytes(900, 2));
+  SyncPoint(*log);  // on disk: no punch frees the removed job's bytes
+  log->Unref({"removed", 1}, removed);
+  std::vector<LogSpan> to;
+  const auto relocate = [&](const LogEntry& entry, const LogSpan& f, const LogSpan& t) {
+    log->Unref(entry, f);
+    ASSERT_TRUE(log->Ref(entry, t, /*shared=*/false).ok());
+    to.push_back(t);
+  };
+  EXPECT_FALSE(*log->CopyForward(relocate));  // room on the disk: it waits to fill
+  // Under a quarter of a file dead (900 of 4000): not worth a file.
+  EXPECT_FALSE(*log->CopyForward(relocate, /*room=*/10000));
+  log->Unref({"more", 1}, Put(*log, {"more", 1}, Bytes(200, 3)));
+  SyncPoint(*log);
+  EXPECT_FALSE(*log->CopyForward(relocate, /*room=*/200));  // its 300 live bytes do not fit
+  ASSERT_TRUE(*log->CopyForward(relocate, /*room=*/10000));
+  ASSERT_EQ(to.size(), 1u);
+  EXPECT_NE(to[0].file, kept.file);
+  EXPECT_EQ(ReadBack(*log, to[0]), live);
+  SyncPoint(*log);
+  const std::vector<std::string> paths = log->Paths();
+  ASSERT_EQ(paths.size(), 1u);
+  EXPECT_EQ(std::filesystem::file_size(paths[0]), 300u);  // only the live bytes are left
+  EXPECT_FALSE(*log->CopyForward(relocate, /*room=*/10000));
+}
+
 TEST(BlobLogTest, LeavesAFileThatIsStillMostlyLive) {
   auto log = OpenLog(FreshDir("copy-live"), /*file_bytes=*/4000);
   Put(*log, {"live", 1}, Bytes(2100, 1));
