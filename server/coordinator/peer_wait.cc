@@ -55,8 +55,9 @@ bool Scheduler::WaitForPeerLocked(const std::string& job_id, Run& run, const std
   NoteWaitLocked(job_id, absl::StrCat("waiting up to ", absl::FormatDuration(members_->lease()),
                                       " ", kPeerWaitWords, " ", peer, " (rank ",
                                       pos - workers.begin(), ") is alive: ", why,
-                                      ". Dead, a free worker takes its rank; "
-                                      "alive, the attempt counts against the job"));
+                                      ". Dead, a free worker takes its rank (with none free, "
+                                      "the job goes on with fewer); alive, the attempt counts "
+                                      "against the job"));
   return true;
 }
 
