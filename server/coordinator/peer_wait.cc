@@ -1,6 +1,6 @@
 // A worker reports that it could not reach another worker of its job in a step (DESIGN
-// §6.4): a peer killed or stopped breaks its endpoints at once, while its lease runs for
-// seconds more. Retried at once, every attempt fails on the same dead peer and counts
+// §6.4): a peer killed breaks its endpoints at once, while its lease runs for seconds
+// more. Retried at once, every attempt fails on the same dead peer and counts
 // against --step_attempts, and a lease longer than the retries take would fail the job on
 // an ordinary worker loss. So the attempt is voided without counting and the job waits
 // for the peer's fate: dead, the repair gives its rank to a spare; alive, the attempt
