@@ -258,18 +258,26 @@ class SchedulerTest : public ::testing::Test {
     ASSERT_EQ(Job(job).committed_step(), step);
   }
 
-  // `worker` reports the step in flight failed: its put to `store` was refused for want
-  // of disk.
-  absl::StatusOr<v1::StepStatus> RefusedForDisk(const std::string& job, const std::string& worker,
-                                                const std::string& store) {
+  // `worker`'s report that the step in flight failed with `failure`, under its assignment.
+  v1::StepWrittenRequest FailedInFlight(const std::string& job, const std::string& worker,
+                                        const std::string& failure) {
     v1::StepWrittenRequest r;
     r.set_job_id(job);
     r.set_worker_id(worker);
     r.set_step(Job(job).committed_step() + 1);
     r.set_ok(false);
-    r.set_failure("store " + store + ": the disk under /data is full");
-    r.set_full_store_id(store);
+    r.set_failure(failure);
     r.set_assignment_version(scheduler_->AssignmentVersion(worker));
+    return r;
+  }
+
+  // `worker` reports the step in flight failed: its put to `store` was refused for want
+  // of disk.
+  absl::StatusOr<v1::StepStatus> RefusedForDisk(const std::string& job, const std::string& worker,
+                                                const std::string& store) {
+    v1::StepWrittenRequest r =
+        FailedInFlight(job, worker, "store " + store + ": the disk under /data is full");
+    r.set_full_store_id(store);
     return scheduler_->ReportStepWritten(r);
   }
 
@@ -277,14 +285,8 @@ class SchedulerTest : public ::testing::Test {
   // job whose endpoint failed, or that fell silent).
   absl::StatusOr<v1::StepStatus> PeerFailed(const std::string& job, const std::string& worker,
                                             const std::string& peer) {
-    v1::StepWrittenRequest r;
-    r.set_job_id(job);
-    r.set_worker_id(worker);
-    r.set_step(Job(job).committed_step() + 1);
-    r.set_ok(false);
-    r.set_failure("dispatch of layer 0: peer 1 failed");
+    v1::StepWrittenRequest r = FailedInFlight(job, worker, "dispatch of layer 0: peer 1 failed");
     r.set_unreachable_worker_id(peer);
-    r.set_assignment_version(scheduler_->AssignmentVersion(worker));
     return scheduler_->ReportStepWritten(r);
   }
 
