@@ -8,19 +8,12 @@
 #include <algorithm>
 #include <vector>
 
-#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "common/job_state.h"
 #include "glog/logging.h"
 #include "server/coordinator/scheduler.h"
 
 namespace pith::coordinator {
-namespace {
-
-// Words of the wait's pending reason: a wait that ends clears only its own.
-constexpr char kPeerWaitWords[] = "to learn whether worker";
-
-}  // namespace
 
 std::string Scheduler::PausedLocked(const Run& run) {
   if (run.recovering) return "is waiting for its members after a coordinator restart";
@@ -52,12 +45,12 @@ bool Scheduler::WaitForPeerLocked(const std::string& job_id, Run& run, const std
   run.peer_since = options_.clock();
   LOG(WARNING) << "job " << job_id << " waits to learn whether worker " << peer << " is alive ("
                << why << ")";
-  NoteWaitLocked(job_id, absl::StrCat("waiting up to ", absl::FormatDuration(members_->lease()),
-                                      " ", kPeerWaitWords, " ", peer, " (rank ",
-                                      pos - workers.begin(), ") is alive: ", why,
-                                      ". Dead, a free worker takes its rank (with none free, "
-                                      "the job goes on with fewer); alive, the attempt counts "
-                                      "against the job"));
+  NoteWaitLocked(job_id, run, Wait::kPeer,
+                 absl::StrCat("waiting up to ", absl::FormatDuration(members_->lease()),
+                              " to learn whether worker ", peer, " (rank ", pos - workers.begin(),
+                              ") is alive: ", why,
+                              ". Dead, a free worker takes its rank (with none free, the job "
+                              "goes on with fewer); alive, the attempt counts against the job"));
   return true;
 }
 
@@ -96,7 +89,7 @@ bool Scheduler::ReviewPeerWaitLocked(const std::string& job_id, Run& run, const 
     return true;
   }
   run.peer_worker.clear();
-  if (absl::StrContains(job.pending_reason(), kPeerWaitWords)) NoteWaitLocked(job_id, "");
+  NoteWaitLocked(job_id, run, Wait::kPeer, "");
   return false;
 }
 

@@ -3,7 +3,6 @@
 // move to stores with room, and fails with the refusal after kRoomWait.
 #include <vector>
 
-#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "common/job_state.h"
@@ -13,9 +12,6 @@
 
 namespace pith::coordinator {
 namespace {
-
-// Words of the wait's pending reason: a wait that ends clears only its own.
-constexpr char kRoomWaitWords[] = "for disk room on store";
 
 // What a job that waited in vain fails with.
 std::string RoomWaitFailure(int64_t step, const std::string& why, absl::Duration waited) {
@@ -71,7 +67,7 @@ std::string Scheduler::WaitForRoomLocked(const std::string& job_id, Run& run,
   if (now - run.room_since >= kRoomWait) {
     return RoomWaitFailure(run.room_step, why, now - run.room_since);
   }
-  NoteWaitLocked(job_id, RoomWaitReason(run, alive));
+  NoteWaitLocked(job_id, run, Wait::kRoom, RoomWaitReason(run, alive));
   return "";
 }
 
@@ -86,7 +82,7 @@ std::string Scheduler::RoomWaitReason(const Run& run, const Alive& alive) const 
   return absl::StrCat(
       "waiting until ",
       absl::FormatTime("%H:%M:%S UTC", run.room_since + kRoomWait, absl::UTCTimeZone()), " (",
-      absl::FormatDuration(kRoomWait), " from its first refusal) ", kRoomWaitWords, " ",
+      absl::FormatDuration(kRoomWait), " from its first refusal) for disk room on store ",
       run.room_store, ", which holds the only copy of ", which, " (", run.room_why,
       "): free space on its disk (",
       absl::StrFormat("%.1f MB", 2e-6 * static_cast<double>(reserve)),
@@ -124,7 +120,7 @@ bool Scheduler::ReviewRoomWaitLocked(const std::string& job_id, Run& run, const 
   }
   LOG(INFO) << "job " << job_id << ": store " << store << " " << ended << "; the job goes on";
   run.room_store.clear();
-  if (absl::StrContains(job.pending_reason(), kRoomWaitWords)) NoteWaitLocked(job_id, "");
+  NoteWaitLocked(job_id, run, Wait::kRoom, "");
   return false;
 }
 

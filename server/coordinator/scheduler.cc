@@ -102,10 +102,14 @@ absl::Status Scheduler::Recover() {
         absl::StartsWith(job->pending_reason(),
                          absl::StrCat("waiting for ", run.record.min_workers(), " workers"));
     run.no_workers = waits_for_workers;
-    if (!job->pending_reason().empty() && !waits_for_workers) {
-      // A wait for a store: the new process's to judge.
-      (void)jobs_->Update(job->job_id(), [](v1::Job& j) {
-        j.clear_pending_reason();
+    if (waits_for_workers) {
+      const std::string& reason = job->pending_reason();
+      run.waits[Wait::kWorkers] = reason.substr(0, reason.find(kAlsoWaiting));
+    }
+    if (job->pending_reason() != WaitReasons(run)) {
+      // Other waits (for a store, for room, for a peer): the new process's to judge.
+      (void)jobs_->Update(job->job_id(), [&](v1::Job& j) {
+        j.set_pending_reason(WaitReasons(run));
         return absl::OkStatus();
       });
     }

@@ -187,13 +187,21 @@ class Scheduler {
   static constexpr char kHeatPrefix[] = "heat/";    // + job id: its heat, at re-plan boundaries
   static constexpr char kDrainPrefix[] = "drain/";  // + store id: groups on it at drain start
 
+  // What a running job that trains no step waits for; Job.pending_reason names them in
+  // this order, joined by kAlsoWaiting.
+  enum class Wait { kWorkers, kStore, kRoom, kPeer };
+  static constexpr char kAlsoWaiting[] = "; and also ";
+
   struct Run {
     v1::JobRun record;              // durable
     int64_t committed = -1;         // the job's committed step
     std::set<std::string> written;  // workers that reported the step in flight
     v1::StepWrittenRequest rank0;   // rank 0's figures for the step in flight
     uint64_t tokens = 0, cache_hits = 0, cache_misses = 0;
-    std::optional<v1::DataFingerprint> data;        // Job.data once known (PinDataLocked)
+    std::optional<v1::DataFingerprint> data;  // Job.data once known (PinDataLocked)
+    // Why the job, running, trains no step now, by wait: Job.pending_reason joins them
+    // (NoteWaitLocked), so a wait that ends takes only its own words with it.
+    std::map<Wait, std::string> waits;
     bool committing = false;                        // a thread is running the store commits
     absl::Time last_commit = absl::InfinitePast();  // of this process; step timing
     // Loaded after a restart and waiting for its members to register again (or for the
@@ -367,9 +375,11 @@ class Scheduler {
   // Records why `job` (pending) waits, when that changed.
   void SetPendingReasonLocked(const v1::Job& job, const std::string& reason)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // A running job's wait for a store (Job.pending_reason; empty: none), for `pith status`.
-  void NoteWaitLocked(const std::string& job_id, const std::string& reason)
+  // Starts (`reason`) or ends (empty) a running job's wait of one kind, and records the
+  // waits it has in Job.pending_reason, for `pith status`.
+  void NoteWaitLocked(const std::string& job_id, Run& run, Wait wait, const std::string& reason)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  static std::string WaitReasons(const Run& run);
   // Idle workers of one compute backend (a job never mixes backends): that of `job_workers`
   // when it has any (`job_backend`, the run's recorded one, when none of them is alive
   // yet), else CUDA's for a bf16 `job` (it trains on nothing else), else the backend with

@@ -1883,6 +1883,39 @@ TEST_F(StoreLapseTest, TheJobWaitsForTheStoreAndGoesOnWhenItIsBack) {
   CommitStep(job_, 2, {w0_, w1_});
 }
 
+// A store lost while the job waits on a peer's fate: the job says it waits for both, and
+// the store's return takes only the store's words from its reason.
+TEST_F(StoreLapseTest, AStoreLostDuringAPeerWaitLeavesThePeerWaitsWords) {
+  ASSERT_NO_FATAL_FAILURE(Start());
+  CommitStep(job_, 1, {w0_, w1_});
+  now_ += absl::Seconds(2);
+  for (const std::string& w : {w0_, w1_}) ASSERT_TRUE(members_->Heartbeat(w, {}).ok());
+  ASSERT_TRUE(PeerFailed(job_, w0_, w1_).ok());  // w1_ silent from here on
+  const std::string peer_words = "to learn whether worker " + w1_;
+  const std::string store_words = "for store " + s0_;
+  now_ += absl::Seconds(2);  // s0_'s lease lapses; w1_'s runs a second more
+  ASSERT_TRUE(members_->Heartbeat(w0_, {}).ok());
+  scheduler_->Tick();
+  EXPECT_THAT(Job(job_).pending_reason(),
+              ::testing::AllOf(::testing::HasSubstr(peer_words), ::testing::HasSubstr(store_words),
+                               ::testing::HasSubstr("; and also ")));
+
+  Join(v1::MEMBER_ROLE_STORE, s0_);
+  now_ += absl::Milliseconds(500);
+  ASSERT_TRUE(members_->Heartbeat(w0_, {}).ok());
+  scheduler_->Tick();  // the store is back; the peer wait goes on
+  EXPECT_THAT(Job(job_).pending_reason(),
+              ::testing::AllOf(::testing::StartsWith("waiting up to 3s " + peer_words),
+                               ::testing::Not(::testing::HasSubstr(store_words))));
+
+  now_ += absl::Seconds(1);  // w1_'s lease lapses
+  ASSERT_TRUE(members_->Heartbeat(w0_, {}).ok());
+  ASSERT_TRUE(members_->Heartbeat(s0_, {}).ok());
+  scheduler_->Tick();
+  EXPECT_EQ(Job(job_).state(), v1::JOB_STATE_RUNNING) << Job(job_).failure_reason();
+  EXPECT_THAT(Job(job_).pending_reason(), ::testing::Not(::testing::HasSubstr(peer_words)));
+}
+
 // The store back is asked for its step of the job, as after a restart: one that lost
 // commits in its crash (behind the job's committed step) is lost, and with it the job.
 TEST_F(StoreLapseTest, AStoreBackBehindTheJobIsLost) {

@@ -56,7 +56,7 @@ bool Scheduler::WaitForStoreLocked(const std::string& job_id, Run& run, const Al
     // goes on from a fresh attempt.
     LOG(INFO) << "job " << job_id << ": store " << run.awaited_store << " is back";
     run.awaited_store.clear();
-    NoteWaitLocked(job_id, "");
+    NoteWaitLocked(job_id, run, Wait::kStore, "");
     run.verify_stores = true;
     run.failed_attempts = 0;  // attempts that failed on the store while it was down
     AbortLocked(run, "a store it waited for came back", aborts);
@@ -70,7 +70,7 @@ bool Scheduler::WaitForStoreLocked(const std::string& job_id, Run& run, const Al
     LOG_IF(WARNING, !run.awaited_store.empty())
         << "job " << job_id << ": store " << run.awaited_store << " did not come back within "
         << absl::FormatDuration(kStoreRestartGrace);
-    if (!run.awaited_store.empty()) NoteWaitLocked(job_id, "");
+    NoteWaitLocked(job_id, run, Wait::kStore, "");
     run.awaited_store.clear();
     return false;
   }
@@ -79,9 +79,10 @@ bool Scheduler::WaitForStoreLocked(const std::string& job_id, Run& run, const Al
                  << ", which died holding data no live store has a copy of (for at most "
                  << absl::FormatDuration(kStoreRestartGrace) << ")";
     run.awaited_store = awaited;
-    NoteWaitLocked(job_id, absl::StrCat("waiting up to ", absl::FormatDuration(kStoreRestartGrace),
-                                        " for store ", awaited,
-                                        ", which died holding data no live store has a copy of"));
+    NoteWaitLocked(
+        job_id, run, Wait::kStore,
+        absl::StrCat("waiting up to ", absl::FormatDuration(kStoreRestartGrace), " for store ",
+                     awaited, ", which died holding data no live store has a copy of"));
     if (run.wait_started_ms < 0) run.wait_started_ms = NowMs();
     run.failed_attempts = 0;  // those of the store's last seconds do not count
     AbortLocked(run, absl::StrCat("waiting for store ", awaited), aborts);
@@ -265,10 +266,11 @@ void Scheduler::RepairRunLocked(const std::string& job_id, Run& run, const v1::J
   const auto note_workers = [&](const std::string& why) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     if (kept.empty() == run.no_workers) return;
     run.no_workers = kept.empty();
-    NoteWaitLocked(job_id, kept.empty() ? absl::StrCat("waiting for a worker: ", why,
-                                                       ", and the job goes on from its last "
-                                                       "step when one joins")
-                                        : "");
+    NoteWaitLocked(job_id, run, Wait::kWorkers,
+                   kept.empty() ? absl::StrCat("waiting for a worker: ", why,
+                                               ", and the job goes on from its last step when "
+                                               "one joins")
+                                : "");
   };
   if (lost.empty() && !stores_lost && !grow) {
     note_workers("none is free");  // a job a restarted coordinator reloaded with none
@@ -510,11 +512,22 @@ void Scheduler::SchedulePendingLocked(const Alive& alive) {
   }
 }
 
-void Scheduler::NoteWaitLocked(const std::string& job_id, const std::string& reason) {
+void Scheduler::NoteWaitLocked(const std::string& job_id, Run& run, Wait wait,
+                               const std::string& reason) {
+  if (reason.empty() ? run.waits.erase(wait) == 0 : run.waits[wait] == reason) return;
+  if (!reason.empty()) run.waits[wait] = reason;
   (void)jobs_->Update(job_id, [&](v1::Job& j) {
-    if (j.state() == v1::JOB_STATE_RUNNING) j.set_pending_reason(reason);
+    if (j.state() == v1::JOB_STATE_RUNNING) j.set_pending_reason(WaitReasons(run));
     return absl::OkStatus();
   });
+}
+
+std::string Scheduler::WaitReasons(const Run& run) {
+  std::string joined;
+  for (const auto& [wait, reason] : run.waits) {
+    absl::StrAppend(&joined, joined.empty() ? "" : kAlsoWaiting, reason);
+  }
+  return joined;
 }
 
 void Scheduler::SetPendingReasonLocked(const v1::Job& job, const std::string& reason) {

@@ -382,7 +382,7 @@ absl::StatusOr<v1::StepStatus> Scheduler::WaitForMoreWorkers(const v1::StepWritt
         j.set_workers(0);
         return absl::OkStatus();
       });
-      NoteWaitLocked(r.job_id(),
+      NoteWaitLocked(r.job_id(), run, Wait::kWorkers,
                      absl::StrCat("waiting for ", run.record.min_workers(), " workers (", why,
                                   "); the job goes on from its last step when they are free"));
       if (absl::Status s = PersistLocked(run); !s.ok()) LOG(ERROR) << s;
@@ -548,7 +548,7 @@ void Scheduler::FinishCommitLocked(const std::string& job_id, Run& run) {
   bool ended = false;
   absl::StatusOr<v1::Job> job = jobs_->Update(job_id, [&](v1::Job& j) {
     j.set_committed_step(step);
-    j.clear_pending_reason();  // a wait for a store (even one from before a restart) is over
+    j.set_pending_reason(WaitReasons(run));  // those of before a restart are over
     // The step's figures, where rank 0's report reached this process: a commit a restart
     // finished may have none (the reports went to the process before), and its job keeps
     // the figures it had, not zeros (a watch would show loss 0.0000, 0 tokens/s).
