@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "absl/time/time.h"
 #include "common/job_state.h"
 #include "glog/logging.h"
 #include "server/coordinator/scheduler.h"
@@ -91,6 +92,29 @@ bool Scheduler::ReviewPeerWaitLocked(const std::string& job_id, Run& run, const 
   run.peer_worker.clear();
   NoteWaitLocked(job_id, run, Wait::kPeer, "");
   return false;
+}
+
+void Scheduler::NoteSilentWorkerLocked(const std::string& job_id, Run& run, const Alive& alive) {
+  const int64_t lease_ms = absl::ToInt64Milliseconds(members_->lease());
+  const int64_t now = absl::ToUnixMillis(options_.clock());
+  const auto when = [](int64_t unix_ms) {
+    return absl::FormatTime("%H:%M:%S UTC", absl::FromUnixMillis(unix_ms), absl::UTCTimeZone());
+  };
+  std::string note;
+  const auto& workers = run.record.workers();
+  for (int rank = 0; rank < workers.size() && note.empty() && !run.recovering; ++rank) {
+    const auto w = alive.workers.find(workers[rank]);
+    if (w == alive.workers.end() || w->first == run.peer_worker) continue;
+    const int64_t expires = w->second.lease_expires_unix_ms();
+    const int64_t last = expires - lease_ms;  // its last heartbeat
+    // It heartbeats every third of a lease: silent, it missed two.
+    if (now - last <= 2 * lease_ms / 3) continue;
+    note = absl::StrCat("waiting for worker ", w->first, " (rank ", rank, "), silent since ",
+                        when(last), ": if it stays silent, its lease lapses at ", when(expires),
+                        " and a free worker takes its rank (with none free, the job goes on "
+                        "with fewer)");
+  }
+  NoteWaitLocked(job_id, run, Wait::kSilent, note);
 }
 
 }  // namespace pith::coordinator

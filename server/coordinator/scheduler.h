@@ -189,7 +189,7 @@ class Scheduler {
 
   // What a running job that trains no step waits for; Job.pending_reason names them in
   // this order, joined by kAlsoWaiting.
-  enum class Wait { kWorkers, kStore, kRoom, kPeer };
+  enum class Wait { kWorkers, kStore, kRoom, kPeer, kSilent };
   static constexpr char kAlsoWaiting[] = "; and also ";
 
   struct Run {
@@ -436,6 +436,12 @@ class Scheduler {
   // True when the job failed (as ReviewRoomWaitLocked).
   bool ReviewPeerWaitLocked(const std::string& job_id, Run& run, const v1::Job& job,
                             const Alive& alive) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Each tick: a worker of the job silent for two thirds of a lease (a killed one: the others wait
+  // on its part of the step, and nothing tells the coordinator before its lease lapses)
+  // is named in the job's pending reason, with when its lease lapses, until it heartbeats
+  // or leaves the job.
+  void NoteSilentWorkerLocked(const std::string& job_id, Run& run, const Alive& alive)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // A worker's put to `store` was refused for want of disk (`why`): the job stops using
   // the store (record.lost_stores; the next tick's repair copies its groups to stores
   // with room) where the job's other live stores with room hold every group; true if it

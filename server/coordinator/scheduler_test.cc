@@ -895,6 +895,33 @@ TEST_F(SchedulerTest, AReportOfAnUnreachablePeerWaitsForItsFateUncounted) {
   CommitStep(job.job_id(), 1, {w0, spare});
 }
 
+// A worker killed while the others wait on its part of the step: nothing reports it, and
+// its lease decides; until then the job names it, and when its lease lapses, in its pending
+// reason (pith status). A heartbeat takes the words away.
+TEST_F(SchedulerTest, AWorkerSilentForTwoHeartbeatsIsNamedInThePendingReason) {
+  TwoWorkerJob t;
+  ASSERT_NO_FATAL_FAILURE(StartTwoWorkerJob(t));
+  const std::string job = t.job.job_id();
+  const auto pass = [&](absl::Duration by, const std::vector<std::string>& heartbeat) {
+    now_ += by;
+    for (const std::string& id : heartbeat) ASSERT_TRUE(members_->Heartbeat(id, {}).ok());
+    scheduler_->Tick();
+  };
+  ASSERT_NO_FATAL_FAILURE(pass(absl::Seconds(1), {t.s0, t.w0, t.w1}));
+  ASSERT_NO_FATAL_FAILURE(pass(absl::Seconds(1), {t.s0, t.w0}));  // w1 silent 1 s of 3
+  ASSERT_NO_FATAL_FAILURE(pass(absl::Seconds(1), {t.s0, t.w0}));  // 2 s: a heartbeat missed
+  EXPECT_EQ(Job(job).pending_reason(), "");
+  ASSERT_NO_FATAL_FAILURE(pass(absl::Milliseconds(200), {t.s0, t.w0}));  // two
+  const std::string lapses =
+      absl::FormatTime("%H:%M:%S UTC", now_ + absl::Milliseconds(800), absl::UTCTimeZone());
+  EXPECT_THAT(Job(job).pending_reason(),
+              ::testing::AllOf(::testing::StartsWith("waiting for worker " + t.w1 + " (rank 1)"),
+                               ::testing::HasSubstr("its lease lapses at " + lapses)));
+  EXPECT_EQ(Job(job).state(), v1::JOB_STATE_RUNNING);
+  ASSERT_NO_FATAL_FAILURE(pass(absl::Milliseconds(500), {t.s0, t.w0, t.w1}));  // it was slow
+  EXPECT_EQ(Job(job).pending_reason(), "");
+}
+
 // The peer a report names is restarted (a new process takes its id, as `pith up` does):
 // the one the report named died, and the attempt does not count.
 TEST_F(SchedulerTest, AReportOfAPeerRestartedSinceDoesNotCount) {

@@ -130,6 +130,7 @@ void Scheduler::ReviewRunsLocked(const Alive& alive, StoreWork* work) {
       continue;
     }
     RepairRunLocked(job_id, run, *job, alive, &work->aborts);
+    NoteSilentWorkerLocked(job_id, run, alive);
     if (ForgetFullStoresLocked(run)) {
       if (absl::Status s = PersistLocked(run); !s.ok()) LOG(ERROR) << s;
     }
