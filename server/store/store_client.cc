@@ -308,23 +308,28 @@ absl::Status StoreClient::Issue(int peer, uint64_t id, const std::shared_ptr<Pen
 absl::Status StoreClient::Wait(int peer, const std::shared_ptr<Pending>& pending,
                                absl::Time deadline, absl::Duration budget,
                                const std::function<void(size_t)>& on_landed) {
+  // Each deadline moved on by however long this process did not run meanwhile: the store's
+  // answer waits, unread, while this process is stopped.
+  const auto running = [&] { return Running(deadline, budget); };
   if (on_landed) {
     Pending* p = pending.get();
     std::vector<size_t> landed;
     do {
       {
         absl::MutexLock lock(&p->to_check_mu);
-        p->to_check_mu.AwaitWithDeadline(absl::Condition(p, &Pending::ToCheckOrDone), deadline);
+        p->to_check_mu.AwaitWithDeadline(absl::Condition(p, &Pending::ToCheckOrDone), running());
         landed.assign(p->to_check.begin() + p->taken, p->to_check.end());
         p->taken = p->to_check.size();
       }
       for (size_t i : landed) on_landed(i);
-    } while (!landed.empty());  // none new: the request ended, or the deadline passed
+      // None new: the request ended, or the deadline passed.
+    } while (!landed.empty() || (!pending->done.HasBeenNotified() && absl::Now() < running()));
   }
-  if (pending->done.WaitForNotificationWithTimeout(
-          std::max(absl::ZeroDuration(), deadline - absl::Now()))) {
-    return pending->status;
+  while (!pending->done.WaitForNotificationWithTimeout(
+      std::max(absl::ZeroDuration(), running() - absl::Now()))) {
+    if (absl::Now() >= running()) break;
   }
+  if (pending->done.HasBeenNotified()) return pending->status;
   // Give up: no late payload may land in the caller's buffers (see FailPeer).
   worker_->RunSync([&] {
     if (!pending->done.HasBeenNotified()) {
@@ -351,7 +356,7 @@ absl::Status StoreClient::Fetch(int peer, absl::Span<FetchItem> items, absl::Dur
       bytes += item;
       ++end;
     }
-    if (absl::Now() >= deadline) {  // an earlier part took the time: the rest fail
+    if (absl::Now() >= Running(deadline, timeout)) {  // an earlier part took the time
       for (size_t i = begin; i < items.size(); ++i) {
         items[i].status = absl::DeadlineExceededError("not fetched: the deadline passed");
       }
@@ -487,7 +492,7 @@ absl::Status StoreClient::PutRound(absl::Span<PutItem> items, const std::vector<
                                    const std::vector<int>& source, absl::Time deadline,
                                    absl::Duration budget) {
   if (round.empty()) return absl::OkStatus();
-  if (absl::Now() >= deadline) {  // the first round took the time: this one is not sent
+  if (absl::Now() >= Running(deadline, budget)) {  // the first round took the time
     for (size_t i : round)
       items[i].status = absl::DeadlineExceededError("not sent: the deadline passed");
     return items[round.front()].status;
@@ -555,7 +560,7 @@ absl::Status StoreClient::PutRound(absl::Span<PutItem> items, const std::vector<
   });
   // One wait for the whole round; then each (done, or timed out from here).
   (void)all->all_done.WaitForNotificationWithTimeout(
-      std::max(deadline - absl::Now(), absl::ZeroDuration()));
+      std::max(Running(deadline, budget) - absl::Now(), absl::ZeroDuration()));
   absl::Status first;
   for (size_t k = 0; k < round.size(); ++k) {
     PutItem& item = items[round[k]];

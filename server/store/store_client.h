@@ -20,6 +20,7 @@
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "absl/types/span.h"
+#include "common/pause_watch.h"
 #include "common/ucx.h"
 #include "pith/v1/store.pb.h"
 
@@ -137,6 +138,11 @@ class StoreClient {
                      const std::function<void(size_t)>& on_landed = nullptr);
   absl::Status Wait(int peer, const std::shared_ptr<Pending>& pending, absl::Time deadline,
                     absl::Duration budget, const std::function<void(size_t)>& on_landed = nullptr);
+  // The `deadline` of a call of `budget` (begun at deadline - budget), moved on by however
+  // long this process did not run since it began (a stopped worker does not blame a store).
+  static absl::Time Running(absl::Time deadline, absl::Duration budget) {
+    return RunningDeadline(deadline - budget, budget);
+  }
   void FailPeer(int peer, const absl::Status& status);
   // Progress thread. The open endpoint to `peer`, or a new one when its last one failed or
   // was retired (FailPeer); with `fail_fast`, UNAVAILABLE instead while its backoff runs.

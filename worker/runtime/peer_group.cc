@@ -7,6 +7,7 @@
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "common/pause_watch.h"
 #include "common/status.h"
 #include "glog/logging.h"
 
@@ -198,7 +199,13 @@ absl::StatusOr<std::string> PeerGroup::Receive(int peer, uint64_t tag, absl::Dur
     return mailbox_.count(key) > 0 || attempt_ != attempt || abandoned_ ||
            (peer >= 0 && peer < static_cast<int>(failed_.size()) && failed_[peer]);
   };
-  if (!mu_.AwaitWithTimeout(absl::Condition(&ready), timeout)) {  // a silent peer
+  // Measured in the time this process ran: stopped, it would blame the peer for its stop.
+  const absl::Time start = absl::Now();
+  bool arrived = mu_.AwaitWithDeadline(absl::Condition(&ready), RunningDeadline(start, timeout));
+  while (!arrived && absl::Now() < RunningDeadline(start, timeout)) {
+    arrived = mu_.AwaitWithDeadline(absl::Condition(&ready), RunningDeadline(start, timeout));
+  }
+  if (!arrived) {  // a silent peer
     return WithUnreachablePeer(
         absl::DeadlineExceededError(absl::StrCat("no message ", tag, " from peer ", peer,
                                                  " within ", absl::FormatDuration(timeout))),
