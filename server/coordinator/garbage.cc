@@ -1,10 +1,16 @@
 // The coordinator's garbage collection (DESIGN §5.7): the groups stores left, and the
 // blobs of ended jobs, are deleted from the stores. See scheduler.h.
+#include <algorithm>
+#include <map>
 #include <set>
+#include <string>
 #include <tuple>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "glog/logging.h"
+#include "server/coordinator/placement.h"
+#include "server/coordinator/placement_table.h"
 #include "server/coordinator/scheduler.h"
 
 namespace pith::coordinator {
@@ -21,7 +27,68 @@ std::map<std::pair<int, int>, std::set<std::string>> StoresByGroup(const v1::Pla
   return out;
 }
 
+// A kept blob's identity across stores: (layer, expert, dense tensor, kind).
+using KeptKey = std::tuple<int, int, std::string, int>;
+
+KeptKey KeyOf(const v1::BlobKey& k) { return {k.layer(), k.expert(), k.tensor(), k.kind()}; }
+
 }  // namespace
+
+int Scheduler::HomeEndedWeights(const v1::MemberInfo& source, const std::string& job_id,
+                                const Alive& alive) {
+  absl::StatusOr<std::vector<v1::BlobInfo>> mine =
+      stores_->ListGroup(source, job_id, /*layer=*/-2, 0);
+  if (!mine.ok()) {
+    LOG(WARNING) << "drain of " << source.member_id() << ": " << mine.status();
+    return -1;
+  }
+  // The newest version of each kept blob on the stores that stay.
+  std::map<KeptKey, int64_t> elsewhere;
+  for (const auto& [id, store] : alive.stores) {
+    if (alive.draining.count(id)) continue;
+    absl::StatusOr<std::vector<v1::BlobInfo>> theirs = stores_->ListGroup(store, job_id, -2, 0);
+    if (!theirs.ok()) continue;  // copies there do not count this pass
+    for (const v1::BlobInfo& b : *theirs) {
+      int64_t& newest = elsewhere.try_emplace(KeyOf(b.key()), -1).first->second;
+      newest = std::max(newest, b.version());
+    }
+  }
+  const std::vector<std::string> targets = alive.placeable_ids();
+  std::map<std::string, std::vector<v1::BlobKey>> pulls;  // by target store
+  int homeless = 0;
+  for (const v1::BlobInfo& b : *mine) {
+    const v1::BlobKind kind = b.key().kind();
+    if (kind != v1::BLOB_KIND_WEIGHTS && kind != v1::BLOB_KIND_MASTER) continue;
+    auto there = elsewhere.find(KeyOf(b.key()));
+    if (there != elsewhere.end() && there->second >= b.version()) continue;
+    ++homeless;
+    if (targets.empty()) continue;
+    const std::string group = GroupName(job_id, b.key().layer(), b.key().expert());
+    pulls[RendezvousStores(group, targets, 1).front()].push_back(b.key());
+  }
+  if (homeless > 0 && targets.empty()) {
+    LOG(WARNING) << "drain of " << source.member_id() << ": ended job " << job_id << " keeps "
+                 << homeless << " weights blob(s) there and no other store takes copies now";
+  }
+  for (const auto& [target, keys] : pulls) {
+    absl::StatusOr<std::vector<v1::BlobInfo>> pulled =
+        stores_->Pull(alive.stores.at(target), source, keys, options_.replication_bytes_per_second);
+    if (!pulled.ok()) {
+      LOG(WARNING) << "drain of " << source.member_id() << ": copying ended job " << job_id
+                   << "'s weights to " << target << ": " << pulled.status();
+      continue;
+    }
+    LOG(INFO) << "drain of " << source.member_id() << ": ended job " << job_id << "'s "
+              << pulled->size() << " weights blob(s) copied to " << target;
+    homeless -= static_cast<int>(keys.size());  // a newer version there counts as well
+  }
+  return homeless;
+}
+
+void Scheduler::NoteJobEndedLocked() {
+  ++ended_;
+  ended_homed_.clear();
+}
 
 void Scheduler::NoteLeftLocked(Run& run, const v1::PlacementTable& before) {
   const auto now = StoresByGroup(run.record.placement());
@@ -73,9 +140,17 @@ int Scheduler::CollectGarbageOnce() {
   // By job id, looked up once a pass (not once a store): what goes of the job's blobs.
   enum class Fate { kKeep, kAllButWeights, kAll };
   std::map<std::string, Fate> fates;
+  uint64_t ended_before = 0;
+  {
+    absl::MutexLock lock(&mu_);
+    ended_before = ended_;
+  }
+  std::set<std::string> homed;  // draining stores whose ended jobs' weights are all homed
   for (const auto& [id, store] : alive.stores) {
     absl::StatusOr<std::vector<v1::StoreJob>> held = stores_->ListJobs(store);
     if (!held.ok()) continue;  // its lease, not the collector, decides about it
+    const bool draining = store.state() == v1::MEMBER_STATE_DRAINING;
+    bool all_homed = true;
     for (const v1::StoreJob& j : *held) {
       auto [known, fresh] = fates.try_emplace(j.job_id(), Fate::kKeep);
       if (fresh) {
@@ -88,12 +163,20 @@ int Scheduler::CollectGarbageOnce() {
       }
       if (known->second == Fate::kKeep) continue;  // unknown, or still going
       const bool keep = known->second == Fate::kAllButWeights;
+      if (keep && draining && j.blobs() > 0) {
+        all_homed &= HomeEndedWeights(store, j.job_id(), alive) == 0;
+      }
       if (keep ? j.blobs_besides_weights() == 0 : j.blobs() == 0) continue;
       Deletion& d = deletions.emplace_back();
       d.store = store;
       d.request.set_job_id(j.job_id());
       d.request.set_keep_weights(keep);
     }
+    if (draining && all_homed) homed.insert(id);
+  }
+  {
+    absl::MutexLock lock(&mu_);
+    if (ended_ == ended_before) ended_homed_ = std::move(homed);
   }
   int done = 0;
   for (const Deletion& d : deletions) {

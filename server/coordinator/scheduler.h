@@ -160,6 +160,15 @@ class Scheduler {
   // deleted there (a copy pulled before the delete lands would be deleted with the old blobs).
   // Returns the deletions made.
   int CollectGarbageOnce() ABSL_LOCKS_EXCLUDED(mu_);
+  // garbage.cc: the kept weights (and masters) of ended job `job_id` on draining store
+  // `source` that no store that stays holds (at that version or newer) are pulled to one
+  // (rendezvous over the stores new copies may go to), so that `pith checkpoint` of the
+  // job still works once the drained store is stopped. Returns how many are still
+  // without such a copy (-1: the source could not be listed).
+  int HomeEndedWeights(const v1::MemberInfo& source, const std::string& job_id, const Alive& alive)
+      ABSL_LOCKS_EXCLUDED(mu_);
+  // A job ended: its weights may be on a draining store no pass has looked at for it.
+  void NoteJobEndedLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Removes an ended job (JobRegistry::Remove; its errors): its heat map goes now, its
   // blobs at the next garbage collection (every blob: removed jobs keep no weights).
   // FAILED_PRECONDITION while a checkpoint of it is being exported (its blobs would go
@@ -548,6 +557,11 @@ class Scheduler {
   // starts until the delete returned.
   std::set<std::tuple<std::string, std::string, int, int>> collecting_ ABSL_GUARDED_BY(mu_);
   absl::Mutex drain_mu_ ABSL_ACQUIRED_BEFORE(mu_);  // serializes Drain
+  // Draining stores on which the last garbage collection found no ended job's kept
+  // weights without a copy on a store that stays (HomeEndedWeights): only these may be
+  // drained. A job that ends after a pass began (ended_ counts them) voids its findings.
+  std::set<std::string> ended_homed_ ABSL_GUARDED_BY(mu_);
+  uint64_t ended_ ABSL_GUARDED_BY(mu_) = 0;
 
   prometheus::Counter* steps_committed_ = nullptr;
   prometheus::Counter* steps_aborted_ = nullptr;

@@ -91,10 +91,14 @@ void Scheduler::ForgetLeftDrainsLocked(const Alive& alive) {
 
 void Scheduler::MarkDrainedStoresLocked(const Alive& alive) {
   for (const std::string& id : alive.draining) {
+    // Ended jobs' kept weights too: a garbage collection pass copies them to stores that
+    // stay (HomeEndedWeights).
     if (alive.stores.at(id).state() == v1::MEMBER_STATE_DRAINING &&
-        GroupsOnLocked(id, /*with_moves=*/true) == 0) {
+        GroupsOnLocked(id, /*with_moves=*/true) == 0 && ended_homed_.count(id)) {
       members_->MarkDrained(id);
-      LOG(INFO) << "store " << id << " is drained: nothing is placed on it; it can be stopped";
+      LOG(INFO) << "store " << id
+                << " is drained: nothing is placed on it, and every ended "
+                   "job's weights it holds have a copy on another store; it can be stopped";
     }
   }
 }

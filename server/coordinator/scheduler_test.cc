@@ -61,14 +61,16 @@ class FakeStores final : public StoreControl {
     aborts.push_back(absl::StrCat(store.member_id(), ":", job_id, ":", step));
     return absl::OkStatus();
   }
-  // `contents` when set (layer -2: all of it), else one weights blob per group of 100 bytes.
-  absl::StatusOr<std::vector<v1::BlobInfo>> ListGroup(const v1::MemberInfo&,
+  // The store's `contents_on` or else `contents` when set (layer -2: all of it), else one
+  // weights blob per group of 100 bytes.
+  absl::StatusOr<std::vector<v1::BlobInfo>> ListGroup(const v1::MemberInfo& store,
                                                       const std::string& job_id, int layer,
                                                       int expert) override {
     absl::MutexLock lock(&mu_);
-    if (!contents.empty()) {
+    const auto on = contents_on.find(store.member_id());
+    if (on != contents_on.end() || !contents.empty()) {
       std::vector<v1::BlobInfo> out;
-      for (const v1::BlobInfo& b : contents) {
+      for (const v1::BlobInfo& b : on != contents_on.end() ? on->second : contents) {
         if (layer == -2 || (b.key().layer() == layer && (layer < 0 || b.key().expert() == expert)))
           out.push_back(b);
       }
@@ -86,6 +88,7 @@ class FakeStores final : public StoreControl {
                                                  const std::vector<v1::BlobKey>& keys,
                                                  uint64_t) override {
     absl::MutexLock lock(&mu_);
+    if (failing_pulls) return absl::UnavailableError("pull failed");
     std::vector<v1::BlobInfo> out;
     for (const v1::BlobKey& k : keys) {
       pulls.push_back(absl::StrCat(source.member_id(), "->", target.member_id(), ":", k.layer(),
@@ -131,7 +134,9 @@ class FakeStores final : public StoreControl {
   std::map<std::string, std::vector<v1::StoreJob>> held;
   std::vector<std::string> deletes;
   std::vector<v1::BlobInfo> contents;
+  std::map<std::string, std::vector<v1::BlobInfo>> contents_on;  // by store id
   bool fail_commits = false;
+  bool failing_pulls = false;
   std::map<std::string, absl::Status> failing;
   std::map<std::string, uint64_t> blobs_answered;
   std::map<std::string, absl::Status> failing_prepares;
@@ -199,6 +204,14 @@ class SchedulerTest : public ::testing::Test {
     auto got = members_->Register(m);
     EXPECT_TRUE(got.ok()) << got.status();
     return *got;
+  }
+
+  // A store's membership state (UNSPECIFIED: none such).
+  v1::MemberState StoreState(const std::string& id) {
+    for (const v1::MemberInfo& m : members_->Members(v1::MEMBER_ROLE_STORE)) {
+      if (m.member_id() == id) return m.state();
+    }
+    return v1::MEMBER_STATE_UNSPECIFIED;
   }
 
   v1::Job Submit(int workers = 2, int steps = 300, int replicas = 2,
@@ -2369,6 +2382,9 @@ TEST_F(SchedulerTest, ADrainedStoreHoldsNothingAndEveryGroupKeepsItsCopies) {
     EXPECT_EQ(std::set<std::string>(ids.begin(), ids.end()), (std::set<std::string>{s1, s2}));
   }
   scheduler_->Tick();
+  EXPECT_EQ(StoreState(s0), v1::MEMBER_STATE_DRAINING);  // no collection yet
+  (void)scheduler_->CollectGarbageOnce();                // no ended job's weights on it
+  scheduler_->Tick();
   v1::ClusterStatusResponse status;
   scheduler_->ReplicationStatus(&status);
   ASSERT_EQ(status.drains_size(), 1);
@@ -2389,10 +2405,56 @@ TEST_F(SchedulerTest, ADrainedStoreHoldsNothingAndEveryGroupKeepsItsCopies) {
   for (const v1::MemberInfo& m : members_->Members(v1::MEMBER_ROLE_STORE)) {
     EXPECT_EQ(m.state(), m.member_id() == s0 ? v1::MEMBER_STATE_DRAINING : v1::MEMBER_STATE_ALIVE);
   }
+  (void)scheduler_->CollectGarbageOnce();
   scheduler_->Tick();
   for (const v1::MemberInfo& m : members_->Members(v1::MEMBER_ROLE_STORE)) {
     EXPECT_EQ(m.state(), m.member_id() == s0 ? v1::MEMBER_STATE_DRAINED : v1::MEMBER_STATE_ALIVE);
   }
+}
+
+// An ended job keeps its weights on the stores (pith checkpoint reads them), and a drained
+// store is stopped: weights and masters no store that stays holds are copied to one first
+// (its optimizer state is not), and the store is drained only once a pass found none left.
+TEST_F(SchedulerTest, ADrainCopiesTheEndedJobsWeightsOnlyTheStoreHolds) {
+  const v1::Job job = Submit(1, /*steps=*/1, /*replicas=*/1);
+  const std::string s0 = Join(v1::MEMBER_ROLE_STORE), s1 = Join(v1::MEMBER_ROLE_STORE);
+  const std::string w0 = Join(v1::MEMBER_ROLE_WORKER);
+  scheduler_->Tick();
+  for (int step = 0; step <= 1; ++step) CommitStep(job.job_id(), step, {w0});
+  ASSERT_EQ(Job(job.job_id()).state(), v1::JOB_STATE_SUCCEEDED);
+  const auto blob = [&](int layer, int expert, v1::BlobKind kind, int64_t version) {
+    v1::BlobInfo b;
+    b.mutable_key()->set_job_id(job.job_id());
+    b.mutable_key()->set_layer(layer);
+    b.mutable_key()->set_expert(layer < 0 ? 0 : expert);
+    if (layer < 0) b.mutable_key()->set_tensor("emb");
+    b.mutable_key()->set_kind(kind);
+    b.set_version(version);
+    return b;
+  };
+  v1::StoreJob held;
+  held.set_job_id(job.job_id());
+  held.set_blobs(4);
+  stores_.held[s0] = {held};
+  stores_.contents_on[s0] = {
+      blob(-1, 0, v1::BLOB_KIND_WEIGHTS, 1), blob(0, 1, v1::BLOB_KIND_WEIGHTS, 1),
+      blob(0, 2, v1::BLOB_KIND_MASTER, 1), blob(0, 2, v1::BLOB_KIND_STATE, 1)};
+  stores_.contents_on[s1] = {blob(0, 1, v1::BLOB_KIND_WEIGHTS, 1),  // homed
+                             blob(0, 2, v1::BLOB_KIND_MASTER, 0)};  // older: not
+  ASSERT_TRUE(scheduler_->Drain(s0).ok());
+  scheduler_->Tick();
+  EXPECT_EQ(StoreState(s0), v1::MEMBER_STATE_DRAINING);  // no pass has looked yet
+  stores_.failing_pulls = true;                          // s1 cannot take them now
+  (void)scheduler_->CollectGarbageOnce();
+  scheduler_->Tick();
+  EXPECT_EQ(StoreState(s0), v1::MEMBER_STATE_DRAINING);
+  stores_.failing_pulls = false;
+  stores_.pulls.clear();
+  (void)scheduler_->CollectGarbageOnce();
+  EXPECT_THAT(stores_.pulls,
+              ::testing::UnorderedElementsAre(s0 + "->" + s1 + ":-1/0", s0 + "->" + s1 + ":0/2"));
+  scheduler_->Tick();
+  EXPECT_EQ(StoreState(s0), v1::MEMBER_STATE_DRAINED);
 }
 
 }  // namespace
