@@ -431,21 +431,10 @@ absl::Status ClusterDrain(const CliContext& ctx, const Args& args, std::ostream&
       if (ctx.json) {
         out << Json(*drain) << "\n";
       } else if (drain->can_stop()) {
-        // A drain moves running jobs' blobs only: an ended job's weights stay where they
-        // were, and may be on this store alone.
-        uint64_t held = 0;
-        for (const v1::MemberInfo& m : c.stores()) {
-          if (m.member_id() == store) held = m.rocksdb_bytes();
-        }
-        out << store << " is drained: nothing is placed on it any more; its process can be "
-            << "stopped now\n";
-        if (held > 0) {
-          out << absl::StrFormat(
-              "but first: it still holds %.1f MB of blob versions, ended jobs' weights (a "
-              "drain moves running jobs' only) or blobs being deleted; pith checkpoint the "
-              "ended jobs you keep\n",
-              held / 1e6);
-        }
+        // What it still holds lives on elsewhere: running jobs' groups moved, and ended
+        // jobs' kept weights were copied to the stores that stay.
+        out << store << " is drained: nothing is placed on it any more, and ended jobs' "
+            << "weights it held have copies on other stores; its process can be stopped now\n";
       } else {
         out << "the drain goes on; pith cluster shows its progress and when " << store
             << " can be stopped\n";
