@@ -1,6 +1,8 @@
 #include "common/pause_watch.h"
 
-#include <chrono>
+#include <time.h>
+
+#include <algorithm>
 #include <thread>
 
 #include "glog/logging.h"
@@ -11,14 +13,9 @@ namespace {
 // Stops remembered: a wait asks about its own few seconds.
 constexpr size_t kKeep = 64;
 
-absl::Duration SteadyNow() {
-  return absl::FromChrono(std::chrono::steady_clock::now().time_since_epoch());
-}
-
 }  // namespace
 
-PauseWatch::PauseWatch(SteadyClock steady, WallClock wall)
-    : steady_(std::move(steady)), wall_(std::move(wall)), last_(steady_()) {}
+PauseWatch::PauseWatch(Clock clock) : clock_(std::move(clock)), last_(clock_()) {}
 
 void PauseWatch::Look() {
   absl::MutexLock lock(&mu_);
@@ -26,17 +23,17 @@ void PauseWatch::Look() {
 }
 
 void PauseWatch::LookLocked() {
-  const absl::Duration now = steady_();
+  const absl::Duration now = clock_();
   const absl::Duration gap = now - last_;
   last_ = now;
   if (gap <= kStop) return;
   LOG(WARNING) << "this process did not run for " << absl::FormatDuration(gap)
                << ": its waits' deadlines move on by as much";
-  stops_.emplace_back(wall_(), gap);
+  stops_.emplace_back(now, gap);
   if (stops_.size() > kKeep) stops_.pop_front();
 }
 
-absl::Duration PauseWatch::StoppedSince(absl::Time since) {
+absl::Duration PauseWatch::StoppedSince(absl::Duration since) {
   absl::MutexLock lock(&mu_);
   LookLocked();
   absl::Duration stopped;
@@ -46,10 +43,16 @@ absl::Duration PauseWatch::StoppedSince(absl::Time since) {
   return stopped;
 }
 
-absl::Duration StoppedSince(absl::Time since) {
+absl::Duration SteadyNow() {
+  timespec ts{};
+  clock_gettime(CLOCK_BOOTTIME, &ts);
+  return absl::DurationFromTimespec(ts);
+}
+
+absl::Duration StoppedSince(absl::Duration since) {
   // Never destroyed: its thread runs until the process exits.
   static PauseWatch* const watch = [] {
-    auto* w = new PauseWatch(SteadyNow, [] { return absl::Now(); });
+    auto* w = new PauseWatch(SteadyNow);
     std::thread([w] {
       for (;;) {
         absl::SleepFor(absl::Milliseconds(100));

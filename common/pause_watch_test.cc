@@ -11,18 +11,14 @@ namespace {
 
 class PauseWatchTest : public ::testing::Test {
  protected:
-  // Both clocks move on by `by`, as they do whether or not the process runs.
-  void Pass(absl::Duration by) {
-    steady_ += by;
-    wall_ += by;
-  }
-  absl::Duration steady_ = absl::Hours(1);
-  absl::Time wall_ = absl::FromUnixSeconds(1000);
-  PauseWatch watch_{[this] { return steady_; }, [this] { return wall_; }};
+  // The clock moves on by `by`, as it does whether or not the process runs.
+  void Pass(absl::Duration by) { clock_ += by; }
+  absl::Duration clock_ = absl::Hours(1);
+  PauseWatch watch_{[this] { return clock_; }};
 };
 
 TEST_F(PauseWatchTest, LooksAtShortIntervalsSeeNoStop) {
-  const absl::Time start = wall_;
+  const absl::Duration start = clock_;
   for (int i = 0; i < 100; ++i) {
     Pass(absl::Milliseconds(100));
     watch_.Look();
@@ -32,18 +28,18 @@ TEST_F(PauseWatchTest, LooksAtShortIntervalsSeeNoStop) {
 }
 
 TEST_F(PauseWatchTest, AStopCountsOnlyAfterSince) {
-  const absl::Time before = wall_;
+  const absl::Duration before = clock_;
   Pass(absl::Seconds(10));  // stopped: nobody looked
   watch_.Look();
   EXPECT_EQ(watch_.StoppedSince(before), absl::Seconds(10));
-  EXPECT_EQ(watch_.StoppedSince(wall_ - absl::Seconds(4)), absl::Seconds(4));  // its end
-  EXPECT_EQ(watch_.StoppedSince(wall_), absl::ZeroDuration());
+  EXPECT_EQ(watch_.StoppedSince(clock_ - absl::Seconds(4)), absl::Seconds(4));  // its end
+  EXPECT_EQ(watch_.StoppedSince(clock_), absl::ZeroDuration());
   // Asking is looking: a stop seen first by a waiting thread counts as well.
   Pass(absl::Seconds(3));
   EXPECT_EQ(watch_.StoppedSince(before), absl::Seconds(13));
-  const absl::Time start = wall_ - absl::Seconds(20);
-  EXPECT_EQ(start + absl::Seconds(5) + watch_.StoppedSince(start),
-            start + absl::Seconds(18));  // a 5-s wait from before both stops
+  const absl::Duration start = clock_ - absl::Seconds(20);
+  // A 5-s wait from before both stops: of the 20 s since, it ran 7: over by 2.
+  EXPECT_EQ(absl::Seconds(5) - (clock_ - start) + watch_.StoppedSince(start), absl::Seconds(-2));
 }
 
 // The real thing: a child process stopped (SIGSTOP) for 1.5 s finds that much in the
@@ -52,14 +48,14 @@ TEST(PauseWatchProcessTest, AStoppedProcessSeesItsStop) {
   const pid_t child = fork();
   ASSERT_GE(child, 0);
   if (child == 0) {
-    const absl::Time start = absl::Now();
+    const absl::Duration start = SteadyNow();
     (void)StoppedSince(start);  // starts the watch
     absl::SleepFor(absl::Milliseconds(300));
     raise(SIGSTOP);
     const absl::Duration stopped = StoppedSince(start);
-    const absl::Time deadline = RunningDeadline(start, absl::Seconds(1));
+    // A 1-s wait begun before the stop has time left.
     const bool ok = stopped >= absl::Milliseconds(1300) && stopped <= absl::Seconds(5) &&
-                    deadline > absl::Now();
+                    RunningLeft(start, absl::Seconds(1)) > absl::ZeroDuration();
     _exit(ok ? 0 : 1);
   }
   int status = 0;

@@ -8,6 +8,9 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "common/job_state.h"
+#include "common/status.h"
 #include "glog/logging.h"
 #include "server/coordinator/placement.h"
 #include "server/coordinator/placement_table.h"
@@ -54,35 +57,66 @@ int Scheduler::HomeEndedWeights(const v1::MemberInfo& source, const std::string&
     }
   }
   const std::vector<std::string> targets = alive.placeable_ids();
-  std::map<std::string, std::vector<v1::BlobKey>> pulls;  // by target store
-  int homeless = 0;
+  // Each blob no store that stays holds, with the stores it may go to, best first.
+  std::vector<std::pair<v1::BlobKey, std::vector<std::string>>> homeless;
   for (const v1::BlobInfo& b : *mine) {
     const v1::BlobKind kind = b.key().kind();
     if (kind != v1::BLOB_KIND_WEIGHTS && kind != v1::BLOB_KIND_MASTER) continue;
     auto there = elsewhere.find(KeyOf(b.key()));
     if (there != elsewhere.end() && there->second >= b.version()) continue;
-    ++homeless;
-    if (targets.empty()) continue;
     const std::string group = GroupName(job_id, b.key().layer(), b.key().expert());
-    pulls[RendezvousStores(group, targets, 1).front()].push_back(b.key());
+    homeless.emplace_back(b.key(), RendezvousStores(group, targets, targets.size()));
   }
-  if (homeless > 0 && targets.empty()) {
+  if (!homeless.empty() && targets.empty()) {
     LOG(WARNING) << "drain of " << source.member_id() << ": ended job " << job_id << " keeps "
-                 << homeless << " weights blob(s) there and no other store takes copies now";
+                 << homeless.size() << " weights blob(s) there and no other store takes copies";
   }
-  for (const auto& [target, keys] : pulls) {
-    absl::StatusOr<std::vector<v1::BlobInfo>> pulled =
-        stores_->Pull(alive.stores.at(target), source, keys, options_.replication_bytes_per_second);
-    if (!pulled.ok()) {
+  // Pulled to each blob's first choice; a store that fails passes its blobs to their next.
+  for (size_t choice = 0; choice < targets.size() && !homeless.empty(); ++choice) {
+    std::map<std::string, std::vector<size_t>> by_target;
+    for (size_t i = 0; i < homeless.size(); ++i) by_target[homeless[i].second[choice]].push_back(i);
+    std::vector<std::pair<v1::BlobKey, std::vector<std::string>>> still;
+    for (const auto& [target, blobs] : by_target) {
+      std::vector<v1::BlobKey> keys;
+      for (size_t i : blobs) keys.push_back(homeless[i].first);
+      absl::StatusOr<std::vector<v1::BlobInfo>> pulled = stores_->Pull(
+          alive.stores.at(target), source, keys, options_.replication_bytes_per_second);
+      if (pulled.ok()) {  // a newer version there (one not pulled) counts as well
+        LOG(INFO) << "drain of " << source.member_id() << ": ended job " << job_id << "'s "
+                  << keys.size() << " weights blob(s) copied to " << target;
+        continue;
+      }
       LOG(WARNING) << "drain of " << source.member_id() << ": copying ended job " << job_id
                    << "'s weights to " << target << ": " << pulled.status();
-      continue;
+      for (size_t i : blobs) still.push_back(std::move(homeless[i]));
     }
-    LOG(INFO) << "drain of " << source.member_id() << ": ended job " << job_id << "'s "
-              << pulled->size() << " weights blob(s) copied to " << target;
-    homeless -= static_cast<int>(keys.size());  // a newer version there counts as well
+    homeless = std::move(still);
   }
-  return homeless;
+  return static_cast<int>(homeless.size());
+}
+
+absl::Status Scheduler::EndedWeightsHaveAHome(const std::string& store_id, const Alive& alive) {
+  const auto store = alive.stores.find(store_id);
+  if (!options_.keep_ended_weights || store == alive.stores.end() ||
+      alive.draining.count(store_id)) {
+    return absl::OkStatus();
+  }
+  for (const std::string& id : alive.placeable_ids()) {
+    if (id != store_id) return absl::OkStatus();
+  }
+  absl::StatusOr<std::vector<v1::StoreJob>> held = stores_->ListJobs(store->second);
+  if (!held.ok()) return Annotate(held.status(), absl::StrCat("listing ", store_id, "'s jobs"));
+  std::vector<std::string> ended;
+  for (const v1::StoreJob& j : *held) {
+    absl::StatusOr<v1::Job> job = jobs_->Get(j.job_id());
+    if (j.blobs() > 0 && job.ok() && IsFinal(job->state())) ended.push_back(j.job_id());
+  }
+  if (ended.empty()) return absl::OkStatus();
+  return absl::FailedPreconditionError(absl::StrCat(
+      "draining ", store_id, " would leave no store to keep the weights of ended job(s) ",
+      absl::StrJoin(ended, ", "),
+      " (pith checkpoint reads them) and no other store takes copies now; add a store first, "
+      "or pith remove the jobs"));
 }
 
 void Scheduler::NoteJobEndedLocked() {
@@ -101,56 +135,61 @@ void Scheduler::NoteLeftLocked(Run& run, const v1::PlacementTable& before) {
   }
 }
 
+struct Scheduler::Deletion {
+  v1::MemberInfo store;
+  v1::DeleteJobRequest request;
+  std::tuple<std::string, int, int> left;  // a group left: its entry in the run
+};
+
+void Scheduler::CollectLeftLocked(const Alive& alive, std::vector<Deletion>* deletions) {
+  for (auto& [job_id, run] : runs_) {
+    const auto placed = StoresByGroup(run.record.placement());
+    for (auto it = run.left.begin(); it != run.left.end();) {
+      const auto& [id, layer, expert] = it->first;
+      auto group = placed.find({layer, expert});
+      if (group != placed.end() && group->second.count(id)) {
+        it = run.left.erase(it);  // placed there again: nothing to delete
+        continue;
+      }
+      auto store = alive.stores.find(id);
+      auto join = run.copies.join_requests.find({layer, expert});
+      const bool joining_again = join != run.copies.join_requests.end() && join->second == id;
+      // A step under the placement without the store committed: no attempt reads there.
+      if (store != alive.stores.end() && run.committed >= it->second && !joining_again) {
+        Deletion& d = deletions->emplace_back();
+        d.store = store->second;
+        d.request.set_job_id(job_id);
+        d.request.set_layer(layer);
+        d.request.set_expert(expert);
+        d.left = it->first;
+        collecting_.insert({job_id, id, layer, expert});
+      }
+      ++it;
+    }
+  }
+}
+
 int Scheduler::CollectGarbageOnce() {
   const Alive alive = Snapshot(*members_);
-  struct Deletion {
-    v1::MemberInfo store;
-    v1::DeleteJobRequest request;
-    std::tuple<std::string, int, int> left;  // a group left: its entry in the run
-  };
   std::vector<Deletion> deletions;
+  uint64_t ended_before = 0;
+  std::set<std::string> homed;  // draining stores whose ended jobs' weights are all homed
   {
     absl::MutexLock lock(&mu_);
-    for (auto& [job_id, run] : runs_) {
-      const auto placed = StoresByGroup(run.record.placement());
-      for (auto it = run.left.begin(); it != run.left.end();) {
-        const auto& [id, layer, expert] = it->first;
-        auto group = placed.find({layer, expert});
-        if (group != placed.end() && group->second.count(id)) {
-          it = run.left.erase(it);  // placed there again: nothing to delete
-          continue;
-        }
-        auto store = alive.stores.find(id);
-        auto join = run.copies.join_requests.find({layer, expert});
-        const bool joining_again = join != run.copies.join_requests.end() && join->second == id;
-        // A step under the placement without the store committed: no attempt reads there.
-        if (store != alive.stores.end() && run.committed >= it->second && !joining_again) {
-          Deletion& d = deletions.emplace_back();
-          d.store = store->second;
-          d.request.set_job_id(job_id);
-          d.request.set_layer(layer);
-          d.request.set_expert(expert);
-          d.left = it->first;
-          collecting_.insert({job_id, id, layer, expert});
-        }
-        ++it;
-      }
-    }
+    ended_before = ended_;
+    homed = ended_homed_;  // no job ended since they were found so
+    CollectLeftLocked(alive, &deletions);
   }
   // By job id, looked up once a pass (not once a store): what goes of the job's blobs.
   enum class Fate { kKeep, kAllButWeights, kAll };
   std::map<std::string, Fate> fates;
-  uint64_t ended_before = 0;
-  {
-    absl::MutexLock lock(&mu_);
-    ended_before = ended_;
-  }
-  std::set<std::string> homed;  // draining stores whose ended jobs' weights are all homed
+  // Draining stores to look at, with the ended jobs whose kept weights they hold.
+  std::map<std::string, std::vector<std::string>> to_home;
   for (const auto& [id, store] : alive.stores) {
     absl::StatusOr<std::vector<v1::StoreJob>> held = stores_->ListJobs(store);
     if (!held.ok()) continue;  // its lease, not the collector, decides about it
-    const bool draining = store.state() == v1::MEMBER_STATE_DRAINING;
-    bool all_homed = true;
+    const bool draining = store.state() == v1::MEMBER_STATE_DRAINING && !homed.count(id);
+    if (draining) to_home[id];
     for (const v1::StoreJob& j : *held) {
       auto [known, fresh] = fates.try_emplace(j.job_id(), Fate::kKeep);
       if (fresh) {
@@ -163,20 +202,13 @@ int Scheduler::CollectGarbageOnce() {
       }
       if (known->second == Fate::kKeep) continue;  // unknown, or still going
       const bool keep = known->second == Fate::kAllButWeights;
-      if (keep && draining && j.blobs() > 0) {
-        all_homed &= HomeEndedWeights(store, j.job_id(), alive) == 0;
-      }
+      if (keep && draining && j.blobs() > 0) to_home[id].push_back(j.job_id());
       if (keep ? j.blobs_besides_weights() == 0 : j.blobs() == 0) continue;
       Deletion& d = deletions.emplace_back();
       d.store = store;
       d.request.set_job_id(j.job_id());
       d.request.set_keep_weights(keep);
     }
-    if (draining && all_homed) homed.insert(id);
-  }
-  {
-    absl::MutexLock lock(&mu_);
-    if (ended_ == ended_before) ended_homed_ = std::move(homed);
   }
   int done = 0;
   for (const Deletion& d : deletions) {
@@ -190,6 +222,17 @@ int Scheduler::CollectGarbageOnce() {
     auto run = runs_.find(d.request.job_id());
     if (s.ok() && run != runs_.end()) run->second.left.erase(d.left);
   }
+  // After the deletions (none of this pass's lands on a copy made here; copies of running
+  // jobs wait on none of the pulls), the drains' copies of ended jobs' weights.
+  for (const auto& [id, jobs] : to_home) {
+    bool all = true;
+    for (const std::string& job_id : jobs) {
+      all &= HomeEndedWeights(alive.stores.at(id), job_id, alive) == 0;
+    }
+    if (all) homed.insert(id);
+  }
+  absl::MutexLock lock(&mu_);
+  if (ended_ == ended_before) ended_homed_ = std::move(homed);
   return done;
 }
 

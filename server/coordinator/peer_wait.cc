@@ -107,7 +107,8 @@ void Scheduler::NoteSilentWorkerLocked(const std::string& job_id, Run& run, cons
     if (w == alive.workers.end() || w->first == run.peer_worker) continue;
     const int64_t expires = w->second.lease_expires_unix_ms();
     const int64_t last = expires - lease_ms;  // its last heartbeat
-    // It heartbeats every third of a lease: silent, it missed two.
+    // It heartbeats every third of a lease: silent this long, it missed one, and the next
+    // is due.
     if (now - last <= 2 * lease_ms / 3) continue;
     note = absl::StrCat("waiting for worker ", w->first, " (rank ", rank, "), silent since ",
                         when(last), ": if it stays silent, its lease lapses at ", when(expires),

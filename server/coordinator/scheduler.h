@@ -167,6 +167,15 @@ class Scheduler {
   // without such a copy (-1: the source could not be listed).
   int HomeEndedWeights(const v1::MemberInfo& source, const std::string& job_id, const Alive& alive)
       ABSL_LOCKS_EXCLUDED(mu_);
+  // FAILED_PRECONDITION when `store_id` (not draining yet) holds ended jobs' kept weights
+  // and no other store takes copies: its drain would never end.
+  absl::Status EndedWeightsHaveAHome(const std::string& store_id, const Alive& alive)
+      ABSL_LOCKS_EXCLUDED(mu_);
+  // A deletion of a garbage collection pass; those of groups stores left (run.left), once
+  // the job committed a step without them (their keys go into collecting_).
+  struct Deletion;
+  void CollectLeftLocked(const Alive& alive, std::vector<Deletion>* deletions)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // A job ended: its weights may be on a draining store no pass has looked at for it.
   void NoteJobEndedLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Removes an ended job (JobRegistry::Remove; its errors): its heat map goes now, its

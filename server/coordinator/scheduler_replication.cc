@@ -143,6 +143,7 @@ absl::StatusOr<v1::DrainStoreResponse> Scheduler::Drain(const std::string& store
       }
     }
   }
+  RETURN_IF_ERROR(EndedWeightsHaveAHome(store_id, alive));
   // Durable first, then in force; undone if the store cannot be drained after all.
   bool recorded = false;
   {

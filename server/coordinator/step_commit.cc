@@ -564,6 +564,7 @@ void Scheduler::FinishCommitLocked(const std::string& job_id, Run& run) {
     if (!IsFinal(j.state()) && step >= j.spec().train().steps()) {
       j.set_state(v1::JOB_STATE_SUCCEEDED);
       j.set_finished_unix_ms(now);
+      j.clear_pending_reason();  // whatever it waited for last is over
     }
     ended = IsFinal(j.state());
     return absl::OkStatus();

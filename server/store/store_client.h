@@ -141,7 +141,8 @@ class StoreClient {
   // The `deadline` of a call of `budget` (begun at deadline - budget), moved on by however
   // long this process did not run since it began (a stopped worker does not blame a store).
   static absl::Time Running(absl::Time deadline, absl::Duration budget) {
-    return RunningDeadline(deadline - budget, budget);
+    const absl::Duration began = SteadyNow() - (absl::Now() - (deadline - budget));
+    return deadline + StoppedSince(began);
   }
   void FailPeer(int peer, const absl::Status& status);
   // Progress thread. The open endpoint to `peer`, or a new one when its last one failed or

@@ -199,11 +199,12 @@ absl::StatusOr<std::string> PeerGroup::Receive(int peer, uint64_t tag, absl::Dur
     return mailbox_.count(key) > 0 || attempt_ != attempt || abandoned_ ||
            (peer >= 0 && peer < static_cast<int>(failed_.size()) && failed_[peer]);
   };
-  // Measured in the time this process ran: stopped, it would blame the peer for its stop.
-  const absl::Time start = absl::Now();
-  bool arrived = mu_.AwaitWithDeadline(absl::Condition(&ready), RunningDeadline(start, timeout));
-  while (!arrived && absl::Now() < RunningDeadline(start, timeout)) {
-    arrived = mu_.AwaitWithDeadline(absl::Condition(&ready), RunningDeadline(start, timeout));
+  const absl::Duration start = SteadyNow();
+  bool arrived = mu_.AwaitWithTimeout(absl::Condition(&ready), timeout);
+  // Counted in the time this process ran: stopped, it would blame the peer for its stop.
+  for (absl::Duration left;
+       !arrived && (left = RunningLeft(start, timeout)) > absl::ZeroDuration();) {
+    arrived = mu_.AwaitWithTimeout(absl::Condition(&ready), left);
   }
   if (!arrived) {  // a silent peer
     return WithUnreachablePeer(
