@@ -119,9 +119,10 @@ absl::Status Scheduler::EndedWeightsHaveAHome(const std::string& store_id, const
       "or pith remove the jobs"));
 }
 
-void Scheduler::NoteJobEndedLocked() {
-  ++ended_;
-  ended_homed_.clear();
+void Scheduler::NoteJobEndedLocked(const Run& run) {
+  for (const std::string& id : JobStores(run)) ended_homed_.erase(id);
+  for (const auto& [id, why] : run.record.lost_stores()) ended_homed_.erase(id);
+  for (const auto& [left, step] : run.left) ended_homed_.erase(std::get<0>(left));
 }
 
 void Scheduler::NoteLeftLocked(Run& run, const v1::PlacementTable& before) {
@@ -172,19 +173,20 @@ void Scheduler::CollectLeftLocked(const Alive& alive, std::vector<Deletion>* del
 int Scheduler::CollectGarbageOnce() {
   const Alive alive = Snapshot(*members_);
   std::vector<Deletion> deletions;
-  uint64_t ended_before = 0;
   std::set<std::string> homed;  // draining stores whose ended jobs' weights are all homed
+  std::set<std::pair<std::string, std::string>> homed_jobs;
   {
     absl::MutexLock lock(&mu_);
-    ended_before = ended_;
-    homed = ended_homed_;  // no job ended since they were found so
+    homed = ended_homed_;  // no job they held ended since they were found so
+    homed_jobs = homed_jobs_;
     CollectLeftLocked(alive, &deletions);
   }
   // By job id, looked up once a pass (not once a store): what goes of the job's blobs.
   enum class Fate { kKeep, kAllButWeights, kAll };
   std::map<std::string, Fate> fates;
-  // Draining stores to look at, with the ended jobs whose kept weights they hold.
-  std::map<std::string, std::vector<std::string>> to_home;
+  // Draining stores to look at, with the ended jobs whose kept weights they hold, and the
+  // jobs they hold that had not ended.
+  std::map<std::string, std::vector<std::string>> to_home, going;
   for (const auto& [id, store] : alive.stores) {
     absl::StatusOr<std::vector<v1::StoreJob>> held = stores_->ListJobs(store);
     if (!held.ok()) continue;  // its lease, not the collector, decides about it
@@ -200,7 +202,10 @@ int Scheduler::CollectGarbageOnce() {
           known->second = Fate::kAll;
         }
       }
-      if (known->second == Fate::kKeep) continue;  // unknown, or still going
+      if (known->second == Fate::kKeep) {  // unknown, or still going
+        if (draining) going[id].push_back(j.job_id());
+        continue;
+      }
       const bool keep = known->second == Fate::kAllButWeights;
       if (keep && draining && j.blobs() > 0) to_home[id].push_back(j.job_id());
       if (keep ? j.blobs_besides_weights() == 0 : j.blobs() == 0) continue;
@@ -224,15 +229,34 @@ int Scheduler::CollectGarbageOnce() {
   }
   // After the deletions (none of this pass's lands on a copy made here; copies of running
   // jobs wait on none of the pulls), the drains' copies of ended jobs' weights.
+  std::set<std::string> newly;
   for (const auto& [id, jobs] : to_home) {
     bool all = true;
     for (const std::string& job_id : jobs) {
-      all &= HomeEndedWeights(alive.stores.at(id), job_id, alive) == 0;
+      if (homed_jobs.count({id, job_id})) continue;
+      const bool home = HomeEndedWeights(alive.stores.at(id), job_id, alive) == 0;
+      if (home) homed_jobs.insert({id, job_id});
+      all &= home;
     }
-    if (all) homed.insert(id);
+    if (all) newly.insert(id);
   }
   absl::MutexLock lock(&mu_);
-  if (ended_ == ended_before) ended_homed_ = std::move(homed);
+  // What stopped draining (drained, or gone) is forgotten.
+  std::erase_if(homed_jobs, [&](const auto& p) {
+    const auto store = alive.stores.find(p.first);
+    return store == alive.stores.end() || store->second.state() != v1::MEMBER_STATE_DRAINING;
+  });
+  homed_jobs_ = std::move(homed_jobs);
+  for (const std::string& id : newly) {
+    // A job it held that ended during the pass was not looked at: the next pass does.
+    const auto& held = going[id];
+    if (std::none_of(held.begin(), held.end(), [&](const std::string& job_id) {
+          const absl::StatusOr<v1::Job> job = jobs_->Get(job_id);
+          return job.ok() && IsFinal(job->state());
+        })) {
+      ended_homed_.insert(id);
+    }
+  }
   return done;
 }
 

@@ -176,8 +176,6 @@ class Scheduler {
   struct Deletion;
   void CollectLeftLocked(const Alive& alive, std::vector<Deletion>* deletions)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // A job ended: its weights may be on a draining store no pass has looked at for it.
-  void NoteJobEndedLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Removes an ended job (JobRegistry::Remove; its errors): its heat map goes now, its
   // blobs at the next garbage collection (every blob: removed jobs keep no weights).
   // FAILED_PRECONDITION while a checkpoint of it is being exported (its blobs would go
@@ -398,6 +396,9 @@ class Scheduler {
   void NoteWaitLocked(const std::string& job_id, Run& run, Wait wait, const std::string& reason)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   static std::string WaitReasons(const Run& run);
+  // garbage.cc: `run`'s job ended; its weights may be on a draining store it used (placed,
+  // joining, lost or left) that no pass has looked at for it.
+  void NoteJobEndedLocked(const Run& run) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Idle workers of one compute backend (a job never mixes backends): that of `job_workers`
   // when it has any (`job_backend`, the run's recorded one, when none of them is alive
   // yet), else CUDA's for a bf16 `job` (it trains on nothing else), else the backend with
@@ -568,9 +569,11 @@ class Scheduler {
   absl::Mutex drain_mu_ ABSL_ACQUIRED_BEFORE(mu_);  // serializes Drain
   // Draining stores on which the last garbage collection found no ended job's kept
   // weights without a copy on a store that stays (HomeEndedWeights): only these may be
-  // drained. A job that ends after a pass began (ended_ counts them) voids its findings.
+  // drained. A job that ends takes the stores it used out (NoteJobEndedLocked).
   std::set<std::string> ended_homed_ ABSL_GUARDED_BY(mu_);
-  uint64_t ended_ ABSL_GUARDED_BY(mu_) = 0;
+  // (draining store, ended job) whose kept weights there had copies on stores that stay
+  // when a pass looked: not looked at again.
+  std::set<std::pair<std::string, std::string>> homed_jobs_ ABSL_GUARDED_BY(mu_);
 
   prometheus::Counter* steps_committed_ = nullptr;
   prometheus::Counter* steps_aborted_ = nullptr;

@@ -2458,8 +2458,9 @@ TEST_F(SchedulerTest, ADrainCopiesTheEndedJobsWeightsOnlyTheStoreHolds) {
 }
 
 // The only store that takes copies holds an ended job's weights: its drain could never
-// end, and is refused with the reason; with another store it goes ahead. A job that ends
-// while a pass runs voids what the pass found (its weights may be on the store).
+// end, and is refused with the reason; with another store it goes ahead. A job with blobs
+// there that ends while a pass runs voids what the pass found for the store (the pass
+// took it for a running job, whose groups the drain moves).
 TEST_F(SchedulerTest, ADrainWaitsForEveryEndedJobsWeightsToHaveAHome) {
   const v1::Job ended = Submit(1, /*steps=*/1, /*replicas=*/1);
   const std::string s0 = Join(v1::MEMBER_ROLE_STORE);
@@ -2481,6 +2482,9 @@ TEST_F(SchedulerTest, ADrainWaitsForEveryEndedJobsWeightsToHaveAHome) {
   const v1::Job running = Submit(1);
   scheduler_->Tick();
   ASSERT_EQ(Job(running.job_id()).state(), v1::JOB_STATE_RUNNING);
+  v1::StoreJob moving = held;  // blobs of the running job there (a group that moved off)
+  moving.set_job_id(running.job_id());
+  stores_.held[s0] = {held, moving};
   stores_.during_delete = [&](const v1::MemberInfo&, const v1::DeleteJobRequest&) {
     ASSERT_TRUE(jobs_->Cancel(running.job_id(), "enough").ok());
     scheduler_->Tick();  // the run is released: a job ended during the pass

@@ -182,7 +182,7 @@ void Scheduler::ReleaseRunLocked(const std::string& job_id, Run& run,
   for (const std::string& w : run.record.workers()) worker_job_.erase(w);
   (void)jobs_->DeleteRecord(absl::StrCat(kRunPrefix, job_id));
   KeepHeatLocked(job_id);
-  NoteJobEndedLocked();
+  NoteJobEndedLocked(run);
 }
 
 void Scheduler::KeepHeatLocked(const std::string& job_id) {

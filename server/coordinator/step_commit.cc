@@ -590,7 +590,7 @@ void Scheduler::FinishCommitLocked(const std::string& job_id, Run& run) {
     for (const std::string& w : run.record.workers()) worker_job_.erase(w);
     (void)jobs_->DeleteRecord(absl::StrCat(kRunPrefix, job_id));
     KeepHeatLocked(job_id);
-    NoteJobEndedLocked();
+    NoteJobEndedLocked(run);
     runs_.erase(job_id);
     return;
   }
