@@ -120,9 +120,13 @@ absl::Status Scheduler::EndedWeightsHaveAHome(const std::string& store_id, const
 }
 
 void Scheduler::NoteJobEndedLocked(const Run& run) {
-  for (const std::string& id : JobStores(run)) ended_homed_.erase(id);
-  for (const auto& [id, why] : run.record.lost_stores()) ended_homed_.erase(id);
-  for (const auto& [left, step] : run.left) ended_homed_.erase(std::get<0>(left));
+  std::set<std::string> used = JobStores(run);
+  for (const auto& [id, why] : run.record.lost_stores()) used.insert(id);
+  for (const auto& [left, step] : run.left) used.insert(std::get<0>(left));
+  for (const std::string& id : used) {
+    ended_homed_.erase(id);
+    ++ended_on_[id];
+  }
 }
 
 void Scheduler::NoteLeftLocked(Run& run, const v1::PlacementTable& before) {
@@ -174,19 +178,18 @@ int Scheduler::CollectGarbageOnce() {
   const Alive alive = Snapshot(*members_);
   std::vector<Deletion> deletions;
   std::set<std::string> homed;  // draining stores whose ended jobs' weights are all homed
-  std::set<std::pair<std::string, std::string>> homed_jobs;
+  std::map<std::string, uint64_t> ended_on;
   {
     absl::MutexLock lock(&mu_);
-    homed = ended_homed_;  // no job they held ended since they were found so
-    homed_jobs = homed_jobs_;
+    homed = ended_homed_;  // no job that used them ended since they were found so
+    ended_on = ended_on_;
     CollectLeftLocked(alive, &deletions);
   }
   // By job id, looked up once a pass (not once a store): what goes of the job's blobs.
   enum class Fate { kKeep, kAllButWeights, kAll };
   std::map<std::string, Fate> fates;
-  // Draining stores to look at, with the ended jobs whose kept weights they hold, and the
-  // jobs they hold that had not ended.
-  std::map<std::string, std::vector<std::string>> to_home, going;
+  // Draining stores to look at, with the ended jobs whose kept weights they hold.
+  std::map<std::string, std::vector<std::string>> to_home;
   for (const auto& [id, store] : alive.stores) {
     absl::StatusOr<std::vector<v1::StoreJob>> held = stores_->ListJobs(store);
     if (!held.ok()) continue;  // its lease, not the collector, decides about it
@@ -202,10 +205,7 @@ int Scheduler::CollectGarbageOnce() {
           known->second = Fate::kAll;
         }
       }
-      if (known->second == Fate::kKeep) {  // unknown, or still going
-        if (draining) going[id].push_back(j.job_id());
-        continue;
-      }
+      if (known->second == Fate::kKeep) continue;  // unknown, or still going
       const bool keep = known->second == Fate::kAllButWeights;
       if (keep && draining && j.blobs() > 0) to_home[id].push_back(j.job_id());
       if (keep ? j.blobs_besides_weights() == 0 : j.blobs() == 0) continue;
@@ -233,30 +233,20 @@ int Scheduler::CollectGarbageOnce() {
   for (const auto& [id, jobs] : to_home) {
     bool all = true;
     for (const std::string& job_id : jobs) {
-      if (homed_jobs.count({id, job_id})) continue;
-      const bool home = HomeEndedWeights(alive.stores.at(id), job_id, alive) == 0;
-      if (home) homed_jobs.insert({id, job_id});
-      all &= home;
+      all &= HomeEndedWeights(alive.stores.at(id), job_id, alive) == 0;
     }
     if (all) newly.insert(id);
   }
   absl::MutexLock lock(&mu_);
-  // What stopped draining (drained, or gone) is forgotten.
-  std::erase_if(homed_jobs, [&](const auto& p) {
-    const auto store = alive.stores.find(p.first);
-    return store == alive.stores.end() || store->second.state() != v1::MEMBER_STATE_DRAINING;
-  });
-  homed_jobs_ = std::move(homed_jobs);
   for (const std::string& id : newly) {
-    // A job it held that ended during the pass was not looked at: the next pass does.
-    const auto& held = going[id];
-    if (std::none_of(held.begin(), held.end(), [&](const std::string& job_id) {
-          const absl::StatusOr<v1::Job> job = jobs_->Get(job_id);
-          return job.ok() && IsFinal(job->state());
-        })) {
-      ended_homed_.insert(id);
-    }
+    if (ended_on_[id] == ended_on[id]) ended_homed_.insert(id);
   }
+  // A store that is not draining now (drained, gone, or back) is looked at afresh.
+  std::erase_if(ended_homed_, [&](const std::string& id) {
+    const auto store = alive.stores.find(id);
+    return !newly.count(id) &&
+           (store == alive.stores.end() || store->second.state() != v1::MEMBER_STATE_DRAINING);
+  });
   return done;
 }
 

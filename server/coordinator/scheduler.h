@@ -571,9 +571,10 @@ class Scheduler {
   // weights without a copy on a store that stays (HomeEndedWeights): only these may be
   // drained. A job that ends takes the stores it used out (NoteJobEndedLocked).
   std::set<std::string> ended_homed_ ABSL_GUARDED_BY(mu_);
-  // (draining store, ended job) whose kept weights there had copies on stores that stay
-  // when a pass looked: not looked at again.
-  std::set<std::pair<std::string, std::string>> homed_jobs_ ABSL_GUARDED_BY(mu_);
+  // Jobs that ended, by store they used (NoteJobEndedLocked): a pass that began before one
+  // did leaves the store for the next pass (the job may have written there after the pass
+  // listed it, or been taken for a running one).
+  std::map<std::string, uint64_t> ended_on_ ABSL_GUARDED_BY(mu_);
 
   prometheus::Counter* steps_committed_ = nullptr;
   prometheus::Counter* steps_aborted_ = nullptr;

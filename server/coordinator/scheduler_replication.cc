@@ -96,6 +96,7 @@ void Scheduler::MarkDrainedStoresLocked(const Alive& alive) {
     if (alive.stores.at(id).state() == v1::MEMBER_STATE_DRAINING &&
         GroupsOnLocked(id, /*with_moves=*/true) == 0 && ended_homed_.count(id)) {
       members_->MarkDrained(id);
+      ended_homed_.erase(id);  // drained: should it drain again, it is looked at afresh
       LOG(INFO) << "store " << id
                 << " is drained: nothing is placed on it, and every ended "
                    "job's weights it holds have a copy on another store; it can be stopped";

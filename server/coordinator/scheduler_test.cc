@@ -2458,8 +2458,8 @@ TEST_F(SchedulerTest, ADrainCopiesTheEndedJobsWeightsOnlyTheStoreHolds) {
 }
 
 // The only store that takes copies holds an ended job's weights: its drain could never
-// end, and is refused with the reason; with another store it goes ahead. A job with blobs
-// there that ends while a pass runs voids what the pass found for the store (the pass
+// end, and is refused with the reason; with another store it goes ahead. A job that used
+// the store and ends while a pass runs voids what the pass found for the store (the pass
 // took it for a running job, whose groups the drain moves).
 TEST_F(SchedulerTest, ADrainWaitsForEveryEndedJobsWeightsToHaveAHome) {
   const v1::Job ended = Submit(1, /*steps=*/1, /*replicas=*/1);
@@ -2477,14 +2477,16 @@ TEST_F(SchedulerTest, ADrainWaitsForEveryEndedJobsWeightsToHaveAHome) {
   EXPECT_THAT(std::string(refused.status().message()),
               ::testing::HasSubstr("weights of ended job(s) " + ended.job_id()));
   const std::string s1 = Join(v1::MEMBER_ROLE_STORE);
-  stores_.contents_on[s0] = {};  // nothing left to copy
-  ASSERT_TRUE(scheduler_->Drain(s0).ok());
-  const v1::Job running = Submit(1);
+  stores_.contents_on[s0] = {};                            // nothing left to copy
+  const v1::Job running = Submit(1, 300, /*replicas=*/1);  // on s0 and s1
   scheduler_->Tick();
   ASSERT_EQ(Job(running.job_id()).state(), v1::JOB_STATE_RUNNING);
-  v1::StoreJob moving = held;  // blobs of the running job there (a group that moved off)
-  moving.set_job_id(running.job_id());
-  stores_.held[s0] = {held, moving};
+  CommitStep(running.job_id(), 0, {w0});
+  ASSERT_TRUE(Placed(running.job_id()).count(s0));
+  ASSERT_TRUE(scheduler_->Drain(s0).ok());
+  v1::StoreJob blobs = held;  // the running job's blobs there
+  blobs.set_job_id(running.job_id());
+  stores_.held[s0] = {held, blobs};
   stores_.during_delete = [&](const v1::MemberInfo&, const v1::DeleteJobRequest&) {
     ASSERT_TRUE(jobs_->Cancel(running.job_id(), "enough").ok());
     scheduler_->Tick();  // the run is released: a job ended during the pass
