@@ -158,7 +158,9 @@ class Scheduler {
   // or all but their committed weights: keep_ended_weights; removed jobs' all). Jobs the
   // registry does not know are left alone. A group's copy to a store waits while the group is being
   // deleted there (a copy pulled before the delete lands would be deleted with the old blobs).
-  // Returns the deletions made.
+  // Then, for each draining store not yet found so, the ended jobs' kept weights it alone
+  // holds are copied to stores that stay (HomeEndedWeights; ended_homed_). Returns the
+  // deletions made.
   int CollectGarbageOnce() ABSL_LOCKS_EXCLUDED(mu_);
   // garbage.cc: the kept weights (and masters) of ended job `job_id` on draining store
   // `source` that no store that stays holds (at that version or newer) are pulled to one
