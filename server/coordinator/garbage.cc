@@ -108,8 +108,9 @@ absl::Status Scheduler::EndedWeightsHaveAHome(const std::string& store_id, const
   if (!held.ok()) return Annotate(held.status(), absl::StrCat("listing ", store_id, "'s jobs"));
   std::vector<std::string> ended;
   for (const v1::StoreJob& j : *held) {
-    absl::StatusOr<v1::Job> job = jobs_->Get(j.job_id());
-    if (j.blobs() > 0 && job.ok() && IsFinal(job->state())) ended.push_back(j.job_id());
+    if (j.blobs() > 0 && FateOf(j.job_id()) == BlobFate::kAllButWeights) {
+      ended.push_back(j.job_id());
+    }
   }
   if (ended.empty()) return absl::OkStatus();
   return absl::FailedPreconditionError(absl::StrCat(
@@ -117,6 +118,15 @@ absl::Status Scheduler::EndedWeightsHaveAHome(const std::string& store_id, const
       absl::StrJoin(ended, ", "),
       " (pith checkpoint reads them) and no other store takes copies now; add a store first, "
       "or pith remove the jobs"));
+}
+
+Scheduler::BlobFate Scheduler::FateOf(const std::string& job_id) const {
+  absl::StatusOr<v1::Job> job = jobs_->Get(job_id);
+  if (job.ok() && IsFinal(job->state())) {
+    return options_.keep_ended_weights ? BlobFate::kAllButWeights : BlobFate::kAll;
+  }
+  if (!job.ok() && jobs_->Removed(job_id)) return BlobFate::kAll;
+  return BlobFate::kKeep;
 }
 
 void Scheduler::NoteJobEndedLocked(const Run& run) {
@@ -185,29 +195,21 @@ int Scheduler::CollectGarbageOnce() {
     ended_on = ended_on_;
     CollectLeftLocked(alive, &deletions);
   }
-  // By job id, looked up once a pass (not once a store): what goes of the job's blobs.
-  enum class Fate { kKeep, kAllButWeights, kAll };
-  std::map<std::string, Fate> fates;
-  // Draining stores to look at, with the ended jobs whose kept weights they hold.
+  // By job id, looked up once a pass (not once a store).
+  std::map<std::string, BlobFate> fates;
+  // Draining stores not yet found homed, with the ended jobs whose kept weights they hold.
   std::map<std::string, std::vector<std::string>> to_home;
   for (const auto& [id, store] : alive.stores) {
     absl::StatusOr<std::vector<v1::StoreJob>> held = stores_->ListJobs(store);
     if (!held.ok()) continue;  // its lease, not the collector, decides about it
-    const bool draining = store.state() == v1::MEMBER_STATE_DRAINING && !homed.count(id);
-    if (draining) to_home[id];
+    const bool to_look_at = store.state() == v1::MEMBER_STATE_DRAINING && !homed.count(id);
+    if (to_look_at) to_home[id];
     for (const v1::StoreJob& j : *held) {
-      auto [known, fresh] = fates.try_emplace(j.job_id(), Fate::kKeep);
-      if (fresh) {
-        absl::StatusOr<v1::Job> job = jobs_->Get(j.job_id());
-        if (job.ok() && IsFinal(job->state())) {
-          known->second = options_.keep_ended_weights ? Fate::kAllButWeights : Fate::kAll;
-        } else if (!job.ok() && jobs_->Removed(j.job_id())) {
-          known->second = Fate::kAll;
-        }
-      }
-      if (known->second == Fate::kKeep) continue;  // unknown, or still going
-      const bool keep = known->second == Fate::kAllButWeights;
-      if (keep && draining && j.blobs() > 0) to_home[id].push_back(j.job_id());
+      auto [known, fresh] = fates.try_emplace(j.job_id(), BlobFate::kKeep);
+      if (fresh) known->second = FateOf(j.job_id());
+      if (known->second == BlobFate::kKeep) continue;
+      const bool keep = known->second == BlobFate::kAllButWeights;
+      if (keep && to_look_at && j.blobs() > 0) to_home[id].push_back(j.job_id());
       if (keep ? j.blobs_besides_weights() == 0 : j.blobs() == 0) continue;
       Deletion& d = deletions.emplace_back();
       d.store = store;
@@ -244,8 +246,7 @@ int Scheduler::CollectGarbageOnce() {
   // A store that is not draining now (drained, gone, or back) is looked at afresh.
   std::erase_if(ended_homed_, [&](const std::string& id) {
     const auto store = alive.stores.find(id);
-    return !newly.count(id) &&
-           (store == alive.stores.end() || store->second.state() != v1::MEMBER_STATE_DRAINING);
+    return store == alive.stores.end() || store->second.state() != v1::MEMBER_STATE_DRAINING;
   });
   return done;
 }

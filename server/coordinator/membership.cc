@@ -1,6 +1,5 @@
 #include "server/coordinator/membership.h"
 
-#include <chrono>
 #include <utility>
 
 #include "absl/strings/match.h"
@@ -17,10 +16,6 @@ Membership::Membership(absl::Duration lease, Clock clock)
 Membership::~Membership() {
   stop_watch_.Notify();
   if (watch_.joinable()) watch_.join();
-}
-
-absl::Duration Membership::SteadyNow() {
-  return absl::FromChrono(std::chrono::steady_clock::now().time_since_epoch());
 }
 
 void Membership::WatchPauses(MonotonicClock monotonic) {

@@ -20,6 +20,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/synchronization/notification.h"
 #include "absl/time/time.h"
+#include "common/pause_watch.h"
 #include "pith/v1/common.pb.h"
 
 namespace pith::coordinator {
@@ -75,14 +76,14 @@ class Membership {
   // Leases do not run while this process does not (SIGSTOP, a paused VM, a machine too
   // loaded to run it): heartbeats could not be taken meanwhile, and a coordinator that
   // woke up would otherwise find every lease lapsed and every job's members gone. From
-  // this call on, a thread (stopped by the destructor) looks at `monotonic` every 100 ms;
+  // this call on, a thread (stopped by the destructor) looks at `monotonic` (by default the
+  // boot-time clock, which runs through a suspend: common/pause_watch.h) every 100 ms;
   // when more than a quarter lease passed since it or ExpireLeases last looked, every
   // member's lease moves on by that long (a dead one's: when it died, which a job waiting
   // for a dead store counts from). The thread is not blocked by anything else, so
   // a scheduler pass that is merely slow (a long commit) is not taken for a pause.
   using MonotonicClock = std::function<absl::Duration()>;
-  void WatchPauses(MonotonicClock monotonic = SteadyNow) ABSL_LOCKS_EXCLUDED(mu_);
-  static absl::Duration SteadyNow();
+  void WatchPauses(MonotonicClock monotonic = pith::SteadyNow) ABSL_LOCKS_EXCLUDED(mu_);
   ~Membership();
 
   // The identity an id is bound to (nullopt for an id without one, or unknown).

@@ -100,9 +100,13 @@ void Scheduler::NoteSilentWorkerLocked(const std::string& job_id, Run& run, cons
   const auto when = [](int64_t unix_ms) {
     return absl::FormatTime("%H:%M:%S UTC", absl::FromUnixMillis(unix_ms), absl::UTCTimeZone());
   };
+  if (run.recovering) {  // after a coordinator restart the workers wait's words say it
+    NoteWaitLocked(job_id, run, Wait::kSilent, "");
+    return;
+  }
   std::string note;
   const auto& workers = run.record.workers();
-  for (int rank = 0; rank < workers.size() && note.empty() && !run.recovering; ++rank) {
+  for (int rank = 0; rank < workers.size() && note.empty(); ++rank) {
     const auto w = alive.workers.find(workers[rank]);
     if (w == alive.workers.end() || w->first == run.peer_worker) continue;
     const int64_t expires = w->second.lease_expires_unix_ms();

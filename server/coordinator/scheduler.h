@@ -173,6 +173,11 @@ class Scheduler {
   // and no other store takes copies: its drain would never end.
   absl::Status EndedWeightsHaveAHome(const std::string& store_id, const Alive& alive)
       ABSL_LOCKS_EXCLUDED(mu_);
+  // What garbage collection does with a job's blobs on the stores: nothing (a job the
+  // registry does not know, or one still going), all but its committed weights (an ended
+  // job, keep_ended_weights), or all (ended without keep_ended_weights, or removed).
+  enum class BlobFate { kKeep, kAllButWeights, kAll };
+  BlobFate FateOf(const std::string& job_id) const;
   // A deletion of a garbage collection pass; those of groups stores left (run.left), once
   // the job committed a step without them (their keys go into collecting_).
   struct Deletion;
