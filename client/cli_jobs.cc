@@ -1,8 +1,10 @@
 // The job commands of `pith` (submit, status, watch, cancel, checkpoint, experts,
 // cluster): each a few calls of the SDK (client.h) and their printing.
+#include <signal.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <climits>
 #include <filesystem>
 #include <iostream>
 #include <sstream>
@@ -242,6 +244,48 @@ absl::Status Remove(const CliContext& ctx, const Args& args, std::ostream& out) 
                                    " jobs not removed: ", absl::StrJoin(refused, "; ")));
 }
 
+namespace {
+
+// The partial file of the download in progress, for the signal handler below.
+char g_partial[PATH_MAX + 64];
+
+extern "C" void RemovePartialAndExit(int sig) {
+  ::unlink(g_partial);
+  ::_exit(128 + sig);
+}
+
+// While it lives, SIGINT, SIGTERM and SIGHUP (those not ignored) remove the download's
+// partial file before the CLI exits: the SDK removes it only on the errors it returns.
+class RemovePartialOnSignal {
+ public:
+  explicit RemovePartialOnSignal(const std::string& partial) {
+    if (partial.size() >= sizeof(g_partial)) return;
+    std::copy(partial.begin(), partial.end(), g_partial);
+    g_partial[partial.size()] = '\0';
+    struct sigaction remove {};
+    remove.sa_handler = RemovePartialAndExit;
+    sigemptyset(&remove.sa_mask);
+    for (size_t i = 0; i < std::size(kSignals); ++i) {
+      ::sigaction(kSignals[i], nullptr, &old_[i]);
+      if (old_[i].sa_handler != SIG_IGN) ::sigaction(kSignals[i], &remove, nullptr);
+    }
+    armed_ = true;
+  }
+  ~RemovePartialOnSignal() {
+    if (!armed_) return;
+    for (size_t i = 0; i < std::size(kSignals); ++i) ::sigaction(kSignals[i], &old_[i], nullptr);
+  }
+  RemovePartialOnSignal(const RemovePartialOnSignal&) = delete;
+  RemovePartialOnSignal& operator=(const RemovePartialOnSignal&) = delete;
+
+ private:
+  static constexpr int kSignals[] = {SIGINT, SIGTERM, SIGHUP};
+  struct sigaction old_[std::size(kSignals)]{};
+  bool armed_ = false;
+};
+
+}  // namespace
+
 absl::Status Checkpoint(const CliContext& ctx, const Args& args, std::ostream& out) {
   RETURN_IF_ERROR(RefuseUnknownFlags("checkpoint", args, {"--out", "--force"}));
   Args rest = args;
@@ -258,8 +302,11 @@ absl::Status Checkpoint(const CliContext& ctx, const Args& args, std::ostream& o
   if (ec) return UsageError(absl::StrCat("checkpoint --out ", rest[2], ": ", ec.message()));
   ASSIGN_OR_RETURN(std::unique_ptr<Client> client, Connect(ctx));
   // The coordinator streams the file: the client may be on any host.
-  absl::StatusOr<v1::CheckpointJobResponse> r =
-      client->DownloadCheckpoint(rest[0], target.string(), force);
+  absl::StatusOr<v1::CheckpointJobResponse> r;
+  {
+    RemovePartialOnSignal guard(Client::PartialPath(target.string()));
+    r = client->DownloadCheckpoint(rest[0], target.string(), force);
+  }
   if (absl::IsAlreadyExists(r.status())) {
     return absl::AlreadyExistsError(absl::StrCat(r.status().message(), " (--force replaces it)"));
   }

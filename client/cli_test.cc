@@ -1,7 +1,9 @@
 #include "client/cli.h"
 
+#include <signal.h>
 #include <stdlib.h>
 #include <sys/stat.h>
+#include <unistd.h>
 
 #include <filesystem>
 #include <sstream>
@@ -11,6 +13,8 @@
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_replace.h"
 #include "absl/strings/str_split.h"
+#include "absl/time/clock.h"
+#include "client/client.h"
 #include "common/file.h"
 #include "common/grpc_util.h"
 #include "common/job_spec.h"
@@ -245,6 +249,51 @@ TEST(CliTest, StatusSaysAJobRunsShortOfWorkers) {
   EXPECT_THAT(r.err, HasSubstr("--insecure is plaintext"));
   ::unsetenv("PITH_TLS_DIR");
   ::unsetenv("PITH_HOME");
+}
+
+// A coordinator that streams one chunk of a checkpoint, then waits until the CLI's
+// partial file holds it and sends the process SIGTERM (an operator's kill mid-download).
+class KilledMidDownload final : public v1::JobService::Service {
+ public:
+  explicit KilledMidDownload(std::string partial) : partial_(std::move(partial)) {}
+  grpc::Status DownloadCheckpoint(grpc::ServerContext*, const v1::DownloadCheckpointRequest*,
+                                  grpc::ServerWriter<v1::CheckpointChunk>* writer) override {
+    v1::CheckpointChunk chunk;
+    chunk.set_step(3);
+    chunk.set_total_bytes(2 << 20);
+    chunk.set_data(std::string(1 << 20, 'w'));
+    writer->Write(chunk);
+    for (int i = 0; i < 1000; ++i) {
+      struct stat st;
+      if (::stat(partial_.c_str(), &st) == 0 && st.st_size == (1 << 20)) ::raise(SIGTERM);
+      absl::SleepFor(absl::Milliseconds(10));
+    }
+    return grpc::Status(grpc::StatusCode::INTERNAL, "the CLI was not killed");
+  }
+
+ private:
+  const std::string partial_;
+};
+
+// SIGTERM during `pith checkpoint` leaves no FILE.partial-PID behind.
+TEST(CliDeathTest, ASignalMidDownloadRemovesThePartialFile) {
+  GTEST_FLAG_SET(death_test_style, "threadsafe");  // a fresh process: no gRPC state forked
+  const std::string dir = ::testing::TempDir() + "/cli_killed_download";
+  std::filesystem::remove_all(dir);
+  std::filesystem::create_directories(dir);
+  const std::string path = dir + "/model.safetensors";
+  EXPECT_EXIT(
+      {
+        KilledMidDownload service(Client::PartialPath(path));
+        auto server = GrpcServer::Start({.listen_address = "127.0.0.1:0", .services = {&service}});
+        if (!server.ok()) ::_exit(1);
+        RunPith({"--insecure", "--coordinator", absl::StrCat("127.0.0.1:", (*server)->port()),
+                 "checkpoint", "demo-1", "--out", path});
+        ::_exit(2);
+      },
+      ::testing::ExitedWithCode(128 + SIGTERM), "");
+  EXPECT_TRUE(std::filesystem::is_empty(dir)) << "a partial file was left";
+  std::filesystem::remove_all(dir);
 }
 
 TEST(CliTest, HelpAfterACommandPrintsTheUsage) {

@@ -175,6 +175,10 @@ absl::Status Exists(const std::string& path) {
 
 }  // namespace
 
+std::string Client::PartialPath(const std::string& path) {
+  return absl::StrCat(path, ".partial-", ::getpid());
+}
+
 absl::StatusOr<v1::CheckpointJobResponse> Client::DownloadCheckpoint(const std::string& job_id,
                                                                      const std::string& path,
                                                                      bool replace) {
@@ -184,7 +188,7 @@ absl::StatusOr<v1::CheckpointJobResponse> Client::DownloadCheckpoint(const std::
     return absl::FailedPreconditionError(absl::StrCat(
         path, " is not a regular file (a directory, a link or a device): not replaced"));
   }
-  const std::string partial = absl::StrCat(path, ".partial-", ::getpid());
+  const std::string partial = PartialPath(path);
   const int fd = ::open(partial.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
   if (fd < 0) {  // named as the caller named it: the partial file is ours
     return absl::PermissionDeniedError(

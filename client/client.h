@@ -55,6 +55,9 @@ class Client {
   absl::StatusOr<v1::CheckpointJobResponse> DownloadCheckpoint(const std::string& job_id,
                                                                const std::string& path,
                                                                bool replace = false);
+  // The file a download into `path` writes first: removed on any error the download
+  // returns; a program that a signal ends mid-download removes it itself.
+  static std::string PartialPath(const std::string& path);
   absl::StatusOr<v1::ClusterStatusResponse> ClusterStatus();
   absl::StatusOr<v1::ExpertHeatResponse> ExpertHeat(const std::string& job_id, int layer = -1);
   // Starts draining a store (ClusterStatus shows the progress and when it can be stopped).

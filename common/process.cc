@@ -107,7 +107,10 @@ int g_shutdown_pipe[2] = {-1, -1};
 ABSL_CONST_INIT absl::Mutex g_reload_mu(absl::kConstInit);
 std::function<void()>* g_reload ABSL_GUARDED_BY(g_reload_mu) = nullptr;  // never freed
 
+volatile sig_atomic_t g_shutdown_requested = 0;
+
 void OnShutdownSignal(int sig) {
+  if (sig != SIGHUP) g_shutdown_requested = 1;
   const unsigned char byte = static_cast<unsigned char>(sig);
   (void)!::write(g_shutdown_pipe[1], &byte, 1);
 }
@@ -135,6 +138,8 @@ ShutdownSignals::ShutdownSignals() {
   sigaction(SIGINT, &action, nullptr);
   sigaction(SIGHUP, &action, nullptr);
 }
+
+bool ShutdownRequested() { return g_shutdown_requested != 0; }
 
 int ShutdownSignals::Wait() {
   unsigned char byte = 0;

@@ -47,6 +47,11 @@ class ShutdownSignals {
   int Wait();
 };
 
+// Whether SIGTERM or SIGINT arrived since ShutdownSignals was made (false without one):
+// a start-up wait that cannot be left to Wait() (a member waiting out its predecessor's
+// lease) gives up on it. Any thread.
+bool ShutdownRequested();
+
 }  // namespace pith
 
 #endif  // PITH_COMMON_PROCESS_H_

@@ -14,6 +14,7 @@
 
 #include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
@@ -182,33 +183,43 @@ absl::StatusOr<std::unique_ptr<TokenTable>> TokenTable::Open(const std::string& 
 
 absl::Status TokenTable::RefreshLocked() {
   checked_ = absl::Now();
+  const bool strict = !opened_;  // Open's: a malformed file keeps the coordinator down
+  opened_ = true;
   struct stat st;
   if (::stat(path_.c_str(), &st) != 0) {
     by_hash_.clear();  // removed: no token is valid any more
-    mtime_ = {};
+    ctime_ = {};
     return absl::OkStatus();
   }
   // A rewrite renames a new file over it: a new inode, whatever the clock's grain.
-  if (st.st_mtim.tv_sec == mtime_.tv_sec && st.st_mtim.tv_nsec == mtime_.tv_nsec &&
+  if (st.st_ctim.tv_sec == ctime_.tv_sec && st.st_ctim.tv_nsec == ctime_.tv_nsec &&
       st.st_ino == inode_ && st.st_size == size_) {
     return absl::OkStatus();
+  }
+  ctime_ = st.st_ctim;  // this version is judged once
+  inode_ = st.st_ino;
+  size_ = st.st_size;
+  if ((st.st_mode & (S_IWGRP | S_IWOTH)) != 0 || (st.st_uid != ::geteuid() && st.st_uid != 0)) {
+    by_hash_.clear();  // fail closed: whoever may write it could have added an admin
+    return absl::FailedPreconditionError(absl::StrFormat(
+        "the tokens file %s may be written by others than this process's user (mode %04o, "
+        "owner uid %d): no token counts until only its owner (this user or root) may write "
+        "it (chmod go-w)",
+        path_, st.st_mode & 07777, st.st_uid));
   }
   std::ifstream in(path_);
   std::stringstream text;
   if (!in || (!(text << in.rdbuf()) && st.st_size > 0)) {
     by_hash_.clear();  // fail closed: no token counts while the file cannot be read
+    ctime_ = {};       // read again at the next look
     return absl::PermissionDeniedError(
         absl::StrCat("cannot read the tokens file ", path_, ": ", std::strerror(errno)));
   }
-  const bool first = mtime_.tv_sec == 0 && mtime_.tv_nsec == 0 && by_hash_.empty();
   std::vector<int> skipped;
   absl::StatusOr<std::map<std::string, TokenRecord>> parsed =
-      Parse(path_, text.str(), first ? nullptr : &skipped);
+      Parse(path_, text.str(), strict ? nullptr : &skipped);
   if (!parsed.ok()) return parsed.status();
   by_hash_ = *std::move(parsed);
-  mtime_ = st.st_mtim;
-  inode_ = st.st_ino;
-  size_ = st.st_size;
   if (!skipped.empty()) {
     return absl::InvalidArgumentError(
         absl::StrCat(path_, ": malformed line(s) ", absl::StrJoin(skipped, ", "),
@@ -225,10 +236,10 @@ absl::StatusOr<Identity> TokenTable::Lookup(const std::string& token) {
     // refresh parses a changed file once). A file that cannot be read fails every second:
     // said now and then.
     absl::Status s = RefreshLocked();
-    if (absl::IsInvalidArgument(s)) {
-      LOG(WARNING) << s.message();
-    } else if (!s.ok()) {
+    if (absl::IsPermissionDenied(s)) {
       LOG_EVERY_N(WARNING, 60) << s.message();
+    } else if (!s.ok()) {
+      LOG(WARNING) << s.message();
     }
   }
   auto it = by_hash_.find(hash);

@@ -56,7 +56,11 @@ class TokenTable {
  public:
   // The tokens of `path`; a missing file is an empty table (until it appears). A file
   // that cannot be parsed: INVALID_ARGUMENT naming the line; one that cannot be read:
-  // PERMISSION_DENIED.
+  // PERMISSION_DENIED; one that others than its owner may write, or owned by another user
+  // than this process's or root: FAILED_PRECONDITION (anyone who may write it could add an
+  // admin). Later versions of the file are judged the same way, except that their
+  // malformed lines are left out (the rest apply) and a file others may write leaves no
+  // token valid until it is fixed.
   static absl::StatusOr<std::unique_ptr<TokenTable>> Open(const std::string& path);
 
   // The identity a token was made for, if it is in the file now and has not expired:
@@ -65,13 +69,15 @@ class TokenTable {
 
  private:
   explicit TokenTable(std::string path) : path_(std::move(path)) {}
-  // Re-reads the file if it changed since the last read (OK when it is missing).
+  // Re-reads the file if it changed (contents or mode) since the last read (OK when it is
+  // missing). Each version's error is returned once; a read error again each time.
   absl::Status RefreshLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   const std::string path_;
   absl::Mutex mu_;
   std::map<std::string, TokenRecord> by_hash_ ABSL_GUARDED_BY(mu_);
-  struct timespec mtime_ ABSL_GUARDED_BY(mu_) = {};
+  bool opened_ ABSL_GUARDED_BY(mu_) = false;         // Open's read done: later ones are lenient
+  struct timespec ctime_ ABSL_GUARDED_BY(mu_) = {};  // changes with a write and a chmod
   ino_t inode_ ABSL_GUARDED_BY(mu_) = 0;
   off_t size_ ABSL_GUARDED_BY(mu_) = 0;
   absl::Time checked_ ABSL_GUARDED_BY(mu_) = absl::InfinitePast();

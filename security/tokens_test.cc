@@ -56,6 +56,42 @@ TEST(TokensTest, TokensAddedOrRemovedLaterCountWithoutARestart) {
   EXPECT_EQ(Find(**table, *bob), std::nullopt);
 }
 
+// A file that appears after the coordinator started is read as a later version: its
+// malformed lines are left out, the rest apply (it kept every token out before).
+TEST(TokensTest, AFileThatAppearsLaterWithABadLineKeepsItsGoodTokens) {
+  const std::string path = TempFile("appears");
+  auto table = TokenTable::Open(path);
+  ASSERT_TRUE(table.ok()) << table.status();
+  auto bob = AddToken(path, {Role::kUser, "bob"});
+  ASSERT_TRUE(bob.ok());
+  std::ofstream(path, std::ios::app) << "garbage line\n";
+  absl::SleepFor(absl::Milliseconds(1100));
+  EXPECT_EQ(Find(**table, *bob), (Identity{Role::kUser, "bob"}));
+}
+
+// Whoever may write the tokens file could add an admin: a file others may write keeps
+// the coordinator from starting, and a later one counts no token until it is fixed.
+TEST(TokensTest, AFileOthersMayWriteCountsNoToken) {
+  namespace fs = std::filesystem;
+  const std::string path = TempFile("writable");
+  auto ops = AddToken(path, {Role::kAdmin, "ops"});
+  ASSERT_TRUE(ops.ok());
+  fs::permissions(path, fs::perms::others_write, fs::perm_options::add);
+  auto refused = TokenTable::Open(path);
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_NE(refused.status().message().find("mode 0602"), std::string::npos) << refused.status();
+  fs::permissions(path, fs::perms::others_write, fs::perm_options::remove);
+  auto table = TokenTable::Open(path);
+  ASSERT_TRUE(table.ok()) << table.status();
+  EXPECT_EQ(Find(**table, *ops), (Identity{Role::kAdmin, "ops"}));
+  fs::permissions(path, fs::perms::group_write, fs::perm_options::add);  // a chmod alone
+  absl::SleepFor(absl::Milliseconds(1100));
+  EXPECT_EQ(Find(**table, *ops), std::nullopt);
+  fs::permissions(path, fs::perms::group_write, fs::perm_options::remove);
+  absl::SleepFor(absl::Milliseconds(1100));
+  EXPECT_EQ(Find(**table, *ops), (Identity{Role::kAdmin, "ops"}));
+}
+
 // A token made to expire works until then, and is refused after with its owner and time
 // named; a file's expiry is read as written, and a malformed one is a malformed line.
 TEST(TokensTest, AnExpiredTokenIsRefusedSayingWhen) {

@@ -7,6 +7,7 @@ PITH_TEST_TOKENS (a token file for specs), PYTHONPATH holding build/python."""
 import json
 import os
 import shutil
+import struct
 import subprocess
 import tempfile
 import unittest
@@ -131,6 +132,39 @@ class ClientTest(unittest.TestCase):
             self.assertEqual(t.flatten().tolist(), ckpt.tensors[name].cast("B").cast(
                 ckpt.tensors[name].format).tolist())
 
+    def test_checkpoint_replaces_only_a_regular_file(self):
+        target = os.path.join(self.tmp, "target")
+        with open(target, "w") as f:
+            f.write("kept")
+        link = os.path.join(self.tmp, "link")
+        os.symlink(target, link)
+        fifo = os.path.join(self.tmp, "fifo")
+        os.mkfifo(fifo)
+        for path in (link, fifo, self.tmp):
+            with self.assertRaises(pith.Error) as e:
+                self.client.checkpoint(self.job.job_id, path, replace=True)
+            self.assertEqual(e.exception.code, grpc.StatusCode.FAILED_PRECONDITION)
+            self.assertIn("is not a regular file", e.exception.message)
+        self.assertTrue(os.path.islink(link))
+        self.assertTrue(stat_is_fifo(fifo))
+        with open(target) as f:
+            self.assertEqual(f.read(), "kept")
+        self.assertEqual([n for n in os.listdir(self.tmp) if ".partial-" in n], [])
+        with self.assertRaises(pith.Error) as e:
+            self.client.checkpoint(self.job.job_id, "")
+        self.assertEqual(e.exception.code, grpc.StatusCode.INVALID_ARGUMENT)
+
+    def test_a_spec_that_is_no_spec_is_an_error_not_a_crash(self):
+        binary = os.path.join(self.tmp, "binary.json")
+        with open(binary, "wb") as f:
+            f.write(b"\xff\xfe\x00{")
+        for bad, words in ((binary, "is not UTF-8 text"), (None, "not NoneType"),
+                           (5, "not int"), ({"name": {1, 2}}, "the spec dict is not JSON")):
+            with self.assertRaises(pith.Error) as e:
+                self.client.submit(bad)
+            self.assertEqual(e.exception.code, grpc.StatusCode.INVALID_ARGUMENT)
+            self.assertIn(words, e.exception.message)
+
     def test_cancel_ends_a_running_job(self):
         job = self.client.submit(json.dumps(spec("long", 1000000)))
         for e in self.client.watch(job.job_id, timeout=120):
@@ -206,6 +240,67 @@ class ClientTest(unittest.TestCase):
         with self.assertRaises(pith.Error) as e:
             pith.Client(insecure=True, timeout=2)
         self.assertEqual(e.exception.code, grpc.StatusCode.UNAVAILABLE)
+
+
+def stat_is_fifo(path):
+    import stat  # noqa: PLC0415
+    return stat.S_ISFIFO(os.lstat(path).st_mode)
+
+
+def safetensors(path, header, data=b""):
+    text = json.dumps(header).encode()
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(text)) + text + data)
+
+
+class LoadCheckpointTest(unittest.TestCase):
+    """load_checkpoint on files made here (no cluster)."""
+
+    def setUp(self):
+        self.tmp = tempfile.mkdtemp()
+        self.path = os.path.join(self.tmp, "t.safetensors")
+
+    def tearDown(self):
+        shutil.rmtree(self.tmp)
+
+    def test_every_dtype_and_shape_loads_without_torch(self):
+        safetensors(self.path, {
+            "h": {"dtype": "F16", "shape": [2], "data_offsets": [0, 4]},
+            "s": {"dtype": "F32", "shape": [], "data_offsets": [4, 8]},
+            "e": {"dtype": "F32", "shape": [0, 3], "data_offsets": [8, 8]},
+            "b": {"dtype": "BOOL", "shape": [2], "data_offsets": [8, 10]},
+            "__metadata__": {"pith.job_spec": '{"name": "x"}', "step": "7"},
+        }, struct.pack("<2e", 1.0, -2.0) + struct.pack("<f", 3.5) + b"\x01\x00")
+        ckpt = pith.load_checkpoint(self.path, framework="python")
+        self.assertEqual(ckpt.tensors["h"].tolist(), [0x3C00, 0xC000])  # raw half words
+        self.assertEqual((ckpt.tensors["s"].shape, ckpt.tensors["s"].tolist()), ((), 3.5))
+        self.assertEqual(len(ckpt.tensors["e"]), 0)
+        self.assertEqual(ckpt.tensors["b"].tolist(), [True, False])
+        self.assertEqual((ckpt.spec, ckpt.step), ({"name": "x"}, 7))
+
+    def test_a_bad_entry_or_metadata_is_a_value_error_naming_the_file(self):
+        ok = {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}
+        four = b"\x00\x00\x80\x3f"
+        for header, data, words in (
+                ({"t": dict(ok, shape="1")}, four, "bad or unsupported entry"),
+                ({"t": dict(ok, shape=[1.0])}, four, "bad or unsupported entry"),
+                ({"t": dict(ok, data_offsets=[False, 4])}, four, "bad or unsupported entry"),
+                ({"t": {"dtype": "BOOL", "shape": [1], "data_offsets": [0, 1]}}, b"\x02",
+                 "BOOL bytes other than 0 and 1"),
+                ({"t": ok, "__metadata__": {"pith.job_spec": "{nope"}}, four, "is not JSON"),
+                ({"t": ok, "__metadata__": {"pith.job_spec": "[1]"}}, four, "not a JSON object"),
+                ({"t": ok, "__metadata__": {"step": "abc"}}, four, "is not a step number")):
+            safetensors(self.path, header, data)
+            with self.assertRaises(ValueError) as e:
+                pith.load_checkpoint(self.path, framework="python")
+            self.assertIn(self.path, str(e.exception))
+            self.assertIn(words, str(e.exception))
+        deep = b"[" * 100000
+        with open(self.path, "wb") as f:
+            f.write(struct.pack("<Q", len(deep)) + deep)
+        with self.assertRaises(ValueError) as e:
+            pith.load_checkpoint(self.path, framework="python")
+        self.assertIn("header is not JSON", str(e.exception))
 
 
 if __name__ == "__main__":

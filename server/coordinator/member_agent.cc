@@ -5,6 +5,7 @@
 #include "absl/strings/str_cat.h"
 #include "client/connection.h"
 #include "common/grpc_status.h"
+#include "common/process.h"
 #include "common/status.h"
 #include "common/ucx_auth.h"
 #include "glog/logging.h"
@@ -34,6 +35,10 @@ absl::StatusOr<std::unique_ptr<MemberAgent>> MemberAgent::Start(
   while (!(registered = agent->Register()).ok() && absl::IsUnavailable(registered) &&
          absl::Now() < give_up) {
     LOG_FIRST_N(INFO, 1) << registered.message();
+    if (ShutdownRequested()) {
+      return absl::CancelledError(absl::StrCat("stopped by a signal while waiting to register (",
+                                               registered.message(), ")"));
+    }
     absl::SleepFor(absl::Milliseconds(200));
   }
   RETURN_IF_ERROR(registered);

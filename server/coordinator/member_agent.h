@@ -31,7 +31,9 @@ class MemberAgent {
 
   // Registers `self` with the coordinator at `address`, over `security` (the member's
   // certificate, or plaintext on loopback). UNAVAILABLE, naming the address, when it
-  // cannot be reached within `timeout`; the coordinator's error otherwise.
+  // cannot be reached within `timeout`; the coordinator's error otherwise. While a
+  // predecessor's lease holds this member's id (UNAVAILABLE), it tries again for up to two
+  // minutes, or until SIGTERM or SIGINT arrives (ShutdownRequested: CANCELLED).
   static absl::StatusOr<std::unique_ptr<MemberAgent>> Start(
       const std::string& address, const security::TransportSecurity& security, v1::MemberInfo self,
       StatusFn status, absl::Duration timeout = absl::Seconds(10));

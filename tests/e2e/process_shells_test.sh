@@ -73,6 +73,32 @@ for name in coordinator store; do
   kill -0 "$(eval "echo \$PID_$name")" 2>/dev/null || fail "$name died of SIGHUP"
 done
 
+# (store.old: the first certificate of the name, left whole.) A second store with the first
+# one's identity waits for that one's lease to lapse (up to
+# two minutes); SIGTERM ends the wait at once, saying so.
+start_proc first "$STORE" --listen=127.0.0.1:0 --metrics_port=-1 --data_dir="$E2E_TMP/first-data" \
+  --tls_dir="$E2E_TMP/tls/store.old" --coordinator="127.0.0.1:$GRPC_PORT_coordinator"
+wait_ready first
+mkdir -p "$E2E_TMP/twin-data"
+cp "$E2E_TMP/first-data/pith-member-identity" "$E2E_TMP/twin-data/"
+start_proc twin "$STORE" --listen=127.0.0.1:0 --metrics_port=-1 --data_dir="$E2E_TMP/twin-data" \
+  --tls_dir="$E2E_TMP/tls/store.old" --coordinator="127.0.0.1:$GRPC_PORT_coordinator"
+for _ in $(seq 100); do
+  grep -q "still registered by its previous process" "$E2E_TMP/twin.log" && break
+  sleep 0.1
+done
+grep -q "still registered by its previous process" "$E2E_TMP/twin.log" ||
+  fail "a store with a live store's identity did not wait: $(tail -3 "$E2E_TMP/twin.log")"
+kill -TERM "$PID_twin"
+for _ in $(seq 30); do
+  kill -0 "$PID_twin" 2>/dev/null || break
+  sleep 0.1
+done
+kill -0 "$PID_twin" 2>/dev/null && fail "a store waiting to register outlived its SIGTERM by 3 s"
+grep -q "stopped by a signal while waiting to register" "$E2E_TMP/twin.log" ||
+  fail "the stopped wait was not named: $(tail -3 "$E2E_TMP/twin.log")"
+
+stop_proc first
 stop_proc coordinator
 stop_proc store
 

@@ -7,7 +7,7 @@ import struct
 _DTYPES = {
     "F64": ("d", "float64", 8),
     "F32": ("f", "float32", 4),
-    "F16": ("e", "float16", 2),
+    "F16": ("H", "float16", 2),  # memoryview has no half format: raw 16-bit words
     "BF16": ("H", "bfloat16", 2),  # no Python format: raw 16-bit words
     "I64": ("q", "int64", 8),
     "I32": ("i", "int32", 4),
@@ -25,12 +25,19 @@ class Checkpoint:
     optimizer-state file; None in a weights file) and `metadata` (every `__metadata__`
     string)."""
 
-    def __init__(self, tensors, metadata):
+    def __init__(self, tensors, metadata, path):
         self.tensors = tensors
         self.metadata = metadata
         spec = metadata.get("pith.job_spec")
-        self.spec = json.loads(spec) if spec else None
+        try:
+            self.spec = json.loads(spec) if spec else None
+        except (ValueError, RecursionError) as e:
+            raise ValueError(f"{path}: __metadata__ pith.job_spec is not JSON: {e}") from None
+        if self.spec is not None and not isinstance(self.spec, dict):
+            raise ValueError(f"{path}: __metadata__ pith.job_spec is not a JSON object")
         step = metadata.get("step")
+        if step is not None and not step.isdigit():
+            raise ValueError(f"{path}: __metadata__ step {step!r} is not a step number")
         self.step = int(step) if step is not None else None
 
     def __repr__(self):
@@ -45,17 +52,27 @@ def _header(data, path):
         raise ValueError(f"{path}: header of {size} bytes does not fit the file")
     try:
         header = json.loads(bytes(data[8:8 + size]))
-    except ValueError as e:
+    except (ValueError, RecursionError) as e:
         raise ValueError(f"{path}: header is not JSON: {e}") from None
     if not isinstance(header, dict):
         raise ValueError(f"{path}: header is not a JSON object")
     return header, 8 + size
 
 
+def _ints(value, count=None):
+    """`value` as a list of ints, if it is a JSON array of integers (of `count` of them)."""
+    if not isinstance(value, list) or not all(type(v) is int for v in value):
+        raise ValueError("not an array of integers")
+    if count is not None and len(value) != count:
+        raise ValueError(f"not {count} integers")
+    return value
+
+
 def load_checkpoint(path, framework="torch"):
     """Reads a safetensors file (`pith checkpoint --out`, Client.checkpoint) into a
     Checkpoint. framework="torch" gives torch.Tensors (PyTorch must be installed);
-    framework="python" gives memoryviews of the given shape (BF16 as raw uint16), for
+    framework="python" gives memoryviews of the given shape (F16 and BF16 as raw uint16
+    words; a tensor without elements flat, as memoryview takes no zero in a shape), for
     programs without PyTorch. Raises ValueError naming what is wrong with a bad file."""
     if framework not in ("torch", "python"):
         raise ValueError(f'framework is "torch" or "python", not {framework!r}')
@@ -76,8 +93,8 @@ def load_checkpoint(path, framework="torch"):
     for name, entry in header.items():
         try:
             fmt, torch_name, width = _DTYPES[entry["dtype"]]
-            shape = [int(d) for d in entry["shape"]]
-            begin, end = (int(o) for o in entry["data_offsets"])
+            shape = _ints(entry["shape"])
+            begin, end = _ints(entry["data_offsets"], 2)
         except (KeyError, TypeError, ValueError):
             raise ValueError(f"{path}: tensor {name}: bad or unsupported entry {entry}") from None
         if any(d < 0 for d in shape):
@@ -89,11 +106,13 @@ def load_checkpoint(path, framework="torch"):
             raise ValueError(f"{path}: tensor {name}: data_offsets {begin}..{end} do not hold "
                              f"{entry['dtype']} {shape}")
         raw = data[start + begin:start + end]
+        if entry["dtype"] == "BOOL" and raw.translate(None, b"\x00\x01"):
+            raise ValueError(f"{path}: tensor {name}: BOOL bytes other than 0 and 1")
         if torch is not None:
             t = torch.frombuffer(bytearray(raw), dtype=getattr(torch, torch_name)) if raw else \
                 torch.empty(0, dtype=getattr(torch, torch_name))
             tensors[name] = t.reshape(shape)
         else:
             view = memoryview(raw).cast("B").cast(fmt)
-            tensors[name] = view.cast("B").cast(fmt, shape) if shape and count else view
-    return Checkpoint(tensors, metadata)
+            tensors[name] = view.cast("B").cast(fmt, shape) if count else view
+    return Checkpoint(tensors, metadata, path)

@@ -2,6 +2,7 @@
 
 import json
 import os
+import stat
 import time
 
 import grpc
@@ -60,6 +61,21 @@ def _error(e, address):
     return Error(e.code(), details)
 
 
+def _replaceable(path, replace):
+    """Raises unless `path` is missing, or (with `replace`) a regular file."""
+    try:
+        mode = os.lstat(path).st_mode
+    except FileNotFoundError:
+        return
+    except OSError as e:
+        raise Error(grpc.StatusCode.INVALID_ARGUMENT, f"cannot look at {path}: {e.strerror}") from None
+    if not replace:
+        raise Error(grpc.StatusCode.ALREADY_EXISTS, f"{path} already exists and is not replaced")
+    if not stat.S_ISREG(mode):
+        raise Error(grpc.StatusCode.FAILED_PRECONDITION,
+                    f"{path} is not a regular file (a directory, a link or a device): not replaced")
+
+
 def _rpc(address, call, *args, **kwargs):
     try:
         return call(*args, **kwargs)
@@ -104,9 +120,11 @@ class Client:
         else:
             self._channel = grpc.secure_channel(self.address, creds, options=options)
         self._stub = job_pb2_grpc.JobServiceStub(self._channel)
+        ready = grpc.channel_ready_future(self._channel)
         try:
-            grpc.channel_ready_future(self._channel).result(timeout=timeout)
+            ready.result(timeout=timeout)
         except grpc.FutureTimeoutError:
+            ready.cancel()  # its thread stops watching before the channel closes
             self._channel.close()
             raise Error(grpc.StatusCode.UNAVAILABLE,
                         f"no connection to the coordinator at {self.address} within "
@@ -156,15 +174,27 @@ class Client:
             message = spec
         else:
             if isinstance(spec, dict):
-                text = json.dumps(spec)
-            elif isinstance(spec, (str, os.PathLike)) and not str(spec).lstrip().startswith("{"):
+                try:
+                    text = json.dumps(spec)
+                except (TypeError, ValueError) as e:
+                    raise Error(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"the spec dict is not JSON: {e}") from None
+            elif isinstance(spec, os.PathLike) or (
+                    isinstance(spec, str) and not spec.lstrip().startswith(("{", "["))):
                 try:
                     text = _read(spec).decode()
                 except OSError as e:
                     raise Error(grpc.StatusCode.INVALID_ARGUMENT,
                                 f"cannot read the spec {spec}: {e.strerror}") from None
-            else:
+                except UnicodeDecodeError:
+                    raise Error(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"the spec {spec} is not UTF-8 text") from None
+            elif isinstance(spec, str):
                 text = spec
+            else:
+                raise Error(grpc.StatusCode.INVALID_ARGUMENT,
+                            "the spec is a JobSpec, a dict, JSON text or a file's path, not "
+                            f"{type(spec).__name__}")
             message = spec_pb2.JobSpec()
             try:
                 json_format.Parse(text, message)
@@ -184,31 +214,46 @@ class Client:
 
     WATCH_RESUME_S = 60
 
-    def watch(self, job_id, from_step=0, timeout=None):
-        """An iterator of the job's JobEvents: one per committed step and one per state
-        change; it ends once the job has ended (the last event says how). `timeout`
-        (seconds, default none) bounds the whole watch. A dropped stream (a coordinator
-        restart) is taken up again from the job's current state (steps committed meanwhile
-        are not replayed) for up to WATCH_RESUME_S seconds after the last event."""
+    def watch(self, job_id, timeout=None):
+        """An iterator of the job's JobEvents: the job's current state first, then one per
+        committed step and one per state change; it ends once the job has ended (the last
+        event says how). `timeout` (seconds, default none) bounds the whole watch. A
+        dropped stream (a coordinator restart) is taken up again from the job's current
+        state (steps committed meanwhile are not replayed) as soon as the coordinator is
+        back, for up to WATCH_RESUME_S seconds after it dropped."""
         deadline = None if timeout is None else time.monotonic() + timeout
-        heard = None  # the last event's time; none yet: the first failure is raised
+        heard = False  # an event came: until then the first failure is raised
+        dropped = None  # when the stream dropped, while taking it up again
         while True:
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
-            request = job_pb2.WatchJobRequest(job_id=job_id, from_step=from_step)
-            stream = self._stub.WatchJob(request, timeout=left)
+            window_ends = False  # the call's deadline is the resume window's, not the watch's
+            if dropped is not None:  # wait for the coordinator, but not past the window
+                window = max(0.0, dropped + self.WATCH_RESUME_S - time.monotonic())
+                window_ends = left is None or window < left
+                left = window if window_ends else left
+            request = job_pb2.WatchJobRequest(job_id=job_id)
+            stream = self._stub.WatchJob(request, timeout=left,
+                                         wait_for_ready=dropped is not None)
             try:
                 for event in stream:
-                    heard = time.monotonic()
-                    from_step = -1  # taken up again: the current state, no replay
+                    heard, dropped = True, None
                     yield event
                 return
             except grpc.RpcError as e:
+                code = e.code()
+                if code == grpc.StatusCode.DEADLINE_EXCEEDED and window_ends:
+                    raise Error(grpc.StatusCode.UNAVAILABLE,
+                                f"the coordinator at {self.address} was gone for over "
+                                f"{self.WATCH_RESUME_S} s while watching {job_id}") from None
+                if code == grpc.StatusCode.DEADLINE_EXCEEDED and timeout is not None:
+                    raise Error(code, f"job {job_id} did not end within {timeout:g} s of "
+                                      "watching") from None
                 # A coordinator going down ends the stream UNAVAILABLE or, when its
                 # server cancels the call on the way out, CANCELLED.
-                resumable = e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
-                if (not resumable or heard is None
-                        or time.monotonic() - heard > self.WATCH_RESUME_S):
+                resumable = code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
+                if not resumable or not heard:
                     raise _error(e, self.address) from None
+                dropped = dropped if dropped is not None else time.monotonic()
             finally:
                 stream.cancel()
             time.sleep(0.5)
@@ -251,17 +296,19 @@ class Client:
         request = job_pb2.RemoveJobRequest(job_id=job_id)
         return _rpc(self.address, self._stub.RemoveJob, request, timeout=self.timeout)
 
-    def checkpoint(self, job, path, replace=False):
+    def checkpoint(self, job_id, path, replace=False):
         """Downloads the job's last committed weights as safetensors to `path` (on this
         host, written whole or not at all). An existing `path` is replaced only with
-        `replace` (else ALREADY_EXISTS). Returns a CheckpointJobResponse (step,
+        `replace` (else ALREADY_EXISTS), and only a regular file (never a directory, a
+        link or a device: FAILED_PRECONDITION). Returns a CheckpointJobResponse (step,
         weights_path, bytes)."""
+        if not isinstance(path, (str, os.PathLike)) or not str(path):
+            raise Error(grpc.StatusCode.INVALID_ARGUMENT, "checkpoint needs a file's path")
         path = os.path.abspath(path)
-        if not replace and os.path.lexists(path):
-            raise Error(grpc.StatusCode.ALREADY_EXISTS, f"{path} already exists and is not replaced")
+        _replaceable(path, replace)
         partial = f"{path}.partial-{os.getpid()}"
-        stream = self._stub.DownloadCheckpoint(job_pb2.DownloadCheckpointRequest(job_id=job),
-                                               timeout=3600)
+        stream = self._stub.DownloadCheckpoint(
+            job_pb2.DownloadCheckpointRequest(job_id=job_id), timeout=3600)
         got, total, step = 0, None, 0
         try:
             with open(partial, "wb") as out:
@@ -276,6 +323,7 @@ class Client:
                 raise Error(grpc.StatusCode.DATA_LOSS,
                             f"the checkpoint stream ended after {got} of {total or 0} bytes")
             if replace:
+                _replaceable(path, replace)  # again: it may have changed meanwhile
                 os.replace(partial, path)
             else:
                 try:
@@ -291,8 +339,9 @@ class Client:
         except grpc.RpcError as e:
             raise _error(e, self.address) from None
         except OSError as e:
+            where = path if e.filename in (None, partial) else e.filename
             raise Error(grpc.StatusCode.INVALID_ARGUMENT,
-                        f"cannot write {e.filename or path}: {e.strerror}") from None
+                        f"cannot write {where}: {e.strerror}") from None
         finally:
             stream.cancel()
             if os.path.exists(partial):
