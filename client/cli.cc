@@ -60,7 +60,8 @@ constexpr char kUsage[] =
     "                              make DIR's cluster CA (once), and a certificate for\n"
     "                              each NAME in DIR/NAME (ROLE: member, coordinator,\n"
     "                              admin, user; --hosts: the names and addresses its\n"
-    "                              servers are reached at, default this machine's)\n"
+    "                              servers are reached at, default this machine's; none\n"
+    "                              for admins and users, whose certificates only dial)\n"
     "  token --file FILE --name NAME [--role user|admin] [--expires_in 90d|12h|30m]\n"
     "        [--revoke]            a bearer token (printed once; its hash written to FILE,\n"
     "                              the coordinator's --tokens_file, in place of NAME's\n"
@@ -70,7 +71,8 @@ constexpr char kUsage[] =
     "job commands (coordinator from --coordinator HOST:PORT, else $PITH_COORDINATOR, else\n"
     "the local cluster's (pith up), else 127.0.0.1:7000; mutual TLS with --tls_dir DIR,\n"
     "else $PITH_TLS_DIR, else the local cluster's admin certificate; --token T or\n"
-    "$PITH_TOKEN: a bearer token instead of the certificate, with DIR's ca.pem; --insecure:\n"
+    "$PITH_TOKEN (not over a --tls_dir certificate): a bearer token instead of the\n"
+    "certificate, with DIR's ca.pem; --insecure:\n"
     "plaintext to a loopback coordinator started --insecure; --output json for\n"
     "machine-readable output):\n"
     "  submit SPEC.json            submit a job; prints its id\n"
@@ -95,9 +97,11 @@ constexpr char kUsage[] =
     "local cluster (processes on this machine, data and logs under DIR, default\n"
     "$PITH_HOME or ~/.pith/local; the job commands then find it without flags):\n"
     "  up [--stores N] [--workers N] [--memory_bytes B] [--cache_bytes B] [--ram_bytes B]\n"
-    "     [--backend cpu|cuda] [--dir DIR]\n"
+    "     [--backend cpu|cuda] [--data_root DIR,...] [--dir DIR]\n"
     "                              (defaults: 2 stores of a 256 MiB RAM tier each, 2 cpu\n"
-    "                              workers, no memory bound, every owned expert cached)\n"
+    "                              workers, no memory bound, every owned expert cached,\n"
+    "                              jobs read any file you may; --data_root: only under those,\n"
+    "                              --data_root any: again any)\n"
     "                              start one; where one is recorded, start again those of\n"
     "                              its processes that no longer run (after a kill, a crash\n"
     "                              or a reboot), at the coordinator's old address\n"
@@ -159,9 +163,19 @@ absl::StatusOr<std::unique_ptr<Client>> Connect(const CliContext& ctx) {
                       : security::TransportSecurity::Tls(tls_dir);
   if (!security.ok()) return Annotate(security.status(), "--tls_dir");
   std::string token = ctx.token;
-  if (const char* env = std::getenv("PITH_TOKEN"); token.empty() && env != nullptr && !ctx.insecure)
+  // $PITH_TOKEN stands in for the certificates the environment or `pith up` name, not for
+  // the one a --tls_dir on the command line names.
+  const bool certificate_flag = !ctx.tls_dir.empty() && security->identity().has_value();
+  if (const char* env = std::getenv("PITH_TOKEN");
+      token.empty() && env != nullptr && !ctx.insecure && !certificate_flag) {
     token = env;
+  }
   if (!token.empty()) {
+    constexpr size_t kMostTokenBytes = 4096;  // pith token makes 69-byte ones
+    if (token.size() > kMostTokenBytes) {
+      return UsageError(absl::StrCat("the bearer token is ", token.size(),
+                                     " bytes; a token of pith token is 69 (is it the token?)"));
+    }
     if (!security->tls()) {
       return UsageError("a bearer token needs --tls_dir DIR with the cluster's ca.pem");
     }

@@ -25,6 +25,9 @@ absl::Status Certs(const CliContext& ctx, const Args& args, std::ostream& out) {
   if (flags["--name"].empty() != flags["--role"].empty()) {
     return UsageError("certs: --name and --role go together");
   }
+  if (flags["--name"].empty() && !flags["--hosts"].empty()) {
+    return UsageError("certs: --hosts names the hosts of --name's certificates (give --name)");
+  }
   security::CertOptions options;
   for (absl::string_view host : absl::StrSplit(flags["--hosts"], ',', absl::SkipEmpty())) {
     options.hosts.emplace_back(host);

@@ -249,9 +249,11 @@ namespace {
 // The partial file of the download in progress, for the signal handler below.
 char g_partial[PATH_MAX + 64];
 
-extern "C" void RemovePartialAndExit(int sig) {
+// The signal's default action is back (SA_RESETHAND): the CLI then dies of the signal, as
+// a shell loop around it expects of ^C.
+extern "C" void RemovePartialAndDie(int sig) {
   ::unlink(g_partial);
-  ::_exit(128 + sig);
+  ::raise(sig);
 }
 
 // While it lives, SIGINT, SIGTERM and SIGHUP (those not ignored) remove the download's
@@ -263,7 +265,8 @@ class RemovePartialOnSignal {
     std::copy(partial.begin(), partial.end(), g_partial);
     g_partial[partial.size()] = '\0';
     struct sigaction remove {};
-    remove.sa_handler = RemovePartialAndExit;
+    remove.sa_handler = RemovePartialAndDie;
+    remove.sa_flags = SA_RESETHAND | SA_NODEFER;
     sigemptyset(&remove.sa_mask);
     for (size_t i = 0; i < std::size(kSignals); ++i) {
       ::sigaction(kSignals[i], nullptr, &old_[i]);
@@ -396,6 +399,12 @@ absl::Status Experts(const CliContext& ctx, const Args& args, std::ostream& out)
   }
   ASSIGN_OR_RETURN(std::unique_ptr<Client> client, Connect(ctx));
   ASSIGN_OR_RETURN(v1::ExpertHeatResponse heat, client->ExpertHeat(args[0]));
+  if (!svg.empty()) {  // first: a file that cannot be written is the answer, not the table
+    const std::string text = HeatSvg(heat);
+    RETURN_IF_ERROR(WriteFileAtomically(svg, [&](int fd) {
+      return WriteAll(fd, {reinterpret_cast<const uint8_t*>(text.data()), text.size()}, svg);
+    }));
+  }
   if (ctx.json) {
     out << Json(heat) << "\n";
   } else {
@@ -421,13 +430,7 @@ absl::Status Experts(const CliContext& ctx, const Args& args, std::ostream& out)
                              p.expert_a(), p.expert_b(), p.weight());
     }
   }
-  if (!svg.empty()) {
-    const std::string text = HeatSvg(heat);
-    RETURN_IF_ERROR(WriteFileAtomically(svg, [&](int fd) {
-      return WriteAll(fd, {reinterpret_cast<const uint8_t*>(text.data()), text.size()}, svg);
-    }));
-    if (!ctx.json) out << "wrote " << svg << "\n";
-  }
+  if (!svg.empty() && !ctx.json) out << "wrote " << svg << "\n";
   return absl::OkStatus();
 }
 

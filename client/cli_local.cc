@@ -211,12 +211,14 @@ struct UpFlags {
   int stores = 0, workers = 0;
   uint64_t cache_bytes = 0, memory_bytes = 0, ram_bytes = 0;
   std::string backend;
+  std::string data_root;  // the workers' --data_root, or "any": any file the user may read
 };
 
 // The flags `pith up` takes besides --dir, with their defaults.
 std::map<std::string, std::string> UpDefaults() {
   return {{"--stores", "2"},       {"--workers", "2"},   {"--cache_bytes", "0"},
-          {"--memory_bytes", "0"}, {"--backend", "cpu"}, {"--ram_bytes", "268435456"}};
+          {"--memory_bytes", "0"}, {"--backend", "cpu"}, {"--ram_bytes", "268435456"},
+          {"--data_root", "any"}};
 }
 
 // `over` laid over the defaults.
@@ -229,6 +231,15 @@ std::map<std::string, std::string> OverDefaults(const std::map<std::string, std:
 absl::StatusOr<UpFlags> CheckUpFlags(std::map<std::string, std::string> flags) {
   UpFlags f;
   f.backend = flags["--backend"];
+  f.data_root = flags["--data_root"];
+  for (absl::string_view root : absl::StrSplit(f.data_root, ',')) {
+    std::error_code ec;
+    if (f.data_root != "any" &&
+        (!absl::StartsWith(root, "/") || !std::filesystem::is_directory(std::string(root), ec))) {
+      return UsageError(
+          absl::StrCat("up: --data_root wants absolute directories (or any), got \"", root, "\""));
+    }
+  }
   if (f.backend != "cpu" && f.backend != "cuda") {
     return UsageError(absl::StrCat("up: --backend wants cpu or cuda, got \"", f.backend, "\""));
   }
@@ -328,6 +339,7 @@ std::vector<std::string> MemberCommand(const std::string& name, const UpFlags& f
           "--backend=" + f.backend,
           absl::StrCat("--device=", n % gpus),
           absl::StrCat("--threads=", threads),
+          "--data_root=" + (f.data_root == "any" ? "" : f.data_root),
           "--tls_dir=" + tls};
 }
 

@@ -291,7 +291,7 @@ TEST(CliDeathTest, ASignalMidDownloadRemovesThePartialFile) {
                  "checkpoint", "demo-1", "--out", path});
         ::_exit(2);
       },
-      ::testing::ExitedWithCode(128 + SIGTERM), "");
+      ::testing::KilledBySignal(SIGTERM), "");
   EXPECT_TRUE(std::filesystem::is_empty(dir)) << "a partial file was left";
   std::filesystem::remove_all(dir);
 }
@@ -311,6 +311,12 @@ TEST(CliTest, UpNamesTheFlagWhoseValueIsWrong) {
     const Result r = RunPith({"up", "--dir", dir, flag, value});
     EXPECT_EQ(r.code, 2) << flag;
     EXPECT_THAT(r.err, HasSubstr("up: " + flag + " wants a whole number >= 1, got \"" + value))
+        << r.err;
+  }
+  for (const char* root : {"data", "/no/such/dir", "/tmp,rel", "/tmp,", ","}) {
+    const Result r = RunPith({"up", "--dir", dir, "--data_root", root});
+    EXPECT_EQ(r.code, 2) << root;
+    EXPECT_THAT(r.err, HasSubstr("up: --data_root wants absolute directories (or any), got"))
         << r.err;
   }
   EXPECT_FALSE(std::filesystem::exists(dir));  // refused before anything was made

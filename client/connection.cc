@@ -106,7 +106,8 @@ absl::StatusOr<std::shared_ptr<grpc::Channel>> Dial(const std::string& address,
   std::string host, port;
   RETURN_IF_ERROR(SplitHostPort(address, &host, &port));
   RETURN_IF_ERROR(security.CheckDial(address));
-  std::shared_ptr<grpc::Channel> channel = NewChannel(address, security.ChannelCredentials());
+  std::shared_ptr<grpc::Channel> channel =
+      NewChannel(address, security.ChannelCredentials(security::Role::kCoordinator));
   if (channel->WaitForConnected(absl::ToChronoTime(absl::Now() + timeout))) return channel;
   const std::string why = WhyUnreached(host, port);
   if (!why.empty()) {
@@ -115,8 +116,9 @@ absl::StatusOr<std::shared_ptr<grpc::Channel>> Dial(const std::string& address,
   }
   return absl::UnavailableError(absl::StrCat(
       "cannot reach ", address, " within ", absl::FormatDuration(timeout),
-      security.tls() ? ": it takes connections, but the TLS handshake failed (is it a TLS "
-                       "server whose certificate names this address, from the CA of --tls_dir?)"
+      security.tls() ? ": it takes connections, but no TLS handshake with the coordinator came "
+                       "up (is it this cluster's coordinator, its certificate of the CA of "
+                       "--tls_dir, naming this address?)"
                      : ": it takes connections, but no plaintext gRPC answers (a TLS server? "
                        "is --tls_dir missing?)"));
 }

@@ -15,7 +15,8 @@
 
 namespace pith {
 
-// A connected channel to `address` ("host:port") with `security` (mutual TLS, or
+// A connected channel to the coordinator at `address` ("host:port") with `security`
+// (mutual TLS, where its certificate must name the coordinator's role: tls.h; or
 // plaintext to loopback only). UNAVAILABLE, naming the address and the deadline, when no
 // connection is up within `timeout`, and why: the host does not resolve, nothing listens
 // (refused), nothing answers, or something takes TCP connections but no handshake comes

@@ -102,8 +102,12 @@ absl::Status WriteMembers(const std::string& dir, const std::vector<LocalMember>
 std::map<std::string, std::string> ReadUpFlags(const std::string& dir) {
   std::ifstream in(dir + "/up.flags");
   std::map<std::string, std::string> flags;
-  std::string flag, value;
-  while (in >> flag >> value) flags[flag] = value;
+  std::string line;
+  while (std::getline(in, line)) {  // "FLAG VALUE": the value may be empty, or hold spaces
+    const size_t space = line.find(' ');
+    if (space == 0 || line.empty()) continue;
+    flags[line.substr(0, space)] = space == std::string::npos ? "" : line.substr(space + 1);
+  }
   return flags;
 }
 

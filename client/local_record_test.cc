@@ -108,11 +108,17 @@ TEST(LocalRecordTest, FlagsAndCoordinatorPortRoundTrip) {
   const std::string dir = TempDir();
   EXPECT_TRUE(ReadUpFlags(dir).empty());
   EXPECT_EQ(ReadCoordinatorPort(dir), 0);
-  ASSERT_TRUE(WriteUpFlags(dir, {{"--stores", "3"}, {"--backend", "cpu"}}).ok());
+  ASSERT_TRUE(
+      WriteUpFlags(
+          dir,
+          {{"--stores", "3"}, {"--backend", "cpu"}, {"--data_root", ""}, {"--memory_bytes", "0"}})
+          .ok());
   ASSERT_TRUE(WriteCoordinatorPort(dir, 40123).ok());
   const std::map<std::string, std::string> flags = ReadUpFlags(dir);
-  EXPECT_EQ(flags.size(), 2u);
+  EXPECT_EQ(flags.size(), 4u);
   EXPECT_EQ(flags.at("--stores"), "3");
+  EXPECT_EQ(flags.at("--data_root"), "");  // an empty value takes no other flag's
+  EXPECT_EQ(flags.at("--memory_bytes"), "0");
   EXPECT_EQ(ReadCoordinatorPort(dir), 40123);
   std::ofstream(dir + "/coordinator.port") << "99999\n";
   EXPECT_EQ(ReadCoordinatorPort(dir), 0);  // not a port

@@ -141,7 +141,7 @@ absl::Status WriteFileAtomically(const std::string& path,
   const std::string tmp = absl::StrCat(path, ".tmp.", ::getpid(), ".", ++calls);
   ::unlink(tmp.c_str());  // a dead process's leftover (or a planted link: never followed)
   UniqueFd fd(::open(tmp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0644));
-  if (!fd.valid()) return ErrnoError(errno, "cannot create", tmp);
+  if (!fd.valid()) return ErrnoError(errno, "cannot write", path);  // named as the caller did
   absl::Status status = fill(fd.get());
   if (status.ok() && ::fsync(fd.get()) != 0) status = ErrnoError(errno, "cannot fsync", tmp);
   if (status.ok()) status = Annotate(fd.Close(), tmp);

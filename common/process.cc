@@ -5,6 +5,7 @@
 #include <sys/resource.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <cerrno>
 #include <cstdio>
 #include <cstdlib>
@@ -68,7 +69,8 @@ std::vector<std::string> InitProcess(int argc, char** argv, absl::string_view us
 int ExitStatus(absl::string_view program, const absl::Status& status) {
   if (status.ok()) return EXIT_SUCCESS;
   fprintf(stderr, "%s: %s\n", std::string(program).c_str(), std::string(status.message()).c_str());
-  return EXIT_FAILURE;
+  // A wait that a SIGTERM or SIGINT ended was stopped as asked: no failure (systemd).
+  return absl::IsCancelled(status) && ShutdownRequested() ? EXIT_SUCCESS : EXIT_FAILURE;
 }
 
 absl::Status CheckFdHeadroom(int want) {
@@ -107,10 +109,12 @@ int g_shutdown_pipe[2] = {-1, -1};
 ABSL_CONST_INIT absl::Mutex g_reload_mu(absl::kConstInit);
 std::function<void()>* g_reload ABSL_GUARDED_BY(g_reload_mu) = nullptr;  // never freed
 
-volatile sig_atomic_t g_shutdown_requested = 0;
+// Lock-free, so the handler may set it; other threads read it.
+std::atomic<bool> g_shutdown_requested{false};
+static_assert(std::atomic<bool>::is_always_lock_free);
 
 void OnShutdownSignal(int sig) {
-  if (sig != SIGHUP) g_shutdown_requested = 1;
+  if (sig != SIGHUP) g_shutdown_requested.store(true, std::memory_order_relaxed);
   const unsigned char byte = static_cast<unsigned char>(sig);
   (void)!::write(g_shutdown_pipe[1], &byte, 1);
 }
@@ -139,7 +143,7 @@ ShutdownSignals::ShutdownSignals() {
   sigaction(SIGHUP, &action, nullptr);
 }
 
-bool ShutdownRequested() { return g_shutdown_requested != 0; }
+bool ShutdownRequested() { return g_shutdown_requested.load(std::memory_order_relaxed); }
 
 int ShutdownSignals::Wait() {
   unsigned char byte = 0;

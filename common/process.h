@@ -18,7 +18,8 @@ namespace pith {
 std::vector<std::string> InitProcess(int argc, char** argv, absl::string_view usage);
 
 // The exit status of a binary that ends with `status`: EXIT_SUCCESS for OK; otherwise
-// one line "program: message" on stderr (whatever the log settings) and EXIT_FAILURE.
+// one line "program: message" on stderr (whatever the log settings) and EXIT_FAILURE, or
+// EXIT_SUCCESS for a CANCELLED after SIGTERM or SIGINT (ShutdownRequested: a stop asked for).
 int ExitStatus(absl::string_view program, const absl::Status& status);
 
 // What SIGHUP (an operator's "reload") does: `reload` runs on the thread in

@@ -10,6 +10,7 @@
 
 #include "absl/base/thread_annotations.h"
 #include "absl/synchronization/mutex.h"
+#include "glog/logging.h"
 
 namespace pith::ucx {
 namespace {
@@ -30,6 +31,12 @@ std::atomic<uint64_t> g_dropped{0};
 
 void CountDrop() {
   g_dropped.fetch_add(1, std::memory_order_relaxed);
+  // Counted on /metrics; said in the log too, now and then: a member whose peers drop its
+  // messages sees only timeouts.
+  LOG_EVERY_N(WARNING, 1000)
+      << "dropped a UCX message without this cluster's tag (" << google::COUNTER
+      << " so far): from a peer without the cluster's key (a stranger, or a member holding a "
+         "key of a coordinator whose data was replaced), or damaged on the wire";
   std::function<void()> hook;
   {
     AuthState& s = State();

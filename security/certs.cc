@@ -178,10 +178,25 @@ absl::Status Issue(const std::string& dir, const Identity& identity, const CertO
   if (!std::filesystem::exists(dir + "/" + kCaCertFile, ec)) {
     return absl::FailedPreconditionError(absl::StrCat(dir, " holds no CA (", kCaCertFile, ")"));
   }
+  if (std::filesystem::exists(out, ec) && !std::filesystem::is_directory(out, ec)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(out, " is a file, not a certificate's folder: pick another name"));
+  }
+  // People's certificates only dial: no server names, no server use, so that none can
+  // pose as the coordinator or a store (clients also check the server's role: tls.h).
+  const bool person = identity.role == Role::kUser || identity.role == Role::kAdmin;
+  if (person && !options.hosts.empty()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(identity.role == Role::kAdmin ? "an admin" : "a user",
+                     "'s certificate names no hosts (it serves nothing): no --hosts"));
+  }
   ASSIGN_OR_RETURN(Cert ca, LoadCert(dir + "/" + kCaCertFile));
   ASSIGN_OR_RETURN(Key ca_key, LoadKey(dir + "/" + kCaKeyFile));
-  std::vector<std::string> hosts = DefaultHosts();  // the given ones come beside these
-  hosts.insert(hosts.end(), options.hosts.begin(), options.hosts.end());
+  std::vector<std::string> hosts;
+  if (!person) {
+    hosts = DefaultHosts();  // the given ones come beside these
+    hosts.insert(hosts.end(), options.hosts.begin(), options.hosts.end());
+  }
   ASSIGN_OR_RETURN(std::string sans, SubjectAltNames(identity, hosts));
   Key key(EVP_EC_gen("P-256"));
   if (key == nullptr) return Failed("key");
@@ -190,7 +205,8 @@ absl::Status Issue(const std::string& dir, const Identity& identity, const CertO
   RETURN_IF_ERROR(AddExtension(cert.get(), ca.get(), NID_basic_constraints, "critical,CA:FALSE"));
   RETURN_IF_ERROR(
       AddExtension(cert.get(), ca.get(), NID_key_usage, "critical,digitalSignature,keyAgreement"));
-  RETURN_IF_ERROR(AddExtension(cert.get(), ca.get(), NID_ext_key_usage, "serverAuth,clientAuth"));
+  RETURN_IF_ERROR(AddExtension(cert.get(), ca.get(), NID_ext_key_usage,
+                               person ? "clientAuth" : "serverAuth,clientAuth"));
   RETURN_IF_ERROR(AddExtension(cert.get(), ca.get(), NID_authority_key_identifier, "keyid"));
   RETURN_IF_ERROR(AddExtension(cert.get(), ca.get(), NID_subject_alt_name, sans));
   RETURN_IF_ERROR(Sign(cert.get(), ca_key.get()));

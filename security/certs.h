@@ -38,9 +38,12 @@ std::vector<std::string> DefaultHosts();
 // Returns true when it made one.
 absl::StatusOr<bool> EnsureCa(const std::string& dir);
 
-// Gives `identity` a new key and a certificate signed by DIR's CA, in DIR/NAME/.
-// ALREADY_EXISTS when DIR/NAME/cert.pem exists (a key in use is never replaced);
-// FAILED_PRECONDITION without a CA; INVALID_ARGUMENT for a bad name or host.
+// Gives `identity` a new key and a certificate signed by DIR's CA, in DIR/NAME/: for the
+// coordinator and members, server and client use and the names of DefaultHosts() and
+// `options.hosts`; for users and admins, client use alone and no host names (INVALID_ARGUMENT
+// with hosts). ALREADY_EXISTS when DIR/NAME/cert.pem exists (a key in use is never
+// replaced); FAILED_PRECONDITION without a CA; INVALID_ARGUMENT for a bad name or host, or
+// a NAME that is a file of DIR (ca.pem).
 absl::Status Issue(const std::string& dir, const Identity& identity,
                    const CertOptions& options = {});
 

@@ -1,15 +1,33 @@
 #include "security/certs.h"
 
+#include <openssl/x509v3.h>
 #include <sys/stat.h>
 
 #include <filesystem>
 #include <fstream>
 
 #include "gtest/gtest.h"
+#include "security/openssl_util.h"
 #include "security/tls.h"
 
 namespace pith::security {
 namespace {
+
+// The certificate's DNS and IP names, and whether it may serve (serverAuth).
+std::pair<int, bool> HostsAndServing(const std::string& path) {
+  absl::StatusOr<internal::Cert> cert = internal::LoadCert(path);
+  EXPECT_TRUE(cert.ok()) << cert.status();
+  if (!cert.ok()) return {-1, false};
+  int hosts = 0;
+  auto* names = static_cast<GENERAL_NAMES*>(
+      X509_get_ext_d2i(cert->get(), NID_subject_alt_name, nullptr, nullptr));
+  for (int i = 0; names != nullptr && i < sk_GENERAL_NAME_num(names); ++i) {
+    const int type = sk_GENERAL_NAME_value(names, i)->type;
+    hosts += type == GEN_DNS || type == GEN_IPADD;
+  }
+  GENERAL_NAMES_free(names);
+  return {hosts, (X509_get_extended_key_usage(cert->get()) & XKU_SSL_SERVER) != 0};
+}
 
 class CertsTest : public ::testing::Test {
  protected:
@@ -25,7 +43,15 @@ TEST_F(CertsTest, IssuedDirectoriesCheckOutWithTheirIdentity) {
   ASSERT_EQ(EnsureCa(dir_).value(), true);
   EXPECT_EQ(EnsureCa(dir_).value(), false);  // kept, not replaced
   ASSERT_TRUE(Issue(dir_, {Role::kMember, "store-0"}).ok());
-  ASSERT_TRUE(Issue(dir_, {Role::kUser, "alice"}, {.hosts = {"10.0.0.7", "node7"}}).ok());
+  ASSERT_TRUE(Issue(dir_, {Role::kMember, "store-1"}, {.hosts = {"10.0.0.7", "node7"}}).ok());
+  ASSERT_TRUE(Issue(dir_, {Role::kUser, "alice"}).ok());
+  // A member serves at this machine's names and those given; a person's serves nothing.
+  const auto [store_hosts, store_serves] = HostsAndServing(dir_ + "/store-1/cert.pem");
+  EXPECT_EQ(store_hosts, static_cast<int>(DefaultHosts().size()) + 2);
+  EXPECT_TRUE(store_serves);
+  EXPECT_EQ(HostsAndServing(dir_ + "/alice/cert.pem"), std::make_pair(0, false));
+  EXPECT_EQ(Issue(dir_, {Role::kAdmin, "ops"}, {.hosts = {"node7"}}).code(),
+            absl::StatusCode::kInvalidArgument);
   auto store = CheckTlsDir(dir_ + "/store-0");
   ASSERT_TRUE(store.ok()) << store.status();
   EXPECT_EQ(*store, (Identity{Role::kMember, "store-0"}));
@@ -61,9 +87,9 @@ TEST_F(CertsTest, BadNamesHostsAndAMissingCaAreRefused) {
   for (const char* name : {"", "../x", "a/b", ".hidden", "sp ace"}) {
     EXPECT_EQ(Issue(dir_, {Role::kUser, name}).code(), absl::StatusCode::kInvalidArgument) << name;
   }
-  EXPECT_EQ(Issue(dir_, {Role::kUser, "carol"}, {.hosts = {"a,b"}}).code(),
+  EXPECT_EQ(Issue(dir_, {Role::kMember, "carol"}, {.hosts = {"a,b"}}).code(),
             absl::StatusCode::kInvalidArgument);
-  EXPECT_EQ(Issue(dir_, {Role::kUser, "carol"}, {.hosts = {"x,URI:pith://admin/x"}}).code(),
+  EXPECT_EQ(Issue(dir_, {Role::kMember, "carol"}, {.hosts = {"x,URI:pith://admin/x"}}).code(),
             absl::StatusCode::kInvalidArgument);
   EXPECT_FALSE(std::filesystem::exists(dir_ + "/carol"));
 }

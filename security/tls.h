@@ -4,7 +4,8 @@
 // With TLS, servers ask for a client certificate and verify any presented against the
 // cluster CA (a caller without one still completes the handshake, so that the policy,
 // authorize.h, can answer it UNAUTHENTICATED with the reason, or admit its bearer token);
-// clients check the server's certificate against the CA and the address they dial. Certificate
+// clients check the server's certificate against the CA, the address they dial and the role
+// they expect (the coordinator's, or a member's). Certificate
 // files are watched and re-read (every kTlsRefresh); server processes point the watch at a
 // checked copy that a SIGHUP or a change of the files replaces (cert_stage.h), so rotating
 // needs no restart.
@@ -79,7 +80,12 @@ class TransportSecurity {
   const std::string& dir() const { return dir_; }
 
   std::shared_ptr<grpc::ServerCredentials> ServerCredentials() const;
-  std::shared_ptr<grpc::ChannelCredentials> ChannelCredentials() const;
+  // Credentials of a channel to a server of role `server` (the coordinator, or a member:
+  // a store): with TLS, the server's certificate must be signed by the CA, name the address
+  // dialled, and name a pith:// identity of that role. Any certificate of the CA would do
+  // otherwise, a user's included, and its holder could pose as the coordinator and take
+  // the bearer tokens and the cluster key callers send it.
+  std::shared_ptr<grpc::ChannelCredentials> ChannelCredentials(Role server) const;
 
   // With a certificate: INVALID_ARGUMENT unless it names `host` (a DNS name or an IP
   // address), the name clients will dial this process at; OK otherwise and without TLS.

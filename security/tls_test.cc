@@ -88,10 +88,13 @@ class TlsTest : public ::testing::Test {
     if (out != nullptr) *out = stats;
     return s;
   }
-  std::shared_ptr<grpc::ChannelCredentials> As(const std::string& name) {
+  // `name`'s credentials for a server of role `server` (the store-0 Serve() starts: a
+  // member).
+  std::shared_ptr<grpc::ChannelCredentials> As(const std::string& name,
+                                               Role server = Role::kMember) {
     auto security = TransportSecurity::Tls(*dir_ + "/" + name);
     EXPECT_TRUE(security.ok()) << security.status();
-    return security->ChannelCredentials();
+    return security->ChannelCredentials(server);
   }
 
   static std::string* dir_;
@@ -140,14 +143,16 @@ TEST_F(TlsTest, ABearerTokenStandsInForACertificate) {
   ASSERT_TRUE(anonymous.ok()) << anonymous.status();
   EXPECT_FALSE(anonymous->identity().has_value());
   v1::StoreStats stats;
-  ASSERT_TRUE(Call(anonymous->WithToken("t0ken").ChannelCredentials(), "GetStats", &stats).ok());
+  ASSERT_TRUE(
+      Call(anonymous->WithToken("t0ken").ChannelCredentials(Role::kMember), "GetStats", &stats)
+          .ok());
   EXPECT_EQ(stats.blobs(), std::string("ops").size());
-  grpc::Status wrong = Call(anonymous->WithToken("guess").ChannelCredentials());
+  grpc::Status wrong = Call(anonymous->WithToken("guess").ChannelCredentials(Role::kMember));
   EXPECT_EQ(wrong.error_code(), grpc::StatusCode::UNAUTHENTICATED);
   EXPECT_EQ(wrong.error_message(),
             "GetStats: the bearer token is not valid (one just made with pith token is "
             "taken within a few seconds)");
-  grpc::Status none = Call(anonymous->ChannelCredentials());
+  grpc::Status none = Call(anonymous->ChannelCredentials(Role::kMember));
   EXPECT_EQ(none.error_code(), grpc::StatusCode::UNAUTHENTICATED);
 }
 
@@ -171,6 +176,24 @@ TEST_F(TlsTest, AServerWhoseCertificateDoesNotNameTheAddressIsNotTrusted) {
       v1::StoreService::NewStub(grpc::CreateCustomChannel(address_, As("coordinator"), named));
   grpc::ClientContext ctx2;
   EXPECT_TRUE(ok->GetStats(&ctx2, v1::GetStatsRequest(), &stats).ok());
+}
+
+// A client names the role it dials: a store's certificate does not pass for the
+// coordinator's (its holder could take the tokens and the cluster key callers send), nor
+// does a user's for a server at all (it names no host and no server use).
+TEST_F(TlsTest, AServerOfAnotherRoleIsNotTrusted) {
+  ASSERT_NO_FATAL_FAILURE(Serve("store-0"));
+  EXPECT_TRUE(Call(As("coordinator", Role::kMember)).ok());
+  EXPECT_EQ(Call(As("coordinator", Role::kCoordinator)).error_code(),
+            grpc::StatusCode::UNAVAILABLE);
+  ASSERT_NO_FATAL_FAILURE(Serve("alice"));
+  EXPECT_EQ(Call(As("coordinator", Role::kMember)).error_code(), grpc::StatusCode::UNAVAILABLE);
+  EXPECT_EQ(Call(As("coordinator", Role::kUser)).error_code(), grpc::StatusCode::UNAVAILABLE);
+  // A person's certificate takes no host names.
+  EXPECT_EQ(Issue(*dir_, {Role::kAdmin, "ops"}, {.hosts = {"node1"}}).code(),
+            absl::StatusCode::kInvalidArgument);
+  // Nor a name that is a file of the folder.
+  EXPECT_EQ(Issue(*dir_, {Role::kUser, "ca.pem"}).code(), absl::StatusCode::kInvalidArgument);
 }
 
 TEST(InsecureTest, PlaintextIsForLoopbackOnly) {

@@ -9,8 +9,6 @@
 
 #include <cerrno>
 #include <cstring>
-#include <fstream>
-#include <sstream>
 
 #include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
@@ -196,28 +194,37 @@ absl::Status TokenTable::RefreshLocked() {
       st.st_ino == inode_ && st.st_size == size_) {
     return absl::OkStatus();
   }
-  ctime_ = st.st_ctim;  // this version is judged once
-  inode_ = st.st_ino;
-  size_ = st.st_size;
-  if ((st.st_mode & (S_IWGRP | S_IWOTH)) != 0 || (st.st_uid != ::geteuid() && st.st_uid != 0)) {
-    by_hash_.clear();  // fail closed: whoever may write it could have added an admin
-    return absl::FailedPreconditionError(absl::StrFormat(
-        "the tokens file %s may be written by others than this process's user (mode %04o, "
-        "owner uid %d): no token counts until only its owner (this user or root) may write "
-        "it (chmod go-w)",
-        path_, st.st_mode & 07777, st.st_uid));
-  }
-  std::ifstream in(path_);
-  std::stringstream text;
-  if (!in || (!(text << in.rdbuf()) && st.st_size > 0)) {
+  // The version judged is the one read: mode and contents through one descriptor.
+  const UniqueFd fd(::open(path_.c_str(), O_RDONLY | O_CLOEXEC));
+  if (!fd.valid() || ::fstat(fd.get(), &st) != 0) {
     by_hash_.clear();  // fail closed: no token counts while the file cannot be read
     ctime_ = {};       // read again at the next look
     return absl::PermissionDeniedError(
         absl::StrCat("cannot read the tokens file ", path_, ": ", std::strerror(errno)));
   }
+  ctime_ = st.st_ctim;  // this version is judged once
+  inode_ = st.st_ino;
+  size_ = st.st_size;
+  if ((st.st_mode & (S_IWGRP | S_IWOTH)) != 0) {
+    by_hash_.clear();  // fail closed: whoever may write it could have added an admin
+    return absl::FailedPreconditionError(absl::StrFormat(
+        "the tokens file %s may be written by others than its owner (mode %04o): no token "
+        "counts until it may not (chmod go-w)",
+        path_, st.st_mode & 07777));
+  }
+  std::string text;
+  char chunk[1 << 14];
+  ssize_t n = 0;
+  while ((n = ::read(fd.get(), chunk, sizeof(chunk))) > 0) text.append(chunk, n);
+  if (n < 0) {
+    by_hash_.clear();
+    ctime_ = {};
+    return absl::PermissionDeniedError(
+        absl::StrCat("cannot read the tokens file ", path_, ": ", std::strerror(errno)));
+  }
   std::vector<int> skipped;
   absl::StatusOr<std::map<std::string, TokenRecord>> parsed =
-      Parse(path_, text.str(), strict ? nullptr : &skipped);
+      Parse(path_, text, strict ? nullptr : &skipped);
   if (!parsed.ok()) return parsed.status();
   by_hash_ = *std::move(parsed);
   if (!skipped.empty()) {

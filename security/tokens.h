@@ -56,11 +56,10 @@ class TokenTable {
  public:
   // The tokens of `path`; a missing file is an empty table (until it appears). A file
   // that cannot be parsed: INVALID_ARGUMENT naming the line; one that cannot be read:
-  // PERMISSION_DENIED; one that others than its owner may write, or owned by another user
-  // than this process's or root: FAILED_PRECONDITION (anyone who may write it could add an
-  // admin). Later versions of the file are judged the same way, except that their
-  // malformed lines are left out (the rest apply) and a file others may write leaves no
-  // token valid until it is fixed.
+  // PERMISSION_DENIED; one that others than its owner may write (group or world):
+  // FAILED_PRECONDITION (anyone who may write it could add an admin). Later versions of the file
+  // are judged the same way, except that their malformed lines are left out (the rest apply) and a
+  // file others may write leaves no token valid until it is fixed.
   static absl::StatusOr<std::unique_ptr<TokenTable>> Open(const std::string& path);
 
   // The identity a token was made for, if it is in the file now and has not expired:

@@ -33,7 +33,8 @@
 ABSL_FLAG(std::string, listen, "127.0.0.1:7000", "gRPC listen address (host:port)");
 ABSL_FLAG(int, metrics_port, 9100, "Prometheus /metrics port; -1 disables it, 0 picks one");
 ABSL_FLAG(std::string, metrics_listen, "",
-          "Host (interface address) /metrics binds; default: the host of --listen");
+          "Host (interface address) /metrics and the dashboard bind (plain HTTP, no "
+          "authentication: they show every job); default: the host of --listen");
 ABSL_FLAG(std::string, ucx_net_devices, "auto",
           "Network devices UCX may use: auto (those of --listen's address, plus RDMA ports; "
           "every device for 0.0.0.0), all, or a UCX_NET_DEVICES list");
@@ -244,9 +245,9 @@ int main(int argc, char** argv) {
   heat.RecordTo(absl::GetFlag(FLAGS_heat_trace_dir));
   pith::MetricsRegistry metrics;
   const absl::Duration lease = absl::Milliseconds(absl::GetFlag(FLAGS_lease_ms));
-  std::unique_ptr<pith::coordinator::StoreControl> store_control =
-      pith::coordinator::NewGrpcStoreControl(std::max(lease, absl::Seconds(5)),
-                                             security->ChannelCredentials());
+  auto store_control = pith::coordinator::NewGrpcStoreControl(  // to stores: a member's role
+      std::max(lease, absl::Seconds(5)),
+      security->ChannelCredentials(pith::security::Role::kMember));
   pith::coordinator::SchedulerOptions scheduler_options;
   scheduler_options.replication_bytes_per_second =
       absl::GetFlag(FLAGS_replication_bytes_per_second);

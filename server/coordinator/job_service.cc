@@ -143,6 +143,9 @@ grpc::Status JobServiceImpl::AdmitForJob(const grpc::ServerContext& context,
   // it is echoed back in an error (a 4000-byte id overflowed gRPC's metadata; a newline or
   // an escape sequence reached the caller's terminal).
   constexpr size_t kMaxJobIdBytes = 96;
+  if (job_id.empty()) {
+    return ToGrpcStatus(absl::InvalidArgumentError(absl::StrCat(method, ": no job id given")));
+  }
   if (job_id.size() > kMaxJobIdBytes) {
     return ToGrpcStatus(absl::InvalidArgumentError(absl::StrCat(
         method, ": a job id of ", job_id.size(), " bytes; ids are at most ", kMaxJobIdBytes)));

@@ -433,8 +433,9 @@ TEST_F(JobServiceTest, RemoveForgetsAnEndedJobForGood) {
 // A job id that is no id is refused before it is echoed in an error: a 4000-byte one
 // overflowed gRPC's metadata, control characters reached the caller's terminal.
 TEST_F(JobServiceTest, AnIdThatIsNoIdIsRefusedWithoutBeingEchoed) {
-  for (const std::string& id : {std::string(4000, 'a'), std::string("x\ny\x1b[31m"),
-                                std::string("../demo-1"), std::string("d\xc2\x9b-1")}) {
+  for (const std::string& id :
+       {std::string(4000, 'a'), std::string("x\ny\x1b[31m"), std::string("../demo-1"),
+        std::string("d\xc2\x9b-1"), std::string()}) {
     grpc::ClientContext ctx;
     v1::RemoveJobRequest req;
     req.set_job_id(id);

@@ -38,7 +38,7 @@ PIDS+=("$http_pid")  # cleanup's, should the test fail before it ends it
 for _ in $(seq 50); do grep -q "port" "$E2E_TMP/http.txt" && break; sleep 0.1; done
 http_port=$(sed -n 's/.* port \([0-9]*\).*/\1/p' "$E2E_TMP/http.txt" | head -1)
 [[ -n $http_port ]] || fail "no HTTP server to dial: $(cat "$E2E_TMP/http.txt")"
-expect_one_line "TLS handshake failed" timeout 60 "$PITH" --coordinator "127.0.0.1:$http_port" \
+expect_one_line "no TLS handshake with the coordinator came up" timeout 60 "$PITH" --coordinator "127.0.0.1:$http_port" \
   --tls_dir "$E2E_TMP/ca/admin" status
 kill "$http_pid" 2>/dev/null || true
 # A usage error (exit 2): nothing starts, one line says why.

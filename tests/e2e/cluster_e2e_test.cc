@@ -438,8 +438,8 @@ class ClusterRun {
   // the master fp32, both at the last step.
   void CheckBf16Blobs() {
     for (auto& store : stores_) {
-      auto stub = v1::StoreService::NewStub(
-          tls_->AdminChannel("127.0.0.1:" + std::to_string(store->grpc_port)));
+      auto stub = v1::StoreService::NewStub(tls_->AdminChannel(
+          "127.0.0.1:" + std::to_string(store->grpc_port), security::Role::kMember));
       for (const auto& [kind, bytes] :
            {std::pair{v1::BLOB_KIND_WEIGHTS, Bf16ExpertLayout(32, 64).bytes},
             std::pair{v1::BLOB_KIND_MASTER, int64_t{(2 * 32 * 64 + 64 + 32) * 4}}}) {
@@ -495,8 +495,8 @@ class ClusterRun {
     auto held = [&] {
       Held out;
       for (auto& s : stores_) {
-        auto stub = v1::StoreService::NewStub(
-            tls_->AdminChannel("127.0.0.1:" + std::to_string(s->grpc_port)));
+        auto stub = v1::StoreService::NewStub(tls_->AdminChannel(
+            "127.0.0.1:" + std::to_string(s->grpc_port), security::Role::kMember));
         grpc::ClientContext ctx;
         v1::ListStoreJobsResponse jobs;
         EXPECT_TRUE(stub->ListStoreJobs(&ctx, v1::ListStoreJobsRequest(), &jobs).ok());

@@ -95,6 +95,7 @@ for _ in $(seq 30); do
   sleep 0.1
 done
 kill -0 "$PID_twin" 2>/dev/null && fail "a store waiting to register outlived its SIGTERM by 3 s"
+wait "$PID_twin" || fail "a store stopped while waiting to register exited $? (a stop asked for)"
 grep -q "stopped by a signal while waiting to register" "$E2E_TMP/twin.log" ||
   fail "the stopped wait was not named: $(tail -3 "$E2E_TMP/twin.log")"
 

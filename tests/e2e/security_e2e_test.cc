@@ -56,8 +56,12 @@ class SecurityE2eTest : public ::testing::Test {
     store_id_ = store.member_id();
   }
 
+  // `name`'s credentials for the coordinator; ToStore: for the store.
   std::shared_ptr<grpc::ChannelCredentials> As(Role role, const std::string& name) {
     return tls_->Credentials(role, name);
+  }
+  std::shared_ptr<grpc::ChannelCredentials> ToStore(Role role, const std::string& name) {
+    return tls_->Credentials(role, name, Role::kMember);
   }
   // TLS that checks the server but presents no certificate.
   std::shared_ptr<grpc::ChannelCredentials> Anonymous() {
@@ -157,14 +161,15 @@ TEST_F(SecurityE2eTest, StrangersAndWrongRolesGetNothingAndChangeNothing) {
   const auto user = As(Role::kUser, "alice");
   EXPECT_REFUSED(Members(user)->Register(&ctx, as_store, &registered), PERMISSION_DENIED,
                  "Register needs the member role; the caller is alice (user)");
-  EXPECT_REFUSED(StoreStub(user)->CommitStep(&ctx, commit, &committed), PERMISSION_DENIED,
-                 "CommitStep needs the coordinator role");
-  EXPECT_REFUSED(StoreStub(user)->DeleteJob(&ctx, del, &deleted), PERMISSION_DENIED,
-                 "DeleteJob needs the coordinator role");
-  EXPECT_REFUSED(StoreStub(user)->Checkpoint(&ctx, checkpoint, &checkpointed), PERMISSION_DENIED,
-                 "Checkpoint needs the coordinator role");
+  EXPECT_REFUSED(StoreStub(ToStore(Role::kUser, "alice"))->CommitStep(&ctx, commit, &committed),
+                 PERMISSION_DENIED, "CommitStep needs the coordinator role");
+  EXPECT_REFUSED(StoreStub(ToStore(Role::kUser, "alice"))->DeleteJob(&ctx, del, &deleted),
+                 PERMISSION_DENIED, "DeleteJob needs the coordinator role");
+  EXPECT_REFUSED(
+      StoreStub(ToStore(Role::kUser, "alice"))->Checkpoint(&ctx, checkpoint, &checkpointed),
+      PERMISSION_DENIED, "Checkpoint needs the coordinator role");
   // Nor may an admin commit: store control is the coordinator's alone.
-  EXPECT_REFUSED(StoreStub(As(Role::kAdmin, "admin"))->CommitStep(&ctx, commit, &committed),
+  EXPECT_REFUSED(StoreStub(ToStore(Role::kAdmin, "admin"))->CommitStep(&ctx, commit, &committed),
                  PERMISSION_DENIED, "CommitStep needs the coordinator role");
   // A member cannot take another's id: register as it, heartbeat or deregister it.
   const auto intruder = As(Role::kMember, "intruder");
@@ -195,7 +200,7 @@ TEST_F(SecurityE2eTest, StrangersAndWrongRolesGetNothingAndChangeNothing) {
   {
     grpc::ClientContext ctx;
     v1::ListStoreJobsResponse held;
-    ASSERT_TRUE(StoreStub(As(Role::kAdmin, "admin"))
+    ASSERT_TRUE(StoreStub(ToStore(Role::kAdmin, "admin"))
                     ->ListStoreJobs(&ctx, v1::ListStoreJobsRequest(), &held)
                     .ok());
     EXPECT_EQ(held.jobs_size(), 0);
@@ -392,7 +397,7 @@ TEST_F(SecurityE2eTest, TheDataPlaneAnswersOnlyHoldersOfTheClusterKey) {
   v1::UcxAddress address;
   {
     grpc::ClientContext ctx;
-    ASSERT_TRUE(StoreStub(As(Role::kAdmin, "admin"))
+    ASSERT_TRUE(StoreStub(ToStore(Role::kAdmin, "admin"))
                     ->GetUcxAddress(&ctx, v1::GetUcxAddressRequest(), &address)
                     .ok());
   }
@@ -418,7 +423,7 @@ TEST_F(SecurityE2eTest, TheDataPlaneAnswersOnlyHoldersOfTheClusterKey) {
     *stat.mutable_key() = key;
     stat.set_version(int64_t{1} << 62);
     v1::BlobInfo info;
-    EXPECT_EQ(StoreStub(As(Role::kAdmin, "admin"))->StatBlob(&ctx, stat, &info).error_code(),
+    EXPECT_EQ(StoreStub(ToStore(Role::kAdmin, "admin"))->StatBlob(&ctx, stat, &info).error_code(),
               grpc::StatusCode::NOT_FOUND)
         << "the stranger's put landed";
   }

@@ -27,7 +27,8 @@ int Fail(const absl::Status& status) {
 int Run(const std::string& target, size_t blob_bytes, int in_flight, const std::string& tls_dir) {
   auto security = security::TransportSecurity::Tls(tls_dir);
   if (!security.ok()) return Fail(security.status());
-  auto stub = v1::StoreService::NewStub(NewChannel(target, security->ChannelCredentials()));
+  auto stub = v1::StoreService::NewStub(
+      NewChannel(target, security->ChannelCredentials(security::Role::kMember)));
   grpc::ClientContext ctx;
   ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
   v1::UcxAddress address;

@@ -17,7 +17,7 @@ namespace pith::testing {
 
 class TestTls {
  public:
-  // Makes the CA in `dir` (once). Certificates name this machine and `extra_hosts`.
+  // Makes the CA in `dir` (once). Servers' certificates name this machine and `extra_hosts`.
   explicit TestTls(std::string dir, const std::vector<std::string>& extra_hosts = {})
       : dir_(std::move(dir)) {
     options_.hosts = extra_hosts;
@@ -28,7 +28,10 @@ class TestTls {
 
   // The directory of `name`'s certificate (issued on first use).
   std::string Dir(security::Role role, const std::string& name) {
-    absl::Status s = security::Issue(dir_, {role, name}, options_);
+    // People's certificates name no hosts (they serve nothing).
+    const bool person = role == security::Role::kUser || role == security::Role::kAdmin;
+    absl::Status s =
+        security::Issue(dir_, {role, name}, person ? security::CertOptions{} : options_);
     if (!s.ok() && !absl::IsAlreadyExists(s)) ok_ = false;
     return dir_ + "/" + name;
   }
@@ -40,22 +43,26 @@ class TestTls {
   std::string CoordinatorFlag() { return Flag(security::Role::kCoordinator, "coordinator"); }
 
   // Credentials of `name` for a test's own channels.
-  std::shared_ptr<grpc::ChannelCredentials> Credentials(security::Role role,
-                                                        const std::string& name) {
+  // (`server`: the role the server's certificate must name, TransportSecurity.)
+  std::shared_ptr<grpc::ChannelCredentials> Credentials(
+      security::Role role, const std::string& name,
+      security::Role server = security::Role::kCoordinator) {
     auto security = security::TransportSecurity::Tls(Dir(role, name));
     if (!security.ok()) {
       ok_ = false;
       return grpc::InsecureChannelCredentials();
     }
-    return security->ChannelCredentials();
+    return security->ChannelCredentials(server);
   }
   // A channel to `address` as an admin (job API, drains, store reads) or as the
   // coordinator (store control).
-  std::shared_ptr<grpc::Channel> AdminChannel(const std::string& address) {
-    return NewChannel(address, Credentials(security::Role::kAdmin, "admin"));
+  std::shared_ptr<grpc::Channel> AdminChannel(
+      const std::string& address, security::Role server = security::Role::kCoordinator) {
+    return NewChannel(address, Credentials(security::Role::kAdmin, "admin", server));
   }
-  std::shared_ptr<grpc::Channel> CoordinatorChannel(const std::string& address) {
-    return NewChannel(address, Credentials(security::Role::kCoordinator, "coordinator"));
+  std::shared_ptr<grpc::Channel> CoordinatorChannel(const std::string& address) {  // to a store
+    return NewChannel(
+        address, Credentials(security::Role::kCoordinator, "coordinator", security::Role::kMember));
   }
 
  private:

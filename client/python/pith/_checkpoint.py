@@ -25,7 +25,7 @@ class Checkpoint:
     optimizer-state file; None in a weights file) and `metadata` (every `__metadata__`
     string)."""
 
-    def __init__(self, tensors, metadata, path):
+    def __init__(self, tensors, metadata, path="checkpoint"):
         self.tensors = tensors
         self.metadata = metadata
         spec = metadata.get("pith.job_spec")
@@ -36,7 +36,7 @@ class Checkpoint:
         if self.spec is not None and not isinstance(self.spec, dict):
             raise ValueError(f"{path}: __metadata__ pith.job_spec is not a JSON object")
         step = metadata.get("step")
-        if step is not None and not step.isdigit():
+        if step is not None and not (step.isascii() and step.isdigit()):
             raise ValueError(f"{path}: __metadata__ step {step!r} is not a step number")
         self.step = int(step) if step is not None else None
 

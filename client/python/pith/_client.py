@@ -2,6 +2,8 @@
 
 import json
 import os
+import socket
+import ssl
 import stat
 import time
 
@@ -61,6 +63,30 @@ def _error(e, address):
     return Error(e.code(), details)
 
 
+def _check_coordinator(address, ca, timeout):
+    """Raises unless the TLS server at `address` presents a certificate of the CA, naming
+    the address, of the coordinator's role (pith://coordinator/NAME): another certificate
+    of the CA (a user's, a worker's) must not pass for the coordinator and take the calls'
+    token. grpcio takes no certificate verifier of its own, so this looks once, when the
+    client connects, over a TLS connection of its own (the CLI checks every handshake)."""
+    host, port = address.rsplit(":", 1)
+    host = host.strip("[]")
+    try:
+        context = ssl.create_default_context(cadata=ca.decode())
+        context.set_alpn_protocols(["h2"])
+        with socket.create_connection((host, int(port)), timeout=timeout) as raw:
+            with context.wrap_socket(raw, server_hostname=host) as tls:
+                names = tls.getpeercert().get("subjectAltName", ())
+    except (OSError, ValueError) as e:
+        raise Error(grpc.StatusCode.UNAVAILABLE,
+                    f"cannot check the certificate of the coordinator at {address}: {e}") from None
+    uris = [value for kind, value in names if kind == "URI" and value.startswith("pith://")]
+    if not any(uri.startswith("pith://coordinator/") for uri in uris):
+        raise Error(grpc.StatusCode.UNAUTHENTICATED,
+                    f"the server at {address} is not the coordinator: its certificate names "
+                    f"{', '.join(uris) or 'no pith:// identity'}")
+
+
 def _replaceable(path, replace):
     """Raises unless `path` is missing, or (with `replace`) a regular file."""
     try:
@@ -90,7 +116,8 @@ class Client:
     cluster `pith up` started ($PITH_HOME, default ~/.pith/local), else 127.0.0.1:7000.
     Calls go with the certificate in `tls_dir` (ca.pem, cert.pem, key.pem), else
     $PITH_TLS_DIR, else that local cluster's admin certificate; `token` (or $PITH_TOKEN)
-    is a bearer token sent instead of a certificate, with `tls_dir` holding the CA.
+    is a bearer token sent instead of a certificate, with `tls_dir` holding the CA
+    ($PITH_TOKEN is not sent when `tls_dir` holds a certificate).
     `insecure=True` is plaintext, for a cluster started with --insecure on loopback.
     The same rules as the `pith` CLI, so both reach the same cluster as the same caller.
     """
@@ -108,8 +135,12 @@ class Client:
         self.timeout = timeout
         options = [("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
                    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)]
-        creds = None if insecure else self._credentials(
-            home, tls_dir, token or os.environ.get("PITH_TOKEN"))
+        if not token and not (tls_dir and os.path.exists(os.path.join(tls_dir, "cert.pem"))):
+            token = os.environ.get("PITH_TOKEN")  # not over the certificate tls_dir names
+        if token and len(token) > 4096:
+            raise Error(grpc.StatusCode.INVALID_ARGUMENT,
+                        f"the bearer token is {len(token)} bytes; a token of pith token is 69")
+        creds, ca = (None, None) if insecure else self._credentials(home, tls_dir, token)
         if creds is None:
             host = self.address.rsplit(":", 1)[0].strip("[]")
             if not (host == "localhost" or host == "::1" or host.startswith("127.")):
@@ -130,10 +161,17 @@ class Client:
                         f"no connection to the coordinator at {self.address} within "
                         f"{timeout:g} s (is it up, and does its certificate name this "
                         "address?)") from None
+        if ca is not None:
+            try:
+                _check_coordinator(self.address, ca, timeout)
+            except Error:
+                self._channel.close()
+                raise
 
     @staticmethod
     def _credentials(home, tls_dir, token):
-        """Channel credentials by the CLI's rules; None: plaintext (no certificate anywhere)."""
+        """(channel credentials, the CA's PEM) by the CLI's rules; (None, None): plaintext
+        (no certificate anywhere)."""
         tls_dir = tls_dir or os.environ.get("PITH_TLS_DIR")
         if not tls_dir:
             local = os.path.join(home, "tls", "admin")
@@ -141,7 +179,7 @@ class Client:
                 if token:
                     raise Error(grpc.StatusCode.INVALID_ARGUMENT,
                                 "a bearer token needs tls_dir with the cluster's ca.pem")
-                return None
+                return None, None
             tls_dir = local
         try:
             ca = _read(os.path.join(tls_dir, "ca.pem"))
@@ -156,7 +194,7 @@ class Client:
         if token:
             creds = grpc.composite_channel_credentials(
                 creds, grpc.access_token_call_credentials(token))
-        return creds
+        return creds, ca
 
     def close(self):
         self._channel.close()
@@ -225,15 +263,10 @@ class Client:
         heard = False  # an event came: until then the first failure is raised
         dropped = None  # when the stream dropped, while taking it up again
         while True:
+            if dropped is not None:
+                self._await_coordinator(job_id, dropped, deadline, timeout)
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
-            window_ends = False  # the call's deadline is the resume window's, not the watch's
-            if dropped is not None:  # wait for the coordinator, but not past the window
-                window = max(0.0, dropped + self.WATCH_RESUME_S - time.monotonic())
-                window_ends = left is None or window < left
-                left = window if window_ends else left
-            request = job_pb2.WatchJobRequest(job_id=job_id)
-            stream = self._stub.WatchJob(request, timeout=left,
-                                         wait_for_ready=dropped is not None)
+            stream = self._stub.WatchJob(job_pb2.WatchJobRequest(job_id=job_id), timeout=left)
             try:
                 for event in stream:
                     heard, dropped = True, None
@@ -241,13 +274,8 @@ class Client:
                 return
             except grpc.RpcError as e:
                 code = e.code()
-                if code == grpc.StatusCode.DEADLINE_EXCEEDED and window_ends:
-                    raise Error(grpc.StatusCode.UNAVAILABLE,
-                                f"the coordinator at {self.address} was gone for over "
-                                f"{self.WATCH_RESUME_S} s while watching {job_id}") from None
                 if code == grpc.StatusCode.DEADLINE_EXCEEDED and timeout is not None:
-                    raise Error(code, f"job {job_id} did not end within {timeout:g} s of "
-                                      "watching") from None
+                    raise self._watch_timeout(job_id, timeout) from None
                 # A coordinator going down ends the stream UNAVAILABLE or, when its
                 # server cancels the call on the way out, CANCELLED.
                 resumable = code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
@@ -257,6 +285,29 @@ class Client:
             finally:
                 stream.cancel()
             time.sleep(0.5)
+
+    def _await_coordinator(self, job_id, dropped, deadline, timeout):
+        """Waits for the channel to the coordinator to be ready again (gRPC's reconnect
+        backoff would otherwise spend the window), until WATCH_RESUME_S after `dropped`
+        or the watch's deadline."""
+        now = time.monotonic()
+        window = dropped + self.WATCH_RESUME_S - now
+        watch_ends_first = deadline is not None and deadline - now < window
+        ready = grpc.channel_ready_future(self._channel)
+        try:
+            ready.result(timeout=max(0.0, deadline - now if watch_ends_first else window))
+        except grpc.FutureTimeoutError:
+            ready.cancel()
+            if watch_ends_first:
+                raise self._watch_timeout(job_id, timeout) from None
+            raise Error(grpc.StatusCode.UNAVAILABLE,
+                        f"the coordinator at {self.address} was gone for over "
+                        f"{self.WATCH_RESUME_S} s while watching {job_id}") from None
+
+    @staticmethod
+    def _watch_timeout(job_id, timeout):
+        return Error(grpc.StatusCode.DEADLINE_EXCEEDED,
+                     f"job {job_id} did not end within {timeout:g} s of watching")
 
     def wait(self, job_id, timeout=None):
         """Blocks until the job ends; returns the final Job. `timeout` (seconds): past it,
