@@ -38,6 +38,16 @@ absl::Status Certs(const CliContext& ctx, const Args& args, std::ostream& out) {
     if (!parsed.ok()) return UsageError(std::string(parsed.status().message()));
     role = *parsed;
   }
+  if ((role == security::Role::kUser || role == security::Role::kAdmin) && !options.hosts.empty()) {
+    return UsageError(absl::StrCat("certs: --hosts is for certificates that serve; ",
+                                   role == security::Role::kAdmin ? "an admin" : "a user",
+                                   "'s only dials"));
+  }
+  for (absl::string_view name : absl::StrSplit(flags["--name"], ',', absl::SkipEmpty())) {
+    if (absl::Status valid = security::ValidateName(name); !valid.ok()) {
+      return UsageError(absl::StrCat("certs --name: ", valid.message()));
+    }
+  }
   ASSIGN_OR_RETURN(bool made, security::EnsureCa(dir));
   out << (made ? "made the cluster CA " : "using the cluster CA ") << dir << "/"
       << security::kCaCertFile
@@ -86,6 +96,9 @@ absl::Status Token(const CliContext& ctx, const Args& args, std::ostream& out) {
   RETURN_IF_ERROR(ParseFlags("token", rest, flags));
   if (flags["--file"].empty() || flags["--name"].empty()) {
     return UsageError("token needs --file FILE and --name NAME");
+  }
+  if (absl::Status name = security::ValidateName(flags["--name"]); !name.ok()) {
+    return UsageError(absl::StrCat("token --name: ", name.message()));
   }
   if (revoke && !flags["--expires_in"].empty()) {
     return UsageError("token --revoke takes no --expires_in");

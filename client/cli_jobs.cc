@@ -187,6 +187,10 @@ absl::Status Watch(const CliContext& ctx, const Args& args, std::ostream& out) {
   if (!ctx.json && first_loss < 0) {  // no training step seen: nothing to sum up but the end
     out << absl::StrFormat("job %s %s at step %d%s\n", last.job_id(), StateName(last.state()),
                            std::max<int64_t>(0, last.step()), why);
+  } else if (!ctx.json && first_step == last.step()) {  // one step seen: an ended job's last
+    out << absl::StrFormat("job %s %s at step %d: loss %.4f, %.0f tokens/s, cache hit %.2f%s\n",
+                           last.job_id(), StateName(last.state()), last.step(), last_loss,
+                           tokens_per_second, hit_rate, why);
   } else if (!ctx.json) {
     // The loss from the first step this watch saw (a watch begun mid-job names that step).
     out << absl::StrFormat(

@@ -183,6 +183,18 @@ TEST(CliTest, UsageErrors) {
   r = RunPith({"--bogus", "status"});  // a flag before the command is not a command
   EXPECT_EQ(r.code, 2);
   EXPECT_EQ(r.err, "pith: unknown flag --bogus (try pith help)\n");
+  // Names and hosts that no certificate or token can take: usage errors, nothing made.
+  const std::string dir = ::testing::TempDir() + "/cli_usage_certs";
+  for (const std::vector<std::string>& args : std::vector<std::vector<std::string>>{
+           {"certs", "--dir", dir, "--role", "user", "--name", "../evil"},
+           {"certs", "--dir", dir, "--role", "admin", "--name", "ops", "--hosts", "node1"},
+           {"certs", "--dir", dir, "--hosts", "node1"},
+           {"token", "--file", dir + "/tokens", "--name", "eve admin"}}) {
+    r = RunPith(args);
+    EXPECT_EQ(r.code, 2) << absl::StrJoin(args, " ") << ": " << r.err;
+    ExpectOneErrorLine(r);
+  }
+  EXPECT_FALSE(std::filesystem::exists(dir));
 }
 
 TEST(CliTest, ATokenLifetimeIsADurationOfAMinuteAtLeast) {
