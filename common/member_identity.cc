@@ -50,4 +50,25 @@ absl::StatusOr<std::string> LoadOrCreateIdentity(const std::string& data_dir) {
   return id;
 }
 
+absl::Status KeepClusterId(const std::string& data_dir, const std::string& cluster_id) {
+  if (cluster_id.empty()) return absl::OkStatus();
+  const std::string path = data_dir + "/pith-cluster-id";
+  absl::StatusOr<Buffer> kept = ReadFile(path);
+  if (absl::IsNotFound(kept.status())) {
+    const std::string line = cluster_id + "\n";
+    return WriteFileAtomically(path, [&](int fd) {
+      return WriteAll(fd, {reinterpret_cast<const uint8_t*>(line.data()), line.size()}, path);
+    });
+  }
+  if (!kept.ok()) return kept.status();
+  const std::string text(absl::StripAsciiWhitespace(
+      absl::string_view(reinterpret_cast<const char*>(kept->data()), kept->size())));
+  if (text == cluster_id) return absl::OkStatus();
+  return absl::FailedPreconditionError(
+      absl::StrCat("the data in ", data_dir, " belongs to cluster ", text,
+                   ", and this coordinator's is ", cluster_id,
+                   " (its data was replaced?): point the store at its own cluster's "
+                   "coordinator, or give it an empty --data_dir to join this one"));
+}
+
 }  // namespace pith

@@ -17,6 +17,13 @@ namespace pith {
 // naming the file when it holds anything but an identity.
 absl::StatusOr<std::string> LoadOrCreateIdentity(const std::string& data_dir);
 
+// Keeps `cluster_id` (RegisterResponse.cluster_id) in pith-cluster-id of `data_dir` on
+// the first registration, and on every later one checks it: FAILED_PRECONDITION, saying
+// what to do, when the coordinator is of another cluster (its data replaced: it would give
+// out the old jobs' ids again, over the blobs this store holds). OK for an empty id (a
+// coordinator older than the check).
+absl::Status KeepClusterId(const std::string& data_dir, const std::string& cluster_id);
+
 // The file a store writes into its data dir when it stops drained (saying which store and
 // when): pith-store refuses to start on that dir, and `pith up` starts that store no more.
 inline std::string DrainedMarker(const std::string& data_dir) { return data_dir + "/DRAINED"; }

@@ -29,5 +29,25 @@ TEST(MemberIdentityTest, MadeOnceThenReadBackAndCheckedForDamage) {
   std::filesystem::remove_all(other);
 }
 
+// The first cluster a data dir joins is kept; another is refused by name; a coordinator
+// that sends no id (older than the check) changes nothing.
+TEST(MemberIdentityTest, ADataDirKeepsItsClusterAndJoinsNoOther) {
+  const std::string dir = ::testing::TempDir() + "/cluster_id_" + std::to_string(getpid());
+  std::filesystem::remove_all(dir);
+  std::filesystem::create_directories(dir);
+  EXPECT_TRUE(KeepClusterId(dir, "").ok());
+  EXPECT_FALSE(std::filesystem::exists(dir + "/pith-cluster-id"));
+  ASSERT_TRUE(KeepClusterId(dir, "aaaa").ok());
+  EXPECT_TRUE(KeepClusterId(dir, "aaaa").ok());
+  EXPECT_TRUE(KeepClusterId(dir, "").ok());
+  const absl::Status other = KeepClusterId(dir, "bbbb");
+  EXPECT_EQ(other.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_NE(other.message().find(dir + " belongs to cluster aaaa, and this coordinator's is bbbb"),
+            absl::string_view::npos)
+      << other;
+  EXPECT_TRUE(KeepClusterId(dir, "aaaa").ok());  // the refusal changed nothing
+  std::filesystem::remove_all(dir);
+}
+
 }  // namespace
 }  // namespace pith

@@ -7,6 +7,7 @@
 #include <string>
 
 #include "absl/flags/flag.h"
+#include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
 #include "common/file.h"
 #include "common/metrics.h"
@@ -151,6 +152,22 @@ absl::StatusOr<std::string> DataPlaneKey(pith::coordinator::JobRegistry& jobs) {
   return key;
 }
 
+// The cluster's id (RegisterResponse.cluster_id), made once and kept beside the jobs: the
+// stores keep it with their data, so that a coordinator whose data was replaced, handing
+// out its jobs' ids again, is not given the old jobs' blobs under them.
+absl::StatusOr<std::string> ClusterId(pith::coordinator::JobRegistry& jobs) {
+  constexpr char kRecord[] = "cluster/id";
+  ASSIGN_OR_RETURN(auto records, jobs.Records(kRecord));
+  if (auto it = records.find(kRecord); it != records.end() && !it->second.empty()) {
+    return it->second;
+  }
+  const std::string key = pith::ucx::MakeDataPlaneKey();  // 32 random bytes
+  if (key.size() < 16) return absl::InternalError("cannot make a cluster id");
+  const std::string id = absl::BytesToHexString(key.substr(0, 16));
+  RETURN_IF_ERROR(jobs.PutRecord(kRecord, id));
+  return id;
+}
+
 // Without TLS there is no key, but the jobs (specs, owners, failure reasons) are still
 // nobody else's to read.
 void RestrictDataDir() {
@@ -158,6 +175,21 @@ void RestrictDataDir() {
   std::filesystem::permissions(absl::GetFlag(FLAGS_data_dir), std::filesystem::perms::owner_all,
                                std::filesystem::perm_options::replace, ec);
   if (ec) LOG(WARNING) << "cannot restrict --data_dir to its owner: " << ec.message();
+}
+
+struct ClusterKeys {
+  std::string data_plane_key;  // with TLS only: set before any store is called (DESIGN §8)
+  std::string cluster_id;
+};
+
+absl::StatusOr<ClusterKeys> LoadClusterKeys(pith::coordinator::JobRegistry& jobs, bool tls) {
+  RestrictDataDir();
+  ClusterKeys keys;
+  ASSIGN_OR_RETURN(keys.cluster_id, ClusterId(jobs));
+  if (tls) {
+    ASSIGN_OR_RETURN(keys.data_plane_key, DataPlaneKey(jobs));
+  }
+  return keys;
 }
 
 // The bearer tokens of --tokens_file; null without one.
@@ -210,13 +242,8 @@ int main(int argc, char** argv) {
   // The dashboard's loss curves; outlives everything that changes jobs (declared first).
   pith::coordinator::JobHistory history;
   (*jobs)->OnChange([&history](const pith::v1::Job& job) { history.Observe(job); });
-  std::string data_plane_key;  // with TLS: set before any store is called (DESIGN §8)
-  RestrictDataDir();
-  if (security->tls()) {
-    absl::StatusOr<std::string> key = DataPlaneKey(**jobs);
-    if (!key.ok()) return pith::ExitStatus("pith-coordinator", key.status());
-    data_plane_key = *std::move(key);
-  }
+  absl::StatusOr<ClusterKeys> keys = LoadClusterKeys(**jobs, security->tls());
+  if (!keys.ok()) return pith::ExitStatus("pith-coordinator", keys.status());
   if (const std::string root = absl::GetFlag(FLAGS_export_root); !root.empty()) {
     std::error_code ec;
     std::filesystem::create_directories(root, ec);
@@ -278,7 +305,8 @@ int main(int argc, char** argv) {
   job_service.set_disk_reserve_bytes(absl::GetFlag(FLAGS_disk_reserve_bytes));
   pith::coordinator::CoordinatorServiceImpl coordinator_service(
       &members, jobs->get(), &heat, &scheduler, security->tls(), lookup);
-  coordinator_service.set_data_plane_key(data_plane_key);
+  coordinator_service.set_data_plane_key(keys->data_plane_key);
+  coordinator_service.set_cluster_id(keys->cluster_id);
   absl::Status status = pith::RunServerProcess(
       {.component = "coordinator",
        .listen_address = absl::GetFlag(FLAGS_listen),

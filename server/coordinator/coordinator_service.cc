@@ -60,6 +60,7 @@ grpc::Status CoordinatorServiceImpl::Register(grpc::ServerContext* context,
   if (!id.ok()) return ToGrpcStatus(id.status());
   reply->set_member_id(*id);
   if (caller) reply->set_data_plane_key(data_plane_key_);  // only over mutual TLS
+  reply->set_cluster_id(cluster_id_);
   reply->set_lease_ms(absl::ToInt64Milliseconds(members_->lease()));
   return grpc::Status::OK;
 }

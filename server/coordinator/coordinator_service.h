@@ -41,6 +41,7 @@ class CoordinatorServiceImpl final : public v1::CoordinatorService::Service {
 
   // The data-plane key Register hands each member (with TLS: §8). Call before serving.
   void set_data_plane_key(std::string key) { data_plane_key_ = std::move(key); }
+  void set_cluster_id(std::string id) { cluster_id_ = std::move(id); }
 
   grpc::Status Register(grpc::ServerContext* context, const v1::RegisterRequest* request,
                         v1::RegisterResponse* reply) override;
@@ -70,6 +71,7 @@ class CoordinatorServiceImpl final : public v1::CoordinatorService::Service {
   Scheduler* scheduler_;
   const security::Policy policy_;
   std::string data_plane_key_;
+  std::string cluster_id_;  // RegisterResponse.cluster_id
 
   // With TLS, a member id named in a call must be the one the caller's certificate
   // registered (Register prefixes the member's identity with its certificate's name).

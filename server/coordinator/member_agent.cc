@@ -14,7 +14,7 @@ namespace pith {
 
 absl::StatusOr<std::unique_ptr<MemberAgent>> MemberAgent::Start(
     const std::string& address, const security::TransportSecurity& security, v1::MemberInfo self,
-    StatusFn status, absl::Duration timeout) {
+    StatusFn status, ClusterFn cluster, absl::Duration timeout) {
   // A member of a TLS cluster takes in no UCX message without the cluster's tag; the key
   // comes with the registration (DESIGN §8).
   if (security.tls()) ucx::RequireDataPlaneAuth();
@@ -24,6 +24,7 @@ absl::StatusOr<std::unique_ptr<MemberAgent>> MemberAgent::Start(
   agent->channel_ = *channel;
   agent->stub_ = v1::CoordinatorService::NewStub(agent->channel_);
   agent->status_ = std::move(status);
+  agent->cluster_ = std::move(cluster);
   {
     absl::MutexLock lock(&agent->mu_);
     agent->self_ = std::move(self);
@@ -84,6 +85,8 @@ absl::Status MemberAgent::Register() {
   ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(5)));
   v1::RegisterResponse resp;
   RETURN_IF_ERROR(Annotate(FromGrpcStatus(stub_->Register(&ctx, req, &resp)), "register"));
+  // Registered, but refused here: the coordinator forgets the member when its lease lapses.
+  if (cluster_) RETURN_IF_ERROR(cluster_(resp.cluster_id()));
   // With mutual TLS the cluster's data-plane key comes with the answer (DESIGN §8).
   ucx::SetDataPlaneKey(resp.data_plane_key());
   absl::MutexLock lock(&mu_);

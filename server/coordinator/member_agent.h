@@ -28,6 +28,9 @@ namespace pith {
 class MemberAgent {
  public:
   using StatusFn = std::function<void(v1::MemberInfo*)>;
+  // Judges the cluster id of each registration's answer (RegisterResponse.cluster_id): an
+  // error refuses to join that coordinator's cluster (a store whose data is another's).
+  using ClusterFn = std::function<absl::Status(const std::string& cluster_id)>;
 
   // Registers `self` with the coordinator at `address`, over `security` (the member's
   // certificate, or plaintext on loopback). UNAVAILABLE, naming the address, when it
@@ -36,7 +39,7 @@ class MemberAgent {
   // minutes, or until SIGTERM or SIGINT arrives (ShutdownRequested: CANCELLED).
   static absl::StatusOr<std::unique_ptr<MemberAgent>> Start(
       const std::string& address, const security::TransportSecurity& security, v1::MemberInfo self,
-      StatusFn status, absl::Duration timeout = absl::Seconds(10));
+      StatusFn status, ClusterFn cluster = nullptr, absl::Duration timeout = absl::Seconds(10));
   // Stops heartbeating and deregisters (best effort), once: true when the coordinator
   // answered that this member is a drained store, or (the coordinator did not answer)
   // when its last heartbeat said so.
@@ -59,6 +62,7 @@ class MemberAgent {
   std::shared_ptr<grpc::Channel> channel_;
   std::unique_ptr<v1::CoordinatorService::Stub> stub_;
   StatusFn status_;
+  ClusterFn cluster_;
   std::thread thread_;
   absl::Notification stop_;
   mutable absl::Mutex mu_;

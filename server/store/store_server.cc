@@ -150,21 +150,24 @@ absl::StatusOr<std::unique_ptr<StoreServer>> StoreServer::Start(const StoreServe
     if (options.metrics_port >= 0)
       self.set_metrics_address(absl::StrCat(host, ":", options.metrics_port));
     BlobStore* store = s->store_.get();
-    ASSIGN_OR_RETURN(
-        s->agent_,
-        MemberAgent::Start(options.coordinator, options.security, std::move(self),
-                           [store, dir = options.data_dir,
-                            reserve = options.disk_reserve_bytes](v1::MemberInfo* status) {
-                             const v1::StoreStats st = store->Stats();
-                             status->set_ram_bytes(st.ram_bytes());
-                             status->set_rocksdb_bytes(st.rocksdb_bytes());
-                             if (absl::StatusOr<uint64_t> free = FreeBytes(dir); free.ok()) {
-                               status->set_disk_free_bytes(*free);
-                               status->set_disk_reserve_bytes(reserve);
-                             }
-                             const absl::Status health = store->cold().Health();
-                             status->set_health(health.ok() ? "" : health.ToString());
-                           }));
+    ASSIGN_OR_RETURN(s->agent_, MemberAgent::Start(
+                                    options.coordinator, options.security, std::move(self),
+                                    [store, dir = options.data_dir,
+                                     reserve = options.disk_reserve_bytes](v1::MemberInfo* status) {
+                                      const v1::StoreStats st = store->Stats();
+                                      status->set_ram_bytes(st.ram_bytes());
+                                      status->set_rocksdb_bytes(st.rocksdb_bytes());
+                                      if (absl::StatusOr<uint64_t> free = FreeBytes(dir);
+                                          free.ok()) {
+                                        status->set_disk_free_bytes(*free);
+                                        status->set_disk_reserve_bytes(reserve);
+                                      }
+                                      const absl::Status health = store->cold().Health();
+                                      status->set_health(health.ok() ? "" : health.ToString());
+                                    },
+                                    [dir = options.data_dir](const std::string& cluster_id) {
+                                      return KeepClusterId(dir, cluster_id);
+                                    }));
     LOG(INFO) << "registered with the coordinator at " << options.coordinator << " as "
               << s->agent_->member_id();
   }

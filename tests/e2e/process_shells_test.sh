@@ -99,8 +99,21 @@ wait "$PID_twin" || fail "a store stopped while waiting to register exited $? (a
 grep -q "stopped by a signal while waiting to register" "$E2E_TMP/twin.log" ||
   fail "the stopped wait was not named: $(tail -3 "$E2E_TMP/twin.log")"
 
+# A coordinator whose data was replaced is of another cluster: the store, whose data
+# belongs to the first, does not join it (the new one would give out the old jobs' ids
+# again, over the old blobs).
 stop_proc first
 stop_proc coordinator
+start_proc coordinator2 "$COORDINATOR" --listen=127.0.0.1:0 --metrics_port=-1 \
+  --data_dir="$E2E_TMP/coordinator2-data" --tls_dir="$E2E_TMP/tls/coordinator"
+wait_ready coordinator2
+if out=$(timeout 30 "$STORE" --listen=127.0.0.1:0 --metrics_port=-1 --data_dir="$E2E_TMP/first-data" \
+  --tls_dir="$E2E_TMP/tls/store.old" --coordinator="127.0.0.1:$GRPC_PORT_coordinator2" 2>&1); then
+  fail "a store joined the coordinator of another cluster"
+fi
+grep -q "first-data belongs to cluster [0-9a-f]*, and this coordinator's is [0-9a-f]*" <<<"$out" ||
+  fail "a store of another cluster was not refused by name: $out"
+stop_proc coordinator2
 stop_proc store
 
 # Neither --tls_dir nor --insecure: one line naming both. --insecure off loopback: refused.
