@@ -85,8 +85,20 @@ absl::Status MemberAgent::Register() {
   ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(5)));
   v1::RegisterResponse resp;
   RETURN_IF_ERROR(Annotate(FromGrpcStatus(stub_->Register(&ctx, req, &resp)), "register"));
-  // Registered, but refused here: the coordinator forgets the member when its lease lapses.
-  if (cluster_) RETURN_IF_ERROR(cluster_(resp.cluster_id()));
+  if (cluster_) {
+    if (absl::Status mine = cluster_(resp.cluster_id()); !mine.ok()) {
+      // Registered, but refused here: leave at once, so that nothing is placed on it.
+      v1::DeregisterRequest leave;
+      leave.set_member_id(resp.member_id());
+      grpc::ClientContext left_ctx;
+      left_ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(5)));
+      v1::DeregisterResponse left;
+      (void)stub_->Deregister(&left_ctx, leave, &left);
+      absl::MutexLock lock(&mu_);
+      foreign_ = mine;
+      return mine;
+    }
+  }
   // With mutual TLS the cluster's data-plane key comes with the answer (DESIGN §8).
   ucx::SetDataPlaneKey(resp.data_plane_key());
   absl::MutexLock lock(&mu_);
@@ -118,8 +130,18 @@ void MemberAgent::Loop() {
       LOG(WARNING) << "heartbeat to the coordinator failed: " << s.message();
       continue;
     }
+    if (resp.reregister()) {
+      absl::MutexLock lock(&mu_);
+      // A coordinator of another cluster: not joined again (its own coming back knows this
+      // member's id, and the heartbeats go on).
+      if (!foreign_.ok()) {
+        LOG_EVERY_N(WARNING, 30) << "not joining the coordinator's cluster: " << foreign_.message();
+        continue;
+      }
+    }
     {
       absl::MutexLock lock(&mu_);
+      if (!resp.reregister()) foreign_ = absl::OkStatus();
       LOG_IF(INFO, resp.drained() && !drained_)
           << "the coordinator says " << self_.member_id() << " is drained: it can be stopped";
       drained_ = resp.drained();

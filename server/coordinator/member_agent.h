@@ -69,6 +69,9 @@ class MemberAgent {
   v1::MemberInfo self_ ABSL_GUARDED_BY(mu_);
   absl::Duration lease_ ABSL_GUARDED_BY(mu_) = absl::Seconds(3);
   bool drained_ ABSL_GUARDED_BY(mu_) = false;  // the last heartbeat's answer
+  // Why the coordinator's cluster was refused (ClusterFn), until a heartbeat is answered
+  // as this member's again: no registration meanwhile.
+  absl::Status foreign_ ABSL_GUARDED_BY(mu_);
 };
 
 }  // namespace pith

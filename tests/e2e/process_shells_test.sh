@@ -102,11 +102,24 @@ grep -q "stopped by a signal while waiting to register" "$E2E_TMP/twin.log" ||
 # A coordinator whose data was replaced is of another cluster: the store, whose data
 # belongs to the first, does not join it (the new one would give out the old jobs' ids
 # again, over the old blobs).
-stop_proc first
+# A running store, whose coordinator is replaced by a new one at its address, says so and
+# is not placed on: the new coordinator lists no store.
 stop_proc coordinator
-start_proc coordinator2 "$COORDINATOR" --listen=127.0.0.1:0 --metrics_port=-1 \
+start_proc coordinator2 "$COORDINATOR" --listen="127.0.0.1:$GRPC_PORT_coordinator" --metrics_port=-1 \
   --data_dir="$E2E_TMP/coordinator2-data" --tls_dir="$E2E_TMP/tls/coordinator"
 wait_ready coordinator2
+for _ in $(seq 150); do
+  grep -q "first-data belongs to cluster" "$E2E_TMP/first.log" && break
+  sleep 0.1
+done
+grep -q "first-data belongs to cluster" "$E2E_TMP/first.log" ||
+  fail "a running store joined a new cluster's coordinator: $(tail -3 "$E2E_TMP/first.log")"
+make_tls "$PITH" admin ops
+sleep 2  # past a few heartbeats: none registers it again
+members=$("$PITH" --coordinator "127.0.0.1:$GRPC_PORT_coordinator2" --tls_dir "$E2E_TMP/tls/ops" \
+  cluster 2>&1) || fail "pith cluster: $members"
+grep -q "store-" <<<"$members" && fail "the new coordinator lists the other cluster's store: $members"
+stop_proc first
 if out=$(timeout 30 "$STORE" --listen=127.0.0.1:0 --metrics_port=-1 --data_dir="$E2E_TMP/first-data" \
   --tls_dir="$E2E_TMP/tls/store.old" --coordinator="127.0.0.1:$GRPC_PORT_coordinator2" 2>&1); then
   fail "a store joined the coordinator of another cluster"
