@@ -194,6 +194,21 @@ absl::StatusOr<std::unique_ptr<Client>> Connect(const CliContext& ctx) {
 
 std::string LocalTlsDir(const std::string& dir) { return dir + "/tls"; }
 
+OnStopSignals::OnStopSignals(void (*handler)(int), int flags) {
+  struct sigaction action {};
+  action.sa_handler = handler;
+  action.sa_flags = flags;
+  sigemptyset(&action.sa_mask);
+  for (size_t i = 0; i < std::size(kSignals); ++i) {
+    ::sigaction(kSignals[i], nullptr, &old_[i]);
+    if (old_[i].sa_handler != SIG_IGN) ::sigaction(kSignals[i], &action, nullptr);
+  }
+}
+
+OnStopSignals::~OnStopSignals() {
+  for (size_t i = 0; i < std::size(kSignals); ++i) ::sigaction(kSignals[i], &old_[i], nullptr);
+}
+
 absl::Status ParseFlags(const std::string& command, const Args& args,
                         std::map<std::string, std::string>& flags) {
   for (size_t i = 0; i < args.size(); ++i) {

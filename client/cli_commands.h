@@ -7,6 +7,9 @@
 #ifndef PITH_CLIENT_CLI_COMMANDS_H_
 #define PITH_CLIENT_CLI_COMMANDS_H_
 
+#include <signal.h>
+
+#include <iterator>
 #include <map>
 #include <memory>
 #include <ostream>
@@ -29,6 +32,22 @@ struct CliContext {
   std::string token;    // --token (else $PITH_TOKEN): a bearer token instead of a certificate
   bool json = false;
   bool insecure = false;  // --insecure: plaintext to a loopback coordinator
+};
+
+// While it lives, SIGINT, SIGTERM and SIGHUP run `handler` (async-signal-safe) with
+// sigaction's `flags`, except those ignored (nohup keeps its word); the earlier actions
+// come back after. How a command that leaves something behind cleans up when stopped.
+class OnStopSignals {
+ public:
+  static constexpr int kSignals[] = {SIGINT, SIGTERM, SIGHUP};
+
+  explicit OnStopSignals(void (*handler)(int), int flags = 0);
+  ~OnStopSignals();
+  OnStopSignals(const OnStopSignals&) = delete;
+  OnStopSignals& operator=(const OnStopSignals&) = delete;
+
+ private:
+  struct sigaction old_[std::size(kSignals)]{};
 };
 
 // A command used wrongly (exit 2), as opposed to one that failed (exit 1).

@@ -7,6 +7,7 @@
 #include <climits>
 #include <filesystem>
 #include <iostream>
+#include <optional>
 #include <sstream>
 
 #include "absl/strings/ascii.h"
@@ -260,35 +261,19 @@ extern "C" void RemovePartialAndDie(int sig) {
   ::raise(sig);
 }
 
-// While it lives, SIGINT, SIGTERM and SIGHUP (those not ignored) remove the download's
-// partial file before the CLI exits: the SDK removes it only on the errors it returns.
+// While it lives, a stop signal removes the download's partial file before the CLI dies of
+// it: the SDK removes it only on the errors it returns.
 class RemovePartialOnSignal {
  public:
   explicit RemovePartialOnSignal(const std::string& partial) {
     if (partial.size() >= sizeof(g_partial)) return;
     std::copy(partial.begin(), partial.end(), g_partial);
     g_partial[partial.size()] = '\0';
-    struct sigaction remove {};
-    remove.sa_handler = RemovePartialAndDie;
-    remove.sa_flags = SA_RESETHAND | SA_NODEFER;
-    sigemptyset(&remove.sa_mask);
-    for (size_t i = 0; i < std::size(kSignals); ++i) {
-      ::sigaction(kSignals[i], nullptr, &old_[i]);
-      if (old_[i].sa_handler != SIG_IGN) ::sigaction(kSignals[i], &remove, nullptr);
-    }
-    armed_ = true;
+    handlers_.emplace(RemovePartialAndDie, SA_RESETHAND | SA_NODEFER);
   }
-  ~RemovePartialOnSignal() {
-    if (!armed_) return;
-    for (size_t i = 0; i < std::size(kSignals); ++i) ::sigaction(kSignals[i], &old_[i], nullptr);
-  }
-  RemovePartialOnSignal(const RemovePartialOnSignal&) = delete;
-  RemovePartialOnSignal& operator=(const RemovePartialOnSignal&) = delete;
 
  private:
-  static constexpr int kSignals[] = {SIGINT, SIGTERM, SIGHUP};
-  struct sigaction old_[std::size(kSignals)]{};
-  bool armed_ = false;
+  std::optional<OnStopSignals> handlers_;
 };
 
 }  // namespace

@@ -348,8 +348,6 @@ std::vector<std::string> MemberCommand(const std::string& name, const UpFlags& f
 constexpr int kMaxStarted = 256;  // members of a local cluster: CheckUpFlags bounds them
 volatile pid_t g_started[kMaxStarted];
 volatile sig_atomic_t g_started_count = 0;
-constexpr int kStopSignals[] = {SIGINT, SIGTERM, SIGHUP};
-
 extern "C" void KillStartedAndExit(int sig) {
   for (int i = g_started_count - 1; i >= 0; --i) ::kill(g_started[i], SIGKILL);
   ::_exit(128 + sig);
@@ -360,22 +358,8 @@ extern "C" void KillStartedAndExit(int sig) {
 // Abandon(), or at SIGINT, SIGTERM or SIGHUP (those not ignored: nohup keeps its word).
 class Launcher {
  public:
-  explicit Launcher(std::string dir) : dir_(std::move(dir)) {
-    g_started_count = 0;
-    struct sigaction kill_started {};
-    kill_started.sa_handler = KillStartedAndExit;
-    sigemptyset(&kill_started.sa_mask);
-    for (size_t i = 0; i < std::size(kStopSignals); ++i) {
-      ::sigaction(kStopSignals[i], nullptr, &old_[i]);
-      if (old_[i].sa_handler != SIG_IGN) ::sigaction(kStopSignals[i], &kill_started, nullptr);
-    }
-  }
-  ~Launcher() {
-    Keep();
-    for (size_t i = 0; i < std::size(kStopSignals); ++i) {
-      ::sigaction(kStopSignals[i], &old_[i], nullptr);
-    }
-  }
+  explicit Launcher(std::string dir) : dir_(std::move(dir)) {}
+  ~Launcher() { Keep(); }  // then stop_ puts the earlier actions back
   Launcher(const Launcher&) = delete;
   Launcher& operator=(const Launcher&) = delete;
 
@@ -391,7 +375,7 @@ class Launcher {
     // No stop signal between the fork and the pid's note: the handler kills what it names.
     sigset_t stops, mask;
     sigemptyset(&stops);
-    for (int sig : kStopSignals) sigaddset(&stops, sig);
+    for (int sig : OnStopSignals::kSignals) sigaddset(&stops, sig);
     ::sigprocmask(SIG_BLOCK, &stops, &mask);
     absl::StatusOr<pid_t> spawned = Spawn(argv, log, mask);
     if (spawned.ok() && g_started_count < kMaxStarted) {
@@ -418,7 +402,7 @@ class Launcher {
  private:
   const std::string dir_;
   std::vector<pid_t> started_;
-  struct sigaction old_[std::size(kStopSignals)]{};
+  OnStopSignals stop_{KillStartedAndExit};  // (g_started_count is 0: each Launcher ends so)
 };
 
 // `dir` absolute and normal: the members' flags name paths under it, which must read the

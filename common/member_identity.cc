@@ -22,20 +22,23 @@ bool IsIdentity(const std::string& s) {
   return true;
 }
 
+// The one line of a small file of the data dir, without its whitespace.
+absl::StatusOr<std::string> ReadLine(const std::string& path) {
+  ASSIGN_OR_RETURN(Buffer kept, ReadFile(path));
+  return std::string(absl::StripAsciiWhitespace(
+      absl::string_view(reinterpret_cast<const char*>(kept.data()), kept.size())));
+}
+
+absl::Status WriteLine(const std::string& path, const std::string& text) {
+  const std::string line = text + "\n";
+  return WriteFileAtomically(path, [&](int fd) {
+    return WriteAll(fd, {reinterpret_cast<const uint8_t*>(line.data()), line.size()}, path);
+  });
+}
+
 }  // namespace
 
-absl::StatusOr<std::string> LoadOrCreateIdentity(const std::string& data_dir) {
-  const std::string path = data_dir + "/pith-member-identity";
-  absl::StatusOr<Buffer> existing = ReadFile(path);
-  if (existing.ok()) {
-    std::string text(reinterpret_cast<const char*>(existing->data()), existing->size());
-    text = std::string(absl::StripAsciiWhitespace(text));
-    if (!IsIdentity(text)) {
-      return absl::DataLossError(absl::StrCat(path, ": not a member identity (32 hex digits)"));
-    }
-    return text;
-  }
-  if (!absl::IsNotFound(existing.status())) return existing.status();
+std::string NewRandomId() {
   std::random_device random;  // the kernel's entropy
   std::string id;
   constexpr char kHex[] = "0123456789abcdef";
@@ -43,29 +46,33 @@ absl::StatusOr<std::string> LoadOrCreateIdentity(const std::string& data_dir) {
     const uint32_t bits = random();
     for (int i = 0; i < 8 && id.size() < kDigits; ++i) id.push_back(kHex[(bits >> (4 * i)) & 15]);
   }
-  const std::string line = id + "\n";
-  RETURN_IF_ERROR(WriteFileAtomically(path, [&](int fd) {
-    return WriteAll(fd, {reinterpret_cast<const uint8_t*>(line.data()), line.size()}, path);
-  }));
+  return id;
+}
+
+absl::StatusOr<std::string> LoadOrCreateIdentity(const std::string& data_dir) {
+  const std::string path = data_dir + "/pith-member-identity";
+  absl::StatusOr<std::string> existing = ReadLine(path);
+  if (existing.ok()) {
+    if (!IsIdentity(*existing)) {
+      return absl::DataLossError(absl::StrCat(path, ": not a member identity (32 hex digits)"));
+    }
+    return existing;
+  }
+  if (!absl::IsNotFound(existing.status())) return existing.status();
+  const std::string id = NewRandomId();
+  RETURN_IF_ERROR(WriteLine(path, id));
   return id;
 }
 
 absl::Status KeepClusterId(const std::string& data_dir, const std::string& cluster_id) {
   if (cluster_id.empty()) return absl::OkStatus();
   const std::string path = data_dir + "/pith-cluster-id";
-  absl::StatusOr<Buffer> kept = ReadFile(path);
-  if (absl::IsNotFound(kept.status())) {
-    const std::string line = cluster_id + "\n";
-    return WriteFileAtomically(path, [&](int fd) {
-      return WriteAll(fd, {reinterpret_cast<const uint8_t*>(line.data()), line.size()}, path);
-    });
-  }
+  absl::StatusOr<std::string> kept = ReadLine(path);
+  if (absl::IsNotFound(kept.status())) return WriteLine(path, cluster_id);
   if (!kept.ok()) return kept.status();
-  const std::string text(absl::StripAsciiWhitespace(
-      absl::string_view(reinterpret_cast<const char*>(kept->data()), kept->size())));
-  if (text == cluster_id) return absl::OkStatus();
+  if (*kept == cluster_id) return absl::OkStatus();
   return absl::FailedPreconditionError(
-      absl::StrCat("the data in ", data_dir, " belongs to cluster ", text,
+      absl::StrCat("the data in ", data_dir, " belongs to cluster ", *kept,
                    ", and this coordinator's is ", cluster_id,
                    " (its data was replaced?): point the store at its own cluster's "
                    "coordinator, or give it an empty --data_dir to join this one"));

@@ -13,6 +13,9 @@
 
 namespace pith {
 
+// 32 random hex digits (the kernel's entropy): a member identity, the cluster id.
+std::string NewRandomId();
+
 // The identity of `data_dir` (an existing directory), created if it has none. DATA_LOSS
 // naming the file when it holds anything but an identity.
 absl::StatusOr<std::string> LoadOrCreateIdentity(const std::string& data_dir);

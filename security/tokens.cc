@@ -194,14 +194,15 @@ absl::Status TokenTable::RefreshLocked() {
       st.st_ino == inode_ && st.st_size == size_) {
     return absl::OkStatus();
   }
-  // The version judged is the one read: mode and contents through one descriptor.
-  const UniqueFd fd(::open(path_.c_str(), O_RDONLY | O_CLOEXEC));
-  if (!fd.valid() || ::fstat(fd.get(), &st) != 0) {
+  const auto unreadable = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     by_hash_.clear();  // fail closed: no token counts while the file cannot be read
     ctime_ = {};       // read again at the next look
     return absl::PermissionDeniedError(
         absl::StrCat("cannot read the tokens file ", path_, ": ", std::strerror(errno)));
-  }
+  };
+  // The version judged is the one read: mode and contents through one descriptor.
+  const UniqueFd fd(::open(path_.c_str(), O_RDONLY | O_CLOEXEC));
+  if (!fd.valid() || ::fstat(fd.get(), &st) != 0) return unreadable();
   ctime_ = st.st_ctim;  // this version is judged once
   inode_ = st.st_ino;
   size_ = st.st_size;
@@ -216,12 +217,7 @@ absl::Status TokenTable::RefreshLocked() {
   char chunk[1 << 14];
   ssize_t n = 0;
   while ((n = ::read(fd.get(), chunk, sizeof(chunk))) > 0) text.append(chunk, n);
-  if (n < 0) {
-    by_hash_.clear();
-    ctime_ = {};
-    return absl::PermissionDeniedError(
-        absl::StrCat("cannot read the tokens file ", path_, ": ", std::strerror(errno)));
-  }
+  if (n < 0) return unreadable();
   std::vector<int> skipped;
   absl::StatusOr<std::map<std::string, TokenRecord>> parsed =
       Parse(path_, text, strict ? nullptr : &skipped);

@@ -7,9 +7,9 @@
 #include <string>
 
 #include "absl/flags/flag.h"
-#include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
 #include "common/file.h"
+#include "common/member_identity.h"
 #include "common/metrics.h"
 #include "common/process.h"
 #include "common/server_process.h"
@@ -161,9 +161,7 @@ absl::StatusOr<std::string> ClusterId(pith::coordinator::JobRegistry& jobs) {
   if (auto it = records.find(kRecord); it != records.end() && !it->second.empty()) {
     return it->second;
   }
-  const std::string key = pith::ucx::MakeDataPlaneKey();  // 32 random bytes
-  if (key.size() < 16) return absl::InternalError("cannot make a cluster id");
-  const std::string id = absl::BytesToHexString(key.substr(0, 16));
+  const std::string id = pith::NewRandomId();
   RETURN_IF_ERROR(jobs.PutRecord(kRecord, id));
   return id;
 }

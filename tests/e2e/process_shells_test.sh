@@ -14,6 +14,16 @@ start_proc store "$STORE" --listen=127.0.0.1:0 --metrics_port=0 --data_dir="$E2E
 wait_ready coordinator
 wait_ready store
 
+# await_line FILE PATTERN [TENTHS]: waits TENTHS tenths of a second (default 100) at most
+# for a line matching PATTERN in FILE; false if none came.
+await_line() {
+  for _ in $(seq "${3:-100}"); do
+    grep -q "$2" "$1" && return 0
+    sleep 0.1
+  done
+  return 1
+}
+
 for name in coordinator store; do
   port=$(eval "echo \$METRICS_PORT_$name")
   body=$(curl -sf "http://127.0.0.1:$port/metrics") || fail "$name /metrics did not answer"
@@ -61,11 +71,7 @@ grep -q "SIGHUP: .*/tls/store holds a valid certificate of store (member)" "$E2E
   fail "store: no reload line: $(grep SIGHUP "$E2E_TMP/store.log")"
 cp "$E2E_TMP/tls/store.old/key.pem" "$E2E_TMP/tls/store/key.pem"  # not this certificate's key
 kill -HUP "$PID_store"
-for _ in $(seq 50); do
-  grep -q "SIGHUP: .*key.pem is not the key of" "$E2E_TMP/store.log" && break
-  sleep 0.1
-done
-grep -q "SIGHUP: .*key.pem is not the key of .*stays in use" "$E2E_TMP/store.log" ||
+await_line "$E2E_TMP/store.log" "SIGHUP: .*key.pem is not the key of .*stays in use" 50 ||
   fail "store: a broken rotation was not refused: $(grep SIGHUP "$E2E_TMP/store.log")"
 sleep 2.5  # past a file-watch round: the certificate in use is still the new one
 [[ $(served_serial) == "$new" ]] || fail "a broken rotation replaced the certificate in use"
@@ -73,9 +79,9 @@ for name in coordinator store; do
   kill -0 "$(eval "echo \$PID_$name")" 2>/dev/null || fail "$name died of SIGHUP"
 done
 
-# (store.old: the first certificate of the name, left whole.) A second store with the first
-# one's identity waits for that one's lease to lapse (up to
-# two minutes); SIGTERM ends the wait at once, saying so.
+# A second store with the first one's identity waits for that one's lease to lapse (up to
+# two minutes); SIGTERM ends the wait at once, saying so. (store.old: the first
+# certificate of the name, left whole.)
 start_proc first "$STORE" --listen=127.0.0.1:0 --metrics_port=-1 --data_dir="$E2E_TMP/first-data" \
   --tls_dir="$E2E_TMP/tls/store.old" --coordinator="127.0.0.1:$GRPC_PORT_coordinator"
 wait_ready first
@@ -83,11 +89,7 @@ mkdir -p "$E2E_TMP/twin-data"
 cp "$E2E_TMP/first-data/pith-member-identity" "$E2E_TMP/twin-data/"
 start_proc twin "$STORE" --listen=127.0.0.1:0 --metrics_port=-1 --data_dir="$E2E_TMP/twin-data" \
   --tls_dir="$E2E_TMP/tls/store.old" --coordinator="127.0.0.1:$GRPC_PORT_coordinator"
-for _ in $(seq 100); do
-  grep -q "still registered by its previous process" "$E2E_TMP/twin.log" && break
-  sleep 0.1
-done
-grep -q "still registered by its previous process" "$E2E_TMP/twin.log" ||
+await_line "$E2E_TMP/twin.log" "still registered by its previous process" ||
   fail "a store with a live store's identity did not wait: $(tail -3 "$E2E_TMP/twin.log")"
 kill -TERM "$PID_twin"
 for _ in $(seq 30); do
@@ -108,11 +110,7 @@ stop_proc coordinator
 start_proc coordinator2 "$COORDINATOR" --listen="127.0.0.1:$GRPC_PORT_coordinator" --metrics_port=-1 \
   --data_dir="$E2E_TMP/coordinator2-data" --tls_dir="$E2E_TMP/tls/coordinator"
 wait_ready coordinator2
-for _ in $(seq 150); do
-  grep -q "first-data belongs to cluster" "$E2E_TMP/first.log" && break
-  sleep 0.1
-done
-grep -q "first-data belongs to cluster" "$E2E_TMP/first.log" ||
+await_line "$E2E_TMP/first.log" "first-data belongs to cluster" 150 ||
   fail "a running store joined a new cluster's coordinator: $(tail -3 "$E2E_TMP/first.log")"
 make_tls "$PITH" admin ops
 sleep 2  # past a few heartbeats: none registers it again
